@@ -1,0 +1,289 @@
+// module.cpp — tinyinfer._core: nanobind bindings only. Type conversion and argument checks, no math.
+//   ModelConfig, SamplingConfig   plain structs
+//   WeightStore                   named tensors in (numpy arrays), checked fp32 weights
+//   CpuEngine                     the reference engine
+//   ops                           single operations / kernels on numpy arrays, for tests and benchmarks
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <memory>
+
+#include "../cpp/config.h"
+#include "../cpp/cpu_engine.h"
+#include "../cpp/errors.h"
+#include "../cpp/rope.h"
+#include "../cpp/sampling.h"
+#include "../cpp/weights.h"
+#ifdef TINYINFER_WITH_CUDA
+#include "../cuda/bandwidth.cuh"
+#include "../cuda/device.cuh"
+#endif
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using F32Out = nb::ndarray<nb::numpy, float, nb::ndim<2>>;
+using F32In2 = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using F32In1 = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// The Python exception types of tinyinfer.errors, one per ti::ErrorKind (references kept for the process).
+struct ErrorTypes {
+  PyObject* model_format;
+  PyObject* unsupported;
+  PyObject* request;
+  PyObject* device;
+};
+
+F32Out new_f32_array(size_t rows, size_t cols, float** data) {
+  float* buf = new float[rows * cols];
+  nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+  *data = buf;
+  return F32Out(buf, {rows, cols}, owner);
+}
+
+std::vector<int32_t> to_ids(const std::vector<int64_t>& ids) {
+  std::vector<int32_t> r(ids.size());
+  for (size_t i = 0; i < ids.size(); i++) {
+    if (ids[i] < INT32_MIN || ids[i] > INT32_MAX)
+      ti::fail(ti::ErrorKind::Request, "token id " + std::to_string(ids[i]) + " is out of range");
+    r[i] = (int32_t)ids[i];
+  }
+  return r;
+}
+
+void bind_errors(nb::module_& m) {
+  nb::module_ errors = nb::module_::import_("tinyinfer.errors");
+  static ErrorTypes types{errors.attr("ModelFormatError").inc_ref().ptr(),
+                          errors.attr("UnsupportedModelError").inc_ref().ptr(),
+                          errors.attr("InvalidRequestError").inc_ref().ptr(),
+                          errors.attr("DeviceError").inc_ref().ptr()};
+  nb::register_exception_translator(
+      [](const std::exception_ptr& p, void* payload) {
+        auto* t = static_cast<ErrorTypes*>(payload);
+        try {
+          std::rethrow_exception(p);
+        } catch (const ti::Error& e) {
+          PyObject* type = t->request;
+          switch (e.kind()) {
+            case ti::ErrorKind::ModelFormat: type = t->model_format; break;
+            case ti::ErrorKind::Unsupported: type = t->unsupported; break;
+            case ti::ErrorKind::Request: type = t->request; break;
+            case ti::ErrorKind::Device: type = t->device; break;
+          }
+          PyErr_SetString(type, e.what());
+        }
+      },
+      &types);
+  (void)m;
+}
+
+void bind_config(nb::module_& m) {
+  nb::class_<ti::ModelConfig>(m, "ModelConfig", "The shape of a Llama-family model (see cpp/config.h).")
+      .def(nb::init<>())
+      .def_rw("hidden", &ti::ModelConfig::hidden)
+      .def_rw("intermediate", &ti::ModelConfig::intermediate)
+      .def_rw("n_layers", &ti::ModelConfig::n_layers)
+      .def_rw("n_heads", &ti::ModelConfig::n_heads)
+      .def_rw("n_kv_heads", &ti::ModelConfig::n_kv_heads)
+      .def_rw("head_dim", &ti::ModelConfig::head_dim)
+      .def_rw("vocab", &ti::ModelConfig::vocab)
+      .def_rw("rms_eps", &ti::ModelConfig::rms_eps)
+      .def_rw("rope_theta", &ti::ModelConfig::rope_theta)
+      .def_prop_rw(
+          "rope_scaling", [](const ti::ModelConfig& c) { return std::string(ti::rope_scaling_name(c.rope_scaling)); },
+          [](ti::ModelConfig& c, const std::string& s) {
+            if (s == "none") c.rope_scaling = ti::RopeScaling::None;
+            else if (s == "linear") c.rope_scaling = ti::RopeScaling::Linear;
+            else if (s == "llama3") c.rope_scaling = ti::RopeScaling::Llama3;
+            else ti::fail(ti::ErrorKind::Unsupported, "rope scaling '" + s + "' (supported: none, linear, llama3)");
+          },
+          "'none' | 'linear' | 'llama3'")
+      .def_rw("rope_factor", &ti::ModelConfig::rope_factor)
+      .def_rw("rope_low_freq_factor", &ti::ModelConfig::rope_low_freq_factor)
+      .def_rw("rope_high_freq_factor", &ti::ModelConfig::rope_high_freq_factor)
+      .def_rw("rope_original_max_pos", &ti::ModelConfig::rope_original_max_pos)
+      .def_rw("tie_word_embeddings", &ti::ModelConfig::tie_word_embeddings)
+      .def_rw("max_position_embeddings", &ti::ModelConfig::max_position_embeddings)
+      .def_rw("bos_token_id", &ti::ModelConfig::bos_token_id)
+      .def_rw("eos_token_ids", &ti::ModelConfig::eos_token_ids)
+      .def_ro("q_dim", &ti::ModelConfig::q_dim)
+      .def_ro("kv_dim", &ti::ModelConfig::kv_dim)
+      .def_ro("group", &ti::ModelConfig::group)
+      .def("validate", &ti::ModelConfig::validate, "Check every field and compute q_dim, kv_dim, group.")
+      .def("__repr__", &ti::ModelConfig::to_string);
+
+  nb::class_<ti::SamplingConfig>(m, "SamplingConfig")
+      .def(nb::init<>())
+      .def_rw("temperature", &ti::SamplingConfig::temperature)
+      .def_rw("top_k", &ti::SamplingConfig::top_k)
+      .def_rw("top_p", &ti::SamplingConfig::top_p)
+      .def_rw("min_p", &ti::SamplingConfig::min_p)
+      .def_rw("repetition_penalty", &ti::SamplingConfig::repetition_penalty)
+      .def_rw("seed", &ti::SamplingConfig::seed)
+      .def("validate", [](const ti::SamplingConfig& s) { ti::validate(s); });
+}
+
+void bind_engine(nb::module_& m) {
+  nb::class_<ti::WeightStore>(m, "WeightStore", "Named host tensors in, checked fp32 weights out.")
+      .def(nb::init<const ti::ModelConfig&>(), "config"_a)
+      .def(
+          "add",
+          [](ti::WeightStore& w, const std::string& name, nb::ndarray<nb::c_contig, nb::device::cpu, nb::ro> a,
+             const std::string& dtype) {
+            const ti::DType t = ti::dtype_from_string(dtype);
+            if (a.itemsize() != ti::dtype_size(t))
+              ti::fail(ti::ErrorKind::Request, "tensor '" + name + "': array item size " +
+                                                   std::to_string(a.itemsize()) + " does not match dtype " + dtype);
+            std::vector<int64_t> shape(a.ndim());
+            for (size_t i = 0; i < a.ndim(); i++) shape[i] = (int64_t)a.shape(i);
+            nb::gil_scoped_release release;
+            w.add(name, t, a.data(), shape);
+          },
+          "name"_a, "array"_a, "dtype"_a,
+          "Copy one tensor in. dtype: 'f32' | 'f16' | 'bf16' (bf16 passed as a uint16 array).")
+      .def("finish", &ti::WeightStore::finish)
+      .def("expected_shape", &ti::WeightStore::expected_shape, "name"_a)
+      .def("required_names", &ti::WeightStore::required_names)
+      .def_prop_ro("config", &ti::WeightStore::config);
+
+  nb::class_<ti::CpuEngine>(m, "CpuEngine", "The fp32 reference engine (one sequence).")
+      .def(nb::init<std::shared_ptr<const ti::WeightStore>, int64_t>(), "weights"_a, "max_seq_len"_a)
+      .def_prop_ro("config", &ti::CpuEngine::config)
+      .def_prop_ro("max_seq_len", &ti::CpuEngine::max_seq_len)
+      .def_prop_ro("position", &ti::CpuEngine::position)
+      .def_prop_ro("tokens", [](const ti::CpuEngine& e) { return e.tokens(); })
+      .def("reset", &ti::CpuEngine::reset)
+      .def(
+          "forward",
+          [](ti::CpuEngine& e, const std::vector<int64_t>& tokens, bool all_logits) {
+            std::vector<int32_t> ids = to_ids(tokens);
+            if (ids.empty()) ti::fail(ti::ErrorKind::Request, "forward: no tokens given");
+            const size_t rows = all_logits ? ids.size() : 1;
+            float* out = nullptr;
+            F32Out arr = new_f32_array(rows, (size_t)e.config().vocab, &out);
+            {
+              nb::gil_scoped_release release;
+              e.forward(ids.data(), (int64_t)ids.size(), all_logits, out);
+            }
+            return arr;
+          },
+          "tokens"_a, "all_logits"_a = false,
+          "Run tokens at the current position; logits (len(tokens) or 1, vocab) float32.")
+      .def(
+          "decode",
+          [](ti::CpuEngine& e, int64_t max_steps, const ti::SamplingConfig& s, const std::vector<int64_t>& stop_ids,
+             uint64_t step0) {
+            std::vector<int32_t> stops = to_ids(stop_ids);
+            nb::gil_scoped_release release;
+            return e.decode(max_steps, s, stops, step0);
+          },
+          "max_steps"_a, "sampling"_a, "stop_ids"_a, "step0"_a = 0,
+          "Sample and run up to max_steps tokens; stops after a stop id (included).");
+}
+
+void bind_ops(nb::module_& m) {
+  nb::module_ ops = m.def_submodule("ops", "Single operations on numpy arrays, for tests and benchmarks.");
+  ops.def("rope_inv_freq", &ti::rope_inv_freq, "config"_a, "The (head_dim/2) scaled RoPE inverse frequencies.");
+  ops.def(
+      "matmul",
+      [](F32In2 x, F32In2 w) {
+        if (x.shape(1) != w.shape(1)) ti::fail(ti::ErrorKind::Request, "matmul: x and W have different widths");
+        float* out = nullptr;
+        F32Out y = new_f32_array(x.shape(0), w.shape(0), &out);
+        ti::matmul(out, x.data(), w.data(), (int64_t)x.shape(0), (int64_t)w.shape(0), (int64_t)x.shape(1));
+        return y;
+      },
+      "x"_a, "w"_a, "x @ w.T in fp32 (the CPU twin of the GEMV/GEMM kernels).");
+  ops.def(
+      "rmsnorm",
+      [](F32In2 x, F32In1 w, float eps) {
+        if (x.shape(1) != w.shape(0)) ti::fail(ti::ErrorKind::Request, "rmsnorm: weight length != row width");
+        float* out = nullptr;
+        F32Out y = new_f32_array(x.shape(0), x.shape(1), &out);
+        ti::rmsnorm(out, x.data(), w.data(), (int64_t)x.shape(0), (int64_t)x.shape(1), eps);
+        return y;
+      },
+      "x"_a, "weight"_a, "eps"_a);
+  ops.def("uniform_from_counter", &ti::uniform_from_counter, "seed"_a, "step"_a);
+
+#ifdef TINYINFER_WITH_CUDA
+  ops.def("cuda_compiled", []() { return true; });
+  ops.def("device_status", []() {
+    ti::cuda::DeviceStatus s = ti::cuda::device_status();
+    nb::dict d;
+    d["usable"] = s.usable;
+    d["count"] = s.count;
+    d["name"] = s.name;
+    d["compute_capability"] = std::to_string(s.cc_major) + "." + std::to_string(s.cc_minor);
+    d["total_mem"] = s.total_mem;
+    d["reason"] = s.reason;
+    return d;
+  });
+  ops.def(
+      "read_bandwidth",
+      [](size_t bytes, int iters) {
+        ti::cuda::BandwidthResult r;
+        {
+          nb::gil_scoped_release release;
+          r = ti::cuda::measure_read_bandwidth(bytes, iters);
+        }
+        nb::dict d;
+        d["gb_per_s"] = r.gb_per_s;
+        d["bytes"] = r.bytes;
+        d["best_ms"] = r.best_ms;
+        d["blocks"] = r.blocks;
+        return d;
+      },
+      "bytes"_a = (size_t)1 << 31, "iters"_a = 20,
+      "Streaming-read bandwidth of GPU 0 (cuda/bandwidth.cu): best of `iters` passes over `bytes`.");
+#else
+  ops.def("cuda_compiled", []() { return false; });
+  ops.def("device_status", []() {
+    nb::dict d;
+    d["usable"] = false;
+    d["count"] = 0;
+    d["reason"] = "tinyinfer was built without CUDA";
+    return d;
+  });
+  ops.def(
+      "read_bandwidth",
+      [](size_t, int) -> nb::dict {
+        ti::fail(ti::ErrorKind::Device, "read_bandwidth: tinyinfer was built without CUDA");
+      },
+      "bytes"_a = (size_t)1 << 31, "iters"_a = 20);
+#endif
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "tinyinfer's C++/CUDA core (private: use the tinyinfer package)";
+  bind_errors(m);
+  bind_config(m);
+  bind_engine(m);
+  bind_ops(m);
+  nb::dict info;
+  info["cuda"] = nb::bool_(
+#ifdef TINYINFER_WITH_CUDA
+      true
+#else
+      false
+#endif
+  );
+  info["cuda_architectures"] = TINYINFER_CUDA_ARCHS;
+  info["openmp"] = nb::bool_(
+#ifdef _OPENMP
+      true
+#else
+      false
+#endif
+  );
+  info["version"] = TINYINFER_VERSION;
+  m.attr("build_info") = info;
+}

@@ -1,0 +1,73 @@
+// weights.h — WeightStore: named host tensors in, checked fp32 weights out.
+//
+// The loaders hand tensors over one at a time by their HuggingFace name (GGUF names are mapped to these in
+// Python), in the source dtype (fp32, fp16 or bf16). Each one is checked against the shape the config implies,
+// converted to fp32 and kept; finish() checks that nothing is missing. The CPU engine reads LayerWeights views;
+// the GPU engine will pack/fuse/upload from the same store.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "config.h"
+
+namespace ti {
+
+enum class DType { F32, F16, BF16 };
+DType dtype_from_string(const std::string& s);  // "f32" | "f16" | "bf16"
+size_t dtype_size(DType t);
+
+float half_to_float(uint16_t h);
+uint16_t float_to_half(float f);  // round to nearest even
+float bf16_to_float(uint16_t b);
+
+struct HostTensor {
+  std::vector<int64_t> shape;
+  std::vector<float> data;  // row-major
+};
+
+// Views over one layer's weights; every pointer's shape is in its comment. Row-major [out, in].
+struct LayerWeights {
+  const float* attn_norm;  // (hidden)
+  const float* wq;         // (q_dim, hidden)
+  const float* wk;         // (kv_dim, hidden)
+  const float* wv;         // (kv_dim, hidden)
+  const float* wo;         // (hidden, q_dim)
+  const float* mlp_norm;   // (hidden)
+  const float* w_gate;     // (intermediate, hidden)
+  const float* w_up;       // (intermediate, hidden)
+  const float* w_down;     // (hidden, intermediate)
+};
+
+class WeightStore {
+ public:
+  explicit WeightStore(const ModelConfig& config);
+
+  // Copies (and converts) one tensor. Throws ti::Error naming the tensor on an unknown name, a duplicate, or
+  // a shape that does not match the config.
+  void add(const std::string& name, DType dtype, const void* data, const std::vector<int64_t>& shape);
+  // Throws naming the first missing tensor. After this the views below are valid.
+  void finish();
+
+  const ModelConfig& config() const { return config_; }
+  bool finished() const { return finished_; }
+  std::vector<std::string> names() const;
+  const HostTensor& get(const std::string& name) const;
+
+  const float* embedding() const;  // (vocab, hidden)
+  const float* final_norm() const; // (hidden)
+  const float* lm_head() const;    // (vocab, hidden); the embedding when tied
+  LayerWeights layer(int64_t i) const;
+
+  // The shape the config implies for a tensor name, or an empty vector if the name is not one of ours.
+  std::vector<int64_t> expected_shape(const std::string& name) const;
+  std::vector<std::string> required_names() const;
+
+ private:
+  ModelConfig config_;
+  std::unordered_map<std::string, HostTensor> tensors_;
+  bool finished_ = false;
+};
+
+}  // namespace ti

@@ -1,0 +1,94 @@
+// bandwidth.cu — the streaming-read kernel: the measured memory roofline of this GPU (DESIGN.md §9).
+//
+// Computes: XOR of every 32-bit word of a buffer, reduced per block into sink[block]. What matters is only
+// that every byte is read once with 16-byte loads, as the weight-streaming GEMVs read their matrices, so
+// bytes / time is the best read bandwidth a decode kernel can hope for. Layout: a flat array of uint4.
+// Variants: one grid-stride kernel, 4 independent 16-byte loads per thread per iteration in flight; the
+// grid is a few waves of the SM count (enough blocks to saturate HBM, no tail effects worth measuring).
+#include <algorithm>
+#include <vector>
+
+#include "bandwidth.cuh"
+#include "common.cuh"
+
+namespace ti::cuda {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+
+__global__ void stream_read_kernel(const uint4* __restrict__ data, size_t n_vec, uint32_t* __restrict__ sink) {
+  const size_t stride = (size_t)gridDim.x * blockDim.x;
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  uint32_t acc = 0;
+  for (; i + (kUnroll - 1) * stride < n_vec; i += kUnroll * stride) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++) v[u] = load_stream(data + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < n_vec; i += stride) {
+    const uint4 v = load_stream(data + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+  __shared__ uint32_t warp_acc[kThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_acc[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t r = 0;
+    for (int w = 0; w < kThreads / 32; w++) r ^= warp_acc[w];
+    sink[blockIdx.x] = r;
+  }
+}
+
+void launch_stream_read(const uint4* data, size_t n_vec, uint32_t* sink, int blocks, cudaStream_t stream) {
+  stream_read_kernel<<<blocks, kThreads, 0, stream>>>(data, n_vec, sink);
+  TI_CUDA_CHECK(cudaGetLastError());
+}
+
+BandwidthResult measure_read_bandwidth(size_t bytes, int iters) {
+  int dev = 0, sms = 0;
+  TI_CUDA_CHECK(cudaGetDevice(&dev));
+  TI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const size_t n_vec = std::max<size_t>(bytes / 16, 1);
+  BandwidthResult r;
+  r.blocks = sms * 8;
+  r.bytes = (double)n_vec * 16.0;
+  uint4* data = nullptr;
+  uint32_t* sink = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  TI_CUDA_CHECK(cudaMalloc(&data, n_vec * 16));
+  try {
+    TI_CUDA_CHECK(cudaMalloc(&sink, (size_t)r.blocks * sizeof(uint32_t)));
+    TI_CUDA_CHECK(cudaMemset(data, 1, n_vec * 16));
+    TI_CUDA_CHECK(cudaEventCreate(&start));
+    TI_CUDA_CHECK(cudaEventCreate(&stop));
+    for (int w = 0; w < 3; w++) launch_stream_read(data, n_vec, sink, r.blocks, 0);
+    float best = 1e30f;
+    for (int it = 0; it < std::max(iters, 1); it++) {
+      TI_CUDA_CHECK(cudaEventRecord(start, 0));
+      launch_stream_read(data, n_vec, sink, r.blocks, 0);
+      TI_CUDA_CHECK(cudaEventRecord(stop, 0));
+      TI_CUDA_CHECK(cudaEventSynchronize(stop));
+      float ms = 0;
+      TI_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      best = std::min(best, ms);
+    }
+    r.best_ms = best;
+    r.gb_per_s = r.bytes / (best * 1e-3) / 1e9;
+  } catch (...) {
+    cudaFree(data);
+    cudaFree(sink);
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+    throw;
+  }
+  cudaFree(data);
+  cudaFree(sink);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return r;
+}
+
+}  // namespace ti::cuda

@@ -1,0 +1,24 @@
+// bandwidth.cuh — launchers of the streaming-read kernel (see bandwidth.cu).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ti::cuda {
+
+// One pass over n_vec 16-byte words; each block writes one word of sink so the reads cannot be removed.
+void launch_stream_read(const uint4* data, size_t n_vec, uint32_t* sink, int blocks, cudaStream_t stream);
+
+struct BandwidthResult {
+  double gb_per_s = 0;   // 1e9 bytes per second, best of the timed passes
+  double bytes = 0;      // bytes read per pass
+  double best_ms = 0;
+  int blocks = 0;
+};
+
+// Measures this GPU's read bandwidth: allocates `bytes` (rounded to 16), warms up, times `iters` passes with
+// CUDA events, returns the best. Throws ti::Error(Device) without a usable GPU.
+BandwidthResult measure_read_bandwidth(size_t bytes, int iters);
+
+}  // namespace ti::cuda

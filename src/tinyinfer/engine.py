@@ -1,0 +1,213 @@
+"""Engine: load a model, then generate / stream / score with it.
+
+    eng = Engine("path/to/hf_dir")
+    out = eng.generate("Once upon a time", max_tokens=32)
+    print(out.text, out.finish_reason, out.stats)
+
+Python tokenizes and keeps the text side (stop strings, UTF-8 safe streaming); the core runs the prompt in one
+pass and then decodes tokens in chunks, back to back, without Python between the steps of a chunk.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _core
+from .errors import DeviceError, InvalidRequestError, TokenizerError
+from .loaders import load_model
+from .sampling import SamplingParams, TextAssembler
+
+Prompt = Union[str, Sequence[int]]
+
+_DEVICES = ("auto", "cpu", "cuda")
+_DTYPES = ("fp16", "bf16", "fp32")
+_DEFAULT_MAX_SEQ = 4096
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]  # generated ids only (an EOS / stop id that ended generation included)
+    finish_reason: str  # "stop" (EOS, stop id or stop string) | "length" (max_tokens)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    stats: Stats = field(default_factory=Stats)
+
+
+def _pick_device(device: str) -> str:
+    if device not in _DEVICES:
+        raise InvalidRequestError(f"device must be one of {', '.join(_DEVICES)} (got {device!r})")
+    if device == "cuda":
+        raise DeviceError(
+            "device='cuda': this build of tinyinfer has no GPU engine yet (it comes with the CUDA engine); "
+            "use device='cpu' or 'auto'"
+        )
+    return "cpu"  # "auto": the CPU reference engine until the GPU engine exists
+
+
+class Engine:
+    """A loaded model. One sequence at a time: concurrent calls on one Engine are serialised by a lock."""
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],
+        *,
+        device: str = "auto",
+        dtype: str = "fp16",
+        max_seq_len: Optional[int] = None,
+    ):
+        if dtype not in _DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {', '.join(_DTYPES)} (got {dtype!r})")
+        self.device = _pick_device(device)
+        self.dtype = "fp32" if self.device == "cpu" else dtype  # the CPU reference engine computes in fp32
+        model = load_model(path)
+        self.config: _core.ModelConfig = model.config
+        self.tokenizer = model.tokenizer
+        self.path = Path(path)
+        self.model_description = model.description
+        limit = self.config.max_position_embeddings
+        if max_seq_len is None:
+            max_seq_len = min(limit, _DEFAULT_MAX_SEQ)
+        if not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= limit:
+            raise InvalidRequestError(
+                f"max_seq_len must be an integer in 1..{limit} (the model's max_position_embeddings), "
+                f"got {max_seq_len!r}"
+            )
+        self.max_seq_len = max_seq_len
+        store = _core.WeightStore(self.config)
+        for name, array, src_dtype in model.tensors():
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            store.add(name, array, src_dtype)
+        store.finish()
+        self._core = _core.CpuEngine(store, max_seq_len)
+        self._lock = threading.Lock()
+        self._chunk = 8  # decode steps per core call: the granularity of streaming and of EOS checks
+
+    # ---- tokens <-> text ----
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise TokenizerError(f"{self.path}: the model has no tokenizer (tokenizer.json); pass token ids")
+        return self.tokenizer
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self._need_tokenizer().encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._need_tokenizer().decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise InvalidRequestError("empty prompt")
+            ids = self.tokenize(prompt)
+        else:
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError) as e:
+                raise InvalidRequestError(f"prompt must be a str or a sequence of token ids: {e}") from e
+        if not ids:
+            raise InvalidRequestError("empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is out of range for a vocabulary of {self.config.vocab}")
+        return ids
+
+    # ---- scoring ----
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Logits at every position of one prefill: float32 array (len(token_ids), vocab)."""
+        ids = self._prompt_ids(list(token_ids))
+        if len(ids) > self.max_seq_len:
+            raise InvalidRequestError(f"{len(ids)} tokens exceed max_seq_len={self.max_seq_len}")
+        with self._lock:
+            self._core.reset()
+            return self._core.forward(ids, all_logits=True)
+
+    # ---- generation ----
+
+    def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs) -> Completion:
+        """Generate a completion. Sampling settings come as a SamplingParams and/or keyword arguments
+        (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, stop_token_ids, ...)."""
+        result = None
+        for item in self._generate(prompt, SamplingParams.from_kwargs(params, kwargs)):
+            if isinstance(item, Completion):
+                result = item
+        assert result is not None
+        return result
+
+    def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs) -> Iterator[str]:
+        """Yield text pieces as they are generated (whole characters only; stop strings never half-shown)."""
+        for item in self._generate(prompt, SamplingParams.from_kwargs(params, kwargs)):
+            if isinstance(item, str) and item:
+                yield item
+
+    def _generate(self, prompt: Prompt, sp: SamplingParams) -> Iterator[Union[str, Completion]]:
+        t_start = time.perf_counter()
+        prompt_ids = self._prompt_ids(prompt)
+        if len(prompt_ids) + sp.max_tokens > self.max_seq_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds "
+                f"max_seq_len={self.max_seq_len}"
+            )
+        stop_ids = list(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            stop_ids += list(self.config.eos_token_ids)
+        seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(4), "little")
+        sampling = sp.to_core(seed)
+        sampling.validate()
+        text = TextAssembler(self.detokenize, sp.stop) if self.tokenizer is not None else None
+        stats = Stats(prompt_tokens=len(prompt_ids))
+        out: list[int] = []
+        finish = "length"
+        with self._lock:
+            self._core.reset()
+            t0 = time.perf_counter()
+            self._core.forward(prompt_ids, all_logits=False)
+            stats.prefill_ms = (time.perf_counter() - t0) * 1e3
+            t0 = time.perf_counter()
+            while len(out) < sp.max_tokens:
+                new = self._core.decode(min(self._chunk, sp.max_tokens - len(out)), sampling, stop_ids, len(out))
+                out += new
+                ended = bool(new) and new[-1] in stop_ids
+                if text is not None:
+                    visible = [t for t in new if t not in stop_ids]
+                    piece = text.add(visible, final=ended)
+                    if text.stopped:
+                        finish, ended = "stop", True
+                    yield piece
+                if ended:
+                    finish = "stop"
+                    break
+            stats.decode_s = time.perf_counter() - t0
+        if text is not None and not text.stopped and finish == "length":
+            yield text.add([], final=True)
+        stats.decode_tokens = len(out)
+        stats.wall_s = time.perf_counter() - t_start
+        yield Completion(
+            text=text.text if text is not None else "",
+            token_ids=out,
+            finish_reason=finish,
+            prompt_token_ids=prompt_ids,
+            stats=stats,
+        )

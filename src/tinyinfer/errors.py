@@ -1,0 +1,49 @@
+"""tinyinfer's exceptions. Every error the engine raises on purpose is a TinyInferError; the message names the
+file, field or value at fault. The C++ core's errors arrive as the matching subclass (see bindings/module.cpp).
+"""
+
+from __future__ import annotations
+
+
+class TinyInferError(Exception):
+    """Base class of all tinyinfer errors."""
+
+
+class ModelNotFoundError(TinyInferError, FileNotFoundError):
+    """The model path does not exist, or a file the model needs is missing."""
+
+
+class ModelFormatError(TinyInferError, ValueError):
+    """A model file is corrupt or truncated, or a tensor is missing or has the wrong shape."""
+
+
+class ConfigError(ModelFormatError):
+    """The model config lacks a required field or holds an invalid value."""
+
+
+class UnsupportedModelError(TinyInferError, ValueError):
+    """A valid model that this engine cannot run (the field or tensor type is named)."""
+
+
+class InvalidRequestError(TinyInferError, ValueError):
+    """Bad arguments to a call: empty prompt, bad sampling values, too long for max_seq_len, ..."""
+
+
+class TokenizerError(TinyInferError):
+    """Text was given but the model has no usable tokenizer."""
+
+
+class DeviceError(TinyInferError, RuntimeError):
+    """No usable GPU, not enough GPU memory, or a CUDA error."""
+
+
+__all__ = [
+    "TinyInferError",
+    "ModelNotFoundError",
+    "ModelFormatError",
+    "ConfigError",
+    "UnsupportedModelError",
+    "InvalidRequestError",
+    "TokenizerError",
+    "DeviceError",
+]

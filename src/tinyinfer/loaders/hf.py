@@ -1,0 +1,190 @@
+"""HuggingFace model directories: config.json + model.safetensors (or a sharded model.safetensors.index.json).
+
+Tensors are read through the `safetensors` package, which checks each file's header against its size; the data
+are numpy views over the memory-mapped file (no copy in Python), handed to the core one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from .. import _core
+from ..errors import ConfigError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from ..tokenizer import Tokenizer
+from .base import LoadedModel, TensorItem
+
+# safetensors dtype -> (numpy dtype of the raw bits, core dtype)
+_DTYPES = {"F32": ("<f4", "f32"), "F16": ("<f2", "f16"), "BF16": ("<u2", "bf16")}
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ModelNotFoundError(f"missing file: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"{path}: expected a JSON object")
+    return data
+
+
+def _rope_settings(cfg: dict, where: str) -> dict:
+    """rope_theta and scaling from either transformers 5's `rope_parameters` or the older `rope_theta` +
+    `rope_scaling`. Returns {"theta", "type", "factor", ...}."""
+    params = cfg.get("rope_parameters")
+    field = "rope_parameters"
+    if params is None:
+        params = dict(cfg.get("rope_scaling") or {})
+        field = "rope_scaling"
+        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    if not isinstance(params, dict):
+        raise ConfigError(f"{where}: '{field}' must be an object, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        rope_type = "none"
+    if rope_type not in ("none", "linear", "llama3"):
+        raise UnsupportedModelError(
+            f"{where}: {field}.rope_type = {rope_type!r} is not supported (supported: default, linear, llama3)"
+        )
+    out = {"theta": float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))), "type": rope_type}
+    if rope_type != "none":
+        if "factor" not in params:
+            raise ConfigError(f"{where}: {field}.factor is missing for rope_type {rope_type!r}")
+        out["factor"] = float(params["factor"])
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in params:
+                raise ConfigError(f"{where}: {field}.{key} is missing for rope_type 'llama3'")
+        out["low"] = float(params["low_freq_factor"])
+        out["high"] = float(params["high_freq_factor"])
+        out["original_max_pos"] = int(params["original_max_position_embeddings"])
+    return out
+
+
+def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> _core.ModelConfig:
+    """A validated ModelConfig from a parsed config.json; refuses what the engine can't honour, naming the field."""
+    model_type = cfg.get("model_type")
+    if model_type != "llama":
+        raise UnsupportedModelError(f"{where}: model_type = {model_type!r} is not supported (only 'llama')")
+    archs = cfg.get("architectures")
+    if archs is not None and "LlamaForCausalLM" not in archs:
+        raise UnsupportedModelError(f"{where}: architectures = {archs!r} (only LlamaForCausalLM is supported)")
+    refused = {
+        "attention_bias": lambda v: bool(v),
+        "mlp_bias": lambda v: bool(v),
+        "hidden_act": lambda v: v not in ("silu", "swish"),
+        "quantization_config": lambda v: v is not None,
+        "sliding_window": lambda v: v is not None,
+    }
+    for key, bad in refused.items():
+        if key in cfg and bad(cfg[key]):
+            raise UnsupportedModelError(f"{where}: {key} = {cfg[key]!r} is not supported by this engine")
+
+    def need(key: str) -> int:
+        if key not in cfg or cfg[key] is None:
+            raise ConfigError(f"{where}: required field '{key}' is missing")
+        v = cfg[key]
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ConfigError(f"{where}: field '{key}' must be an integer, got {v!r}")
+        return v
+
+    c = _core.ModelConfig()
+    c.hidden = need("hidden_size")
+    c.intermediate = need("intermediate_size")
+    c.n_layers = need("num_hidden_layers")
+    c.n_heads = need("num_attention_heads")
+    c.vocab = need("vocab_size")
+    c.n_kv_heads = int(cfg.get("num_key_value_heads") or c.n_heads)
+    head_dim = cfg.get("head_dim")
+    c.head_dim = int(head_dim) if head_dim else c.hidden // max(c.n_heads, 1)
+    c.rms_eps = float(cfg.get("rms_norm_eps", 1e-6))
+    rope = _rope_settings(cfg, where)
+    c.rope_theta = rope["theta"]
+    c.rope_scaling = rope["type"]
+    if "factor" in rope:
+        c.rope_factor = rope["factor"]
+    if rope["type"] == "llama3":
+        c.rope_low_freq_factor = rope["low"]
+        c.rope_high_freq_factor = rope["high"]
+        c.rope_original_max_pos = rope["original_max_pos"]
+    c.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+    c.max_position_embeddings = int(cfg.get("max_position_embeddings", 2048))
+    bos = cfg.get("bos_token_id")
+    c.bos_token_id = int(bos) if isinstance(bos, int) else -1
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        c.eos_token_ids = []
+    elif isinstance(eos, int):
+        c.eos_token_ids = [eos]
+    elif isinstance(eos, list) and all(isinstance(e, int) for e in eos):
+        c.eos_token_ids = list(eos)
+    else:
+        raise ConfigError(f"{where}: eos_token_id must be an int or a list of ints, got {eos!r}")
+    c.validate()  # raises naming the field (the core checks ranges: head_dim 64..256, GQA divisibility, ...)
+    return c
+
+
+def _safetensors_files(d: Path) -> list[Path]:
+    single = d / "model.safetensors"
+    index = d / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelFormatError(f"{index}: no 'weight_map' object")
+        files = [d / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelNotFoundError(f"missing shard {f} (listed in {index.name})")
+        return files
+    raise ModelNotFoundError(f"{d}: no model.safetensors or model.safetensors.index.json")
+
+
+def _iter_safetensors(path: Path) -> Iterator[TensorItem]:
+    """(name, view, dtype) for each tensor of one file. safe_open validates the header and file size; the data
+    are views over one read-only memory map of the file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = {k: (f.get_slice(k).get_dtype(), list(f.get_slice(k).get_shape())) for k in f.keys()}
+    except Exception as e:  # SafetensorError and friends: truncated, corrupt header, ...
+        raise ModelFormatError(f"{path}: not a valid safetensors file: {e}") from e
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    header_len = int(raw[:8].view("<u8")[0])
+    header = json.loads(bytes(raw[8 : 8 + header_len]))
+    base = 8 + header_len
+    for name, (dtype, shape) in meta.items():
+        if dtype not in _DTYPES:
+            raise UnsupportedModelError(f"{path}: tensor '{name}' has dtype {dtype} (supported: F32, F16, BF16)")
+        np_dtype, core_dtype = _DTYPES[dtype]
+        start, end = header[name]["data_offsets"]
+        view = raw[base + start : base + end].view(np_dtype).reshape(shape)
+        yield name, view, core_dtype
+
+
+def load_hf_dir(d: Path) -> LoadedModel:
+    config_path = d / "config.json"
+    config = config_from_hf(_read_json(config_path), where=str(config_path))
+    files = _safetensors_files(d)
+
+    def tensors() -> Iterator[TensorItem]:
+        for f in files:
+            for name, view, dtype in _iter_safetensors(f):
+                if name.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved; recomputed
+                    continue
+                yield name, view, dtype
+
+    tokenizer = None
+    tok_path = d / "tokenizer.json"
+    if tok_path.is_file():
+        tokenizer = Tokenizer.from_file(tok_path)
+    return LoadedModel(config=config, tensors=tensors, tokenizer=tokenizer, path=d,
+                       description=f"HF safetensors ({len(files)} file{'s' if len(files) > 1 else ''})")

@@ -1,0 +1,120 @@
+"""SamplingParams (vLLM / OpenAI names) and the text-side bookkeeping of a generation: incremental
+detokenization that never emits half a UTF-8 character, and stop strings that are never half-emitted."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Optional, Sequence
+
+from . import _core
+from .errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to choose tokens. temperature 0 means greedy. A fixed seed reproduces a sampled generation exactly."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0  # 0 (or -1): off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None
+    stop: Sequence[str] = field(default_factory=list)  # strings that end generation (excluded from the text)
+    stop_token_ids: Sequence[int] = field(default_factory=list)  # in addition to the model's EOS ids
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid sampling parameter: {msg}")
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad(f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise bad(f"{name} must be a finite number (got {v!r})")
+        if self.temperature < 0:
+            raise bad(f"temperature must be >= 0 (got {self.temperature})")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise bad(f"top_k must be an integer >= 0, or -1 / 0 for off (got {self.top_k!r})")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1] (got {self.top_p})")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1] (got {self.min_p})")
+        if self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
+            raise bad(f"seed must be a non-negative integer or None (got {self.seed!r})")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise bad(f"stop must be a list of non-empty strings (got {list(self.stop)!r})")
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):
+            raise bad(f"stop_token_ids must be integers (got {list(self.stop_token_ids)!r})")
+
+    @classmethod
+    def from_kwargs(cls, params: Optional["SamplingParams"], kwargs: dict) -> "SamplingParams":
+        """A SamplingParams from an optional object plus keyword overrides, refusing unknown names."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        base = {f.name: getattr(params, f.name) for f in fields(cls)} if params is not None else {}
+        base.update(kwargs)
+        return cls(**base)
+
+    def to_core(self, default_seed: int) -> _core.SamplingConfig:
+        s = _core.SamplingConfig()
+        s.temperature = float(self.temperature)
+        s.top_k = max(int(self.top_k), 0)
+        s.top_p = float(self.top_p)
+        s.min_p = float(self.min_p)
+        s.repetition_penalty = float(self.repetition_penalty)
+        s.seed = int(self.seed if self.seed is not None else default_seed)
+        return s
+
+
+class TextAssembler:
+    """Turns a growing list of token ids into text pieces that are safe to show: whole UTF-8 characters only,
+    and nothing that could be the start of a stop string until it is known not to be one."""
+
+    def __init__(self, decode, stop: Sequence[str]):
+        self._decode = decode
+        self._stop = list(stop)
+        self._hold = max((len(s) for s in self._stop), default=0)
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of the text handed out so far
+        self.text = ""
+        self.stopped = False  # a stop string was found; self.text ends before it
+
+    def add(self, new_ids: Sequence[int], final: bool = False) -> str:
+        """Adds tokens; returns the new piece of text that is safe to emit."""
+        self.ids.extend(new_ids)
+        full = self._decode(self.ids)
+        if not final:  # an incomplete multi-byte character decodes to U+FFFD at the end: wait for its bytes
+            while full.endswith("\ufffd"):
+                full = full[:-1]
+        if self._stop:
+            start = max(0, self.emitted - self._hold)
+            hits = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
+            if hits:
+                full = full[: min(hits)]
+                self.stopped = True
+                final = True
+        safe = len(full)
+        if not final:  # hold back a tail that might grow into a stop string
+            for n in range(min(self._hold - 1, len(full)), 0, -1):
+                if any(s.startswith(full[-n:]) for s in self._stop):
+                    safe = len(full) - n
+                    break
+        safe = max(safe, self.emitted)
+        piece = full[self.emitted : safe]
+        self.emitted = safe
+        self.text = full[:safe]
+        return piece

@@ -82,26 +82,26 @@ void CpuEngine::run_layer(int64_t l, int64_t n, int64_t pos0) {
     }
   }
   const float scale = 1.0f / std::sqrt((float)hd);
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t t = 0; t < n; t++) {
-    for (int64_t h = 0; h < c.n_heads; h++) {
-      const int64_t kvh = h / c.group, len = pos0 + t + 1;  // causal: positions 0..pos0+t
-      const float* q = &q_[t * c.q_dim + h * hd];
-      std::vector<float> score((size_t)len);
-      float mx = -INFINITY;
-      for (int64_t p = 0; p < len; p++) {
-        score[p] = dot(q, kv_.key(l, kvh, p), hd) * scale;
-        mx = std::max(mx, score[p]);
-      }
-      double sum = 0;
-      for (int64_t p = 0; p < len; p++) sum += (score[p] = std::exp(score[p] - mx));
-      float* out = &att_[t * c.q_dim + h * hd];
-      std::fill(out, out + hd, 0.0f);
-      for (int64_t p = 0; p < len; p++) {
-        const float wgt = (float)(score[p] / sum);
-        const float* v = kv_.value(l, kvh, p);
-        for (int64_t i = 0; i < hd; i++) out[i] += wgt * v[i];
-      }
+  // One task per (token, head); a plain loop index so MSVC's OpenMP 2.0 takes it too.
+#pragma omp parallel for schedule(static)
+  for (int64_t th = 0; th < n * c.n_heads; th++) {
+    const int64_t t = th / c.n_heads, h = th % c.n_heads;
+    const int64_t kvh = h / c.group, len = pos0 + t + 1;  // causal: positions 0..pos0+t
+    const float* q = &q_[t * c.q_dim + h * hd];
+    std::vector<float> score((size_t)len);
+    float mx = -INFINITY;
+    for (int64_t p = 0; p < len; p++) {
+      score[p] = dot(q, kv_.key(l, kvh, p), hd) * scale;
+      mx = std::max(mx, score[p]);
+    }
+    double sum = 0;
+    for (int64_t p = 0; p < len; p++) sum += (score[p] = std::exp(score[p] - mx));
+    float* out = &att_[t * c.q_dim + h * hd];
+    std::fill(out, out + hd, 0.0f);
+    for (int64_t p = 0; p < len; p++) {
+      const float wgt = (float)(score[p] / sum);
+      const float* v = kv_.value(l, kvh, p);
+      for (int64_t i = 0; i < hd; i++) out[i] += wgt * v[i];
     }
   }
   matmul(tmp_.data(), att_.data(), L.wo, n, H, c.q_dim);

@@ -9,6 +9,8 @@ DeviceStatus device_status() {
   cudaError_t err = cudaGetDeviceCount(&s.count);
   if (err != cudaSuccess) {
     s.reason = std::string("CUDA runtime: ") + cudaGetErrorString(err);
+    if (err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice)
+      s.reason += " (no NVIDIA driver or GPU found, or the driver is older than this build's CUDA)";
     cudaGetLastError();  // clear the sticky error
     s.count = 0;
     return s;

@@ -81,3 +81,20 @@ def test_decode_steps_match_one_prefill(model_dir):
     full = eng.logits(ids + gen)
     # greedy: each generated token is the argmax of the previous position's logits in one prefill
     assert full[len(ids) - 1 : -1].argmax(-1).tolist() == gen
+
+
+def test_rope_inv_freq_matches_transformers(model_dir):
+    """The scaled RoPE frequencies (none / linear / llama3) equal transformers' own."""
+    from tinyinfer import _core
+
+    eng = Engine(model_dir, device="cpu")
+    ours = np.array(_core.ops.rope_inv_freq(eng.config))
+    model = hf_model(model_dir)
+    ref = model.model.rotary_emb.inv_freq.numpy()
+    np.testing.assert_allclose(ours, ref, rtol=1e-6)
+
+
+def test_sharded_checkpoint_was_sharded(tmp_path_factory):
+    d = make_llama(tmp_path_factory.mktemp("shards"), **CONFIGS["gqa2_hd96_linear_bf16_sharded"])
+    assert (d / "model.safetensors.index.json").is_file() and not (d / "model.safetensors").exists()
+    assert len(list(d.glob("model-*.safetensors"))) > 1

@@ -126,7 +126,12 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> _core.Mod
         c.eos_token_ids = list(eos)
     else:
         raise ConfigError(f"{where}: eos_token_id must be an int or a list of ints, got {eos!r}")
-    c.validate()  # raises naming the field (the core checks ranges: head_dim 64..256, GQA divisibility, ...)
+    try:  # the core checks ranges (head_dim 64..256, GQA divisibility, ...) and names the field
+        c.validate()
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{where}: {e}") from None
+    except ModelFormatError as e:
+        raise ConfigError(f"{where}: {e}") from None
     return c
 
 

@@ -1,0 +1,208 @@
+"""Bad input (DESIGN.md §11): each case raises the matching TinyInferError naming the culprit, and nothing
+crashes; an engine stays usable after a refused request."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import numpy as np
+import pytest
+
+from conftest import edit_config, make_llama
+from tinyinfer import (
+    ConfigError,
+    Engine,
+    InvalidRequestError,
+    ModelFormatError,
+    ModelNotFoundError,
+    TinyInferError,
+    TokenizerError,
+    UnsupportedModelError,
+    DeviceError,
+)
+
+
+@pytest.fixture(scope="module")
+def good_dir(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("good"), layers=1, heads=2, kv_heads=1, hidden=128, vocab=300)
+
+
+@pytest.fixture
+def model_copy(good_dir, tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(good_dir, dst)
+    return dst
+
+
+def _rewrite_safetensors(path, mutate):
+    """Parse a safetensors file, let `mutate(header, data) -> (header, data)` change it, write it back."""
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    header, data = mutate(header, raw[8 + n :])
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + data)
+
+
+def test_missing_dir(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        Engine(tmp_path / "nope")
+
+
+def test_dir_without_config(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        Engine(tmp_path)
+
+
+def test_dir_without_weights(model_copy):
+    (model_copy / "model.safetensors").unlink()
+    with pytest.raises(ModelNotFoundError, match="model.safetensors"):
+        Engine(model_copy)
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size"])
+def test_missing_config_field(model_copy, field):
+    edit_config(model_copy, **{field: None})
+    with pytest.raises(ConfigError, match=field):
+        Engine(model_copy)
+
+
+def test_config_not_json(model_copy):
+    (model_copy / "config.json").write_text("{not json")
+    with pytest.raises(ModelFormatError, match="config.json"):
+        Engine(model_copy)
+
+
+def test_truncated_safetensors(model_copy):
+    f = model_copy / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ModelFormatError, match="model.safetensors"):
+        Engine(model_copy)
+
+
+def test_garbage_safetensors(model_copy):
+    (model_copy / "model.safetensors").write_bytes(b"\x00" * 7)
+    with pytest.raises(ModelFormatError, match="model.safetensors"):
+        Engine(model_copy)
+
+
+def test_wrong_shape_tensor(model_copy):
+    name = "model.layers.0.mlp.up_proj.weight"
+
+    def mutate(header, data):
+        header[name]["shape"] = header[name]["shape"][::-1]  # same bytes, transposed shape
+        return header, data
+
+    _rewrite_safetensors(model_copy / "model.safetensors", mutate)
+    with pytest.raises(ModelFormatError, match=r"mlp\.up_proj\.weight.*shape"):
+        Engine(model_copy)
+
+
+def _resave(path, mutate):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    mutate(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_missing_tensor(model_copy):
+    _resave(model_copy / "model.safetensors", lambda t: t.pop("model.layers.0.self_attn.k_proj.weight"))
+    with pytest.raises(ModelFormatError, match=r"missing tensor 'model\.layers\.0\.self_attn\.k_proj\.weight'"):
+        Engine(model_copy)
+
+
+def test_unexpected_tensor(model_copy):
+    import torch
+
+    _resave(model_copy / "model.safetensors", lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(128)}))
+    with pytest.raises(UnsupportedModelError, match=r"q_proj\.bias"):
+        Engine(model_copy)
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"model_type": "mistral"}, "model_type"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}, "rope_type"),
+        ({"head_dim": 32}, "head_dim"),
+    ],
+)
+def test_unsupported_field(model_copy, changes, field):
+    edit_config(model_copy, **changes)
+    with pytest.raises(UnsupportedModelError, match=field):
+        Engine(model_copy)
+
+
+def test_bad_gqa_config(model_copy):
+    edit_config(model_copy, num_key_value_heads=3)
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        Engine(model_copy)
+
+
+def test_bad_engine_arguments(good_dir):
+    with pytest.raises(InvalidRequestError, match="device"):
+        Engine(good_dir, device="tpu")
+    with pytest.raises(InvalidRequestError, match="dtype"):
+        Engine(good_dir, dtype="fp8")
+    with pytest.raises(InvalidRequestError, match="max_seq_len"):
+        Engine(good_dir, max_seq_len=10**9)
+    with pytest.raises(InvalidRequestError, match="max_seq_len"):
+        Engine(good_dir, max_seq_len=0)
+
+
+def test_cuda_device_without_gpu_engine(good_dir):
+    with pytest.raises(DeviceError, match="cuda"):
+        Engine(good_dir, device="cuda")
+
+
+def test_refused_requests_leave_engine_usable(good_dir):
+    eng = Engine(good_dir, device="cpu", max_seq_len=64)
+    want = eng.generate([5, 6, 7], max_tokens=5, ignore_eos=True).token_ids
+    bad_calls = [
+        (lambda: eng.generate([], max_tokens=4), "empty prompt"),
+        (lambda: eng.generate([5, 10**6], max_tokens=4), "out of range"),
+        (lambda: eng.generate([-1], max_tokens=4), "out of range"),
+        (lambda: eng.generate([5] * 60, max_tokens=10), "max_seq_len"),
+        (lambda: eng.generate([5], max_tokens=0), "max_tokens"),
+        (lambda: eng.generate([5], temperature=-1.0), "temperature"),
+        (lambda: eng.generate([5], top_p=0.0), "top_p"),
+        (lambda: eng.generate([5], min_p=2.0), "min_p"),
+        (lambda: eng.generate([5], top_k=-5), "top_k"),
+        (lambda: eng.generate([5], repetition_penalty=0.0), "repetition_penalty"),
+        (lambda: eng.generate([5], temperature=float("nan")), "temperature"),
+        (lambda: eng.generate([5], bogus=1), "bogus"),
+        (lambda: eng.generate("text", max_tokens=4), "tokenizer"),  # this model has no tokenizer.json
+        (lambda: eng.logits([]), "empty prompt"),
+        (lambda: eng.logits(list(range(65))), "max_seq_len"),
+    ]
+    for call, needle in bad_calls:
+        with pytest.raises(TinyInferError, match=needle):
+            call()
+    assert eng.generate([5, 6, 7], max_tokens=5, ignore_eos=True).token_ids == want
+
+
+def test_tokenizer_error_type(good_dir):
+    eng = Engine(good_dir, device="cpu")
+    with pytest.raises(TokenizerError):
+        eng.tokenize("hello")
+
+
+def test_core_rejects_bad_store_use(good_dir):
+    """The core's own checks (reached without the Python loader) raise TinyInferErrors too."""
+    from tinyinfer import _core
+
+    eng = Engine(good_dir, device="cpu")
+    store = _core.WeightStore(eng.config)
+    with pytest.raises(ModelFormatError, match="shape"):
+        store.add("model.norm.weight", np.zeros(3, np.float32), "f32")
+    with pytest.raises(InvalidRequestError, match="item size"):
+        store.add("model.norm.weight", np.zeros(eng.config.hidden, np.float32), "f16")
+    with pytest.raises(ModelFormatError, match="missing tensor"):
+        store.finish()

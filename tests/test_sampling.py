@@ -1,0 +1,165 @@
+"""Sampling (SamplingParams -> the core's reference sampler) and the text side (UTF-8-safe pieces, stop strings)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import make_llama
+from tinyinfer import Engine, InvalidRequestError, SamplingParams, _core
+from tinyinfer.sampling import TextAssembler
+
+
+@pytest.fixture(scope="module")
+def eng(tmp_path_factory):
+    d = make_llama(tmp_path_factory.mktemp("samp"), layers=1, heads=2, kv_heads=2, hidden=128, vocab=256,
+                   init_std=0.3)
+    return Engine(d, device="cpu", max_seq_len=256)
+
+
+PROMPT = [3, 14, 15, 92, 65]
+
+
+def test_seed_reproduces(eng):
+    kw = dict(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    a = eng.generate(PROMPT, **kw).token_ids
+    b = eng.generate(PROMPT, **kw).token_ids
+    c = eng.generate(PROMPT, **{**kw, "seed": 99}).token_ids
+    assert a == b
+    assert a != c  # 24 draws at temperature 1 over 256 tokens: equal streams would mean the seed is ignored
+
+
+def test_top_k_1_is_greedy(eng):
+    greedy = eng.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids
+    topk1 = eng.generate(PROMPT, max_tokens=16, temperature=1.5, top_k=1, seed=7, ignore_eos=True).token_ids
+    assert topk1 == greedy
+
+
+def test_tiny_min_p_and_top_p_are_greedy(eng):
+    greedy = eng.generate(PROMPT, max_tokens=8, ignore_eos=True).token_ids
+    assert eng.generate(PROMPT, max_tokens=8, temperature=1.0, min_p=1.0, seed=1, ignore_eos=True).token_ids == greedy
+    assert eng.generate(PROMPT, max_tokens=8, temperature=1.0, top_p=1e-6, seed=1, ignore_eos=True).token_ids == greedy
+
+
+def test_sampled_tokens_follow_the_distribution(eng):
+    """At temperature 1 the first sampled token's frequencies over many seeds follow softmax(logits)."""
+    logits = eng.logits(PROMPT)[-1].astype(np.float64)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    n = 600
+    counts = np.zeros_like(p)
+    for seed in range(n):
+        counts[eng.generate(PROMPT, max_tokens=1, temperature=1.0, seed=seed, ignore_eos=True).token_ids[0]] += 1
+    top = np.argsort(-p)[:5]
+    for t in top:  # binomial: 4.5 sigma bound on each of the most likely tokens
+        sigma = np.sqrt(n * p[t] * (1 - p[t]))
+        assert abs(counts[t] - n * p[t]) <= 4.5 * sigma + 1, (t, counts[t], n * p[t])
+
+
+def test_repetition_penalty_changes_greedy_choice(eng):
+    base = eng.generate(PROMPT, max_tokens=12, ignore_eos=True).token_ids
+    pen = eng.generate(PROMPT, max_tokens=12, repetition_penalty=50.0, ignore_eos=True).token_ids
+    seen = set(PROMPT)
+    for t in pen:  # a huge penalty: no token of the sequence so far is chosen again
+        assert t not in seen
+        seen.add(t)
+    assert base != pen or len(set(base) | set(PROMPT)) == len(base) + len(PROMPT)
+
+
+def test_stop_token_ids_end_generation(eng):
+    free = eng.generate(PROMPT, max_tokens=10, ignore_eos=True).token_ids
+    stop = free[3]
+    out = eng.generate(PROMPT, max_tokens=10, stop_token_ids=[stop], ignore_eos=True)
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free[: free.index(stop) + 1]
+
+
+def test_eos_ends_generation_unless_ignored(eng):
+    free = eng.generate(PROMPT, max_tokens=10, ignore_eos=True).token_ids
+    eos = free[2]
+    eng.config.eos_token_ids = [eos]  # the config object is the engine's: patch it for this test
+    try:
+        out = eng.generate(PROMPT, max_tokens=10)
+        assert out.finish_reason == "stop" and out.token_ids == free[: free.index(eos) + 1]
+        assert eng.generate(PROMPT, max_tokens=10, ignore_eos=True).token_ids == free
+    finally:
+        eng.config.eos_token_ids = [2]
+
+
+def test_sampling_params_object_and_kwargs(eng):
+    sp = SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True)
+    a = eng.generate(PROMPT, sp).token_ids
+    b = eng.generate(PROMPT, max_tokens=6, temperature=0.8, seed=5, ignore_eos=True).token_ids
+    assert a == b and len(a) == 6
+    assert eng.generate(PROMPT, sp, max_tokens=3).token_ids == a[:3]  # keyword overrides the object
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(temperature=-0.1), dict(top_p=1.5), dict(top_k=2.5), dict(min_p=-0.1), dict(seed=-1),
+     dict(max_tokens=-3), dict(stop=[""]), dict(stop_token_ids=["a"]), dict(repetition_penalty=-1.0)],
+)
+def test_invalid_sampling_params(kw):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kw)
+
+
+def test_core_sampler_validates_too():
+    s = _core.SamplingConfig()
+    s.top_p = 0.0
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        s.validate()
+
+
+def test_counter_rng_is_uniform():
+    u = np.array([_core.ops.uniform_from_counter(42, i) for i in range(20000)])
+    assert u.min() >= 0.0 and u.max() < 1.0
+    assert abs(u.mean() - 0.5) < 0.01
+    hist, _ = np.histogram(u, bins=10, range=(0, 1))
+    assert hist.min() > 1800 and hist.max() < 2200
+
+
+# ---- the text side, with a byte-level fake tokenizer: id i is byte i ----
+
+def _decode(ids):
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _pieces(text: str, stop=(), step=1):
+    data = list(text.encode("utf-8"))
+    asm = TextAssembler(_decode, stop)
+    out = []
+    for i in range(0, len(data), step):
+        out.append(asm.add(data[i : i + step]))
+        if asm.stopped:
+            break
+    if not asm.stopped:
+        out.append(asm.add([], final=True))
+    return out, asm
+
+
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_stream_never_splits_a_character(step):
+    text = "héllo wörld — 日本語 🙂🚀 end"
+    pieces, asm = _pieces(text, step=step)
+    assert "".join(pieces) == text == asm.text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("step", [1, 2, 5])
+def test_stop_string_excluded_and_never_half_emitted(step):
+    pieces, asm = _pieces("The answer is 42.\nUser: more", stop=["\nUser:"], step=step)
+    assert asm.stopped
+    assert "".join(pieces) == asm.text == "The answer is 42."
+    for p in pieces:
+        assert "\n" not in p  # no piece of the stop string ever went out
+
+
+def test_stop_prefix_that_does_not_complete_is_released():
+    pieces, asm = _pieces("a\nUsb b", stop=["\nUser:"])
+    assert not asm.stopped and "".join(pieces) == "a\nUsb b"
+
+
+def test_earliest_of_several_stop_strings_wins():
+    _, asm = _pieces("one two three", stop=["three", "two"], step=4)
+    assert asm.stopped and asm.text == "one "

@@ -242,6 +242,14 @@ void bind_ops(nb::module_& m) {
       },
       "bytes"_a = (size_t)1 << 31, "iters"_a = 20,
       "Streaming-read bandwidth of GPU 0 (cuda/bandwidth.cu): best of `iters` passes over `bytes`.");
+  ops.def(
+      "stream_read_xor",
+      [](nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> a, int blocks) {
+        if (blocks < 1) ti::fail(ti::ErrorKind::Request, "blocks must be >= 1");
+        nb::gil_scoped_release release;
+        return ti::cuda::stream_read_xor(a.data(), a.shape(0), blocks);
+      },
+      "data"_a, "blocks"_a, "Runs the bandwidth kernel over `data`; the XOR of all its 32-bit words.");
 #else
   ops.def("cuda_compiled", []() { return false; });
   ops.def("device_status", []() {

@@ -91,4 +91,27 @@ BandwidthResult measure_read_bandwidth(size_t bytes, int iters) {
   return r;
 }
 
+uint32_t stream_read_xor(const void* host, size_t bytes, int blocks) {
+  const size_t n_vec = (bytes + 15) / 16;
+  uint4* data = nullptr;
+  uint32_t* sink = nullptr;
+  std::vector<uint32_t> out((size_t)blocks);
+  TI_CUDA_CHECK(cudaMalloc(&data, std::max<size_t>(n_vec, 1) * 16));
+  cudaError_t err = cudaMalloc(&sink, (size_t)blocks * sizeof(uint32_t));
+  if (err == cudaSuccess) err = cudaMemset(data, 0, n_vec * 16);
+  if (err == cudaSuccess) err = cudaMemcpy(data, host, bytes, cudaMemcpyHostToDevice);
+  if (err == cudaSuccess) err = cudaMemset(sink, 0xAB, (size_t)blocks * sizeof(uint32_t));  // poison
+  if (err == cudaSuccess) {
+    stream_read_kernel<<<blocks, kThreads>>>(data, n_vec, sink);
+    err = cudaGetLastError();
+  }
+  if (err == cudaSuccess) err = cudaMemcpy(out.data(), sink, out.size() * 4, cudaMemcpyDeviceToHost);
+  cudaFree(data);
+  cudaFree(sink);
+  TI_CUDA_CHECK(err);
+  uint32_t r = 0;
+  for (uint32_t v : out) r ^= v;
+  return r;
+}
+
 }  // namespace ti::cuda

@@ -21,4 +21,8 @@ struct BandwidthResult {
 // CUDA events, returns the best. Throws ti::Error(Device) without a usable GPU.
 BandwidthResult measure_read_bandwidth(size_t bytes, int iters);
 
+// For the tests: uploads `bytes` of host data (zero-padded to 16), runs the kernel with `blocks` blocks and
+// returns the XOR of all sink words = the XOR of every 32-bit word of the data (the CPU twin is one line).
+uint32_t stream_read_xor(const void* host, size_t bytes, int blocks);
+
 }  // namespace ti::cuda

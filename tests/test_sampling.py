@@ -163,3 +163,51 @@ def test_stop_prefix_that_does_not_complete_is_released():
 def test_earliest_of_several_stop_strings_wins():
     _, asm = _pieces("one two three", stop=["three", "two"], step=4)
     assert asm.stopped and asm.text == "one "
+
+
+def test_stream_without_tokenizer_still_sets_last_completion(eng):
+    assert list(eng.stream(PROMPT, max_tokens=4, ignore_eos=True)) == []  # no tokenizer: no text pieces
+    assert len(eng.last_completion.token_ids) == 4
+
+
+def test_unfinished_stream_in_same_thread_is_refused_not_corrupted(eng, monkeypatch):
+    monkeypatch.setattr(eng, "tokenizer", type("T", (), {"decode": lambda self, ids, **k: "x" * len(ids)})())
+    want = eng.generate(PROMPT, max_tokens=20, ignore_eos=True).token_ids
+    it = eng.stream(PROMPT, max_tokens=20, ignore_eos=True)
+    assert next(it)  # suspended mid-generation, holding the engine
+    with pytest.raises(InvalidRequestError, match="unfinished stream"):
+        eng.generate(PROMPT, max_tokens=3)
+    "".join(it)  # finishing the suspended stream gives exactly the undisturbed generation
+    assert eng.last_completion.token_ids == want
+    it.close()
+    assert eng.generate(PROMPT, max_tokens=20, ignore_eos=True).token_ids == want
+    it2 = eng.stream(PROMPT, max_tokens=20, ignore_eos=True)
+    next(it2)
+    it2.close()  # abandoned early: the engine is free again
+    assert eng.generate(PROMPT, max_tokens=20, ignore_eos=True).token_ids == want
+
+
+def test_keyboard_interrupt_mid_generation_leaves_engine_usable(eng, monkeypatch):
+    want = eng.generate(PROMPT, max_tokens=24, ignore_eos=True).token_ids
+    real = type(eng._core).decode
+    calls = {"n": 0}
+
+    class Interrupting:
+        def __init__(self, core):
+            self._c = core
+
+        def __getattr__(self, k):
+            return getattr(self._c, k)
+
+        def decode(self, *a, **k):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt
+            return real(self._c, *a, **k)
+
+    core = eng._core
+    monkeypatch.setattr(eng, "_core", Interrupting(core))
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate(PROMPT, max_tokens=24, ignore_eos=True)
+    monkeypatch.setattr(eng, "_core", core)
+    assert eng.generate(PROMPT, max_tokens=24, ignore_eos=True).token_ids == want

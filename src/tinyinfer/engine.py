@@ -10,6 +10,7 @@ pass and then decodes tokens in chunks, back to back, without Python between the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from . import _core
 from .errors import DeviceError, InvalidRequestError, TokenizerError
@@ -94,14 +96,35 @@ class Engine:
             )
         self.max_seq_len = max_seq_len
         store = _core.WeightStore(self.config)
-        for name, array, src_dtype in model.tensors():
+        n_tensors = 2 + 9 * self.config.n_layers + (0 if self.config.tie_word_embeddings else 1)
+        tensors = tqdm(model.tensors(), total=n_tensors, desc="loading", unit="tensor", leave=False,
+                       disable=None)  # disable=None: only on a terminal
+        for name, array, src_dtype in tensors:
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             store.add(name, array, src_dtype)
         store.finish()
         self._core = _core.CpuEngine(store, max_seq_len)
         self._lock = threading.Lock()
+        self._owner: Optional[int] = None  # thread holding the lock
+        self.last_completion: Optional[Completion] = None
         self._chunk = 8  # decode steps per core call: the granularity of streaming and of EOS checks
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """One sequence at a time: other threads wait; the same thread re-entering (a stream left unfinished
+        while another call starts) is refused rather than allowed to corrupt the suspended generation."""
+        me = threading.get_ident()
+        if self._owner == me:
+            raise InvalidRequestError(
+                "this engine is busy with an unfinished stream in this thread; exhaust or close() it first"
+            )
+        with self._lock:
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
 
     # ---- tokens <-> text ----
 
@@ -140,7 +163,7 @@ class Engine:
         ids = self._prompt_ids(list(token_ids))
         if len(ids) > self.max_seq_len:
             raise InvalidRequestError(f"{len(ids)} tokens exceed max_seq_len={self.max_seq_len}")
-        with self._lock:
+        with self._exclusive():
             self._core.reset()
             return self._core.forward(ids, all_logits=True)
 
@@ -149,18 +172,43 @@ class Engine:
     def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs) -> Completion:
         """Generate a completion. Sampling settings come as a SamplingParams and/or keyword arguments
         (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, stop_token_ids, ...)."""
-        result = None
-        for item in self._generate(prompt, SamplingParams.from_kwargs(params, kwargs)):
-            if isinstance(item, Completion):
-                result = item
-        assert result is not None
-        return result
+        for _ in self.stream(prompt, params, **kwargs):
+            pass
+        assert self.last_completion is not None
+        return self.last_completion
 
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs) -> Iterator[str]:
-        """Yield text pieces as they are generated (whole characters only; stop strings never half-shown)."""
-        for item in self._generate(prompt, SamplingParams.from_kwargs(params, kwargs)):
-            if isinstance(item, str) and item:
+        """Yield text pieces as they are generated (whole characters only; stop strings never half-shown).
+        When the iterator is exhausted, `last_completion` holds the Completion."""
+        sp = SamplingParams.from_kwargs(params, kwargs)
+        self.last_completion = None
+        for item in self._generate(prompt, sp):
+            if isinstance(item, Completion):
+                self.last_completion = item
+            elif item:
                 yield item
+
+    # ---- chat ----
+
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template (as transformers'
+        apply_chat_template(tokenize=True) gives them)."""
+        from .chat import render_chat
+
+        tok = self._need_tokenizer()
+        template = getattr(tok, "chat_template", None)
+        if not template:
+            raise TokenizerError(f"{self.path}: the model has no chat template")
+        text = render_chat(template, list(messages), bos_token=tok.bos_token, eos_token=tok.eos_token,
+                           add_generation_prompt=add_generation_prompt)
+        return tok.encode(text, add_special_tokens=False)
+
+    def chat(self, messages: Sequence[dict], params: Optional[SamplingParams] = None, **kwargs) -> Completion:
+        """The assistant's reply to a conversation [{"role": ..., "content": ...}, ...]."""
+        return self.generate(self.apply_chat_template(messages), params, **kwargs)
+
+    def stream_chat(self, messages: Sequence[dict], params: Optional[SamplingParams] = None, **kwargs) -> Iterator[str]:
+        return self.stream(self.apply_chat_template(messages), params, **kwargs)
 
     def _generate(self, prompt: Prompt, sp: SamplingParams) -> Iterator[Union[str, Completion]]:
         t_start = time.perf_counter()
@@ -180,7 +228,7 @@ class Engine:
         stats = Stats(prompt_tokens=len(prompt_ids))
         out: list[int] = []
         finish = "length"
-        with self._lock:
+        with self._exclusive():
             self._core.reset()
             t0 = time.perf_counter()
             self._core.forward(prompt_ids, all_logits=False)

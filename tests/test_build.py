@@ -1,0 +1,28 @@
+"""The package imports and reports its build on any machine (no GPU or driver needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import tinyinfer
+from tinyinfer import _core
+
+
+def test_build_info_and_device_status_without_raising():
+    info = _core.build_info
+    assert set(info) >= {"cuda", "cuda_architectures", "openmp", "version"}
+    assert info["version"] == tinyinfer.__version__
+    status = _core.ops.device_status()
+    assert isinstance(status["usable"], bool)
+    if not status["usable"]:
+        assert status["reason"]  # says why
+
+
+def test_cli_info_and_help():
+    out = subprocess.run([sys.executable, "-m", "tinyinfer", "info"], capture_output=True, text=True, check=True)
+    assert "build:" in out.stdout and "cuda device:" in out.stdout
+    for cmd in ("run", "chat"):
+        h = subprocess.run([sys.executable, "-m", "tinyinfer", cmd, "--help"], capture_output=True, text=True,
+                           check=True)
+        assert "--model" in h.stdout and "--temperature" in h.stdout

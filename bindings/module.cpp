@@ -19,8 +19,10 @@
 #include "../cpp/sampling.h"
 #include "../cpp/weights.h"
 #ifdef TINYINFER_WITH_CUDA
+#include "../cpp/cuda_engine.h"
 #include "../cuda/bandwidth.cuh"
 #include "../cuda/device.cuh"
+#include "../cuda/kernel_tests.cuh"
 #endif
 
 namespace nb = nanobind;
@@ -129,6 +131,42 @@ void bind_config(nb::module_& m) {
       .def("validate", [](const ti::SamplingConfig& s) { ti::validate(s); });
 }
 
+// forward / decode / state: the same Python surface for every engine class.
+template <typename E, typename Cls>
+void bind_engine_common(Cls& cls) {
+  cls.def_prop_ro("config", &E::config)
+      .def_prop_ro("max_seq_len", &E::max_seq_len)
+      .def_prop_ro("position", &E::position)
+      .def_prop_ro("tokens", [](const E& e) { return e.tokens(); })
+      .def("reset", &E::reset)
+      .def(
+          "forward",
+          [](E& e, const std::vector<int64_t>& tokens, bool all_logits) {
+            std::vector<int32_t> ids = to_ids(tokens);
+            if (ids.empty()) ti::fail(ti::ErrorKind::Request, "forward: no tokens given");
+            const size_t rows = all_logits ? ids.size() : 1;
+            float* out = nullptr;
+            F32Out arr = new_f32_array(rows, (size_t)e.config().vocab, &out);
+            {
+              nb::gil_scoped_release release;
+              e.forward(ids.data(), (int64_t)ids.size(), all_logits, out);
+            }
+            return arr;
+          },
+          "tokens"_a, "all_logits"_a = false,
+          "Run tokens at the current position; logits (len(tokens) or 1, vocab) float32.")
+      .def(
+          "decode",
+          [](E& e, int64_t max_steps, const ti::SamplingConfig& s, const std::vector<int64_t>& stop_ids,
+             uint64_t step0) {
+            std::vector<int32_t> stops = to_ids(stop_ids);
+            nb::gil_scoped_release release;
+            return e.decode(max_steps, s, stops, step0);
+          },
+          "max_steps"_a, "sampling"_a, "stop_ids"_a, "step0"_a = 0,
+          "Sample and run up to max_steps tokens; stops after a stop id (included).");
+}
+
 void bind_engine(nb::module_& m) {
   nb::class_<ti::WeightStore>(m, "WeightStore", "Named host tensors in, checked fp32 weights out.")
       .def(nb::init<const ti::ModelConfig&>(), "config"_a)
@@ -152,39 +190,58 @@ void bind_engine(nb::module_& m) {
       .def("required_names", &ti::WeightStore::required_names)
       .def_prop_ro("config", &ti::WeightStore::config);
 
-  nb::class_<ti::CpuEngine>(m, "CpuEngine", "The fp32 reference engine (one sequence).")
-      .def(nb::init<std::shared_ptr<const ti::WeightStore>, int64_t>(), "weights"_a, "max_seq_len"_a)
-      .def_prop_ro("config", &ti::CpuEngine::config)
-      .def_prop_ro("max_seq_len", &ti::CpuEngine::max_seq_len)
-      .def_prop_ro("position", &ti::CpuEngine::position)
-      .def_prop_ro("tokens", [](const ti::CpuEngine& e) { return e.tokens(); })
-      .def("reset", &ti::CpuEngine::reset)
-      .def(
-          "forward",
-          [](ti::CpuEngine& e, const std::vector<int64_t>& tokens, bool all_logits) {
-            std::vector<int32_t> ids = to_ids(tokens);
-            if (ids.empty()) ti::fail(ti::ErrorKind::Request, "forward: no tokens given");
-            const size_t rows = all_logits ? ids.size() : 1;
-            float* out = nullptr;
-            F32Out arr = new_f32_array(rows, (size_t)e.config().vocab, &out);
-            {
-              nb::gil_scoped_release release;
-              e.forward(ids.data(), (int64_t)ids.size(), all_logits, out);
-            }
-            return arr;
-          },
-          "tokens"_a, "all_logits"_a = false,
-          "Run tokens at the current position; logits (len(tokens) or 1, vocab) float32.")
-      .def(
-          "decode",
-          [](ti::CpuEngine& e, int64_t max_steps, const ti::SamplingConfig& s, const std::vector<int64_t>& stop_ids,
-             uint64_t step0) {
-            std::vector<int32_t> stops = to_ids(stop_ids);
+  auto cpu = nb::class_<ti::CpuEngine>(m, "CpuEngine", "The fp32 reference engine (one sequence).");
+  cpu.def(nb::init<std::shared_ptr<const ti::WeightStore>, int64_t>(), "weights"_a, "max_seq_len"_a);
+  bind_engine_common<ti::CpuEngine>(cpu);
+
+#ifdef TINYINFER_WITH_CUDA
+  nb::class_<ti::CudaOptions>(m, "CudaOptions")
+      .def(nb::init<>())
+      .def_rw("pdl", &ti::CudaOptions::pdl)
+      .def_rw("graphs", &ti::CudaOptions::graphs)
+      .def_rw("attn_chunk", &ti::CudaOptions::attn_chunk)
+      .def_rw("gemv_rows", &ti::CudaOptions::gemv_rows);
+  auto gpu = nb::class_<ti::CudaEngine>(m, "CudaEngine", "The GPU engine: fp16 weights, graph-replayed decode.");
+  gpu.def(nb::init<std::shared_ptr<const ti::WeightStore>, int64_t, ti::CudaOptions>(), "weights"_a,
+          "max_seq_len"_a, "options"_a = ti::CudaOptions(), nb::call_guard<nb::gil_scoped_release>())
+      .def_static(
+          "random",
+          [](const ti::ModelConfig& c, int64_t max_seq_len, uint64_t seed, ti::CudaOptions opt) {
             nb::gil_scoped_release release;
-            return e.decode(max_steps, s, stops, step0);
+            return new ti::CudaEngine(c, max_seq_len, seed, opt);
           },
-          "max_steps"_a, "sampling"_a, "stop_ids"_a, "step0"_a = 0,
-          "Sample and run up to max_steps tokens; stops after a stop id (included).");
+          "config"_a, "max_seq_len"_a, "seed"_a = 0, "options"_a = ti::CudaOptions(),
+          nb::rv_policy::take_ownership, "Random fp16 weights at the config's shape, made on the GPU (benchmarks).")
+      .def_prop_ro("last_decode_ms", &ti::CudaEngine::last_decode_ms)
+      .def_prop_ro("weight_bytes", &ti::CudaEngine::weight_bytes)
+      .def_prop_ro("kv_cache_bytes", &ti::CudaEngine::kv_cache_bytes)
+      .def_prop_ro("scratch_bytes", &ti::CudaEngine::scratch_bytes)
+      .def_prop_ro("uses_pdl", &ti::CudaEngine::uses_pdl)
+      .def_prop_ro("uses_graphs", &ti::CudaEngine::uses_graphs)
+      .def_prop_ro("device_name", &ti::CudaEngine::device_name)
+      .def("gemv_table",
+           [](const ti::CudaEngine& e) {
+             nb::list out;
+             for (const ti::GemvChoice& g : e.gemv_table()) {
+               nb::dict d;
+               d["name"] = g.name;
+               d["rows"] = g.rows;
+               d["K"] = g.K;
+               d["copies"] = g.copies;
+               d["R"] = g.R;
+               d["tried_R"] = g.tried_R;
+               d["us"] = g.us;
+               d["gb_per_s"] = g.gb_per_s;
+               out.append(d);
+             }
+             return out;
+           })
+      .def("time_decode_step", &ti::CudaEngine::time_decode_step, "context"_a, "steps"_a,
+           nb::call_guard<nb::gil_scoped_release>(), "GPU ms per graph-replayed decode step at this context.")
+      .def("time_attention", &ti::CudaEngine::time_attention, "context"_a, "reps"_a,
+           nb::call_guard<nb::gil_scoped_release>(), "GPU µs of one layer's decode attention at this context.");
+  bind_engine_common<ti::CudaEngine>(gpu);
+#endif
 }
 
 void bind_ops(nb::module_& m) {
@@ -250,6 +307,58 @@ void bind_ops(nb::module_& m) {
         return ti::cuda::stream_read_xor(a.data(), a.shape(0), blocks);
       },
       "data"_a, "blocks"_a, "Runs the bandwidth kernel over `data`; the XOR of all its 32-bit words.");
+  ops.def(
+      "gemv",
+      [](nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> W, F32In1 x, F32In1 norm_w,
+         float eps, F32In1 y_init, int R, const std::string& in, const std::string& out) {
+        const int rows = (int)W.shape(0), K = (int)W.shape(1);
+        if ((int)x.shape(0) != K) ti::fail(ti::ErrorKind::Request, "gemv: len(x) != W.shape[1]");
+        const ti::cuda::GemvIn gi = in == "f32norm" ? ti::cuda::GemvIn::F32Norm : ti::cuda::GemvIn::F16;
+        const ti::cuda::GemvOut go = out == "add" ? ti::cuda::GemvOut::AddF32
+                                     : out == "swiglu" ? ti::cuda::GemvOut::Swiglu : ti::cuda::GemvOut::F32;
+        if (gi == ti::cuda::GemvIn::F32Norm && (int)norm_w.shape(0) != K)
+          ti::fail(ti::ErrorKind::Request, "gemv: len(norm_w) != K");
+        if (go == ti::cuda::GemvOut::AddF32 && (int)y_init.shape(0) != rows)
+          ti::fail(ti::ErrorKind::Request, "gemv: len(y_init) != rows");
+        std::vector<float> y;
+        {
+          nb::gil_scoped_release release;
+          y = ti::cuda::run_gemv(W.data(), rows, K, x.data(), norm_w.data(), eps, y_init.data(), R, gi, go);
+        }
+        return y;
+      },
+      "W_f16_bits"_a, "x"_a, "norm_w"_a, "eps"_a, "y_init"_a, "R"_a, "input"_a, "output"_a,
+      "One GEMV launch (cuda/gemv.cu). input: 'f16' | 'f32norm'; output: 'f32' | 'add' | 'swiglu'.");
+  ops.def(
+      "decode_attention",
+      [](F32In1 qkv, nb::ndarray<uint16_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> k_cache,
+         nb::ndarray<uint16_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> v_cache, F32In2 cos, F32In2 sin,
+         int pos, int n_heads, int chunk) {
+        const int n_kv = (int)k_cache.shape(0), max_seq = (int)k_cache.shape(1), hd = (int)k_cache.shape(2);
+        if ((int)qkv.shape(0) != (n_heads + 2 * n_kv) * hd) ti::fail(ti::ErrorKind::Request, "attention: bad qkv length");
+        if (pos < 0 || pos >= max_seq) ti::fail(ti::ErrorKind::Request, "attention: pos out of range");
+        if ((int)cos.shape(0) != max_seq || (int)cos.shape(1) != hd / 2) ti::fail(ti::ErrorKind::Request, "attention: bad rope table");
+        std::vector<float> o;
+        {
+          nb::gil_scoped_release release;
+          o = ti::cuda::run_decode_attention(qkv.data(), k_cache.data(), v_cache.data(), cos.data(), sin.data(), pos,
+                                             n_heads, n_kv, hd, max_seq, chunk);
+        }
+        return o;
+      },
+      "qkv"_a, "k_cache"_a, "v_cache"_a, "cos"_a, "sin"_a, "pos"_a, "n_heads"_a, "chunk"_a,
+      "One decode-attention call (cuda/attention.cu); the caches (fp16 bits) are updated in place.");
+  ops.def(
+      "sample",
+      [](F32In1 logits, float temperature, int top_k, float top_p, float min_p, float rep, unsigned long long seed,
+         int step, nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> seen) {
+        if (seen.shape(0) != logits.shape(0)) ti::fail(ti::ErrorKind::Request, "sample: len(seen) != vocab");
+        nb::gil_scoped_release release;
+        return ti::cuda::run_sample(logits.data(), (int)logits.shape(0), temperature, top_k, top_p, min_p, rep, seed,
+                                    step, seen.data());
+      },
+      "logits"_a, "temperature"_a, "top_k"_a, "top_p"_a, "min_p"_a, "repetition_penalty"_a, "seed"_a, "step"_a,
+      "seen"_a, "One on-device sampling call (cuda/sampling.cu).");
 #else
   ops.def("cuda_compiled", []() { return false; });
   ops.def("device_status", []() {

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "errors.h"
+#include "rng.h"
 
 namespace ti {
 
@@ -18,18 +19,6 @@ void validate(const SamplingConfig& s) {
   if (!(s.min_p >= 0.0f && s.min_p <= 1.0f)) bad("min_p must be in [0, 1] (got " + std::to_string(s.min_p) + ")");
   if (!(s.repetition_penalty > 0.0f) || !std::isfinite(s.repetition_penalty))
     bad("repetition_penalty must be > 0 (got " + std::to_string(s.repetition_penalty) + ")");
-}
-
-static uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-float uniform_from_counter(uint64_t seed, uint64_t step) {
-  const uint64_t r = splitmix64(splitmix64(seed) ^ step);
-  return (float)(r >> 40) * (1.0f / 16777216.0f);  // 24 random bits -> [0, 1)
 }
 
 int32_t argmax(const float* logits, int64_t vocab) {

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "rng.h"  // uniform_from_counter(seed, step)
+
 namespace ti {
 
 struct SamplingConfig {
@@ -19,9 +21,6 @@ struct SamplingConfig {
 
 // Throws ti::Error(Request) naming the bad field.
 void validate(const SamplingConfig& s);
-
-// A uniform float in [0, 1) from (seed, step): splitmix64 of both.
-float uniform_from_counter(uint64_t seed, uint64_t step);
 
 int32_t argmax(const float* logits, int64_t vocab);
 

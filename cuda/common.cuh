@@ -1,7 +1,16 @@
-// common.cuh — helpers shared by the kernel files: error checks, vector loads, warp reductions.
+// common.cuh — helpers shared by the kernel files: error checks, vector loads, fp16 dot products, warp and
+// block reductions, and programmatic dependent launch (PDL).
+//
+// PDL (sm_90+): a kernel launched with the programmatic-serialization attribute may start while the previous
+// kernel still runs. Every kernel therefore (1) may read only data nobody writes during the step (weights)
+// before pdl_wait(), and (2) calls pdl_wait() before it reads what the previous kernel wrote or writes
+// anything — every kernel waits, so completion stays ordered transitively. Below sm_90 both are no-ops and
+// launches are ordinary stream-ordered ones.
 #pragma once
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "../cpp/errors.h"
@@ -20,10 +29,83 @@ namespace ti::cuda {
 // 16-byte load that skips L1 (streamed data is read once).
 __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p); }
 
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result. `red` holds 33 floats.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // red may still be in use by a previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float s = lane < nw ? red[lane] : 0.0f;
+    s = warp_sum(s);
+    if (lane == 0) red[32] = s;
+  }
+  __syncthreads();
+  return red[32];
+}
+
+// dot of 8 fp16 weights with 8 fp32 inputs, accumulated in fp32.
+__device__ __forceinline__ float dot8(const uint4& w, const float* x) {
+  const __half2* h = reinterpret_cast<const __half2*>(&w);
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const float2 f = __half22float2(h[i]);
+    s = fmaf(f.x, x[2 * i], s);
+    s = fmaf(f.y, x[2 * i + 1], s);
+  }
+  return s;
+}
+
+__device__ __forceinline__ void unpack8(const uint4& v, float* out) {
+  const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const float2 f = __half22float2(h[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+// Launch `kernel` on `stream`, with programmatic dependent launch when `pdl` (the device is sm_90+).
+template <typename... KArgs, typename... Args>
+void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+            Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  TI_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+inline int64_t pad8(int64_t n) { return (n + 7) / 8 * 8; }
 
 }  // namespace ti::cuda

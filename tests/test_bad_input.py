@@ -157,9 +157,14 @@ def test_bad_engine_arguments(good_dir):
         Engine(good_dir, max_seq_len=0)
 
 
-def test_cuda_device_without_gpu_engine(good_dir):
-    with pytest.raises(DeviceError, match="cuda"):
+def test_cuda_device_without_a_gpu(good_dir):
+    from tinyinfer.engine import cuda_status
+
+    if cuda_status()[0]:
+        pytest.skip("a GPU is usable here")
+    with pytest.raises(DeviceError, match="no usable GPU"):
         Engine(good_dir, device="cuda")
+    assert Engine(good_dir, device="auto").device == "cpu"  # auto falls back
 
 
 def test_refused_requests_leave_engine_usable(good_dir):

@@ -23,3 +23,159 @@ def test_read_bandwidth_reports_a_plausible_number():
     r = _core.ops.read_bandwidth(1 << 28, 5)
     assert r["bytes"] == 1 << 28 and r["best_ms"] > 0
     assert 10 < r["gb_per_s"] < 20000  # GB/s: any real GPU is inside this range
+
+
+# ---- GEMV (cuda/gemv.cu) vs numpy ----
+
+def _gemv_ref(W16, x, norm_w, eps, y_init, mode_in, mode_out):
+    W = W16.astype(np.float64)
+    if mode_in == "f16":
+        xin = x.astype(np.float16).astype(np.float64)
+    else:
+        inv = 1.0 / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps)
+        xin = (norm_w * (x * np.float32(inv))).astype(np.float16).astype(np.float64)
+    y = W @ xin
+    bound = np.abs(W) @ np.abs(xin)  # the scale of each dot: rounding error is relative to this
+    if mode_out == "add":
+        y = y + y_init
+    if mode_out == "swiglu":
+        g, u = y[0::2], y[1::2]
+        y = g / (1 + np.exp(-g)) * u
+        bound = np.maximum(bound[0::2], bound[1::2]) * (np.abs(u) + np.abs(g) + 1)
+    return y, bound
+
+
+@pytest.mark.parametrize("rows, K", [(333, 1000), (2048, 5632), (64, 300), (2, 8), (1000, 2048), (6, 4104)])
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("mode_in, mode_out", [("f16", "f32"), ("f32norm", "f32"), ("f16", "add"),
+                                               ("f32norm", "swiglu")])
+def test_gemv_matches_numpy(rows, K, R, mode_in, mode_out):
+    if mode_out == "swiglu" and (R == 1 or rows % 2):
+        pytest.skip("swiglu needs R >= 2 and an even row count")
+    rng = np.random.default_rng(rows * 7 + K)
+    W16 = (rng.standard_normal((rows, K)) / np.sqrt(K)).astype(np.float16)
+    x = rng.standard_normal(K).astype(np.float32)
+    norm_w = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    y_init = rng.standard_normal(rows).astype(np.float32)
+    y = np.array(_core.ops.gemv(W16.view(np.uint16), x, norm_w, 1e-5, y_init, R, mode_in, mode_out))
+    ref, bound = _gemv_ref(W16, x, norm_w, 1e-5, y_init, mode_in, mode_out)
+    assert y.shape == ref.shape
+    assert np.isfinite(y).all(), "an output was not written (poisoned NaN left)"
+    tol = (2e-3 if mode_out == "swiglu" else 2e-5) * bound + 1e-6
+    bad = np.abs(y - ref) > tol
+    assert not bad.any(), f"{bad.sum()} of {bad.size} outside tolerance; worst {np.abs(y - ref).max():.3g}"
+
+
+def test_gemv_refuses_bad_variant():
+    W = np.zeros((4, 8), np.uint16)
+    x = np.zeros(8, np.float32)
+    with pytest.raises(Exception, match="R=3"):
+        _core.ops.gemv(W, x, x, 1e-5, np.zeros(4, np.float32), 3, "f16", "f32")
+
+
+# ---- decode attention (cuda/attention.cu) vs numpy ----
+
+def _rope_tables(max_seq, hd, theta=10000.0):
+    inv = (1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd)).astype(np.float32)
+    ang = np.arange(max_seq, dtype=np.float32)[:, None] * inv[None, :]
+    return np.cos(ang.astype(np.float64)).astype(np.float32), np.sin(ang.astype(np.float64)).astype(np.float32)
+
+
+def _rot(x, c, s):
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 7, 8, 16])
+@pytest.mark.parametrize("hd", [64, 96, 128, 256])
+@pytest.mark.parametrize("pos", [0, 63, 64, 200, 511])
+def test_decode_attention_matches_numpy(group, hd, pos):
+    n_kv, max_seq, chunk = 2, 512, 64
+    n_heads = n_kv * group
+    rng = np.random.default_rng(group * 1000 + hd + pos)
+    qkv = rng.standard_normal((n_heads + 2 * n_kv) * hd).astype(np.float32)
+    kc = rng.standard_normal((n_kv, max_seq, hd)).astype(np.float16)
+    vc = rng.standard_normal((n_kv, max_seq, hd)).astype(np.float16)
+    kc[:, pos + 1 :] = np.nan  # positions past pos must never be read
+    vc[:, pos + 1 :] = np.nan
+    cos, sin = _rope_tables(max_seq, hd)
+    kb, vb = kc.view(np.uint16).copy(), vc.view(np.uint16).copy()
+    out = np.array(_core.ops.decode_attention(qkv, kb, vb, cos, sin, pos, n_heads, chunk))
+
+    q = qkv[: n_heads * hd].reshape(n_heads, hd)
+    k = qkv[n_heads * hd : (n_heads + n_kv) * hd].reshape(n_kv, hd)
+    v = qkv[(n_heads + n_kv) * hd :].reshape(n_kv, hd)
+    c, s = cos[pos], sin[pos]
+    k_new = _rot(k, c, s).astype(np.float16)
+    kc[:, pos], vc[:, pos] = k_new, v.astype(np.float16)
+    # the kernel wrote rope(k) and v at pos (fp16), and nothing else
+    np.testing.assert_array_equal(kb.view(np.float16)[:, pos], k_new)
+    np.testing.assert_array_equal(vb.view(np.float16)[:, pos], v.astype(np.float16))
+    np.testing.assert_array_equal(kb.view(np.float16)[:, :pos], kc[:, :pos])
+    qr = _rot(q, c, s).astype(np.float64) / np.sqrt(hd)
+    ref = np.empty((n_heads, hd))
+    for h in range(n_heads):
+        K = kc[h // group, : pos + 1].astype(np.float64)
+        V = vc[h // group, : pos + 1].astype(np.float64)
+        sc = K @ qr[h]
+        p = np.exp(sc - sc.max())
+        ref[h] = p @ V / p.sum()
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out.reshape(n_heads, hd), ref, atol=3e-3, rtol=3e-3)
+
+
+# ---- sampling (cuda/sampling.cu) ----
+
+def _sample(logits, **kw):
+    args = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=0, step=0)
+    args.update(kw)
+    seen = kw.pop("seen", None)
+    if seen is None:
+        seen = np.zeros(len(logits), np.uint8)
+    args.pop("seen", None)
+    return _core.ops.sample(logits, args["temperature"], args["top_k"], args["top_p"], args["min_p"],
+                            args["repetition_penalty"], args["seed"], args["step"], seen)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 32000, 49152, 128256])
+def test_greedy_sampling_is_argmax_lowest_id(vocab):
+    rng = np.random.default_rng(vocab)
+    logits = rng.standard_normal(vocab).astype(np.float32)
+    assert _sample(logits) == int(np.argmax(logits))
+    logits[vocab // 3] = logits[vocab // 2] = logits.max() + 1  # a tie: the lower id wins
+    assert _sample(logits) == min(vocab // 3, vocab // 2)
+
+
+def test_repetition_penalty_on_device_matches_reference():
+    logits = np.array([3.0, 2.9, -1.0, 2.0], np.float32)
+    seen = np.array([1, 0, 0, 0], np.uint8)
+    assert _sample(logits) == 0
+    assert _sample(logits, repetition_penalty=1.5, seen=seen) == 1  # 3.0 / 1.5 = 2.0 < 2.9
+
+
+def test_topk1_and_cutoffs_respected():
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal(5000).astype(np.float32) * 3
+    order = np.argsort(-logits, kind="stable")
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    cum = np.cumsum(p[order])
+    top_p_set = set(order[: int(np.searchsorted(cum, 0.6) + 1)].tolist())
+    for step in range(200):
+        assert _sample(logits, temperature=1.0, top_k=1, seed=5, step=step) == order[0]
+        assert _sample(logits, temperature=1.0, top_k=5, seed=5, step=step) in set(order[:5].tolist())
+        assert _sample(logits, temperature=1.0, top_p=0.6, seed=5, step=step) in top_p_set
+        t = _sample(logits, temperature=1.0, min_p=0.2, seed=5, step=step)
+        assert p[t] >= 0.2 * p.max() * (1 - 1e-5)
+
+
+def test_sampling_follows_the_distribution_and_seed_reproduces():
+    logits = np.log(np.array([0.5, 0.25, 0.125, 0.0625, 0.0625], np.float32))
+    n = 4000
+    draws = np.array([_sample(logits, temperature=1.0, seed=11, step=i) for i in range(n)])
+    freq = np.bincount(draws, minlength=5) / n
+    want = np.exp(logits) / np.exp(logits).sum()
+    assert np.all(np.abs(freq - want) <= 4.5 * np.sqrt(want * (1 - want) / n))
+    again = np.array([_sample(logits, temperature=1.0, seed=11, step=i) for i in range(50)])
+    np.testing.assert_array_equal(again, draws[:50])

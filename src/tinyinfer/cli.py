@@ -1,4 +1,4 @@
-"""The tinyinfer command line: run | chat | info.
+"""The tinyinfer command line: run | chat | bench | verify | info.
 
     tinyinfer run "Write a haiku about GPUs."          # default model, chat template, answer + stats line
     tinyinfer run --model path/to/model --raw "Once"    # plain completion, no chat template
@@ -53,7 +53,8 @@ def _engine(args):
 def stats_line(eng, out) -> str:
     s = out.stats
     return (f"[{eng.device} {eng.dtype}] prompt {s.prompt_tokens} tokens in {s.prefill_ms:.1f} ms | "
-            f"{s.decode_tokens} tokens | decode {s.decode_tok_s:.1f} tok/s | {s.wall_s:.2f} s wall")
+            f"{s.decode_tokens} tokens | decode {s.decode_tok_s:.1f} tok/s"
+            f"{' (GPU time)' if s.decode_timer == 'GPU time' else ''} | {s.wall_s:.2f} s wall")
 
 
 def cmd_run(args) -> int:
@@ -114,6 +115,26 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from . import bench
+
+    contexts = tuple(int(c) for c in args.contexts.split(","))
+    bench.run(shape=args.shape, model=args.model, contexts=contexts, steps=args.steps, json_path=args.json)
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from . import bench
+
+    model = args.model
+    if model is None:
+        from .models import default_model_path
+
+        model = default_model_path()
+    res = bench.verify(model, steps=args.steps)
+    return 0 if res["argmax_mismatches"] == 0 else 3
+
+
 def cmd_info(args) -> int:
     from . import _core
 
@@ -140,6 +161,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.add_argument("--system", default=None, help="system message")
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("bench", help="GPU decode speed vs the measured memory roofline")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--shape", default=None, help="random weights at a real shape: smollm2-135m, smollm2-360m, "
+                   "tinyllama-1.1b (default), llama2-7b")
+    g.add_argument("--model", "-m", default=None, help="a real model (HF dir or .gguf)")
+    p.add_argument("--contexts", default="16,1024,4096", help="comma-separated contexts (default 16,1024,4096)")
+    p.add_argument("--steps", type=int, default=256, help="decode steps timed per context (default 256)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("verify", help="GPU engine vs CPU engine: worst relative logit error, argmax mismatches")
+    p.add_argument("--model", "-m", default=None)
+    p.add_argument("steps", nargs="?", type=int, default=32)
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("info", help="build and GPU information")
     p.set_defaults(func=cmd_info)

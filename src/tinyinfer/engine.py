@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ class Stats:
     prefill_ms: float = 0.0
     decode_tokens: int = 0
     decode_s: float = 0.0
+    decode_timer: str = "wall"  # "wall" | "GPU time"
     wall_s: float = 0.0
 
     @property
@@ -55,15 +57,32 @@ class Completion:
     stats: Stats = field(default_factory=Stats)
 
 
+def cuda_status() -> tuple[bool, str]:
+    """(usable, reason): whether this build has the GPU engine and a usable GPU is present."""
+    if not hasattr(_core, "CudaEngine"):
+        return False, "this build of tinyinfer has no CUDA backend (no CUDA compiler when it was built)"
+    status = _core.ops.device_status()
+    return bool(status["usable"]), str(status.get("reason") or "")
+
+
+_fallback_said = False
+
+
 def _pick_device(device: str) -> str:
+    global _fallback_said
     if device not in _DEVICES:
         raise InvalidRequestError(f"device must be one of {', '.join(_DEVICES)} (got {device!r})")
+    if device == "cpu":
+        return "cpu"
+    usable, reason = cuda_status()
+    if usable:
+        return "cuda"
     if device == "cuda":
-        raise DeviceError(
-            "device='cuda': this build of tinyinfer has no GPU engine yet (it comes with the CUDA engine); "
-            "use device='cpu' or 'auto'"
-        )
-    return "cpu"  # "auto": the CPU reference engine until the GPU engine exists
+        raise DeviceError(f"device='cuda' but no usable GPU: {reason}")
+    if not _fallback_said:  # "auto": say once per process why the CPU engine runs
+        print(f"tinyinfer: no usable GPU ({reason}); running the CPU engine", file=sys.stderr)
+        _fallback_said = True
+    return "cpu"
 
 
 class Engine:
@@ -80,6 +99,8 @@ class Engine:
         if dtype not in _DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(_DTYPES)} (got {dtype!r})")
         self.device = _pick_device(device)
+        if self.device == "cuda" and dtype != "fp16":
+            raise InvalidRequestError(f"dtype={dtype!r}: the GPU engine stores fp16 weights (dtype='fp16')")
         self.dtype = "fp32" if self.device == "cpu" else dtype  # the CPU reference engine computes in fp32
         model = load_model(path)
         self.config: _core.ModelConfig = model.config
@@ -104,11 +125,16 @@ class Engine:
                 continue
             store.add(name, array, src_dtype)
         store.finish()
-        self._core = _core.CpuEngine(store, max_seq_len)
+        if self.device == "cuda":
+            self._core = _core.CudaEngine(store, max_seq_len)
+        else:
+            self._core = _core.CpuEngine(store, max_seq_len)
         self._lock = threading.Lock()
         self._owner: Optional[int] = None  # thread holding the lock
         self.last_completion: Optional[Completion] = None
-        self._chunk = 8  # decode steps per core call: the granularity of streaming and of EOS checks
+        # decode steps per core call: the granularity of streaming and of EOS checks (at most one chunk of
+        # work is wasted after an EOS)
+        self._chunk = 32 if self.device == "cuda" else 8
 
     @contextlib.contextmanager
     def _exclusive(self):
@@ -234,8 +260,10 @@ class Engine:
             self._core.forward(prompt_ids, all_logits=False)
             stats.prefill_ms = (time.perf_counter() - t0) * 1e3
             t0 = time.perf_counter()
+            gpu_ms = 0.0
             while len(out) < sp.max_tokens:
                 new = self._core.decode(min(self._chunk, sp.max_tokens - len(out)), sampling, stop_ids, len(out))
+                gpu_ms += getattr(self._core, "last_decode_ms", 0.0)
                 out += new
                 ended = bool(new) and new[-1] in stop_ids
                 if text is not None:
@@ -248,6 +276,8 @@ class Engine:
                     finish = "stop"
                     break
             stats.decode_s = time.perf_counter() - t0
+            if self.device == "cuda":  # GPU time of the decode steps (events), as the stats line says
+                stats.decode_s, stats.decode_timer = gpu_ms / 1e3, "GPU time"
         if text is not None and not text.stopped and finish == "length":
             yield text.add([], final=True)
         stats.decode_tokens = len(out)

@@ -1,0 +1,547 @@
+#include "cuda_engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "../cuda/attention.cuh"
+#include "../cuda/common.cuh"
+#include "../cuda/embedding.cuh"
+#include "errors.h"
+#include "rope.h"
+
+namespace ti {
+
+using cuda::GemvIn;
+using cuda::GemvOut;
+
+// ---- setup ----
+
+void CudaEngine::init_device() {
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    fail(ErrorKind::Device, std::string("no usable CUDA device: ") +
+                                (err != cudaSuccess ? cudaGetErrorString(err) : "no device found"));
+  }
+  cudaDeviceProp prop{};
+  TI_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  if (prop.major < 7 || (prop.major == 7 && prop.minor < 5))
+    fail(ErrorKind::Device, std::string(prop.name) + " (sm_" + std::to_string(prop.major * 10 + prop.minor) +
+                                ") is older than the supported sm_75");
+  device_name_ = prop.name;
+  pdl_ = opt_.pdl && prop.major >= 9;
+  if (max_seq_ < 1) fail(ErrorKind::Request, "max_seq_len must be >= 1");
+  if (opt_.attn_chunk < 8) fail(ErrorKind::Request, "attn_chunk must be >= 8");
+  TI_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  TI_CUDA_CHECK(cudaEventCreate(&ev0_));
+  TI_CUDA_CHECK(cudaEventCreate(&ev1_));
+}
+
+void* CudaEngine::dalloc(size_t bytes, bool scratch) {
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 16));
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    fail(ErrorKind::Device, "out of GPU memory: allocating " + std::to_string(bytes >> 20) + " MiB with " +
+                                std::to_string(free_b >> 20) + " MiB free of " + std::to_string(total_b >> 20) +
+                                " MiB (weights " + std::to_string(weight_bytes_ >> 20) + " MiB, KV cache " +
+                                std::to_string(kv_bytes_ >> 20) + " MiB so far; try a smaller max_seq_len)");
+  }
+  allocations_.push_back(p);
+  if (scratch) scratch_bytes_ += bytes;
+  return p;
+}
+
+void CudaEngine::allocate() {
+  const ModelConfig& c = cfg_;
+  ld_h_ = (int)cuda::pad8(c.hidden);
+  ld_q_ = (int)cuda::pad8(c.q_dim);
+  ld_i_ = (int)cuda::pad8(c.intermediate);
+  auto weights = [&](size_t n) {
+    weight_bytes_ += n * sizeof(__half);
+    return static_cast<__half*>(dalloc(n * sizeof(__half), false));
+  };
+  auto norm = [&](size_t n) {
+    weight_bytes_ += n * sizeof(float);
+    return static_cast<float*>(dalloc(n * sizeof(float), false));
+  };
+  layers_.resize((size_t)c.n_layers);
+  for (Layer& L : layers_) {
+    L.w_qkv = weights((size_t)(c.q_dim + 2 * c.kv_dim) * ld_h_);
+    L.w_o = weights((size_t)c.hidden * ld_q_);
+    L.w_gate_up = weights((size_t)2 * c.intermediate * ld_h_);
+    L.w_down = weights((size_t)c.hidden * ld_i_);
+    L.attn_norm = norm((size_t)c.hidden);
+    L.mlp_norm = norm((size_t)c.hidden);
+  }
+  embedding_ = weights((size_t)c.vocab * ld_h_);
+  lm_head_ = c.tie_word_embeddings ? embedding_ : weights((size_t)c.vocab * ld_h_);
+  final_norm_ = norm((size_t)c.hidden);
+
+  const size_t kv = (size_t)c.n_layers * c.n_kv_heads * max_seq_ * c.head_dim;
+  kv_bytes_ = 2 * kv * sizeof(__half);
+  k_cache_ = static_cast<__half*>(dalloc(kv * sizeof(__half), false));
+  v_cache_ = static_cast<__half*>(dalloc(kv * sizeof(__half), false));
+  TI_CUDA_CHECK(cudaMemsetAsync(k_cache_, 0, kv * sizeof(__half), stream_));
+  TI_CUDA_CHECK(cudaMemsetAsync(v_cache_, 0, kv * sizeof(__half), stream_));
+
+  const int64_t max_chunks = (max_seq_ + opt_.attn_chunk - 1) / opt_.attn_chunk;
+  x_ = static_cast<float*>(dalloc(c.hidden * sizeof(float), true));
+  qkv_ = static_cast<float*>(dalloc((c.q_dim + 2 * c.kv_dim) * sizeof(float), true));
+  att_ = static_cast<__half*>(dalloc(ld_q_ * sizeof(__half), true));
+  h_ = static_cast<__half*>(dalloc(ld_i_ * sizeof(__half), true));
+  logits_ = static_cast<float*>(dalloc(c.vocab * sizeof(float), true));
+  part_o_ = static_cast<float*>(dalloc(c.n_heads * max_chunks * c.head_dim * sizeof(float), true));
+  part_ml_ = static_cast<float*>(dalloc(c.n_heads * max_chunks * 2 * sizeof(float), true));
+  const size_t rope_n = (size_t)max_seq_ * (c.head_dim / 2);
+  rope_cos_ = static_cast<float*>(dalloc(rope_n * sizeof(float), true));
+  rope_sin_ = static_cast<float*>(dalloc(rope_n * sizeof(float), true));
+  RopeTable rt = rope_table(c, max_seq_);  // the CPU engine's own table: identical angles
+  TI_CUDA_CHECK(cudaMemcpy(rope_cos_, rt.cos.data(), rope_n * sizeof(float), cudaMemcpyHostToDevice));
+  TI_CUDA_CHECK(cudaMemcpy(rope_sin_, rt.sin.data(), rope_n * sizeof(float), cudaMemcpyHostToDevice));
+
+  d_sampling_ = static_cast<cuda::DeviceSampling*>(dalloc(sizeof(cuda::DeviceSampling), true));
+  d_state_ = static_cast<cuda::DecodeState*>(dalloc(sizeof(cuda::DecodeState), true));
+  d_seen_ = static_cast<unsigned char*>(dalloc(c.vocab, true));
+  d_probs_ = static_cast<float*>(dalloc(c.vocab * sizeof(float), true));
+  d_out_ = static_cast<int*>(dalloc(max_seq_ * sizeof(int), true));
+  TI_CUDA_CHECK(cudaMemsetAsync(d_seen_, 0, c.vocab, stream_));
+  TI_CUDA_CHECK(cudaMallocHost(&h_state_, sizeof(cuda::DecodeState)));
+  TI_CUDA_CHECK(cudaMallocHost(&h_sampling_, sizeof(cuda::DeviceSampling)));
+  TI_CUDA_CHECK(cudaMallocHost(&h_out_, max_seq_ * sizeof(int)));
+  *h_state_ = cuda::DecodeState{};
+  *h_sampling_ = cuda::DeviceSampling{};
+  TI_CUDA_CHECK(cudaMemcpyAsync(d_state_, h_state_, sizeof(*h_state_), cudaMemcpyHostToDevice, stream_));
+  TI_CUDA_CHECK(cudaMemcpyAsync(d_sampling_, h_sampling_, sizeof(*h_sampling_), cudaMemcpyHostToDevice, stream_));
+}
+
+// Host fp32 (rows, K) -> device fp16 (rows, ld), zero padded; `row_of(i)` places source row i.
+template <typename RowOf>
+static void upload_matrix(__half* dst, const float* src, int64_t rows, int64_t K, int64_t ld, RowOf row_of,
+                          cudaStream_t s) {
+  std::vector<uint16_t> host((size_t)(rows * ld), 0);
+  for (int64_t i = 0; i < rows; i++) {
+    uint16_t* out = &host[(size_t)(row_of(i) * ld)];
+    for (int64_t k = 0; k < K; k++) out[k] = float_to_half(src[i * K + k]);
+  }
+  TI_CUDA_CHECK(cudaMemcpyAsync(dst, host.data(), host.size() * 2, cudaMemcpyHostToDevice, s));
+  TI_CUDA_CHECK(cudaStreamSynchronize(s));  // `host` dies here
+}
+
+void CudaEngine::upload(const WeightStore& w) {
+  const ModelConfig& c = cfg_;
+  auto same = [](int64_t i) { return i; };
+  for (int64_t l = 0; l < c.n_layers; l++) {
+    const LayerWeights L = w.layer(l);
+    Layer& D = layers_[(size_t)l];
+    upload_matrix(D.w_qkv, L.wq, c.q_dim, c.hidden, ld_h_, same, stream_);
+    upload_matrix(D.w_qkv + (size_t)c.q_dim * ld_h_, L.wk, c.kv_dim, c.hidden, ld_h_, same, stream_);
+    upload_matrix(D.w_qkv + (size_t)(c.q_dim + c.kv_dim) * ld_h_, L.wv, c.kv_dim, c.hidden, ld_h_, same, stream_);
+    upload_matrix(D.w_o, L.wo, c.hidden, c.q_dim, ld_q_, same, stream_);
+    upload_matrix(D.w_gate_up, L.w_gate, c.intermediate, c.hidden, ld_h_, [](int64_t i) { return 2 * i; }, stream_);
+    upload_matrix(D.w_gate_up, L.w_up, c.intermediate, c.hidden, ld_h_, [](int64_t i) { return 2 * i + 1; },
+                  stream_);
+    upload_matrix(D.w_down, L.w_down, c.hidden, c.intermediate, ld_i_, same, stream_);
+    TI_CUDA_CHECK(cudaMemcpy(D.attn_norm, L.attn_norm, c.hidden * sizeof(float), cudaMemcpyHostToDevice));
+    TI_CUDA_CHECK(cudaMemcpy(D.mlp_norm, L.mlp_norm, c.hidden * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  upload_matrix(embedding_, w.embedding(), c.vocab, c.hidden, ld_h_, same, stream_);
+  if (!c.tie_word_embeddings) upload_matrix(lm_head_, w.lm_head(), c.vocab, c.hidden, ld_h_, same, stream_);
+  TI_CUDA_CHECK(cudaMemcpy(final_norm_, w.final_norm(), c.hidden * sizeof(float), cudaMemcpyHostToDevice));
+}
+
+void CudaEngine::randomize(uint64_t seed) {
+  const ModelConfig& c = cfg_;
+  uint64_t s = seed;
+  auto fill = [&](__half* p, size_t n, int64_t fan_in) {
+    cuda::fill_random_f16(p, n, ++s * 0x9e3779b97f4a7c15ull, 1.0f / std::sqrt((float)fan_in), stream_);
+  };
+  for (Layer& L : layers_) {
+    fill(L.w_qkv, (size_t)(c.q_dim + 2 * c.kv_dim) * ld_h_, c.hidden);
+    fill(L.w_o, (size_t)c.hidden * ld_q_, c.q_dim);
+    fill(L.w_gate_up, (size_t)2 * c.intermediate * ld_h_, c.hidden);
+    fill(L.w_down, (size_t)c.hidden * ld_i_, c.intermediate);
+    cuda::fill_f32(L.attn_norm, c.hidden, 1.0f, stream_);
+    cuda::fill_f32(L.mlp_norm, c.hidden, 1.0f, stream_);
+  }
+  fill(embedding_, (size_t)c.vocab * ld_h_, 1);
+  if (!c.tie_word_embeddings) fill(lm_head_, (size_t)c.vocab * ld_h_, c.hidden);
+  cuda::fill_f32(final_norm_, c.hidden, 1.0f, stream_);
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  // (the padding columns hold random values too; the inputs' padding is zero, so they add nothing)
+}
+
+CudaEngine::CudaEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq_len, CudaOptions opt)
+    : cfg_(weights->config()), max_seq_(max_seq_len), opt_(opt) {
+  if (!weights->finished()) fail(ErrorKind::Request, "CudaEngine: the WeightStore is not finished");
+  init_device();
+  allocate();
+  upload(*weights);
+  autotune_gemv();
+  build_graphs();
+}
+
+CudaEngine::CudaEngine(const ModelConfig& config, int64_t max_seq_len, uint64_t seed, CudaOptions opt)
+    : cfg_(config), max_seq_(max_seq_len), opt_(opt) {
+  cfg_.validate();
+  init_device();
+  allocate();
+  randomize(seed);
+  autotune_gemv();
+  build_graphs();
+}
+
+CudaEngine::~CudaEngine() {
+  if (stream_) cudaStreamSynchronize(stream_);
+  if (g_forward_) cudaGraphExecDestroy(g_forward_);
+  if (g_decode_) cudaGraphExecDestroy(g_decode_);
+  for (void* p : allocations_) cudaFree(p);
+  if (h_state_) cudaFreeHost(h_state_);
+  if (h_sampling_) cudaFreeHost(h_sampling_);
+  if (h_out_) cudaFreeHost(h_out_);
+  if (ev0_) cudaEventDestroy(ev0_);
+  if (ev1_) cudaEventDestroy(ev1_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+// ---- the decode step, top to bottom ----
+
+cuda::GemvParams CudaEngine::gemv_params(const __half* W, int rows, int K, const void* x, void* y,
+                                         const float* norm_w) const {
+  cuda::GemvParams p;
+  p.W = W;
+  p.rows = rows;
+  p.K = K;
+  p.ld = (int)cuda::pad8(K);
+  p.x = x;
+  p.y = y;
+  p.norm_w = norm_w;
+  p.eps = (float)cfg_.rms_eps;
+  return p;
+}
+
+int CudaEngine::choice(const char* name) const {
+  for (const GemvChoice& g : gemv_choices_)
+    if (g.name == name) return g.R;
+  return 2;
+}
+
+void CudaEngine::record_forward(cudaStream_t s) {
+  const ModelConfig& c = cfg_;
+  const int H = (int)c.hidden, I = (int)c.intermediate, qkv_rows = (int)(c.q_dim + 2 * c.kv_dim);
+  const int r_qkv = choice("qkv"), r_o = choice("o"), r_gu = choice("gate_up"), r_down = choice("down");
+  const size_t kv_layer = (size_t)c.n_kv_heads * max_seq_ * c.head_dim;
+  cuda::DecodeAttnParams a;
+  a.qkv = qkv_;
+  a.rope_cos = rope_cos_;
+  a.rope_sin = rope_sin_;
+  a.pos = &d_state_->pos;
+  a.part_o = part_o_;
+  a.part_ml = part_ml_;
+  a.out = att_;
+  a.n_heads = (int)c.n_heads;
+  a.n_kv_heads = (int)c.n_kv_heads;
+  a.head_dim = (int)c.head_dim;
+  a.max_seq = (int)max_seq_;
+  a.chunk = opt_.attn_chunk;
+  a.scale = 1.0f / std::sqrt((float)c.head_dim);
+
+  cuda::embed_token(embedding_, ld_h_, H, d_state_, x_, s, pdl_);  // x = embed[token]
+  for (int64_t l = 0; l < c.n_layers; l++) {
+    const Layer& L = layers_[(size_t)l];
+    // qkv = [Wq; Wk; Wv] @ rmsnorm(x)
+    cuda::gemv(gemv_params(L.w_qkv, qkv_rows, H, x_, qkv_, L.attn_norm), r_qkv, GemvIn::F32Norm, GemvOut::F32, s, pdl_);
+    // att = softmax(rope(q) rope(K)^T / sqrt(d)) V, writing rope(k), v at pos into the cache
+    a.k_cache = k_cache_ + l * kv_layer;
+    a.v_cache = v_cache_ + l * kv_layer;
+    cuda::decode_attention(a, s, pdl_);
+    // x += Wo @ att
+    cuda::gemv(gemv_params(L.w_o, H, (int)c.q_dim, att_, x_, nullptr), r_o, GemvIn::F16, GemvOut::AddF32, s, pdl_);
+    // h = silu(Wg @ rmsnorm(x)) * (Wu @ rmsnorm(x))
+    cuda::gemv(gemv_params(L.w_gate_up, 2 * I, H, x_, h_, L.mlp_norm), r_gu, GemvIn::F32Norm, GemvOut::Swiglu, s, pdl_);
+    // x += Wd @ h
+    cuda::gemv(gemv_params(L.w_down, H, I, h_, x_, nullptr), r_down, GemvIn::F16, GemvOut::AddF32, s, pdl_);
+  }
+  // logits = lm_head @ rmsnorm(x)
+  cuda::gemv(gemv_params(lm_head_, (int)c.vocab, H, x_, logits_, final_norm_), choice("lm_head"), GemvIn::F32Norm,
+             GemvOut::F32, s, pdl_);
+}
+
+void CudaEngine::record_decode_step(cudaStream_t s) {
+  record_forward(s);  // feeds state.token at state.pos
+  cuda::sample_token(logits_, (int)cfg_.vocab, d_sampling_, d_seen_, d_probs_, d_state_, d_out_, s, pdl_);
+}
+
+void CudaEngine::run_forward(cudaStream_t s) {
+  if (graphs_ok_) TI_CUDA_CHECK(cudaGraphLaunch(g_forward_, s));
+  else record_forward(s);
+}
+
+void CudaEngine::run_decode_step(cudaStream_t s) {
+  if (graphs_ok_) TI_CUDA_CHECK(cudaGraphLaunch(g_decode_, s));
+  else record_decode_step(s);
+}
+
+void CudaEngine::build_graphs() {
+  if (!opt_.graphs) return;
+  auto capture = [&](bool decode, cudaGraphExec_t* out) {
+    cudaGraph_t graph = nullptr;
+    TI_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      decode ? record_decode_step(stream_) : record_forward(stream_);
+    } catch (...) {
+      cudaStreamEndCapture(stream_, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    TI_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    cudaError_t err = cudaGraphInstantiate(out, graph, 0);
+    cudaGraphDestroy(graph);
+    TI_CUDA_CHECK(err);
+  };
+  try {
+    capture(false, &g_forward_);
+    capture(true, &g_decode_);
+  } catch (const Error&) {
+    if (!pdl_) throw;
+    // A driver that cannot capture programmatic launches: capture plain ones instead.
+    cudaGetLastError();
+    if (g_forward_) cudaGraphExecDestroy(g_forward_);
+    g_forward_ = nullptr;
+    pdl_ = false;
+    capture(false, &g_forward_);
+    capture(true, &g_decode_);
+  }
+  graphs_ok_ = true;
+}
+
+// ---- the rows-per-warp autotuner (at load; never inside a capture) ----
+
+void CudaEngine::autotune_gemv() {
+  const ModelConfig& c = cfg_;
+  struct Shape {
+    const char* name;
+    int rows, K;
+    GemvIn in;
+    GemvOut out;
+    std::vector<const __half*> copies;
+    const void* x;
+    void* y;
+    const float* norm;
+  };
+  std::vector<Shape> shapes = {
+      {"qkv", (int)(c.q_dim + 2 * c.kv_dim), (int)c.hidden, GemvIn::F32Norm, GemvOut::F32, {}, x_, qkv_, final_norm_},
+      {"o", (int)c.hidden, (int)c.q_dim, GemvIn::F16, GemvOut::AddF32, {}, att_, x_, nullptr},
+      {"gate_up", (int)(2 * c.intermediate), (int)c.hidden, GemvIn::F32Norm, GemvOut::Swiglu, {}, x_, h_, final_norm_},
+      {"down", (int)c.hidden, (int)c.intermediate, GemvIn::F16, GemvOut::AddF32, {}, h_, x_, nullptr},
+      {"lm_head", (int)c.vocab, (int)c.hidden, GemvIn::F32Norm, GemvOut::F32, {lm_head_}, x_, logits_, final_norm_},
+  };
+  for (const Layer& L : layers_) {
+    shapes[0].copies.push_back(L.w_qkv);
+    shapes[1].copies.push_back(L.w_o);
+    shapes[2].copies.push_back(L.w_gate_up);
+    shapes[3].copies.push_back(L.w_down);
+  }
+  TI_CUDA_CHECK(cudaMemsetAsync(x_, 0, c.hidden * sizeof(float), stream_));
+  TI_CUDA_CHECK(cudaMemsetAsync(att_, 0, ld_q_ * sizeof(__half), stream_));
+  TI_CUDA_CHECK(cudaMemsetAsync(h_, 0, ld_i_ * sizeof(__half), stream_));
+  gemv_choices_.clear();
+  for (const Shape& sh : shapes) {
+    GemvChoice g;
+    g.name = sh.name;
+    g.rows = sh.rows;
+    g.K = sh.K;
+    g.ld = (int)cuda::pad8(sh.K);
+    g.copies = (int)sh.copies.size();
+    const double bytes = (double)g.rows * g.ld * 2;
+    // Cycle through every layer's copy (and at least ~256 MB of weights, several times the L2) so that the
+    // timing is of memory, not of the cache.
+    const int passes = std::max(2, (int)std::ceil(256e6 / (bytes * g.copies)));
+    double best = 1e30;
+    for (int R : {1, 2, 4}) {
+      if (opt_.gemv_rows && R != opt_.gemv_rows && cuda::gemv_variant_ok(opt_.gemv_rows, sh.out)) continue;
+      if (!cuda::gemv_variant_ok(R, sh.out)) continue;
+      auto run = [&] {
+        for (const __half* W : sh.copies)
+          cuda::gemv(gemv_params(W, sh.rows, sh.K, sh.x, sh.y, sh.norm), R, sh.in, sh.out, stream_, pdl_);
+      };
+      run();  // warm-up
+      TI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));
+      for (int i = 0; i < passes; i++) run();
+      TI_CUDA_CHECK(cudaEventRecord(ev1_, stream_));
+      TI_CUDA_CHECK(cudaEventSynchronize(ev1_));
+      float ms = 0;
+      TI_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0_, ev1_));
+      const double us = ms * 1e3 / (passes * g.copies);
+      g.tried_R.push_back(R);
+      g.us.push_back(us);
+      if (us < best) {
+        best = us;
+        g.R = R;
+        g.gb_per_s = bytes / (us * 1e-6) / 1e9;
+      }
+    }
+    gemv_choices_.push_back(g);
+  }
+}
+
+// ---- running tokens ----
+
+void CudaEngine::check_tokens(const int32_t* tokens, int64_t n) const {
+  if (n < 1) fail(ErrorKind::Request, "no tokens given");
+  for (int64_t t = 0; t < n; t++)
+    if (tokens[t] < 0 || tokens[t] >= cfg_.vocab)
+      fail(ErrorKind::Request, "token id " + std::to_string(tokens[t]) + " at index " + std::to_string(t) +
+                                   " is out of range for a vocabulary of " + std::to_string(cfg_.vocab));
+}
+
+void CudaEngine::set_state(int token, int pos, int step) {
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // h_state_ may still be read by an earlier copy
+  *h_state_ = cuda::DecodeState{token, pos, step, step};
+  TI_CUDA_CHECK(cudaMemcpyAsync(d_state_, h_state_, sizeof(*h_state_), cudaMemcpyHostToDevice, stream_));
+}
+
+void CudaEngine::reset() {
+  tokens_.clear();
+  has_logits_ = pending_ = false;
+}
+
+void CudaEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, float* logits) {
+  check_tokens(tokens, n);
+  if (position() + n > max_seq_)
+    fail(ErrorKind::Request, std::to_string(position()) + " tokens in the sequence + " + std::to_string(n) +
+                                 " new ones exceed max_seq_len=" + std::to_string(max_seq_));
+  std::vector<int32_t> seq;
+  if (pending_) seq.push_back(tokens_.back());
+  seq.insert(seq.end(), tokens, tokens + n);
+  const int64_t pos0 = position() - (pending_ ? 1 : 0), first = (int64_t)seq.size() - n;
+  const int64_t V = cfg_.vocab;
+  for (size_t i = 0; i < seq.size(); i++) {  // one token at a time through the decode graph (for now)
+    set_state(seq[i], (int)(pos0 + (int64_t)i), 0);
+    run_forward(stream_);
+    const int64_t row = (int64_t)i - first;
+    if (logits && all_logits && row >= 0)
+      TI_CUDA_CHECK(cudaMemcpyAsync(logits + row * V, logits_, V * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  }
+  if (logits && !all_logits)
+    TI_CUDA_CHECK(cudaMemcpyAsync(logits, logits_, V * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  tokens_.insert(tokens_.end(), tokens, tokens + n);
+  pending_ = false;
+  has_logits_ = true;
+}
+
+std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig& s,
+                                        const std::vector<int32_t>& stop_ids, uint64_t step0) {
+  validate(s);
+  if (!has_logits_) fail(ErrorKind::Request, "decode: run a prompt through forward() first");
+  if (max_steps < 1) return {};
+  const int64_t room = max_seq_ - position();
+  if (room < 1) fail(ErrorKind::Request, "the sequence reached max_seq_len=" + std::to_string(max_seq_));
+  const int64_t n = std::min(max_steps, room);
+
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  *h_sampling_ = cuda::DeviceSampling{s.temperature, (int)std::min<int64_t>(s.top_k, INT32_MAX), s.top_p, s.min_p,
+                                      s.repetition_penalty, (unsigned long long)s.seed};
+  TI_CUDA_CHECK(cudaMemcpyAsync(d_sampling_, h_sampling_, sizeof(*h_sampling_), cudaMemcpyHostToDevice, stream_));
+  if (s.repetition_penalty != 1.0f) {  // the penalty's "seen" set: the sequence so far (the kernel adds to it)
+    std::vector<unsigned char> seen((size_t)cfg_.vocab, 0);
+    for (int32_t t : tokens_) seen[(size_t)t] = 1;
+    TI_CUDA_CHECK(cudaMemcpyAsync(d_seen_, seen.data(), seen.size(), cudaMemcpyHostToDevice, stream_));
+    TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  } else {
+    TI_CUDA_CHECK(cudaMemsetAsync(d_seen_, 0, cfg_.vocab, stream_));
+  }
+
+  int64_t replays = n;
+  if (pending_) {  // feed the pending token, sample the next: n full steps
+    set_state(tokens_.back(), (int)(position() - 1), (int)step0);
+  } else {  // sample from the prefill's logits first (its token was fed at position()-1)
+    set_state(tokens_.back(), (int)(position() - 1), (int)step0);
+    cuda::sample_token(logits_, (int)cfg_.vocab, d_sampling_, d_seen_, d_probs_, d_state_, d_out_, stream_, false);
+    replays = n - 1;
+  }
+  TI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));
+  for (int64_t i = 0; i < replays; i++) run_decode_step(stream_);
+  TI_CUDA_CHECK(cudaEventRecord(ev1_, stream_));
+  TI_CUDA_CHECK(cudaMemcpyAsync(h_out_, d_out_, n * sizeof(int), cudaMemcpyDeviceToHost, stream_));
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  float ms = 0;
+  TI_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0_, ev1_));
+  last_decode_ms_ = ms;
+
+  std::vector<int32_t> out;
+  for (int64_t i = 0; i < n; i++) {
+    out.push_back(h_out_[i]);
+    if (std::find(stop_ids.begin(), stop_ids.end(), h_out_[i]) != stop_ids.end()) break;
+  }
+  // The device ran past a stop token (at most one chunk of wasted work); the host state ends at the stop.
+  // The last sampled token has not been fed: it is pending, as in the CPU engine.
+  tokens_.insert(tokens_.end(), out.begin(), out.end());
+  pending_ = true;
+  return out;
+}
+
+// ---- measurement ----
+
+double CudaEngine::time_decode_step(int64_t context, int steps) {
+  if (context < 0 || context + steps >= max_seq_)
+    fail(ErrorKind::Request, "time_decode_step: context + steps must be < max_seq_len");
+  *h_sampling_ = cuda::DeviceSampling{};
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  TI_CUDA_CHECK(cudaMemcpyAsync(d_sampling_, h_sampling_, sizeof(*h_sampling_), cudaMemcpyHostToDevice, stream_));
+  set_state(1, (int)context, 0);
+  for (int i = 0; i < 3; i++) run_decode_step(stream_);  // warm-up
+  set_state(1, (int)context, 0);
+  TI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));
+  for (int i = 0; i < steps; i++) run_decode_step(stream_);
+  TI_CUDA_CHECK(cudaEventRecord(ev1_, stream_));
+  TI_CUDA_CHECK(cudaEventSynchronize(ev1_));
+  float ms = 0;
+  TI_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0_, ev1_));
+  reset();  // the cache now holds benchmark tokens
+  return ms / steps;
+}
+
+double CudaEngine::time_attention(int64_t context, int reps) {
+  if (context < 0 || context >= max_seq_) fail(ErrorKind::Request, "time_attention: context must be < max_seq_len");
+  const ModelConfig& c = cfg_;
+  cuda::DecodeAttnParams a;
+  a.qkv = qkv_;
+  a.rope_cos = rope_cos_;
+  a.rope_sin = rope_sin_;
+  a.pos = &d_state_->pos;
+  a.part_o = part_o_;
+  a.part_ml = part_ml_;
+  a.out = att_;
+  a.n_heads = (int)c.n_heads;
+  a.n_kv_heads = (int)c.n_kv_heads;
+  a.head_dim = (int)c.head_dim;
+  a.max_seq = (int)max_seq_;
+  a.chunk = opt_.attn_chunk;
+  a.scale = 1.0f / std::sqrt((float)c.head_dim);
+  const size_t kv_layer = (size_t)c.n_kv_heads * max_seq_ * c.head_dim;
+  set_state(1, (int)context, 0);
+  auto run = [&] {
+    for (int64_t l = 0; l < c.n_layers; l++) {  // every layer's cache: L2-cold like the real step
+      a.k_cache = k_cache_ + l * kv_layer;
+      a.v_cache = v_cache_ + l * kv_layer;
+      cuda::decode_attention(a, stream_, pdl_);
+    }
+  };
+  run();
+  TI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));
+  for (int i = 0; i < reps; i++) run();
+  TI_CUDA_CHECK(cudaEventRecord(ev1_, stream_));
+  TI_CUDA_CHECK(cudaEventSynchronize(ev1_));
+  float ms = 0;
+  TI_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0_, ev1_));
+  reset();
+  return ms * 1e3 / (reps * c.n_layers);
+}
+
+}  // namespace ti

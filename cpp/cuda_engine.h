@@ -1,0 +1,148 @@
+// cuda_engine.h — the GPU engine: fp16 weights on the device, one decode step captured as a CUDA graph.
+//
+// Same contract as CpuEngine (one sequence; forward() runs tokens at position(); decode() samples and runs
+// tokens back to back) so the Python Engine drives either. A decode step is a flat list of kernel launches
+// (record_forward below reads top to bottom, DESIGN.md §4); it is captured once into a graph whose token and
+// position live in device memory (DecodeState), and decode() replays it back to back with no host work between
+// steps. Prefill runs the same graph one token at a time (the batched prefill is a later issue).
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../cuda/gemv.cuh"
+#include "../cuda/sampling.cuh"
+#include "config.h"
+#include "sampling.h"
+#include "weights.h"
+
+namespace ti {
+
+struct CudaOptions {
+  bool pdl = true;          // programmatic dependent launch where the GPU has it (sm_90+)
+  bool graphs = true;       // replay captured graphs (false: launch kernel by kernel, for debugging)
+  int attn_chunk = 64;      // positions per split-K attention block
+  int gemv_rows = 0;        // 0: time R in {1, 2, 4} per shape at load; else force this R
+};
+
+// One GEMV shape class of the model and the rows-per-warp the load-time autotuner chose for it.
+struct GemvChoice {
+  std::string name;           // qkv | o | gate_up | down | lm_head
+  int rows = 0, K = 0, ld = 0, copies = 0;  // copies: one per layer (1 for the head)
+  int R = 1;
+  std::vector<int> tried_R;
+  std::vector<double> us;     // per variant: µs per matrix, L2-cold (cycling through the layers' copies)
+  double gb_per_s = 0;        // of the chosen variant
+};
+
+class CudaEngine {
+ public:
+  // Uploads (fp16) the weights of a finished store.
+  CudaEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq_len, CudaOptions opt = {});
+  // Random weights at the config's shape, generated on the device (benchmarks: speed does not depend on values).
+  CudaEngine(const ModelConfig& config, int64_t max_seq_len, uint64_t seed, CudaOptions opt = {});
+  ~CudaEngine();
+  CudaEngine(const CudaEngine&) = delete;
+  CudaEngine& operator=(const CudaEngine&) = delete;
+
+  const ModelConfig& config() const { return cfg_; }
+  int64_t max_seq_len() const { return max_seq_; }
+  int64_t position() const { return (int64_t)tokens_.size(); }
+  const std::vector<int32_t>& tokens() const { return tokens_; }
+  void reset();
+  void forward(const int32_t* tokens, int64_t n, bool all_logits, float* logits);
+  std::vector<int32_t> decode(int64_t max_steps, const SamplingConfig& s, const std::vector<int32_t>& stop_ids,
+                              uint64_t step0);
+
+  // ---- measurement ----
+  double last_decode_ms() const { return last_decode_ms_; }  // GPU time of the last decode()'s steps
+  const std::vector<GemvChoice>& gemv_table() const { return gemv_choices_; }
+  // GPU ms per decode step at a context of `context` tokens (the cache content is whatever it holds).
+  double time_decode_step(int64_t context, int steps);
+  // GPU µs of one layer's attention (chunks + merge) at `context`.
+  double time_attention(int64_t context, int reps);
+  size_t weight_bytes() const { return weight_bytes_; }      // every matrix + norms as stored on the device
+  size_t kv_cache_bytes() const { return kv_bytes_; }
+  size_t scratch_bytes() const { return scratch_bytes_; }    // device memory beyond weights and KV cache
+  bool uses_pdl() const { return pdl_; }
+  bool uses_graphs() const { return graphs_ok_; }
+  std::string device_name() const { return device_name_; }
+
+ private:
+  struct Layer {
+    __half* w_qkv = nullptr;     // (q_dim + 2 kv_dim, ld_h): q | k | v rows
+    __half* w_o = nullptr;       // (hidden, ld_q)
+    __half* w_gate_up = nullptr; // (2 intermediate, ld_h): rows interleaved gate_0, up_0, gate_1, ...
+    __half* w_down = nullptr;    // (hidden, ld_i)
+    float* attn_norm = nullptr;  // (hidden)
+    float* mlp_norm = nullptr;   // (hidden)
+  };
+
+  void init_device();
+  void allocate();
+  void upload(const WeightStore& w);
+  void randomize(uint64_t seed);
+  void autotune_gemv();
+  void build_graphs();
+  void record_forward(cudaStream_t s);
+  void record_decode_step(cudaStream_t s);
+  void run_forward(cudaStream_t s);
+  void run_decode_step(cudaStream_t s);
+  void set_state(int token, int pos, int step);
+  void check_tokens(const int32_t* tokens, int64_t n) const;
+  cuda::GemvParams gemv_params(const __half* W, int rows, int K, const void* x, void* y,
+                               const float* norm_w) const;
+  int choice(const char* name) const;
+  void* dalloc(size_t bytes, bool scratch);
+
+  ModelConfig cfg_;
+  int64_t max_seq_;
+  CudaOptions opt_;
+  bool pdl_ = false, graphs_ok_ = false;
+  std::string device_name_;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t ev0_ = nullptr, ev1_ = nullptr;
+  cudaGraphExec_t g_forward_ = nullptr, g_decode_ = nullptr;
+  std::vector<void*> allocations_;
+  size_t weight_bytes_ = 0, kv_bytes_ = 0, scratch_bytes_ = 0;
+  int ld_h_ = 0, ld_q_ = 0, ld_i_ = 0;
+
+  // ---- weights ----
+  std::vector<Layer> layers_;
+  __half* embedding_ = nullptr;   // (vocab, ld_h)
+  __half* lm_head_ = nullptr;     // (vocab, ld_h); == embedding_ when tied
+  float* final_norm_ = nullptr;   // (hidden)
+  // ---- KV cache: [layer][kv_head][max_seq][head_dim] fp16 ----
+  __half* k_cache_ = nullptr;
+  __half* v_cache_ = nullptr;
+  // ---- activations (one token) ----
+  float* x_ = nullptr;        // (hidden) residual stream
+  float* qkv_ = nullptr;      // (q_dim + 2 kv_dim)
+  __half* att_ = nullptr;     // (q_dim) attention output
+  __half* h_ = nullptr;       // (intermediate) silu(gate) * up
+  float* logits_ = nullptr;   // (vocab)
+  float* part_o_ = nullptr;   // (n_heads, max_chunks, head_dim)
+  float* part_ml_ = nullptr;  // (n_heads, max_chunks, 2)
+  float* rope_cos_ = nullptr; // (max_seq, head_dim / 2)
+  float* rope_sin_ = nullptr;
+  // ---- sampling / decode loop state ----
+  cuda::DeviceSampling* d_sampling_ = nullptr;
+  cuda::DecodeState* d_state_ = nullptr;
+  unsigned char* d_seen_ = nullptr;  // (vocab)
+  float* d_probs_ = nullptr;         // (vocab) sampler scratch
+  int* d_out_ = nullptr;             // (max_seq) sampled tokens of one decode() call
+  cuda::DecodeState* h_state_ = nullptr;        // pinned
+  cuda::DeviceSampling* h_sampling_ = nullptr;  // pinned
+  int* h_out_ = nullptr;                        // pinned (max_seq)
+
+  std::vector<GemvChoice> gemv_choices_;
+  std::vector<int32_t> tokens_;
+  bool has_logits_ = false, pending_ = false;
+  double last_decode_ms_ = 0;
+};
+
+}  // namespace ti

@@ -1,0 +1,27 @@
+// attention.cuh — launchers of the decode attention kernels (see attention.cu).
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace ti::cuda {
+
+struct DecodeAttnParams {
+  const float* qkv = nullptr;   // (q_dim + 2 kv_dim) fp32: q | k | v of the current token, before RoPE
+  __half* k_cache = nullptr;    // this layer's keys   (n_kv_heads, max_seq, head_dim) fp16
+  __half* v_cache = nullptr;    // this layer's values (n_kv_heads, max_seq, head_dim) fp16
+  const float* rope_cos = nullptr;  // (max_seq, head_dim / 2)
+  const float* rope_sin = nullptr;
+  const int* pos = nullptr;     // device: the current token's position; it attends to 0..pos
+  float* part_o = nullptr;      // (n_heads, max_chunks, head_dim) unnormalised partial outputs
+  float* part_ml = nullptr;     // (n_heads, max_chunks, 2): running max and sum of each chunk
+  __half* out = nullptr;        // (n_heads * head_dim) fp16, written by the merge
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0, max_seq = 0, chunk = 64;
+  float scale = 1.0f;           // 1 / sqrt(head_dim)
+};
+
+inline int attn_max_chunks(const DecodeAttnParams& p) { return (p.max_seq + p.chunk - 1) / p.chunk; }
+
+// RoPE + KV-cache write + split-K attention over chunks of `chunk` positions, then the log-sum-exp merge.
+void decode_attention(const DecodeAttnParams& p, cudaStream_t stream, bool pdl);
+
+}  // namespace ti::cuda

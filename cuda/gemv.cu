@@ -1,0 +1,162 @@
+// gemv.cu — fp16 matrix-vector products for batch-1 decode: y = W x, fp32 accumulation.
+//
+// Layout: W row-major (rows, ld) fp16, ld a multiple of 8 so every row starts 16-byte aligned; columns past K
+// are zero. A block of 8 warps; each warp owns R consecutive rows (R = 1, 2, 4: more rows per warp = more
+// independent 16-byte loads in flight per lane but fewer warps; timed per shape at load). Each lane reads 16
+// bytes (8 weights) per row per step, 4 steps unrolled, so 4R loads are in flight per lane; the input vector is
+// staged once per block in shared memory as fp16 (16-byte reads, a warp reads 512 contiguous bytes: no bank
+// conflicts), then each row's dot is reduced across the warp with shuffles.
+//
+// Fusions (chosen by the launcher's in/out modes, never in the forward pass):
+//   in  F32Norm: RMSNorm of the fp32 residual stream in the prologue (every block recomputes the sum of
+//                squares: H floats from L2, cheaper than a kernel launch)
+//   out AddF32:  y += W x (the residual add of the O and down projections)
+//   out Swiglu:  rows interleaved gate/up at load (row 2i = gate_i, 2i+1 = up_i): y_i = silu(g_i) * u_i
+// PDL: the first 16-byte word of each of the warp's rows is loaded before pdl_wait() (weights do not depend on
+// the previous kernel), so the memory pipe is busy while the previous kernel drains.
+#include "common.cuh"
+#include "gemv.cuh"
+
+namespace ti::cuda {
+
+constexpr int kGemvWarps = 8, kGemvThreads = kGemvWarps * 32;
+
+template <int R, GemvIn IN, GemvOut OUT>
+__global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __half* xs = reinterpret_cast<__half*>(smem_raw);
+  __shared__ float red[33];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * kGemvWarps + warp) * R;
+  const uint4* wrow[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+    const int row = min(row0 + r, p.rows - 1);  // rows past the end re-read the last row; never stored
+    wrow[r] = reinterpret_cast<const uint4*>(p.W + (size_t)row * p.ld);
+  }
+  const int ld8 = p.ld / 8;  // 16-byte words per row
+  uint4 pre[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) pre[r] = lane < ld8 ? load_stream(wrow[r] + lane) : make_uint4(0, 0, 0, 0);
+
+  pdl_wait();
+  pdl_launch_dependents();
+
+  // ---- stage x (fp16, zero padded to ld) ----
+  if constexpr (IN == GemvIn::F32Norm) {
+    const float* x = static_cast<const float*>(p.x);
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < p.K; i += kGemvThreads) ss += x[i] * x[i];
+    ss = block_sum(ss, red);
+    const float inv = rsqrtf(ss / (float)p.K + p.eps);
+    for (int i = threadIdx.x; i < p.ld; i += kGemvThreads)
+      xs[i] = i < p.K ? __float2half(p.norm_w[i] * (x[i] * inv)) : __float2half(0.0f);
+  } else {
+    const __half* x = static_cast<const __half*>(p.x);
+    for (int i = threadIdx.x; i < p.ld; i += kGemvThreads) xs[i] = i < p.K ? x[i] : __float2half(0.0f);
+  }
+  __syncthreads();
+  if (row0 >= p.rows) return;
+
+  const uint4* xv = reinterpret_cast<const uint4*>(xs);
+  float acc[R];
+  float xf[8];
+#pragma unroll
+  for (int r = 0; r < R; r++) acc[r] = 0.0f;
+  if (lane < ld8) {
+    unpack8(xv[lane], xf);
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] += dot8(pre[r], xf);
+  }
+  int k = lane + 32;  // in 16-byte words
+  for (; k + 3 * 32 < ld8; k += 4 * 32) {
+    uint4 w[4][R];
+#pragma unroll
+    for (int u = 0; u < 4; u++)
+#pragma unroll
+      for (int r = 0; r < R; r++) w[u][r] = load_stream(wrow[r] + k + u * 32);
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      unpack8(xv[k + u * 32], xf);
+#pragma unroll
+      for (int r = 0; r < R; r++) acc[r] += dot8(w[u][r], xf);
+    }
+  }
+  for (; k < ld8; k += 32) {
+    unpack8(xv[k], xf);
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] += dot8(load_stream(wrow[r] + k), xf);
+  }
+#pragma unroll
+  for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
+  if (lane != 0) return;
+
+  // ---- epilogue ----
+  if constexpr (OUT == GemvOut::Swiglu) {
+#pragma unroll
+    for (int r = 0; r + 1 < R; r += 2) {
+      const int i = (row0 + r) / 2;
+      if (row0 + r + 1 < p.rows) {
+        const float g = acc[r], u = acc[r + 1];
+        static_cast<__half*>(p.y)[i] = __float2half(g / (1.0f + __expf(-g)) * u);
+      }
+    }
+  } else {
+    float* y = static_cast<float*>(p.y);
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      if (row0 + r >= p.rows) break;
+      if constexpr (OUT == GemvOut::AddF32) y[row0 + r] += acc[r];
+      else y[row0 + r] = acc[r];
+    }
+  }
+}
+
+bool gemv_variant_ok(int R, GemvOut out) {
+  if (R != 1 && R != 2 && R != 4) return false;
+  return out != GemvOut::Swiglu || R >= 2;
+}
+
+template <int R, GemvIn IN, GemvOut OUT>
+static void launch_gemv(const GemvParams& p, cudaStream_t stream, bool pdl) {
+  const size_t smem = (size_t)p.ld * sizeof(__half);
+  static bool raised = false;  // the per-kernel attribute is process-wide state of the function, set once
+  if (smem > 48 * 1024 && !raised) {
+    TI_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel<R, IN, OUT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       200 * 1024));
+    raised = true;
+  }
+  const int rows_per_block = kGemvWarps * R;
+  launch(gemv_kernel<R, IN, OUT>, dim3((p.rows + rows_per_block - 1) / rows_per_block), dim3(kGemvThreads), smem,
+         stream, pdl, p);
+}
+
+template <GemvIn IN, GemvOut OUT>
+static void dispatch_r(const GemvParams& p, int R, cudaStream_t s, bool pdl) {
+  switch (R) {
+    case 1:
+      if constexpr (OUT != GemvOut::Swiglu) { launch_gemv<1, IN, OUT>(p, s, pdl); return; }
+      break;
+    case 2: launch_gemv<2, IN, OUT>(p, s, pdl); return;
+    case 4: launch_gemv<4, IN, OUT>(p, s, pdl); return;
+  }
+  fail(ErrorKind::Request, "gemv: no variant with R=" + std::to_string(R) + " for this output mode");
+}
+
+void gemv(const GemvParams& p, int R, GemvIn in, GemvOut out, cudaStream_t s, bool pdl) {
+  if (p.ld % 8 != 0 || p.ld < p.K || p.rows < 1 || p.K < 1)
+    fail(ErrorKind::Request, "gemv: bad shape rows=" + std::to_string(p.rows) + " K=" + std::to_string(p.K) +
+                                 " ld=" + std::to_string(p.ld));
+  if (out == GemvOut::Swiglu && p.rows % 2 != 0) fail(ErrorKind::Request, "gemv: Swiglu needs an even row count");
+  if (in == GemvIn::F32Norm) {
+    if (out == GemvOut::F32) dispatch_r<GemvIn::F32Norm, GemvOut::F32>(p, R, s, pdl);
+    else if (out == GemvOut::AddF32) dispatch_r<GemvIn::F32Norm, GemvOut::AddF32>(p, R, s, pdl);
+    else dispatch_r<GemvIn::F32Norm, GemvOut::Swiglu>(p, R, s, pdl);
+  } else {
+    if (out == GemvOut::F32) dispatch_r<GemvIn::F16, GemvOut::F32>(p, R, s, pdl);
+    else if (out == GemvOut::AddF32) dispatch_r<GemvIn::F16, GemvOut::AddF32>(p, R, s, pdl);
+    else dispatch_r<GemvIn::F16, GemvOut::Swiglu>(p, R, s, pdl);
+  }
+}
+
+}  // namespace ti::cuda

@@ -1,0 +1,24 @@
+// gemv.cuh — launchers of the fp16 matrix-vector kernels (see gemv.cu).
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace ti::cuda {
+
+enum class GemvIn { F16, F32Norm };          // input: an fp16 vector, or the fp32 residual stream RMS-normed
+enum class GemvOut { F32, AddF32, Swiglu };  // output: fp32, fp32 added in place (residual), silu(g)*u as fp16
+
+struct GemvParams {
+  const __half* W = nullptr;  // (rows, ld) row-major fp16; columns K..ld-1 are zero padding
+  int rows = 0, K = 0, ld = 0;  // ld: a multiple of 8 (16-byte rows), >= K
+  const void* x = nullptr;    // F16: half[K]; F32Norm: float[K]
+  const float* norm_w = nullptr;  // F32Norm: the RMSNorm weight, float[K]
+  float eps = 1e-5f;
+  void* y = nullptr;          // F32 / AddF32: float[rows]; Swiglu: half[rows / 2] (rows interleaved g0,u0,g1,u1..)
+};
+
+// R: rows per warp, 1, 2 or 4 (Swiglu: 2 or 4). pdl: launch with programmatic dependent launch (sm_90+).
+void gemv(const GemvParams& p, int R, GemvIn in, GemvOut out, cudaStream_t stream, bool pdl);
+bool gemv_variant_ok(int R, GemvOut out);
+
+}  // namespace ti::cuda

@@ -1,0 +1,27 @@
+// kernel_tests.cuh — host-side drivers that run one kernel on host arrays (upload, launch, download), for the
+// kernel tests and benchmarks in Python (tinyinfer._core.ops). Outputs are poisoned (NaN) before each launch so
+// an element the kernel failed to write shows.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "gemv.cuh"
+
+namespace ti::cuda {
+
+// W: (rows, K) fp16 bits; x: float[K] (rounded to fp16 for GemvIn::F16); y_init: float[rows] for AddF32.
+// Returns y: rows floats (Swiglu: rows / 2, widened from fp16).
+std::vector<float> run_gemv(const uint16_t* W, int rows, int K, const float* x, const float* norm_w, float eps,
+                            const float* y_init, int R, GemvIn in, GemvOut out);
+
+// One decode-attention call. qkv: float[q_dim + 2 kv_dim]; k/v caches: fp16 bits (n_kv_heads, max_seq, head_dim),
+// updated in place (the kernel writes rope(k), v at pos); cos/sin: (max_seq, head_dim / 2). Returns float[q_dim].
+std::vector<float> run_decode_attention(const float* qkv, uint16_t* k_cache, uint16_t* v_cache, const float* cos,
+                                        const float* sin, int pos, int n_heads, int n_kv_heads, int head_dim,
+                                        int max_seq, int chunk);
+
+// One sampling call over logits[vocab]; returns the chosen token. seen: vocab bytes (repetition penalty).
+int run_sample(const float* logits, int vocab, float temperature, int top_k, float top_p, float min_p,
+               float repetition_penalty, unsigned long long seed, int step, const unsigned char* seen);
+
+}  // namespace ti::cuda

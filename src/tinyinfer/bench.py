@@ -1,0 +1,128 @@
+"""`tinyinfer bench`: decode speed against the memory roofline measured on this GPU (DESIGN.md §9).
+
+Bytes per token (batch 1) = every weight matrix as stored (fp16, rows padded to 16 bytes) + norm weights + the
+embedding row + the KV cache read at the current context. Ceiling = this GPU's streaming-read bandwidth
+(cuda/bandwidth.cu, measured in the same run) / bytes per token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+from . import _core
+
+# Real shapes; random weights (speed does not depend on the values).
+SHAPES = {
+    "smollm2-135m": dict(hidden=576, intermediate=1536, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+                         vocab=49152, tie=True),
+    "smollm2-360m": dict(hidden=960, intermediate=2560, n_layers=32, n_heads=15, n_kv_heads=5, head_dim=64,
+                         vocab=49152, tie=True),
+    "tinyllama-1.1b": dict(hidden=2048, intermediate=5632, n_layers=22, n_heads=32, n_kv_heads=4, head_dim=64,
+                           vocab=32000, tie=False),
+    "llama2-7b": dict(hidden=4096, intermediate=11008, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128,
+                      vocab=32000, tie=False),
+}
+
+
+def shape_config(name: str) -> _core.ModelConfig:
+    if name not in SHAPES:
+        from .errors import InvalidRequestError
+
+        raise InvalidRequestError(f"unknown shape {name!r} (known: {', '.join(SHAPES)})")
+    s = SHAPES[name]
+    c = _core.ModelConfig()
+    c.hidden, c.intermediate, c.n_layers = s["hidden"], s["intermediate"], s["n_layers"]
+    c.n_heads, c.n_kv_heads, c.head_dim, c.vocab = s["n_heads"], s["n_kv_heads"], s["head_dim"], s["vocab"]
+    c.tie_word_embeddings = s["tie"]
+    c.max_position_embeddings = 8192
+    c.rms_eps = 1e-5
+    c.validate()
+    return c
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def bytes_per_token(c: _core.ModelConfig, context: int) -> dict:
+    ld_h, ld_q, ld_i = _pad8(c.hidden), _pad8(c.q_dim), _pad8(c.intermediate)
+    per_layer = 2 * ((c.q_dim + 2 * c.kv_dim) * ld_h + c.hidden * ld_q + 2 * c.intermediate * ld_h
+                     + c.hidden * ld_i) + 2 * 4 * c.hidden
+    weights = c.n_layers * per_layer + 2 * c.vocab * ld_h + 4 * c.hidden + 2 * c.hidden  # head, final norm, 1 row
+    kv = c.n_layers * 2 * c.kv_dim * 2 * context
+    return {"weights": weights, "kv": kv, "total": weights + kv}
+
+
+def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 1024, 4096), steps: int = 256,
+        json_path: Optional[str] = None, out=print) -> dict:
+    bw = _core.ops.read_bandwidth(1 << 31, 20)
+    gbs = bw["gb_per_s"]
+    max_ctx = max(contexts)
+    max_seq = max_ctx + steps + 16
+    t0 = time.perf_counter()
+    if model is not None:
+        from .engine import Engine
+
+        eng = Engine(model, device="cuda", max_seq_len=max_seq)
+        core, cfg, name = eng._core, eng.config, str(model)
+    else:
+        cfg = shape_config(shape or "tinyllama-1.1b")
+        core = _core.CudaEngine.random(cfg, max_seq, 1)
+        name = shape or "tinyllama-1.1b"
+    load_s = time.perf_counter() - t0
+    res = {"model": name, "device": core.device_name, "read_bandwidth_gb_s": gbs, "load_s": load_s,
+           "pdl": core.uses_pdl, "graphs": core.uses_graphs, "weight_bytes_on_device": core.weight_bytes,
+           "scratch_bytes": core.scratch_bytes, "kv_cache_bytes": core.kv_cache_bytes, "decode": [], "gemv": [],
+           "attention": []}
+    out(f"tinyinfer bench: {name} on {core.device_name} | read bandwidth {gbs:,.0f} GB/s (cuda/bandwidth.cu) | "
+        f"PDL {'on' if core.uses_pdl else 'off'}, graphs {'on' if core.uses_graphs else 'off'} | "
+        f"scratch {core.scratch_bytes / 2**20:.1f} MiB")
+    out(f"\n{'context':>8} {'tok/s':>9} {'ms/token':>9} {'MB/token':>9} {'roofline tok/s':>15} {'% roofline':>11}")
+    for ctx in contexts:
+        ms = core.time_decode_step(ctx, steps)
+        b = bytes_per_token(cfg, ctx)["total"]
+        roof = gbs * 1e9 / b
+        row = {"context": ctx, "tok_s": 1e3 / ms, "ms_per_token": ms, "bytes_per_token": b, "roofline_tok_s": roof,
+               "pct_roofline": 100 * (1e3 / ms) / roof, "effective_gb_s": b / (ms * 1e-3) / 1e9}
+        res["decode"].append(row)
+        out(f"{ctx:>8} {row['tok_s']:>9.0f} {ms:>9.3f} {b / 1e6:>9.1f} {roof:>15.0f} {row['pct_roofline']:>10.1f}%")
+    out(f"\n{'matrix':>8} {'rows x K':>13} {'copies':>6} {'R':>2} {'µs (R=1/2/4)':>24} {'GB/s':>7} {'% peak':>7}")
+    for g in core.gemv_table():
+        us = "/".join(f"{u:.1f}" for u in g["us"])
+        row = dict(g, pct_peak=100 * g["gb_per_s"] / gbs)
+        res["gemv"].append(row)
+        out(f"{g['name']:>8} {g['rows']:>6}x{g['K']:<6} {g['copies']:>6} {g['R']:>2} {us:>24} {g['gb_per_s']:>7.0f} "
+            f"{row['pct_peak']:>6.1f}%")
+    out(f"\n{'context':>8} {'attention µs/layer':>19}")
+    for ctx in sorted(set(contexts) | {256}):
+        us = core.time_attention(ctx, 20)
+        res["attention"].append({"context": ctx, "us_per_layer": us})
+        out(f"{ctx:>8} {us:>19.2f}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+def verify(model: str, steps: int = 32, prompt: str = "The quick brown fox", out=print) -> dict:
+    """GPU engine vs CPU engine on one prompt: worst relative logit error and argmax mismatches over `steps`
+    teacher-forced greedy steps (the CPU engine's tokens)."""
+    import numpy as np
+
+    from .engine import Engine
+
+    cpu = Engine(model, device="cpu")
+    gpu = Engine(model, device="cuda")
+    ids = cpu.tokenize(prompt) if cpu.tokenizer is not None else [1, 2, 3, 4]
+    toks = cpu.generate(ids, max_tokens=steps, ignore_eos=True).token_ids
+    seq = ids + toks[:-1]
+    c, g = cpu.logits(seq), gpu.logits(seq)
+    rel = np.abs(c - g).max(-1) / np.abs(c).max(-1)
+    mism = int((c.argmax(-1) != g.argmax(-1)).sum())
+    res = {"positions": len(seq), "worst_rel_logit_error": float(rel.max()), "mean_rel_logit_error": float(rel.mean()),
+           "argmax_mismatches": mism}
+    out(f"verify {model}: {len(seq)} positions | worst relative logit error {rel.max():.2e} "
+        f"(mean {rel.mean():.2e}) | argmax mismatches {mism}")
+    return res

@@ -1,0 +1,112 @@
+"""The GPU engine (fp16) against the CPU reference engine (fp32) on random models, and against transformers
+on CUDA at the TinyLlama-1.1B shape. Skipped without a usable CUDA device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import make_llama
+from tinyinfer import Engine
+
+pytestmark = pytest.mark.gpu
+
+CONFIGS = {
+    "gqa3_hd64": dict(hidden=384, heads=6, kv_heads=2, head_dim=64, intermediate=1000, layers=3),
+    "gqa4_hd128_tied": dict(hidden=512, heads=8, kv_heads=2, head_dim=128, tie=True, layers=2),
+    "gqa1_hd96_i300": dict(hidden=192, heads=4, kv_heads=4, head_dim=96, intermediate=300, layers=2),
+    "gqa8_hd64_llama3": dict(hidden=512, heads=16, kv_heads=2, head_dim=64, layers=2, rope_theta=500000.0,
+                             rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                               high_freq_factor=4.0, original_max_position_embeddings=32)),
+    "gqa7_hd256": dict(hidden=448, heads=7, kv_heads=1, head_dim=256, layers=2),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def engines(request, tmp_path_factory):
+    d = make_llama(tmp_path_factory.mktemp(request.param), vocab=1000, **CONFIGS[request.param])
+    return request.param, Engine(d, device="cuda", max_seq_len=300), Engine(d, device="cpu", max_seq_len=300)
+
+
+def test_gpu_logits_match_cpu(engines):
+    name, gpu, cpu = engines
+    ids = np.random.default_rng(0).integers(3, 1000, 150).tolist()  # crosses two 64-position chunks
+    g, c = gpu.logits(ids), cpu.logits(ids)
+    rel = np.abs(g - c).max() / np.abs(c).max()
+    agree = (g.argmax(-1) == c.argmax(-1)).mean()
+    print(f"{name}: max rel logit error {rel:.2e}, top-1 agreement {agree:.3f}")
+    assert np.isfinite(g).all()
+    assert rel < 2e-2
+    assert agree >= 0.95
+
+
+def test_gpu_greedy_tokens_are_cpu_argmax(engines):
+    """Teacher-forced: each token the GPU picks greedily is the CPU's argmax, or within fp16 noise of it."""
+    name, gpu, cpu = engines
+    prompt = [5, 17, 400, 23, 99, 7]
+    out = gpu.generate(prompt, max_tokens=40, ignore_eos=True)
+    assert len(out.token_ids) == 40
+    ref = cpu.logits(prompt + out.token_ids[:-1])[len(prompt) - 1 :]
+    scale = np.abs(ref).max()
+    picked = ref[np.arange(40), out.token_ids]
+    assert np.all(picked >= ref.max(-1) - 2e-2 * scale)
+    exact = int(np.argmax(np.r_[np.array(out.token_ids) != ref.argmax(-1), True]))
+    print(f"{name}: greedy tokens identical to CPU argmax for the first {exact} of 40")
+
+
+def test_gpu_sampling_seed_reproduces_and_chunks_continue(engines):
+    _, gpu, _ = engines
+    kw = dict(max_tokens=70, temperature=0.9, top_p=0.95, seed=3, ignore_eos=True)
+    a = gpu.generate([5, 6, 7], **kw).token_ids
+    b = gpu.generate([5, 6, 7], **kw).token_ids
+    assert a == b and len(a) == 70
+    assert gpu.generate([5, 6, 7], **{**kw, "seed": 4}).token_ids != a
+
+
+def test_gpu_stop_ids_and_top_k_1(engines):
+    _, gpu, _ = engines
+    greedy = gpu.generate([9, 8, 7], max_tokens=20, ignore_eos=True).token_ids
+    assert gpu.generate([9, 8, 7], max_tokens=20, temperature=1.3, top_k=1, seed=1, ignore_eos=True).token_ids == greedy
+    stop = greedy[5]
+    out = gpu.generate([9, 8, 7], max_tokens=20, stop_token_ids=[stop], ignore_eos=True)
+    assert out.finish_reason == "stop" and out.token_ids == greedy[: greedy.index(stop) + 1]
+
+
+def test_gpu_engine_refuses_bad_requests_and_stays_usable(engines):
+    from tinyinfer import InvalidRequestError
+
+    _, gpu, _ = engines
+    want = gpu.generate([1, 2, 3], max_tokens=5, ignore_eos=True).token_ids
+    with pytest.raises(InvalidRequestError):
+        gpu.generate([1, 2, 3], max_tokens=400)
+    with pytest.raises(InvalidRequestError):
+        gpu.generate([10**6])
+    assert gpu.generate([1, 2, 3], max_tokens=5, ignore_eos=True).token_ids == want
+
+
+def test_tinyllama_shape_vs_transformers_on_cuda(tmp_path):
+    import torch
+
+    from conftest import hf_model  # noqa: F401
+
+    d = make_llama(tmp_path / "tl", hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, head_dim=64,
+                   vocab=32000, dtype="float16", init_std=0.05)
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(d, dtype=torch.float16).cuda().eval()
+    eng = Engine(d, device="cuda", max_seq_len=512)
+    ids = np.random.default_rng(0).integers(3, 32000, 64).tolist()
+    ours = eng.logits(ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+    agree = (ours.argmax(-1) == ref.argmax(-1)).mean()
+    rel = np.abs(ours - ref).max() / np.abs(ref).max()
+    out = eng.generate(ids, max_tokens=32, ignore_eos=True).token_ids
+    with torch.no_grad():
+        hf_out = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=32, do_sample=False,
+                             min_new_tokens=32)[0, 64:].tolist()
+    same = int(np.argmax(np.r_[np.array(out) != np.array(hf_out), True]))
+    print(f"TinyLlama shape: top-1 agreement {agree:.3f}, max rel logit diff {rel:.2e}, greedy identical for {same}/32")
+    assert agree >= 0.9
+    assert rel < 5e-2
+    assert same >= 4

@@ -33,7 +33,8 @@ void CudaEngine::init_device() {
   device_name_ = prop.name;
   pdl_ = opt_.pdl && prop.major >= 9;
   if (max_seq_ < 1) fail(ErrorKind::Request, "max_seq_len must be >= 1");
-  if (opt_.attn_chunk < 8) fail(ErrorKind::Request, "attn_chunk must be >= 8");
+  if (opt_.attn_chunk == 0) opt_.attn_chunk = cuda::attn_chunk_for((int)cfg_.head_dim);
+  if (opt_.attn_chunk < 8 || opt_.attn_chunk > 128) fail(ErrorKind::Request, "attn_chunk must be 8..128");
   TI_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   TI_CUDA_CHECK(cudaEventCreate(&ev0_));
   TI_CUDA_CHECK(cudaEventCreate(&ev1_));
@@ -97,6 +98,9 @@ void CudaEngine::allocate() {
   logits_ = static_cast<float*>(dalloc(c.vocab * sizeof(float), true));
   part_o_ = static_cast<float*>(dalloc(c.n_heads * max_chunks * c.head_dim * sizeof(float), true));
   part_ml_ = static_cast<float*>(dalloc(c.n_heads * max_chunks * 2 * sizeof(float), true));
+  const int n_counters = cuda::decode_attention_counters((int)c.n_heads, (int)c.n_kv_heads);
+  attn_counters_ = static_cast<int*>(dalloc(n_counters * sizeof(int), true));
+  TI_CUDA_CHECK(cudaMemsetAsync(attn_counters_, 0, n_counters * sizeof(int), stream_));
   const size_t rope_n = (size_t)max_seq_ * (c.head_dim / 2);
   rope_cos_ = static_cast<float*>(dalloc(rope_n * sizeof(float), true));
   rope_sin_ = static_cast<float*>(dalloc(rope_n * sizeof(float), true));
@@ -224,6 +228,29 @@ cuda::GemvParams CudaEngine::gemv_params(const __half* W, int rows, int K, const
   return p;
 }
 
+cuda::DecodeAttnParams CudaEngine::attn_params(int64_t layer) const {
+  const ModelConfig& c = cfg_;
+  const size_t kv_layer = (size_t)c.n_kv_heads * max_seq_ * c.head_dim;
+  cuda::DecodeAttnParams a;
+  a.qkv = qkv_;
+  a.k_cache = k_cache_ + layer * kv_layer;
+  a.v_cache = v_cache_ + layer * kv_layer;
+  a.rope_cos = rope_cos_;
+  a.rope_sin = rope_sin_;
+  a.pos = &d_state_->pos;
+  a.part_o = part_o_;
+  a.part_ml = part_ml_;
+  a.out = att_;
+  a.counters = attn_counters_;
+  a.n_heads = (int)c.n_heads;
+  a.n_kv_heads = (int)c.n_kv_heads;
+  a.head_dim = (int)c.head_dim;
+  a.max_seq = (int)max_seq_;
+  a.chunk = opt_.attn_chunk;
+  a.scale = 1.0f / std::sqrt((float)c.head_dim);
+  return a;
+}
+
 int CudaEngine::choice(const char* name) const {
   for (const GemvChoice& g : gemv_choices_)
     if (g.name == name) return g.R;
@@ -234,31 +261,13 @@ void CudaEngine::record_forward(cudaStream_t s) {
   const ModelConfig& c = cfg_;
   const int H = (int)c.hidden, I = (int)c.intermediate, qkv_rows = (int)(c.q_dim + 2 * c.kv_dim);
   const int r_qkv = choice("qkv"), r_o = choice("o"), r_gu = choice("gate_up"), r_down = choice("down");
-  const size_t kv_layer = (size_t)c.n_kv_heads * max_seq_ * c.head_dim;
-  cuda::DecodeAttnParams a;
-  a.qkv = qkv_;
-  a.rope_cos = rope_cos_;
-  a.rope_sin = rope_sin_;
-  a.pos = &d_state_->pos;
-  a.part_o = part_o_;
-  a.part_ml = part_ml_;
-  a.out = att_;
-  a.n_heads = (int)c.n_heads;
-  a.n_kv_heads = (int)c.n_kv_heads;
-  a.head_dim = (int)c.head_dim;
-  a.max_seq = (int)max_seq_;
-  a.chunk = opt_.attn_chunk;
-  a.scale = 1.0f / std::sqrt((float)c.head_dim);
-
   cuda::embed_token(embedding_, ld_h_, H, d_state_, x_, s, pdl_);  // x = embed[token]
   for (int64_t l = 0; l < c.n_layers; l++) {
     const Layer& L = layers_[(size_t)l];
     // qkv = [Wq; Wk; Wv] @ rmsnorm(x)
     cuda::gemv(gemv_params(L.w_qkv, qkv_rows, H, x_, qkv_, L.attn_norm), r_qkv, GemvIn::F32Norm, GemvOut::F32, s, pdl_);
     // att = softmax(rope(q) rope(K)^T / sqrt(d)) V, writing rope(k), v at pos into the cache
-    a.k_cache = k_cache_ + l * kv_layer;
-    a.v_cache = v_cache_ + l * kv_layer;
-    cuda::decode_attention(a, s, pdl_);
+    cuda::decode_attention(attn_params(l), s, pdl_);
     // x += Wo @ att
     cuda::gemv(gemv_params(L.w_o, H, (int)c.q_dim, att_, x_, nullptr), r_o, GemvIn::F16, GemvOut::AddF32, s, pdl_);
     // h = silu(Wg @ rmsnorm(x)) * (Wu @ rmsnorm(x))
@@ -510,28 +519,10 @@ double CudaEngine::time_decode_step(int64_t context, int steps) {
 double CudaEngine::time_attention(int64_t context, int reps) {
   if (context < 0 || context >= max_seq_) fail(ErrorKind::Request, "time_attention: context must be < max_seq_len");
   const ModelConfig& c = cfg_;
-  cuda::DecodeAttnParams a;
-  a.qkv = qkv_;
-  a.rope_cos = rope_cos_;
-  a.rope_sin = rope_sin_;
-  a.pos = &d_state_->pos;
-  a.part_o = part_o_;
-  a.part_ml = part_ml_;
-  a.out = att_;
-  a.n_heads = (int)c.n_heads;
-  a.n_kv_heads = (int)c.n_kv_heads;
-  a.head_dim = (int)c.head_dim;
-  a.max_seq = (int)max_seq_;
-  a.chunk = opt_.attn_chunk;
-  a.scale = 1.0f / std::sqrt((float)c.head_dim);
-  const size_t kv_layer = (size_t)c.n_kv_heads * max_seq_ * c.head_dim;
   set_state(1, (int)context, 0);
   auto run = [&] {
-    for (int64_t l = 0; l < c.n_layers; l++) {  // every layer's cache: L2-cold like the real step
-      a.k_cache = k_cache_ + l * kv_layer;
-      a.v_cache = v_cache_ + l * kv_layer;
-      cuda::decode_attention(a, stream_, pdl_);
-    }
+    for (int64_t l = 0; l < c.n_layers; l++)  // every layer's cache: L2-cold like the real step
+      cuda::decode_attention(attn_params(l), stream_, pdl_);
   };
   run();
   TI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "../cuda/attention.cuh"
 #include "../cuda/gemv.cuh"
 #include "../cuda/sampling.cuh"
 #include "config.h"
@@ -25,7 +26,7 @@ namespace ti {
 struct CudaOptions {
   bool pdl = true;          // programmatic dependent launch where the GPU has it (sm_90+)
   bool graphs = true;       // replay captured graphs (false: launch kernel by kernel, for debugging)
-  int attn_chunk = 64;      // positions per split-K attention block
+  int attn_chunk = 0;       // positions per split-K attention block; 0: the kernel's choice for head_dim
   int gemv_rows = 0;        // 0: time R in {1, 2, 4} per shape at load; else force this R
 };
 
@@ -94,6 +95,7 @@ class CudaEngine {
   void run_decode_step(cudaStream_t s);
   void set_state(int token, int pos, int step);
   void check_tokens(const int32_t* tokens, int64_t n) const;
+  cuda::DecodeAttnParams attn_params(int64_t layer) const;
   cuda::GemvParams gemv_params(const __half* W, int rows, int K, const void* x, void* y,
                                const float* norm_w) const;
   int choice(const char* name) const;
@@ -127,6 +129,7 @@ class CudaEngine {
   float* logits_ = nullptr;   // (vocab)
   float* part_o_ = nullptr;   // (n_heads, max_chunks, head_dim)
   float* part_ml_ = nullptr;  // (n_heads, max_chunks, 2)
+  int* attn_counters_ = nullptr;  // per (KV head, slice): chunks done, for the last-block merge
   float* rope_cos_ = nullptr; // (max_seq, head_dim / 2)
   float* rope_sin_ = nullptr;
   // ---- sampling / decode loop state ----

@@ -1,18 +1,18 @@
 // attention.cu — decode attention: one new token attends to positions 0..pos of the KV cache.
 //
-// Split-K flash-decoding. Kernel 1 (decode_attn_chunk): grid (max_chunks, n_kv_heads, ceil(group / 8)); a block
-// owns one KV head and one chunk of `chunk` positions and serves up to 8 query heads of its group, so each key
-// and value is read from memory once per group, not once per query head. Blocks whose chunk starts past pos
-// exit at once: the grid is sized for max_seq, so one captured graph serves every position.
-//   - RoPE is fused here: each block rotates its query heads (and pre-scales them by 1/sqrt(d)); the block
-//     whose chunk holds `pos` also rotates the new key and writes key and value into the cache (fp16), then
-//     attends to them like any other position.
-//   - Inside a block, lanes are grouped LPK per key (LPK = 8, 16 or 32 lanes: 8 fp16 dims each, head_dim up to
-//     256); each group is an independent online-softmax stream over positions c0 + s, c0 + s + n_streams, ...,
-//     two positions per step in flight; at the end the streams are merged through shared memory.
-//   - Output: the chunk's unnormalised o and its (max, sum) per query head.
-// Kernel 2 (decode_attn_merge): one block per query head combines the chunks 0..pos/chunk (log-sum-exp) and
-// writes the fp16 output the O projection reads.
+// Split-K flash-decoding in ONE kernel per layer. Grid (max_chunks, n_kv_heads, ceil(group / 8)): a block owns
+// one KV head and one chunk of `chunk` positions (64; 32 for head_dim > 128 to fit shared memory on sm_75) and
+// serves up to 8 query heads of its group, so each key and value is read from memory once per group. The grid is
+// sized for max_seq (graph-safe); blocks whose chunk starts past pos exit at once.
+//   1. RoPE fused: the block rotates its query heads (pre-scaled by 1/sqrt(d)) into shared memory; the block
+//      whose chunk holds `pos` also rotates the new key and writes key and value into the cache (fp16).
+//   2. The chunk's keys and values are one contiguous run of the cache: loaded with 16-byte coalesced loads into
+//      shared memory (rows padded by 16 bytes: the 16-byte reads of consecutive rows hit distinct banks).
+//   3. Scores S[h][p] (a thread per (head, position) pair), softmax per head within the chunk (a warp per head),
+//      O[h][d] = sum_p P[h][p] V[p][d] (a thread per (head, dim) pair): plain FMAs, one exp per score.
+//   4. The chunk's unnormalised O and (max, sum) go to a partial buffer; the LAST block of this (KV head, slice)
+//      to finish (an atomic counter, reset by that block) merges all chunks 0..pos/chunk with log-sum-exp and
+//      writes the fp16 output — no second kernel.
 #include <cfloat>
 
 #include "attention.cuh"
@@ -20,32 +20,34 @@
 
 namespace ti::cuda {
 
-constexpr int kAttnThreads = 128, kMaxGroup = 8;
+constexpr int kAttnThreads = 128, kMaxGroup = 8, kPad = 8;  // kPad: halves of padding per shared K/V row
 
-template <int LPK>
-__global__ void __launch_bounds__(kAttnThreads) decode_attn_chunk(DecodeAttnParams p) {
-  constexpr int kStreams = kAttnThreads / LPK;
-  extern __shared__ __align__(16) float smem[];
-  const int hd = p.head_dim, half_d = hd / 2;
-  float* q_s = smem;                          // (kMaxGroup, hd)
-  float* st_o = q_s + kMaxGroup * hd;         // (kStreams, kMaxGroup, hd)
-  float* st_m = st_o + kStreams * kMaxGroup * hd;  // (kStreams, kMaxGroup)
-  float* st_l = st_m + kStreams * kMaxGroup;       // (kStreams, kMaxGroup)
+__global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int hd = p.head_dim, half_d = hd / 2, CH = p.chunk, row = hd + kPad;
+  float* q_s = reinterpret_cast<float*>(smem_raw);              // (kMaxGroup, hd)
+  float* s_s = q_s + kMaxGroup * hd;                            // (kMaxGroup, CH) scores, then probabilities
+  float* ml_s = s_s + kMaxGroup * CH;                           // (kMaxGroup, 2)
+  __half* k_s = reinterpret_cast<__half*>(ml_s + 2 * kMaxGroup);  // (CH, row)
+  __half* v_s = k_s + (size_t)CH * row;                         // (CH, row)
+  __shared__ int is_last;
 
   pdl_wait();
   pdl_launch_dependents();
-  const int pos = *p.pos, len = pos + 1;
-  const int c0 = blockIdx.x * p.chunk;
-  if (c0 >= len) return;
-  const int c1 = min(c0 + p.chunk, len);
+  const int pos = *p.pos;
+  const int c0 = blockIdx.x * CH;
+  if (c0 > pos) return;
+  const int n = min(CH, pos + 1 - c0);  // positions in this chunk
   const int kvh = blockIdx.y, group = p.n_heads / p.n_kv_heads;
   const int hq0 = kvh * group + blockIdx.z * kMaxGroup;
   const int g = min(kMaxGroup, group - (int)blockIdx.z * kMaxGroup);
   const int q_dim = p.n_heads * hd, kv_dim = p.n_kv_heads * hd;
   const float* cs = p.rope_cos + (size_t)pos * half_d;
   const float* sn = p.rope_sin + (size_t)pos * half_d;
+  __half* kc = p.k_cache + (size_t)kvh * p.max_seq * hd;
+  __half* vc = p.v_cache + (size_t)kvh * p.max_seq * hd;
 
-  // ---- rotate (and scale) the query heads; the owner of `pos` writes the new key / value ----
+  // ---- 1. rotate the query heads; the owner of pos writes rope(k) and v into the cache ----
   for (int t = threadIdx.x; t < g * half_d; t += kAttnThreads) {
     const int h = t / half_d, i = t % half_d;
     const float* q = p.qkv + (size_t)(hq0 + h) * hd;
@@ -53,9 +55,7 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_chunk(DecodeAttnPara
     q_s[h * hd + i] = (x1 * cs[i] - x2 * sn[i]) * p.scale;
     q_s[h * hd + i + half_d] = (x2 * cs[i] + x1 * sn[i]) * p.scale;
   }
-  __half* kc = p.k_cache + (size_t)kvh * p.max_seq * hd;
-  __half* vc = p.v_cache + (size_t)kvh * p.max_seq * hd;
-  if (pos < c1 && pos >= c0) {  // every z-slice of this chunk writes the same values: harmless, keeps it simple
+  if (pos < c0 + CH) {  // every z-slice of this chunk writes the same values: harmless
     const float* k = p.qkv + q_dim + (size_t)kvh * hd;
     const float* v = p.qkv + q_dim + kv_dim + (size_t)kvh * hd;
     for (int i = threadIdx.x; i < half_d; i += kAttnThreads) {
@@ -65,130 +65,125 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_chunk(DecodeAttnPara
     }
     for (int i = threadIdx.x; i < hd; i += kAttnThreads) vc[(size_t)pos * hd + i] = __float2half(v[i]);
   }
+  __syncthreads();  // (makes the cache writes above visible to the whole block)
+
+  // ---- 2. the chunk's keys and values into shared memory ----
+  const int words = hd / 8;  // 16-byte words per row
+  const uint4* kg = reinterpret_cast<const uint4*>(kc + (size_t)c0 * hd);
+  const uint4* vg = reinterpret_cast<const uint4*>(vc + (size_t)c0 * hd);
+  for (int i = threadIdx.x; i < n * words; i += kAttnThreads) {
+    const int r = i / words, w = i % words;
+    *reinterpret_cast<uint4*>(k_s + (size_t)r * row + w * 8) = kg[i];
+    *reinterpret_cast<uint4*>(v_s + (size_t)r * row + w * 8) = vg[i];
+  }
   __syncthreads();
 
-  // ---- online softmax streams ----
-  const int stream = threadIdx.x / LPK, j = threadIdx.x % LPK;  // lane j owns dims 8j..8j+7
-  const bool active = j * 8 < hd;
-  float m[kMaxGroup], l[kMaxGroup], o[kMaxGroup][8], qf[kMaxGroup][8];
+  // ---- 3a. scores: thread per (head, position) ----
+  for (int i = threadIdx.x; i < g * CH; i += kAttnThreads) {
+    const int h = i / CH, t = i % CH;
+    if (t >= n) continue;
+    const float* q = q_s + h * hd;
+    const uint4* kr = reinterpret_cast<const uint4*>(k_s + (size_t)t * row);
+    float s = 0.0f;
+    for (int w = 0; w < words; w++) {
+      float kf[8];
+      unpack8(kr[w], kf);
 #pragma unroll
-  for (int h = 0; h < kMaxGroup; h++) {
-    m[h] = -FLT_MAX;
-    l[h] = 0.0f;
-#pragma unroll
-    for (int d = 0; d < 8; d++) {
-      o[h][d] = 0.0f;
-      qf[h][d] = (active && h < g) ? q_s[h * hd + j * 8 + d] : 0.0f;
+      for (int d = 0; d < 8; d++) s = fmaf(q[w * 8 + d], kf[d], s);
     }
+    s_s[h * CH + t] = s;
   }
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  // The loop runs warp-uniformly (the shuffles need every lane); a stream past the chunk's end only skips updates.
-  for (int base = c0; base < c1; base += 2 * kStreams) {
-    const int t1 = base + stream, t2 = t1 + kStreams;
-    const bool ok1 = t1 < c1, ok2 = t2 < c1;
-    const uint4 k1 = (active && ok1) ? *reinterpret_cast<const uint4*>(kc + (size_t)t1 * hd + j * 8) : zero;
-    const uint4 v1 = (active && ok1) ? *reinterpret_cast<const uint4*>(vc + (size_t)t1 * hd + j * 8) : zero;
-    const uint4 k2 = (active && ok2) ? *reinterpret_cast<const uint4*>(kc + (size_t)t2 * hd + j * 8) : zero;
-    const uint4 v2 = (active && ok2) ? *reinterpret_cast<const uint4*>(vc + (size_t)t2 * hd + j * 8) : zero;
-#pragma unroll
-    for (int step = 0; step < 2; step++) {
-      const bool ok = step ? ok2 : ok1;
-      float kf[8], vf[8];
-      unpack8(step ? k2 : k1, kf);
-      unpack8(step ? v2 : v1, vf);
-#pragma unroll
-      for (int h = 0; h < kMaxGroup; h++) {
-        if (h >= g) break;  // g is uniform across the block
-        float s = 0.0f;
-#pragma unroll
-        for (int d = 0; d < 8; d++) s = fmaf(qf[h][d], kf[d], s);
-#pragma unroll
-        for (int off = LPK / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-        if (!ok) continue;
-        const float m_new = fmaxf(m[h], s);
-        const float corr = __expf(m[h] - m_new), e = __expf(s - m_new);
-        l[h] = l[h] * corr + e;
-#pragma unroll
-        for (int d = 0; d < 8; d++) o[h][d] = fmaf(o[h][d], corr, e * vf[d]);
-        m[h] = m_new;
-      }
+  __syncthreads();
+  // ---- 3b. softmax within the chunk: a warp per head ----
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int h = warp; h < g; h += kAttnThreads / 32) {
+    float m = -FLT_MAX;
+    for (int t = lane; t < n; t += 32) m = fmaxf(m, s_s[h * CH + t]);
+    m = warp_max(m);
+    float l = 0.0f;
+    for (int t = lane; t < n; t += 32) {
+      const float e = __expf(s_s[h * CH + t] - m);
+      s_s[h * CH + t] = e;
+      l += e;
     }
-  }
-
-  // ---- merge the streams of this block, write the chunk's partial result ----
-  for (int h = 0; h < g; h++) {
-    if (active)
-#pragma unroll
-      for (int d = 0; d < 8; d++) st_o[(stream * kMaxGroup + h) * hd + j * 8 + d] = o[h][d];
-    if (j == 0) {
-      st_m[stream * kMaxGroup + h] = m[h];
-      st_l[stream * kMaxGroup + h] = l[h];
+    l = warp_sum(l);
+    if (lane == 0) {
+      ml_s[2 * h] = m;
+      ml_s[2 * h + 1] = l;
     }
   }
   __syncthreads();
-  const int max_chunks = (p.max_seq + p.chunk - 1) / p.chunk;
-  for (int t = threadIdx.x; t < g * hd; t += kAttnThreads) {
-    const int h = t / hd, d = t % hd;
-    float M = -FLT_MAX;
-    for (int s = 0; s < kStreams; s++) M = fmaxf(M, st_m[s * kMaxGroup + h]);
-    float L = 0.0f, O = 0.0f;
-    for (int s = 0; s < kStreams; s++) {
-      const float w = st_l[s * kMaxGroup + h] > 0.0f ? __expf(st_m[s * kMaxGroup + h] - M) : 0.0f;
-      L += st_l[s * kMaxGroup + h] * w;
-      O += st_o[(s * kMaxGroup + h) * hd + d] * w;
-    }
+  // ---- 3c. O = P V: thread per (head, dim); write the chunk's partial result ----
+  const int max_chunks = (p.max_seq + CH - 1) / CH;
+  for (int i = threadIdx.x; i < g * hd; i += kAttnThreads) {
+    const int h = i / hd, d = i % hd;
+    const float* pr = s_s + h * CH;
+    float o = 0.0f;
+    for (int t = 0; t < n; t++) o = fmaf(pr[t], __half2float(v_s[(size_t)t * row + d]), o);
     const size_t slot = (size_t)(hq0 + h) * max_chunks + blockIdx.x;
-    p.part_o[slot * hd + d] = O;
+    p.part_o[slot * hd + d] = o;
     if (d == 0) {
-      p.part_ml[slot * 2] = M;
-      p.part_ml[slot * 2 + 1] = L;
+      p.part_ml[slot * 2] = ml_s[2 * h];
+      p.part_ml[slot * 2 + 1] = ml_s[2 * h + 1];
     }
   }
-}
 
-__global__ void decode_attn_merge(DecodeAttnParams p) {
-  pdl_wait();
-  pdl_launch_dependents();
-  const int h = blockIdx.x, hd = p.head_dim;
-  const int n = *p.pos / p.chunk + 1;  // chunks holding positions 0..pos
-  const int max_chunks = (p.max_seq + p.chunk - 1) / p.chunk;
-  const float* ml = p.part_ml + (size_t)h * max_chunks * 2;
-  float M = -FLT_MAX;
-  for (int c = 0; c < n; c++) M = fmaxf(M, ml[2 * c]);
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+  // ---- 4. the last chunk block of this (KV head, slice) merges all chunks ----
+  const int n_chunks = pos / CH + 1;
+  int* counter = p.counters + kvh * gridDim.z + blockIdx.z;
+  __threadfence();  // partials visible device-wide before the count
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int done = atomicAdd(counter, 1);
+    is_last = done == n_chunks - 1;
+    if (is_last) *counter = 0;  // ready for the next step
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < g * hd; i += kAttnThreads) {
+    const int h = i / hd, d = i % hd;
+    const size_t base = (size_t)(hq0 + h) * max_chunks;
+    const volatile float* ml = p.part_ml + base * 2;
+    const volatile float* po = p.part_o + base * hd;
+    float M = -FLT_MAX;
+    for (int c = 0; c < n_chunks; c++) M = fmaxf(M, ml[2 * c]);
     float L = 0.0f, O = 0.0f;
-    for (int c = 0; c < n; c++) {
+    for (int c = 0; c < n_chunks; c++) {
       const float w = __expf(ml[2 * c] - M);
       L += ml[2 * c + 1] * w;
-      O += p.part_o[((size_t)h * max_chunks + c) * hd + d] * w;
+      O += po[(size_t)c * hd + d] * w;
     }
-    p.out[(size_t)h * hd + d] = __float2half(O / L);
+    p.out[(size_t)(hq0 + h) * hd + d] = __float2half(O / L);
   }
 }
 
-template <int LPK>
-static void launch_chunk(const DecodeAttnParams& p, cudaStream_t s, bool pdl) {
-  constexpr int kStreams = kAttnThreads / LPK;
-  const size_t smem = sizeof(float) * ((size_t)kMaxGroup * p.head_dim * (1 + kStreams) + 2 * kStreams * kMaxGroup);
-  static bool raised = false;  // a property of the CUDA function (process-wide), set once
-  if (smem > 48 * 1024 && !raised) {
-    TI_CUDA_CHECK(cudaFuncSetAttribute(decode_attn_chunk<LPK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       100 * 1024));
-    raised = true;
-  }
-  const int group = p.n_heads / p.n_kv_heads;
-  dim3 grid(attn_max_chunks(p), p.n_kv_heads, (group + kMaxGroup - 1) / kMaxGroup);
-  launch(decode_attn_chunk<LPK>, grid, dim3(kAttnThreads), smem, s, pdl, p);
+size_t decode_attention_smem(const DecodeAttnParams& p) {
+  return sizeof(float) * ((size_t)kMaxGroup * p.head_dim + (size_t)kMaxGroup * p.chunk + 2 * kMaxGroup) +
+         2 * sizeof(__half) * (size_t)p.chunk * (p.head_dim + kPad);
+}
+
+int decode_attention_counters(int n_heads, int n_kv_heads) {
+  const int group = n_heads / n_kv_heads;
+  return n_kv_heads * ((group + kMaxGroup - 1) / kMaxGroup);
 }
 
 void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl) {
   if (p.head_dim % 8 != 0 || p.head_dim > 256 || p.head_dim < 16 || p.n_heads % p.n_kv_heads != 0)
     fail(ErrorKind::Request, "decode_attention: unsupported head_dim " + std::to_string(p.head_dim));
-  const int words = p.head_dim / 8;  // 16-byte words per key
-  if (words <= 8) launch_chunk<8>(p, s, pdl);
-  else if (words <= 16) launch_chunk<16>(p, s, pdl);
-  else launch_chunk<32>(p, s, pdl);
-  launch(decode_attn_merge, dim3(p.n_heads), dim3(p.head_dim <= 128 ? 128 : 256), 0, s, pdl, p);
+  if (p.chunk < 1 || p.chunk > 128 || p.counters == nullptr)
+    fail(ErrorKind::Request, "decode_attention: chunk must be 1..128 and counters given");
+  const size_t smem = decode_attention_smem(p);
+  if (smem > 48 * 1024) {
+    static bool raised = false;  // a property of the CUDA function (process-wide), set once
+    if (!raised) {
+      TI_CUDA_CHECK(cudaFuncSetAttribute(decode_attn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+      raised = true;
+    }
+  }
+  const int group = p.n_heads / p.n_kv_heads;
+  dim3 grid(attn_max_chunks(p), p.n_kv_heads, (group + kMaxGroup - 1) / kMaxGroup);
+  launch(decode_attn_kernel, grid, dim3(kAttnThreads), smem, s, pdl, p);
 }
 
 }  // namespace ti::cuda

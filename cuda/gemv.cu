@@ -12,8 +12,8 @@
 //                squares: H floats from L2, cheaper than a kernel launch)
 //   out AddF32:  y += W x (the residual add of the O and down projections)
 //   out Swiglu:  rows interleaved gate/up at load (row 2i = gate_i, 2i+1 = up_i): y_i = silu(g_i) * u_i
-// PDL: the first 16-byte word of each of the warp's rows is loaded before pdl_wait() (weights do not depend on
-// the previous kernel), so the memory pipe is busy while the previous kernel drains.
+// PDL: the first 4/R 16-byte words of each of the warp's rows (4 per lane) are loaded before pdl_wait()
+// (weights do not depend on the previous kernel), so the memory pipe is busy while the previous kernel drains.
 #include "common.cuh"
 #include "gemv.cuh"
 
@@ -35,9 +35,13 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
     wrow[r] = reinterpret_cast<const uint4*>(p.W + (size_t)row * p.ld);
   }
   const int ld8 = p.ld / 8;  // 16-byte words per row
-  uint4 pre[R];
+  constexpr int P = 4 / R;   // words per row loaded before the dependency wait: 4 per lane in flight
+  uint4 pre[P][R];
 #pragma unroll
-  for (int r = 0; r < R; r++) pre[r] = lane < ld8 ? load_stream(wrow[r] + lane) : make_uint4(0, 0, 0, 0);
+  for (int u = 0; u < P; u++)
+#pragma unroll
+    for (int r = 0; r < R; r++)
+      pre[u][r] = lane + u * 32 < ld8 ? load_stream(wrow[r] + lane + u * 32) : make_uint4(0, 0, 0, 0);
 
   pdl_wait();
   pdl_launch_dependents();
@@ -63,12 +67,15 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
   float xf[8];
 #pragma unroll
   for (int r = 0; r < R; r++) acc[r] = 0.0f;
-  if (lane < ld8) {
-    unpack8(xv[lane], xf);
 #pragma unroll
-    for (int r = 0; r < R; r++) acc[r] += dot8(pre[r], xf);
+  for (int u = 0; u < P; u++) {
+    if (lane + u * 32 < ld8) {
+      unpack8(xv[lane + u * 32], xf);
+#pragma unroll
+      for (int r = 0; r < R; r++) acc[r] += dot8(pre[u][r], xf);
+    }
   }
-  int k = lane + 32;  // in 16-byte words
+  int k = lane + P * 32;  // in 16-byte words
   for (; k + 3 * 32 < ld8; k += 4 * 32) {
     uint4 w[4][R];
 #pragma unroll

@@ -76,7 +76,8 @@ std::vector<float> run_decode_attention(const float* qkv, uint16_t* k_cache, uin
   const int max_chunks = (max_seq + chunk - 1) / chunk;
   Buf dqkv((size_t)(q_dim + 2 * kv_dim) * 4), dk(cache * 2), dv(cache * 2), dc(table * 4), ds(table * 4),
       dpos(4), dpo((size_t)n_heads * max_chunks * head_dim * 4), dpml((size_t)n_heads * max_chunks * 2 * 4),
-      dout((size_t)q_dim * 2);
+      dout((size_t)q_dim * 2), dcnt((size_t)decode_attention_counters(n_heads, n_kv_heads) * 4);
+  TI_CUDA_CHECK(cudaMemset(dcnt.p, 0, (size_t)decode_attention_counters(n_heads, n_kv_heads) * 4));
   put(dqkv.p, qkv, (size_t)(q_dim + 2 * kv_dim) * 4);
   put(dk.p, k_cache, cache * 2);
   put(dv.p, v_cache, cache * 2);
@@ -96,12 +97,17 @@ std::vector<float> run_decode_attention(const float* qkv, uint16_t* k_cache, uin
   a.part_o = dpo.as<float>();
   a.part_ml = dpml.as<float>();
   a.out = dout.as<__half>();
+  a.counters = dcnt.as<int>();
   a.n_heads = n_heads;
   a.n_kv_heads = n_kv_heads;
   a.head_dim = head_dim;
   a.max_seq = max_seq;
   a.chunk = chunk;
   a.scale = 1.0f / std::sqrt((float)head_dim);
+  decode_attention(a, 0, false);
+  // Twice, the output poisoned in between: the merge counters must have been left ready for the next call
+  // (the second call rewrites the same rope(k), v at pos).
+  TI_CUDA_CHECK(cudaMemset(dout.p, 0xFF, (size_t)q_dim * 2));
   decode_attention(a, 0, false);
   TI_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<__half> oh((size_t)q_dim);

@@ -202,7 +202,9 @@ void bind_engine(nb::module_& m) {
       .def_rw("attn_chunk", &ti::CudaOptions::attn_chunk)
       .def_rw("gemv_rows", &ti::CudaOptions::gemv_rows);
   auto gpu = nb::class_<ti::CudaEngine>(m, "CudaEngine", "The GPU engine: fp16 weights, graph-replayed decode.");
-  gpu.def(nb::init<std::shared_ptr<const ti::WeightStore>, int64_t, ti::CudaOptions>(), "weights"_a,
+  // (a reference, not a shared_ptr: a shared_ptr to a Python-owned store dying inside the constructor would
+  // drop a Python reference with the GIL released)
+  gpu.def(nb::init<const ti::WeightStore&, int64_t, ti::CudaOptions>(), "weights"_a,
           "max_seq_len"_a, "options"_a = ti::CudaOptions(), nb::call_guard<nb::gil_scoped_release>())
       .def_static(
           "random",

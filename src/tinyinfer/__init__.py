@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .errors import (  # noqa: F401  (errors first: the core maps its exceptions onto these)
+    ChatTemplateError,
     ConfigError,
     DeviceError,
     InvalidRequestError,
@@ -26,6 +27,7 @@ __all__ = [
     "SamplingParams",
     "ModelConfig",
     "TinyInferError",
+    "ChatTemplateError",
     "ModelNotFoundError",
     "ModelFormatError",
     "ConfigError",

@@ -219,15 +219,10 @@ class Engine:
     def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template (as transformers'
         apply_chat_template(tokenize=True) gives them)."""
-        from .chat import render_chat
-
         tok = self._need_tokenizer()
-        template = getattr(tok, "chat_template", None)
-        if not template:
+        if not getattr(tok, "chat_template", None):
             raise TokenizerError(f"{self.path}: the model has no chat template")
-        text = render_chat(template, list(messages), bos_token=tok.bos_token, eos_token=tok.eos_token,
-                           add_generation_prompt=add_generation_prompt)
-        return tok.encode(text, add_special_tokens=False)
+        return tok.encode_chat(list(messages), add_generation_prompt=add_generation_prompt)
 
     def chat(self, messages: Sequence[dict], params: Optional[SamplingParams] = None, **kwargs) -> Completion:
         """The assistant's reply to a conversation [{"role": ..., "content": ...}, ...]."""

@@ -37,6 +37,11 @@ class DeviceError(TinyInferError, RuntimeError):
     """No usable GPU, not enough GPU memory, or a CUDA error."""
 
 
+class ChatTemplateError(TinyInferError, ValueError):
+    """A chat template failed to render: a syntax error, raise_exception() in the template, or an attempt to
+    leave the Jinja sandbox (templates come from model files and are untrusted)."""
+
+
 __all__ = [
     "TinyInferError",
     "ModelNotFoundError",
@@ -46,4 +51,5 @@ __all__ = [
     "InvalidRequestError",
     "TokenizerError",
     "DeviceError",
+    "ChatTemplateError",
 ]

@@ -6,19 +6,33 @@ from pathlib import Path
 
 from ..errors import ModelNotFoundError, UnsupportedModelError
 from .base import LoadedModel, TensorSource
+from .gguf import load_gguf
 from .hf import load_hf_dir
 
 
+def _is_gguf_file(p: Path) -> bool:
+    if p.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def load_model(path: str | Path) -> LoadedModel:
-    """Load a model from a HuggingFace directory (config.json + safetensors)."""
+    """Load a model from a HuggingFace directory (config.json + safetensors) or a GGUF file (llama architecture)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelNotFoundError(f"model path does not exist: {p}")
     if p.is_dir():
         return load_hf_dir(p)
+    if p.is_file() and _is_gguf_file(p):
+        return load_gguf(p)
     raise UnsupportedModelError(
-        f"{p}: not a model directory (expected a HuggingFace directory with config.json and model.safetensors)"
+        f"{p}: not a model directory or GGUF file (expected a HuggingFace directory with config.json and "
+        f"model.safetensors, or a .gguf file)"
     )
 
 
-__all__ = ["LoadedModel", "TensorSource", "load_model", "load_hf_dir"]
+__all__ = ["LoadedModel", "TensorSource", "load_model", "load_hf_dir", "load_gguf"]

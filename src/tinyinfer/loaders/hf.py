@@ -175,6 +175,34 @@ def _iter_safetensors(path: Path) -> Iterator[TensorItem]:
         yield name, view, core_dtype
 
 
+def _apply_tokenizer_config(tok: Tokenizer, path: Path) -> None:
+    """Special-token strings and the chat template from tokenizer_config.json (as transformers reads them)."""
+    if not path.is_file():
+        return
+    cfg = _read_json(path)
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        v = cfg.get(name)
+        if isinstance(v, dict):  # an AddedToken serialised as {"content": ...}
+            v = v.get("content")
+        if isinstance(v, str):
+            setattr(tok, name, v)
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if isinstance(template, str) and template:
+        tok.chat_template = template
+
+
+def _apply_chat_template_file(tok: Tokenizer, path: Path) -> None:
+    """Newer transformers save the template as chat_template.jinja beside tokenizer_config.json."""
+    if path.is_file():
+        try:
+            tok.chat_template = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelFormatError(f"{path}: cannot read the chat template: {e}") from e
+
+
 def load_hf_dir(d: Path) -> LoadedModel:
     config_path = d / "config.json"
     config = config_from_hf(_read_json(config_path), where=str(config_path))
@@ -191,5 +219,7 @@ def load_hf_dir(d: Path) -> LoadedModel:
     tok_path = d / "tokenizer.json"
     if tok_path.is_file():
         tokenizer = Tokenizer.from_file(tok_path)
+        _apply_tokenizer_config(tokenizer, d / "tokenizer_config.json")
+        _apply_chat_template_file(tokenizer, d / "chat_template.jinja")
     return LoadedModel(config=config, tensors=tensors, tokenizer=tokenizer, path=d,
                        description=f"HF safetensors ({len(files)} file{'s' if len(files) > 1 else ''})")

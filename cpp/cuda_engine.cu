@@ -123,38 +123,58 @@ void CudaEngine::allocate() {
   TI_CUDA_CHECK(cudaMemcpyAsync(d_sampling_, h_sampling_, sizeof(*h_sampling_), cudaMemcpyHostToDevice, stream_));
 }
 
-// Host fp32 (rows, K) -> device fp16 (rows, ld), zero padded; `row_of(i)` places source row i.
+// Host fp32 (rows, K) -> fp16 rows of `host` (row-major, stride ld, zero padded); source row i lands at row
+// row_of(i). The caller sizes `host` for all destination rows.
 template <typename RowOf>
-static void upload_matrix(__half* dst, const float* src, int64_t rows, int64_t K, int64_t ld, RowOf row_of,
-                          cudaStream_t s) {
-  std::vector<uint16_t> host((size_t)(rows * ld), 0);
+static void pack_rows(std::vector<uint16_t>& host, const float* src, int64_t rows, int64_t K, int64_t ld,
+                      RowOf row_of) {
   for (int64_t i = 0; i < rows; i++) {
-    uint16_t* out = &host[(size_t)(row_of(i) * ld)];
+    const size_t at = (size_t)(row_of(i) * ld);
+    if (at + (size_t)ld > host.size()) fail(ErrorKind::Request, "pack_rows: destination row out of range");
+    uint16_t* out = &host[at];
     for (int64_t k = 0; k < K; k++) out[k] = float_to_half(src[i * K + k]);
   }
+}
+
+static void upload_host(__half* dst, const std::vector<uint16_t>& host, cudaStream_t s) {
   TI_CUDA_CHECK(cudaMemcpyAsync(dst, host.data(), host.size() * 2, cudaMemcpyHostToDevice, s));
-  TI_CUDA_CHECK(cudaStreamSynchronize(s));  // `host` dies here
+  TI_CUDA_CHECK(cudaStreamSynchronize(s));  // `host` may be reused or freed after this
 }
 
 void CudaEngine::upload(const WeightStore& w) {
   const ModelConfig& c = cfg_;
   auto same = [](int64_t i) { return i; };
+  std::vector<uint16_t> host;
+  auto fresh = [&](int64_t rows, int64_t ld) { host.assign((size_t)(rows * ld), 0); };
   for (int64_t l = 0; l < c.n_layers; l++) {
     const LayerWeights L = w.layer(l);
     Layer& D = layers_[(size_t)l];
-    upload_matrix(D.w_qkv, L.wq, c.q_dim, c.hidden, ld_h_, same, stream_);
-    upload_matrix(D.w_qkv + (size_t)c.q_dim * ld_h_, L.wk, c.kv_dim, c.hidden, ld_h_, same, stream_);
-    upload_matrix(D.w_qkv + (size_t)(c.q_dim + c.kv_dim) * ld_h_, L.wv, c.kv_dim, c.hidden, ld_h_, same, stream_);
-    upload_matrix(D.w_o, L.wo, c.hidden, c.q_dim, ld_q_, same, stream_);
-    upload_matrix(D.w_gate_up, L.w_gate, c.intermediate, c.hidden, ld_h_, [](int64_t i) { return 2 * i; }, stream_);
-    upload_matrix(D.w_gate_up, L.w_up, c.intermediate, c.hidden, ld_h_, [](int64_t i) { return 2 * i + 1; },
-                  stream_);
-    upload_matrix(D.w_down, L.w_down, c.hidden, c.intermediate, ld_i_, same, stream_);
+    fresh(c.q_dim + 2 * c.kv_dim, ld_h_);  // q | k | v
+    pack_rows(host, L.wq, c.q_dim, c.hidden, ld_h_, same);
+    pack_rows(host, L.wk, c.kv_dim, c.hidden, ld_h_, [&](int64_t i) { return c.q_dim + i; });
+    pack_rows(host, L.wv, c.kv_dim, c.hidden, ld_h_, [&](int64_t i) { return c.q_dim + c.kv_dim + i; });
+    upload_host(D.w_qkv, host, stream_);
+    fresh(c.hidden, ld_q_);
+    pack_rows(host, L.wo, c.hidden, c.q_dim, ld_q_, same);
+    upload_host(D.w_o, host, stream_);
+    fresh(2 * c.intermediate, ld_h_);  // gate_0, up_0, gate_1, up_1, ...
+    pack_rows(host, L.w_gate, c.intermediate, c.hidden, ld_h_, [](int64_t i) { return 2 * i; });
+    pack_rows(host, L.w_up, c.intermediate, c.hidden, ld_h_, [](int64_t i) { return 2 * i + 1; });
+    upload_host(D.w_gate_up, host, stream_);
+    fresh(c.hidden, ld_i_);
+    pack_rows(host, L.w_down, c.hidden, c.intermediate, ld_i_, same);
+    upload_host(D.w_down, host, stream_);
     TI_CUDA_CHECK(cudaMemcpy(D.attn_norm, L.attn_norm, c.hidden * sizeof(float), cudaMemcpyHostToDevice));
     TI_CUDA_CHECK(cudaMemcpy(D.mlp_norm, L.mlp_norm, c.hidden * sizeof(float), cudaMemcpyHostToDevice));
   }
-  upload_matrix(embedding_, w.embedding(), c.vocab, c.hidden, ld_h_, same, stream_);
-  if (!c.tie_word_embeddings) upload_matrix(lm_head_, w.lm_head(), c.vocab, c.hidden, ld_h_, same, stream_);
+  fresh(c.vocab, ld_h_);
+  pack_rows(host, w.embedding(), c.vocab, c.hidden, ld_h_, same);
+  upload_host(embedding_, host, stream_);
+  if (!c.tie_word_embeddings) {
+    fresh(c.vocab, ld_h_);
+    pack_rows(host, w.lm_head(), c.vocab, c.hidden, ld_h_, same);
+    upload_host(lm_head_, host, stream_);
+  }
   TI_CUDA_CHECK(cudaMemcpy(final_norm_, w.final_norm(), c.hidden * sizeof(float), cudaMemcpyHostToDevice));
 }
 

@@ -87,7 +87,6 @@ def test_gpu_engine_refuses_bad_requests_and_stays_usable(engines):
 def test_tinyllama_shape_vs_transformers_on_cuda(tmp_path):
     import torch
 
-    from conftest import hf_model  # noqa: F401
 
     d = make_llama(tmp_path / "tl", hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, head_dim=64,
                    vocab=32000, dtype="float16", init_std=0.05)

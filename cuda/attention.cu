@@ -161,26 +161,37 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   // weights w[h][c] = exp(m_c - M_h) and the totals L_h, a warp per head; the K/V tiles' space is free now
   float* w_s = reinterpret_cast<float*>(k_s);  // (g, n_chunks); the launcher checks it fits
   for (int h = warp; h < g; h += kAttnThreads / 32) {
-    const float* ml = p.part_ml + (size_t)(hq0 + h) * max_chunks * 2;
+    const float2* ml = reinterpret_cast<const float2*>(p.part_ml) + (size_t)(hq0 + h) * max_chunks;
     float M = -FLT_MAX;
-    for (int c = lane; c < n_chunks; c += 32) M = fmaxf(M, __ldcg(ml + 2 * c));
+    for (int c = lane; c < n_chunks; c += 32) M = fmaxf(M, __ldcg(ml + c).x);
     M = warp_max(M);
     float L = 0.0f;
     for (int c = lane; c < n_chunks; c += 32) {
-      const float w = __expf(__ldcg(ml + 2 * c) - M);
+      const float2 v = __ldcg(ml + c);
+      const float w = __expf(v.x - M);
       w_s[h * n_chunks + c] = w;
-      L += __ldcg(ml + 2 * c + 1) * w;
+      L += v.y * w;
     }
     L = warp_sum(L);
     if (lane == 0) ml_s[2 * h + 1] = L;
   }
   __syncthreads();
+  // Each thread sums its outputs over all chunks: 8 chunks' loads issued before their FMAs (independent L2
+  // loads in flight; a plain loop waits for each load in turn, ~0.5 µs per chunk).
   for (int i = threadIdx.x; i < g * hd; i += kAttnThreads) {
     const int h = i / hd, d = i % hd;
     const float* po = p.part_o + (size_t)(hq0 + h) * max_chunks * hd + d;
     const float* w = w_s + h * n_chunks;
     float O = 0.0f;
-    for (int c = 0; c < n_chunks; c++) O = fmaf(w[c], __ldcg(po + (size_t)c * hd), O);
+    int c = 0;
+    for (; c + 8 <= n_chunks; c += 8) {
+      float v[8];
+#pragma unroll
+      for (int u = 0; u < 8; u++) v[u] = __ldcg(po + (size_t)(c + u) * hd);
+#pragma unroll
+      for (int u = 0; u < 8; u++) O = fmaf(w[c + u], v[u], O);
+    }
+    for (; c < n_chunks; c++) O = fmaf(w[c], __ldcg(po + (size_t)c * hd), O);
     p.out[(size_t)(hq0 + h) * hd + d] = __float2half(O / ml_s[2 * h + 1]);
   }
 }

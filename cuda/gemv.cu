@@ -12,7 +12,7 @@
 //                squares: H floats from L2, cheaper than a kernel launch)
 //   out AddF32:  y += W x (the residual add of the O and down projections)
 //   out Swiglu:  rows interleaved gate/up at load (row 2i = gate_i, 2i+1 = up_i): y_i = silu(g_i) * u_i
-// PDL: the first 4/R 16-byte words of each of the warp's rows (4 per lane) are loaded before pdl_wait()
+// PDL: the first 8/R 16-byte words of each of the warp's rows (8 per lane) are loaded before pdl_wait()
 // (weights do not depend on the previous kernel), so the memory pipe is busy while the previous kernel drains.
 #include "common.cuh"
 #include "gemv.cuh"
@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
     wrow[r] = reinterpret_cast<const uint4*>(p.W + (size_t)row * p.ld);
   }
   const int ld8 = p.ld / 8;  // 16-byte words per row
-  constexpr int P = 4 / R;   // words per row loaded before the dependency wait: 4 per lane in flight
+  constexpr int P = 8 / R;   // words per row loaded before the dependency wait: 8 per lane in flight
   uint4 pre[P][R];
 #pragma unroll
   for (int u = 0; u < P; u++)
@@ -46,18 +46,49 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
   pdl_wait();
   pdl_launch_dependents();
 
-  // ---- stage x (fp16, zero padded to ld) ----
+  // ---- stage x (fp16, zero padded to ld): 16-byte loads where the width allows ----
   if constexpr (IN == GemvIn::F32Norm) {
     const float* x = static_cast<const float*>(p.x);
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < p.K; i += kGemvThreads) ss += x[i] * x[i];
-    ss = block_sum(ss, red);
-    const float inv = rsqrtf(ss / (float)p.K + p.eps);
-    for (int i = threadIdx.x; i < p.ld; i += kGemvThreads)
-      xs[i] = i < p.K ? __float2half(p.norm_w[i] * (x[i] * inv)) : __float2half(0.0f);
+    constexpr int kMaxVec = 8;  // float4s per thread kept in registers: K <= 8192 on the fast path
+    if (p.K % 4 == 0 && p.K <= kMaxVec * 4 * kGemvThreads) {
+      const int nv = p.K / 4;
+      float4 xr[kMaxVec];
+      float ss = 0.0f;
+#pragma unroll
+      for (int u = 0; u < kMaxVec; u++) {
+        const int i = threadIdx.x + u * kGemvThreads;
+        xr[u] = i < nv ? reinterpret_cast<const float4*>(x)[i] : make_float4(0, 0, 0, 0);
+        ss += xr[u].x * xr[u].x + xr[u].y * xr[u].y + xr[u].z * xr[u].z + xr[u].w * xr[u].w;
+      }
+      ss = block_sum(ss, red);
+      const float inv = rsqrtf(ss / (float)p.K + p.eps);
+#pragma unroll
+      for (int u = 0; u < kMaxVec; u++) {
+        const int i = threadIdx.x + u * kGemvThreads;
+        if (i < nv) {
+          const float4 w = reinterpret_cast<const float4*>(p.norm_w)[i];
+          __half2* dst = reinterpret_cast<__half2*>(xs + 4 * i);
+          dst[0] = __floats2half2_rn(w.x * (xr[u].x * inv), w.y * (xr[u].y * inv));
+          dst[1] = __floats2half2_rn(w.z * (xr[u].z * inv), w.w * (xr[u].w * inv));
+        }
+      }
+      for (int i = p.K + threadIdx.x; i < p.ld; i += kGemvThreads) xs[i] = __float2half(0.0f);
+    } else {
+      float ss = 0.0f;
+      for (int i = threadIdx.x; i < p.K; i += kGemvThreads) ss += x[i] * x[i];
+      ss = block_sum(ss, red);
+      const float inv = rsqrtf(ss / (float)p.K + p.eps);
+      for (int i = threadIdx.x; i < p.ld; i += kGemvThreads)
+        xs[i] = i < p.K ? __float2half(p.norm_w[i] * (x[i] * inv)) : __float2half(0.0f);
+    }
   } else {
     const __half* x = static_cast<const __half*>(p.x);
-    for (int i = threadIdx.x; i < p.ld; i += kGemvThreads) xs[i] = i < p.K ? x[i] : __float2half(0.0f);
+    if (p.K % 8 == 0) {  // then K == ld
+      for (int i = threadIdx.x; i < p.K / 8; i += kGemvThreads)
+        reinterpret_cast<uint4*>(xs)[i] = reinterpret_cast<const uint4*>(x)[i];
+    } else {
+      for (int i = threadIdx.x; i < p.ld; i += kGemvThreads) xs[i] = i < p.K ? x[i] : __float2half(0.0f);
+    }
   }
   __syncthreads();
   if (row0 >= p.rows) return;

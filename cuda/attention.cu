@@ -9,7 +9,8 @@
 //   2. The chunk's keys and values are one contiguous run of the cache: loaded with 16-byte coalesced loads into
 //      shared memory (rows padded by 16 bytes: the 16-byte reads of consecutive rows hit distinct banks).
 //   3. Scores S[h][p] (a thread per (head, position) pair), softmax per head within the chunk (a warp per head),
-//      O[h][d] = sum_p P[h][p] V[p][d] (a thread per (head, dim) pair): plain FMAs, one exp per score.
+//      O[h][d] = sum_p P[h][p] V[p][d] (a thread per (head, 8 dims, slice of positions), 16-byte V reads, slices
+//      summed in shared memory): plain FMAs, one exp per score.
 //   4. While pos < chunk the single block writes the output directly. Otherwise the chunk's unnormalised O and
 //      (max, sum) go to a partial buffer, and the LAST block of this (KV head, slice) to finish (an atomic
 //      counter, reset by that block) merges chunks 0..pos/chunk with log-sum-exp (weights computed once per
@@ -117,22 +118,35 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
     }
   }
   __syncthreads();
-  // ---- 3c. O = P V: thread per (head, dim). A single chunk (pos < chunk) is the whole answer: write it. ----
+  // ---- 3c. O = P V. A task = (head, 8 dims, slice of positions): 16-byte V reads, 8 FMAs per shared load;
+  //      the slices are summed through shared memory (the score array's neighbour, the K tile, is free now).
+  //      A single chunk (pos < chunk) is the whole answer: write it. ----
   const int max_chunks = (p.max_seq + CH - 1) / CH;
   const int n_chunks = pos / CH + 1;
+  const int groups8 = hd / 8, tasks = g * groups8;
+  const int slices = max(1, kAttnThreads / tasks);  // position slices per (head, 8 dims)
+  float* red_o = reinterpret_cast<float*>(k_s);      // (slices, g, hd)
+  if (threadIdx.x < tasks * slices) {
+    const int task = threadIdx.x % tasks, sl = threadIdx.x / tasks;
+    const int h = task / groups8, d0 = (task % groups8) * 8;
+    const float* pr = s_s + h * CH;
+    float o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int t = sl; t < n; t += slices) {
+      float vf[8];
+      unpack8(*reinterpret_cast<const uint4*>(v_s + (size_t)t * row + d0), vf);
+      const float pt = pr[t];
+#pragma unroll
+      for (int u = 0; u < 8; u++) o[u] = fmaf(pt, vf[u], o[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < 8; u++) red_o[((size_t)sl * g + h) * hd + d0 + u] = o[u];
+  }
+  // tasks > threads (g * hd > 8 * 256) cannot happen: g <= 8, hd <= 256
+  __syncthreads();
   for (int i = threadIdx.x; i < g * hd; i += kAttnThreads) {
     const int h = i / hd, d = i % hd;
-    const float* pr = s_s + h * CH;
-    float o0 = 0.0f, o1 = 0.0f, o2 = 0.0f, o3 = 0.0f;  // four independent chains
-    int t = 0;
-    for (; t + 3 < n; t += 4) {
-      o0 = fmaf(pr[t], __half2float(v_s[(size_t)t * row + d]), o0);
-      o1 = fmaf(pr[t + 1], __half2float(v_s[(size_t)(t + 1) * row + d]), o1);
-      o2 = fmaf(pr[t + 2], __half2float(v_s[(size_t)(t + 2) * row + d]), o2);
-      o3 = fmaf(pr[t + 3], __half2float(v_s[(size_t)(t + 3) * row + d]), o3);
-    }
-    for (; t < n; t++) o0 = fmaf(pr[t], __half2float(v_s[(size_t)t * row + d]), o0);
-    const float o = (o0 + o1) + (o2 + o3);
+    float o = 0.0f;
+    for (int sl = 0; sl < slices; sl++) o += red_o[((size_t)sl * g + h) * hd + d];
     if (n_chunks == 1) {
       p.out[(size_t)(hq0 + h) * hd + d] = __float2half(o / ml_s[2 * h + 1]);
       continue;
@@ -176,7 +190,7 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
     if (lane == 0) ml_s[2 * h + 1] = L;
   }
   __syncthreads();
-  // Each thread sums its outputs over all chunks: 8 chunks' loads issued before their FMAs (independent L2
+  // Each thread sums its outputs over all chunks: 16 chunks' loads issued before their FMAs (independent L2
   // loads in flight; a plain loop waits for each load in turn, ~0.5 µs per chunk).
   for (int i = threadIdx.x; i < g * hd; i += kAttnThreads) {
     const int h = i / hd, d = i % hd;
@@ -184,12 +198,12 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
     const float* w = w_s + h * n_chunks;
     float O = 0.0f;
     int c = 0;
-    for (; c + 8 <= n_chunks; c += 8) {
-      float v[8];
+    for (; c + 16 <= n_chunks; c += 16) {
+      float v[16];
 #pragma unroll
-      for (int u = 0; u < 8; u++) v[u] = __ldcg(po + (size_t)(c + u) * hd);
+      for (int u = 0; u < 16; u++) v[u] = __ldcg(po + (size_t)(c + u) * hd);
 #pragma unroll
-      for (int u = 0; u < 8; u++) O = fmaf(w[c + u], v[u], O);
+      for (int u = 0; u < 16; u++) O = fmaf(w[c + u], v[u], O);
     }
     for (; c < n_chunks; c++) O = fmaf(w[c], __ldcg(po + (size_t)c * hd), O);
     p.out[(size_t)(hq0 + h) * hd + d] = __float2half(O / ml_s[2 * h + 1]);
@@ -207,8 +221,12 @@ int decode_attention_counters(int n_heads, int n_kv_heads) {
 }
 
 void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl) {
-  if (p.head_dim % 8 != 0 || p.head_dim > 256 || p.head_dim < 16 || p.n_heads % p.n_kv_heads != 0)
+  if (p.head_dim % 8 != 0 || p.head_dim > 256 || p.head_dim < 64 || p.n_heads % p.n_kv_heads != 0)
     fail(ErrorKind::Request, "decode_attention: unsupported head_dim " + std::to_string(p.head_dim));
+  // The O slices' reduction buffer (<= 8 KB) lives in the K tile: it must fit.
+  if ((size_t)kAttnThreads * 8 * sizeof(float) > sizeof(__half) * (size_t)p.chunk * (p.head_dim + kPad))
+    fail(ErrorKind::Request, "decode_attention: chunk " + std::to_string(p.chunk) + " too small for head_dim " +
+                                 std::to_string(p.head_dim));
   if (p.chunk < 1 || p.chunk > 128 || p.counters == nullptr)
     fail(ErrorKind::Request, "decode_attention: chunk must be 1..128 and counters given");
   const size_t merge_floats = (size_t)kMaxGroup * attn_max_chunks(p);

@@ -391,7 +391,7 @@ void CudaEngine::autotune_gemv() {
     // timing is of memory, not of the cache.
     const int passes = std::max(2, (int)std::ceil(256e6 / (bytes * g.copies)));
     double best = 1e30;
-    for (int R : {1, 2, 4}) {
+    for (int R : {1, 2, 4, cuda::kGemvSplitK}) {
       if (opt_.gemv_rows && R != opt_.gemv_rows && cuda::gemv_variant_ok(opt_.gemv_rows, sh.out)) continue;
       if (!cuda::gemv_variant_ok(R, sh.out)) continue;
       auto run = [&] {

@@ -27,14 +27,14 @@ struct CudaOptions {
   bool pdl = true;          // programmatic dependent launch where the GPU has it (sm_90+)
   bool graphs = true;       // replay captured graphs (false: launch kernel by kernel, for debugging)
   int attn_chunk = 0;       // positions per split-K attention block; 0: the kernel's choice for head_dim
-  int gemv_rows = 0;        // 0: time R in {1, 2, 4} per shape at load; else force this R
+  int gemv_rows = 0;        // 0: time R in {1, 2, 4, 8 = split-K} per shape at load; else force this R
 };
 
 // One GEMV shape class of the model and the rows-per-warp the load-time autotuner chose for it.
 struct GemvChoice {
   std::string name;           // qkv | o | gate_up | down | lm_head
   int rows = 0, K = 0, ld = 0, copies = 0;  // copies: one per layer (1 for the head)
-  int R = 1;
+  int R = 1;                  // rows per warp, or 8: the split-K variant (cuda/gemv.cuh)
   std::vector<int> tried_R;
   std::vector<double> us;     // per variant: µs per matrix, L2-cold (cycling through the layers' copies)
   double gb_per_s = 0;        // of the chosen variant

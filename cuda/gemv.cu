@@ -21,32 +21,10 @@ namespace ti::cuda {
 
 constexpr int kGemvWarps = 8, kGemvThreads = kGemvWarps * 32;
 
-template <int R, GemvIn IN, GemvOut OUT>
-__global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  __half* xs = reinterpret_cast<__half*>(smem_raw);
-  __shared__ float red[33];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * kGemvWarps + warp) * R;
-  const uint4* wrow[R];
-#pragma unroll
-  for (int r = 0; r < R; r++) {
-    const int row = min(row0 + r, p.rows - 1);  // rows past the end re-read the last row; never stored
-    wrow[r] = reinterpret_cast<const uint4*>(p.W + (size_t)row * p.ld);
-  }
-  const int ld8 = p.ld / 8;  // 16-byte words per row
-  constexpr int P = 8 / R;   // words per row loaded before the dependency wait: 8 per lane in flight
-  uint4 pre[P][R];
-#pragma unroll
-  for (int u = 0; u < P; u++)
-#pragma unroll
-    for (int r = 0; r < R; r++)
-      pre[u][r] = lane + u * 32 < ld8 ? load_stream(wrow[r] + lane + u * 32) : make_uint4(0, 0, 0, 0);
-
-  pdl_wait();
-  pdl_launch_dependents();
-
-  // ---- stage x (fp16, zero padded to ld): 16-byte loads where the width allows ----
+// Stages the input vector in shared memory as fp16, zero padded to ld (RMS-normed first for F32Norm), with
+// 16-byte loads where the width allows. Called by every thread of the block after pdl_wait().
+template <GemvIn IN>
+__device__ __forceinline__ void stage_x(const GemvParams& p, __half* xs, float* red) {
   if constexpr (IN == GemvIn::F32Norm) {
     const float* x = static_cast<const float*>(p.x);
     constexpr int kMaxVec = 8;  // float4s per thread kept in registers: K <= 8192 on the fast path
@@ -90,6 +68,34 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
       for (int i = threadIdx.x; i < p.ld; i += kGemvThreads) xs[i] = i < p.K ? x[i] : __float2half(0.0f);
     }
   }
+}
+
+template <int R, GemvIn IN, GemvOut OUT>
+__global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __half* xs = reinterpret_cast<__half*>(smem_raw);
+  __shared__ float red[33];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * kGemvWarps + warp) * R;
+  const uint4* wrow[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+    const int row = min(row0 + r, p.rows - 1);  // rows past the end re-read the last row; never stored
+    wrow[r] = reinterpret_cast<const uint4*>(p.W + (size_t)row * p.ld);
+  }
+  const int ld8 = p.ld / 8;  // 16-byte words per row
+  constexpr int P = 8 / R;   // words per row loaded before the dependency wait: 8 per lane in flight
+  uint4 pre[P][R];
+#pragma unroll
+  for (int u = 0; u < P; u++)
+#pragma unroll
+    for (int r = 0; r < R; r++)
+      pre[u][r] = lane + u * 32 < ld8 ? load_stream(wrow[r] + lane + u * 32) : make_uint4(0, 0, 0, 0);
+
+  pdl_wait();
+  pdl_launch_dependents();
+
+  stage_x<IN>(p, xs, red);
   __syncthreads();
   if (row0 >= p.rows) return;
 
@@ -150,7 +156,79 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
   }
 }
 
+// The split-K variant (R == kGemvSplitK): a block owns 8 rows and each warp one eighth of K for all 8 of them,
+// so a lane has one 16-byte load per row in flight per step (8 per step) and a long row is streamed by 8 warps
+// at once; the 8 partial sums of each row meet in shared memory. Wins where rows are few and K is long.
+template <GemvIn IN, GemvOut OUT>
+__global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p) {
+  constexpr int RB = 8;  // rows per block
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __half* xs = reinterpret_cast<__half*>(smem_raw);
+  __shared__ float red[33];
+  __shared__ float part[kGemvWarps][RB];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row0 = blockIdx.x * RB;
+  const int ld8 = p.ld / 8, span = (ld8 + kGemvWarps - 1) / kGemvWarps;
+  const int k_begin = warp * span, k_end = min(ld8, k_begin + span);
+  const uint4* wrow[RB];
+#pragma unroll
+  for (int r = 0; r < RB; r++)
+    wrow[r] = reinterpret_cast<const uint4*>(p.W + (size_t)min(row0 + r, p.rows - 1) * p.ld);
+  uint4 pre[RB];
+  const bool has_first = k_begin + lane < k_end;
+#pragma unroll
+  for (int r = 0; r < RB; r++) pre[r] = has_first ? load_stream(wrow[r] + k_begin + lane) : make_uint4(0, 0, 0, 0);
+
+  pdl_wait();
+  pdl_launch_dependents();
+  stage_x<IN>(p, xs, red);
+  __syncthreads();
+
+  const uint4* xv = reinterpret_cast<const uint4*>(xs);
+  float acc[RB], xf[8];
+#pragma unroll
+  for (int r = 0; r < RB; r++) acc[r] = 0.0f;
+  if (has_first) {
+    unpack8(xv[k_begin + lane], xf);
+#pragma unroll
+    for (int r = 0; r < RB; r++) acc[r] += dot8(pre[r], xf);
+  }
+  for (int k = k_begin + lane + 32; k < k_end; k += 32) {
+    uint4 w[RB];
+#pragma unroll
+    for (int r = 0; r < RB; r++) w[r] = load_stream(wrow[r] + k);
+    unpack8(xv[k], xf);
+#pragma unroll
+    for (int r = 0; r < RB; r++) acc[r] += dot8(w[r], xf);
+  }
+#pragma unroll
+  for (int r = 0; r < RB; r++) {
+    const float v = warp_sum(acc[r]);
+    if (lane == 0) part[warp][r] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x >= RB) return;
+  const int r = threadIdx.x, row = row0 + r;
+  float v = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kGemvWarps; w++) v += part[w][r];
+  if (row >= p.rows) return;
+  if constexpr (OUT == GemvOut::Swiglu) {
+    if (r % 2 == 0 && row + 1 < p.rows) {
+      float u = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kGemvWarps; w++) u += part[w][r + 1];
+      static_cast<__half*>(p.y)[row / 2] = __float2half(v / (1.0f + __expf(-v)) * u);
+    }
+  } else if constexpr (OUT == GemvOut::AddF32) {
+    static_cast<float*>(p.y)[row] += v;
+  } else {
+    static_cast<float*>(p.y)[row] = v;
+  }
+}
+
 bool gemv_variant_ok(int R, GemvOut out) {
+  if (R == kGemvSplitK) return true;
   if (R != 1 && R != 2 && R != 4) return false;
   return out != GemvOut::Swiglu || R >= 2;
 }
@@ -170,8 +248,21 @@ static void launch_gemv(const GemvParams& p, cudaStream_t stream, bool pdl) {
 }
 
 template <GemvIn IN, GemvOut OUT>
+static void launch_splitk(const GemvParams& p, cudaStream_t stream, bool pdl) {
+  const size_t smem = (size_t)p.ld * sizeof(__half);
+  static bool raised = false;  // a property of the CUDA function (process-wide), set once
+  if (smem > 48 * 1024 && !raised) {
+    TI_CUDA_CHECK(cudaFuncSetAttribute(gemv_splitk_kernel<IN, OUT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       200 * 1024));
+    raised = true;
+  }
+  launch(gemv_splitk_kernel<IN, OUT>, dim3((p.rows + 7) / 8), dim3(kGemvThreads), smem, stream, pdl, p);
+}
+
+template <GemvIn IN, GemvOut OUT>
 static void dispatch_r(const GemvParams& p, int R, cudaStream_t s, bool pdl) {
   switch (R) {
+    case kGemvSplitK: launch_splitk<IN, OUT>(p, s, pdl); return;
     case 1:
       if constexpr (OUT != GemvOut::Swiglu) { launch_gemv<1, IN, OUT>(p, s, pdl); return; }
       break;

@@ -17,7 +17,9 @@ struct GemvParams {
   void* y = nullptr;          // F32 / AddF32: float[rows]; Swiglu: half[rows / 2] (rows interleaved g0,u0,g1,u1..)
 };
 
-// R: rows per warp, 1, 2 or 4 (Swiglu: 2 or 4). pdl: launch with programmatic dependent launch (sm_90+).
+// The variant: R = 1, 2, 4 rows per warp (Swiglu: 2 or 4), or R = kGemvSplitK: 8 rows per block with K split
+// over the block's 8 warps. pdl: launch with programmatic dependent launch (sm_90+).
+constexpr int kGemvSplitK = 8;
 void gemv(const GemvParams& p, int R, GemvIn in, GemvOut out, cudaStream_t stream, bool pdl);
 bool gemv_variant_ok(int R, GemvOut out);
 

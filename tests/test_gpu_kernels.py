@@ -46,7 +46,7 @@ def _gemv_ref(W16, x, norm_w, eps, y_init, mode_in, mode_out):
 
 
 @pytest.mark.parametrize("rows, K", [(333, 1000), (2048, 5632), (64, 300), (2, 8), (1000, 2048), (6, 4104)])
-@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("R", [1, 2, 4, 8])  # 8: the split-K variant
 @pytest.mark.parametrize("mode_in, mode_out", [("f16", "f32"), ("f32norm", "f32"), ("f16", "add"),
                                                ("f32norm", "swiglu")])
 def test_gemv_matches_numpy(rows, K, R, mode_in, mode_out):

@@ -26,3 +26,16 @@ def test_cli_info_and_help():
         h = subprocess.run([sys.executable, "-m", "tinyinfer", cmd, "--help"], capture_output=True, text=True,
                            check=True)
         assert "--model" in h.stdout and "--temperature" in h.stdout
+
+
+def test_bench_without_a_gpu_says_why():
+    from tinyinfer.engine import cuda_status
+
+    if cuda_status()[0]:
+        import pytest
+
+        pytest.skip("a GPU is usable here")
+    out = subprocess.run([sys.executable, "-m", "tinyinfer", "bench", "--shape", "smollm2-135m"],
+                         capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "tinyinfer: error:" in out.stderr and ("CUDA" in out.stderr or "GPU" in out.stderr)

@@ -109,3 +109,14 @@ def test_tinyllama_shape_vs_transformers_on_cuda(tmp_path):
     assert agree >= 0.9
     assert rel < 5e-2
     assert same >= 4
+
+
+def test_verify_reports_gpu_vs_cpu(tmp_path):
+    from tinyinfer.bench import verify
+
+    d = make_llama(tmp_path / "v", vocab=1000, **CONFIGS["gqa3_hd64"])
+    lines = []
+    res = verify(str(d), steps=16, out=lines.append)
+    assert res["positions"] == 4 + 15
+    assert res["worst_rel_logit_error"] < 2e-2
+    assert "worst relative logit error" in lines[0]

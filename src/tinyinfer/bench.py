@@ -57,6 +57,12 @@ def bytes_per_token(c: _core.ModelConfig, context: int) -> dict:
 
 def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 1024, 4096), steps: int = 256,
         json_path: Optional[str] = None, out=print) -> dict:
+    from .engine import cuda_status
+    from .errors import DeviceError
+
+    usable, reason = cuda_status()
+    if not usable:
+        raise DeviceError(f"tinyinfer bench needs a usable GPU: {reason}")
     bw = _core.ops.read_bandwidth(1 << 31, 20)
     gbs = bw["gb_per_s"]
     max_ctx = max(contexts)

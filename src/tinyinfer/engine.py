@@ -208,11 +208,15 @@ class Engine:
         When the iterator is exhausted, `last_completion` holds the Completion."""
         sp = SamplingParams.from_kwargs(params, kwargs)
         self.last_completion = None
-        for item in self._generate(prompt, sp):
-            if isinstance(item, Completion):
-                self.last_completion = item
-            elif item:
-                yield item
+        gen = self._generate(prompt, sp)
+        try:
+            for item in gen:
+                if isinstance(item, Completion):
+                    self.last_completion = item
+                elif item:
+                    yield item
+        finally:  # closing this stream closes the generation now (releasing the engine), not at garbage collection
+            gen.close()
 
     # ---- chat ----
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "engine_checks.h"
 #include "errors.h"
 
 namespace ti {
@@ -116,14 +117,6 @@ void CpuEngine::run_layer(int64_t l, int64_t n, int64_t pos0) {
   for (int64_t i = 0; i < n * H; i++) x_[i] += tmp_[i];
 }
 
-void CpuEngine::check_tokens(const int32_t* tokens, int64_t n) const {
-  if (n < 1) fail(ErrorKind::Request, "no tokens given");
-  for (int64_t t = 0; t < n; t++)
-    if (tokens[t] < 0 || tokens[t] >= cfg_.vocab)
-      fail(ErrorKind::Request, "token id " + std::to_string(tokens[t]) + " at index " + std::to_string(t) +
-                                   " is out of range for a vocabulary of " + std::to_string(cfg_.vocab));
-}
-
 void CpuEngine::run(const int32_t* tokens, int64_t m, int64_t pos0, int64_t first_logit_row, float* logits) {
   const ModelConfig& c = cfg_;
   const int64_t H = c.hidden;
@@ -148,10 +141,8 @@ void CpuEngine::run(const int32_t* tokens, int64_t m, int64_t pos0, int64_t firs
 }
 
 void CpuEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, float* logits) {
-  check_tokens(tokens, n);
-  if (position() + n > max_seq_)
-    fail(ErrorKind::Request, std::to_string(position()) + " tokens in the sequence + " + std::to_string(n) +
-                                 " new ones exceed max_seq_len=" + std::to_string(max_seq_));
+  check_tokens(tokens, n, cfg_.vocab);
+  check_room(position(), n, max_seq_);
   // A sampled-but-not-fed token goes through the model first, in the same pass.
   std::vector<int32_t> seq;
   if (pending_) seq.push_back(tokens_.back());

@@ -39,7 +39,6 @@ class CpuEngine {
                               uint64_t step0);
 
  private:
-  void check_tokens(const int32_t* tokens, int64_t n) const;
   // The forward pass over m tokens at pos0.. ; logits of rows first_logit_row.. land in logits_buf_ (and the last
   // row in last_logits_); copied to `logits` too when it is not null.
   void run(const int32_t* tokens, int64_t m, int64_t pos0, int64_t first_logit_row, float* logits);

@@ -7,6 +7,7 @@
 #include "../cuda/attention.cuh"
 #include "../cuda/common.cuh"
 #include "../cuda/embedding.cuh"
+#include "engine_checks.h"
 #include "errors.h"
 #include "rope.h"
 
@@ -348,6 +349,18 @@ void CudaEngine::build_graphs() {
   graphs_ok_ = true;
 }
 
+// GPU milliseconds of the work `enqueue` puts on the engine's stream (CUDA events around it; waits for it).
+template <typename F>
+float CudaEngine::gpu_ms(F&& enqueue) {
+  TI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));
+  enqueue();
+  TI_CUDA_CHECK(cudaEventRecord(ev1_, stream_));
+  TI_CUDA_CHECK(cudaEventSynchronize(ev1_));
+  float ms = 0;
+  TI_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0_, ev1_));
+  return ms;
+}
+
 // ---- the rows-per-warp autotuner (at load; never inside a capture) ----
 
 void CudaEngine::autotune_gemv() {
@@ -399,12 +412,9 @@ void CudaEngine::autotune_gemv() {
           cuda::gemv(gemv_params(W, sh.rows, sh.K, sh.x, sh.y, sh.norm), R, sh.in, sh.out, stream_, pdl_);
       };
       run();  // warm-up
-      TI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));
-      for (int i = 0; i < passes; i++) run();
-      TI_CUDA_CHECK(cudaEventRecord(ev1_, stream_));
-      TI_CUDA_CHECK(cudaEventSynchronize(ev1_));
-      float ms = 0;
-      TI_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0_, ev1_));
+      const float ms = gpu_ms([&] {
+        for (int i = 0; i < passes; i++) run();
+      });
       const double us = ms * 1e3 / (passes * g.copies);
       g.tried_R.push_back(R);
       g.us.push_back(us);
@@ -420,14 +430,6 @@ void CudaEngine::autotune_gemv() {
 
 // ---- running tokens ----
 
-void CudaEngine::check_tokens(const int32_t* tokens, int64_t n) const {
-  if (n < 1) fail(ErrorKind::Request, "no tokens given");
-  for (int64_t t = 0; t < n; t++)
-    if (tokens[t] < 0 || tokens[t] >= cfg_.vocab)
-      fail(ErrorKind::Request, "token id " + std::to_string(tokens[t]) + " at index " + std::to_string(t) +
-                                   " is out of range for a vocabulary of " + std::to_string(cfg_.vocab));
-}
-
 void CudaEngine::set_state(int token, int pos, int step) {
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // h_state_ may still be read by an earlier copy
   *h_state_ = cuda::DecodeState{token, pos, step, step};
@@ -440,10 +442,8 @@ void CudaEngine::reset() {
 }
 
 void CudaEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, float* logits) {
-  check_tokens(tokens, n);
-  if (position() + n > max_seq_)
-    fail(ErrorKind::Request, std::to_string(position()) + " tokens in the sequence + " + std::to_string(n) +
-                                 " new ones exceed max_seq_len=" + std::to_string(max_seq_));
+  check_tokens(tokens, n, cfg_.vocab);
+  check_room(position(), n, max_seq_);
   std::vector<int32_t> seq;
   if (pending_) seq.push_back(tokens_.back());
   seq.insert(seq.end(), tokens, tokens + n);
@@ -494,14 +494,11 @@ std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig&
     cuda::sample_token(logits_, (int)cfg_.vocab, d_sampling_, d_seen_, d_probs_, d_state_, d_out_, stream_, false);
     replays = n - 1;
   }
-  TI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));
-  for (int64_t i = 0; i < replays; i++) run_decode_step(stream_);
-  TI_CUDA_CHECK(cudaEventRecord(ev1_, stream_));
+  last_decode_ms_ = gpu_ms([&] {
+    for (int64_t i = 0; i < replays; i++) run_decode_step(stream_);
+  });
   TI_CUDA_CHECK(cudaMemcpyAsync(h_out_, d_out_, n * sizeof(int), cudaMemcpyDeviceToHost, stream_));
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  float ms = 0;
-  TI_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0_, ev1_));
-  last_decode_ms_ = ms;
 
   std::vector<int32_t> out;
   for (int64_t i = 0; i < n; i++) {
@@ -526,12 +523,9 @@ double CudaEngine::time_decode_step(int64_t context, int steps) {
   set_state(1, (int)context, 0);
   for (int i = 0; i < 3; i++) run_decode_step(stream_);  // warm-up
   set_state(1, (int)context, 0);
-  TI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));
-  for (int i = 0; i < steps; i++) run_decode_step(stream_);
-  TI_CUDA_CHECK(cudaEventRecord(ev1_, stream_));
-  TI_CUDA_CHECK(cudaEventSynchronize(ev1_));
-  float ms = 0;
-  TI_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0_, ev1_));
+  const float ms = gpu_ms([&] {
+    for (int i = 0; i < steps; i++) run_decode_step(stream_);
+  });
   reset();  // the cache now holds benchmark tokens
   return ms / steps;
 }
@@ -545,12 +539,9 @@ double CudaEngine::time_attention(int64_t context, int reps) {
       cuda::decode_attention(attn_params(l), stream_, pdl_);
   };
   run();
-  TI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));
-  for (int i = 0; i < reps; i++) run();
-  TI_CUDA_CHECK(cudaEventRecord(ev1_, stream_));
-  TI_CUDA_CHECK(cudaEventSynchronize(ev1_));
-  float ms = 0;
-  TI_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0_, ev1_));
+  const float ms = gpu_ms([&] {
+    for (int i = 0; i < reps; i++) run();
+  });
   reset();
   return ms * 1e3 / (reps * c.n_layers);
 }

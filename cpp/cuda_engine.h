@@ -94,7 +94,8 @@ class CudaEngine {
   void run_forward(cudaStream_t s);
   void run_decode_step(cudaStream_t s);
   void set_state(int token, int pos, int step);
-  void check_tokens(const int32_t* tokens, int64_t n) const;
+  template <typename F>
+  float gpu_ms(F&& enqueue);
   cuda::DecodeAttnParams attn_params(int64_t layer) const;
   cuda::GemvParams gemv_params(const __half* W, int rows, int K, const void* x, void* y,
                                const float* norm_w) const;

@@ -99,9 +99,6 @@ void CudaEngine::allocate() {
   logits_ = static_cast<float*>(dalloc(c.vocab * sizeof(float), true));
   part_o_ = static_cast<float*>(dalloc(c.n_heads * max_chunks * c.head_dim * sizeof(float), true));
   part_ml_ = static_cast<float*>(dalloc(c.n_heads * max_chunks * 2 * sizeof(float), true));
-  const int n_counters = cuda::decode_attention_counters((int)c.n_heads, (int)c.n_kv_heads);
-  attn_counters_ = static_cast<int*>(dalloc(n_counters * sizeof(int), true));
-  TI_CUDA_CHECK(cudaMemsetAsync(attn_counters_, 0, n_counters * sizeof(int), stream_));
   const size_t rope_n = (size_t)max_seq_ * (c.head_dim / 2);
   rope_cos_ = static_cast<float*>(dalloc(rope_n * sizeof(float), true));
   rope_sin_ = static_cast<float*>(dalloc(rope_n * sizeof(float), true));
@@ -262,7 +259,6 @@ cuda::DecodeAttnParams CudaEngine::attn_params(int64_t layer) const {
   a.part_o = part_o_;
   a.part_ml = part_ml_;
   a.out = att_;
-  a.counters = attn_counters_;
   a.n_heads = (int)c.n_heads;
   a.n_kv_heads = (int)c.n_kv_heads;
   a.head_dim = (int)c.head_dim;

@@ -130,7 +130,6 @@ class CudaEngine {
   float* logits_ = nullptr;   // (vocab)
   float* part_o_ = nullptr;   // (n_heads, max_chunks, head_dim)
   float* part_ml_ = nullptr;  // (n_heads, max_chunks, 2)
-  int* attn_counters_ = nullptr;  // per (KV head, slice): chunks done, for the last-block merge
   float* rope_cos_ = nullptr; // (max_seq, head_dim / 2)
   float* rope_sin_ = nullptr;
   // ---- sampling / decode loop state ----

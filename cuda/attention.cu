@@ -1,6 +1,6 @@
 // attention.cu — decode attention: one new token attends to positions 0..pos of the KV cache.
 //
-// Split-K flash-decoding in ONE kernel per layer. Grid (max_chunks, n_kv_heads, ceil(group / 8)): a block owns
+// Split-K flash-decoding. Kernel 1 grid (max_chunks, n_kv_heads, ceil(group / 8)): a block owns
 // one KV head and one chunk of `chunk` positions (64; 32 for head_dim > 128 to fit shared memory on sm_75) and
 // serves up to 8 query heads of its group, so each key and value is read from memory once per group. The grid is
 // sized for max_seq (graph-safe); blocks whose chunk starts past pos exit at once.
@@ -12,9 +12,9 @@
 //      O[h][d] = sum_p P[h][p] V[p][d] (a thread per (head, 8 dims, slice of positions), 16-byte V reads, slices
 //      summed in shared memory): plain FMAs, one exp per score.
 //   4. While pos < chunk the single block writes the output directly. Otherwise the chunk's unnormalised O and
-//      (max, sum) go to a partial buffer, and the LAST block of this (KV head, slice) to finish (an atomic
-//      counter, reset by that block) merges chunks 0..pos/chunk with log-sum-exp (weights computed once per
-//      chunk and head, then independent L2 loads) and writes the fp16 output: no second kernel.
+//      (max, sum) go to a partial buffer and kernel 2 (decode_attn_merge, a block per query head, launched with
+//      PDL) merges chunks 0..pos/chunk with log-sum-exp. (An earlier version merged in the last chunk block to
+//      finish, saving a launch; ncu showed that serial tail leaving half the SMs idle at long contexts.)
 #include <cfloat>
 
 #include "attention.cuh"
@@ -32,7 +32,6 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   float* ml_s = s_s + kMaxGroup * CH;                           // (kMaxGroup, 2)
   __half* k_s = reinterpret_cast<__half*>(ml_s + 2 * kMaxGroup);  // (CH, row)
   __half* v_s = k_s + (size_t)CH * row;                         // (CH, row)
-  __shared__ int is_last;
 
   pdl_wait();
   pdl_launch_dependents();
@@ -158,66 +157,66 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
       p.part_ml[slot * 2 + 1] = ml_s[2 * h + 1];
     }
   }
-  if (n_chunks == 1) return;
+}
 
-  // ---- 4. the last chunk block of this (KV head, slice) merges all chunks (log-sum-exp) ----
-  int* counter = p.counters + kvh * gridDim.z + blockIdx.z;
-  __threadfence();  // this block's partials visible device-wide before it is counted
+__device__ __forceinline__ float block_max(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_max(v);
   __syncthreads();
-  if (threadIdx.x == 0) {
-    const int done = atomicAdd(counter, 1);
-    is_last = done == n_chunks - 1;
-    if (is_last) *counter = 0;  // ready for the next step
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float s = lane < nw ? red[lane] : -FLT_MAX;
+    s = warp_max(s);
+    if (lane == 0) red[32] = s;
   }
   __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  // weights w[h][c] = exp(m_c - M_h) and the totals L_h, a warp per head; the K/V tiles' space is free now
-  float* w_s = reinterpret_cast<float*>(k_s);  // (g, n_chunks); the launcher checks it fits
-  for (int h = warp; h < g; h += kAttnThreads / 32) {
-    const float2* ml = reinterpret_cast<const float2*>(p.part_ml) + (size_t)(hq0 + h) * max_chunks;
-    float M = -FLT_MAX;
-    for (int c = lane; c < n_chunks; c += 32) M = fmaxf(M, __ldcg(ml + c).x);
-    M = warp_max(M);
-    float L = 0.0f;
-    for (int c = lane; c < n_chunks; c += 32) {
-      const float2 v = __ldcg(ml + c);
-      const float w = __expf(v.x - M);
-      w_s[h * n_chunks + c] = w;
-      L += v.y * w;
-    }
-    L = warp_sum(L);
-    if (lane == 0) ml_s[2 * h + 1] = L;
+  return red[32];
+}
+
+// Kernel 2: one block per query head, a thread per dim: out = sum_c w_c O_c / sum_c w_c l_c with
+// w_c = exp(m_c - max m). Does nothing while pos < chunk (the chunk kernel wrote the output itself). Many
+// blocks at once, launched with PDL behind the chunk kernel: no serial tail on one SM.
+__global__ void decode_attn_merge(DecodeAttnParams p) {
+  extern __shared__ float w_s[];  // (max_chunks)
+  __shared__ float red[33];
+  pdl_wait();
+  pdl_launch_dependents();
+  const int pos = *p.pos, CH = p.chunk, hd = p.head_dim, h = blockIdx.x;
+  const int n_chunks = pos / CH + 1;
+  if (n_chunks == 1) return;
+  const int max_chunks = (p.max_seq + CH - 1) / CH;
+  const float2* ml = reinterpret_cast<const float2*>(p.part_ml) + (size_t)h * max_chunks;
+  float m = -FLT_MAX;
+  for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) m = fmaxf(m, ml[c].x);
+  const float M = block_max(m, red);
+  float l = 0.0f;
+  for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) {
+    const float2 v = ml[c];
+    const float w = __expf(v.x - M);
+    w_s[c] = w;
+    l += v.y * w;
   }
-  __syncthreads();
-  // Each thread sums its outputs over all chunks: 16 chunks' loads issued before their FMAs (independent L2
-  // loads in flight; a plain loop waits for each load in turn, ~0.5 µs per chunk).
-  for (int i = threadIdx.x; i < g * hd; i += kAttnThreads) {
-    const int h = i / hd, d = i % hd;
-    const float* po = p.part_o + (size_t)(hq0 + h) * max_chunks * hd + d;
-    const float* w = w_s + h * n_chunks;
+  const float L = block_sum(l, red);  // (its barriers also publish w_s)
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    const float* po = p.part_o + (size_t)h * max_chunks * hd + d;
     float O = 0.0f;
     int c = 0;
-    for (; c + 16 <= n_chunks; c += 16) {
+    for (; c + 16 <= n_chunks; c += 16) {  // 16 independent loads in flight before their FMAs
       float v[16];
 #pragma unroll
-      for (int u = 0; u < 16; u++) v[u] = __ldcg(po + (size_t)(c + u) * hd);
+      for (int u = 0; u < 16; u++) v[u] = po[(size_t)(c + u) * hd];
 #pragma unroll
-      for (int u = 0; u < 16; u++) O = fmaf(w[c + u], v[u], O);
+      for (int u = 0; u < 16; u++) O = fmaf(w_s[c + u], v[u], O);
     }
-    for (; c < n_chunks; c++) O = fmaf(w[c], __ldcg(po + (size_t)c * hd), O);
-    p.out[(size_t)(hq0 + h) * hd + d] = __float2half(O / ml_s[2 * h + 1]);
+    for (; c < n_chunks; c++) O = fmaf(w_s[c], po[(size_t)c * hd], O);
+    p.out[(size_t)h * hd + d] = __float2half(O / L);
   }
 }
 
 size_t decode_attention_smem(const DecodeAttnParams& p) {
   return sizeof(float) * ((size_t)kMaxGroup * p.head_dim + (size_t)kMaxGroup * p.chunk + 2 * kMaxGroup) +
          2 * sizeof(__half) * (size_t)p.chunk * (p.head_dim + kPad);
-}
-
-int decode_attention_counters(int n_heads, int n_kv_heads) {
-  const int group = n_heads / n_kv_heads;
-  return n_kv_heads * ((group + kMaxGroup - 1) / kMaxGroup);
 }
 
 void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl) {
@@ -227,14 +226,7 @@ void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl) {
   if ((size_t)kAttnThreads * 8 * sizeof(float) > sizeof(__half) * (size_t)p.chunk * (p.head_dim + kPad))
     fail(ErrorKind::Request, "decode_attention: chunk " + std::to_string(p.chunk) + " too small for head_dim " +
                                  std::to_string(p.head_dim));
-  if (p.chunk < 1 || p.chunk > 128 || p.counters == nullptr)
-    fail(ErrorKind::Request, "decode_attention: chunk must be 1..128 and counters given");
-  const size_t merge_floats = (size_t)kMaxGroup * attn_max_chunks(p);
-  const size_t tile_floats = 2 * sizeof(__half) * (size_t)p.chunk * (p.head_dim + kPad) / sizeof(float);
-  if (merge_floats > tile_floats)
-    fail(ErrorKind::Request, "decode_attention: max_seq_len " + std::to_string(p.max_seq) +
-                                 " is too long for the merge buffer (at most " +
-                                 std::to_string(tile_floats / kMaxGroup * p.chunk) + " positions)");
+  if (p.chunk < 1 || p.chunk > 128) fail(ErrorKind::Request, "decode_attention: chunk must be 1..128");
   const size_t smem = decode_attention_smem(p);
   if (smem > 48 * 1024) {
     static bool raised = false;  // a property of the CUDA function (process-wide), set once
@@ -246,6 +238,8 @@ void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl) {
   const int group = p.n_heads / p.n_kv_heads;
   dim3 grid(attn_max_chunks(p), p.n_kv_heads, (group + kMaxGroup - 1) / kMaxGroup);
   launch(decode_attn_kernel, grid, dim3(kAttnThreads), smem, s, pdl, p);
+  launch(decode_attn_merge, dim3(p.n_heads), dim3(p.head_dim <= 128 ? 128 : 256),
+         sizeof(float) * (size_t)attn_max_chunks(p), s, pdl, p);
 }
 
 }  // namespace ti::cuda

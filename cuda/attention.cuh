@@ -14,8 +14,7 @@ struct DecodeAttnParams {
   const int* pos = nullptr;     // device: the current token's position; it attends to 0..pos
   float* part_o = nullptr;      // (n_heads, max_chunks, head_dim) unnormalised partial outputs
   float* part_ml = nullptr;     // (n_heads, max_chunks, 2): running max and sum of each chunk
-  __half* out = nullptr;        // (n_heads * head_dim) fp16, written by the merging block
-  int* counters = nullptr;      // decode_attention_counters() ints, zero before the first call (left zero)
+  __half* out = nullptr;        // (n_heads * head_dim) fp16
   int n_heads = 0, n_kv_heads = 0, head_dim = 0, max_seq = 0, chunk = 64;
   float scale = 1.0f;           // 1 / sqrt(head_dim)
 };
@@ -24,10 +23,9 @@ inline int attn_max_chunks(const DecodeAttnParams& p) { return (p.max_seq + p.ch
 
 // The chunk size the kernel wants for a head dim (shared memory: K and V tiles of chunk x head_dim fp16).
 inline int attn_chunk_for(int head_dim) { return head_dim > 128 ? 32 : 64; }
-int decode_attention_counters(int n_heads, int n_kv_heads);
 size_t decode_attention_smem(const DecodeAttnParams& p);
 
-// RoPE + KV-cache write + split-K attention over chunks of `chunk` positions + log-sum-exp merge, one launch.
+// RoPE + KV-cache write + split-K attention over chunks of `chunk` positions, then the log-sum-exp merge.
 void decode_attention(const DecodeAttnParams& p, cudaStream_t stream, bool pdl);
 
 }  // namespace ti::cuda

@@ -76,8 +76,7 @@ std::vector<float> run_decode_attention(const float* qkv, uint16_t* k_cache, uin
   const int max_chunks = (max_seq + chunk - 1) / chunk;
   Buf dqkv((size_t)(q_dim + 2 * kv_dim) * 4), dk(cache * 2), dv(cache * 2), dc(table * 4), ds(table * 4),
       dpos(4), dpo((size_t)n_heads * max_chunks * head_dim * 4), dpml((size_t)n_heads * max_chunks * 2 * 4),
-      dout((size_t)q_dim * 2), dcnt((size_t)decode_attention_counters(n_heads, n_kv_heads) * 4);
-  TI_CUDA_CHECK(cudaMemset(dcnt.p, 0, (size_t)decode_attention_counters(n_heads, n_kv_heads) * 4));
+      dout((size_t)q_dim * 2);
   put(dqkv.p, qkv, (size_t)(q_dim + 2 * kv_dim) * 4);
   put(dk.p, k_cache, cache * 2);
   put(dv.p, v_cache, cache * 2);
@@ -97,7 +96,6 @@ std::vector<float> run_decode_attention(const float* qkv, uint16_t* k_cache, uin
   a.part_o = dpo.as<float>();
   a.part_ml = dpml.as<float>();
   a.out = dout.as<__half>();
-  a.counters = dcnt.as<int>();
   a.n_heads = n_heads;
   a.n_kv_heads = n_kv_heads;
   a.head_dim = head_dim;
@@ -105,7 +103,7 @@ std::vector<float> run_decode_attention(const float* qkv, uint16_t* k_cache, uin
   a.chunk = chunk;
   a.scale = 1.0f / std::sqrt((float)head_dim);
   decode_attention(a, 0, false);
-  // Twice, the output poisoned in between: the merge counters must have been left ready for the next call
+  // Twice, the output poisoned in between: a second call must work from the state the first one left
   // (the second call rewrites the same rope(k), v at pos).
   TI_CUDA_CHECK(cudaMemset(dout.p, 0xFF, (size_t)q_dim * 2));
   decode_attention(a, 0, false);

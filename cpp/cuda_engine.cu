@@ -200,24 +200,40 @@ void CudaEngine::randomize(uint64_t seed) {
 CudaEngine::CudaEngine(const WeightStore& weights, int64_t max_seq_len, CudaOptions opt)
     : cfg_(weights.config()), max_seq_(max_seq_len), opt_(opt) {
   if (!weights.finished()) fail(ErrorKind::Request, "CudaEngine: the WeightStore is not finished");
-  init_device();
-  allocate();
-  upload(weights);
-  autotune_gemv();
-  build_graphs();
+  guarded([&] {
+    init_device();
+    allocate();
+    upload(weights);
+    autotune_gemv();
+    build_graphs();
+  });
 }
 
 CudaEngine::CudaEngine(const ModelConfig& config, int64_t max_seq_len, uint64_t seed, CudaOptions opt)
     : cfg_(config), max_seq_(max_seq_len), opt_(opt) {
   cfg_.validate();
-  init_device();
-  allocate();
-  randomize(seed);
-  autotune_gemv();
-  build_graphs();
+  guarded([&] {
+    init_device();
+    allocate();
+    randomize(seed);
+    autotune_gemv();
+    build_graphs();
+  });
 }
 
-CudaEngine::~CudaEngine() {
+// A constructor that throws never runs the destructor: free what was taken so far, so that a failed load (out
+// of memory, say) leaves the GPU as it found it and the next, smaller load can succeed.
+template <typename F>
+void CudaEngine::guarded(F&& build) {
+  try {
+    build();
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+void CudaEngine::release() {
   if (stream_) cudaStreamSynchronize(stream_);
   if (g_forward_) cudaGraphExecDestroy(g_forward_);
   if (g_decode_) cudaGraphExecDestroy(g_decode_);
@@ -228,7 +244,17 @@ CudaEngine::~CudaEngine() {
   if (ev0_) cudaEventDestroy(ev0_);
   if (ev1_) cudaEventDestroy(ev1_);
   if (stream_) cudaStreamDestroy(stream_);
+  g_forward_ = g_decode_ = nullptr;
+  allocations_.clear();
+  h_state_ = nullptr;
+  h_sampling_ = nullptr;
+  h_out_ = nullptr;
+  ev0_ = ev1_ = nullptr;
+  stream_ = nullptr;
+  cudaGetLastError();  // leave no sticky error behind
 }
+
+CudaEngine::~CudaEngine() { release(); }
 
 // ---- the decode step, top to bottom ----
 

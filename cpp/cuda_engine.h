@@ -83,6 +83,9 @@ class CudaEngine {
     float* mlp_norm = nullptr;   // (hidden)
   };
 
+  template <typename F>
+  void guarded(F&& build);
+  void release();
   void init_device();
   void allocate();
   void upload(const WeightStore& w);

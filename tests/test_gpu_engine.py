@@ -120,3 +120,18 @@ def test_verify_reports_gpu_vs_cpu(tmp_path):
     assert res["positions"] == 4 + 15
     assert res["worst_rel_logit_error"] < 2e-2
     assert "worst relative logit error" in lines[0]
+
+
+def test_out_of_gpu_memory_is_a_clear_error_and_frees_what_it_took():
+    from tinyinfer import DeviceError, _core
+    from tinyinfer.bench import shape_config
+
+    cfg = shape_config("llama2-7b")
+    cfg.max_position_embeddings = 10**7
+    with pytest.raises(DeviceError, match="out of GPU memory.*MiB free"):
+        _core.CudaEngine.random(cfg, 2_000_000, 1)  # a 1 TB KV cache
+    for _ in range(3):  # repeated failures leak nothing: a real 7B-shape engine still fits afterwards
+        with pytest.raises(DeviceError):
+            _core.CudaEngine.random(cfg, 2_000_000, 1)
+    eng = _core.CudaEngine.random(cfg, 256, 1)
+    assert eng.time_decode_step(16, 4) > 0

@@ -200,7 +200,10 @@ void bind_engine(nb::module_& m) {
       .def_rw("pdl", &ti::CudaOptions::pdl)
       .def_rw("graphs", &ti::CudaOptions::graphs)
       .def_rw("attn_chunk", &ti::CudaOptions::attn_chunk)
-      .def_rw("gemv_rows", &ti::CudaOptions::gemv_rows);
+      .def_rw("gemv_rows", &ti::CudaOptions::gemv_rows)
+      .def_rw("batched_prefill", &ti::CudaOptions::batched_prefill)
+      .def_rw("prefill_chunk", &ti::CudaOptions::prefill_chunk)
+      .def_rw("gemm_autotune", &ti::CudaOptions::gemm_autotune);
   auto gpu = nb::class_<ti::CudaEngine>(m, "CudaEngine", "The GPU engine: fp16 weights, graph-replayed decode.");
   // (a reference, not a shared_ptr: a shared_ptr to a Python-owned store dying inside the constructor would
   // drop a Python reference with the GIL released)
@@ -238,6 +241,29 @@ void bind_engine(nb::module_& m) {
              }
              return out;
            })
+      .def("gemm_table",
+           [](const ti::CudaEngine& e) {
+             nb::list out;
+             for (const auto& [name, t] : e.gemm_table()) {
+               nb::dict d;
+               d["name"] = name;
+               d["M"] = t.M;
+               d["N"] = t.N;
+               d["K"] = t.K;
+               d["out"] = t.out == ti::cuda::GemmOut::F16 ? "f16" : t.out == ti::cuda::GemmOut::AddF32 ? "add_f32" : "f32";
+               d["candidates"] = t.candidates;
+               d["default_us"] = t.default_us;
+               d["tuned_us"] = t.tuned_us;
+               d["chosen"] = t.chosen;
+               d["algo"] = t.algo;
+               out.append(d);
+             }
+             return out;
+           },
+           "Every GEMM shape tuned so far: cuBLASLt's default vs the fastest candidate (µs, at the bucket's N).")
+      .def_prop_ro("batched_prefill", &ti::CudaEngine::batched_prefill)
+      .def("time_prefill", &ti::CudaEngine::time_prefill, "n_tokens"_a, "reps"_a,
+           nb::call_guard<nb::gil_scoped_release>(), "GPU ms of one prefill of n_tokens at position 0 (resets).")
       .def("time_decode_step", &ti::CudaEngine::time_decode_step, "context"_a, "steps"_a,
            nb::call_guard<nb::gil_scoped_release>(), "GPU ms per graph-replayed decode step at this context.")
       .def("time_attention", &ti::CudaEngine::time_attention, "context"_a, "reps"_a,
@@ -350,6 +376,50 @@ void bind_ops(nb::module_& m) {
       },
       "qkv"_a, "k_cache"_a, "v_cache"_a, "cos"_a, "sin"_a, "pos"_a, "n_heads"_a, "chunk"_a,
       "One decode-attention call (cuda/attention.cu); the caches (fp16 bits) are updated in place.");
+  ops.def(
+      "gemm",
+      [](nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> W, F32In2 X, F32In2 y_init,
+         const std::string& out, bool autotune) {
+        const int M = (int)W.shape(0), K = (int)W.shape(1), N = (int)X.shape(0);
+        if ((int)X.shape(1) != K) ti::fail(ti::ErrorKind::Request, "gemm: X.shape[1] != W.shape[1]");
+        const ti::cuda::GemmOut go = out == "add" ? ti::cuda::GemmOut::AddF32
+                                     : out == "f16" ? ti::cuda::GemmOut::F16 : ti::cuda::GemmOut::F32;
+        if (go == ti::cuda::GemmOut::AddF32 && ((int)y_init.shape(0) != N || (int)y_init.shape(1) != M))
+          ti::fail(ti::ErrorKind::Request, "gemm: y_init must be (N, M)");
+        std::vector<float> y;
+        {
+          nb::gil_scoped_release release;
+          y = ti::cuda::run_gemm(W.data(), X.data(), y_init.data(), M, N, K, go, autotune);
+        }
+        float* o = nullptr;
+        F32Out arr = new_f32_array(N, M, &o);
+        std::copy(y.begin(), y.end(), o);
+        return arr;
+      },
+      "W_f16_bits"_a, "X"_a, "y_init"_a, "output"_a, "autotune"_a = true,
+      "One cuBLASLt GEMM (cuda/gemm.cu): X @ W.T (+ y_init for output 'add'); output 'f32' | 'add' | 'f16'.");
+  ops.def(
+      "prefill_attention",
+      [](F32In2 q, nb::ndarray<const uint16_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> k_cache,
+         nb::ndarray<const uint16_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> v_cache, int pos0, int n_heads) {
+        const int n_kv = (int)k_cache.shape(0), max_seq = (int)k_cache.shape(1), hd = (int)k_cache.shape(2);
+        const int T = (int)q.shape(0);
+        if ((int)q.shape(1) != n_heads * hd) ti::fail(ti::ErrorKind::Request, "prefill_attention: q must be (T, n_heads * head_dim)");
+        if (v_cache.shape(0) != k_cache.shape(0) || v_cache.shape(1) != k_cache.shape(1) || v_cache.shape(2) != k_cache.shape(2))
+          ti::fail(ti::ErrorKind::Request, "prefill_attention: k and v caches differ in shape");
+        std::vector<float> o;
+        {
+          nb::gil_scoped_release release;
+          o = ti::cuda::run_prefill_attention(q.data(), k_cache.data(), v_cache.data(), T, pos0, n_heads, n_kv, hd,
+                                              max_seq);
+        }
+        float* out = nullptr;
+        F32Out arr = new_f32_array(T, n_heads * hd, &out);
+        std::copy(o.begin(), o.end(), out);
+        return arr;
+      },
+      "q"_a, "k_cache"_a, "v_cache"_a, "pos0"_a, "n_heads"_a,
+      "One prefill-attention call (cuda/prefill_attention.cu): T queries at pos0.. over the caches (fp16 bits).");
   ops.def(
       "sample",
       [](F32In1 logits, float temperature, int top_k, float top_p, float min_p, float rep, unsigned long long seed,

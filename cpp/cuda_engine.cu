@@ -7,6 +7,7 @@
 #include "../cuda/attention.cuh"
 #include "../cuda/common.cuh"
 #include "../cuda/embedding.cuh"
+#include "../cuda/prefill_attention.cuh"
 #include "engine_checks.h"
 #include "errors.h"
 #include "rope.h"
@@ -119,6 +120,37 @@ void CudaEngine::allocate() {
   *h_sampling_ = cuda::DeviceSampling{};
   TI_CUDA_CHECK(cudaMemcpyAsync(d_state_, h_state_, sizeof(*h_state_), cudaMemcpyHostToDevice, stream_));
   TI_CUDA_CHECK(cudaMemcpyAsync(d_sampling_, h_sampling_, sizeof(*h_sampling_), cudaMemcpyHostToDevice, stream_));
+  allocate_prefill();
+}
+
+// The batched prefill's activations, sized for one chunk of min(prefill_chunk, max_seq) tokens.
+void CudaEngine::allocate_prefill() {
+  const ModelConfig& c = cfg_;
+  if (!opt_.batched_prefill || !cuda::prefill_attention_supported((int)c.head_dim)) return;  // token by token
+  if (opt_.prefill_chunk < 1) fail(ErrorKind::Request, "prefill_chunk must be >= 1");
+  const int T = (int)std::min<int64_t>(opt_.prefill_chunk, max_seq_);
+  ld_qkv_ = (int)cuda::pad8(c.q_dim + 2 * c.kv_dim);
+  ld_gu_ = (int)cuda::pad8(2 * c.intermediate);
+  ld_v_ = (int)cuda::pad8(c.vocab);
+  // Engine.logits over a long prompt: the LM head's output a slice of rows at a time (<= 256 MB).
+  logit_rows_ = (int)std::clamp<int64_t>((256 << 20) / ((int64_t)ld_v_ * 4), 1, T);
+  auto f32 = [&](size_t n) { return static_cast<float*>(dalloc(n * sizeof(float), true)); };
+  auto f16 = [&](size_t n) { return static_cast<__half*>(dalloc(n * sizeof(__half), true)); };
+  d_tokens_ = static_cast<int*>(dalloc((size_t)T * sizeof(int), true));
+  TI_CUDA_CHECK(cudaMallocHost(&h_tokens_, (size_t)T * sizeof(int)));
+  px_ = f32((size_t)T * ld_h_);
+  pxn_ = f16((size_t)T * ld_h_);
+  pqkv_ = f32((size_t)T * ld_qkv_);
+  pq_ = f16((size_t)T * c.q_dim);
+  patt_ = f16((size_t)T * ld_q_);
+  pgu_ = f16((size_t)T * ld_gu_);
+  ph_ = f16((size_t)T * ld_i_);
+  plogits_ = f32((size_t)logit_rows_ * ld_v_);
+  constexpr size_t kWorkspace = 32u << 20;
+  gemm_ = std::make_unique<cuda::Gemm>(kWorkspace);
+  gemm_->autotune = opt_.gemm_autotune;
+  scratch_bytes_ += kWorkspace;
+  prefill_rows_ = T;
 }
 
 // Host fp32 (rows, K) -> fp16 rows of `host` (row-major, stride ld, zero padded); source row i lands at row
@@ -241,6 +273,9 @@ void CudaEngine::release() {
   if (h_state_) cudaFreeHost(h_state_);
   if (h_sampling_) cudaFreeHost(h_sampling_);
   if (h_out_) cudaFreeHost(h_out_);
+  if (h_tokens_) cudaFreeHost(h_tokens_);
+  gemm_.reset();
+  prefill_rows_ = 0;
   if (ev0_) cudaEventDestroy(ev0_);
   if (ev1_) cudaEventDestroy(ev1_);
   if (stream_) cudaStreamDestroy(stream_);
@@ -249,6 +284,7 @@ void CudaEngine::release() {
   h_state_ = nullptr;
   h_sampling_ = nullptr;
   h_out_ = nullptr;
+  h_tokens_ = nullptr;
   ev0_ = ev1_ = nullptr;
   stream_ = nullptr;
   cudaGetLastError();  // leave no sticky error behind
@@ -372,8 +408,7 @@ void CudaEngine::build_graphs() {
 }
 
 // GPU milliseconds of the work `enqueue` puts on the engine's stream (CUDA events around it; waits for it).
-template <typename F>
-float CudaEngine::gpu_ms(F&& enqueue) {
+float CudaEngine::gpu_ms(const std::function<void()>& enqueue) {
   TI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));
   enqueue();
   TI_CUDA_CHECK(cudaEventRecord(ev1_, stream_));
@@ -471,12 +506,20 @@ void CudaEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, floa
   seq.insert(seq.end(), tokens, tokens + n);
   const int64_t pos0 = position() - (pending_ ? 1 : 0), first = (int64_t)seq.size() - n;
   const int64_t V = cfg_.vocab;
-  for (size_t i = 0; i < seq.size(); i++) {  // one token at a time through the decode graph (for now)
-    set_state(seq[i], (int)(pos0 + (int64_t)i), 0);
-    run_forward(stream_);
-    const int64_t row = (int64_t)i - first;
-    if (logits && all_logits && row >= 0)
-      TI_CUDA_CHECK(cudaMemcpyAsync(logits + row * V, logits_, V * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  float* rows_out = logits && all_logits ? logits : nullptr;  // row i - first of seq[i]'s logits
+  if (batched_prefill()) {
+    for (int64_t c0 = 0; c0 < (int64_t)seq.size(); c0 += prefill_rows_) {
+      const int T = (int)std::min<int64_t>(prefill_rows_, (int64_t)seq.size() - c0);
+      prefill_chunk(seq.data() + c0, T, (int)(pos0 + c0), rows_out, c0 - first);
+    }
+  } else {
+    for (size_t i = 0; i < seq.size(); i++) {  // one token at a time through the decode graph
+      set_state(seq[i], (int)(pos0 + (int64_t)i), 0);
+      run_forward(stream_);
+      const int64_t row = (int64_t)i - first;
+      if (rows_out && row >= 0)
+        TI_CUDA_CHECK(cudaMemcpyAsync(rows_out + row * V, logits_, V * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    }
   }
   if (logits && !all_logits)
     TI_CUDA_CHECK(cudaMemcpyAsync(logits, logits_, V * sizeof(float), cudaMemcpyDeviceToHost, stream_));

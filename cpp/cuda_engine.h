@@ -4,17 +4,21 @@
 // tokens back to back) so the Python Engine drives either. A decode step is a flat list of kernel launches
 // (record_forward below reads top to bottom, DESIGN.md §4); it is captured once into a graph whose token and
 // position live in device memory (DecodeState), and decode() replays it back to back with no host work between
-// steps. Prefill runs the same graph one token at a time (the batched prefill is a later issue).
+// steps. Prefill is a separate path (prefill_chunk): the whole prompt at once, chunk by chunk, through cuBLASLt
+// GEMMs (cuda/gemm.cuh, tuned per shape) and the tiled causal attention (cuda/prefill_attention.cuh).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <utility>
 #include <string>
 #include <vector>
 
 #include "../cuda/attention.cuh"
+#include "../cuda/gemm.cuh"
 #include "../cuda/gemv.cuh"
 #include "../cuda/sampling.cuh"
 #include "config.h"
@@ -28,6 +32,9 @@ struct CudaOptions {
   bool graphs = true;       // replay captured graphs (false: launch kernel by kernel, for debugging)
   int attn_chunk = 0;       // positions per split-K attention block; 0: the kernel's choice for head_dim
   int gemv_rows = 0;        // 0: time R in {1, 2, 4, 8 = split-K} per shape at load; else force this R
+  bool batched_prefill = true;  // false: feed prompts one token at a time through the decode graph
+  int prefill_chunk = 2048;     // tokens per prefill pass (activation buffers are sized for this at load)
+  bool gemm_autotune = true;    // false: cuBLASLt's default algorithm for every GEMM
 };
 
 // One GEMV shape class of the model and the rows-per-warp the load-time autotuner chose for it.
@@ -66,6 +73,12 @@ class CudaEngine {
   double time_decode_step(int64_t context, int steps);
   // GPU µs of one layer's attention (chunks + merge) at `context`.
   double time_attention(int64_t context, int reps);
+  // GPU ms of prefilling `n_tokens` (arbitrary ids) at position 0: mean of `reps` after a warm-up that tunes
+  // the GEMMs of that length's bucket. The cache is reset afterwards.
+  double time_prefill(int64_t n_tokens, int reps);
+  // Every GEMM shape tuned so far, named (qkv | o | gate_up | down | lm_head).
+  std::vector<std::pair<std::string, cuda::GemmTuning>> gemm_table() const;
+  bool batched_prefill() const;  // prompts go through prefill_chunk (else one token at a time)
   size_t weight_bytes() const { return weight_bytes_; }      // every matrix + norms as stored on the device
   size_t kv_cache_bytes() const { return kv_bytes_; }
   size_t scratch_bytes() const { return scratch_bytes_; }    // device memory beyond weights and KV cache
@@ -88,6 +101,7 @@ class CudaEngine {
   void release();
   void init_device();
   void allocate();
+  void allocate_prefill();
   void upload(const WeightStore& w);
   void randomize(uint64_t seed);
   void autotune_gemv();
@@ -95,10 +109,12 @@ class CudaEngine {
   void record_forward(cudaStream_t s);
   void record_decode_step(cudaStream_t s);
   void run_forward(cudaStream_t s);
+  void prefill_chunk(const int32_t* tokens, int T, int pos0, float* host_logits, int64_t host_row0);
+  void prefill_layer(const Layer& L, int64_t layer, int T, int pos0);
+  void chunk_logits(int T, float* host_logits, int64_t host_row0);
   void run_decode_step(cudaStream_t s);
   void set_state(int token, int pos, int step);
-  template <typename F>
-  float gpu_ms(F&& enqueue);
+  float gpu_ms(const std::function<void()>& enqueue);
   cuda::DecodeAttnParams attn_params(int64_t layer) const;
   cuda::GemvParams gemv_params(const __half* W, int rows, int K, const void* x, void* y,
                                const float* norm_w) const;
@@ -144,6 +160,19 @@ class CudaEngine {
   cuda::DecodeState* h_state_ = nullptr;        // pinned
   cuda::DeviceSampling* h_sampling_ = nullptr;  // pinned
   int* h_out_ = nullptr;                        // pinned (max_seq)
+  // ---- prefill (one chunk of up to prefill_rows_ tokens; row strides are the padded widths) ----
+  std::unique_ptr<cuda::Gemm> gemm_;
+  int prefill_rows_ = 0, logit_rows_ = 0, ld_qkv_ = 0, ld_gu_ = 0, ld_v_ = 0;
+  int* d_tokens_ = nullptr;   // (prefill_rows)
+  int* h_tokens_ = nullptr;   // pinned (prefill_rows)
+  float* px_ = nullptr;       // (prefill_rows, ld_h) fp32 residual stream
+  __half* pxn_ = nullptr;     // (prefill_rows, ld_h) rmsnorm(x), the GEMMs' input
+  float* pqkv_ = nullptr;     // (prefill_rows, ld_qkv) q | k | v before RoPE
+  __half* pq_ = nullptr;      // (prefill_rows, q_dim) rope(q)
+  __half* patt_ = nullptr;    // (prefill_rows, ld_q) attention output
+  __half* pgu_ = nullptr;     // (prefill_rows, ld_gu) gate/up interleaved
+  __half* ph_ = nullptr;      // (prefill_rows, ld_i) silu(gate) * up
+  float* plogits_ = nullptr;  // (logit_rows, ld_v) logits of all positions (Engine.logits), a slice at a time
 
   std::vector<GemvChoice> gemv_choices_;
   std::vector<int32_t> tokens_;

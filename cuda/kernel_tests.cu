@@ -4,6 +4,7 @@
 #include "attention.cuh"
 #include "common.cuh"
 #include "kernel_tests.cuh"
+#include "prefill_attention.cuh"
 #include "sampling.cuh"
 
 namespace ti::cuda {
@@ -133,6 +134,92 @@ int run_sample(const float* logits, int vocab, float temperature, int top_k, flo
   int tok = -1;
   get(&tok, dout.p, 4);
   return tok;
+}
+
+std::vector<float> run_gemm(const uint16_t* W, const float* X, const float* Y_init, int M, int N, int K, GemmOut out,
+                            bool autotune) {
+  const int ldk = (int)pad8(K), ldy = (int)pad8(M);
+  // Padding columns hold NaN: the product must never read past K (nor write past M).
+  std::vector<uint16_t> wp((size_t)M * ldk, 0x7E00), xp((size_t)N * ldk, 0x7E00);
+  for (int m = 0; m < M; m++)
+    for (int k = 0; k < K; k++) wp[(size_t)m * ldk + k] = W[(size_t)m * K + k];
+  for (int n = 0; n < N; n++)
+    for (int k = 0; k < K; k++) {
+      const __half h = __float2half(X[(size_t)n * K + k]);
+      xp[(size_t)n * ldk + k] = *reinterpret_cast<const uint16_t*>(&h);
+    }
+  const size_t y_elt = out == GemmOut::F16 ? 2 : 4;
+  Buf dW(wp.size() * 2), dX(xp.size() * 2), dY((size_t)N * ldy * y_elt);
+  put(dW.p, wp.data(), wp.size() * 2);
+  put(dX.p, xp.data(), xp.size() * 2);
+  if (out == GemmOut::AddF32) {
+    std::vector<float> yp((size_t)N * ldy, 0.0f);
+    for (int n = 0; n < N; n++)
+      for (int m = 0; m < M; m++) yp[(size_t)n * ldy + m] = Y_init[(size_t)n * M + m];
+    put(dY.p, yp.data(), yp.size() * 4);
+  } else {
+    TI_CUDA_CHECK(cudaMemset(dY.p, 0xFF, (size_t)N * ldy * y_elt));  // poison
+  }
+  Gemm gemm;
+  gemm.autotune = autotune;
+  GemmArgs a;
+  a.W = dW.as<__half>();
+  a.X = dX.as<__half>();
+  a.Y = dY.p;
+  a.M = M;
+  a.N = N;
+  a.K = K;
+  a.ldw = a.ldx = ldk;
+  a.ldy = ldy;
+  a.out = out;
+  gemm.run(a, 0);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> y((size_t)N * M);
+  if (out == GemmOut::F16) {
+    std::vector<__half> yh((size_t)N * ldy);
+    get(yh.data(), dY.p, yh.size() * 2);
+    for (int n = 0; n < N; n++)
+      for (int m = 0; m < M; m++) y[(size_t)n * M + m] = __half2float(yh[(size_t)n * ldy + m]);
+  } else {
+    std::vector<float> yf((size_t)N * ldy);
+    get(yf.data(), dY.p, yf.size() * 4);
+    for (int n = 0; n < N; n++)
+      for (int m = 0; m < M; m++) y[(size_t)n * M + m] = yf[(size_t)n * ldy + m];
+  }
+  return y;
+}
+
+std::vector<float> run_prefill_attention(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, int T,
+                                         int pos0, int n_heads, int n_kv_heads, int head_dim, int max_seq) {
+  const int q_dim = n_heads * head_dim;
+  const size_t cache = (size_t)n_kv_heads * max_seq * head_dim, nq = (size_t)T * q_dim;
+  std::vector<__half> qh(nq);
+  for (size_t i = 0; i < nq; i++) qh[i] = __float2half(q[i]);
+  Buf dq(nq * 2), dk(cache * 2), dv(cache * 2), dout(nq * 2);
+  put(dq.p, qh.data(), nq * 2);
+  put(dk.p, k_cache, cache * 2);
+  put(dv.p, v_cache, cache * 2);
+  TI_CUDA_CHECK(cudaMemset(dout.p, 0xFF, nq * 2));
+  PrefillAttnParams a;
+  a.q = dq.as<__half>();
+  a.k_cache = dk.as<__half>();
+  a.v_cache = dv.as<__half>();
+  a.out = dout.as<__half>();
+  a.ldo = q_dim;
+  a.T = T;
+  a.pos0 = pos0;
+  a.n_heads = n_heads;
+  a.n_kv_heads = n_kv_heads;
+  a.head_dim = head_dim;
+  a.max_seq = max_seq;
+  a.scale = 1.0f / std::sqrt((float)head_dim);
+  prefill_attention(a, 0);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<__half> oh(nq);
+  get(oh.data(), dout.p, nq * 2);
+  std::vector<float> o(nq);
+  for (size_t i = 0; i < nq; i++) o[i] = __half2float(oh[i]);
+  return o;
 }
 
 }  // namespace ti::cuda

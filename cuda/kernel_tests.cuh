@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "gemm.cuh"
 #include "gemv.cuh"
 
 namespace ti::cuda {
@@ -23,5 +24,17 @@ std::vector<float> run_decode_attention(const float* qkv, uint16_t* k_cache, uin
 // One sampling call over logits[vocab]; returns the chosen token. seen: vocab bytes (repetition penalty).
 int run_sample(const float* logits, int vocab, float temperature, int top_k, float top_p, float min_p,
                float repetition_penalty, unsigned long long seed, int step, const unsigned char* seen);
+
+// One GEMM (cuBLASLt, gemm.cu) Y = X W^T (+ Y_init for AddF32). W: (M, K) fp16 bits; X: (N, K) floats (rounded
+// to fp16); Y_init: (N, M). Returns Y (N, M) floats (widened from fp16 for GemmOut::F16). autotune: time the
+// candidates first (else cuBLASLt's default).
+std::vector<float> run_gemm(const uint16_t* W, const float* X, const float* Y_init, int M, int N, int K, GemmOut out,
+                            bool autotune);
+
+// One prefill-attention call over T tokens at pos0..pos0+T-1. q: (T, n_heads * head_dim) floats (rounded to
+// fp16); caches: fp16 bits (n_kv_heads, max_seq, head_dim), positions 0..pos0+T-1 filled. Returns
+// (T, n_heads * head_dim) floats.
+std::vector<float> run_prefill_attention(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, int T,
+                                         int pos0, int n_heads, int n_kv_heads, int head_dim, int max_seq);
 
 }  // namespace ti::cuda

@@ -13,7 +13,37 @@ from .errors import (  # noqa: F401  (errors first: the core maps its exceptions
     TokenizerError,
     UnsupportedModelError,
 )
-from . import _core  # noqa: E402
+
+
+def _import_core():
+    """Import the compiled core. The CUDA build links libcublasLt.so.1x, found by rpath in NVIDIA's PyPI wheel
+    beside tinyinfer (site-packages/nvidia/cu13/lib) or where the build found it. When the wheel sits elsewhere
+    on sys.path (a user site, a --system-site-packages venv), load it from there first and retry."""
+    try:
+        from . import _core as core
+    except ImportError as e:
+        if "cublas" not in str(e).lower():
+            raise
+        import ctypes
+        import os
+        import sys
+
+        for base in sys.path:
+            for sub in ("cu13", "cublas", "cu12"):
+                lib_dir = os.path.join(base, "nvidia", sub, "lib")
+                for name in ("libcublasLt.so.13", "libcublasLt.so.12"):
+                    if os.path.exists(os.path.join(lib_dir, name)):
+                        ctypes.CDLL(os.path.join(lib_dir, name), mode=ctypes.RTLD_GLOBAL)
+                        from . import _core as core
+
+                        return core
+        raise ImportError(
+            f"{e}. tinyinfer was built with CUDA and needs cuBLASLt at run time: pip install nvidia-cublas"
+        ) from e
+    return core
+
+
+_core = _import_core()
 from ._core import ModelConfig  # noqa: E402
 from .engine import Completion, Engine, Stats  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402

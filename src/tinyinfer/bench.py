@@ -1,4 +1,5 @@
-"""`tinyinfer bench`: decode speed against the memory roofline measured on this GPU (DESIGN.md §9).
+"""`tinyinfer bench`: decode speed against the memory roofline measured on this GPU (DESIGN.md §9), and the
+batched prefill: ms and tok/s per prompt length, with the cuBLASLt tactic table (default vs tuned algorithm).
 
 Bytes per token (batch 1) = every weight matrix as stored (fp16, rows padded to 16 bytes) + norm weights + the
 embedding row + the KV cache read at the current context. Ceiling = this GPU's streaming-read bandwidth
@@ -55,8 +56,40 @@ def bytes_per_token(c: _core.ModelConfig, context: int) -> dict:
     return {"weights": weights, "kv": kv, "total": weights + kv}
 
 
+def prefill_flops(c: _core.ModelConfig, n: int) -> float:
+    """FLOPs of prefilling n tokens at position 0: 2 per weight per token (the LM head on the last token only)
+    plus causal attention (QK^T and PV over n(n+1)/2 pairs per head)."""
+    per_token = 2 * c.n_layers * ((c.q_dim + 2 * c.kv_dim) * c.hidden + c.hidden * c.q_dim
+                                  + 3 * c.intermediate * c.hidden)
+    attn = c.n_layers * c.n_heads * 4 * c.head_dim * n * (n + 1) / 2
+    return per_token * n + attn + 2 * c.vocab * c.hidden
+
+
+def run_prefill(core, cfg: _core.ModelConfig, lengths=(16, 256, 512, 2048), reps: int = 10, out=print) -> dict:
+    """Prefill ms and tok/s per prompt length, then the GEMM tactic table (cuBLASLt default vs tuned)."""
+    res = {"prefill": [], "gemm": []}
+    if not core.batched_prefill:
+        out("\nprefill: this model runs prompts token by token (head_dim not a multiple of 16 in 16..256)")
+        return res
+    out(f"\n{'prompt':>8} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8}")
+    for n in lengths:
+        ms = core.time_prefill(n, reps)
+        row = {"tokens": n, "ms": ms, "tok_s": n / (ms * 1e-3), "tflop_s": prefill_flops(cfg, n) / (ms * 1e-3) / 1e12}
+        res["prefill"].append(row)
+        out(f"{n:>8} {ms:>9.3f} {row['tok_s']:>9.0f} {row['tflop_s']:>8.1f}")
+    out(f"\n{'GEMM':>8} {'M x N x K':>20} {'out':>7} {'default µs':>11} {'tuned µs':>9} {'speed-up':>9} "
+        f"{'pick':>5}  algorithm (of candidates)")
+    for g in core.gemm_table():
+        row = dict(g, speedup=g["default_us"] / g["tuned_us"] if g["tuned_us"] else 1.0)
+        res["gemm"].append(row)
+        shape = f"{g['M']}x{g['N']}x{g['K']}"
+        out(f"{g['name']:>8} {shape:>20} {g['out']:>7} {g['default_us']:>11.1f} {g['tuned_us']:>9.1f} "
+            f"{row['speedup']:>8.2f}x {g['chosen']:>5}  {g['algo']} (of {g['candidates']})")
+    return res
+
+
 def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 1024, 4096), steps: int = 256,
-        json_path: Optional[str] = None, out=print) -> dict:
+        json_path: Optional[str] = None, out=print, prefill=(16, 256, 512, 2048)) -> dict:
     from .engine import cuda_status
     from .errors import DeviceError
 
@@ -66,7 +99,7 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
     bw = _core.ops.read_bandwidth(1 << 31, 20)
     gbs = bw["gb_per_s"]
     max_ctx = max(contexts)
-    max_seq = max_ctx + steps + 16
+    max_seq = max(max_ctx + steps + 16, max(prefill, default=0))
     t0 = time.perf_counter()
     if model is not None:
         from .engine import Engine
@@ -106,6 +139,8 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
         us = core.time_attention(ctx, 20)
         res["attention"].append({"context": ctx, "us_per_layer": us})
         out(f"{ctx:>8} {us:>19.2f}")
+    if prefill:
+        res.update(run_prefill(core, cfg, prefill, out=out))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(res, f, indent=1)

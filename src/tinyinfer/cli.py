@@ -119,7 +119,9 @@ def cmd_bench(args) -> int:
     from . import bench
 
     contexts = tuple(int(c) for c in args.contexts.split(","))
-    bench.run(shape=args.shape, model=args.model, contexts=contexts, steps=args.steps, json_path=args.json)
+    prefill = tuple(int(c) for c in args.prefill.split(",")) if args.prefill else ()
+    bench.run(shape=args.shape, model=args.model, contexts=contexts, steps=args.steps, json_path=args.json,
+              prefill=prefill)
     return 0
 
 
@@ -162,13 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system message")
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("bench", help="GPU decode speed vs the measured memory roofline")
+    p = sub.add_parser("bench", help="GPU decode speed vs the measured memory roofline; prefill speed and GEMM tactics")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--shape", default=None, help="random weights at a real shape: smollm2-135m, smollm2-360m, "
                    "tinyllama-1.1b (default), llama2-7b")
     g.add_argument("--model", "-m", default=None, help="a real model (HF dir or .gguf)")
     p.add_argument("--contexts", default="16,1024,4096", help="comma-separated contexts (default 16,1024,4096)")
     p.add_argument("--steps", type=int, default=256, help="decode steps timed per context (default 256)")
+    p.add_argument("--prefill", default="16,256,512,2048",
+                   help="comma-separated prompt lengths for the prefill table ('' to skip)")
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(func=cmd_bench)
 

@@ -95,6 +95,7 @@ class Engine:
         device: str = "auto",
         dtype: str = "fp16",
         max_seq_len: Optional[int] = None,
+        cuda_options: Optional["_core.CudaOptions"] = None,
     ):
         if dtype not in _DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(_DTYPES)} (got {dtype!r})")
@@ -126,7 +127,7 @@ class Engine:
             store.add(name, array, src_dtype)
         store.finish()
         if self.device == "cuda":
-            self._core = _core.CudaEngine(store, max_seq_len)
+            self._core = _core.CudaEngine(store, max_seq_len, cuda_options or _core.CudaOptions())
         else:
             self._core = _core.CpuEngine(store, max_seq_len)
         self._lock = threading.Lock()

@@ -1,0 +1,237 @@
+// gemm.cu — the prefill's matrix products: cuBLASLt, fp16 inputs, fp32 accumulation, with a tactic autotuner.
+//
+// Layout. Our weights are row-major (M, ldw) and activations row-major (N tokens, ldx), so Y = X W^T. In
+// cuBLAS's column-major terms W is a K x M matrix (op = T), X a K x N matrix (op = N) and Y an M x N matrix with
+// leading dimension ldy: the classic "TN" GEMM, which every cuBLASLt kernel family supports.
+//
+// Output variants: F32 (qkv, logits), AddF32 (the O and down projections add into the fp32 residual stream:
+// C = D = Y with beta = 1, so the residual add costs nothing extra), F16 (gate/up, read once by SwiGLU).
+//
+// Why tune. cuBLASLt's heuristic picks an algorithm (kernel, tile, stages, split-K, swizzle) from a model of the
+// GPU; for skinny or unusual shapes it can be several times off. Like TensorRT's tactics, the first time a shape
+// is seen we ask the heuristic for up to `max_candidates` algorithms, time each on scratch buffers (median of
+// `timing_reps` runs after a warm-up) and keep the fastest. Prompt lengths are bucketed to powers of two: a
+// shape is tuned once per bucket (at the bucket's N) and its algorithm reused for every N in the bucket after
+// cublasLtMatmulAlgoCheck says it applies (else the heuristic's default for that exact N).
+#include <cublasLt.h>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "common.cuh"
+#include "gemm.cuh"
+
+namespace ti::cuda {
+
+#define TI_CUBLAS_CHECK(expr)                                                                              \
+  do {                                                                                                     \
+    cublasStatus_t st_ = (expr);                                                                           \
+    if (st_ != CUBLAS_STATUS_SUCCESS)                                                                      \
+      ::ti::fail(::ti::ErrorKind::Device, std::string("cuBLASLt error ") + std::to_string((int)st_) + " in " + \
+                                              #expr + " at " + __FILE__ + ":" + std::to_string(__LINE__)); \
+  } while (0)
+
+struct Gemm::Entry {
+  GemmTuning info;
+  cublasLtMatmulAlgo_t algo{};
+  bool tuned = false;
+};
+
+namespace {
+
+// The descriptors of one product (RAII: cuBLASLt descriptors are small host objects).
+struct Desc {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  float beta = 0.0f;
+  explicit Desc(const GemmArgs& g, int n) {
+    TI_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t t = CUBLAS_OP_T, nt = CUBLAS_OP_N;
+    TI_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
+    TI_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &nt, sizeof(nt)));
+    TI_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_16F, g.K, g.M, g.ldw));
+    TI_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b, CUDA_R_16F, g.K, n, g.ldx));
+    const cudaDataType_t yt = g.out == GemmOut::F16 ? CUDA_R_16F : CUDA_R_32F;
+    TI_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c, yt, g.M, n, g.ldy));
+    beta = g.out == GemmOut::AddF32 ? 1.0f : 0.0f;
+  }
+  ~Desc() {
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+  Desc(const Desc&) = delete;
+  Desc& operator=(const Desc&) = delete;
+};
+
+cublasLtHandle_t as_handle(cublasLtContext* h) { return h; }
+
+std::string describe(const cublasLtMatmulAlgo_t& algo) {
+  auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr) {
+    uint32_t v = 0;
+    size_t written = 0;
+    cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, sizeof(v), &written);
+    return (long)v;
+  };
+  char buf[160];
+  std::snprintf(buf, sizeof(buf), "algo %ld tile %ld stages %ld splitK %ld reduction %ld swizzle %ld",
+                get(CUBLASLT_ALGO_CONFIG_ID), get(CUBLASLT_ALGO_CONFIG_TILE_ID), get(CUBLASLT_ALGO_CONFIG_STAGES_ID),
+                get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM), get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME),
+                get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING));
+  return buf;
+}
+
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  TI_CUDA_CHECK(cudaStreamIsCapturing(s, &st));
+  return st != cudaStreamCaptureStatusNone;
+}
+
+}  // namespace
+
+int Gemm::bucket(int n) {
+  int b = 16;
+  while (b < n) b *= 2;
+  return b;
+}
+
+Gemm::Gemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
+  cublasLtHandle_t h = nullptr;
+  TI_CUBLAS_CHECK(cublasLtCreate(&h));
+  handle_ = h;
+  if (cudaMalloc(&workspace_, workspace_bytes_) != cudaSuccess) {
+    cudaGetLastError();
+    cublasLtDestroy(h);
+    fail(ErrorKind::Device, "out of GPU memory: the cuBLASLt workspace (" + std::to_string(workspace_bytes_ >> 20) +
+                                " MiB)");
+  }
+}
+
+Gemm::~Gemm() {
+  for (auto& kv : cache_) delete kv.second;
+  if (workspace_) cudaFree(workspace_);
+  if (handle_) cublasLtDestroy(as_handle(handle_));
+}
+
+std::vector<GemmTuning> Gemm::table() const {
+  std::vector<GemmTuning> out;
+  for (const auto& kv : cache_)
+    if (kv.second->tuned) out.push_back(kv.second->info);
+  return out;
+}
+
+const GemmTuning& Gemm::tune(const GemmArgs& a, cudaStream_t s) { return lookup(a, s).info; }
+
+// The cached entry of a's shape bucket, tuning it first if it is new (and we are not inside a capture).
+Gemm::Entry& Gemm::lookup(const GemmArgs& a, cudaStream_t s) {
+  const int nb = bucket(a.N);
+  const Key key{a.M, nb, a.K, (int)a.out};
+  auto it = cache_.find(key);
+  if (it != cache_.end() && (it->second->tuned || capturing(s))) return *it->second;
+  Entry* e = it != cache_.end() ? it->second : (cache_[key] = new Entry());
+  e->info = GemmTuning{a.M, nb, a.K, a.out};
+
+  GemmArgs t = a;  // time at the bucket's N on scratch X and Y (zeros): the caller's buffers stay untouched
+  t.N = nb;
+  Desc d(t, nb);
+  cublasLtMatmulPreference_t pref = nullptr;
+  TI_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  TI_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                       &workspace_bytes_, sizeof(workspace_bytes_)));
+  std::vector<cublasLtMatmulHeuristicResult_t> res((size_t)std::max(1, max_candidates));
+  int found = 0;
+  const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(as_handle(handle_), d.op, d.a, d.b, d.c, d.c, pref,
+                                                           (int)res.size(), res.data(), &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (hs != CUBLAS_STATUS_SUCCESS || found == 0)
+    fail(ErrorKind::Device, "cuBLASLt has no algorithm for the GEMM M=" + std::to_string(a.M) +
+                                " N=" + std::to_string(nb) + " K=" + std::to_string(a.K));
+  e->algo = res[0].algo;
+  if (capturing(s) || !autotune) {  // no timing inside a capture; or the default on purpose
+    e->info.candidates = 1;
+    e->info.algo = describe(e->algo);
+    e->tuned = !capturing(s);
+    return *e;
+  }
+
+  const size_t y_elt = a.out == GemmOut::F16 ? 2 : 4;
+  void *x = nullptr, *y = nullptr;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  auto cleanup = [&] {
+    if (x) cudaFree(x);
+    if (y) cudaFree(y);
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+  };
+  try {
+    TI_CUDA_CHECK(cudaMalloc(&x, (size_t)nb * a.ldx * 2));
+    TI_CUDA_CHECK(cudaMalloc(&y, (size_t)nb * a.ldy * y_elt));
+    TI_CUDA_CHECK(cudaMemsetAsync(x, 0, (size_t)nb * a.ldx * 2, s));
+    TI_CUDA_CHECK(cudaMemsetAsync(y, 0, (size_t)nb * a.ldy * y_elt, s));
+    TI_CUDA_CHECK(cudaEventCreate(&e0));
+    TI_CUDA_CHECK(cudaEventCreate(&e1));
+    const float alpha = 1.0f;
+    auto launch_algo = [&](const cublasLtMatmulAlgo_t& algo) {
+      return cublasLtMatmul(as_handle(handle_), d.op, &alpha, a.W, d.a, x, d.b, &d.beta, y, d.c, y, d.c, &algo,
+                            workspace_, workspace_bytes_, s);
+    };
+    double best = 1e30;
+    int ran = 0;
+    for (int i = 0; i < found; i++) {
+      if (res[(size_t)i].state != CUBLAS_STATUS_SUCCESS) continue;
+      if (launch_algo(res[(size_t)i].algo) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up (and: does it run?)
+      std::vector<float> ms;
+      for (int r = 0; r < std::max(1, timing_reps); r++) {
+        TI_CUDA_CHECK(cudaEventRecord(e0, s));
+        launch_algo(res[(size_t)i].algo);
+        TI_CUDA_CHECK(cudaEventRecord(e1, s));
+        TI_CUDA_CHECK(cudaEventSynchronize(e1));
+        float t_ms = 0;
+        TI_CUDA_CHECK(cudaEventElapsedTime(&t_ms, e0, e1));
+        ms.push_back(t_ms);
+      }
+      std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+      const double us = ms[ms.size() / 2] * 1e3;
+      ran++;
+      if (i == 0) e->info.default_us = us;
+      if (us < best) {
+        best = us;
+        e->algo = res[(size_t)i].algo;
+        e->info.chosen = i;
+      }
+    }
+    cudaGetLastError();
+    if (ran == 0) fail(ErrorKind::Device, "cuBLASLt: no candidate algorithm ran for M=" + std::to_string(a.M));
+    e->info.candidates = ran;
+    e->info.tuned_us = best;
+    if (e->info.default_us == 0) e->info.default_us = best;  // the default itself failed to run
+  } catch (...) {
+    cleanup();
+    throw;
+  }
+  cleanup();
+  e->info.algo = describe(e->algo);
+  e->tuned = true;
+  return *e;
+}
+
+void Gemm::run(const GemmArgs& a, cudaStream_t s) {
+  if (a.M < 1 || a.N < 1 || a.K < 1 || a.ldw < a.K || a.ldx < a.K || a.ldy < a.M || a.ldw % 8 || a.ldx % 8 ||
+      a.ldy % 8)
+    fail(ErrorKind::Request, "gemm: bad shape M=" + std::to_string(a.M) + " N=" + std::to_string(a.N) +
+                                 " K=" + std::to_string(a.K));
+  Entry& e = lookup(a, s);
+  Desc d(a, a.N);
+  cublasLtMatmulHeuristicResult_t check{};
+  const cublasLtMatmulAlgo_t* algo = &e.algo;
+  if (a.N != e.info.N &&
+      cublasLtMatmulAlgoCheck(as_handle(handle_), d.op, d.a, d.b, d.c, d.c, &e.algo, &check) != CUBLAS_STATUS_SUCCESS) {
+    algo = nullptr;  // the bucket's algorithm does not fit this N: let cuBLASLt choose
+  }
+  const float alpha = 1.0f;
+  TI_CUBLAS_CHECK(cublasLtMatmul(as_handle(handle_), d.op, &alpha, a.W, d.a, a.X, d.b, &d.beta, a.Y, d.c, a.Y, d.c,
+                                 algo, workspace_, workspace_bytes_, s));
+}
+
+}  // namespace ti::cuda

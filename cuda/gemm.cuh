@@ -1,0 +1,76 @@
+// gemm.cuh — the prefill's matrix products through cuBLASLt, with a per-shape tactic autotuner (see gemm.cu).
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+struct cublasLtContext;  // cublasLtHandle_t, without including cublasLt.h in every user of this header
+
+namespace ti::cuda {
+
+enum class GemmOut { F32, AddF32, F16 };  // fp32; fp32 accumulated into D (the residual: beta = 1); fp16
+
+// Y[n][m] = sum_k W[m][k] X[n][k]  (+ Y[n][m] for AddF32) — every row of X times every row of W, i.e.
+// torch: Y = X @ W.T (+ Y). W: (M, ldw) fp16 row-major (a weight matrix: M output features of K inputs);
+// X: (N, ldx) fp16 row-major (N tokens); Y: (N, ldy) fp32 or fp16. fp32 accumulation. Leading dimensions are
+// multiples of 8 (16-byte rows); columns K.. of W and X are never read.
+struct GemmArgs {
+  const __half* W = nullptr;
+  const __half* X = nullptr;
+  void* Y = nullptr;
+  int M = 0, N = 0, K = 0;
+  int ldw = 0, ldx = 0, ldy = 0;
+  GemmOut out = GemmOut::F32;
+};
+
+// One tuned shape: what the autotuner timed and chose (`tinyinfer bench` prints these).
+struct GemmTuning {
+  int M = 0, N = 0, K = 0;   // N: the token bucket it was timed at
+  GemmOut out = GemmOut::F32;
+  int candidates = 0;        // algorithms the heuristic offered (and that ran)
+  double default_us = 0;     // cuBLASLt's first heuristic choice
+  double tuned_us = 0;       // the fastest candidate
+  int chosen = 0;            // its index in the heuristic's list (0: the default was already the fastest)
+  std::string algo;          // its description: algo id, tile, stages, split-K, ...
+};
+
+// Owns a cuBLASLt handle, its workspace and the tuned algorithms of one engine (not a global: two engines on
+// two models tune independently). Not thread-safe; the engine serialises its calls.
+class Gemm {
+ public:
+  explicit Gemm(size_t workspace_bytes = 32u << 20);
+  ~Gemm();
+  Gemm(const Gemm&) = delete;
+  Gemm& operator=(const Gemm&) = delete;
+
+  // Runs the product on `stream`. The first call for a (M, bucket(N), K, out) times the heuristic's candidates
+  // on scratch outputs (never the real Y) and keeps the fastest; later calls reuse it. Inside a stream capture
+  // it never times: it uses the tuned choice if there is one, else the heuristic's default.
+  void run(const GemmArgs& a, cudaStream_t stream);
+  // Tune (if not yet) without running: warm-up for benchmarks.
+  const GemmTuning& tune(const GemmArgs& a, cudaStream_t stream);
+  std::vector<GemmTuning> table() const;
+
+  bool autotune = true;      // false: always cuBLASLt's default choice (for the benchmark's comparison)
+  int max_candidates = 32;   // heuristic results asked for
+  int timing_reps = 5;
+
+  static int bucket(int n);  // tokens -> the N a shape is tuned at: 16, 32, 64, ... (powers of two)
+
+ private:
+  struct Entry;
+  using Key = std::tuple<int, int, int, int>;  // M, bucket(N), K, out
+  Entry& lookup(const GemmArgs& a, cudaStream_t stream);
+
+  cublasLtContext* handle_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  std::map<Key, Entry*> cache_;
+};
+
+}  // namespace ti::cuda

@@ -1,0 +1,35 @@
+// prefill.cuh — the prefill's element-wise kernels, a row per token (see prefill.cu). The matrix products are
+// in gemm.cuh, the attention in prefill_attention.cuh.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace ti::cuda {
+
+// x[t][0..H) = float(E[tokens[t]][0..H)) for t < T. E: (vocab, ldE) fp16; x: (T, ldx) fp32.
+void embed_tokens(const __half* E, int ldE, int H, const int* tokens, int T, float* x, int ldx, cudaStream_t stream);
+
+// y[t] = fp16(x[t] / rms(x[t]) * w) for t < T. x: (T, H) fp32 row stride ldx; y: (T, ldy) fp16.
+void rmsnorm_rows(const float* x, int ldx, const float* w, float eps, int H, int T, __half* y, int ldy,
+                  cudaStream_t stream);
+
+// RoPE for T tokens at positions pos0..pos0+T-1. qkv: (T, ldqkv) fp32 rows q | k | v, before RoPE. Writes rope(q)
+// to q (T, q_dim) fp16, rope(k) and v into this layer's caches (n_kv_heads, max_seq, head_dim) fp16 at their
+// positions. cos/sin: (max_seq, head_dim / 2).
+struct RopeRowsParams {
+  const float* qkv = nullptr;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  __half* q = nullptr;
+  __half* k_cache = nullptr;
+  __half* v_cache = nullptr;
+  int ldqkv = 0;
+  int T = 0, pos0 = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, max_seq = 0;
+};
+void rope_rows(const RopeRowsParams& p, cudaStream_t stream);
+
+// h[t][i] = fp16(silu(gu[t][2i]) * gu[t][2i+1]) for i < I (gate and up interleaved, as the weights' rows).
+// gu: (T, 2 I) fp16, row stride ldgu; h: (T, ldh) fp16.
+void swiglu_rows(const __half* gu, int ldgu, int I, int T, __half* h, int ldh, cudaStream_t stream);
+
+}  // namespace ti::cuda

@@ -1,0 +1,247 @@
+// prefill_attention.cu — tiled causal attention for the prefill (FlashAttention-2 style, tensor cores).
+//
+// What: out[t, h] = softmax_j<=pos0+t (q[t,h] . K[j] * scale) V[j] for T new tokens whose keys and values are
+// already in the cache (rope_rows wrote them), so a prompt can be prefilled in chunks and after earlier turns.
+//
+// GQA packing. A block owns one KV head and 64 "packed rows": row r is (token r / group, query head
+// kvh * group + r % group), so the `group` query heads that share a KV head share every K/V tile the block
+// loads (FlashInfer's trick). 4 warps x 16 rows; grid (ceil(T * group / 64), n_kv_heads), heaviest (last)
+// tiles first so the causal triangle's long rows do not end up in the tail.
+//
+// Per KV tile of BC keys: K and V rows into shared memory (16-byte loads, rows padded by 8 halves so that the
+// fragment loads below are bank-conflict free), S = Q K^T with mma.sync m16n8k16 (fp16 in, fp32 accumulate;
+// two m16n8k8 on sm_75), scale and causal mask (only on tiles that cross the diagonal), online softmax in
+// registers (running max m and sum l per row; exp2 with the scale folded into log2 e), then O += P V with P
+// reused straight from the S accumulators as the A operand (the accumulator layout of two n8 tiles is the A
+// layout of one k16 step) and V fragments by ldmatrix.trans. No T x T matrix exists anywhere; O stays in
+// registers (HDMAX / 8 x 4 floats per thread) until the final 1 / l.
+//
+// Variants (HDMAX, BC): (64, 64) for head_dim <= 64, (128, 64) for <= 128, (256, 32) for <= 256, and (256, 16)
+// where the GPU's shared memory per block is below the 67 KB the (256, 32) tiles need (sm_75: 64 KB).
+#include <cfloat>
+
+#include "common.cuh"
+#include "prefill_attention.cuh"
+
+namespace ti::cuda {
+
+constexpr int kBr = 64, kThreads = 128, kRowPad = 8;
+
+// D += A (16x16, row) * B (16x8, col); fp16 inputs, fp32 accumulators. Fragment layouts: PTX ISA, "Matrix
+// fragments for mma.m16n8k16": with g = lane / 4, c = lane % 4: a0 = A[g][2c..2c+1], a1 = A[g+8][2c..],
+// a2 = A[g][2c+8..], a3 = A[g+8][2c+8..]; b0 = B[2c..2c+1][g], b1 = B[2c+8..][g]; d0,d1 = D[g][2c..2c+1],
+// d2,d3 = D[g+8][2c..2c+1].
+__device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else  // sm_75: the k16 step as two k8 steps (same fragment layout, halves of it)
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(b0));
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[2]), "r"(a[3]), "r"(b1));
+#endif
+}
+
+// Four 8x8 fp16 matrices from shared memory, transposed: lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const __half* p) {
+  const unsigned addr = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ uint32_t lds32(const __half* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+template <int HDMAX, int BC>
+__global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int hd = p.head_dim, LD = hd + kRowPad, words = hd / 8;
+  __half* Qs = reinterpret_cast<__half*>(smem_raw);  // (kBr, LD)
+  __half* Ks = Qs + kBr * LD;                         // (BC, LD)
+  __half* Vs = Ks + BC * LD;                          // (BC, LD)
+
+  const int group = p.n_heads / p.n_kv_heads, kvh = blockIdx.y, rows = p.T * group;
+  const int r0 = (gridDim.x - 1 - blockIdx.x) * kBr;  // heaviest tiles first
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int q_dim = p.n_heads * hd;
+
+  // ---- the block's 64 packed query rows into shared memory (zeros past the last row) ----
+  for (int i = threadIdx.x; i < kBr * words; i += kThreads) {
+    const int r = i / words, w = i % words, pr = r0 + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (pr < rows) {
+      const int t = pr / group, h = kvh * group + pr % group;
+      v = *reinterpret_cast<const uint4*>(p.q + (size_t)t * q_dim + (size_t)h * hd + w * 8);
+    }
+    *reinterpret_cast<uint4*>(Qs + r * LD + w * 8) = v;
+  }
+
+  // This thread's two rows (of the warp's 16): ra and rb = ra + 8; the last key position each may see.
+  const int ra = r0 + warp * 16 + g, rb = ra + 8;
+  const int lim_a = p.pos0 + min(ra, rows - 1) / group, lim_b = p.pos0 + min(rb, rows - 1) / group;
+  const int kv_len = p.pos0 + min(r0 + kBr - 1, rows - 1) / group + 1;  // keys the block needs
+  const int kv_all = p.pos0 + r0 / group + 1;  // keys [0, kv_all) are visible to every row of the block
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const __half* kc = p.k_cache + (size_t)kvh * p.max_seq * hd;
+  const __half* vc = p.v_cache + (size_t)kvh * p.max_seq * hd;
+
+  float o[HDMAX / 8][4];
+#pragma unroll
+  for (int dn = 0; dn < HDMAX / 8; dn++) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+  float m_a = -1e30f, m_b = -1e30f, l_a = 0.0f, l_b = 0.0f;  // finite start: a fully masked tile gives exp2(-inf)=0
+
+  for (int kv0 = 0; kv0 < kv_len; kv0 += BC) {
+    __syncthreads();  // the previous tile is consumed (first pass: nothing; Q's stores are covered below)
+    for (int i = threadIdx.x; i < BC * words; i += kThreads) {
+      const int r = i / words, w = i % words;
+      uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;  // rows past kv_len: zeros (0 * garbage could be NaN)
+      if (kv0 + r < kv_len) {
+        kv = *reinterpret_cast<const uint4*>(kc + (size_t)(kv0 + r) * hd + w * 8);
+        vv = *reinterpret_cast<const uint4*>(vc + (size_t)(kv0 + r) * hd + w * 8);
+      }
+      *reinterpret_cast<uint4*>(Ks + r * LD + w * 8) = kv;
+      *reinterpret_cast<uint4*>(Vs + r * LD + w * 8) = vv;
+    }
+    __syncthreads();
+
+    // ---- S = Q K^T: (16 rows) x (BC keys) per warp ----
+    float s[BC / 8][4];
+#pragma unroll
+    for (int j = 0; j < BC / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < HDMAX / 16; ks++) {
+      if (ks < hd / 16) {
+        const __half* qa = Qs + (warp * 16 + g) * LD + ks * 16 + 2 * c;
+        const uint32_t a[4] = {lds32(qa), lds32(qa + 8 * LD), lds32(qa + 8), lds32(qa + 8 * LD + 8)};
+#pragma unroll
+        for (int j = 0; j < BC / 8; j++) {
+          const __half* kb = Ks + (j * 8 + g) * LD + ks * 16 + 2 * c;
+          mma_16816(s[j], a, lds32(kb), lds32(kb + 8));
+        }
+      }
+    }
+
+    // ---- scale, causal mask, online softmax ----
+    const bool diagonal = kv0 + BC > kv_all;
+    float mx_a = m_a, mx_b = m_b;
+#pragma unroll
+    for (int j = 0; j < BC / 8; j++) {
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int col = kv0 + j * 8 + 2 * c + (e & 1);
+        float v = s[j][e] * scale_log2;
+        if (diagonal && col > (e < 2 ? lim_a : lim_b)) v = -INFINITY;
+        s[j][e] = v;
+      }
+      mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
+      mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
+    }
+    // a row's 4 threads (same g) hold its BC columns between them
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+    const float alpha_a = exp2f(m_a - mx_a), alpha_b = exp2f(m_b - mx_b);
+    m_a = mx_a;
+    m_b = mx_b;
+    l_a *= alpha_a;  // l stays a per-thread partial sum (its own columns); the quad sums it once at the end
+    l_b *= alpha_b;
+#pragma unroll
+    for (int dn = 0; dn < HDMAX / 8; dn++) {
+      o[dn][0] *= alpha_a;
+      o[dn][1] *= alpha_a;
+      o[dn][2] *= alpha_b;
+      o[dn][3] *= alpha_b;
+    }
+#pragma unroll
+    for (int j = 0; j < BC / 8; j++) {
+      s[j][0] = exp2f(s[j][0] - m_a);
+      s[j][1] = exp2f(s[j][1] - m_a);
+      s[j][2] = exp2f(s[j][2] - m_b);
+      s[j][3] = exp2f(s[j][3] - m_b);
+      l_a += s[j][0] + s[j][1];
+      l_b += s[j][2] + s[j][3];
+    }
+
+    // ---- O += P V: P from the S accumulators (two n8 tiles = one k16 A fragment), V by ldmatrix.trans ----
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; kk++) {
+      const uint32_t a[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]), pack_half2(s[2 * kk][2], s[2 * kk][3]),
+                             pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const __half* vrow = Vs + (kk * 16 + (lane & 15)) * LD + (lane >> 4) * 8;
+#pragma unroll
+      for (int dn = 0; dn < HDMAX / 8; dn += 2) {
+        if (dn < hd / 8) {
+          uint32_t b[4];  // b[0], b[1]: dims dn*8..; b[2], b[3]: dims (dn+1)*8..
+          ldmatrix_x4_trans(b, vrow + dn * 8);
+          mma_16816(o[dn], a, b[0], b[1]);
+          mma_16816(o[dn + 1], a, b[2], b[3]);
+        }
+      }
+    }
+  }
+
+  // ---- normalise and store ----
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+  const float inv_a = 1.0f / l_a, inv_b = 1.0f / l_b;
+  __half* out_a = ra < rows ? p.out + (size_t)(ra / group) * p.ldo + (size_t)(kvh * group + ra % group) * hd : nullptr;
+  __half* out_b = rb < rows ? p.out + (size_t)(rb / group) * p.ldo + (size_t)(kvh * group + rb % group) * hd : nullptr;
+#pragma unroll
+  for (int dn = 0; dn < HDMAX / 8; dn++) {
+    if (dn < hd / 8) {
+      const int col = dn * 8 + 2 * c;
+      if (out_a) *reinterpret_cast<__half2*>(out_a + col) = __floats2half2_rn(o[dn][0] * inv_a, o[dn][1] * inv_a);
+      if (out_b) *reinterpret_cast<__half2*>(out_b + col) = __floats2half2_rn(o[dn][2] * inv_b, o[dn][3] * inv_b);
+    }
+  }
+}
+
+bool prefill_attention_supported(int head_dim) { return head_dim % 16 == 0 && head_dim >= 16 && head_dim <= 256; }
+
+template <int HDMAX, int BC>
+static void launch_prefill_attn(const PrefillAttnParams& p, dim3 grid, size_t smem, cudaStream_t s) {
+  static bool raised = false;  // a property of the CUDA function (process-wide), set once
+  if (smem > 48 * 1024 && !raised) {
+    TI_CUDA_CHECK(cudaFuncSetAttribute(prefill_attn_kernel<HDMAX, BC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)smem));
+    raised = true;
+  }
+  prefill_attn_kernel<HDMAX, BC><<<grid, kThreads, smem, s>>>(p);
+  TI_CUDA_CHECK(cudaGetLastError());
+}
+
+void prefill_attention(const PrefillAttnParams& p, cudaStream_t s) {
+  if (!prefill_attention_supported(p.head_dim))
+    fail(ErrorKind::Request, "prefill_attention: head_dim must be a multiple of 16 in 16..256, got " +
+                                 std::to_string(p.head_dim));
+  if (p.n_kv_heads < 1 || p.n_heads % p.n_kv_heads != 0)
+    fail(ErrorKind::Request, "prefill_attention: n_heads must be a multiple of n_kv_heads");
+  if (p.T < 1) return;
+  if (p.pos0 < 0 || p.pos0 + p.T > p.max_seq) fail(ErrorKind::Request, "prefill_attention: positions out of range");
+  const int group = p.n_heads / p.n_kv_heads;
+  const dim3 grid((unsigned)(((int64_t)p.T * group + kBr - 1) / kBr), (unsigned)p.n_kv_heads);
+  auto smem_for = [&](int bc) { return (size_t)(kBr + 2 * bc) * (p.head_dim + kRowPad) * sizeof(__half); };
+  if (p.head_dim <= 64) return launch_prefill_attn<64, 64>(p, grid, smem_for(64), s);
+  if (p.head_dim <= 128) return launch_prefill_attn<128, 64>(p, grid, smem_for(64), s);
+  int dev = 0, optin = 0;
+  TI_CUDA_CHECK(cudaGetDevice(&dev));
+  TI_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if ((size_t)optin >= smem_for(32)) return launch_prefill_attn<256, 32>(p, grid, smem_for(32), s);
+  return launch_prefill_attn<256, 16>(p, grid, smem_for(16), s);
+}
+
+}  // namespace ti::cuda

@@ -1,0 +1,23 @@
+// prefill_attention.cuh — causal attention of T new tokens over the KV cache (see prefill_attention.cu).
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace ti::cuda {
+
+struct PrefillAttnParams {
+  const __half* q = nullptr;        // (T, n_heads * head_dim) fp16, RoPE applied, not scaled
+  const __half* k_cache = nullptr;  // this layer's keys   (n_kv_heads, max_seq, head_dim) fp16, rows 0..pos0+T-1 set
+  const __half* v_cache = nullptr;  // this layer's values (n_kv_heads, max_seq, head_dim)
+  __half* out = nullptr;            // (T, ldo) fp16: head h of token t at columns h * head_dim ...
+  int ldo = 0;
+  int T = 0, pos0 = 0;              // token t sits at position pos0 + t and attends to positions 0..pos0 + t
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0, max_seq = 0;
+  float scale = 1.0f;               // 1 / sqrt(head_dim)
+};
+
+// head_dim a multiple of 16 in 16..256 (the tensor-core tile); n_heads a multiple of n_kv_heads.
+bool prefill_attention_supported(int head_dim);
+void prefill_attention(const PrefillAttnParams& p, cudaStream_t stream);
+
+}  // namespace ti::cuda

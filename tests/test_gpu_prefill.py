@@ -1,0 +1,225 @@
+"""The batched prefill on the GPU: the cuBLASLt GEMM wrapper and the tiled causal attention against numpy twins
+on awkward shapes, then the engine's prefill against the CPU reference engine at every position, chunked and
+unchunked, after earlier context, and generation after a long prompt. Skipped without a usable CUDA device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import make_llama
+from tinyinfer import Engine, InvalidRequestError, _core
+
+pytestmark = pytest.mark.gpu
+
+
+def f16_bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a.astype(np.float16)).view(np.uint16)
+
+
+def close(got, ref, atol, rtol):
+    err = np.abs(got - ref) - (atol + rtol * np.abs(ref))
+    assert np.isfinite(got).all(), "non-finite output"
+    assert err.max() <= 0, f"worst excess {err.max():.3e} at {np.unravel_index(err.argmax(), err.shape)}"
+
+
+# ---- GEMM (cuda/gemm.cu) ----
+
+@pytest.mark.parametrize("M,N,K", [(111, 17, 333), (64, 1, 64), (500, 1000, 96), (2560, 128, 2048), (8, 3, 8),
+                                   (333, 257, 500)])
+@pytest.mark.parametrize("out", ["f32", "add", "f16"])
+@pytest.mark.parametrize("autotune", [True, False])
+def test_gemm_matches_numpy(M, N, K, out, autotune):
+    rng = np.random.default_rng(M * 7 + N * 3 + K)
+    W = rng.standard_normal((M, K)).astype(np.float16)
+    X = rng.standard_normal((N, K)).astype(np.float16)  # (the driver rounds X to fp16: exact here)
+    y0 = rng.standard_normal((N, M)).astype(np.float32)
+    ref = X.astype(np.float64) @ W.astype(np.float64).T + (y0 if out == "add" else 0)
+    got = _core.ops.gemm(f16_bits(W), X.astype(np.float32), y0, out, autotune)
+    assert got.shape == (N, M)
+    if out == "f16":
+        close(got, ref, atol=2e-2, rtol=2e-3)
+    else:
+        close(got, ref, atol=1e-3 * np.sqrt(K), rtol=1e-4)
+
+
+def test_gemm_named_inputs():
+    """ones and arange: every output element is a readable number."""
+    K, M, N = 40, 24, 5
+    W = np.ones((M, K), np.float16)
+    X = np.tile(np.arange(K, dtype=np.float32) / K, (N, 1))
+    got = _core.ops.gemm(f16_bits(W), X, np.zeros((N, M), np.float32), "f32")
+    np.testing.assert_allclose(got, np.full((N, M), (K - 1) / 2), rtol=1e-3)
+
+
+def test_gemm_bad_shapes_are_clear_errors():
+    W = f16_bits(np.ones((4, 8)))
+    with pytest.raises(InvalidRequestError, match="X.shape"):
+        _core.ops.gemm(W, np.ones((2, 9), np.float32), np.zeros((2, 4), np.float32), "f32")
+    with pytest.raises(InvalidRequestError, match="y_init"):
+        _core.ops.gemm(W, np.ones((2, 8), np.float32), np.zeros((3, 4), np.float32), "add")
+
+
+# ---- prefill attention (cuda/prefill_attention.cu) ----
+
+def attention_ref(q, kc, vc, pos0, n_heads):
+    """float64 causal attention of T queries at pos0.. over the caches (the kernel's CPU twin)."""
+    T = q.shape[0]
+    n_kv, _, hd = kc.shape
+    group = n_heads // n_kv
+    K = kc.view(np.float16).astype(np.float64)
+    V = vc.view(np.float16).astype(np.float64)
+    Q = q.astype(np.float16).astype(np.float64).reshape(T, n_heads, hd)
+    out = np.zeros((T, n_heads, hd))
+    for h in range(n_heads):
+        kvh = h // group
+        n = pos0 + T
+        s = Q[:, h, :] @ K[kvh, :n].T / np.sqrt(hd)  # (T, n)
+        mask = np.arange(n)[None, :] > (pos0 + np.arange(T))[:, None]
+        s[mask] = -np.inf
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out[:, h, :] = (p / p.sum(-1, keepdims=True)) @ V[kvh, :n]
+    return out.reshape(T, n_heads * hd)
+
+
+@pytest.mark.parametrize("n_heads,n_kv,hd,T,pos0", [
+    (4, 4, 64, 1, 0),      # one token, one key
+    (8, 2, 64, 17, 0),     # group 4, a partial tile
+    (6, 2, 96, 33, 5),     # head_dim 96 in the 128 variant, after context
+    (4, 1, 128, 100, 27),  # group 4 over one KV head, crossing tiles
+    (7, 1, 256, 70, 3),    # head_dim 256, group 7 (packed rows straddle tokens)
+    (32, 4, 64, 130, 0),   # the TinyLlama head layout
+    (2, 2, 16, 65, 64),    # the smallest head_dim; starting exactly at a tile edge
+    (3, 3, 48, 200, 111),  # head_dim 48, long
+    (4, 2, 64, 1, 300),    # one new token after a long context
+])
+def test_prefill_attention_matches_reference(n_heads, n_kv, hd, T, pos0):
+    rng = np.random.default_rng(n_heads * 1000 + hd + T)
+    max_seq = pos0 + T + 37
+    kc = rng.standard_normal((n_kv, max_seq, hd)).astype(np.float16).view(np.uint16)
+    vc = rng.standard_normal((n_kv, max_seq, hd)).astype(np.float16).view(np.uint16)
+    kc[:, pos0 + T:] = 0x7E00  # NaN past the last position: the kernel must never read it
+    vc[:, pos0 + T:] = 0x7E00
+    q = (rng.standard_normal((T, n_heads * hd)) * 2).astype(np.float32)
+    got = _core.ops.prefill_attention(q, kc, vc, pos0, n_heads)
+    ref = attention_ref(q, kc, vc, pos0, n_heads)
+    close(got, ref, atol=4e-3, rtol=1e-2)
+
+
+def test_prefill_attention_named_inputs():
+    """Constant V rows: the output is that constant whatever the scores; V = position: a causal average."""
+    n_heads, hd, T = 2, 64, 40
+    kc = np.zeros((1, T, hd), np.float16)
+    vc = np.tile(np.arange(T, dtype=np.float16)[None, :, None], (1, 1, hd))
+    q = np.zeros((T, n_heads * hd), np.float32)  # zero scores: uniform weights over positions 0..t
+    got = _core.ops.prefill_attention(q, kc.view(np.uint16), vc.view(np.uint16), 0, n_heads)
+    want = np.repeat((np.arange(T) / 2.0)[:, None], n_heads * hd, axis=1)  # mean of 0..t
+    np.testing.assert_allclose(got, want, atol=2e-2)
+
+
+def test_prefill_attention_refuses_unsupported_head_dim():
+    kc = np.zeros((1, 8, 40), np.uint16)
+    with pytest.raises(InvalidRequestError, match="head_dim must be a multiple of 16"):
+        _core.ops.prefill_attention(np.zeros((2, 40), np.float32), kc, kc, 0, 1)
+    kc = np.zeros((1, 8, 64), np.uint16)
+    with pytest.raises(InvalidRequestError, match="out of range"):
+        _core.ops.prefill_attention(np.zeros((4, 64), np.float32), kc, kc, 6, 1)
+
+
+# ---- the engine's prefill ----
+
+CONFIGS = {
+    "gqa3_hd64_i333": dict(hidden=384, heads=6, kv_heads=2, head_dim=64, intermediate=333, layers=2),
+    "gqa1_hd128_tied": dict(hidden=256, heads=2, kv_heads=2, head_dim=128, tie=True, layers=2),
+    "gqa8_hd64": dict(hidden=512, heads=16, kv_heads=2, head_dim=64, layers=2),
+    "gqa5_hd96": dict(hidden=480, heads=5, kv_heads=1, head_dim=96, layers=2, intermediate=700),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def model(request, tmp_path_factory):
+    d = make_llama(tmp_path_factory.mktemp(request.param), vocab=800, **CONFIGS[request.param])
+    gpu = Engine(d, device="cuda", max_seq_len=1100)
+    assert gpu._core.batched_prefill
+    return request.param, d, gpu, Engine(d, device="cpu", max_seq_len=1100)
+
+
+@pytest.mark.parametrize("n", [1, 17, 128, 1000])
+def test_prefill_logits_match_cpu_at_every_position(model, n):
+    name, _, gpu, cpu = model
+    ids = np.random.default_rng(n).integers(3, 800, n).tolist()
+    g, c = gpu.logits(ids), cpu.logits(ids)
+    rel = np.abs(g - c).max(-1) / np.abs(c).max(-1)
+    agree = (g.argmax(-1) == c.argmax(-1)).mean()
+    print(f"{name} n={n}: worst rel logit error {rel.max():.2e}, top-1 agreement {agree:.3f}")
+    assert g.shape == c.shape and np.isfinite(g).all()
+    assert rel.max() < 2e-2
+    assert agree >= 0.95
+
+
+def test_chunked_prefill_and_token_by_token_agree(model):
+    """Chunks of 64 (attention over earlier chunks' cache) and the old one-token path give the batched result."""
+    name, d, gpu, _ = model
+    ids = np.random.default_rng(5).integers(3, 800, 300).tolist()
+    whole = gpu.logits(ids)
+    chunked = _core.CudaOptions()
+    chunked.prefill_chunk = 64
+    one = _core.CudaOptions()
+    one.batched_prefill = False
+    scale = np.abs(whole).max()
+    for opts in (chunked, one):
+        other = Engine(d, device="cuda", max_seq_len=400, cuda_options=opts)
+        got = other.logits(ids)
+        assert np.abs(got - whole).max() / scale < 1e-2, name
+        assert (got.argmax(-1) == whole.argmax(-1)).mean() >= 0.97
+
+
+def test_generation_after_long_prompt_matches_cpu(model):
+    name, _, gpu, cpu = model
+    ids = np.random.default_rng(9).integers(3, 800, 700).tolist()
+    out = gpu.generate(ids, max_tokens=24, ignore_eos=True).token_ids
+    ref = cpu.logits(ids + out[:-1])[len(ids) - 1:]
+    scale = np.abs(ref).max()
+    picked = ref[np.arange(24), out]
+    assert np.all(picked >= ref.max(-1) - 2e-2 * scale), name  # each pick is the CPU's argmax up to fp16 noise
+    same = int(np.argmax(np.r_[np.array(out) != ref.argmax(-1), True]))
+    print(f"{name}: greedy after 700 tokens identical to CPU argmax for {same}/24")
+
+
+def test_multi_turn_prefill_continues_the_cache(model):
+    """A second prompt after a generation is prefilled at the right positions (the pending token first)."""
+    _, _, gpu, cpu = model
+    a = [5, 9, 40, 33]
+    b = np.random.default_rng(2).integers(3, 800, 90).tolist()
+    gpu._core.reset()
+    gpu._core.forward(a, all_logits=False)
+    toks = list(gpu._core.decode(6, _core.SamplingConfig(), [], 0))  # the last one is pending, not yet fed
+    g = gpu._core.forward(b, all_logits=True)
+    cpu._core.reset()
+    cpu._core.forward(a + toks, all_logits=False)
+    c = cpu._core.forward(b, all_logits=True)
+    assert g.shape == c.shape == (len(b), 800)
+    assert np.abs(g - c).max() / np.abs(c).max() < 2e-2
+    assert (g.argmax(-1) == c.argmax(-1)).mean() >= 0.95
+
+
+def test_prefill_timing_and_gemm_table(model):
+    _, _, gpu, _ = model
+    ms = gpu._core.time_prefill(100, 2)
+    assert ms > 0
+    table = gpu._core.gemm_table()
+    names = {t["name"] for t in table}
+    assert {"qkv", "o", "gate_up", "down"} <= names
+    for t in table:
+        assert t["N"] >= 16 and t["candidates"] >= 1 and t["tuned_us"] <= t["default_us"] + 1e-9
+    with pytest.raises(InvalidRequestError):
+        gpu._core.time_prefill(5000, 1)
+
+
+def test_bad_prefill_chunk_is_a_clear_error(tmp_path):
+    d = make_llama(tmp_path / "m", vocab=300, layers=1)
+    opts = _core.CudaOptions()
+    opts.prefill_chunk = 0
+    with pytest.raises(InvalidRequestError, match="prefill_chunk"):
+        Engine(d, device="cuda", max_seq_len=64, cuda_options=opts)
+    assert Engine(d, device="cuda", max_seq_len=64).generate([1, 2, 3], max_tokens=3, ignore_eos=True).token_ids

@@ -19,14 +19,22 @@ def _import_core():
     """Import the compiled core. The CUDA build links libcublasLt.so.1x, found by rpath in NVIDIA's PyPI wheel
     beside tinyinfer (site-packages/nvidia/cu13/lib) or where the build found it. When the wheel sits elsewhere
     on sys.path (a user site, a --system-site-packages venv), load it from there first and retry."""
+    import os
+    import sys
+
+    if sys.platform == "win32":  # DLLs are not found by rpath: name the wheel's directories
+        for base in sys.path:
+            for sub in ("cu13", "cublas", "cu12"):
+                for b in ("bin", os.path.join("bin", "x64")):
+                    d = os.path.join(base, "nvidia", sub, b)
+                    if os.path.isdir(d):
+                        os.add_dll_directory(d)
     try:
         from . import _core as core
     except ImportError as e:
         if "cublas" not in str(e).lower():
             raise
         import ctypes
-        import os
-        import sys
 
         for base in sys.path:
             for sub in ("cu13", "cublas", "cu12"):

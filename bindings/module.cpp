@@ -401,7 +401,8 @@ void bind_ops(nb::module_& m) {
   ops.def(
       "prefill_attention",
       [](F32In2 q, nb::ndarray<const uint16_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> k_cache,
-         nb::ndarray<const uint16_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> v_cache, int pos0, int n_heads) {
+         nb::ndarray<const uint16_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> v_cache, int pos0, int n_heads,
+         int stages) {
         const int n_kv = (int)k_cache.shape(0), max_seq = (int)k_cache.shape(1), hd = (int)k_cache.shape(2);
         const int T = (int)q.shape(0);
         if ((int)q.shape(1) != n_heads * hd) ti::fail(ti::ErrorKind::Request, "prefill_attention: q must be (T, n_heads * head_dim)");
@@ -411,15 +412,16 @@ void bind_ops(nb::module_& m) {
         {
           nb::gil_scoped_release release;
           o = ti::cuda::run_prefill_attention(q.data(), k_cache.data(), v_cache.data(), T, pos0, n_heads, n_kv, hd,
-                                              max_seq);
+                                              max_seq, stages);
         }
         float* out = nullptr;
         F32Out arr = new_f32_array(T, n_heads * hd, &out);
         std::copy(o.begin(), o.end(), out);
         return arr;
       },
-      "q"_a, "k_cache"_a, "v_cache"_a, "pos0"_a, "n_heads"_a,
-      "One prefill-attention call (cuda/prefill_attention.cu): T queries at pos0.. over the caches (fp16 bits).");
+      "q"_a, "k_cache"_a, "v_cache"_a, "pos0"_a, "n_heads"_a, "stages"_a = 0,
+      "One prefill-attention call (cuda/prefill_attention.cu): T queries at pos0.. over the caches (fp16 bits); "
+      "stages 1 | 2 forces that variant (0: the launcher's choice).");
   ops.def(
       "sample",
       [](F32In1 logits, float temperature, int top_k, float top_p, float min_p, float rep, unsigned long long seed,

@@ -190,7 +190,8 @@ std::vector<float> run_gemm(const uint16_t* W, const float* X, const float* Y_in
 }
 
 std::vector<float> run_prefill_attention(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, int T,
-                                         int pos0, int n_heads, int n_kv_heads, int head_dim, int max_seq) {
+                                         int pos0, int n_heads, int n_kv_heads, int head_dim, int max_seq,
+                                         int stages) {
   const int q_dim = n_heads * head_dim;
   const size_t cache = (size_t)n_kv_heads * max_seq * head_dim, nq = (size_t)T * q_dim;
   std::vector<__half> qh(nq);
@@ -213,6 +214,7 @@ std::vector<float> run_prefill_attention(const float* q, const uint16_t* k_cache
   a.head_dim = head_dim;
   a.max_seq = max_seq;
   a.scale = 1.0f / std::sqrt((float)head_dim);
+  a.stages = stages;
   prefill_attention(a, 0);
   TI_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<__half> oh(nq);

@@ -35,6 +35,7 @@ std::vector<float> run_gemm(const uint16_t* W, const float* X, const float* Y_in
 // fp16); caches: fp16 bits (n_kv_heads, max_seq, head_dim), positions 0..pos0+T-1 filled. Returns
 // (T, n_heads * head_dim) floats.
 std::vector<float> run_prefill_attention(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, int T,
-                                         int pos0, int n_heads, int n_kv_heads, int head_dim, int max_seq);
+                                         int pos0, int n_heads, int n_kv_heads, int head_dim, int max_seq,
+                                         int stages);
 
 }  // namespace ti::cuda

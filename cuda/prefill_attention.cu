@@ -16,8 +16,9 @@
 // layout of one k16 step) and V fragments by ldmatrix.trans. No T x T matrix exists anywhere; O stays in
 // registers (HDMAX / 8 x 4 floats per thread) until the final 1 / l.
 //
-// Variants (HDMAX, BC): (64, 64) for head_dim <= 64, (128, 64) for <= 128, (256, 32) for <= 256, and (256, 16)
-// where the GPU's shared memory per block is below the 67 KB the (256, 32) tiles need (sm_75: 64 KB).
+// Variants (HDMAX, BC, STAGES): (64, 64) for head_dim <= 64, (128, 64) for <= 128, (256, 32) for <= 256, with
+// two K/V stages (cp.async, sm_80+: the next tile streams in while this one is computed); one stage where the
+// GPU lacks cp.async or the shared memory (sm_75: 64 KB per block), and (256, 16, 1) below 67 KB.
 #include <cfloat>
 
 #include "common.cuh"
@@ -55,6 +56,28 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const __half* p) 
                : "r"(addr));
 }
 
+// 16 bytes global -> shared, asynchronously where the GPU can (sm_80+: cp.async, L1 bypassed; `valid` false
+// fills zeros); below sm_80 an ordinary load and store. cp_async_wait<N>: all but the N most recent groups done.
+__device__ __forceinline__ void cp_async16(__half* dst, const __half* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
+#else
+  *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
@@ -62,13 +85,12 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 
 __device__ __forceinline__ uint32_t lds32(const __half* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-template <int HDMAX, int BC>
+template <int HDMAX, int BC, int STAGES>
 __global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int hd = p.head_dim, LD = hd + kRowPad, words = hd / 8;
   __half* Qs = reinterpret_cast<__half*>(smem_raw);  // (kBr, LD)
-  __half* Ks = Qs + kBr * LD;                         // (BC, LD)
-  __half* Vs = Ks + BC * LD;                          // (BC, LD)
+  __half* KVs = Qs + kBr * LD;                        // STAGES x [K (BC, LD), V (BC, LD)]
 
   const int group = p.n_heads / p.n_kv_heads, kvh = blockIdx.y, rows = p.T * group;
   const int r0 = (gridDim.x - 1 - blockIdx.x) * kBr;  // heaviest tiles first
@@ -100,19 +122,34 @@ __global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParam
   for (int dn = 0; dn < HDMAX / 8; dn++) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
   float m_a = -1e30f, m_b = -1e30f, l_a = 0.0f, l_b = 0.0f;  // finite start: a fully masked tile gives exp2(-inf)=0
 
-  for (int kv0 = 0; kv0 < kv_len; kv0 += BC) {
-    __syncthreads();  // the previous tile is consumed (first pass: nothing; Q's stores are covered below)
+  // K and V rows kv0.. of tile `stage` (rows past kv_len: zeros, since 0 * garbage could be NaN)
+  auto load_tile = [&](int stage, int kv0) {
+    __half* Kd = KVs + (size_t)stage * 2 * BC * LD;
+    __half* Vd = Kd + BC * LD;
     for (int i = threadIdx.x; i < BC * words; i += kThreads) {
       const int r = i / words, w = i % words;
-      uint4 kv = make_uint4(0, 0, 0, 0), vv = kv;  // rows past kv_len: zeros (0 * garbage could be NaN)
-      if (kv0 + r < kv_len) {
-        kv = *reinterpret_cast<const uint4*>(kc + (size_t)(kv0 + r) * hd + w * 8);
-        vv = *reinterpret_cast<const uint4*>(vc + (size_t)(kv0 + r) * hd + w * 8);
-      }
-      *reinterpret_cast<uint4*>(Ks + r * LD + w * 8) = kv;
-      *reinterpret_cast<uint4*>(Vs + r * LD + w * 8) = vv;
+      const bool ok = kv0 + r < kv_len;
+      const size_t at = (size_t)(ok ? kv0 + r : 0) * hd + w * 8;
+      cp_async16(Kd + r * LD + w * 8, kc + at, ok);
+      cp_async16(Vd + r * LD + w * 8, vc + at, ok);
     }
-    __syncthreads();
+    cp_async_commit();
+  };
+  // Two stages: tile i+1 streams in while tile i is computed. One stage (where shared memory is short): load,
+  // wait, compute.
+  if (STAGES == 2) load_tile(0, 0);
+  for (int kv0 = 0, it = 0; kv0 < kv_len; kv0 += BC, it++) {
+    if (STAGES == 2) {
+      if (kv0 + BC < kv_len) load_tile((it + 1) & 1, kv0 + BC);
+      else cp_async_commit();  // an empty group keeps the count uniform
+      cp_async_wait<1>();      // tile `it` has landed (only the newest group may be in flight)
+    } else {
+      load_tile(0, kv0);
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // every thread's part of the tile (and, on the first pass, of Q) is visible
+    const __half* Ks = KVs + (size_t)(STAGES == 2 ? (it & 1) : 0) * 2 * BC * LD;
+    const __half* Vs = Ks + BC * LD;
 
     // ---- S = Q K^T: (16 rows) x (BC keys) per warp ----
     float s[BC / 8][4];
@@ -190,6 +227,7 @@ __global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParam
         }
       }
     }
+    __syncthreads();  // the tile is consumed before a later load_tile overwrites its stage
   }
 
   // ---- normalise and store ----
@@ -212,15 +250,15 @@ __global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParam
 
 bool prefill_attention_supported(int head_dim) { return head_dim % 16 == 0 && head_dim >= 16 && head_dim <= 256; }
 
-template <int HDMAX, int BC>
+template <int HDMAX, int BC, int STAGES>
 static void launch_prefill_attn(const PrefillAttnParams& p, dim3 grid, size_t smem, cudaStream_t s) {
   static bool raised = false;  // a property of the CUDA function (process-wide), set once
   if (smem > 48 * 1024 && !raised) {
-    TI_CUDA_CHECK(cudaFuncSetAttribute(prefill_attn_kernel<HDMAX, BC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)smem));
+    TI_CUDA_CHECK(cudaFuncSetAttribute(prefill_attn_kernel<HDMAX, BC, STAGES>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     raised = true;
   }
-  prefill_attn_kernel<HDMAX, BC><<<grid, kThreads, smem, s>>>(p);
+  prefill_attn_kernel<HDMAX, BC, STAGES><<<grid, kThreads, smem, s>>>(p);
   TI_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -234,14 +272,25 @@ void prefill_attention(const PrefillAttnParams& p, cudaStream_t s) {
   if (p.pos0 < 0 || p.pos0 + p.T > p.max_seq) fail(ErrorKind::Request, "prefill_attention: positions out of range");
   const int group = p.n_heads / p.n_kv_heads;
   const dim3 grid((unsigned)(((int64_t)p.T * group + kBr - 1) / kBr), (unsigned)p.n_kv_heads);
-  auto smem_for = [&](int bc) { return (size_t)(kBr + 2 * bc) * (p.head_dim + kRowPad) * sizeof(__half); };
-  if (p.head_dim <= 64) return launch_prefill_attn<64, 64>(p, grid, smem_for(64), s);
-  if (p.head_dim <= 128) return launch_prefill_attn<128, 64>(p, grid, smem_for(64), s);
-  int dev = 0, optin = 0;
+  int dev = 0, optin = 0, major = 0;
   TI_CUDA_CHECK(cudaGetDevice(&dev));
   TI_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if ((size_t)optin >= smem_for(32)) return launch_prefill_attn<256, 32>(p, grid, smem_for(32), s);
-  return launch_prefill_attn<256, 16>(p, grid, smem_for(16), s);
+  TI_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  auto smem = [&](int bc, int stages) {
+    return (size_t)(kBr + 2 * stages * bc) * (p.head_dim + kRowPad) * sizeof(__half);
+  };
+  const bool two = p.stages ? p.stages == 2 : major >= 8;  // cp.async; and the shared memory for two stages
+  if (p.head_dim <= 64) {
+    if (two && (size_t)optin >= smem(64, 2)) return launch_prefill_attn<64, 64, 2>(p, grid, smem(64, 2), s);
+    return launch_prefill_attn<64, 64, 1>(p, grid, smem(64, 1), s);
+  }
+  if (p.head_dim <= 128) {
+    if (two && (size_t)optin >= smem(64, 2)) return launch_prefill_attn<128, 64, 2>(p, grid, smem(64, 2), s);
+    return launch_prefill_attn<128, 64, 1>(p, grid, smem(64, 1), s);
+  }
+  if (two && (size_t)optin >= smem(32, 2)) return launch_prefill_attn<256, 32, 2>(p, grid, smem(32, 2), s);
+  if ((size_t)optin >= smem(32, 1)) return launch_prefill_attn<256, 32, 1>(p, grid, smem(32, 1), s);
+  return launch_prefill_attn<256, 16, 1>(p, grid, smem(16, 1), s);
 }
 
 }  // namespace ti::cuda

@@ -14,6 +14,7 @@ struct PrefillAttnParams {
   int T = 0, pos0 = 0;              // token t sits at position pos0 + t and attends to positions 0..pos0 + t
   int n_heads = 0, n_kv_heads = 0, head_dim = 0, max_seq = 0;
   float scale = 1.0f;               // 1 / sqrt(head_dim)
+  int stages = 0;                   // 0: the launcher's choice; 1 or 2: force that variant (tests)
 };
 
 // head_dim a multiple of 16 in 16..256 (the tensor-core tile); n_heads a multiple of n_kv_heads.

@@ -93,7 +93,8 @@ def attention_ref(q, kc, vc, pos0, n_heads):
     (3, 3, 48, 200, 111),  # head_dim 48, long
     (4, 2, 64, 1, 300),    # one new token after a long context
 ])
-def test_prefill_attention_matches_reference(n_heads, n_kv, hd, T, pos0):
+@pytest.mark.parametrize("stages", [0, 1])  # 0: the launcher's choice (two stages on sm_80+); 1: the sm_75 path
+def test_prefill_attention_matches_reference(n_heads, n_kv, hd, T, pos0, stages):
     rng = np.random.default_rng(n_heads * 1000 + hd + T)
     max_seq = pos0 + T + 37
     kc = rng.standard_normal((n_kv, max_seq, hd)).astype(np.float16).view(np.uint16)
@@ -101,7 +102,7 @@ def test_prefill_attention_matches_reference(n_heads, n_kv, hd, T, pos0):
     kc[:, pos0 + T:] = 0x7E00  # NaN past the last position: the kernel must never read it
     vc[:, pos0 + T:] = 0x7E00
     q = (rng.standard_normal((T, n_heads * hd)) * 2).astype(np.float32)
-    got = _core.ops.prefill_attention(q, kc, vc, pos0, n_heads)
+    got = _core.ops.prefill_attention(q, kc, vc, pos0, n_heads, stages)
     ref = attention_ref(q, kc, vc, pos0, n_heads)
     close(got, ref, atol=4e-3, rtol=1e-2)
 

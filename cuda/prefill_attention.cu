@@ -9,7 +9,7 @@
 // tiles first so the causal triangle's long rows do not end up in the tail.
 //
 // Per KV tile of BC keys: K and V rows into shared memory (16-byte loads, rows padded by 8 halves so that the
-// fragment loads below are bank-conflict free), S = Q K^T with mma.sync m16n8k16 (fp16 in, fp32 accumulate;
+// fragment loads below are bank-conflict free), S = Q K^T (K fragments by ldmatrix) with mma.sync m16n8k16 (fp16 in, fp32 accumulate;
 // two m16n8k8 on sm_75), scale and causal mask (only on tiles that cross the diagonal), online softmax in
 // registers (running max m and sum l per row; exp2 with the scale folded into log2 e), then O += P V with P
 // reused straight from the S accumulators as the A operand (the accumulator layout of two n8 tiles is the A
@@ -78,6 +78,20 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const __half* p) {
+  const unsigned addr = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// 2^x, one MUFU instruction (the softmax's inputs are <= 0 after the max is subtracted; -inf gives 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
@@ -117,6 +131,18 @@ __global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParam
   const __half* kc = p.k_cache + (size_t)kvh * p.max_seq * hd;
   const __half* vc = p.v_cache + (size_t)kvh * p.max_seq * hd;
 
+  // Q's A fragments: loaded from shared memory once and kept in registers when head_dim <= 128 (<= 32
+  // registers); for 256 they would not fit beside O, so they are re-read per tile.
+  constexpr bool kQInRegs = HDMAX <= 128;
+  uint32_t qf[kQInRegs ? HDMAX / 16 : 1][4];
+  auto load_q = [&](int ks, uint32_t* a) {
+    const __half* qa = Qs + (warp * 16 + g) * LD + ks * 16 + 2 * c;
+    a[0] = lds32(qa);
+    a[1] = lds32(qa + 8 * LD);
+    a[2] = lds32(qa + 8);
+    a[3] = lds32(qa + 8 * LD + 8);
+  };
+
   float o[HDMAX / 8][4];
 #pragma unroll
   for (int dn = 0; dn < HDMAX / 8; dn++) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
@@ -151,19 +177,29 @@ __global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParam
     const __half* Ks = KVs + (size_t)(STAGES == 2 ? (it & 1) : 0) * 2 * BC * LD;
     const __half* Vs = Ks + BC * LD;
 
-    // ---- S = Q K^T: (16 rows) x (BC keys) per warp ----
+    // ---- S = Q K^T: (16 rows) x (BC keys) per warp. K fragments by ldmatrix.x4: matrices 0, 1 are keys
+    //      j*8.. at dims ks*16 and ks*16 + 8 (b0, b1 of key tile j), matrices 2, 3 the same for tile j + 1 ----
+    if (kQInRegs && it == 0) {
+#pragma unroll
+      for (int ks = 0; ks < HDMAX / 16; ks++)
+        if (ks < hd / 16) load_q(ks, qf[ks]);
+    }
     float s[BC / 8][4];
 #pragma unroll
     for (int j = 0; j < BC / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    const __half* krow = Ks + ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 8;
 #pragma unroll
     for (int ks = 0; ks < HDMAX / 16; ks++) {
       if (ks < hd / 16) {
-        const __half* qa = Qs + (warp * 16 + g) * LD + ks * 16 + 2 * c;
-        const uint32_t a[4] = {lds32(qa), lds32(qa + 8 * LD), lds32(qa + 8), lds32(qa + 8 * LD + 8)};
+        uint32_t a_mem[4];
+        if (!kQInRegs) load_q(ks, a_mem);
+        const uint32_t* a = kQInRegs ? qf[kQInRegs ? ks : 0] : a_mem;
 #pragma unroll
-        for (int j = 0; j < BC / 8; j++) {
-          const __half* kb = Ks + (j * 8 + g) * LD + ks * 16 + 2 * c;
-          mma_16816(s[j], a, lds32(kb), lds32(kb + 8));
+        for (int j = 0; j < BC / 8; j += 2) {
+          uint32_t b[4];
+          ldmatrix_x4(b, krow + j * 8 * LD + ks * 16);
+          mma_16816(s[j], a, b[0], b[1]);
+          mma_16816(s[j + 1], a, b[2], b[3]);
         }
       }
     }
@@ -188,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParam
     mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-    const float alpha_a = exp2f(m_a - mx_a), alpha_b = exp2f(m_b - mx_b);
+    const float alpha_a = fast_exp2(m_a - mx_a), alpha_b = fast_exp2(m_b - mx_b);
     m_a = mx_a;
     m_b = mx_b;
     l_a *= alpha_a;  // l stays a per-thread partial sum (its own columns); the quad sums it once at the end
@@ -202,10 +238,10 @@ __global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParam
     }
 #pragma unroll
     for (int j = 0; j < BC / 8; j++) {
-      s[j][0] = exp2f(s[j][0] - m_a);
-      s[j][1] = exp2f(s[j][1] - m_a);
-      s[j][2] = exp2f(s[j][2] - m_b);
-      s[j][3] = exp2f(s[j][3] - m_b);
+      s[j][0] = fast_exp2(s[j][0] - m_a);
+      s[j][1] = fast_exp2(s[j][1] - m_a);
+      s[j][2] = fast_exp2(s[j][2] - m_b);
+      s[j][3] = fast_exp2(s[j][3] - m_b);
       l_a += s[j][0] + s[j][1];
       l_b += s[j][2] + s[j][3];
     }
@@ -252,11 +288,13 @@ bool prefill_attention_supported(int head_dim) { return head_dim % 16 == 0 && he
 
 template <int HDMAX, int BC, int STAGES>
 static void launch_prefill_attn(const PrefillAttnParams& p, dim3 grid, size_t smem, cudaStream_t s) {
-  static bool raised = false;  // a property of the CUDA function (process-wide), set once
-  if (smem > 48 * 1024 && !raised) {
+  // A property of the CUDA function (process-wide), raised to the largest request so far: one variant serves
+  // several head dims (96 and 128 share HDMAX 128), so the first call's size is not the last word.
+  static size_t raised_to = 48 * 1024;
+  if (smem > raised_to) {
     TI_CUDA_CHECK(cudaFuncSetAttribute(prefill_attn_kernel<HDMAX, BC, STAGES>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    raised = true;
+    raised_to = smem;
   }
   prefill_attn_kernel<HDMAX, BC, STAGES><<<grid, kThreads, smem, s>>>(p);
   TI_CUDA_CHECK(cudaGetLastError());

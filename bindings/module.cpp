@@ -256,12 +256,20 @@ void bind_engine(nb::module_& m) {
                d["tuned_us"] = t.tuned_us;
                d["chosen"] = t.chosen;
                d["algo"] = t.algo;
+               d["offered"] = t.offered;
+               d["from_file"] = t.from_file;
                out.append(d);
              }
              return out;
            },
            "Every GEMM shape tuned so far: cuBLASLt's default vs the fastest candidate (µs, at the bucket's N).")
       .def_prop_ro("batched_prefill", &ti::CudaEngine::batched_prefill)
+      .def("save_tactics", &ti::CudaEngine::save_tactics, "The tuned GEMM tactics as text (see load_tactics).")
+      .def("load_tactics", &ti::CudaEngine::load_tactics, "text"_a,
+           "Restore tactics saved by save_tactics (entries cuBLASLt still accepts); returns how many.")
+      .def_prop_ro("tuned_gemms", &ti::CudaEngine::tuned_gemms)
+      .def_static("gemm_fingerprint", &ti::cuda::Gemm::fingerprint,
+                  "What saved tactics are valid for: the cuBLASLt version and the GPU.")
       .def("time_prefill", &ti::CudaEngine::time_prefill, "n_tokens"_a, "reps"_a,
            nb::call_guard<nb::gil_scoped_release>(), "GPU ms of one prefill of n_tokens at position 0 (resets).")
       .def("time_decode_step", &ti::CudaEngine::time_decode_step, "context"_a, "steps"_a,

@@ -132,8 +132,9 @@ void CudaEngine::allocate_prefill() {
   ld_qkv_ = (int)cuda::pad8(c.q_dim + 2 * c.kv_dim);
   ld_gu_ = (int)cuda::pad8(2 * c.intermediate);
   ld_v_ = (int)cuda::pad8(c.vocab);
-  // Engine.logits over a long prompt: the LM head's output a slice of rows at a time (<= 256 MB).
-  logit_rows_ = (int)std::clamp<int64_t>((256 << 20) / ((int64_t)ld_v_ * 4), 1, T);
+  // Engine.logits over a long prompt: the LM head's output a slice of rows at a time (<= 64 MB; the rows go
+  // to host memory anyway, so a bigger slice buys nothing).
+  logit_rows_ = (int)std::clamp<int64_t>((64 << 20) / ((int64_t)ld_v_ * 4), 1, T);
   auto f32 = [&](size_t n) { return static_cast<float*>(dalloc(n * sizeof(float), true)); };
   auto f16 = [&](size_t n) { return static_cast<__half*>(dalloc(n * sizeof(__half), true)); };
   d_tokens_ = static_cast<int*>(dalloc((size_t)T * sizeof(int), true));

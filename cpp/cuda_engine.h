@@ -79,6 +79,10 @@ class CudaEngine {
   // Every GEMM shape tuned so far, named (qkv | o | gate_up | down | lm_head).
   std::vector<std::pair<std::string, cuda::GemmTuning>> gemm_table() const;
   bool batched_prefill() const;  // prompts go through prefill_chunk (else one token at a time)
+  // The GEMM tactics across runs (cuda::Gemm::save / load; the Python Engine keeps the file).
+  std::string save_tactics() const { return gemm_ ? gemm_->save() : std::string(); }
+  int load_tactics(const std::string& text) { return gemm_ ? gemm_->load(text) : 0; }
+  int tuned_gemms() const { return gemm_ ? gemm_->tuned_count() : 0; }
   size_t weight_bytes() const { return weight_bytes_; }      // every matrix + norms as stored on the device
   size_t kv_cache_bytes() const { return kv_bytes_; }
   size_t scratch_bytes() const { return scratch_bytes_; }    // device memory beyond weights and KV cache

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <sstream>
 
 #include "common.cuh"
 #include "gemm.cuh"
@@ -88,6 +89,39 @@ bool capturing(cudaStream_t s) {
   return st != cudaStreamCaptureStatusNone;
 }
 
+// More tactics than the heuristic offers: its first few algorithms again with the K dimension split 2..16 ways
+// (partial sums reduced in the workspace). Skinny products (a short prompt: N = 16) have too few output tiles
+// to fill the GPU, and the heuristic rarely proposes a split. Kept only where cublasLtMatmulAlgoCheck accepts
+// them within our workspace.
+void add_split_k(cublasLtHandle_t h, const Desc& d, size_t workspace, std::vector<cublasLtMatmulAlgo_t>& cands) {
+  const size_t base = std::min<size_t>(cands.size(), 4);
+  for (size_t i = 0; i < base; i++) {
+    uint32_t support = 0, schemes = 0;
+    size_t written = 0;
+    cublasLtMatmulAlgoCapGetAttribute(&cands[i], CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &support, sizeof(support), &written);
+    cublasLtMatmulAlgoCapGetAttribute(&cands[i], CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes),
+                                      &written);
+    if (!support) continue;
+    const uint32_t scheme = (schemes & CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE) ? CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE
+                            : (schemes & CUBLASLT_REDUCTION_SCHEME_INPLACE)    ? CUBLASLT_REDUCTION_SCHEME_INPLACE
+                                                                               : CUBLASLT_REDUCTION_SCHEME_NONE;
+    for (uint32_t k : {2u, 4u, 8u, 16u}) {
+      cublasLtMatmulAlgo_t a = cands[i];
+      uint32_t cur = 0;
+      cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &cur, sizeof(cur), &written);
+      if (cur == k) continue;  // the heuristic's own choice is already a candidate
+      if (cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &k, sizeof(k)) != CUBLAS_STATUS_SUCCESS ||
+          cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof(scheme)) !=
+              CUBLAS_STATUS_SUCCESS)
+        continue;
+      cublasLtMatmulHeuristicResult_t r{};
+      if (cublasLtMatmulAlgoCheck(h, d.op, d.a, d.b, d.c, d.c, &a, &r) == CUBLAS_STATUS_SUCCESS &&
+          r.workspaceSize <= workspace)
+        cands.push_back(a);
+    }
+  }
+}
+
 }  // namespace
 
 int Gemm::bucket(int n) {
@@ -121,6 +155,88 @@ std::vector<GemmTuning> Gemm::table() const {
   return out;
 }
 
+int Gemm::tuned_count() const {
+  int n = 0;
+  for (const auto& kv : cache_) n += kv.second->tuned ? 1 : 0;
+  return n;
+}
+
+std::string Gemm::fingerprint() {
+  int dev = 0;
+  cudaDeviceProp prop{};
+  TI_CUDA_CHECK(cudaGetDevice(&dev));
+  TI_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  return "cublasLt " + std::to_string(cublasLtGetVersion()) + " | " + prop.name + " | sm_" +
+         std::to_string(prop.major * 10 + prop.minor) + " | " + std::to_string(prop.multiProcessorCount) + " SMs";
+}
+
+std::string Gemm::save() const {
+  std::ostringstream out;
+  out << "# tinyinfer GEMM tactics: M N K out offered candidates chosen default_us tuned_us algo-hex\n";
+  for (const auto& kv : cache_) {
+    const Entry& e = *kv.second;
+    if (!e.tuned) continue;
+    const GemmTuning& t = e.info;
+    out << t.M << ' ' << t.N << ' ' << t.K << ' ' << (int)t.out << ' ' << t.offered << ' ' << t.candidates << ' '
+        << t.chosen << ' ' << t.default_us << ' ' << t.tuned_us << ' ';
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(&e.algo);
+    char hex[3];
+    for (size_t i = 0; i < sizeof(e.algo); i++) {
+      std::snprintf(hex, sizeof(hex), "%02x", b[i]);
+      out << hex;
+    }
+    out << '\n';
+  }
+  return out.str();
+}
+
+int Gemm::load(const std::string& text) {
+  std::istringstream in(text);
+  std::string line;
+  int loaded = 0;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream f(line);
+    GemmTuning t;
+    int out = 0;
+    std::string hex;
+    if (!(f >> t.M >> t.N >> t.K >> out >> t.offered >> t.candidates >> t.chosen >> t.default_us >> t.tuned_us >> hex))
+      continue;  // a damaged line: that shape is simply tuned again
+    cublasLtMatmulAlgo_t algo{};
+    if (out < 0 || out > 2 || hex.size() != 2 * sizeof(algo) || t.M < 1 || t.N < 1 || t.K < 1) continue;
+    unsigned char* b = reinterpret_cast<unsigned char*>(&algo);
+    bool ok = true;
+    for (size_t i = 0; i < sizeof(algo) && ok; i++) {
+      unsigned v = 0;
+      ok = std::sscanf(hex.c_str() + 2 * i, "%2x", &v) == 1;
+      b[i] = (unsigned char)v;
+    }
+    t.out = (GemmOut)out;
+    GemmArgs a;
+    a.M = t.M;
+    a.N = t.N;
+    a.K = t.K;
+    a.ldw = a.ldx = (int)pad8(t.K);
+    a.ldy = (int)pad8(t.M);
+    a.out = t.out;
+    Desc d(a, t.N);
+    cublasLtMatmulHeuristicResult_t check{};
+    if (!ok || cublasLtMatmulAlgoCheck(as_handle(handle_), d.op, d.a, d.b, d.c, d.c, &algo, &check) !=
+                   CUBLAS_STATUS_SUCCESS || check.workspaceSize > workspace_bytes_)
+      continue;
+    const Key key{t.M, t.N, t.K, out};
+    Entry*& e = cache_[key];
+    if (!e) e = new Entry();
+    t.algo = describe(algo);
+    t.from_file = true;
+    e->info = t;
+    e->algo = algo;
+    e->tuned = true;
+    loaded++;
+  }
+  return loaded;
+}
+
 const GemmTuning& Gemm::tune(const GemmArgs& a, cudaStream_t s) { return lookup(a, s).info; }
 
 // The cached entry of a's shape bucket, tuning it first if it is new (and we are not inside a capture).
@@ -148,8 +264,13 @@ Gemm::Entry& Gemm::lookup(const GemmArgs& a, cudaStream_t s) {
     fail(ErrorKind::Device, "cuBLASLt has no algorithm for the GEMM M=" + std::to_string(a.M) +
                                 " N=" + std::to_string(nb) + " K=" + std::to_string(a.K));
   e->algo = res[0].algo;
+  std::vector<cublasLtMatmulAlgo_t> cands;
+  for (int i = 0; i < found; i++)
+    if (res[(size_t)i].state == CUBLAS_STATUS_SUCCESS) cands.push_back(res[(size_t)i].algo);
+  if (autotune && !capturing(s)) add_split_k(as_handle(handle_), d, workspace_bytes_, cands);
   if (capturing(s) || !autotune) {  // no timing inside a capture; or the default on purpose
     e->info.candidates = 1;
+    e->info.offered = found;
     e->info.algo = describe(e->algo);
     e->tuned = !capturing(s);
     return *e;
@@ -178,13 +299,12 @@ Gemm::Entry& Gemm::lookup(const GemmArgs& a, cudaStream_t s) {
     };
     double best = 1e30;
     int ran = 0;
-    for (int i = 0; i < found; i++) {
-      if (res[(size_t)i].state != CUBLAS_STATUS_SUCCESS) continue;
-      if (launch_algo(res[(size_t)i].algo) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up (and: does it run?)
+    for (int i = 0; i < (int)cands.size(); i++) {
+      if (launch_algo(cands[(size_t)i]) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up (and: does it run?)
       std::vector<float> ms;
       for (int r = 0; r < std::max(1, timing_reps); r++) {
         TI_CUDA_CHECK(cudaEventRecord(e0, s));
-        launch_algo(res[(size_t)i].algo);
+        launch_algo(cands[(size_t)i]);
         TI_CUDA_CHECK(cudaEventRecord(e1, s));
         TI_CUDA_CHECK(cudaEventSynchronize(e1));
         float t_ms = 0;
@@ -197,13 +317,14 @@ Gemm::Entry& Gemm::lookup(const GemmArgs& a, cudaStream_t s) {
       if (i == 0) e->info.default_us = us;
       if (us < best) {
         best = us;
-        e->algo = res[(size_t)i].algo;
+        e->algo = cands[(size_t)i];
         e->info.chosen = i;
       }
     }
     cudaGetLastError();
     if (ran == 0) fail(ErrorKind::Device, "cuBLASLt: no candidate algorithm ran for M=" + std::to_string(a.M));
     e->info.candidates = ran;
+    e->info.offered = found;
     e->info.tuned_us = best;
     if (e->info.default_us == 0) e->info.default_us = best;  // the default itself failed to run
   } catch (...) {

@@ -32,11 +32,14 @@ struct GemmArgs {
 struct GemmTuning {
   int M = 0, N = 0, K = 0;   // N: the token bucket it was timed at
   GemmOut out = GemmOut::F32;
-  int candidates = 0;        // algorithms the heuristic offered (and that ran)
+  int offered = 0;           // algorithms the heuristic offered
+  int candidates = 0;        // algorithms timed: the heuristic's plus split-K variants of its first four
   double default_us = 0;     // cuBLASLt's first heuristic choice
   double tuned_us = 0;       // the fastest candidate
-  int chosen = 0;            // its index in the heuristic's list (0: the default was already the fastest)
+  int chosen = 0;            // its index among the candidates (0: the default was already the fastest;
+                             // >= offered: a split-K variant)
   std::string algo;          // its description: algo id, tile, stages, split-K, ...
+  bool from_file = false;    // restored by load() rather than timed in this process
 };
 
 // Owns a cuBLASLt handle, its workspace and the tuned algorithms of one engine (not a global: two engines on
@@ -55,6 +58,15 @@ class Gemm {
   // Tune (if not yet) without running: warm-up for benchmarks.
   const GemmTuning& tune(const GemmArgs& a, cudaStream_t stream);
   std::vector<GemmTuning> table() const;
+  int tuned_count() const;
+
+  // Tactics across runs. save(): one line per tuned shape (the algorithm as the hex of cuBLASLt's opaque
+  // struct, which may be stored and reused with the same cuBLASLt version). load(): entries whose algorithm
+  // cublasLtMatmulAlgoCheck still accepts (W, X, Y are not needed: layouts only); returns how many.
+  // fingerprint(): what a saved file is valid for — cuBLASLt version and GPU; the caller keys files by it.
+  std::string save() const;
+  int load(const std::string& text);
+  static std::string fingerprint();
 
   bool autotune = true;      // false: always cuBLASLt's default choice (for the benchmark's comparison)
   int max_candidates = 32;   // heuristic results asked for

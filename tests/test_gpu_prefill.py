@@ -224,3 +224,42 @@ def test_bad_prefill_chunk_is_a_clear_error(tmp_path):
     with pytest.raises(InvalidRequestError, match="prefill_chunk"):
         Engine(d, device="cuda", max_seq_len=64, cuda_options=opts)
     assert Engine(d, device="cuda", max_seq_len=64).generate([1, 2, 3], max_tokens=3, ignore_eos=True).token_ids
+
+
+# ---- GEMM tactics across runs ----
+
+def _small_config():
+    c = _core.ModelConfig()
+    c.hidden, c.intermediate, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab = 256, 600, 2, 4, 2, 64, 500
+    c.max_position_embeddings = 1024
+    c.validate()
+    return c
+
+
+def test_tactics_save_and_load_round_trip():
+    a = _core.CudaEngine.random(_small_config(), 512, 1)
+    a.time_prefill(100, 1)
+    n = a.tuned_gemms
+    assert n >= 4 and not any(t["from_file"] for t in a.gemm_table())
+    text = a.save_tactics()
+    b = _core.CudaEngine.random(_small_config(), 512, 2)
+    assert b.load_tactics(text) == n
+    assert all(t["from_file"] for t in b.gemm_table())
+    b.time_prefill(100, 1)  # the same bucket: nothing is tuned again
+    assert b.tuned_gemms == n
+    # damaged or foreign lines are skipped, not fatal
+    assert b.load_tactics("# header\ngarbage\n1 2 3\n64 16 64 0 1 1 0 1.0 1.0 zz\n") == 0
+    bad_hex = text.splitlines()[1].rsplit(" ", 1)[0] + " " + "0" * 128
+    assert b.load_tactics(bad_hex + "\n") == 0  # an all-zero algorithm: cuBLASLt refuses it
+
+
+def test_engine_keeps_tactics_in_the_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYINFER_CACHE", str(tmp_path / "cache"))
+    d = make_llama(tmp_path / "m", vocab=300, layers=1)
+    Engine(d, device="cuda", max_seq_len=256).generate(list(range(3, 40)), max_tokens=2, ignore_eos=True)
+    files = list((tmp_path / "cache" / "tactics").glob("*.txt"))
+    assert len(files) == 1 and "cublasLt" in files[0].name
+    again = Engine(d, device="cuda", max_seq_len=256)
+    assert again._core.tuned_gemms >= 4 and all(t["from_file"] for t in again._core.gemm_table())
+    monkeypatch.setenv("TINYINFER_TACTICS", "0")
+    assert Engine(d, device="cuda", max_seq_len=256)._core.tuned_gemms == 0

@@ -78,13 +78,14 @@ def run_prefill(core, cfg: _core.ModelConfig, lengths=(16, 256, 512, 2048), reps
         res["prefill"].append(row)
         out(f"{n:>8} {ms:>9.3f} {row['tok_s']:>9.0f} {row['tflop_s']:>8.1f}")
     out(f"\n{'GEMM':>8} {'M x N x K':>20} {'out':>7} {'default µs':>11} {'tuned µs':>9} {'speed-up':>9} "
-        f"{'pick':>5}  algorithm (of candidates)")
+        f"{'pick':>5}  algorithm (candidates timed)")
     for g in core.gemm_table():
         row = dict(g, speedup=g["default_us"] / g["tuned_us"] if g["tuned_us"] else 1.0)
         res["gemm"].append(row)
         shape = f"{g['M']}x{g['N']}x{g['K']}"
         out(f"{g['name']:>8} {shape:>20} {g['out']:>7} {g['default_us']:>11.1f} {g['tuned_us']:>9.1f} "
-            f"{row['speedup']:>8.2f}x {g['chosen']:>5}  {g['algo']} (of {g['candidates']})")
+            f"{row['speedup']:>8.2f}x {g['chosen']:>5}  {g['algo']} ({g['offered']} offered + "
+            f"{g['candidates'] - g['offered']} split-K{'; from the tactics file' if g['from_file'] else ''})")
     return res
 
 

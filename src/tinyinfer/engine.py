@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
 import time
@@ -23,7 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from . import _core
-from .errors import DeviceError, InvalidRequestError, TokenizerError
+from .errors import DeviceError, InvalidRequestError, TinyInferError, TokenizerError
 from .loaders import load_model
 from .sampling import SamplingParams, TextAssembler
 
@@ -126,8 +127,11 @@ class Engine:
                 continue
             store.add(name, array, src_dtype)
         store.finish()
+        self._tactics_file: Optional[Path] = None
+        self._tactics_saved = 0
         if self.device == "cuda":
             self._core = _core.CudaEngine(store, max_seq_len, cuda_options or _core.CudaOptions())
+            self._load_tactics()
         else:
             self._core = _core.CpuEngine(store, max_seq_len)
         self._lock = threading.Lock()
@@ -185,6 +189,36 @@ class Engine:
 
     # ---- scoring ----
 
+    # ---- GEMM tactics across runs: the prefill's cuBLASLt algorithms, tuned on first use of a shape, are kept
+    # in the cache directory per cuBLASLt version and GPU, so a later process starts tuned (TINYINFER_TACTICS=0:
+    # neither read nor written). A file that cannot be read or written is silently skipped: it is only a cache.
+
+    def _load_tactics(self) -> None:
+        if os.environ.get("TINYINFER_TACTICS", "1") == "0" or not self._core.batched_prefill:
+            return
+        from .models import cache_dir
+
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", _core.CudaEngine.gemm_fingerprint())
+        try:
+            self._tactics_file = cache_dir() / "tactics" / f"{name}.txt"
+            if self._tactics_file.exists():
+                self._core.load_tactics(self._tactics_file.read_text())
+        except (OSError, TinyInferError):
+            self._tactics_file = None
+        self._tactics_saved = self._core.tuned_gemms
+
+    def _save_tactics(self) -> None:
+        if self._tactics_file is None or self._core.tuned_gemms <= self._tactics_saved:
+            return
+        try:
+            self._tactics_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._tactics_file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(self._core.save_tactics())
+            os.replace(tmp, self._tactics_file)
+        except OSError:
+            return
+        self._tactics_saved = self._core.tuned_gemms
+
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits at every position of one prefill: float32 array (len(token_ids), vocab)."""
         ids = self._prompt_ids(list(token_ids))
@@ -192,7 +226,9 @@ class Engine:
             raise InvalidRequestError(f"{len(ids)} tokens exceed max_seq_len={self.max_seq_len}")
         with self._exclusive():
             self._core.reset()
-            return self._core.forward(ids, all_logits=True)
+            out = self._core.forward(ids, all_logits=True)
+            self._save_tactics()
+            return out
 
     # ---- generation ----
 
@@ -259,6 +295,7 @@ class Engine:
             t0 = time.perf_counter()
             self._core.forward(prompt_ids, all_logits=False)
             stats.prefill_ms = (time.perf_counter() - t0) * 1e3
+            self._save_tactics()
             t0 = time.perf_counter()
             gpu_ms = 0.0
             while len(out) < sp.max_tokens:

@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <sstream>
 
 #include "common.cuh"
 #include "gemm.cuh"
@@ -170,38 +169,57 @@ std::string Gemm::fingerprint() {
          std::to_string(prop.major * 10 + prop.minor) + " | " + std::to_string(prop.multiProcessorCount) + " SMs";
 }
 
+// FNV-1a over a saved line: cuBLASLt's algorithm struct is opaque, and handing it a damaged one is undefined
+// behaviour (it can crash), so a line whose checksum does not match is never parsed into one.
+static uint64_t line_hash(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;
+  return h;
+}
+
+// (No iostreams in this file: an ostringstream here crashed the process on the H200 machine's build; plain
+// snprintf / sscanf do the same job.)
 std::string Gemm::save() const {
-  std::ostringstream out;
-  out << "# tinyinfer GEMM tactics: M N K out offered candidates chosen default_us tuned_us algo-hex\n";
+  std::string out = "# tinyinfer GEMM tactics (" + fingerprint() +
+                    "): M N K out offered candidates chosen default_us tuned_us algo-hex checksum\n";
   for (const auto& kv : cache_) {
     const Entry& e = *kv.second;
     if (!e.tuned) continue;
     const GemmTuning& t = e.info;
-    out << t.M << ' ' << t.N << ' ' << t.K << ' ' << (int)t.out << ' ' << t.offered << ' ' << t.candidates << ' '
-        << t.chosen << ' ' << t.default_us << ' ' << t.tuned_us << ' ';
+    char buf[160];
+    std::snprintf(buf, sizeof(buf), "%d %d %d %d %d %d %d %.3f %.3f ", t.M, t.N, t.K, (int)t.out, t.offered,
+                  t.candidates, t.chosen, t.default_us, t.tuned_us);
+    std::string line = buf;
     const unsigned char* b = reinterpret_cast<const unsigned char*>(&e.algo);
-    char hex[3];
     for (size_t i = 0; i < sizeof(e.algo); i++) {
-      std::snprintf(hex, sizeof(hex), "%02x", b[i]);
-      out << hex;
+      std::snprintf(buf, sizeof(buf), "%02x", (unsigned)b[i]);
+      line += buf;
     }
-    out << '\n';
+    std::snprintf(buf, sizeof(buf), " %016llx\n", (unsigned long long)line_hash(line));
+    out += line + buf;
   }
-  return out.str();
+  return out;
 }
 
 int Gemm::load(const std::string& text) {
-  std::istringstream in(text);
-  std::string line;
   int loaded = 0;
-  while (std::getline(in, line)) {
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t nl = text.find('\n', at);
+    if (nl == std::string::npos) nl = text.size();
+    const std::string line = text.substr(at, nl - at);
+    at = nl + 1;
     if (line.empty() || line[0] == '#') continue;
-    std::istringstream f(line);
+    const size_t cut = line.find_last_of(' ');
+    if (cut == std::string::npos) continue;
+    unsigned long long sum = 0;
+    if (std::sscanf(line.c_str() + cut + 1, "%16llx", &sum) != 1 || sum != line_hash(line.substr(0, cut))) continue;
     GemmTuning t;
-    int out = 0;
-    std::string hex;
-    if (!(f >> t.M >> t.N >> t.K >> out >> t.offered >> t.candidates >> t.chosen >> t.default_us >> t.tuned_us >> hex))
+    int out = 0, used = 0;
+    if (std::sscanf(line.c_str(), "%d %d %d %d %d %d %d %lf %lf %n", &t.M, &t.N, &t.K, &out, &t.offered,
+                    &t.candidates, &t.chosen, &t.default_us, &t.tuned_us, &used) != 9)
       continue;  // a damaged line: that shape is simply tuned again
+    const std::string hex = line.substr((size_t)used, cut - (size_t)used);
     cublasLtMatmulAlgo_t algo{};
     if (out < 0 || out > 2 || hex.size() != 2 * sizeof(algo) || t.M < 1 || t.N < 1 || t.K < 1) continue;
     unsigned char* b = reinterpret_cast<unsigned char*>(&algo);
@@ -224,8 +242,7 @@ int Gemm::load(const std::string& text) {
     if (!ok || cublasLtMatmulAlgoCheck(as_handle(handle_), d.op, d.a, d.b, d.c, d.c, &algo, &check) !=
                    CUBLAS_STATUS_SUCCESS || check.workspaceSize > workspace_bytes_)
       continue;
-    const Key key{t.M, t.N, t.K, out};
-    Entry*& e = cache_[key];
+    Entry*& e = cache_[Key{t.M, t.N, t.K, out}];
     if (!e) e = new Entry();
     t.algo = describe(algo);
     t.from_file = true;

@@ -62,7 +62,8 @@ class Gemm {
 
   // Tactics across runs. save(): one line per tuned shape (the algorithm as the hex of cuBLASLt's opaque
   // struct, which may be stored and reused with the same cuBLASLt version). load(): entries whose algorithm
-  // cublasLtMatmulAlgoCheck still accepts (W, X, Y are not needed: layouts only); returns how many.
+  // cublasLtMatmulAlgoCheck still accepts (W, X, Y are not needed: layouts only); returns how many. Each line
+  // carries a checksum: a damaged line is skipped (never handed to cuBLASLt).
   // fingerprint(): what a saved file is valid for — cuBLASLt version and GPU; the caller keys files by it.
   std::string save() const;
   int load(const std::string& text);

@@ -60,9 +60,9 @@ void* CudaEngine::dalloc(size_t bytes, bool scratch) {
 }
 
 // One (rows, K) matrix in the engine's format; its bytes count as weights.
-cuda::QMat CudaEngine::alloc_matrix(int rows, int K) {
+cuda::QMat CudaEngine::alloc_matrix(int rows, int K, WFormat fmt) {
   cuda::QMat m;
-  m.fmt = opt_.weights;
+  m.fmt = fmt;
   m.rows = rows;
   m.K = K;
   if (m.fmt == WFormat::F16) {
@@ -119,10 +119,10 @@ void CudaEngine::allocate() {
   };
   layers_.resize((size_t)c.n_layers);
   for (Layer& L : layers_) {
-    L.qkv = alloc_matrix((int)(c.q_dim + 2 * c.kv_dim), (int)c.hidden);
-    L.o = alloc_matrix((int)c.hidden, (int)c.q_dim);
-    L.gate_up = alloc_matrix((int)(2 * c.intermediate), (int)c.hidden);
-    L.down = alloc_matrix((int)c.hidden, (int)c.intermediate);
+    L.qkv = alloc_matrix((int)(c.q_dim + 2 * c.kv_dim), (int)c.hidden, opt_.weights);
+    L.o = alloc_matrix((int)c.hidden, (int)c.q_dim, opt_.weights);
+    L.gate_up = alloc_matrix((int)(2 * c.intermediate), (int)c.hidden, opt_.weights);
+    L.down = alloc_matrix((int)c.hidden, (int)c.intermediate, opt_.weights);
     L.attn_norm = norm((size_t)c.hidden);
     L.mlp_norm = norm((size_t)c.hidden);
   }
@@ -130,7 +130,7 @@ void CudaEngine::allocate() {
   if (c.tie_word_embeddings && opt_.weights == WFormat::F16) {
     lm_head_ = cuda::QMat{WFormat::F16, embedding_, nullptr, (int)c.vocab, (int)c.hidden, ld_h_};
   } else {
-    lm_head_ = alloc_matrix((int)c.vocab, (int)c.hidden);
+    lm_head_ = alloc_matrix((int)c.vocab, (int)c.hidden, head_format(opt_.weights));
   }
   final_norm_ = norm((size_t)c.hidden);
   if (opt_.weights != WFormat::F16) {  // staging: the largest matrix as fp16 rows
@@ -513,7 +513,7 @@ void CudaEngine::autotune_gemv() {
     g.K = sh.K;
     g.ld = (int)cuda::pad8(sh.K);
     g.copies = (int)sh.copies.size();
-    const double bytes = (double)quant_bytes(opt_.weights, g.rows, g.K);  // as stored, scales included
+    const double bytes = (double)quant_bytes(sh.copies[0].fmt, g.rows, g.K);  // as stored, scales included
     // Cycle through every layer's copy (and at least ~256 MB of weights, several times the L2) so that the
     // timing is of memory, not of the cache.
     const int passes = std::max(2, (int)std::ceil(256e6 / (bytes * g.copies)));

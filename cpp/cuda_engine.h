@@ -124,7 +124,7 @@ class CudaEngine {
   float gpu_ms(const std::function<void()>& enqueue);
   cuda::DecodeAttnParams attn_params(int64_t layer) const;
   cuda::GemvParams gemv_params(const cuda::QMat& m, const void* x, void* y, const float* norm_w) const;
-  cuda::QMat alloc_matrix(int rows, int K);
+  cuda::QMat alloc_matrix(int rows, int K, WFormat fmt);
   void store_matrix(const cuda::QMat& m, const std::vector<uint16_t>& fp16_rows);
   void random_matrix(const cuda::QMat& m, uint64_t seed, float scale);
   const __half* fp16_of(const cuda::QMat& m);  // the matrix as fp16 rows (quantized: dequantized into wtmp_)
@@ -146,7 +146,7 @@ class CudaEngine {
   // ---- weights ----
   std::vector<Layer> layers_;
   __half* embedding_ = nullptr;   // (vocab, ld_h) fp16 whatever the format (a token reads one row)
-  cuda::QMat lm_head_;            // (vocab, hidden); fp16 and tied: the embedding itself; quantized: a copy
+  cuda::QMat lm_head_;            // (vocab, hidden) in head_format(weights); fp16 and tied: the embedding itself
   __half* wtmp_ = nullptr;        // quantized formats: fp16 staging of one matrix (upload, prefill GEMMs)
   size_t wtmp_elems_ = 0;
   float* final_norm_ = nullptr;   // (hidden)

@@ -183,7 +183,8 @@ void WeightStore::quantize(WFormat f) {
                              "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
                              "mlp.down_proj.weight"})
       q(layer_name(i, leaf));
-  q("lm_head.weight");
+  HostTensor& head = tensors_.at("lm_head.weight");
+  quantize_dequantize(head_format(f), head.data.data(), head.shape[0], head.shape[1]);
   format_ = f;
 }
 

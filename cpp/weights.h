@@ -61,8 +61,9 @@ class WeightStore {
   const float* lm_head() const;    // (vocab, hidden); the embedding when tied
   LayerWeights layer(int64_t i) const;
 
-  // The CPU engine's view of a quantized model: every matrix (and the LM head, untied into its own copy when
-  // tied: the embedding lookup stays unquantized, as on the GPU) replaced by dequantize(quantize(fp16(w))).
+  // The CPU engine's view of a quantized model: every matrix replaced by dequantize(quantize(fp16(w))); the LM
+  // head in head_format(f) (int4 models: int8), untied into its own copy when tied (the embedding lookup stays
+  // unquantized, as on the GPU).
   void quantize(WFormat f);
   WFormat format() const { return format_; }
 

@@ -61,7 +61,7 @@ def bytes_per_token(c: _core.ModelConfig, context: int, fmt: str = "fp16") -> di
     per_layer = (matrix_bytes(fmt, c.q_dim + 2 * c.kv_dim, c.hidden) + matrix_bytes(fmt, c.hidden, c.q_dim)
                  + matrix_bytes(fmt, 2 * c.intermediate, c.hidden) + matrix_bytes(fmt, c.hidden, c.intermediate)
                  + 2 * 4 * c.hidden)
-    head = matrix_bytes(fmt, c.vocab, c.hidden)
+    head = matrix_bytes("int8" if fmt == "int4" else fmt, c.vocab, c.hidden)  # int4 models keep an int8 head
     weights = c.n_layers * per_layer + head + 4 * c.hidden + 2 * ld_h  # head, final norm, 1 embedding row
     kv = c.n_layers * 2 * c.kv_dim * 2 * context
     return {"weights": weights, "kv": kv, "total": weights + kv}

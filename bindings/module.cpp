@@ -9,12 +9,14 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 
 #include "../cpp/config.h"
 #include "../cpp/cpu_engine.h"
 #include "../cpp/errors.h"
+#include "../cpp/quant.h"
 #include "../cpp/rope.h"
 #include "../cpp/sampling.h"
 #include "../cpp/weights.h"
@@ -47,6 +49,32 @@ F32Out new_f32_array(size_t rows, size_t cols, float** data) {
   nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<float*>(p); });
   *data = buf;
   return F32Out(buf, {rows, cols}, owner);
+}
+
+// A new numpy array owning a copy of `v`, reshaped (rows, cols).
+template <typename T>
+nb::ndarray<nb::numpy, T, nb::ndim<2>> numpy_copy(const std::vector<T>& v, size_t rows, size_t cols) {
+  T* buf = new T[v.size() ? v.size() : 1];
+  std::copy(v.begin(), v.end(), buf);
+  nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+  return nb::ndarray<nb::numpy, T, nb::ndim<2>>(buf, {rows, cols}, owner);
+}
+
+// The packed matrix as numpy: q (rows, ld) uint8; int8 scales (rows, 1) float32; int4 (rows, K/32 * 2) fp16 bits.
+nb::dict quant_dict(const std::vector<uint8_t>& q, const std::vector<uint8_t>& scale_bytes, int64_t rows, int64_t ld,
+                    ti::WFormat f, int64_t K) {
+  nb::dict d;
+  d["q"] = numpy_copy(q, (size_t)rows, (size_t)ld);
+  if (f == ti::WFormat::I8) {
+    std::vector<float> sc((size_t)rows);
+    std::memcpy(sc.data(), scale_bytes.data(), sc.size() * 4);
+    d["scales"] = numpy_copy(sc, (size_t)rows, 1);
+  } else {
+    std::vector<uint16_t> sm(scale_bytes.size() / 2);
+    std::memcpy(sm.data(), scale_bytes.data(), sm.size() * 2);
+    d["scales"] = numpy_copy(sm, (size_t)rows, (size_t)(K / ti::kI4Group * 2));
+  }
+  return d;
 }
 
 std::vector<int32_t> to_ids(const std::vector<int64_t>& ids) {
@@ -186,6 +214,11 @@ void bind_engine(nb::module_& m) {
           "name"_a, "array"_a, "dtype"_a,
           "Copy one tensor in. dtype: 'f32' | 'f16' | 'bf16' (bf16 passed as a uint16 array).")
       .def("finish", &ti::WeightStore::finish)
+      .def(
+          "quantize", [](ti::WeightStore& w, const std::string& f) { w.quantize(ti::wformat_from_string(f)); },
+          "format"_a, nb::call_guard<nb::gil_scoped_release>(),
+          "The CPU engine's view of a quantized model: every matrix := dequantize(quantize(fp16(w))).")
+      .def_prop_ro("format", [](const ti::WeightStore& w) { return ti::to_string(w.format()); })
       .def("expected_shape", &ti::WeightStore::expected_shape, "name"_a)
       .def("required_names", &ti::WeightStore::required_names)
       .def_prop_ro("config", &ti::WeightStore::config);
@@ -203,7 +236,11 @@ void bind_engine(nb::module_& m) {
       .def_rw("gemv_rows", &ti::CudaOptions::gemv_rows)
       .def_rw("batched_prefill", &ti::CudaOptions::batched_prefill)
       .def_rw("prefill_chunk", &ti::CudaOptions::prefill_chunk)
-      .def_rw("gemm_autotune", &ti::CudaOptions::gemm_autotune);
+      .def_rw("gemm_autotune", &ti::CudaOptions::gemm_autotune)
+      .def_prop_rw(
+          "weights", [](const ti::CudaOptions& o) { return ti::to_string(o.weights); },
+          [](ti::CudaOptions& o, const std::string& f) { o.weights = ti::wformat_from_string(f); },
+          "The matrices' format on the device: 'fp16' | 'int8' | 'int4' (quantized at load).");
   auto gpu = nb::class_<ti::CudaEngine>(m, "CudaEngine", "The GPU engine: fp16 weights, graph-replayed decode.");
   // (a reference, not a shared_ptr: a shared_ptr to a Python-owned store dying inside the constructor would
   // drop a Python reference with the GIL released)
@@ -283,6 +320,25 @@ void bind_engine(nb::module_& m) {
 void bind_ops(nb::module_& m) {
   nb::module_ ops = m.def_submodule("ops", "Single operations on numpy arrays, for tests and benchmarks.");
   ops.def("rope_inv_freq", &ti::rope_inv_freq, "config"_a, "The (head_dim/2) scaled RoPE inverse frequencies.");
+  ops.def(
+      "quantize_ref",
+      [](F32In2 W, const std::string& f) {
+        const ti::WFormat fmt = ti::wformat_from_string(f);
+        ti::QuantMatrix m = ti::quantize(fmt, W.data(), (int64_t)W.shape(0), (int64_t)W.shape(1));
+        std::vector<uint8_t> sc(fmt == ti::WFormat::I8 ? m.scale.size() * 4 : m.sm.size() * 2);
+        if (fmt == ti::WFormat::I8) std::memcpy(sc.data(), m.scale.data(), sc.size());
+        else std::memcpy(sc.data(), m.sm.data(), sc.size());
+        return quant_dict(m.q, sc, m.rows, m.ld, fmt, m.K);
+      },
+      "W"_a, "format"_a, "The reference packer (cpp/quant.cpp): {'q': (rows, ld) uint8, 'scales': ...}.");
+  ops.def(
+      "dequantize_ref",
+      [](F32In2 W, const std::string& f) {
+        std::vector<float> w(W.data(), W.data() + W.size());
+        ti::quantize_dequantize(ti::wformat_from_string(f), w.data(), (int64_t)W.shape(0), (int64_t)W.shape(1));
+        return numpy_copy(w, W.shape(0), W.shape(1));
+      },
+      "W"_a, "format"_a, "dequantize(quantize(fp16(W))): the numbers the CPU engine computes with.");
   ops.def(
       "matmul",
       [](F32In2 x, F32In2 w) {
@@ -384,6 +440,52 @@ void bind_ops(nb::module_& m) {
       },
       "qkv"_a, "k_cache"_a, "v_cache"_a, "cos"_a, "sin"_a, "pos"_a, "n_heads"_a, "chunk"_a,
       "One decode-attention call (cuda/attention.cu); the caches (fp16 bits) are updated in place.");
+  ops.def(
+      "quantize_gpu",
+      [](F32In2 W, const std::string& f) {
+        const ti::WFormat fmt = ti::wformat_from_string(f);
+        ti::cuda::QuantBytes b;
+        {
+          nb::gil_scoped_release release;
+          b = ti::cuda::run_quantize(W.data(), (int)W.shape(0), (int)W.shape(1), fmt);
+        }
+        return quant_dict(b.q, b.scales, (int64_t)W.shape(0), b.ld, fmt, (int64_t)W.shape(1));
+      },
+      "W"_a, "format"_a, "The device quantizer (cuda/quant.cu) on W: {'q', 'scales'} as ops.quantize_ref gives.");
+  ops.def(
+      "dequantize_gpu",
+      [](F32In2 W, const std::string& f) {
+        std::vector<float> w;
+        {
+          nb::gil_scoped_release release;
+          w = ti::cuda::run_dequantize(W.data(), (int)W.shape(0), (int)W.shape(1), ti::wformat_from_string(f));
+        }
+        return numpy_copy(w, W.shape(0), W.shape(1));
+      },
+      "W"_a, "format"_a, "Quantize W on the device, dequantize to fp16 rows (the prefill's path): (rows, K) floats.");
+  ops.def(
+      "gemv_quant",
+      [](F32In2 W, const std::string& f, F32In1 x, F32In1 norm_w, float eps, F32In1 y_init, int R,
+         const std::string& in, const std::string& out) {
+        const int rows = (int)W.shape(0), K = (int)W.shape(1);
+        if ((int)x.shape(0) != K) ti::fail(ti::ErrorKind::Request, "gemv_quant: len(x) != W.shape[1]");
+        const ti::cuda::GemvIn gi = in == "f32norm" ? ti::cuda::GemvIn::F32Norm : ti::cuda::GemvIn::F16;
+        const ti::cuda::GemvOut go = out == "add" ? ti::cuda::GemvOut::AddF32
+                                     : out == "swiglu" ? ti::cuda::GemvOut::Swiglu : ti::cuda::GemvOut::F32;
+        if (gi == ti::cuda::GemvIn::F32Norm && (int)norm_w.shape(0) != K)
+          ti::fail(ti::ErrorKind::Request, "gemv_quant: len(norm_w) != K");
+        if (go == ti::cuda::GemvOut::AddF32 && (int)y_init.shape(0) != rows)
+          ti::fail(ti::ErrorKind::Request, "gemv_quant: len(y_init) != rows");
+        std::vector<float> y;
+        {
+          nb::gil_scoped_release release;
+          y = ti::cuda::run_gemv_quant(W.data(), rows, K, ti::wformat_from_string(f), x.data(), norm_w.data(), eps,
+                                       y_init.data(), R, gi, go);
+        }
+        return y;
+      },
+      "W"_a, "format"_a, "x"_a, "norm_w"_a, "eps"_a, "y_init"_a, "R"_a, "input"_a, "output"_a,
+      "One quantized GEMV (cuda/gemv.cu) over W quantized on the device.");
   ops.def(
       "gemm",
       [](nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> W, F32In2 X, F32In2 y_init,

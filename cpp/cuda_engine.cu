@@ -59,6 +59,45 @@ void* CudaEngine::dalloc(size_t bytes, bool scratch) {
   return p;
 }
 
+// One (rows, K) matrix in the engine's format; its bytes count as weights.
+cuda::QMat CudaEngine::alloc_matrix(int rows, int K, WFormat fmt) {
+  cuda::QMat m;
+  m.fmt = fmt;
+  m.rows = rows;
+  m.K = K;
+  if (m.fmt == WFormat::F16) {
+    m.ld = (int)cuda::pad8(K);
+    m.q = dalloc((size_t)rows * m.ld * sizeof(__half), false);
+  } else {
+    m.ld = (int)(m.fmt == WFormat::I8 ? i8_ld(K) : i4_ld(K));
+    m.q = dalloc((size_t)rows * m.ld, false);
+    m.scales = dalloc(m.fmt == WFormat::I8 ? (size_t)rows * 4 : (size_t)rows * (K / kI4Group) * 4, false);
+  }
+  weight_bytes_ += (size_t)quant_bytes(m.fmt, rows, K);
+  return m;
+}
+
+// Host fp16 rows (stride pad8(K)) into the matrix: uploaded as they are, or staged and quantized on the GPU.
+void CudaEngine::store_matrix(const cuda::QMat& m, const std::vector<uint16_t>& host) {
+  __half* dst = m.fmt == WFormat::F16 ? static_cast<__half*>(const_cast<void*>(m.q)) : wtmp_;
+  TI_CUDA_CHECK(cudaMemcpyAsync(dst, host.data(), host.size() * 2, cudaMemcpyHostToDevice, stream_));
+  if (m.fmt != WFormat::F16) cuda::quantize_matrix(wtmp_, (int)cuda::pad8(m.K), m, stream_);
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // `host` may be reused or freed after this
+}
+
+void CudaEngine::random_matrix(const cuda::QMat& m, uint64_t seed, float scale) {
+  const int ldh = (int)cuda::pad8(m.K);
+  __half* dst = m.fmt == WFormat::F16 ? static_cast<__half*>(const_cast<void*>(m.q)) : wtmp_;
+  cuda::fill_random_f16(dst, (size_t)m.rows * ldh, seed, scale, stream_);
+  if (m.fmt != WFormat::F16) cuda::quantize_matrix(wtmp_, ldh, m, stream_);
+}
+
+const __half* CudaEngine::fp16_of(const cuda::QMat& m) {
+  if (m.fmt == WFormat::F16) return static_cast<const __half*>(m.q);
+  cuda::dequantize_matrix(m, wtmp_, (int)cuda::pad8(m.K), stream_);
+  return wtmp_;
+}
+
 void CudaEngine::allocate() {
   const ModelConfig& c = cfg_;
   ld_h_ = (int)cuda::pad8(c.hidden);
@@ -68,22 +107,37 @@ void CudaEngine::allocate() {
     weight_bytes_ += n * sizeof(__half);
     return static_cast<__half*>(dalloc(n * sizeof(__half), false));
   };
+  if (opt_.weights == WFormat::I4)  // refused before any allocation
+    for (int64_t K : {c.hidden, c.q_dim, c.intermediate})
+      if (K % kI4Group != 0)
+        fail(ErrorKind::Unsupported, "int4 weights need hidden, n_heads * head_dim and intermediate to be "
+                                     "multiples of 32 (this model has " + std::to_string(c.hidden) + ", " +
+                                     std::to_string(c.q_dim) + ", " + std::to_string(c.intermediate) + ")");
   auto norm = [&](size_t n) {
     weight_bytes_ += n * sizeof(float);
     return static_cast<float*>(dalloc(n * sizeof(float), false));
   };
   layers_.resize((size_t)c.n_layers);
   for (Layer& L : layers_) {
-    L.w_qkv = weights((size_t)(c.q_dim + 2 * c.kv_dim) * ld_h_);
-    L.w_o = weights((size_t)c.hidden * ld_q_);
-    L.w_gate_up = weights((size_t)2 * c.intermediate * ld_h_);
-    L.w_down = weights((size_t)c.hidden * ld_i_);
+    L.qkv = alloc_matrix((int)(c.q_dim + 2 * c.kv_dim), (int)c.hidden, opt_.weights);
+    L.o = alloc_matrix((int)c.hidden, (int)c.q_dim, opt_.weights);
+    L.gate_up = alloc_matrix((int)(2 * c.intermediate), (int)c.hidden, opt_.weights);
+    L.down = alloc_matrix((int)c.hidden, (int)c.intermediate, opt_.weights);
     L.attn_norm = norm((size_t)c.hidden);
     L.mlp_norm = norm((size_t)c.hidden);
   }
   embedding_ = weights((size_t)c.vocab * ld_h_);
-  lm_head_ = c.tie_word_embeddings ? embedding_ : weights((size_t)c.vocab * ld_h_);
+  if (c.tie_word_embeddings && opt_.weights == WFormat::F16) {
+    lm_head_ = cuda::QMat{WFormat::F16, embedding_, nullptr, (int)c.vocab, (int)c.hidden, ld_h_};
+  } else {
+    lm_head_ = alloc_matrix((int)c.vocab, (int)c.hidden, head_format(opt_.weights));
+  }
   final_norm_ = norm((size_t)c.hidden);
+  if (opt_.weights != WFormat::F16) {  // staging: the largest matrix as fp16 rows
+    wtmp_elems_ = (size_t)std::max<int64_t>({(c.q_dim + 2 * c.kv_dim) * ld_h_, c.hidden * ld_q_,
+                                             2 * c.intermediate * ld_h_, c.hidden * ld_i_, c.vocab * ld_h_});
+    wtmp_ = static_cast<__half*>(dalloc(wtmp_elems_ * sizeof(__half), true));
+  }
 
   const size_t kv = (size_t)c.n_layers * c.n_kv_heads * max_seq_ * c.head_dim;
   kv_bytes_ = 2 * kv * sizeof(__half);
@@ -167,11 +221,6 @@ static void pack_rows(std::vector<uint16_t>& host, const float* src, int64_t row
   }
 }
 
-static void upload_host(__half* dst, const std::vector<uint16_t>& host, cudaStream_t s) {
-  TI_CUDA_CHECK(cudaMemcpyAsync(dst, host.data(), host.size() * 2, cudaMemcpyHostToDevice, s));
-  TI_CUDA_CHECK(cudaStreamSynchronize(s));  // `host` may be reused or freed after this
-}
-
 void CudaEngine::upload(const WeightStore& w) {
   const ModelConfig& c = cfg_;
   auto same = [](int64_t i) { return i; };
@@ -184,27 +233,27 @@ void CudaEngine::upload(const WeightStore& w) {
     pack_rows(host, L.wq, c.q_dim, c.hidden, ld_h_, same);
     pack_rows(host, L.wk, c.kv_dim, c.hidden, ld_h_, [&](int64_t i) { return c.q_dim + i; });
     pack_rows(host, L.wv, c.kv_dim, c.hidden, ld_h_, [&](int64_t i) { return c.q_dim + c.kv_dim + i; });
-    upload_host(D.w_qkv, host, stream_);
+    store_matrix(D.qkv, host);
     fresh(c.hidden, ld_q_);
     pack_rows(host, L.wo, c.hidden, c.q_dim, ld_q_, same);
-    upload_host(D.w_o, host, stream_);
+    store_matrix(D.o, host);
     fresh(2 * c.intermediate, ld_h_);  // gate_0, up_0, gate_1, up_1, ...
     pack_rows(host, L.w_gate, c.intermediate, c.hidden, ld_h_, [](int64_t i) { return 2 * i; });
     pack_rows(host, L.w_up, c.intermediate, c.hidden, ld_h_, [](int64_t i) { return 2 * i + 1; });
-    upload_host(D.w_gate_up, host, stream_);
+    store_matrix(D.gate_up, host);
     fresh(c.hidden, ld_i_);
     pack_rows(host, L.w_down, c.hidden, c.intermediate, ld_i_, same);
-    upload_host(D.w_down, host, stream_);
+    store_matrix(D.down, host);
     TI_CUDA_CHECK(cudaMemcpy(D.attn_norm, L.attn_norm, c.hidden * sizeof(float), cudaMemcpyHostToDevice));
     TI_CUDA_CHECK(cudaMemcpy(D.mlp_norm, L.mlp_norm, c.hidden * sizeof(float), cudaMemcpyHostToDevice));
   }
   fresh(c.vocab, ld_h_);
   pack_rows(host, w.embedding(), c.vocab, c.hidden, ld_h_, same);
-  upload_host(embedding_, host, stream_);
-  if (!c.tie_word_embeddings) {
+  TI_CUDA_CHECK(cudaMemcpy(embedding_, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+  if (lm_head_.q != embedding_) {  // untied, or tied but quantized: the head's own copy
     fresh(c.vocab, ld_h_);
     pack_rows(host, w.lm_head(), c.vocab, c.hidden, ld_h_, same);
-    upload_host(lm_head_, host, stream_);
+    store_matrix(lm_head_, host);
   }
   TI_CUDA_CHECK(cudaMemcpy(final_norm_, w.final_norm(), c.hidden * sizeof(float), cudaMemcpyHostToDevice));
 }
@@ -212,22 +261,22 @@ void CudaEngine::upload(const WeightStore& w) {
 void CudaEngine::randomize(uint64_t seed) {
   const ModelConfig& c = cfg_;
   uint64_t s = seed;
-  auto fill = [&](__half* p, size_t n, int64_t fan_in) {
-    cuda::fill_random_f16(p, n, ++s * 0x9e3779b97f4a7c15ull, 1.0f / std::sqrt((float)fan_in), stream_);
+  auto fill = [&](const cuda::QMat& m) {
+    random_matrix(m, ++s * 0x9e3779b97f4a7c15ull, 1.0f / std::sqrt((float)m.K));
   };
   for (Layer& L : layers_) {
-    fill(L.w_qkv, (size_t)(c.q_dim + 2 * c.kv_dim) * ld_h_, c.hidden);
-    fill(L.w_o, (size_t)c.hidden * ld_q_, c.q_dim);
-    fill(L.w_gate_up, (size_t)2 * c.intermediate * ld_h_, c.hidden);
-    fill(L.w_down, (size_t)c.hidden * ld_i_, c.intermediate);
+    fill(L.qkv);
+    fill(L.o);
+    fill(L.gate_up);
+    fill(L.down);
     cuda::fill_f32(L.attn_norm, c.hidden, 1.0f, stream_);
     cuda::fill_f32(L.mlp_norm, c.hidden, 1.0f, stream_);
   }
-  fill(embedding_, (size_t)c.vocab * ld_h_, 1);
-  if (!c.tie_word_embeddings) fill(lm_head_, (size_t)c.vocab * ld_h_, c.hidden);
+  cuda::fill_random_f16(embedding_, (size_t)c.vocab * ld_h_, ++s * 0x9e3779b97f4a7c15ull, 1.0f, stream_);
+  if (lm_head_.q != embedding_) fill(lm_head_);
   cuda::fill_f32(final_norm_, c.hidden, 1.0f, stream_);
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  // (the padding columns hold random values too; the inputs' padding is zero, so they add nothing)
+  // (fp16: the padding columns hold random values too; the inputs' padding is zero, so they add nothing)
 }
 
 CudaEngine::CudaEngine(const WeightStore& weights, int64_t max_seq_len, CudaOptions opt)
@@ -295,13 +344,20 @@ CudaEngine::~CudaEngine() { release(); }
 
 // ---- the decode step, top to bottom ----
 
-cuda::GemvParams CudaEngine::gemv_params(const __half* W, int rows, int K, const void* x, void* y,
-                                         const float* norm_w) const {
+cuda::GemvParams CudaEngine::gemv_params(const cuda::QMat& m, const void* x, void* y, const float* norm_w) const {
   cuda::GemvParams p;
-  p.W = W;
-  p.rows = rows;
-  p.K = K;
-  p.ld = (int)cuda::pad8(K);
+  p.rows = m.rows;
+  p.K = m.K;
+  p.fmt = m.fmt;
+  if (m.fmt == WFormat::F16) {
+    p.W = static_cast<const __half*>(m.q);
+    p.ld = m.ld;
+  } else {
+    p.q = static_cast<const uint8_t*>(m.q);
+    p.scales = m.scales;
+    p.ldq = m.ld;
+    p.ld = m.fmt == WFormat::I8 ? m.ld : m.K;  // the width the input is staged at
+  }
   p.x = x;
   p.y = y;
   p.norm_w = norm_w;
@@ -339,24 +395,24 @@ int CudaEngine::choice(const char* name) const {
 
 void CudaEngine::record_forward(cudaStream_t s) {
   const ModelConfig& c = cfg_;
-  const int H = (int)c.hidden, I = (int)c.intermediate, qkv_rows = (int)(c.q_dim + 2 * c.kv_dim);
+  const int H = (int)c.hidden;
   const int r_qkv = choice("qkv"), r_o = choice("o"), r_gu = choice("gate_up"), r_down = choice("down");
   cuda::embed_token(embedding_, ld_h_, H, d_state_, x_, s, pdl_);  // x = embed[token]
   for (int64_t l = 0; l < c.n_layers; l++) {
     const Layer& L = layers_[(size_t)l];
     // qkv = [Wq; Wk; Wv] @ rmsnorm(x)
-    cuda::gemv(gemv_params(L.w_qkv, qkv_rows, H, x_, qkv_, L.attn_norm), r_qkv, GemvIn::F32Norm, GemvOut::F32, s, pdl_);
+    cuda::gemv(gemv_params(L.qkv, x_, qkv_, L.attn_norm), r_qkv, GemvIn::F32Norm, GemvOut::F32, s, pdl_);
     // att = softmax(rope(q) rope(K)^T / sqrt(d)) V, writing rope(k), v at pos into the cache
     cuda::decode_attention(attn_params(l), s, pdl_);
     // x += Wo @ att
-    cuda::gemv(gemv_params(L.w_o, H, (int)c.q_dim, att_, x_, nullptr), r_o, GemvIn::F16, GemvOut::AddF32, s, pdl_);
+    cuda::gemv(gemv_params(L.o, att_, x_, nullptr), r_o, GemvIn::F16, GemvOut::AddF32, s, pdl_);
     // h = silu(Wg @ rmsnorm(x)) * (Wu @ rmsnorm(x))
-    cuda::gemv(gemv_params(L.w_gate_up, 2 * I, H, x_, h_, L.mlp_norm), r_gu, GemvIn::F32Norm, GemvOut::Swiglu, s, pdl_);
+    cuda::gemv(gemv_params(L.gate_up, x_, h_, L.mlp_norm), r_gu, GemvIn::F32Norm, GemvOut::Swiglu, s, pdl_);
     // x += Wd @ h
-    cuda::gemv(gemv_params(L.w_down, H, I, h_, x_, nullptr), r_down, GemvIn::F16, GemvOut::AddF32, s, pdl_);
+    cuda::gemv(gemv_params(L.down, h_, x_, nullptr), r_down, GemvIn::F16, GemvOut::AddF32, s, pdl_);
   }
   // logits = lm_head @ rmsnorm(x)
-  cuda::gemv(gemv_params(lm_head_, (int)c.vocab, H, x_, logits_, final_norm_), choice("lm_head"), GemvIn::F32Norm,
+  cuda::gemv(gemv_params(lm_head_, x_, logits_, final_norm_), choice("lm_head"), GemvIn::F32Norm,
              GemvOut::F32, s, pdl_);
 }
 
@@ -428,7 +484,7 @@ void CudaEngine::autotune_gemv() {
     int rows, K;
     GemvIn in;
     GemvOut out;
-    std::vector<const __half*> copies;
+    std::vector<cuda::QMat> copies;
     const void* x;
     void* y;
     const float* norm;
@@ -441,10 +497,10 @@ void CudaEngine::autotune_gemv() {
       {"lm_head", (int)c.vocab, (int)c.hidden, GemvIn::F32Norm, GemvOut::F32, {lm_head_}, x_, logits_, final_norm_},
   };
   for (const Layer& L : layers_) {
-    shapes[0].copies.push_back(L.w_qkv);
-    shapes[1].copies.push_back(L.w_o);
-    shapes[2].copies.push_back(L.w_gate_up);
-    shapes[3].copies.push_back(L.w_down);
+    shapes[0].copies.push_back(L.qkv);
+    shapes[1].copies.push_back(L.o);
+    shapes[2].copies.push_back(L.gate_up);
+    shapes[3].copies.push_back(L.down);
   }
   TI_CUDA_CHECK(cudaMemsetAsync(x_, 0, c.hidden * sizeof(float), stream_));
   TI_CUDA_CHECK(cudaMemsetAsync(att_, 0, ld_q_ * sizeof(__half), stream_));
@@ -457,7 +513,7 @@ void CudaEngine::autotune_gemv() {
     g.K = sh.K;
     g.ld = (int)cuda::pad8(sh.K);
     g.copies = (int)sh.copies.size();
-    const double bytes = (double)g.rows * g.ld * 2;
+    const double bytes = (double)quant_bytes(sh.copies[0].fmt, g.rows, g.K);  // as stored, scales included
     // Cycle through every layer's copy (and at least ~256 MB of weights, several times the L2) so that the
     // timing is of memory, not of the cache.
     const int passes = std::max(2, (int)std::ceil(256e6 / (bytes * g.copies)));
@@ -466,8 +522,8 @@ void CudaEngine::autotune_gemv() {
       if (opt_.gemv_rows && R != opt_.gemv_rows && cuda::gemv_variant_ok(opt_.gemv_rows, sh.out)) continue;
       if (!cuda::gemv_variant_ok(R, sh.out)) continue;
       auto run = [&] {
-        for (const __half* W : sh.copies)
-          cuda::gemv(gemv_params(W, sh.rows, sh.K, sh.x, sh.y, sh.norm), R, sh.in, sh.out, stream_, pdl_);
+        for (const cuda::QMat& W : sh.copies)
+          cuda::gemv(gemv_params(W, sh.x, sh.y, sh.norm), R, sh.in, sh.out, stream_, pdl_);
       };
       run();  // warm-up
       const float ms = gpu_ms([&] {

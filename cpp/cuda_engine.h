@@ -20,6 +20,7 @@
 #include "../cuda/attention.cuh"
 #include "../cuda/gemm.cuh"
 #include "../cuda/gemv.cuh"
+#include "../cuda/quant.cuh"
 #include "../cuda/sampling.cuh"
 #include "config.h"
 #include "sampling.h"
@@ -35,6 +36,7 @@ struct CudaOptions {
   bool batched_prefill = true;  // false: feed prompts one token at a time through the decode graph
   int prefill_chunk = 2048;     // tokens per prefill pass (activation buffers are sized for this at load)
   bool gemm_autotune = true;    // false: cuBLASLt's default algorithm for every GEMM
+  WFormat weights = WFormat::F16;  // the matrices' format on the device (cpp/quant.h): quantized at load
 };
 
 // One GEMV shape class of the model and the rows-per-warp the load-time autotuner chose for it.
@@ -91,11 +93,12 @@ class CudaEngine {
   std::string device_name() const { return device_name_; }
 
  private:
+  // Each matrix in the engine's format (QMat: fp16 rows padded to 8, or I8 / I4 with their scales).
   struct Layer {
-    __half* w_qkv = nullptr;     // (q_dim + 2 kv_dim, ld_h): q | k | v rows
-    __half* w_o = nullptr;       // (hidden, ld_q)
-    __half* w_gate_up = nullptr; // (2 intermediate, ld_h): rows interleaved gate_0, up_0, gate_1, ...
-    __half* w_down = nullptr;    // (hidden, ld_i)
+    cuda::QMat qkv;      // (q_dim + 2 kv_dim, hidden): q | k | v rows
+    cuda::QMat o;        // (hidden, q_dim)
+    cuda::QMat gate_up;  // (2 intermediate, hidden): rows interleaved gate_0, up_0, gate_1, ...
+    cuda::QMat down;     // (hidden, intermediate)
     float* attn_norm = nullptr;  // (hidden)
     float* mlp_norm = nullptr;   // (hidden)
   };
@@ -120,8 +123,11 @@ class CudaEngine {
   void set_state(int token, int pos, int step);
   float gpu_ms(const std::function<void()>& enqueue);
   cuda::DecodeAttnParams attn_params(int64_t layer) const;
-  cuda::GemvParams gemv_params(const __half* W, int rows, int K, const void* x, void* y,
-                               const float* norm_w) const;
+  cuda::GemvParams gemv_params(const cuda::QMat& m, const void* x, void* y, const float* norm_w) const;
+  cuda::QMat alloc_matrix(int rows, int K, WFormat fmt);
+  void store_matrix(const cuda::QMat& m, const std::vector<uint16_t>& fp16_rows);
+  void random_matrix(const cuda::QMat& m, uint64_t seed, float scale);
+  const __half* fp16_of(const cuda::QMat& m);  // the matrix as fp16 rows (quantized: dequantized into wtmp_)
   int choice(const char* name) const;
   void* dalloc(size_t bytes, bool scratch);
 
@@ -139,8 +145,10 @@ class CudaEngine {
 
   // ---- weights ----
   std::vector<Layer> layers_;
-  __half* embedding_ = nullptr;   // (vocab, ld_h)
-  __half* lm_head_ = nullptr;     // (vocab, ld_h); == embedding_ when tied
+  __half* embedding_ = nullptr;   // (vocab, ld_h) fp16 whatever the format (a token reads one row)
+  cuda::QMat lm_head_;            // (vocab, hidden) in head_format(weights); fp16 and tied: the embedding itself
+  __half* wtmp_ = nullptr;        // quantized formats: fp16 staging of one matrix (upload, prefill GEMMs)
+  size_t wtmp_elems_ = 0;
   float* final_norm_ = nullptr;   // (hidden)
   // ---- KV cache: [layer][kv_head][max_seq][head_dim] fp16 ----
   __half* k_cache_ = nullptr;

@@ -7,7 +7,8 @@
 // Then the last row becomes the decode state (x_, logits_ via the decode GEMV), and only when the caller asks
 // for every position's logits (Engine.logits) does the LM head run as a GEMM over the chunk's rows.
 // The five products go through cuda::Gemm (cuBLASLt, tuned per shape on first use); the residual adds ride in
-// the O and down GEMMs (beta = 1). No graph: ~10 launches per layer are cheap next to GEMMs over many tokens.
+// the O and down GEMMs (beta = 1). Quantized weights are dequantized to fp16 rows (one scratch matrix, fp16_of)
+// right before each GEMM: ~2 bytes written per weight per chunk, small next to the GEMMs of a long prompt. No graph: ~10 launches per layer are cheap next to GEMMs over many tokens.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -51,7 +52,7 @@ void CudaEngine::prefill_layer(const Layer& L, int64_t layer, int T, int pos0) {
 
   // qkv = rmsnorm(x) @ [Wq; Wk; Wv].T
   cuda::rmsnorm_rows(px_, ld_h_, L.attn_norm, eps, H, T, pxn_, ld_h_, s);
-  gemm_->run(gemm_args(L.w_qkv, qkv_rows, ld_h_, pxn_, ld_h_, pqkv_, ld_qkv_, T, H, GemmOut::F32), s);
+  gemm_->run(gemm_args(fp16_of(L.qkv), qkv_rows, ld_h_, pxn_, ld_h_, pqkv_, ld_qkv_, T, H, GemmOut::F32), s);
   // q = rope(q); cache[pos0 + t] = rope(k), v
   cuda::RopeRowsParams r;
   r.qkv = pqkv_;
@@ -84,13 +85,13 @@ void CudaEngine::prefill_layer(const Layer& L, int64_t layer, int T, int pos0) {
   a.scale = 1.0f / std::sqrt((float)c.head_dim);
   cuda::prefill_attention(a, s);
   // x += att @ Wo.T
-  gemm_->run(gemm_args(L.w_o, H, ld_q_, patt_, ld_q_, px_, ld_h_, T, q_dim, GemmOut::AddF32), s);
+  gemm_->run(gemm_args(fp16_of(L.o), H, ld_q_, patt_, ld_q_, px_, ld_h_, T, q_dim, GemmOut::AddF32), s);
   // h = silu(rmsnorm(x) @ Wg.T) * (rmsnorm(x) @ Wu.T)   (gate and up rows interleaved: one GEMM)
   cuda::rmsnorm_rows(px_, ld_h_, L.mlp_norm, eps, H, T, pxn_, ld_h_, s);
-  gemm_->run(gemm_args(L.w_gate_up, 2 * I, ld_h_, pxn_, ld_h_, pgu_, ld_gu_, T, H, GemmOut::F16), s);
+  gemm_->run(gemm_args(fp16_of(L.gate_up), 2 * I, ld_h_, pxn_, ld_h_, pgu_, ld_gu_, T, H, GemmOut::F16), s);
   cuda::swiglu_rows(pgu_, ld_gu_, I, T, ph_, ld_i_, s);
   // x += h @ Wd.T
-  gemm_->run(gemm_args(L.w_down, H, ld_i_, ph_, ld_i_, px_, ld_h_, T, I, GemmOut::AddF32), s);
+  gemm_->run(gemm_args(fp16_of(L.down), H, ld_i_, ph_, ld_i_, px_, ld_h_, T, I, GemmOut::AddF32), s);
 }
 
 // Every row's logits (rows from max(0, -host_row0)) into host_logits rows host_row0 + row, a slice of
@@ -98,10 +99,11 @@ void CudaEngine::prefill_layer(const Layer& L, int64_t layer, int T, int pos0) {
 void CudaEngine::chunk_logits(int T, float* host_logits, int64_t host_row0) {
   const ModelConfig& c = cfg_;
   const int H = (int)c.hidden, V = (int)c.vocab;
+  const __half* head = fp16_of(lm_head_);  // (quantized: dequantized once for all slices)
   for (int r = (int)std::max<int64_t>(0, -host_row0); r < T; r += logit_rows_) {
     const int n = std::min(logit_rows_, T - r);
     cuda::rmsnorm_rows(px_ + (size_t)r * ld_h_, ld_h_, final_norm_, (float)c.rms_eps, H, n, pxn_, ld_h_, stream_);
-    gemm_->run(gemm_args(lm_head_, V, ld_h_, pxn_, ld_h_, plogits_, ld_v_, n, H, GemmOut::F32), stream_);
+    gemm_->run(gemm_args(head, V, ld_h_, pxn_, ld_h_, plogits_, ld_v_, n, H, GemmOut::F32), stream_);
     TI_CUDA_CHECK(cudaMemcpy2DAsync(host_logits + (host_row0 + r) * V, (size_t)V * sizeof(float), plogits_,
                                     (size_t)ld_v_ * sizeof(float), (size_t)V * sizeof(float), (size_t)n,
                                     cudaMemcpyDeviceToHost, stream_));
@@ -123,7 +125,7 @@ void CudaEngine::prefill_chunk(const int32_t* tokens, int T, int pos0, float* ho
   // logits of the last position = lm_head @ rmsnorm(x[T-1]): the decode GEMV, as a decode step would
   TI_CUDA_CHECK(cudaMemcpyAsync(x_, px_ + (size_t)(T - 1) * ld_h_, (size_t)H * sizeof(float),
                                 cudaMemcpyDeviceToDevice, stream_));
-  cuda::gemv(gemv_params(lm_head_, (int)c.vocab, H, x_, logits_, final_norm_), choice("lm_head"),
+  cuda::gemv(gemv_params(lm_head_, x_, logits_, final_norm_), choice("lm_head"),
              cuda::GemvIn::F32Norm, cuda::GemvOut::F32, stream_, false);
   if (host_logits) chunk_logits(T, host_logits, host_row0);
 }

@@ -157,7 +157,35 @@ const HostTensor& WeightStore::get(const std::string& name) const {
 const float* WeightStore::embedding() const { return get("model.embed_tokens.weight").data.data(); }
 const float* WeightStore::final_norm() const { return get("model.norm.weight").data.data(); }
 const float* WeightStore::lm_head() const {
-  return config_.tie_word_embeddings ? embedding() : get("lm_head.weight").data.data();
+  auto it = tensors_.find("lm_head.weight");  // present when untied, or when quantize() untied it
+  return it != tensors_.end() ? it->second.data.data() : embedding();
+}
+
+void WeightStore::quantize(WFormat f) {
+  if (!finished_) fail(ErrorKind::Request, "quantize: finish() the store first");
+  if (f == WFormat::F16) return;
+  const ModelConfig& c = config_;
+  // Check every width first: a model int4 cannot take is refused before anything changes.
+  if (f == WFormat::I4)
+    for (int64_t K : {c.hidden, c.q_dim, c.intermediate})
+      if (K % kI4Group != 0)
+        fail(ErrorKind::Unsupported, "int4 weights need hidden, n_heads * head_dim and intermediate to be "
+                                     "multiples of 32 (this model has " + std::to_string(c.hidden) + ", " +
+                                     std::to_string(c.q_dim) + ", " + std::to_string(c.intermediate) + ")");
+  if (c.tie_word_embeddings && !tensors_.count("lm_head.weight"))
+    tensors_["lm_head.weight"] = get("model.embed_tokens.weight");  // the head is quantized, the lookup is not
+  auto q = [&](const std::string& name) {
+    HostTensor& t = tensors_.at(name);
+    quantize_dequantize(f, t.data.data(), t.shape[0], t.shape[1]);
+  };
+  for (int64_t i = 0; i < c.n_layers; i++)
+    for (const char* leaf : {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                             "mlp.down_proj.weight"})
+      q(layer_name(i, leaf));
+  HostTensor& head = tensors_.at("lm_head.weight");
+  quantize_dequantize(head_format(f), head.data.data(), head.shape[0], head.shape[1]);
+  format_ = f;
 }
 
 LayerWeights WeightStore::layer(int64_t i) const {

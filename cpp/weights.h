@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "config.h"
+#include "quant.h"
 
 namespace ti {
 
@@ -60,6 +61,12 @@ class WeightStore {
   const float* lm_head() const;    // (vocab, hidden); the embedding when tied
   LayerWeights layer(int64_t i) const;
 
+  // The CPU engine's view of a quantized model: every matrix replaced by dequantize(quantize(fp16(w))); the LM
+  // head in head_format(f) (int4 models: int8), untied into its own copy when tied (the embedding lookup stays
+  // unquantized, as on the GPU).
+  void quantize(WFormat f);
+  WFormat format() const { return format_; }
+
   // The shape the config implies for a tensor name, or an empty vector if the name is not one of ours.
   std::vector<int64_t> expected_shape(const std::string& name) const;
   std::vector<std::string> required_names() const;
@@ -68,6 +75,7 @@ class WeightStore {
   ModelConfig config_;
   std::unordered_map<std::string, HostTensor> tensors_;
   bool finished_ = false;
+  WFormat format_ = WFormat::F16;
 };
 
 }  // namespace ti

@@ -3,6 +3,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
+#include "../cpp/quant.h"
+
 namespace ti::cuda {
 
 enum class GemvIn { F16, F32Norm };          // input: an fp16 vector, or the fp32 residual stream RMS-normed
@@ -11,6 +15,12 @@ enum class GemvOut { F32, AddF32, Swiglu };  // output: fp32, fp32 added in plac
 struct GemvParams {
   const __half* W = nullptr;  // (rows, ld) row-major fp16; columns K..ld-1 are zero padding
   int rows = 0, K = 0, ld = 0;  // ld: a multiple of 8 (16-byte rows), >= K
+  // Quantized weights (cpp/quant.h) instead of W: fmt I8 / I4, q (rows, ldq bytes), scales (I8: float per row;
+  // I4: half2 (scale, min) per group of 32). ld stays the width the input vector is staged at (elements).
+  WFormat fmt = WFormat::F16;
+  const uint8_t* q = nullptr;
+  const void* scales = nullptr;
+  int ldq = 0;
   const void* x = nullptr;    // F16: half[K]; F32Norm: float[K]
   const float* norm_w = nullptr;  // F32Norm: the RMSNorm weight, float[K]
   float eps = 1e-5f;
@@ -20,6 +30,7 @@ struct GemvParams {
 // The variant: R = 1, 2, 4 rows per warp (Swiglu: 2 or 4), or R = kGemvSplitK: 8 rows per block with K split
 // over the block's 8 warps. pdl: launch with programmatic dependent launch (sm_90+).
 constexpr int kGemvSplitK = 8;
+// Quantized weights: the (in, out) pairs a decode step uses — (F32Norm, F32), (F16, AddF32), (F32Norm, Swiglu).
 void gemv(const GemvParams& p, int R, GemvIn in, GemvOut out, cudaStream_t stream, bool pdl);
 bool gemv_variant_ok(int R, GemvOut out);
 

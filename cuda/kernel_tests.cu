@@ -224,4 +224,107 @@ std::vector<float> run_prefill_attention(const float* q, const uint16_t* k_cache
   return o;
 }
 
+namespace {
+
+// W (rows, K) fp32 -> fp16 rows padded to 8 on the device, and an allocated QMat of the format quantized from it.
+struct DeviceQuant {
+  Buf w16, q, sc;
+  QMat m;
+  DeviceQuant(const float* W, int rows, int K, WFormat fmt)
+      : w16((size_t)rows * pad8(K) * 2),
+        q((size_t)rows * (fmt == WFormat::I8 ? i8_ld(K) : i4_ld(K))),
+        sc(fmt == WFormat::I8 ? (size_t)rows * 4 : (size_t)rows * (K / kI4Group) * 4) {
+    const int ldh = (int)pad8(K);
+    std::vector<__half> h((size_t)rows * ldh, __float2half(0.0f));
+    for (int r = 0; r < rows; r++)
+      for (int k = 0; k < K; k++) h[(size_t)r * ldh + k] = __float2half(W[(size_t)r * K + k]);
+    put(w16.p, h.data(), h.size() * 2);
+    m.fmt = fmt;
+    m.q = q.p;
+    m.scales = sc.p;
+    m.rows = rows;
+    m.K = K;
+    m.ld = (int)(fmt == WFormat::I8 ? i8_ld(K) : i4_ld(K));
+    quantize_matrix(w16.as<__half>(), ldh, m, 0);
+    TI_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+};
+
+void check_quant_shape(int K, WFormat fmt) {
+  if (fmt == WFormat::F16) fail(ErrorKind::Request, "quantized op: format must be int8 or int4");
+  if (fmt == WFormat::I4 && K % kI4Group != 0)
+    fail(ErrorKind::Unsupported, "int4 weights need K to be a multiple of 32, got " + std::to_string(K));
+}
+
+}  // namespace
+
+QuantBytes run_quantize(const float* W, int rows, int K, WFormat fmt) {
+  check_quant_shape(K, fmt);
+  DeviceQuant d(W, rows, K, fmt);
+  QuantBytes out;
+  out.ld = d.m.ld;
+  out.q.resize((size_t)rows * d.m.ld);
+  out.scales.resize(fmt == WFormat::I8 ? (size_t)rows * 4 : (size_t)rows * (K / kI4Group) * 4);
+  get(out.q.data(), d.q.p, out.q.size());
+  get(out.scales.data(), d.sc.p, out.scales.size());
+  return out;
+}
+
+std::vector<float> run_dequantize(const float* W, int rows, int K, WFormat fmt) {
+  check_quant_shape(K, fmt);
+  DeviceQuant d(W, rows, K, fmt);
+  const int ldo = (int)pad8(K);
+  Buf out((size_t)rows * ldo * 2);
+  dequantize_matrix(d.m, out.as<__half>(), ldo, 0);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<__half> h((size_t)rows * ldo);
+  get(h.data(), out.p, h.size() * 2);
+  std::vector<float> w((size_t)rows * K);
+  for (int r = 0; r < rows; r++)
+    for (int k = 0; k < K; k++) w[(size_t)r * K + k] = __half2float(h[(size_t)r * ldo + k]);
+  return w;
+}
+
+std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, const float* x, const float* norm_w,
+                                  float eps, const float* y_init, int R, GemvIn in, GemvOut out) {
+  check_quant_shape(K, fmt);
+  DeviceQuant d(W, rows, K, fmt);
+  const int ld = fmt == WFormat::I8 ? (int)i8_ld(K) : K;  // the staged input width
+  Buf dx((size_t)ld * 4), dn((size_t)K * 4), dy((size_t)rows * 4);
+  if (in == GemvIn::F16) {
+    std::vector<__half> xh((size_t)ld, __float2half(0.0f));
+    for (int k = 0; k < K; k++) xh[k] = __float2half(x[k]);
+    put(dx.p, xh.data(), (size_t)ld * 2);
+  } else {
+    put(dx.p, x, (size_t)K * 4);
+    put(dn.p, norm_w, (size_t)K * 4);
+  }
+  const int n_out = out == GemvOut::Swiglu ? rows / 2 : rows;
+  if (out == GemvOut::AddF32) put(dy.p, y_init, (size_t)rows * 4);
+  else TI_CUDA_CHECK(cudaMemset(dy.p, 0xFF, (size_t)rows * 4));
+  GemvParams p;
+  p.fmt = fmt;
+  p.q = static_cast<const uint8_t*>(d.m.q);
+  p.scales = d.m.scales;
+  p.ldq = d.m.ld;
+  p.rows = rows;
+  p.K = K;
+  p.ld = ld;
+  p.x = dx.p;
+  p.norm_w = dn.as<float>();
+  p.eps = eps;
+  p.y = dy.p;
+  gemv(p, R, in, out, 0, false);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> y((size_t)n_out);
+  if (out == GemvOut::Swiglu) {
+    std::vector<__half> yh((size_t)n_out);
+    get(yh.data(), dy.p, (size_t)n_out * 2);
+    for (int i = 0; i < n_out; i++) y[i] = __half2float(yh[i]);
+  } else {
+    get(y.data(), dy.p, (size_t)n_out * 4);
+  }
+  return y;
+}
+
 }  // namespace ti::cuda

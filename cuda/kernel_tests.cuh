@@ -7,6 +7,7 @@
 
 #include "gemm.cuh"
 #include "gemv.cuh"
+#include "quant.cuh"
 
 namespace ti::cuda {
 
@@ -24,6 +25,19 @@ std::vector<float> run_decode_attention(const float* qkv, uint16_t* k_cache, uin
 // One sampling call over logits[vocab]; returns the chosen token. seen: vocab bytes (repetition penalty).
 int run_sample(const float* logits, int vocab, float temperature, int top_k, float top_p, float min_p,
                float repetition_penalty, unsigned long long seed, int step, const unsigned char* seen);
+
+// The device quantizer on W (rows, K) fp32 (rounded to fp16 first, as in the engine): q bytes (rows, ld) and the
+// scales' raw bytes (I8: rows floats; I4: rows * K/32 half2).
+struct QuantBytes {
+  std::vector<uint8_t> q, scales;
+  int64_t ld = 0;
+};
+QuantBytes run_quantize(const float* W, int rows, int K, WFormat fmt);
+// quantize on the device, then dequantize to fp16 rows: (rows, K) floats.
+std::vector<float> run_dequantize(const float* W, int rows, int K, WFormat fmt);
+// One GEMV over W quantized on the device (as run_gemv otherwise; in/out: the pairs quantized GEMVs have).
+std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, const float* x, const float* norm_w,
+                                  float eps, const float* y_init, int R, GemvIn in, GemvOut out);
 
 // One GEMM (cuBLASLt, gemm.cu) Y = X W^T (+ Y_init for AddF32). W: (M, K) fp16 bits; X: (N, K) floats (rounded
 // to fp16); Y_init: (N, M). Returns Y (N, M) floats (widened from fp16 for GemmOut::F16). autotune: time the

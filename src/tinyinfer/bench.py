@@ -47,11 +47,22 @@ def _pad8(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
-def bytes_per_token(c: _core.ModelConfig, context: int) -> dict:
-    ld_h, ld_q, ld_i = _pad8(c.hidden), _pad8(c.q_dim), _pad8(c.intermediate)
-    per_layer = 2 * ((c.q_dim + 2 * c.kv_dim) * ld_h + c.hidden * ld_q + 2 * c.intermediate * ld_h
-                     + c.hidden * ld_i) + 2 * 4 * c.hidden
-    weights = c.n_layers * per_layer + 2 * c.vocab * ld_h + 4 * c.hidden + 2 * c.hidden  # head, final norm, 1 row
+def matrix_bytes(fmt: str, rows: int, K: int) -> int:
+    """Bytes of one (rows, K) matrix as the GPU stores it, scales included (cpp/quant.h)."""
+    if fmt == "int8":
+        return rows * ((K + 15) // 16 * 16) + 4 * rows
+    if fmt == "int4":
+        return rows * K // 2 + 4 * rows * (K // 32)
+    return 2 * rows * _pad8(K)
+
+
+def bytes_per_token(c: _core.ModelConfig, context: int, fmt: str = "fp16") -> dict:
+    ld_h = _pad8(c.hidden)
+    per_layer = (matrix_bytes(fmt, c.q_dim + 2 * c.kv_dim, c.hidden) + matrix_bytes(fmt, c.hidden, c.q_dim)
+                 + matrix_bytes(fmt, 2 * c.intermediate, c.hidden) + matrix_bytes(fmt, c.hidden, c.intermediate)
+                 + 2 * 4 * c.hidden)
+    head = matrix_bytes("int8" if fmt == "int4" else fmt, c.vocab, c.hidden)  # int4 models keep an int8 head
+    weights = c.n_layers * per_layer + head + 4 * c.hidden + 2 * ld_h  # head, final norm, 1 embedding row
     kv = c.n_layers * 2 * c.kv_dim * 2 * context
     return {"weights": weights, "kv": kv, "total": weights + kv}
 
@@ -90,7 +101,7 @@ def run_prefill(core, cfg: _core.ModelConfig, lengths=(16, 256, 512, 2048), reps
 
 
 def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 1024, 4096), steps: int = 256,
-        json_path: Optional[str] = None, out=print, prefill=(16, 256, 512, 2048)) -> dict:
+        json_path: Optional[str] = None, out=print, prefill=(16, 256, 512, 2048), dtype: str = "fp16") -> dict:
     from .engine import cuda_status
     from .errors import DeviceError
 
@@ -105,24 +116,26 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
     if model is not None:
         from .engine import Engine
 
-        eng = Engine(model, device="cuda", max_seq_len=max_seq)
+        eng = Engine(model, device="cuda", max_seq_len=max_seq, dtype=dtype)
         core, cfg, name = eng._core, eng.config, str(model)
     else:
         cfg = shape_config(shape or "tinyllama-1.1b")
-        core = _core.CudaEngine.random(cfg, max_seq, 1)
+        opts = _core.CudaOptions()
+        opts.weights = dtype
+        core = _core.CudaEngine.random(cfg, max_seq, 1, opts)
         name = shape or "tinyllama-1.1b"
     load_s = time.perf_counter() - t0
-    res = {"model": name, "device": core.device_name, "read_bandwidth_gb_s": gbs, "load_s": load_s,
+    res = {"model": name, "dtype": dtype, "device": core.device_name, "read_bandwidth_gb_s": gbs, "load_s": load_s,
            "pdl": core.uses_pdl, "graphs": core.uses_graphs, "weight_bytes_on_device": core.weight_bytes,
            "scratch_bytes": core.scratch_bytes, "kv_cache_bytes": core.kv_cache_bytes, "decode": [], "gemv": [],
            "attention": []}
-    out(f"tinyinfer bench: {name} on {core.device_name} | read bandwidth {gbs:,.0f} GB/s (cuda/bandwidth.cu) | "
+    out(f"tinyinfer bench: {name} ({dtype} weights, {core.weight_bytes / 1e6:,.0f} MB) on {core.device_name} | read bandwidth {gbs:,.0f} GB/s (cuda/bandwidth.cu) | "
         f"PDL {'on' if core.uses_pdl else 'off'}, graphs {'on' if core.uses_graphs else 'off'} | "
         f"scratch {core.scratch_bytes / 2**20:.1f} MiB")
     out(f"\n{'context':>8} {'tok/s':>9} {'ms/token':>9} {'MB/token':>9} {'roofline tok/s':>15} {'% roofline':>11}")
     for ctx in contexts:
         ms = core.time_decode_step(ctx, steps)
-        b = bytes_per_token(cfg, ctx)["total"]
+        b = bytes_per_token(cfg, ctx, dtype)["total"]
         roof = gbs * 1e9 / b
         row = {"context": ctx, "tok_s": 1e3 / ms, "ms_per_token": ms, "bytes_per_token": b, "roofline_tok_s": roof,
                "pct_roofline": 100 * (1e3 / ms) / roof, "effective_gb_s": b / (ms * 1e-3) / 1e9}

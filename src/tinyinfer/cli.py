@@ -18,7 +18,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct, fetched once)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: auto")
-    p.add_argument("--dtype", default="fp16", help="weight format on the GPU (the CPU engine computes in fp32)")
+    p.add_argument("--dtype", default="fp16", help="weights: fp16 (default), int8 or int4 (weight-only, quantized at load; the CPU engine then computes in fp32 with the dequantized weights), bf16 | fp32")
     p.add_argument("--max-seq-len", type=int, default=None, help="KV cache length (default: min(model, 4096))")
 
 
@@ -121,7 +121,7 @@ def cmd_bench(args) -> int:
     contexts = tuple(int(c) for c in args.contexts.split(","))
     prefill = tuple(int(c) for c in args.prefill.split(",")) if args.prefill else ()
     bench.run(shape=args.shape, model=args.model, contexts=contexts, steps=args.steps, json_path=args.json,
-              prefill=prefill)
+              prefill=prefill, dtype=args.dtype)
     return 0
 
 
@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", "-m", default=None, help="a real model (HF dir or .gguf)")
     p.add_argument("--contexts", default="16,1024,4096", help="comma-separated contexts (default 16,1024,4096)")
     p.add_argument("--steps", type=int, default=256, help="decode steps timed per context (default 256)")
+    p.add_argument("--dtype", default="fp16", choices=("fp16", "int8", "int4"),
+                   help="weight format on the GPU (bytes per token are counted as stored, scales included)")
     p.add_argument("--prefill", default="16,256,512,2048",
                    help="comma-separated prompt lengths for the prefill table ('' to skip)")
     p.add_argument("--json", default=None, help="write the results here")

@@ -31,7 +31,8 @@ from .sampling import SamplingParams, TextAssembler
 Prompt = Union[str, Sequence[int]]
 
 _DEVICES = ("auto", "cpu", "cuda")
-_DTYPES = ("fp16", "bf16", "fp32")
+_DTYPES = ("fp16", "bf16", "fp32", "int8", "int4")
+_QUANTIZED = ("int8", "int4")  # weight-only formats (cpp/quant.h): quantized at load, on either engine
 _DEFAULT_MAX_SEQ = 4096
 
 
@@ -101,9 +102,11 @@ class Engine:
         if dtype not in _DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(_DTYPES)} (got {dtype!r})")
         self.device = _pick_device(device)
-        if self.device == "cuda" and dtype != "fp16":
-            raise InvalidRequestError(f"dtype={dtype!r}: the GPU engine stores fp16 weights (dtype='fp16')")
-        self.dtype = "fp32" if self.device == "cpu" else dtype  # the CPU reference engine computes in fp32
+        if self.device == "cuda" and dtype not in ("fp16",) + _QUANTIZED:
+            raise InvalidRequestError(f"dtype={dtype!r}: the GPU engine stores fp16, int8 or int4 weights")
+        # The CPU reference engine computes in fp32; with int8 / int4 it computes with the dequantized weights
+        # (the very numbers the GPU's quantized kernels stand for).
+        self.dtype = dtype if dtype in _QUANTIZED else ("fp32" if self.device == "cpu" else dtype)
         model = load_model(path)
         self.config: _core.ModelConfig = model.config
         self.tokenizer = model.tokenizer
@@ -130,9 +133,14 @@ class Engine:
         self._tactics_file: Optional[Path] = None
         self._tactics_saved = 0
         if self.device == "cuda":
-            self._core = _core.CudaEngine(store, max_seq_len, cuda_options or _core.CudaOptions())
+            opts = cuda_options or _core.CudaOptions()
+            if dtype in _QUANTIZED:
+                opts.weights = dtype
+            self._core = _core.CudaEngine(store, max_seq_len, opts)
             self._load_tactics()
         else:
+            if dtype in _QUANTIZED:
+                store.quantize(dtype)
             self._core = _core.CpuEngine(store, max_seq_len)
         self._lock = threading.Lock()
         self._owner: Optional[int] = None  # thread holding the lock

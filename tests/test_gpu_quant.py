@@ -1,0 +1,133 @@
+"""Quantized weights on the GPU: the device quantizer against the reference packer (bit for bit), the
+dequantizer, every quantized GEMV variant against numpy over the reference's dequantized numbers on awkward
+shapes, and the GPU engine against the CPU engine (both computing with the same quantized weights)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import make_llama
+from tinyinfer import Engine, InvalidRequestError, UnsupportedModelError, _core
+
+pytestmark = pytest.mark.gpu
+
+
+def weights(rows, K, seed):
+    rng = np.random.default_rng(seed)
+    W = (rng.standard_normal((rows, K)) * 0.05).astype(np.float32)
+    W[0] = 0.0                       # a zero row (scale falls back to 1, q = 0)
+    if rows > 2:
+        W[1] = 0.01                  # a constant row
+        W[2] = np.linspace(-1, 1, K)  # a ramp
+    return W
+
+
+@pytest.mark.parametrize("fmt,rows,K", [("int8", 111, 333), ("int8", 8, 4096), ("int8", 3, 16),
+                                        ("int4", 111, 96), ("int4", 5, 4096), ("int4", 64, 32)])
+def test_device_quantizer_matches_reference_bit_for_bit(fmt, rows, K):
+    W = weights(rows, K, rows + K)
+    ref, gpu = _core.ops.quantize_ref(W, fmt), _core.ops.quantize_gpu(W, fmt)
+    np.testing.assert_array_equal(gpu["q"], ref["q"])
+    np.testing.assert_array_equal(gpu["scales"], ref["scales"])
+    deq = _core.ops.dequantize_gpu(W, fmt)  # (the prefill's fp16 rows)
+    want = _core.ops.dequantize_ref(W, fmt)
+    np.testing.assert_allclose(deq, want, rtol=1e-3, atol=1e-6)
+
+
+def gemv_ref(Wd, x, norm_w, eps, y0, inp, out):
+    if inp == "f32norm":
+        x = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps) * norm_w
+    x = x.astype(np.float16).astype(np.float64)  # the kernel stages its input as fp16
+    y = Wd.astype(np.float64) @ x
+    if out == "add":
+        return y0 + y
+    if out == "swiglu":
+        g, u = y[0::2], y[1::2]
+        return g / (1 + np.exp(-g)) * u
+    return y
+
+
+@pytest.mark.parametrize("fmt,rows,K", [("int8", 111, 333), ("int8", 500, 1024), ("int8", 64, 40),
+                                        ("int4", 111, 96), ("int4", 500, 1024), ("int4", 34, 4096)])
+@pytest.mark.parametrize("R", [1, 2, 4, 8])
+@pytest.mark.parametrize("inp,out", [("f32norm", "f32"), ("f16", "add"), ("f32norm", "swiglu")])
+def test_quantized_gemv_matches_reference(fmt, rows, K, R, inp, out):
+    if out == "swiglu" and (R == 1 or rows % 2):
+        pytest.skip("swiglu needs R >= 2 and an even row count")
+    rng = np.random.default_rng(rows * K + R)
+    W = weights(rows, K, rows * 3 + K)
+    x = rng.standard_normal(K).astype(np.float32)
+    norm_w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    y0 = rng.standard_normal(rows).astype(np.float32)
+    got = np.array(_core.ops.gemv_quant(W, fmt, x, norm_w, 1e-5, y0, R, inp, out))
+    ref = gemv_ref(_core.ops.dequantize_ref(W, fmt), x, norm_w, 1e-5, y0, inp, out)
+    scale = np.abs(_core.ops.dequantize_ref(W, fmt)).max(1) * np.abs(x).max() * np.sqrt(K)
+    if out == "swiglu":
+        scale = np.ones_like(ref) * scale.max()
+    # int8 accumulates in fp32; int4 sums a group's 16 products per half in fp16 before widening
+    tol = (2e-3 if fmt == "int8" else 1e-2) * scale[: len(ref)] + 1e-5
+    assert np.isfinite(got).all()
+    assert (np.abs(got - ref) <= tol).all(), f"worst {np.max(np.abs(got - ref) / tol):.2f} x tolerance"
+
+
+def test_quantized_gemv_refuses_other_modes():
+    W = weights(4, 64, 0)
+    z = np.zeros(64, np.float32)
+    with pytest.raises(InvalidRequestError, match="quantized weights come with"):
+        _core.ops.gemv_quant(W, "int8", z, z, 1e-5, np.zeros(4, np.float32), 2, "f16", "f32")
+    with pytest.raises(UnsupportedModelError, match="multiple of 32"):
+        _core.ops.gemv_quant(weights(4, 40, 0), "int4", z[:40], z[:40], 1e-5, np.zeros(4, np.float32), 2,
+                             "f32norm", "f32")
+
+
+CONFIGS = {
+    "gqa2_hd64_tied": dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, layers=2, tie=True),
+    "gqa1_hd128": dict(hidden=256, heads=2, kv_heads=2, head_dim=128, intermediate=640, layers=2),
+}
+
+
+@pytest.fixture(scope="module", params=[(c, f) for c in sorted(CONFIGS) for f in ("int8", "int4")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def engines(request, tmp_path_factory):
+    name, fmt = request.param
+    d = make_llama(tmp_path_factory.mktemp(name), vocab=700, **CONFIGS[name])
+    gpu = Engine(d, device="cuda", dtype=fmt, max_seq_len=400)
+    cpu = Engine(d, device="cpu", dtype=fmt, max_seq_len=400)
+    return f"{name}-{fmt}", gpu, cpu
+
+
+@pytest.mark.parametrize("n", [1, 33, 300])
+def test_quantized_gpu_engine_matches_cpu_engine(engines, n):
+    name, gpu, cpu = engines
+    ids = np.random.default_rng(n).integers(3, 700, n).tolist()
+    g, c = gpu.logits(ids), cpu.logits(ids)
+    rel = np.abs(g - c).max() / np.abs(c).max()
+    agree = (g.argmax(-1) == c.argmax(-1)).mean()
+    print(f"{name} n={n}: max rel logit error {rel:.2e}, top-1 agreement {agree:.3f}")
+    assert np.isfinite(g).all() and rel < 2e-2 and agree >= 0.95
+
+
+def test_quantized_decode_matches_cpu(engines):
+    name, gpu, cpu = engines
+    prompt = [5, 17, 400, 23, 99, 7]
+    out = gpu.generate(prompt, max_tokens=24, ignore_eos=True).token_ids
+    ref = cpu.logits(prompt + out[:-1])[len(prompt) - 1:]
+    scale = np.abs(ref).max()
+    assert np.all(ref[np.arange(24), out] >= ref.max(-1) - 2e-2 * scale), name
+    same = int(np.argmax(np.r_[np.array(out) != ref.argmax(-1), True]))
+    print(f"{name}: greedy identical to the CPU argmax for {same}/24")
+
+
+def test_quantized_weights_take_fewer_bytes(tmp_path):
+    d = make_llama(tmp_path / "m", hidden=256, intermediate=512, layers=2, vocab=600)
+    sizes = {f: Engine(d, device="cuda", dtype=f, max_seq_len=64)._core.weight_bytes for f in ("fp16", "int8", "int4")}
+    assert sizes["int4"] < sizes["int8"] < sizes["fp16"]
+
+
+def test_int4_refuses_a_model_it_cannot_take_and_frees_memory(tmp_path):
+    d = make_llama(tmp_path / "m", hidden=256, intermediate=333, layers=1, vocab=300)
+    with pytest.raises(UnsupportedModelError, match="multiples of 32"):
+        Engine(d, device="cuda", dtype="int4", max_seq_len=64)
+    assert Engine(d, device="cuda", dtype="int8", max_seq_len=64).generate([1, 2], max_tokens=2,
+                                                                          ignore_eos=True).token_ids

@@ -1,0 +1,119 @@
+"""Weight-only int8 / int4 formats (cpp/quant.h): the reference packer's invariants on named and random inputs,
+and the CPU engine computing with the dequantized weights. The GPU quantizer, kernels and engine are checked
+against these in test_gpu_quant.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import make_llama
+from tinyinfer import Engine, InvalidRequestError, UnsupportedModelError, _core
+
+POS = [0, 16, 4, 20, 8, 24, 12, 28]  # nibble offsets of weights 0..7 inside a 32-bit word
+
+
+def f16(a):
+    return np.asarray(a, np.float32).astype(np.float16).astype(np.float32)
+
+
+def unpack_i4(q: np.ndarray, K: int) -> np.ndarray:
+    words = q.view(np.uint32).reshape(q.shape[0], K // 8)
+    out = np.zeros((q.shape[0], K), np.int64)
+    for i, p in enumerate(POS):
+        out[:, i::8] = (words >> p) & 0xF
+    return out
+
+
+@pytest.mark.parametrize("rows,K", [(1, 16), (7, 333), (64, 500), (3, 4096)])
+def test_int8_round_trip(rows, K):
+    rng = np.random.default_rng(K)
+    W = rng.standard_normal((rows, K)).astype(np.float32)
+    W[0, :5] = [3.0, -3.0, 0.0, 1e-3, -7.5]  # named values in the first row: its max |w| is 7.5
+    p = _core.ops.quantize_ref(W, "int8")
+    q, s = p["q"].astype(np.int64) - 128, p["scales"][:, 0]
+    assert p["q"].shape == (rows, (K + 15) // 16 * 16)
+    assert (p["q"][:, K:] == 128).all()  # padding is q = 0
+    assert np.abs(q).max() <= 127
+    np.testing.assert_allclose(s, np.abs(f16(W)).max(1) / 127, rtol=1e-6)
+    assert q[0, 4] == -127 and q[0, 2] == 0
+    d = _core.ops.dequantize_ref(W, "int8")
+    np.testing.assert_array_equal(d, q[:, :K].astype(np.float32) * s[:, None])
+    assert (np.abs(d - f16(W)) <= s[:, None] / 2 + 1e-7).all()
+
+
+def test_int8_zero_row_is_exact():
+    W = np.zeros((2, 32), np.float32)
+    W[1] = 1.0
+    d = _core.ops.dequantize_ref(W, "int8")
+    np.testing.assert_array_equal(d, W)
+
+
+@pytest.mark.parametrize("rows,K", [(1, 32), (5, 96), (33, 512), (2, 4096)])
+def test_int4_round_trip_and_nibble_order(rows, K):
+    rng = np.random.default_rng(rows + K)
+    W = rng.standard_normal((rows, K)).astype(np.float32)
+    W[0, :32] = np.arange(32) % 16  # a group holding 0..15 twice: scale 1, min 0, q = the values
+    p = _core.ops.quantize_ref(W, "int4")
+    assert p["q"].shape == (rows, K // 2)
+    q = unpack_i4(p["q"], K)
+    np.testing.assert_array_equal(q[0, :32], np.arange(32) % 16)
+    sm = p["scales"].view(np.float16).astype(np.float32).reshape(rows, K // 32, 2)
+    assert sm[0, 0, 0] == 1.0 and sm[0, 0, 1] == 0.0
+    d = _core.ops.dequantize_ref(W, "int4")
+    want = sm[:, :, :1] * q.reshape(rows, K // 32, 32) + sm[:, :, 1:]
+    np.testing.assert_allclose(d, want.reshape(rows, K), rtol=1e-6, atol=1e-7)
+    g = f16(W).reshape(rows, K // 32, 32)
+    step = (g.max(-1) - g.min(-1)) / 15
+    err = np.abs(d.reshape(rows, K // 32, 32) - g)
+    assert (err <= step[..., None] * 0.5 + np.abs(g).max() * 2e-3).all()  # half a step, plus fp16 scale/min rounding
+
+
+def test_int4_needs_multiples_of_32():
+    with pytest.raises(UnsupportedModelError, match="multiple of 32"):
+        _core.ops.quantize_ref(np.ones((2, 40), np.float32), "int4")
+    with pytest.raises(InvalidRequestError, match="fp16 \\| int8 \\| int4"):
+        _core.ops.quantize_ref(np.ones((2, 32), np.float32), "int3")
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("q"), hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2,
+                      head_dim=64, vocab=512)
+
+
+MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_cpu_engine_computes_with_the_dequantized_weights(small_model, dtype):
+    """Engine(dtype=...) on the CPU == an fp32 engine built from dequantize_ref(W) for every matrix."""
+    from tinyinfer.loaders import load_model
+
+    model = load_model(small_model)
+    store = _core.WeightStore(model.config)
+    for name, arr, src in model.tensors():
+        arr = np.ascontiguousarray(arr, np.float32)
+        if arr.ndim == 2 and any(m in name for m in MATRICES):
+            head = name == "lm_head.weight"
+            arr = _core.ops.dequantize_ref(arr, "int8" if head and dtype == "int4" else dtype)  # int4: int8 head
+        store.add(name, arr, "f32")
+    store.finish()
+    ids = np.random.default_rng(1).integers(3, 512, 40).tolist()
+    want = _core.CpuEngine(store, 64).forward(ids, all_logits=True)
+    eng = Engine(small_model, device="cpu", dtype=dtype)
+    assert eng.dtype == dtype
+    got = eng.logits(ids)
+    np.testing.assert_array_equal(got, want)
+    ref = Engine(small_model, device="cpu").logits(ids)
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    print(f"{dtype}: random-weight model, max rel logit change vs fp32 {rel:.3e}")
+    assert rel > 0  # the weights did change
+    assert eng.generate(ids[:5], max_tokens=4, ignore_eos=True).token_ids  # usable
+
+
+def test_int4_refuses_widths_that_are_not_multiples_of_32(tmp_path):
+    d = make_llama(tmp_path / "m", hidden=256, intermediate=333, layers=1, vocab=300)
+    with pytest.raises(UnsupportedModelError, match="multiples of 32.*333"):
+        Engine(d, device="cpu", dtype="int4")
+    assert Engine(d, device="cpu", dtype="int8").generate([1, 2], max_tokens=2, ignore_eos=True).token_ids

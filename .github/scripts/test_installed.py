@@ -22,8 +22,11 @@ def main() -> int:
     if os.environ.get("TINYINFER_SKIP_TEST_DEPS") != "1":
         try:
             import torch  # noqa: F401
-        except ImportError:
-            pip("torch", "--index-url", "https://download.pytorch.org/whl/cpu")
+        except ImportError:  # the CPU build: a plain `pip install torch` fetches a multi-GB CUDA one on Linux
+            try:
+                pip("torch", "--index-url", "https://download.pytorch.org/whl/cpu")
+            except subprocess.CalledProcessError:
+                pip("torch==2.13.0")  # (an index mirror that carries the CPU build under its plain name)
         pip("transformers>=4.45", "accelerate>=0.30", "pytest>=7", "mypy>=1.8")
     work = tempfile.mkdtemp(prefix="tinyinfer-tests-")
     shutil.copytree(os.path.join(project, "tests"), os.path.join(work, "tests"))

@@ -88,11 +88,18 @@ std::vector<int32_t> to_ids(const std::vector<int64_t>& ids) {
 }
 
 void bind_errors(nb::module_& m) {
-  nb::module_ errors = nb::module_::import_("tinyinfer.errors");
-  static ErrorTypes types{errors.attr("ModelFormatError").inc_ref().ptr(),
-                          errors.attr("UnsupportedModelError").inc_ref().ptr(),
-                          errors.attr("InvalidRequestError").inc_ref().ptr(),
-                          errors.attr("DeviceError").inc_ref().ptr()};
+  static ErrorTypes types{PyExc_RuntimeError, PyExc_RuntimeError, PyExc_RuntimeError, PyExc_RuntimeError};
+  // tinyinfer/__init__.py imports tinyinfer.errors before this module. Imported on its own instead (only
+  // nanobind's stubgen does that, at build time) it must not import the package — that would load an installed
+  // tinyinfer._core next to this one — so every kind stays a plain RuntimeError there.
+  nb::dict modules = nb::borrow<nb::dict>(nb::module_::import_("sys").attr("modules"));
+  if (modules.contains("tinyinfer.errors")) {
+    nb::handle errors = modules["tinyinfer.errors"];
+    types = ErrorTypes{errors.attr("ModelFormatError").inc_ref().ptr(),
+                       errors.attr("UnsupportedModelError").inc_ref().ptr(),
+                       errors.attr("InvalidRequestError").inc_ref().ptr(),
+                       errors.attr("DeviceError").inc_ref().ptr()};
+  }
   nb::register_exception_translator(
       [](const std::exception_ptr& p, void* payload) {
         auto* t = static_cast<ErrorTypes*>(payload);

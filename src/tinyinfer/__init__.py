@@ -25,7 +25,7 @@ def _import_core():
     if sys.platform == "win32":  # DLLs are not found by rpath: name the wheel's directories
         for base in sys.path:
             for sub in ("cu13", "cublas", "cu12"):
-                for b in ("bin", os.path.join("bin", "x64")):
+                for b in ("bin", os.path.join("bin", "x64"), os.path.join("bin", "x86_64")):
                     d = os.path.join(base, "nvidia", sub, b)
                     if os.path.isdir(d):
                         os.add_dll_directory(d)

@@ -226,6 +226,19 @@ void bind_engine(nb::module_& m) {
           "format"_a, nb::call_guard<nb::gil_scoped_release>(),
           "The CPU engine's view of a quantized model: every matrix := dequantize(quantize(fp16(w))).")
       .def_prop_ro("format", [](const ti::WeightStore& w) { return ti::to_string(w.format()); })
+      .def(
+          "add_int4",
+          [](ti::WeightStore& w, const std::string& name,
+             nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> q,
+             nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> sm) {
+            const int64_t rows = (int64_t)q.shape(0), K = (int64_t)q.shape(1) * 2;
+            if ((int64_t)sm.shape(0) != rows || (int64_t)sm.shape(1) != K / ti::kI4Group * 2)
+              ti::fail(ti::ErrorKind::Request, "add_int4 '" + name + "': sm must be (rows, K / 32 * 2)");
+            w.add_int4(name, q.data(), sm.data(), rows, K);
+          },
+          "name"_a, "q"_a, "sm"_a,
+          "An already-int4 matrix (cpp/quant.h layout; a GGUF Q4_0/Q4_1 tensor converted block for block).")
+      .def("is_imported", [](const ti::WeightStore& w, const std::string& n) { return w.imported(n) != nullptr; })
       .def("expected_shape", &ti::WeightStore::expected_shape, "name"_a)
       .def("required_names", &ti::WeightStore::required_names)
       .def_prop_ro("config", &ti::WeightStore::config);

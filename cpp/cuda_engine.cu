@@ -85,6 +85,34 @@ void CudaEngine::store_matrix(const cuda::QMat& m, const std::vector<uint16_t>& 
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // `host` may be reused or freed after this
 }
 
+// After store_matrix: the rows of parts the store holds already in int4 (GGUF Q4_0 / Q4_1, converted block for
+// block) are replaced by those exact bytes, row i of part p sitting at row_of(p, i) of the fused matrix. Rows
+// are independent, so a fused matrix may mix imported and quantized parts (q | k | v of different types).
+void CudaEngine::overlay_imported(const cuda::QMat& m, const WeightStore& w, const std::vector<std::string>& parts,
+                                  const std::function<int64_t(size_t, int64_t)>& row_of) {
+  if (m.fmt != WFormat::I4) return;
+  bool any = false;
+  for (const std::string& name : parts) any = any || w.imported(name) != nullptr;
+  if (!any) return;
+  const int64_t groups = m.K / kI4Group;
+  std::vector<uint8_t> q((size_t)m.rows * m.ld);
+  std::vector<uint16_t> sm((size_t)(m.rows * groups * 2));
+  TI_CUDA_CHECK(cudaMemcpy(q.data(), m.q, q.size(), cudaMemcpyDeviceToHost));
+  TI_CUDA_CHECK(cudaMemcpy(sm.data(), m.scales, sm.size() * 2, cudaMemcpyDeviceToHost));
+  for (size_t p = 0; p < parts.size(); p++) {
+    const QuantMatrix* src = w.imported(parts[p]);
+    if (!src) continue;
+    if (src->K != m.K || src->ld != m.ld) fail(ErrorKind::ModelFormat, "int4 tensor '" + parts[p] + "': bad width");
+    for (int64_t i = 0; i < src->rows; i++) {
+      const int64_t r = row_of(p, i);
+      std::memcpy(&q[(size_t)(r * m.ld)], &src->q[(size_t)(i * src->ld)], (size_t)src->ld);
+      std::memcpy(&sm[(size_t)(r * groups * 2)], &src->sm[(size_t)(i * groups * 2)], (size_t)groups * 4);
+    }
+  }
+  TI_CUDA_CHECK(cudaMemcpy(const_cast<void*>(m.q), q.data(), q.size(), cudaMemcpyHostToDevice));
+  TI_CUDA_CHECK(cudaMemcpy(const_cast<void*>(m.scales), sm.data(), sm.size() * 2, cudaMemcpyHostToDevice));
+}
+
 void CudaEngine::random_matrix(const cuda::QMat& m, uint64_t seed, float scale) {
   const int ldh = (int)cuda::pad8(m.K);
   __half* dst = m.fmt == WFormat::F16 ? static_cast<__half*>(const_cast<void*>(m.q)) : wtmp_;
@@ -229,21 +257,29 @@ void CudaEngine::upload(const WeightStore& w) {
   for (int64_t l = 0; l < c.n_layers; l++) {
     const LayerWeights L = w.layer(l);
     Layer& D = layers_[(size_t)l];
+    auto name = [&](const char* leaf) { return WeightStore::layer_tensor(l, leaf); };
     fresh(c.q_dim + 2 * c.kv_dim, ld_h_);  // q | k | v
     pack_rows(host, L.wq, c.q_dim, c.hidden, ld_h_, same);
     pack_rows(host, L.wk, c.kv_dim, c.hidden, ld_h_, [&](int64_t i) { return c.q_dim + i; });
     pack_rows(host, L.wv, c.kv_dim, c.hidden, ld_h_, [&](int64_t i) { return c.q_dim + c.kv_dim + i; });
     store_matrix(D.qkv, host);
+    overlay_imported(D.qkv, w, {name("self_attn.q_proj.weight"), name("self_attn.k_proj.weight"),
+                                name("self_attn.v_proj.weight")},
+                     [&](size_t p, int64_t i) { return p == 0 ? i : p == 1 ? c.q_dim + i : c.q_dim + c.kv_dim + i; });
     fresh(c.hidden, ld_q_);
     pack_rows(host, L.wo, c.hidden, c.q_dim, ld_q_, same);
     store_matrix(D.o, host);
+    overlay_imported(D.o, w, {name("self_attn.o_proj.weight")}, [](size_t, int64_t i) { return i; });
     fresh(2 * c.intermediate, ld_h_);  // gate_0, up_0, gate_1, up_1, ...
     pack_rows(host, L.w_gate, c.intermediate, c.hidden, ld_h_, [](int64_t i) { return 2 * i; });
     pack_rows(host, L.w_up, c.intermediate, c.hidden, ld_h_, [](int64_t i) { return 2 * i + 1; });
     store_matrix(D.gate_up, host);
+    overlay_imported(D.gate_up, w, {name("mlp.gate_proj.weight"), name("mlp.up_proj.weight")},
+                     [](size_t p, int64_t i) { return 2 * i + (int64_t)p; });
     fresh(c.hidden, ld_i_);
     pack_rows(host, L.w_down, c.hidden, c.intermediate, ld_i_, same);
     store_matrix(D.down, host);
+    overlay_imported(D.down, w, {name("mlp.down_proj.weight")}, [](size_t, int64_t i) { return i; });
     TI_CUDA_CHECK(cudaMemcpy(D.attn_norm, L.attn_norm, c.hidden * sizeof(float), cudaMemcpyHostToDevice));
     TI_CUDA_CHECK(cudaMemcpy(D.mlp_norm, L.mlp_norm, c.hidden * sizeof(float), cudaMemcpyHostToDevice));
   }

@@ -126,6 +126,8 @@ class CudaEngine {
   cuda::GemvParams gemv_params(const cuda::QMat& m, const void* x, void* y, const float* norm_w) const;
   cuda::QMat alloc_matrix(int rows, int K, WFormat fmt);
   void store_matrix(const cuda::QMat& m, const std::vector<uint16_t>& fp16_rows);
+  void overlay_imported(const cuda::QMat& m, const WeightStore& w, const std::vector<std::string>& parts,
+                        const std::function<int64_t(size_t, int64_t)>& row_of);
   void random_matrix(const cuda::QMat& m, uint64_t seed, float scale);
   const __half* fp16_of(const cuda::QMat& m);  // the matrix as fp16 rows (quantized: dequantized into wtmp_)
   int choice(const char* name) const;

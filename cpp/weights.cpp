@@ -73,6 +73,33 @@ static std::string layer_name(int64_t i, const char* leaf) {
   return "model.layers." + std::to_string(i) + "." + leaf;
 }
 
+std::string WeightStore::layer_tensor(int64_t layer, const char* leaf) { return layer_name(layer, leaf); }
+
+void WeightStore::add_int4(const std::string& name, const uint8_t* q, const uint16_t* sm, int64_t rows, int64_t K) {
+  const std::vector<int64_t> want = expected_shape(name);
+  if (want.size() != 2 || name.find("embed_tokens") != std::string::npos || name == "lm_head.weight" ||
+      want[0] != rows || want[1] != K)
+    fail(ErrorKind::ModelFormat, "int4 tensor '" + name + "': not a layer matrix of shape " + shape_str(want));
+  if (K % kI4Group != 0) fail(ErrorKind::Unsupported, "int4 tensor '" + name + "': K must be a multiple of 32");
+  QuantMatrix m;
+  m.format = WFormat::I4;
+  m.rows = rows;
+  m.K = K;
+  m.ld = i4_ld(K);
+  m.q.assign(q, q + rows * m.ld);
+  m.sm.assign(sm, sm + rows * (K / kI4Group) * 2);
+  HostTensor t;
+  t.shape = {rows, K};
+  t.data = dequantize(m);
+  tensors_[name] = std::move(t);
+  imported_[name] = std::move(m);
+}
+
+const QuantMatrix* WeightStore::imported(const std::string& name) const {
+  auto it = imported_.find(name);
+  return it == imported_.end() ? nullptr : &it->second;
+}
+
 WeightStore::WeightStore(const ModelConfig& config) : config_(config) { config_.validate(); }
 
 std::vector<std::string> WeightStore::required_names() const {
@@ -175,6 +202,7 @@ void WeightStore::quantize(WFormat f) {
   if (c.tie_word_embeddings && !tensors_.count("lm_head.weight"))
     tensors_["lm_head.weight"] = get("model.embed_tokens.weight");  // the head is quantized, the lookup is not
   auto q = [&](const std::string& name) {
+    if (f == WFormat::I4 && imported_.count(name)) return;  // imported block for block: already exact
     HostTensor& t = tensors_.at(name);
     quantize_dequantize(f, t.data.data(), t.shape[0], t.shape[1]);
   };

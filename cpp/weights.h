@@ -66,6 +66,12 @@ class WeightStore {
   // unquantized, as on the GPU).
   void quantize(WFormat f);
   WFormat format() const { return format_; }
+  // An already-quantized matrix in our int4 layout (a GGUF Q4_0 / Q4_1 tensor converted block for block: no
+  // second rounding). Its fp32 data become exactly the dequantized values; quantize(I4) keeps it as it is and
+  // the GPU engine uploads these bytes instead of quantizing. q: (rows, K/2) bytes; sm: (rows, K/32 * 2) fp16 bits.
+  void add_int4(const std::string& name, const uint8_t* q, const uint16_t* sm, int64_t rows, int64_t K);
+  const QuantMatrix* imported(const std::string& name) const;  // nullptr unless add_int4 gave it
+  static std::string layer_tensor(int64_t layer, const char* leaf);  // "model.layers.{layer}.{leaf}"
 
   // The shape the config implies for a tensor name, or an empty vector if the name is not one of ours.
   std::vector<int64_t> expected_shape(const std::string& name) const;
@@ -74,6 +80,7 @@ class WeightStore {
  private:
   ModelConfig config_;
   std::unordered_map<std::string, HostTensor> tensors_;
+  std::unordered_map<std::string, QuantMatrix> imported_;
   bool finished_ = false;
   WFormat format_ = WFormat::F16;
 };

@@ -131,3 +131,15 @@ def test_int4_refuses_a_model_it_cannot_take_and_frees_memory(tmp_path):
         Engine(d, device="cuda", dtype="int4", max_seq_len=64)
     assert Engine(d, device="cuda", dtype="int8", max_seq_len=64).generate([1, 2], max_tokens=2,
                                                                           ignore_eos=True).token_ids
+
+
+def test_gguf_q4_blocks_on_the_gpu_match_the_cpu(tmp_path):
+    from test_quant import q4_gguf
+
+    path = q4_gguf(tmp_path)
+    ids = list(range(3, 120))
+    g = Engine(path, device="cuda", dtype="int4", max_seq_len=256).logits(ids)
+    c = Engine(path, device="cpu", dtype="int4", max_seq_len=256).logits(ids)
+    rel = np.abs(g - c).max() / np.abs(c).max()
+    print(f"imported Q4 blocks: GPU vs CPU max rel logit error {rel:.2e}")
+    assert rel < 2e-2 and (g.argmax(-1) == c.argmax(-1)).mean() >= 0.95

@@ -117,3 +117,50 @@ def test_int4_refuses_widths_that_are_not_multiples_of_32(tmp_path):
     with pytest.raises(UnsupportedModelError, match="multiples of 32.*333"):
         Engine(d, device="cpu", dtype="int4")
     assert Engine(d, device="cpu", dtype="int8").generate([1, 2], max_tokens=2, ignore_eos=True).token_ids
+
+
+def int4_dequant(q: np.ndarray, sm: np.ndarray) -> np.ndarray:
+    rows, K = q.shape[0], q.shape[1] * 2
+    qv = unpack_i4(q, K).astype(np.float32).reshape(rows, K // 32, 32)
+    s = sm.view(np.float16).astype(np.float32).reshape(rows, K // 32, 2)
+    return (s[..., :1] * qv + s[..., 1:]).reshape(rows, K)
+
+
+
+
+def q4_gguf(tmp_path):
+    import gguf
+
+    from test_gguf import spm_vocab, tiny_llama, write_llama_gguf
+
+    Q = gguf.GGMLQuantizationType
+    types = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q4_1, "ffn_gate": Q.Q4_0,
+             "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_1}
+    return write_llama_gguf(tmp_path / "q4.gguf", tiny_llama(len(spm_vocab()[0])), types)
+
+
+def test_gguf_q4_blocks_are_imported_without_a_second_rounding(tmp_path):
+    from tinyinfer.loaders import load_model
+
+    path = q4_gguf(tmp_path)
+    model = load_model(path)
+    blocks = {n: (q, sm) for n, q, sm in model.extra["int4_blocks"]()}
+    assert len(blocks) == 2 * 6 and not any("v_proj" in n for n in blocks)  # Q8_0 v is not int4
+    fp = {n: a for n, a, _ in model.tensors()}
+    for n, (q, sm) in blocks.items():  # the converted blocks stand for exactly gguf's dequantized values
+        np.testing.assert_array_equal(int4_dequant(q, sm), fp[n], err_msg=n)
+
+    # The int4 CPU engine computes with exactly those values (and int4-quantized v, an int8 head).
+    store = _core.WeightStore(model.config)
+    for n, a in fp.items():
+        a = np.ascontiguousarray(a, np.float32)
+        if "v_proj" in n:
+            a = _core.ops.dequantize_ref(a, "int4")
+        elif n == "lm_head.weight":
+            a = _core.ops.dequantize_ref(a, "int8")
+        store.add(n, a, "f32")
+    store.finish()
+    ids = list(range(3, 40))
+    want = _core.CpuEngine(store, 64).forward(ids, all_logits=True)
+    got = Engine(path, device="cpu", dtype="int4", max_seq_len=64).logits(ids)
+    np.testing.assert_array_equal(got, want)

@@ -292,6 +292,34 @@ def config_from_gguf(meta: dict[str, Any], tensor_rows: dict[str, int], where: s
 
 # ---- the loader ----
 
+_I4_POS = (0, 16, 4, 20, 8, 24, 12, 28)  # nibble offsets of weights 0..7 in a word (cpp/quant.h)
+
+
+def q4_blocks_to_int4(raw: np.ndarray, type_name: str, rows: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q4_0 / Q4_1 blocks -> the engine's int4 layout (groups of 32, fp16 scale and min), with no second
+    rounding: Q4_1's w = d q + m is ours with (scale, min) = (d, m); Q4_0's w = d (q - 8) is ours with
+    min = -8 d (exact in fp16 unless it overflows, which the caller checks). Returns q (rows, K/2) bytes and
+    sm (rows, K/32 * 2) fp16 bits."""
+    size = 20 if type_name == "Q4_1" else 18
+    b = np.asarray(raw, dtype=np.uint8).reshape(rows, K // 32, size)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]
+    if type_name == "Q4_1":
+        m = b[..., 2:4].copy().view(np.float16)[..., 0]
+        qs = b[..., 4:20]
+    else:
+        with np.errstate(over="raise"):
+            m = (d * np.float16(-8)).astype(np.float16)
+        qs = b[..., 2:18]
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.uint32)  # weights 0..15, then 16..31
+    q = q.reshape(rows, K // 32, 4, 8)
+    words = np.zeros((rows, K // 32, 4), np.uint32)
+    for i, pos in enumerate(_I4_POS):
+        words |= q[..., i] << np.uint32(pos)
+    q_bytes = np.ascontiguousarray(words.astype("<u4")).view(np.uint8).reshape(rows, K // 2)
+    sm = np.ascontiguousarray(np.stack([d, m], axis=-1)).view(np.uint16).reshape(rows, K // 32 * 2)
+    return q_bytes, sm
+
+
 def load_gguf(path: Path) -> LoadedModel:
     """Load a llama-architecture GGUF: config, tensors (HF names, dequantized where needed), tokenizer."""
     path = Path(path)
@@ -378,6 +406,24 @@ def load_gguf(path: Path) -> LoadedModel:
                 array = np.ascontiguousarray(array)
             yield hf, array, core_dtype
 
+    def int4_blocks() -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+        """The Q4_0 / Q4_1 layer matrices in the engine's int4 layout (Engine(dtype="int4") imports them as
+        they are: no second rounding). Q and K rows get the same un-permutation as their fp32 twins."""
+        for name, (type_name, t) in infos.items():
+            hf = hf_tensor_name(name)
+            if hf is None or type_name not in ("Q4_0", "Q4_1") or ".layers." not in hf:
+                continue
+            rows, K = int(t.shape[-1]), int(t.shape[0])
+            try:
+                q, sm = q4_blocks_to_int4(np.asarray(t.data), type_name, rows, K)
+            except FloatingPointError:
+                continue  # a Q4_0 scale whose -8x overflows fp16: this one is re-quantized instead
+            n = n_heads if name.endswith(".attn_q.weight") else n_kv if name.endswith(".attn_k.weight") else 0
+            if n:
+                order = reverse_rope_permute(np.arange(rows)[:, None], n)[:, 0]
+                q, sm = np.ascontiguousarray(q[order]), np.ascontiguousarray(sm[order])
+            yield hf, q, sm
+
     tokenizer = None
     if "tokenizer.ggml.model" in meta:
         tokenizer = Tokenizer.from_gguf_metadata(meta, where=where)
@@ -390,8 +436,8 @@ def load_gguf(path: Path) -> LoadedModel:
         tokenizer=tokenizer,
         path=path,
         description=f"GGUF ({', '.join(kinds)}; {n_quant} tensor{'s' if n_quant != 1 else ''} dequantized to fp32)",
-        extra={"gguf_types": gguf_types, "gguf_metadata": {k: v for k, v in meta.items()
-                                                           if k not in _TOKENIZER_ARRAYS}},
+        extra={"gguf_types": gguf_types, "int4_blocks": int4_blocks,
+               "gguf_metadata": {k: v for k, v in meta.items() if k not in _TOKENIZER_ARRAYS}},
     )
 
 

@@ -598,6 +598,7 @@ NB_MODULE(_core, m) {
 #endif
   );
   info["cuda_architectures"] = TINYINFER_CUDA_ARCHS;
+  info["no_cuda_reason"] = TINYINFER_NO_CUDA_REASON;  // empty in a CUDA build
   info["openmp"] = nb::bool_(
 #ifdef _OPENMP
       true

@@ -39,3 +39,14 @@ def test_bench_without_a_gpu_says_why():
                          capture_output=True, text=True)
     assert out.returncode == 1
     assert "tinyinfer: error:" in out.stderr and ("CUDA" in out.stderr or "GPU" in out.stderr)
+
+
+def test_build_info_says_why_there_is_no_cuda_backend():
+    from tinyinfer import _core
+    from tinyinfer.engine import cuda_status
+
+    info = _core.build_info
+    assert bool(info["no_cuda_reason"]) != bool(info["cuda"])  # a reason exactly when CUDA is absent
+    if not info["cuda"]:
+        usable, why = cuda_status()
+        assert not usable and info["no_cuda_reason"] in why

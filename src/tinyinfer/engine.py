@@ -62,7 +62,8 @@ class Completion:
 def cuda_status() -> tuple[bool, str]:
     """(usable, reason): whether this build has the GPU engine and a usable GPU is present."""
     if not hasattr(_core, "CudaEngine"):
-        return False, "this build of tinyinfer has no CUDA backend (no CUDA compiler when it was built)"
+        why = _core.build_info.get("no_cuda_reason") or "no CUDA compiler was found when it was built"
+        return False, f"this build of tinyinfer has no CUDA backend ({why})"
     status = _core.ops.device_status()
     return bool(status["usable"]), str(status.get("reason") or "")
 

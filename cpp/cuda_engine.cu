@@ -135,12 +135,8 @@ void CudaEngine::allocate() {
     weight_bytes_ += n * sizeof(__half);
     return static_cast<__half*>(dalloc(n * sizeof(__half), false));
   };
-  if (opt_.weights == WFormat::I4)  // refused before any allocation
-    for (int64_t K : {c.hidden, c.q_dim, c.intermediate})
-      if (K % kI4Group != 0)
-        fail(ErrorKind::Unsupported, "int4 weights need hidden, n_heads * head_dim and intermediate to be "
-                                     "multiples of 32 (this model has " + std::to_string(c.hidden) + ", " +
-                                     std::to_string(c.q_dim) + ", " + std::to_string(c.intermediate) + ")");
+  // refused before any allocation
+  if (opt_.weights == WFormat::I4) require_int4_widths(c.hidden, c.q_dim, c.intermediate);
   auto norm = [&](size_t n) {
     weight_bytes_ += n * sizeof(float);
     return static_cast<float*>(dalloc(n * sizeof(float), false));

@@ -26,6 +26,14 @@ int64_t quant_bytes(WFormat f, int64_t rows, int64_t K) {
   return 0;
 }
 
+void require_int4_widths(int64_t hidden, int64_t q_dim, int64_t intermediate) {
+  for (int64_t K : {hidden, q_dim, intermediate})
+    if (K % kI4Group != 0)
+      fail(ErrorKind::Unsupported, "int4 weights need hidden, n_heads * head_dim and intermediate to be "
+                                   "multiples of 32 (this model has " + std::to_string(hidden) + ", " +
+                                   std::to_string(q_dim) + ", " + std::to_string(intermediate) + ")");
+}
+
 static float round_half(float x) { return half_to_float(float_to_half(x)); }
 
 QuantMatrix quantize(WFormat f, const float* w, int64_t rows, int64_t K) {
@@ -57,7 +65,6 @@ QuantMatrix quantize(WFormat f, const float* w, int64_t rows, int64_t K) {
     if (K % kI4Group != 0)
       fail(ErrorKind::Unsupported, "int4 weights need every matrix width to be a multiple of 32, got " +
                                        std::to_string(K));
-    static const int kPos[8] = {0, 16, 4, 20, 8, 24, 12, 28};
     m.ld = i4_ld(K);
     m.q.assign((size_t)(rows * m.ld), 0);
     m.sm.resize((size_t)(rows * (K / kI4Group) * 2));
@@ -76,7 +83,7 @@ QuantMatrix quantize(WFormat f, const float* w, int64_t rows, int64_t K) {
         uint32_t* words = reinterpret_cast<uint32_t*>(&m.q[(size_t)(r * m.ld + g * kI4Group / 2)]);
         for (int i = 0; i < kI4Group; i++) {
           const float q = s > 0.0f ? std::min(15.0f, std::max(0.0f, std::rint((v[i] - mn) / s))) : 0.0f;
-          words[i / 8] |= (uint32_t)q << kPos[i % 8];
+          words[i / 8] |= (uint32_t)q << i4_nibble_pos(i % 8);
         }
       }
     }
@@ -92,7 +99,6 @@ std::vector<float> dequantize(const QuantMatrix& m) {
       for (int64_t k = 0; k < m.K; k++)
         w[(size_t)(r * m.K + k)] = (float)((int)m.q[(size_t)(r * m.ld + k)] - 128) * m.scale[(size_t)r];
   } else if (m.format == WFormat::I4) {
-    static const int kPos[8] = {0, 16, 4, 20, 8, 24, 12, 28};
     const int64_t groups = m.K / kI4Group;
     for (int64_t r = 0; r < m.rows; r++)
       for (int64_t g = 0; g < groups; g++) {
@@ -100,7 +106,7 @@ std::vector<float> dequantize(const QuantMatrix& m) {
         const float mn = half_to_float(m.sm[(size_t)((r * groups + g) * 2 + 1)]);
         const uint32_t* words = reinterpret_cast<const uint32_t*>(&m.q[(size_t)(r * m.ld + g * kI4Group / 2)]);
         for (int i = 0; i < kI4Group; i++) {
-          const uint32_t q = (words[i / 8] >> kPos[i % 8]) & 0xF;
+          const uint32_t q = (words[i / 8] >> i4_nibble_pos(i % 8)) & 0xF;
           w[(size_t)(r * m.K + g * kI4Group + i)] = s * (float)q + mn;
         }
       }

@@ -27,6 +27,13 @@ WFormat wformat_from_string(const std::string& s);  // "fp16" | "int8" | "int4"
 std::string to_string(WFormat f);
 
 constexpr int kI4Group = 32;
+// Bit offset of weight i (0..7) inside its 32-bit word: 0, 16, 4, 20, 8, 24, 12, 28 (see the format note above).
+// A constexpr function rather than a table, so host code and the kernels share it.
+constexpr int i4_nibble_pos(int i) { return (i & 1) * 16 + (i >> 1) * 4; }
+static_assert(i4_nibble_pos(0) == 0 && i4_nibble_pos(1) == 16 && i4_nibble_pos(6) == 12 && i4_nibble_pos(7) == 28,
+              "int4 nibble order");
+// Throws ti::Error(Unsupported) unless every matrix width of the model is a multiple of the int4 group.
+void require_int4_widths(int64_t hidden, int64_t q_dim, int64_t intermediate);
 // The LM head's format for a model in format f: int4 models keep an int8 head. Measured on SmolLM2-135M (whose
 // GGUF head is Q8_0): an int4 head costs +7.6% perplexity, an int8 one -0.1% (bench/results/QUANT-NOTES.md);
 // llama.cpp's 4-bit mixes likewise keep the output matrix at 6-8 bits.

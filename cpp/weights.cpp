@@ -193,12 +193,7 @@ void WeightStore::quantize(WFormat f) {
   if (f == WFormat::F16) return;
   const ModelConfig& c = config_;
   // Check every width first: a model int4 cannot take is refused before anything changes.
-  if (f == WFormat::I4)
-    for (int64_t K : {c.hidden, c.q_dim, c.intermediate})
-      if (K % kI4Group != 0)
-        fail(ErrorKind::Unsupported, "int4 weights need hidden, n_heads * head_dim and intermediate to be "
-                                     "multiples of 32 (this model has " + std::to_string(c.hidden) + ", " +
-                                     std::to_string(c.q_dim) + ", " + std::to_string(c.intermediate) + ")");
+  if (f == WFormat::I4) require_int4_widths(c.hidden, c.q_dim, c.intermediate);
   if (c.tie_word_embeddings && !tensors_.count("lm_head.weight"))
     tensors_["lm_head.weight"] = get("model.embed_tokens.weight");  // the head is quantized, the lookup is not
   auto q = [&](const std::string& name) {

@@ -50,12 +50,11 @@ __global__ void quantize_i4_kernel(const __half* W, int ldw, int rows, int K, ui
   const __half sh = __float2half_rn((hi - lo) / 15.0f), mh = __float2half_rn(lo);
   const float s = __half2float(sh), mn = __half2float(mh);
   sm[(size_t)r * groups + g] = __halves2half2(sh, mh);
-  constexpr int kPos[8] = {0, 16, 4, 20, 8, 24, 12, 28};
   uint32_t words[4] = {0, 0, 0, 0};
 #pragma unroll
   for (int i = 0; i < kI4Group; i++) {
     const float qf = s > 0.0f ? fminf(15.0f, fmaxf(0.0f, rintf((v[i] - mn) / s))) : 0.0f;
-    words[i / 8] |= (uint32_t)qf << kPos[i % 8];
+    words[i / 8] |= (uint32_t)qf << i4_nibble_pos(i % 8);
   }
   *reinterpret_cast<uint4*>(q + (size_t)r * (K / 2) + (size_t)g * (kI4Group / 2)) =
       make_uint4(words[0], words[1], words[2], words[3]);
@@ -93,9 +92,8 @@ __global__ void dequantize_kernel(QMat m, __half* out, int ldo) {
       const uint32_t word = *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(m.q) + (size_t)r * m.ld +
                                                                k0 / 2);
       const float2 smf = __half22float2(static_cast<const __half2*>(m.scales)[(size_t)r * groups + k0 / kI4Group]);
-      constexpr int kPos[8] = {0, 16, 4, 20, 8, 24, 12, 28};
 #pragma unroll
-      for (int i = 0; i < 8; i++) o[i] = __float2half(smf.x * (float)((word >> kPos[i]) & 0xF) + smf.y);
+      for (int i = 0; i < 8; i++) o[i] = __float2half(smf.x * (float)((word >> i4_nibble_pos(i)) & 0xF) + smf.y);
     } else {
 #pragma unroll
       for (int i = 0; i < 8; i++) o[i] = __float2half(0.0f);

@@ -178,6 +178,17 @@ __device__ __forceinline__ void stage_xsum(const GemvParams& p, const __half* xs
     }
   }
 }
+// The block's prologue after pdl_wait(): the input staged (and, for I4, its group sums), visible to all.
+template <WFormat WF, GemvIn IN>
+__device__ __forceinline__ void stage_input(const GemvParams& p, __half* xs, float* xsum, float* red) {
+  stage_x<IN>(p, xs, red);
+  __syncthreads();
+  if constexpr (WF == WFormat::I4) {
+    stage_xsum<WF>(p, xs, xsum);
+    __syncthreads();
+  }
+}
+
 template <WFormat WF>
 __device__ __forceinline__ float row_scale(const GemvParams& p, int row) {
   if constexpr (WF == WFormat::I8) return static_cast<const float*>(p.scales)[row];
@@ -210,12 +221,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
   pdl_wait();
   pdl_launch_dependents();
 
-  stage_x<IN>(p, xs, red);
-  __syncthreads();
-  if constexpr (WF == WFormat::I4) {
-    stage_xsum<WF>(p, xs, xsum);
-    __syncthreads();
-  }
+  stage_input<WF, IN>(p, xs, xsum, red);
   if (row0 >= p.rows) return;
 
   QCtx ctx[R];
@@ -302,12 +308,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p)
 
   pdl_wait();
   pdl_launch_dependents();
-  stage_x<IN>(p, xs, red);
-  __syncthreads();
-  if constexpr (WF == WFormat::I4) {
-    stage_xsum<WF>(p, xs, xsum);
-    __syncthreads();
-  }
+  stage_input<WF, IN>(p, xs, xsum, red);
 
   QCtx ctx[RB];
 #pragma unroll

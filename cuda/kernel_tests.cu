@@ -23,6 +23,44 @@ struct Buf {
 void put(void* dst, const void* src, size_t bytes) { TI_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice)); }
 void get(void* dst, const void* src, size_t bytes) { TI_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost)); }
 
+// The vectors of one GEMV call on the device: input x (fp16, zero padded to the staged width ld, or fp32 for
+// F32Norm), norm weight, output y (y_init for AddF32, else NaN-poisoned); result() reads y back as floats.
+struct GemvIO {
+  Buf dx, dn, dy;
+  int rows, n_out;
+  GemvOut out;
+  GemvIO(int ld, int K, int rows_, const float* x, const float* norm_w, const float* y_init, GemvIn in, GemvOut out_)
+      : dx((size_t)ld * 4), dn((size_t)K * 4), dy((size_t)rows_ * 4), rows(rows_),
+        n_out(out_ == GemvOut::Swiglu ? rows_ / 2 : rows_), out(out_) {
+    if (in == GemvIn::F16) {
+      std::vector<__half> xh((size_t)ld, __float2half(0.0f));
+      for (int k = 0; k < K; k++) xh[k] = __float2half(x[k]);
+      put(dx.p, xh.data(), (size_t)ld * 2);
+    } else {
+      put(dx.p, x, (size_t)K * 4);
+      put(dn.p, norm_w, (size_t)K * 4);
+    }
+    if (out == GemvOut::AddF32) put(dy.p, y_init, (size_t)rows * 4);
+    else TI_CUDA_CHECK(cudaMemset(dy.p, 0xFF, (size_t)rows * 4));  // NaN in fp32 and fp16: poison
+  }
+  void into(GemvParams& p) {
+    p.x = dx.p;
+    p.norm_w = dn.as<float>();
+    p.y = dy.p;
+  }
+  std::vector<float> result() {
+    std::vector<float> y((size_t)n_out);
+    if (out == GemvOut::Swiglu) {
+      std::vector<__half> yh((size_t)n_out);
+      get(yh.data(), dy.p, (size_t)n_out * 2);
+      for (int i = 0; i < n_out; i++) y[i] = __half2float(yh[i]);
+    } else {
+      get(y.data(), dy.p, (size_t)n_out * 4);
+    }
+    return y;
+  }
+};
+
 }  // namespace
 
 std::vector<float> run_gemv(const uint16_t* W, int rows, int K, const float* x, const float* norm_w, float eps,
@@ -31,42 +69,19 @@ std::vector<float> run_gemv(const uint16_t* W, int rows, int K, const float* x, 
   std::vector<uint16_t> wp((size_t)rows * ld, 0);
   for (int r = 0; r < rows; r++)
     for (int k = 0; k < K; k++) wp[(size_t)r * ld + k] = W[(size_t)r * K + k];
-  Buf dW(wp.size() * 2), dx((size_t)ld * 4), dn((size_t)K * 4), dy((size_t)rows * 4);
+  Buf dW(wp.size() * 2);
   put(dW.p, wp.data(), wp.size() * 2);
-  if (in == GemvIn::F16) {
-    std::vector<__half> xh(K);
-    for (int k = 0; k < K; k++) xh[k] = __float2half(x[k]);
-    put(dx.p, xh.data(), (size_t)K * 2);
-  } else {
-    put(dx.p, x, (size_t)K * 4);
-    put(dn.p, norm_w, (size_t)K * 4);
-  }
-  const int n_out = out == GemvOut::Swiglu ? rows / 2 : rows;
-  if (out == GemvOut::AddF32) {
-    put(dy.p, y_init, (size_t)rows * 4);
-  } else {
-    TI_CUDA_CHECK(cudaMemset(dy.p, 0xFF, (size_t)rows * 4));  // NaN in fp32 and fp16: poison
-  }
+  GemvIO io(ld, K, rows, x, norm_w, y_init, in, out);
   GemvParams p;
   p.W = dW.as<__half>();
   p.rows = rows;
   p.K = K;
   p.ld = ld;
-  p.x = dx.p;
-  p.norm_w = dn.as<float>();
   p.eps = eps;
-  p.y = dy.p;
+  io.into(p);
   gemv(p, R, in, out, 0, false);
   TI_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<float> y((size_t)n_out);
-  if (out == GemvOut::Swiglu) {
-    std::vector<__half> yh((size_t)n_out);
-    get(yh.data(), dy.p, (size_t)n_out * 2);
-    for (int i = 0; i < n_out; i++) y[i] = __half2float(yh[i]);
-  } else {
-    get(y.data(), dy.p, (size_t)n_out * 4);
-  }
-  return y;
+  return io.result();
 }
 
 std::vector<float> run_decode_attention(const float* qkv, uint16_t* k_cache, uint16_t* v_cache, const float* cos,
@@ -290,18 +305,7 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
   check_quant_shape(K, fmt);
   DeviceQuant d(W, rows, K, fmt);
   const int ld = fmt == WFormat::I8 ? (int)i8_ld(K) : K;  // the staged input width
-  Buf dx((size_t)ld * 4), dn((size_t)K * 4), dy((size_t)rows * 4);
-  if (in == GemvIn::F16) {
-    std::vector<__half> xh((size_t)ld, __float2half(0.0f));
-    for (int k = 0; k < K; k++) xh[k] = __float2half(x[k]);
-    put(dx.p, xh.data(), (size_t)ld * 2);
-  } else {
-    put(dx.p, x, (size_t)K * 4);
-    put(dn.p, norm_w, (size_t)K * 4);
-  }
-  const int n_out = out == GemvOut::Swiglu ? rows / 2 : rows;
-  if (out == GemvOut::AddF32) put(dy.p, y_init, (size_t)rows * 4);
-  else TI_CUDA_CHECK(cudaMemset(dy.p, 0xFF, (size_t)rows * 4));
+  GemvIO io(ld, K, rows, x, norm_w, y_init, in, out);
   GemvParams p;
   p.fmt = fmt;
   p.q = static_cast<const uint8_t*>(d.m.q);
@@ -310,21 +314,11 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
   p.rows = rows;
   p.K = K;
   p.ld = ld;
-  p.x = dx.p;
-  p.norm_w = dn.as<float>();
   p.eps = eps;
-  p.y = dy.p;
+  io.into(p);
   gemv(p, R, in, out, 0, false);
   TI_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<float> y((size_t)n_out);
-  if (out == GemvOut::Swiglu) {
-    std::vector<__half> yh((size_t)n_out);
-    get(yh.data(), dy.p, (size_t)n_out * 2);
-    for (int i = 0; i < n_out; i++) y[i] = __half2float(yh[i]);
-  } else {
-    get(y.data(), dy.p, (size_t)n_out * 4);
-  }
-  return y;
+  return io.result();
 }
 
 }  // namespace ti::cuda

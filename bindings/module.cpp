@@ -291,7 +291,9 @@ void bind_engine(nb::module_& m) {
                d["K"] = g.K;
                d["copies"] = g.copies;
                d["R"] = g.R;
+               d["blocks_per_sm"] = g.blocks_per_sm;
                d["tried_R"] = g.tried_R;
+               d["tried_blocks_per_sm"] = g.tried_bps;
                d["us"] = g.us;
                d["gb_per_s"] = g.gb_per_s;
                out.append(d);
@@ -412,6 +414,14 @@ void bind_ops(nb::module_& m) {
       "bytes"_a = (size_t)1 << 31, "iters"_a = 20,
       "Streaming-read bandwidth of GPU 0 (cuda/bandwidth.cu): best of `iters` passes over `bytes`.");
   ops.def(
+      "kernel_chain_us",
+      [](int kernels, int blocks, bool pdl, bool early) {
+        nb::gil_scoped_release release;
+        return ti::cuda::kernel_chain_us(kernels, blocks, pdl, early);
+      },
+      "kernels"_a = 200, "blocks"_a = 132, "pdl"_a = true, "early"_a = false,
+      "Microseconds per kernel of a graph-replayed chain of dependent near-empty kernels (cuda/bandwidth.cu).");
+  ops.def(
       "stream_read_xor",
       [](nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> a, int blocks) {
         if (blocks < 1) ti::fail(ti::ErrorKind::Request, "blocks must be >= 1");
@@ -422,7 +432,7 @@ void bind_ops(nb::module_& m) {
   ops.def(
       "gemv",
       [](nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> W, F32In1 x, F32In1 norm_w,
-         float eps, F32In1 y_init, int R, const std::string& in, const std::string& out) {
+         float eps, F32In1 y_init, int R, const std::string& in, const std::string& out, int grid) {
         const int rows = (int)W.shape(0), K = (int)W.shape(1);
         if ((int)x.shape(0) != K) ti::fail(ti::ErrorKind::Request, "gemv: len(x) != W.shape[1]");
         const ti::cuda::GemvIn gi = in == "f32norm" ? ti::cuda::GemvIn::F32Norm : ti::cuda::GemvIn::F16;
@@ -435,12 +445,13 @@ void bind_ops(nb::module_& m) {
         std::vector<float> y;
         {
           nb::gil_scoped_release release;
-          y = ti::cuda::run_gemv(W.data(), rows, K, x.data(), norm_w.data(), eps, y_init.data(), R, gi, go);
+          y = ti::cuda::run_gemv(W.data(), rows, K, x.data(), norm_w.data(), eps, y_init.data(), R, gi, go, grid);
         }
         return y;
       },
-      "W_f16_bits"_a, "x"_a, "norm_w"_a, "eps"_a, "y_init"_a, "R"_a, "input"_a, "output"_a,
-      "One GEMV launch (cuda/gemv.cu). input: 'f16' | 'f32norm'; output: 'f32' | 'add' | 'swiglu'.");
+      "W_f16_bits"_a, "x"_a, "norm_w"_a, "eps"_a, "y_init"_a, "R"_a, "input"_a, "output"_a, "grid"_a = 0,
+      "One GEMV launch (cuda/gemv.cu). input: 'f16' | 'f32norm'; output: 'f32' | 'add' | 'swiglu'; grid: "
+      "GemvParams.blocks_per_sm (0: a block per tile; n > 0: n per SM; n < 0: exactly -n blocks).");
   ops.def(
       "decode_attention",
       [](F32In1 qkv, nb::ndarray<uint16_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> k_cache,
@@ -486,7 +497,7 @@ void bind_ops(nb::module_& m) {
   ops.def(
       "gemv_quant",
       [](F32In2 W, const std::string& f, F32In1 x, F32In1 norm_w, float eps, F32In1 y_init, int R,
-         const std::string& in, const std::string& out) {
+         const std::string& in, const std::string& out, int grid) {
         const int rows = (int)W.shape(0), K = (int)W.shape(1);
         if ((int)x.shape(0) != K) ti::fail(ti::ErrorKind::Request, "gemv_quant: len(x) != W.shape[1]");
         const ti::cuda::GemvIn gi = in == "f32norm" ? ti::cuda::GemvIn::F32Norm : ti::cuda::GemvIn::F16;
@@ -500,12 +511,12 @@ void bind_ops(nb::module_& m) {
         {
           nb::gil_scoped_release release;
           y = ti::cuda::run_gemv_quant(W.data(), rows, K, ti::wformat_from_string(f), x.data(), norm_w.data(), eps,
-                                       y_init.data(), R, gi, go);
+                                       y_init.data(), R, gi, go, grid);
         }
         return y;
       },
-      "W"_a, "format"_a, "x"_a, "norm_w"_a, "eps"_a, "y_init"_a, "R"_a, "input"_a, "output"_a,
-      "One quantized GEMV (cuda/gemv.cu) over W quantized on the device.");
+      "W"_a, "format"_a, "x"_a, "norm_w"_a, "eps"_a, "y_init"_a, "R"_a, "input"_a, "output"_a, "grid"_a = 0,
+      "One quantized GEMV (cuda/gemv.cu) over W quantized on the device; grid as in gemv.");
   ops.def(
       "gemm",
       [](nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> W, F32In2 X, F32In2 y_init,

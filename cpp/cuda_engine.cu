@@ -376,8 +376,10 @@ CudaEngine::~CudaEngine() { release(); }
 
 // ---- the decode step, top to bottom ----
 
-cuda::GemvParams CudaEngine::gemv_params(const cuda::QMat& m, const void* x, void* y, const float* norm_w) const {
+cuda::GemvParams CudaEngine::gemv_params(const cuda::QMat& m, const void* x, void* y, const float* norm_w,
+                                         bool early_trigger) const {
   cuda::GemvParams p;
+  p.early_trigger = early_trigger;
   p.rows = m.rows;
   p.K = m.K;
   p.fmt = m.fmt;
@@ -425,6 +427,12 @@ int CudaEngine::choice(const char* name) const {
   return 2;
 }
 
+cuda::GemvParams CudaEngine::tuned(const char* name, cuda::GemvParams p) const {
+  for (const GemvChoice& g : gemv_choices_)
+    if (g.name == name) p.blocks_per_sm = g.blocks_per_sm;
+  return p;
+}
+
 void CudaEngine::record_forward(cudaStream_t s) {
   const ModelConfig& c = cfg_;
   const int H = (int)c.hidden;
@@ -432,19 +440,21 @@ void CudaEngine::record_forward(cudaStream_t s) {
   cuda::embed_token(embedding_, ld_h_, H, d_state_, x_, s, pdl_);  // x = embed[token]
   for (int64_t l = 0; l < c.n_layers; l++) {
     const Layer& L = layers_[(size_t)l];
-    // qkv = [Wq; Wk; Wv] @ rmsnorm(x)
-    cuda::gemv(gemv_params(L.qkv, x_, qkv_, L.attn_norm), r_qkv, GemvIn::F32Norm, GemvOut::F32, s, pdl_);
+    // qkv = [Wq; Wk; Wv] @ rmsnorm(x). It alone triggers late (after its wait): the attention after it reads pos
+    // and the cache before its own wait (common.cuh, the two-back rule); the others trigger at their start.
+    cuda::gemv(tuned("qkv", gemv_params(L.qkv, x_, qkv_, L.attn_norm)), r_qkv, GemvIn::F32Norm, GemvOut::F32, s, pdl_);
     // att = softmax(rope(q) rope(K)^T / sqrt(d)) V, writing rope(k), v at pos into the cache
     cuda::decode_attention(attn_params(l), s, pdl_);
     // x += Wo @ att
-    cuda::gemv(gemv_params(L.o, att_, x_, nullptr), r_o, GemvIn::F16, GemvOut::AddF32, s, pdl_);
+    cuda::gemv(tuned("o", gemv_params(L.o, att_, x_, nullptr, true)), r_o, GemvIn::F16, GemvOut::AddF32, s, pdl_);
     // h = silu(Wg @ rmsnorm(x)) * (Wu @ rmsnorm(x))
-    cuda::gemv(gemv_params(L.gate_up, x_, h_, L.mlp_norm), r_gu, GemvIn::F32Norm, GemvOut::Swiglu, s, pdl_);
+    cuda::gemv(tuned("gate_up", gemv_params(L.gate_up, x_, h_, L.mlp_norm, true)), r_gu, GemvIn::F32Norm,
+               GemvOut::Swiglu, s, pdl_);
     // x += Wd @ h
-    cuda::gemv(gemv_params(L.down, h_, x_, nullptr), r_down, GemvIn::F16, GemvOut::AddF32, s, pdl_);
+    cuda::gemv(tuned("down", gemv_params(L.down, h_, x_, nullptr, true)), r_down, GemvIn::F16, GemvOut::AddF32, s, pdl_);
   }
   // logits = lm_head @ rmsnorm(x)
-  cuda::gemv(gemv_params(lm_head_, x_, logits_, final_norm_), choice("lm_head"), GemvIn::F32Norm,
+  cuda::gemv(tuned("lm_head", gemv_params(lm_head_, x_, logits_, final_norm_, true)), choice("lm_head"), GemvIn::F32Norm,
              GemvOut::F32, s, pdl_);
 }
 
@@ -507,6 +517,36 @@ float CudaEngine::gpu_ms(const std::function<void()>& enqueue) {
   return ms;
 }
 
+// GPU time of what `enqueue` launches, replayed from a CUDA graph where graphs are on (as the decode step runs:
+// stream launches from the host take ~3 us each, longer than a small GEMV, and would time the host instead);
+// timed from the stream where capture is off or fails.
+float CudaEngine::replay_ms(const std::function<void()>& enqueue) {
+  if (opt_.graphs && cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    try {
+      enqueue();
+    } catch (...) {
+      cudaStreamEndCapture(stream_, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      cudaGetLastError();
+      throw;
+    }
+    const bool ok = cudaStreamEndCapture(stream_, &graph) == cudaSuccess && graph &&
+                    cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+    if (graph) cudaGraphDestroy(graph);
+    if (ok) {
+      TI_CUDA_CHECK(cudaGraphLaunch(exec, stream_));  // warm-up
+      const float ms = gpu_ms([&] { TI_CUDA_CHECK(cudaGraphLaunch(exec, stream_)); });
+      cudaGraphExecDestroy(exec);
+      return ms;
+    }
+    cudaGetLastError();
+  }
+  enqueue();  // warm-up
+  return gpu_ms(enqueue);
+}
+
 // ---- the rows-per-warp autotuner (at load; never inside a capture) ----
 
 void CudaEngine::autotune_gemv() {
@@ -520,13 +560,17 @@ void CudaEngine::autotune_gemv() {
     const void* x;
     void* y;
     const float* norm;
+    bool early;  // PDL trigger at the start, as in record_forward
   };
   std::vector<Shape> shapes = {
-      {"qkv", (int)(c.q_dim + 2 * c.kv_dim), (int)c.hidden, GemvIn::F32Norm, GemvOut::F32, {}, x_, qkv_, final_norm_},
-      {"o", (int)c.hidden, (int)c.q_dim, GemvIn::F16, GemvOut::AddF32, {}, att_, x_, nullptr},
-      {"gate_up", (int)(2 * c.intermediate), (int)c.hidden, GemvIn::F32Norm, GemvOut::Swiglu, {}, x_, h_, final_norm_},
-      {"down", (int)c.hidden, (int)c.intermediate, GemvIn::F16, GemvOut::AddF32, {}, h_, x_, nullptr},
-      {"lm_head", (int)c.vocab, (int)c.hidden, GemvIn::F32Norm, GemvOut::F32, {lm_head_}, x_, logits_, final_norm_},
+      {"qkv", (int)(c.q_dim + 2 * c.kv_dim), (int)c.hidden, GemvIn::F32Norm, GemvOut::F32, {}, x_, qkv_, final_norm_,
+       false},
+      {"o", (int)c.hidden, (int)c.q_dim, GemvIn::F16, GemvOut::AddF32, {}, att_, x_, nullptr, true},
+      {"gate_up", (int)(2 * c.intermediate), (int)c.hidden, GemvIn::F32Norm, GemvOut::Swiglu, {}, x_, h_, final_norm_,
+       true},
+      {"down", (int)c.hidden, (int)c.intermediate, GemvIn::F16, GemvOut::AddF32, {}, h_, x_, nullptr, true},
+      {"lm_head", (int)c.vocab, (int)c.hidden, GemvIn::F32Norm, GemvOut::F32, {lm_head_}, x_, logits_, final_norm_,
+       true},
   };
   for (const Layer& L : layers_) {
     shapes[0].copies.push_back(L.qkv);
@@ -553,21 +597,25 @@ void CudaEngine::autotune_gemv() {
     for (int R : {1, 2, 4, cuda::kGemvSplitK}) {
       if (opt_.gemv_rows && R != opt_.gemv_rows && cuda::gemv_variant_ok(opt_.gemv_rows, sh.out)) continue;
       if (!cuda::gemv_variant_ok(R, sh.out)) continue;
-      auto run = [&] {
-        for (const cuda::QMat& W : sh.copies)
-          cuda::gemv(gemv_params(W, sh.x, sh.y, sh.norm), R, sh.in, sh.out, stream_, pdl_);
-      };
-      run();  // warm-up
-      const float ms = gpu_ms([&] {
-        for (int i = 0; i < passes; i++) run();
-      });
-      const double us = ms * 1e3 / (passes * g.copies);
-      g.tried_R.push_back(R);
-      g.us.push_back(us);
-      if (us < best) {
-        best = us;
-        g.R = R;
-        g.gb_per_s = bytes / (us * 1e-6) / 1e9;
+      for (int bps : {0, 1, 2}) {  // grid: a block per tile, or 1 / 2 blocks per SM looping over tiles
+        const float ms = replay_ms([&] {
+          for (int i = 0; i < passes; i++)
+            for (const cuda::QMat& W : sh.copies) {
+              cuda::GemvParams p = gemv_params(W, sh.x, sh.y, sh.norm, sh.early);
+              p.blocks_per_sm = bps;
+              cuda::gemv(p, R, sh.in, sh.out, stream_, pdl_);
+            }
+        });
+        const double us = ms * 1e3 / (passes * g.copies);
+        g.tried_R.push_back(R);
+        g.tried_bps.push_back(bps);
+        g.us.push_back(us);
+        if (us < best) {
+          best = us;
+          g.R = R;
+          g.blocks_per_sm = bps;
+          g.gb_per_s = bytes / (us * 1e-6) / 1e9;
+        }
       }
     }
     gemv_choices_.push_back(g);
@@ -692,8 +740,7 @@ double CudaEngine::time_attention(int64_t context, int reps) {
     for (int64_t l = 0; l < c.n_layers; l++)  // every layer's cache: L2-cold like the real step
       cuda::decode_attention(attn_params(l), stream_, pdl_);
   };
-  run();
-  const float ms = gpu_ms([&] {
+  const float ms = replay_ms([&] {
     for (int i = 0; i < reps; i++) run();
   });
   reset();

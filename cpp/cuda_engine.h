@@ -44,8 +44,9 @@ struct GemvChoice {
   std::string name;           // qkv | o | gate_up | down | lm_head
   int rows = 0, K = 0, ld = 0, copies = 0;  // copies: one per layer (1 for the head)
   int R = 1;                  // rows per warp, or 8: the split-K variant (cuda/gemv.cuh)
-  std::vector<int> tried_R;
-  std::vector<double> us;     // per variant: µs per matrix, L2-cold (cycling through the layers' copies)
+  int blocks_per_sm = 0;      // grid: 0 = a block per tile, else blocks per SM looping over tiles
+  std::vector<int> tried_R, tried_bps;  // the variants timed: (R, blocks_per_sm)
+  std::vector<double> us;     // per variant: µs per matrix, L2-cold (cycling through the layers' copies), graph-replayed
   double gb_per_s = 0;        // of the chosen variant
 };
 
@@ -122,8 +123,10 @@ class CudaEngine {
   void run_decode_step(cudaStream_t s);
   void set_state(int token, int pos, int step);
   float gpu_ms(const std::function<void()>& enqueue);
+  float replay_ms(const std::function<void()>& enqueue);
   cuda::DecodeAttnParams attn_params(int64_t layer) const;
-  cuda::GemvParams gemv_params(const cuda::QMat& m, const void* x, void* y, const float* norm_w) const;
+  cuda::GemvParams gemv_params(const cuda::QMat& m, const void* x, void* y, const float* norm_w,
+                               bool early_trigger = false) const;
   cuda::QMat alloc_matrix(int rows, int K, WFormat fmt);
   void store_matrix(const cuda::QMat& m, const std::vector<uint16_t>& fp16_rows);
   void overlay_imported(const cuda::QMat& m, const WeightStore& w, const std::vector<std::string>& parts,
@@ -131,6 +134,7 @@ class CudaEngine {
   void random_matrix(const cuda::QMat& m, uint64_t seed, float scale);
   const __half* fp16_of(const cuda::QMat& m);  // the matrix as fp16 rows (quantized: dequantized into wtmp_)
   int choice(const char* name) const;
+  cuda::GemvParams tuned(const char* name, cuda::GemvParams p) const;  // p with the tuned grid of shape `name`
   void* dalloc(size_t bytes, bool scratch);
 
   ModelConfig cfg_;

@@ -125,7 +125,7 @@ void CudaEngine::prefill_chunk(const int32_t* tokens, int T, int pos0, float* ho
   // logits of the last position = lm_head @ rmsnorm(x[T-1]): the decode GEMV, as a decode step would
   TI_CUDA_CHECK(cudaMemcpyAsync(x_, px_ + (size_t)(T - 1) * ld_h_, (size_t)H * sizeof(float),
                                 cudaMemcpyDeviceToDevice, stream_));
-  cuda::gemv(gemv_params(lm_head_, x_, logits_, final_norm_), choice("lm_head"),
+  cuda::gemv(tuned("lm_head", gemv_params(lm_head_, x_, logits_, final_norm_)), choice("lm_head"),
              cuda::GemvIn::F32Norm, cuda::GemvOut::F32, stream_, false);
   if (host_logits) chunk_logits(T, host_logits, host_row0);
 }

@@ -4,13 +4,18 @@
 // one KV head and one chunk of `chunk` positions (64; 32 for head_dim > 128 to fit shared memory on sm_75) and
 // serves up to 8 query heads of its group, so each key and value is read from memory once per group. The grid is
 // sized for max_seq (graph-safe); blocks whose chunk starts past pos exit at once.
-//   1. RoPE fused: the block rotates its query heads (pre-scaled by 1/sqrt(d)) into shared memory; the block
-//      whose chunk holds `pos` also rotates the new key and writes key and value into the cache (fp16).
-//   2. The chunk's keys and values are one contiguous run of the cache: loaded with 16-byte coalesced loads into
-//      shared memory (rows padded by 16 bytes: the 16-byte reads of consecutive rows hit distinct banks).
-//   3. Scores S[h][p] (a thread per (head, position) pair), softmax per head within the chunk (a warp per head),
-//      O[h][d] = sum_p P[h][p] V[p][d] (a thread per (head, 8 dims, slice of positions), 16-byte V reads, slices
-//      summed in shared memory): plain FMAs, one exp per score.
+//   1. Before the PDL wait: `pos`, its RoPE row and the chunk's cached keys and values (positions < pos, one
+//      contiguous run of the cache: 16-byte coalesced loads into shared memory, rows padded by 16 bytes so the
+//      16-byte reads of consecutive rows hit distinct banks). All final by then: the qkv GEMV before this kernel
+//      triggers after its own wait, so every earlier kernel, the previous step's included, has completed
+//      (common.cuh, the two-back rule). Only q, k, v of the new token are left for after the wait.
+//   2. RoPE fused: the block rotates its query heads (pre-scaled by 1/sqrt(d)) into shared memory; the block
+//      whose chunk holds `pos` also rotates the new key and writes key and value into the cache (fp16) and into
+//      its own tile.
+//   3. Scores S[h][p], softmax per head within the chunk (a warp per head), O[h][d] = sum_p P[h][p] V[p][d]:
+//      warps split over (head, slice of positions), lanes over (position, 16-byte word of the row), so every
+//      lane does one 16-byte shared read and 8 FMAs per step and sums meet by shuffles; plain FMAs, one exp
+//      per score.
 //   4. While pos < chunk the single block writes the output directly. Otherwise the chunk's unnormalised O and
 //      (max, sum) go to a partial buffer and kernel 2 (decode_attn_merge, a block per query head, launched with
 //      PDL) merges chunks 0..pos/chunk with log-sum-exp. (An earlier version merged in the last chunk block to
@@ -33,22 +38,39 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   __half* k_s = reinterpret_cast<__half*>(ml_s + 2 * kMaxGroup);  // (CH, row)
   __half* v_s = k_s + (size_t)CH * row;                         // (CH, row)
 
-  pdl_wait();
-  pdl_launch_dependents();
-  const int pos = *p.pos;
+  const int pos = *p.pos;  // final before the wait: see the header's PDL paragraph
   const int c0 = blockIdx.x * CH;
-  if (c0 > pos) return;
+  if (c0 > pos) return;   // (an exiting block counts as having waited and triggered)
   const int n = min(CH, pos + 1 - c0);  // positions in this chunk
   const int kvh = blockIdx.y, group = p.n_heads / p.n_kv_heads;
   const int hq0 = kvh * group + blockIdx.z * kMaxGroup;
   const int g = min(kMaxGroup, group - (int)blockIdx.z * kMaxGroup);
   const int q_dim = p.n_heads * hd, kv_dim = p.n_kv_heads * hd;
-  const float* cs = p.rope_cos + (size_t)pos * half_d;
-  const float* sn = p.rope_sin + (size_t)pos * half_d;
+  float* cs = reinterpret_cast<float*>(v_s + (size_t)CH * row);  // (half_d) this position's RoPE row
+  float* sn = cs + half_d;
   __half* kc = p.k_cache + (size_t)kvh * p.max_seq * hd;
   __half* vc = p.v_cache + (size_t)kvh * p.max_seq * hd;
 
-  // ---- 1. rotate the query heads; the owner of pos writes rope(k) and v into the cache ----
+  // ---- 1. before the wait: the RoPE row and the chunk's cached keys and values at positions < pos ----
+  for (int i = threadIdx.x; i < half_d; i += kAttnThreads) {
+    cs[i] = p.rope_cos[(size_t)pos * half_d + i];
+    sn[i] = p.rope_sin[(size_t)pos * half_d + i];
+  }
+  const int words = hd / 8;  // 16-byte words per row
+  const int cached = min(n, pos - c0);  // rows already in the cache (the new one, pos, comes from qkv below)
+  const uint4* kg = reinterpret_cast<const uint4*>(kc + (size_t)c0 * hd);
+  const uint4* vg = reinterpret_cast<const uint4*>(vc + (size_t)c0 * hd);
+  for (int i = threadIdx.x; i < cached * words; i += kAttnThreads) {
+    const int r = i / words, w = i % words;
+    *reinterpret_cast<uint4*>(k_s + (size_t)r * row + w * 8) = kg[i];
+    *reinterpret_cast<uint4*>(v_s + (size_t)r * row + w * 8) = vg[i];
+  }
+  __syncthreads();  // (cs, sn)
+
+  pdl_wait();
+  pdl_launch_dependents();
+
+  // ---- 2. rotate the query heads; the owner of pos writes rope(k) and v into the cache and its tile ----
   for (int t = threadIdx.x; t < g * half_d; t += kAttnThreads) {
     const int h = t / half_d, i = t % half_d;
     const float* q = p.qkv + (size_t)(hq0 + h) * hd;
@@ -59,102 +81,106 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   if (pos < c0 + CH) {  // every z-slice of this chunk writes the same values: harmless
     const float* k = p.qkv + q_dim + (size_t)kvh * hd;
     const float* v = p.qkv + q_dim + kv_dim + (size_t)kvh * hd;
+    __half* kr = k_s + (size_t)(pos - c0) * row;
+    __half* vr = v_s + (size_t)(pos - c0) * row;
     for (int i = threadIdx.x; i < half_d; i += kAttnThreads) {
       const float x1 = k[i], x2 = k[i + half_d];
-      kc[(size_t)pos * hd + i] = __float2half(x1 * cs[i] - x2 * sn[i]);
-      kc[(size_t)pos * hd + i + half_d] = __float2half(x2 * cs[i] + x1 * sn[i]);
+      const __half k1 = __float2half(x1 * cs[i] - x2 * sn[i]), k2 = __float2half(x2 * cs[i] + x1 * sn[i]);
+      kc[(size_t)pos * hd + i] = kr[i] = k1;
+      kc[(size_t)pos * hd + i + half_d] = kr[i + half_d] = k2;
     }
-    for (int i = threadIdx.x; i < hd; i += kAttnThreads) vc[(size_t)pos * hd + i] = __float2half(v[i]);
-  }
-  __syncthreads();  // (makes the cache writes above visible to the whole block)
-
-  // ---- 2. the chunk's keys and values into shared memory ----
-  const int words = hd / 8;  // 16-byte words per row
-  const uint4* kg = reinterpret_cast<const uint4*>(kc + (size_t)c0 * hd);
-  const uint4* vg = reinterpret_cast<const uint4*>(vc + (size_t)c0 * hd);
-  for (int i = threadIdx.x; i < n * words; i += kAttnThreads) {
-    const int r = i / words, w = i % words;
-    *reinterpret_cast<uint4*>(k_s + (size_t)r * row + w * 8) = kg[i];
-    *reinterpret_cast<uint4*>(v_s + (size_t)r * row + w * 8) = vg[i];
+    for (int i = threadIdx.x; i < hd; i += kAttnThreads) vc[(size_t)pos * hd + i] = vr[i] = __float2half(v[i]);
   }
   __syncthreads();
 
-  // ---- 3a. scores: thread per (head, position) ----
-  for (int i = threadIdx.x; i < g * CH; i += kAttnThreads) {
-    const int h = i / CH, t = i % CH;
-    if (t >= n) continue;
-    const float* q = q_s + h * hd;
-    const uint4* kr = reinterpret_cast<const uint4*>(k_s + (size_t)t * row);
-    float s0 = 0.0f, s1 = 0.0f;  // two chains: latency, not throughput, bounds this loop
-    for (int w = 0; w < words; w++) {
-      float kf[8];
-      unpack8(kr[w], kf);
-#pragma unroll
-      for (int d = 0; d < 8; d += 2) {
-        s0 = fmaf(q[w * 8 + d], kf[d], s0);
-        s1 = fmaf(q[w * 8 + d + 1], kf[d + 1], s1);
-      }
-    }
-    s_s[h * CH + t] = s0 + s1;
-  }
-  __syncthreads();
-  // ---- 3b. softmax within the chunk: a warp per head ----
+  // ---- 3. the chunk's attention. A "virtual warp" is (head h, slice ps of the chunk's positions): with g heads
+  //      the 8 warps split into nps = 8 / g slices per head. Its lanes are (position tl, 16-byte word w of a
+  //      row): WP lanes (hd / 8 words, padded to a power of two) share a position, LP = 32 / WP positions per
+  //      pass, so each lane does one 16-byte shared read and 8 FMAs per pass and a score is reduced over the
+  //      WP lanes with shuffles: short dependency chains (ncu: the old thread-per-(head, position) loop ran
+  //      ~1,300 dependent instructions per warp at 12 cycles each, 8 us for a 17-position chunk). ----
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int h = warp; h < g; h += kAttnThreads / 32) {
+  const int wpr = hd / 8, WP = wpr <= 8 ? 8 : wpr <= 16 ? 16 : 32, LP = 32 / WP;
+  const int w = lane % WP, tl = lane / WP;
+  const int nps = max(1, (kAttnThreads / 32) / g);
+  const int h = warp / nps, ps = warp % nps;
+  const bool live = h < g && w < wpr;
+  // 3a. scores
+  if (h < g) {
+    float qf[8];
+#pragma unroll
+    for (int u = 0; u < 8; u++) qf[u] = live ? q_s[h * hd + w * 8 + u] : 0.0f;
+    for (int t0 = ps * LP; t0 < n; t0 += nps * LP) {
+      const int t = t0 + tl;
+      float sc = 0.0f;
+      if (live && t < n) {
+        float kf[8];
+        unpack8(*reinterpret_cast<const uint4*>(k_s + (size_t)t * row + w * 8), kf);
+#pragma unroll
+        for (int u = 0; u < 8; u++) sc = fmaf(qf[u], kf[u], sc);
+      }
+      for (int o = WP / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+      if (w == 0 && t < n) s_s[h * CH + t] = sc;
+    }
+  }
+  __syncthreads();
+  // 3b. softmax within the chunk: a warp per head
+  for (int hh = warp; hh < g; hh += kAttnThreads / 32) {
     float m = -FLT_MAX;
-    for (int t = lane; t < n; t += 32) m = fmaxf(m, s_s[h * CH + t]);
+    for (int t = lane; t < n; t += 32) m = fmaxf(m, s_s[hh * CH + t]);
     m = warp_max(m);
     float l = 0.0f;
     for (int t = lane; t < n; t += 32) {
-      const float e = __expf(s_s[h * CH + t] - m);
-      s_s[h * CH + t] = e;
+      const float e = __expf(s_s[hh * CH + t] - m);
+      s_s[hh * CH + t] = e;
       l += e;
     }
     l = warp_sum(l);
     if (lane == 0) {
-      ml_s[2 * h] = m;
-      ml_s[2 * h + 1] = l;
+      ml_s[2 * hh] = m;
+      ml_s[2 * hh + 1] = l;
     }
   }
   __syncthreads();
-  // ---- 3c. O = P V. A task = (head, 8 dims, slice of positions): 16-byte V reads, 8 FMAs per shared load;
-  //      the slices are summed through shared memory (the score array's neighbour, the K tile, is free now).
-  //      A single chunk (pos < chunk) is the whole answer: write it. ----
+  // 3c. O = P V: lane (tl, w) sums its positions for dims 8w..8w+7, then the LP positions of a pass meet by
+  //     shuffles and the nps slices in shared memory (the K tile is free now).
+  float* red_o = reinterpret_cast<float*>(k_s);  // (nps, g, hd)
+  if (h < g) {
+    float o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (live) {
+      for (int t = ps * LP + tl; t < n; t += nps * LP) {
+        float vf[8];
+        unpack8(*reinterpret_cast<const uint4*>(v_s + (size_t)t * row + w * 8), vf);
+        const float pt = s_s[h * CH + t];
+#pragma unroll
+        for (int u = 0; u < 8; u++) o[u] = fmaf(pt, vf[u], o[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 8; u++)
+      for (int off = WP; off < 32; off <<= 1) o[u] += __shfl_xor_sync(0xffffffffu, o[u], off);
+    if (live && tl == 0) {
+#pragma unroll
+      for (int u = 0; u < 8; u++) red_o[((size_t)ps * g + h) * hd + w * 8 + u] = o[u];
+    }
+  }
+  // (nps * g * hd floats <= 8 * 256: the launcher checks the K tile holds them)
+  __syncthreads();
   const int max_chunks = (p.max_seq + CH - 1) / CH;
   const int n_chunks = pos / CH + 1;
-  const int groups8 = hd / 8, tasks = g * groups8;
-  const int slices = max(1, kAttnThreads / tasks);  // position slices per (head, 8 dims)
-  float* red_o = reinterpret_cast<float*>(k_s);      // (slices, g, hd)
-  if (threadIdx.x < tasks * slices) {
-    const int task = threadIdx.x % tasks, sl = threadIdx.x / tasks;
-    const int h = task / groups8, d0 = (task % groups8) * 8;
-    const float* pr = s_s + h * CH;
-    float o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int t = sl; t < n; t += slices) {
-      float vf[8];
-      unpack8(*reinterpret_cast<const uint4*>(v_s + (size_t)t * row + d0), vf);
-      const float pt = pr[t];
-#pragma unroll
-      for (int u = 0; u < 8; u++) o[u] = fmaf(pt, vf[u], o[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < 8; u++) red_o[((size_t)sl * g + h) * hd + d0 + u] = o[u];
-  }
-  // tasks > threads (g * hd > 8 * 256) cannot happen: g <= 8, hd <= 256
-  __syncthreads();
   for (int i = threadIdx.x; i < g * hd; i += kAttnThreads) {
-    const int h = i / hd, d = i % hd;
+    const int hh = i / hd, d = i % hd;
     float o = 0.0f;
-    for (int sl = 0; sl < slices; sl++) o += red_o[((size_t)sl * g + h) * hd + d];
+    for (int sl = 0; sl < nps; sl++) o += red_o[((size_t)sl * g + hh) * hd + d];
     if (n_chunks == 1) {
-      p.out[(size_t)(hq0 + h) * hd + d] = __float2half(o / ml_s[2 * h + 1]);
+      p.out[(size_t)(hq0 + hh) * hd + d] = __float2half(o / ml_s[2 * hh + 1]);
       continue;
     }
-    const size_t slot = (size_t)(hq0 + h) * max_chunks + blockIdx.x;
+    const size_t slot = (size_t)(hq0 + hh) * max_chunks + blockIdx.x;
     p.part_o[slot * hd + d] = o;
     if (d == 0) {
-      p.part_ml[slot * 2] = ml_s[2 * h];
-      p.part_ml[slot * 2 + 1] = ml_s[2 * h + 1];
+      p.part_ml[slot * 2] = ml_s[2 * hh];
+      p.part_ml[slot * 2 + 1] = ml_s[2 * hh + 1];
     }
   }
 }
@@ -180,8 +206,8 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 __global__ void decode_attn_merge(DecodeAttnParams p) {
   extern __shared__ float w_s[];  // (max_chunks)
   __shared__ float red[33];
+  pdl_launch_dependents();  // the O GEMV after it reads only weights before its wait
   pdl_wait();
-  pdl_launch_dependents();
   const int pos = *p.pos, CH = p.chunk, hd = p.head_dim, h = blockIdx.x;
   const int n_chunks = pos / CH + 1;
   if (n_chunks == 1) return;
@@ -216,7 +242,7 @@ __global__ void decode_attn_merge(DecodeAttnParams p) {
 
 size_t decode_attention_smem(const DecodeAttnParams& p) {
   return sizeof(float) * ((size_t)kMaxGroup * p.head_dim + (size_t)kMaxGroup * p.chunk + 2 * kMaxGroup) +
-         2 * sizeof(__half) * (size_t)p.chunk * (p.head_dim + kPad);
+         2 * sizeof(__half) * (size_t)p.chunk * (p.head_dim + kPad) + sizeof(float) * p.head_dim;  // + RoPE row
 }
 
 void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl) {

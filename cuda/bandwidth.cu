@@ -114,4 +114,58 @@ uint32_t stream_read_xor(const void* host, size_t bytes, int blocks) {
   return r;
 }
 
+// ---- the other ceiling of a decode step: the cost of a kernel boundary ----
+// A chain of `kernels` dependent kernels of `blocks` x 256 threads, replayed from a CUDA graph: each waits for the
+// previous one (PDL), block 0 reads the counter the previous kernel wrote and writes it + 1 (a real data
+// dependency through L2). Its time per kernel is the floor a decode step pays per kernel whatever the bytes.
+__global__ void chain_kernel(uint32_t* counter, int early) {
+  if (early) pdl_launch_dependents();
+  pdl_wait();
+  if (!early) pdl_launch_dependents();
+  if (blockIdx.x == 0 && threadIdx.x == 0) counter[0] = counter[0] + 1;
+}
+
+double kernel_chain_us(int kernels, int blocks, bool pdl, bool early) {
+  if (kernels < 1 || blocks < 1) fail(ErrorKind::Request, "kernel_chain_us: kernels and blocks must be >= 1");
+  cudaStream_t s = nullptr;
+  uint32_t* counter = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  float best = 1e30f;
+  auto cleanup = [&] {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    if (counter) cudaFree(counter);
+    if (s) cudaStreamDestroy(s);
+  };
+  try {
+    TI_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    TI_CUDA_CHECK(cudaMalloc(&counter, sizeof(uint32_t)));
+    TI_CUDA_CHECK(cudaMemset(counter, 0, sizeof(uint32_t)));
+    TI_CUDA_CHECK(cudaEventCreate(&e0));
+    TI_CUDA_CHECK(cudaEventCreate(&e1));
+    TI_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int k = 0; k < kernels; k++) launch(chain_kernel, dim3(blocks), dim3(256), 0, s, pdl, counter, (int)early);
+    TI_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    TI_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int it = 0; it < 8; it++) {
+      TI_CUDA_CHECK(cudaEventRecord(e0, s));
+      TI_CUDA_CHECK(cudaGraphLaunch(exec, s));
+      TI_CUDA_CHECK(cudaEventRecord(e1, s));
+      TI_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      TI_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (it > 0) best = std::min(best, ms);
+    }
+  } catch (...) {
+    cleanup();
+    throw;
+  }
+  cleanup();
+  return best * 1e3 / kernels;
+}
+
 }  // namespace ti::cuda

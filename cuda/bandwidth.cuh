@@ -25,4 +25,8 @@ BandwidthResult measure_read_bandwidth(size_t bytes, int iters);
 // returns the XOR of all sink words = the XOR of every 32-bit word of the data (the CPU twin is one line).
 uint32_t stream_read_xor(const void* host, size_t bytes, int blocks);
 
+// Microseconds per kernel of a graph-replayed chain of `kernels` dependent near-empty kernels of `blocks` blocks
+// (PDL when `pdl`; `early`: each triggers its successor at its start): a decode step's cost per kernel boundary.
+double kernel_chain_us(int kernels, int blocks, bool pdl, bool early);
+
 }  // namespace ti::cuda

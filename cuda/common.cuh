@@ -2,10 +2,16 @@
 // block reductions, and programmatic dependent launch (PDL).
 //
 // PDL (sm_90+): a kernel launched with the programmatic-serialization attribute may start while the previous
-// kernel still runs. Every kernel therefore (1) may read only data nobody writes during the step (weights)
-// before pdl_wait(), and (2) calls pdl_wait() before it reads what the previous kernel wrote or writes
-// anything — every kernel waits, so completion stays ordered transitively. Below sm_90 both are no-ops and
-// launches are ordinary stream-ordered ones.
+// kernel still runs: as soon as every block of the previous kernel has called pdl_launch_dependents() (the
+// trigger) or exited. Every kernel calls pdl_wait() — which returns once the previous kernel has completed and
+// its writes are visible — before it reads what the previous kernel wrote or writes anything; every kernel
+// waits, so completion stays ordered transitively. Before its wait a kernel may read:
+//   - weights (nobody writes them during a step), always;
+//   - data written two or more kernels earlier (the two-back rule), if the kernel before it triggers only
+//     after its own wait: then that kernel had passed its wait, so everything before it had completed.
+// A kernel triggers at its start only where the next kernel reads nothing but weights before its wait
+// (GemvParams::early_trigger, the attention merge). Below sm_90 both are no-ops and launches are ordinary
+// stream-ordered ones.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

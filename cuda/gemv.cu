@@ -12,8 +12,9 @@
 //                squares: H floats from L2, cheaper than a kernel launch)
 //   out AddF32:  y += W x (the residual add of the O and down projections)
 //   out Swiglu:  rows interleaved gate/up at load (row 2i = gate_i, 2i+1 = up_i): y_i = silu(g_i) * u_i
-// PDL: the first 8/R 16-byte words of each of the warp's rows (8 per lane) are loaded before pdl_wait()
-// (weights do not depend on the previous kernel), so the memory pipe is busy while the previous kernel drains.
+// PDL: the first 8/R 16-byte words of each of the warp's rows (8 per lane), their I4 group scales and the I8 row
+// scales are loaded before pdl_wait() (weights do not depend on the previous kernel), so the memory pipe is busy
+// while the previous kernel drains and no DRAM round trip is left for after the wait but the input's.
 //
 // Quantized weights (cpp/quant.h; template parameter WF): the same kernels, a 16-byte word now holding 16
 // (I8) or 32 (I4) weights, dequantized in registers without int->float conversions:
@@ -25,6 +26,8 @@
 //       (centred: smaller partial sums), one HFMA2 multiplies-accumulates with the fp16 input pair. The group's
 //       16 pair-sums are widened to fp32 once: dot = s * sum((q - 8) x) + (m + 8 s) * sum(x), with sum(x) per
 //       group computed once per block in shared memory. ~1.6 instructions per weight against a budget of ~3.6.
+#include <algorithm>
+
 #include "common.cuh"
 #include "gemv.cuh"
 
@@ -32,10 +35,23 @@ namespace ti::cuda {
 
 constexpr int kGemvWarps = 8, kGemvThreads = kGemvWarps * 32;
 
-// Stages the input vector in shared memory as fp16, zero padded to ld (RMS-normed first for F32Norm), with
-// 16-byte loads where the width allows. Called by every thread of the block after pdl_wait().
-template <GemvIn IN>
-__device__ __forceinline__ void stage_x(const GemvParams& p, __half* xs, float* red) {
+// The staged input's layout. A 16-byte weight word meets C = 1 (F16), 2 (I8) or 4 (I4) 16-byte chunks of the
+// fp16 input. Stored in natural order, the chunks lane l reads (its word k = l + 32u) would be C x 16 bytes
+// apart from lane l+1's: C-way bank conflicts (ncu: 73% excess shared wavefronts at I4). So chunk i of word k
+// lives at chunk slot i * nw + k (nw: words per row): for each i, a warp reads 32 consecutive 16-byte chunks.
+template <WFormat WF> constexpr int kXChunks = WF == WFormat::F16 ? 1 : WF == WFormat::I8 ? 2 : 4;
+template <WFormat WF>
+__device__ __forceinline__ int xs_index(int e, int nw) {  // element e of the input -> its half in xs
+  constexpr int C = kXChunks<WF>;
+  if constexpr (C == 1) return e;
+  const int k = e / (8 * C), i = (e / 8) % C;
+  return (i * nw + k) * 8 + e % 8;
+}
+
+// Stages the input vector in shared memory as fp16 (layout above), zero padded to ld (RMS-normed first for
+// F32Norm), with 16-byte loads where the width allows. Called by every thread of the block after pdl_wait().
+template <WFormat WF, GemvIn IN>
+__device__ __forceinline__ void stage_x(const GemvParams& p, int nw, __half* xs, float* red) {
   if constexpr (IN == GemvIn::F32Norm) {
     const float* x = static_cast<const float*>(p.x);
     constexpr int kMaxVec = 8;  // float4s per thread kept in registers: K <= 8192 on the fast path
@@ -56,28 +72,30 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, __half* xs, float* 
         const int i = threadIdx.x + u * kGemvThreads;
         if (i < nv) {
           const float4 w = reinterpret_cast<const float4*>(p.norm_w)[i];
-          __half2* dst = reinterpret_cast<__half2*>(xs + 4 * i);
+          __half2* dst = reinterpret_cast<__half2*>(xs + xs_index<WF>(4 * i, nw));  // 4 | 8: one chunk
           dst[0] = __floats2half2_rn(w.x * (xr[u].x * inv), w.y * (xr[u].y * inv));
           dst[1] = __floats2half2_rn(w.z * (xr[u].z * inv), w.w * (xr[u].w * inv));
         }
       }
-      for (int i = p.K + threadIdx.x; i < p.ld; i += kGemvThreads) xs[i] = __float2half(0.0f);
+      for (int i = p.K + threadIdx.x; i < p.ld; i += kGemvThreads) xs[xs_index<WF>(i, nw)] = __float2half(0.0f);
     } else {
       float ss = 0.0f;
       for (int i = threadIdx.x; i < p.K; i += kGemvThreads) ss += x[i] * x[i];
       ss = block_sum(ss, red);
       const float inv = rsqrtf(ss / (float)p.K + p.eps);
       for (int i = threadIdx.x; i < p.ld; i += kGemvThreads)
-        xs[i] = i < p.K ? __float2half(p.norm_w[i] * (x[i] * inv)) : __float2half(0.0f);
+        xs[xs_index<WF>(i, nw)] = i < p.K ? __float2half(p.norm_w[i] * (x[i] * inv)) : __float2half(0.0f);
     }
   } else {
     const __half* x = static_cast<const __half*>(p.x);
     if (p.K % 8 == 0) {
       for (int i = threadIdx.x; i < p.K / 8; i += kGemvThreads)
-        reinterpret_cast<uint4*>(xs)[i] = reinterpret_cast<const uint4*>(x)[i];
-      for (int i = p.K + threadIdx.x; i < p.ld; i += kGemvThreads) xs[i] = __float2half(0.0f);  // int8: ld = pad16
+        reinterpret_cast<uint4*>(xs + xs_index<WF>(8 * i, nw))[0] = reinterpret_cast<const uint4*>(x)[i];
+      for (int i = p.K + threadIdx.x; i < p.ld; i += kGemvThreads)  // int8: ld = pad16
+        xs[xs_index<WF>(i, nw)] = __float2half(0.0f);
     } else {
-      for (int i = threadIdx.x; i < p.ld; i += kGemvThreads) xs[i] = i < p.K ? x[i] : __float2half(0.0f);
+      for (int i = threadIdx.x; i < p.ld; i += kGemvThreads)
+        xs[xs_index<WF>(i, nw)] = i < p.K ? x[i] : __float2half(0.0f);
     }
   }
 }
@@ -90,16 +108,16 @@ template <> struct XFrag<WFormat::I8> { float v[16]; };
 template <> struct XFrag<WFormat::I4> { __half2 v[16]; };
 
 template <WFormat WF>
-__device__ __forceinline__ void load_x(const __half* xs, int k, XFrag<WF>& x) {
+__device__ __forceinline__ void load_x(const __half* xs, int nw, int k, XFrag<WF>& x) {
   const uint4* xv = reinterpret_cast<const uint4*>(xs);
   if constexpr (WF == WFormat::F16) {
     unpack8(xv[k], x.v);
   } else if constexpr (WF == WFormat::I8) {
-    unpack8(xv[2 * k], x.v);
-    unpack8(xv[2 * k + 1], x.v + 8);
+    unpack8(xv[k], x.v);
+    unpack8(xv[nw + k], x.v + 8);
   } else {
 #pragma unroll
-    for (int i = 0; i < 4; i++) *reinterpret_cast<uint4*>(&x.v[4 * i]) = xv[4 * k + i];
+    for (int i = 0; i < 4; i++) *reinterpret_cast<uint4*>(&x.v[4 * i]) = xv[i * nw + k];
   }
 }
 
@@ -108,9 +126,20 @@ struct QCtx {
   const __half2* sm = nullptr;  // this row's (scale, min) pairs
   const float* xsum = nullptr;  // per-group sums of the staged input
 };
+// What a 16-byte weight word needs besides the input: I4 its group's (scale, min); nothing for F16 / I8. Loaded
+// together with the word (and, for the prefetched words, before the dependency wait: scales are weights too).
+template <WFormat WF> struct WScale {};
+template <> struct WScale<WFormat::I4> { __half2 sm; };
+template <WFormat WF>
+__device__ __forceinline__ WScale<WF> load_scale(const QCtx& c, int k) {
+  WScale<WF> s;
+  if constexpr (WF == WFormat::I4) s.sm = c.sm[k];
+  return s;
+}
 
 template <WFormat WF>
-__device__ __forceinline__ float dot_word(const uint4& w, const XFrag<WF>& x, const QCtx& c, int k) {
+__device__ __forceinline__ float dot_word(const uint4& w, const WScale<WF>& sc, const XFrag<WF>& x, const QCtx& c,
+                                          int k) {
   if constexpr (WF == WFormat::F16) {
     return dot8(w, x.v);
   } else if constexpr (WF == WFormat::I8) {
@@ -139,7 +168,7 @@ __device__ __forceinline__ float dot_word(const uint4& w, const XFrag<WF>& x, co
         acc = __hfma2(__hsub2(*reinterpret_cast<const __half2*>(&t), off), x.v[4 * i + j], acc);
       }
     }
-    const float2 a = __half22float2(acc), sm = __half22float2(c.sm[k]);
+    const float2 a = __half22float2(acc), sm = __half22float2(sc.sm);
     return sm.x * (a.x + a.y) + fmaf(8.0f, sm.x, sm.y) * c.xsum[k];
   }
 }
@@ -164,15 +193,19 @@ __device__ __forceinline__ QCtx row_ctx(const GemvParams& p, int row, const floa
 }
 // I4: the per-group sums of the staged input (after stage_x and a barrier); I8: the row's scale.
 template <WFormat WF>
-__device__ __forceinline__ void stage_xsum(const GemvParams& p, const __half* xs, float* xsum) {
+__device__ __forceinline__ void stage_xsum(const GemvParams& p, int nw, const __half* xs, float* xsum) {
   if constexpr (WF == WFormat::I4) {
-    for (int g = threadIdx.x; g < p.K / kI4Group; g += blockDim.x) {
-      const __half2* x2 = reinterpret_cast<const __half2*>(xs + g * kI4Group);
+    for (int g = threadIdx.x; g < p.K / kI4Group; g += blockDim.x) {  // group g = word g: chunks i * nw + g
       float sum = 0.0f;
 #pragma unroll
-      for (int i = 0; i < kI4Group / 2; i++) {
-        const float2 f = __half22float2(x2[i]);
-        sum += f.x + f.y;
+      for (int i = 0; i < 4; i++) {
+        const uint4 c = reinterpret_cast<const uint4*>(xs)[i * nw + g];
+        const __half2* h = reinterpret_cast<const __half2*>(&c);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          const float2 f = __half22float2(h[j]);
+          sum += f.x + f.y;
+        }
       }
       xsum[g] = sum;
     }
@@ -180,11 +213,11 @@ __device__ __forceinline__ void stage_xsum(const GemvParams& p, const __half* xs
 }
 // The block's prologue after pdl_wait(): the input staged (and, for I4, its group sums), visible to all.
 template <WFormat WF, GemvIn IN>
-__device__ __forceinline__ void stage_input(const GemvParams& p, __half* xs, float* xsum, float* red) {
-  stage_x<IN>(p, xs, red);
+__device__ __forceinline__ void stage_input(const GemvParams& p, int nw, __half* xs, float* xsum, float* red) {
+  stage_x<WF, IN>(p, nw, xs, red);
   __syncthreads();
   if constexpr (WF == WFormat::I4) {
-    stage_xsum<WF>(p, xs, xsum);
+    stage_xsum<WF>(p, nw, xs, xsum);
     __syncthreads();
   }
 }
@@ -195,164 +228,230 @@ __device__ __forceinline__ float row_scale(const GemvParams& p, int row) {
   else return 1.0f;
 }
 
+// A warp's R rows of one tile, and the first P 16-byte words of each per lane (with their I4 scales), loaded
+// ahead: before the dependency wait for a block's first tile, during the previous tile's reduction for the rest.
+template <WFormat WF, int R, int P>
+struct TileHead {
+  int row0 = 0;
+  const uint4* wrow[R];
+  QCtx ctx[R];
+  float rs[R];  // I8: the rows' scales
+  uint4 pre[P][R];
+  WScale<WF> pre_s[P][R];
+};
+
+template <WFormat WF, int R, int P>
+__device__ __forceinline__ void load_head(const GemvParams& p, int tile, int ld8, const float* xsum,
+                                          TileHead<WF, R, P>& h) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  h.row0 = (tile * kGemvWarps + warp) * R;
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+    const int row = min(h.row0 + r, p.rows - 1);  // rows past the end re-read the last row; never stored
+    h.wrow[r] = row_words<WF>(p, row);
+    h.ctx[r] = row_ctx<WF>(p, row, xsum);
+    h.rs[r] = row_scale<WF>(p, row);
+  }
+#pragma unroll
+  for (int u = 0; u < P; u++)
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      const bool in = lane + u * 32 < ld8;
+      h.pre[u][r] = in ? load_stream(h.wrow[r] + lane + u * 32) : make_uint4(0, 0, 0, 0);
+      h.pre_s[u][r] = load_scale<WF>(h.ctx[r], in ? lane + u * 32 : 0);
+    }
+}
+
+// Tiles: a tile is the block's 8 warps x R rows. The grid is sized by the launcher (GemvParams::blocks_per_sm):
+// either one block per tile, or a few blocks per SM that loop over tiles — then the input is staged once per
+// block, not once per tile, the next tile's first words are in flight while a tile is reduced and stored, and
+// the kernel leaves room on each SM for the next kernel's blocks to start (PDL) and fetch their weights.
 template <WFormat WF, int R, GemvIn IN, GemvOut OUT>
 __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __half* xs = reinterpret_cast<__half*>(smem_raw);
   float* xsum = reinterpret_cast<float*>(xs + p.ld);  // I4 only: (K / 32)
   __shared__ float red[33];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * kGemvWarps + warp) * R;
-  const uint4* wrow[R];
-#pragma unroll
-  for (int r = 0; r < R; r++) {
-    const int row = min(row0 + r, p.rows - 1);  // rows past the end re-read the last row; never stored
-    wrow[r] = row_words<WF>(p, row);
-  }
+  if (p.early_trigger) pdl_launch_dependents();
+  const int lane = threadIdx.x & 31;
+  const int n_tiles = (p.rows + kGemvWarps * R - 1) / (kGemvWarps * R);
   const int ld8 = words_per_row<WF>(p);  // 16-byte words per row
-  constexpr int P = 8 / R;   // words per row loaded before the dependency wait: 8 per lane in flight
-  uint4 pre[P][R];
-#pragma unroll
-  for (int u = 0; u < P; u++)
-#pragma unroll
-    for (int r = 0; r < R; r++)
-      pre[u][r] = lane + u * 32 < ld8 ? load_stream(wrow[r] + lane + u * 32) : make_uint4(0, 0, 0, 0);
+  constexpr int P = 8 / R;   // words per row loaded ahead: 8 per lane in flight
+  int tile = blockIdx.x;
+  TileHead<WF, R, P> h;
+  load_head<WF, R, P>(p, tile, ld8, xsum, h);
 
   pdl_wait();
-  pdl_launch_dependents();
+  if (!p.early_trigger) pdl_launch_dependents();
 
-  stage_input<WF, IN>(p, xs, xsum, red);
-  if (row0 >= p.rows) return;
+  stage_input<WF, IN>(p, ld8, xs, xsum, red);
 
-  QCtx ctx[R];
+  for (;;) {
+    float acc[R];
+    XFrag<WF> xf;
 #pragma unroll
-  for (int r = 0; r < R; r++) ctx[r] = row_ctx<WF>(p, min(row0 + r, p.rows - 1), xsum);
-  float acc[R];
-  XFrag<WF> xf;
+    for (int r = 0; r < R; r++) acc[r] = 0.0f;
 #pragma unroll
-  for (int r = 0; r < R; r++) acc[r] = 0.0f;
+    for (int u = 0; u < P; u++) {
+      if (lane + u * 32 < ld8) {
+        load_x<WF>(xs, ld8, lane + u * 32, xf);
 #pragma unroll
-  for (int u = 0; u < P; u++) {
-    if (lane + u * 32 < ld8) {
-      load_x<WF>(xs, lane + u * 32, xf);
-#pragma unroll
-      for (int r = 0; r < R; r++) acc[r] += dot_word<WF>(pre[u][r], xf, ctx[r], lane + u * 32);
-    }
-  }
-  int k = lane + P * 32;  // in 16-byte words
-  for (; k + 3 * 32 < ld8; k += 4 * 32) {
-    uint4 w[4][R];
-#pragma unroll
-    for (int u = 0; u < 4; u++)
-#pragma unroll
-      for (int r = 0; r < R; r++) w[u][r] = load_stream(wrow[r] + k + u * 32);
-#pragma unroll
-    for (int u = 0; u < 4; u++) {
-      load_x<WF>(xs, k + u * 32, xf);
-#pragma unroll
-      for (int r = 0; r < R; r++) acc[r] += dot_word<WF>(w[u][r], xf, ctx[r], k + u * 32);
-    }
-  }
-  for (; k < ld8; k += 32) {
-    load_x<WF>(xs, k, xf);
-#pragma unroll
-    for (int r = 0; r < R; r++) acc[r] += dot_word<WF>(load_stream(wrow[r] + k), xf, ctx[r], k);
-  }
-#pragma unroll
-  for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]) * row_scale<WF>(p, min(row0 + r, p.rows - 1));
-  if (lane != 0) return;
-
-  // ---- epilogue ----
-  if constexpr (OUT == GemvOut::Swiglu) {
-#pragma unroll
-    for (int r = 0; r + 1 < R; r += 2) {
-      const int i = (row0 + r) / 2;
-      if (row0 + r + 1 < p.rows) {
-        const float g = acc[r], u = acc[r + 1];
-        static_cast<__half*>(p.y)[i] = __float2half(g / (1.0f + __expf(-g)) * u);
+        for (int r = 0; r < R; r++) acc[r] += dot_word<WF>(h.pre[u][r], h.pre_s[u][r], xf, h.ctx[r], lane + u * 32);
       }
     }
-  } else {
-    float* y = static_cast<float*>(p.y);
+    int k = lane + P * 32;  // in 16-byte words
+    for (; k + 3 * 32 < ld8; k += 4 * 32) {
+      uint4 w[4][R];
+      WScale<WF> ws[4][R];
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-      if (row0 + r >= p.rows) break;
-      if constexpr (OUT == GemvOut::AddF32) y[row0 + r] += acc[r];
-      else y[row0 + r] = acc[r];
+      for (int u = 0; u < 4; u++)
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+          w[u][r] = load_stream(h.wrow[r] + k + u * 32);
+          ws[u][r] = load_scale<WF>(h.ctx[r], k + u * 32);
+        }
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+        load_x<WF>(xs, ld8, k + u * 32, xf);
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r] += dot_word<WF>(w[u][r], ws[u][r], xf, h.ctx[r], k + u * 32);
+      }
     }
+    for (; k < ld8; k += 32) {
+      load_x<WF>(xs, ld8, k, xf);
+#pragma unroll
+      for (int r = 0; r < R; r++)
+        acc[r] += dot_word<WF>(load_stream(h.wrow[r] + k), load_scale<WF>(h.ctx[r], k), xf, h.ctx[r], k);
+    }
+    const int row0 = h.row0;
+    float rs[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) rs[r] = h.rs[r];
+    tile += gridDim.x;
+    if (tile < n_tiles) load_head<WF, R, P>(p, tile, ld8, xsum, h);  // in flight during what follows
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]) * rs[r];
+
+    if (lane == 0) {  // ---- epilogue ----
+      if constexpr (OUT == GemvOut::Swiglu) {
+#pragma unroll
+        for (int r = 0; r + 1 < R; r += 2) {
+          const int i = (row0 + r) / 2;
+          if (row0 + r + 1 < p.rows) {
+            const float g = acc[r], u = acc[r + 1];
+            static_cast<__half*>(p.y)[i] = __float2half(g / (1.0f + __expf(-g)) * u);
+          }
+        }
+      } else {
+        float* y = static_cast<float*>(p.y);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+          if (row0 + r >= p.rows) break;
+          if constexpr (OUT == GemvOut::AddF32) y[row0 + r] += acc[r];
+          else y[row0 + r] = acc[r];
+        }
+      }
+    }
+    if (tile >= n_tiles) break;
   }
 }
 
-// The split-K variant (R == kGemvSplitK): a block owns 8 rows and each warp one eighth of K for all 8 of them,
+// The split-K variant (R == kGemvSplitK): a tile is 8 rows and each warp owns one eighth of K for all 8 of them,
 // so a lane has one 16-byte load per row in flight per step (8 per step) and a long row is streamed by 8 warps
-// at once; the 8 partial sums of each row meet in shared memory. Wins where rows are few and K is long.
+// at once; the 8 partial sums of each row meet in shared memory. Wins where rows are few and K is long. Tiles
+// and grid as in gemv_kernel.
 template <WFormat WF, GemvIn IN, GemvOut OUT>
 __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p) {
-  constexpr int RB = 8;  // rows per block
+  constexpr int RB = 8;  // rows per tile
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __half* xs = reinterpret_cast<__half*>(smem_raw);
   float* xsum = reinterpret_cast<float*>(xs + p.ld);  // I4 only
   __shared__ float red[33];
   __shared__ float part[kGemvWarps][RB];
+  if (p.early_trigger) pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row0 = blockIdx.x * RB;
+  const int n_tiles = (p.rows + RB - 1) / RB;
   const int ld8 = words_per_row<WF>(p), span = (ld8 + kGemvWarps - 1) / kGemvWarps;
   const int k_begin = warp * span, k_end = min(ld8, k_begin + span);
-  const uint4* wrow[RB];
-#pragma unroll
-  for (int r = 0; r < RB; r++) wrow[r] = row_words<WF>(p, min(row0 + r, p.rows - 1));
-  uint4 pre[RB];
   const bool has_first = k_begin + lane < k_end;
+  int tile = blockIdx.x;
+  const uint4* wrow[RB];
+  QCtx ctx[RB];
+  float rs[RB];
+  uint4 pre[RB];
+  WScale<WF> pre_s[RB];
+  auto load_tile = [&](int t) {
 #pragma unroll
-  for (int r = 0; r < RB; r++) pre[r] = has_first ? load_stream(wrow[r] + k_begin + lane) : make_uint4(0, 0, 0, 0);
+    for (int r = 0; r < RB; r++) {
+      const int row = min(t * RB + r, p.rows - 1);
+      wrow[r] = row_words<WF>(p, row);
+      ctx[r] = row_ctx<WF>(p, row, xsum);
+      rs[r] = row_scale<WF>(p, row);
+      pre[r] = has_first ? load_stream(wrow[r] + k_begin + lane) : make_uint4(0, 0, 0, 0);
+      pre_s[r] = load_scale<WF>(ctx[r], has_first ? k_begin + lane : 0);
+    }
+  };
+  load_tile(tile);
 
   pdl_wait();
-  pdl_launch_dependents();
-  stage_input<WF, IN>(p, xs, xsum, red);
+  if (!p.early_trigger) pdl_launch_dependents();
+  stage_input<WF, IN>(p, ld8, xs, xsum, red);
 
-  QCtx ctx[RB];
+  for (;;) {
+    float acc[RB];
+    XFrag<WF> xf;
 #pragma unroll
-  for (int r = 0; r < RB; r++) ctx[r] = row_ctx<WF>(p, min(row0 + r, p.rows - 1), xsum);
-  float acc[RB];
-  XFrag<WF> xf;
+    for (int r = 0; r < RB; r++) acc[r] = 0.0f;
+    if (has_first) {
+      load_x<WF>(xs, ld8, k_begin + lane, xf);
 #pragma unroll
-  for (int r = 0; r < RB; r++) acc[r] = 0.0f;
-  if (has_first) {
-    load_x<WF>(xs, k_begin + lane, xf);
-#pragma unroll
-    for (int r = 0; r < RB; r++) acc[r] += dot_word<WF>(pre[r], xf, ctx[r], k_begin + lane);
-  }
-  for (int k = k_begin + lane + 32; k < k_end; k += 32) {
-    uint4 w[RB];
-#pragma unroll
-    for (int r = 0; r < RB; r++) w[r] = load_stream(wrow[r] + k);
-    load_x<WF>(xs, k, xf);
-#pragma unroll
-    for (int r = 0; r < RB; r++) acc[r] += dot_word<WF>(w[r], xf, ctx[r], k);
-  }
-#pragma unroll
-  for (int r = 0; r < RB; r++) {
-    const float v = warp_sum(acc[r]) * row_scale<WF>(p, min(row0 + r, p.rows - 1));
-    if (lane == 0) part[warp][r] = v;
-  }
-  __syncthreads();
-  if (threadIdx.x >= RB) return;
-  const int r = threadIdx.x, row = row0 + r;
-  float v = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kGemvWarps; w++) v += part[w][r];
-  if (row >= p.rows) return;
-  if constexpr (OUT == GemvOut::Swiglu) {
-    if (r % 2 == 0 && row + 1 < p.rows) {
-      float u = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kGemvWarps; w++) u += part[w][r + 1];
-      static_cast<__half*>(p.y)[row / 2] = __float2half(v / (1.0f + __expf(-v)) * u);
+      for (int r = 0; r < RB; r++) acc[r] += dot_word<WF>(pre[r], pre_s[r], xf, ctx[r], k_begin + lane);
     }
-  } else if constexpr (OUT == GemvOut::AddF32) {
-    static_cast<float*>(p.y)[row] += v;
-  } else {
-    static_cast<float*>(p.y)[row] = v;
+    for (int k = k_begin + lane + 32; k < k_end; k += 32) {
+      uint4 w[RB];
+      WScale<WF> ws[RB];
+#pragma unroll
+      for (int r = 0; r < RB; r++) {
+        w[r] = load_stream(wrow[r] + k);
+        ws[r] = load_scale<WF>(ctx[r], k);
+      }
+      load_x<WF>(xs, ld8, k, xf);
+#pragma unroll
+      for (int r = 0; r < RB; r++) acc[r] += dot_word<WF>(w[r], ws[r], xf, ctx[r], k);
+    }
+#pragma unroll
+    for (int r = 0; r < RB; r++) acc[r] *= rs[r];
+    const int row0 = tile * RB;
+    tile += gridDim.x;
+    if (tile < n_tiles) load_tile(tile);  // in flight during the reduction
+#pragma unroll
+    for (int r = 0; r < RB; r++) {
+      const float v = warp_sum(acc[r]);
+      if (lane == 0) part[warp][r] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < RB) {
+      const int r = threadIdx.x, row = row0 + r;
+      float v = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kGemvWarps; w++) v += part[w][r];
+      if (row < p.rows) {
+        if constexpr (OUT == GemvOut::Swiglu) {
+          if (r % 2 == 0 && row + 1 < p.rows) {
+            float u = 0.0f;
+#pragma unroll
+            for (int w = 0; w < kGemvWarps; w++) u += part[w][r + 1];
+            static_cast<__half*>(p.y)[row / 2] = __float2half(v / (1.0f + __expf(-v)) * u);
+          }
+        } else if constexpr (OUT == GemvOut::AddF32) {
+          static_cast<float*>(p.y)[row] += v;
+        } else {
+          static_cast<float*>(p.y)[row] = v;
+        }
+      }
+    }
+    if (tile >= n_tiles) break;
+    __syncthreads();  // part is reused by the next tile
   }
 }
 
@@ -374,20 +473,36 @@ static void raise_smem(Kernel kernel, size_t smem) {
   }
 }
 
+// Blocks for `tiles` tiles: one per tile (blocks_per_sm == 0), or at most blocks_per_sm per SM, spread so that
+// every block loops over the same number of tiles (no block does one more tile than the rest).
+static int gemv_grid(int tiles, int blocks_per_sm) {
+  static int sms = [] {
+    int dev = 0, n = 0;
+    TI_CUDA_CHECK(cudaGetDevice(&dev));
+    TI_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }();
+  if (blocks_per_sm == 0) return tiles;
+  if (blocks_per_sm < 0) return std::min(tiles, -blocks_per_sm);  // exactly n blocks (tests: uneven loops)
+  const int cap = sms * blocks_per_sm, per_block = (tiles + cap - 1) / cap;
+  return (tiles + per_block - 1) / per_block;
+}
+
 template <WFormat WF, int R, GemvIn IN, GemvOut OUT>
 static void launch_gemv(const GemvParams& p, cudaStream_t stream, bool pdl) {
   const size_t smem = gemv_smem(p);
   raise_smem(gemv_kernel<WF, R, IN, OUT>, smem);
-  const int rows_per_block = kGemvWarps * R;
-  launch(gemv_kernel<WF, R, IN, OUT>, dim3((p.rows + rows_per_block - 1) / rows_per_block), dim3(kGemvThreads),
-         smem, stream, pdl, p);
+  const int rows_per_tile = kGemvWarps * R;
+  launch(gemv_kernel<WF, R, IN, OUT>, dim3(gemv_grid((p.rows + rows_per_tile - 1) / rows_per_tile, p.blocks_per_sm)),
+         dim3(kGemvThreads), smem, stream, pdl, p);
 }
 
 template <WFormat WF, GemvIn IN, GemvOut OUT>
 static void launch_splitk(const GemvParams& p, cudaStream_t stream, bool pdl) {
   const size_t smem = gemv_smem(p);
   raise_smem(gemv_splitk_kernel<WF, IN, OUT>, smem);
-  launch(gemv_splitk_kernel<WF, IN, OUT>, dim3((p.rows + 7) / 8), dim3(kGemvThreads), smem, stream, pdl, p);
+  launch(gemv_splitk_kernel<WF, IN, OUT>, dim3(gemv_grid((p.rows + 7) / 8, p.blocks_per_sm)), dim3(kGemvThreads),
+         smem, stream, pdl, p);
 }
 
 template <WFormat WF, GemvIn IN, GemvOut OUT>

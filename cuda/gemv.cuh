@@ -25,6 +25,12 @@ struct GemvParams {
   const float* norm_w = nullptr;  // F32Norm: the RMSNorm weight, float[K]
   float eps = 1e-5f;
   void* y = nullptr;          // F32 / AddF32: float[rows]; Swiglu: half[rows / 2] (rows interleaved g0,u0,g1,u1..)
+  // PDL: let the next kernel launch at this kernel's start instead of after its dependency wait. Only where the
+  // next kernel reads nothing but weights before its own wait (common.cuh: the two-back rule).
+  bool early_trigger = false;
+  // Grid: 0 = one block per tile (8 warps x R rows); n > 0 = at most n blocks per SM, each looping over tiles
+  // (as many tiles each); n < 0 = exactly -n blocks (tests: blocks loop over uneven numbers of tiles).
+  int blocks_per_sm = 0;
 };
 
 // The variant: R = 1, 2, 4 rows per warp (Swiglu: 2 or 4), or R = kGemvSplitK: 8 rows per block with K split

@@ -64,7 +64,7 @@ struct GemvIO {
 }  // namespace
 
 std::vector<float> run_gemv(const uint16_t* W, int rows, int K, const float* x, const float* norm_w, float eps,
-                            const float* y_init, int R, GemvIn in, GemvOut out) {
+                            const float* y_init, int R, GemvIn in, GemvOut out, int blocks_per_sm) {
   const int ld = (int)pad8(K);
   std::vector<uint16_t> wp((size_t)rows * ld, 0);
   for (int r = 0; r < rows; r++)
@@ -78,6 +78,7 @@ std::vector<float> run_gemv(const uint16_t* W, int rows, int K, const float* x, 
   p.K = K;
   p.ld = ld;
   p.eps = eps;
+  p.blocks_per_sm = blocks_per_sm;
   io.into(p);
   gemv(p, R, in, out, 0, false);
   TI_CUDA_CHECK(cudaDeviceSynchronize());
@@ -301,7 +302,8 @@ std::vector<float> run_dequantize(const float* W, int rows, int K, WFormat fmt) 
 }
 
 std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, const float* x, const float* norm_w,
-                                  float eps, const float* y_init, int R, GemvIn in, GemvOut out) {
+                                  float eps, const float* y_init, int R, GemvIn in, GemvOut out,
+                                  int blocks_per_sm) {
   check_quant_shape(K, fmt);
   DeviceQuant d(W, rows, K, fmt);
   const int ld = fmt == WFormat::I8 ? (int)i8_ld(K) : K;  // the staged input width
@@ -315,6 +317,7 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
   p.K = K;
   p.ld = ld;
   p.eps = eps;
+  p.blocks_per_sm = blocks_per_sm;
   io.into(p);
   gemv(p, R, in, out, 0, false);
   TI_CUDA_CHECK(cudaDeviceSynchronize());

@@ -12,9 +12,10 @@
 namespace ti::cuda {
 
 // W: (rows, K) fp16 bits; x: float[K] (rounded to fp16 for GemvIn::F16); y_init: float[rows] for AddF32.
-// Returns y: rows floats (Swiglu: rows / 2, widened from fp16).
+// Returns y: rows floats (Swiglu: rows / 2, widened from fp16). blocks_per_sm: GemvParams' (< 0: exactly -n
+// blocks, so that a small matrix too makes each block loop over several tiles).
 std::vector<float> run_gemv(const uint16_t* W, int rows, int K, const float* x, const float* norm_w, float eps,
-                            const float* y_init, int R, GemvIn in, GemvOut out);
+                            const float* y_init, int R, GemvIn in, GemvOut out, int blocks_per_sm = 0);
 
 // One decode-attention call. qkv: float[q_dim + 2 kv_dim]; k/v caches: fp16 bits (n_kv_heads, max_seq, head_dim),
 // updated in place (the kernel writes rope(k), v at pos); cos/sin: (max_seq, head_dim / 2). Returns float[q_dim].
@@ -37,7 +38,8 @@ QuantBytes run_quantize(const float* W, int rows, int K, WFormat fmt);
 std::vector<float> run_dequantize(const float* W, int rows, int K, WFormat fmt);
 // One GEMV over W quantized on the device (as run_gemv otherwise; in/out: the pairs quantized GEMVs have).
 std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, const float* x, const float* norm_w,
-                                  float eps, const float* y_init, int R, GemvIn in, GemvOut out);
+                                  float eps, const float* y_init, int R, GemvIn in, GemvOut out,
+                                  int blocks_per_sm = 0);
 
 // One GEMM (cuBLASLt, gemm.cu) Y = X W^T (+ Y_init for AddF32). W: (M, K) fp16 bits; X: (N, K) floats (rounded
 // to fp16); Y_init: (N, M). Returns Y (N, M) floats (widened from fp16 for GemmOut::F16). autotune: time the

@@ -49,7 +49,8 @@ def _gemv_ref(W16, x, norm_w, eps, y_init, mode_in, mode_out):
 @pytest.mark.parametrize("R", [1, 2, 4, 8])  # 8: the split-K variant
 @pytest.mark.parametrize("mode_in, mode_out", [("f16", "f32"), ("f32norm", "f32"), ("f16", "add"),
                                                ("f32norm", "swiglu")])
-def test_gemv_matches_numpy(rows, K, R, mode_in, mode_out):
+@pytest.mark.parametrize("grid", [0, 1, -3])  # a block per tile / one per SM / 3 blocks looping over tiles
+def test_gemv_matches_numpy(rows, K, R, mode_in, mode_out, grid):
     if mode_out == "swiglu" and (R == 1 or rows % 2):
         pytest.skip("swiglu needs R >= 2 and an even row count")
     rng = np.random.default_rng(rows * 7 + K)
@@ -57,7 +58,7 @@ def test_gemv_matches_numpy(rows, K, R, mode_in, mode_out):
     x = rng.standard_normal(K).astype(np.float32)
     norm_w = rng.uniform(0.5, 1.5, K).astype(np.float32)
     y_init = rng.standard_normal(rows).astype(np.float32)
-    y = np.array(_core.ops.gemv(W16.view(np.uint16), x, norm_w, 1e-5, y_init, R, mode_in, mode_out))
+    y = np.array(_core.ops.gemv(W16.view(np.uint16), x, norm_w, 1e-5, y_init, R, mode_in, mode_out, grid))
     ref, bound = _gemv_ref(W16, x, norm_w, 1e-5, y_init, mode_in, mode_out)
     assert y.shape == ref.shape
     assert np.isfinite(y).all(), "an output was not written (poisoned NaN left)"

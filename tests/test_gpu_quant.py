@@ -52,7 +52,8 @@ def gemv_ref(Wd, x, norm_w, eps, y0, inp, out):
                                         ("int4", 111, 96), ("int4", 500, 1024), ("int4", 34, 4096)])
 @pytest.mark.parametrize("R", [1, 2, 4, 8])
 @pytest.mark.parametrize("inp,out", [("f32norm", "f32"), ("f16", "add"), ("f32norm", "swiglu")])
-def test_quantized_gemv_matches_reference(fmt, rows, K, R, inp, out):
+@pytest.mark.parametrize("grid", [0, 1, -3])  # a block per tile / one per SM / 3 blocks looping over tiles
+def test_quantized_gemv_matches_reference(fmt, rows, K, R, inp, out, grid):
     if out == "swiglu" and (R == 1 or rows % 2):
         pytest.skip("swiglu needs R >= 2 and an even row count")
     rng = np.random.default_rng(rows * K + R)
@@ -60,7 +61,7 @@ def test_quantized_gemv_matches_reference(fmt, rows, K, R, inp, out):
     x = rng.standard_normal(K).astype(np.float32)
     norm_w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
     y0 = rng.standard_normal(rows).astype(np.float32)
-    got = np.array(_core.ops.gemv_quant(W, fmt, x, norm_w, 1e-5, y0, R, inp, out))
+    got = np.array(_core.ops.gemv_quant(W, fmt, x, norm_w, 1e-5, y0, R, inp, out, grid))
     ref = gemv_ref(_core.ops.dequantize_ref(W, fmt), x, norm_w, 1e-5, y0, inp, out)
     scale = np.abs(_core.ops.dequantize_ref(W, fmt)).max(1) * np.abs(x).max() * np.sqrt(K)
     if out == "swiglu":

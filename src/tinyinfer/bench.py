@@ -141,13 +141,18 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
                "pct_roofline": 100 * (1e3 / ms) / roof, "effective_gb_s": b / (ms * 1e-3) / 1e9}
         res["decode"].append(row)
         out(f"{ctx:>8} {row['tok_s']:>9.0f} {ms:>9.3f} {b / 1e6:>9.1f} {roof:>15.0f} {row['pct_roofline']:>10.1f}%")
-    out(f"\n{'matrix':>8} {'rows x K':>13} {'copies':>6} {'R':>2} {'µs (R=1/2/4/8=split-K)':>30} {'GB/s':>7} {'% peak':>7}")
+    out(f"\n{'matrix':>8} {'rows x K':>13} {'copies':>6} {'R':>2} {'grid':>4} {'best µs per R (1/2/4/8=split-K)':>32} "
+        f"{'GB/s':>7} {'% peak':>7}")
     for g in core.gemv_table():
-        us = "/".join(f"{u:.1f}" for u in g["us"])
+        best = {}
+        for R, u in zip(g["tried_R"], g["us"]):
+            best[R] = min(u, best.get(R, u))
+        us = "/".join(f"{u:.1f}" for u in best.values())
         row = dict(g, pct_peak=100 * g["gb_per_s"] / gbs)
         res["gemv"].append(row)
-        out(f"{g['name']:>8} {g['rows']:>6}x{g['K']:<6} {g['copies']:>6} {g['R']:>2} {us:>30} {g['gb_per_s']:>7.0f} "
-            f"{row['pct_peak']:>6.1f}%")
+        grid = f"{g['blocks_per_sm']}/SM" if g["blocks_per_sm"] else "tile"
+        out(f"{g['name']:>8} {g['rows']:>6}x{g['K']:<6} {g['copies']:>6} {g['R']:>2} {grid:>4} {us:>32} "
+            f"{g['gb_per_s']:>7.0f} {row['pct_peak']:>6.1f}%")
     out(f"\n{'context':>8} {'attention µs/layer':>19}")
     for ctx in sorted(set(contexts) | {256}):
         us = core.time_attention(ctx, 20)

@@ -207,8 +207,8 @@ __global__ void decode_attn_merge(DecodeAttnParams p) {
   extern __shared__ float w_s[];  // (max_chunks)
   __shared__ float red[33];
   pdl_launch_dependents();  // the O GEMV after it reads only weights before its wait
-  pdl_wait();
-  const int pos = *p.pos, CH = p.chunk, hd = p.head_dim, h = blockIdx.x;
+  const int pos = *p.pos, CH = p.chunk, hd = p.head_dim, h = blockIdx.x;  // final: the two-back rule
+  pdl_wait();  // (also when there is nothing to merge: the O GEMV's wait must cover the attention kernel)
   const int n_chunks = pos / CH + 1;
   if (n_chunks == 1) return;
   const int max_chunks = (p.max_seq + CH - 1) / CH;

@@ -50,12 +50,30 @@ __device__ __forceinline__ int xs_index(int e, int nw) {  // element e of the in
 
 // Stages the input vector in shared memory as fp16 (layout above), zero padded to ld (RMS-normed first for
 // F32Norm), with 16-byte loads where the width allows. Called by every thread of the block after pdl_wait().
+constexpr int kMaxVec = 8;  // F32Norm: float4s of the input per thread kept in registers: K <= 8192 on the fast path
+__device__ __forceinline__ bool norm_fast_path(const GemvParams& p) {
+  return p.K % 4 == 0 && p.K <= kMaxVec * 4 * kGemvThreads;
+}
+// F32Norm, before the PDL wait: the RMSNorm weight (a weight: final) into shared memory, each thread the float4s
+// it will use in stage_x (so no barrier is needed) — one global round trip fewer after the wait.
+template <GemvIn IN>
+__device__ __forceinline__ void prefetch_norm(const GemvParams& p, float* nws) {
+  if constexpr (IN == GemvIn::F32Norm) {
+    if (norm_fast_path(p)) {
+#pragma unroll
+      for (int u = 0; u < kMaxVec; u++) {
+        const int i = threadIdx.x + u * kGemvThreads;
+        if (i < p.K / 4) reinterpret_cast<float4*>(nws)[i] = reinterpret_cast<const float4*>(p.norm_w)[i];
+      }
+    }
+  }
+}
+
 template <WFormat WF, GemvIn IN>
-__device__ __forceinline__ void stage_x(const GemvParams& p, int nw, __half* xs, float* red) {
+__device__ __forceinline__ void stage_x(const GemvParams& p, int nw, const float* nws, __half* xs, float* red) {
   if constexpr (IN == GemvIn::F32Norm) {
     const float* x = static_cast<const float*>(p.x);
-    constexpr int kMaxVec = 8;  // float4s per thread kept in registers: K <= 8192 on the fast path
-    if (p.K % 4 == 0 && p.K <= kMaxVec * 4 * kGemvThreads) {
+    if (norm_fast_path(p)) {
       const int nv = p.K / 4;
       float4 xr[kMaxVec];
       float ss = 0.0f;
@@ -71,7 +89,7 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, int nw, __half* xs,
       for (int u = 0; u < kMaxVec; u++) {
         const int i = threadIdx.x + u * kGemvThreads;
         if (i < nv) {
-          const float4 w = reinterpret_cast<const float4*>(p.norm_w)[i];
+          const float4 w = reinterpret_cast<const float4*>(nws)[i];  // this thread's own copy (prefetch_norm)
           __half2* dst = reinterpret_cast<__half2*>(xs + xs_index<WF>(4 * i, nw));  // 4 | 8: one chunk
           dst[0] = __floats2half2_rn(w.x * (xr[u].x * inv), w.y * (xr[u].y * inv));
           dst[1] = __floats2half2_rn(w.z * (xr[u].z * inv), w.w * (xr[u].w * inv));
@@ -213,8 +231,9 @@ __device__ __forceinline__ void stage_xsum(const GemvParams& p, int nw, const __
 }
 // The block's prologue after pdl_wait(): the input staged (and, for I4, its group sums), visible to all.
 template <WFormat WF, GemvIn IN>
-__device__ __forceinline__ void stage_input(const GemvParams& p, int nw, __half* xs, float* xsum, float* red) {
-  stage_x<WF, IN>(p, nw, xs, red);
+__device__ __forceinline__ void stage_input(const GemvParams& p, int nw, const float* nws, __half* xs, float* xsum,
+                                            float* red) {
+  stage_x<WF, IN>(p, nw, nws, xs, red);
   __syncthreads();
   if constexpr (WF == WFormat::I4) {
     stage_xsum<WF>(p, nw, xs, xsum);
@@ -226,6 +245,14 @@ template <WFormat WF>
 __device__ __forceinline__ float row_scale(const GemvParams& p, int row) {
   if constexpr (WF == WFormat::I8) return static_cast<const float*>(p.scales)[row];
   else return 1.0f;
+}
+
+// AddF32, after the PDL wait: the rows' current y (each row is read and written by one warp only).
+template <GemvOut OUT, int R>
+__device__ __forceinline__ void load_y(const GemvParams& p, int row0, float* yold) {
+#pragma unroll
+  for (int r = 0; r < R; r++)
+    yold[r] = OUT == GemvOut::AddF32 ? static_cast<const float*>(p.y)[min(row0 + r, p.rows - 1)] : 0.0f;
 }
 
 // A warp's R rows of one tile, and the first P 16-byte words of each per lane (with their I4 scales), loaded
@@ -269,8 +296,9 @@ __device__ __forceinline__ void load_head(const GemvParams& p, int tile, int ld8
 template <WFormat WF, int R, GemvIn IN, GemvOut OUT>
 __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __half* xs = reinterpret_cast<__half*>(smem_raw);
-  float* xsum = reinterpret_cast<float*>(xs + p.ld);  // I4 only: (K / 32)
+  __half* xs = reinterpret_cast<__half*>(smem_raw);  // the staged input (ld halves)
+  float* nws = reinterpret_cast<float*>(xs + p.ld);    // F32Norm: the RMSNorm weight (K floats)
+  float* xsum = nws + (IN == GemvIn::F32Norm ? p.K : 0);  // I4 only: (K / 32)
   __shared__ float red[33];
   if (p.early_trigger) pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
@@ -280,11 +308,14 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
   int tile = blockIdx.x;
   TileHead<WF, R, P> h;
   load_head<WF, R, P>(p, tile, ld8, xsum, h);
+  prefetch_norm<IN>(p, nws);
 
   pdl_wait();
   if (!p.early_trigger) pdl_launch_dependents();
+  float yold[R];  // AddF32: the tile's y before the add, read now so that its latency hides behind the staging
+  load_y<OUT, R>(p, h.row0, yold);
 
-  stage_input<WF, IN>(p, ld8, xs, xsum, red);
+  stage_input<WF, IN>(p, ld8, nws, xs, xsum, red);
 
   for (;;) {
     float acc[R];
@@ -324,11 +355,17 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
         acc[r] += dot_word<WF>(load_stream(h.wrow[r] + k), load_scale<WF>(h.ctx[r], k), xf, h.ctx[r], k);
     }
     const int row0 = h.row0;
-    float rs[R];
+    float rs[R], yo[R];
 #pragma unroll
-    for (int r = 0; r < R; r++) rs[r] = h.rs[r];
+    for (int r = 0; r < R; r++) {
+      rs[r] = h.rs[r];
+      yo[r] = yold[r];
+    }
     tile += gridDim.x;
-    if (tile < n_tiles) load_head<WF, R, P>(p, tile, ld8, xsum, h);  // in flight during what follows
+    if (tile < n_tiles) {  // in flight during what follows
+      load_head<WF, R, P>(p, tile, ld8, xsum, h);
+      load_y<OUT, R>(p, h.row0, yold);
+    }
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]) * rs[r];
 
@@ -347,8 +384,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
 #pragma unroll
         for (int r = 0; r < R; r++) {
           if (row0 + r >= p.rows) break;
-          if constexpr (OUT == GemvOut::AddF32) y[row0 + r] += acc[r];
-          else y[row0 + r] = acc[r];
+          y[row0 + r] = OUT == GemvOut::AddF32 ? yo[r] + acc[r] : acc[r];
         }
       }
     }
@@ -364,8 +400,9 @@ template <WFormat WF, GemvIn IN, GemvOut OUT>
 __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p) {
   constexpr int RB = 8;  // rows per tile
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __half* xs = reinterpret_cast<__half*>(smem_raw);
-  float* xsum = reinterpret_cast<float*>(xs + p.ld);  // I4 only
+  __half* xs = reinterpret_cast<__half*>(smem_raw);  // the staged input (ld halves)
+  float* nws = reinterpret_cast<float*>(xs + p.ld);    // F32Norm: the RMSNorm weight (K floats)
+  float* xsum = nws + (IN == GemvIn::F32Norm ? p.K : 0);  // I4 only: (K / 32)
   __shared__ float red[33];
   __shared__ float part[kGemvWarps][RB];
   if (p.early_trigger) pdl_launch_dependents();
@@ -392,10 +429,13 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p)
     }
   };
   load_tile(tile);
+  prefetch_norm<IN>(p, nws);
 
   pdl_wait();
   if (!p.early_trigger) pdl_launch_dependents();
-  stage_input<WF, IN>(p, ld8, xs, xsum, red);
+  float yold = 0.0f;  // AddF32: thread r < 8 holds row r's y before the add (read now, used in the epilogue)
+  if (threadIdx.x < RB) load_y<OUT, 1>(p, tile * RB + threadIdx.x, &yold);
+  stage_input<WF, IN>(p, ld8, nws, xs, xsum, red);
 
   for (;;) {
     float acc[RB];
@@ -422,8 +462,12 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p)
 #pragma unroll
     for (int r = 0; r < RB; r++) acc[r] *= rs[r];
     const int row0 = tile * RB;
+    const float yo = yold;
     tile += gridDim.x;
-    if (tile < n_tiles) load_tile(tile);  // in flight during the reduction
+    if (tile < n_tiles) {  // in flight during the reduction
+      load_tile(tile);
+      if (threadIdx.x < RB) load_y<OUT, 1>(p, tile * RB + threadIdx.x, &yold);
+    }
 #pragma unroll
     for (int r = 0; r < RB; r++) {
       const float v = warp_sum(acc[r]);
@@ -444,7 +488,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p)
             static_cast<__half*>(p.y)[row / 2] = __float2half(v / (1.0f + __expf(-v)) * u);
           }
         } else if constexpr (OUT == GemvOut::AddF32) {
-          static_cast<float*>(p.y)[row] += v;
+          static_cast<float*>(p.y)[row] = yo + v;
         } else {
           static_cast<float*>(p.y)[row] = v;
         }
@@ -461,9 +505,10 @@ bool gemv_variant_ok(int R, GemvOut out) {
   return out != GemvOut::Swiglu || R >= 2;
 }
 
-// Shared memory: the staged input (ld halves) and, for I4, its per-group sums.
-static size_t gemv_smem(const GemvParams& p) {
-  return (size_t)p.ld * sizeof(__half) + (p.fmt == WFormat::I4 ? (size_t)(p.K / kI4Group) * sizeof(float) : 0);
+// Shared memory: the staged input (ld halves), for F32Norm the RMSNorm weight, for I4 the per-group input sums.
+static size_t gemv_smem(const GemvParams& p, GemvIn in) {
+  return (size_t)p.ld * sizeof(__half) + (in == GemvIn::F32Norm ? (size_t)p.K * sizeof(float) : 0) +
+         (p.fmt == WFormat::I4 ? (size_t)(p.K / kI4Group) * sizeof(float) : 0);
 }
 
 template <typename Kernel>
@@ -490,7 +535,7 @@ static int gemv_grid(int tiles, int blocks_per_sm) {
 
 template <WFormat WF, int R, GemvIn IN, GemvOut OUT>
 static void launch_gemv(const GemvParams& p, cudaStream_t stream, bool pdl) {
-  const size_t smem = gemv_smem(p);
+  const size_t smem = gemv_smem(p, IN);
   raise_smem(gemv_kernel<WF, R, IN, OUT>, smem);
   const int rows_per_tile = kGemvWarps * R;
   launch(gemv_kernel<WF, R, IN, OUT>, dim3(gemv_grid((p.rows + rows_per_tile - 1) / rows_per_tile, p.blocks_per_sm)),
@@ -499,7 +544,7 @@ static void launch_gemv(const GemvParams& p, cudaStream_t stream, bool pdl) {
 
 template <WFormat WF, GemvIn IN, GemvOut OUT>
 static void launch_splitk(const GemvParams& p, cudaStream_t stream, bool pdl) {
-  const size_t smem = gemv_smem(p);
+  const size_t smem = gemv_smem(p, IN);
   raise_smem(gemv_splitk_kernel<WF, IN, OUT>, smem);
   launch(gemv_splitk_kernel<WF, IN, OUT>, dim3(gemv_grid((p.rows + 7) / 8, p.blocks_per_sm)), dim3(kGemvThreads),
          smem, stream, pdl, p);

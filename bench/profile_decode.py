@@ -2,7 +2,7 @@
 inside a CUDA graph). With PDL, kernels overlap, so a kernel's own duration includes its wait for the previous
 one; the table therefore charges each kernel its *critical-path increment*: how far its end moves the step's
 end past every earlier kernel's end. The increments of one step sum to the step's GPU time.
-    python3 bench/profile_decode.py tinyllama-1.1b int4 [context]"""
+    python3 bench/profile_decode.py tinyllama-1.1b int4 [context] [--late]   (--late: no early PDL triggers)"""
 
 import re
 import sys
@@ -27,10 +27,11 @@ def main() -> None:
     ctx = int(args[2]) if len(args) > 2 else 16
     opts = _core.CudaOptions()
     opts.weights = dtype
+    opts.early_trigger = "--late" not in sys.argv
     eng = _core.CudaEngine.random(shape_config(shape), max(ctx + 64, 256), 1, opts)
     steps = 20
     ms = eng.time_decode_step(ctx, 200)
-    print(f"{shape} {dtype} ctx {ctx}: {ms * 1e3:.1f} us/step = {1e3 / ms:,.0f} tok/s (graph replay, CUDA events)")
+    print(f"{shape} {dtype} ctx {ctx}{' (late triggers)' if '--late' in sys.argv else ''}: {ms * 1e3:.1f} us/step = {1e3 / ms:,.0f} tok/s (graph replay, CUDA events)")
     import torch
     from torch.profiler import ProfilerActivity, profile
 

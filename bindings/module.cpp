@@ -251,6 +251,7 @@ void bind_engine(nb::module_& m) {
   nb::class_<ti::CudaOptions>(m, "CudaOptions")
       .def(nb::init<>())
       .def_rw("pdl", &ti::CudaOptions::pdl)
+      .def_rw("early_trigger", &ti::CudaOptions::early_trigger)
       .def_rw("graphs", &ti::CudaOptions::graphs)
       .def_rw("attn_chunk", &ti::CudaOptions::attn_chunk)
       .def_rw("gemv_rows", &ti::CudaOptions::gemv_rows)

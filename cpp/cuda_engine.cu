@@ -379,7 +379,7 @@ CudaEngine::~CudaEngine() { release(); }
 cuda::GemvParams CudaEngine::gemv_params(const cuda::QMat& m, const void* x, void* y, const float* norm_w,
                                          bool early_trigger) const {
   cuda::GemvParams p;
-  p.early_trigger = early_trigger;
+  p.early_trigger = early_trigger && opt_.early_trigger;
   p.rows = m.rows;
   p.K = m.K;
   p.fmt = m.fmt;

@@ -1,20 +1,23 @@
 // gemv.cu — fp16 matrix-vector products for batch-1 decode: y = W x, fp32 accumulation.
 //
 // Layout: W row-major (rows, ld) fp16, ld a multiple of 8 so every row starts 16-byte aligned; columns past K
-// are zero. A block of 8 warps; each warp owns R consecutive rows (R = 1, 2, 4: more rows per warp = more
-// independent 16-byte loads in flight per lane but fewer warps; timed per shape at load). Each lane reads 16
-// bytes (8 weights) per row per step, 4 steps unrolled, so 4R loads are in flight per lane; the input vector is
-// staged once per block in shared memory as fp16 (16-byte reads, a warp reads 512 contiguous bytes: no bank
-// conflicts), then each row's dot is reduced across the warp with shuffles.
+// are zero. A block of 8 warps; a tile is 8 warps x R consecutive rows (R = 1, 2, 4: more rows per warp = more
+// independent 16-byte loads in flight per lane but fewer warps). The grid is one block per tile or 1-2 blocks
+// per SM looping over tiles (GemvParams::blocks_per_sm); R and the grid are timed per shape at load, from graph
+// replays. Each lane reads 16 bytes (8 weights) per row per step, 4 steps unrolled, so 4R loads are in flight
+// per lane; the input vector is staged once per block in shared memory as fp16 (16-byte reads laid out so that
+// a warp's reads are contiguous: no bank conflicts), then each row's dot is reduced across the warp with
+// shuffles.
 //
 // Fusions (chosen by the launcher's in/out modes, never in the forward pass):
 //   in  F32Norm: RMSNorm of the fp32 residual stream in the prologue (every block recomputes the sum of
-//                squares: H floats from L2, cheaper than a kernel launch)
+//                squares: H floats from L2, cheaper than a kernel launch; the norm weight is in shared memory)
 //   out AddF32:  y += W x (the residual add of the O and down projections)
 //   out Swiglu:  rows interleaved gate/up at load (row 2i = gate_i, 2i+1 = up_i): y_i = silu(g_i) * u_i
-// PDL: the first 8/R 16-byte words of each of the warp's rows (8 per lane), their I4 group scales and the I8 row
-// scales are loaded before pdl_wait() (weights do not depend on the previous kernel), so the memory pipe is busy
-// while the previous kernel drains and no DRAM round trip is left for after the wait but the input's.
+// PDL: the first 8/R 16-byte words of each of the warp's rows (8 per lane), their I4 group scales, the I8 row
+// scales and the RMSNorm weight are loaded before pdl_wait() (weights do not depend on the previous kernel), so
+// the memory pipe is busy while the previous kernel drains; after the wait come the input (and, for AddF32, the
+// old y, read at once so that its latency hides behind the staging).
 //
 // Quantized weights (cpp/quant.h; template parameter WF): the same kernels, a 16-byte word now holding 16
 // (I8) or 32 (I4) weights, dequantized in registers without int->float conversions:

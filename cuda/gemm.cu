@@ -91,8 +91,10 @@ bool capturing(cudaStream_t s) {
 // More tactics than the heuristic offers: its first few algorithms again with the K dimension split 2..16 ways
 // (partial sums reduced in the workspace). Skinny products (a short prompt: N = 16) have too few output tiles
 // to fill the GPU, and the heuristic rarely proposes a split. Kept only where cublasLtMatmulAlgoCheck accepts
-// them within our workspace.
-void add_split_k(cublasLtHandle_t h, const Desc& d, size_t workspace, std::vector<cublasLtMatmulAlgo_t>& cands) {
+// them within our workspace, and only where each split still covers >= 64 of K (a tile's depth is 32-64: a
+// thinner split cannot be faster, and degenerate ones — K = 8 split 16 ways — are the suspects of a tuned
+// 8x3x8 GEMM that once came out wrong in the tests, not reproduced; real models' K are >= 2,048).
+void add_split_k(cublasLtHandle_t h, const Desc& d, int K, size_t workspace, std::vector<cublasLtMatmulAlgo_t>& cands) {
   const size_t base = std::min<size_t>(cands.size(), 4);
   for (size_t i = 0; i < base; i++) {
     uint32_t support = 0, schemes = 0;
@@ -105,6 +107,7 @@ void add_split_k(cublasLtHandle_t h, const Desc& d, size_t workspace, std::vecto
                             : (schemes & CUBLASLT_REDUCTION_SCHEME_INPLACE)    ? CUBLASLT_REDUCTION_SCHEME_INPLACE
                                                                                : CUBLASLT_REDUCTION_SCHEME_NONE;
     for (uint32_t k : {2u, 4u, 8u, 16u}) {
+      if ((uint32_t)K < 64u * k) break;
       cublasLtMatmulAlgo_t a = cands[i];
       uint32_t cur = 0;
       cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &cur, sizeof(cur), &written);
@@ -284,7 +287,7 @@ Gemm::Entry& Gemm::lookup(const GemmArgs& a, cudaStream_t s) {
   std::vector<cublasLtMatmulAlgo_t> cands;
   for (int i = 0; i < found; i++)
     if (res[(size_t)i].state == CUBLAS_STATUS_SUCCESS) cands.push_back(res[(size_t)i].algo);
-  if (autotune && !capturing(s)) add_split_k(as_handle(handle_), d, workspace_bytes_, cands);
+  if (autotune && !capturing(s)) add_split_k(as_handle(handle_), d, a.K, workspace_bytes_, cands);
   if (capturing(s) || !autotune) {  // no timing inside a capture; or the default on purpose
     e->info.candidates = 1;
     e->info.offered = found;

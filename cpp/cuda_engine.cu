@@ -440,8 +440,9 @@ void CudaEngine::record_forward(cudaStream_t s) {
   cuda::embed_token(embedding_, ld_h_, H, d_state_, x_, s, pdl_);  // x = embed[token]
   for (int64_t l = 0; l < c.n_layers; l++) {
     const Layer& L = layers_[(size_t)l];
-    // qkv = [Wq; Wk; Wv] @ rmsnorm(x). It alone triggers late (after its wait): the attention after it reads pos
-    // and the cache before its own wait (common.cuh, the two-back rule); the others trigger at their start.
+    // qkv = [Wq; Wk; Wv] @ rmsnorm(x). It always triggers late (after its wait): the attention after it reads
+    // pos and the cache before its own wait (common.cuh, the two-back rule). The other GEMVs may trigger at their
+    // start (CudaOptions::early_trigger, off by default: measured slower).
     cuda::gemv(tuned("qkv", gemv_params(L.qkv, x_, qkv_, L.attn_norm)), r_qkv, GemvIn::F32Norm, GemvOut::F32, s, pdl_);
     // att = softmax(rope(q) rope(K)^T / sqrt(d)) V, writing rope(k), v at pos into the cache
     cuda::decode_attention(attn_params(l), s, pdl_);

@@ -36,6 +36,24 @@ using F32Out = nb::ndarray<nb::numpy, float, nb::ndim<2>>;
 using F32In2 = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using F32In1 = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
+#ifdef TINYINFER_WITH_CUDA
+// The GEMV test ops' mode strings and vector lengths, checked the same way for every weight format.
+std::pair<ti::cuda::GemvIn, ti::cuda::GemvOut> gemv_modes(const char* who, const std::string& in,
+                                                          const std::string& out, int rows, int K, const F32In1& x,
+                                                          const F32In1& norm_w, const F32In1& y_init) {
+  const std::string w = who;
+  if ((int)x.shape(0) != K) ti::fail(ti::ErrorKind::Request, w + ": len(x) != W.shape[1]");
+  const ti::cuda::GemvIn gi = in == "f32norm" ? ti::cuda::GemvIn::F32Norm : ti::cuda::GemvIn::F16;
+  const ti::cuda::GemvOut go = out == "add" ? ti::cuda::GemvOut::AddF32
+                               : out == "swiglu" ? ti::cuda::GemvOut::Swiglu : ti::cuda::GemvOut::F32;
+  if (gi == ti::cuda::GemvIn::F32Norm && (int)norm_w.shape(0) != K)
+    ti::fail(ti::ErrorKind::Request, w + ": len(norm_w) != K");
+  if (go == ti::cuda::GemvOut::AddF32 && (int)y_init.shape(0) != rows)
+    ti::fail(ti::ErrorKind::Request, w + ": len(y_init) != rows");
+  return {gi, go};
+}
+#endif
+
 // The Python exception types of tinyinfer.errors, one per ti::ErrorKind (references kept for the process).
 struct ErrorTypes {
   PyObject* model_format;
@@ -435,14 +453,7 @@ void bind_ops(nb::module_& m) {
       [](nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> W, F32In1 x, F32In1 norm_w,
          float eps, F32In1 y_init, int R, const std::string& in, const std::string& out, int grid) {
         const int rows = (int)W.shape(0), K = (int)W.shape(1);
-        if ((int)x.shape(0) != K) ti::fail(ti::ErrorKind::Request, "gemv: len(x) != W.shape[1]");
-        const ti::cuda::GemvIn gi = in == "f32norm" ? ti::cuda::GemvIn::F32Norm : ti::cuda::GemvIn::F16;
-        const ti::cuda::GemvOut go = out == "add" ? ti::cuda::GemvOut::AddF32
-                                     : out == "swiglu" ? ti::cuda::GemvOut::Swiglu : ti::cuda::GemvOut::F32;
-        if (gi == ti::cuda::GemvIn::F32Norm && (int)norm_w.shape(0) != K)
-          ti::fail(ti::ErrorKind::Request, "gemv: len(norm_w) != K");
-        if (go == ti::cuda::GemvOut::AddF32 && (int)y_init.shape(0) != rows)
-          ti::fail(ti::ErrorKind::Request, "gemv: len(y_init) != rows");
+        const auto [gi, go] = gemv_modes("gemv", in, out, rows, K, x, norm_w, y_init);
         std::vector<float> y;
         {
           nb::gil_scoped_release release;
@@ -500,14 +511,7 @@ void bind_ops(nb::module_& m) {
       [](F32In2 W, const std::string& f, F32In1 x, F32In1 norm_w, float eps, F32In1 y_init, int R,
          const std::string& in, const std::string& out, int grid) {
         const int rows = (int)W.shape(0), K = (int)W.shape(1);
-        if ((int)x.shape(0) != K) ti::fail(ti::ErrorKind::Request, "gemv_quant: len(x) != W.shape[1]");
-        const ti::cuda::GemvIn gi = in == "f32norm" ? ti::cuda::GemvIn::F32Norm : ti::cuda::GemvIn::F16;
-        const ti::cuda::GemvOut go = out == "add" ? ti::cuda::GemvOut::AddF32
-                                     : out == "swiglu" ? ti::cuda::GemvOut::Swiglu : ti::cuda::GemvOut::F32;
-        if (gi == ti::cuda::GemvIn::F32Norm && (int)norm_w.shape(0) != K)
-          ti::fail(ti::ErrorKind::Request, "gemv_quant: len(norm_w) != K");
-        if (go == ti::cuda::GemvOut::AddF32 && (int)y_init.shape(0) != rows)
-          ti::fail(ti::ErrorKind::Request, "gemv_quant: len(y_init) != rows");
+        const auto [gi, go] = gemv_modes("gemv_quant", in, out, rows, K, x, norm_w, y_init);
         std::vector<float> y;
         {
           nb::gil_scoped_release release;

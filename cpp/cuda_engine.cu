@@ -474,22 +474,34 @@ void CudaEngine::run_decode_step(cudaStream_t s) {
   else record_decode_step(s);
 }
 
+// Captures what `record` launches on the stream into an instantiated graph. A throw from `record` ends the
+// capture (discarding it) and propagates; a CUDA failure is returned, leaving no sticky error behind.
+cudaError_t CudaEngine::capture_graph(const std::function<void()>& record, cudaGraphExec_t* out) {
+  cudaGraph_t graph = nullptr;
+  cudaError_t err = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return err;
+  }
+  try {
+    record();
+  } catch (...) {
+    cudaStreamEndCapture(stream_, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    throw;
+  }
+  err = cudaStreamEndCapture(stream_, &graph);
+  if (err == cudaSuccess) err = cudaGraphInstantiate(out, graph, 0);
+  if (graph) cudaGraphDestroy(graph);
+  if (err != cudaSuccess) cudaGetLastError();
+  return err;
+}
+
 void CudaEngine::build_graphs() {
   if (!opt_.graphs) return;
   auto capture = [&](bool decode, cudaGraphExec_t* out) {
-    cudaGraph_t graph = nullptr;
-    TI_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    try {
-      decode ? record_decode_step(stream_) : record_forward(stream_);
-    } catch (...) {
-      cudaStreamEndCapture(stream_, &graph);
-      if (graph) cudaGraphDestroy(graph);
-      throw;
-    }
-    TI_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    cudaError_t err = cudaGraphInstantiate(out, graph, 0);
-    cudaGraphDestroy(graph);
-    TI_CUDA_CHECK(err);
+    TI_CUDA_CHECK(capture_graph([&] { decode ? record_decode_step(stream_) : record_forward(stream_); }, out));
   };
   try {
     capture(false, &g_forward_);
@@ -522,27 +534,12 @@ float CudaEngine::gpu_ms(const std::function<void()>& enqueue) {
 // stream launches from the host take ~3 us each, longer than a small GEMV, and would time the host instead);
 // timed from the stream where capture is off or fails.
 float CudaEngine::replay_ms(const std::function<void()>& enqueue) {
-  if (opt_.graphs && cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal) == cudaSuccess) {
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    try {
-      enqueue();
-    } catch (...) {
-      cudaStreamEndCapture(stream_, &graph);
-      if (graph) cudaGraphDestroy(graph);
-      cudaGetLastError();
-      throw;
-    }
-    const bool ok = cudaStreamEndCapture(stream_, &graph) == cudaSuccess && graph &&
-                    cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
-    if (graph) cudaGraphDestroy(graph);
-    if (ok) {
-      TI_CUDA_CHECK(cudaGraphLaunch(exec, stream_));  // warm-up
-      const float ms = gpu_ms([&] { TI_CUDA_CHECK(cudaGraphLaunch(exec, stream_)); });
-      cudaGraphExecDestroy(exec);
-      return ms;
-    }
-    cudaGetLastError();
+  cudaGraphExec_t exec = nullptr;
+  if (opt_.graphs && capture_graph(enqueue, &exec) == cudaSuccess) {
+    TI_CUDA_CHECK(cudaGraphLaunch(exec, stream_));  // warm-up
+    const float ms = gpu_ms([&] { TI_CUDA_CHECK(cudaGraphLaunch(exec, stream_)); });
+    cudaGraphExecDestroy(exec);
+    return ms;
   }
   enqueue();  // warm-up
   return gpu_ms(enqueue);

@@ -128,6 +128,7 @@ class CudaEngine {
   void set_state(int token, int pos, int step);
   float gpu_ms(const std::function<void()>& enqueue);
   float replay_ms(const std::function<void()>& enqueue);
+  cudaError_t capture_graph(const std::function<void()>& record, cudaGraphExec_t* out);
   cuda::DecodeAttnParams attn_params(int64_t layer) const;
   cuda::GemvParams gemv_params(const cuda::QMat& m, const void* x, void* y, const float* norm_w,
                                bool early_trigger = false) const;

@@ -153,7 +153,8 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
         grid = f"{g['blocks_per_sm']}/SM" if g["blocks_per_sm"] else "tile"
         out(f"{g['name']:>8} {g['rows']:>6}x{g['K']:<6} {g['copies']:>6} {g['R']:>2} {grid:>4} {us:>32} "
             f"{g['gb_per_s']:>7.0f} {row['pct_peak']:>6.1f}%")
-    chain = {"pdl": _core.ops.kernel_chain_us(200, 132, True, False), "no_pdl": _core.ops.kernel_chain_us(200, 132, False, False)}
+    chain = {"pdl": _core.ops.kernel_chain_us(200, 132, True, False),
+             "no_pdl": _core.ops.kernel_chain_us(200, 132, False, False)}
     res["kernel_chain_us"] = chain
     out(f"\nkernel boundary (graph-replayed chain of 200 near-empty dependent kernels, 132 blocks): "
         f"{chain['pdl']:.2f} µs with PDL, {chain['no_pdl']:.2f} µs without")

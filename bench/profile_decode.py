@@ -2,7 +2,8 @@
 inside a CUDA graph). With PDL, kernels overlap, so a kernel's own duration includes its wait for the previous
 one; the table therefore charges each kernel its *critical-path increment*: how far its end moves the step's
 end past every earlier kernel's end. The increments of one step sum to the step's GPU time.
-    python3 bench/profile_decode.py tinyllama-1.1b int4 [context] [--late]   (--late: no early PDL triggers)"""
+    python3 bench/profile_decode.py tinyllama-1.1b int4 [context] [--early] [--opts=l2_own_mb=16,l2_ahead=1]
+(--early: early PDL triggers; --opts: other CudaOptions, as bench/ab_decode.py takes them)"""
 
 import re
 import sys
@@ -10,6 +11,9 @@ from collections import defaultdict
 
 from tinyinfer import _core
 from tinyinfer.bench import shape_config
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from ab_decode import options  # noqa: E402
 
 
 def short(name: str) -> str:
@@ -25,13 +29,13 @@ def main() -> None:
     shape = args[0] if args else "tinyllama-1.1b"
     dtype = args[1] if len(args) > 1 else "fp16"
     ctx = int(args[2]) if len(args) > 2 else 16
-    opts = _core.CudaOptions()
-    opts.weights = dtype
-    opts.early_trigger = "--late" not in sys.argv
+    spec = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--opts=")), "")
+    opts = options(spec, dtype)
+    opts.early_trigger = "--early" in sys.argv
     eng = _core.CudaEngine.random(shape_config(shape), max(ctx + 64, 256), 1, opts)
     steps = 20
     ms = eng.time_decode_step(ctx, 200)
-    print(f"{shape} {dtype} ctx {ctx}{' (late triggers)' if '--late' in sys.argv else ''}: {ms * 1e3:.1f} us/step = {1e3 / ms:,.0f} tok/s (graph replay, CUDA events)")
+    print(f"{shape} {dtype} ctx {ctx}{' (early triggers)' if '--early' in sys.argv else ''} {spec}: {ms * 1e3:.1f} us/step = {1e3 / ms:,.0f} tok/s (graph replay, CUDA events)")
     import torch
     from torch.profiler import ProfilerActivity, profile
 

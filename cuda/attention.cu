@@ -29,9 +29,13 @@ namespace ti::cuda {
 
 constexpr int kAttnThreads = 256, kMaxGroup = 8, kPad = 8;  // kPad: halves of padding per shared K/V row
 
+// HD: the head dim as a compile-time constant (64, 128: the Llama family's), or 0: p.head_dim at run time. A
+// constant turns the index arithmetic's divisions (~20 dependent instructions each at run time) into shifts and
+// unrolls the shuffle loops: at short contexts this kernel is a chain of dependent instructions, not a stream.
+template <int HD>
 __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int hd = p.head_dim, half_d = hd / 2, CH = p.chunk, row = hd + kPad;
+  const int hd = HD ? HD : p.head_dim, half_d = hd / 2, CH = p.chunk, row = hd + kPad;
   float* q_s = reinterpret_cast<float*>(smem_raw);              // (kMaxGroup, hd)
   float* s_s = q_s + kMaxGroup * hd;                            // (kMaxGroup, CH) scores, then probabilities
   float* ml_s = s_s + kMaxGroup * CH;                           // (kMaxGroup, 2)
@@ -70,7 +74,19 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   pdl_wait();
   pdl_launch_dependents();
 
-  // ---- 2. rotate the query heads; the owner of pos writes rope(k) and v into the cache and its tile ----
+  // ---- 2. rotate the query heads; the owner of pos writes rope(k) and v into the cache and its tile. The new
+  //      key and value are read first, so that their reads and the queries' are one round trip, not three. ----
+  const bool owner = pos < c0 + CH;  // every z-slice of this chunk writes the same values: harmless
+  float k1 = 0.0f, k2 = 0.0f, v1 = 0.0f, v2 = 0.0f;
+  const int i_kv = threadIdx.x;  // half_d <= 128 < kAttnThreads: one (i, i + half_d) pair per thread
+  if (owner && i_kv < half_d) {
+    const float* k = p.qkv + q_dim + (size_t)kvh * hd;
+    const float* v = p.qkv + q_dim + kv_dim + (size_t)kvh * hd;
+    k1 = k[i_kv];
+    k2 = k[i_kv + half_d];
+    v1 = v[i_kv];
+    v2 = v[i_kv + half_d];
+  }
   for (int t = threadIdx.x; t < g * half_d; t += kAttnThreads) {
     const int h = t / half_d, i = t % half_d;
     const float* q = p.qkv + (size_t)(hq0 + h) * hd;
@@ -78,18 +94,15 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
     q_s[h * hd + i] = (x1 * cs[i] - x2 * sn[i]) * p.scale;
     q_s[h * hd + i + half_d] = (x2 * cs[i] + x1 * sn[i]) * p.scale;
   }
-  if (pos < c0 + CH) {  // every z-slice of this chunk writes the same values: harmless
-    const float* k = p.qkv + q_dim + (size_t)kvh * hd;
-    const float* v = p.qkv + q_dim + kv_dim + (size_t)kvh * hd;
+  if (owner && i_kv < half_d) {
+    const int i = i_kv;
     __half* kr = k_s + (size_t)(pos - c0) * row;
     __half* vr = v_s + (size_t)(pos - c0) * row;
-    for (int i = threadIdx.x; i < half_d; i += kAttnThreads) {
-      const float x1 = k[i], x2 = k[i + half_d];
-      const __half k1 = __float2half(x1 * cs[i] - x2 * sn[i]), k2 = __float2half(x2 * cs[i] + x1 * sn[i]);
-      kc[(size_t)pos * hd + i] = kr[i] = k1;
-      kc[(size_t)pos * hd + i + half_d] = kr[i + half_d] = k2;
-    }
-    for (int i = threadIdx.x; i < hd; i += kAttnThreads) vc[(size_t)pos * hd + i] = vr[i] = __float2half(v[i]);
+    const __half r1 = __float2half(k1 * cs[i] - k2 * sn[i]), r2 = __float2half(k2 * cs[i] + k1 * sn[i]);
+    kc[(size_t)pos * hd + i] = kr[i] = r1;
+    kc[(size_t)pos * hd + i + half_d] = kr[i + half_d] = r2;
+    vc[(size_t)pos * hd + i] = vr[i] = __float2half(v1);
+    vc[(size_t)pos * hd + i + half_d] = vr[i + half_d] = __float2half(v2);
   }
   __syncthreads();
 
@@ -119,6 +132,7 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
 #pragma unroll
         for (int u = 0; u < 8; u++) sc = fmaf(qf[u], kf[u], sc);
       }
+#pragma unroll
       for (int o = WP / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
       if (w == 0 && t < n) s_s[h * CH + t] = sc;
     }
@@ -158,6 +172,7 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
     }
 #pragma unroll
     for (int u = 0; u < 8; u++)
+#pragma unroll
       for (int off = WP; off < 32; off <<= 1) o[u] += __shfl_xor_sync(0xffffffffu, o[u], off);
     if (live && tl == 0) {
 #pragma unroll
@@ -245,6 +260,18 @@ size_t decode_attention_smem(const DecodeAttnParams& p) {
          2 * sizeof(__half) * (size_t)p.chunk * (p.head_dim + kPad) + sizeof(float) * p.head_dim;  // + RoPE row
 }
 
+template <int HD>
+static void launch_attn(const DecodeAttnParams& p, dim3 grid, size_t smem, cudaStream_t s, bool pdl) {
+  if (smem > 48 * 1024) {
+    static bool raised = false;  // a property of the CUDA function (process-wide), set once per instantiation
+    if (!raised) {
+      TI_CUDA_CHECK(cudaFuncSetAttribute(decode_attn_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+      raised = true;
+    }
+  }
+  launch(decode_attn_kernel<HD>, grid, dim3(kAttnThreads), smem, s, pdl, p);
+}
+
 void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl) {
   if (p.head_dim % 8 != 0 || p.head_dim > 256 || p.head_dim < 64 || p.n_heads % p.n_kv_heads != 0)
     fail(ErrorKind::Request, "decode_attention: unsupported head_dim " + std::to_string(p.head_dim));
@@ -254,16 +281,11 @@ void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl) {
                                  std::to_string(p.head_dim));
   if (p.chunk < 1 || p.chunk > 128) fail(ErrorKind::Request, "decode_attention: chunk must be 1..128");
   const size_t smem = decode_attention_smem(p);
-  if (smem > 48 * 1024) {
-    static bool raised = false;  // a property of the CUDA function (process-wide), set once
-    if (!raised) {
-      TI_CUDA_CHECK(cudaFuncSetAttribute(decode_attn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-      raised = true;
-    }
-  }
   const int group = p.n_heads / p.n_kv_heads;
   dim3 grid(attn_max_chunks(p), p.n_kv_heads, (group + kMaxGroup - 1) / kMaxGroup);
-  launch(decode_attn_kernel, grid, dim3(kAttnThreads), smem, s, pdl, p);
+  if (p.head_dim == 64) launch_attn<64>(p, grid, smem, s, pdl);
+  else if (p.head_dim == 128) launch_attn<128>(p, grid, smem, s, pdl);
+  else launch_attn<0>(p, grid, smem, s, pdl);
   launch(decode_attn_merge, dim3(p.n_heads), dim3(p.head_dim <= 128 ? 128 : 256),
          sizeof(float) * (size_t)attn_max_chunks(p), s, pdl, p);
 }

@@ -1,0 +1,41 @@
+"""A/B of CudaOptions on the graph-replayed decode step (random weights at a real shape).
+    python3 bench/ab_decode.py tinyllama-1.1b int4 16 "" "l2_own_mb=16" "l2_own_mb=16,l2_ahead=1"
+Each variant is one engine (its own load-time autotune); the variants' timings are interleaved over `--rounds`
+rounds (default 3) so that drift hits all alike, and each row reports the best and the median round."""
+
+import statistics
+import sys
+
+from tinyinfer import _core
+from tinyinfer.bench import shape_config
+
+
+def options(spec: str, dtype: str) -> "_core.CudaOptions":
+    o = _core.CudaOptions()
+    o.weights = dtype
+    for kv in filter(None, spec.split(",")):
+        k, v = kv.split("=")
+        cur = getattr(o, k)
+        setattr(o, k, type(cur)(int(v)) if isinstance(cur, (bool, int)) else type(cur)(v))
+    return o
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--rounds")]
+    rounds = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--rounds=")), 3)
+    shape, dtype, ctx, specs = args[0], args[1], int(args[2]), args[3:] or [""]
+    engines = [_core.CudaEngine.random(shape_config(shape), max(ctx + 300, 512), 1, options(s, dtype)) for s in specs]
+    times = {s: [] for s in specs}
+    for _ in range(rounds):
+        for s, e in zip(specs, engines):
+            times[s].append(e.time_decode_step(ctx, 200) * 1e3)
+    print(f"{shape} {dtype} ctx {ctx}: µs per decode step over {rounds} rounds")
+    base = min(times[specs[0]])
+    for s in specs:
+        t = times[s]
+        print(f"  {s or '(defaults)':40s} best {min(t):7.1f}  median {statistics.median(t):7.1f}  "
+              f"{1e6 / min(t):7,.0f} tok/s  {100 * (min(t) / base - 1):+5.1f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -270,9 +270,11 @@ void bind_engine(nb::module_& m) {
       .def(nb::init<>())
       .def_rw("pdl", &ti::CudaOptions::pdl)
       .def_rw("early_trigger", &ti::CudaOptions::early_trigger)
+      .def_rw("trace", &ti::CudaOptions::trace)
       .def_rw("graphs", &ti::CudaOptions::graphs)
       .def_rw("attn_chunk", &ti::CudaOptions::attn_chunk)
       .def_rw("gemv_rows", &ti::CudaOptions::gemv_rows)
+      .def_rw("gemv_grid", &ti::CudaOptions::gemv_grid)
       .def_rw("batched_prefill", &ti::CudaOptions::batched_prefill)
       .def_rw("prefill_chunk", &ti::CudaOptions::prefill_chunk)
       .def_rw("gemm_autotune", &ti::CudaOptions::gemm_autotune)
@@ -352,6 +354,19 @@ void bind_engine(nb::module_& m) {
            nb::call_guard<nb::gil_scoped_release>(), "GPU ms of one prefill of n_tokens at position 0 (resets).")
       .def("time_decode_step", &ti::CudaEngine::time_decode_step, "context"_a, "steps"_a,
            nb::call_guard<nb::gil_scoped_release>(), "GPU ms per graph-replayed decode step at this context.")
+      .def(
+          "trace_step",
+          [](ti::CudaEngine& e, int64_t context) {
+            auto [names, t] = e.trace_step(context);
+            const size_t per = names.empty() ? 0 : t.size() / names.size();
+            nb::list out;
+            for (size_t k = 0; k < names.size(); k++)
+              out.append(nb::make_tuple(names[k], std::vector<uint64_t>(t.begin() + k * per, t.begin() + (k + 1) * per)));
+            return out;
+          },
+          "context"_a,
+          "CudaOptions.trace engines: one decode step; per kernel (name, kTraceBlocks x 4 global-timer ns: start, "
+          "after the PDL wait, after the prologue, end; 0 = block absent).")
       .def("time_attention", &ti::CudaEngine::time_attention, "context"_a, "reps"_a,
            nb::call_guard<nb::gil_scoped_release>(), "GPU µs of one layer's decode attention at this context.");
   bind_engine_common<ti::CudaEngine>(gpu);

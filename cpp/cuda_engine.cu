@@ -37,6 +37,7 @@ void CudaEngine::init_device() {
   if (max_seq_ < 1) fail(ErrorKind::Request, "max_seq_len must be >= 1");
   if (opt_.attn_chunk == 0) opt_.attn_chunk = cuda::attn_chunk_for((int)cfg_.head_dim);
   if (opt_.attn_chunk < 8 || opt_.attn_chunk > 128) fail(ErrorKind::Request, "attn_chunk must be 8..128");
+  if (opt_.gemv_grid < -1 || opt_.gemv_grid > 2) fail(ErrorKind::Request, "gemv_grid must be -1 (tuned), 0, 1 or 2");
   TI_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   TI_CUDA_CHECK(cudaEventCreate(&ev0_));
   TI_CUDA_CHECK(cudaEventCreate(&ev1_));
@@ -190,6 +191,13 @@ void CudaEngine::allocate() {
   d_seen_ = static_cast<unsigned char*>(dalloc(c.vocab, true));
   d_probs_ = static_cast<float*>(dalloc(c.vocab * sizeof(float), true));
   d_out_ = static_cast<int*>(dalloc(max_seq_ * sizeof(int), true));
+#ifndef TI_TRACE
+  if (opt_.trace)
+    fail(ErrorKind::Request, "CudaOptions.trace: this build has no tracing (rebuild with CMAKE_ARGS=-DTINYINFER_TRACE=ON)");
+#endif
+  if (opt_.trace)  // 5 kernels per layer + the head
+    d_trace_ = static_cast<unsigned long long*>(
+        dalloc((size_t)(5 * c.n_layers + 1) * cuda::kTraceBlocks * cuda::kTracePoints * 8, true));
   TI_CUDA_CHECK(cudaMemsetAsync(d_seen_, 0, c.vocab, stream_));
   TI_CUDA_CHECK(cudaMallocHost(&h_state_, sizeof(cuda::DecodeState)));
   TI_CUDA_CHECK(cudaMallocHost(&h_sampling_, sizeof(cuda::DeviceSampling)));
@@ -433,30 +441,47 @@ cuda::GemvParams CudaEngine::tuned(const char* name, cuda::GemvParams p) const {
   return p;
 }
 
+unsigned long long* CudaEngine::next_trace(const std::string& name) {
+  if (!d_trace_) return nullptr;
+  trace_names_.push_back(name);
+  return d_trace_ + (trace_names_.size() - 1) * cuda::kTraceBlocks * cuda::kTracePoints;
+}
+
 void CudaEngine::record_forward(cudaStream_t s) {
   const ModelConfig& c = cfg_;
   const int H = (int)c.hidden;
   const int r_qkv = choice("qkv"), r_o = choice("o"), r_gu = choice("gate_up"), r_down = choice("down");
+  trace_names_.clear();
   cuda::embed_token(embedding_, ld_h_, H, d_state_, x_, s, pdl_);  // x = embed[token]
   for (int64_t l = 0; l < c.n_layers; l++) {
     const Layer& L = layers_[(size_t)l];
     // qkv = [Wq; Wk; Wv] @ rmsnorm(x). It always triggers late (after its wait): the attention after it reads
     // pos and the cache before its own wait (common.cuh, the two-back rule). The other GEMVs may trigger at their
     // start (CudaOptions::early_trigger, off by default: measured slower).
-    cuda::gemv(tuned("qkv", gemv_params(L.qkv, x_, qkv_, L.attn_norm)), r_qkv, GemvIn::F32Norm, GemvOut::F32, s, pdl_);
+    cuda::GemvParams p = tuned("qkv", gemv_params(L.qkv, x_, qkv_, L.attn_norm));
+    p.trace = next_trace("qkv");
+    cuda::gemv(p, r_qkv, GemvIn::F32Norm, GemvOut::F32, s, pdl_);
     // att = softmax(rope(q) rope(K)^T / sqrt(d)) V, writing rope(k), v at pos into the cache
-    cuda::decode_attention(attn_params(l), s, pdl_);
+    cuda::DecodeAttnParams a = attn_params(l);
+    a.trace = next_trace("attention");
+    cuda::decode_attention(a, s, pdl_);
     // x += Wo @ att
-    cuda::gemv(tuned("o", gemv_params(L.o, att_, x_, nullptr, true)), r_o, GemvIn::F16, GemvOut::AddF32, s, pdl_);
+    p = tuned("o", gemv_params(L.o, att_, x_, nullptr, true));
+    p.trace = next_trace("o");
+    cuda::gemv(p, r_o, GemvIn::F16, GemvOut::AddF32, s, pdl_);
     // h = silu(Wg @ rmsnorm(x)) * (Wu @ rmsnorm(x))
-    cuda::gemv(tuned("gate_up", gemv_params(L.gate_up, x_, h_, L.mlp_norm, true)), r_gu, GemvIn::F32Norm,
-               GemvOut::Swiglu, s, pdl_);
+    p = tuned("gate_up", gemv_params(L.gate_up, x_, h_, L.mlp_norm, true));
+    p.trace = next_trace("gate_up");
+    cuda::gemv(p, r_gu, GemvIn::F32Norm, GemvOut::Swiglu, s, pdl_);
     // x += Wd @ h
-    cuda::gemv(tuned("down", gemv_params(L.down, h_, x_, nullptr, true)), r_down, GemvIn::F16, GemvOut::AddF32, s, pdl_);
+    p = tuned("down", gemv_params(L.down, h_, x_, nullptr, true));
+    p.trace = next_trace("down");
+    cuda::gemv(p, r_down, GemvIn::F16, GemvOut::AddF32, s, pdl_);
   }
   // logits = lm_head @ rmsnorm(x)
-  cuda::gemv(tuned("lm_head", gemv_params(lm_head_, x_, logits_, final_norm_, true)), choice("lm_head"), GemvIn::F32Norm,
-             GemvOut::F32, s, pdl_);
+  cuda::GemvParams p = tuned("lm_head", gemv_params(lm_head_, x_, logits_, final_norm_, true));
+  p.trace = next_trace("lm_head");
+  cuda::gemv(p, choice("lm_head"), GemvIn::F32Norm, GemvOut::F32, s, pdl_);
 }
 
 void CudaEngine::record_decode_step(cudaStream_t s) {
@@ -596,6 +621,7 @@ void CudaEngine::autotune_gemv() {
       if (opt_.gemv_rows && R != opt_.gemv_rows && cuda::gemv_variant_ok(opt_.gemv_rows, sh.out)) continue;
       if (!cuda::gemv_variant_ok(R, sh.out)) continue;
       for (int bps : {0, 1, 2}) {  // grid: a block per tile, or 1 / 2 blocks per SM looping over tiles
+        if (opt_.gemv_grid >= 0 && bps != opt_.gemv_grid) continue;
         const float ms = replay_ms([&] {
           for (int i = 0; i < passes; i++)
             for (const cuda::QMat& W : sh.copies) {
@@ -728,6 +754,26 @@ double CudaEngine::time_decode_step(int64_t context, int steps) {
   });
   reset();  // the cache now holds benchmark tokens
   return ms / steps;
+}
+
+std::pair<std::vector<std::string>, std::vector<uint64_t>> CudaEngine::trace_step(int64_t context) {
+  if (!d_trace_) fail(ErrorKind::Request, "trace_step: build the engine with CudaOptions.trace = True");
+  if (context < 0 || context + 1 >= max_seq_) fail(ErrorKind::Request, "trace_step: context must be < max_seq_len - 1");
+  *h_sampling_ = cuda::DeviceSampling{};
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  TI_CUDA_CHECK(cudaMemcpyAsync(d_sampling_, h_sampling_, sizeof(*h_sampling_), cudaMemcpyHostToDevice, stream_));
+  set_state(1, (int)context, 0);
+  for (int i = 0; i < 3; i++) run_decode_step(stream_);  // warm-up: the traced step follows others, as in decode
+  set_state(1, (int)context, 0);
+  const size_t n = (size_t)(5 * cfg_.n_layers + 1) * cuda::kTraceBlocks * cuda::kTracePoints;
+  TI_CUDA_CHECK(cudaMemsetAsync(d_trace_, 0, n * 8, stream_));
+  run_decode_step(stream_);
+  run_decode_step(stream_);  // the traced step: the second, so that the one before it overlaps as usual
+  std::vector<uint64_t> t(n);
+  TI_CUDA_CHECK(cudaMemcpyAsync(t.data(), d_trace_, n * 8, cudaMemcpyDeviceToHost, stream_));
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  reset();
+  return {trace_names_, t};
 }
 
 double CudaEngine::time_attention(int64_t context, int reps) {

@@ -34,9 +34,12 @@ struct CudaOptions {
   // and fetch their first weights early). Off by default: measured 1.3% slower on the H200 (TinyLlama int4 and
   // fp16, ctx 16: the queued kernels' prefetch slows the latency-bound attention more than it saves).
   bool early_trigger = false;
+  bool trace = false;       // debug: per-block timestamps of every GEMV and attention kernel (trace_step);
+                            // needs a -DTINYINFER_TRACE=ON build
   bool graphs = true;       // replay captured graphs (false: launch kernel by kernel, for debugging)
   int attn_chunk = 0;       // positions per split-K attention block; 0: the kernel's choice for head_dim
   int gemv_rows = 0;        // 0: time R in {1, 2, 4, 8 = split-K} per shape at load; else force this R
+  int gemv_grid = -1;       // -1: time the grid (GemvParams::blocks_per_sm 0 / 1 / 2) per shape; else force it
   bool batched_prefill = true;  // false: feed prompts one token at a time through the decode graph
   int prefill_chunk = 2048;     // tokens per prefill pass (activation buffers are sized for this at load)
   bool gemm_autotune = true;    // false: cuBLASLt's default algorithm for every GEMM
@@ -78,6 +81,9 @@ class CudaEngine {
   const std::vector<GemvChoice>& gemv_table() const { return gemv_choices_; }
   // GPU ms per decode step at a context of `context` tokens (the cache content is whatever it holds).
   double time_decode_step(int64_t context, int steps);
+  // CudaOptions::trace: one decode step at `context`; per traced kernel in launch order its name and
+  // kTraceBlocks x kTracePoints global-timer stamps (ns; 0: block absent or exited early). common.cuh, trace_point.
+  std::pair<std::vector<std::string>, std::vector<uint64_t>> trace_step(int64_t context);
   // GPU µs of one layer's attention (chunks + merge) at `context`.
   double time_attention(int64_t context, int reps);
   // GPU ms of prefilling `n_tokens` (arbitrary ids) at position 0: mean of `reps` after a warm-up that tunes
@@ -179,6 +185,9 @@ class CudaEngine {
   cuda::DecodeState* d_state_ = nullptr;
   unsigned char* d_seen_ = nullptr;  // (vocab)
   float* d_probs_ = nullptr;         // (vocab) sampler scratch
+  unsigned long long* d_trace_ = nullptr;  // CudaOptions::trace: kTraceBlocks x kTracePoints per traced kernel
+  std::vector<std::string> trace_names_;   // the traced kernels, in launch order (filled by record_forward)
+  unsigned long long* next_trace(const std::string& name);  // the next kernel's slice (nullptr: tracing off)
   int* d_out_ = nullptr;             // (max_seq) sampled tokens of one decode() call
   cuda::DecodeState* h_state_ = nullptr;        // pinned
   cuda::DeviceSampling* h_sampling_ = nullptr;  // pinned

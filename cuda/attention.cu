@@ -12,10 +12,8 @@
 //   2. RoPE fused: the block rotates its query heads (pre-scaled by 1/sqrt(d)) into shared memory; the block
 //      whose chunk holds `pos` also rotates the new key and writes key and value into the cache (fp16) and into
 //      its own tile.
-//   3. Scores S[h][p], softmax per head within the chunk (a warp per head), O[h][d] = sum_p P[h][p] V[p][d]:
-//      warps split over (head, slice of positions), lanes over (position, 16-byte word of the row), so every
-//      lane does one 16-byte shared read and 8 FMAs per step and sums meet by shuffles; plain FMAs, one exp
-//      per score.
+//   3. Scores S[h][p], softmax, O[h][d] = sum_p P[h][p] V[p][d] with no block barrier: a warp per (head,
+//      slice of the positions), lanes over positions for the scores and over dims for P V (details there).
 //   4. While pos < chunk the single block writes the output directly. Otherwise the chunk's unnormalised O and
 //      (max, sum) go to a partial buffer and kernel 2 (decode_attn_merge, a block per query head, launched with
 //      PDL) merges chunks 0..pos/chunk with log-sum-exp. (An earlier version merged in the last chunk block to
@@ -37,11 +35,11 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int hd = HD ? HD : p.head_dim, half_d = hd / 2, CH = p.chunk, row = hd + kPad;
   float* q_s = reinterpret_cast<float*>(smem_raw);              // (kMaxGroup, hd)
-  float* s_s = q_s + kMaxGroup * hd;                            // (kMaxGroup, CH) scores, then probabilities
-  float* ml_s = s_s + kMaxGroup * CH;                           // (kMaxGroup, 2)
-  __half* k_s = reinterpret_cast<__half*>(ml_s + 2 * kMaxGroup);  // (CH, row)
+  float* s_s = q_s + kMaxGroup * hd;                            // (8 warps, hd + 2) slices' partials
+  __half* k_s = reinterpret_cast<__half*>(s_s + (kAttnThreads / 32) * (hd + 2));  // (CH, row)
   __half* v_s = k_s + (size_t)CH * row;                         // (CH, row)
 
+  trace_point(p.trace, 0);
   const int pos = *p.pos;  // final before the wait: see the header's PDL paragraph
   const int c0 = blockIdx.x * CH;
   if (c0 > pos) return;   // (an exiting block counts as having waited and triggered)
@@ -73,6 +71,7 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
 
   pdl_wait();
   pdl_launch_dependents();
+  trace_point(p.trace, 1);
 
   // ---- 2. rotate the query heads; the owner of pos writes rope(k) and v into the cache and its tile. The new
   //      key and value are read first, so that their reads and the queries' are one round trip, not three. ----
@@ -98,106 +97,129 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
     const int i = i_kv;
     __half* kr = k_s + (size_t)(pos - c0) * row;
     __half* vr = v_s + (size_t)(pos - c0) * row;
-    const __half r1 = __float2half(k1 * cs[i] - k2 * sn[i]), r2 = __float2half(k2 * cs[i] + k1 * sn[i]);
+    // rounded products, no FMA contraction: the cache gets exactly what fp32 numpy / the CPU engine compute
+    const __half r1 = __float2half(__fsub_rn(__fmul_rn(k1, cs[i]), __fmul_rn(k2, sn[i])));
+    const __half r2 = __float2half(__fadd_rn(__fmul_rn(k2, cs[i]), __fmul_rn(k1, sn[i])));
     kc[(size_t)pos * hd + i] = kr[i] = r1;
     kc[(size_t)pos * hd + i + half_d] = kr[i + half_d] = r2;
     vc[(size_t)pos * hd + i] = vr[i] = __float2half(v1);
     vc[(size_t)pos * hd + i + half_d] = vr[i + half_d] = __float2half(v2);
   }
   __syncthreads();
+  trace_point(p.trace, 2);
 
-  // ---- 3. the chunk's attention. A "virtual warp" is (head h, slice ps of the chunk's positions): with g heads
-  //      the 8 warps split into nps = 8 / g slices per head. Its lanes are (position tl, 16-byte word w of a
-  //      row): WP lanes (hd / 8 words, padded to a power of two) share a position, LP = 32 / WP positions per
-  //      pass, so each lane does one 16-byte shared read and 8 FMAs per pass and a score is reduced over the
-  //      WP lanes with shuffles: short dependency chains (ncu: the old thread-per-(head, position) loop ran
-  //      ~1,300 dependent instructions per warp at 12 cycles each, 8 us for a 17-position chunk). ----
+  // ---- 3. the chunk's attention, without block barriers: a warp per (head h, slice ps of the chunk's
+  //      positions) — with g heads the 8 warps make nps = 8 / g slices per head. Scores: a lane per position
+  //      (t = ps * 32 + lane + 32 nps j), each a whole dot product (16-byte reads of its K row: the padded rows
+  //      put 8 lanes on 8 distinct bank groups; q broadcast from shared memory). Softmax within the warp by
+  //      shuffles. O = P V: a lane per hd / 32 dims, the probabilities passed round by shuffles, V read as
+  //      consecutive halves. With one slice per head the warp writes its head's output (or the chunk's partial)
+  //      itself; with more, the slices' (max, sum, O) meet in shared memory, combined log-sum-exp style. (The
+  //      previous lanes-over-(position, word) layout reduced every score across lanes and passed scores and
+  //      probabilities through shared memory between 4 barriers: ~3 us of dependent latency at ctx 16.) ----
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int wpr = hd / 8, WP = wpr <= 8 ? 8 : wpr <= 16 ? 16 : 32, LP = 32 / WP;
-  const int w = lane % WP, tl = lane / WP;
   const int nps = max(1, (kAttnThreads / 32) / g);
   const int h = warp / nps, ps = warp % nps;
-  const bool live = h < g && w < wpr;
-  // 3a. scores
-  if (h < g) {
-    float qf[8];
-#pragma unroll
-    for (int u = 0; u < 8; u++) qf[u] = live ? q_s[h * hd + w * 8 + u] : 0.0f;
-    for (int t0 = ps * LP; t0 < n; t0 += nps * LP) {
-      const int t = t0 + tl;
-      float sc = 0.0f;
-      if (live && t < n) {
-        float kf[8];
-        unpack8(*reinterpret_cast<const uint4*>(k_s + (size_t)t * row + w * 8), kf);
-#pragma unroll
-        for (int u = 0; u < 8; u++) sc = fmaf(qf[u], kf[u], sc);
-      }
-#pragma unroll
-      for (int o = WP / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
-      if (w == 0 && t < n) s_s[h * CH + t] = sc;
-    }
-  }
-  __syncthreads();
-  // 3b. softmax within the chunk: a warp per head
-  for (int hh = warp; hh < g; hh += kAttnThreads / 32) {
-    float m = -FLT_MAX;
-    for (int t = lane; t < n; t += 32) m = fmaxf(m, s_s[hh * CH + t]);
-    m = warp_max(m);
-    float l = 0.0f;
-    for (int t = lane; t < n; t += 32) {
-      const float e = __expf(s_s[hh * CH + t] - m);
-      s_s[hh * CH + t] = e;
-      l += e;
-    }
-    l = warp_sum(l);
-    if (lane == 0) {
-      ml_s[2 * hh] = m;
-      ml_s[2 * hh + 1] = l;
-    }
-  }
-  __syncthreads();
-  // 3c. O = P V: lane (tl, w) sums its positions for dims 8w..8w+7, then the LP positions of a pass meet by
-  //     shuffles and the nps slices in shared memory (the K tile is free now).
-  float* red_o = reinterpret_cast<float*>(k_s);  // (nps, g, hd)
-  if (h < g) {
-    float o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (live) {
-      for (int t = ps * LP + tl; t < n; t += nps * LP) {
-        float vf[8];
-        unpack8(*reinterpret_cast<const uint4*>(v_s + (size_t)t * row + w * 8), vf);
-        const float pt = s_s[h * CH + t];
-#pragma unroll
-        for (int u = 0; u < 8; u++) o[u] = fmaf(pt, vf[u], o[u]);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 8; u++)
-#pragma unroll
-      for (int off = WP; off < 32; off <<= 1) o[u] += __shfl_xor_sync(0xffffffffu, o[u], off);
-    if (live && tl == 0) {
-#pragma unroll
-      for (int u = 0; u < 8; u++) red_o[((size_t)ps * g + h) * hd + w * 8 + u] = o[u];
-    }
-  }
-  // (nps * g * hd floats <= 8 * 256: the launcher checks the K tile holds them)
-  __syncthreads();
+  constexpr int kMaxJ = 4;            // positions per lane: CH <= 128
+  constexpr int kMaxDpl = 8;          // dims per lane: hd <= 256
+  const int dpl = (hd + 31) / 32;
   const int max_chunks = (p.max_seq + CH - 1) / CH;
   const int n_chunks = pos / CH + 1;
-  for (int i = threadIdx.x; i < g * hd; i += kAttnThreads) {
-    const int hh = i / hd, d = i % hd;
-    float o = 0.0f;
-    for (int sl = 0; sl < nps; sl++) o += red_o[((size_t)sl * g + hh) * hd + d];
-    if (n_chunks == 1) {
-      p.out[(size_t)(hq0 + hh) * hd + d] = __float2half(o / ml_s[2 * hh + 1]);
-      continue;
+  float m = -FLT_MAX, l = 0.0f, o[kMaxDpl];
+#pragma unroll
+  for (int u = 0; u < kMaxDpl; u++) o[u] = 0.0f;
+  if (h < g) {
+    const float* qh = q_s + h * hd;
+    float pr[kMaxJ];
+#pragma unroll
+    for (int j = 0; j < kMaxJ; j++) {
+      const int t = ps * 32 + lane + 32 * nps * j;
+      pr[j] = -FLT_MAX;
+      if (t < n) {
+        const __half* kr = k_s + (size_t)t * row;
+        float a0 = 0.0f, a1 = 0.0f;
+#pragma unroll 8
+        for (int w = 0; w < hd / 8; w++) {
+          float kf[8];
+          unpack8(*reinterpret_cast<const uint4*>(kr + 8 * w), kf);
+          const float4 q0 = *reinterpret_cast<const float4*>(qh + 8 * w);
+          const float4 q1 = *reinterpret_cast<const float4*>(qh + 8 * w + 4);
+          a0 = fmaf(q0.x, kf[0], fmaf(q0.y, kf[1], fmaf(q0.z, kf[2], fmaf(q0.w, kf[3], a0))));
+          a1 = fmaf(q1.x, kf[4], fmaf(q1.y, kf[5], fmaf(q1.z, kf[6], fmaf(q1.w, kf[7], a1))));
+        }
+        pr[j] = a0 + a1;
+      }
+      m = fmaxf(m, pr[j]);
     }
-    const size_t slot = (size_t)(hq0 + hh) * max_chunks + blockIdx.x;
-    p.part_o[slot * hd + d] = o;
-    if (d == 0) {
-      p.part_ml[slot * 2] = ml_s[2 * hh];
-      p.part_ml[slot * 2 + 1] = ml_s[2 * hh + 1];
+    m = warp_max(m);
+#pragma unroll
+    for (int j = 0; j < kMaxJ; j++) {
+      const int t = ps * 32 + lane + 32 * nps * j;
+      pr[j] = t < n ? __expf(pr[j] - m) : 0.0f;  // (m is finite wherever the slice has a position)
+      l += pr[j];
+    }
+    l = warp_sum(l);
+#pragma unroll
+    for (int j = 0; j < kMaxJ; j++) {
+      const int t0 = ps * 32 + 32 * nps * j;
+      if (t0 >= n) break;  // uniform
+      const int cnt = min(32, n - t0);
+#pragma unroll 4
+      for (int src = 0; src < cnt; src++) {
+        const float pt = __shfl_sync(0xffffffffu, pr[j], src);
+        const __half* vr = v_s + (size_t)(t0 + src) * row + lane * dpl;
+#pragma unroll
+        for (int u = 0; u < kMaxDpl; u++)
+          if (u < dpl && lane * dpl + u < hd) o[u] = fmaf(pt, __half2float(vr[u]), o[u]);
+      }
     }
   }
+  // the warp's (m, l, O) -> the output, the chunk's partial, or (several slices) shared memory to be combined
+  auto emit = [&](int hh, int d, float O, float M, float L) {
+    if (n_chunks == 1) {
+      p.out[(size_t)(hq0 + hh) * hd + d] = __float2half(O / L);
+      return;
+    }
+    const size_t slot = (size_t)(hq0 + hh) * max_chunks + blockIdx.x;
+    p.part_o[slot * hd + d] = O;
+    if (d == 0) {
+      p.part_ml[slot * 2] = M;
+      p.part_ml[slot * 2 + 1] = L;
+    }
+  };
+  if (nps == 1) {
+    if (h < g) {
+#pragma unroll
+      for (int u = 0; u < kMaxDpl; u++)
+        if (u < dpl && lane * dpl + u < hd) emit(h, lane * dpl + u, o[u], m, l);
+    }
+  } else {
+    float* part = s_s;  // (8 warps, hd + 2): O, then (m, l)
+    if (h < g) {
+#pragma unroll
+      for (int u = 0; u < kMaxDpl; u++)
+        if (u < dpl && lane * dpl + u < hd) part[warp * (hd + 2) + lane * dpl + u] = o[u];
+      if (lane == 0) {
+        part[warp * (hd + 2) + hd] = m;
+        part[warp * (hd + 2) + hd + 1] = l;
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < g * hd; i += kAttnThreads) {
+      const int hh = i / hd, d = i % hd;
+      float M = -FLT_MAX;
+      for (int sl = 0; sl < nps; sl++) M = fmaxf(M, part[(hh * nps + sl) * (hd + 2) + hd]);
+      float O = 0.0f, L = 0.0f;
+      for (int sl = 0; sl < nps; sl++) {
+        const float* ws = part + (hh * nps + sl) * (hd + 2);
+        const float e = __expf(ws[hd] - M);  // a slice without positions: m = -FLT_MAX, l = 0, O = 0
+        O = fmaf(e, ws[d], O);
+        L = fmaf(e, ws[hd + 1], L);
+      }
+      emit(hh, d, O, M, L);
+    }
+  }
+  trace_point(p.trace, 3);
 }
 
 __device__ __forceinline__ float block_max(float v, float* red) {
@@ -256,7 +278,7 @@ __global__ void decode_attn_merge(DecodeAttnParams p) {
 }
 
 size_t decode_attention_smem(const DecodeAttnParams& p) {
-  return sizeof(float) * ((size_t)kMaxGroup * p.head_dim + (size_t)kMaxGroup * p.chunk + 2 * kMaxGroup) +
+  return sizeof(float) * ((size_t)kMaxGroup * p.head_dim + (size_t)(kAttnThreads / 32) * (p.head_dim + 2)) +
          2 * sizeof(__half) * (size_t)p.chunk * (p.head_dim + kPad) + sizeof(float) * p.head_dim;  // + RoPE row
 }
 
@@ -275,10 +297,6 @@ static void launch_attn(const DecodeAttnParams& p, dim3 grid, size_t smem, cudaS
 void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl) {
   if (p.head_dim % 8 != 0 || p.head_dim > 256 || p.head_dim < 64 || p.n_heads % p.n_kv_heads != 0)
     fail(ErrorKind::Request, "decode_attention: unsupported head_dim " + std::to_string(p.head_dim));
-  // The O slices' reduction buffer (<= 8 KB) lives in the K tile: it must fit.
-  if ((size_t)kAttnThreads * 8 * sizeof(float) > sizeof(__half) * (size_t)p.chunk * (p.head_dim + kPad))
-    fail(ErrorKind::Request, "decode_attention: chunk " + std::to_string(p.chunk) + " too small for head_dim " +
-                                 std::to_string(p.head_dim));
   if (p.chunk < 1 || p.chunk > 128) fail(ErrorKind::Request, "decode_attention: chunk must be 1..128");
   const size_t smem = decode_attention_smem(p);
   const int group = p.n_heads / p.n_kv_heads;

@@ -17,6 +17,7 @@ struct DecodeAttnParams {
   __half* out = nullptr;        // (n_heads * head_dim) fp16
   int n_heads = 0, n_kv_heads = 0, head_dim = 0, max_seq = 0, chunk = 64;
   float scale = 1.0f;           // 1 / sqrt(head_dim)
+  unsigned long long* trace = nullptr;  // debug timestamps of the chunk kernel (common.cuh, trace_point)
 };
 
 inline int attn_max_chunks(const DecodeAttnParams& p) { return (p.max_seq + p.chunk - 1) / p.chunk; }

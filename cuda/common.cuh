@@ -46,6 +46,23 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// Decode-step tracing (built with -DTINYINFER_TRACE=ON, which defines TI_TRACE; CudaOptions::trace,
+// bench/trace_decode.py): kernels given a trace buffer have thread 0 of each of their first kTraceBlocks blocks
+// write the global timer (ns) at kTracePoints points: start, after the PDL wait, after the prologue (input
+// staged / new token read), end. Without TI_TRACE the calls compile to nothing (the stores and the branch cost
+// ~1% of a TinyLlama int4 step: measured).
+constexpr int kTraceBlocks = 1024, kTracePoints = 4;
+__device__ __forceinline__ void trace_point(unsigned long long* trace, int point) {
+#ifdef TI_TRACE
+  if (trace == nullptr || threadIdx.x != 0) return;
+  const unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (block >= (unsigned)kTraceBlocks) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  trace[block * kTracePoints + point] = t;
+#endif
+}
+
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -75,8 +75,26 @@ __device__ __forceinline__ void prefetch_norm(const GemvParams& p, float* nws) {
   }
 }
 
+// I4 (the fast paths below): the group sums of the staged input come out of the staging itself, as the staged
+// (fp16-rounded) values summed over the lanes that hold one group of 32 (8 lanes of 4, or 4 lanes of 8,
+// reduced by shuffles) — no second pass over shared memory and no extra barrier. `part` is this thread's sum of
+// its staged values, LANES how many consecutive lanes share a group; called by every lane of the warp.
+template <int LANES>
+__device__ __forceinline__ void group_sum(float part, int i, bool in, float* xsum) {
+#pragma unroll
+  for (int o = 1; o < LANES; o <<= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+  if (in && i % LANES == 0) xsum[i / LANES] = part;
+}
+__device__ __forceinline__ float sum4(__half2 a, __half2 b) {
+  const float2 fa = __half22float2(a), fb = __half22float2(b);
+  return (fa.x + fa.y) + (fb.x + fb.y);
+}
+
+// Returns whether the I4 group sums were computed along (else stage_xsum does it).
 template <WFormat WF, GemvIn IN>
-__device__ __forceinline__ void stage_x(const GemvParams& p, int nw, const float* nws, __half* xs, float* red) {
+__device__ __forceinline__ bool stage_x(const GemvParams& p, int nw, const float* nws, __half* xs, float* red,
+                                        float* xsum) {
+  constexpr bool kSums = WF == WFormat::I4;
   if constexpr (IN == GemvIn::F32Norm) {
     const float* x = static_cast<const float*>(p.x);
     if (norm_fast_path(p)) {
@@ -93,15 +111,19 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, int nw, const float
       const float inv = rsqrtf(ss / (float)p.K + p.eps);
 #pragma unroll
       for (int u = 0; u < kMaxVec; u++) {
+        if (u * kGemvThreads >= nv) break;  // uniform: the group sums' shuffles need every lane
         const int i = threadIdx.x + u * kGemvThreads;
+        __half2 h0 = __float2half2_rn(0.0f), h1 = h0;
         if (i < nv) {
           const float4 w = reinterpret_cast<const float4*>(nws)[i];  // this thread's own copy (prefetch_norm)
           __half2* dst = reinterpret_cast<__half2*>(xs + xs_index<WF>(4 * i, nw));  // 4 | 8: one chunk
-          dst[0] = __floats2half2_rn(w.x * (xr[u].x * inv), w.y * (xr[u].y * inv));
-          dst[1] = __floats2half2_rn(w.z * (xr[u].z * inv), w.w * (xr[u].w * inv));
+          h0 = dst[0] = __floats2half2_rn(w.x * (xr[u].x * inv), w.y * (xr[u].y * inv));
+          h1 = dst[1] = __floats2half2_rn(w.z * (xr[u].z * inv), w.w * (xr[u].w * inv));
         }
+        if constexpr (kSums) group_sum<8>(sum4(h0, h1), i, i < nv, xsum);  // 8 float4s = one group
       }
       for (int i = p.K + threadIdx.x; i < p.ld; i += kGemvThreads) xs[xs_index<WF>(i, nw)] = __float2half(0.0f);
+      return kSums;
     } else {
       float ss = 0.0f;
       for (int i = threadIdx.x; i < p.K; i += kGemvThreads) ss += x[i] * x[i];
@@ -109,17 +131,28 @@ __device__ __forceinline__ void stage_x(const GemvParams& p, int nw, const float
       const float inv = rsqrtf(ss / (float)p.K + p.eps);
       for (int i = threadIdx.x; i < p.ld; i += kGemvThreads)
         xs[xs_index<WF>(i, nw)] = i < p.K ? __float2half(p.norm_w[i] * (x[i] * inv)) : __float2half(0.0f);
+      return false;
     }
   } else {
     const __half* x = static_cast<const __half*>(p.x);
     if (p.K % 8 == 0) {
-      for (int i = threadIdx.x; i < p.K / 8; i += kGemvThreads)
-        reinterpret_cast<uint4*>(xs + xs_index<WF>(8 * i, nw))[0] = reinterpret_cast<const uint4*>(x)[i];
+      for (int i0 = 0; i0 < p.K / 8; i0 += kGemvThreads) {  // uniform trip count: see group_sum
+        const int i = i0 + threadIdx.x;
+        const bool in = i < p.K / 8;
+        const uint4 v = in ? reinterpret_cast<const uint4*>(x)[i] : make_uint4(0, 0, 0, 0);
+        if (in) reinterpret_cast<uint4*>(xs + xs_index<WF>(8 * i, nw))[0] = v;
+        if constexpr (kSums) {
+          const __half2* h = reinterpret_cast<const __half2*>(&v);
+          group_sum<4>(sum4(h[0], h[1]) + sum4(h[2], h[3]), i, in, xsum);  // 4 words of 8 = one group
+        }
+      }
       for (int i = p.K + threadIdx.x; i < p.ld; i += kGemvThreads)  // int8: ld = pad16
         xs[xs_index<WF>(i, nw)] = __float2half(0.0f);
+      return kSums;
     } else {
       for (int i = threadIdx.x; i < p.ld; i += kGemvThreads)
         xs[xs_index<WF>(i, nw)] = i < p.K ? x[i] : __float2half(0.0f);
+      return false;
     }
   }
 }
@@ -252,11 +285,13 @@ __device__ __forceinline__ void stage_xsum(const GemvParams& p, int nw, const __
 template <WFormat WF, GemvIn IN>
 __device__ __forceinline__ void stage_input(const GemvParams& p, int nw, const float* nws, __half* xs, float* xsum,
                                             float* red) {
-  stage_x<WF, IN>(p, nw, nws, xs, red);
+  const bool sums_done = stage_x<WF, IN>(p, nw, nws, xs, red, xsum);
   __syncthreads();
   if constexpr (WF == WFormat::I4) {
-    stage_xsum<WF>(p, nw, xs, xsum);
-    __syncthreads();
+    if (!sums_done) {  // (uniform)
+      stage_xsum<WF>(p, nw, xs, xsum);
+      __syncthreads();
+    }
   }
 }
 
@@ -319,6 +354,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
   float* nws = reinterpret_cast<float*>(xs + p.ld);    // F32Norm: the RMSNorm weight (K floats)
   float* xsum = nws + (IN == GemvIn::F32Norm ? p.K : 0);  // I4 only: (K / 32)
   __shared__ float red[33];
+  trace_point(p.trace, 0);
   if (p.early_trigger) pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int n_tiles = (p.rows + kGemvWarps * R - 1) / (kGemvWarps * R);
@@ -331,10 +367,12 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
 
   pdl_wait();
   if (!p.early_trigger) pdl_launch_dependents();
+  trace_point(p.trace, 1);
   float yold[R];  // AddF32: the tile's y before the add, read now so that its latency hides behind the staging
   load_y<OUT, R>(p, h.row0, yold);
 
   stage_input<WF, IN>(p, ld8, nws, xs, xsum, red);
+  trace_point(p.trace, 2);
 
   for (;;) {
     float acc[R];
@@ -409,6 +447,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
     }
     if (tile >= n_tiles) break;
   }
+  trace_point(p.trace, 3);
 }
 
 // The split-K variant (R == kGemvSplitK): a tile is 8 rows and each warp owns one eighth of K for all 8 of them,
@@ -424,6 +463,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p)
   float* xsum = nws + (IN == GemvIn::F32Norm ? p.K : 0);  // I4 only: (K / 32)
   __shared__ float red[33];
   __shared__ float part[kGemvWarps][RB];
+  trace_point(p.trace, 0);
   if (p.early_trigger) pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n_tiles = (p.rows + RB - 1) / RB;
@@ -452,9 +492,11 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p)
 
   pdl_wait();
   if (!p.early_trigger) pdl_launch_dependents();
+  trace_point(p.trace, 1);
   float yold = 0.0f;  // AddF32: thread r < 8 holds row r's y before the add (read now, used in the epilogue)
   if (threadIdx.x < RB) load_y<OUT, 1>(p, tile * RB + threadIdx.x, &yold);
   stage_input<WF, IN>(p, ld8, nws, xs, xsum, red);
+  trace_point(p.trace, 2);
 
   for (;;) {
     float acc[RB];
@@ -516,6 +558,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p)
     if (tile >= n_tiles) break;
     __syncthreads();  // part is reused by the next tile
   }
+  trace_point(p.trace, 3);
 }
 
 bool gemv_variant_ok(int R, GemvOut out) {

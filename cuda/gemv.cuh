@@ -31,6 +31,7 @@ struct GemvParams {
   // Grid: 0 = one block per tile (8 warps x R rows); n > 0 = at most n blocks per SM, each looping over tiles
   // (as many tiles each); n < 0 = exactly -n blocks (tests: blocks loop over uneven numbers of tiles).
   int blocks_per_sm = 0;
+  unsigned long long* trace = nullptr;  // debug timestamps (common.cuh, trace_point); nullptr: off
 };
 
 // The variant: R = 1, 2, 4 rows per warp (Swiglu: 2 or 4), or R = kGemvSplitK: 8 rows per block with K split

@@ -92,7 +92,20 @@ def _rot(x, c, s):
 @pytest.mark.parametrize("hd", [64, 96, 128, 256])
 @pytest.mark.parametrize("pos", [0, 63, 64, 200, 511])
 def test_decode_attention_matches_numpy(group, hd, pos):
-    n_kv, max_seq, chunk = 2, 512, 64
+    _check_attention(group, hd, pos, 64)
+
+
+# chunks of other sizes (CudaOptions.attn_chunk): up to 4 positions per lane (128), several chunks per head
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("pos", [5, 31, 200])
+@pytest.mark.parametrize("chunk", [16, 40, 128])
+def test_decode_attention_chunk_sizes(group, hd, pos, chunk):
+    _check_attention(group, hd, pos, chunk)
+
+
+def _check_attention(group, hd, pos, chunk):
+    n_kv, max_seq = 2, 512
     n_heads = n_kv * group
     rng = np.random.default_rng(group * 1000 + hd + pos)
     qkv = rng.standard_normal((n_heads + 2 * n_kv) * hd).astype(np.float32)

@@ -38,6 +38,8 @@ void CudaEngine::init_device() {
   if (opt_.attn_chunk == 0) opt_.attn_chunk = cuda::attn_chunk_for((int)cfg_.head_dim);
   if (opt_.attn_chunk < 8 || opt_.attn_chunk > 128) fail(ErrorKind::Request, "attn_chunk must be 8..128");
   if (opt_.gemv_grid < -1 || opt_.gemv_grid > 2) fail(ErrorKind::Request, "gemv_grid must be -1 (tuned), 0, 1 or 2");
+  if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))
+    fail(ErrorKind::Request, "gemv_resident_margin must be in [0, 1]");
   TI_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   TI_CUDA_CHECK(cudaEventCreate(&ev0_));
   TI_CUDA_CHECK(cudaEventCreate(&ev1_));
@@ -640,6 +642,17 @@ void CudaEngine::autotune_gemv() {
           g.blocks_per_sm = bps;
           g.gb_per_s = bytes / (us * 1e-6) / 1e9;
         }
+      }
+    }
+    if (opt_.gemv_resident_margin > 0) {
+      int pick = -1;
+      for (size_t i = 0; i < g.us.size(); i++)
+        if (g.tried_bps[i] == 2 && g.us[i] <= best * (1 + opt_.gemv_resident_margin) && (pick < 0 || g.us[i] < g.us[pick]))
+          pick = (int)i;
+      if (pick >= 0) {
+        g.R = g.tried_R[pick];
+        g.blocks_per_sm = 2;
+        g.gb_per_s = bytes / (g.us[pick] * 1e-6) / 1e9;
       }
     }
     gemv_choices_.push_back(g);

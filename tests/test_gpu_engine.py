@@ -146,6 +146,12 @@ def test_trace_step_stamps_every_kernel_in_order_and_options_are_checked():
     bad.gemv_grid = 3
     with pytest.raises(InvalidRequestError, match="gemv_grid"):
         _core.CudaEngine.random(cfg, 256, 1, bad)
+    bad.gemv_grid, bad.gemv_resident_margin = -1, 2.0
+    with pytest.raises(InvalidRequestError, match="gemv_resident_margin"):
+        _core.CudaEngine.random(cfg, 256, 1, bad)
+    resident = _core.CudaOptions()
+    resident.gemv_resident_margin = 1.0  # any 2-per-SM variant within 2x of the fastest: all of them here
+    assert all(g["blocks_per_sm"] == 2 for g in _core.CudaEngine.random(cfg, 256, 1, resident).gemv_table())
     plain = _core.CudaEngine.random(cfg, 256, 1)
     with pytest.raises(InvalidRequestError, match="CudaOptions.trace"):
         plain.trace_step(16)

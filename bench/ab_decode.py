@@ -20,6 +20,21 @@ def options(spec: str, dtype: str) -> "_core.CudaOptions":
     return o
 
 
+def engine_from_argv(**extra) -> tuple:
+    """The profiling tools' command line: SHAPE DTYPE [CONTEXT] [--opts=k=v,...]; `extra` sets further options.
+    Returns (engine, shape, dtype, context, spec)."""
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    shape = args[0] if args else "tinyllama-1.1b"
+    dtype = args[1] if len(args) > 1 else "fp16"
+    ctx = int(args[2]) if len(args) > 2 else 16
+    spec = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--opts=")), "")
+    opts = options(spec, dtype)
+    for k, v in extra.items():
+        setattr(opts, k, v)
+    eng = _core.CudaEngine.random(shape_config(shape), max(ctx + 64, 256), 1, opts)
+    return eng, shape, dtype, ctx, spec
+
+
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--rounds")]
     rounds = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--rounds=")), 3)

@@ -9,11 +9,9 @@ import re
 import sys
 from collections import defaultdict
 
-from tinyinfer import _core
-from tinyinfer.bench import shape_config
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from ab_decode import options  # noqa: E402
+from ab_decode import engine_from_argv  # noqa: E402
 
 
 def short(name: str) -> str:
@@ -25,14 +23,7 @@ def short(name: str) -> str:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    shape = args[0] if args else "tinyllama-1.1b"
-    dtype = args[1] if len(args) > 1 else "fp16"
-    ctx = int(args[2]) if len(args) > 2 else 16
-    spec = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--opts=")), "")
-    opts = options(spec, dtype)
-    opts.early_trigger = "--early" in sys.argv
-    eng = _core.CudaEngine.random(shape_config(shape), max(ctx + 64, 256), 1, opts)
+    eng, shape, dtype, ctx, spec = engine_from_argv(early_trigger="--early" in sys.argv)
     steps = 20
     ms = eng.time_decode_step(ctx, 200)
     print(f"{shape} {dtype} ctx {ctx}{' (early triggers)' if '--early' in sys.argv else ''} {spec}: {ms * 1e3:.1f} us/step = {1e3 / ms:,.0f} tok/s (graph replay, CUDA events)")

@@ -14,22 +14,13 @@ from collections import defaultdict
 
 import numpy as np
 
-from tinyinfer import _core
-from tinyinfer.bench import shape_config
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from ab_decode import options  # noqa: E402
+from ab_decode import engine_from_argv  # noqa: E402
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    shape = args[0] if args else "tinyllama-1.1b"
-    dtype = args[1] if len(args) > 1 else "fp16"
-    ctx = int(args[2]) if len(args) > 2 else 16
-    spec = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--opts=")), "")
-    opts = options(spec, dtype)
-    opts.trace = True
-    eng = _core.CudaEngine.random(shape_config(shape), max(ctx + 64, 256), 1, opts)
+    eng, shape, dtype, ctx, spec = engine_from_argv(trace=True)
     reps = [eng.trace_step(ctx) for _ in range(5)]
     stats = defaultdict(lambda: defaultdict(list))
     for trace in reps:

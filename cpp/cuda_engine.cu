@@ -452,38 +452,33 @@ unsigned long long* CudaEngine::next_trace(const std::string& name) {
 void CudaEngine::record_forward(cudaStream_t s) {
   const ModelConfig& c = cfg_;
   const int H = (int)c.hidden;
-  const int r_qkv = choice("qkv"), r_o = choice("o"), r_gu = choice("gate_up"), r_down = choice("down");
   trace_names_.clear();
+  // One GEMV of the step: the tuned variant (R, grid) of shape `name`, traced under that name (CudaOptions::trace).
+  auto gemv = [&](const char* name, cuda::GemvParams p, GemvIn in, GemvOut out) {
+    p = tuned(name, p);
+    p.trace = next_trace(name);
+    cuda::gemv(p, choice(name), in, out, s, pdl_);
+  };
   cuda::embed_token(embedding_, ld_h_, H, d_state_, x_, s, pdl_);  // x = embed[token]
   for (int64_t l = 0; l < c.n_layers; l++) {
     const Layer& L = layers_[(size_t)l];
     // qkv = [Wq; Wk; Wv] @ rmsnorm(x). It always triggers late (after its wait): the attention after it reads
     // pos and the cache before its own wait (common.cuh, the two-back rule). The other GEMVs may trigger at their
     // start (CudaOptions::early_trigger, off by default: measured slower).
-    cuda::GemvParams p = tuned("qkv", gemv_params(L.qkv, x_, qkv_, L.attn_norm));
-    p.trace = next_trace("qkv");
-    cuda::gemv(p, r_qkv, GemvIn::F32Norm, GemvOut::F32, s, pdl_);
+    gemv("qkv", gemv_params(L.qkv, x_, qkv_, L.attn_norm), GemvIn::F32Norm, GemvOut::F32);
     // att = softmax(rope(q) rope(K)^T / sqrt(d)) V, writing rope(k), v at pos into the cache
     cuda::DecodeAttnParams a = attn_params(l);
     a.trace = next_trace("attention");
     cuda::decode_attention(a, s, pdl_);
     // x += Wo @ att
-    p = tuned("o", gemv_params(L.o, att_, x_, nullptr, true));
-    p.trace = next_trace("o");
-    cuda::gemv(p, r_o, GemvIn::F16, GemvOut::AddF32, s, pdl_);
+    gemv("o", gemv_params(L.o, att_, x_, nullptr, true), GemvIn::F16, GemvOut::AddF32);
     // h = silu(Wg @ rmsnorm(x)) * (Wu @ rmsnorm(x))
-    p = tuned("gate_up", gemv_params(L.gate_up, x_, h_, L.mlp_norm, true));
-    p.trace = next_trace("gate_up");
-    cuda::gemv(p, r_gu, GemvIn::F32Norm, GemvOut::Swiglu, s, pdl_);
+    gemv("gate_up", gemv_params(L.gate_up, x_, h_, L.mlp_norm, true), GemvIn::F32Norm, GemvOut::Swiglu);
     // x += Wd @ h
-    p = tuned("down", gemv_params(L.down, h_, x_, nullptr, true));
-    p.trace = next_trace("down");
-    cuda::gemv(p, r_down, GemvIn::F16, GemvOut::AddF32, s, pdl_);
+    gemv("down", gemv_params(L.down, h_, x_, nullptr, true), GemvIn::F16, GemvOut::AddF32);
   }
   // logits = lm_head @ rmsnorm(x)
-  cuda::GemvParams p = tuned("lm_head", gemv_params(lm_head_, x_, logits_, final_norm_, true));
-  p.trace = next_trace("lm_head");
-  cuda::gemv(p, choice("lm_head"), GemvIn::F32Norm, GemvOut::F32, s, pdl_);
+  gemv("lm_head", gemv_params(lm_head_, x_, logits_, final_norm_, true), GemvIn::F32Norm, GemvOut::F32);
 }
 
 void CudaEngine::record_decode_step(cudaStream_t s) {

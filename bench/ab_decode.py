@@ -1,7 +1,8 @@
 """A/B of CudaOptions on the graph-replayed decode step (random weights at a real shape).
     python3 bench/ab_decode.py tinyllama-1.1b int4 16 "" "l2_own_mb=16" "l2_own_mb=16,l2_ahead=1"
 Each variant is one engine (its own load-time autotune); the variants' timings are interleaved over `--rounds`
-rounds (default 3) so that drift hits all alike, and each row reports the best and the median round."""
+rounds (default 3) so that drift hits all alike, and each row reports the best and the median round. `--gemv`
+also prints each variant's GEMV picks (R, grid) and their GB/s timed alone."""
 
 import statistics
 import sys
@@ -36,7 +37,7 @@ def engine_from_argv(**extra) -> tuple:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--rounds")]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
     rounds = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--rounds=")), 3)
     shape, dtype, ctx, specs = args[0], args[1], int(args[2]), args[3:] or [""]
     engines = [_core.CudaEngine.random(shape_config(shape), max(ctx + 300, 512), 1, options(s, dtype)) for s in specs]
@@ -50,6 +51,10 @@ def main() -> None:
         t = times[s]
         print(f"  {s or '(defaults)':40s} best {min(t):7.1f}  median {statistics.median(t):7.1f}  "
               f"{1e6 / min(t):7,.0f} tok/s  {100 * (min(t) / base - 1):+5.1f}%")
+    if "--gemv" in sys.argv:
+        for s, e in zip(specs, engines):
+            print(f"  {s or '(defaults)'}: " + "  ".join(
+                f"{g['name']} R{g['R']}/{g['blocks_per_sm']} {g['gb_per_s']:.0f}" for g in e.gemv_table()) + " GB/s")
 
 
 if __name__ == "__main__":

@@ -640,9 +640,16 @@ void CudaEngine::autotune_gemv() {
       }
     }
     if (opt_.gemv_resident_margin > 0) {
+      auto tile_rows = [](int R) { return R == cuda::kGemvSplitK ? 8 : 8 * R; };
+      auto better = [&](size_t i, int pick) {
+        if (pick < 0) return true;
+        if (opt_.gemv_small_tiles && tile_rows(g.tried_R[i]) != tile_rows(g.tried_R[pick]))
+          return tile_rows(g.tried_R[i]) < tile_rows(g.tried_R[pick]);
+        return g.us[i] < g.us[pick];
+      };
       int pick = -1;
       for (size_t i = 0; i < g.us.size(); i++)
-        if (g.tried_bps[i] == 2 && g.us[i] <= best * (1 + opt_.gemv_resident_margin) && (pick < 0 || g.us[i] < g.us[pick]))
+        if (g.tried_bps[i] == 2 && g.us[i] <= best * (1 + opt_.gemv_resident_margin) && better(i, pick))
           pick = (int)i;
       if (pick >= 0) {
         g.R = g.tried_R[pick];

@@ -45,6 +45,12 @@ struct CudaOptions {
   // loads, while inside the step the resident looping grid does better (H200: TinyLlama int4 -3.4% per step at
   // 0.05, the other formats and Llama-2-7B within +-0.4%; at 0.15 7B fp16 lost 1.7%).
   double gemv_resident_margin = 0.05;
+  // Among those 2-per-SM variants within the margin, take the one with the smallest tiles (8 rows: R = 1 or
+  // split-K; the fastest of those), not simply the fastest: the most blocks. Timed alone such variants are within
+  // noise and the pick flipped between loads, while in the step the smaller tiles won (trace: TinyLlama int4's down
+  // 1.4 us per layer faster with 256 blocks than with 128). H200, interleaved A/B: TinyLlama int4 -3.4% per step
+  // (o and down move to R = 1), int8 -0.4%, fp16 -0.2%, Llama-2-7B int4 -0.2%, fp16 0.0%.
+  bool gemv_small_tiles = true;
   bool batched_prefill = true;  // false: feed prompts one token at a time through the decode graph
   int prefill_chunk = 2048;     // tokens per prefill pass (activation buffers are sized for this at load)
   bool gemm_autotune = true;    // false: cuBLASLt's default algorithm for every GEMM

@@ -151,7 +151,16 @@ def test_trace_step_stamps_every_kernel_in_order_and_options_are_checked():
         _core.CudaEngine.random(cfg, 256, 1, bad)
     resident = _core.CudaOptions()
     resident.gemv_resident_margin = 1.0  # any 2-per-SM variant within 2x of the fastest: all of them here
-    assert all(g["blocks_per_sm"] == 2 for g in _core.CudaEngine.random(cfg, 256, 1, resident).gemv_table())
+    for small in (True, False):
+        resident.gemv_small_tiles = small
+        for g in _core.CudaEngine.random(cfg, 256, 1, resident).gemv_table():
+            assert g["blocks_per_sm"] == 2
+            # the pick among the 2-per-SM variants within the margin: the smallest tiles first (8 rows: R = 1 or
+            # the split-K R = 8), then the fastest
+            cands = [(R, us) for R, b, us in zip(g["tried_R"], g["tried_blocks_per_sm"], g["us"])
+                     if b == 2 and us <= 2.0 * min(g["us"])]
+            key = (lambda c: (8 if c[0] == 8 else 8 * c[0], c[1])) if small else (lambda c: c[1])
+            assert g["R"] == min(cands, key=key)[0], (small, g)
     plain = _core.CudaEngine.random(cfg, 256, 1)
     with pytest.raises(InvalidRequestError, match="CudaOptions.trace"):
         plain.trace_step(16)

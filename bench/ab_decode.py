@@ -1,5 +1,5 @@
 """A/B of CudaOptions on the graph-replayed decode step (random weights at a real shape).
-    python3 bench/ab_decode.py tinyllama-1.1b int4 16 "" "l2_own_mb=16" "l2_own_mb=16,l2_ahead=1"
+    python3 bench/ab_decode.py tinyllama-1.1b int4 16 "" "gemv_grid=2" "gemv_force=qkv:2/2;down:1/2"
 Each variant is one engine (its own load-time autotune); the variants' timings are interleaved over `--rounds`
 rounds (default 3) so that drift hits all alike, and each row reports the best and the median round. `--gemv`
 also prints each variant's GEMV picks (R, grid) and their GB/s timed alone."""
@@ -15,7 +15,7 @@ def options(spec: str, dtype: str) -> "_core.CudaOptions":
     o = _core.CudaOptions()
     o.weights = dtype
     for kv in filter(None, spec.split(",")):
-        k, v = kv.split("=")
+        k, v = kv.split("=", 1)
         cur = getattr(o, k)
         setattr(o, k, type(cur)(int(v)) if isinstance(cur, (bool, int)) else type(cur)(v))
     return o

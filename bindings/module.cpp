@@ -277,6 +277,7 @@ void bind_engine(nb::module_& m) {
       .def_rw("gemv_grid", &ti::CudaOptions::gemv_grid)
       .def_rw("gemv_resident_margin", &ti::CudaOptions::gemv_resident_margin)
       .def_rw("gemv_small_tiles", &ti::CudaOptions::gemv_small_tiles)
+      .def_rw("gemv_force", &ti::CudaOptions::gemv_force)
       .def_rw("batched_prefill", &ti::CudaOptions::batched_prefill)
       .def_rw("prefill_chunk", &ti::CudaOptions::prefill_chunk)
       .def_rw("gemm_autotune", &ti::CudaOptions::gemm_autotune)

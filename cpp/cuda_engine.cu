@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 #include "../cuda/attention.cuh"
@@ -40,9 +41,38 @@ void CudaEngine::init_device() {
   if (opt_.gemv_grid < -1 || opt_.gemv_grid > 2) fail(ErrorKind::Request, "gemv_grid must be -1 (tuned), 0, 1 or 2");
   if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))
     fail(ErrorKind::Request, "gemv_resident_margin must be in [0, 1]");
+  gemv_force_ = parse_gemv_force(opt_.gemv_force);
   TI_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   TI_CUDA_CHECK(cudaEventCreate(&ev0_));
   TI_CUDA_CHECK(cudaEventCreate(&ev1_));
+}
+
+// CudaOptions::gemv_force: "name:R/bps;..." -> (name, R, bps) triples, checked (the output mode is checked
+// against R once the shape is known, in autotune_gemv).
+std::vector<CudaEngine::GemvForce> CudaEngine::parse_gemv_force(const std::string& spec) {
+  std::vector<GemvForce> out;
+  size_t i = 0;
+  while (i < spec.size()) {
+    size_t j = spec.find(';', i);
+    if (j == std::string::npos) j = spec.size();
+    const std::string item = spec.substr(i, j - i);
+    i = j + 1;
+    if (item.empty()) continue;
+    GemvForce f;
+    const size_t colon = item.find(':'), slash = item.find('/');
+    char extra = 0;
+    if (colon == std::string::npos || slash == std::string::npos || slash < colon ||
+        std::sscanf(item.c_str() + colon + 1, "%d/%d%c", &f.R, &f.bps, &extra) != 2)
+      fail(ErrorKind::Request, "gemv_force: '" + item + "' is not name:R/blocks_per_sm");
+    f.name = item.substr(0, colon);
+    if (f.name != "qkv" && f.name != "o" && f.name != "gate_up" && f.name != "down" && f.name != "lm_head")
+      fail(ErrorKind::Request, "gemv_force: unknown matrix '" + f.name + "' (qkv, o, gate_up, down, lm_head)");
+    if (f.R != 1 && f.R != 2 && f.R != 4 && f.R != cuda::kGemvSplitK)
+      fail(ErrorKind::Request, "gemv_force: R must be 1, 2, 4 or 8 in '" + item + "'");
+    if (f.bps < 0 || f.bps > 2) fail(ErrorKind::Request, "gemv_force: blocks_per_sm must be 0, 1 or 2 in '" + item + "'");
+    out.push_back(f);
+  }
+  return out;
 }
 
 void* CudaEngine::dalloc(size_t bytes, bool scratch) {
@@ -581,10 +611,11 @@ void CudaEngine::autotune_gemv() {
     void* y;
     const float* norm;
     bool early;  // PDL trigger at the start, as in record_forward
+    bool before_attention = false;  // the decode attention follows it
   };
   std::vector<Shape> shapes = {
       {"qkv", (int)(c.q_dim + 2 * c.kv_dim), (int)c.hidden, GemvIn::F32Norm, GemvOut::F32, {}, x_, qkv_, final_norm_,
-       false},
+       false, true},
       {"o", (int)c.hidden, (int)c.q_dim, GemvIn::F16, GemvOut::AddF32, {}, att_, x_, nullptr, true},
       {"gate_up", (int)(2 * c.intermediate), (int)c.hidden, GemvIn::F32Norm, GemvOut::Swiglu, {}, x_, h_, final_norm_,
        true},
@@ -640,11 +671,14 @@ void CudaEngine::autotune_gemv() {
       }
     }
     if (opt_.gemv_resident_margin > 0) {
+      // CudaOptions::gemv_small_tiles: the smallest tiles (the most blocks), except before the attention: there the
+      // largest (the fewest blocks), which leaves SMs free for the attention's blocks to start early (PDL) and fetch
+      // the cached keys and values before their wait — at long contexts most of their work.
       auto tile_rows = [](int R) { return R == cuda::kGemvSplitK ? 8 : 8 * R; };
       auto better = [&](size_t i, int pick) {
         if (pick < 0) return true;
-        if (opt_.gemv_small_tiles && tile_rows(g.tried_R[i]) != tile_rows(g.tried_R[pick]))
-          return tile_rows(g.tried_R[i]) < tile_rows(g.tried_R[pick]);
+        const int ti = tile_rows(g.tried_R[i]), tp = tile_rows(g.tried_R[pick]);
+        if (opt_.gemv_small_tiles && ti != tp) return sh.before_attention ? ti > tp : ti < tp;
         return g.us[i] < g.us[pick];
       };
       int pick = -1;
@@ -656,6 +690,16 @@ void CudaEngine::autotune_gemv() {
         g.blocks_per_sm = 2;
         g.gb_per_s = bytes / (g.us[pick] * 1e-6) / 1e9;
       }
+    }
+    for (const GemvForce& f : gemv_force_) {
+      if (f.name != g.name) continue;
+      if (!cuda::gemv_variant_ok(f.R, sh.out))
+        fail(ErrorKind::Request, "gemv_force: no variant R=" + std::to_string(f.R) + " for " + f.name);
+      g.R = f.R;
+      g.blocks_per_sm = f.bps;
+      g.gb_per_s = 0;
+      for (size_t i = 0; i < g.us.size(); i++)
+        if (g.tried_R[i] == f.R && g.tried_bps[i] == f.bps) g.gb_per_s = bytes / (g.us[i] * 1e-6) / 1e9;
     }
     gemv_choices_.push_back(g);
   }

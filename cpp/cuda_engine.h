@@ -46,11 +46,16 @@ struct CudaOptions {
   // 0.05, the other formats and Llama-2-7B within +-0.4%; at 0.15 7B fp16 lost 1.7%).
   double gemv_resident_margin = 0.05;
   // Among those 2-per-SM variants within the margin, take the one with the smallest tiles (8 rows: R = 1 or
-  // split-K; the fastest of those), not simply the fastest: the most blocks. Timed alone such variants are within
-  // noise and the pick flipped between loads, while in the step the smaller tiles won (trace: TinyLlama int4's down
-  // 1.4 us per layer faster with 256 blocks than with 128). H200, interleaved A/B: TinyLlama int4 -3.4% per step
-  // (o and down move to R = 1), int8 -0.4%, fp16 -0.2%, Llama-2-7B int4 -0.2%, fp16 0.0%.
+  // split-K; the fastest of those), not simply the fastest: the most blocks — but for qkv, the GEMV before the
+  // attention, the largest tiles (the fewest blocks: room for the attention's early start). Timed alone such
+  // variants are within noise and the pick flipped between loads, while in the step the smaller tiles won (trace:
+  // TinyLlama int4's down 1.4 us per layer faster with 256 blocks than with 128) and, at long contexts, a qkv with
+  // more blocks lost (H200: TinyLlama int4 ctx 1024 with qkv at 160 blocks, 1,469 tok/s; at 80, 1,734).
+  // Measurements: bench/results/QUANT-NOTES.md, fourth pass.
   bool gemv_small_tiles = true;
+  // After tuning, force some shapes' variants: "name:R/blocks_per_sm;..." with names qkv, o, gate_up, down,
+  // lm_head (A/B runs: bench/ab_decode.py). Empty: the tuner's picks.
+  std::string gemv_force;
   bool batched_prefill = true;  // false: feed prompts one token at a time through the decode graph
   int prefill_chunk = 2048;     // tokens per prefill pass (activation buffers are sized for this at load)
   bool gemm_autotune = true;    // false: cuBLASLt's default algorithm for every GEMM
@@ -134,6 +139,11 @@ class CudaEngine {
   void upload(const WeightStore& w);
   void randomize(uint64_t seed);
   void autotune_gemv();
+  struct GemvForce {
+    std::string name;
+    int R = 0, bps = 0;
+  };
+  static std::vector<GemvForce> parse_gemv_force(const std::string& spec);
   void build_graphs();
   void record_forward(cudaStream_t s);
   void record_decode_step(cudaStream_t s);
@@ -218,6 +228,7 @@ class CudaEngine {
   float* plogits_ = nullptr;  // (logit_rows, ld_v) logits of all positions (Engine.logits), a slice at a time
 
   std::vector<GemvChoice> gemv_choices_;
+  std::vector<GemvForce> gemv_force_;  // CudaOptions::gemv_force, parsed
   std::vector<int32_t> tokens_;
   bool has_logits_ = false, pending_ = false;
   double last_decode_ms_ = 0;

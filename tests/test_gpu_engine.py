@@ -149,6 +149,17 @@ def test_trace_step_stamps_every_kernel_in_order_and_options_are_checked():
     bad.gemv_grid, bad.gemv_resident_margin = -1, 2.0
     with pytest.raises(InvalidRequestError, match="gemv_resident_margin"):
         _core.CudaEngine.random(cfg, 256, 1, bad)
+    for spec, what in [("qkv=2/2", "not name:R/blocks_per_sm"), ("wq:2/2", "unknown matrix"),
+                       ("qkv:3/2", "R must be"), ("qkv:2/5", "blocks_per_sm must be"),
+                       ("qkv:2/2x", "not name:R/blocks_per_sm"), ("gate_up:1/2", "no variant R=1 for gate_up")]:
+        bad = _core.CudaOptions()
+        bad.gemv_force = spec
+        with pytest.raises(InvalidRequestError, match=what):
+            _core.CudaEngine.random(cfg, 256, 1, bad)
+    forced = _core.CudaOptions()
+    forced.gemv_force = "qkv:1/0;down:8/1;"
+    table = {g["name"]: g for g in _core.CudaEngine.random(cfg, 256, 1, forced).gemv_table()}
+    assert (table["qkv"]["R"], table["qkv"]["blocks_per_sm"], table["down"]["R"], table["down"]["blocks_per_sm"]) == (1, 0, 8, 1)
     resident = _core.CudaOptions()
     resident.gemv_resident_margin = 1.0  # any 2-per-SM variant within 2x of the fastest: all of them here
     for small in (True, False):
@@ -156,10 +167,11 @@ def test_trace_step_stamps_every_kernel_in_order_and_options_are_checked():
         for g in _core.CudaEngine.random(cfg, 256, 1, resident).gemv_table():
             assert g["blocks_per_sm"] == 2
             # the pick among the 2-per-SM variants within the margin: the smallest tiles first (8 rows: R = 1 or
-            # the split-K R = 8), then the fastest
+            # the split-K R = 8; for qkv, before the attention, the largest), then the fastest
             cands = [(R, us) for R, b, us in zip(g["tried_R"], g["tried_blocks_per_sm"], g["us"])
                      if b == 2 and us <= 2.0 * min(g["us"])]
-            key = (lambda c: (8 if c[0] == 8 else 8 * c[0], c[1])) if small else (lambda c: c[1])
+            sign = -1 if g["name"] == "qkv" else 1
+            key = (lambda c: (sign * (8 if c[0] == 8 else 8 * c[0]), c[1])) if small else (lambda c: c[1])
             assert g["R"] == min(cands, key=key)[0], (small, g)
     plain = _core.CudaEngine.random(cfg, 256, 1)
     with pytest.raises(InvalidRequestError, match="CudaOptions.trace"):

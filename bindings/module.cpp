@@ -278,6 +278,7 @@ void bind_engine(nb::module_& m) {
       .def_rw("gemv_resident_margin", &ti::CudaOptions::gemv_resident_margin)
       .def_rw("gemv_small_tiles", &ti::CudaOptions::gemv_small_tiles)
       .def_rw("gemv_force", &ti::CudaOptions::gemv_force)
+      .def_rw("decode_long_from", &ti::CudaOptions::decode_long_from)
       .def_rw("batched_prefill", &ti::CudaOptions::batched_prefill)
       .def_rw("prefill_chunk", &ti::CudaOptions::prefill_chunk)
       .def_rw("gemm_autotune", &ti::CudaOptions::gemm_autotune)
@@ -304,6 +305,12 @@ void bind_engine(nb::module_& m) {
       .def_prop_ro("scratch_bytes", &ti::CudaEngine::scratch_bytes)
       .def_prop_ro("uses_pdl", &ti::CudaEngine::uses_pdl)
       .def_prop_ro("uses_graphs", &ti::CudaEngine::uses_graphs)
+      .def_prop_ro("decode_long",
+                   [](const ti::CudaEngine& e) {
+                     const auto [from, R, bps] = e.decode_long();
+                     return nb::make_tuple(from, R, bps);
+                   },
+                   "The long-context decode graph: (from context, qkv R, qkv blocks per SM); from = -1: none.")
       .def_prop_ro("device_name", &ti::CudaEngine::device_name)
       .def("gemv_table",
            [](const ti::CudaEngine& e) {

@@ -42,6 +42,7 @@ void CudaEngine::init_device() {
   if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))
     fail(ErrorKind::Request, "gemv_resident_margin must be in [0, 1]");
   gemv_force_ = parse_gemv_force(opt_.gemv_force);
+  if (opt_.decode_long_from < -1) fail(ErrorKind::Request, "decode_long_from must be -1 (tuned), 0 (off) or a context");
   TI_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   TI_CUDA_CHECK(cudaEventCreate(&ev0_));
   TI_CUDA_CHECK(cudaEventCreate(&ev1_));
@@ -360,6 +361,7 @@ CudaEngine::CudaEngine(const WeightStore& weights, int64_t max_seq_len, CudaOpti
     upload(weights);
     autotune_gemv();
     build_graphs();
+    tune_decode_long();
   });
 }
 
@@ -372,6 +374,7 @@ CudaEngine::CudaEngine(const ModelConfig& config, int64_t max_seq_len, uint64_t 
     randomize(seed);
     autotune_gemv();
     build_graphs();
+    tune_decode_long();
   });
 }
 
@@ -391,6 +394,7 @@ void CudaEngine::release() {
   if (stream_) cudaStreamSynchronize(stream_);
   if (g_forward_) cudaGraphExecDestroy(g_forward_);
   if (g_decode_) cudaGraphExecDestroy(g_decode_);
+  if (g_decode_long_) cudaGraphExecDestroy(g_decode_long_);
   for (void* p : allocations_) cudaFree(p);
   if (h_state_) cudaFreeHost(h_state_);
   if (h_sampling_) cudaFreeHost(h_sampling_);
@@ -401,7 +405,7 @@ void CudaEngine::release() {
   if (ev0_) cudaEventDestroy(ev0_);
   if (ev1_) cudaEventDestroy(ev1_);
   if (stream_) cudaStreamDestroy(stream_);
-  g_forward_ = g_decode_ = nullptr;
+  g_forward_ = g_decode_ = g_decode_long_ = nullptr;
   allocations_.clear();
   h_state_ = nullptr;
   h_sampling_ = nullptr;
@@ -521,8 +525,9 @@ void CudaEngine::run_forward(cudaStream_t s) {
   else record_forward(s);
 }
 
-void CudaEngine::run_decode_step(cudaStream_t s) {
-  if (graphs_ok_) TI_CUDA_CHECK(cudaGraphLaunch(g_decode_, s));
+void CudaEngine::run_decode_step(cudaStream_t s, int64_t pos) {
+  if (graphs_ok_)
+    TI_CUDA_CHECK(cudaGraphLaunch(g_decode_long_ && pos >= long_from_ ? g_decode_long_ : g_decode_, s));
   else record_decode_step(s);
 }
 
@@ -569,6 +574,95 @@ void CudaEngine::build_graphs() {
     capture(true, &g_decode_);
   }
   graphs_ok_ = true;
+}
+
+// ---- the long-context decode graph (CudaOptions::decode_long_from) ----
+
+// GPU ms per decode step, `launch(pos)` enqueueing the step at pos, from `context` on (greedy sampling; 3 steps of
+// warm-up). The cache is left holding benchmark tokens.
+double CudaEngine::time_steps(int64_t context, int steps, const std::function<void(int64_t)>& launch) {
+  *h_sampling_ = cuda::DeviceSampling{};
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  TI_CUDA_CHECK(cudaMemcpyAsync(d_sampling_, h_sampling_, sizeof(*h_sampling_), cudaMemcpyHostToDevice, stream_));
+  set_state(1, (int)context, 0);
+  for (int i = 0; i < 3; i++) launch(context + i);
+  set_state(1, (int)context, 0);
+  const float ms = gpu_ms([&] {
+    for (int i = 0; i < steps; i++) launch(context + i);
+  });
+  return ms / steps;
+}
+
+double CudaEngine::time_graph_step(cudaGraphExec_t g, int64_t context, int steps) {
+  return time_steps(context, steps, [&](int64_t) { TI_CUDA_CHECK(cudaGraphLaunch(g, stream_)); });
+}
+
+// qkv's candidates for long contexts: the short graph's R at 1 block per SM, and the largest tiles among the
+// 2-per-SM variants within 25% of the fastest alone. Each is timed as whole decode steps at a long context
+// (min(1,024, max_seq_len - 64)); a candidate faster than the short graph by > 2% gets a graph, used from the
+// first context in {64, 128, 256, 512} where it is faster by > 1% (else from the long context itself). The long
+// graph differs from the short one in qkv's grid or tile height only.
+void CudaEngine::tune_decode_long() {
+  if (!graphs_ok_ || opt_.decode_long_from == 0) return;
+  GemvChoice* q = nullptr;
+  for (GemvChoice& g : gemv_choices_)
+    if (g.name == "qkv") q = &g;
+  const int64_t ctx_long = std::min<int64_t>(1024, max_seq_ - 64);
+  if (!q || (opt_.decode_long_from < 0 && ctx_long < 256)) return;
+  const int R0 = q->R, bps0 = q->blocks_per_sm;
+  auto capture_with = [&](int R, int bps) {
+    q->R = R;
+    q->blocks_per_sm = bps;
+    cudaGraphExec_t g = nullptr;
+    const cudaError_t err = capture_graph([&] { record_decode_step(stream_); }, &g);
+    q->R = R0;
+    q->blocks_per_sm = bps0;
+    TI_CUDA_CHECK(err);
+    return g;
+  };
+  if (opt_.decode_long_from > 0) {  // forced (tests): qkv at 1 block per SM from that context on
+    g_decode_long_ = capture_with(R0, 1);
+    long_from_ = opt_.decode_long_from;
+    qkv_long_R_ = R0;
+    qkv_long_bps_ = 1;
+    return;
+  }
+  std::vector<std::pair<int, int>> cands;
+  if (bps0 != 1) cands.push_back({R0, 1});
+  const double best = *std::min_element(q->us.begin(), q->us.end());
+  int big = 0;
+  for (size_t i = 0; i < q->us.size(); i++) {
+    const int R = q->tried_R[i], rows = R == cuda::kGemvSplitK ? 8 : 8 * R;
+    if (q->tried_bps[i] == 2 && q->us[i] <= 1.25 * best && rows > (big == cuda::kGemvSplitK ? 8 : 8 * big)) big = R;
+  }
+  if (big && !(big == R0 && bps0 == 2)) cands.push_back({big, 2});
+  const int steps = 30;
+  const double t_short = time_graph_step(g_decode_, ctx_long, steps);
+  double t_best = t_short;
+  for (const auto& [R, bps] : cands) {
+    cudaGraphExec_t g = capture_with(R, bps);
+    const double t = time_graph_step(g, ctx_long, steps);
+    if (t < 0.98 * t_best) {
+      if (g_decode_long_) cudaGraphExecDestroy(g_decode_long_);
+      g_decode_long_ = g;
+      t_best = t;
+      qkv_long_R_ = R;
+      qkv_long_bps_ = bps;
+    } else {
+      cudaGraphExecDestroy(g);
+    }
+  }
+  if (g_decode_long_) {
+    long_from_ = ctx_long;
+    for (int64_t c : {64, 128, 256, 512}) {
+      if (c >= ctx_long) break;
+      if (time_graph_step(g_decode_long_, c, steps) < 0.99 * time_graph_step(g_decode_, c, steps)) {
+        long_from_ = c;
+        break;
+      }
+    }
+  }
+  reset();  // the cache now holds benchmark tokens
 }
 
 // GPU milliseconds of the work `enqueue` puts on the engine's stream (CUDA events around it; waits for it).
@@ -780,7 +874,7 @@ std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig&
     replays = n - 1;
   }
   last_decode_ms_ = gpu_ms([&] {
-    for (int64_t i = 0; i < replays; i++) run_decode_step(stream_);
+    for (int64_t i = 0; i < replays; i++) run_decode_step(stream_, position() + i);
   });
   TI_CUDA_CHECK(cudaMemcpyAsync(h_out_, d_out_, n * sizeof(int), cudaMemcpyDeviceToHost, stream_));
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -802,17 +896,9 @@ std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig&
 double CudaEngine::time_decode_step(int64_t context, int steps) {
   if (context < 0 || context + steps >= max_seq_)
     fail(ErrorKind::Request, "time_decode_step: context + steps must be < max_seq_len");
-  *h_sampling_ = cuda::DeviceSampling{};
-  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  TI_CUDA_CHECK(cudaMemcpyAsync(d_sampling_, h_sampling_, sizeof(*h_sampling_), cudaMemcpyHostToDevice, stream_));
-  set_state(1, (int)context, 0);
-  for (int i = 0; i < 3; i++) run_decode_step(stream_);  // warm-up
-  set_state(1, (int)context, 0);
-  const float ms = gpu_ms([&] {
-    for (int i = 0; i < steps; i++) run_decode_step(stream_);
-  });
+  const double ms = time_steps(context, steps, [&](int64_t pos) { run_decode_step(stream_, pos); });
   reset();  // the cache now holds benchmark tokens
-  return ms / steps;
+  return ms;
 }
 
 std::pair<std::vector<std::string>, std::vector<uint64_t>> CudaEngine::trace_step(int64_t context) {
@@ -822,12 +908,12 @@ std::pair<std::vector<std::string>, std::vector<uint64_t>> CudaEngine::trace_ste
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
   TI_CUDA_CHECK(cudaMemcpyAsync(d_sampling_, h_sampling_, sizeof(*h_sampling_), cudaMemcpyHostToDevice, stream_));
   set_state(1, (int)context, 0);
-  for (int i = 0; i < 3; i++) run_decode_step(stream_);  // warm-up: the traced step follows others, as in decode
+  for (int i = 0; i < 3; i++) run_decode_step(stream_, context + i);  // warm-up: the traced step follows others
   set_state(1, (int)context, 0);
   const size_t n = (size_t)(5 * cfg_.n_layers + 1) * cuda::kTraceBlocks * cuda::kTracePoints;
   TI_CUDA_CHECK(cudaMemsetAsync(d_trace_, 0, n * 8, stream_));
-  run_decode_step(stream_);
-  run_decode_step(stream_);  // the traced step: the second, so that the one before it overlaps as usual
+  run_decode_step(stream_, context);
+  run_decode_step(stream_, context + 1);  // the traced step: the second, so that the one before overlaps as usual
   std::vector<uint64_t> t(n);
   TI_CUDA_CHECK(cudaMemcpyAsync(t.data(), d_trace_, n * 8, cudaMemcpyDeviceToHost, stream_));
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));

@@ -15,6 +15,7 @@
 #include <memory>
 #include <utility>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../cuda/attention.cuh"
@@ -56,6 +57,15 @@ struct CudaOptions {
   // After tuning, force some shapes' variants: "name:R/blocks_per_sm;..." with names qkv, o, gate_up, down,
   // lm_head (A/B runs: bench/ab_decode.py). Empty: the tuner's picks.
   std::string gemv_force;
+  // A second decode graph for long contexts, differing in qkv's variant (R, grid) only: qkv's block count decides
+  // whether the attention's blocks find SMs free to start early and fetch the cached keys and values (H200,
+  // TinyLlama ctx 1,024, pinned A/B: int8 -7.9% per step with qkv at 1 block per SM, fp16 -4.2%; but at ctx 16
+  // +2.5% and +1.1%, and Llama-2-7B fp16 +8.1% at 1,024). At load, qkv's candidates are timed as whole decode
+  // steps at a long context; one faster by > 2% gets its graph, used from the context where it wins. Measured:
+  // TinyLlama int8 -7.4% at ctx 1,024 (the long graph from 256 on), the others kept one graph (fp16 too, though the
+  // pinned A/B had it 4% faster: not understood). Only with graphs on. -1: tuned; 0: one graph; n > 0: the long
+  // graph from context n on, qkv at 1 block per SM (tests).
+  int64_t decode_long_from = -1;
   bool batched_prefill = true;  // false: feed prompts one token at a time through the decode graph
   int prefill_chunk = 2048;     // tokens per prefill pass (activation buffers are sized for this at load)
   bool gemm_autotune = true;    // false: cuBLASLt's default algorithm for every GEMM
@@ -95,8 +105,12 @@ class CudaEngine {
   // ---- measurement ----
   double last_decode_ms() const { return last_decode_ms_; }  // GPU time of the last decode()'s steps
   const std::vector<GemvChoice>& gemv_table() const { return gemv_choices_; }
-  // GPU ms per decode step at a context of `context` tokens (the cache content is whatever it holds).
+  // GPU ms per decode step at a context of `context` tokens (the cache content is whatever it holds; the decode
+  // graph each step would use in decode(): CudaOptions::decode_long_from).
   double time_decode_step(int64_t context, int steps);
+  // The long-context decode graph (CudaOptions::decode_long_from): the context it starts at (-1: none) and its
+  // qkv variant (R, blocks_per_sm).
+  std::tuple<int64_t, int, int> decode_long() const { return {long_from_, qkv_long_R_, qkv_long_bps_}; }
   // CudaOptions::trace: one decode step at `context`; per traced kernel in launch order its name and
   // kTraceBlocks x kTracePoints global-timer stamps (ns; 0: block absent or exited early). common.cuh, trace_point.
   std::pair<std::vector<std::string>, std::vector<uint64_t>> trace_step(int64_t context);
@@ -151,7 +165,10 @@ class CudaEngine {
   void prefill_chunk(const int32_t* tokens, int T, int pos0, float* host_logits, int64_t host_row0);
   void prefill_layer(const Layer& L, int64_t layer, int T, int pos0);
   void chunk_logits(int T, float* host_logits, int64_t host_row0);
-  void run_decode_step(cudaStream_t s);
+  void run_decode_step(cudaStream_t s, int64_t pos);  // pos: the step's position (picks the graph)
+  void tune_decode_long();
+  double time_steps(int64_t context, int steps, const std::function<void(int64_t)>& launch);
+  double time_graph_step(cudaGraphExec_t g, int64_t context, int steps);
   void set_state(int token, int pos, int step);
   float gpu_ms(const std::function<void()>& enqueue);
   float replay_ms(const std::function<void()>& enqueue);
@@ -177,6 +194,9 @@ class CudaEngine {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t ev0_ = nullptr, ev1_ = nullptr;
   cudaGraphExec_t g_forward_ = nullptr, g_decode_ = nullptr;
+  cudaGraphExec_t g_decode_long_ = nullptr;  // contexts >= long_from_ (CudaOptions::decode_long_from)
+  int64_t long_from_ = -1;
+  int qkv_long_R_ = 0, qkv_long_bps_ = 0;
   std::vector<void*> allocations_;
   size_t weight_bytes_ = 0, kv_bytes_ = 0, scratch_bytes_ = 0;
   int ld_h_ = 0, ld_q_ = 0, ld_i_ = 0;

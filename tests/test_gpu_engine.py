@@ -122,6 +122,32 @@ def test_verify_reports_gpu_vs_cpu(tmp_path):
     assert "worst relative logit error" in lines[0]
 
 
+def test_long_context_graph_changes_nothing_but_speed(tmp_path):
+    """CudaOptions.decode_long_from: from that context on, decode replays a second graph whose qkv GEMV runs at
+    one block per SM (the same rows per warp, so the same arithmetic). Greedy and seeded-sampled tokens across the
+    switch equal those of an engine with one graph; and the tuned choice (here: on a small model, whatever the
+    timing says) is well formed."""
+    from tinyinfer import _core
+
+    d = make_llama(tmp_path / "m", vocab=1000, **CONFIGS["gqa3_hd64"])
+    engines = []
+    for frm in (0, 20, -1):
+        o = _core.CudaOptions()
+        o.decode_long_from = frm
+        engines.append(Engine(d, device="cuda", max_seq_len=400, cuda_options=o))
+    one, two, tuned = engines
+    assert one._core.decode_long[0] == -1
+    assert two._core.decode_long[0] == 20 and two._core.decode_long[2] == 1
+    frm, R, bps = tuned._core.decode_long
+    assert frm == -1 or (64 <= frm <= 336 and R in (1, 2, 4, 8) and bps in (1, 2)), tuned._core.decode_long
+    prompt = [5, 17, 400, 23, 99, 7]
+    for kw in (dict(), dict(temperature=0.9, seed=4)):
+        want = one.generate(prompt, max_tokens=40, ignore_eos=True, **kw).token_ids
+        assert two.generate(prompt, max_tokens=40, ignore_eos=True, **kw).token_ids == want
+    assert tuned.generate(prompt, max_tokens=8, ignore_eos=True).token_ids == one.generate(
+        prompt, max_tokens=8, ignore_eos=True).token_ids
+
+
 def test_out_of_gpu_memory_is_a_clear_error_and_frees_what_it_took():
     from tinyinfer import DeviceError, _core
     from tinyinfer.bench import shape_config
@@ -156,6 +182,10 @@ def test_trace_step_stamps_every_kernel_in_order_and_options_are_checked():
         bad.gemv_force = spec
         with pytest.raises(InvalidRequestError, match=what):
             _core.CudaEngine.random(cfg, 256, 1, bad)
+    bad = _core.CudaOptions()
+    bad.decode_long_from = -2
+    with pytest.raises(InvalidRequestError, match="decode_long_from"):
+        _core.CudaEngine.random(cfg, 256, 1, bad)
     forced = _core.CudaOptions()
     forced.gemv_force = "qkv:1/0;down:8/1;"
     table = {g["name"]: g for g in _core.CudaEngine.random(cfg, 256, 1, forced).gemv_table()}

@@ -153,6 +153,10 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
         grid = f"{g['blocks_per_sm']}/SM" if g["blocks_per_sm"] else "tile"
         out(f"{g['name']:>8} {g['rows']:>6}x{g['K']:<6} {g['copies']:>6} {g['R']:>2} {grid:>4} {us:>32} "
             f"{g['gb_per_s']:>7.0f} {row['pct_peak']:>6.1f}%")
+    frm, long_r, long_bps = core.decode_long
+    res["decode_long"] = {"from_context": frm, "qkv_R": long_r, "qkv_blocks_per_sm": long_bps}
+    out("long-context decode graph: " + (f"from context {frm}, qkv R {long_r} at {long_bps}/SM" if frm >= 0
+                                          else "none (one graph for every context)"))
     chain = {"pdl": _core.ops.kernel_chain_us(200, 132, True, False),
              "no_pdl": _core.ops.kernel_chain_us(200, 132, False, False)}
     res["kernel_chain_us"] = chain

@@ -632,8 +632,9 @@ void CudaEngine::tune_decode_long() {
   const double best = *std::min_element(q->us.begin(), q->us.end());
   int big = 0;
   for (size_t i = 0; i < q->us.size(); i++) {
-    const int R = q->tried_R[i], rows = R == cuda::kGemvSplitK ? 8 : 8 * R;
-    if (q->tried_bps[i] == 2 && q->us[i] <= 1.25 * best && rows > (big == cuda::kGemvSplitK ? 8 : 8 * big)) big = R;
+    const int R = q->tried_R[i];
+    if (q->tried_bps[i] == 2 && q->us[i] <= 1.25 * best && (!big || cuda::gemv_tile_rows(R) > cuda::gemv_tile_rows(big)))
+      big = R;
   }
   if (big && !(big == R0 && bps0 == 2)) cands.push_back({big, 2});
   const int steps = 30;
@@ -768,10 +769,9 @@ void CudaEngine::autotune_gemv() {
       // CudaOptions::gemv_small_tiles: the smallest tiles (the most blocks), except before the attention: there the
       // largest (the fewest blocks), which leaves SMs free for the attention's blocks to start early (PDL) and fetch
       // the cached keys and values before their wait — at long contexts most of their work.
-      auto tile_rows = [](int R) { return R == cuda::kGemvSplitK ? 8 : 8 * R; };
       auto better = [&](size_t i, int pick) {
         if (pick < 0) return true;
-        const int ti = tile_rows(g.tried_R[i]), tp = tile_rows(g.tried_R[pick]);
+        const int ti = cuda::gemv_tile_rows(g.tried_R[i]), tp = cuda::gemv_tile_rows(g.tried_R[pick]);
         if (opt_.gemv_small_tiles && ti != tp) return sh.before_attention ? ti > tp : ti < tp;
         return g.us[i] < g.us[pick];
       };

@@ -40,5 +40,7 @@ constexpr int kGemvSplitK = 8;
 // Quantized weights: the (in, out) pairs a decode step uses — (F32Norm, F32), (F16, AddF32), (F32Norm, Swiglu).
 void gemv(const GemvParams& p, int R, GemvIn in, GemvOut out, cudaStream_t stream, bool pdl);
 bool gemv_variant_ok(int R, GemvOut out);
+// Rows per tile of variant R (a block's work unit): 8R, or 8 for split-K.
+constexpr int gemv_tile_rows(int R) { return R == kGemvSplitK ? 8 : 8 * R; }
 
 }  // namespace ti::cuda

@@ -465,15 +465,19 @@ cuda::DecodeAttnParams CudaEngine::attn_params(int64_t layer) const {
   return a;
 }
 
-int CudaEngine::choice(const char* name) const {
+const GemvChoice* CudaEngine::find_choice(const char* name) const {
   for (const GemvChoice& g : gemv_choices_)
-    if (g.name == name) return g.R;
-  return 2;
+    if (g.name == name) return &g;
+  return nullptr;
+}
+
+int CudaEngine::choice(const char* name) const {
+  const GemvChoice* g = find_choice(name);
+  return g ? g->R : 2;
 }
 
 cuda::GemvParams CudaEngine::tuned(const char* name, cuda::GemvParams p) const {
-  for (const GemvChoice& g : gemv_choices_)
-    if (g.name == name) p.blocks_per_sm = g.blocks_per_sm;
+  if (const GemvChoice* g = find_choice(name)) p.blocks_per_sm = g->blocks_per_sm;
   return p;
 }
 
@@ -604,9 +608,7 @@ double CudaEngine::time_graph_step(cudaGraphExec_t g, int64_t context, int steps
 // graph differs from the short one in qkv's grid or tile height only.
 void CudaEngine::tune_decode_long() {
   if (!graphs_ok_ || opt_.decode_long_from == 0) return;
-  GemvChoice* q = nullptr;
-  for (GemvChoice& g : gemv_choices_)
-    if (g.name == "qkv") q = &g;
+  GemvChoice* q = const_cast<GemvChoice*>(find_choice("qkv"));  // swapped while capturing the candidates
   const int64_t ctx_long = std::min<int64_t>(1024, max_seq_ - 64);
   if (!q || (opt_.decode_long_from < 0 && ctx_long < 256)) return;
   const int R0 = q->R, bps0 = q->blocks_per_sm;

@@ -182,6 +182,7 @@ class CudaEngine {
                         const std::function<int64_t(size_t, int64_t)>& row_of);
   void random_matrix(const cuda::QMat& m, uint64_t seed, float scale);
   const __half* fp16_of(const cuda::QMat& m);  // the matrix as fp16 rows (quantized: dequantized into wtmp_)
+  const GemvChoice* find_choice(const char* name) const;  // the tuned entry of shape `name`, or nullptr
   int choice(const char* name) const;
   cuda::GemvParams tuned(const char* name, cuda::GemvParams p) const;  // p with the tuned grid of shape `name`
   void* dalloc(size_t bytes, bool scratch);

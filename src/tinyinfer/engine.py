@@ -115,7 +115,7 @@ class Engine:
         max_seq_len: Optional[int] = None,
         cuda_options: Optional["_core.CudaOptions"] = None,
     ):
-        self._core = None  # first: close() and __del__ must work on an engine whose loading failed
+        self._core = None  # first: close() and repr must work on an engine whose loading failed
         if dtype not in _DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(_DTYPES)} (got {dtype!r})")
         self.device = _pick_device(device)

@@ -104,7 +104,8 @@ def _pick_device(device: str) -> str:
 
 
 class Engine:
-    """A loaded model. One sequence at a time: concurrent calls on one Engine are serialised by a lock."""
+    """A loaded model. One sequence at a time: concurrent calls on one Engine are serialised by a lock.
+    close() (or leaving a `with Engine(...) as eng:` block) frees its memory at once, GPU memory included."""
 
     def __init__(
         self,

@@ -13,6 +13,7 @@ import numpy as np
 
 from tinyinfer import Engine, _core
 from tinyinfer.loaders import load_model
+from tinyinfer.perplexity import perplexity_from_logits as perplexity
 
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
@@ -64,13 +65,6 @@ def engine_with(model, transform, max_seq):
             store.add(name, np.ascontiguousarray(arr), "f32")
     store.finish()
     return _core.CpuEngine(store, max_seq)
-
-
-def perplexity(logits: np.ndarray, ids: list[int]) -> float:
-    l = logits[:-1].astype(np.float64)
-    m = l.max(-1, keepdims=True)
-    lp = l - m - np.log(np.exp(l - m).sum(-1, keepdims=True))
-    return float(np.exp(-lp[np.arange(len(ids) - 1), ids[1:]].mean()))
 
 
 def main() -> None:

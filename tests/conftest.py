@@ -77,6 +77,34 @@ def make_llama(
     return out
 
 
+CHAR_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}"
+                      "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def save_char_tokenizer(d: Path, chat_template: str = CHAR_CHAT_TEMPLATE):
+    """A character-level tokenizer (ids 0..97: <unk> <s> </s> and printable ASCII) with a chat template, saved
+    into the model directory `d` as transformers saves one. Returns the transformers tokenizer."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(["<unk>", "<s>", "</s>"] + [chr(i) for i in range(32, 127)])}
+    tok = HFTok(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = chat_template
+    fast.save_pretrained(d)
+    return fast
+
+
+def make_chat_llama(out: Path, **kw) -> Path:
+    """A small random Llama with the character tokenizer and chat template: a model the CLI can run."""
+    kw = dict(dict(layers=1, heads=2, kv_heads=2, hidden=128, vocab=300), **kw)
+    make_llama(out, **kw)
+    save_char_tokenizer(out)
+    return out
+
+
 def hf_model(path: Path):
     import torch
     from transformers import LlamaForCausalLM

@@ -11,7 +11,7 @@
 //   token for a given seed.
 #include <cfloat>
 
-#include "../cpp/rng.h"
+#include "../cpp/core/rng.h"
 #include "common.cuh"
 #include "sampling.cuh"
 

@@ -109,7 +109,7 @@ void bind_engines(nb::module_& m) {
             w.add_int4(name, q.data(), sm.data(), rows, K);
           },
           "name"_a, "q"_a, "sm"_a,
-          "An already-int4 matrix (cpp/quant.h layout; a GGUF Q4_0/Q4_1 tensor converted block for block).")
+          "An already-int4 matrix (cpp/core/quant.h layout; a GGUF Q4_0/Q4_1 tensor converted block for block).")
       .def("is_imported", [](const ti::WeightStore& w, const std::string& n) { return w.imported(n) != nullptr; })
       .def("expected_shape", &ti::WeightStore::expected_shape, "name"_a)
       .def("required_names", &ti::WeightStore::required_names)

@@ -59,7 +59,7 @@ void bind_errors(nb::module_& m) {
 }
 
 void bind_config(nb::module_& m) {
-  nb::class_<ti::ModelConfig>(m, "ModelConfig", "The shape of a Llama-family model (see cpp/config.h).")
+  nb::class_<ti::ModelConfig>(m, "ModelConfig", "The shape of a Llama-family model (see cpp/core/config.h).")
       .def(nb::init<>())
       .def_rw("hidden", &ti::ModelConfig::hidden)
       .def_rw("intermediate", &ti::ModelConfig::intermediate)

@@ -52,7 +52,7 @@ void bind_ops(nb::module_& m) {
         else std::memcpy(sc.data(), m.sm.data(), sc.size());
         return quant_dict(m.q, sc, m.rows, m.ld, fmt, m.K);
       },
-      "W"_a, "format"_a, "The reference packer (cpp/quant.cpp): {'q': (rows, ld) uint8, 'scales': ...}.");
+      "W"_a, "format"_a, "The reference packer (cpp/core/quant.cpp): {'q': (rows, ld) uint8, 'scales': ...}.");
   ops.def(
       "dequantize_ref",
       [](F32In2 W, const FormatArg& f) {

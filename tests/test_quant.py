@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 formats (cpp/quant.h): the reference packer's invariants on named and random inputs,
+"""Weight-only int8 / int4 formats (cpp/core/quant.h): the reference packer's invariants on named and random inputs,
 and the CPU engine computing with the dequantized weights. The GPU quantizer, kernels and engine are checked
 against these in test_gpu_quant.py."""
 

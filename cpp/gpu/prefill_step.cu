@@ -16,7 +16,6 @@
 #include <cstring>
 
 #include "../../cuda/common.cuh"
-#include "../../cuda/embedding.cuh"
 #include "../../cuda/prefill.cuh"
 #include "../../cuda/prefill_attention.cuh"
 #include "../core/errors.h"

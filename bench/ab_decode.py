@@ -1,5 +1,5 @@
 """A/B of CudaOptions on the graph-replayed decode step (random weights at a real shape).
-    python3 bench/ab_decode.py tinyllama-1.1b int4 16 "" "gemv_grid=2" "gemv_force=qkv:2/2;down:1/2"
+    python3 bench/ab_decode.py tinyllama-1.1b int4 16 "" "gemv_grid=2" "gemv_pins=qkv:2/2;down:1/2"
 Each variant is one engine (its own load-time autotune); the variants' timings are interleaved over `--rounds`
 rounds (default 3) so that drift hits all alike, and each row reports the best and the median round. `--gemv`
 also prints each variant's GEMV picks (R, grid) and their GB/s timed alone."""
@@ -11,11 +11,29 @@ from tinyinfer import _core
 from tinyinfer.bench import shape_config
 
 
+_ROLES = {"qkv": "Qkv", "o": "O", "gate_up": "GateUp", "down": "Down", "lm_head": "LmHead"}
+
+
+def gemv_pins(text: str) -> list:
+    """ "qkv:2/2;down:1/2" (role:rows_per_warp/blocks_per_sm;...) -> [_core.GemvPin, ...]."""
+    pins = []
+    for item in filter(None, text.split(";")):
+        role, _, variant = item.partition(":")
+        if role not in _ROLES or variant.count("/") != 1:
+            raise SystemExit(f"gemv_pins: {item!r} is not role:R/blocks_per_sm with role in {', '.join(_ROLES)}")
+        R, bps = variant.split("/")
+        pins.append(_core.GemvPin(getattr(_core.MatrixRole, _ROLES[role]), int(R), int(bps)))
+    return pins
+
+
 def options(spec: str, dtype: str) -> "_core.CudaOptions":
     o = _core.CudaOptions()
     o.weights = dtype
     for kv in filter(None, spec.split(",")):
         k, v = kv.split("=", 1)
+        if k == "gemv_pins":
+            o.gemv_pins = gemv_pins(v)
+            continue
         cur = getattr(o, k)
         setattr(o, k, type(cur)(int(v)) if isinstance(cur, (bool, int)) else type(cur)(v))
     return o

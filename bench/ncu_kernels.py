@@ -11,7 +11,7 @@ ops = _core.ops
 rng = np.random.default_rng(0)
 
 
-def gemv(fmt, rows, K, R, grid, inp="f32norm", out="swiglu"):
+def gemv(fmt, rows, K, R, grid, inp=ops.GemvIn.F32Norm, out=ops.GemvOut.Swiglu):
     W = (rng.standard_normal((rows, K)) * 0.02).astype(np.float32)
     x = rng.standard_normal(K).astype(np.float32)
     nw = np.ones(K, np.float32)
@@ -20,13 +20,13 @@ def gemv(fmt, rows, K, R, grid, inp="f32norm", out="swiglu"):
         ops.gemv(W.astype(np.float16).view(np.uint16), x, nw, 1e-5, y0, R, inp, out, grid)
     else:
         ops.gemv_quant(W, fmt, x, nw, 1e-5, y0, R, inp, out, grid)
-    print(f"gemv {fmt} {rows}x{K} R={R} grid={grid} {inp}/{out}")
+    print(f"gemv {fmt} {rows}x{K} R={R} grid={grid} {inp.name}/{out.name}")
 
 
 gemv("int4", 11264, 2048, 2, 2)   # TinyLlama gate_up, as tuned
 gemv("int8", 11264, 2048, 2, 2)
 gemv("fp16", 11264, 2048, 8, 2)
-gemv("int4", 2048, 2048, 2, 1, "f16", "add")  # TinyLlama o
+gemv("int4", 2048, 2048, 2, 1, ops.GemvIn.F16, ops.GemvOut.AddF32)  # TinyLlama o
 gemv("int4", 22016, 4096, 2, 2)   # Llama-2-7B gate_up
 n_kv, group, hd, max_seq, pos = 4, 8, 64, 256, 16
 qkv = rng.standard_normal((n_kv * group + 2 * n_kv) * hd).astype(np.float32)

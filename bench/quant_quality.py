@@ -56,13 +56,13 @@ def engine_with(model, transform, max_seq):
     for name, arr, src in model.tensors():
         arr = np.ascontiguousarray(arr, np.float32)
         if tied and name == "model.embed_tokens.weight":
-            store.add("lm_head.weight", np.ascontiguousarray(head_transform(arr)), "f32")
+            store.add("lm_head.weight", np.ascontiguousarray(head_transform(arr)), "fp32")
         elif name == "lm_head.weight":
             arr = head_transform(arr)
         elif arr.ndim == 2 and any(m in name for m in MATRICES):
             arr = transform(arr)
         if name != "lm_head.weight" or not tied:
-            store.add(name, np.ascontiguousarray(arr), "f32")
+            store.add(name, np.ascontiguousarray(arr), "fp32")
     store.finish()
     return _core.CpuEngine(store, max_seq)
 

@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <string>
 
-#include "../cpp/errors.h"
+#include "../cpp/core/errors.h"
 
 namespace ti::cuda {
 

@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 formats (cpp/quant.h): the reference packer's invariants on named and random inputs,
+"""Weight-only int8 / int4 formats (cpp/core/quant.h): the reference packer's invariants on named and random inputs,
 and the CPU engine computing with the dequantized weights. The GPU quantizer, kernels and engine are checked
 against these in test_gpu_quant.py."""
 
@@ -97,7 +97,7 @@ def test_cpu_engine_computes_with_the_dequantized_weights(small_model, dtype):
         if arr.ndim == 2 and any(m in name for m in MATRICES):
             head = name == "lm_head.weight"
             arr = _core.ops.dequantize_ref(arr, "int8" if head and dtype == "int4" else dtype)  # int4: int8 head
-        store.add(name, arr, "f32")
+        store.add(name, arr, "fp32")
     store.finish()
     ids = np.random.default_rng(1).integers(3, 512, 40).tolist()
     want = _core.CpuEngine(store, 64).forward(ids, all_logits=True)
@@ -158,7 +158,7 @@ def test_gguf_q4_blocks_are_imported_without_a_second_rounding(tmp_path):
             a = _core.ops.dequantize_ref(a, "int4")
         elif n == "lm_head.weight":
             a = _core.ops.dequantize_ref(a, "int8")
-        store.add(n, a, "f32")
+        store.add(n, a, "fp32")
     store.finish()
     ids = list(range(3, 40))
     want = _core.CpuEngine(store, 64).forward(ids, all_logits=True)

@@ -48,7 +48,7 @@ def _pad8(n: int) -> int:
 
 
 def matrix_bytes(fmt: str, rows: int, K: int) -> int:
-    """Bytes of one (rows, K) matrix as the GPU stores it, scales included (cpp/quant.h)."""
+    """Bytes of one (rows, K) matrix as the GPU stores it, scales included (cpp/core/quant.h)."""
     if fmt == "int8":
         return rows * ((K + 15) // 16 * 16) + 4 * rows
     if fmt == "int4":

@@ -11,7 +11,7 @@ import numpy as np
 from .. import _core
 from ..tokenizer import Tokenizer
 
-# One tensor for the core: (HuggingFace name, array, core dtype "f32" | "f16" | "bf16"; bf16 as uint16 bits).
+# One tensor for the core: (HuggingFace name, array, core dtype "fp32" | "fp16" | "bf16"; bf16 as uint16 bits).
 TensorItem = tuple[str, np.ndarray, str]
 TensorSource = Callable[[], Iterator[TensorItem]]
 

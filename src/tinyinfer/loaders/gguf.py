@@ -33,7 +33,7 @@ from .base import LoadedModel, TensorItem
 # quantized types dequantized to float32 at load
 _DEQUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 # types passed through: GGUF type name -> (numpy dtype to view the data as, core dtype)
-_PASSTHROUGH = {"F32": ("<f4", "f32"), "F16": ("<f2", "f16"), "BF16": ("<u2", "bf16")}
+_PASSTHROUGH = {"F32": ("<f4", "fp32"), "F16": ("<f2", "fp16"), "BF16": ("<u2", "bf16")}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -389,7 +389,7 @@ def load_gguf(path: Path) -> LoadedModel:
                     shape = [int(x) for x in reversed([int(d) for d in t.shape])]
                     array = np.asarray(t.data).view(np_dtype).reshape(shape)
                 else:
-                    core_dtype = "f32"
+                    core_dtype = "fp32"
                     array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
                     shape = [int(x) for x in reversed([int(d) for d in t.shape])]
                     array = array.reshape(shape)

@@ -4,8 +4,8 @@
 #include <cmath>
 #include <cstring>
 
-#include "engine_checks.h"
-#include "errors.h"
+#include "../core/engine_checks.h"
+#include "../core/errors.h"
 
 namespace ti {
 

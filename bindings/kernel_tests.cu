@@ -1,11 +1,11 @@
 #include <cmath>
 #include <limits>
 
-#include "attention.cuh"
-#include "common.cuh"
-#include "kernel_tests.cuh"
-#include "prefill_attention.cuh"
-#include "sampling.cuh"
+#include "../cuda/attention.cuh"
+#include "../cuda/common.cuh"
+#include "kernel_tests.h"
+#include "../cuda/prefill_attention.cuh"
+#include "../cuda/sampling.cuh"
 
 namespace ti::cuda {
 

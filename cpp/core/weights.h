@@ -16,7 +16,8 @@
 namespace ti {
 
 enum class DType { F32, F16, BF16 };
-DType dtype_from_string(const std::string& s);  // "f32" | "f16" | "bf16"
+DType dtype_from_string(const std::string& s);  // "fp32" | "fp16" | "bf16" (the weight formats' spelling)
+std::string to_string(DType t);
 size_t dtype_size(DType t);
 
 float half_to_float(uint16_t h);

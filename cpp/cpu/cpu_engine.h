@@ -8,11 +8,11 @@
 #include <memory>
 #include <vector>
 
-#include "config.h"
+#include "../core/config.h"
 #include "kv_cache.h"
-#include "rope.h"
-#include "sampling.h"
-#include "weights.h"
+#include "../core/rope.h"
+#include "../core/sampling.h"
+#include "../core/weights.h"
 
 namespace ti {
 

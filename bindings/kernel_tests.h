@@ -1,13 +1,13 @@
-// kernel_tests.cuh — host-side drivers that run one kernel on host arrays (upload, launch, download), for the
+// kernel_tests.h — host-side drivers that run one kernel on host arrays (upload, launch, download), for the
 // kernel tests and benchmarks in Python (tinyinfer._core.ops). Outputs are poisoned (NaN) before each launch so
 // an element the kernel failed to write shows.
 #pragma once
 #include <cstdint>
 #include <vector>
 
-#include "gemm.cuh"
-#include "gemv.cuh"
-#include "quant.cuh"
+#include "../cuda/gemm.cuh"
+#include "../cuda/gemv.cuh"
+#include "../cuda/quant.cuh"
 
 namespace ti::cuda {
 

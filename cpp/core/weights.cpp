@@ -7,11 +7,13 @@
 namespace ti {
 
 DType dtype_from_string(const std::string& s) {
-  if (s == "f32") return DType::F32;
-  if (s == "f16") return DType::F16;
+  if (s == "fp32") return DType::F32;
+  if (s == "fp16") return DType::F16;
   if (s == "bf16") return DType::BF16;
-  fail(ErrorKind::Unsupported, "unsupported tensor dtype '" + s + "' (expected f32, f16 or bf16)");
+  fail(ErrorKind::Unsupported, "unsupported tensor dtype '" + s + "' (expected fp32, fp16 or bf16)");
 }
+
+std::string to_string(DType t) { return t == DType::F32 ? "fp32" : t == DType::F16 ? "fp16" : "bf16"; }
 
 size_t dtype_size(DType t) { return t == DType::F32 ? 4 : 2; }
 

@@ -211,7 +211,7 @@ def random_cpu_engine(cfg: _core.ModelConfig, max_seq: int, seed: int = 0):
             w = np.ones(shape, np.float16)
         else:  # fp16 halves the host memory of the draw; the store widens to fp32 as for an fp16 checkpoint
             w = (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float16)
-        store.add(name, w, "f16")
+        store.add(name, w, "fp16")
     store.finish()
     return _core.CpuEngine(store, max_seq)
 

@@ -52,10 +52,10 @@ struct CudaOptions {
   // variants are within noise and the pick flipped between loads, while in the step the smaller tiles won (trace:
   // TinyLlama int4's down 1.4 us per layer faster with 256 blocks than with 128) and, at long contexts, a qkv with
   // more blocks lost (H200: TinyLlama int4 ctx 1024 with qkv at 160 blocks, 1,469 tok/s; at 80, 1,734).
-  // Measurements: bench/results/QUANT-NOTES.md, fourth pass.
+  // Measurements: docs/perf/QUANT-NOTES.md, fourth pass.
   bool gemv_small_tiles = true;
   // After tuning, force some shapes' variants: "name:R/blocks_per_sm;..." with names qkv, o, gate_up, down,
-  // lm_head (A/B runs: bench/ab_decode.py). Empty: the tuner's picks.
+  // lm_head (A/B runs: bench/tools/ab_decode.py). Empty: the tuner's picks.
   std::string gemv_force;
   // A second decode graph for long contexts, differing in qkv's variant (R, grid) only: qkv's block count decides
   // whether the attention's blocks find SMs free to start early and fetch the cached keys and values (H200,

@@ -165,7 +165,7 @@ def test_perplexity_command_matches_the_logits(tiny, tmp_path):
     got = float(re.search(r"perplexity (\S+)", r.stdout).group(1))
     with Engine(tiny, device="cpu", max_seq_len=2048) as eng:
         ids = eng.tokenize(text)
-        want = perplexity_from_logits(eng.logits(ids), ids)  # what bench/quant_quality.py computes
+        want = perplexity_from_logits(eng.logits(ids), ids)  # what bench/tools/quant_quality.py computes
         assert got == pytest.approx(want, abs=1e-4)
         assert f"{len(ids) - 1} tokens scored in 1 window" in r.stdout
         two = perplexity(eng, ids, window=len(ids) // 2 + 1)  # windows: each scored from an empty cache

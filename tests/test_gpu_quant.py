@@ -142,7 +142,7 @@ def test_int4_refuses_a_model_it_cannot_take_and_frees_memory(tmp_path):
 
 
 def test_gguf_q4_blocks_on_the_gpu_match_the_cpu(tmp_path):
-    from test_quant import q4_gguf
+    from gguf_writer import q4_gguf
 
     path = q4_gguf(tmp_path)
     ids = list(range(3, 120))

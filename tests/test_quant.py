@@ -126,25 +126,13 @@ def int4_dequant(q: np.ndarray, sm: np.ndarray) -> np.ndarray:
     return (s[..., :1] * qv + s[..., 1:]).reshape(rows, K)
 
 
-
-
-def q4_gguf(tmp_path):
-    import gguf
-
-    from test_gguf import spm_vocab, tiny_llama, write_llama_gguf
-
-    Q = gguf.GGMLQuantizationType
-    types = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q4_1, "ffn_gate": Q.Q4_0,
-             "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_1}
-    return write_llama_gguf(tmp_path / "q4.gguf", tiny_llama(len(spm_vocab()[0])), types)
-
-
 def test_gguf_q4_blocks_are_imported_without_a_second_rounding(tmp_path):
+    from gguf_writer import q4_gguf
     from tinyinfer.loaders import load_model
 
     path = q4_gguf(tmp_path)
     model = load_model(path)
-    blocks = {n: (q, sm) for n, q, sm in model.extra["int4_blocks"]()}
+    blocks = {n: (q, sm) for n, q, sm in model.int4_blocks()}
     assert len(blocks) == 2 * 6 and not any("v_proj" in n for n in blocks)  # Q8_0 v is not int4
     fp = {n: a for n, a, _ in model.tensors()}
     for n, (q, sm) in blocks.items():  # the converted blocks stand for exactly gguf's dequantized values

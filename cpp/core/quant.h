@@ -10,7 +10,7 @@
 //       / s), 0, 15), w' = s q + m. 4 bits per weight + (s, m) as two fp16 per group: 0.625 bytes per weight.
 //       Why 32 and asymmetric: (1) GGUF's Q4_0 (scale, 32 weights) and Q4_1 (scale, min, 32 weights) map onto
 //       it exactly (a Q4_1 model re-quantized this way loses nothing measurable); (2) on SmolLM2-135M, groups of
-//       64 or symmetric groups of 32 cost +42-43% perplexity against +0% for this choice (QUANT-NOTES.md).
+//       64 or symmetric groups of 32 cost +42-43% perplexity against +0% for this choice (docs/perf/QUANT-NOTES.md).
 //       K must be a multiple of 32.
 //       Nibble order inside each 32-bit word of 8 consecutive weights w0..w7: bit offsets 0,16,4,20,8,24,12,28,
 //       so that (word >> 4j) & 0x000F000F holds w(2j) and w(2j+1) in the two 16-bit halves: with 0x6400 or-ed in,
@@ -35,7 +35,7 @@ static_assert(i4_nibble_pos(0) == 0 && i4_nibble_pos(1) == 16 && i4_nibble_pos(6
 // Throws ti::Error(Unsupported) unless every matrix width of the model is a multiple of the int4 group.
 void require_int4_widths(int64_t hidden, int64_t q_dim, int64_t intermediate);
 // The LM head's format for a model in format f: int4 models keep an int8 head. Measured on SmolLM2-135M (whose
-// GGUF head is Q8_0): an int4 head costs +7.6% perplexity, an int8 one -0.1% (bench/results/QUANT-NOTES.md);
+// GGUF head is Q8_0): an int4 head costs +7.6% perplexity, an int8 one -0.1% (docs/perf/QUANT-NOTES.md);
 // llama.cpp's 4-bit mixes likewise keep the output matrix at 6-8 bits.
 inline WFormat head_format(WFormat f) { return f == WFormat::I4 ? WFormat::I8 : f; }
 inline int64_t i8_ld(int64_t K) { return (K + 15) / 16 * 16; }  // bytes per I8 row

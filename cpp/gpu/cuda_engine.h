@@ -40,7 +40,7 @@ struct CudaOptions {
   int gemv_grid = -1;                  // -1: time blocks_per_sm 0 / 1 / 2 per shape; else only this one
   double gemv_resident_margin = 0.05;  // prefer a 2-blocks-per-SM variant within this fraction of the fastest
   bool gemv_small_tiles = true;        // among those, the smallest tiles (qkv, before the attention: the largest)
-  std::vector<GemvPin> gemv_pins;      // variants forced after tuning (A/B runs: bench/ab_decode.py)
+  std::vector<GemvPin> gemv_pins;      // variants forced after tuning (A/B runs: bench/tools/ab_decode.py)
   int64_t decode_long_from = -1;       // long-context decode graph: -1 tuned, 0 none, n > 0 from context n
   bool batched_prefill = true;         // false: feed prompts one token at a time through the decode graph
   int prefill_chunk = 2048;            // tokens per prefill pass (activation buffers are sized for this at load)

@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("file", help="a UTF-8 text file")
     p.add_argument("--tokens", type=int, default=2048,
-                   help="score the first N tokens of the text (default 2048, as bench/quant_quality.py; 0 = all)")
+                   help="score the first N tokens of the text (default 2048, as bench/tools/quant_quality.py; 0 = all)")
     p.add_argument("--window", type=int, default=None,
                    help="tokens per window, each scored from an empty cache (default: --tokens, one window)")
     p.set_defaults(func=cmd_perplexity)

@@ -144,8 +144,8 @@ class Engine:
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             store.add(name, array, src_dtype)
-        if dtype == "int4" and "int4_blocks" in model.extra:  # GGUF Q4_0 / Q4_1: imported as they are
-            for name, q, sm in model.extra["int4_blocks"]():
+        if dtype == "int4" and model.int4_blocks is not None:  # GGUF Q4_0 / Q4_1: imported as they are
+            for name, q, sm in model.int4_blocks():
                 store.add_int4(name, q, sm)
         store.finish()
         self._tactics_file: Optional[Path] = None

@@ -3,7 +3,7 @@ quantization): exp of the mean negative log-likelihood of every token given the 
 
 The text's tokens are cut into windows of at most `window` tokens, each scored from an empty cache in one
 prefill (Engine.logits); a window's first token has no context and is not scored. With one window this is the
-number bench/quant_quality.py reports.
+number bench/tools/quant_quality.py reports.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 from pathlib import Path
 
 import gguf
@@ -65,6 +66,18 @@ CORPUS = [
     "我想在apple工作 日本語のテキスト 天气很好",
     "    indented line\n\tindented with a tab\n\n  two spaces  and  more   spaces",
 ]
+
+
+# Pieces that random texts are glued from (test_*_random_texts): the joins make the runs and mixtures that a fixed
+# list misses (a space run before a digit, a combining mark after CJK, a tab after an emoji...).
+FUZZ_PIECES = [" ", "  ", "\t", "\n", "\r\n", "a", "the", "Hello", "zebra", " ngôn", "123", "4567", "'s", "'ll",
+               "é", "e\u0301", "ửa", "我", "日本", "ស្វា", "\U0001F469\u200D\U0001F467", "\U0001F601", "#", "**", "(",
+               ")", ":", "."]
+
+
+def fuzz_texts(n: int = 200, seed: int = 0) -> list[str]:
+    rnd = random.Random(seed)
+    return ["".join(rnd.choice(FUZZ_PIECES) for _ in range(rnd.randint(1, 12))) for _ in range(n)]
 
 
 def _corpus_lines(n: int = 40) -> list[str]:
@@ -144,6 +157,12 @@ def test_sentencepiece_matches_sentencepiece(name, spm_pair):
     assert tok.encode(text, add_special_tokens=False) == ref, [sp.id_to_piece(i) for i in ref]
     assert tok.encode(text) == [sp.bos_id(), *ref]  # a sentencepiece vocabulary adds BOS unless told otherwise
     assert tok.decode(ref) == sp.decode(ref)
+
+
+def test_sentencepiece_random_texts(spm_pair):
+    tok, sp = spm_pair
+    wrong = [t for t in fuzz_texts() if tok.encode(t, add_special_tokens=False) != sp.encode(t)]
+    assert not wrong, wrong[:5]
 
 
 def test_sentencepiece_leading_space_is_prefix_plus_space(spm_pair):
@@ -273,6 +292,12 @@ def test_llama3_bpe_matches_tokenizer_json(name, bpe_pair):
     assert expected[0] == ref.token_to_id(BOS)  # Llama-3 adds BOS, and the GGUF (no add_bos_token) must too
     assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False).ids
     assert tok.decode(expected) == ref.decode(expected) == text
+
+
+def test_llama3_bpe_random_texts(bpe_pair):
+    tok, ref = bpe_pair
+    wrong = [t for t in fuzz_texts() if tok.encode(t) != ref.encode(t).ids or tok.decode(tok.encode(t)) != t]
+    assert not wrong, wrong[:5]
 
 
 def test_whole_words_need_ignore_merges(bpe_pair):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 from .errors import ModelFormatError
 
@@ -45,7 +45,7 @@ class Tokenizer:
     add_eos_token: bool = False
 
     @classmethod
-    def from_gguf(cls, path) -> "Tokenizer":
+    def from_gguf(cls, path: Union[str, Path]) -> "Tokenizer":
         """The tokenizer of a GGUF file, read from its metadata alone: a vocab-only GGUF (no tensors) will do."""
         from .errors import ModelNotFoundError
         from .loaders.gguf import _open_reader, read_metadata

@@ -88,6 +88,9 @@ def test_tokenizer_splits_numbers_like_the_model(smollm_tokenizer, hf_smollm_tok
 
 SPM_TEXTS = ["the quick brown fox", "Hello world!  it is a test.", " leading space", "über naïve 日本 😀",
              "<s>the</s> dog <tool> x <unk>", "a\nb\n\n  c", "12345", "", "THE LAZY DOG jumps over it."]
+# transformers' GGUF conversion drops sentencepiece's dummy prefix before a leading space and after a special token
+# (issue 14): those texts are checked against sentencepiece and llama.cpp in test_tokenizer_parity.py instead
+SPM_TRANSFORMERS_DIFFERS = {" leading space", "<s>the</s> dog <tool> x <unk>"}
 
 
 def test_sentencepiece_tokenizer_matches_transformers(tiny_gguf_dir):
@@ -98,14 +101,19 @@ def test_sentencepiece_tokenizer_matches_transformers(tiny_gguf_dir):
     assert tok.add_bos_token is True and tok.bos_token == "<s>" and tok.eos_token == "</s>"
     for text in SPM_TEXTS:
         ids = tok.encode(text)
-        assert ids == list(ref(text)["input_ids"]), text
+        if text not in SPM_TRANSFORMERS_DIFFERS:
+            assert ids == list(ref(text)["input_ids"]), text
         assert ids[0] == 1  # BOS added
         assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
     assert tok.encode("<tool>", add_special_tokens=False) == [len(spm_vocab()[0]) - 1]  # user-defined: whole
     msgs = [{"role": "user", "content": "hello world"}]
     assert tok.render_chat(msgs) == ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    assert tok.encode_chat(msgs) == list(ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                                                 return_dict=False))
+    # the rendered chat has <s> / </s> in the text: each following stretch gets the dummy prefix (llama.cpp), where
+    # transformers' conversion gives none
+    toks = spm_vocab()[0]
+    assert [toks[i] for i in tok.encode_chat(msgs)] == [
+        "<s>", "\u2581", "<0x5B>", "u", "s", "e", "r", "<0x5D>", "\u2581hello", "\u2581world", "</s>", "\u2581",
+        "<0x5B>", "a", "s", "s", "is", "t", "an", "t", "<0x5D>"]
 
 
 def test_sentencepiece_without_space_prefix(tmp_path):

@@ -40,7 +40,7 @@ def plan_body(key: str = KEY, version: int = 1, long: str = "long -1 0 0", picks
         if role in skip:
             continue
         R, bps = picks.get(role, (2, 2))
-        tried = f"3 1 0 10.5 {R} {bps} 9.25 8 1 11.0"
+        tried = f"3 2 0 10.5 {R} {bps} 9.25 8 1 11.0"
         lines.append(f"shape {role} {512 + i} 256 256 2 {(512 + i) * 512} {R} {bps} 123.456 {tried}")
     lines += list(extra) + [long]
     return "\n".join(lines) + "\n"
@@ -61,7 +61,7 @@ def test_a_whole_plan_for_this_key_is_taken():
     assert long == (256, 4, 1)
     qkv = table[0]
     assert (qkv["rows"], qkv["K"], qkv["copies"]) == (512, 256, 2)
-    assert qkv["tried_R"] == [1, 4, 8] and qkv["tried_blocks_per_sm"] == [0, 2, 1] and qkv["us"] == [10.5, 9.25, 11.0]
+    assert qkv["tried_R"] == [2, 4, 8] and qkv["tried_blocks_per_sm"] == [0, 2, 1] and qkv["us"] == [10.5, 9.25, 11.0]
     assert qkv["gb_per_s"] == pytest.approx(123.456)
 
 

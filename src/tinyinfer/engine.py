@@ -144,7 +144,8 @@ def _write_atomic(path: Path, text: str) -> None:
         pass
 
 
-def with_plan_cache(opts: "_core.CudaOptions", path: Optional[Path], make: Callable[["_core.CudaOptions"], object]):
+def with_plan_cache(opts: "_core.CudaOptions", path: Optional[Path],
+                    make: Callable[["_core.CudaOptions"], "_core.CudaEngine"]) -> "_core.CudaEngine":
     """make(opts) with opts.plan_text read from `path` (None: the cache is off), then the plan kept there: a
     refused one said (one warning) and every tuned one written. opts is left as it was given."""
     given = opts.plan_text

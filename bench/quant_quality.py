@@ -91,7 +91,7 @@ def main() -> None:
     print(f"model {path}: {len(ids)} eval tokens; fp32 perplexity {perplexity(ref, ids):.4f}")
     print(f"{'format':<26} {'bytes/weight':>12} {'perplexity':>10} {'vs fp32':>8} {'top-1 agree':>11} {'greedy same':>11}")
     rows = [("fp16 (fp32 engine, fp16 weights)", 2.0, lambda w: f16(w), None),
-            ("int8 per-channel (ours)", 1.0, None, "int8"),
+            ("int8 g32, Q8_0 (ours)", 1.0625, None, "int8"),
             ("int4 g32 asymmetric (ours)", 0.625, None, "int4"),
             ("int4 g64 asymmetric", 0.5625, lambda w: int4_variant(w, 64, False), None),
             ("int4 g32 symmetric", 0.5625, lambda w: int4_variant(w, 32, True), None),

@@ -78,20 +78,12 @@ nb::ndarray<nb::numpy, T, nb::ndim<2>> numpy_copy(const std::vector<T>& v, size_
   return nb::ndarray<nb::numpy, T, nb::ndim<2>>(buf, {rows, cols}, owner);
 }
 
-// The packed matrix as numpy: q (rows, ld) uint8; int8 scales (rows, 1) float32; int4 (rows, K/32 * 2) fp16 bits.
-nb::dict quant_dict(const std::vector<uint8_t>& q, const std::vector<uint8_t>& scale_bytes, int64_t rows, int64_t ld,
+// The packed matrix as numpy: q (rows, ld) uint8 and scales (rows, scale_halves) fp16 bits (cpp/quant.h).
+nb::dict quant_dict(const std::vector<uint8_t>& q, const std::vector<uint16_t>& scales, int64_t rows, int64_t ld,
                     ti::WFormat f, int64_t K) {
   nb::dict d;
   d["q"] = numpy_copy(q, (size_t)rows, (size_t)ld);
-  if (f == ti::WFormat::I8) {
-    std::vector<float> sc((size_t)rows);
-    std::memcpy(sc.data(), scale_bytes.data(), sc.size() * 4);
-    d["scales"] = numpy_copy(sc, (size_t)rows, 1);
-  } else {
-    std::vector<uint16_t> sm(scale_bytes.size() / 2);
-    std::memcpy(sm.data(), scale_bytes.data(), sm.size() * 2);
-    d["scales"] = numpy_copy(sm, (size_t)rows, (size_t)(K / ti::kI4Group * 2));
-  }
+  d["scales"] = numpy_copy(scales, (size_t)rows, (size_t)ti::scale_halves(f, K));
   return d;
 }
 
@@ -256,7 +248,31 @@ void bind_engine(nb::module_& m) {
           },
           "name"_a, "q"_a, "sm"_a,
           "An already-int4 matrix (cpp/quant.h layout; a GGUF Q4_0/Q4_1 tensor converted block for block).")
-      .def("is_imported", [](const ti::WeightStore& w, const std::string& n) { return w.imported(n) != nullptr; })
+      .def(
+          "add_int8",
+          [](ti::WeightStore& w, const std::string& name,
+             nb::ndarray<const int8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> q,
+             nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> d) {
+            const int64_t rows = (int64_t)q.shape(0), K = (int64_t)q.shape(1);
+            if ((int64_t)d.shape(0) != rows || (int64_t)d.shape(1) != (K + ti::kI8Block - 1) / ti::kI8Block)
+              ti::fail(ti::ErrorKind::Request, "add_int8 '" + name + "': d must be (rows, K / 32)");
+            w.add_int8(name, q.data(), d.data(), rows, K);
+          },
+          "name"_a, "q"_a, "d"_a,
+          "An already-int8 matrix: a GGUF Q8_0 tensor's q (rows, K) int8 and d (rows, K / 32) fp16 bits.")
+      .def(
+          "is_imported",
+          [](const ti::WeightStore& w, const std::string& n, const std::string& f) {
+            return w.imported(n, ti::wformat_from_string(f)) != nullptr;
+          },
+          "name"_a, "format"_a = "int4", "Whether `name` was imported (add_int4 / add_int8) in that format.")
+      .def(
+          "tensor",
+          [](const ti::WeightStore& w, const std::string& n) {
+            const ti::HostTensor& t = w.get(n);
+            return numpy_copy(t.data, (size_t)t.shape[0], t.shape.size() > 1 ? (size_t)t.shape[1] : 1);
+          },
+          "name"_a, "A copy of the fp32 values the CPU engine computes with: (rows, cols); a vector as (n, 1).")
       .def("expected_shape", &ti::WeightStore::expected_shape, "name"_a)
       .def("required_names", &ti::WeightStore::required_names)
       .def_prop_ro("config", &ti::WeightStore::config);
@@ -391,10 +407,7 @@ void bind_ops(nb::module_& m) {
       [](F32In2 W, const std::string& f) {
         const ti::WFormat fmt = ti::wformat_from_string(f);
         ti::QuantMatrix m = ti::quantize(fmt, W.data(), (int64_t)W.shape(0), (int64_t)W.shape(1));
-        std::vector<uint8_t> sc(fmt == ti::WFormat::I8 ? m.scale.size() * 4 : m.sm.size() * 2);
-        if (fmt == ti::WFormat::I8) std::memcpy(sc.data(), m.scale.data(), sc.size());
-        else std::memcpy(sc.data(), m.sm.data(), sc.size());
-        return quant_dict(m.q, sc, m.rows, m.ld, fmt, m.K);
+        return quant_dict(m.q, m.sm, m.rows, m.ld, fmt, m.K);
       },
       "W"_a, "format"_a, "The reference packer (cpp/quant.cpp): {'q': (rows, ld) uint8, 'scales': ...}.");
   ops.def(

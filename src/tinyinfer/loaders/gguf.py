@@ -449,7 +449,10 @@ def load_gguf(path: Path) -> LoadedModel:
             head = hf == ("model.embed_tokens.weight" if tied else "lm_head.weight")
             if hf is None or type_name != "Q8_0" or not (head or (layers and ".layers." in hf)):
                 continue
-            q, d = q8_0_blocks(np.asarray(t.data), int(t.shape[-1]), int(t.shape[0]))
+            try:
+                q, d = q8_0_blocks(np.asarray(t.data), int(t.shape[-1]), int(t.shape[0]))
+            except ValueError as e:  # data of the wrong size for its shape
+                raise ModelFormatError(f"{where}: tensor '{name}' (Q8_0) cannot be read: {e}") from e
             yield (hf, *_hf_rows(name, n_heads, n_kv, q, d))
 
     tokenizer = None

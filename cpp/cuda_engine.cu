@@ -38,6 +38,15 @@ void CudaEngine::init_device() {
   if (max_seq_ < 1) fail(ErrorKind::Request, "max_seq_len must be >= 1");
   if (opt_.attn_chunk == 0) opt_.attn_chunk = cuda::attn_chunk_for((int)cfg_.head_dim);
   if (opt_.attn_chunk < 8 || opt_.attn_chunk > 128) fail(ErrorKind::Request, "attn_chunk must be 8..128");
+  const int P = opt_.kv_page_size;
+  if (P < 64 || P > (1 << 20) || (P & (P - 1)))
+    fail(ErrorKind::Request, "kv_page_size must be a power of two in 64..2^20, got " + std::to_string(P));
+  if (P < opt_.attn_chunk)
+    fail(ErrorKind::Request, "kv_page_size " + std::to_string(P) + " must be >= attn_chunk " +
+                                 std::to_string(opt_.attn_chunk) + " (a split-K block reads at most two pages)");
+  if (opt_.kv_pool_pages < 0)
+    fail(ErrorKind::Request, "kv_pool_pages must be >= 0 (0: enough for max_seq_len), got " +
+                                 std::to_string(opt_.kv_pool_pages));
   if (opt_.gemv_grid < -1 || opt_.gemv_grid > 2) fail(ErrorKind::Request, "gemv_grid must be -1 (tuned), 0, 1 or 2");
   if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))
     fail(ErrorKind::Request, "gemv_resident_margin must be in [0, 1]");
@@ -197,12 +206,21 @@ void CudaEngine::allocate() {
     wtmp_ = static_cast<__half*>(dalloc(wtmp_elems_ * sizeof(__half), true));
   }
 
-  const size_t kv = (size_t)c.n_layers * c.n_kv_heads * max_seq_ * c.head_dim;
+  // The paged KV cache: one pool of pages for keys and one for values, [layer][page][kv_head][page_size][head_dim];
+  // pages are assigned to the sequence on demand (kv_reserve), the table's device copy read by the kernels.
+  const int P = opt_.kv_page_size;
+  kv_pool_ = std::make_unique<KvPagePool>(opt_.kv_pool_pages ? opt_.kv_pool_pages : (max_seq_ + P - 1) / P, P,
+                                          opt_.kv_page_shuffle);
+  kv_seq_ = std::make_unique<KvSequence>(*kv_pool_, max_seq_);
+  kv_layer_elems_ = (size_t)kv_pool_->n_pages() * c.n_kv_heads * P * c.head_dim;
+  const size_t kv = (size_t)c.n_layers * kv_layer_elems_;
   kv_bytes_ = 2 * kv * sizeof(__half);
-  k_cache_ = static_cast<__half*>(dalloc(kv * sizeof(__half), false));
-  v_cache_ = static_cast<__half*>(dalloc(kv * sizeof(__half), false));
-  TI_CUDA_CHECK(cudaMemsetAsync(k_cache_, 0, kv * sizeof(__half), stream_));
-  TI_CUDA_CHECK(cudaMemsetAsync(v_cache_, 0, kv * sizeof(__half), stream_));
+  k_pages_ = static_cast<__half*>(dalloc(kv * sizeof(__half), false));
+  v_pages_ = static_cast<__half*>(dalloc(kv * sizeof(__half), false));
+  TI_CUDA_CHECK(cudaMemsetAsync(k_pages_, 0, kv * sizeof(__half), stream_));
+  TI_CUDA_CHECK(cudaMemsetAsync(v_pages_, 0, kv * sizeof(__half), stream_));
+  d_page_table_ = static_cast<int*>(dalloc((size_t)kv_seq_->max_pages() * sizeof(int), true));
+  TI_CUDA_CHECK(cudaMemsetAsync(d_page_table_, 0xFF, (size_t)kv_seq_->max_pages() * sizeof(int), stream_));  // -1
 
   const int64_t max_chunks = (max_seq_ + opt_.attn_chunk - 1) / opt_.attn_chunk;
   x_ = static_cast<float*>(dalloc(c.hidden * sizeof(float), true));
@@ -445,11 +463,12 @@ cuda::GemvParams CudaEngine::gemv_params(const cuda::QMat& m, const void* x, voi
 
 cuda::DecodeAttnParams CudaEngine::attn_params(int64_t layer) const {
   const ModelConfig& c = cfg_;
-  const size_t kv_layer = (size_t)c.n_kv_heads * max_seq_ * c.head_dim;
   cuda::DecodeAttnParams a;
   a.qkv = qkv_;
-  a.k_cache = k_cache_ + layer * kv_layer;
-  a.v_cache = v_cache_ + layer * kv_layer;
+  a.k_pages = k_pages_ + layer * kv_layer_elems_;
+  a.v_pages = v_pages_ + layer * kv_layer_elems_;
+  a.page_table = d_page_table_;
+  a.page_shift = kv_pool_->page_shift();
   a.rope_cos = rope_cos_;
   a.rope_sin = rope_sin_;
   a.pos = &d_state_->pos;
@@ -585,6 +604,9 @@ void CudaEngine::build_graphs() {
 // GPU ms per decode step, `launch(pos)` enqueueing the step at pos, from `context` on (greedy sampling; 3 steps of
 // warm-up). The cache is left holding benchmark tokens.
 double CudaEngine::time_steps(int64_t context, int steps, const std::function<void(int64_t)>& launch) {
+  if (context < 0 || context + std::max(steps, 3) > max_seq_)
+    fail(ErrorKind::Request, "timing decode steps: context + max(steps, 3) must be <= max_seq_len");
+  kv_reserve(context + std::max(steps, 3));
   *h_sampling_ = cuda::DeviceSampling{};
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
   TI_CUDA_CHECK(cudaMemcpyAsync(d_sampling_, h_sampling_, sizeof(*h_sampling_), cudaMemcpyHostToDevice, stream_));
@@ -609,7 +631,7 @@ double CudaEngine::time_graph_step(cudaGraphExec_t g, int64_t context, int steps
 void CudaEngine::tune_decode_long() {
   if (!graphs_ok_ || opt_.decode_long_from == 0) return;
   GemvChoice* q = const_cast<GemvChoice*>(find_choice("qkv"));  // swapped while capturing the candidates
-  const int64_t ctx_long = std::min<int64_t>(1024, max_seq_ - 64);
+  const int64_t ctx_long = std::min<int64_t>({1024, max_seq_ - 64, kv_pool_->n_pages() * kv_pool_->page_size() - 64});
   if (!q || (opt_.decode_long_from < 0 && ctx_long < 256)) return;
   const int R0 = q->R, bps0 = q->blocks_per_sm;
   auto capture_with = [&](int R, int bps) {
@@ -809,7 +831,18 @@ void CudaEngine::set_state(int token, int pos, int step) {
   TI_CUDA_CHECK(cudaMemcpyAsync(d_state_, h_state_, sizeof(*h_state_), cudaMemcpyHostToDevice, stream_));
 }
 
+// Pages for positions [0, positions) of the sequence, taken from the pool as it grows, and the table's new entries
+// copied to the device ahead of the work that addresses through them (stream order; a captured decode step reads
+// the table when it runs). All or nothing: a pool too small throws a Request error and changes nothing.
+void CudaEngine::kv_reserve(int64_t positions) {
+  const int64_t first = kv_seq_->grow(*kv_pool_, positions), n = kv_seq_->pages() - first;
+  if (n > 0)
+    TI_CUDA_CHECK(cudaMemcpyAsync(d_page_table_ + first, kv_seq_->table().data() + first, (size_t)n * sizeof(int),
+                                  cudaMemcpyHostToDevice, stream_));  // (pageable: staged before it returns)
+}
+
 void CudaEngine::reset() {
+  kv_seq_->release(*kv_pool_);  // (the device table keeps stale entries: only positions < pos are ever read)
   tokens_.clear();
   has_logits_ = pending_ = false;
 }
@@ -817,6 +850,7 @@ void CudaEngine::reset() {
 void CudaEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, float* logits) {
   check_tokens(tokens, n, cfg_.vocab);
   check_room(position(), n, max_seq_);
+  kv_reserve(position() + n);
   std::vector<int32_t> seq;
   if (pending_) seq.push_back(tokens_.back());
   seq.insert(seq.end(), tokens, tokens + n);
@@ -853,6 +887,7 @@ std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig&
   const int64_t room = max_seq_ - position();
   if (room < 1) fail(ErrorKind::Request, "the sequence reached max_seq_len=" + std::to_string(max_seq_));
   const int64_t n = std::min(max_steps, room);
+  kv_reserve(position() + n);  // the steps write positions up to position() + n - 2
 
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
   *h_sampling_ = cuda::DeviceSampling{s.temperature, (int)std::min<int64_t>(s.top_k, INT32_MAX), s.top_p, s.min_p,
@@ -905,7 +940,8 @@ double CudaEngine::time_decode_step(int64_t context, int steps) {
 
 std::pair<std::vector<std::string>, std::vector<uint64_t>> CudaEngine::trace_step(int64_t context) {
   if (!d_trace_) fail(ErrorKind::Request, "trace_step: build the engine with CudaOptions.trace = True");
-  if (context < 0 || context + 1 >= max_seq_) fail(ErrorKind::Request, "trace_step: context must be < max_seq_len - 1");
+  if (context < 0 || context + 3 > max_seq_) fail(ErrorKind::Request, "trace_step: context must be <= max_seq_len - 3");
+  kv_reserve(context + 3);  // (three warm-up steps from context on)
   *h_sampling_ = cuda::DeviceSampling{};
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
   TI_CUDA_CHECK(cudaMemcpyAsync(d_sampling_, h_sampling_, sizeof(*h_sampling_), cudaMemcpyHostToDevice, stream_));
@@ -925,6 +961,7 @@ std::pair<std::vector<std::string>, std::vector<uint64_t>> CudaEngine::trace_ste
 
 double CudaEngine::time_attention(int64_t context, int reps) {
   if (context < 0 || context >= max_seq_) fail(ErrorKind::Request, "time_attention: context must be < max_seq_len");
+  kv_reserve(context + 1);
   const ModelConfig& c = cfg_;
   set_state(1, (int)context, 0);
   auto run = [&] {

@@ -24,6 +24,7 @@
 #include "../cuda/quant.cuh"
 #include "../cuda/sampling.cuh"
 #include "config.h"
+#include "kv_pages.h"
 #include "sampling.h"
 #include "weights.h"
 
@@ -70,6 +71,12 @@ struct CudaOptions {
   int prefill_chunk = 2048;     // tokens per prefill pass (activation buffers are sized for this at load)
   bool gemm_autotune = true;    // false: cuBLASLt's default algorithm for every GEMM
   WFormat weights = WFormat::F16;  // the matrices' format on the device (cpp/quant.h): quantized at load
+  // The paged KV cache (cpp/kv_pages.h, cuda/kv_layout.cuh): positions per page (a power of two, >= 64 and >=
+  // attn_chunk); the pool's pages (0: enough for one sequence of max_seq_len; fewer: a sequence that outgrows the
+  // pool gets a clear error); a seed shuffling the pool's free list (0: pages in order; tests scatter them).
+  int kv_page_size = 64;
+  int64_t kv_pool_pages = 0;
+  uint64_t kv_page_shuffle = 0;
 };
 
 // One GEMV shape class of the model and the rows-per-warp the load-time autotuner chose for it.
@@ -127,7 +134,11 @@ class CudaEngine {
   int load_tactics(const std::string& text) { return gemm_ ? gemm_->load(text) : 0; }
   int tuned_gemms() const { return gemm_ ? gemm_->tuned_count() : 0; }
   size_t weight_bytes() const { return weight_bytes_; }      // every matrix + norms as stored on the device
-  size_t kv_cache_bytes() const { return kv_bytes_; }
+  size_t kv_cache_bytes() const { return kv_bytes_; }  // the page pool
+  // The paged KV cache: (positions per page, pages in the pool, pages the sequence holds now).
+  std::tuple<int, int64_t, int64_t> kv_pages() const {
+    return {kv_pool_->page_size(), kv_pool_->n_pages(), kv_seq_->pages()};
+  }
   size_t scratch_bytes() const { return scratch_bytes_; }    // device memory beyond weights and KV cache
   bool uses_pdl() const { return pdl_; }
   bool uses_graphs() const { return graphs_ok_; }
@@ -170,6 +181,7 @@ class CudaEngine {
   double time_steps(int64_t context, int steps, const std::function<void(int64_t)>& launch);
   double time_graph_step(cudaGraphExec_t g, int64_t context, int steps);
   void set_state(int token, int pos, int step);
+  void kv_reserve(int64_t positions);  // pages for positions [0, positions), their table entries on the device
   float gpu_ms(const std::function<void()>& enqueue);
   float replay_ms(const std::function<void()>& enqueue);
   cudaError_t capture_graph(const std::function<void()>& record, cudaGraphExec_t* out);
@@ -209,9 +221,13 @@ class CudaEngine {
   __half* wtmp_ = nullptr;        // quantized formats: fp16 staging of one matrix (upload, prefill GEMMs)
   size_t wtmp_elems_ = 0;
   float* final_norm_ = nullptr;   // (hidden)
-  // ---- KV cache: [layer][kv_head][max_seq][head_dim] fp16 ----
-  __half* k_cache_ = nullptr;
-  __half* v_cache_ = nullptr;
+  // ---- KV cache: pages [layer][page][kv_head][page_size][head_dim] fp16 (cuda/kv_layout.cuh) ----
+  __half* k_pages_ = nullptr;
+  __half* v_pages_ = nullptr;
+  size_t kv_layer_elems_ = 0;           // one layer's pages
+  std::unique_ptr<KvPagePool> kv_pool_;
+  std::unique_ptr<KvSequence> kv_seq_;  // the sequence's pages (one sequence today)
+  int* d_page_table_ = nullptr;         // (kv_seq_->max_pages()) the device copy of kv_seq_'s table
   // ---- activations (one token) ----
   float* x_ = nullptr;        // (hidden) residual stream
   float* qkv_ = nullptr;      // (q_dim + 2 kv_dim)

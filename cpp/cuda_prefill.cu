@@ -47,7 +47,6 @@ void CudaEngine::prefill_layer(const Layer& L, int64_t layer, int T, int pos0) {
   const int H = (int)c.hidden, I = (int)c.intermediate, q_dim = (int)c.q_dim;
   const int qkv_rows = (int)(c.q_dim + 2 * c.kv_dim);
   const float eps = (float)c.rms_eps;
-  const size_t kv_layer = (size_t)c.n_kv_heads * max_seq_ * c.head_dim;
   cudaStream_t s = stream_;
 
   // qkv = rmsnorm(x) @ [Wq; Wk; Wv].T
@@ -60,20 +59,23 @@ void CudaEngine::prefill_layer(const Layer& L, int64_t layer, int T, int pos0) {
   r.cos = rope_cos_;
   r.sin = rope_sin_;
   r.q = pq_;
-  r.k_cache = k_cache_ + layer * kv_layer;
-  r.v_cache = v_cache_ + layer * kv_layer;
+  r.k_pages = k_pages_ + layer * kv_layer_elems_;
+  r.v_pages = v_pages_ + layer * kv_layer_elems_;
+  r.page_table = d_page_table_;
+  r.page_shift = kv_pool_->page_shift();
   r.T = T;
   r.pos0 = pos0;
   r.n_heads = (int)c.n_heads;
   r.n_kv_heads = (int)c.n_kv_heads;
   r.head_dim = (int)c.head_dim;
-  r.max_seq = (int)max_seq_;
   cuda::rope_rows(r, s);
   // att = softmax(q K^T / sqrt(d), causal) V over positions 0..pos0+t
   cuda::PrefillAttnParams a;
   a.q = pq_;
-  a.k_cache = r.k_cache;
-  a.v_cache = r.v_cache;
+  a.k_pages = r.k_pages;
+  a.v_pages = r.v_pages;
+  a.page_table = r.page_table;
+  a.page_shift = r.page_shift;
   a.out = patt_;
   a.ldo = ld_q_;
   a.T = T;
@@ -81,7 +83,7 @@ void CudaEngine::prefill_layer(const Layer& L, int64_t layer, int T, int pos0) {
   a.n_heads = r.n_heads;
   a.n_kv_heads = r.n_kv_heads;
   a.head_dim = r.head_dim;
-  a.max_seq = r.max_seq;
+  a.max_seq = (int)max_seq_;
   a.scale = 1.0f / std::sqrt((float)c.head_dim);
   cuda::prefill_attention(a, s);
   // x += att @ Wo.T
@@ -142,6 +144,7 @@ double CudaEngine::time_prefill(int64_t n_tokens, int reps) {
       prefill_chunk(toks.data() + c0, (int)std::min<int64_t>(prefill_rows_, n_tokens - c0), (int)c0, nullptr, 0);
   };
   reset();
+  kv_reserve(n_tokens);
   run();  // warm-up: tunes this length's GEMM shapes
   const float ms = gpu_ms([&] {
     for (int i = 0; i < reps; i++) run();

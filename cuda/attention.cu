@@ -7,9 +7,10 @@
 //   1. Before the PDL wait: `pos`, its RoPE row, the chunk's page ids and its cached keys and values (positions
 //      < pos; the paged cache, kv_layout.cuh: pages hold >= chunk positions, so the chunk is one or two contiguous
 //      runs: 16-byte coalesced loads into shared memory, rows padded by 16 bytes so the 16-byte reads of
-//      consecutive rows hit distinct banks). The page table is final before a decode chunk launches, like pos. All final by then: the qkv GEMV before this kernel
-//      triggers after its own wait, so every earlier kernel, the previous step's included, has completed
-//      (common.cuh, the two-back rule). Only q, k, v of the new token are left for after the wait.
+//      consecutive rows hit distinct banks). All final by then: the page table is written by the host before a
+//      decode chunk is launched, and the qkv GEMV before this kernel triggers after its own wait, so every
+//      earlier kernel, the previous step's included, has completed (common.cuh, the two-back rule). Only q, k, v
+//      of the new token are left for after the wait.
 //   2. RoPE fused: the block rotates its query heads (pre-scaled by 1/sqrt(d)) into shared memory; the block
 //      whose chunk holds `pos` also rotates the new key and writes key and value into the cache (fp16) and into
 //      its own tile.
@@ -42,8 +43,14 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   __half* v_s = k_s + (size_t)CH * row;                         // (CH, row)
 
   trace_point(p.trace, 0);
-  const int pos = *p.pos;  // final before the wait: see the header's PDL paragraph
+  // The chunk's pages: a chunk of CH <= page_size positions spans at most two, the page of c0 and the page of its
+  // last position (clamped to max_seq - 1). Their ids depend on the block alone, so they are loaded beside pos,
+  // not after it: paging adds no link to the chain of dependent loads before the K/V fetch. (A block past the
+  // sequence, or one that never reaches the second page, loads an unassigned entry and does not use it.)
   const int c0 = blockIdx.x * CH;
+  const int page_a = p.page_table[c0 >> p.page_shift];
+  const int page_b = p.page_table[min(c0 + CH - 1, p.max_seq - 1) >> p.page_shift];
+  const int pos = *p.pos;  // final before the wait, like the table: see the header's PDL paragraph
   if (c0 > pos) return;   // (an exiting block counts as having waited and triggered)
   const int n = min(CH, pos + 1 - c0);  // positions in this chunk
   const int kvh = blockIdx.y, group = p.n_heads / p.n_kv_heads;
@@ -52,13 +59,12 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   const int q_dim = p.n_heads * hd, kv_dim = p.n_kv_heads * hd;
   float* cs = reinterpret_cast<float*>(v_s + (size_t)CH * row);  // (half_d) this position's RoPE row
   float* sn = cs + half_d;
-  // The chunk's rows c0 .. c0 + n - 1 (all <= pos: their pages are assigned) span at most two pages, as
-  // page_size >= CH: rows < split in the page of c0 from its row c0 & (page_size - 1), the rest from row 0 of the
-  // page of c0 + n - 1 (the same page when the chunk does not cross a page edge). Two table loads, same line.
+  // Rows c0 .. c0 + n - 1 (positions <= pos: assigned pages): those before `split` in page_a from its row
+  // c0 & (page_size - 1), the rest (a chunk crossing a page edge) in page_b from row 0.
   const int page_size = 1 << p.page_shift;
   const int split = min(n, page_size - (c0 & (page_size - 1)));
-  const size_t off_a = kv_row(p.page_table, c0, kvh, p.n_kv_heads, p.page_shift, hd);
-  const size_t off_b = kv_page_base(p.page_table[(c0 + n - 1) >> p.page_shift], kvh, p.n_kv_heads, p.page_shift, hd);
+  const size_t off_a = kv_page_base(page_a, kvh, p.n_kv_heads, p.page_shift, hd) + (size_t)(c0 & (page_size - 1)) * hd;
+  const size_t off_b = kv_page_base(page_b, kvh, p.n_kv_heads, p.page_shift, hd);
   auto row_off = [&](int r) { return r < split ? off_a + (size_t)r * hd : off_b + (size_t)(r - split) * hd; };
 
   // ---- 1. before the wait: the RoPE row and the chunk's cached keys and values at positions < pos ----

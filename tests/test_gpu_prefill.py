@@ -133,7 +133,7 @@ def test_prefill_attention_named_inputs():
 
 def test_prefill_attention_refuses_unsupported_head_dim():
     kc = np.zeros((1, 1, 64, 40), np.uint16)
-    one = np.zeros(1, np.int32)
+    one = np.zeros(1, np.int32)  # a table of one entry: page 0
     with pytest.raises(InvalidRequestError, match="head_dim must be a multiple of 16"):
         _core.ops.prefill_attention(np.zeros((2, 40), np.float32), kc, kc.copy(), one, 0, 1)
     kc = np.zeros((1, 1, 64, 64), np.uint16)
@@ -144,7 +144,7 @@ def test_prefill_attention_refuses_unsupported_head_dim():
         _core.ops.prefill_attention(np.zeros((4, 64), np.float32), small, small.copy(), np.arange(4, dtype=np.int32),
                                     0, 1)
     with pytest.raises(InvalidRequestError, match=r"page_table\[0\] = -1 is not a page"):
-        _core.ops.prefill_attention(np.zeros((4, 64), np.float32), kc, kc.copy(), -one, 0, 1)
+        _core.ops.prefill_attention(np.zeros((4, 64), np.float32), kc, kc.copy(), one - 1, 0, 1)
 
 
 # ---- the prefill's RoPE + cache write (cuda/prefill.cu, rope_rows) ----

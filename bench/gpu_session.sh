@@ -19,4 +19,4 @@ cat "$out/gpu.txt"
 
 $py -m pytest -q -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee "$out/tests.log" | tail -5
 $py -m pytest -q -p no:cacheprovider bench --benchmark-json="$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -15
-$py bench/summary.py "$out/bench.json"
+$py bench/tools/summary.py "$out/bench.json"

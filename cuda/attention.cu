@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   //      consecutive halves. With one slice per head the warp writes its head's output (or the chunk's partial)
   //      itself; with more, the slices' (max, sum, O) meet in shared memory, combined log-sum-exp style. (The
   //      previous lanes-over-(position, word) layout reduced every score across lanes and passed scores and
-  //      probabilities through shared memory between 4 barriers; bench/trace_decode.py, TinyLlama ctx 16: this
+  //      probabilities through shared memory between 4 barriers; bench/tools/trace_decode.py, TinyLlama ctx 16: this
   //      phase took 3.0 us, now 2.3: still a latency-bound chain of dependent instructions.) ----
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int nps = max(1, (kAttnThreads / 32) / g);

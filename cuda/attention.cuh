@@ -7,7 +7,7 @@ namespace ti::cuda {
 
 struct DecodeAttnParams {
   const float* qkv = nullptr;   // (q_dim + 2 kv_dim) fp32: q | k | v of the current token, before RoPE
-  // The paged KV cache (cpp/kv_pages.h): this layer's pages of keys and values, each page
+  // The paged KV cache (cpp/gpu/kv_pages.h): this layer's pages of keys and values, each page
   // (n_kv_heads, page_size, head_dim) fp16; position t of the sequence lives in page page_table[t >> page_shift]
   // at row t & (page_size - 1). page_size = 1 << page_shift >= chunk; entries up to pos must be assigned.
   __half* k_pages = nullptr;

@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <string>
 
-#include "../cpp/errors.h"
+#include "../cpp/core/errors.h"
 
 namespace ti::cuda {
 
@@ -47,7 +47,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 }
 
 // Decode-step tracing (built with -DTINYINFER_TRACE=ON, which defines TI_TRACE; CudaOptions::trace,
-// bench/trace_decode.py): kernels given a trace buffer have thread 0 of each of their first kTraceBlocks blocks
+// bench/tools/trace_decode.py): kernels given a trace buffer have thread 0 of each of their first kTraceBlocks blocks
 // write the global timer (ns) at kTracePoints points: start, after the PDL wait, after the prologue (input
 // staged / new token read), end. Without TI_TRACE the calls compile to nothing (the stores and the branch cost
 // ~1% of a TinyLlama int4 step: measured).

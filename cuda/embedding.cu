@@ -1,6 +1,6 @@
 // embedding.cu — the first kernel of a decode step: the fed token's embedding row into the fp32 residual
 // stream; plus fills for random-weight benchmark models.
-#include "../cpp/rng.h"
+#include "../cpp/core/rng.h"
 #include "common.cuh"
 #include "embedding.cuh"
 

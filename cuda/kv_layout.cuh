@@ -1,6 +1,6 @@
 // kv_layout.cuh — where a cached key or value lives in the paged KV cache: the one address formula that the
 // decode attention, the prefill attention and both cache writes share (the host side, which pages a sequence
-// owns, is cpp/kv_pages.h).
+// owns, is cpp/gpu/kv_pages.h).
 //
 // Layout. One pool per engine for keys and one for values, each [layer][page][kv_head][page_size][head_dim]
 // fp16; a sequence owns a page table of int32 page ids, entry j holding positions j * page_size ..

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "../cpp/quant.h"
+#include "../cpp/core/quant.h"
 
 namespace ti::cuda {
 

@@ -1,7 +1,7 @@
 // sampling.cu — choosing the next token on the GPU, so the whole decode step stays in one graph.
 //
-// One block of 1024 threads over the vocabulary. Order as the CPU reference (cpp/sampling.*): repetition
-// penalty -> temperature -> top-k -> top-p -> min-p -> draw with uniform(seed, step) (cpp/rng.h).
+// One block of 1024 threads over the vocabulary. Order as the CPU reference (cpp/core/sampling.*): repetition
+// penalty -> temperature -> top-k -> top-p -> min-p -> draw with uniform(seed, step) (cpp/core/rng.h).
 //   greedy (temperature 0): argmax, lowest id on ties — the same token the CPU picks from the same logits.
 //   sampling: p_i = exp((z_i - max) / T) in scratch; the cut-offs are found as thresholds on p by a bitwise
 //   search over the float bits (31 block reductions each: positive floats order like their bit patterns):
@@ -11,7 +11,7 @@
 //   token for a given seed.
 #include <cfloat>
 
-#include "../cpp/rng.h"
+#include "../cpp/core/rng.h"
 #include "common.cuh"
 #include "sampling.cuh"
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: small random Llama models built with transformers and saved with save_pretrained."""
+"""Shared fixtures and helpers: small random Llama models built with transformers and saved with
+save_pretrained; the real default model (SmolLM2-135M-Instruct GGUF) and engines on it."""
 
 from __future__ import annotations
 
@@ -107,11 +108,47 @@ def make_llama(
     return out
 
 
+CHAR_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}"
+                      "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def save_char_tokenizer(d: Path, chat_template: str = CHAR_CHAT_TEMPLATE):
+    """A character-level tokenizer (ids 0..97: <unk> <s> </s> and printable ASCII) with a chat template, saved
+    into the model directory `d` as transformers saves one. Returns the transformers tokenizer."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(["<unk>", "<s>", "</s>"] + [chr(i) for i in range(32, 127)])}
+    tok = HFTok(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = chat_template
+    fast.save_pretrained(d)
+    return fast
+
+
+def make_chat_llama(out: Path, **kw) -> Path:
+    """A small random Llama with the character tokenizer and chat template: a model the CLI can run."""
+    kw = dict(dict(layers=1, heads=2, kv_heads=2, hidden=128, vocab=300), **kw)
+    make_llama(out, **kw)
+    save_char_tokenizer(out)
+    return out
+
+
 def hf_model(path: Path):
     import torch
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logits(model, ids):
+    """transformers' logits for one sequence, (n_tokens, vocab) float32 numpy."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
 def edit_config(path: Path, **changes) -> None:
@@ -128,6 +165,16 @@ def edit_config(path: Path, **changes) -> None:
 # ---- the real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) -------------------------------------------------
 
 SMOLLM_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EVAL_TEXT = Path(__file__).parent / "data" / "eval.txt"
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        dst.symlink_to(src)
+    except OSError:  # no symlinks (Windows without developer mode)
+        import shutil
+
+        shutil.copyfile(src, dst)
 
 
 @pytest.fixture(scope="session")
@@ -145,13 +192,8 @@ def smollm_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm_dir(smollm_gguf, tmp_path_factory) -> Path:
     """A directory holding the GGUF, for transformers' from_pretrained(dir, gguf_file=SMOLLM_GGUF_NAME)."""
-    import shutil
-
     d = tmp_path_factory.mktemp("smollm_gguf")
-    try:
-        (d / SMOLLM_GGUF_NAME).symlink_to(smollm_gguf)
-    except OSError:  # no symlinks (Windows without developer mode): copy
-        shutil.copyfile(smollm_gguf, d / SMOLLM_GGUF_NAME)
+    link_or_copy(smollm_gguf, d / SMOLLM_GGUF_NAME)
     return d
 
 
@@ -169,3 +211,19 @@ def smollm_tokenizer(smollm_gguf):
     from tinyinfer.loaders import load_model
 
     return load_model(smollm_gguf).tokenizer
+
+
+@pytest.fixture(scope="session")
+def smol_engine(smollm_gguf):
+    """The CPU engine on the default model."""
+    from tinyinfer import Engine
+
+    return Engine(smollm_gguf, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_dir(tmp_path_factory) -> Path:
+    """tiny.gguf (every supported tensor type) and tiny_q6k_down.gguf (tied head), written by tests/gguf_writer.py."""
+    from gguf_writer import write_tiny_ggufs
+
+    return write_tiny_ggufs(tmp_path_factory.mktemp("tiny_gguf"))

@@ -206,8 +206,8 @@ def test_core_rejects_bad_store_use(good_dir):
     eng = Engine(good_dir, device="cpu")
     store = _core.WeightStore(eng.config)
     with pytest.raises(ModelFormatError, match="shape"):
-        store.add("model.norm.weight", np.zeros(3, np.float32), "f32")
+        store.add("model.norm.weight", np.zeros(3, np.float32), "fp32")
     with pytest.raises(InvalidRequestError, match="item size"):
-        store.add("model.norm.weight", np.zeros(eng.config.hidden, np.float32), "f16")
+        store.add("model.norm.weight", np.zeros(eng.config.hidden, np.float32), "fp16")
     with pytest.raises(ModelFormatError, match="missing tensor"):
         store.finish()

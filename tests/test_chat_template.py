@@ -221,21 +221,11 @@ def test_hf_dir_chat_template_from_tokenizer_config(tmp_path):
     """An HF directory's chat template (tokenizer_config.json) renders and tokenizes as transformers does."""
     import json
 
-    from tokenizers import Tokenizer as HFTok
-    from tokenizers import models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from conftest import make_llama
+    from conftest import make_llama, save_char_tokenizer
     from tinyinfer import Engine
 
     d = make_llama(tmp_path / "m", layers=1, heads=2, kv_heads=2, hidden=128, vocab=300)
-    vocab = {c: i for i, c in enumerate(["<unk>", "<s>", "</s>"] + [chr(i) for i in range(32, 127)])}
-    tok = HFTok(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.chat_template = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}"
-                          "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
-    fast.save_pretrained(d)
+    fast = save_char_tokenizer(d)
     assert "chat_template" in json.loads((d / "tokenizer_config.json").read_text()) or (d / "chat_template.jinja").exists()
     eng = Engine(d, device="cpu")
     assert eng.tokenizer.chat_template  # from tokenizer_config.json or chat_template.jinja

@@ -175,19 +175,25 @@ def test_trace_step_stamps_every_kernel_in_order_and_options_are_checked():
     bad.gemv_grid, bad.gemv_resident_margin = -1, 2.0
     with pytest.raises(InvalidRequestError, match="gemv_resident_margin"):
         _core.CudaEngine.random(cfg, 256, 1, bad)
-    for spec, what in [("qkv=2/2", "not name:R/blocks_per_sm"), ("wq:2/2", "unknown matrix"),
-                       ("qkv:3/2", "R must be"), ("qkv:2/5", "blocks_per_sm must be"),
-                       ("qkv:2/2x", "not name:R/blocks_per_sm"), ("gate_up:1/2", "no variant R=1 for gate_up")]:
+    Role = _core.MatrixRole
+    pin = _core.GemvPin(Role.Qkv, 2, 2)
+    for field, value, what in [("rows_per_warp", 3, "rows_per_warp must be"), ("blocks_per_sm", 5, "blocks_per_sm must be")]:
+        bad_pin = _core.GemvPin(Role.Qkv, 2, 2)
+        setattr(bad_pin, field, value)  # past the constructor's check: the engine checks again
         bad = _core.CudaOptions()
-        bad.gemv_force = spec
+        bad.gemv_pins = [pin, bad_pin]
         with pytest.raises(InvalidRequestError, match=what):
             _core.CudaEngine.random(cfg, 256, 1, bad)
+    bad = _core.CudaOptions()
+    bad.gemv_pins = [_core.GemvPin(Role.GateUp, 1, 2)]
+    with pytest.raises(InvalidRequestError, match="no variant rows_per_warp=1 for gate_up"):
+        _core.CudaEngine.random(cfg, 256, 1, bad)
     bad = _core.CudaOptions()
     bad.decode_long_from = -2
     with pytest.raises(InvalidRequestError, match="decode_long_from"):
         _core.CudaEngine.random(cfg, 256, 1, bad)
     forced = _core.CudaOptions()
-    forced.gemv_force = "qkv:1/0;down:8/1;"
+    forced.gemv_pins = [_core.GemvPin(Role.Qkv, 1, 0), _core.GemvPin(Role.Down, 8, 1)]
     table = {g["name"]: g for g in _core.CudaEngine.random(cfg, 256, 1, forced).gemv_table()}
     assert (table["qkv"]["R"], table["qkv"]["blocks_per_sm"], table["down"]["R"], table["down"]["blocks_per_sm"]) == (1, 0, 8, 1)
     resident = _core.CudaOptions()

@@ -11,6 +11,13 @@ from tinyinfer import InvalidRequestError, _core
 pytestmark = pytest.mark.gpu
 
 
+def gemv_modes(mode_in: str, mode_out: str):
+    """The ops.GemvIn / ops.GemvOut enums for this file's short mode names (the numpy reference uses the names)."""
+    ins = {"f16": _core.ops.GemvIn.F16, "f32norm": _core.ops.GemvIn.F32Norm}
+    outs = {"f32": _core.ops.GemvOut.F32, "add": _core.ops.GemvOut.AddF32, "swiglu": _core.ops.GemvOut.Swiglu}
+    return ins[mode_in], outs[mode_out]
+
+
 @pytest.mark.parametrize("nbytes", [16, 4, 1000, 16 * 333 + 4, 1 << 20, (1 << 24) + 12])
 @pytest.mark.parametrize("blocks", [1, 7, 1056])
 def test_stream_read_kernel_reads_every_word(nbytes, blocks):
@@ -59,7 +66,7 @@ def test_gemv_matches_numpy(rows, K, R, mode_in, mode_out, grid):
     x = rng.standard_normal(K).astype(np.float32)
     norm_w = rng.uniform(0.5, 1.5, K).astype(np.float32)
     y_init = rng.standard_normal(rows).astype(np.float32)
-    y = np.array(_core.ops.gemv(W16.view(np.uint16), x, norm_w, 1e-5, y_init, R, mode_in, mode_out, grid))
+    y = np.array(_core.ops.gemv(W16.view(np.uint16), x, norm_w, 1e-5, y_init, R, *gemv_modes(mode_in, mode_out), grid))
     ref, bound = _gemv_ref(W16, x, norm_w, 1e-5, y_init, mode_in, mode_out)
     assert y.shape == ref.shape
     assert np.isfinite(y).all(), "an output was not written (poisoned NaN left)"
@@ -72,7 +79,7 @@ def test_gemv_refuses_bad_variant():
     W = np.zeros((4, 8), np.uint16)
     x = np.zeros(8, np.float32)
     with pytest.raises(Exception, match="R=3"):
-        _core.ops.gemv(W, x, x, 1e-5, np.zeros(4, np.float32), 3, "f16", "f32")
+        _core.ops.gemv(W, x, x, 1e-5, np.zeros(4, np.float32), 3, *gemv_modes("f16", "f32"))
 
 
 # ---- decode attention (cuda/attention.cu) vs numpy ----

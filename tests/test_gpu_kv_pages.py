@@ -1,4 +1,4 @@
-"""The GPU engine on its paged KV cache (cpp/kv_pages.h, cuda/kv_layout.cuh): scattered pages change no number,
+"""The GPU engine on its paged KV cache (cpp/gpu/kv_pages.h, cuda/kv_layout.cuh): scattered pages change no number,
 pages are taken on demand and given back, a pool too small is a clear error that leaves the engine usable, and
 the options are checked. (The kernels' addressing through scattered pages: test_gpu_kernels.py and
 test_gpu_prefill.py.) Skipped without a usable CUDA device."""

@@ -17,6 +17,11 @@ def f16_bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a.astype(np.float16)).view(np.uint16)
 
 
+def gemm_out(name: str):
+    """The ops.GemmOut enum for this file's short output names."""
+    return {"f32": _core.ops.GemmOut.F32, "add": _core.ops.GemmOut.AddF32, "f16": _core.ops.GemmOut.F16}[name]
+
+
 def close(got, ref, atol, rtol):
     err = np.abs(got - ref) - (atol + rtol * np.abs(ref))
     assert np.isfinite(got).all(), "non-finite output"
@@ -35,7 +40,7 @@ def test_gemm_matches_numpy(M, N, K, out, autotune):
     X = rng.standard_normal((N, K)).astype(np.float16)  # (the driver rounds X to fp16: exact here)
     y0 = rng.standard_normal((N, M)).astype(np.float32)
     ref = X.astype(np.float64) @ W.astype(np.float64).T + (y0 if out == "add" else 0)
-    got = _core.ops.gemm(f16_bits(W), X.astype(np.float32), y0, out, autotune)
+    got = _core.ops.gemm(f16_bits(W), X.astype(np.float32), y0, gemm_out(out), autotune)
     assert got.shape == (N, M)
     if out == "f16":
         close(got, ref, atol=2e-2, rtol=2e-3)
@@ -48,16 +53,16 @@ def test_gemm_named_inputs():
     K, M, N = 40, 24, 5
     W = np.ones((M, K), np.float16)
     X = np.tile(np.arange(K, dtype=np.float32) / K, (N, 1))
-    got = _core.ops.gemm(f16_bits(W), X, np.zeros((N, M), np.float32), "f32")
+    got = _core.ops.gemm(f16_bits(W), X, np.zeros((N, M), np.float32), gemm_out("f32"))
     np.testing.assert_allclose(got, np.full((N, M), (K - 1) / 2), rtol=1e-3)
 
 
 def test_gemm_bad_shapes_are_clear_errors():
     W = f16_bits(np.ones((4, 8)))
     with pytest.raises(InvalidRequestError, match="X.shape"):
-        _core.ops.gemm(W, np.ones((2, 9), np.float32), np.zeros((2, 4), np.float32), "f32")
+        _core.ops.gemm(W, np.ones((2, 9), np.float32), np.zeros((2, 4), np.float32), gemm_out("f32"))
     with pytest.raises(InvalidRequestError, match="y_init"):
-        _core.ops.gemm(W, np.ones((2, 8), np.float32), np.zeros((3, 4), np.float32), "add")
+        _core.ops.gemm(W, np.ones((2, 8), np.float32), np.zeros((3, 4), np.float32), gemm_out("add"))
 
 
 # ---- prefill attention (cuda/prefill_attention.cu) ----

@@ -13,6 +13,13 @@ from tinyinfer import Engine, InvalidRequestError, UnsupportedModelError, _core
 pytestmark = pytest.mark.gpu
 
 
+def gemv_modes(mode_in: str, mode_out: str):
+    """The ops.GemvIn / ops.GemvOut enums for this file's short mode names (the numpy reference uses the names)."""
+    ins = {"f16": _core.ops.GemvIn.F16, "f32norm": _core.ops.GemvIn.F32Norm}
+    outs = {"f32": _core.ops.GemvOut.F32, "add": _core.ops.GemvOut.AddF32, "swiglu": _core.ops.GemvOut.Swiglu}
+    return ins[mode_in], outs[mode_out]
+
+
 def weights(rows, K, seed):
     rng = np.random.default_rng(seed)
     W = (rng.standard_normal((rows, K)) * 0.05).astype(np.float32)
@@ -61,7 +68,7 @@ def test_quantized_gemv_matches_reference(fmt, rows, K, R, inp, out, grid):
     x = rng.standard_normal(K).astype(np.float32)
     norm_w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
     y0 = rng.standard_normal(rows).astype(np.float32)
-    got = np.array(_core.ops.gemv_quant(W, fmt, x, norm_w, 1e-5, y0, R, inp, out, grid))
+    got = np.array(_core.ops.gemv_quant(W, fmt, x, norm_w, 1e-5, y0, R, *gemv_modes(inp, out), grid))
     ref = gemv_ref(_core.ops.dequantize_ref(W, fmt), x, norm_w, 1e-5, y0, inp, out)
     scale = np.abs(_core.ops.dequantize_ref(W, fmt)).max(1) * np.abs(x).max() * np.sqrt(K)
     if out == "swiglu":
@@ -76,10 +83,10 @@ def test_quantized_gemv_refuses_other_modes():
     W = weights(4, 64, 0)
     z = np.zeros(64, np.float32)
     with pytest.raises(InvalidRequestError, match="quantized weights come with"):
-        _core.ops.gemv_quant(W, "int8", z, z, 1e-5, np.zeros(4, np.float32), 2, "f16", "f32")
+        _core.ops.gemv_quant(W, "int8", z, z, 1e-5, np.zeros(4, np.float32), 2, *gemv_modes("f16", "f32"))
     with pytest.raises(UnsupportedModelError, match="multiple of 32"):
         _core.ops.gemv_quant(weights(4, 40, 0), "int4", z[:40], z[:40], 1e-5, np.zeros(4, np.float32), 2,
-                             "f32norm", "f32")
+                             *gemv_modes("f32norm", "f32"))
 
 
 CONFIGS = {
@@ -135,7 +142,7 @@ def test_int4_refuses_a_model_it_cannot_take_and_frees_memory(tmp_path):
 
 
 def test_gguf_q4_blocks_on_the_gpu_match_the_cpu(tmp_path):
-    from test_quant import q4_gguf
+    from gguf_writer import q4_gguf
 
     path = q4_gguf(tmp_path)
     ids = list(range(3, 120))

@@ -1,4 +1,4 @@
-"""The paged KV cache's host bookkeeping (cpp/kv_pages.h): the pool's free list and a sequence's page table,
+"""The paged KV cache's host bookkeeping (cpp/gpu/kv_pages.h): the pool's free list and a sequence's page table,
 and the tests' own paging helpers (conftest.to_pages). Plain C++: runs on every machine."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 formats (cpp/quant.h): the reference packer's invariants on named and random inputs,
+"""Weight-only int8 / int4 formats (cpp/core/quant.h): the reference packer's invariants on named and random inputs,
 and the CPU engine computing with the dequantized weights. The GPU quantizer, kernels and engine are checked
 against these in test_gpu_quant.py."""
 
@@ -97,7 +97,7 @@ def test_cpu_engine_computes_with_the_dequantized_weights(small_model, dtype):
         if arr.ndim == 2 and any(m in name for m in MATRICES):
             head = name == "lm_head.weight"
             arr = _core.ops.dequantize_ref(arr, "int8" if head and dtype == "int4" else dtype)  # int4: int8 head
-        store.add(name, arr, "f32")
+        store.add(name, arr, "fp32")
     store.finish()
     ids = np.random.default_rng(1).integers(3, 512, 40).tolist()
     want = _core.CpuEngine(store, 64).forward(ids, all_logits=True)
@@ -126,25 +126,13 @@ def int4_dequant(q: np.ndarray, sm: np.ndarray) -> np.ndarray:
     return (s[..., :1] * qv + s[..., 1:]).reshape(rows, K)
 
 
-
-
-def q4_gguf(tmp_path):
-    import gguf
-
-    from test_gguf import spm_vocab, tiny_llama, write_llama_gguf
-
-    Q = gguf.GGMLQuantizationType
-    types = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q4_1, "ffn_gate": Q.Q4_0,
-             "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_1}
-    return write_llama_gguf(tmp_path / "q4.gguf", tiny_llama(len(spm_vocab()[0])), types)
-
-
 def test_gguf_q4_blocks_are_imported_without_a_second_rounding(tmp_path):
+    from gguf_writer import q4_gguf
     from tinyinfer.loaders import load_model
 
     path = q4_gguf(tmp_path)
     model = load_model(path)
-    blocks = {n: (q, sm) for n, q, sm in model.extra["int4_blocks"]()}
+    blocks = {n: (q, sm) for n, q, sm in model.int4_blocks()}
     assert len(blocks) == 2 * 6 and not any("v_proj" in n for n in blocks)  # Q8_0 v is not int4
     fp = {n: a for n, a, _ in model.tensors()}
     for n, (q, sm) in blocks.items():  # the converted blocks stand for exactly gguf's dequantized values
@@ -158,7 +146,7 @@ def test_gguf_q4_blocks_are_imported_without_a_second_rounding(tmp_path):
             a = _core.ops.dequantize_ref(a, "int4")
         elif n == "lm_head.weight":
             a = _core.ops.dequantize_ref(a, "int8")
-        store.add(n, a, "f32")
+        store.add(n, a, "fp32")
     store.finish()
     ids = list(range(3, 40))
     want = _core.CpuEngine(store, 64).forward(ids, all_logits=True)

@@ -1,6 +1,6 @@
 """Run the test suite against an *installed* tinyinfer (a wheel), not the source tree: copy tests/ to a
-temporary directory, install the test-only references (CPU torch, transformers), check that `tinyinfer`
-resolves to site-packages, run pytest (GPU tests skip without a GPU; pass -m gpu on a GPU runner).
+temporary directory, install the test-only references (CPU torch, transformers, sentencepiece), check that
+`tinyinfer` resolves to site-packages, run pytest (GPU tests skip without a GPU; pass -m gpu on a GPU runner).
     python .github/scripts/test_installed.py PROJECT_DIR [pytest args...]"""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main() -> int:
                 pip("torch", "--index-url", "https://download.pytorch.org/whl/cpu")
             except subprocess.CalledProcessError:
                 pip("torch==2.13.0")  # (an index mirror that carries the CPU build under its plain name)
-        pip("transformers>=4.45", "accelerate>=0.30", "pytest>=7", "mypy>=1.8")
+        pip("transformers>=4.45", "accelerate>=0.30", "pytest>=7", "mypy>=1.8", "sentencepiece>=0.2")
     work = tempfile.mkdtemp(prefix="tinyinfer-tests-")
     shutil.copytree(os.path.join(project, "tests"), os.path.join(work, "tests"))
     shutil.copy(os.path.join(project, "pyproject.toml"), work)  # pytest markers

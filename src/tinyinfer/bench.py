@@ -48,7 +48,7 @@ def _pad8(n: int) -> int:
 
 
 def matrix_bytes(fmt: str, rows: int, K: int) -> int:
-    """Bytes of one (rows, K) matrix as the GPU stores it, scales included (cpp/quant.h)."""
+    """Bytes of one (rows, K) matrix as the GPU stores it, scales included (cpp/core/quant.h)."""
     if fmt == "int8":
         return rows * ((K + 15) // 16 * 16) + 4 * rows
     if fmt == "int4":
@@ -194,4 +194,75 @@ def verify(model: str, steps: int = 32, prompt: str = "The quick brown fox", out
            "argmax_mismatches": mism}
     out(f"verify {model}: {len(seq)} positions | worst relative logit error {rel.max():.2e} "
         f"(mean {rel.mean():.2e}) | argmax mismatches {mism}")
+    return res
+
+
+# ---- the CPU reference engine ----
+
+def random_cpu_engine(cfg: _core.ModelConfig, max_seq: int, seed: int = 0):
+    """A CPU engine with random weights at `cfg`'s shape (speed does not depend on the values)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    store = _core.WeightStore(cfg)
+    for name in store.required_names():
+        shape = store.expected_shape(name)
+        if name.endswith("norm.weight"):
+            w = np.ones(shape, np.float16)
+        else:  # fp16 halves the host memory of the draw; the store widens to fp32 as for an fp16 checkpoint
+            w = (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float16)
+        store.add(name, w, "fp16")
+    store.finish()
+    return _core.CpuEngine(store, max_seq)
+
+
+def run_cpu(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 256), steps: int = 32,
+            prefill=(16, 128), json_path: Optional[str] = None, dtype: str = "fp32", out=print) -> dict:
+    """Decode tok/s at each context and prefill tok/s per prompt length on the CPU reference engine (wall
+    time, fp32 math; this engine is the correctness oracle, not a fast path)."""
+    import numpy as np
+
+    max_seq = max(max(contexts) + steps + 1, max(prefill, default=0))
+    t0 = time.perf_counter()
+    if model is not None:
+        from .engine import Engine
+
+        eng = Engine(model, device="cpu", dtype=dtype, max_seq_len=max_seq)
+        core, cfg, name = eng._core, eng.config, str(model)
+    else:
+        if dtype != "fp32":
+            from .errors import InvalidRequestError
+
+            raise InvalidRequestError(f"--device cpu with --shape runs fp32 random weights (got --dtype {dtype}); "
+                                      f"pass --model to time a quantized model")
+        name = shape or "smollm2-135m"
+        cfg = shape_config(name)
+        core = random_cpu_engine(cfg, max_seq)
+    res = {"model": name, "device": "cpu", "dtype": dtype, "load_s": time.perf_counter() - t0, "decode": [],
+           "prefill": []}
+    out(f"tinyinfer bench: {name} on the CPU reference engine ({dtype} weights, fp32 math; wall time)")
+    rng = np.random.default_rng(0)
+    greedy = _core.SamplingConfig()
+    out(f"\n{'context':>8} {'tok/s':>9} {'ms/token':>9}")
+    for ctx in contexts:
+        core.reset()
+        core.forward(rng.integers(0, cfg.vocab, ctx).tolist(), all_logits=False)
+        t = time.perf_counter()
+        n = len(core.decode(steps, greedy, [], 0))
+        ms = (time.perf_counter() - t) * 1e3 / n
+        res["decode"].append({"context": ctx, "tok_s": 1e3 / ms, "ms_per_token": ms, "steps": n})
+        out(f"{ctx:>8} {1e3 / ms:>9.1f} {ms:>9.2f}")
+    if prefill:
+        out(f"\n{'prompt':>8} {'ms':>9} {'tok/s':>9}")
+    for n in prefill:
+        core.reset()
+        ids = rng.integers(0, cfg.vocab, n).tolist()
+        t = time.perf_counter()
+        core.forward(ids, all_logits=False)
+        ms = (time.perf_counter() - t) * 1e3
+        res["prefill"].append({"tokens": n, "ms": ms, "tok_s": n / (ms * 1e-3)})
+        out(f"{n:>8} {ms:>9.1f} {n / (ms * 1e-3):>9.1f}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1)
     return res

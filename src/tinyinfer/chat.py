@@ -124,8 +124,12 @@ def _alias_reasoning(messages: list[dict]) -> list[dict]:
     return out
 
 
+# The roles chat templates know (OpenAI's and transformers'); anything else is a typo the template would drop.
+ROLES = ("system", "user", "assistant", "tool")
+
+
 def validate_messages(messages: Any) -> list[dict]:
-    """A list of dicts, each with a str 'role' and a str 'content'. Keys whose value is None are dropped (as
+    """A list of dicts, each with a known str 'role' and a str 'content' (not empty for system and user). Keys whose value is None are dropped (as
     transformers does). Raises InvalidRequestError naming the bad message."""
     if not isinstance(messages, (list, tuple)):
         raise InvalidRequestError(f"messages must be a list of dicts, got {type(messages).__name__}")
@@ -142,6 +146,10 @@ def validate_messages(messages: Any) -> list[dict]:
                 raise InvalidRequestError(
                     f"messages[{i}][{key!r}] must be a str, got {type(m[key]).__name__}"
                 )
+        if m["role"] not in ROLES:
+            raise InvalidRequestError(f"messages[{i}] has an unknown role {m['role']!r} (known: {', '.join(ROLES)})")
+        if m["role"] in ("system", "user") and not m["content"].strip():
+            raise InvalidRequestError(f"messages[{i}] ({m['role']}) has empty content")
         out.append({k: v for k, v in m.items() if v is not None})
     return out
 

@@ -1,24 +1,36 @@
-"""The tinyinfer command line: run | chat | bench | verify | info.
+"""The tinyinfer command line: run | chat | bench | verify | perplexity | info.
 
     tinyinfer run "Write a haiku about GPUs."          # default model, chat template, answer + stats line
     tinyinfer run --model path/to/model --raw "Once"    # plain completion, no chat template
+    echo "Summarize: ..." | tinyinfer run -             # the prompt from stdin ("-", or no prompt and a pipe)
     tinyinfer chat                                      # interactive, multi-turn, streaming
+    tinyinfer perplexity text.txt --dtype int4          # judge a quantization
+
+Everything that can be checked without the model (sampling values, dtype names, the prompt) is checked before
+the model loads. A closed stdout (`| head`) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
-from .errors import TinyInferError
+from .errors import InvalidRequestError, TinyInferError
+
+_DTYPE_CHOICES = ("auto", "fp16", "bf16", "fp32", "int8", "int4")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None,
-                   help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct, fetched once)")
+                   help="HF model directory, .gguf file, or hub name org/name[@revision][:file.gguf] "
+                   "(default: SmolLM2-135M-Instruct, fetched once)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: auto")
-    p.add_argument("--dtype", default="fp16", help="weights: fp16 (default), int8 or int4 (weight-only, quantized at load; the CPU engine then computes in fp32 with the dequantized weights), bf16 | fp32")
+    p.add_argument("--dtype", default="auto", choices=_DTYPE_CHOICES,
+                   help="weights: auto (fp16 on the GPU, fp32 on the CPU), int8 or int4 (weight-only, quantized at "
+                   "load; the CPU engine then computes in fp32 with the dequantized weights); a dtype the device "
+                   "cannot honour is refused")
     p.add_argument("--max-seq-len", type=int, default=None, help="KV cache length (default: min(model, 4096))")
 
 
@@ -32,22 +44,46 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the model's end-of-sequence")
 
 
 def _sampling(args) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
+                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+                ignore_eos=args.ignore_eos)
+
+
+def _check_before_load(args) -> None:
+    """What can be refused without the model, refused before the seconds a model takes to load."""
+    from .sampling import SamplingParams
+
+    SamplingParams(**_sampling(args))
+    if args.max_seq_len is not None:
+        if args.max_seq_len < 2:
+            raise InvalidRequestError(f"--max-seq-len must be >= 2 (got {args.max_seq_len})")
+        if args.max_tokens >= args.max_seq_len:
+            raise InvalidRequestError(f"--max-tokens {args.max_tokens} leaves no room for a prompt within "
+                                      f"--max-seq-len {args.max_seq_len}")
+    if getattr(args, "system", None) is not None and not args.system.strip():
+        raise InvalidRequestError("--system is empty")
+    if args.dtype != "auto" and args.device != "auto":
+        from .engine import check_dtype
+
+        check_dtype(args.dtype, args.device)
+
+
+def _model_path(model: Optional[str]) -> str:
+    if model is not None:
+        return model
+    from .models import default_model_path
+
+    return str(default_model_path())
 
 
 def _engine(args):
     from .engine import Engine
 
-    path = args.model
-    if path is None:
-        from .models import default_model_path
-
-        path = default_model_path()
-    return Engine(path, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len)
+    return Engine(_model_path(args.model), device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len)
 
 
 def stats_line(eng, out) -> str:
@@ -57,9 +93,23 @@ def stats_line(eng, out) -> str:
             f"{' (GPU time)' if s.decode_timer == 'GPU time' else ''} | {s.wall_s:.2f} s wall")
 
 
+def _read_prompt(args) -> str:
+    """The prompt: the arguments joined, or stdin for "-" or for no argument with stdin not a terminal."""
+    if args.prompt == ["-"] or (not args.prompt and not sys.stdin.isatty()):
+        prompt = sys.stdin.read().rstrip("\n")
+    elif not args.prompt:
+        raise InvalidRequestError("no prompt: give it as arguments, or \"-\" to read it from stdin")
+    else:
+        prompt = " ".join(args.prompt)
+    if not prompt.strip():
+        raise InvalidRequestError("empty prompt")
+    return prompt
+
+
 def cmd_run(args) -> int:
+    prompt = _read_prompt(args)
+    _check_before_load(args)
     eng = _engine(args)
-    prompt = " ".join(args.prompt)
     if args.raw or eng.tokenizer is None or not getattr(eng.tokenizer, "chat_template", None):
         pieces = eng.stream(prompt, **_sampling(args)) if not args.no_stream else None
         out = _print_stream(eng, pieces, lambda: eng.generate(prompt, **_sampling(args)))
@@ -83,12 +133,53 @@ def _print_stream(eng, pieces, run_once):
     return eng.last_completion
 
 
+def fit_history(eng, messages: list[dict], max_tokens: int) -> int:
+    """Drop the oldest user/assistant turns (never the system prompt, never the last user message) until the
+    rendered conversation plus max_tokens fits in the engine's max_seq_len. Returns how many turns went; raises
+    InvalidRequestError when even the last message alone does not fit."""
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    dropped = 0
+    while len(eng.apply_chat_template(messages)) + max_tokens > eng.max_seq_len:
+        if len(messages) - first < 3:  # only the new user message is left
+            n = len(eng.apply_chat_template(messages))
+            raise InvalidRequestError(f"this message ({n} tokens with the template) + max_tokens ({max_tokens}) "
+                                      f"exceeds max_seq_len={eng.max_seq_len}")
+        del messages[first:first + 2]  # one user turn and its reply
+        dropped += 1
+    return dropped
+
+
+def _chat_turn(eng, args, messages: list[dict]) -> None:
+    """One exchange; on any failure or Ctrl-C the user message is taken back, so the history stays a valid
+    alternation of user and assistant turns."""
+    try:
+        dropped = fit_history(eng, messages, args.max_tokens)
+        if dropped:
+            print(f"[context full: dropped the oldest {dropped} turn{'s' if dropped > 1 else ''}]", file=sys.stderr)
+        for piece in eng.stream_chat(messages, **_sampling(args)):
+            print(piece, end="", flush=True)
+    except KeyboardInterrupt:
+        print(" [interrupted]")
+        messages.pop()
+        return
+    except InvalidRequestError as e:
+        print(f"\ntinyinfer: {e}", file=sys.stderr)
+        messages.pop()
+        return
+    print()
+    out = eng.last_completion
+    messages.append({"role": "assistant", "content": out.text})
+    print(stats_line(eng, out), file=sys.stderr)
+
+
 def cmd_chat(args) -> int:
+    _check_before_load(args)
     eng = _engine(args)
     if eng.tokenizer is None or not getattr(eng.tokenizer, "chat_template", None):
         print("tinyinfer chat: this model has no chat template", file=sys.stderr)
         return 2
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
     print("tinyinfer chat — empty line or Ctrl-D to quit, /reset to start over", file=sys.stderr)
     while True:
         try:
@@ -99,29 +190,72 @@ def cmd_chat(args) -> int:
         if not line.strip():
             break
         if line.strip() == "/reset":
-            messages = messages[:1] if args.system else []
+            messages = list(system)
             continue
         messages.append({"role": "user", "content": line})
-        try:
-            for piece in eng.stream_chat(messages, **_sampling(args)):
-                print(piece, end="", flush=True)
-        except KeyboardInterrupt:
-            print(" [interrupted]")
-        print()
-        out = eng.last_completion
-        if out is not None:
-            messages.append({"role": "assistant", "content": out.text})
-            print(stats_line(eng, out), file=sys.stderr)
+        _chat_turn(eng, args, messages)
     return 0
+
+
+def _int_list(text: Optional[str], flag: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(c) for c in text.split(",")) if text else ()
+    except ValueError:
+        raise InvalidRequestError(f"{flag} must be comma-separated integers (got {text!r})") from None
+    if any(v < 1 for v in vals):
+        raise InvalidRequestError(f"{flag} values must be >= 1 (got {text!r})")
+    return vals
 
 
 def cmd_bench(args) -> int:
     from . import bench
 
-    contexts = tuple(int(c) for c in args.contexts.split(","))
-    prefill = tuple(int(c) for c in args.prefill.split(",")) if args.prefill else ()
-    bench.run(shape=args.shape, model=args.model, contexts=contexts, steps=args.steps, json_path=args.json,
-              prefill=prefill, dtype=args.dtype)
+    cpu = args.device == "cpu"
+    # the CPU reference engine is far slower: shorter defaults that still finish in seconds
+    contexts = _int_list(args.contexts or ("16,256" if cpu else "16,1024,4096"), "--contexts")
+    prefill = _int_list(("16,128" if cpu else "16,256,512,2048") if args.prefill is None else args.prefill,
+                        "--prefill")
+    steps = args.steps or (32 if cpu else 256)
+    if not contexts:
+        raise InvalidRequestError("--contexts is empty")
+    if cpu:
+        bench.run_cpu(shape=args.shape, model=args.model, contexts=contexts, steps=steps, prefill=prefill,
+                      json_path=args.json, dtype="fp32" if args.dtype == "auto" else args.dtype)
+    else:
+        bench.run(shape=args.shape, model=args.model, contexts=contexts, steps=steps, json_path=args.json,
+                  prefill=prefill, dtype="fp16" if args.dtype == "auto" else args.dtype)
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    from .engine import Engine
+    from .perplexity import perplexity
+
+    if args.tokens is not None and args.tokens < 2:
+        raise InvalidRequestError(f"--tokens must be >= 2 (got {args.tokens})")
+    if args.window is not None and args.window < 2:
+        raise InvalidRequestError(f"--window must be >= 2 (got {args.window})")
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidRequestError(f"cannot read the text {args.file}: {e}") from e
+    if not text.strip():
+        raise InvalidRequestError(f"{args.file} is empty")
+    if args.dtype != "auto" and args.device != "auto":
+        from .engine import check_dtype
+
+        check_dtype(args.dtype, args.device)
+    window = args.window or args.tokens
+    with Engine(_model_path(args.model), device=args.device, dtype=args.dtype,
+                max_seq_len=args.max_seq_len or window) as eng:
+        ids = eng.tokenize(text)
+        if args.tokens:
+            ids = ids[:args.tokens]
+        r = perplexity(eng, ids, min(window, len(ids)) if window else None)
+        print(f"perplexity {r.perplexity:.4f} | {r.scored_tokens} tokens scored in {r.windows} window"
+              f"{'s' if r.windows > 1 else ''} of {r.window} | {args.file} | {eng.model_name} [{eng.device} "
+              f"{eng.dtype}]")
     return 0
 
 
@@ -146,7 +280,10 @@ def cmd_info(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="tinyinfer", description="A small, fast LLM inference engine.")
+    parser.add_argument("--version", action="version", version=f"tinyinfer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="answer one prompt (with the model's chat template) and print stats")
@@ -155,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--raw", action="store_true", help="plain completion of the prompt, no chat template")
     p.add_argument("--no-stream", action="store_true", help="print the answer at the end")
-    p.add_argument("prompt", nargs="+")
+    p.add_argument("prompt", nargs="*", help='the prompt; "-" or none with a pipe: read from stdin')
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat, streaming")
@@ -164,17 +301,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system message")
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("bench", help="GPU decode speed vs the measured memory roofline; prefill speed and GEMM tactics")
+    p = sub.add_parser("bench", help="decode speed (GPU: vs the measured memory roofline), prefill speed, GEMM tactics")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--shape", default=None, help="random weights at a real shape: smollm2-135m, smollm2-360m, "
-                   "tinyllama-1.1b (default), llama2-7b")
-    g.add_argument("--model", "-m", default=None, help="a real model (HF dir or .gguf)")
-    p.add_argument("--contexts", default="16,1024,4096", help="comma-separated contexts (default 16,1024,4096)")
-    p.add_argument("--steps", type=int, default=256, help="decode steps timed per context (default 256)")
-    p.add_argument("--dtype", default="fp16", choices=("fp16", "int8", "int4"),
-                   help="weight format on the GPU (bytes per token are counted as stored, scales included)")
-    p.add_argument("--prefill", default="16,256,512,2048",
-                   help="comma-separated prompt lengths for the prefill table ('' to skip)")
+    g.add_argument("--shape", default=None, help="random weights at a real shape: smollm2-135m (CPU default), "
+                   "smollm2-360m, tinyllama-1.1b (GPU default), llama2-7b")
+    g.add_argument("--model", "-m", default=None, help="a real model (HF dir, .gguf or hub name)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cuda (default) or cpu: the CPU reference engine, wall time")
+    p.add_argument("--contexts", default=None, help="comma-separated contexts (default 16,1024,4096; CPU 16,256)")
+    p.add_argument("--steps", type=int, default=None, help="decode steps timed per context (default 256; CPU 32)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp16", "fp32", "int8", "int4"),
+                   help="weight format (GPU: fp16 | int8 | int4; CPU: fp32, or int8 | int4 with --model); bytes "
+                   "per token are counted as stored, scales included")
+    p.add_argument("--prefill", default=None,
+                   help="comma-separated prompt lengths for the prefill table (default 16,256,512,2048; CPU "
+                   "16,128; '' to skip)")
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(func=cmd_bench)
 
@@ -182,6 +323,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", "-m", default=None)
     p.add_argument("steps", nargs="?", type=int, default=32)
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("perplexity", help="perplexity of a model on a text file (to judge a quantization)")
+    _add_model_args(p)
+    p.add_argument("file", help="a UTF-8 text file")
+    p.add_argument("--tokens", type=int, default=2048,
+                   help="score the first N tokens of the text (default 2048, as bench/tools/quant_quality.py; 0 = all)")
+    p.add_argument("--window", type=int, default=None,
+                   help="tokens per window, each scored from an empty cache (default: --tokens, one window)")
+    p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("info", help="build and GPU information")
     p.set_defaults(func=cmd_info)
@@ -191,7 +341,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # here, so that a closed pipe is met inside the try and not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        # `tinyinfer run ... | head`: the reader has gone; end quietly, as a killed-by-SIGPIPE tool would. Point
+        # stdout at devnull so that the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except TinyInferError as e:
         print(f"tinyinfer: error: {e}", file=sys.stderr)
         return 1

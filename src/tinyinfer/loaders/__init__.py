@@ -8,6 +8,7 @@ from ..errors import ModelNotFoundError, UnsupportedModelError
 from .base import LoadedModel, TensorSource
 from .gguf import load_gguf
 from .hf import load_hf_dir
+from .hub import parse_hub_name, resolve_hub_name
 
 
 def _is_gguf_file(p: Path) -> bool:
@@ -21,10 +22,17 @@ def _is_gguf_file(p: Path) -> bool:
 
 
 def load_model(path: str | Path) -> LoadedModel:
-    """Load a model from a HuggingFace directory (config.json + safetensors) or a GGUF file (llama architecture)."""
+    """Load a model from a HuggingFace directory (config.json + safetensors) or a GGUF file (llama architecture),
+    local or by hub name ("org/name", "org/name:file.gguf", "org/name@revision"; loaders/hub.py)."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise ModelNotFoundError(f"model path does not exist: {p}")
+        hub = parse_hub_name(str(path)) if isinstance(path, str) else None
+        if hub is None:
+            raise ModelNotFoundError(
+                f"model path does not exist: {p} (a model is a local HF directory, a .gguf file, or a hub name "
+                f"such as HuggingFaceTB/SmolLM2-135M-Instruct or org/name:file.gguf)"
+            )
+        p = resolve_hub_name(hub)
     if p.is_dir():
         return load_hf_dir(p)
     if p.is_file() and _is_gguf_file(p):

@@ -4,16 +4,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 
 from .. import _core
 from ..tokenizer import Tokenizer
 
-# One tensor for the core: (HuggingFace name, array, core dtype "f32" | "f16" | "bf16"; bf16 as uint16 bits).
+# One tensor for the core: (HuggingFace name, array, core dtype "fp32" | "fp16" | "bf16"; bf16 as uint16 bits).
 TensorItem = tuple[str, np.ndarray, str]
 TensorSource = Callable[[], Iterator[TensorItem]]
+
+
+class BlockMatrix(NamedTuple):
+    """One weight matrix already in one of the engine's block formats, for the engine to import as it is (no
+    second rounding). The layouts are cpp/quant.h's; for int4: q (rows, K/2) uint8 and scales (rows, K/32 * 2)
+    fp16 bits, a (scale, min) pair per group of 32."""
+
+    name: str  # HuggingFace name
+    q: np.ndarray  # packed weights
+    scales: np.ndarray  # per-block fp16 bits
+
+
+BlockSource = Callable[[], Iterator[BlockMatrix]]
 
 
 @dataclass
@@ -23,4 +36,10 @@ class LoadedModel:
     tokenizer: Optional[Tokenizer] = None
     path: Path = Path(".")
     description: str = ""
-    extra: dict = field(default_factory=dict)
+    # Matrices stored in a block layout the engine takes over bit for bit, one source per engine format (GGUF
+    # Q4_0 / Q4_1 -> int4); None where the file has none. Engine(dtype="int4") imports these over `tensors`.
+    int4_blocks: Optional[BlockSource] = None
+    # GGUF only: the stored type of each tensor (HuggingFace name -> "Q4_1", "F16", ...) and the file's metadata
+    # (the tokenizer's big arrays left out).
+    gguf_types: dict[str, str] = field(default_factory=dict)
+    gguf_metadata: dict[str, Any] = field(default_factory=dict)

@@ -4,7 +4,7 @@ One file holds everything: the config (llama.* metadata), the tokenizer (tokeniz
 (tokenizer.chat_template) and the tensors. What this loader does:
 
 - refuses anything but general.architecture == "llama" (UnsupportedModelError naming the key and value);
-- builds a ModelConfig from llama.* metadata the way loaders/hf.py builds one from config.json;
+- builds a ModelConfig from llama.* metadata (loaders/gguf_config.py);
 - yields the tensors one at a time under their HuggingFace names, row-major [out, in] (GGUF lists dimensions
   innermost first, so a [in, out] GGUF shape is a row-major [out, in] array already):
   F32 / F16 / BF16 are passed as they are (views over the memory-mapped file; BF16 as uint16 bits);
@@ -13,8 +13,8 @@ One file holds everything: the config (llama.* metadata), the tokenizer (tokeniz
 - undoes llama.cpp's rope permutation of the attn_q / attn_k rows (transformers' reverse_permute);
 - turns every failure of a corrupt or truncated file into ModelFormatError naming the file.
 
-The source type of each tensor is kept in LoadedModel.extra["gguf_types"] (HF name -> "Q4_1", ...), for a
-later packer that imports GGUF blocks without re-rounding.
+The source type of each tensor is kept in LoadedModel.gguf_types (HF name -> "Q4_1", ...); Q4_0 / Q4_1 layer
+matrices are also offered as int4 blocks (LoadedModel.int4_blocks) for the engine to import without re-rounding.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from .. import _core
-from ..errors import ConfigError, ModelFormatError, TinyInferError, UnsupportedModelError
+from ..errors import ModelFormatError, UnsupportedModelError
 from ..tokenizer import Tokenizer
-from .base import LoadedModel, TensorItem
-
+from .base import BlockMatrix, LoadedModel, TensorItem
+from .gguf_config import config_from_gguf, read_metadata, rope_freqs_as_llama3
 # quantized types dequantized to float32 at load
 _DEQUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 # types passed through: GGUF type name -> (numpy dtype to view the data as, core dtype)
-_PASSTHROUGH = {"F32": ("<f4", "f32"), "F16": ("<f2", "f16"), "BF16": ("<u2", "bf16")}
+_PASSTHROUGH = {"F32": ("<f4", "fp32"), "F16": ("<f2", "fp16"), "BF16": ("<u2", "bf16")}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -112,185 +112,8 @@ def _open_reader(path: Path):
     return reader
 
 
-def _field_value(field) -> Any:
-    """A metadata value as plain Python (str, int, float, bool, or a list of those)."""
-    import gguf
 
-    types = field.types
-    if not types:
-        return None
-    if types[0] == gguf.GGUFValueType.ARRAY:
-        if len(types) > 1 and types[1] == gguf.GGUFValueType.ARRAY:
-            return None  # nested arrays: nothing we read is one
-        return list(field.contents())
-    return field.contents()
-
-
-def read_metadata(reader, path: Path) -> dict[str, Any]:
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = _field_value(field)
-        except (KeyboardInterrupt, MemoryError):
-            raise
-        except Exception as e:
-            raise ModelFormatError(f"{path}: corrupt GGUF metadata '{key}': {type(e).__name__}: {e}") from e
-    return meta
-
-
-# ---- config ----
-
-_CONFIG_FIELDS = ("hidden", "intermediate", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab", "rms_eps",
-                  "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                  "rope_original_max_pos", "tie_word_embeddings", "max_position_embeddings", "bos_token_id",
-                  "eos_token_ids")
-
-
-def _clone_config(c: "_core.ModelConfig", **changes) -> "_core.ModelConfig":
-    out = _core.ModelConfig()
-    for f in _CONFIG_FIELDS:
-        setattr(out, f, changes[f] if f in changes else getattr(c, f))
-    return out
-
-
-def _rope_freqs_as_llama3(c: "_core.ModelConfig", factors: np.ndarray, where: str) -> None:
-    """Llama 3.1+ GGUFs carry their rope scaling as a `rope_freqs.weight` tensor (a divisor per frequency) instead
-    of parameters. Find the llama3 parameters that give those divisors, or refuse."""
-    base = _clone_config(c, rope_scaling="none")
-    base.validate()
-    inv = np.asarray(_core.ops.rope_inv_freq(base), dtype=np.float64)
-    if factors.shape != inv.shape:
-        raise ModelFormatError(f"{where}: rope_freqs.weight has shape {list(factors.shape)}, expected "
-                               f"[{inv.shape[0]}] (head_dim / 2)")
-    target = inv / factors.astype(np.float64)
-    if np.allclose(factors, 1.0):
-        return
-    for factor in (8.0, 16.0, 32.0, 4.0, 2.0, 64.0):
-        for low, high in ((1.0, 4.0),):
-            for orig in (8192, 4096, 2048, 16384, 32768):
-                cand = _clone_config(c, rope_scaling="llama3", rope_factor=factor, rope_low_freq_factor=low,
-                                     rope_high_freq_factor=high, rope_original_max_pos=orig)
-                try:
-                    cand.validate()
-                except TinyInferError:
-                    continue
-                got = np.asarray(_core.ops.rope_inv_freq(cand), dtype=np.float64)
-                if np.allclose(got, target, rtol=1e-4, atol=0):
-                    c.rope_scaling = "llama3"
-                    c.rope_factor = factor
-                    c.rope_low_freq_factor = low
-                    c.rope_high_freq_factor = high
-                    c.rope_original_max_pos = orig
-                    return
-    raise UnsupportedModelError(f"{where}: tensor 'rope_freqs.weight' holds rope frequency factors that match no "
-                                f"llama3 rope scaling this engine knows")
-
-
-def config_from_gguf(meta: dict[str, Any], tensor_rows: dict[str, int], where: str) -> "_core.ModelConfig":
-    """A validated ModelConfig from GGUF metadata; `tensor_rows` maps tensor names to their first (row) dimension.
-    Refuses what the engine can't honour, naming the key."""
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise UnsupportedModelError(f"{where}: general.architecture = {arch!r} is not supported (only 'llama')")
-
-    def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"llama.{key}", default)
-
-    def need(key: str) -> int:
-        v = get(key)
-        if v is None:
-            raise ConfigError(f"{where}: required metadata 'llama.{key}' is missing")
-        if isinstance(v, list):  # per-layer values (some converters write lists): all must agree
-            if not v or any(x != v[0] for x in v):
-                raise UnsupportedModelError(f"{where}: llama.{key} differs between layers ({v[:8]}...)")
-            v = v[0]
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ConfigError(f"{where}: metadata 'llama.{key}' must be a positive integer, got {v!r}")
-        return v
-
-    c = _core.ModelConfig()
-    c.hidden = need("embedding_length")
-    c.intermediate = need("feed_forward_length")
-    c.n_layers = need("block_count")
-    c.n_heads = need("attention.head_count")
-    c.n_kv_heads = need("attention.head_count_kv") if get("attention.head_count_kv") is not None else c.n_heads
-    key_len, value_len = get("attention.key_length"), get("attention.value_length")
-    rope_dims = get("rope.dimension_count")
-    if key_len is not None:
-        c.head_dim = need("attention.key_length")
-    elif rope_dims is not None:
-        c.head_dim = need("rope.dimension_count")
-    else:
-        c.head_dim = c.hidden // c.n_heads
-    if value_len is not None and value_len != c.head_dim:
-        raise UnsupportedModelError(f"{where}: llama.attention.value_length = {value_len} differs from the key "
-                                    f"length {c.head_dim}")
-    if rope_dims is not None and rope_dims != c.head_dim:
-        raise UnsupportedModelError(f"{where}: llama.rope.dimension_count = {rope_dims} (partial rotary) differs "
-                                    f"from head_dim {c.head_dim}")
-    eps = get("attention.layer_norm_rms_epsilon", 1e-5)
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
-        raise ConfigError(f"{where}: llama.attention.layer_norm_rms_epsilon must be a positive number, got {eps!r}")
-    c.rms_eps = float(eps)
-    theta = get("rope.freq_base", 10000.0)
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise ConfigError(f"{where}: llama.rope.freq_base must be a positive number, got {theta!r}")
-    c.rope_theta = float(theta)
-
-    scaling = get("rope.scaling.type")
-    factor = get("rope.scaling.factor")
-    if scaling in (None, "none") or (scaling == "linear" and factor in (None, 1.0)):
-        c.rope_scaling = "none"
-    elif scaling == "linear":
-        if not isinstance(factor, (int, float)) or factor <= 0:
-            raise ConfigError(f"{where}: llama.rope.scaling.factor must be a positive number, got {factor!r}")
-        c.rope_scaling = "linear"
-        c.rope_factor = float(factor)
-    else:
-        raise UnsupportedModelError(f"{where}: llama.rope.scaling.type = {scaling!r} is not supported "
-                                    f"(supported: none, linear; llama3 via rope_freqs.weight)")
-
-    ctx = get("context_length")
-    c.max_position_embeddings = need("context_length") if ctx is not None else 2048
-
-    embd_rows = tensor_rows.get("token_embd.weight")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = get("vocab_size")
-    if embd_rows is not None:
-        c.vocab = int(embd_rows)
-    elif isinstance(vocab, int) and vocab > 0:
-        c.vocab = vocab
-    elif isinstance(tokens, list) and tokens:
-        c.vocab = len(tokens)
-    else:
-        raise ConfigError(f"{where}: cannot tell the vocabulary size (no token_embd.weight, llama.vocab_size or "
-                          f"tokenizer.ggml.tokens)")
-    if isinstance(tokens, list) and len(tokens) > c.vocab:
-        raise ModelFormatError(f"{where}: tokenizer.ggml.tokens has {len(tokens)} tokens but token_embd.weight "
-                               f"has {c.vocab} rows")
-    # llama.cpp writes the output projection only when it is not the embedding matrix
-    c.tie_word_embeddings = "output.weight" not in tensor_rows
-
-    def token_id(key: str) -> Optional[int]:
-        v = meta.get(f"tokenizer.ggml.{key}")
-        if v is None:
-            return None
-        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < c.vocab:
-            raise ConfigError(f"{where}: tokenizer.ggml.{key} = {v!r} is not a token id (vocab {c.vocab})")
-        return v
-
-    bos = token_id("bos_token_id")
-    c.bos_token_id = bos if bos is not None else -1
-    # EOS, then llama.cpp's other end-of-generation ids (end of turn / end of message) where the file has them
-    eos = [t for t in (token_id("eos_token_id"), token_id("eot_token_id"), token_id("eom_token_id")) if t is not None]
-    c.eos_token_ids = list(dict.fromkeys(eos))
-    c.validate()  # raises naming the field (head_dim 64..256, GQA divisibility, ...)
-    return c
-
-
-# ---- the loader ----
+# ---- int4 blocks ----
 
 _I4_POS = (0, 16, 4, 20, 8, 24, 12, 28)  # nibble offsets of weights 0..7 in a word (cpp/quant.h)
 
@@ -320,26 +143,13 @@ def q4_blocks_to_int4(raw: np.ndarray, type_name: str, rows: int, K: int) -> tup
     return q_bytes, sm
 
 
-def load_gguf(path: Path) -> LoadedModel:
-    """Load a llama-architecture GGUF: config, tensors (HF names, dequantized where needed), tokenizer."""
-    path = Path(path)
-    where = str(path)
-    reader = _open_reader(path)
-    meta = read_metadata(reader, path)
+# ---- the loader ----
 
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise UnsupportedModelError(f"{where}: general.architecture = {arch!r} is not supported (only 'llama')")
-
-    infos = {}  # gguf name -> (type name, numpy data view)
-    for t in reader.tensors:
-        infos[t.name] = (t.tensor_type.name, t)
-    # refuse early (before any work): tensors we can't convert, or don't know
+def _check_tensors(infos: dict[str, tuple[str, Any]], where: str) -> dict[str, str]:
+    """Refuse early (before any work) tensors we can't convert or don't know; HF name -> GGUF type name."""
     gguf_types = {}
-    rope_freqs = None
-    for name, (type_name, t) in infos.items():
+    for name, (type_name, _) in infos.items():
         if name == "rope_freqs.weight":
-            rope_freqs = t
             continue
         hf = hf_tensor_name(name)
         if hf is None:
@@ -351,19 +161,23 @@ def load_gguf(path: Path) -> LoadedModel:
                 f"{', '.join(_DEQUANTIZED)})"
             )
         gguf_types[hf] = type_name
+    return gguf_types
 
+
+def _config(meta: dict[str, Any], infos: dict[str, tuple[str, Any]], where: str) -> "_core.ModelConfig":
+    """The ModelConfig (llama3 rope scaling from rope_freqs.weight where the file has it), with every tensor's
+    shape checked against it before the engine copies anything."""
     # rows of each tensor, from the GGUF shape (innermost first: [in, out] -> out rows)
     tensor_rows = {name: int(t.shape[-1]) if len(t.shape) > 1 else int(t.shape[0])
                    for name, (_, t) in infos.items()}
     config = config_from_gguf(meta, tensor_rows, where)
-    if rope_freqs is not None:
-        if infos["rope_freqs.weight"][0] != "F32":
-            raise UnsupportedModelError(f"{where}: tensor 'rope_freqs.weight' has type "
-                                        f"{infos['rope_freqs.weight'][0]} (expected F32)")
-        _rope_freqs_as_llama3(config, np.asarray(rope_freqs.data, dtype=np.float32).reshape(-1), where)
+    if "rope_freqs.weight" in infos:
+        type_name, rope_freqs = infos["rope_freqs.weight"]
+        if type_name != "F32":
+            raise UnsupportedModelError(f"{where}: tensor 'rope_freqs.weight' has type {type_name} (expected F32)")
+        rope_freqs_as_llama3(config, np.asarray(rope_freqs.data, dtype=np.float32).reshape(-1), where)
         config.validate()
 
-    # check every tensor's shape against the config before the engine copies anything
     store_shapes = _core.WeightStore(config)
     for name, (type_name, t) in infos.items():
         hf = hf_tensor_name(name)
@@ -373,56 +187,76 @@ def load_gguf(path: Path) -> LoadedModel:
         got = [int(d) for d in reversed([int(x) for x in t.shape])]
         if got != want:
             raise ModelFormatError(f"{where}: tensor '{name}' ({hf}) has shape {got}, expected {want}")
+    return config
+
+
+def _tensors(infos: dict[str, tuple[str, Any]], config: "_core.ModelConfig", where: str) -> Iterator[TensorItem]:
+    """Every tensor under its HF name, row-major, passed through or dequantized to fp32; Q / K rows un-permuted."""
+    import gguf
 
     n_heads, n_kv = config.n_heads, config.n_kv_heads
+    for name, (type_name, t) in infos.items():
+        hf = hf_tensor_name(name)
+        if hf is None:
+            continue
+        try:
+            if type_name in _PASSTHROUGH:
+                np_dtype, core_dtype = _PASSTHROUGH[type_name]
+                shape = [int(x) for x in reversed([int(d) for d in t.shape])]
+                array = np.asarray(t.data).view(np_dtype).reshape(shape)
+            else:
+                core_dtype = "fp32"
+                array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+                shape = [int(x) for x in reversed([int(d) for d in t.shape])]
+                array = array.reshape(shape)
+        except (KeyboardInterrupt, MemoryError):
+            raise
+        except Exception as e:
+            raise ModelFormatError(f"{where}: tensor '{name}' ({type_name}) cannot be read: "
+                                   f"{type(e).__name__}: {e}") from e
+        if name.endswith(".attn_q.weight"):
+            array = reverse_rope_permute(array, n_heads)
+        elif name.endswith(".attn_k.weight"):
+            array = reverse_rope_permute(array, n_kv)
+        elif not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        yield hf, array, core_dtype
 
-    def tensors() -> Iterator[TensorItem]:
-        import gguf
 
-        for name, (type_name, t) in infos.items():
-            hf = hf_tensor_name(name)
-            if hf is None:
-                continue
-            try:
-                if type_name in _PASSTHROUGH:
-                    np_dtype, core_dtype = _PASSTHROUGH[type_name]
-                    shape = [int(x) for x in reversed([int(d) for d in t.shape])]
-                    array = np.asarray(t.data).view(np_dtype).reshape(shape)
-                else:
-                    core_dtype = "f32"
-                    array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-                    shape = [int(x) for x in reversed([int(d) for d in t.shape])]
-                    array = array.reshape(shape)
-            except (KeyboardInterrupt, MemoryError):
-                raise
-            except Exception as e:
-                raise ModelFormatError(f"{where}: tensor '{name}' ({type_name}) cannot be read: "
-                                       f"{type(e).__name__}: {e}") from e
-            if name.endswith(".attn_q.weight"):
-                array = reverse_rope_permute(array, n_heads)
-            elif name.endswith(".attn_k.weight"):
-                array = reverse_rope_permute(array, n_kv)
-            elif not array.flags.c_contiguous:
-                array = np.ascontiguousarray(array)
-            yield hf, array, core_dtype
+def _int4_blocks(infos: dict[str, tuple[str, Any]], config: "_core.ModelConfig") -> Iterator[BlockMatrix]:
+    """The Q4_0 / Q4_1 layer matrices in the engine's int4 layout (Engine(dtype="int4") imports them as they
+    are: no second rounding). Q and K rows get the same un-permutation as their fp32 twins."""
+    n_heads, n_kv = config.n_heads, config.n_kv_heads
+    for name, (type_name, t) in infos.items():
+        hf = hf_tensor_name(name)
+        if hf is None or type_name not in ("Q4_0", "Q4_1") or ".layers." not in hf:
+            continue
+        rows, K = int(t.shape[-1]), int(t.shape[0])
+        try:
+            q, sm = q4_blocks_to_int4(np.asarray(t.data), type_name, rows, K)
+        except FloatingPointError:
+            continue  # a Q4_0 scale whose -8x overflows fp16: this one is re-quantized instead
+        n = n_heads if name.endswith(".attn_q.weight") else n_kv if name.endswith(".attn_k.weight") else 0
+        if n:
+            order = reverse_rope_permute(np.arange(rows)[:, None], n)[:, 0]
+            q, sm = np.ascontiguousarray(q[order]), np.ascontiguousarray(sm[order])
+        yield BlockMatrix(hf, q, sm)
 
-    def int4_blocks() -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
-        """The Q4_0 / Q4_1 layer matrices in the engine's int4 layout (Engine(dtype="int4") imports them as
-        they are: no second rounding). Q and K rows get the same un-permutation as their fp32 twins."""
-        for name, (type_name, t) in infos.items():
-            hf = hf_tensor_name(name)
-            if hf is None or type_name not in ("Q4_0", "Q4_1") or ".layers." not in hf:
-                continue
-            rows, K = int(t.shape[-1]), int(t.shape[0])
-            try:
-                q, sm = q4_blocks_to_int4(np.asarray(t.data), type_name, rows, K)
-            except FloatingPointError:
-                continue  # a Q4_0 scale whose -8x overflows fp16: this one is re-quantized instead
-            n = n_heads if name.endswith(".attn_q.weight") else n_kv if name.endswith(".attn_k.weight") else 0
-            if n:
-                order = reverse_rope_permute(np.arange(rows)[:, None], n)[:, 0]
-                q, sm = np.ascontiguousarray(q[order]), np.ascontiguousarray(sm[order])
-            yield hf, q, sm
+
+def load_gguf(path: Path) -> LoadedModel:
+    """Load a llama-architecture GGUF: config, tensors (HF names, dequantized where needed), tokenizer."""
+    path = Path(path)
+    where = str(path)
+    reader = _open_reader(path)
+    meta = read_metadata(reader, path)
+
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise UnsupportedModelError(f"{where}: general.architecture = {arch!r} is not supported (only 'llama')")
+
+    infos = {t.name: (t.tensor_type.name, t) for t in reader.tensors}  # gguf name -> (type name, reader tensor)
+    gguf_types = _check_tensors(infos, where)
+    config = _config(meta, infos, where)
 
     tokenizer = None
     if "tokenizer.ggml.model" in meta:
@@ -432,13 +266,15 @@ def load_gguf(path: Path) -> LoadedModel:
     kinds = sorted(set(gguf_types.values()))
     return LoadedModel(
         config=config,
-        tensors=tensors,
+        tensors=lambda: _tensors(infos, config, where),
         tokenizer=tokenizer,
         path=path,
         description=f"GGUF ({', '.join(kinds)}; {n_quant} tensor{'s' if n_quant != 1 else ''} dequantized to fp32)",
-        extra={"gguf_types": gguf_types, "int4_blocks": int4_blocks,
-               "gguf_metadata": {k: v for k, v in meta.items() if k not in _TOKENIZER_ARRAYS}},
+        int4_blocks=lambda: _int4_blocks(infos, config),
+        gguf_types=gguf_types,
+        gguf_metadata={k: v for k, v in meta.items() if k not in _TOKENIZER_ARRAYS},
     )
 
 
-__all__ = ["load_gguf", "config_from_gguf", "hf_tensor_name", "reverse_rope_permute", "read_metadata"]
+__all__ = ["load_gguf", "config_from_gguf", "hf_tensor_name", "reverse_rope_permute", "read_metadata",
+           "q4_blocks_to_int4"]

@@ -18,7 +18,7 @@ from ..tokenizer import Tokenizer
 from .base import LoadedModel, TensorItem
 
 # safetensors dtype -> (numpy dtype of the raw bits, core dtype)
-_DTYPES = {"F32": ("<f4", "f32"), "F16": ("<f2", "f16"), "BF16": ("<u2", "bf16")}
+_DTYPES = {"F32": ("<f4", "fp32"), "F16": ("<f2", "fp16"), "BF16": ("<u2", "bf16")}
 
 
 def _read_json(path: Path) -> dict:

@@ -1,0 +1,38 @@
+"""A/B of CudaOptions on the graph-replayed decode step (random weights at a real shape).
+    python3 bench/tools/ab_decode.py tinyllama-1.1b int4 16 "" "gemv_grid=2" "gemv_pins=qkv:2/2;down:1/2"
+Each variant is one engine (its own load-time autotune); the variants' timings are interleaved over `--rounds`
+rounds (default 3) so that drift hits all alike, and each row reports the best and the median round. `--gemv`
+also prints each variant's GEMV picks (R, grid) and their GB/s timed alone."""
+
+import statistics
+import sys
+
+from common import options
+from tinyinfer import _core
+from tinyinfer.bench import shape_config
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    rounds = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--rounds=")), 3)
+    shape, dtype, ctx, specs = args[0], args[1], int(args[2]), args[3:] or [""]
+    engines = [_core.CudaEngine.random(shape_config(shape), max(ctx + 300, 512), 1, options(s, dtype)) for s in specs]
+    times = {s: [] for s in specs}
+    for _ in range(rounds):
+        for s, e in zip(specs, engines):
+            times[s].append(e.time_decode_step(ctx, 200) * 1e3)
+    print(f"{shape} {dtype} ctx {ctx}: µs per decode step over {rounds} rounds")
+    base = min(times[specs[0]])
+    for s in specs:
+        t = times[s]
+        print(f"  {s or '(defaults)':40s} best {min(t):7.1f}  median {statistics.median(t):7.1f}  "
+              f"{1e6 / min(t):7,.0f} tok/s  {100 * (min(t) / base - 1):+5.1f}%")
+    if "--gemv" in sys.argv:
+        for s, e in zip(specs, engines):
+            print(f"  {s or '(defaults)'}: " + "  ".join(
+                f"{g['name']} R{g['R']}/{g['blocks_per_sm']} {g['gb_per_s']:.0f}" for g in e.gemv_table()) + " GB/s"
+                + "; long-context graph (from, qkv R, qkv per SM): " + str(e.decode_long))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+// engines.cpp — the engines and their options: WeightStore, CpuEngine, CudaOptions (+ GemvPin), CudaEngine,
+// and the enums they take (WFormat, DType, MatrixRole); the KV pages' bookkeeping (KvPagePool, KvSequence).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+
+#include "../cpp/core/config.h"
+#include "../cpp/core/quant.h"
+#include "../cpp/core/sampling.h"
+#include "../cpp/core/weights.h"
+#include "../cpp/cpu/cpu_engine.h"
+#include "../cpp/gpu/kv_pages.h"
+#include "common.h"
+#ifdef TINYINFER_WITH_CUDA
+#include "../cpp/gpu/cuda_engine.h"
+#endif
+
+namespace tinyinfer_bindings {
+
+using namespace nb::literals;
+
+namespace {
+
+// forward / decode / state: the same Python surface for every engine class.
+template <typename E, typename Cls>
+void bind_engine_common(Cls& cls) {
+  cls.def_prop_ro("config", &E::config)
+      .def_prop_ro("max_seq_len", &E::max_seq_len)
+      .def_prop_ro("position", &E::position)
+      .def_prop_ro("tokens", [](const E& e) { return e.tokens(); })
+      .def("reset", &E::reset)
+      .def(
+          "forward",
+          [](E& e, const std::vector<int64_t>& tokens, bool all_logits) {
+            std::vector<int32_t> ids = to_ids(tokens);
+            if (ids.empty()) ti::fail(ti::ErrorKind::Request, "forward: no tokens given");
+            const size_t rows = all_logits ? ids.size() : 1;
+            float* out = nullptr;
+            F32Out arr = new_f32_array(rows, (size_t)e.config().vocab, &out);
+            {
+              nb::gil_scoped_release release;
+              e.forward(ids.data(), (int64_t)ids.size(), all_logits, out);
+            }
+            return arr;
+          },
+          "tokens"_a, "all_logits"_a = false,
+          "Run tokens at the current position; logits (len(tokens) or 1, vocab) float32.")
+      .def(
+          "decode",
+          [](E& e, int64_t max_steps, const ti::SamplingConfig& s, const std::vector<int64_t>& stop_ids,
+             uint64_t step0) {
+            std::vector<int32_t> stops = to_ids(stop_ids);
+            nb::gil_scoped_release release;
+            return e.decode(max_steps, s, stops, step0);
+          },
+          "max_steps"_a, "sampling"_a, "stop_ids"_a, "step0"_a = 0,
+          "Sample and run up to max_steps tokens; stops after a stop id (included).");
+}
+
+}  // namespace
+
+void bind_engines(nb::module_& m) {
+  nb::enum_<ti::WFormat>(m, "WFormat", "A matrix format on the device (cpp/core/quant.h).")
+      .value("fp16", ti::WFormat::F16)
+      .value("int8", ti::WFormat::I8)
+      .value("int4", ti::WFormat::I4);
+  nb::enum_<ti::DType>(m, "DType", "A source tensor's element type (bf16 arrives as uint16 bits).")
+      .value("fp32", ti::DType::F32)
+      .value("fp16", ti::DType::F16)
+      .value("bf16", ti::DType::BF16);
+
+  nb::class_<ti::WeightStore>(m, "WeightStore", "Named host tensors in, checked fp32 weights out.")
+      .def(nb::init<const ti::ModelConfig&>(), "config"_a)
+      .def(
+          "add",
+          [](ti::WeightStore& w, const std::string& name, nb::ndarray<nb::c_contig, nb::device::cpu, nb::ro> a,
+             const DTypeArg& dtype) {
+            const ti::DType t = to_dtype(dtype);
+            if (a.itemsize() != ti::dtype_size(t))
+              ti::fail(ti::ErrorKind::Request, "tensor '" + name + "': array item size " +
+                                                   std::to_string(a.itemsize()) + " does not match dtype " +
+                                                   ti::to_string(t));
+            std::vector<int64_t> shape(a.ndim());
+            for (size_t i = 0; i < a.ndim(); i++) shape[i] = (int64_t)a.shape(i);
+            nb::gil_scoped_release release;
+            w.add(name, t, a.data(), shape);
+          },
+          "name"_a, "array"_a, "dtype"_a,
+          "Copy one tensor in. dtype: DType or 'fp32' | 'fp16' | 'bf16' (bf16 passed as a uint16 array).")
+      .def("finish", &ti::WeightStore::finish)
+      .def(
+          "quantize", [](ti::WeightStore& w, const FormatArg& f) { w.quantize(to_format(f)); },
+          "format"_a, nb::call_guard<nb::gil_scoped_release>(),
+          "The CPU engine's view of a quantized model: every matrix := dequantize(quantize(fp16(w))).")
+      .def_prop_ro("format", &ti::WeightStore::format)
+      .def(
+          "add_int4",
+          [](ti::WeightStore& w, const std::string& name,
+             nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> q,
+             nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> sm) {
+            const int64_t rows = (int64_t)q.shape(0), K = (int64_t)q.shape(1) * 2;
+            if ((int64_t)sm.shape(0) != rows || (int64_t)sm.shape(1) != K / ti::kI4Group * 2)
+              ti::fail(ti::ErrorKind::Request, "add_int4 '" + name + "': sm must be (rows, K / 32 * 2)");
+            w.add_int4(name, q.data(), sm.data(), rows, K);
+          },
+          "name"_a, "q"_a, "sm"_a,
+          "An already-int4 matrix (cpp/core/quant.h layout; a GGUF Q4_0/Q4_1 tensor converted block for block).")
+      .def("is_imported", [](const ti::WeightStore& w, const std::string& n) { return w.imported(n) != nullptr; })
+      .def("expected_shape", &ti::WeightStore::expected_shape, "name"_a)
+      .def("required_names", &ti::WeightStore::required_names)
+      .def_prop_ro("config", &ti::WeightStore::config);
+
+  auto cpu = nb::class_<ti::CpuEngine>(m, "CpuEngine", "The fp32 reference engine (one sequence).");
+  cpu.def(nb::init<std::shared_ptr<const ti::WeightStore>, int64_t>(), "weights"_a, "max_seq_len"_a);
+  bind_engine_common<ti::CpuEngine>(cpu);
+
+  // The paged KV cache's host bookkeeping (cpp/gpu/kv_pages.h: plain C++, in every build), for its CPU tests and
+  // a later scheduler.
+  nb::class_<ti::KvPagePool>(m, "KvPagePool", "A pool of KV-cache page ids with a free list.")
+      .def(nb::init<int64_t, int, uint64_t>(), "n_pages"_a, "page_size"_a, "shuffle_seed"_a = 0)
+      .def_prop_ro("page_size", &ti::KvPagePool::page_size)
+      .def_prop_ro("n_pages", &ti::KvPagePool::n_pages)
+      .def_prop_ro("free_pages", &ti::KvPagePool::free_pages)
+      .def("pages_for", &ti::KvPagePool::pages_for, "positions"_a);
+  nb::class_<ti::KvSequence>(m, "KvSequence", "One sequence's page table over a KvPagePool.")
+      .def(nb::init<const ti::KvPagePool&, int64_t>(), "pool"_a, "max_positions"_a)
+      .def("grow", &ti::KvSequence::grow, "pool"_a, "positions"_a,
+           "Cover positions [0, positions) with pages; returns the first table index that changed.")
+      .def("release", &ti::KvSequence::release, "pool"_a)
+      .def_prop_ro("table", &ti::KvSequence::table)
+      .def_prop_ro("max_pages", &ti::KvSequence::max_pages);
+
+#ifdef TINYINFER_WITH_CUDA
+  nb::enum_<ti::MatrixRole>(m, "MatrixRole", "A GEMV shape of the decode step (cpp/gpu/gemv_plan.h).")
+      .value("Qkv", ti::MatrixRole::Qkv)
+      .value("O", ti::MatrixRole::O)
+      .value("GateUp", ti::MatrixRole::GateUp)
+      .value("Down", ti::MatrixRole::Down)
+      .value("LmHead", ti::MatrixRole::LmHead);
+  nb::class_<ti::GemvPin>(m, "GemvPin", "A GEMV variant forced for one role after tuning (CudaOptions.gemv_pins).")
+      .def(
+          "__init__",
+          [](ti::GemvPin* p, ti::MatrixRole role, int rows_per_warp, int blocks_per_sm) {
+            const ti::GemvPin pin{role, rows_per_warp, blocks_per_sm};
+            ti::check_pin(pin);
+            new (p) ti::GemvPin(pin);
+          },
+          "role"_a, "rows_per_warp"_a, "blocks_per_sm"_a,
+          "rows_per_warp: 1, 2, 4 or 8 (split-K); blocks_per_sm: 0 (a block per tile), 1 or 2.")
+      .def_rw("role", &ti::GemvPin::role)
+      .def_rw("rows_per_warp", &ti::GemvPin::rows_per_warp)
+      .def_rw("blocks_per_sm", &ti::GemvPin::blocks_per_sm)
+      .def("__repr__", [](const ti::GemvPin& p) {
+        return std::string("GemvPin(") + ti::role_name(p.role) + ", " + std::to_string(p.rows_per_warp) + ", " +
+               std::to_string(p.blocks_per_sm) + ")";
+      });
+  nb::class_<ti::CudaOptions>(m, "CudaOptions", "The GPU engine's options (cpp/gpu/cuda_engine.h).")
+      .def(nb::init<>())
+      .def_rw("pdl", &ti::CudaOptions::pdl)
+      .def_rw("early_trigger", &ti::CudaOptions::early_trigger)
+      .def_rw("trace", &ti::CudaOptions::trace)
+      .def_rw("graphs", &ti::CudaOptions::graphs)
+      .def_rw("attn_chunk", &ti::CudaOptions::attn_chunk)
+      .def_rw("gemv_rows", &ti::CudaOptions::gemv_rows)
+      .def_rw("gemv_grid", &ti::CudaOptions::gemv_grid)
+      .def_rw("gemv_resident_margin", &ti::CudaOptions::gemv_resident_margin)
+      .def_rw("gemv_small_tiles", &ti::CudaOptions::gemv_small_tiles)
+      .def_rw("gemv_pins", &ti::CudaOptions::gemv_pins, "A list of GemvPin (assign a new list; it is copied).")
+      .def_rw("decode_long_from", &ti::CudaOptions::decode_long_from)
+      .def_rw("batched_prefill", &ti::CudaOptions::batched_prefill)
+      .def_rw("prefill_chunk", &ti::CudaOptions::prefill_chunk)
+      .def_rw("gemm_autotune", &ti::CudaOptions::gemm_autotune)
+      .def_rw("kv_page_size", &ti::CudaOptions::kv_page_size)
+      .def_rw("kv_pool_pages", &ti::CudaOptions::kv_pool_pages)
+      .def_rw("kv_page_shuffle", &ti::CudaOptions::kv_page_shuffle)
+      .def_prop_rw(
+          "weights", [](const ti::CudaOptions& o) { return o.weights; },
+          [](ti::CudaOptions& o, const FormatArg& f) { o.weights = to_format(f); },
+          "The matrices' format on the device: WFormat or 'fp16' | 'int8' | 'int4' (quantized at load).");
+  auto gpu = nb::class_<ti::CudaEngine>(m, "CudaEngine", "The GPU engine: fp16 weights, graph-replayed decode.");
+  // (a reference, not a shared_ptr: a shared_ptr to a Python-owned store dying inside the constructor would
+  // drop a Python reference with the GIL released)
+  gpu.def(nb::init<const ti::WeightStore&, int64_t, ti::CudaOptions>(), "weights"_a,
+          "max_seq_len"_a, "options"_a = ti::CudaOptions(), nb::call_guard<nb::gil_scoped_release>())
+      .def_static(
+          "random",
+          [](const ti::ModelConfig& c, int64_t max_seq_len, uint64_t seed, ti::CudaOptions opt) {
+            nb::gil_scoped_release release;
+            return new ti::CudaEngine(c, max_seq_len, seed, opt);
+          },
+          "config"_a, "max_seq_len"_a, "seed"_a = 0, "options"_a = ti::CudaOptions(),
+          nb::rv_policy::take_ownership, "Random fp16 weights at the config's shape, made on the GPU (benchmarks).")
+      .def_prop_ro("last_decode_ms", &ti::CudaEngine::last_decode_ms)
+      .def_prop_ro("weight_bytes", &ti::CudaEngine::weight_bytes)
+      .def_prop_ro("kv_cache_bytes", &ti::CudaEngine::kv_cache_bytes)
+      .def_prop_ro("scratch_bytes", &ti::CudaEngine::scratch_bytes)
+      .def_prop_ro("kv_pages",
+                   [](const ti::CudaEngine& e) {
+                     const auto [size, pool, used] = e.kv_pages();
+                     return nb::make_tuple(size, pool, used);
+                   },
+                   "The paged KV cache: (positions per page, pages in the pool, pages the sequence holds).")
+      .def_prop_ro("uses_pdl", &ti::CudaEngine::uses_pdl)
+      .def_prop_ro("uses_graphs", &ti::CudaEngine::uses_graphs)
+      .def_prop_ro("decode_long",
+                   [](const ti::CudaEngine& e) {
+                     const ti::GemvPlan& p = e.gemv_plan();
+                     return nb::make_tuple(p.long_from, p.qkv_long.rows_per_warp, p.qkv_long.blocks_per_sm);
+                   },
+                   "The long-context decode graph: (from context, qkv R, qkv blocks per SM); from = -1: none.")
+      .def_prop_ro("device_name", &ti::CudaEngine::device_name)
+      .def("gemv_table",
+           [](const ti::CudaEngine& e) {
+             nb::list out;
+             for (const ti::GemvShapePlan& g : e.gemv_plan().shapes) {
+               std::vector<int> tried_R, tried_bps;
+               std::vector<double> us;
+               for (const ti::GemvTrial& t : g.tried) {
+                 tried_R.push_back(t.variant.rows_per_warp);
+                 tried_bps.push_back(t.variant.blocks_per_sm);
+                 us.push_back(t.us);
+               }
+               nb::dict d;
+               d["role"] = g.role;
+               d["name"] = ti::role_name(g.role);
+               d["rows"] = g.rows;
+               d["K"] = g.K;
+               d["copies"] = g.copies;
+               d["R"] = g.chosen.rows_per_warp;
+               d["blocks_per_sm"] = g.chosen.blocks_per_sm;
+               d["tried_R"] = tried_R;
+               d["tried_blocks_per_sm"] = tried_bps;
+               d["us"] = us;
+               d["gb_per_s"] = g.gb_per_s;
+               out.append(d);
+             }
+             return out;
+           },
+           "The load-time GEMV plan, one dict per role: the chosen variant (R, blocks_per_sm) and every one timed.")
+      .def("gemm_table",
+           [](const ti::CudaEngine& e) {
+             nb::list out;
+             for (const auto& [name, t] : e.gemm_table()) {
+               nb::dict d;
+               d["name"] = name;
+               d["M"] = t.M;
+               d["N"] = t.N;
+               d["K"] = t.K;
+               d["out"] = t.out == ti::cuda::GemmOut::F16 ? "f16" : t.out == ti::cuda::GemmOut::AddF32 ? "add_f32" : "f32";
+               d["candidates"] = t.candidates;
+               d["default_us"] = t.default_us;
+               d["tuned_us"] = t.tuned_us;
+               d["chosen"] = t.chosen;
+               d["algo"] = t.algo;
+               d["offered"] = t.offered;
+               d["from_file"] = t.from_file;
+               out.append(d);
+             }
+             return out;
+           },
+           "Every GEMM shape tuned so far: cuBLASLt's default vs the fastest candidate (µs, at the bucket's N).")
+      .def_prop_ro("batched_prefill", &ti::CudaEngine::batched_prefill)
+      .def("save_tactics", &ti::CudaEngine::save_tactics, "The tuned GEMM tactics as text (see load_tactics).")
+      .def("load_tactics", &ti::CudaEngine::load_tactics, "text"_a,
+           "Restore tactics saved by save_tactics (entries cuBLASLt still accepts); returns how many.")
+      .def_prop_ro("tuned_gemms", &ti::CudaEngine::tuned_gemms)
+      .def_static("gemm_fingerprint", &ti::cuda::Gemm::fingerprint,
+                  "What saved tactics are valid for: the cuBLASLt version and the GPU.")
+      .def("time_prefill", &ti::CudaEngine::time_prefill, "n_tokens"_a, "reps"_a,
+           nb::call_guard<nb::gil_scoped_release>(), "GPU ms of one prefill of n_tokens at position 0 (resets).")
+      .def("time_decode_step", &ti::CudaEngine::time_decode_step, "context"_a, "steps"_a,
+           nb::call_guard<nb::gil_scoped_release>(), "GPU ms per graph-replayed decode step at this context.")
+      .def(
+          "trace_step",
+          [](ti::CudaEngine& e, int64_t context) {
+            auto [names, t] = e.trace_step(context);
+            const size_t per = names.empty() ? 0 : t.size() / names.size();
+            nb::list out;
+            for (size_t k = 0; k < names.size(); k++)
+              out.append(nb::make_tuple(names[k], std::vector<uint64_t>(t.begin() + k * per, t.begin() + (k + 1) * per)));
+            return out;
+          },
+          "context"_a,
+          "CudaOptions.trace engines: one decode step; per kernel (name, kTraceBlocks x 4 global-timer ns: start, "
+          "after the PDL wait, after the prologue, end; 0 = block absent).")
+      .def("time_attention", &ti::CudaEngine::time_attention, "context"_a, "reps"_a,
+           nb::call_guard<nb::gil_scoped_release>(), "GPU µs of one layer's decode attention at this context.");
+  bind_engine_common<ti::CudaEngine>(gpu);
+#endif
+}
+
+}  // namespace tinyinfer_bindings

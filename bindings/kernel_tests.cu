@@ -1,0 +1,383 @@
+#include <cmath>
+#include <limits>
+
+#include "../cuda/attention.cuh"
+#include "../cuda/common.cuh"
+#include "kernel_tests.h"
+#include "../cuda/prefill.cuh"
+#include "../cuda/prefill_attention.cuh"
+#include "../cuda/sampling.cuh"
+
+namespace ti::cuda {
+
+namespace {
+
+// A device buffer freed on scope exit (test drivers only; the engine owns its memory differently).
+struct Buf {
+  void* p = nullptr;
+  explicit Buf(size_t bytes) { TI_CUDA_CHECK(cudaMalloc(&p, bytes < 16 ? 16 : bytes)); }
+  ~Buf() { cudaFree(p); }
+  template <typename T>
+  T* as() { return static_cast<T*>(p); }
+};
+
+void put(void* dst, const void* src, size_t bytes) { TI_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice)); }
+void get(void* dst, const void* src, size_t bytes) { TI_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost)); }
+
+// The vectors of one GEMV call on the device: input x (fp16, zero padded to the staged width ld, or fp32 for
+// F32Norm), norm weight, output y (y_init for AddF32, else NaN-poisoned); result() reads y back as floats.
+struct GemvIO {
+  Buf dx, dn, dy;
+  int rows, n_out;
+  GemvOut out;
+  GemvIO(int ld, int K, int rows_, const float* x, const float* norm_w, const float* y_init, GemvIn in, GemvOut out_)
+      : dx((size_t)ld * 4), dn((size_t)K * 4), dy((size_t)rows_ * 4), rows(rows_),
+        n_out(out_ == GemvOut::Swiglu ? rows_ / 2 : rows_), out(out_) {
+    if (in == GemvIn::F16) {
+      std::vector<__half> xh((size_t)ld, __float2half(0.0f));
+      for (int k = 0; k < K; k++) xh[k] = __float2half(x[k]);
+      put(dx.p, xh.data(), (size_t)ld * 2);
+    } else {
+      put(dx.p, x, (size_t)K * 4);
+      put(dn.p, norm_w, (size_t)K * 4);
+    }
+    if (out == GemvOut::AddF32) put(dy.p, y_init, (size_t)rows * 4);
+    else TI_CUDA_CHECK(cudaMemset(dy.p, 0xFF, (size_t)rows * 4));  // NaN in fp32 and fp16: poison
+  }
+  void into(GemvParams& p) {
+    p.x = dx.p;
+    p.norm_w = dn.as<float>();
+    p.y = dy.p;
+  }
+  std::vector<float> result() {
+    std::vector<float> y((size_t)n_out);
+    if (out == GemvOut::Swiglu) {
+      std::vector<__half> yh((size_t)n_out);
+      get(yh.data(), dy.p, (size_t)n_out * 2);
+      for (int i = 0; i < n_out; i++) y[i] = __half2float(yh[i]);
+    } else {
+      get(y.data(), dy.p, (size_t)n_out * 4);
+    }
+    return y;
+  }
+};
+
+// A HostPages cache on the device: the pools and the table uploaded; back() copies the pools to the host.
+struct DevicePages {
+  HostPages h;
+  Buf k, v, table;
+  explicit DevicePages(const HostPages& hp)
+      : h(hp), k(hp.elems() * 2), v(hp.elems() * 2), table((size_t)hp.table_len * 4) {
+    put(k.p, h.k, h.elems() * 2);
+    put(v.p, h.v, h.elems() * 2);
+    put(table.p, h.table, (size_t)h.table_len * 4);
+  }
+  void back() {
+    get(h.k, k.p, h.elems() * 2);
+    get(h.v, v.p, h.elems() * 2);
+  }
+};
+
+}  // namespace
+
+int HostPages::page_shift() const {
+  int s = 0;
+  while ((1 << s) < page_size) s++;
+  return s;
+}
+
+std::vector<float> run_gemv(const uint16_t* W, int rows, int K, const float* x, const float* norm_w, float eps,
+                            const float* y_init, int R, GemvIn in, GemvOut out, int blocks_per_sm) {
+  const int ld = (int)pad8(K);
+  std::vector<uint16_t> wp((size_t)rows * ld, 0);
+  for (int r = 0; r < rows; r++)
+    for (int k = 0; k < K; k++) wp[(size_t)r * ld + k] = W[(size_t)r * K + k];
+  Buf dW(wp.size() * 2);
+  put(dW.p, wp.data(), wp.size() * 2);
+  GemvIO io(ld, K, rows, x, norm_w, y_init, in, out);
+  GemvParams p;
+  p.W = dW.as<__half>();
+  p.rows = rows;
+  p.K = K;
+  p.ld = ld;
+  p.eps = eps;
+  p.blocks_per_sm = blocks_per_sm;
+  io.into(p);
+  gemv(p, R, in, out, 0, false);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  return io.result();
+}
+
+std::vector<float> run_decode_attention(const float* qkv, HostPages cache, const float* cos, const float* sin,
+                                        int pos, int n_heads, int max_seq, int chunk) {
+  const int head_dim = cache.head_dim, q_dim = n_heads * head_dim, kv_dim = cache.n_kv_heads * head_dim;
+  const size_t table = (size_t)max_seq * head_dim / 2;
+  const int max_chunks = (max_seq + chunk - 1) / chunk;
+  DevicePages dc(cache);
+  Buf dqkv((size_t)(q_dim + 2 * kv_dim) * 4), dcos(table * 4), dsin(table * 4), dpos(4),
+      dpo((size_t)n_heads * max_chunks * head_dim * 4), dpml((size_t)n_heads * max_chunks * 2 * 4),
+      dout((size_t)q_dim * 2);
+  put(dqkv.p, qkv, (size_t)(q_dim + 2 * kv_dim) * 4);
+  put(dcos.p, cos, table * 4);
+  put(dsin.p, sin, table * 4);
+  put(dpos.p, &pos, 4);
+  TI_CUDA_CHECK(cudaMemset(dpo.p, 0xFF, (size_t)n_heads * max_chunks * head_dim * 4));
+  TI_CUDA_CHECK(cudaMemset(dpml.p, 0xFF, (size_t)n_heads * max_chunks * 2 * 4));
+  TI_CUDA_CHECK(cudaMemset(dout.p, 0xFF, (size_t)q_dim * 2));
+  DecodeAttnParams a;
+  a.qkv = dqkv.as<float>();
+  a.k_pages = dc.k.as<__half>();
+  a.v_pages = dc.v.as<__half>();
+  a.page_table = dc.table.as<int>();
+  a.page_shift = cache.page_shift();
+  a.rope_cos = dcos.as<float>();
+  a.rope_sin = dsin.as<float>();
+  a.pos = dpos.as<int>();
+  a.part_o = dpo.as<float>();
+  a.part_ml = dpml.as<float>();
+  a.out = dout.as<__half>();
+  a.n_heads = n_heads;
+  a.n_kv_heads = cache.n_kv_heads;
+  a.head_dim = head_dim;
+  a.max_seq = max_seq;
+  a.chunk = chunk;
+  a.scale = 1.0f / std::sqrt((float)head_dim);
+  decode_attention(a, 0, false);
+  // Twice, the output poisoned in between: a second call must work from the state the first one left
+  // (the second call rewrites the same rope(k), v at pos).
+  TI_CUDA_CHECK(cudaMemset(dout.p, 0xFF, (size_t)q_dim * 2));
+  decode_attention(a, 0, false);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<__half> oh((size_t)q_dim);
+  get(oh.data(), dout.p, (size_t)q_dim * 2);
+  dc.back();
+  std::vector<float> o((size_t)q_dim);
+  for (int i = 0; i < q_dim; i++) o[i] = __half2float(oh[i]);
+  return o;
+}
+
+std::vector<float> run_rope_rows(const float* qkv, HostPages cache, const float* cos, const float* sin, int T,
+                                 int pos0, int n_heads) {
+  const int hd = cache.head_dim, q_dim = n_heads * hd, ld = q_dim + 2 * cache.n_kv_heads * hd;
+  const size_t rope = (size_t)(pos0 + T) * hd / 2, nq = (size_t)T * q_dim;
+  DevicePages dc(cache);
+  Buf dqkv((size_t)T * ld * 4), dcos(rope * 4), dsin(rope * 4), dq(nq * 2);
+  put(dqkv.p, qkv, (size_t)T * ld * 4);
+  put(dcos.p, cos, rope * 4);
+  put(dsin.p, sin, rope * 4);
+  TI_CUDA_CHECK(cudaMemset(dq.p, 0xFF, nq * 2));
+  RopeRowsParams r;
+  r.qkv = dqkv.as<float>();
+  r.ldqkv = ld;
+  r.cos = dcos.as<float>();
+  r.sin = dsin.as<float>();
+  r.q = dq.as<__half>();
+  r.k_pages = dc.k.as<__half>();
+  r.v_pages = dc.v.as<__half>();
+  r.page_table = dc.table.as<int>();
+  r.page_shift = cache.page_shift();
+  r.T = T;
+  r.pos0 = pos0;
+  r.n_heads = n_heads;
+  r.n_kv_heads = cache.n_kv_heads;
+  r.head_dim = hd;
+  rope_rows(r, 0);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  dc.back();
+  std::vector<__half> qh(nq);
+  get(qh.data(), dq.p, nq * 2);
+  std::vector<float> q(nq);
+  for (size_t i = 0; i < nq; i++) q[i] = __half2float(qh[i]);
+  return q;
+}
+
+int run_sample(const float* logits, int vocab, float temperature, int top_k, float top_p, float min_p,
+               float repetition_penalty, unsigned long long seed, int step, const unsigned char* seen) {
+  Buf dl((size_t)vocab * 4), dsp(sizeof(DeviceSampling)), dseen((size_t)vocab), dp((size_t)vocab * 4),
+      dst(sizeof(DecodeState)), dout(4);
+  put(dl.p, logits, (size_t)vocab * 4);
+  DeviceSampling sp{temperature, top_k, top_p, min_p, repetition_penalty, seed};
+  put(dsp.p, &sp, sizeof(sp));
+  put(dseen.p, seen, (size_t)vocab);
+  DecodeState st{0, 0, step, step};
+  put(dst.p, &st, sizeof(st));
+  sample_token(dl.as<float>(), vocab, dsp.as<DeviceSampling>(), dseen.as<unsigned char>(), dp.as<float>(),
+               dst.as<DecodeState>(), dout.as<int>(), 0, false);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  int tok = -1;
+  get(&tok, dout.p, 4);
+  return tok;
+}
+
+std::vector<float> run_gemm(const uint16_t* W, const float* X, const float* Y_init, int M, int N, int K, GemmOut out,
+                            bool autotune) {
+  const int ldk = (int)pad8(K), ldy = (int)pad8(M);
+  // Padding columns hold NaN: the product must never read past K (nor write past M).
+  std::vector<uint16_t> wp((size_t)M * ldk, 0x7E00), xp((size_t)N * ldk, 0x7E00);
+  for (int m = 0; m < M; m++)
+    for (int k = 0; k < K; k++) wp[(size_t)m * ldk + k] = W[(size_t)m * K + k];
+  for (int n = 0; n < N; n++)
+    for (int k = 0; k < K; k++) {
+      const __half h = __float2half(X[(size_t)n * K + k]);
+      xp[(size_t)n * ldk + k] = *reinterpret_cast<const uint16_t*>(&h);
+    }
+  const size_t y_elt = out == GemmOut::F16 ? 2 : 4;
+  Buf dW(wp.size() * 2), dX(xp.size() * 2), dY((size_t)N * ldy * y_elt);
+  put(dW.p, wp.data(), wp.size() * 2);
+  put(dX.p, xp.data(), xp.size() * 2);
+  if (out == GemmOut::AddF32) {
+    std::vector<float> yp((size_t)N * ldy, 0.0f);
+    for (int n = 0; n < N; n++)
+      for (int m = 0; m < M; m++) yp[(size_t)n * ldy + m] = Y_init[(size_t)n * M + m];
+    put(dY.p, yp.data(), yp.size() * 4);
+  } else {
+    TI_CUDA_CHECK(cudaMemset(dY.p, 0xFF, (size_t)N * ldy * y_elt));  // poison
+  }
+  Gemm gemm;
+  gemm.autotune = autotune;
+  GemmArgs a;
+  a.W = dW.as<__half>();
+  a.X = dX.as<__half>();
+  a.Y = dY.p;
+  a.M = M;
+  a.N = N;
+  a.K = K;
+  a.ldw = a.ldx = ldk;
+  a.ldy = ldy;
+  a.out = out;
+  gemm.run(a, 0);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> y((size_t)N * M);
+  if (out == GemmOut::F16) {
+    std::vector<__half> yh((size_t)N * ldy);
+    get(yh.data(), dY.p, yh.size() * 2);
+    for (int n = 0; n < N; n++)
+      for (int m = 0; m < M; m++) y[(size_t)n * M + m] = __half2float(yh[(size_t)n * ldy + m]);
+  } else {
+    std::vector<float> yf((size_t)N * ldy);
+    get(yf.data(), dY.p, yf.size() * 4);
+    for (int n = 0; n < N; n++)
+      for (int m = 0; m < M; m++) y[(size_t)n * M + m] = yf[(size_t)n * ldy + m];
+  }
+  return y;
+}
+
+std::vector<float> run_prefill_attention(const float* q, HostPages cache, int T, int pos0, int n_heads, int stages) {
+  const int hd = cache.head_dim, q_dim = n_heads * hd;
+  const size_t nq = (size_t)T * q_dim;
+  std::vector<__half> qh(nq);
+  for (size_t i = 0; i < nq; i++) qh[i] = __float2half(q[i]);
+  DevicePages dc(cache);
+  Buf dq(nq * 2), dout(nq * 2);
+  put(dq.p, qh.data(), nq * 2);
+  TI_CUDA_CHECK(cudaMemset(dout.p, 0xFF, nq * 2));
+  PrefillAttnParams a;
+  a.q = dq.as<__half>();
+  a.k_pages = dc.k.as<__half>();
+  a.v_pages = dc.v.as<__half>();
+  a.page_table = dc.table.as<int>();
+  a.page_shift = cache.page_shift();
+  a.out = dout.as<__half>();
+  a.ldo = q_dim;
+  a.T = T;
+  a.pos0 = pos0;
+  a.n_heads = n_heads;
+  a.n_kv_heads = cache.n_kv_heads;
+  a.head_dim = hd;
+  a.max_seq = cache.table_len * cache.page_size;
+  a.scale = 1.0f / std::sqrt((float)hd);
+  a.stages = stages;
+  prefill_attention(a, 0);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<__half> oh(nq);
+  get(oh.data(), dout.p, nq * 2);
+  std::vector<float> o(nq);
+  for (size_t i = 0; i < nq; i++) o[i] = __half2float(oh[i]);
+  return o;
+}
+
+namespace {
+
+// W (rows, K) fp32 -> fp16 rows padded to 8 on the device, and an allocated QMat of the format quantized from it.
+struct DeviceQuant {
+  Buf w16, q, sc;
+  QMat m;
+  DeviceQuant(const float* W, int rows, int K, WFormat fmt)
+      : w16((size_t)rows * pad8(K) * 2),
+        q((size_t)rows * (fmt == WFormat::I8 ? i8_ld(K) : i4_ld(K))),
+        sc(fmt == WFormat::I8 ? (size_t)rows * 4 : (size_t)rows * (K / kI4Group) * 4) {
+    const int ldh = (int)pad8(K);
+    std::vector<__half> h((size_t)rows * ldh, __float2half(0.0f));
+    for (int r = 0; r < rows; r++)
+      for (int k = 0; k < K; k++) h[(size_t)r * ldh + k] = __float2half(W[(size_t)r * K + k]);
+    put(w16.p, h.data(), h.size() * 2);
+    m.fmt = fmt;
+    m.q = q.p;
+    m.scales = sc.p;
+    m.rows = rows;
+    m.K = K;
+    m.ld = (int)(fmt == WFormat::I8 ? i8_ld(K) : i4_ld(K));
+    quantize_matrix(w16.as<__half>(), ldh, m, 0);
+    TI_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+};
+
+void check_quant_shape(int K, WFormat fmt) {
+  if (fmt == WFormat::F16) fail(ErrorKind::Request, "quantized op: format must be int8 or int4");
+  if (fmt == WFormat::I4 && K % kI4Group != 0)
+    fail(ErrorKind::Unsupported, "int4 weights need K to be a multiple of 32, got " + std::to_string(K));
+}
+
+}  // namespace
+
+QuantBytes run_quantize(const float* W, int rows, int K, WFormat fmt) {
+  check_quant_shape(K, fmt);
+  DeviceQuant d(W, rows, K, fmt);
+  QuantBytes out;
+  out.ld = d.m.ld;
+  out.q.resize((size_t)rows * d.m.ld);
+  out.scales.resize(fmt == WFormat::I8 ? (size_t)rows * 4 : (size_t)rows * (K / kI4Group) * 4);
+  get(out.q.data(), d.q.p, out.q.size());
+  get(out.scales.data(), d.sc.p, out.scales.size());
+  return out;
+}
+
+std::vector<float> run_dequantize(const float* W, int rows, int K, WFormat fmt) {
+  check_quant_shape(K, fmt);
+  DeviceQuant d(W, rows, K, fmt);
+  const int ldo = (int)pad8(K);
+  Buf out((size_t)rows * ldo * 2);
+  dequantize_matrix(d.m, out.as<__half>(), ldo, 0);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<__half> h((size_t)rows * ldo);
+  get(h.data(), out.p, h.size() * 2);
+  std::vector<float> w((size_t)rows * K);
+  for (int r = 0; r < rows; r++)
+    for (int k = 0; k < K; k++) w[(size_t)r * K + k] = __half2float(h[(size_t)r * ldo + k]);
+  return w;
+}
+
+std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, const float* x, const float* norm_w,
+                                  float eps, const float* y_init, int R, GemvIn in, GemvOut out,
+                                  int blocks_per_sm) {
+  check_quant_shape(K, fmt);
+  DeviceQuant d(W, rows, K, fmt);
+  const int ld = fmt == WFormat::I8 ? (int)i8_ld(K) : K;  // the staged input width
+  GemvIO io(ld, K, rows, x, norm_w, y_init, in, out);
+  GemvParams p;
+  p.fmt = fmt;
+  p.q = static_cast<const uint8_t*>(d.m.q);
+  p.scales = d.m.scales;
+  p.ldq = d.m.ld;
+  p.rows = rows;
+  p.K = K;
+  p.ld = ld;
+  p.eps = eps;
+  p.blocks_per_sm = blocks_per_sm;
+  io.into(p);
+  gemv(p, R, in, out, 0, false);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  return io.result();
+}
+
+}  // namespace ti::cuda

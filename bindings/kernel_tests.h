@@ -1,0 +1,71 @@
+// kernel_tests.h — host-side drivers that run one kernel on host arrays (upload, launch, download), for the
+// kernel tests and benchmarks in Python (tinyinfer._core.ops). Outputs are poisoned (NaN) before each launch so
+// an element the kernel failed to write shows.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "../cuda/gemm.cuh"
+#include "../cuda/gemv.cuh"
+#include "../cuda/quant.cuh"
+
+namespace ti::cuda {
+
+// W: (rows, K) fp16 bits; x: float[K] (rounded to fp16 for GemvIn::F16); y_init: float[rows] for AddF32.
+// Returns y: rows floats (Swiglu: rows / 2, widened from fp16). blocks_per_sm: GemvParams' (< 0: exactly -n
+// blocks, so that a small matrix too makes each block loop over several tiles).
+std::vector<float> run_gemv(const uint16_t* W, int rows, int K, const float* x, const float* norm_w, float eps,
+                            const float* y_init, int R, GemvIn in, GemvOut out, int blocks_per_sm = 0);
+
+// A paged KV cache of one layer on the host, as the test ops pass it (cuda/kv_layout.cuh): pools of fp16 bits
+// (n_pages, n_kv_heads, page_size, head_dim) and a page table of table_len entries (positions up to
+// table_len * page_size). The drivers copy the pools back after the call (kernels that write the cache).
+struct HostPages {
+  uint16_t* k = nullptr;
+  uint16_t* v = nullptr;
+  const int32_t* table = nullptr;
+  int table_len = 0, n_pages = 0, n_kv_heads = 0, page_size = 0, head_dim = 0;
+  size_t elems() const { return (size_t)n_pages * n_kv_heads * page_size * head_dim; }
+  int page_shift() const;  // log2(page_size)
+};
+
+// One decode-attention call. qkv: float[q_dim + 2 kv_dim]; the cache is updated in place (the kernel writes
+// rope(k), v at pos); cos/sin: (max_seq, head_dim / 2). Returns float[q_dim].
+std::vector<float> run_decode_attention(const float* qkv, HostPages cache, const float* cos, const float* sin,
+                                        int pos, int n_heads, int max_seq, int chunk);
+
+// One rope_rows call (cuda/prefill.cu, the prefill's cache write) for T tokens at pos0..: qkv (T, q_dim + 2 kv_dim)
+// floats; writes rope(k), v into the cache (updated in place); returns rope(q) (T, q_dim) floats (from fp16).
+// cos/sin: (max_seq, head_dim / 2).
+std::vector<float> run_rope_rows(const float* qkv, HostPages cache, const float* cos, const float* sin, int T,
+                                 int pos0, int n_heads);
+
+// One sampling call over logits[vocab]; returns the chosen token. seen: vocab bytes (repetition penalty).
+int run_sample(const float* logits, int vocab, float temperature, int top_k, float top_p, float min_p,
+               float repetition_penalty, unsigned long long seed, int step, const unsigned char* seen);
+
+// The device quantizer on W (rows, K) fp32 (rounded to fp16 first, as in the engine): q bytes (rows, ld) and the
+// scales' raw bytes (I8: rows floats; I4: rows * K/32 half2).
+struct QuantBytes {
+  std::vector<uint8_t> q, scales;
+  int64_t ld = 0;
+};
+QuantBytes run_quantize(const float* W, int rows, int K, WFormat fmt);
+// quantize on the device, then dequantize to fp16 rows: (rows, K) floats.
+std::vector<float> run_dequantize(const float* W, int rows, int K, WFormat fmt);
+// One GEMV over W quantized on the device (as run_gemv otherwise; in/out: the pairs quantized GEMVs have).
+std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, const float* x, const float* norm_w,
+                                  float eps, const float* y_init, int R, GemvIn in, GemvOut out,
+                                  int blocks_per_sm = 0);
+
+// One GEMM (cuBLASLt, gemm.cu) Y = X W^T (+ Y_init for AddF32). W: (M, K) fp16 bits; X: (N, K) floats (rounded
+// to fp16); Y_init: (N, M). Returns Y (N, M) floats (widened from fp16 for GemmOut::F16). autotune: time the
+// candidates first (else cuBLASLt's default).
+std::vector<float> run_gemm(const uint16_t* W, const float* X, const float* Y_init, int M, int N, int K, GemmOut out,
+                            bool autotune);
+
+// One prefill-attention call over T tokens at pos0..pos0+T-1. q: (T, n_heads * head_dim) floats (rounded to
+// fp16); the cache holds positions 0..pos0+T-1. Returns (T, n_heads * head_dim) floats.
+std::vector<float> run_prefill_attention(const float* q, HostPages cache, int T, int pos0, int n_heads, int stages);
+
+}  // namespace ti::cuda

@@ -1,0 +1,348 @@
+// ops.cpp — tinyinfer._core.ops: single operations on numpy arrays, for tests and benchmarks. The CPU ops are
+// the reference (cpp/core, cpp/cpu); the GPU ops run one kernel each through bindings/kernel_tests.h. Modes are
+// enums (ops.GemvIn, ops.GemvOut, ops.GemmOut): a misspelled mode is an error, never a fallback.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "../cpp/core/quant.h"
+#include "../cpp/core/rope.h"
+#include "../cpp/core/sampling.h"
+#include "../cpp/cpu/cpu_engine.h"
+#include "common.h"
+#ifdef TINYINFER_WITH_CUDA
+#include "../cuda/bandwidth.cuh"
+#include "../cuda/device.cuh"
+#include "kernel_tests.h"
+#endif
+
+namespace tinyinfer_bindings {
+
+using namespace nb::literals;
+
+namespace {
+
+#ifdef TINYINFER_WITH_CUDA
+// The GEMV test ops' vector lengths, checked the same way for every weight format.
+void check_gemv_args(const char* who, ti::cuda::GemvIn in, ti::cuda::GemvOut out, int rows, int K, const F32In1& x,
+                     const F32In1& norm_w, const F32In1& y_init) {
+  const std::string w = who;
+  if ((int)x.shape(0) != K) ti::fail(ti::ErrorKind::Request, w + ": len(x) != W.shape[1]");
+  if (in == ti::cuda::GemvIn::F32Norm && (int)norm_w.shape(0) != K)
+    ti::fail(ti::ErrorKind::Request, w + ": len(norm_w) != K");
+  if (out == ti::cuda::GemvOut::AddF32 && (int)y_init.shape(0) != rows)
+    ti::fail(ti::ErrorKind::Request, w + ": len(y_init) != rows");
+}
+
+using U16Pages = nb::ndarray<uint16_t, nb::ndim<4>, nb::c_contig, nb::device::cpu>;
+using I32In1 = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// A paged cache as the attention test ops take it (pools (n_pages, n_kv_heads, page_size, head_dim) of fp16 bits and
+// a page table), checked: the pools agree in shape, page_size is a power of two, the table reaches n_positions
+// and its entries for positions [0, n_positions) name pages of the pool.
+ti::cuda::HostPages host_pages(const char* who, U16Pages& k, U16Pages& v, const I32In1& table, int64_t n_positions) {
+  const std::string w = who;
+  for (size_t d = 0; d < 4; d++)
+    if (k.shape(d) != v.shape(d)) ti::fail(ti::ErrorKind::Request, w + ": k and v pages differ in shape");
+  ti::cuda::HostPages h;
+  h.k = k.data();
+  h.v = v.data();
+  h.table = table.data();
+  h.table_len = (int)table.shape(0);
+  h.n_pages = (int)k.shape(0);
+  h.n_kv_heads = (int)k.shape(1);
+  h.page_size = (int)k.shape(2);
+  h.head_dim = (int)k.shape(3);
+  if (h.page_size < 1 || (h.page_size & (h.page_size - 1)))
+    ti::fail(ti::ErrorKind::Request, w + ": page size (pages.shape[2]) must be a power of two, got " +
+                                         std::to_string(h.page_size));
+  if (n_positions < 0 || n_positions > (int64_t)h.table_len * h.page_size)
+    ti::fail(ti::ErrorKind::Request, w + ": positions out of range of a page table of " +
+                                         std::to_string(h.table_len) + " pages");
+  for (int64_t j = 0; j < (n_positions + h.page_size - 1) / h.page_size; j++)
+    if (h.table[j] < 0 || h.table[j] >= h.n_pages)
+      ti::fail(ti::ErrorKind::Request, w + ": page_table[" + std::to_string(j) + "] = " +
+                                           std::to_string(h.table[j]) + " is not a page of a pool of " +
+                                           std::to_string(h.n_pages));
+  return h;
+}
+#endif
+
+}  // namespace
+
+void bind_ops(nb::module_& m) {
+  nb::module_ ops = m.def_submodule("ops", "Single operations on numpy arrays, for tests and benchmarks.");
+  ops.def("rope_inv_freq", &ti::rope_inv_freq, "config"_a, "The (head_dim/2) scaled RoPE inverse frequencies.");
+  ops.def(
+      "quantize_ref",
+      [](F32In2 W, const FormatArg& f) {
+        const ti::WFormat fmt = to_format(f);
+        ti::QuantMatrix m = ti::quantize(fmt, W.data(), (int64_t)W.shape(0), (int64_t)W.shape(1));
+        std::vector<uint8_t> sc(fmt == ti::WFormat::I8 ? m.scale.size() * 4 : m.sm.size() * 2);
+        if (fmt == ti::WFormat::I8) std::memcpy(sc.data(), m.scale.data(), sc.size());
+        else std::memcpy(sc.data(), m.sm.data(), sc.size());
+        return quant_dict(m.q, sc, m.rows, m.ld, fmt, m.K);
+      },
+      "W"_a, "format"_a, "The reference packer (cpp/core/quant.cpp): {'q': (rows, ld) uint8, 'scales': ...}.");
+  ops.def(
+      "dequantize_ref",
+      [](F32In2 W, const FormatArg& f) {
+        std::vector<float> w(W.data(), W.data() + W.size());
+        ti::quantize_dequantize(to_format(f), w.data(), (int64_t)W.shape(0), (int64_t)W.shape(1));
+        return numpy_copy(w, W.shape(0), W.shape(1));
+      },
+      "W"_a, "format"_a, "dequantize(quantize(fp16(W))): the numbers the CPU engine computes with.");
+  ops.def(
+      "matmul",
+      [](F32In2 x, F32In2 w) {
+        if (x.shape(1) != w.shape(1)) ti::fail(ti::ErrorKind::Request, "matmul: x and W have different widths");
+        float* out = nullptr;
+        F32Out y = new_f32_array(x.shape(0), w.shape(0), &out);
+        ti::matmul(out, x.data(), w.data(), (int64_t)x.shape(0), (int64_t)w.shape(0), (int64_t)x.shape(1));
+        return y;
+      },
+      "x"_a, "w"_a, "x @ w.T in fp32 (the CPU twin of the GEMV/GEMM kernels).");
+  ops.def(
+      "rmsnorm",
+      [](F32In2 x, F32In1 w, float eps) {
+        if (x.shape(1) != w.shape(0)) ti::fail(ti::ErrorKind::Request, "rmsnorm: weight length != row width");
+        float* out = nullptr;
+        F32Out y = new_f32_array(x.shape(0), x.shape(1), &out);
+        ti::rmsnorm(out, x.data(), w.data(), (int64_t)x.shape(0), (int64_t)x.shape(1), eps);
+        return y;
+      },
+      "x"_a, "weight"_a, "eps"_a);
+  ops.def("uniform_from_counter", &ti::uniform_from_counter, "seed"_a, "step"_a);
+
+#ifdef TINYINFER_WITH_CUDA
+  nb::enum_<ti::cuda::GemvIn>(ops, "GemvIn", "A GEMV's input: an fp16 vector, or the fp32 residual RMS-normed.")
+      .value("F16", ti::cuda::GemvIn::F16)
+      .value("F32Norm", ti::cuda::GemvIn::F32Norm);
+  nb::enum_<ti::cuda::GemvOut>(ops, "GemvOut", "A GEMV's output: fp32, fp32 added in place, or silu(g) * u fp16.")
+      .value("F32", ti::cuda::GemvOut::F32)
+      .value("AddF32", ti::cuda::GemvOut::AddF32)
+      .value("Swiglu", ti::cuda::GemvOut::Swiglu);
+  nb::enum_<ti::cuda::GemmOut>(ops, "GemmOut", "A GEMM's output: fp32, fp32 accumulated (beta = 1), or fp16.")
+      .value("F32", ti::cuda::GemmOut::F32)
+      .value("AddF32", ti::cuda::GemmOut::AddF32)
+      .value("F16", ti::cuda::GemmOut::F16);
+  ops.def("cuda_compiled", []() { return true; });
+  ops.def("device_status", []() {
+    ti::cuda::DeviceStatus s = ti::cuda::device_status();
+    nb::dict d;
+    d["usable"] = s.usable;
+    d["count"] = s.count;
+    d["name"] = s.name;
+    d["compute_capability"] = std::to_string(s.cc_major) + "." + std::to_string(s.cc_minor);
+    d["total_mem"] = s.total_mem;
+    d["reason"] = s.reason;
+    return d;
+  });
+  ops.def(
+      "read_bandwidth",
+      [](size_t bytes, int iters) {
+        ti::cuda::BandwidthResult r;
+        {
+          nb::gil_scoped_release release;
+          r = ti::cuda::measure_read_bandwidth(bytes, iters);
+        }
+        nb::dict d;
+        d["gb_per_s"] = r.gb_per_s;
+        d["bytes"] = r.bytes;
+        d["best_ms"] = r.best_ms;
+        d["blocks"] = r.blocks;
+        return d;
+      },
+      "bytes"_a = (size_t)1 << 31, "iters"_a = 20,
+      "Streaming-read bandwidth of GPU 0 (cuda/bandwidth.cu): best of `iters` passes over `bytes`.");
+  ops.def(
+      "kernel_chain_us",
+      [](int kernels, int blocks, bool pdl, bool early) {
+        nb::gil_scoped_release release;
+        return ti::cuda::kernel_chain_us(kernels, blocks, pdl, early);
+      },
+      "kernels"_a = 200, "blocks"_a = 132, "pdl"_a = true, "early"_a = false,
+      "Microseconds per kernel of a graph-replayed chain of dependent near-empty kernels (cuda/bandwidth.cu).");
+  ops.def(
+      "stream_read_xor",
+      [](nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> a, int blocks) {
+        if (blocks < 1) ti::fail(ti::ErrorKind::Request, "blocks must be >= 1");
+        nb::gil_scoped_release release;
+        return ti::cuda::stream_read_xor(a.data(), a.shape(0), blocks);
+      },
+      "data"_a, "blocks"_a, "Runs the bandwidth kernel over `data`; the XOR of all its 32-bit words.");
+  ops.def(
+      "gemv",
+      [](nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> W, F32In1 x, F32In1 norm_w,
+         float eps, F32In1 y_init, int R, ti::cuda::GemvIn in, ti::cuda::GemvOut out, int grid) {
+        const int rows = (int)W.shape(0), K = (int)W.shape(1);
+        check_gemv_args("gemv", in, out, rows, K, x, norm_w, y_init);
+        std::vector<float> y;
+        {
+          nb::gil_scoped_release release;
+          y = ti::cuda::run_gemv(W.data(), rows, K, x.data(), norm_w.data(), eps, y_init.data(), R, in, out, grid);
+        }
+        return y;
+      },
+      "W_f16_bits"_a, "x"_a, "norm_w"_a, "eps"_a, "y_init"_a, "R"_a, "input"_a, "output"_a, "grid"_a = 0,
+      "One GEMV launch (cuda/gemv.cu). input: GemvIn; output: GemvOut; grid: "
+      "GemvParams.blocks_per_sm (0: a block per tile; n > 0: n per SM; n < 0: exactly -n blocks).");
+  ops.def(
+      "decode_attention",
+      [](F32In1 qkv, U16Pages k_pages, U16Pages v_pages, I32In1 page_table, F32In2 cos, F32In2 sin, int pos,
+         int n_heads, int chunk) {
+        const int max_seq = (int)cos.shape(0);
+        if (pos < 0 || pos >= max_seq) ti::fail(ti::ErrorKind::Request, "attention: pos out of range");
+        const ti::cuda::HostPages h = host_pages("attention", k_pages, v_pages, page_table, max_seq);
+        const int hd = h.head_dim;
+        if ((int)qkv.shape(0) != (n_heads + 2 * h.n_kv_heads) * hd) ti::fail(ti::ErrorKind::Request, "attention: bad qkv length");
+        if ((int)cos.shape(1) != hd / 2 || sin.shape(0) != cos.shape(0) || sin.shape(1) != cos.shape(1))
+          ti::fail(ti::ErrorKind::Request, "attention: bad rope table");
+        std::vector<float> o;
+        {
+          nb::gil_scoped_release release;
+          o = ti::cuda::run_decode_attention(qkv.data(), h, cos.data(), sin.data(), pos, n_heads, max_seq, chunk);
+        }
+        return o;
+      },
+      "qkv"_a, "k_pages"_a, "v_pages"_a, "page_table"_a, "cos"_a, "sin"_a, "pos"_a, "n_heads"_a, "chunk"_a,
+      "One decode-attention call (cuda/attention.cu) over a paged cache: pages (n_pages, n_kv_heads, page_size, "
+      "head_dim) of fp16 bits, updated in place; the table covers max_seq = len(cos) positions.");
+  ops.def(
+      "rope_rows",
+      [](F32In2 qkv, U16Pages k_pages, U16Pages v_pages, I32In1 page_table, F32In2 cos, F32In2 sin, int pos0,
+         int n_heads) {
+        const int T = (int)qkv.shape(0);
+        if (T < 1 || pos0 < 0 || (int64_t)pos0 + T > (int64_t)cos.shape(0))
+          ti::fail(ti::ErrorKind::Request, "rope_rows: positions out of range of the rope table");
+        const ti::cuda::HostPages h = host_pages("rope_rows", k_pages, v_pages, page_table, (int64_t)pos0 + T);
+        const int hd = h.head_dim;
+        if ((int)qkv.shape(1) != (n_heads + 2 * h.n_kv_heads) * hd)
+          ti::fail(ti::ErrorKind::Request, "rope_rows: qkv must be (T, (n_heads + 2 n_kv_heads) head_dim)");
+        if ((int)cos.shape(1) != hd / 2 || sin.shape(0) != cos.shape(0) || sin.shape(1) != cos.shape(1))
+          ti::fail(ti::ErrorKind::Request, "rope_rows: bad rope table");
+        std::vector<float> q;
+        {
+          nb::gil_scoped_release release;
+          q = ti::cuda::run_rope_rows(qkv.data(), h, cos.data(), sin.data(), T, pos0, n_heads);
+        }
+        return numpy_copy(q, (size_t)T, (size_t)n_heads * hd);
+      },
+      "qkv"_a, "k_pages"_a, "v_pages"_a, "page_table"_a, "cos"_a, "sin"_a, "pos0"_a, "n_heads"_a,
+      "The prefill's RoPE + cache write (cuda/prefill.cu) for T tokens at pos0..: rope(k), v into the pages "
+      "(updated in place); returns rope(q) (T, n_heads * head_dim) from fp16.");
+  ops.def(
+      "quantize_gpu",
+      [](F32In2 W, const FormatArg& f) {
+        const ti::WFormat fmt = to_format(f);
+        ti::cuda::QuantBytes b;
+        {
+          nb::gil_scoped_release release;
+          b = ti::cuda::run_quantize(W.data(), (int)W.shape(0), (int)W.shape(1), fmt);
+        }
+        return quant_dict(b.q, b.scales, (int64_t)W.shape(0), b.ld, fmt, (int64_t)W.shape(1));
+      },
+      "W"_a, "format"_a, "The device quantizer (cuda/quant.cu) on W: {'q', 'scales'} as ops.quantize_ref gives.");
+  ops.def(
+      "dequantize_gpu",
+      [](F32In2 W, const FormatArg& f) {
+        const ti::WFormat fmt = to_format(f);
+        std::vector<float> w;
+        {
+          nb::gil_scoped_release release;
+          w = ti::cuda::run_dequantize(W.data(), (int)W.shape(0), (int)W.shape(1), fmt);
+        }
+        return numpy_copy(w, W.shape(0), W.shape(1));
+      },
+      "W"_a, "format"_a, "Quantize W on the device, dequantize to fp16 rows (the prefill's path): (rows, K) floats.");
+  ops.def(
+      "gemv_quant",
+      [](F32In2 W, const FormatArg& f, F32In1 x, F32In1 norm_w, float eps, F32In1 y_init, int R,
+         ti::cuda::GemvIn in, ti::cuda::GemvOut out, int grid) {
+        const int rows = (int)W.shape(0), K = (int)W.shape(1);
+        const ti::WFormat fmt = to_format(f);
+        check_gemv_args("gemv_quant", in, out, rows, K, x, norm_w, y_init);
+        std::vector<float> y;
+        {
+          nb::gil_scoped_release release;
+          y = ti::cuda::run_gemv_quant(W.data(), rows, K, fmt, x.data(), norm_w.data(), eps, y_init.data(), R, in,
+                                       out, grid);
+        }
+        return y;
+      },
+      "W"_a, "format"_a, "x"_a, "norm_w"_a, "eps"_a, "y_init"_a, "R"_a, "input"_a, "output"_a, "grid"_a = 0,
+      "One quantized GEMV (cuda/gemv.cu) over W quantized on the device; grid as in gemv.");
+  ops.def(
+      "gemm",
+      [](nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> W, F32In2 X, F32In2 y_init,
+         ti::cuda::GemmOut go, bool autotune) {
+        const int M = (int)W.shape(0), K = (int)W.shape(1), N = (int)X.shape(0);
+        if ((int)X.shape(1) != K) ti::fail(ti::ErrorKind::Request, "gemm: X.shape[1] != W.shape[1]");
+        if (go == ti::cuda::GemmOut::AddF32 && ((int)y_init.shape(0) != N || (int)y_init.shape(1) != M))
+          ti::fail(ti::ErrorKind::Request, "gemm: y_init must be (N, M)");
+        std::vector<float> y;
+        {
+          nb::gil_scoped_release release;
+          y = ti::cuda::run_gemm(W.data(), X.data(), y_init.data(), M, N, K, go, autotune);
+        }
+        float* o = nullptr;
+        F32Out arr = new_f32_array(N, M, &o);
+        std::copy(y.begin(), y.end(), o);
+        return arr;
+      },
+      "W_f16_bits"_a, "X"_a, "y_init"_a, "output"_a, "autotune"_a = true,
+      "One cuBLASLt GEMM (cuda/gemm.cu): X @ W.T (+ y_init for output GemmOut.AddF32).");
+  ops.def(
+      "prefill_attention",
+      [](F32In2 q, U16Pages k_pages, U16Pages v_pages, I32In1 page_table, int pos0, int n_heads, int stages) {
+        const int T = (int)q.shape(0);
+        if (pos0 < 0) ti::fail(ti::ErrorKind::Request, "prefill_attention: positions out of range");
+        const ti::cuda::HostPages h = host_pages("prefill_attention", k_pages, v_pages, page_table, (int64_t)pos0 + T);
+        if ((int)q.shape(1) != n_heads * h.head_dim)
+          ti::fail(ti::ErrorKind::Request, "prefill_attention: q must be (T, n_heads * head_dim)");
+        std::vector<float> o;
+        {
+          nb::gil_scoped_release release;
+          o = ti::cuda::run_prefill_attention(q.data(), h, T, pos0, n_heads, stages);
+        }
+        float* out = nullptr;
+        F32Out arr = new_f32_array(T, (size_t)n_heads * h.head_dim, &out);
+        std::copy(o.begin(), o.end(), out);
+        return arr;
+      },
+      "q"_a, "k_pages"_a, "v_pages"_a, "page_table"_a, "pos0"_a, "n_heads"_a, "stages"_a = 0,
+      "One prefill-attention call (cuda/prefill_attention.cu): T queries at pos0.. over a paged cache (pages "
+      "(n_pages, n_kv_heads, page_size, head_dim) of fp16 bits); stages 1 | 2 forces that variant (0: the "
+      "launcher's choice).");
+  ops.def(
+      "sample",
+      [](F32In1 logits, float temperature, int top_k, float top_p, float min_p, float rep, unsigned long long seed,
+         int step, nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> seen) {
+        if (seen.shape(0) != logits.shape(0)) ti::fail(ti::ErrorKind::Request, "sample: len(seen) != vocab");
+        nb::gil_scoped_release release;
+        return ti::cuda::run_sample(logits.data(), (int)logits.shape(0), temperature, top_k, top_p, min_p, rep, seed,
+                                    step, seen.data());
+      },
+      "logits"_a, "temperature"_a, "top_k"_a, "top_p"_a, "min_p"_a, "repetition_penalty"_a, "seed"_a, "step"_a,
+      "seen"_a, "One on-device sampling call (cuda/sampling.cu).");
+#else
+  ops.def("cuda_compiled", []() { return false; });
+  ops.def("device_status", []() {
+    nb::dict d;
+    d["usable"] = false;
+    d["count"] = 0;
+    d["reason"] = "tinyinfer was built without CUDA";
+    return d;
+  });
+  ops.def(
+      "read_bandwidth",
+      [](size_t, int) -> nb::dict {
+        ti::fail(ti::ErrorKind::Device, "read_bandwidth: tinyinfer was built without CUDA");
+      },
+      "bytes"_a = (size_t)1 << 31, "iters"_a = 20);
+#endif
+}
+
+}  // namespace tinyinfer_bindings

@@ -1,0 +1,179 @@
+#include "cpu_engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "../core/engine_checks.h"
+#include "../core/errors.h"
+
+namespace ti {
+
+// ---- operations ----
+
+static float dot(const float* a, const float* b, int64_t n) {
+  // Eight partial sums: lets the compiler vectorise without -ffast-math; still plain fp32 accumulation.
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+void matmul(float* y, const float* x, const float* W, int64_t n, int64_t rows, int64_t cols) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; r++) {
+    const float* wr = W + r * cols;
+    for (int64_t t = 0; t < n; t++) y[t * rows + r] = dot(x + t * cols, wr, cols);
+  }
+}
+
+void rmsnorm(float* y, const float* x, const float* weight, int64_t n, int64_t d, float eps) {
+  for (int64_t t = 0; t < n; t++) {
+    const float* xr = x + t * d;
+    double ss = 0;
+    for (int64_t i = 0; i < d; i++) ss += (double)xr[i] * xr[i];
+    const float inv = (float)(1.0 / std::sqrt(ss / (double)d + (double)eps));
+    for (int64_t i = 0; i < d; i++) y[t * d + i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+void swiglu(float* gate, const float* up, int64_t count) {
+  for (int64_t i = 0; i < count; i++) {
+    const float g = gate[i];
+    gate[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
+// ---- engine ----
+
+CpuEngine::CpuEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq_len)
+    : w_(std::move(weights)), cfg_(w_->config()), max_seq_(max_seq_len) {
+  if (!w_->finished()) fail(ErrorKind::Request, "CpuEngine: the WeightStore is not finished");
+  if (max_seq_len < 1) fail(ErrorKind::Request, "max_seq_len must be >= 1 (got " + std::to_string(max_seq_len) + ")");
+  kv_ = KVCache(cfg_.n_layers, cfg_.n_kv_heads, max_seq_len, cfg_.head_dim);
+  rope_ = rope_table(cfg_, max_seq_len);
+  last_logits_.resize((size_t)cfg_.vocab);
+}
+
+void CpuEngine::reset() {
+  tokens_.clear();
+  has_last_ = pending_ = false;
+}
+
+void CpuEngine::run_layer(int64_t l, int64_t n, int64_t pos0) {
+  const ModelConfig& c = cfg_;
+  const LayerWeights L = w_->layer(l);
+  const int64_t H = c.hidden, hd = c.head_dim, I = c.intermediate;
+  const float eps = (float)c.rms_eps;
+
+  // ---- attention block: x += o_proj(attn(rope(q), rope(k), v)) ----
+  rmsnorm(xn_.data(), x_.data(), L.attn_norm, n, H, eps);
+  matmul(q_.data(), xn_.data(), L.wq, n, c.q_dim, H);
+  matmul(k_.data(), xn_.data(), L.wk, n, c.kv_dim, H);
+  matmul(v_.data(), xn_.data(), L.wv, n, c.kv_dim, H);
+  for (int64_t t = 0; t < n; t++) {
+    rope_apply(&q_[t * c.q_dim], c.n_heads, hd, rope_, pos0 + t);
+    rope_apply(&k_[t * c.kv_dim], c.n_kv_heads, hd, rope_, pos0 + t);
+    for (int64_t h = 0; h < c.n_kv_heads; h++) {
+      std::memcpy(kv_.key(l, h, pos0 + t), &k_[t * c.kv_dim + h * hd], hd * sizeof(float));
+      std::memcpy(kv_.value(l, h, pos0 + t), &v_[t * c.kv_dim + h * hd], hd * sizeof(float));
+    }
+  }
+  const float scale = 1.0f / std::sqrt((float)hd);
+  // One task per (token, head); a plain loop index so MSVC's OpenMP 2.0 takes it too.
+#pragma omp parallel for schedule(static)
+  for (int64_t th = 0; th < n * c.n_heads; th++) {
+    const int64_t t = th / c.n_heads, h = th % c.n_heads;
+    const int64_t kvh = h / c.group, len = pos0 + t + 1;  // causal: positions 0..pos0+t
+    const float* q = &q_[t * c.q_dim + h * hd];
+    std::vector<float> score((size_t)len);
+    float mx = -INFINITY;
+    for (int64_t p = 0; p < len; p++) {
+      score[p] = dot(q, kv_.key(l, kvh, p), hd) * scale;
+      mx = std::max(mx, score[p]);
+    }
+    double sum = 0;
+    for (int64_t p = 0; p < len; p++) sum += (score[p] = std::exp(score[p] - mx));
+    float* out = &att_[t * c.q_dim + h * hd];
+    std::fill(out, out + hd, 0.0f);
+    for (int64_t p = 0; p < len; p++) {
+      const float wgt = (float)(score[p] / sum);
+      const float* v = kv_.value(l, kvh, p);
+      for (int64_t i = 0; i < hd; i++) out[i] += wgt * v[i];
+    }
+  }
+  matmul(tmp_.data(), att_.data(), L.wo, n, H, c.q_dim);
+  for (int64_t i = 0; i < n * H; i++) x_[i] += tmp_[i];
+
+  // ---- MLP block: x += down(silu(gate(xn)) * up(xn)) ----
+  rmsnorm(xn_.data(), x_.data(), L.mlp_norm, n, H, eps);
+  matmul(gate_.data(), xn_.data(), L.w_gate, n, I, H);
+  matmul(up_.data(), xn_.data(), L.w_up, n, I, H);
+  swiglu(gate_.data(), up_.data(), n * I);
+  matmul(tmp_.data(), gate_.data(), L.w_down, n, H, I);
+  for (int64_t i = 0; i < n * H; i++) x_[i] += tmp_[i];
+}
+
+void CpuEngine::run(const int32_t* tokens, int64_t m, int64_t pos0, int64_t first_logit_row, float* logits) {
+  const ModelConfig& c = cfg_;
+  const int64_t H = c.hidden;
+  for (auto* buf : {&x_, &xn_, &tmp_}) buf->resize((size_t)(m * H));
+  for (auto* buf : {&q_, &att_}) buf->resize((size_t)(m * c.q_dim));
+  for (auto* buf : {&k_, &v_}) buf->resize((size_t)(m * c.kv_dim));
+  for (auto* buf : {&gate_, &up_}) buf->resize((size_t)(m * c.intermediate));
+
+  for (int64_t t = 0; t < m; t++)  // embedding lookup
+    std::memcpy(&x_[t * H], w_->embedding() + (int64_t)tokens[t] * H, H * sizeof(float));
+  for (int64_t l = 0; l < c.n_layers; l++) run_layer(l, m, pos0);
+
+  // Final norm and LM head only for the rows whose logits are wanted; the last row always (for decode).
+  const int64_t rows = m - first_logit_row;
+  rmsnorm(xn_.data(), &x_[first_logit_row * H], w_->final_norm(), rows, H, (float)c.rms_eps);
+  std::vector<float>& out = logits_buf_;
+  out.resize((size_t)(rows * c.vocab));
+  matmul(out.data(), xn_.data(), w_->lm_head(), rows, c.vocab, H);
+  if (logits) std::memcpy(logits, out.data(), (size_t)(rows * c.vocab) * sizeof(float));
+  std::memcpy(last_logits_.data(), &out[(rows - 1) * c.vocab], (size_t)c.vocab * sizeof(float));
+  has_last_ = true;
+}
+
+void CpuEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, float* logits) {
+  check_tokens(tokens, n, cfg_.vocab);
+  check_room(position(), n, max_seq_);
+  // A sampled-but-not-fed token goes through the model first, in the same pass.
+  std::vector<int32_t> seq;
+  if (pending_) seq.push_back(tokens_.back());
+  seq.insert(seq.end(), tokens, tokens + n);
+  const int64_t m = (int64_t)seq.size(), pos0 = position() - (pending_ ? 1 : 0);
+  const int64_t first = all_logits ? m - n : m - 1;
+  run(seq.data(), m, pos0, first, logits);
+  tokens_.insert(tokens_.end(), tokens, tokens + n);
+  pending_ = false;
+}
+
+std::vector<int32_t> CpuEngine::decode(int64_t max_steps, const SamplingConfig& s,
+                                       const std::vector<int32_t>& stop_ids, uint64_t step0) {
+  validate(s);
+  if (!has_last_) fail(ErrorKind::Request, "decode: run a prompt through forward() first");
+  std::vector<int32_t> out;
+  for (int64_t i = 0; i < max_steps; i++) {
+    if (pending_) {
+      run(&tokens_.back(), 1, position() - 1, 0, nullptr);
+      pending_ = false;
+    }
+    if (position() >= max_seq_)
+      fail(ErrorKind::Request, "the sequence reached max_seq_len=" + std::to_string(max_seq_));
+    const int32_t tok = sample_token(last_logits_.data(), cfg_.vocab, s, step0 + (uint64_t)i, tokens_,
+                                     scratch_, scratch_ids_);
+    tokens_.push_back(tok);
+    pending_ = true;
+    out.push_back(tok);
+    if (std::find(stop_ids.begin(), stop_ids.end(), tok) != stop_ids.end()) break;
+  }
+  return out;
+}
+
+}  // namespace ti

@@ -1,0 +1,302 @@
+// cuda_engine.cu — the GPU engine's lifecycle, prefill and decode (see cuda_engine.h for the parts).
+#include "cuda_engine.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "../../cuda/attention.cuh"
+#include "../../cuda/common.cuh"
+#include "../../cuda/prefill_attention.cuh"
+#include "../core/engine_checks.h"
+#include "../core/errors.h"
+
+namespace ti {
+
+// ---- lifecycle ----
+
+CudaEngine::CudaEngine(const WeightStore& weights, int64_t max_seq_len, CudaOptions opt)
+    : cfg_(weights.config()), max_seq_(max_seq_len), opt_(std::move(opt)) {
+  if (!weights.finished()) fail(ErrorKind::Request, "CudaEngine: the WeightStore is not finished");
+  build([&] { weights_->upload(weights); });
+}
+
+CudaEngine::CudaEngine(const ModelConfig& config, int64_t max_seq_len, uint64_t seed, CudaOptions opt)
+    : cfg_(config), max_seq_(max_seq_len), opt_(std::move(opt)) {
+  cfg_.validate();
+  build([&] { weights_->randomize(seed); });
+}
+
+// Load: device, memory, weights, the GEMV plan, the decode graphs. A constructor that throws never runs the
+// destructor: free what was taken so far, so that a failed load (out of memory, say) leaves the GPU as it found
+// it and the next, smaller load can succeed.
+void CudaEngine::build(const std::function<void()>& fill_weights) {
+  try {
+    init_device();
+    allocate();
+    fill_weights();
+    GemvTuneOptions t{opt_.gemv_rows, opt_.gemv_grid, opt_.gemv_resident_margin, opt_.gemv_small_tiles, opt_.gemv_pins};
+    plan_ = tune_gemv_plan(cfg_, *weights_, dbuf_, t, opt_.early_trigger, pdl_, *clock_);
+    build_graphs();
+    tune_decode_long();
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+void CudaEngine::init_device() {
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    fail(ErrorKind::Device, std::string("no usable CUDA device: ") +
+                                (err != cudaSuccess ? cudaGetErrorString(err) : "no device found"));
+  }
+  cudaDeviceProp prop{};
+  TI_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  if (prop.major < 7 || (prop.major == 7 && prop.minor < 5))
+    fail(ErrorKind::Device, std::string(prop.name) + " (sm_" + std::to_string(prop.major * 10 + prop.minor) +
+                                ") is older than the supported sm_75");
+  device_name_ = prop.name;
+  pdl_ = opt_.pdl && prop.major >= 9;
+  if (max_seq_ < 1) fail(ErrorKind::Request, "max_seq_len must be >= 1");
+  if (opt_.attn_chunk == 0) opt_.attn_chunk = cuda::attn_chunk_for((int)cfg_.head_dim);
+  if (opt_.attn_chunk < 8 || opt_.attn_chunk > 128) fail(ErrorKind::Request, "attn_chunk must be 8..128");
+  const int P = opt_.kv_page_size;
+  if (P < 64 || P > (1 << 20) || (P & (P - 1)))
+    fail(ErrorKind::Request, "kv_page_size must be a power of two in 64..2^20, got " + std::to_string(P));
+  if (P < opt_.attn_chunk)  // a split-K block then reads at most two pages
+    fail(ErrorKind::Request, "kv_page_size " + std::to_string(P) + " must be >= attn_chunk " +
+                                 std::to_string(opt_.attn_chunk));
+  if (opt_.kv_pool_pages < 0)
+    fail(ErrorKind::Request, "kv_pool_pages must be >= 0 (0: enough for max_seq_len), got " +
+                                 std::to_string(opt_.kv_pool_pages));
+  if (opt_.gemv_grid < -1 || opt_.gemv_grid > 2) fail(ErrorKind::Request, "gemv_grid must be -1 (tuned), 0, 1 or 2");
+  if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))
+    fail(ErrorKind::Request, "gemv_resident_margin must be in [0, 1]");
+  for (const GemvPin& pin : opt_.gemv_pins) check_pin(pin);
+  if (opt_.decode_long_from < -1) fail(ErrorKind::Request, "decode_long_from must be -1 (tuned), 0 (off) or a context");
+#ifndef TI_TRACE
+  if (opt_.trace)
+    fail(ErrorKind::Request, "CudaOptions.trace: this build has no tracing (rebuild with CMAKE_ARGS=-DTINYINFER_TRACE=ON)");
+#endif
+  TI_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  clock_ = std::make_unique<StreamClock>(stream_, opt_.graphs);
+}
+
+void CudaEngine::allocate() {
+  weights_ = std::make_unique<DeviceWeights>(cfg_, opt_.weights, arena_, stream_);
+  const int P = opt_.kv_page_size;
+  pool_ = std::make_unique<KvPagePool>(opt_.kv_pool_pages ? opt_.kv_pool_pages : (max_seq_ + P - 1) / P, P,
+                                       opt_.kv_page_shuffle);
+  seq_ = std::make_unique<KvSequence>(*pool_, max_seq_);
+  dbuf_ = DecodeBuffers::allocate(cfg_, *weights_, max_seq_, opt_.attn_chunk, *pool_, opt_.trace, arena_, stream_);
+  step_ = std::make_unique<DecodeStep>(cfg_, *weights_, dbuf_, plan_, opt_.early_trigger);
+  h_state_ = arena_.alloc_pinned_n<cuda::DecodeState>(1);
+  h_sampling_ = arena_.alloc_pinned_n<cuda::DeviceSampling>(1);
+  h_out_ = arena_.alloc_pinned_n<int>((size_t)max_seq_);
+  *h_state_ = cuda::DecodeState{};
+  *h_sampling_ = cuda::DeviceSampling{};
+  TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.state, h_state_, sizeof(*h_state_), cudaMemcpyHostToDevice, stream_));
+  TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.sampling, h_sampling_, sizeof(*h_sampling_), cudaMemcpyHostToDevice, stream_));
+
+  // The batched prefill's activations, sized for one chunk of min(prefill_chunk, max_seq) tokens (else prompts
+  // go token by token through the decode pass).
+  if (!opt_.batched_prefill || !cuda::prefill_attention_supported((int)cfg_.head_dim)) return;
+  if (opt_.prefill_chunk < 1) fail(ErrorKind::Request, "prefill_chunk must be >= 1");
+  pbuf_ = PrefillBuffers::allocate(cfg_, *weights_, (int)std::min<int64_t>(opt_.prefill_chunk, max_seq_), arena_);
+  constexpr size_t kWorkspace = 32u << 20;
+  gemm_ = std::make_unique<cuda::Gemm>(kWorkspace);
+  gemm_->autotune = opt_.gemm_autotune;
+  arena_.count(DeviceArena::Kind::Scratch, kWorkspace);
+  prefill_ = std::make_unique<PrefillStep>(cfg_, *weights_, dbuf_, pbuf_, plan_, *gemm_, stream_);
+}
+
+// Two graphs of the decode pass: a prompt token (logits only) and a decode step (+ sampling).
+void CudaEngine::build_graphs() {
+  if (!opt_.graphs) return;
+  auto capture = [&](bool sample, cudaGraphExec_t* out) {
+    TI_CUDA_CHECK(capture_graph(
+        stream_, [&] { sample ? step_->record(stream_, pdl_) : step_->record_token_logits(stream_, pdl_); }, out));
+  };
+  try {
+    capture(false, &g_prompt_token_);
+    capture(true, &g_decode_);
+  } catch (const Error&) {
+    if (!pdl_) throw;
+    // A driver that cannot capture programmatic launches: capture plain ones instead.
+    cudaGetLastError();
+    if (g_prompt_token_) cudaGraphExecDestroy(g_prompt_token_);
+    g_prompt_token_ = nullptr;
+    pdl_ = false;
+    capture(false, &g_prompt_token_);
+    capture(true, &g_decode_);
+  }
+  graphs_ok_ = true;
+}
+
+// A second decode graph for long contexts, differing in qkv's variant only (gemv_plan.h, tune_decode_long).
+void CudaEngine::tune_decode_long() {
+  if (!graphs_ok_ || opt_.decode_long_from == 0) return;
+  DecodeGraphProbe probe;
+  probe.capture = [&](GemvVariant v) {
+    GemvShapePlan* q = plan_.find(MatrixRole::Qkv);  // swapped while capturing
+    const GemvVariant keep = q->chosen;
+    q->chosen = v;
+    cudaGraphExec_t g = nullptr;
+    const cudaError_t err = capture_graph(stream_, [&] { step_->record(stream_, pdl_); }, &g);
+    q->chosen = keep;
+    TI_CUDA_CHECK(err);
+    return g;
+  };
+  probe.step_ms = [&](cudaGraphExec_t g, int64_t context, int steps) {
+    return time_steps(context, steps, [&](int64_t) { TI_CUDA_CHECK(cudaGraphLaunch(g, stream_)); });
+  };
+  // (timed at contexts the pool can hold: a pool smaller than max_seq_len must not fail the load)
+  const int64_t longest = std::min<int64_t>(max_seq_, pool_->n_pages() * pool_->page_size());
+  g_decode_long_ = ti::tune_decode_long(plan_, g_decode_, longest, opt_.decode_long_from, probe);
+  reset();  // the cache may hold benchmark tokens
+}
+
+void CudaEngine::release() {
+  if (stream_) cudaStreamSynchronize(stream_);
+  for (cudaGraphExec_t g : {g_prompt_token_, g_decode_, g_decode_long_})
+    if (g) cudaGraphExecDestroy(g);
+  g_prompt_token_ = g_decode_ = g_decode_long_ = nullptr;
+  prefill_.reset();
+  step_.reset();
+  weights_.reset();
+  gemm_.reset();
+  arena_.release();
+  h_state_ = nullptr;
+  h_sampling_ = nullptr;
+  h_out_ = nullptr;
+  clock_.reset();
+  if (stream_) cudaStreamDestroy(stream_);
+  stream_ = nullptr;
+  cudaGetLastError();  // leave no sticky error behind
+}
+
+CudaEngine::~CudaEngine() { release(); }
+
+// ---- running tokens ----
+
+void CudaEngine::set_state(int token, int pos, int step) {
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // h_state_ may still be read by an earlier copy
+  *h_state_ = cuda::DecodeState{token, pos, step, step};
+  TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.state, h_state_, sizeof(*h_state_), cudaMemcpyHostToDevice, stream_));
+}
+
+void CudaEngine::upload_sampling(const cuda::DeviceSampling& s) {
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // h_sampling_ may still be read by an earlier copy
+  *h_sampling_ = s;
+  TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.sampling, h_sampling_, sizeof(*h_sampling_), cudaMemcpyHostToDevice, stream_));
+}
+
+void CudaEngine::run_prompt_token() {
+  if (graphs_ok_) TI_CUDA_CHECK(cudaGraphLaunch(g_prompt_token_, stream_));
+  else step_->record_token_logits(stream_, pdl_);
+}
+
+void CudaEngine::run_decode_step(int64_t pos) {
+  if (graphs_ok_)
+    TI_CUDA_CHECK(cudaGraphLaunch(g_decode_long_ && pos >= plan_.long_from ? g_decode_long_ : g_decode_, stream_));
+  else step_->record(stream_, pdl_);
+}
+
+// Pages for positions [0, positions), taken from the pool as the sequence grows, and the table's new entries
+// copied to the device ahead of the work that addresses through them (stream order: a captured decode step reads
+// the table when it runs). All or nothing: a pool too small throws a Request error and changes nothing.
+void CudaEngine::kv_reserve(int64_t positions) {
+  const int64_t first = seq_->grow(*pool_, positions), n = seq_->pages() - first;
+  if (n > 0)  // (from pageable memory: staged before the call returns)
+    TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.page_table + first, seq_->table().data() + first, (size_t)n * sizeof(int),
+                                  cudaMemcpyHostToDevice, stream_));
+}
+
+void CudaEngine::reset() {
+  seq_->release(*pool_);  // (the device table keeps stale entries: no kernel reads past its position)
+  tokens_.clear();
+  has_logits_ = pending_ = false;
+}
+
+void CudaEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, float* logits) {
+  check_tokens(tokens, n, cfg_.vocab);
+  check_room(position(), n, max_seq_);
+  kv_reserve(position() + n);
+  std::vector<int32_t> seq;
+  if (pending_) seq.push_back(tokens_.back());
+  seq.insert(seq.end(), tokens, tokens + n);
+  const int64_t pos0 = position() - (pending_ ? 1 : 0), first = (int64_t)seq.size() - n;
+  const int64_t V = cfg_.vocab;
+  float* rows_out = logits && all_logits ? logits : nullptr;  // row i - first of seq[i]'s logits
+  if (prefill_) {
+    for (int64_t c0 = 0; c0 < (int64_t)seq.size(); c0 += prefill_->rows()) {
+      const int T = (int)std::min<int64_t>(prefill_->rows(), (int64_t)seq.size() - c0);
+      prefill_->run_chunk(seq.data() + c0, T, (int)(pos0 + c0), rows_out, c0 - first);
+    }
+  } else {
+    for (size_t i = 0; i < seq.size(); i++) {  // one token at a time through the decode pass
+      set_state(seq[i], (int)(pos0 + (int64_t)i), 0);
+      run_prompt_token();
+      const int64_t row = (int64_t)i - first;
+      if (rows_out && row >= 0)
+        TI_CUDA_CHECK(cudaMemcpyAsync(rows_out + row * V, dbuf_.logits, V * sizeof(float), cudaMemcpyDeviceToHost,
+                                      stream_));
+    }
+  }
+  if (logits && !all_logits)
+    TI_CUDA_CHECK(cudaMemcpyAsync(logits, dbuf_.logits, V * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  tokens_.insert(tokens_.end(), tokens, tokens + n);
+  pending_ = false;
+  has_logits_ = true;
+}
+
+std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig& s,
+                                        const std::vector<int32_t>& stop_ids, uint64_t step0) {
+  validate(s);
+  if (!has_logits_) fail(ErrorKind::Request, "decode: run a prompt through forward() first");
+  if (max_steps < 1) return {};
+  const int64_t room = max_seq_ - position();
+  if (room < 1) fail(ErrorKind::Request, "the sequence reached max_seq_len=" + std::to_string(max_seq_));
+  const int64_t n = std::min(max_steps, room);
+  kv_reserve(position() + n);  // the steps write positions up to position() + n - 2
+
+  upload_sampling(cuda::DeviceSampling{s.temperature, (int)std::min<int64_t>(s.top_k, INT32_MAX), s.top_p, s.min_p,
+                                       s.repetition_penalty, (unsigned long long)s.seed});
+  if (s.repetition_penalty != 1.0f) {  // the penalty's "seen" set: the sequence so far (the kernel adds to it)
+    std::vector<unsigned char> seen((size_t)cfg_.vocab, 0);
+    for (int32_t t : tokens_) seen[(size_t)t] = 1;
+    TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.seen, seen.data(), seen.size(), cudaMemcpyHostToDevice, stream_));
+    TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  } else {
+    TI_CUDA_CHECK(cudaMemsetAsync(dbuf_.seen, 0, cfg_.vocab, stream_));
+  }
+
+  int64_t replays = n;
+  set_state(tokens_.back(), (int)(position() - 1), (int)step0);
+  if (!pending_) {  // sample from the prefill's logits first (its token was fed at position()-1)
+    cuda::sample_token(dbuf_.logits, (int)cfg_.vocab, dbuf_.sampling, dbuf_.seen, dbuf_.probs, dbuf_.state, dbuf_.out,
+                       stream_, false);
+    replays = n - 1;
+  }  // else: feed the pending token, sample the next: n full steps
+  last_decode_ms_ = clock_->gpu_ms([&] {
+    for (int64_t i = 0; i < replays; i++) run_decode_step(position() + i);
+  });
+  TI_CUDA_CHECK(cudaMemcpyAsync(h_out_, dbuf_.out, n * sizeof(int), cudaMemcpyDeviceToHost, stream_));
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+
+  std::vector<int32_t> out;
+  for (int64_t i = 0; i < n; i++) {
+    out.push_back(h_out_[i]);
+    if (std::find(stop_ids.begin(), stop_ids.end(), h_out_[i]) != stop_ids.end()) break;
+  }
+  // The device ran past a stop token (at most one chunk of wasted work); the host state ends at the stop.
+  // The last sampled token has not been fed: it is pending, as in the CPU engine.
+  tokens_.insert(tokens_.end(), out.begin(), out.end());
+  pending_ = true;
+  return out;
+}
+
+}  // namespace ti

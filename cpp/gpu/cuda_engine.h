@@ -1,0 +1,145 @@
+// cuda_engine.h — the GPU engine: lifecycle, prefill, decode. Same contract as CpuEngine (one sequence;
+// forward() runs prompt tokens at position(); decode() samples and runs tokens back to back) so the Python
+// Engine drives either. The work lives in its parts, read in this order:
+//   decode_step.*     THE decode pass (one token, a flat list of launches), captured once into CUDA graphs
+//   prefill_step.*    the batched prefill pass (cuBLASLt GEMMs + tiled causal attention), chunk by chunk
+//   device_weights.*  the weights on the device (allocation, upload, quantization, int4 import)
+//   gemv_plan.*       the load-time GEMV tuner's result (plain data) and the tuner
+//   measure.*         GPU timing and graph capture; the measurement entry points below
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "../../cuda/gemm.cuh"
+#include "../core/config.h"
+#include "../core/sampling.h"
+#include "../core/weights.h"
+#include "decode_step.h"
+#include "device_weights.h"
+#include "gemv_plan.h"
+#include "kv_pages.h"
+#include "measure.h"
+#include "prefill_step.h"
+
+namespace ti {
+
+// One line per option; why the defaults are what they are: docs/perf/decode-options.md.
+struct CudaOptions {
+  bool pdl = true;                     // programmatic dependent launch where the GPU has it (sm_90+)
+  bool early_trigger = false;          // GEMVs let their successor launch at their start (measured slower)
+  bool trace = false;                  // per-block timestamps of the decode kernels (-DTINYINFER_TRACE=ON build)
+  bool graphs = true;                  // replay captured graphs (false: launch kernel by kernel, for debugging)
+  int attn_chunk = 0;                  // positions per split-K attention block; 0: the kernel's choice
+  int gemv_rows = 0;                   // 0: time R in {1, 2, 4, 8 = split-K} per shape at load; else only this R
+  int gemv_grid = -1;                  // -1: time blocks_per_sm 0 / 1 / 2 per shape; else only this one
+  double gemv_resident_margin = 0.05;  // prefer a 2-blocks-per-SM variant within this fraction of the fastest
+  bool gemv_small_tiles = true;        // among those, the smallest tiles (qkv, before the attention: the largest)
+  std::vector<GemvPin> gemv_pins;      // variants forced after tuning (A/B runs: bench/tools/ab_decode.py)
+  int64_t decode_long_from = -1;       // long-context decode graph: -1 tuned, 0 none, n > 0 from context n
+  bool batched_prefill = true;         // false: feed prompts one token at a time through the decode graph
+  int prefill_chunk = 2048;            // tokens per prefill pass (activation buffers are sized for this at load)
+  bool gemm_autotune = true;           // false: cuBLASLt's default algorithm for every GEMM
+  WFormat weights = WFormat::F16;      // the matrices' format on the device (cpp/core/quant.h), quantized at load
+  // The paged KV cache (kv_pages.h):
+  int kv_page_size = 64;               // positions per page: a power of two, >= 64 and >= attn_chunk
+  int64_t kv_pool_pages = 0;           // pages in the pool; 0: what one sequence of max_seq_len needs
+  uint64_t kv_page_shuffle = 0;        // a seed shuffling the pool's free list (tests); 0: pages in order
+};
+
+class CudaEngine {
+ public:
+  // Uploads the weights of a finished store; the store is not kept (its host memory can go).
+  CudaEngine(const WeightStore& weights, int64_t max_seq_len, CudaOptions opt = {});
+  // Random weights at the config's shape, generated on the device (benchmarks: speed does not depend on values).
+  CudaEngine(const ModelConfig& config, int64_t max_seq_len, uint64_t seed, CudaOptions opt = {});
+  ~CudaEngine();
+  CudaEngine(const CudaEngine&) = delete;
+  CudaEngine& operator=(const CudaEngine&) = delete;
+
+  const ModelConfig& config() const { return cfg_; }
+  int64_t max_seq_len() const { return max_seq_; }
+  int64_t position() const { return (int64_t)tokens_.size(); }
+  const std::vector<int32_t>& tokens() const { return tokens_; }
+  void reset();
+  // Prompt tokens at position(): the batched prefill (or token by token); logits of the last (or every) token.
+  void forward(const int32_t* tokens, int64_t n, bool all_logits, float* logits);
+  std::vector<int32_t> decode(int64_t max_steps, const SamplingConfig& s, const std::vector<int32_t>& stop_ids,
+                              uint64_t step0);
+
+  // ---- measurement (measure.cu) ----
+  double last_decode_ms() const { return last_decode_ms_; }  // GPU time of the last decode()'s steps
+  const GemvPlan& gemv_plan() const { return plan_; }
+  // GPU ms per decode step at a context of `context` tokens (with the graph decode() would use there).
+  double time_decode_step(int64_t context, int steps);
+  // CudaOptions::trace: one decode step at `context`; per traced kernel in launch order its name and
+  // kTraceBlocks x kTracePoints global-timer stamps (ns; 0: block absent or exited early). common.cuh, trace_point.
+  std::pair<std::vector<std::string>, std::vector<uint64_t>> trace_step(int64_t context);
+  double time_attention(int64_t context, int reps);  // GPU µs of one layer's attention (chunks + merge)
+  // GPU ms of prefilling `n_tokens` (arbitrary ids) at position 0: mean of `reps` after a warm-up that tunes
+  // the GEMMs of that length's bucket. The cache is reset afterwards.
+  double time_prefill(int64_t n_tokens, int reps);
+  std::vector<std::pair<std::string, cuda::GemmTuning>> gemm_table() const;  // every GEMM shape tuned so far
+  bool batched_prefill() const { return prefill_ != nullptr; }  // else prompts run one token at a time
+  // The GEMM tactics across runs (cuda::Gemm::save / load; the Python Engine keeps the file).
+  std::string save_tactics() const { return gemm_ ? gemm_->save() : std::string(); }
+  int load_tactics(const std::string& text) { return gemm_ ? gemm_->load(text) : 0; }
+  int tuned_gemms() const { return gemm_ ? gemm_->tuned_count() : 0; }
+  size_t weight_bytes() const { return arena_.weight_bytes(); }  // every matrix + norms as stored on the device
+  size_t kv_cache_bytes() const { return arena_.kv_bytes(); }  // the page pool
+  // The paged KV cache: (positions per page, pages in the pool, pages the sequence holds now).
+  std::tuple<int, int64_t, int64_t> kv_pages() const { return {pool_->page_size(), pool_->n_pages(), seq_->pages()}; }
+  size_t scratch_bytes() const { return arena_.scratch_bytes(); }  // device memory beyond weights and KV cache
+  bool uses_pdl() const { return pdl_; }
+  bool uses_graphs() const { return graphs_ok_; }
+  std::string device_name() const { return device_name_; }
+
+ private:
+  void build(const std::function<void()>& fill_weights);
+  void init_device();
+  void allocate();
+  void build_graphs();
+  void tune_decode_long();
+  void release();
+  void set_state(int token, int pos, int step);
+  void kv_reserve(int64_t positions);      // pages for positions [0, positions), their table entries on the device
+  void run_prompt_token();                 // one prompt token through the decode pass (no sampling)
+  void run_decode_step(int64_t pos);       // pos: the step's position (picks the graph)
+  void upload_sampling(const cuda::DeviceSampling& s);
+  double time_steps(int64_t context, int steps, const std::function<void(int64_t)>& launch);
+
+  ModelConfig cfg_;
+  int64_t max_seq_;
+  CudaOptions opt_;
+  bool pdl_ = false, graphs_ok_ = false;
+  std::string device_name_;
+  cudaStream_t stream_ = nullptr;
+  DeviceArena arena_;
+  std::unique_ptr<KvPagePool> pool_;       // the KV cache's pages
+  std::unique_ptr<KvSequence> seq_;        // the sequence's page table (one sequence today)
+  std::unique_ptr<StreamClock> clock_;
+  std::unique_ptr<DeviceWeights> weights_;
+  DecodeBuffers dbuf_;
+  GemvPlan plan_;
+  std::unique_ptr<DecodeStep> step_;
+  cudaGraphExec_t g_prompt_token_ = nullptr, g_decode_ = nullptr;
+  cudaGraphExec_t g_decode_long_ = nullptr;  // contexts >= plan_.long_from
+  cuda::DecodeState* h_state_ = nullptr;        // pinned
+  cuda::DeviceSampling* h_sampling_ = nullptr;  // pinned
+  int* h_out_ = nullptr;                        // pinned (max_seq)
+  std::unique_ptr<cuda::Gemm> gemm_;
+  PrefillBuffers pbuf_;
+  std::unique_ptr<PrefillStep> prefill_;
+
+  std::vector<int32_t> tokens_;
+  bool has_logits_ = false, pending_ = false;
+  double last_decode_ms_ = 0;
+};
+
+}  // namespace ti

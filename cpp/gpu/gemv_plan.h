@@ -1,0 +1,109 @@
+// gemv_plan.h — the load-time GEMV tuner's result as plain typed data, and the tuner.
+//
+// The decode step runs five GEMV shapes (MatrixRole). For each, a variant of cuda/gemv.cu — rows per warp R
+// (1, 2, 4, or the split-K kernel) and the grid (blocks per SM) — is timed at load and the pick is kept here;
+// the decode step only reads the plan. The plan is plain data (enums and numbers, no pointers) so that it can
+// be stored and restored as it is. Why the picking rules look the way they do: docs/perf/decode-options.md.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "../../cuda/gemv.cuh"
+#include "../../cuda/quant.cuh"
+
+namespace ti {
+
+class DeviceWeights;
+struct DecodeBuffers;
+class StreamClock;
+struct ModelConfig;
+
+enum class MatrixRole { Qkv, O, GateUp, Down, LmHead };
+const char* role_name(MatrixRole r);  // "qkv" | "o" | "gate_up" | "down" | "lm_head"
+
+struct GemvVariant {
+  int rows_per_warp = 2;  // R: 1, 2, 4, or cuda::kGemvSplitK (8 rows per block, K split over its warps)
+  int blocks_per_sm = 0;  // grid: 0 = a block per tile; 1 or 2 = that many blocks per SM looping over tiles
+};
+
+struct GemvTrial {
+  GemvVariant variant;
+  double us = 0;  // µs per matrix, L2-cold (cycling through the layers' copies), graph-replayed
+};
+
+// One role's shape and what the tuner found for it.
+struct GemvShapePlan {
+  MatrixRole role = MatrixRole::Qkv;
+  int rows = 0, K = 0, ld = 0;  // ld: pad8(K)
+  int copies = 0;               // one per layer (1 for the LM head)
+  GemvVariant chosen;
+  std::vector<GemvTrial> tried;
+  double gb_per_s = 0;          // of the chosen variant (0: pinned to a variant that was not timed)
+};
+
+// A variant forced for one role after tuning (CudaOptions::gemv_pins, A/B runs).
+struct GemvPin {
+  MatrixRole role = MatrixRole::Qkv;
+  int rows_per_warp = 2;
+  int blocks_per_sm = 0;
+};
+void check_pin(const GemvPin& pin);  // throws ti::Error(Request) naming the bad value
+
+struct GemvPlan {
+  std::vector<GemvShapePlan> shapes;  // in MatrixRole order
+  // The long-context decode graph: from this context on, qkv runs at qkv_long (-1: one graph for all contexts).
+  int64_t long_from = -1;
+  GemvVariant qkv_long{0, 0};
+  const GemvShapePlan* find(MatrixRole r) const;
+  GemvShapePlan* find(MatrixRole r);
+  GemvVariant variant(MatrixRole r) const;  // the chosen variant; {2, 0} for a role not tuned
+};
+
+struct GemvTuneOptions {
+  int rows = 0;                  // 0: time every R; else only this R (where the output mode has it)
+  int grid = -1;                 // -1: time blocks_per_sm 0, 1, 2; else only this one
+  double resident_margin = 0.05;
+  bool small_tiles = true;
+  std::vector<GemvPin> pins;
+};
+
+// One role as the tuner sees it.
+struct GemvShapeSpec {
+  MatrixRole role;
+  int rows, K, copies;
+  double bytes;          // one matrix as stored, scales included
+  cuda::GemvOut out;     // which R the kernel offers depends on it
+  bool before_attention; // the decode attention follows it (qkv)
+};
+
+// Times every allowed variant (us_per_matrix) and picks one by the options' rules; pins applied last.
+GemvShapePlan tune_gemv_shape(const GemvShapeSpec& s, const GemvTuneOptions& o,
+                              const std::function<double(GemvVariant)>& us_per_matrix);
+
+// The whole plan at load (never inside a capture): every role timed over its layers' copies with the decode
+// step's buffers (their contents are overwritten).
+GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b, const GemvTuneOptions& o,
+                        bool early_trigger, bool pdl, StreamClock& clock);
+
+// The long-context decision. capture(v): a decode-step graph with qkv at v; step_ms(g, ctx): GPU ms per step
+// of graph g at context ctx (mean of `steps`). forced_from > 0: qkv at 1 block per SM from that context (tests); else timed.
+// Returns the long graph (nullptr: none) and records the decision in plan.long_from / plan.qkv_long.
+struct DecodeGraphProbe {
+  std::function<cudaGraphExec_t(GemvVariant qkv)> capture;
+  std::function<double(cudaGraphExec_t, int64_t context, int steps)> step_ms;
+};
+cudaGraphExec_t tune_decode_long(GemvPlan& plan, cudaGraphExec_t short_graph, int64_t max_seq, int64_t forced_from,
+                                 const DecodeGraphProbe& probe);
+
+// The kernel's parameters for matrix m (x, y, norm_w as GemvParams documents them).
+cuda::GemvParams gemv_args(const cuda::QMat& m, const void* x, void* y, const float* norm_w, float eps,
+                           bool early_trigger);
+// One GEMV of `role` with the plan's variant.
+void launch_gemv(const GemvPlan& plan, MatrixRole role, cuda::GemvParams p, cuda::GemvIn in, cuda::GemvOut out,
+                 cudaStream_t s, bool pdl);
+
+}  // namespace ti

@@ -1,0 +1,174 @@
+// prefill_step.cu — the batched prefill pass (see prefill_step.h).
+//
+// Per chunk of T tokens at positions pos0..pos0+T-1, top to bottom (PyTorch in the comments, X: (T, hidden)):
+//   x = embed[tokens]; for each layer: qkv = rmsnorm(x) @ Wqkv.T; rope + KV-cache write; att = causal
+//   attention over the cache; x += att @ Wo.T; gu = rmsnorm(x) @ Wgu.T; x += swiglu(gu) @ Wd.T.
+// Then the last row becomes the decode state (x, logits via the decode GEMV), and only when the caller asks
+// for every position's logits (Engine.logits) does the LM head run as a GEMM over the chunk's rows.
+// The five products go through cuda::Gemm (cuBLASLt, tuned per shape on first use); the residual adds ride in
+// the O and down GEMMs (beta = 1). Quantized weights are dequantized to fp16 rows (one scratch matrix, fp16_of)
+// right before each GEMM: ~2 bytes written per weight per chunk, small next to the GEMMs of a long prompt. No
+// graph: ~10 launches per layer are cheap next to GEMMs over many tokens.
+#include "prefill_step.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "../../cuda/common.cuh"
+#include "../../cuda/prefill.cuh"
+#include "../../cuda/prefill_attention.cuh"
+#include "../core/errors.h"
+
+namespace ti {
+
+using cuda::GemmArgs;
+using cuda::GemmOut;
+
+PrefillBuffers PrefillBuffers::allocate(const ModelConfig& c, const DeviceWeights& w, int T, DeviceArena& arena) {
+  using Kind = DeviceArena::Kind;
+  PrefillBuffers b;
+  b.ld_qkv = (int)cuda::pad8(c.q_dim + 2 * c.kv_dim);
+  b.ld_gu = (int)cuda::pad8(2 * c.intermediate);
+  b.ld_v = (int)cuda::pad8(c.vocab);
+  // Engine.logits over a long prompt: the LM head's output a slice of rows at a time (<= 64 MB; the rows go
+  // to host memory anyway, so a bigger slice buys nothing).
+  b.logit_rows = (int)std::clamp<int64_t>((64 << 20) / ((int64_t)b.ld_v * 4), 1, T);
+  auto f32 = [&](size_t n) { return arena.alloc_n<float>(n, Kind::Scratch); };
+  auto f16 = [&](size_t n) { return arena.alloc_n<__half>(n, Kind::Scratch); };
+  b.tokens = arena.alloc_n<int>((size_t)T, Kind::Scratch);
+  b.h_tokens = arena.alloc_pinned_n<int>((size_t)T);
+  b.x = f32((size_t)T * w.ld_h);
+  b.xn = f16((size_t)T * w.ld_h);
+  b.qkv = f32((size_t)T * b.ld_qkv);
+  b.q = f16((size_t)T * c.q_dim);
+  b.att = f16((size_t)T * w.ld_q);
+  b.gu = f16((size_t)T * b.ld_gu);
+  b.h = f16((size_t)T * w.ld_i);
+  b.logits = f32((size_t)b.logit_rows * b.ld_v);
+  b.rows = T;
+  return b;
+}
+
+static GemmArgs gemm_args(const __half* W, int M, int ldw, const __half* X, int ldx, void* Y, int ldy, int N, int K,
+                          GemmOut out) {
+  GemmArgs a;
+  a.W = W;
+  a.X = X;
+  a.Y = Y;
+  a.M = M;
+  a.N = N;
+  a.K = K;
+  a.ldw = ldw;
+  a.ldx = ldx;
+  a.ldy = ldy;
+  a.out = out;
+  return a;
+}
+
+void PrefillStep::layer(const DeviceLayer& L, int64_t layer, int T, int pos0) {
+  const ModelConfig& c = c_;
+  const int H = (int)c.hidden, I = (int)c.intermediate, q_dim = (int)c.q_dim;
+  const int qkv_rows = (int)(c.q_dim + 2 * c.kv_dim);
+  const float eps = (float)c.rms_eps;
+  cudaStream_t s = s_;
+
+  // qkv = rmsnorm(x) @ [Wq; Wk; Wv].T
+  cuda::rmsnorm_rows(b_.x, w_.ld_h, L.attn_norm, eps, H, T, b_.xn, w_.ld_h, s);
+  gemm_.run(gemm_args(w_.fp16_of(L.qkv), qkv_rows, w_.ld_h, b_.xn, w_.ld_h, b_.qkv, b_.ld_qkv, T, H, GemmOut::F32), s);
+  // q = rope(q); cache[pos0 + t] = rope(k), v
+  cuda::RopeRowsParams r;
+  r.qkv = b_.qkv;
+  r.ldqkv = b_.ld_qkv;
+  r.cos = d_.rope_cos;
+  r.sin = d_.rope_sin;
+  r.q = b_.q;
+  r.k_pages = d_.k_pages + layer * d_.kv_layer_elems;
+  r.v_pages = d_.v_pages + layer * d_.kv_layer_elems;
+  r.page_table = d_.page_table;
+  r.page_shift = d_.page_shift;
+  r.T = T;
+  r.pos0 = pos0;
+  r.n_heads = (int)c.n_heads;
+  r.n_kv_heads = (int)c.n_kv_heads;
+  r.head_dim = (int)c.head_dim;
+  cuda::rope_rows(r, s);
+  // att = softmax(q K^T / sqrt(d), causal) V over positions 0..pos0+t
+  cuda::PrefillAttnParams a;
+  a.q = b_.q;
+  a.k_pages = r.k_pages;
+  a.v_pages = r.v_pages;
+  a.page_table = r.page_table;
+  a.page_shift = r.page_shift;
+  a.out = b_.att;
+  a.ldo = w_.ld_q;
+  a.T = T;
+  a.pos0 = pos0;
+  a.n_heads = r.n_heads;
+  a.n_kv_heads = r.n_kv_heads;
+  a.head_dim = r.head_dim;
+  a.max_seq = (int)d_.max_seq;
+  a.scale = 1.0f / std::sqrt((float)c.head_dim);
+  cuda::prefill_attention(a, s);
+  // x += att @ Wo.T
+  gemm_.run(gemm_args(w_.fp16_of(L.o), H, w_.ld_q, b_.att, w_.ld_q, b_.x, w_.ld_h, T, q_dim, GemmOut::AddF32), s);
+  // h = silu(rmsnorm(x) @ Wg.T) * (rmsnorm(x) @ Wu.T)   (gate and up rows interleaved: one GEMM)
+  cuda::rmsnorm_rows(b_.x, w_.ld_h, L.mlp_norm, eps, H, T, b_.xn, w_.ld_h, s);
+  gemm_.run(gemm_args(w_.fp16_of(L.gate_up), 2 * I, w_.ld_h, b_.xn, w_.ld_h, b_.gu, b_.ld_gu, T, H, GemmOut::F16), s);
+  cuda::swiglu_rows(b_.gu, b_.ld_gu, I, T, b_.h, w_.ld_i, s);
+  // x += h @ Wd.T
+  gemm_.run(gemm_args(w_.fp16_of(L.down), H, w_.ld_i, b_.h, w_.ld_i, b_.x, w_.ld_h, T, I, GemmOut::AddF32), s);
+}
+
+// Every row's logits (rows from max(0, -host_row0)) into host_logits rows host_row0 + row, a slice of
+// b_.logit_rows rows at a time: logits = rmsnorm(x) @ lm_head.T.
+void PrefillStep::chunk_logits(int T, float* host_logits, int64_t host_row0) {
+  const ModelConfig& c = c_;
+  const int H = (int)c.hidden, V = (int)c.vocab;
+  const __half* head = w_.fp16_of(w_.lm_head);  // (quantized: dequantized once for all slices)
+  for (int r = (int)std::max<int64_t>(0, -host_row0); r < T; r += b_.logit_rows) {
+    const int n = std::min(b_.logit_rows, T - r);
+    cuda::rmsnorm_rows(b_.x + (size_t)r * w_.ld_h, w_.ld_h, w_.final_norm, (float)c.rms_eps, H, n, b_.xn, w_.ld_h, s_);
+    gemm_.run(gemm_args(head, V, w_.ld_h, b_.xn, w_.ld_h, b_.logits, b_.ld_v, n, H, GemmOut::F32), s_);
+    TI_CUDA_CHECK(cudaMemcpy2DAsync(host_logits + (host_row0 + r) * V, (size_t)V * sizeof(float), b_.logits,
+                                    (size_t)b_.ld_v * sizeof(float), (size_t)V * sizeof(float), (size_t)n,
+                                    cudaMemcpyDeviceToHost, s_));
+  }
+}
+
+// One chunk: T tokens at pos0.. (T <= rows()). Leaves the last row's residual in d_.x and its logits in
+// d_.logits (what decode() samples from first). host_logits: every row's logits as well (see chunk_logits).
+void PrefillStep::run_chunk(const int32_t* tokens, int T, int pos0, float* host_logits, int64_t host_row0) {
+  const ModelConfig& c = c_;
+  const int H = (int)c.hidden;
+  TI_CUDA_CHECK(cudaStreamSynchronize(s_));  // b_.h_tokens may still be read by the previous chunk's copy
+  std::memcpy(b_.h_tokens, tokens, (size_t)T * sizeof(int32_t));
+  TI_CUDA_CHECK(cudaMemcpyAsync(b_.tokens, b_.h_tokens, (size_t)T * sizeof(int), cudaMemcpyHostToDevice, s_));
+
+  cuda::embed_tokens(w_.embedding, w_.ld_h, H, b_.tokens, T, b_.x, w_.ld_h, s_);  // x = embed[tokens]
+  for (int64_t l = 0; l < c.n_layers; l++) layer(w_.layers[(size_t)l], l, T, pos0);
+
+  // logits of the last position = lm_head @ rmsnorm(x[T-1]): the decode GEMV, as a decode step would
+  TI_CUDA_CHECK(cudaMemcpyAsync(d_.x, b_.x + (size_t)(T - 1) * w_.ld_h, (size_t)H * sizeof(float),
+                                cudaMemcpyDeviceToDevice, s_));
+  launch_gemv(plan_, MatrixRole::LmHead, gemv_args(w_.lm_head, d_.x, d_.logits, w_.final_norm, (float)c.rms_eps, false),
+              cuda::GemvIn::F32Norm, cuda::GemvOut::F32, s_, false);
+  if (host_logits) chunk_logits(T, host_logits, host_row0);
+}
+
+std::vector<std::pair<std::string, cuda::GemmTuning>> named_gemm_table(const cuda::Gemm& gemm, const ModelConfig& c) {
+  std::vector<std::pair<std::string, cuda::GemmTuning>> out;
+  for (const cuda::GemmTuning& t : gemm.table()) {
+    std::string name = "?";
+    if (t.M == c.q_dim + 2 * c.kv_dim && t.K == c.hidden) name = role_name(MatrixRole::Qkv);
+    else if (t.M == c.hidden && t.K == c.q_dim) name = role_name(MatrixRole::O);
+    else if (t.M == 2 * c.intermediate && t.K == c.hidden) name = role_name(MatrixRole::GateUp);
+    else if (t.M == c.hidden && t.K == c.intermediate) name = role_name(MatrixRole::Down);
+    else if (t.M == c.vocab && t.K == c.hidden) name = role_name(MatrixRole::LmHead);
+    out.emplace_back(name, t);
+  }
+  std::stable_sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.second.N < b.second.N; });
+  return out;
+}
+
+}  // namespace ti

@@ -1,0 +1,66 @@
+// prefill_step.h — the batched prefill pass: a whole prompt per pass (chunks of up to CudaOptions::prefill_chunk
+// tokens) through cuBLASLt GEMMs and the tiled causal attention, as opposed to the decode step that feeds one
+// token through a captured graph (decode_step.h).
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../../cuda/gemm.cuh"
+#include "../core/config.h"
+#include "decode_step.h"
+#include "device_weights.h"
+#include "gemv_plan.h"
+
+namespace ti {
+
+// One chunk's activations (row strides are the padded widths).
+struct PrefillBuffers {
+  int rows = 0;        // tokens per chunk: min(prefill_chunk, max_seq)
+  int logit_rows = 0;  // rows of all-position logits computed per slice
+  int ld_qkv = 0, ld_gu = 0, ld_v = 0;
+  int* tokens = nullptr;     // (rows)
+  int* h_tokens = nullptr;   // pinned (rows)
+  float* x = nullptr;        // (rows, ld_h) fp32 residual stream
+  __half* xn = nullptr;      // (rows, ld_h) rmsnorm(x), the GEMMs' input
+  float* qkv = nullptr;      // (rows, ld_qkv) q | k | v before RoPE
+  __half* q = nullptr;       // (rows, q_dim) rope(q)
+  __half* att = nullptr;     // (rows, ld_q) attention output
+  __half* gu = nullptr;      // (rows, ld_gu) gate/up interleaved
+  __half* h = nullptr;       // (rows, ld_i) silu(gate) * up
+  float* logits = nullptr;   // (logit_rows, ld_v) logits of all positions (Engine.logits), a slice at a time
+
+  static PrefillBuffers allocate(const ModelConfig& c, const DeviceWeights& w, int rows, DeviceArena& arena);
+};
+
+class PrefillStep {
+ public:
+  PrefillStep(const ModelConfig& c, DeviceWeights& w, const DecodeBuffers& d, const PrefillBuffers& b,
+              const GemvPlan& plan, cuda::Gemm& gemm, cudaStream_t s)
+      : c_(c), w_(w), d_(d), b_(b), plan_(plan), gemm_(gemm), s_(s) {}
+  int rows() const { return b_.rows; }
+  // T <= rows() tokens at positions pos0..: fills the cache, leaves the last row's residual in the decode
+  // buffers' x and its logits in their logits (what decode() samples from first). host_logits (may be null):
+  // every row's logits as well, row r at host_logits row host_row0 + r (rows with host_row0 + r < 0 skipped).
+  void run_chunk(const int32_t* tokens, int T, int pos0, float* host_logits, int64_t host_row0);
+
+ private:
+  void layer(const DeviceLayer& L, int64_t l, int T, int pos0);
+  void chunk_logits(int T, float* host_logits, int64_t host_row0);
+  const ModelConfig& c_;
+  DeviceWeights& w_;
+  const DecodeBuffers& d_;
+  const PrefillBuffers& b_;
+  const GemvPlan& plan_;
+  cuda::Gemm& gemm_;
+  cudaStream_t s_;
+};
+
+// Every GEMM shape tuned so far, named by its role (qkv | o | gate_up | down | lm_head), by N.
+std::vector<std::pair<std::string, cuda::GemmTuning>> named_gemm_table(const cuda::Gemm& gemm, const ModelConfig& c);
+
+}  // namespace ti

@@ -1,0 +1,208 @@
+"""The command line's edges (issue 15, row 4), run as a user runs it: `python -m tinyinfer ...` in a subprocess,
+on a small random Llama with a character tokenizer and a chat template (conftest.make_chat_llama)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import edit_config, make_chat_llama
+from tinyinfer import Engine, InvalidRequestError
+
+# What `tinyinfer` prints once it has loaded the default model: absent from a command refused before loading.
+LOADED_DEFAULT = "default model SmolLM2"
+
+
+def cli(*args, input=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "tinyinfer", *map(str, args)], input=input, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_chat_llama(tmp_path_factory.mktemp("cli") / "m")
+
+
+def _prompt_tokens(stderr: str) -> int:
+    return int(re.search(r"prompt (\d+) tokens", stderr).group(1))
+
+
+def test_version():
+    from tinyinfer import __version__
+
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"tinyinfer {__version__}"
+
+
+def test_prompt_from_stdin(tiny):
+    base = ["run", "-m", tiny, "--device", "cpu", "-n", "2"]
+    by_arg = cli(*base, "hello there")
+    dash = cli(*base, "-", input="hello there\n")
+    piped = cli(*base, input="hello there")
+    for r in (by_arg, dash, piped):
+        assert r.returncode == 0, r.stderr
+    assert _prompt_tokens(dash.stderr) == _prompt_tokens(piped.stderr) == _prompt_tokens(by_arg.stderr)
+    assert dash.stdout == by_arg.stdout  # greedy: the same prompt gives the same answer
+
+
+@pytest.mark.parametrize("args", [["run", "--device", "cpu", "-n", "40", "--ignore-eos", "hi"], ["info"]])
+def test_closed_stdout_ends_quietly(tiny, args):
+    if args[0] == "run":
+        args = args[:1] + ["-m", str(tiny)] + args[1:]
+    p = subprocess.Popen([sys.executable, "-m", "tinyinfer", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # the reader is gone before the first write: every write meets a closed pipe
+    err = p.stderr.read()
+    rc = p.wait(timeout=600)
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+    assert rc == 141
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", ""], "empty prompt"),
+    (["run", "-"], "empty prompt"),  # stdin empty
+    (["run", "   "], "empty prompt"),
+    (["run", "--system", " ", "hi"], "--system is empty"),
+    (["run", "--top-p", "0", "hi"], "top_p"),
+    (["run", "--temperature", "-1", "hi"], "temperature"),
+    (["run", "--max-tokens", "0", "hi"], "max_tokens"),
+    (["chat", "--min-p", "2"], "min_p"),
+    (["run", "--max-seq-len", "64", "--max-tokens", "64", "hi"], "--max-seq-len 64"),
+    (["run", "--device", "cpu", "--dtype", "fp16", "hi"], "valid: auto, fp32, int8, int4"),
+    (["run", "--device", "cpu", "--dtype", "bf16", "hi"], "dtype='bf16'"),
+])
+def test_refused_before_the_model_loads(args, needle):
+    r = cli(*args, input="")
+    assert r.returncode == 1, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert LOADED_DEFAULT not in r.stderr  # refused without loading (or fetching) the default model
+
+
+def test_dtype_the_device_cannot_honour_is_refused(tiny):
+    with pytest.raises(InvalidRequestError, match=r"valid: auto, fp32, int8, int4"):
+        Engine(tiny, device="cpu", dtype="bf16")
+    with Engine(tiny, device="cpu") as eng:
+        assert eng.dtype == "fp32"  # auto
+
+
+def test_chat_messages_refused(tiny):
+    with Engine(tiny, device="cpu") as eng:
+        for msgs, needle in (([{"role": "user", "content": ""}], r"messages\[0\] \(user\) has empty content"),
+                             ([{"role": "system", "content": " "}, {"role": "user", "content": "hi"}], "empty"),
+                             ([{"role": "usr", "content": "hi"}], "unknown role 'usr'")):
+            with pytest.raises(InvalidRequestError, match=needle):
+                eng.chat(msgs, max_tokens=2)
+        assert eng.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
+                         {"role": "user", "content": "again"}], max_tokens=2).token_ids  # an empty reply is kept
+
+
+def test_ignore_eos(tiny, tmp_path):
+    import shutil
+
+    d = tmp_path / "all_eos"
+    shutil.copytree(tiny, d)
+    edit_config(d, eos_token_id=list(range(300)))  # every token ends the sequence
+    base = ["run", "-m", d, "--device", "cpu", "-n", "7", "--raw", "hi"]
+    assert "| 1 tokens |" in cli(*base).stderr
+    r = cli(*base, "--ignore-eos")
+    assert r.returncode == 0 and "| 7 tokens |" in r.stderr
+
+
+def test_chat_keeps_going_when_the_context_fills(tiny):
+    lines = [f"message number {i}, a little longer" for i in range(6)] + ["x" * 200, "short one", ""]
+    r = cli("chat", "-m", tiny, "--device", "cpu", "--max-seq-len", "160", "-n", "20", "--ignore-eos",
+            "--system", "be brief", input="\n".join(lines) + "\n")
+    assert r.returncode == 0, r.stderr
+    assert "[context full: dropped the oldest" in r.stderr
+    assert "exceeds max_seq_len=160" in r.stderr  # the 200-character message alone does not fit: refused ...
+    assert r.stderr.count("tok/s") == 7  # ... and every other turn got its answer
+
+
+def test_chat_ctrl_c_keeps_the_history_consistent(tiny):
+    """Ctrl-C cannot be timed reliably into a subprocess's generation: the turn is driven in-process, with the
+    KeyboardInterrupt raised from inside the stream after its first piece."""
+    from argparse import Namespace
+
+    from tinyinfer.cli import _chat_turn
+
+    args = Namespace(max_tokens=10, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                     seed=None, stop=[], ignore_eos=True)
+    with Engine(tiny, device="cpu", max_seq_len=256) as eng:
+        messages = [{"role": "user", "content": "first"}]
+        _chat_turn(eng, args, messages)
+        assert [m["role"] for m in messages] == ["user", "assistant"]
+        real = eng.stream_chat
+
+        def interrupted(*a, **kw):
+            for i, piece in enumerate(real(*a, **kw)):
+                yield piece
+                raise KeyboardInterrupt
+
+        eng.stream_chat = interrupted
+        messages.append({"role": "user", "content": "second"})
+        _chat_turn(eng, args, messages)
+        assert [m["role"] for m in messages] == ["user", "assistant"]  # the interrupted turn was taken back
+        eng.stream_chat = real
+        messages.append({"role": "user", "content": "third"})
+        _chat_turn(eng, args, messages)
+        assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+
+
+def test_perplexity_command_matches_the_logits(tiny, tmp_path):
+    from tinyinfer.perplexity import perplexity, perplexity_from_logits
+
+    text = "The quick brown fox jumps over the lazy dog. " * 6
+    f = tmp_path / "eval.txt"
+    f.write_text(text)
+    r = cli("perplexity", f, "-m", tiny, "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    got = float(re.search(r"perplexity (\S+)", r.stdout).group(1))
+    with Engine(tiny, device="cpu", max_seq_len=2048) as eng:
+        ids = eng.tokenize(text)
+        want = perplexity_from_logits(eng.logits(ids), ids)  # what bench/tools/quant_quality.py computes
+        assert got == pytest.approx(want, abs=1e-4)
+        assert f"{len(ids) - 1} tokens scored in 1 window" in r.stdout
+        two = perplexity(eng, ids, window=len(ids) // 2 + 1)  # windows: each scored from an empty cache
+        a, b = ids[: two.window], ids[two.window:]
+        nll = np.concatenate([_nll(eng, x) for x in (a, b)])
+        assert two.windows == 2 and two.perplexity == pytest.approx(float(np.exp(nll.mean())), rel=1e-12)
+    r = cli("perplexity", tmp_path / "missing.txt", "-m", tiny)
+    assert r.returncode == 1 and "missing.txt" in r.stderr
+
+
+def _nll(eng, ids):
+    from tinyinfer.perplexity import token_nll
+
+    return token_nll(eng.logits(ids), ids)
+
+
+def test_bench_cpu(tiny, tmp_path):
+    out = tmp_path / "b.json"
+    r = cli("bench", "--device", "cpu", "-m", tiny, "--contexts", "4,16", "--steps", "3", "--prefill", "8",
+            "--json", out)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["device"] == "cpu" and [d["context"] for d in res["decode"]] == [4, 16]
+    assert all(d["steps"] == 3 and d["tok_s"] > 0 for d in res["decode"]) and res["prefill"][0]["tokens"] == 8
+    assert "tok/s" in r.stdout
+    r = cli("bench", "--device", "cpu", "--contexts", "4,x")
+    assert r.returncode == 1 and "--contexts" in r.stderr
+
+
+def test_bench_cpu_random_weights_at_a_shape():
+    from tinyinfer import _core
+    from tinyinfer.bench import random_cpu_engine
+
+    c = _core.ModelConfig()
+    c.hidden, c.intermediate, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab = 128, 256, 2, 2, 1, 64, 100
+    c.max_position_embeddings, c.rms_eps = 64, 1e-5
+    c.validate()
+    core = random_cpu_engine(c, 32)
+    logits = core.forward([1, 2, 3], all_logits=True)
+    assert logits.shape == (3, 100) and np.isfinite(logits).all() and logits.std() > 0

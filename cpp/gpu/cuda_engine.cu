@@ -65,9 +65,8 @@ void CudaEngine::init_device() {
   const int P = opt_.kv_page_size;
   if (P < 64 || P > (1 << 20) || (P & (P - 1)))
     fail(ErrorKind::Request, "kv_page_size must be a power of two in 64..2^20, got " + std::to_string(P));
-  if (P < opt_.attn_chunk)  // a split-K block then reads at most two pages
-    fail(ErrorKind::Request, "kv_page_size " + std::to_string(P) + " must be >= attn_chunk " +
-                                 std::to_string(opt_.attn_chunk));
+  if (P < opt_.attn_chunk)  // (a split-K block then reads at most two pages)
+    fail(ErrorKind::Request, "kv_page_size " + std::to_string(P) + " must be >= attn_chunk " + std::to_string(opt_.attn_chunk));
   if (opt_.kv_pool_pages < 0)
     fail(ErrorKind::Request, "kv_pool_pages must be >= 0 (0: enough for max_seq_len), got " +
                                  std::to_string(opt_.kv_pool_pages));
@@ -204,9 +203,8 @@ void CudaEngine::run_decode_step(int64_t pos) {
   else step_->record(stream_, pdl_);
 }
 
-// Pages for positions [0, positions), taken from the pool as the sequence grows, and the table's new entries
-// copied to the device ahead of the work that addresses through them (stream order: a captured decode step reads
-// the table when it runs). All or nothing: a pool too small throws a Request error and changes nothing.
+// Pages for positions [0, positions) from the pool, their table entries copied ahead of the work that reads them
+// (stream order). All or nothing: a pool too small throws a Request error and changes nothing.
 void CudaEngine::kv_reserve(int64_t positions) {
   const int64_t first = seq_->grow(*pool_, positions), n = seq_->pages() - first;
   if (n > 0)  // (from pageable memory: staged before the call returns)

@@ -87,9 +87,9 @@ cuda::QMat DeviceWeights::alloc_matrix(int rows, int K, WFormat fmt) {
     m.ld = (int)cuda::pad8(K);
     m.q = arena_.alloc((size_t)rows * m.ld * sizeof(__half), Kind::Weights);
   } else {
-    m.ld = (int)(m.fmt == WFormat::I8 ? i8_ld(K) : i4_ld(K));
+    m.ld = (int)quant_ld(m.fmt, K);
     m.q = arena_.alloc((size_t)rows * m.ld, Kind::Weights);
-    m.scales = arena_.alloc(m.fmt == WFormat::I8 ? (size_t)rows * 4 : (size_t)rows * (K / kI4Group) * 4, Kind::Weights);
+    m.scales = arena_.alloc((size_t)(rows * scale_halves(m.fmt, K)) * 2, Kind::Weights);
   }
   return m;
 }
@@ -102,28 +102,30 @@ void DeviceWeights::store_matrix(const cuda::QMat& m, const std::vector<uint16_t
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // `host` may be reused or freed after this
 }
 
-// After store_matrix: the rows of parts the store holds already in int4 (GGUF Q4_0 / Q4_1, converted block for
-// block) are replaced by those exact bytes, row i of part p sitting at row_of(p, i) of the fused matrix. Rows
-// are independent, so a fused matrix may mix imported and quantized parts (q | k | v of different types).
+// After store_matrix: the rows of parts the store holds already in the matrix's format (GGUF Q4_0 / Q4_1 as
+// int4, Q8_0 as int8, converted block for block) are replaced by those exact bytes, row i of part p sitting at
+// row_of(p, i) of the fused matrix. Rows are independent, so a fused matrix may mix imported and quantized parts
+// (q | k | v of different types).
 void DeviceWeights::overlay_imported(const cuda::QMat& m, const WeightStore& w, const std::vector<std::string>& parts,
                                   const std::function<int64_t(size_t, int64_t)>& row_of) {
-  if (m.fmt != WFormat::I4) return;
+  if (m.fmt == WFormat::F16) return;
   bool any = false;
-  for (const std::string& name : parts) any = any || w.imported(name) != nullptr;
+  for (const std::string& name : parts) any = any || w.imported(name, m.fmt) != nullptr;
   if (!any) return;
-  const int64_t groups = m.K / kI4Group;
+  const int64_t halves = scale_halves(m.fmt, m.K);
   std::vector<uint8_t> q((size_t)m.rows * m.ld);
-  std::vector<uint16_t> sm((size_t)(m.rows * groups * 2));
+  std::vector<uint16_t> sm((size_t)(m.rows * halves));
   TI_CUDA_CHECK(cudaMemcpy(q.data(), m.q, q.size(), cudaMemcpyDeviceToHost));
   TI_CUDA_CHECK(cudaMemcpy(sm.data(), m.scales, sm.size() * 2, cudaMemcpyDeviceToHost));
   for (size_t p = 0; p < parts.size(); p++) {
-    const QuantMatrix* src = w.imported(parts[p]);
+    const QuantMatrix* src = w.imported(parts[p], m.fmt);
     if (!src) continue;
-    if (src->K != m.K || src->ld != m.ld) fail(ErrorKind::ModelFormat, "int4 tensor '" + parts[p] + "': bad width");
+    if (src->K != m.K || src->ld != m.ld)
+      fail(ErrorKind::ModelFormat, to_string(m.fmt) + " tensor '" + parts[p] + "': bad width");
     for (int64_t i = 0; i < src->rows; i++) {
       const int64_t r = row_of(p, i);
       std::memcpy(&q[(size_t)(r * m.ld)], &src->q[(size_t)(i * src->ld)], (size_t)src->ld);
-      std::memcpy(&sm[(size_t)(r * groups * 2)], &src->sm[(size_t)(i * groups * 2)], (size_t)groups * 4);
+      std::memcpy(&sm[(size_t)(r * halves)], &src->sm[(size_t)(i * halves)], (size_t)halves * 2);
     }
   }
   TI_CUDA_CHECK(cudaMemcpy(const_cast<void*>(m.q), q.data(), q.size(), cudaMemcpyHostToDevice));
@@ -197,6 +199,7 @@ void DeviceWeights::upload(const WeightStore& w) {
     fresh(c.vocab, ld_h);
     pack_rows(host, w.lm_head(), c.vocab, c.hidden, ld_h, same);
     store_matrix(lm_head, host);
+    overlay_imported(lm_head, w, {"lm_head.weight"}, [](size_t, int64_t i) { return i; });
   }
   TI_CUDA_CHECK(cudaMemcpy(final_norm, w.final_norm(), c.hidden * sizeof(float), cudaMemcpyHostToDevice));
 }

@@ -147,6 +147,9 @@ class Engine:
         if dtype == "int4" and model.int4_blocks is not None:  # GGUF Q4_0 / Q4_1: imported as they are
             for name, q, sm in model.int4_blocks():
                 store.add_int4(name, q, sm)
+        if dtype in _QUANTIZED and model.int8_blocks is not None:  # GGUF Q8_0: int8 matrices, the int8 LM head
+            for name, q, d in model.int8_blocks(layers=dtype == "int8"):
+                store.add_int8(name, q, d)
         store.finish()
         self._tactics_file: Optional[Path] = None
         self._tactics_saved = 0

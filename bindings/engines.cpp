@@ -19,6 +19,7 @@
 #include "common.h"
 #ifdef TINYINFER_WITH_CUDA
 #include "../cpp/gpu/cuda_engine.h"
+#include "../cpp/gpu/plan_cache.h"
 #endif
 
 namespace tinyinfer_bindings {
@@ -26,6 +27,36 @@ namespace tinyinfer_bindings {
 using namespace nb::literals;
 
 namespace {
+
+#ifdef TINYINFER_WITH_CUDA
+// A GEMV plan as Python sees it: one dict per role (CudaEngine.gemv_table, CudaEngine.read_plan).
+nb::list plan_table(const ti::GemvPlan& plan) {
+  nb::list out;
+  for (const ti::GemvShapePlan& g : plan.shapes) {
+    std::vector<int> tried_R, tried_bps;
+    std::vector<double> us;
+    for (const ti::GemvTrial& t : g.tried) {
+      tried_R.push_back(t.variant.rows_per_warp);
+      tried_bps.push_back(t.variant.blocks_per_sm);
+      us.push_back(t.us);
+    }
+    nb::dict d;
+    d["role"] = g.role;
+    d["name"] = ti::role_name(g.role);
+    d["rows"] = g.rows;
+    d["K"] = g.K;
+    d["copies"] = g.copies;
+    d["R"] = g.chosen.rows_per_warp;
+    d["blocks_per_sm"] = g.chosen.blocks_per_sm;
+    d["tried_R"] = tried_R;
+    d["tried_blocks_per_sm"] = tried_bps;
+    d["us"] = us;
+    d["gb_per_s"] = g.gb_per_s;
+    out.append(d);
+  }
+  return out;
+}
+#endif
 
 // forward / decode / state: the same Python surface for every engine class.
 template <typename E, typename Cls>
@@ -203,6 +234,8 @@ void bind_engines(nb::module_& m) {
       .def_rw("kv_page_size", &ti::CudaOptions::kv_page_size)
       .def_rw("kv_pool_pages", &ti::CudaOptions::kv_pool_pages)
       .def_rw("kv_page_shuffle", &ti::CudaOptions::kv_page_shuffle)
+      .def_rw("plan_text", &ti::CudaOptions::plan_text,
+              "A saved GEMV plan (CudaEngine.plan_text) to take instead of tuning, if made for this key; '': tune.")
       .def_prop_rw(
           "weights", [](const ti::CudaOptions& o) { return o.weights; },
           [](ti::CudaOptions& o, const FormatArg& f) { o.weights = to_format(f); },
@@ -239,34 +272,39 @@ void bind_engines(nb::module_& m) {
                    },
                    "The long-context decode graph: (from context, qkv R, qkv blocks per SM); from = -1: none.")
       .def_prop_ro("device_name", &ti::CudaEngine::device_name)
-      .def("gemv_table",
-           [](const ti::CudaEngine& e) {
-             nb::list out;
-             for (const ti::GemvShapePlan& g : e.gemv_plan().shapes) {
-               std::vector<int> tried_R, tried_bps;
-               std::vector<double> us;
-               for (const ti::GemvTrial& t : g.tried) {
-                 tried_R.push_back(t.variant.rows_per_warp);
-                 tried_bps.push_back(t.variant.blocks_per_sm);
-                 us.push_back(t.us);
-               }
-               nb::dict d;
-               d["role"] = g.role;
-               d["name"] = ti::role_name(g.role);
-               d["rows"] = g.rows;
-               d["K"] = g.K;
-               d["copies"] = g.copies;
-               d["R"] = g.chosen.rows_per_warp;
-               d["blocks_per_sm"] = g.chosen.blocks_per_sm;
-               d["tried_R"] = tried_R;
-               d["tried_blocks_per_sm"] = tried_bps;
-               d["us"] = us;
-               d["gb_per_s"] = g.gb_per_s;
-               out.append(d);
-             }
-             return out;
-           },
+      .def("gemv_table", [](const ti::CudaEngine& e) { return plan_table(e.gemv_plan()); },
            "The load-time GEMV plan, one dict per role: the chosen variant (R, blocks_per_sm) and every one timed.")
+      .def_static("plan_key", &ti::CudaEngine::plan_key, "config"_a, "max_seq_len"_a, "options"_a,
+                  "What a saved GEMV plan must have been made for (GPU, driver, build, model shape, options).")
+      .def_static(
+          "read_plan",
+          [](const std::string& text, const std::string& key) {
+            const ti::PlanRead r = ti::gemv_plan_from_text(text, key);
+            if (!r.plan) return nb::make_tuple(nb::none(), nb::none(), r.problem);
+            const ti::GemvPlan& p = *r.plan;
+            return nb::make_tuple(plan_table(p), nb::make_tuple(p.long_from, p.qkv_long.rows_per_warp,
+                                                                p.qkv_long.blocks_per_sm), "");
+          },
+          "text"_a, "key"_a,
+          "Check a saved plan as the constructor does (no GPU needed): (gemv_table, decode_long, '') or "
+          "(None, None, problem) with problem 'stale: ...' or 'corrupt: ...'.")
+      .def_prop_ro("plan_text", &ti::CudaEngine::plan_text,
+                   "This engine's GEMV plan as text to save ('' where gemv_pins changed it).")
+      .def_prop_ro("plan_from_cache", &ti::CudaEngine::plan_from_cache)
+      .def_prop_ro("plan_problem", &ti::CudaEngine::plan_problem,
+                   "Why CudaOptions.plan_text was refused ('stale: ...' / 'corrupt: ...'); '' if it was not.")
+      .def_prop_ro("tune_seconds", &ti::CudaEngine::tune_seconds,
+                   "Seconds of the load spent on the GEMV plan, the decode graphs and the long-context decision.")
+      .def_prop_ro("tune_parts",
+                   [](const ti::CudaEngine& e) {
+                     const double* t = e.tune_parts();
+                     nb::dict d;
+                     d["plan"] = t[0];
+                     d["graphs"] = t[1];
+                     d["long_context"] = t[2];
+                     return d;
+                   },
+                   "tune_seconds in parts (s): plan (tuned or read), graphs (captured), long_context (decided).")
       .def("gemm_table",
            [](const ti::CudaEngine& e) {
              nb::list out;

@@ -2,13 +2,16 @@
 #include "cuda_engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 
 #include "../../cuda/attention.cuh"
 #include "../../cuda/common.cuh"
 #include "../../cuda/prefill_attention.cuh"
 #include "../core/engine_checks.h"
 #include "../core/errors.h"
+#include "plan_cache.h"
 
 namespace ti {
 
@@ -34,10 +37,7 @@ void CudaEngine::build(const std::function<void()>& fill_weights) {
     init_device();
     allocate();
     fill_weights();
-    GemvTuneOptions t{opt_.gemv_rows, opt_.gemv_grid, opt_.gemv_resident_margin, opt_.gemv_small_tiles, opt_.gemv_pins};
-    plan_ = tune_gemv_plan(cfg_, *weights_, dbuf_, t, opt_.early_trigger, pdl_, *clock_);
-    build_graphs();
-    tune_decode_long();
+    tune();
   } catch (...) {
     release();
     throw;
@@ -134,20 +134,86 @@ void CudaEngine::build_graphs() {
   graphs_ok_ = true;
 }
 
-// A second decode graph for long contexts, differing in qkv's variant only (gemv_plan.h, tune_decode_long).
-void CudaEngine::tune_decode_long() {
-  if (!graphs_ok_ || opt_.decode_long_from == 0) return;
+// ---- the tuning step: the GEMV plan, the decode graphs, the long-context graph ----
+
+std::string CudaEngine::plan_key(const ModelConfig& c, int64_t max_seq_len, const CudaOptions& o) {
+  int dev = 0;
+  cudaDeviceProp prop{};
+  TI_CUDA_CHECK(cudaGetDevice(&dev));
+  TI_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  const int chunk = o.attn_chunk ? o.attn_chunk : cuda::attn_chunk_for((int)c.head_dim);
+  // The long-context decision is timed up to the longest context the KV pool holds (decode_long_graph).
+  const int64_t longest = o.kv_pool_pages > 0 ? std::min<int64_t>(max_seq_len, o.kv_pool_pages * o.kv_page_size)
+                                              : max_seq_len;
+  char buf[512];
+  std::snprintf(buf, sizeof(buf),
+                " | model h%lld i%lld l%lld q%lld kv%lld d%lld v%lld tie%d %s | rows %d grid %d margin %.4g small %d "
+                "long %lld ctx %lld pdl %d graphs %d early %d chunk %d page %d trace %d",
+                (long long)c.hidden, (long long)c.intermediate, (long long)c.n_layers, (long long)c.n_heads,
+                (long long)c.n_kv_heads, (long long)c.head_dim, (long long)c.vocab, (int)c.tie_word_embeddings,
+                to_string(o.weights).c_str(), o.gemv_rows, o.gemv_grid, o.gemv_resident_margin, (int)o.gemv_small_tiles,
+                (long long)o.decode_long_from, (long long)std::min<int64_t>(1024, longest - 64),
+                (int)(o.pdl && prop.major >= 9), (int)o.graphs, (int)o.early_trigger, chunk, o.kv_page_size,
+                (int)o.trace);
+  return plan_device_id() + " | " + plan_build_id() + buf;
+}
+
+std::string CudaEngine::plan_text() const {
+  return opt_.gemv_pins.empty() ? gemv_plan_to_text(plan_, plan_key_) : std::string();
+}
+
+// The plan from opt_.plan_text where it is whole and made for this key (else tuned); pins on top; the graphs.
+void CudaEngine::tune() {
+  using clock = std::chrono::steady_clock;
+  auto secs = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+  const clock::time_point t0 = clock::now();
+  plan_key_ = plan_key(cfg_, max_seq_, opt_);
+  if (!opt_.plan_text.empty()) {
+    PlanRead r = gemv_plan_from_text(opt_.plan_text, plan_key_);
+    plan_cached_ = r.plan.has_value();
+    if (plan_cached_) plan_ = std::move(*r.plan);
+    else plan_problem_ = r.problem;
+  }
+  if (!plan_cached_) {
+    GemvTuneOptions t{opt_.gemv_rows, opt_.gemv_grid, opt_.gemv_resident_margin, opt_.gemv_small_tiles, {}};
+    plan_ = tune_gemv_plan(cfg_, *weights_, dbuf_, t, opt_.early_trigger, pdl_, *clock_);
+  }
+  for (const GemvPin& pin : opt_.gemv_pins)
+    if (GemvShapePlan* g = plan_.find(pin.role)) apply_pin(*g, pin);
+  const clock::time_point t1 = clock::now();
+  build_graphs();
+  const clock::time_point t2 = clock::now();
+  decode_long_graph();
+  tune_s_[0] = secs(t0, t1);
+  tune_s_[1] = secs(t1, t2);
+  tune_s_[2] = secs(t2, clock::now());
+}
+
+cudaGraphExec_t CudaEngine::capture_decode(GemvVariant qkv) {
+  GemvShapePlan* q = plan_.find(MatrixRole::Qkv);  // swapped while capturing
+  const GemvVariant keep = q->chosen;
+  q->chosen = qkv;
+  cudaGraphExec_t g = nullptr;
+  const cudaError_t err = capture_graph(stream_, [&] { step_->record(stream_, pdl_); }, &g);
+  q->chosen = keep;
+  TI_CUDA_CHECK(err);
+  return g;
+}
+
+// A second decode graph for long contexts, differing in qkv's variant only (gemv_plan.h, tune_decode_long):
+// the cached plan's decision where it has one and no pin changed qkv's pick; else timed.
+void CudaEngine::decode_long_graph() {
+  if (!graphs_ok_ || opt_.decode_long_from == 0) {
+    plan_.long_from = -1;
+    return;
+  }
+  if (plan_cached_ && opt_.gemv_pins.empty()) {
+    if (plan_.long_from > 0) g_decode_long_ = capture_decode(plan_.qkv_long);
+    return;
+  }
+  plan_.long_from = -1;
   DecodeGraphProbe probe;
-  probe.capture = [&](GemvVariant v) {
-    GemvShapePlan* q = plan_.find(MatrixRole::Qkv);  // swapped while capturing
-    const GemvVariant keep = q->chosen;
-    q->chosen = v;
-    cudaGraphExec_t g = nullptr;
-    const cudaError_t err = capture_graph(stream_, [&] { step_->record(stream_, pdl_); }, &g);
-    q->chosen = keep;
-    TI_CUDA_CHECK(err);
-    return g;
-  };
+  probe.capture = [&](GemvVariant v) { return capture_decode(v); };
   probe.step_ms = [&](cudaGraphExec_t g, int64_t context, int steps) {
     return time_steps(context, steps, [&](int64_t) { TI_CUDA_CHECK(cudaGraphLaunch(g, stream_)); });
   };

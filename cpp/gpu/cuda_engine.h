@@ -51,6 +51,7 @@ struct CudaOptions {
   int kv_page_size = 64;               // positions per page: a power of two, >= 64 and >= attn_chunk
   int64_t kv_pool_pages = 0;           // pages in the pool; 0: what one sequence of max_seq_len needs
   uint64_t kv_page_shuffle = 0;        // a seed shuffling the pool's free list (tests); 0: pages in order
+  std::string plan_text;               // a saved GEMV plan (plan_cache.h) to take instead of tuning; "": tune
 };
 
 class CudaEngine {
@@ -76,6 +77,16 @@ class CudaEngine {
   // ---- measurement (measure.cu) ----
   double last_decode_ms() const { return last_decode_ms_; }  // GPU time of the last decode()'s steps
   const GemvPlan& gemv_plan() const { return plan_; }
+  // ---- the GEMV plan across runs (plan_cache.h; the Python Engine keeps the file) ----
+  // What a saved plan must have been made for: GPU, driver, build, model shape, weight format, and the options
+  // that change what the tuners time or pick (device 0 is queried; pins are not part of it: they apply after).
+  static std::string plan_key(const ModelConfig& c, int64_t max_seq_len, const CudaOptions& o);
+  std::string plan_text() const;  // the plan to save; "" where pins changed it (then it is not this key's plan)
+  bool plan_from_cache() const { return plan_cached_; }          // CudaOptions::plan_text was taken
+  const std::string& plan_problem() const { return plan_problem_; }  // why plan_text was refused ("": it was not)
+  // Seconds spent at load on the GEMV plan (tuned or read), the decode graphs, and the long-context decision.
+  double tune_seconds() const { return tune_s_[0] + tune_s_[1] + tune_s_[2]; }
+  const double* tune_parts() const { return tune_s_; }  // {plan, graphs, long-context}
   // GPU ms per decode step at a context of `context` tokens (with the graph decode() would use there).
   double time_decode_step(int64_t context, int steps);
   // CudaOptions::trace: one decode step at `context`; per traced kernel in launch order its name and
@@ -104,8 +115,10 @@ class CudaEngine {
   void build(const std::function<void()>& fill_weights);
   void init_device();
   void allocate();
+  void tune();
   void build_graphs();
-  void tune_decode_long();
+  cudaGraphExec_t capture_decode(GemvVariant qkv);  // a decode-step graph with qkv at that variant
+  void decode_long_graph();
   void release();
   void set_state(int token, int pos, int step);
   void kv_reserve(int64_t positions);      // pages for positions [0, positions), their table entries on the device
@@ -127,6 +140,9 @@ class CudaEngine {
   std::unique_ptr<DeviceWeights> weights_;
   DecodeBuffers dbuf_;
   GemvPlan plan_;
+  std::string plan_key_, plan_problem_;
+  bool plan_cached_ = false;
+  double tune_s_[3] = {0, 0, 0};
   std::unique_ptr<DecodeStep> step_;
   cudaGraphExec_t g_prompt_token_ = nullptr, g_decode_ = nullptr;
   cudaGraphExec_t g_decode_long_ = nullptr;  // contexts >= plan_.long_from

@@ -11,14 +11,16 @@ pass and then decodes tokens in chunks, back to back, without Python between the
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -103,6 +105,66 @@ def _pick_device(device: str) -> str:
     return "cpu"
 
 
+# ---- the GEMV plan across runs: the CUDA engine's load-time tuning (cpp/gpu/plan_cache.h) is kept in
+# $TINYINFER_CACHE/plans/, one file per key (GPU, driver, build, model shape, options) and per build of _core, so a
+# later load takes it instead of tuning. TINYINFER_PLAN_CACHE=0 or Engine(plan_cache=False): neither read nor
+# written. A file the engine refuses (stale or corrupt) is said in one warning, re-tuned and overwritten; one
+# that cannot be read or written is skipped: it is only a cache.
+
+
+def plan_file(key: str) -> Optional[Path]:
+    """Where the plan for `key` (CudaEngine.plan_key) is kept; None where the plan cache is turned off."""
+    if os.environ.get("TINYINFER_PLAN_CACHE", "1") == "0":
+        return None
+    from .models import cache_dir
+
+    try:  # the module's size and time stand for this build (any rebuilt kernel may time differently)
+        st = os.stat(_core.__file__)
+        build = f"{st.st_size}-{st.st_mtime_ns}"
+    except (OSError, AttributeError, TypeError):
+        build = "?"
+    digest = hashlib.sha256(f"{key}\n{build}".encode()).hexdigest()[:24]
+    return cache_dir() / "plans" / f"{digest}.txt"
+
+
+def _read_plan(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")  # garbage reads as text the core calls corrupt
+    except OSError:
+        return ""
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    except OSError:
+        pass
+
+
+def with_plan_cache(opts: "_core.CudaOptions", path: Optional[Path],
+                    make: Callable[["_core.CudaOptions"], "_core.CudaEngine"]) -> "_core.CudaEngine":
+    """make(opts) with opts.plan_text read from `path` (None: the cache is off), then the plan kept there: a
+    refused one said (one warning) and every tuned one written. opts is left as it was given."""
+    given = opts.plan_text
+    use_file = path is not None and not given  # a plan_text given by the caller wins over the file
+    if use_file:
+        opts.plan_text = _read_plan(path)
+    try:
+        core = make(opts)
+    finally:
+        opts.plan_text = given
+    if core.plan_problem:
+        where = f"in {path}" if use_file else "in CudaOptions.plan_text"
+        warnings.warn(f"tinyinfer: the cached GEMV plan {where} was ignored ({core.plan_problem}); tuned again",
+                      RuntimeWarning, stacklevel=3)
+    if use_file and not core.plan_from_cache and core.plan_text:
+        _write_atomic(path, core.plan_text)
+    return core
+
+
 class Engine:
     """A loaded model. One sequence at a time: concurrent calls on one Engine are serialised by a lock.
     close() (or leaving a `with Engine(...) as eng:` block) frees its memory at once, GPU memory included."""
@@ -115,6 +177,7 @@ class Engine:
         dtype: str = "auto",
         max_seq_len: Optional[int] = None,
         cuda_options: Optional["_core.CudaOptions"] = None,
+        plan_cache: bool = True,
     ):
         self._core = None  # first: close() and repr must work on an engine whose loading failed
         if dtype not in _DTYPES:
@@ -157,7 +220,9 @@ class Engine:
             opts = cuda_options or _core.CudaOptions()
             if dtype in _QUANTIZED:
                 opts.weights = dtype
-            self._core = _core.CudaEngine(store, max_seq_len, opts)
+            key = _core.CudaEngine.plan_key(self.config, max_seq_len, opts)
+            self._core = with_plan_cache(opts, plan_file(key) if plan_cache else None,
+                                         lambda o: _core.CudaEngine(store, max_seq_len, o))
             self._load_tactics()
         else:
             if dtype in _QUANTIZED:

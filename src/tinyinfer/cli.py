@@ -274,8 +274,13 @@ def cmd_verify(args) -> int:
 def cmd_info(args) -> int:
     from . import _core
 
-    print("build:", dict(_core.build_info))
+    from .engine import no_cuda_sentence
+
+    info = dict(_core.build_info)
+    print("build:", info)
     print("cuda device:", dict(_core.ops.device_status()))
+    if not info["cuda"]:
+        print(no_cuda_sentence(info))
     return 0
 
 

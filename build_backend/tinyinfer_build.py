@@ -49,8 +49,8 @@ def _warn_from_report(build):
         result = build()
         with open(report, encoding="utf-8") as f:
             text = f.read().strip()
-        if text:
-            warnings.warn(text, stacklevel=1)
+        if text:  # pip prints "<filename>:<lineno>: BuildBackendWarning: <text>" and that source line, if any
+            warnings.warn_explicit(text, UserWarning, filename="tinyinfer", lineno=0)
         return result
     finally:
         os.remove(report)

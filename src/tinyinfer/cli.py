@@ -273,7 +273,6 @@ def cmd_verify(args) -> int:
 
 def cmd_info(args) -> int:
     from . import _core
-
     from .engine import no_cuda_sentence
 
     info = dict(_core.build_info)

@@ -273,9 +273,13 @@ def cmd_verify(args) -> int:
 
 def cmd_info(args) -> int:
     from . import _core
+    from .engine import no_cuda_sentence
 
-    print("build:", dict(_core.build_info))
+    info = dict(_core.build_info)
+    print("build:", info)
     print("cuda device:", dict(_core.ops.device_status()))
+    if not info["cuda"]:
+        print(no_cuda_sentence(info))
     return 0
 
 

@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import os
 import re
+import shlex
 import sys
 import threading
 import time
@@ -64,11 +65,28 @@ class Completion:
     stats: Stats = field(default_factory=Stats)
 
 
+def no_cuda_sentence(info: dict) -> str:
+    """Why a build (its build_info) has no CUDA backend and the command that fixes it, as one flat sentence."""
+    src = info.get("source_dir") or ""
+    # A source tree still there is what was installed (`pip install .`); else it came from an index. No pip cache:
+    # pip would reinstall the CPU-only wheel it built last time.
+    src = shlex.quote(src) if src and os.path.isfile(os.path.join(src, "pyproject.toml")) else "tinyinfer"
+    reinstall = f"pip install --force-reinstall --no-deps --no-cache-dir {src}"
+    reason, nvcc = info.get("no_cuda_reason"), info.get("nvcc_version") or "?"
+    if reason == "no-cublaslt":
+        wheel = "nvidia-cublas-cu12" if nvcc.startswith("12.") else "nvidia-cublas"
+        return (f"no CUDA backend: nvcc {nvcc} was found but not cuBLASLt when tinyinfer was built; "
+                f"fix: pip install {wheel} && {reinstall}")
+    if reason == "cuda-off":
+        return f"no CUDA backend: tinyinfer was built with TINYINFER_CUDA=OFF; fix: {reinstall}"
+    return (f"no CUDA backend: no CUDA compiler was found when tinyinfer was built; "
+            f"fix: pip install 'cuda-toolkit[nvcc,cudart,cccl]' && {reinstall}")
+
+
 def cuda_status() -> tuple[bool, str]:
     """(usable, reason): whether this build has the GPU engine and a usable GPU is present."""
     if not hasattr(_core, "CudaEngine"):
-        why = _core.build_info.get("no_cuda_reason") or "no CUDA compiler was found when it was built"
-        return False, f"this build of tinyinfer has no CUDA backend ({why})"
+        return False, no_cuda_sentence(dict(_core.build_info))
     status = _core.ops.device_status()
     return bool(status["usable"]), str(status.get("reason") or "")
 
@@ -100,7 +118,7 @@ def _pick_device(device: str) -> str:
     if device == "cuda":
         raise DeviceError(f"device='cuda' but no usable GPU: {reason}")
     if not _fallback_said:  # "auto": say once per process why the CPU engine runs
-        print(f"tinyinfer: no usable GPU ({reason}); running the CPU engine", file=sys.stderr)
+        print(f"tinyinfer: no usable GPU, running the CPU engine: {reason}", file=sys.stderr)
         _fallback_said = True
     return "cpu"
 

@@ -55,20 +55,12 @@ inline nb::ndarray<nb::numpy, T, nb::ndim<2>> numpy_copy(const std::vector<T>& v
   return nb::ndarray<nb::numpy, T, nb::ndim<2>>(buf, {rows, cols}, owner);
 }
 
-// The packed matrix as numpy: q (rows, ld) uint8; int8 scales (rows, 1) float32; int4 (rows, K/32 * 2) fp16 bits.
-inline nb::dict quant_dict(const std::vector<uint8_t>& q, const std::vector<uint8_t>& scale_bytes, int64_t rows, int64_t ld,
-                    ti::WFormat f, int64_t K) {
+// The packed matrix as numpy: q (rows, ld) uint8 and scales (rows, scale_halves) fp16 bits (cpp/core/quant.h).
+inline nb::dict quant_dict(const std::vector<uint8_t>& q, const std::vector<uint16_t>& scales, int64_t rows,
+                           int64_t ld, ti::WFormat f, int64_t K) {
   nb::dict d;
   d["q"] = numpy_copy(q, (size_t)rows, (size_t)ld);
-  if (f == ti::WFormat::I8) {
-    std::vector<float> sc((size_t)rows);
-    std::memcpy(sc.data(), scale_bytes.data(), sc.size() * 4);
-    d["scales"] = numpy_copy(sc, (size_t)rows, 1);
-  } else {
-    std::vector<uint16_t> sm(scale_bytes.size() / 2);
-    std::memcpy(sm.data(), scale_bytes.data(), sm.size() * 2);
-    d["scales"] = numpy_copy(sm, (size_t)rows, (size_t)(K / ti::kI4Group * 2));
-  }
+  d["scales"] = numpy_copy(scales, (size_t)rows, (size_t)ti::scale_halves(f, K));
   return d;
 }
 

@@ -158,7 +158,31 @@ void bind_engines(nb::module_& m) {
           },
           "name"_a, "q"_a, "sm"_a,
           "An already-int4 matrix (cpp/core/quant.h layout; a GGUF Q4_0/Q4_1 tensor converted block for block).")
-      .def("is_imported", [](const ti::WeightStore& w, const std::string& n) { return w.imported(n) != nullptr; })
+      .def(
+          "add_int8",
+          [](ti::WeightStore& w, const std::string& name,
+             nb::ndarray<const int8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> q,
+             nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> d) {
+            const int64_t rows = (int64_t)q.shape(0), K = (int64_t)q.shape(1);
+            if ((int64_t)d.shape(0) != rows || (int64_t)d.shape(1) != (K + ti::kI8Block - 1) / ti::kI8Block)
+              ti::fail(ti::ErrorKind::Request, "add_int8 '" + name + "': d must be (rows, K / 32)");
+            w.add_int8(name, q.data(), d.data(), rows, K);
+          },
+          "name"_a, "q"_a, "d"_a,
+          "An already-int8 matrix: a GGUF Q8_0 tensor's q (rows, K) int8 and d (rows, K / 32) fp16 bits.")
+      .def(
+          "is_imported",
+          [](const ti::WeightStore& w, const std::string& n, const FormatArg& f) {
+            return w.imported(n, to_format(f)) != nullptr;
+          },
+          "name"_a, "format"_a = "int4", "Whether `name` was imported (add_int4 / add_int8) in that format.")
+      .def(
+          "tensor",
+          [](const ti::WeightStore& w, const std::string& n) {
+            const ti::HostTensor& t = w.get(n);
+            return numpy_copy(t.data, (size_t)t.shape[0], t.shape.size() > 1 ? (size_t)t.shape[1] : 1);
+          },
+          "name"_a, "A copy of the fp32 values the CPU engine computes with: (rows, cols); a vector as (n, 1).")
       .def("expected_shape", &ti::WeightStore::expected_shape, "name"_a)
       .def("required_names", &ti::WeightStore::required_names)
       .def_prop_ro("config", &ti::WeightStore::config);

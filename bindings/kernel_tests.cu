@@ -248,8 +248,8 @@ struct DeviceQuant {
   QMat m;
   DeviceQuant(const float* W, int rows, int K, WFormat fmt)
       : w16((size_t)rows * pad8(K) * 2),
-        q((size_t)rows * (fmt == WFormat::I8 ? i8_ld(K) : i4_ld(K))),
-        sc(fmt == WFormat::I8 ? (size_t)rows * 4 : (size_t)rows * (K / kI4Group) * 4) {
+        q((size_t)(rows * quant_ld(fmt, K))),
+        sc((size_t)(rows * scale_halves(fmt, K) * 2)) {
     const int ldh = (int)pad8(K);
     std::vector<__half> h((size_t)rows * ldh, __float2half(0.0f));
     for (int r = 0; r < rows; r++)
@@ -260,7 +260,7 @@ struct DeviceQuant {
     m.scales = sc.p;
     m.rows = rows;
     m.K = K;
-    m.ld = (int)(fmt == WFormat::I8 ? i8_ld(K) : i4_ld(K));
+    m.ld = (int)quant_ld(fmt, K);
     quantize_matrix(w16.as<__half>(), ldh, m, 0);
     TI_CUDA_CHECK(cudaDeviceSynchronize());
   }
@@ -280,9 +280,9 @@ QuantBytes run_quantize(const float* W, int rows, int K, WFormat fmt) {
   QuantBytes out;
   out.ld = d.m.ld;
   out.q.resize((size_t)rows * d.m.ld);
-  out.scales.resize(fmt == WFormat::I8 ? (size_t)rows * 4 : (size_t)rows * (K / kI4Group) * 4);
+  out.scales.resize((size_t)(rows * scale_halves(fmt, K)));
   get(out.q.data(), d.q.p, out.q.size());
-  get(out.scales.data(), d.sc.p, out.scales.size());
+  get(out.scales.data(), d.sc.p, out.scales.size() * 2);
   return out;
 }
 

@@ -28,9 +28,10 @@ int run_sample(const float* logits, int vocab, float temperature, int top_k, flo
                float repetition_penalty, unsigned long long seed, int step, const unsigned char* seen);
 
 // The device quantizer on W (rows, K) fp32 (rounded to fp16 first, as in the engine): q bytes (rows, ld) and the
-// scales' raw bytes (I8: rows floats; I4: rows * K/32 half2).
+// scales' fp16 bits (rows, scale_halves(fmt, K)), as the reference packer lays them out (cpp/quant.h).
 struct QuantBytes {
-  std::vector<uint8_t> q, scales;
+  std::vector<uint8_t> q;
+  std::vector<uint16_t> scales;
   int64_t ld = 0;
 };
 QuantBytes run_quantize(const float* W, int rows, int K, WFormat fmt);

@@ -47,10 +47,7 @@ void bind_ops(nb::module_& m) {
       [](F32In2 W, const FormatArg& f) {
         const ti::WFormat fmt = to_format(f);
         ti::QuantMatrix m = ti::quantize(fmt, W.data(), (int64_t)W.shape(0), (int64_t)W.shape(1));
-        std::vector<uint8_t> sc(fmt == ti::WFormat::I8 ? m.scale.size() * 4 : m.sm.size() * 2);
-        if (fmt == ti::WFormat::I8) std::memcpy(sc.data(), m.scale.data(), sc.size());
-        else std::memcpy(sc.data(), m.sm.data(), sc.size());
-        return quant_dict(m.q, sc, m.rows, m.ld, fmt, m.K);
+        return quant_dict(m.q, m.sm, m.rows, m.ld, fmt, m.K);
       },
       "W"_a, "format"_a, "The reference packer (cpp/core/quant.cpp): {'q': (rows, ld) uint8, 'scales': ...}.");
   ops.def(

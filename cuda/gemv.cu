@@ -14,29 +14,18 @@
 //                squares: H floats from L2, cheaper than a kernel launch; the norm weight is in shared memory)
 //   out AddF32:  y += W x (the residual add of the O and down projections)
 //   out Swiglu:  rows interleaved gate/up at load (row 2i = gate_i, 2i+1 = up_i): y_i = silu(g_i) * u_i
-// PDL: the first 8/R 16-byte words of each of the warp's rows (8 per lane), their I4 group scales, the I8 row
-// scales and the RMSNorm weight are loaded before pdl_wait() (weights do not depend on the previous kernel), so
+// PDL: the first 8/R 16-byte words of each of the warp's rows (8 per lane), their block scales (I8 d, I4 scale
+// and min) and the RMSNorm weight are loaded before pdl_wait() (weights do not depend on the previous kernel), so
 // the memory pipe is busy while the previous kernel drains; after the wait come the input (and, for AddF32, the
 // old y, read at once so that its latency hides behind the staging).
 //
-// Quantized weights (cpp/quant.h; template parameter WF): the same kernels, a 16-byte word now holding 16
-// (I8) or 32 (I4) weights, dequantized in registers without int->float conversions:
-//   I8: a byte u = q + 128 is permuted into the low mantissa byte of 2^23 (__byte_perm with 0x4B000000): the
-//       float 2^23 + u; one subtract of 2^23 + 128 gives q exactly; fp32 FMAs with x; the row's scale is applied
-//       once in the epilogue. 3 instructions per weight, against a budget of ~7 at full bandwidth on the H200.
-//   I4: a word is one group of 32. (w >> 4j) & 0x000F000F | 0x64006400 is the fp16 pair (1024 + q, 1024 + q')
-//       (the packer's nibble order makes the pair consecutive weights); one HSUB2 of 1032 gives q - 8 exactly
-//       (centred: smaller partial sums), one HFMA2 multiplies-accumulates with the fp16 input pair. For odd j
-//       the nibbles are masked in place instead (1024 + 16q; an HFMA2 by 1/16 minus 72 gives q - 8, exactly),
-//       so a 32-bit word costs one shift, and each pair one LOP3 (inline PTX: the compiler splits and-or with
-//       two immediates into two) + HSUB2/HFMA2 + HFMA2. The group's 16 pair-sums are widened to fp32 once:
-//       dot = s * sum((q - 8) x) + (m + 8 s) * sum(x), with sum(x) per group computed once per block while the
-//       input is staged (group_sum). SASS: 13 instructions per 8 weights before the widening (19 before the
-//       LOP3 and odd-nibble changes; ncu had shown the two-LOP3 split).
+// Quantized weights (cpp/quant.h; template parameter WF): the same kernels, a 16-byte word now holding 16 (I8)
+// or 32 (I4) weights, dequantized in registers (gemv_dot.cuh: the per-format word, its scales and dot product).
 #include <algorithm>
 
 #include "common.cuh"
 #include "gemv.cuh"
+#include "gemv_dot.cuh"
 
 namespace ti::cuda {
 
@@ -147,7 +136,7 @@ __device__ __forceinline__ bool stage_x(const GemvParams& p, int nw, const float
           group_sum<4>(sum4(h[0], h[1]) + sum4(h[2], h[3]), i, in, xsum);  // 4 words of 8 = one group
         }
       }
-      for (int i = p.K + threadIdx.x; i < p.ld; i += kGemvThreads)  // int8: ld = pad16
+      for (int i = p.K + threadIdx.x; i < p.ld; i += kGemvThreads)  // int8: ld = K padded to 32
         xs[xs_index<WF>(i, nw)] = __float2half(0.0f);
       return kSums;
     } else {
@@ -158,111 +147,7 @@ __device__ __forceinline__ bool stage_x(const GemvParams& p, int nw, const float
   }
 }
 
-// ---- weight formats: a 16-byte word of each, the input it meets, their dot product ----
-
-template <WFormat WF> struct XFrag;  // the staged input a 16-byte weight word meets
-template <> struct XFrag<WFormat::F16> { float v[8]; };
-template <> struct XFrag<WFormat::I8> { float v[16]; };
-template <> struct XFrag<WFormat::I4> { __half2 v[16]; };
-
-template <WFormat WF>
-__device__ __forceinline__ void load_x(const __half* xs, int nw, int k, XFrag<WF>& x) {
-  const uint4* xv = reinterpret_cast<const uint4*>(xs);
-  if constexpr (WF == WFormat::F16) {
-    unpack8(xv[k], x.v);
-  } else if constexpr (WF == WFormat::I8) {
-    unpack8(xv[k], x.v);
-    unpack8(xv[nw + k], x.v + 8);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; i++) *reinterpret_cast<uint4*>(&x.v[4 * i]) = xv[i * nw + k];
-  }
-}
-
-// Row-wise context of the quantized formats: I4's (scale, min) per group and the per-group input sums.
-struct QCtx {
-  const __half2* sm = nullptr;  // this row's (scale, min) pairs
-  const float* xsum = nullptr;  // per-group sums of the staged input
-};
-// What a 16-byte weight word needs besides the input: I4 its group's (scale, min); nothing for F16 / I8. Loaded
-// together with the word (and, for the prefetched words, before the dependency wait: scales are weights too).
-template <WFormat WF> struct WScale {};
-template <> struct WScale<WFormat::I4> { __half2 sm; };
-template <WFormat WF>
-__device__ __forceinline__ WScale<WF> load_scale(const QCtx& c, int k) {
-  WScale<WF> s;
-  if constexpr (WF == WFormat::I4) s.sm = c.sm[k];
-  return s;
-}
-
-// (a & b) | c in one LOP3 (written as two ops, the compiler emits two: two 32-bit immediates do not fit one).
-__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-__device__ __forceinline__ __half2 as_half2(uint32_t u) { return *reinterpret_cast<const __half2*>(&u); }
-
-template <WFormat WF>
-__device__ __forceinline__ float dot_word(const uint4& w, const WScale<WF>& sc, const XFrag<WF>& x, const QCtx& c,
-                                          int k) {
-  if constexpr (WF == WFormat::F16) {
-    return dot8(w, x.v);
-  } else if constexpr (WF == WFormat::I8) {
-    const uint32_t v[4] = {w.x, w.y, w.z, w.w};
-    float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-#pragma unroll
-      for (int b = 0; b < 4; b += 2) {
-        const float q0 = __int_as_float((int)__byte_perm(v[i], 0x4B000000u, 0x7650u + b)) - 8388736.0f;
-        const float q1 = __int_as_float((int)__byte_perm(v[i], 0x4B000000u, 0x7651u + b)) - 8388736.0f;
-        s0 = fmaf(q0, x.v[4 * i + b], s0);
-        s1 = fmaf(q1, x.v[4 * i + b + 1], s1);
-      }
-    }
-    return s0 + s1;  // unscaled: the epilogue applies the row's scale
-  } else {
-    const uint32_t v[4] = {w.x, w.y, w.z, w.w};
-    const __half2 off = __float2half2_rn(1032.0f), sixteenth = __float2half2_rn(0.0625f),
-                  off16 = __float2half2_rn(-72.0f);
-    __half2 acc = __float2half2_rn(0.0f);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      // nibble pairs (j, j + 4) of v: j = 0, 2 in place as 1024 + q (minus 1032: q - 8); j = 1, 3 as 1024 + 16q
-      // (times 1/16, minus 72: q - 8, exact, as 1024 + 16q is); j = 2, 3 from v >> 8. One LOP3 each.
-      const uint32_t lo = v[i], hi = v[i] >> 8;
-      const uint32_t t0 = lop3_and_or(lo, 0x000F000Fu, 0x64006400u), t1 = lop3_and_or(lo, 0x00F000F0u, 0x64006400u);
-      const uint32_t t2 = lop3_and_or(hi, 0x000F000Fu, 0x64006400u), t3 = lop3_and_or(hi, 0x00F000F0u, 0x64006400u);
-      acc = __hfma2(__hsub2(as_half2(t0), off), x.v[4 * i], acc);
-      acc = __hfma2(__hfma2(as_half2(t1), sixteenth, off16), x.v[4 * i + 1], acc);
-      acc = __hfma2(__hsub2(as_half2(t2), off), x.v[4 * i + 2], acc);
-      acc = __hfma2(__hfma2(as_half2(t3), sixteenth, off16), x.v[4 * i + 3], acc);
-    }
-    const float2 a = __half22float2(acc), sm = __half22float2(sc.sm);
-    return sm.x * (a.x + a.y) + fmaf(8.0f, sm.x, sm.y) * c.xsum[k];
-  }
-}
-
-template <WFormat WF>
-__device__ __forceinline__ const uint4* row_words(const GemvParams& p, int row) {
-  if constexpr (WF == WFormat::F16) return reinterpret_cast<const uint4*>(p.W + (size_t)row * p.ld);
-  else return reinterpret_cast<const uint4*>(p.q + (size_t)row * p.ldq);
-}
-template <WFormat WF>
-__device__ __forceinline__ int words_per_row(const GemvParams& p) {
-  return WF == WFormat::F16 ? p.ld / 8 : p.ldq / 16;
-}
-template <WFormat WF>
-__device__ __forceinline__ QCtx row_ctx(const GemvParams& p, int row, const float* xsum) {
-  QCtx c;
-  if constexpr (WF == WFormat::I4) {
-    c.sm = static_cast<const __half2*>(p.scales) + (size_t)row * (p.K / kI4Group);
-    c.xsum = xsum;
-  }
-  return c;
-}
-// I4: the per-group sums of the staged input (after stage_x and a barrier); I8: the row's scale.
+// I4: the per-group sums of the staged input (after stage_x and a barrier).
 template <WFormat WF>
 __device__ __forceinline__ void stage_xsum(const GemvParams& p, int nw, const __half* xs, float* xsum) {
   if constexpr (WF == WFormat::I4) {
@@ -296,12 +181,6 @@ __device__ __forceinline__ void stage_input(const GemvParams& p, int nw, const f
   }
 }
 
-template <WFormat WF>
-__device__ __forceinline__ float row_scale(const GemvParams& p, int row) {
-  if constexpr (WF == WFormat::I8) return static_cast<const float*>(p.scales)[row];
-  else return 1.0f;
-}
-
 // AddF32, after the PDL wait: the rows' current y (each row is read and written by one warp only).
 template <GemvOut OUT, int R>
 __device__ __forceinline__ void load_y(const GemvParams& p, int row0, float* yold) {
@@ -317,7 +196,6 @@ struct TileHead {
   int row0 = 0;
   const uint4* wrow[R];
   QCtx ctx[R];
-  float rs[R];  // I8: the rows' scales
   uint4 pre[P][R];
   WScale<WF> pre_s[P][R];
 };
@@ -332,7 +210,6 @@ __device__ __forceinline__ void load_head(const GemvParams& p, int tile, int ld8
     const int row = min(h.row0 + r, p.rows - 1);  // rows past the end re-read the last row; never stored
     h.wrow[r] = row_words<WF>(p, row);
     h.ctx[r] = row_ctx<WF>(p, row, xsum);
-    h.rs[r] = row_scale<WF>(p, row);
   }
 #pragma unroll
   for (int u = 0; u < P; u++)
@@ -413,19 +290,16 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
         acc[r] += dot_word<WF>(load_stream(h.wrow[r] + k), load_scale<WF>(h.ctx[r], k), xf, h.ctx[r], k);
     }
     const int row0 = h.row0;
-    float rs[R], yo[R];
+    float yo[R];
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-      rs[r] = h.rs[r];
-      yo[r] = yold[r];
-    }
+    for (int r = 0; r < R; r++) yo[r] = yold[r];
     tile += gridDim.x;
     if (tile < n_tiles) {  // in flight during what follows
       load_head<WF, R, P>(p, tile, ld8, xsum, h);
       load_y<OUT, R>(p, h.row0, yold);
     }
 #pragma unroll
-    for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]) * rs[r];
+    for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
 
     if (lane == 0) {  // ---- epilogue ----
       if constexpr (OUT == GemvOut::Swiglu) {
@@ -474,7 +348,6 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p)
   int tile = blockIdx.x;
   const uint4* wrow[RB];
   QCtx ctx[RB];
-  float rs[RB];
   uint4 pre[RB];
   WScale<WF> pre_s[RB];
   auto load_tile = [&](int t) {
@@ -483,7 +356,6 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p)
       const int row = min(t * RB + r, p.rows - 1);
       wrow[r] = row_words<WF>(p, row);
       ctx[r] = row_ctx<WF>(p, row, xsum);
-      rs[r] = row_scale<WF>(p, row);
       pre[r] = has_first ? load_stream(wrow[r] + k_begin + lane) : make_uint4(0, 0, 0, 0);
       pre_s[r] = load_scale<WF>(ctx[r], has_first ? k_begin + lane : 0);
     }
@@ -521,8 +393,6 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p)
 #pragma unroll
       for (int r = 0; r < RB; r++) acc[r] += dot_word<WF>(w[r], ws[r], xf, ctx[r], k);
     }
-#pragma unroll
-    for (int r = 0; r < RB; r++) acc[r] *= rs[r];
     const int row0 = tile * RB;
     const float yo = yold;
     tile += gridDim.x;
@@ -643,7 +513,7 @@ void gemv(const GemvParams& p, int R, GemvIn in, GemvOut out, cudaStream_t s, bo
   if (out == GemvOut::Swiglu && p.rows % 2 != 0) fail(ErrorKind::Request, "gemv: Swiglu needs an even row count");
   if (p.fmt == WFormat::I8) {
     if (p.ldq != i8_ld(p.K) || p.ld != p.ldq || !p.q || !p.scales)
-      fail(ErrorKind::Request, "gemv: int8 weights need ldq = ld = K rounded up to 16, q and scales");
+      fail(ErrorKind::Request, "gemv: int8 weights need ldq = ld = K rounded up to 32, q and scales");
     return dispatch_quantized<WFormat::I8>(p, R, in, out, s, pdl);
   }
   if (p.fmt == WFormat::I4) {

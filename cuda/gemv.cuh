@@ -15,8 +15,9 @@ enum class GemvOut { F32, AddF32, Swiglu };  // output: fp32, fp32 added in plac
 struct GemvParams {
   const __half* W = nullptr;  // (rows, ld) row-major fp16; columns K..ld-1 are zero padding
   int rows = 0, K = 0, ld = 0;  // ld: a multiple of 8 (16-byte rows), >= K
-  // Quantized weights (cpp/quant.h) instead of W: fmt I8 / I4, q (rows, ldq bytes), scales (I8: float per row;
-  // I4: half2 (scale, min) per group of 32). ld stays the width the input vector is staged at (elements).
+  // Quantized weights (cpp/quant.h) instead of W: fmt I8 / I4, q (rows, ldq bytes), scales (I8: (rows, ldq / 32)
+  // half, d per block of 32; I4: (rows, K / 32) half2 (scale, min)). ld stays the width the input vector is
+  // staged at (elements).
   WFormat fmt = WFormat::F16;
   const uint8_t* q = nullptr;
   const void* scales = nullptr;

@@ -1,36 +1,35 @@
 // quant.cu — quantize fp16 weights into the I8 / I4 formats of cpp/quant.h on the device (load time: a 7B
 // model in well under a second of GPU time), and dequantize them back to fp16 rows for the prefill's GEMMs.
-// The arithmetic is the host reference's, operation for operation (IEEE division, rint, fp16 rounding of the
-// I4 scale and min), so the GPU's quantized numbers are the CPU engine's.
+// The arithmetic is the host reference's, operation for operation (IEEE division and reciprocal, roundf / rint,
+// fp16 rounding of the scales), so the GPU's quantized bytes are the CPU engine's, bit for bit. A thread per
+// block of 32 weights: 64 bytes read, 16 / 32 written (a 7B model: ~200M threads, a few ms).
 #include "common.cuh"
 #include "quant.cuh"
 
 namespace ti::cuda {
 
-// I8: a block per row. max|w| over the row, s = amax / 127, u = clamp(rint(w / s), -127, 127) + 128.
-__global__ void quantize_i8_kernel(const __half* W, int ldw, int K, uint8_t* q, int ldq, float* scale) {
-  __shared__ float red[33];
-  const __half* w = W + (size_t)blockIdx.x * ldw;
-  float amax = 0.0f;
-  for (int k = threadIdx.x; k < K; k += blockDim.x) amax = fmaxf(amax, fabsf(__half2float(w[k])));
-  amax = warp_max(amax);
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float v = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.0f;
-    v = warp_max(v);
-    if (threadIdx.x == 0) red[32] = v;
+// I8: a thread per (row, block of 32), llama.cpp's quantize_row_q8_0: d = amax / 127, q = roundf(w / d) via the
+// fp32 reciprocal, u = q + 128; a partial last block as if padded with zeros (so is the row's padding).
+__global__ void quantize_i8_kernel(const __half* W, int ldw, int rows, int K, uint8_t* q, int ldq, __half* d) {
+  const int blocks = ldq / kI8Block;
+  const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= (int64_t)rows * blocks) return;
+  const int r = (int)(t / blocks), b = (int)(t % blocks), n = min(kI8Block, K - b * kI8Block);
+  const __half* w = W + (size_t)r * ldw + (size_t)b * kI8Block;
+  float v[kI8Block], amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kI8Block; i++) {
+    v[i] = i < n ? __half2float(w[i]) : 0.0f;
+    amax = fmaxf(amax, fabsf(v[i]));
   }
-  __syncthreads();
-  amax = red[32];
-  const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-  if (threadIdx.x == 0) scale[blockIdx.x] = s;
-  uint8_t* out = q + (size_t)blockIdx.x * ldq;
-  for (int k = threadIdx.x; k < ldq; k += blockDim.x) {
-    const float v = k < K ? fminf(127.0f, fmaxf(-127.0f, rintf(__half2float(w[k]) / s))) : 0.0f;
-    out[k] = (uint8_t)((int)v + 128);
-  }
+  const float dv = amax / 127.0f, id = dv != 0.0f ? 1.0f / dv : 0.0f;
+  d[(size_t)r * blocks + b] = __float2half_rn(dv);
+  uint32_t words[kI8Block / 4] = {};
+#pragma unroll
+  for (int i = 0; i < kI8Block; i++) words[i / 4] |= (uint32_t)((int)roundf(v[i] * id) + 128) << (8 * (i % 4));
+  uint4* out = reinterpret_cast<uint4*>(q + (size_t)r * ldq + (size_t)b * kI8Block);
+  out[0] = make_uint4(words[0], words[1], words[2], words[3]);
+  out[1] = make_uint4(words[4], words[5], words[6], words[7]);
 }
 
 // I4: a thread per (row, group of 32).
@@ -62,7 +61,10 @@ __global__ void quantize_i4_kernel(const __half* W, int ldw, int rows, int K, ui
 
 void quantize_matrix(const __half* W, int ldw, const QMat& m, cudaStream_t s) {
   if (m.fmt == WFormat::I8) {
-    quantize_i8_kernel<<<m.rows, 256, 0, s>>>(W, ldw, m.K, (uint8_t*)m.q, m.ld, (float*)m.scales);
+    if (m.ld != i8_ld(m.K)) fail(ErrorKind::Request, "quantize_matrix: int8 rows must be K padded to 32 bytes");
+    const int64_t n = (int64_t)m.rows * (m.ld / kI8Block);
+    quantize_i8_kernel<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(W, ldw, m.rows, m.K, (uint8_t*)m.q, m.ld,
+                                                                     (__half*)m.scales);
   } else if (m.fmt == WFormat::I4) {
     if (m.K % kI4Group != 0) fail(ErrorKind::Unsupported, "int4: K must be a multiple of 32");
     const int64_t n = (int64_t)m.rows * (m.K / kI4Group);
@@ -81,23 +83,22 @@ __global__ void dequantize_kernel(QMat m, __half* out, int ldo) {
   if (t >= (int64_t)m.rows * per_row) return;
   const int r = (int)(t / per_row), k0 = (int)(t % per_row) * 8;
   __align__(16) __half o[8];
-  if (m.fmt == WFormat::I8) {
-    const uint8_t* q = static_cast<const uint8_t*>(m.q) + (size_t)r * m.ld;
-    const float s = static_cast<const float*>(m.scales)[r];
 #pragma unroll
-    for (int i = 0; i < 8; i++) o[i] = __float2half(k0 + i < m.K ? (float)((int)q[k0 + i] - 128) * s : 0.0f);
-  } else {
-    const int groups = m.K / kI4Group;
-    if (k0 < m.K) {  // 8 weights = one 32-bit word of the row (K % 32 == 0 and k0 % 8 == 0: never straddles)
-      const uint32_t word = *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(m.q) + (size_t)r * m.ld +
-                                                               k0 / 2);
-      const float2 smf = __half22float2(static_cast<const __half2*>(m.scales)[(size_t)r * groups + k0 / kI4Group]);
+  for (int i = 0; i < 8; i++) o[i] = __float2half(0.0f);
+  const uint8_t* q = static_cast<const uint8_t*>(m.q) + (size_t)r * m.ld;
+  if (k0 < m.K && m.fmt == WFormat::I8) {  // k0 + 8 <= pad8(K) <= ld: inside the row, one block of 32
+    const __half* d = static_cast<const __half*>(m.scales) + (size_t)r * (m.ld / kI8Block);
+    const float dv = __half2float(d[k0 / kI8Block]);
+    const uint2 u = *reinterpret_cast<const uint2*>(q + k0);
 #pragma unroll
-      for (int i = 0; i < 8; i++) o[i] = __float2half(smf.x * (float)((word >> i4_nibble_pos(i)) & 0xF) + smf.y);
-    } else {
+    for (int i = 0; i < 8; i++)
+      if (k0 + i < m.K) o[i] = __float2half(dv * (float)((int)((i < 4 ? u.x : u.y) >> (8 * (i % 4)) & 0xFF) - 128));
+  } else if (k0 < m.K) {  // I4: 8 weights = one 32-bit word of the row (K % 32 == 0, k0 % 8 == 0: never straddles)
+    const uint32_t word = *reinterpret_cast<const uint32_t*>(q + k0 / 2);
+    const float2 smf = __half22float2(static_cast<const __half2*>(m.scales)[(size_t)r * (m.K / kI4Group) +
+                                                                             k0 / kI4Group]);
 #pragma unroll
-      for (int i = 0; i < 8; i++) o[i] = __float2half(0.0f);
-    }
+    for (int i = 0; i < 8; i++) o[i] = __float2half(smf.x * (float)((word >> i4_nibble_pos(i)) & 0xF) + smf.y);
   }
   *reinterpret_cast<uint4*>(out + (size_t)r * ldo + k0) = *reinterpret_cast<const uint4*>(o);
 }

@@ -10,12 +10,13 @@
 
 namespace ti::cuda {
 
-// One weight matrix as the kernels see it. F16: W (rows, ld) halves. I8: q (rows, ld) bytes u = q + 128 and
-// scale (rows) floats. I4: q (rows, ld = K / 2) bytes of packed nibbles and sm (rows, K / 32) half2 (scale, min).
+// One weight matrix as the kernels see it. F16: W (rows, ld) halves. I8: q (rows, ld = K padded to 32) bytes
+// u = q + 128 and scales (rows, ld / 32) half: d per block of 32. I4: q (rows, ld = K / 2) bytes of packed
+// nibbles and scales (rows, K / 32) half2 (scale, min).
 struct QMat {
   WFormat fmt = WFormat::F16;
   const void* q = nullptr;
-  const void* scales = nullptr;  // I8: float*; I4: __half2*
+  const void* scales = nullptr;  // I8: __half*; I4: __half2*
   int rows = 0, K = 0, ld = 0;   // ld in elements for F16, in bytes for I8 / I4
 };
 

@@ -160,3 +160,8 @@ def q4_gguf(tmp_path: Path) -> Path:
     types = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q4_1, "ffn_gate": Q.Q4_0,
              "ffn_up": Q.Q4_1, "ffn_down": Q.Q4_1}
     return write_llama_gguf(tmp_path / "q4.gguf", tiny_llama(len(spm_vocab()[0])), types)
+
+
+# A model whose matrices mix the block types the engine imports as they are (Q8_0 -> int8, Q4_0 / Q4_1 -> int4).
+MIXED = {"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output": Q.Q8_0, "ffn_gate": Q.Q8_0,
+         "ffn_up": Q.Q4_1, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0, "output": Q.Q8_0}

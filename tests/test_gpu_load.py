@@ -148,6 +148,48 @@ def test_imported_q4_blocks_are_on_the_device_as_converted(tmp_path):
     assert dq == q.tobytes() and ds == s.tobytes()
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_imported_q8_0_blocks_are_on_the_device_as_stored(tmp_path, fmt):
+    """GGUF Q8_0 matrices land in the int8 matrices byte for byte (u = q + 128, d as stored; K rows un-permuted
+    on the device): the layer matrices of an int8 engine, and the LM head (here: a tied one, from the Q8_0
+    embedding) of int8 and int4 engines."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    from gguf_writer import spm_vocab, tiny_llama, write_llama_gguf
+    from tinyinfer.loaders.gguf import q8_0_blocks, reverse_rope_permute
+
+    path = write_llama_gguf(tmp_path / "q8.gguf", tiny_llama(len(spm_vocab()[0]), tie=True),
+                            {"token_embd": Q.Q8_0, "attn_k": Q.Q8_0, "ffn_up": Q.Q8_0, "attn_q": Q.Q4_1})
+    raw = {t.name: (np.asarray(t.data), int(t.shape[-1]), int(t.shape[0])) for t in gguf.GGUFReader(str(path)).tensors}
+
+    def host(name, heads=0):
+        q, d = q8_0_blocks(*raw[name])
+        u = q.view(np.uint8) ^ np.uint8(0x80)
+        if heads:
+            u, d = reverse_rope_permute(u, heads), reverse_rope_permute(d, heads)
+        return u, d.view(np.uint8)
+
+    eng = Engine(path, device="cuda", dtype=fmt, max_seq_len=64, progress=False)
+    c = eng.config
+    hq, hs = eng._core.matrix_bytes(0, _core.MatrixRole.LmHead)
+    u, d = host("token_embd.weight")
+    assert hq == u.tobytes() and hs == d.tobytes()
+    if fmt == "int8":
+        rows = c.q_dim + 2 * c.kv_dim
+        q, s = eng._core.matrix_bytes(1, _core.MatrixRole.Qkv)
+        q = np.frombuffer(q, np.uint8).reshape(rows, -1)[c.q_dim:c.q_dim + c.kv_dim]
+        s = np.frombuffer(s, np.uint8).reshape(rows, -1)[c.q_dim:c.q_dim + c.kv_dim]
+        u, d = host("blk.1.attn_k.weight", c.n_kv_heads)
+        np.testing.assert_array_equal(q, u)
+        np.testing.assert_array_equal(s, d)
+        q, s = eng._core.matrix_bytes(0, _core.MatrixRole.GateUp)
+        u, d = host("blk.0.ffn_up.weight")
+        np.testing.assert_array_equal(np.frombuffer(q, np.uint8).reshape(2 * c.intermediate, -1)[1::2], u)
+        np.testing.assert_array_equal(np.frombuffer(s, np.uint8).reshape(2 * c.intermediate, -1)[1::2], d)
+    _compare(path, fmt)
+
+
 def _drop_tensor(d, name, duplicate_in=None):
     """Rewrite model.safetensors without `name` (or, with duplicate_in, copy it into a second shard too)."""
     from safetensors.numpy import save_file

@@ -23,17 +23,20 @@ def gemv_modes(mode_in: str, mode_out: str):
 def weights(rows, K, seed):
     rng = np.random.default_rng(seed)
     W = (rng.standard_normal((rows, K)) * 0.05).astype(np.float32)
-    W[0] = 0.0                       # a zero row (scale falls back to 1, q = 0)
+    W[0] = 0.0                       # a zero row (scales 0, q = 0)
     if rows > 2:
         W[1] = 0.01                  # a constant row
         W[2] = np.linspace(-1, 1, K)  # a ramp
     return W
 
 
-@pytest.mark.parametrize("fmt,rows,K", [("int8", 111, 333), ("int8", 8, 4096), ("int8", 3, 16),
-                                        ("int4", 111, 96), ("int4", 5, 4096), ("int4", 64, 32)])
+@pytest.mark.parametrize("fmt,rows,K", [("int8", 111, 333), ("int8", 8, 4096), ("int8", 3, 16), ("int8", 333, 96),
+                                        ("int8", 333, 1024), ("int4", 111, 96), ("int4", 5, 4096),
+                                        ("int4", 64, 32)])
 def test_device_quantizer_matches_reference_bit_for_bit(fmt, rows, K):
     W = weights(rows, K, rows + K)
+    if fmt == "int8" and rows > 3 and K >= 32:  # amax 127: d = 1, so w / d = w.5 exactly: roundf's ties (away
+        W[3, :32] = np.r_[127.0, np.arange(31) - 14.5]  # from zero, where rint would round to even)
     ref, gpu = _core.ops.quantize_ref(W, fmt), _core.ops.quantize_gpu(W, fmt)
     np.testing.assert_array_equal(gpu["q"], ref["q"])
     np.testing.assert_array_equal(gpu["scales"], ref["scales"])
@@ -55,8 +58,9 @@ def gemv_ref(Wd, x, norm_w, eps, y0, inp, out):
     return y
 
 
-@pytest.mark.parametrize("fmt,rows,K", [("int8", 111, 333), ("int8", 500, 1024), ("int8", 64, 40),
-                                        ("int4", 111, 96), ("int4", 500, 1024), ("int4", 34, 4096)])
+@pytest.mark.parametrize("fmt,rows,K", [("int8", 111, 333), ("int8", 500, 1024), ("int8", 64, 40), ("int8", 333, 96),
+                                        ("int8", 333, 1024), ("int8", 34, 4096), ("int4", 111, 96), ("int4", 500, 1024),
+                                        ("int4", 34, 4096)])
 @pytest.mark.parametrize("R", [1, 2, 4, 8])
 @pytest.mark.parametrize("inp,out", [("f32norm", "f32"), ("f16", "add"), ("f32norm", "swiglu")])
 @pytest.mark.parametrize("grid", [0, 1, -3])  # a block per tile / one per SM / 3 blocks looping over tiles
@@ -150,4 +154,20 @@ def test_gguf_q4_blocks_on_the_gpu_match_the_cpu(tmp_path):
     c = Engine(path, device="cpu", dtype="int4", max_seq_len=256).logits(ids)
     rel = np.abs(g - c).max() / np.abs(c).max()
     print(f"imported Q4 blocks: GPU vs CPU max rel logit error {rel:.2e}")
+    assert rel < 2e-2 and (g.argmax(-1) == c.argmax(-1)).mean() >= 0.95
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_gguf_q8_0_blocks_on_the_gpu_match_the_cpu(tmp_path, dtype):
+    """Q8_0 matrices (int8: the body and the head; int4: the tied head, the embedding's blocks) uploaded as
+    they are, next to Q4_0 / Q4_1 ones: the GPU engine against the CPU engine on the same imported numbers."""
+    import gguf_writer as w
+    from gguf_writer import MIXED
+
+    path = w.write_llama_gguf(tmp_path / "mixed.gguf", w.tiny_llama(len(w.spm_vocab()[0]), tie=True), MIXED)
+    ids = list(range(3, 120))
+    g = Engine(path, device="cuda", dtype=dtype, max_seq_len=256).logits(ids)
+    c = Engine(path, device="cpu", dtype=dtype, max_seq_len=256).logits(ids)
+    rel = np.abs(g - c).max() / np.abs(c).max()
+    print(f"imported Q8_0 / Q4 blocks ({dtype}): GPU vs CPU max rel logit error {rel:.2e}")
     assert rel < 2e-2 and (g.argmax(-1) == c.argmax(-1)).mean() >= 0.95

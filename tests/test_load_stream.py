@@ -112,8 +112,9 @@ def test_gguf_stream_is_the_tensors_in_file_order(ggufs, file, fmt, monkeypatch)
     model = load_model(ggufs / file)
     want = {n: np.asarray(a, np.float32) for n, a, _ in model.tensors()}
     blocks = {b.name: b for b in model.int4_blocks()} if fmt == "int4" else {}
+    blocks8 = {b.name: b for b in model.int8_blocks(layers=fmt == "int8")} if fmt != "fp16" else {}
     c = model.config
-    got, seen_int4 = {}, set()
+    got, seen_int4, seen8 = {}, set(), set()
     for it in model.stream(fmt):
         heads = {"q_proj": c.n_heads, "k_proj": c.n_kv_heads}.get(it.name.split(".")[-2], 0)
         assert it.rope_heads == heads, it.name
@@ -123,15 +124,21 @@ def test_gguf_stream_is_the_tensors_in_file_order(ggufs, file, fmt, monkeypatch)
             np.testing.assert_array_equal(reverse_rope_permute(q, heads) if heads else q, blocks[it.name].q)
             np.testing.assert_array_equal(reverse_rope_permute(sm, heads) if heads else sm, blocks[it.name].scales)
             continue
+        if it.kind == "int8":  # Q8_0 as stored; u = q + 128 as the int8 layout keeps it
+            src = "model.embed_tokens.weight" if c.tie_word_embeddings and it.name == "lm_head.weight" else it.name
+            seen8.add(src)
+            q = (it.data ^ np.uint8(0x80)).view(np.int8)
+            np.testing.assert_array_equal(reverse_rope_permute(q, heads) if heads else q, blocks8[src].q)
+            np.testing.assert_array_equal(reverse_rope_permute(it.scales, heads) if heads else it.scales,
+                                          blocks8[src].scales)
+            continue
         rows = got.setdefault(it.name, np.zeros(it.shape, np.float32))
         data = it.data.view(np.uint16).astype(np.uint32) << 16 if it.dtype == "bf16" else it.data
         data = np.asarray(data).view(np.float32) if it.dtype == "bf16" else np.asarray(data, np.float32)
         rows[it.row0:it.row0 + (data.shape[0] if data.ndim == 2 else 1)] = data.reshape(-1, it.shape[1])
-    assert seen_int4 == set(blocks)
+    assert seen_int4 == set(blocks) and seen8 == set(blocks8)
     for name, a in got.items():
-        if name in seen_int4:
-            continue
         heads = {"q_proj": c.n_heads, "k_proj": c.n_kv_heads}.get(name.split(".")[-2], 0)
         np.testing.assert_array_equal(reverse_rope_permute(a, heads) if heads else a, want[name].reshape(a.shape),
                                       err_msg=name)
-    assert set(got) | seen_int4 == set(want)
+    assert set(got) | seen_int4 | seen8 == set(want)

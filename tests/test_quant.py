@@ -25,28 +25,7 @@ def unpack_i4(q: np.ndarray, K: int) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("rows,K", [(1, 16), (7, 333), (64, 500), (3, 4096)])
-def test_int8_round_trip(rows, K):
-    rng = np.random.default_rng(K)
-    W = rng.standard_normal((rows, K)).astype(np.float32)
-    W[0, :5] = [3.0, -3.0, 0.0, 1e-3, -7.5]  # named values in the first row: its max |w| is 7.5
-    p = _core.ops.quantize_ref(W, "int8")
-    q, s = p["q"].astype(np.int64) - 128, p["scales"][:, 0]
-    assert p["q"].shape == (rows, (K + 15) // 16 * 16)
-    assert (p["q"][:, K:] == 128).all()  # padding is q = 0
-    assert np.abs(q).max() <= 127
-    np.testing.assert_allclose(s, np.abs(f16(W)).max(1) / 127, rtol=1e-6)
-    assert q[0, 4] == -127 and q[0, 2] == 0
-    d = _core.ops.dequantize_ref(W, "int8")
-    np.testing.assert_array_equal(d, q[:, :K].astype(np.float32) * s[:, None])
-    assert (np.abs(d - f16(W)) <= s[:, None] / 2 + 1e-7).all()
-
-
-def test_int8_zero_row_is_exact():
-    W = np.zeros((2, 32), np.float32)
-    W[1] = 1.0
-    d = _core.ops.dequantize_ref(W, "int8")
-    np.testing.assert_array_equal(d, W)
+# int8's layout (blocks of 32, GGUF Q8_0's numbers) is checked in test_int8_blocks.py.
 
 
 @pytest.mark.parametrize("rows,K", [(1, 32), (5, 96), (33, 512), (2, 4096)])

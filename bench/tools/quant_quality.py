@@ -1,7 +1,8 @@
 """Quality of the weight formats on a real model, on the CPU reference engine (which computes with exactly
 the dequantized numbers the GPU uses): perplexity on tests/data/eval.txt, top-1 agreement with the fp32
 engine at every position, and how many greedy tokens stay identical. Also int4 variants that were candidates
-for the format (group size 64 / 128, symmetric groups), simulated by dequantizing in numpy.
+for the format (group size 64 / 128, symmetric groups) and the per-channel int8 the Q8_0 blocks replaced,
+simulated by dequantizing in numpy.
     python bench/tools/quant_quality.py [model.gguf] [--tokens N] > bench/results/quant-quality-smollm2-135m.txt"""
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ def int4_variant(w: np.ndarray, group: int, symmetric: bool) -> np.ndarray:
     s, m = f16((hi - lo) / 15), f16(lo)
     q = np.clip(np.rint(np.divide(g - m, s, out=np.zeros_like(g), where=s > 0)), 0, 15)
     return (s * q + m).reshape(rows, K)
+
+
+def int8_per_channel(w: np.ndarray) -> np.ndarray:
+    """The int8 format before Q8_0's blocks: one fp32 scale per row, s = max|w| / 127, q = rint(w / s)."""
+    g = f16(w)
+    amax = np.abs(g).max(1, keepdims=True)
+    s = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    return (np.clip(np.rint(g / s), -127, 127).astype(np.float32) * s).astype(np.float32)
 
 
 def _dq(fmt):
@@ -85,7 +94,8 @@ def main() -> None:
     print(f"model {path}: {len(ids)} eval tokens; fp32 perplexity {perplexity(ref, ids):.4f}")
     print(f"{'format':<26} {'bytes/weight':>12} {'perplexity':>10} {'vs fp32':>8} {'top-1 agree':>11} {'greedy same':>11}")
     rows = [("fp16 (fp32 engine, fp16 weights)", 2.0, lambda w: f16(w), None),
-            ("int8 per-channel (ours)", 1.0, None, "int8"),
+            ("int8 g32, Q8_0 (ours)", 1.0625, None, "int8"),
+            ("int8 per-channel (before)", 1.0, int8_per_channel, None),
             ("int4 g32 asymmetric (ours)", 0.625, None, "int4"),
             ("int4 g64 asymmetric", 0.5625, lambda w: int4_variant(w, 64, False), None),
             ("int4 g32 symmetric", 0.5625, lambda w: int4_variant(w, 32, True), None),

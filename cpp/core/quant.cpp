@@ -18,12 +18,8 @@ WFormat wformat_from_string(const std::string& s) {
 std::string to_string(WFormat f) { return f == WFormat::F16 ? "fp16" : f == WFormat::I8 ? "int8" : "int4"; }
 
 int64_t quant_bytes(WFormat f, int64_t rows, int64_t K) {
-  switch (f) {
-    case WFormat::F16: return rows * ((K + 7) / 8 * 8) * 2;
-    case WFormat::I8: return rows * i8_ld(K) + rows * 4;
-    case WFormat::I4: return rows * i4_ld(K) + rows * (K / kI4Group) * 4;
-  }
-  return 0;
+  if (f == WFormat::F16) return rows * ((K + 7) / 8 * 8) * 2;
+  return rows * quant_ld(f, K) + rows * scale_halves(f, K) * 2;
 }
 
 void require_int4_widths(int64_t hidden, int64_t q_dim, int64_t intermediate) {
@@ -36,68 +32,92 @@ void require_int4_widths(int64_t hidden, int64_t q_dim, int64_t intermediate) {
 
 static float round_half(float x) { return half_to_float(float_to_half(x)); }
 
+// One block of n <= 32 weights (the rest of the block is zero padding) as llama.cpp's quantize_row_q8_0 does it:
+// its numbers exactly (fp32 d and its reciprocal; roundf; d rounded to fp16 only when stored).
+static uint16_t quantize_i8_block(const float* v, int n, uint8_t* u) {
+  float amax = 0.0f;
+  for (int i = 0; i < n; i++) amax = std::max(amax, std::fabs(v[i]));
+  const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int i = 0; i < n; i++) u[i] = (uint8_t)((int)std::roundf(v[i] * id) + 128);  // |q| <= 127: no clamp
+  return float_to_half(d);
+}
+
+static void quantize_i8(QuantMatrix& m, const float* w) {
+  const int64_t blocks = m.ld / kI8Block;
+  m.q.assign((size_t)(m.rows * m.ld), 128);
+  m.sm.resize((size_t)(m.rows * blocks));
+  float v[kI8Block];
+  for (int64_t r = 0; r < m.rows; r++)
+    for (int64_t b = 0; b < blocks; b++) {
+      const int n = (int)std::min<int64_t>(kI8Block, m.K - b * kI8Block);
+      for (int i = 0; i < n; i++) v[i] = round_half(w[r * m.K + b * kI8Block + i]);
+      m.sm[(size_t)(r * blocks + b)] = quantize_i8_block(v, n, &m.q[(size_t)(r * m.ld + b * kI8Block)]);
+    }
+}
+
+static void quantize_i4(QuantMatrix& m, const float* w) {
+  const int64_t groups = m.K / kI4Group;
+  m.q.assign((size_t)(m.rows * m.ld), 0);
+  m.sm.resize((size_t)(m.rows * groups * 2));
+  for (int64_t r = 0; r < m.rows; r++) {
+    for (int64_t g = 0; g < groups; g++) {
+      float lo = INFINITY, hi = -INFINITY, v[kI4Group];
+      for (int i = 0; i < kI4Group; i++) {
+        v[i] = round_half(w[r * m.K + g * kI4Group + i]);
+        lo = std::min(lo, v[i]);
+        hi = std::max(hi, v[i]);
+      }
+      const uint16_t sh = float_to_half((hi - lo) / 15.0f), mh = float_to_half(lo);
+      const float s = half_to_float(sh), mn = half_to_float(mh);
+      m.sm[(size_t)((r * groups + g) * 2)] = sh;
+      m.sm[(size_t)((r * groups + g) * 2 + 1)] = mh;
+      uint32_t* words = reinterpret_cast<uint32_t*>(&m.q[(size_t)(r * m.ld + g * kI4Group / 2)]);
+      for (int i = 0; i < kI4Group; i++) {
+        const float q = s > 0.0f ? std::min(15.0f, std::max(0.0f, std::rint((v[i] - mn) / s))) : 0.0f;
+        words[i / 8] |= (uint32_t)q << i4_nibble_pos(i % 8);
+      }
+    }
+  }
+}
+
 QuantMatrix quantize(WFormat f, const float* w, int64_t rows, int64_t K) {
+  if (f == WFormat::F16) fail(ErrorKind::Request, "quantize: fp16 is not a quantized format");
+  if (f == WFormat::I4 && K % kI4Group != 0)
+    fail(ErrorKind::Unsupported, "int4 weights need every matrix width to be a multiple of 32, got " +
+                                     std::to_string(K));
   QuantMatrix m;
   m.format = f;
   m.rows = rows;
   m.K = K;
-  std::vector<float> row((size_t)K);
-  if (f == WFormat::I8) {
-    m.ld = i8_ld(K);
-    m.q.assign((size_t)(rows * m.ld), 128);
-    m.scale.resize((size_t)rows);
-    for (int64_t r = 0; r < rows; r++) {
-      float amax = 0.0f;
-      for (int64_t k = 0; k < K; k++) {
-        row[(size_t)k] = round_half(w[r * K + k]);
-        amax = std::max(amax, std::fabs(row[(size_t)k]));
-      }
-      const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-      m.scale[(size_t)r] = s;
-      for (int64_t k = 0; k < K; k++) {
-        const float q = std::min(127.0f, std::max(-127.0f, std::rint(row[(size_t)k] / s)));
-        m.q[(size_t)(r * m.ld + k)] = (uint8_t)((int)q + 128);
-      }
-    }
-    return m;
-  }
-  if (f == WFormat::I4) {
-    if (K % kI4Group != 0)
-      fail(ErrorKind::Unsupported, "int4 weights need every matrix width to be a multiple of 32, got " +
-                                       std::to_string(K));
-    m.ld = i4_ld(K);
-    m.q.assign((size_t)(rows * m.ld), 0);
-    m.sm.resize((size_t)(rows * (K / kI4Group) * 2));
-    for (int64_t r = 0; r < rows; r++) {
-      for (int64_t g = 0; g < K / kI4Group; g++) {
-        float lo = INFINITY, hi = -INFINITY, v[kI4Group];
-        for (int i = 0; i < kI4Group; i++) {
-          v[i] = round_half(w[r * K + g * kI4Group + i]);
-          lo = std::min(lo, v[i]);
-          hi = std::max(hi, v[i]);
-        }
-        const uint16_t sh = float_to_half((hi - lo) / 15.0f), mh = float_to_half(lo);
-        const float s = half_to_float(sh), mn = half_to_float(mh);
-        m.sm[(size_t)((r * (K / kI4Group) + g) * 2)] = sh;
-        m.sm[(size_t)((r * (K / kI4Group) + g) * 2 + 1)] = mh;
-        uint32_t* words = reinterpret_cast<uint32_t*>(&m.q[(size_t)(r * m.ld + g * kI4Group / 2)]);
-        for (int i = 0; i < kI4Group; i++) {
-          const float q = s > 0.0f ? std::min(15.0f, std::max(0.0f, std::rint((v[i] - mn) / s))) : 0.0f;
-          words[i / 8] |= (uint32_t)q << i4_nibble_pos(i % 8);
-        }
-      }
-    }
-    return m;
-  }
-  fail(ErrorKind::Request, "quantize: fp16 is not a quantized format");
+  m.ld = quant_ld(f, K);
+  if (f == WFormat::I8) quantize_i8(m, w);
+  else quantize_i4(m, w);
+  return m;
+}
+
+QuantMatrix i8_from_q8_0(const int8_t* q, const uint16_t* d, int64_t rows, int64_t K, const std::string& what) {
+  if (rows < 1 || K < 1 || K % kI8Block != 0)
+    fail(ErrorKind::ModelFormat, "Q8_0 tensor '" + what + "': shape (" + std::to_string(rows) + ", " +
+                                     std::to_string(K) + ") is not whole blocks of 32");
+  QuantMatrix m;
+  m.format = WFormat::I8;
+  m.rows = rows;
+  m.K = K;
+  m.ld = i8_ld(K);  // == K
+  m.q.resize((size_t)(rows * K));
+  for (size_t i = 0; i < m.q.size(); i++) m.q[i] = (uint8_t)((int)q[i] + 128);  // -128..127 -> 0..255
+  m.sm.assign(d, d + rows * (K / kI8Block));
+  return m;
 }
 
 std::vector<float> dequantize(const QuantMatrix& m) {
   std::vector<float> w((size_t)(m.rows * m.K));
   if (m.format == WFormat::I8) {
+    const int64_t blocks = m.ld / kI8Block;
     for (int64_t r = 0; r < m.rows; r++)
       for (int64_t k = 0; k < m.K; k++)
-        w[(size_t)(r * m.K + k)] = (float)((int)m.q[(size_t)(r * m.ld + k)] - 128) * m.scale[(size_t)r];
+        w[(size_t)(r * m.K + k)] = half_to_float(m.sm[(size_t)(r * blocks + k / kI8Block)]) *
+                                   (float)((int)m.q[(size_t)(r * m.ld + k)] - 128);
   } else if (m.format == WFormat::I4) {
     const int64_t groups = m.K / kI4Group;
     for (int64_t r = 0; r < m.rows; r++)

@@ -77,11 +77,24 @@ static std::string layer_name(int64_t i, const char* leaf) {
 
 std::string WeightStore::layer_tensor(int64_t layer, const char* leaf) { return layer_name(layer, leaf); }
 
-void WeightStore::add_int4(const std::string& name, const uint8_t* q, const uint16_t* sm, int64_t rows, int64_t K) {
+// Checks an imported matrix's name and shape (a layer matrix; for int8 also the head or the embedding) and
+// keeps it, the store's fp32 copy becoming exactly its dequantized numbers.
+void WeightStore::add_imported(const std::string& name, QuantMatrix m) {
+  if (finished_) fail(ErrorKind::Request, "WeightStore: imported tensor '" + name + "' after finish()");
   const std::vector<int64_t> want = expected_shape(name);
-  if (want.size() != 2 || name.find("embed_tokens") != std::string::npos || name == "lm_head.weight" ||
-      want[0] != rows || want[1] != K)
-    fail(ErrorKind::ModelFormat, "int4 tensor '" + name + "': not a layer matrix of shape " + shape_str(want));
+  const bool matrix = want.size() == 2 && name.find(".layers.") != std::string::npos;
+  const bool head = name == "model.embed_tokens.weight" || name == "lm_head.weight";
+  if (!(matrix || (head && m.format == WFormat::I8)) || want[0] != m.rows || want[1] != m.K)
+    fail(ErrorKind::ModelFormat, to_string(m.format) + " tensor '" + name + "' of shape " +
+                                     shape_str({m.rows, m.K}) + ": not a matrix of shape " + shape_str(want));
+  HostTensor t;
+  t.shape = {m.rows, m.K};
+  t.data = dequantize(m);
+  tensors_[name] = std::move(t);
+  imported_[name] = std::move(m);
+}
+
+void WeightStore::add_int4(const std::string& name, const uint8_t* q, const uint16_t* sm, int64_t rows, int64_t K) {
   if (K % kI4Group != 0) fail(ErrorKind::Unsupported, "int4 tensor '" + name + "': K must be a multiple of 32");
   QuantMatrix m;
   m.format = WFormat::I4;
@@ -89,17 +102,19 @@ void WeightStore::add_int4(const std::string& name, const uint8_t* q, const uint
   m.K = K;
   m.ld = i4_ld(K);
   m.q.assign(q, q + rows * m.ld);
-  m.sm.assign(sm, sm + rows * (K / kI4Group) * 2);
-  HostTensor t;
-  t.shape = {rows, K};
-  t.data = dequantize(m);
-  tensors_[name] = std::move(t);
-  imported_[name] = std::move(m);
+  m.sm.assign(sm, sm + rows * scale_halves(WFormat::I4, K));
+  add_imported(name, std::move(m));
 }
 
-const QuantMatrix* WeightStore::imported(const std::string& name) const {
+void WeightStore::add_int8(const std::string& name, const int8_t* q, const uint16_t* d, int64_t rows, int64_t K) {
+  add_imported(name, i8_from_q8_0(q, d, rows, K, name));
+}
+
+const QuantMatrix* WeightStore::imported(const std::string& name, WFormat f) const {
   auto it = imported_.find(name);
-  return it == imported_.end() ? nullptr : &it->second;
+  if (it == imported_.end() && name == "lm_head.weight" && config_.tie_word_embeddings)
+    it = imported_.find("model.embed_tokens.weight");
+  return it == imported_.end() || it->second.format != f ? nullptr : &it->second;
 }
 
 WeightStore::WeightStore(const ModelConfig& config) : config_(config) { config_.validate(); }
@@ -198,18 +213,17 @@ void WeightStore::quantize(WFormat f) {
   if (f == WFormat::I4) require_int4_widths(c.hidden, c.q_dim, c.intermediate);
   if (c.tie_word_embeddings && !tensors_.count("lm_head.weight"))
     tensors_["lm_head.weight"] = get("model.embed_tokens.weight");  // the head is quantized, the lookup is not
-  auto q = [&](const std::string& name) {
-    if (f == WFormat::I4 && imported_.count(name)) return;  // imported block for block: already exact
+  auto q = [&](const std::string& name, WFormat g) {
     HostTensor& t = tensors_.at(name);
-    quantize_dequantize(f, t.data.data(), t.shape[0], t.shape[1]);
+    if (const QuantMatrix* m = imported(name, g)) t.data = dequantize(*m);  // imported block for block: exact
+    else quantize_dequantize(g, t.data.data(), t.shape[0], t.shape[1]);
   };
   for (int64_t i = 0; i < c.n_layers; i++)
     for (const char* leaf : {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                              "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
                              "mlp.down_proj.weight"})
-      q(layer_name(i, leaf));
-  HostTensor& head = tensors_.at("lm_head.weight");
-  quantize_dequantize(head_format(f), head.data.data(), head.shape[0], head.shape[1]);
+      q(layer_name(i, leaf), f);
+  q("lm_head.weight", head_format(f));
   format_ = f;
 }
 

@@ -71,7 +71,13 @@ class WeightStore {
   // second rounding). Its fp32 data become exactly the dequantized values; quantize(I4) keeps it as it is and
   // the GPU engine uploads these bytes instead of quantizing. q: (rows, K/2) bytes; sm: (rows, K/32 * 2) fp16 bits.
   void add_int4(const std::string& name, const uint8_t* q, const uint16_t* sm, int64_t rows, int64_t K);
-  const QuantMatrix* imported(const std::string& name) const;  // nullptr unless add_int4 gave it
+  // The same for a GGUF Q8_0 tensor into I8 (kept by quantize(I8), and as the int8 LM head of quantize(I4)):
+  // q (rows, K) signed, d (rows, K/32) fp16 bits. Also the embedding's blocks: they become the head's when tied
+  // (the embedding lookup itself keeps its fp32 values, which are the same numbers).
+  void add_int8(const std::string& name, const int8_t* q, const uint16_t* d, int64_t rows, int64_t K);
+  // The imported matrix under a name, if add_int4 / add_int8 gave one in format f ("lm_head.weight" of a tied
+  // model: the embedding's); else nullptr.
+  const QuantMatrix* imported(const std::string& name, WFormat f) const;
   static std::string layer_tensor(int64_t layer, const char* leaf);  // "model.layers.{layer}.{leaf}"
 
   // The shape the config implies for a tensor name, or an empty vector if the name is not one of ours.
@@ -79,6 +85,8 @@ class WeightStore {
   std::vector<std::string> required_names() const;
 
  private:
+  void add_imported(const std::string& name, QuantMatrix m);
+
   ModelConfig config_;
   std::unordered_map<std::string, HostTensor> tensors_;
   std::unordered_map<std::string, QuantMatrix> imported_;

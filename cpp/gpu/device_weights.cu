@@ -86,9 +86,9 @@ cuda::QMat DeviceWeights::alloc_matrix(int rows, int K, WFormat fmt) {
     m.ld = (int)cuda::pad8(K);
     m.q = arena_.alloc((size_t)rows * m.ld * sizeof(__half), Kind::Weights);
   } else {
-    m.ld = (int)(m.fmt == WFormat::I8 ? i8_ld(K) : i4_ld(K));
+    m.ld = (int)quant_ld(m.fmt, K);
     m.q = arena_.alloc((size_t)rows * m.ld, Kind::Weights);
-    m.scales = arena_.alloc(m.fmt == WFormat::I8 ? (size_t)rows * 4 : (size_t)rows * (K / kI4Group) * 4, Kind::Weights);
+    m.scales = arena_.alloc((size_t)(rows * scale_halves(m.fmt, K)) * 2, Kind::Weights);
   }
   return m;
 }

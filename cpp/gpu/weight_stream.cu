@@ -15,13 +15,7 @@ std::string shape_str(int64_t rows, int64_t K, bool vec) {
 }
 }  // namespace
 
-int64_t WeightStream::scale_row_bytes(WFormat f, int64_t K) {
-  switch (f) {
-    case WFormat::I8: return 4;                       // one fp32 scale per row
-    case WFormat::I4: return K / kI4Group * 4;        // (scale, min) fp16 per group of 32
-    default: return 0;
-  }
-}
+int64_t WeightStream::scale_row_bytes(WFormat f, int64_t K) { return f == WFormat::F16 ? 0 : scale_halves(f, K) * 2; }
 
 WeightStream::WeightStream(DeviceWeights& w, const ModelConfig& c, cudaStream_t stream)
     : w_(w), cfg_(c), stream_(stream) {
@@ -53,7 +47,14 @@ WeightStream::WeightStream(DeviceWeights& w, const ModelConfig& c, cudaStream_t 
   n.rows = 1, n.K = c.hidden, n.vec = w.final_norm;
   targets_.emplace("model.norm.weight", n);
   order_.push_back("model.norm.weight");
-  if (!c.tie_word_embeddings) add_matrix(w.lm_head, {{"lm_head.weight", rm(0, 1, c.vocab)}});
+  if (!c.tie_word_embeddings) {
+    add_matrix(w.lm_head, {{"lm_head.weight", rm(0, 1, c.vocab)}});
+  } else if (w.lm_head.q != w.embedding) {
+    // A tied head in a quantized format is its own copy: quantized from the embedding, or (GGUF Q8_0 embedding)
+    // imported as "lm_head.weight" from the embedding's blocks. Optional: finish() does not ask for it.
+    add_matrix(w.lm_head, {{"lm_head.weight", rm(0, 1, c.vocab)}});
+    order_.pop_back();
+  }
 
   for (int s = 0; s < kSlots; s++) {
     TI_CUDA_CHECK(cudaMallocHost(&pinned_[s], kChunkBytes));
@@ -241,7 +242,7 @@ void WeightStream::load_q4_blocks(const std::string& name, bool q4_1, const uint
 void WeightStream::part_done(Target& t) {
   if (t.kind == Target::Embedding) {
     // A tied head in a quantized format: its own copy, quantized from the embedding's fp16 rows.
-    if (cfg_.tie_word_embeddings && w_.lm_head.q != w_.embedding)
+    if (cfg_.tie_word_embeddings && w_.lm_head.q != w_.embedding && !targets_.at("lm_head.weight").imported)
       cuda::quantize_matrix(w_.embedding, w_.ld_h, w_.lm_head, stream_);
     return;
   }

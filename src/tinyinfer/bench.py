@@ -49,8 +49,8 @@ def _pad8(n: int) -> int:
 
 def matrix_bytes(fmt: str, rows: int, K: int) -> int:
     """Bytes of one (rows, K) matrix as the GPU stores it, scales included (cpp/core/quant.h)."""
-    if fmt == "int8":
-        return rows * ((K + 15) // 16 * 16) + 4 * rows
+    if fmt == "int8":  # blocks of 32 (the last one padded), an fp16 scale each
+        return rows * ((K + 31) // 32) * (32 + 2)
     if fmt == "int4":
         return rows * K // 2 + 4 * rows * (K // 32)
     return 2 * rows * _pad8(K)

@@ -130,7 +130,7 @@ def _load_cuda(model, max_seq_len: int, opts: "_core.CudaOptions", dtype: str, s
               disable=not show) as bar:
         def items():
             for item in model.stream(dtype):
-                if tied and item.name == "lm_head.weight":  # some tied checkpoints keep a copy: not used
+                if tied and item.name == "lm_head.weight" and item.kind == "rows":  # a copy some tied files keep
                     continue
                 yield item
                 bar.update(item.nbytes)

@@ -65,8 +65,10 @@ class LoadedModel:
     path: Path = Path(".")
     description: str = ""
     # Matrices stored in a block layout the engine takes over bit for bit, one source per engine format (GGUF
-    # Q4_0 / Q4_1 -> int4); None where the file has none. Engine(dtype="int4") imports these over `tensors`.
+    # Q4_0 / Q4_1 -> int4, Q8_0 -> int8); None where the file has none. Engine(dtype="int4" / "int8") imports
+    # these over `tensors`. int8_blocks(layers=False) gives only the LM head (an int4 model's int8 head).
     int4_blocks: Optional[BlockSource] = None
+    int8_blocks: Optional[Callable[..., Iterator["BlockMatrix"]]] = None
     # GGUF only: the stored type of each tensor (HuggingFace name -> "Q4_1", "F16", ...) and the file's metadata
     # (the tokenizer's big arrays left out).
     gguf_types: dict[str, str] = field(default_factory=dict)

@@ -16,8 +16,9 @@ One file holds everything: the config (llama.* metadata), the tokenizer (tokeniz
   quantized types dequantized 64 MiB of rows at a time;
 - turns every failure of a corrupt or truncated file into ModelFormatError naming the file.
 
-The source type of each tensor is kept in LoadedModel.gguf_types (HF name -> "Q4_1", ...); Q4_0 / Q4_1 layer
-matrices are also offered as int4 blocks (LoadedModel.int4_blocks) for the engine to import without re-rounding.
+The source type of each tensor is kept in LoadedModel.gguf_types (HF name -> "Q4_1", ...); the Q4_0 / Q4_1 and
+Q8_0 tensors are also offered in the engine's int4 / int8 layouts (LoadedModel.int4_blocks / int8_blocks), which
+Engine(dtype="int4" / "int8") imports without re-rounding.
 """
 
 from __future__ import annotations
@@ -146,6 +147,24 @@ def q4_blocks_to_int4(raw: np.ndarray, type_name: str, rows: int, K: int) -> tup
     return q_bytes, sm
 
 
+def q8_0_blocks(raw: np.ndarray, rows: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF Q8_0 blocks (fp16 d, then 32 int8 q: w = d q) split into q (rows, K) int8 and d (rows, K/32) fp16
+    bits: the numbers of the engine's int8 layout as they are (WeightStore.add_int8 packs them)."""
+    b = np.asarray(raw, dtype=np.uint8).reshape(rows, K // 32, 34)
+    d = np.ascontiguousarray(b[..., 0:2]).view(np.uint16)[..., 0]
+    q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(rows, K)
+    return q, d
+
+
+def _hf_rows(gguf_name: str, n_heads: int, n_kv: int, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per-row arrays of a GGUF tensor in HuggingFace row order: attn_q / attn_k rows un-permuted."""
+    n = n_heads if gguf_name.endswith(".attn_q.weight") else n_kv if gguf_name.endswith(".attn_k.weight") else 0
+    if not n:
+        return arrays
+    order = reverse_rope_permute(np.arange(arrays[0].shape[0])[:, None], n)[:, 0]
+    return tuple(np.ascontiguousarray(a[order]) for a in arrays)
+
+
 # ---- the loader ----
 
 def _check_tensors(infos: dict[str, tuple[str, Any]], where: str) -> dict[str, str]:
@@ -239,11 +258,24 @@ def _int4_blocks(infos: dict[str, tuple[str, Any]], config: "_core.ModelConfig")
             q, sm = q4_blocks_to_int4(np.asarray(t.data), type_name, rows, K)
         except FloatingPointError:
             continue  # a Q4_0 scale whose -8x overflows fp16: this one is re-quantized instead
-        n = n_heads if name.endswith(".attn_q.weight") else n_kv if name.endswith(".attn_k.weight") else 0
-        if n:
-            order = reverse_rope_permute(np.arange(rows)[:, None], n)[:, 0]
-            q, sm = np.ascontiguousarray(q[order]), np.ascontiguousarray(sm[order])
-        yield BlockMatrix(hf, q, sm)
+        yield BlockMatrix(hf, *_hf_rows(name, n_heads, n_kv, q, sm))
+
+
+def _int8_blocks(infos: dict[str, tuple[str, Any]], config: "_core.ModelConfig", where: str,
+                 layers: bool = True) -> Iterator[BlockMatrix]:
+    """The Q8_0 matrices as (q int8, d fp16 bits) for the engine's int8 layout (imported as they are: no second
+    rounding): the layer matrices unless layers=False, and the LM head (a tied model's: the embedding)."""
+    n_heads, n_kv = config.n_heads, config.n_kv_heads
+    head_name = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    for name, (type_name, t) in infos.items():
+        hf = hf_tensor_name(name)
+        if hf is None or type_name != "Q8_0" or not (hf == head_name or (layers and ".layers." in hf)):
+            continue
+        try:
+            q, d = q8_0_blocks(np.asarray(t.data), int(t.shape[-1]), int(t.shape[0]))
+        except ValueError as e:  # data of the wrong size for its shape
+            raise ModelFormatError(f"{where}: tensor '{name}' (Q8_0) cannot be read: {e}") from e
+        yield BlockMatrix(hf, *_hf_rows(name, n_heads, n_kv, q, d))
 
 
 # Dequantized rows per "rows" item: a bounded fp32 buffer per step, whatever the tensor's size.
@@ -263,12 +295,16 @@ def _q4_importable(raw: np.ndarray, type_name: str) -> bool:
 def _stream(infos: dict[str, tuple[str, Any]], config: "_core.ModelConfig", fmt: str,
             where: str) -> Iterator[StreamItem]:
     """The GPU engine's load: each tensor as stored. F32 / F16 / BF16 as views over the mapped file; Q4_0 / Q4_1
-    layer matrices for an int4 engine as their raw blocks (the device converts them to int4 block for block); any
+    layer matrices for an int4 engine as their raw blocks (the device converts them to int4 block for block); Q8_0
+    as int8 rows as they are (the layer matrices of an int8 engine, the LM head of int8 / int4 ones: a tied
+    model's head as "lm_head.weight" from the embedding's blocks, the embedding itself dequantized too); any
     other quantized tensor dequantized to fp32 a bounded chunk of rows at a time. Q / K rows keep llama.cpp's
     order (rope_heads says so): the device undoes the permutation."""
     import gguf
 
     n_heads, n_kv = config.n_heads, config.n_kv_heads
+    tied = bool(config.tie_word_embeddings)
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
     for name, (type_name, t) in infos.items():
         hf = hf_tensor_name(name)
         if hf is None:
@@ -285,6 +321,12 @@ def _stream(infos: dict[str, tuple[str, Any]], config: "_core.ModelConfig", fmt:
             if fmt == "int4" and type_name in ("Q4_0", "Q4_1") and ".layers." in hf and _q4_importable(raw, type_name):
                 yield StreamItem(type_name.lower(), hf, raw, None, "", rope, 0, (rows, K), int(t.n_bytes))
                 continue
+            if type_name == "Q8_0" and (fmt == "int8" and ".layers." in hf or fmt in ("int8", "int4") and hf == head):
+                q, d = q8_0_blocks(raw, rows, K)  # our int8 layout stores u = q + 128: flip the sign bit
+                yield StreamItem("int8", "lm_head.weight" if hf == head else hf, q.view(np.uint8) ^ np.uint8(0x80),
+                                 d, "", rope, 0, (rows, K), 0 if tied and hf == head else int(t.n_bytes))
+                if not (tied and hf == head):  # a tied embedding's rows are needed for the lookup as well
+                    continue
             step = max(1, _DEQUANT_CHUNK_BYTES // (4 * K))
             for r0 in range(0, rows, step):
                 part = gguf.quants.dequantize(raw[r0:r0 + step], t.tensor_type).astype(np.float32, copy=False)
@@ -326,6 +368,7 @@ def load_gguf(path: Path) -> LoadedModel:
         path=path,
         description=f"GGUF ({', '.join(kinds)}; {n_quant} tensor{'s' if n_quant != 1 else ''} dequantized to fp32)",
         int4_blocks=lambda: _int4_blocks(infos, config),
+        int8_blocks=lambda layers=True: _int8_blocks(infos, config, where, layers),
         stream=lambda fmt: _stream(infos, config, fmt, where),
         stream_bytes=sum(int(t.n_bytes) for _, t in infos.values()),
         gguf_types=gguf_types,
@@ -334,4 +377,4 @@ def load_gguf(path: Path) -> LoadedModel:
 
 
 __all__ = ["load_gguf", "config_from_gguf", "hf_tensor_name", "reverse_rope_permute", "read_metadata",
-           "q4_blocks_to_int4"]
+           "q4_blocks_to_int4", "q8_0_blocks"]

@@ -1,0 +1,139 @@
+// gemv_dot.cuh — the weight formats as the GEMV kernels (gemv.cu) see them: a 16-byte word of each, the scales
+// it needs, the staged input it meets, and their dot product. Internal to gemv.cu.
+//
+// The quantized words are dequantized in registers without int->float conversions:
+//   I8: a word is half a block of 32 (16 weights). A byte u = q + 128 is permuted into the low mantissa byte of
+//       2^23 (__byte_perm with 0x4B000000): the float 2^23 + u; one subtract of 2^23 + 128 gives q exactly (the
+//       whole -128..127 range); fp32 FMAs with x into two partial sums; the block's d (fp16, widened once per
+//       word) scales the word's sum. ~3 instructions per weight, against a budget of ~7 at full bandwidth on
+//       the H200; d costs 2 bytes per 32 weights (+6% bytes) and one load + FMUL per word.
+//   I4: a word is one group of 32. (w >> 4j) & 0x000F000F | 0x64006400 is the fp16 pair (1024 + q, 1024 + q')
+//       (the packer's nibble order makes the pair consecutive weights); one HSUB2 of 1032 gives q - 8 exactly
+//       (centred: smaller partial sums), one HFMA2 multiplies-accumulates with the fp16 input pair. For odd j
+//       the nibbles are masked in place instead (1024 + 16q; an HFMA2 by 1/16 minus 72 gives q - 8, exactly),
+//       so a 32-bit word costs one shift, and each pair one LOP3 (inline PTX: the compiler splits and-or with
+//       two immediates into two) + HSUB2/HFMA2 + HFMA2. The group's 16 pair-sums are widened to fp32 once:
+//       dot = s * sum((q - 8) x) + (m + 8 s) * sum(x), with sum(x) per group computed once per block while the
+//       input is staged (group_sum). SASS: 13 instructions per 8 weights before the widening (19 before the
+//       LOP3 and odd-nibble changes; ncu had shown the two-LOP3 split).
+#pragma once
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common.cuh"
+#include "gemv.cuh"
+
+namespace ti::cuda {
+
+template <WFormat WF> struct XFrag;  // the staged input a 16-byte weight word meets
+template <> struct XFrag<WFormat::F16> { float v[8]; };
+template <> struct XFrag<WFormat::I8> { float v[16]; };
+template <> struct XFrag<WFormat::I4> { __half2 v[16]; };
+
+template <WFormat WF>
+__device__ __forceinline__ void load_x(const __half* xs, int nw, int k, XFrag<WF>& x) {
+  const uint4* xv = reinterpret_cast<const uint4*>(xs);
+  if constexpr (WF == WFormat::F16) {
+    unpack8(xv[k], x.v);
+  } else if constexpr (WF == WFormat::I8) {
+    unpack8(xv[k], x.v);
+    unpack8(xv[nw + k], x.v + 8);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; i++) *reinterpret_cast<uint4*>(&x.v[4 * i]) = xv[i * nw + k];
+  }
+}
+
+// Row-wise context of the quantized formats: the row's block scales (I8: d per block of 32; I4: (scale, min)
+// per group) and, for I4, the per-group input sums.
+struct QCtx {
+  const __half* d = nullptr;    // I8: this row's d
+  const __half2* sm = nullptr;  // I4: this row's (scale, min) pairs
+  const float* xsum = nullptr;  // I4: per-group sums of the staged input
+};
+// What a 16-byte weight word k needs besides the input: I8 its block's d (word k is half of block k / 2; the two
+// lanes of a block read the same 2 bytes, a warp 32 contiguous bytes), I4 its group's (scale, min); nothing for
+// F16. Loaded together with the word (and, for the prefetched words, before the dependency wait: scales are
+// weights too).
+template <WFormat WF> struct WScale {};
+template <> struct WScale<WFormat::I8> { __half d; };
+template <> struct WScale<WFormat::I4> { __half2 sm; };
+template <WFormat WF>
+__device__ __forceinline__ WScale<WF> load_scale(const QCtx& c, int k) {
+  WScale<WF> s;
+  if constexpr (WF == WFormat::I8) s.d = c.d[k >> 1];
+  if constexpr (WF == WFormat::I4) s.sm = c.sm[k];
+  return s;
+}
+
+// (a & b) | c in one LOP3 (written as two ops, the compiler emits two: two 32-bit immediates do not fit one).
+__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ __half2 as_half2(uint32_t u) { return *reinterpret_cast<const __half2*>(&u); }
+
+template <WFormat WF>
+__device__ __forceinline__ float dot_word(const uint4& w, const WScale<WF>& sc, const XFrag<WF>& x, const QCtx& c,
+                                          int k) {
+  if constexpr (WF == WFormat::F16) {
+    return dot8(w, x.v);
+  } else if constexpr (WF == WFormat::I8) {
+    const uint32_t v[4] = {w.x, w.y, w.z, w.w};
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+#pragma unroll
+      for (int b = 0; b < 4; b += 2) {
+        const float q0 = __int_as_float((int)__byte_perm(v[i], 0x4B000000u, 0x7650u + b)) - 8388736.0f;
+        const float q1 = __int_as_float((int)__byte_perm(v[i], 0x4B000000u, 0x7651u + b)) - 8388736.0f;
+        s0 = fmaf(q0, x.v[4 * i + b], s0);
+        s1 = fmaf(q1, x.v[4 * i + b + 1], s1);
+      }
+    }
+    return __half2float(sc.d) * (s0 + s1);
+  } else {
+    const uint32_t v[4] = {w.x, w.y, w.z, w.w};
+    const __half2 off = __float2half2_rn(1032.0f), sixteenth = __float2half2_rn(0.0625f),
+                  off16 = __float2half2_rn(-72.0f);
+    __half2 acc = __float2half2_rn(0.0f);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      // nibble pairs (j, j + 4) of v: j = 0, 2 in place as 1024 + q (minus 1032: q - 8); j = 1, 3 as 1024 + 16q
+      // (times 1/16, minus 72: q - 8, exact, as 1024 + 16q is); j = 2, 3 from v >> 8. One LOP3 each.
+      const uint32_t lo = v[i], hi = v[i] >> 8;
+      const uint32_t t0 = lop3_and_or(lo, 0x000F000Fu, 0x64006400u), t1 = lop3_and_or(lo, 0x00F000F0u, 0x64006400u);
+      const uint32_t t2 = lop3_and_or(hi, 0x000F000Fu, 0x64006400u), t3 = lop3_and_or(hi, 0x00F000F0u, 0x64006400u);
+      acc = __hfma2(__hsub2(as_half2(t0), off), x.v[4 * i], acc);
+      acc = __hfma2(__hfma2(as_half2(t1), sixteenth, off16), x.v[4 * i + 1], acc);
+      acc = __hfma2(__hsub2(as_half2(t2), off), x.v[4 * i + 2], acc);
+      acc = __hfma2(__hfma2(as_half2(t3), sixteenth, off16), x.v[4 * i + 3], acc);
+    }
+    const float2 a = __half22float2(acc), sm = __half22float2(sc.sm);
+    return sm.x * (a.x + a.y) + fmaf(8.0f, sm.x, sm.y) * c.xsum[k];
+  }
+}
+
+template <WFormat WF>
+__device__ __forceinline__ const uint4* row_words(const GemvParams& p, int row) {
+  if constexpr (WF == WFormat::F16) return reinterpret_cast<const uint4*>(p.W + (size_t)row * p.ld);
+  else return reinterpret_cast<const uint4*>(p.q + (size_t)row * p.ldq);
+}
+template <WFormat WF>
+__device__ __forceinline__ int words_per_row(const GemvParams& p) {
+  return WF == WFormat::F16 ? p.ld / 8 : p.ldq / 16;
+}
+template <WFormat WF>
+__device__ __forceinline__ QCtx row_ctx(const GemvParams& p, int row, const float* xsum) {
+  QCtx c;
+  if constexpr (WF == WFormat::I8) c.d = static_cast<const __half*>(p.scales) + (size_t)row * (p.ldq / kI8Block);
+  if constexpr (WF == WFormat::I4) {
+    c.sm = static_cast<const __half2*>(p.scales) + (size_t)row * (p.K / kI4Group);
+    c.xsum = xsum;
+  }
+  return c;
+}
+
+}  // namespace ti::cuda

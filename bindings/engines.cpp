@@ -246,8 +246,8 @@ void bind_engines(nb::module_& m) {
             });
           },
           "config"_a, "max_seq_len"_a, "options"_a, "items"_a, nb::rv_policy::take_ownership,
-          "Load the weights streamed from `items` (see load_item in bindings/engines.cpp and "
-          "loaders/stream.py): each tensor in its stored form, straight to the device. An error leaves nothing "
+          "Load the weights streamed from `items` (load_item in bindings/engines.cpp; loaders/base.py "
+          "StreamItem): each tensor in its stored form, straight to the device. An error leaves nothing "
           "behind.")
       .def_static(
           "random",

@@ -56,21 +56,32 @@ WeightStream::WeightStream(DeviceWeights& w, const ModelConfig& c, cudaStream_t 
     order_.pop_back();
   }
 
-  for (int s = 0; s < kSlots; s++) {
-    TI_CUDA_CHECK(cudaMallocHost(&pinned_[s], kChunkBytes));
-    TI_CUDA_CHECK(cudaMallocAsync(&device_[s], kChunkBytes, stream_));
-    TI_CUDA_CHECK(cudaEventCreateWithFlags(&done_[s], cudaEventDisableTiming));
+  try {
+    for (int s = 0; s < kSlots; s++) {
+      TI_CUDA_CHECK(cudaMallocHost(&pinned_[s], kChunkBytes));
+      TI_CUDA_CHECK(cudaMallocAsync(&device_[s], kChunkBytes, stream_));
+      TI_CUDA_CHECK(cudaEventCreateWithFlags(&done_[s], cudaEventDisableTiming));
+    }
+  } catch (...) {  // a constructor that throws runs no destructor
+    release();
+    throw;
   }
 }
 
-WeightStream::~WeightStream() {
+WeightStream::~WeightStream() { release(); }
+
+void WeightStream::release() noexcept {
   cudaStreamSynchronize(stream_);
-  for (Matrix& M : matrices_)
+  for (Matrix& M : matrices_) {
     if (M.stage) cudaFreeAsync(M.stage, stream_);
+    M.stage = nullptr;
+  }
   for (int s = 0; s < kSlots; s++) {
     if (pinned_[s]) cudaFreeHost(pinned_[s]);
     if (device_[s]) cudaFreeAsync(device_[s], stream_);
     if (done_[s]) cudaEventDestroy(done_[s]);
+    pinned_[s] = device_[s] = nullptr;
+    done_[s] = nullptr;
   }
   cudaStreamSynchronize(stream_);
   // The stream-ordered pool keeps freed memory for reuse; hand it back, so the engine's report and the next

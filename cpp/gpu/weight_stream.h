@@ -77,6 +77,7 @@ class WeightStream {
   template <typename Launch>
   void stream_bytes(const uint8_t* src, int64_t n_rows, int64_t row_bytes, const Launch& launch);
   void part_done(Target& t);
+  void release() noexcept;
   void finalize(Matrix& M);
 
   DeviceWeights& w_;

@@ -19,27 +19,18 @@ struct RowMap {
   int64_t rows = 0;  // the tensor's rows (rope_heads > 0: n_heads * head_dim)
 };
 
-// Host twin of the device map, for checks and tests.
-inline int64_t map_row(const RowMap& m, int64_t i) {
-  if (m.rope_heads > 0) {
-    const int64_t hd = m.rows / m.rope_heads, r = i % hd;
-    i = (i - r) + (r & 1) * (hd / 2) + (r >> 1);
-  }
-  return m.offset + m.step * i;
-}
-
 // n rows (K elements each, contiguous) of a `src_type` tensor, the tensor's rows row0 .. row0 + n - 1, into fp16
-// rows of dst (stride ld >= K halves; columns K .. ld - 1 zeroed), at map_row(map, row0 + i). fp32 rounds to
+// rows of dst (stride ld >= K halves; columns K .. ld - 1 zeroed), at row offset + step * perm(row0 + i). fp32 rounds to
 // nearest even, as the host's float_to_half.
 void convert_rows(const void* src, DType src_type, int64_t n, int K, int64_t row0, __half* dst, int ld,
                   const RowMap& map, cudaStream_t stream);
-// n rows of row_bytes bytes each (rows row0 .. of the tensor) into dst rows of the same size at map_row(...).
+// n rows of row_bytes bytes each (rows row0 .. of the tensor) into dst rows of the same size, placed as above.
 void scatter_rows(const uint8_t* src, int64_t n, int row_bytes, int64_t row0, uint8_t* dst, const RowMap& map,
                   cudaStream_t stream);
 
 // GGUF Q4_0 / Q4_1 blocks -> our int4 layout, block for block (cpp/core/quant.h; the host twin is
 // loaders/gguf.py q4_blocks_to_int4): n rows of K / 32 blocks (18 bytes: fp16 d, 16 bytes of nibbles; Q4_1: 20
-// bytes, fp16 d and m first), rows row0 .. of the tensor, into rows map_row(...) of q (K / 2 bytes per row) and
+// bytes, fp16 d and m first), rows row0 .. of the tensor, into their mapped rows of q (K / 2 bytes per row) and
 // sm (K / 32 (scale, min) pairs per row). Q4_0's w = d (q - 8) is ours with (d, -8 d): exact unless -8 d
 // overflows fp16, which the caller rules out.
 void q4_blocks_to_i4(const uint8_t* blocks, bool q4_1, int64_t n, int K, int64_t row0, uint8_t* q, __half2* sm,

@@ -87,10 +87,11 @@ void convert_rows(const void* src, DType src_type, int64_t n, int K, int64_t row
     const int64_t rows = std::min<int64_t>(kMaxGridY, n - done);
     const dim3 grid((unsigned)std::min<int64_t>((ld + kThreads - 1) / kThreads, 64), (unsigned)rows);
     const void* s = static_cast<const uint8_t*>(src) + (size_t)done * K * esize;
+    const int64_t r = row0 + done;
     switch (src_type) {
-      case DType::F32: convert_rows_kernel<DType::F32><<<grid, kThreads, 0, stream>>>(s, K, row0 + done, dst, ld, map); break;
-      case DType::F16: convert_rows_kernel<DType::F16><<<grid, kThreads, 0, stream>>>(s, K, row0 + done, dst, ld, map); break;
-      case DType::BF16: convert_rows_kernel<DType::BF16><<<grid, kThreads, 0, stream>>>(s, K, row0 + done, dst, ld, map); break;
+      case DType::F32: convert_rows_kernel<DType::F32><<<grid, kThreads, 0, stream>>>(s, K, r, dst, ld, map); break;
+      case DType::F16: convert_rows_kernel<DType::F16><<<grid, kThreads, 0, stream>>>(s, K, r, dst, ld, map); break;
+      case DType::BF16: convert_rows_kernel<DType::BF16><<<grid, kThreads, 0, stream>>>(s, K, r, dst, ld, map); break;
     }
     TI_CUDA_CHECK(cudaGetLastError());
   }
@@ -102,7 +103,8 @@ void scatter_rows(const uint8_t* src, int64_t n, int row_bytes, int64_t row0, ui
     const int64_t rows = std::min<int64_t>(kMaxGridY, n - done);
     const int units = row_bytes % 4 == 0 ? row_bytes / 4 : row_bytes;
     const dim3 grid((unsigned)std::min<int64_t>((units + kThreads - 1) / kThreads, 64), (unsigned)rows);
-    scatter_rows_kernel<<<grid, kThreads, 0, stream>>>(src + (size_t)done * row_bytes, row_bytes, row0 + done, dst, map);
+    const uint8_t* from = src + (size_t)done * row_bytes;
+    scatter_rows_kernel<<<grid, kThreads, 0, stream>>>(from, row_bytes, row0 + done, dst, map);
     TI_CUDA_CHECK(cudaGetLastError());
   }
 }

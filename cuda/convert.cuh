@@ -19,9 +19,9 @@ struct RowMap {
   int64_t rows = 0;  // the tensor's rows (rope_heads > 0: n_heads * head_dim)
 };
 
-// n rows (K elements each, contiguous) of a `src_type` tensor, the tensor's rows row0 .. row0 + n - 1, into fp16
-// rows of dst (stride ld >= K halves; columns K .. ld - 1 zeroed), at row offset + step * perm(row0 + i). fp32 rounds to
-// nearest even, as the host's float_to_half.
+// n rows (K elements each, contiguous) of a `src_type` tensor, the tensor's rows row0 .. row0 + n - 1, into
+// fp16 rows of dst (stride ld >= K halves; columns K .. ld - 1 zeroed), at row offset + step * perm(row0 + i).
+// fp32 rounds to nearest even, as the host's float_to_half.
 void convert_rows(const void* src, DType src_type, int64_t n, int K, int64_t row0, __half* dst, int ld,
                   const RowMap& map, cudaStream_t stream);
 // n rows of row_bytes bytes each (rows row0 .. of the tensor) into dst rows of the same size, placed as above.

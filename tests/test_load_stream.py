@@ -48,11 +48,11 @@ def _big_llama_dir(d, layers=6, hidden=1024, inter=4096, vocab=16000):
          "lm_head.weight": ("F16", (vocab, hidden))}
     for i in range(layers):
         p = f"model.layers.{i}."
-        t |= {p + "input_layernorm.weight": ("F16", (hidden,)), p + "post_attention_layernorm.weight": ("F16", (hidden,)),
-              p + "self_attn.q_proj.weight": ("F16", (hidden, hidden)), p + "self_attn.k_proj.weight": ("F16", (256, hidden)),
-              p + "self_attn.v_proj.weight": ("F16", (256, hidden)), p + "self_attn.o_proj.weight": ("F16", (hidden, hidden)),
-              p + "mlp.gate_proj.weight": ("F16", (inter, hidden)), p + "mlp.up_proj.weight": ("F16", (inter, hidden)),
-              p + "mlp.down_proj.weight": ("F16", (hidden, inter))}
+        shapes = {"input_layernorm": (hidden,), "post_attention_layernorm": (hidden,),
+                  "self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (256, hidden),
+                  "self_attn.v_proj": (256, hidden), "self_attn.o_proj": (hidden, hidden),
+                  "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
+        t |= {f"{p}{leaf}.weight": ("F16", shape) for leaf, shape in shapes.items()}
     _write_safetensors(d / "model.safetensors", t, np.random.default_rng(0))
     return d
 

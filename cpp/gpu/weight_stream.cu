@@ -300,7 +300,8 @@ void WeightStream::finish() {
     const Target& t = targets_.at(name);
     const bool vec = t.kind == Target::Vector;
     if (t.rows_done == 0)
-      fail(ErrorKind::ModelFormat, "missing tensor '" + name + "' (expected shape " + shape_str(t.rows, t.K, vec) + ")");
+      fail(ErrorKind::ModelFormat,
+           "missing tensor '" + name + "' (expected shape " + shape_str(t.rows, t.K, vec) + ")");
     if (t.rows_done != t.rows)
       fail(ErrorKind::ModelFormat, "tensor '" + name + "': " + std::to_string(t.rows_done) + " of " +
                                        std::to_string(t.rows) + " rows arrived");

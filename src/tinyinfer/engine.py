@@ -182,7 +182,7 @@ class Engine:
             opts = cuda_options or _core.CudaOptions()
             if dtype in _QUANTIZED:
                 opts.weights = dtype
-            self._core = _load_cuda(model, max_seq_len, opts, self.dtype, show)
+            self._core = _load_cuda(model, max_seq_len, opts, opts.weights.name, show)
             self._load_tactics()
             t = self._core.load_times
             self.load_report = (f"tinyinfer: loaded {self.model_name} in {time.perf_counter() - t0:.2f} s "

@@ -116,6 +116,9 @@ def _load_cpu(model, max_seq_len: int, dtype: str, show: bool):
     if dtype == "int4" and model.int4_blocks is not None:  # GGUF Q4_0 / Q4_1: imported as they are
         for name, q, sm in model.int4_blocks():
             store.add_int4(name, q, sm)
+    if dtype in _QUANTIZED and model.int8_blocks is not None:  # GGUF Q8_0: int8 matrices, the int8 LM head
+        for name, q, d in model.int8_blocks(layers=dtype == "int8"):
+            store.add_int8(name, q, d)
     store.finish()
     if dtype in _QUANTIZED:
         store.quantize(dtype)

@@ -1,5 +1,5 @@
 // engines.cpp — the engines and their options: WeightStore, CpuEngine, CudaOptions (+ GemvPin), CudaEngine,
-// and the enums they take (WFormat, DType, MatrixRole).
+// and the enums they take (WFormat, DType, MatrixRole); the KV pages' bookkeeping (KvPagePool, KvSequence).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
@@ -15,6 +15,7 @@
 #include "../cpp/core/sampling.h"
 #include "../cpp/core/weights.h"
 #include "../cpp/cpu/cpu_engine.h"
+#include "../cpp/gpu/kv_pages.h"
 #include "common.h"
 #ifdef TINYINFER_WITH_CUDA
 #include "../cpp/gpu/cuda_engine.h"
@@ -191,6 +192,22 @@ void bind_engines(nb::module_& m) {
   cpu.def(nb::init<std::shared_ptr<const ti::WeightStore>, int64_t>(), "weights"_a, "max_seq_len"_a);
   bind_engine_common<ti::CpuEngine>(cpu);
 
+  // The paged KV cache's host bookkeeping (cpp/gpu/kv_pages.h: plain C++, in every build), for its CPU tests and
+  // a later scheduler.
+  nb::class_<ti::KvPagePool>(m, "KvPagePool", "A pool of KV-cache page ids with a free list.")
+      .def(nb::init<int64_t, int, uint64_t>(), "n_pages"_a, "page_size"_a, "shuffle_seed"_a = 0)
+      .def_prop_ro("page_size", &ti::KvPagePool::page_size)
+      .def_prop_ro("n_pages", &ti::KvPagePool::n_pages)
+      .def_prop_ro("free_pages", &ti::KvPagePool::free_pages)
+      .def("pages_for", &ti::KvPagePool::pages_for, "positions"_a);
+  nb::class_<ti::KvSequence>(m, "KvSequence", "One sequence's page table over a KvPagePool.")
+      .def(nb::init<const ti::KvPagePool&, int64_t>(), "pool"_a, "max_positions"_a)
+      .def("grow", &ti::KvSequence::grow, "pool"_a, "positions"_a,
+           "Cover positions [0, positions) with pages; returns the first table index that changed.")
+      .def("release", &ti::KvSequence::release, "pool"_a)
+      .def_prop_ro("table", &ti::KvSequence::table)
+      .def_prop_ro("max_pages", &ti::KvSequence::max_pages);
+
 #ifdef TINYINFER_WITH_CUDA
   nb::enum_<ti::MatrixRole>(m, "MatrixRole", "A GEMV shape of the decode step (cpp/gpu/gemv_plan.h).")
       .value("Qkv", ti::MatrixRole::Qkv)
@@ -231,6 +248,9 @@ void bind_engines(nb::module_& m) {
       .def_rw("batched_prefill", &ti::CudaOptions::batched_prefill)
       .def_rw("prefill_chunk", &ti::CudaOptions::prefill_chunk)
       .def_rw("gemm_autotune", &ti::CudaOptions::gemm_autotune)
+      .def_rw("kv_page_size", &ti::CudaOptions::kv_page_size)
+      .def_rw("kv_pool_pages", &ti::CudaOptions::kv_pool_pages)
+      .def_rw("kv_page_shuffle", &ti::CudaOptions::kv_page_shuffle)
       .def_prop_rw(
           "weights", [](const ti::CudaOptions& o) { return o.weights; },
           [](ti::CudaOptions& o, const FormatArg& f) { o.weights = to_format(f); },
@@ -261,6 +281,12 @@ void bind_engines(nb::module_& m) {
       .def_prop_ro("weight_bytes", &ti::CudaEngine::weight_bytes)
       .def_prop_ro("kv_cache_bytes", &ti::CudaEngine::kv_cache_bytes)
       .def_prop_ro("scratch_bytes", &ti::CudaEngine::scratch_bytes)
+      .def_prop_ro("kv_pages",
+                   [](const ti::CudaEngine& e) {
+                     const auto [size, pool, used] = e.kv_pages();
+                     return nb::make_tuple(size, pool, used);
+                   },
+                   "The paged KV cache: (positions per page, pages in the pool, pages the sequence holds).")
       .def_prop_ro("uses_pdl", &ti::CudaEngine::uses_pdl)
       .def_prop_ro("uses_graphs", &ti::CudaEngine::uses_graphs)
       .def_prop_ro("decode_long",

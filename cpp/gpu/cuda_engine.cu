@@ -78,6 +78,14 @@ void CudaEngine::init_device() {
   if (max_seq_ < 1) fail(ErrorKind::Request, "max_seq_len must be >= 1");
   if (opt_.attn_chunk == 0) opt_.attn_chunk = cuda::attn_chunk_for((int)cfg_.head_dim);
   if (opt_.attn_chunk < 8 || opt_.attn_chunk > 128) fail(ErrorKind::Request, "attn_chunk must be 8..128");
+  const int P = opt_.kv_page_size;
+  if (P < 64 || P > (1 << 20) || (P & (P - 1)))
+    fail(ErrorKind::Request, "kv_page_size must be a power of two in 64..2^20, got " + std::to_string(P));
+  if (P < opt_.attn_chunk)  // (a split-K block then reads at most two pages)
+    fail(ErrorKind::Request, "kv_page_size " + std::to_string(P) + " must be >= attn_chunk " + std::to_string(opt_.attn_chunk));
+  if (opt_.kv_pool_pages < 0)
+    fail(ErrorKind::Request, "kv_pool_pages must be >= 0 (0: enough for max_seq_len), got " +
+                                 std::to_string(opt_.kv_pool_pages));
   if (opt_.gemv_grid < -1 || opt_.gemv_grid > 2) fail(ErrorKind::Request, "gemv_grid must be -1 (tuned), 0, 1 or 2");
   if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))
     fail(ErrorKind::Request, "gemv_resident_margin must be in [0, 1]");
@@ -93,7 +101,11 @@ void CudaEngine::init_device() {
 
 void CudaEngine::allocate() {
   weights_ = std::make_unique<DeviceWeights>(cfg_, opt_.weights, arena_, stream_);
-  dbuf_ = DecodeBuffers::allocate(cfg_, *weights_, max_seq_, opt_.attn_chunk, opt_.trace, arena_, stream_);
+  const int P = opt_.kv_page_size;
+  pool_ = std::make_unique<KvPagePool>(opt_.kv_pool_pages ? opt_.kv_pool_pages : (max_seq_ + P - 1) / P, P,
+                                       opt_.kv_page_shuffle);
+  seq_ = std::make_unique<KvSequence>(*pool_, max_seq_);
+  dbuf_ = DecodeBuffers::allocate(cfg_, *weights_, max_seq_, opt_.attn_chunk, *pool_, opt_.trace, arena_, stream_);
   step_ = std::make_unique<DecodeStep>(cfg_, *weights_, dbuf_, plan_, opt_.early_trigger);
   h_state_ = arena_.alloc_pinned_n<cuda::DecodeState>(1);
   h_sampling_ = arena_.alloc_pinned_n<cuda::DeviceSampling>(1);
@@ -155,7 +167,9 @@ void CudaEngine::tune_decode_long() {
   probe.step_ms = [&](cudaGraphExec_t g, int64_t context, int steps) {
     return time_steps(context, steps, [&](int64_t) { TI_CUDA_CHECK(cudaGraphLaunch(g, stream_)); });
   };
-  g_decode_long_ = ti::tune_decode_long(plan_, g_decode_, max_seq_, opt_.decode_long_from, probe);
+  // (timed at contexts the pool can hold: a pool smaller than max_seq_len must not fail the load)
+  const int64_t longest = std::min<int64_t>(max_seq_, pool_->n_pages() * pool_->page_size());
+  g_decode_long_ = ti::tune_decode_long(plan_, g_decode_, longest, opt_.decode_long_from, probe);
   reset();  // the cache may hold benchmark tokens
 }
 
@@ -220,7 +234,17 @@ void CudaEngine::run_decode_step(int64_t pos) {
   else step_->record(stream_, pdl_);
 }
 
+// Pages for positions [0, positions) from the pool, their table entries copied ahead of the work that reads them
+// (stream order). All or nothing: a pool too small throws a Request error and changes nothing.
+void CudaEngine::kv_reserve(int64_t positions) {
+  const int64_t first = seq_->grow(*pool_, positions), n = seq_->pages() - first;
+  if (n > 0)  // (from pageable memory: staged before the call returns)
+    TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.page_table + first, seq_->table().data() + first, (size_t)n * sizeof(int),
+                                  cudaMemcpyHostToDevice, stream_));
+}
+
 void CudaEngine::reset() {
+  seq_->release(*pool_);  // (the device table keeps stale entries: no kernel reads past its position)
   tokens_.clear();
   has_logits_ = pending_ = false;
 }
@@ -228,6 +252,7 @@ void CudaEngine::reset() {
 void CudaEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, float* logits) {
   check_tokens(tokens, n, cfg_.vocab);
   check_room(position(), n, max_seq_);
+  kv_reserve(position() + n);
   std::vector<int32_t> seq;
   if (pending_) seq.push_back(tokens_.back());
   seq.insert(seq.end(), tokens, tokens + n);
@@ -265,6 +290,7 @@ std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig&
   const int64_t room = max_seq_ - position();
   if (room < 1) fail(ErrorKind::Request, "the sequence reached max_seq_len=" + std::to_string(max_seq_));
   const int64_t n = std::min(max_steps, room);
+  kv_reserve(position() + n);  // the steps write positions up to position() + n - 2
 
   upload_sampling(cuda::DeviceSampling{s.temperature, (int)std::min<int64_t>(s.top_k, INT32_MAX), s.top_p, s.min_p,
                                        s.repetition_penalty, (unsigned long long)s.seed});

@@ -24,6 +24,7 @@
 #include "decode_step.h"
 #include "device_weights.h"
 #include "gemv_plan.h"
+#include "kv_pages.h"
 #include "measure.h"
 #include "prefill_step.h"
 #include "weight_stream.h"
@@ -47,6 +48,10 @@ struct CudaOptions {
   int prefill_chunk = 2048;            // tokens per prefill pass (activation buffers are sized for this at load)
   bool gemm_autotune = true;           // false: cuBLASLt's default algorithm for every GEMM
   WFormat weights = WFormat::F16;      // the matrices' format on the device (cpp/core/quant.h), quantized at load
+  // The paged KV cache (kv_pages.h):
+  int kv_page_size = 64;               // positions per page: a power of two, >= 64 and >= attn_chunk
+  int64_t kv_pool_pages = 0;           // pages in the pool; 0: what one sequence of max_seq_len needs
+  uint64_t kv_page_shuffle = 0;        // a seed shuffling the pool's free list (tests); 0: pages in order
 };
 
 class CudaEngine {
@@ -90,7 +95,9 @@ class CudaEngine {
   int load_tactics(const std::string& text) { return gemm_ ? gemm_->load(text) : 0; }
   int tuned_gemms() const { return gemm_ ? gemm_->tuned_count() : 0; }
   size_t weight_bytes() const { return arena_.weight_bytes(); }  // every matrix + norms as stored on the device
-  size_t kv_cache_bytes() const { return arena_.kv_bytes(); }
+  size_t kv_cache_bytes() const { return arena_.kv_bytes(); }  // the page pool
+  // The paged KV cache: (positions per page, pages in the pool, pages the sequence holds now).
+  std::tuple<int, int64_t, int64_t> kv_pages() const { return {pool_->page_size(), pool_->n_pages(), seq_->pages()}; }
   size_t scratch_bytes() const { return arena_.scratch_bytes(); }  // device memory beyond weights and KV cache
   bool uses_pdl() const { return pdl_; }
   bool uses_graphs() const { return graphs_ok_; }
@@ -113,6 +120,7 @@ class CudaEngine {
   void tune_decode_long();
   void release();
   void set_state(int token, int pos, int step);
+  void kv_reserve(int64_t positions);      // pages for positions [0, positions), their table entries on the device
   void run_prompt_token();                 // one prompt token through the decode pass (no sampling)
   void run_decode_step(int64_t pos);       // pos: the step's position (picks the graph)
   void upload_sampling(const cuda::DeviceSampling& s);
@@ -125,6 +133,8 @@ class CudaEngine {
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
   DeviceArena arena_;
+  std::unique_ptr<KvPagePool> pool_;       // the KV cache's pages
+  std::unique_ptr<KvSequence> seq_;        // the sequence's page table (one sequence today)
   std::unique_ptr<StreamClock> clock_;
   std::unique_ptr<DeviceWeights> weights_;
   DecodeBuffers dbuf_;

@@ -94,6 +94,54 @@ void bind_engine_common(Cls& cls) {
           "Sample and run up to max_steps tokens; stops after a stop id (included).");
 }
 
+
+#ifdef TINYINFER_WITH_CUDA
+// One item of CudaEngine.load's iterable: (kind, name, data, scales, dtype, rope_heads, row0, (rows, K)).
+//   kind "rows": data holds rows row0 .. of the tensor, (n, K) or (K) for a vector, in `dtype` (bf16 as uint16);
+//   kind "int4" / "int8": the whole matrix in that layout, data (rows, row bytes) and scales (rows, ...);
+//   kind "q4_0" / "q4_1": the whole matrix as GGUF stores it, data (rows, row bytes), converted on the device.
+// The GIL is held while reading the item and released for the copy.
+void load_item(ti::WeightStream& s, nb::handle item) {
+  using Array = nb::ndarray<nb::c_contig, nb::device::cpu, nb::ro>;
+  nb::tuple t = nb::cast<nb::tuple>(item);
+  if (t.size() < 8) ti::fail(ti::ErrorKind::Request, "CudaEngine.load: an item must have 8 fields");
+  const std::string kind = nb::cast<std::string>(t[0]), name = nb::cast<std::string>(t[1]);
+  Array a = nb::cast<Array>(t[2]);
+  const int rope_heads = nb::cast<int>(t[5]);
+  const int64_t row0 = nb::cast<int64_t>(t[6]);
+  const auto [rows, K] = nb::cast<std::pair<int64_t, int64_t>>(t[7]);
+  if (kind == "rows") {
+    const ti::DType d = ti::dtype_from_string(nb::cast<std::string>(t[4]));
+    if (a.itemsize() != ti::dtype_size(d) || a.ndim() < 1 || a.ndim() > 2 || (int64_t)a.shape(a.ndim() - 1) != K)
+      ti::fail(ti::ErrorKind::ModelFormat, "tensor '" + name + "': rows of " + std::to_string(a.itemsize()) +
+                                               "-byte items with last dimension " +
+                                               std::to_string(a.ndim() ? a.shape(a.ndim() - 1) : 0) + " do not match " +
+                                               ti::to_string(d) + " rows of " + std::to_string(K));
+    const int64_t n = a.ndim() == 2 ? (int64_t)a.shape(0) : 1;
+    nb::gil_scoped_release release;
+    s.load_rows(name, d, a.data(), row0, n, rows, K, rope_heads);
+  } else if (kind == "int4" || kind == "int8") {
+    Array sc = nb::cast<Array>(t[3]);
+    if (a.ndim() != 2 || sc.ndim() != 2 || (int64_t)a.shape(0) != rows || (int64_t)sc.shape(0) != rows)
+      ti::fail(ti::ErrorKind::ModelFormat, "tensor '" + name + "': " + kind + " data and scales must be (" +
+                                               std::to_string(rows) + ", ...) arrays");
+    const int64_t qb = (int64_t)(a.shape(1) * a.itemsize()), sb = (int64_t)(sc.shape(1) * sc.itemsize());
+    nb::gil_scoped_release release;
+    s.load_quantized(name, ti::wformat_from_string(kind), static_cast<const uint8_t*>(a.data()), qb,
+                     static_cast<const uint8_t*>(sc.data()), sb, rows, K, rope_heads);
+  } else if (kind == "q4_0" || kind == "q4_1") {
+    if (a.ndim() != 2 || a.itemsize() != 1 || (int64_t)a.shape(0) != rows)
+      ti::fail(ti::ErrorKind::ModelFormat, "tensor '" + name + "': " + kind + " blocks must be a (" +
+                                               std::to_string(rows) + ", bytes) uint8 array");
+    nb::gil_scoped_release release;
+    s.load_q4_blocks(name, kind == "q4_1", static_cast<const uint8_t*>(a.data()), (int64_t)a.shape(1), rows, K,
+                     rope_heads);
+  } else {
+    ti::fail(ti::ErrorKind::Request, "CudaEngine.load: unknown item kind '" + kind + "'");
+  }
+}
+#endif
+
 }  // namespace
 
 void bind_engines(nb::module_& m) {
@@ -241,10 +289,19 @@ void bind_engines(nb::module_& m) {
           [](ti::CudaOptions& o, const FormatArg& f) { o.weights = to_format(f); },
           "The matrices' format on the device: WFormat or 'fp16' | 'int8' | 'int4' (quantized at load).");
   auto gpu = nb::class_<ti::CudaEngine>(m, "CudaEngine", "The GPU engine: fp16 weights, graph-replayed decode.");
-  // (a reference, not a shared_ptr: a shared_ptr to a Python-owned store dying inside the constructor would
-  // drop a Python reference with the GIL released)
-  gpu.def(nb::init<const ti::WeightStore&, int64_t, ti::CudaOptions>(), "weights"_a,
-          "max_seq_len"_a, "options"_a = ti::CudaOptions(), nb::call_guard<nb::gil_scoped_release>())
+  gpu.def_static(
+          "load",
+          [](const ti::ModelConfig& c, int64_t max_seq_len, ti::CudaOptions opt, nb::iterable items) {
+            nb::gil_scoped_release release;
+            return new ti::CudaEngine(c, max_seq_len, opt, [&](ti::WeightStream& s) {
+              nb::gil_scoped_acquire acquire;  // the iterable is Python code
+              for (nb::handle item : items) load_item(s, item);
+            });
+          },
+          "config"_a, "max_seq_len"_a, "options"_a, "items"_a, nb::rv_policy::take_ownership,
+          "Load the weights streamed from `items` (load_item in bindings/engines.cpp; loaders/base.py "
+          "StreamItem): each tensor in its stored form, straight to the device. An error leaves nothing "
+          "behind.")
       .def_static(
           "random",
           [](const ti::ModelConfig& c, int64_t max_seq_len, uint64_t seed, ti::CudaOptions opt) {
@@ -272,6 +329,26 @@ void bind_engines(nb::module_& m) {
                    },
                    "The long-context decode graph: (from context, qkv R, qkv blocks per SM); from = -1: none.")
       .def_prop_ro("device_name", &ti::CudaEngine::device_name)
+      .def_prop_ro("load_times",
+                   [](const ti::CudaEngine& e) {
+                     const ti::CudaEngine::LoadTimes& t = e.load_times();
+                     nb::dict d;
+                     d["weights"] = t.weights_s;
+                     d["tune"] = t.tune_s;
+                     d["graphs"] = t.graphs_s;
+                     return d;
+                   },
+                   "Wall seconds of the load: weights (read + upload + conversion), tune (GEMV plan), graphs.")
+      .def(
+          "matrix_bytes",
+          [](const ti::CudaEngine& e, int64_t layer, ti::MatrixRole role) {
+            auto [q, sc] = e.matrix_bytes(layer, role);
+            return nb::make_tuple(nb::bytes(reinterpret_cast<const char*>(q.data()), q.size()),
+                                  nb::bytes(reinterpret_cast<const char*>(sc.data()), sc.size()));
+          },
+          "layer"_a, "role"_a,
+          "A weight matrix's device bytes as stored: (q, scales) (tests; scales empty for fp16). MatrixRole "
+          "qkv / o / gate_up / down, or lm_head (layer ignored).")
       .def("gemv_table", [](const ti::CudaEngine& e) { return plan_table(e.gemv_plan()); },
            "The load-time GEMV plan, one dict per role: the chosen variant (R, blocks_per_sm) and every one timed.")
       .def_static("plan_key", &ti::CudaEngine::plan_key, "config"_a, "max_seq_len"_a, "options"_a,

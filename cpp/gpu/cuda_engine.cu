@@ -17,10 +17,15 @@ namespace ti {
 
 // ---- lifecycle ----
 
-CudaEngine::CudaEngine(const WeightStore& weights, int64_t max_seq_len, CudaOptions opt)
-    : cfg_(weights.config()), max_seq_(max_seq_len), opt_(std::move(opt)) {
-  if (!weights.finished()) fail(ErrorKind::Request, "CudaEngine: the WeightStore is not finished");
-  build([&] { weights_->upload(weights); });
+CudaEngine::CudaEngine(const ModelConfig& config, int64_t max_seq_len, CudaOptions opt,
+                       const std::function<void(WeightStream&)>& load)
+    : cfg_(config), max_seq_(max_seq_len), opt_(std::move(opt)) {
+  cfg_.validate();
+  build([&] {
+    WeightStream s(*weights_, cfg_, stream_);
+    load(s);
+    s.finish();
+  });
 }
 
 CudaEngine::CudaEngine(const ModelConfig& config, int64_t max_seq_len, uint64_t seed, CudaOptions opt)
@@ -36,8 +41,14 @@ void CudaEngine::build(const std::function<void()>& fill_weights) {
   try {
     init_device();
     allocate();
+    using Clock = std::chrono::steady_clock;
+    auto since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+    Clock::time_point t0 = Clock::now();
     fill_weights();
+    load_times_.weights_s = since(t0);
     tune();
+    load_times_.tune_s = tune_s_[0] + tune_s_[2];  // the GEMV plan + the long-context graph decision
+    load_times_.graphs_s = tune_s_[1];
   } catch (...) {
     release();
     throw;
@@ -243,6 +254,21 @@ void CudaEngine::release() {
 }
 
 CudaEngine::~CudaEngine() { release(); }
+
+std::pair<std::vector<uint8_t>, std::vector<uint8_t>> CudaEngine::matrix_bytes(int64_t layer, MatrixRole role) const {
+  if (role != MatrixRole::LmHead && (layer < 0 || layer >= cfg_.n_layers))
+    fail(ErrorKind::Request, "matrix_bytes: layer " + std::to_string(layer) + " out of range");
+  const DeviceLayer* L = role == MatrixRole::LmHead ? nullptr : &weights_->layers[(size_t)layer];
+  const cuda::QMat& m = role == MatrixRole::Qkv ? L->qkv : role == MatrixRole::O ? L->o
+                        : role == MatrixRole::GateUp ? L->gate_up : role == MatrixRole::Down ? L->down
+                                                                                             : weights_->lm_head;
+  const size_t row_q = m.fmt == WFormat::F16 ? (size_t)m.ld * 2 : (size_t)m.ld;
+  std::vector<uint8_t> q((size_t)m.rows * row_q), sc((size_t)(m.rows * WeightStream::scale_row_bytes(m.fmt, m.K)));
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  TI_CUDA_CHECK(cudaMemcpy(q.data(), m.q, q.size(), cudaMemcpyDeviceToHost));
+  if (!sc.empty()) TI_CUDA_CHECK(cudaMemcpy(sc.data(), m.scales, sc.size(), cudaMemcpyDeviceToHost));
+  return {q, sc};
+}
 
 // ---- running tokens ----
 

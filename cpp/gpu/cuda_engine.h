@@ -3,7 +3,7 @@
 // Engine drives either. The work lives in its parts, read in this order:
 //   decode_step.*     THE decode pass (one token, a flat list of launches), captured once into CUDA graphs
 //   prefill_step.*    the batched prefill pass (cuBLASLt GEMMs + tiled causal attention), chunk by chunk
-//   device_weights.*  the weights on the device (allocation, upload, quantization, int4 import)
+//   device_weights.*  the weights on the device (allocation, quantization); weight_stream.* the load
 //   gemv_plan.*       the load-time GEMV tuner's result (plain data) and the tuner
 //   measure.*         GPU timing and graph capture; the measurement entry points below
 #pragma once
@@ -27,6 +27,7 @@
 #include "kv_pages.h"
 #include "measure.h"
 #include "prefill_step.h"
+#include "weight_stream.h"
 
 namespace ti {
 
@@ -56,8 +57,10 @@ struct CudaOptions {
 
 class CudaEngine {
  public:
-  // Uploads the weights of a finished store; the store is not kept (its host memory can go).
-  CudaEngine(const WeightStore& weights, int64_t max_seq_len, CudaOptions opt = {});
+  // The weights streamed from the file: load(s) hands every tensor to s in its stored form (weight_stream.h);
+  // an exception from it (or a missing tensor) frees everything taken so far and propagates.
+  CudaEngine(const ModelConfig& config, int64_t max_seq_len, CudaOptions opt,
+             const std::function<void(WeightStream&)>& load);
   // Random weights at the config's shape, generated on the device (benchmarks: speed does not depend on values).
   CudaEngine(const ModelConfig& config, int64_t max_seq_len, uint64_t seed, CudaOptions opt = {});
   ~CudaEngine();
@@ -110,6 +113,15 @@ class CudaEngine {
   bool uses_pdl() const { return pdl_; }
   bool uses_graphs() const { return graphs_ok_; }
   std::string device_name() const { return device_name_; }
+  // Wall seconds of the load's parts: the weights (read + upload + conversion), GEMV tuning (decode-long
+  // included), graph capture.
+  struct LoadTimes {
+    double weights_s = 0, tune_s = 0, graphs_s = 0;
+  };
+  const LoadTimes& load_times() const { return load_times_; }
+  // A weight matrix's device bytes as stored (tests: the load's conversions against the host's): q (rows x ld
+  // halves or bytes) and scales (empty for fp16). layer is ignored for the LM head.
+  std::pair<std::vector<uint8_t>, std::vector<uint8_t>> matrix_bytes(int64_t layer, MatrixRole role) const;
 
  private:
   void build(const std::function<void()>& fill_weights);
@@ -154,6 +166,7 @@ class CudaEngine {
   std::unique_ptr<PrefillStep> prefill_;
 
   std::vector<int32_t> tokens_;
+  LoadTimes load_times_;
   bool has_logits_ = false, pending_ = false;
   double last_decode_ms_ = 0;
 };

@@ -183,6 +183,44 @@ def with_plan_cache(opts: "_core.CudaOptions", path: Optional[Path],
     return core
 
 
+def _load_cpu(model, max_seq_len: int, dtype: str, show: bool):
+    """The CPU reference engine: every tensor into an fp32 WeightStore (int8 / int4: then quantized in place)."""
+    config = model.config
+    store = _core.WeightStore(config)
+    n_tensors = 2 + 9 * config.n_layers + (0 if config.tie_word_embeddings else 1)
+    for name, array, src_dtype in tqdm(model.tensors(), total=n_tensors, desc="loading", unit="tensor",
+                                       leave=False, disable=not show):
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        store.add(name, array, src_dtype)
+    if dtype == "int4" and model.int4_blocks is not None:  # GGUF Q4_0 / Q4_1: imported as they are
+        for name, q, sm in model.int4_blocks():
+            store.add_int4(name, q, sm)
+    if dtype in _QUANTIZED and model.int8_blocks is not None:  # GGUF Q8_0: int8 matrices, the int8 LM head
+        for name, q, d in model.int8_blocks(layers=dtype == "int8"):
+            store.add_int8(name, q, d)
+    store.finish()
+    if dtype in _QUANTIZED:
+        store.quantize(dtype)
+    return _core.CpuEngine(store, max_seq_len)
+
+
+def _load_cuda(model, max_seq_len: int, opts: "_core.CudaOptions", dtype: str, show: bool):
+    """The GPU engine, its weights streamed from the mapped file tensor by tensor (CudaEngine.load): no host copy
+    of the model is made. The bar counts the file's bytes as the engine takes them."""
+    tied = model.config.tie_word_embeddings
+    with tqdm(total=model.stream_bytes, desc="loading", unit="B", unit_scale=True, leave=False,
+              disable=not show) as bar:
+        def items():
+            for item in model.stream(dtype):
+                if tied and item.name == "lm_head.weight" and item.kind == "rows":  # a copy some tied files keep
+                    continue
+                yield item
+                bar.update(item.nbytes)
+
+        return _core.CudaEngine.load(model.config, max_seq_len, opts, items())
+
+
 class Engine:
     """A loaded model. One sequence at a time: concurrent calls on one Engine are serialised by a lock.
     close() (or leaving a `with Engine(...) as eng:` block) frees its memory at once, GPU memory included."""
@@ -196,8 +234,12 @@ class Engine:
         max_seq_len: Optional[int] = None,
         cuda_options: Optional["_core.CudaOptions"] = None,
         plan_cache: bool = True,
+        progress: Optional[bool] = None,
     ):
+        """progress: a bar over the bytes loaded and one line with the load's time split, on stderr (None: only
+        when stderr is a terminal; False: silent)."""
         self._core = None  # first: close() and repr must work on an engine whose loading failed
+        t0 = time.perf_counter()
         if dtype not in _DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(_DTYPES)} (got {dtype!r})")
         self.device = _pick_device(device)
@@ -217,35 +259,26 @@ class Engine:
                 f"got {max_seq_len!r}"
             )
         self.max_seq_len = max_seq_len
-        store = _core.WeightStore(self.config)
-        n_tensors = 2 + 9 * self.config.n_layers + (0 if self.config.tie_word_embeddings else 1)
-        tensors = tqdm(model.tensors(), total=n_tensors, desc="loading", unit="tensor", leave=False,
-                       disable=None)  # disable=None: only on a terminal
-        for name, array, src_dtype in tensors:
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            store.add(name, array, src_dtype)
-        if dtype == "int4" and model.int4_blocks is not None:  # GGUF Q4_0 / Q4_1: imported as they are
-            for name, q, sm in model.int4_blocks():
-                store.add_int4(name, q, sm)
-        if dtype in _QUANTIZED and model.int8_blocks is not None:  # GGUF Q8_0: int8 matrices, the int8 LM head
-            for name, q, d in model.int8_blocks(layers=dtype == "int8"):
-                store.add_int8(name, q, d)
-        store.finish()
         self._tactics_file: Optional[Path] = None
         self._tactics_saved = 0
+        show = progress is None and sys.stderr.isatty() or progress is True
         if self.device == "cuda":
             opts = cuda_options or _core.CudaOptions()
             if dtype in _QUANTIZED:
                 opts.weights = dtype
             key = _core.CudaEngine.plan_key(self.config, max_seq_len, opts)
             self._core = with_plan_cache(opts, plan_file(key) if plan_cache else None,
-                                         lambda o: _core.CudaEngine(store, max_seq_len, o))
+                                         lambda o: _load_cuda(model, max_seq_len, o, o.weights.name, show))
             self._load_tactics()
+            t = self._core.load_times
+            self.load_report = (f"tinyinfer: loaded {self.model_name} in {time.perf_counter() - t0:.2f} s "
+                                f"(read+upload {t['weights']:.2f} s, tune {t['tune']:.2f} s, "
+                                f"graphs {t['graphs']:.2f} s)")
         else:
-            if dtype in _QUANTIZED:
-                store.quantize(dtype)
-            self._core = _core.CpuEngine(store, max_seq_len)
+            self._core = _load_cpu(model, max_seq_len, self.dtype, show)
+            self.load_report = f"tinyinfer: loaded {self.model_name} in {time.perf_counter() - t0:.2f} s"
+        if show:
+            print(self.load_report, file=sys.stderr)
         self._lock = threading.Lock()
         self._owner: Optional[int] = None  # thread holding the lock
         self.last_completion: Optional[Completion] = None

@@ -84,6 +84,21 @@ def reverse_rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 # ---- reading ----
 
+def _reader_class():
+    import gguf
+
+    class MappedReader(gguf.GGUFReader):
+        """gguf's reader over a plain ndarray view of its memory map instead of the np.memmap itself: the file
+        stays mapped (no copy), but the ~10^6 tiny slices it takes while parsing a 49k-token vocabulary skip
+        np.memmap's per-slice bookkeeping (SmolLM2's metadata: 1.85 s -> 0.56 s on a 2-core machine)."""
+
+        def _build_fields(self, offs, count):
+            self.data = self.data.view(np.ndarray)
+            return super()._build_fields(offs, count)
+
+    return MappedReader
+
+
 def _open_reader(path: Path):
     try:
         import gguf
@@ -101,7 +116,7 @@ def _open_reader(path: Path):
     if magic != b"GGUF":
         raise ModelFormatError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
-        reader = gguf.GGUFReader(str(path), "r")
+        reader = _reader_class()(str(path), "r")
     except (KeyboardInterrupt, MemoryError):
         raise
     except Exception as e:  # ValueError, IndexError, struct/UnicodeDecodeError, ...: truncated or corrupt

@@ -183,7 +183,7 @@ def test_int8_logits_on_a_q8_0_file_equal_the_fp32_engine(q8_gguf):
     store = _core.WeightStore(cfg)
     for name, (_, a) in ref.items():
         if not (cfg.tie_word_embeddings and name == "lm_head.weight"):
-            store.add(name, np.ascontiguousarray(a.reshape(store.expected_shape(name))), "f32")
+            store.add(name, np.ascontiguousarray(a.reshape(store.expected_shape(name))), "fp32")
     store.finish()
     ids = list(range(3, 60))
     want = _core.CpuEngine(store, 128).forward(ids, all_logits=True)

@@ -168,36 +168,36 @@ void DeviceWeights::upload(const WeightStore& w) {
     DeviceLayer& D = layers[(size_t)l];
     auto name = [&](const char* leaf) { return WeightStore::layer_tensor(l, leaf); };
     fresh(c.q_dim + 2 * c.kv_dim, ld_h);  // q | k | v
-    pack_rows(host, L.wq, c.q_dim, c.hidden, ld_h, same);
-    pack_rows(host, L.wk, c.kv_dim, c.hidden, ld_h, [&](int64_t i) { return c.q_dim + i; });
-    pack_rows(host, L.wv, c.kv_dim, c.hidden, ld_h, [&](int64_t i) { return c.q_dim + c.kv_dim + i; });
+    pack_rows(host, L.wq->widen().data(), c.q_dim, c.hidden, ld_h, same);
+    pack_rows(host, L.wk->widen().data(), c.kv_dim, c.hidden, ld_h, [&](int64_t i) { return c.q_dim + i; });
+    pack_rows(host, L.wv->widen().data(), c.kv_dim, c.hidden, ld_h, [&](int64_t i) { return c.q_dim + c.kv_dim + i; });
     store_matrix(D.qkv, host);
     overlay_imported(D.qkv, w, {name("self_attn.q_proj.weight"), name("self_attn.k_proj.weight"),
                                 name("self_attn.v_proj.weight")},
                      [&](size_t p, int64_t i) { return p == 0 ? i : p == 1 ? c.q_dim + i : c.q_dim + c.kv_dim + i; });
     fresh(c.hidden, ld_q);
-    pack_rows(host, L.wo, c.hidden, c.q_dim, ld_q, same);
+    pack_rows(host, L.wo->widen().data(), c.hidden, c.q_dim, ld_q, same);
     store_matrix(D.o, host);
     overlay_imported(D.o, w, {name("self_attn.o_proj.weight")}, [](size_t, int64_t i) { return i; });
     fresh(2 * c.intermediate, ld_h);  // gate_0, up_0, gate_1, up_1, ...
-    pack_rows(host, L.w_gate, c.intermediate, c.hidden, ld_h, [](int64_t i) { return 2 * i; });
-    pack_rows(host, L.w_up, c.intermediate, c.hidden, ld_h, [](int64_t i) { return 2 * i + 1; });
+    pack_rows(host, L.w_gate->widen().data(), c.intermediate, c.hidden, ld_h, [](int64_t i) { return 2 * i; });
+    pack_rows(host, L.w_up->widen().data(), c.intermediate, c.hidden, ld_h, [](int64_t i) { return 2 * i + 1; });
     store_matrix(D.gate_up, host);
     overlay_imported(D.gate_up, w, {name("mlp.gate_proj.weight"), name("mlp.up_proj.weight")},
                      [](size_t p, int64_t i) { return 2 * i + (int64_t)p; });
     fresh(c.hidden, ld_i);
-    pack_rows(host, L.w_down, c.hidden, c.intermediate, ld_i, same);
+    pack_rows(host, L.w_down->widen().data(), c.hidden, c.intermediate, ld_i, same);
     store_matrix(D.down, host);
     overlay_imported(D.down, w, {name("mlp.down_proj.weight")}, [](size_t, int64_t i) { return i; });
     TI_CUDA_CHECK(cudaMemcpy(D.attn_norm, L.attn_norm, c.hidden * sizeof(float), cudaMemcpyHostToDevice));
     TI_CUDA_CHECK(cudaMemcpy(D.mlp_norm, L.mlp_norm, c.hidden * sizeof(float), cudaMemcpyHostToDevice));
   }
   fresh(c.vocab, ld_h);
-  pack_rows(host, w.embedding(), c.vocab, c.hidden, ld_h, same);
+  pack_rows(host, w.embedding().widen().data(), c.vocab, c.hidden, ld_h, same);
   TI_CUDA_CHECK(cudaMemcpy(embedding, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
   if (lm_head.q != embedding) {  // untied, or tied but quantized: the head's own copy
     fresh(c.vocab, ld_h);
-    pack_rows(host, w.lm_head(), c.vocab, c.hidden, ld_h, same);
+    pack_rows(host, w.lm_head().widen().data(), c.vocab, c.hidden, ld_h, same);
     store_matrix(lm_head, host);
     overlay_imported(lm_head, w, {"lm_head.weight"}, [](size_t, int64_t i) { return i; });
   }

@@ -33,8 +33,9 @@ Prompt = Union[str, Sequence[int]]
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "fp16", "bf16", "fp32", "int8", "int4")
 _QUANTIZED = ("int8", "int4")  # weight-only formats (cpp/quant.h): quantized at load, on either engine
-# What each engine can honour. The CPU reference engine computes in fp32 with fp32 weights (int8 / int4: the
-# dequantized numbers the GPU's quantized kernels stand for); the GPU engine stores fp16, int8 or int4.
+# What each engine can honour. The CPU reference engine computes in fp32 with the weights' own numbers, kept in
+# their stored precision (int8 / int4: quantized at load; the numbers the GPU's quantized kernels stand for);
+# the GPU engine stores fp16, int8 or int4.
 DEVICE_DTYPES = {"cpu": ("fp32", "int8", "int4"), "cuda": ("fp16", "int8", "int4")}
 _DEFAULT_MAX_SEQ = 4096
 
@@ -103,6 +104,66 @@ def _pick_device(device: str) -> str:
     return "cpu"
 
 
+def check_threads(threads: Optional[int]) -> int:
+    """The CPU engine's thread count: None -> the cores this process may run on; else an int >= 1. (The GPU
+    engine's host side is one thread; there the value is checked and otherwise unused.)"""
+    if threads is None:
+        try:
+            return len(os.sched_getaffinity(0)) or 1
+        except AttributeError:  # not Linux
+            return os.cpu_count() or 1
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024:
+        raise InvalidRequestError(f"threads must be an integer in 1..1024, got {threads!r}")
+    return threads
+
+
+def _progress(model, config):
+    n_tensors = 2 + 9 * config.n_layers + (0 if config.tie_word_embeddings else 1)
+    return tqdm(model.tensors(), total=n_tensors, desc="loading", unit="tensor", leave=False,
+                disable=None)  # disable=None: only on a terminal
+
+
+def _load_store(model, config, dtype: str) -> "_core.WeightStore":
+    """The GPU engine's store: every tensor, then the int4 / int8 blocks it uploads as they are."""
+    store = _core.WeightStore(config)
+    for name, array, src_dtype in _progress(model, config):
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        store.add(name, array, src_dtype)
+    if dtype == "int4" and model.int4_blocks is not None:  # GGUF Q4_0 / Q4_1: imported as they are
+        for name, q, sm in model.int4_blocks():
+            store.add_int4(name, q, sm)
+    if dtype in _QUANTIZED and model.int8_blocks is not None:  # GGUF Q8_0: int8 matrices, the int8 LM head
+        for name, q, d in model.int8_blocks(layers=dtype == "int8"):
+            store.add_int8(name, q, d)
+    store.finish()
+    return store
+
+
+def _load_cpu_store(model, config, dtype: str) -> "_core.WeightStore":
+    """The CPU engine's store, every tensor in its stored precision: GGUF Q4_0 / Q4_1 / Q8_0 matrices as our
+    int4 / int8 blocks (whatever the dtype: their numbers are exactly the fp32 dequantization's), taken first so
+    their fp32 twins are never held; the rest as the file has them. int8 / int4: then re-encoded (quantize)."""
+    store = _core.WeightStore(config)
+    held = set()
+    if model.int4_blocks is not None:
+        for name, q, sm in model.int4_blocks():
+            store.add_int4(name, q, sm)
+            held.add(name)
+    if model.int8_blocks is not None:
+        for name, q, d in model.int8_blocks(layers=True):
+            store.add_int8(name, q, d)
+            held.add(name)
+    for name, array, src_dtype in _progress(model, config):
+        if name in held or (config.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        store.add(name, array, src_dtype)
+    store.finish()
+    if dtype in _QUANTIZED:
+        store.quantize(dtype)
+    return store
+
+
 class Engine:
     """A loaded model. One sequence at a time: concurrent calls on one Engine are serialised by a lock.
     close() (or leaving a `with Engine(...) as eng:` block) frees its memory at once, GPU memory included."""
@@ -115,10 +176,12 @@ class Engine:
         dtype: str = "auto",
         max_seq_len: Optional[int] = None,
         cuda_options: Optional["_core.CudaOptions"] = None,
+        threads: Optional[int] = None,
     ):
         self._core = None  # first: close() and repr must work on an engine whose loading failed
         if dtype not in _DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(_DTYPES)} (got {dtype!r})")
+        self.threads = check_threads(threads)
         self.device = _pick_device(device)
         self.dtype = check_dtype(dtype, self.device)
         model = load_model(path)
@@ -136,33 +199,17 @@ class Engine:
                 f"got {max_seq_len!r}"
             )
         self.max_seq_len = max_seq_len
-        store = _core.WeightStore(self.config)
-        n_tensors = 2 + 9 * self.config.n_layers + (0 if self.config.tie_word_embeddings else 1)
-        tensors = tqdm(model.tensors(), total=n_tensors, desc="loading", unit="tensor", leave=False,
-                       disable=None)  # disable=None: only on a terminal
-        for name, array, src_dtype in tensors:
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            store.add(name, array, src_dtype)
-        if dtype == "int4" and model.int4_blocks is not None:  # GGUF Q4_0 / Q4_1: imported as they are
-            for name, q, sm in model.int4_blocks():
-                store.add_int4(name, q, sm)
-        if dtype in _QUANTIZED and model.int8_blocks is not None:  # GGUF Q8_0: int8 matrices, the int8 LM head
-            for name, q, d in model.int8_blocks(layers=dtype == "int8"):
-                store.add_int8(name, q, d)
-        store.finish()
         self._tactics_file: Optional[Path] = None
         self._tactics_saved = 0
         if self.device == "cuda":
+            store = _load_store(model, self.config, dtype)
             opts = cuda_options or _core.CudaOptions()
             if dtype in _QUANTIZED:
                 opts.weights = dtype
             self._core = _core.CudaEngine(store, max_seq_len, opts)
             self._load_tactics()
         else:
-            if dtype in _QUANTIZED:
-                store.quantize(dtype)
-            self._core = _core.CpuEngine(store, max_seq_len)
+            self._core = _core.CpuEngine(_load_cpu_store(model, self.config, dtype), max_seq_len, self.threads)
         self._lock = threading.Lock()
         self._owner: Optional[int] = None  # thread holding the lock
         self.last_completion: Optional[Completion] = None

@@ -146,7 +146,8 @@ void bind_engines(nb::module_& m) {
   auto cpu = nb::class_<ti::CpuEngine>(m, "CpuEngine", "The fp32 reference engine (one sequence).");
   cpu.def(nb::init<std::shared_ptr<const ti::WeightStore>, int64_t, int64_t>(), "weights"_a, "max_seq_len"_a,
           "threads"_a = 0, "threads: 0 = the cores available, else 1..1024.")
-      .def_prop_ro("threads", &ti::CpuEngine::threads);
+      .def_prop_ro("threads", &ti::CpuEngine::threads)
+      .def_prop_ro("weight_bytes", &ti::CpuEngine::weight_bytes, "Host memory of the weights, as held.");
   bind_engine_common<ti::CpuEngine>(cpu);
 
 #ifdef TINYINFER_WITH_CUDA

@@ -27,6 +27,7 @@ class CpuEngine {
   // threads: 0 = the cores available (default_threads()), else 1..kMaxThreads (else ti::Error naming it).
   CpuEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq_len, int64_t threads = 0);
   int threads() const { return pool_->threads(); }
+  size_t weight_bytes() const { return w_->bytes(); }  // host memory of the weights, as held
 
   const ModelConfig& config() const { return cfg_; }
   int64_t max_seq_len() const { return max_seq_; }

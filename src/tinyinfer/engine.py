@@ -117,10 +117,10 @@ def check_threads(threads: Optional[int]) -> int:
     return threads
 
 
-def _progress(model, config):
-    n_tensors = 2 + 9 * config.n_layers + (0 if config.tie_word_embeddings else 1)
-    return tqdm(model.tensors(), total=n_tensors, desc="loading", unit="tensor", leave=False,
-                disable=None)  # disable=None: only on a terminal
+def _progress(model, config, skip: frozenset = frozenset()):
+    n_tensors = 2 + 9 * config.n_layers + (0 if config.tie_word_embeddings else 1) - len(skip)
+    return tqdm(model.tensors(skip=skip) if skip else model.tensors(), total=n_tensors, desc="loading",
+                unit="tensor", leave=False, disable=None)  # disable=None: only on a terminal
 
 
 def _load_store(model, config, dtype: str) -> "_core.WeightStore":
@@ -143,7 +143,7 @@ def _load_store(model, config, dtype: str) -> "_core.WeightStore":
 def _load_cpu_store(model, config, dtype: str) -> "_core.WeightStore":
     """The CPU engine's store, every tensor in its stored precision: GGUF Q4_0 / Q4_1 / Q8_0 matrices as our
     int4 / int8 blocks (whatever the dtype: their numbers are exactly the fp32 dequantization's), taken first so
-    their fp32 twins are never held; the rest as the file has them. int8 / int4: then re-encoded (quantize)."""
+    their fp32 twins are never made; the rest as the file has them. int8 / int4: then re-encoded (quantize)."""
     store = _core.WeightStore(config)
     held = set()
     if model.int4_blocks is not None:
@@ -154,7 +154,7 @@ def _load_cpu_store(model, config, dtype: str) -> "_core.WeightStore":
         for name, q, d in model.int8_blocks(layers=True):
             store.add_int8(name, q, d)
             held.add(name)
-    for name, array, src_dtype in _progress(model, config):
+    for name, array, src_dtype in _progress(model, config, frozenset(held)):
         if name in held or (config.tie_word_embeddings and name == "lm_head.weight"):
             continue
         store.add(name, array, src_dtype)

@@ -39,6 +39,17 @@ def _logits(core, ids=IDS):
     return core.forward(ids, all_logits=True)
 
 
+def _stepwise(core, ids=IDS[:12]):
+    """Logits fed one token at a time: the decode step's one-row products (row_dot.cpp where the CPU has AVX2)."""
+    core.reset()
+    return np.concatenate([core.forward([t], all_logits=False) for t in ids])
+
+
+def _assert_same(got_core, want_core):
+    np.testing.assert_array_equal(_logits(got_core), _logits(want_core))
+    np.testing.assert_array_equal(_stepwise(got_core), _stepwise(want_core))
+
+
 @pytest.fixture(scope="module")
 def all_types_gguf(tmp_path_factory):
     """F16 embedding, Q6_K head, Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / BF16 / F32 layer matrices."""
@@ -55,10 +66,10 @@ def test_gguf_tensors_held_compact_with_the_fp32_engines_logits(all_types_gguf):
         if a.ndim == 2:
             assert store.held(name) == held[ty], (name, ty)
         np.testing.assert_array_equal(store.tensor(name), a.reshape(store.tensor(name).shape), err_msg=name)
-    want = _logits(_fp32_engine(model.config, {n: a for n, (_, a) in ref.items()}))
-    np.testing.assert_array_equal(_logits(_core.CpuEngine(store, 128, 2)), want)
+    fp32 = _fp32_engine(model.config, {n: a for n, (_, a) in ref.items()})
+    _assert_same(_core.CpuEngine(store, 128, 2), fp32)
     eng = Engine(all_types_gguf, device="cpu", max_seq_len=128)
-    np.testing.assert_array_equal(eng.logits(IDS), want)
+    np.testing.assert_array_equal(eng.logits(IDS), _logits(fp32))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
@@ -73,8 +84,8 @@ def test_safetensors_held_as_stored_with_the_fp32_engines_logits(tmp_path, dtype
     per_weight = {"fp16": 2, "bf16": 2, "fp32": 4}[held]
     n_weights = sum(int(np.prod(store.expected_shape(n))) for n in store.required_names())
     assert store.bytes <= per_weight * n_weights + 4 * 128 * 5  # (+ the fp32 norms)
-    want = _logits(_fp32_engine(model.config, {n: store.tensor(n) for n in store.required_names()}))
-    np.testing.assert_array_equal(_logits(_core.CpuEngine(store, 128, 3)), want)
+    _assert_same(_core.CpuEngine(store, 128, 3),
+                 _fp32_engine(model.config, {n: store.tensor(n) for n in store.required_names()}))
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
@@ -95,8 +106,7 @@ def test_quantized_at_load_into_blocks_with_the_old_numbers(tmp_path, dtype):
     ref["lm_head.weight"] = _core.ops.dequantize_ref(src["model.embed_tokens.weight"], head)
     cfg = model.config
     cfg.tie_word_embeddings = False  # the reference holds the quantized head beside the fp32 lookup table
-    want = _logits(_fp32_engine(cfg, ref))
-    np.testing.assert_array_equal(_logits(_core.CpuEngine(store, 128, 2)), want)
+    _assert_same(_core.CpuEngine(store, 128, 2), _fp32_engine(cfg, ref))
 
 
 def test_thread_count_never_changes_a_number(all_types_gguf):

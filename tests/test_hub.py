@@ -74,7 +74,7 @@ def test_engine_by_repo_name_from_the_cache(tiny, hub_cache):
 
 
 def test_gguf_file_by_name_and_revision(hub_cache, tmp_path):
-    from test_gguf import spm_vocab, tiny_llama, write_llama_gguf  # the GGUF tests' writer
+    from gguf_writer import spm_vocab, tiny_llama, write_llama_gguf  # the GGUF tests' writer
 
     path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_llama(len(spm_vocab()[0])), {})
     put_in_cache(hub_cache, "org/tiny-GGUF", {"tiny.gguf": path}, branch="v2", sha="f" * 40)

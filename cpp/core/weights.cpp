@@ -245,7 +245,10 @@ void WeightStore::add(const std::string& name, DType dtype, const void* data, co
 }
 
 void WeightStore::finish() {
-  if (config_.tie_word_embeddings) tensors_.erase("lm_head.weight");  // tied: the embedding is the head
+  if (config_.tie_word_embeddings) {  // tied: the embedding is the head
+    tensors_.erase("lm_head.weight");
+    imported_.erase("lm_head.weight");
+  }
   for (const std::string& name : required_names())
     if (!tensors_.count(name))
       fail(ErrorKind::ModelFormat, "missing tensor '" + name + "' (expected shape " +

@@ -264,6 +264,8 @@ std::vector<std::string> WeightStore::names() const {
 
 const HostTensor& WeightStore::get(const std::string& name) const {
   auto it = tensors_.find(name);
+  if (it == tensors_.end() && name == "lm_head.weight" && finished_ && config_.tie_word_embeddings)
+    it = tensors_.find("model.embed_tokens.weight");  // tied: the embedding is the head
   if (it == tensors_.end()) fail(ErrorKind::Request, "no tensor '" + name + "' in the store");
   return it->second;
 }
@@ -291,11 +293,7 @@ void WeightStore::quantize(WFormat f) {
   // fp32 copy lives for one matrix only.
   auto q = [&](const std::string& name, const HostTensor& src, WFormat g) {
     const Held want = g == WFormat::I8 ? Held::I8 : Held::I4;
-    if (src.held == want) {
-      auto it = tensors_.find(name);
-      if (it == tensors_.end() || &it->second != &src) tensors_[name] = src;  // tied: the embedding's blocks
-      return;
-    }
+    if (src.held == want) return;  // (tied, embedding in the head's format: it stays the head, no copy)
     HostTensor t;
     t.shape = src.shape;
     t.held = want;
@@ -310,7 +308,7 @@ void WeightStore::quantize(WFormat f) {
       const std::string name = layer_name(i, leaf);
       q(name, tensors_.at(name), f);
     }
-  q("lm_head.weight", lm_head(), head_format(f));  // tied: the head is quantized, the lookup is not
+  q("lm_head.weight", lm_head(), head_format(f));  // tied: the head is quantized (untied), the lookup is not
   format_ = f;
 }
 

@@ -73,7 +73,7 @@ class WeightStore {
   const ModelConfig& config() const { return config_; }
   bool finished() const { return finished_; }
   std::vector<std::string> names() const;
-  const HostTensor& get(const std::string& name) const;
+  const HostTensor& get(const std::string& name) const;  // "lm_head.weight" of a tied model: the embedding
 
   const HostTensor& embedding() const;  // (vocab, hidden)
   const float* final_norm() const;      // (hidden)
@@ -84,7 +84,8 @@ class WeightStore {
   // The CPU engine's quantized model: every matrix re-encoded as quantize(f, fp16(w)) (the blocks, not their
   // dequantized copy; one matrix widened at a time); the LM head in head_format(f) (int4 models: int8), untied
   // into its own copy when tied (the embedding lookup stays unquantized, as on the GPU). Matrices already in
-  // that format (imported) are kept as they are.
+  // that format (imported) are kept as they are; so is a tied embedding already in the head's format (it stays
+  // both lookup and head: the same numbers, no copy).
   void quantize(WFormat f);
   WFormat format() const { return format_; }
   // An already-quantized matrix in our int4 layout (a GGUF Q4_0 / Q4_1 tensor converted block for block: no

@@ -1,5 +1,5 @@
 // engines.cpp — the engines and their options: WeightStore, CpuEngine, CudaOptions (+ GemvPin), CudaEngine,
-// and the enums they take (WFormat, DType, MatrixRole).
+// and the enums they take (WFormat, DType, MatrixRole); the KV pages' bookkeeping (KvPagePool, KvSequence).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
@@ -15,9 +15,11 @@
 #include "../cpp/core/sampling.h"
 #include "../cpp/core/weights.h"
 #include "../cpp/cpu/cpu_engine.h"
+#include "../cpp/gpu/kv_pages.h"
 #include "common.h"
 #ifdef TINYINFER_WITH_CUDA
 #include "../cpp/gpu/cuda_engine.h"
+#include "../cpp/gpu/plan_cache.h"
 #endif
 
 namespace tinyinfer_bindings {
@@ -25,6 +27,36 @@ namespace tinyinfer_bindings {
 using namespace nb::literals;
 
 namespace {
+
+#ifdef TINYINFER_WITH_CUDA
+// A GEMV plan as Python sees it: one dict per role (CudaEngine.gemv_table, CudaEngine.read_plan).
+nb::list plan_table(const ti::GemvPlan& plan) {
+  nb::list out;
+  for (const ti::GemvShapePlan& g : plan.shapes) {
+    std::vector<int> tried_R, tried_bps;
+    std::vector<double> us;
+    for (const ti::GemvTrial& t : g.tried) {
+      tried_R.push_back(t.variant.rows_per_warp);
+      tried_bps.push_back(t.variant.blocks_per_sm);
+      us.push_back(t.us);
+    }
+    nb::dict d;
+    d["role"] = g.role;
+    d["name"] = ti::role_name(g.role);
+    d["rows"] = g.rows;
+    d["K"] = g.K;
+    d["copies"] = g.copies;
+    d["R"] = g.chosen.rows_per_warp;
+    d["blocks_per_sm"] = g.chosen.blocks_per_sm;
+    d["tried_R"] = tried_R;
+    d["tried_blocks_per_sm"] = tried_bps;
+    d["us"] = us;
+    d["gb_per_s"] = g.gb_per_s;
+    out.append(d);
+  }
+  return out;
+}
+#endif
 
 // forward / decode / state: the same Python surface for every engine class.
 template <typename E, typename Cls>
@@ -61,6 +93,54 @@ void bind_engine_common(Cls& cls) {
           "max_steps"_a, "sampling"_a, "stop_ids"_a, "step0"_a = 0,
           "Sample and run up to max_steps tokens; stops after a stop id (included).");
 }
+
+
+#ifdef TINYINFER_WITH_CUDA
+// One item of CudaEngine.load's iterable: (kind, name, data, scales, dtype, rope_heads, row0, (rows, K)).
+//   kind "rows": data holds rows row0 .. of the tensor, (n, K) or (K) for a vector, in `dtype` (bf16 as uint16);
+//   kind "int4" / "int8": the whole matrix in that layout, data (rows, row bytes) and scales (rows, ...);
+//   kind "q4_0" / "q4_1": the whole matrix as GGUF stores it, data (rows, row bytes), converted on the device.
+// The GIL is held while reading the item and released for the copy.
+void load_item(ti::WeightStream& s, nb::handle item) {
+  using Array = nb::ndarray<nb::c_contig, nb::device::cpu, nb::ro>;
+  nb::tuple t = nb::cast<nb::tuple>(item);
+  if (t.size() < 8) ti::fail(ti::ErrorKind::Request, "CudaEngine.load: an item must have 8 fields");
+  const std::string kind = nb::cast<std::string>(t[0]), name = nb::cast<std::string>(t[1]);
+  Array a = nb::cast<Array>(t[2]);
+  const int rope_heads = nb::cast<int>(t[5]);
+  const int64_t row0 = nb::cast<int64_t>(t[6]);
+  const auto [rows, K] = nb::cast<std::pair<int64_t, int64_t>>(t[7]);
+  if (kind == "rows") {
+    const ti::DType d = ti::dtype_from_string(nb::cast<std::string>(t[4]));
+    if (a.itemsize() != ti::dtype_size(d) || a.ndim() < 1 || a.ndim() > 2 || (int64_t)a.shape(a.ndim() - 1) != K)
+      ti::fail(ti::ErrorKind::ModelFormat, "tensor '" + name + "': rows of " + std::to_string(a.itemsize()) +
+                                               "-byte items with last dimension " +
+                                               std::to_string(a.ndim() ? a.shape(a.ndim() - 1) : 0) + " do not match " +
+                                               ti::to_string(d) + " rows of " + std::to_string(K));
+    const int64_t n = a.ndim() == 2 ? (int64_t)a.shape(0) : 1;
+    nb::gil_scoped_release release;
+    s.load_rows(name, d, a.data(), row0, n, rows, K, rope_heads);
+  } else if (kind == "int4" || kind == "int8") {
+    Array sc = nb::cast<Array>(t[3]);
+    if (a.ndim() != 2 || sc.ndim() != 2 || (int64_t)a.shape(0) != rows || (int64_t)sc.shape(0) != rows)
+      ti::fail(ti::ErrorKind::ModelFormat, "tensor '" + name + "': " + kind + " data and scales must be (" +
+                                               std::to_string(rows) + ", ...) arrays");
+    const int64_t qb = (int64_t)(a.shape(1) * a.itemsize()), sb = (int64_t)(sc.shape(1) * sc.itemsize());
+    nb::gil_scoped_release release;
+    s.load_quantized(name, ti::wformat_from_string(kind), static_cast<const uint8_t*>(a.data()), qb,
+                     static_cast<const uint8_t*>(sc.data()), sb, rows, K, rope_heads);
+  } else if (kind == "q4_0" || kind == "q4_1") {
+    if (a.ndim() != 2 || a.itemsize() != 1 || (int64_t)a.shape(0) != rows)
+      ti::fail(ti::ErrorKind::ModelFormat, "tensor '" + name + "': " + kind + " blocks must be a (" +
+                                               std::to_string(rows) + ", bytes) uint8 array");
+    nb::gil_scoped_release release;
+    s.load_q4_blocks(name, kind == "q4_1", static_cast<const uint8_t*>(a.data()), (int64_t)a.shape(1), rows, K,
+                     rope_heads);
+  } else {
+    ti::fail(ti::ErrorKind::Request, "CudaEngine.load: unknown item kind '" + kind + "'");
+  }
+}
+#endif
 
 }  // namespace
 
@@ -150,6 +230,22 @@ void bind_engines(nb::module_& m) {
       .def_prop_ro("weight_bytes", &ti::CpuEngine::weight_bytes, "Host memory of the weights, as held.");
   bind_engine_common<ti::CpuEngine>(cpu);
 
+  // The paged KV cache's host bookkeeping (cpp/gpu/kv_pages.h: plain C++, in every build), for its CPU tests and
+  // a later scheduler.
+  nb::class_<ti::KvPagePool>(m, "KvPagePool", "A pool of KV-cache page ids with a free list.")
+      .def(nb::init<int64_t, int, uint64_t>(), "n_pages"_a, "page_size"_a, "shuffle_seed"_a = 0)
+      .def_prop_ro("page_size", &ti::KvPagePool::page_size)
+      .def_prop_ro("n_pages", &ti::KvPagePool::n_pages)
+      .def_prop_ro("free_pages", &ti::KvPagePool::free_pages)
+      .def("pages_for", &ti::KvPagePool::pages_for, "positions"_a);
+  nb::class_<ti::KvSequence>(m, "KvSequence", "One sequence's page table over a KvPagePool.")
+      .def(nb::init<const ti::KvPagePool&, int64_t>(), "pool"_a, "max_positions"_a)
+      .def("grow", &ti::KvSequence::grow, "pool"_a, "positions"_a,
+           "Cover positions [0, positions) with pages; returns the first table index that changed.")
+      .def("release", &ti::KvSequence::release, "pool"_a)
+      .def_prop_ro("table", &ti::KvSequence::table)
+      .def_prop_ro("max_pages", &ti::KvSequence::max_pages);
+
 #ifdef TINYINFER_WITH_CUDA
   nb::enum_<ti::MatrixRole>(m, "MatrixRole", "A GEMV shape of the decode step (cpp/gpu/gemv_plan.h).")
       .value("Qkv", ti::MatrixRole::Qkv)
@@ -190,15 +286,29 @@ void bind_engines(nb::module_& m) {
       .def_rw("batched_prefill", &ti::CudaOptions::batched_prefill)
       .def_rw("prefill_chunk", &ti::CudaOptions::prefill_chunk)
       .def_rw("gemm_autotune", &ti::CudaOptions::gemm_autotune)
+      .def_rw("kv_page_size", &ti::CudaOptions::kv_page_size)
+      .def_rw("kv_pool_pages", &ti::CudaOptions::kv_pool_pages)
+      .def_rw("kv_page_shuffle", &ti::CudaOptions::kv_page_shuffle)
+      .def_rw("plan_text", &ti::CudaOptions::plan_text,
+              "A saved GEMV plan (CudaEngine.plan_text) to take instead of tuning, if made for this key; '': tune.")
       .def_prop_rw(
           "weights", [](const ti::CudaOptions& o) { return o.weights; },
           [](ti::CudaOptions& o, const FormatArg& f) { o.weights = to_format(f); },
           "The matrices' format on the device: WFormat or 'fp16' | 'int8' | 'int4' (quantized at load).");
   auto gpu = nb::class_<ti::CudaEngine>(m, "CudaEngine", "The GPU engine: fp16 weights, graph-replayed decode.");
-  // (a reference, not a shared_ptr: a shared_ptr to a Python-owned store dying inside the constructor would
-  // drop a Python reference with the GIL released)
-  gpu.def(nb::init<const ti::WeightStore&, int64_t, ti::CudaOptions>(), "weights"_a,
-          "max_seq_len"_a, "options"_a = ti::CudaOptions(), nb::call_guard<nb::gil_scoped_release>())
+  gpu.def_static(
+          "load",
+          [](const ti::ModelConfig& c, int64_t max_seq_len, ti::CudaOptions opt, nb::iterable items) {
+            nb::gil_scoped_release release;
+            return new ti::CudaEngine(c, max_seq_len, opt, [&](ti::WeightStream& s) {
+              nb::gil_scoped_acquire acquire;  // the iterable is Python code
+              for (nb::handle item : items) load_item(s, item);
+            });
+          },
+          "config"_a, "max_seq_len"_a, "options"_a, "items"_a, nb::rv_policy::take_ownership,
+          "Load the weights streamed from `items` (load_item in bindings/engines.cpp; loaders/base.py "
+          "StreamItem): each tensor in its stored form, straight to the device. An error leaves nothing "
+          "behind.")
       .def_static(
           "random",
           [](const ti::ModelConfig& c, int64_t max_seq_len, uint64_t seed, ti::CudaOptions opt) {
@@ -211,6 +321,12 @@ void bind_engines(nb::module_& m) {
       .def_prop_ro("weight_bytes", &ti::CudaEngine::weight_bytes)
       .def_prop_ro("kv_cache_bytes", &ti::CudaEngine::kv_cache_bytes)
       .def_prop_ro("scratch_bytes", &ti::CudaEngine::scratch_bytes)
+      .def_prop_ro("kv_pages",
+                   [](const ti::CudaEngine& e) {
+                     const auto [size, pool, used] = e.kv_pages();
+                     return nb::make_tuple(size, pool, used);
+                   },
+                   "The paged KV cache: (positions per page, pages in the pool, pages the sequence holds).")
       .def_prop_ro("uses_pdl", &ti::CudaEngine::uses_pdl)
       .def_prop_ro("uses_graphs", &ti::CudaEngine::uses_graphs)
       .def_prop_ro("decode_long",
@@ -220,34 +336,59 @@ void bind_engines(nb::module_& m) {
                    },
                    "The long-context decode graph: (from context, qkv R, qkv blocks per SM); from = -1: none.")
       .def_prop_ro("device_name", &ti::CudaEngine::device_name)
-      .def("gemv_table",
-           [](const ti::CudaEngine& e) {
-             nb::list out;
-             for (const ti::GemvShapePlan& g : e.gemv_plan().shapes) {
-               std::vector<int> tried_R, tried_bps;
-               std::vector<double> us;
-               for (const ti::GemvTrial& t : g.tried) {
-                 tried_R.push_back(t.variant.rows_per_warp);
-                 tried_bps.push_back(t.variant.blocks_per_sm);
-                 us.push_back(t.us);
-               }
-               nb::dict d;
-               d["role"] = g.role;
-               d["name"] = ti::role_name(g.role);
-               d["rows"] = g.rows;
-               d["K"] = g.K;
-               d["copies"] = g.copies;
-               d["R"] = g.chosen.rows_per_warp;
-               d["blocks_per_sm"] = g.chosen.blocks_per_sm;
-               d["tried_R"] = tried_R;
-               d["tried_blocks_per_sm"] = tried_bps;
-               d["us"] = us;
-               d["gb_per_s"] = g.gb_per_s;
-               out.append(d);
-             }
-             return out;
-           },
+      .def_prop_ro("load_times",
+                   [](const ti::CudaEngine& e) {
+                     const ti::CudaEngine::LoadTimes& t = e.load_times();
+                     nb::dict d;
+                     d["weights"] = t.weights_s;
+                     d["tune"] = t.tune_s;
+                     d["graphs"] = t.graphs_s;
+                     return d;
+                   },
+                   "Wall seconds of the load: weights (read + upload + conversion), tune (GEMV plan), graphs.")
+      .def(
+          "matrix_bytes",
+          [](const ti::CudaEngine& e, int64_t layer, ti::MatrixRole role) {
+            auto [q, sc] = e.matrix_bytes(layer, role);
+            return nb::make_tuple(nb::bytes(reinterpret_cast<const char*>(q.data()), q.size()),
+                                  nb::bytes(reinterpret_cast<const char*>(sc.data()), sc.size()));
+          },
+          "layer"_a, "role"_a,
+          "A weight matrix's device bytes as stored: (q, scales) (tests; scales empty for fp16). MatrixRole "
+          "qkv / o / gate_up / down, or lm_head (layer ignored).")
+      .def("gemv_table", [](const ti::CudaEngine& e) { return plan_table(e.gemv_plan()); },
            "The load-time GEMV plan, one dict per role: the chosen variant (R, blocks_per_sm) and every one timed.")
+      .def_static("plan_key", &ti::CudaEngine::plan_key, "config"_a, "max_seq_len"_a, "options"_a,
+                  "What a saved GEMV plan must have been made for (GPU, driver, build, model shape, options).")
+      .def_static(
+          "read_plan",
+          [](const std::string& text, const std::string& key) {
+            const ti::PlanRead r = ti::gemv_plan_from_text(text, key);
+            if (!r.plan) return nb::make_tuple(nb::none(), nb::none(), r.problem);
+            const ti::GemvPlan& p = *r.plan;
+            return nb::make_tuple(plan_table(p), nb::make_tuple(p.long_from, p.qkv_long.rows_per_warp,
+                                                                p.qkv_long.blocks_per_sm), "");
+          },
+          "text"_a, "key"_a,
+          "Check a saved plan as the constructor does (no GPU needed): (gemv_table, decode_long, '') or "
+          "(None, None, problem) with problem 'stale: ...' or 'corrupt: ...'.")
+      .def_prop_ro("plan_text", &ti::CudaEngine::plan_text,
+                   "This engine's GEMV plan as text to save ('' where gemv_pins changed it).")
+      .def_prop_ro("plan_from_cache", &ti::CudaEngine::plan_from_cache)
+      .def_prop_ro("plan_problem", &ti::CudaEngine::plan_problem,
+                   "Why CudaOptions.plan_text was refused ('stale: ...' / 'corrupt: ...'); '' if it was not.")
+      .def_prop_ro("tune_seconds", &ti::CudaEngine::tune_seconds,
+                   "Seconds of the load spent on the GEMV plan, the decode graphs and the long-context decision.")
+      .def_prop_ro("tune_parts",
+                   [](const ti::CudaEngine& e) {
+                     const double* t = e.tune_parts();
+                     nb::dict d;
+                     d["plan"] = t[0];
+                     d["graphs"] = t[1];
+                     d["long_context"] = t[2];
+                     return d;
+                   },
+                   "tune_seconds in parts (s): plan (tuned or read), graphs (captured), long_context (decided).")
       .def("gemm_table",
            [](const ti::CudaEngine& e) {
              nb::list out;

@@ -4,6 +4,7 @@
 #include "../cuda/attention.cuh"
 #include "../cuda/common.cuh"
 #include "kernel_tests.h"
+#include "../cuda/prefill.cuh"
 #include "../cuda/prefill_attention.cuh"
 #include "../cuda/sampling.cuh"
 
@@ -61,7 +62,29 @@ struct GemvIO {
   }
 };
 
+// A HostPages cache on the device: the pools and the table uploaded; back() copies the pools to the host.
+struct DevicePages {
+  HostPages h;
+  Buf k, v, table;
+  explicit DevicePages(const HostPages& hp)
+      : h(hp), k(hp.elems() * 2), v(hp.elems() * 2), table((size_t)hp.table_len * 4) {
+    put(k.p, h.k, h.elems() * 2);
+    put(v.p, h.v, h.elems() * 2);
+    put(table.p, h.table, (size_t)h.table_len * 4);
+  }
+  void back() {
+    get(h.k, k.p, h.elems() * 2);
+    get(h.v, v.p, h.elems() * 2);
+  }
+};
+
 }  // namespace
+
+int HostPages::page_shift() const {
+  int s = 0;
+  while ((1 << s) < page_size) s++;
+  return s;
+}
 
 std::vector<float> run_gemv(const uint16_t* W, int rows, int K, const float* x, const float* norm_w, float eps,
                             const float* y_init, int R, GemvIn in, GemvOut out, int blocks_per_sm) {
@@ -85,36 +108,36 @@ std::vector<float> run_gemv(const uint16_t* W, int rows, int K, const float* x, 
   return io.result();
 }
 
-std::vector<float> run_decode_attention(const float* qkv, uint16_t* k_cache, uint16_t* v_cache, const float* cos,
-                                        const float* sin, int pos, int n_heads, int n_kv_heads, int head_dim,
-                                        int max_seq, int chunk) {
-  const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim;
-  const size_t cache = (size_t)n_kv_heads * max_seq * head_dim, table = (size_t)max_seq * head_dim / 2;
+std::vector<float> run_decode_attention(const float* qkv, HostPages cache, const float* cos, const float* sin,
+                                        int pos, int n_heads, int max_seq, int chunk) {
+  const int head_dim = cache.head_dim, q_dim = n_heads * head_dim, kv_dim = cache.n_kv_heads * head_dim;
+  const size_t table = (size_t)max_seq * head_dim / 2;
   const int max_chunks = (max_seq + chunk - 1) / chunk;
-  Buf dqkv((size_t)(q_dim + 2 * kv_dim) * 4), dk(cache * 2), dv(cache * 2), dc(table * 4), ds(table * 4),
-      dpos(4), dpo((size_t)n_heads * max_chunks * head_dim * 4), dpml((size_t)n_heads * max_chunks * 2 * 4),
+  DevicePages dc(cache);
+  Buf dqkv((size_t)(q_dim + 2 * kv_dim) * 4), dcos(table * 4), dsin(table * 4), dpos(4),
+      dpo((size_t)n_heads * max_chunks * head_dim * 4), dpml((size_t)n_heads * max_chunks * 2 * 4),
       dout((size_t)q_dim * 2);
   put(dqkv.p, qkv, (size_t)(q_dim + 2 * kv_dim) * 4);
-  put(dk.p, k_cache, cache * 2);
-  put(dv.p, v_cache, cache * 2);
-  put(dc.p, cos, table * 4);
-  put(ds.p, sin, table * 4);
+  put(dcos.p, cos, table * 4);
+  put(dsin.p, sin, table * 4);
   put(dpos.p, &pos, 4);
   TI_CUDA_CHECK(cudaMemset(dpo.p, 0xFF, (size_t)n_heads * max_chunks * head_dim * 4));
   TI_CUDA_CHECK(cudaMemset(dpml.p, 0xFF, (size_t)n_heads * max_chunks * 2 * 4));
   TI_CUDA_CHECK(cudaMemset(dout.p, 0xFF, (size_t)q_dim * 2));
   DecodeAttnParams a;
   a.qkv = dqkv.as<float>();
-  a.k_cache = dk.as<__half>();
-  a.v_cache = dv.as<__half>();
-  a.rope_cos = dc.as<float>();
-  a.rope_sin = ds.as<float>();
+  a.k_pages = dc.k.as<__half>();
+  a.v_pages = dc.v.as<__half>();
+  a.page_table = dc.table.as<int>();
+  a.page_shift = cache.page_shift();
+  a.rope_cos = dcos.as<float>();
+  a.rope_sin = dsin.as<float>();
   a.pos = dpos.as<int>();
   a.part_o = dpo.as<float>();
   a.part_ml = dpml.as<float>();
   a.out = dout.as<__half>();
   a.n_heads = n_heads;
-  a.n_kv_heads = n_kv_heads;
+  a.n_kv_heads = cache.n_kv_heads;
   a.head_dim = head_dim;
   a.max_seq = max_seq;
   a.chunk = chunk;
@@ -127,11 +150,45 @@ std::vector<float> run_decode_attention(const float* qkv, uint16_t* k_cache, uin
   TI_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<__half> oh((size_t)q_dim);
   get(oh.data(), dout.p, (size_t)q_dim * 2);
-  get(k_cache, dk.p, cache * 2);
-  get(v_cache, dv.p, cache * 2);
+  dc.back();
   std::vector<float> o((size_t)q_dim);
   for (int i = 0; i < q_dim; i++) o[i] = __half2float(oh[i]);
   return o;
+}
+
+std::vector<float> run_rope_rows(const float* qkv, HostPages cache, const float* cos, const float* sin, int T,
+                                 int pos0, int n_heads) {
+  const int hd = cache.head_dim, q_dim = n_heads * hd, ld = q_dim + 2 * cache.n_kv_heads * hd;
+  const size_t rope = (size_t)(pos0 + T) * hd / 2, nq = (size_t)T * q_dim;
+  DevicePages dc(cache);
+  Buf dqkv((size_t)T * ld * 4), dcos(rope * 4), dsin(rope * 4), dq(nq * 2);
+  put(dqkv.p, qkv, (size_t)T * ld * 4);
+  put(dcos.p, cos, rope * 4);
+  put(dsin.p, sin, rope * 4);
+  TI_CUDA_CHECK(cudaMemset(dq.p, 0xFF, nq * 2));
+  RopeRowsParams r;
+  r.qkv = dqkv.as<float>();
+  r.ldqkv = ld;
+  r.cos = dcos.as<float>();
+  r.sin = dsin.as<float>();
+  r.q = dq.as<__half>();
+  r.k_pages = dc.k.as<__half>();
+  r.v_pages = dc.v.as<__half>();
+  r.page_table = dc.table.as<int>();
+  r.page_shift = cache.page_shift();
+  r.T = T;
+  r.pos0 = pos0;
+  r.n_heads = n_heads;
+  r.n_kv_heads = cache.n_kv_heads;
+  r.head_dim = hd;
+  rope_rows(r, 0);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  dc.back();
+  std::vector<__half> qh(nq);
+  get(qh.data(), dq.p, nq * 2);
+  std::vector<float> q(nq);
+  for (size_t i = 0; i < nq; i++) q[i] = __half2float(qh[i]);
+  return q;
 }
 
 int run_sample(const float* logits, int vocab, float temperature, int top_k, float top_p, float min_p,
@@ -205,31 +262,30 @@ std::vector<float> run_gemm(const uint16_t* W, const float* X, const float* Y_in
   return y;
 }
 
-std::vector<float> run_prefill_attention(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, int T,
-                                         int pos0, int n_heads, int n_kv_heads, int head_dim, int max_seq,
-                                         int stages) {
-  const int q_dim = n_heads * head_dim;
-  const size_t cache = (size_t)n_kv_heads * max_seq * head_dim, nq = (size_t)T * q_dim;
+std::vector<float> run_prefill_attention(const float* q, HostPages cache, int T, int pos0, int n_heads, int stages) {
+  const int hd = cache.head_dim, q_dim = n_heads * hd;
+  const size_t nq = (size_t)T * q_dim;
   std::vector<__half> qh(nq);
   for (size_t i = 0; i < nq; i++) qh[i] = __float2half(q[i]);
-  Buf dq(nq * 2), dk(cache * 2), dv(cache * 2), dout(nq * 2);
+  DevicePages dc(cache);
+  Buf dq(nq * 2), dout(nq * 2);
   put(dq.p, qh.data(), nq * 2);
-  put(dk.p, k_cache, cache * 2);
-  put(dv.p, v_cache, cache * 2);
   TI_CUDA_CHECK(cudaMemset(dout.p, 0xFF, nq * 2));
   PrefillAttnParams a;
   a.q = dq.as<__half>();
-  a.k_cache = dk.as<__half>();
-  a.v_cache = dv.as<__half>();
+  a.k_pages = dc.k.as<__half>();
+  a.v_pages = dc.v.as<__half>();
+  a.page_table = dc.table.as<int>();
+  a.page_shift = cache.page_shift();
   a.out = dout.as<__half>();
   a.ldo = q_dim;
   a.T = T;
   a.pos0 = pos0;
   a.n_heads = n_heads;
-  a.n_kv_heads = n_kv_heads;
-  a.head_dim = head_dim;
-  a.max_seq = max_seq;
-  a.scale = 1.0f / std::sqrt((float)head_dim);
+  a.n_kv_heads = cache.n_kv_heads;
+  a.head_dim = hd;
+  a.max_seq = cache.table_len * cache.page_size;
+  a.scale = 1.0f / std::sqrt((float)hd);
   a.stages = stages;
   prefill_attention(a, 0);
   TI_CUDA_CHECK(cudaDeviceSynchronize());

@@ -17,11 +17,28 @@ namespace ti::cuda {
 std::vector<float> run_gemv(const uint16_t* W, int rows, int K, const float* x, const float* norm_w, float eps,
                             const float* y_init, int R, GemvIn in, GemvOut out, int blocks_per_sm = 0);
 
-// One decode-attention call. qkv: float[q_dim + 2 kv_dim]; k/v caches: fp16 bits (n_kv_heads, max_seq, head_dim),
-// updated in place (the kernel writes rope(k), v at pos); cos/sin: (max_seq, head_dim / 2). Returns float[q_dim].
-std::vector<float> run_decode_attention(const float* qkv, uint16_t* k_cache, uint16_t* v_cache, const float* cos,
-                                        const float* sin, int pos, int n_heads, int n_kv_heads, int head_dim,
-                                        int max_seq, int chunk);
+// A paged KV cache of one layer on the host, as the test ops pass it (cuda/kv_layout.cuh): pools of fp16 bits
+// (n_pages, n_kv_heads, page_size, head_dim) and a page table of table_len entries (positions up to
+// table_len * page_size). The drivers copy the pools back after the call (kernels that write the cache).
+struct HostPages {
+  uint16_t* k = nullptr;
+  uint16_t* v = nullptr;
+  const int32_t* table = nullptr;
+  int table_len = 0, n_pages = 0, n_kv_heads = 0, page_size = 0, head_dim = 0;
+  size_t elems() const { return (size_t)n_pages * n_kv_heads * page_size * head_dim; }
+  int page_shift() const;  // log2(page_size)
+};
+
+// One decode-attention call. qkv: float[q_dim + 2 kv_dim]; the cache is updated in place (the kernel writes
+// rope(k), v at pos); cos/sin: (max_seq, head_dim / 2). Returns float[q_dim].
+std::vector<float> run_decode_attention(const float* qkv, HostPages cache, const float* cos, const float* sin,
+                                        int pos, int n_heads, int max_seq, int chunk);
+
+// One rope_rows call (cuda/prefill.cu, the prefill's cache write) for T tokens at pos0..: qkv (T, q_dim + 2 kv_dim)
+// floats; writes rope(k), v into the cache (updated in place); returns rope(q) (T, q_dim) floats (from fp16).
+// cos/sin: (max_seq, head_dim / 2).
+std::vector<float> run_rope_rows(const float* qkv, HostPages cache, const float* cos, const float* sin, int T,
+                                 int pos0, int n_heads);
 
 // One sampling call over logits[vocab]; returns the chosen token. seen: vocab bytes (repetition penalty).
 int run_sample(const float* logits, int vocab, float temperature, int top_k, float top_p, float min_p,
@@ -49,10 +66,7 @@ std::vector<float> run_gemm(const uint16_t* W, const float* X, const float* Y_in
                             bool autotune);
 
 // One prefill-attention call over T tokens at pos0..pos0+T-1. q: (T, n_heads * head_dim) floats (rounded to
-// fp16); caches: fp16 bits (n_kv_heads, max_seq, head_dim), positions 0..pos0+T-1 filled. Returns
-// (T, n_heads * head_dim) floats.
-std::vector<float> run_prefill_attention(const float* q, const uint16_t* k_cache, const uint16_t* v_cache, int T,
-                                         int pos0, int n_heads, int n_kv_heads, int head_dim, int max_seq,
-                                         int stages);
+// fp16); the cache holds positions 0..pos0+T-1. Returns (T, n_heads * head_dim) floats.
+std::vector<float> run_prefill_attention(const float* q, HostPages cache, int T, int pos0, int n_heads, int stages);
 
 }  // namespace ti::cuda

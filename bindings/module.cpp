@@ -121,7 +121,11 @@ NB_MODULE(_core, m) {
 #endif
   );
   info["cuda_architectures"] = TINYINFER_CUDA_ARCHS;
-  info["no_cuda_reason"] = TINYINFER_NO_CUDA_REASON;  // empty in a CUDA build
+  // Why there is no CUDA backend, as fields (CMakeLists.txt): "" in a CUDA build, else no-nvcc | no-cublaslt |
+  // cuda-off; the nvcc version found ("" when none); the source tree built (for the reinstall command).
+  info["no_cuda_reason"] = TINYINFER_NO_CUDA_REASON;
+  info["nvcc_version"] = TINYINFER_NVCC_VERSION;
+  info["source_dir"] = TINYINFER_SOURCE_DIR;
   info["openmp"] = nb::bool_(
 #ifdef _OPENMP
       true

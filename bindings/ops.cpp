@@ -35,6 +35,39 @@ void check_gemv_args(const char* who, ti::cuda::GemvIn in, ti::cuda::GemvOut out
   if (out == ti::cuda::GemvOut::AddF32 && (int)y_init.shape(0) != rows)
     ti::fail(ti::ErrorKind::Request, w + ": len(y_init) != rows");
 }
+
+using U16Pages = nb::ndarray<uint16_t, nb::ndim<4>, nb::c_contig, nb::device::cpu>;
+using I32In1 = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// A paged cache as the attention test ops take it (pools (n_pages, n_kv_heads, page_size, head_dim) of fp16 bits and
+// a page table), checked: the pools agree in shape, page_size is a power of two, the table reaches n_positions
+// and its entries for positions [0, n_positions) name pages of the pool.
+ti::cuda::HostPages host_pages(const char* who, U16Pages& k, U16Pages& v, const I32In1& table, int64_t n_positions) {
+  const std::string w = who;
+  for (size_t d = 0; d < 4; d++)
+    if (k.shape(d) != v.shape(d)) ti::fail(ti::ErrorKind::Request, w + ": k and v pages differ in shape");
+  ti::cuda::HostPages h;
+  h.k = k.data();
+  h.v = v.data();
+  h.table = table.data();
+  h.table_len = (int)table.shape(0);
+  h.n_pages = (int)k.shape(0);
+  h.n_kv_heads = (int)k.shape(1);
+  h.page_size = (int)k.shape(2);
+  h.head_dim = (int)k.shape(3);
+  if (h.page_size < 1 || (h.page_size & (h.page_size - 1)))
+    ti::fail(ti::ErrorKind::Request, w + ": page size (pages.shape[2]) must be a power of two, got " +
+                                         std::to_string(h.page_size));
+  if (n_positions < 0 || n_positions > (int64_t)h.table_len * h.page_size)
+    ti::fail(ti::ErrorKind::Request, w + ": positions out of range of a page table of " +
+                                         std::to_string(h.table_len) + " pages");
+  for (int64_t j = 0; j < (n_positions + h.page_size - 1) / h.page_size; j++)
+    if (h.table[j] < 0 || h.table[j] >= h.n_pages)
+      ti::fail(ti::ErrorKind::Request, w + ": page_table[" + std::to_string(j) + "] = " +
+                                           std::to_string(h.table[j]) + " is not a page of a pool of " +
+                                           std::to_string(h.n_pages));
+  return h;
+}
 #endif
 
 }  // namespace
@@ -155,23 +188,48 @@ void bind_ops(nb::module_& m) {
       "GemvParams.blocks_per_sm (0: a block per tile; n > 0: n per SM; n < 0: exactly -n blocks).");
   ops.def(
       "decode_attention",
-      [](F32In1 qkv, nb::ndarray<uint16_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> k_cache,
-         nb::ndarray<uint16_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> v_cache, F32In2 cos, F32In2 sin,
-         int pos, int n_heads, int chunk) {
-        const int n_kv = (int)k_cache.shape(0), max_seq = (int)k_cache.shape(1), hd = (int)k_cache.shape(2);
-        if ((int)qkv.shape(0) != (n_heads + 2 * n_kv) * hd) ti::fail(ti::ErrorKind::Request, "attention: bad qkv length");
+      [](F32In1 qkv, U16Pages k_pages, U16Pages v_pages, I32In1 page_table, F32In2 cos, F32In2 sin, int pos,
+         int n_heads, int chunk) {
+        const int max_seq = (int)cos.shape(0);
         if (pos < 0 || pos >= max_seq) ti::fail(ti::ErrorKind::Request, "attention: pos out of range");
-        if ((int)cos.shape(0) != max_seq || (int)cos.shape(1) != hd / 2) ti::fail(ti::ErrorKind::Request, "attention: bad rope table");
+        const ti::cuda::HostPages h = host_pages("attention", k_pages, v_pages, page_table, max_seq);
+        const int hd = h.head_dim;
+        if ((int)qkv.shape(0) != (n_heads + 2 * h.n_kv_heads) * hd) ti::fail(ti::ErrorKind::Request, "attention: bad qkv length");
+        if ((int)cos.shape(1) != hd / 2 || sin.shape(0) != cos.shape(0) || sin.shape(1) != cos.shape(1))
+          ti::fail(ti::ErrorKind::Request, "attention: bad rope table");
         std::vector<float> o;
         {
           nb::gil_scoped_release release;
-          o = ti::cuda::run_decode_attention(qkv.data(), k_cache.data(), v_cache.data(), cos.data(), sin.data(), pos,
-                                             n_heads, n_kv, hd, max_seq, chunk);
+          o = ti::cuda::run_decode_attention(qkv.data(), h, cos.data(), sin.data(), pos, n_heads, max_seq, chunk);
         }
         return o;
       },
-      "qkv"_a, "k_cache"_a, "v_cache"_a, "cos"_a, "sin"_a, "pos"_a, "n_heads"_a, "chunk"_a,
-      "One decode-attention call (cuda/attention.cu); the caches (fp16 bits) are updated in place.");
+      "qkv"_a, "k_pages"_a, "v_pages"_a, "page_table"_a, "cos"_a, "sin"_a, "pos"_a, "n_heads"_a, "chunk"_a,
+      "One decode-attention call (cuda/attention.cu) over a paged cache: pages (n_pages, n_kv_heads, page_size, "
+      "head_dim) of fp16 bits, updated in place; the table covers max_seq = len(cos) positions.");
+  ops.def(
+      "rope_rows",
+      [](F32In2 qkv, U16Pages k_pages, U16Pages v_pages, I32In1 page_table, F32In2 cos, F32In2 sin, int pos0,
+         int n_heads) {
+        const int T = (int)qkv.shape(0);
+        if (T < 1 || pos0 < 0 || (int64_t)pos0 + T > (int64_t)cos.shape(0))
+          ti::fail(ti::ErrorKind::Request, "rope_rows: positions out of range of the rope table");
+        const ti::cuda::HostPages h = host_pages("rope_rows", k_pages, v_pages, page_table, (int64_t)pos0 + T);
+        const int hd = h.head_dim;
+        if ((int)qkv.shape(1) != (n_heads + 2 * h.n_kv_heads) * hd)
+          ti::fail(ti::ErrorKind::Request, "rope_rows: qkv must be (T, (n_heads + 2 n_kv_heads) head_dim)");
+        if ((int)cos.shape(1) != hd / 2 || sin.shape(0) != cos.shape(0) || sin.shape(1) != cos.shape(1))
+          ti::fail(ti::ErrorKind::Request, "rope_rows: bad rope table");
+        std::vector<float> q;
+        {
+          nb::gil_scoped_release release;
+          q = ti::cuda::run_rope_rows(qkv.data(), h, cos.data(), sin.data(), T, pos0, n_heads);
+        }
+        return numpy_copy(q, (size_t)T, (size_t)n_heads * hd);
+      },
+      "qkv"_a, "k_pages"_a, "v_pages"_a, "page_table"_a, "cos"_a, "sin"_a, "pos0"_a, "n_heads"_a,
+      "The prefill's RoPE + cache write (cuda/prefill.cu) for T tokens at pos0..: rope(k), v into the pages "
+      "(updated in place); returns rope(q) (T, n_heads * head_dim) from fp16.");
   ops.def(
       "quantize_gpu",
       [](F32In2 W, const FormatArg& f) {
@@ -235,28 +293,26 @@ void bind_ops(nb::module_& m) {
       "One cuBLASLt GEMM (cuda/gemm.cu): X @ W.T (+ y_init for output GemmOut.AddF32).");
   ops.def(
       "prefill_attention",
-      [](F32In2 q, nb::ndarray<const uint16_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> k_cache,
-         nb::ndarray<const uint16_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> v_cache, int pos0, int n_heads,
-         int stages) {
-        const int n_kv = (int)k_cache.shape(0), max_seq = (int)k_cache.shape(1), hd = (int)k_cache.shape(2);
+      [](F32In2 q, U16Pages k_pages, U16Pages v_pages, I32In1 page_table, int pos0, int n_heads, int stages) {
         const int T = (int)q.shape(0);
-        if ((int)q.shape(1) != n_heads * hd) ti::fail(ti::ErrorKind::Request, "prefill_attention: q must be (T, n_heads * head_dim)");
-        if (v_cache.shape(0) != k_cache.shape(0) || v_cache.shape(1) != k_cache.shape(1) || v_cache.shape(2) != k_cache.shape(2))
-          ti::fail(ti::ErrorKind::Request, "prefill_attention: k and v caches differ in shape");
+        if (pos0 < 0) ti::fail(ti::ErrorKind::Request, "prefill_attention: positions out of range");
+        const ti::cuda::HostPages h = host_pages("prefill_attention", k_pages, v_pages, page_table, (int64_t)pos0 + T);
+        if ((int)q.shape(1) != n_heads * h.head_dim)
+          ti::fail(ti::ErrorKind::Request, "prefill_attention: q must be (T, n_heads * head_dim)");
         std::vector<float> o;
         {
           nb::gil_scoped_release release;
-          o = ti::cuda::run_prefill_attention(q.data(), k_cache.data(), v_cache.data(), T, pos0, n_heads, n_kv, hd,
-                                              max_seq, stages);
+          o = ti::cuda::run_prefill_attention(q.data(), h, T, pos0, n_heads, stages);
         }
         float* out = nullptr;
-        F32Out arr = new_f32_array(T, n_heads * hd, &out);
+        F32Out arr = new_f32_array(T, (size_t)n_heads * h.head_dim, &out);
         std::copy(o.begin(), o.end(), out);
         return arr;
       },
-      "q"_a, "k_cache"_a, "v_cache"_a, "pos0"_a, "n_heads"_a, "stages"_a = 0,
-      "One prefill-attention call (cuda/prefill_attention.cu): T queries at pos0.. over the caches (fp16 bits); "
-      "stages 1 | 2 forces that variant (0: the launcher's choice).");
+      "q"_a, "k_pages"_a, "v_pages"_a, "page_table"_a, "pos0"_a, "n_heads"_a, "stages"_a = 0,
+      "One prefill-attention call (cuda/prefill_attention.cu): T queries at pos0.. over a paged cache (pages "
+      "(n_pages, n_kv_heads, page_size, head_dim) of fp16 bits); stages 1 | 2 forces that variant (0: the "
+      "launcher's choice).");
   ops.def(
       "sample",
       [](F32In1 logits, float temperature, int top_k, float top_p, float min_p, float rep, unsigned long long seed,

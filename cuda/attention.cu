@@ -4,11 +4,13 @@
 // one KV head and one chunk of `chunk` positions (64; 32 for head_dim > 128 to fit shared memory on sm_75) and
 // serves up to 8 query heads of its group, so each key and value is read from memory once per group. The grid is
 // sized for max_seq (graph-safe); blocks whose chunk starts past pos exit at once.
-//   1. Before the PDL wait: `pos`, its RoPE row and the chunk's cached keys and values (positions < pos, one
-//      contiguous run of the cache: 16-byte coalesced loads into shared memory, rows padded by 16 bytes so the
-//      16-byte reads of consecutive rows hit distinct banks). All final by then: the qkv GEMV before this kernel
-//      triggers after its own wait, so every earlier kernel, the previous step's included, has completed
-//      (common.cuh, the two-back rule). Only q, k, v of the new token are left for after the wait.
+//   1. Before the PDL wait: `pos`, its RoPE row, the chunk's page ids and its cached keys and values (positions
+//      < pos; the paged cache, kv_layout.cuh: pages hold >= chunk positions, so the chunk is one or two contiguous
+//      runs: 16-byte coalesced loads into shared memory, rows padded by 16 bytes so the 16-byte reads of
+//      consecutive rows hit distinct banks). All final by then: the page table is written by the host before a
+//      decode chunk is launched, and the qkv GEMV before this kernel triggers after its own wait, so every
+//      earlier kernel, the previous step's included, has completed (common.cuh, the two-back rule). Only q, k, v
+//      of the new token are left for after the wait.
 //   2. RoPE fused: the block rotates its query heads (pre-scaled by 1/sqrt(d)) into shared memory; the block
 //      whose chunk holds `pos` also rotates the new key and writes key and value into the cache (fp16) and into
 //      its own tile.
@@ -22,6 +24,7 @@
 
 #include "attention.cuh"
 #include "common.cuh"
+#include "kv_layout.cuh"
 
 namespace ti::cuda {
 
@@ -40,8 +43,14 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   __half* v_s = k_s + (size_t)CH * row;                         // (CH, row)
 
   trace_point(p.trace, 0);
-  const int pos = *p.pos;  // final before the wait: see the header's PDL paragraph
+  // The chunk's pages: a chunk of CH <= page_size positions spans at most two, the page of c0 and the page of its
+  // last position (clamped to max_seq - 1). Their ids depend on the block alone, so they are loaded beside pos,
+  // not after it: paging adds no link to the chain of dependent loads before the K/V fetch. (A block past the
+  // sequence, or one that never reaches the second page, loads an unassigned entry and does not use it.)
   const int c0 = blockIdx.x * CH;
+  const int page_a = p.page_table[c0 >> p.page_shift];
+  const int page_b = p.page_table[min(c0 + CH - 1, p.max_seq - 1) >> p.page_shift];
+  const int pos = *p.pos;  // final before the wait, like the table: see the header's PDL paragraph
   if (c0 > pos) return;   // (an exiting block counts as having waited and triggered)
   const int n = min(CH, pos + 1 - c0);  // positions in this chunk
   const int kvh = blockIdx.y, group = p.n_heads / p.n_kv_heads;
@@ -50,8 +59,13 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   const int q_dim = p.n_heads * hd, kv_dim = p.n_kv_heads * hd;
   float* cs = reinterpret_cast<float*>(v_s + (size_t)CH * row);  // (half_d) this position's RoPE row
   float* sn = cs + half_d;
-  __half* kc = p.k_cache + (size_t)kvh * p.max_seq * hd;
-  __half* vc = p.v_cache + (size_t)kvh * p.max_seq * hd;
+  // Rows c0 .. c0 + n - 1 (positions <= pos: assigned pages): those before `split` in page_a from its row
+  // c0 & (page_size - 1), the rest (a chunk crossing a page edge) in page_b from row 0.
+  const int page_size = 1 << p.page_shift;
+  const int split = min(n, page_size - (c0 & (page_size - 1)));
+  const size_t off_a = kv_page_base(page_a, kvh, p.n_kv_heads, p.page_shift, hd) + (size_t)(c0 & (page_size - 1)) * hd;
+  const size_t off_b = kv_page_base(page_b, kvh, p.n_kv_heads, p.page_shift, hd);
+  auto row_off = [&](int r) { return r < split ? off_a + (size_t)r * hd : off_b + (size_t)(r - split) * hd; };
 
   // ---- 1. before the wait: the RoPE row and the chunk's cached keys and values at positions < pos ----
   for (int i = threadIdx.x; i < half_d; i += kAttnThreads) {
@@ -60,12 +74,11 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   }
   const int words = hd / 8;  // 16-byte words per row
   const int cached = min(n, pos - c0);  // rows already in the cache (the new one, pos, comes from qkv below)
-  const uint4* kg = reinterpret_cast<const uint4*>(kc + (size_t)c0 * hd);
-  const uint4* vg = reinterpret_cast<const uint4*>(vc + (size_t)c0 * hd);
   for (int i = threadIdx.x; i < cached * words; i += kAttnThreads) {
     const int r = i / words, w = i % words;
-    *reinterpret_cast<uint4*>(k_s + (size_t)r * row + w * 8) = kg[i];
-    *reinterpret_cast<uint4*>(v_s + (size_t)r * row + w * 8) = vg[i];
+    const size_t at = row_off(r) + w * 8;
+    *reinterpret_cast<uint4*>(k_s + (size_t)r * row + w * 8) = *reinterpret_cast<const uint4*>(p.k_pages + at);
+    *reinterpret_cast<uint4*>(v_s + (size_t)r * row + w * 8) = *reinterpret_cast<const uint4*>(p.v_pages + at);
   }
   __syncthreads();  // (cs, sn)
 
@@ -100,10 +113,11 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
     // rounded products, no FMA contraction: the cache gets exactly what fp32 numpy / the CPU engine compute
     const __half r1 = __float2half(__fsub_rn(__fmul_rn(k1, cs[i]), __fmul_rn(k2, sn[i])));
     const __half r2 = __float2half(__fadd_rn(__fmul_rn(k2, cs[i]), __fmul_rn(k1, sn[i])));
-    kc[(size_t)pos * hd + i] = kr[i] = r1;
-    kc[(size_t)pos * hd + i + half_d] = kr[i + half_d] = r2;
-    vc[(size_t)pos * hd + i] = vr[i] = __float2half(v1);
-    vc[(size_t)pos * hd + i + half_d] = vr[i + half_d] = __float2half(v2);
+    const size_t at = row_off(pos - c0);
+    p.k_pages[at + i] = kr[i] = r1;
+    p.k_pages[at + i + half_d] = kr[i + half_d] = r2;
+    p.v_pages[at + i] = vr[i] = __float2half(v1);
+    p.v_pages[at + i + half_d] = vr[i + half_d] = __float2half(v2);
   }
   __syncthreads();
   trace_point(p.trace, 2);
@@ -299,6 +313,9 @@ void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl) {
   if (p.head_dim % 8 != 0 || p.head_dim > 256 || p.head_dim < 64 || p.n_heads % p.n_kv_heads != 0)
     fail(ErrorKind::Request, "decode_attention: unsupported head_dim " + std::to_string(p.head_dim));
   if (p.chunk < 1 || p.chunk > 128) fail(ErrorKind::Request, "decode_attention: chunk must be 1..128");
+  if (p.page_shift < 0 || p.page_shift > 20 || (1 << p.page_shift) < p.chunk)
+    fail(ErrorKind::Request, "decode_attention: page size " + std::to_string(1 << p.page_shift) +
+                                 " must be >= the chunk of " + std::to_string(p.chunk) + " positions");
   const size_t smem = decode_attention_smem(p);
   const int group = p.n_heads / p.n_kv_heads;
   dim3 grid(attn_max_chunks(p), p.n_kv_heads, (group + kMaxGroup - 1) / kMaxGroup);

@@ -7,15 +7,20 @@ namespace ti::cuda {
 
 struct DecodeAttnParams {
   const float* qkv = nullptr;   // (q_dim + 2 kv_dim) fp32: q | k | v of the current token, before RoPE
-  __half* k_cache = nullptr;    // this layer's keys   (n_kv_heads, max_seq, head_dim) fp16
-  __half* v_cache = nullptr;    // this layer's values (n_kv_heads, max_seq, head_dim) fp16
+  // The paged KV cache (cpp/gpu/kv_pages.h): this layer's pages of keys and values, each page
+  // (n_kv_heads, page_size, head_dim) fp16; position t of the sequence lives in page page_table[t >> page_shift]
+  // at row t & (page_size - 1). page_size = 1 << page_shift >= chunk; entries up to pos must be assigned.
+  __half* k_pages = nullptr;
+  __half* v_pages = nullptr;
+  const int* page_table = nullptr;  // (ceil(max_seq / page_size)) int32 page ids
+  int page_shift = 6;
   const float* rope_cos = nullptr;  // (max_seq, head_dim / 2)
   const float* rope_sin = nullptr;
   const int* pos = nullptr;     // device: the current token's position; it attends to 0..pos
   float* part_o = nullptr;      // (n_heads, max_chunks, head_dim) unnormalised partial outputs
   float* part_ml = nullptr;     // (n_heads, max_chunks, 2): running max and sum of each chunk
   __half* out = nullptr;        // (n_heads * head_dim) fp16
-  int n_heads = 0, n_kv_heads = 0, head_dim = 0, max_seq = 0, chunk = 64;
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0, max_seq = 0, chunk = 64;  // max_seq: sizes the grid
   float scale = 1.0f;           // 1 / sqrt(head_dim)
   unsigned long long* trace = nullptr;  // debug timestamps of the chunk kernel (common.cuh, trace_point)
 };

@@ -197,7 +197,7 @@ struct TileHead {
   const uint4* wrow[R];
   QCtx ctx[R];
   uint4 pre[P][R];
-  WScale<WF> pre_s[P][R];
+  ScaleRun<WF, P> pre_s[R];
 };
 
 template <WFormat WF, int R, int P>
@@ -217,16 +217,42 @@ __device__ __forceinline__ void load_head(const GemvParams& p, int tile, int ld8
     for (int r = 0; r < R; r++) {
       const bool in = lane + u * 32 < ld8;
       h.pre[u][r] = in ? load_stream(h.wrow[r] + lane + u * 32) : make_uint4(0, 0, 0, 0);
-      h.pre_s[u][r] = load_scale<WF>(h.ctx[r], in ? lane + u * 32 : 0);
+      load_run_step<WF, P, true>(h.ctx[r], 0, u, ld8, h.pre_s[r]);
     }
+}
+
+// One round of 4 steps from word kb (uniform) of the warp's rows: lane word k = kb + lane + 32 u at step u, all
+// loads issued first (4R words in flight per lane).
+template <WFormat WF, int R, int P>
+__device__ __forceinline__ void round4(const TileHead<WF, R, P>& h, const __half* xs, int ld8, int kb, int k,
+                                       XFrag<WF>& xf, float* acc) {
+  uint4 w[4][R];
+  ScaleRun<WF, 4> ws[R];
+#pragma unroll
+  for (int u = 0; u < 4; u++)
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      w[u][r] = load_stream(h.wrow[r] + k + u * 32);
+      load_run_step<WF, 4, false>(h.ctx[r], kb, u, ld8, ws[r]);
+    }
+#pragma unroll
+  for (int u = 0; u < 4; u++) {
+    load_x<WF>(xs, ld8, k + u * 32, xf);
+#pragma unroll
+    for (int r = 0; r < R; r++)
+      acc[r] += dot_word<WF>(w[u][r], run_scale<WF, 4>(ws[r], u), xf, h.ctx[r], k + u * 32);
+  }
 }
 
 // Tiles: a tile is the block's 8 warps x R rows. The grid is sized by the launcher (GemvParams::blocks_per_sm):
 // either one block per tile, or a few blocks per SM that loop over tiles — then the input is staged once per
 // block, not once per tile, the next tile's first words are in flight while a tile is reduced and stored, and
 // the kernel leaves room on each SM for the next kernel's blocks to start (PDL) and fetch their weights.
+// I8 at R=1 is held to 80 registers (3 blocks per SM, as the per-channel int8 kernel had by itself): left alone
+// ptxas gives its F32Norm variant 96; held, it spills 16 bytes once per block in the RMSNorm staging, not in the
+// loop. (Minimum 0 elsewhere = no hint: an explicit 1 changes ptxas' choices for every variant.)
 template <WFormat WF, int R, GemvIn IN, GemvOut OUT>
-__global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
+__global__ void __launch_bounds__(kGemvThreads, WF == WFormat::I8 && R == 1 ? 3 : 0) gemv_kernel(GemvParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __half* xs = reinterpret_cast<__half*>(smem_raw);  // the staged input (ld halves)
   float* nws = reinterpret_cast<float*>(xs + p.ld);    // F32Norm: the RMSNorm weight (K floats)
@@ -259,29 +285,24 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
     for (int r = 0; r < R; r++) acc[r] = 0.0f;
 #pragma unroll
     for (int u = 0; u < P; u++) {
+      WScale<WF> s[R];  // (I8: a shuffle, so outside the branch)
+#pragma unroll
+      for (int r = 0; r < R; r++) s[r] = run_scale<WF, P>(h.pre_s[r], u);
       if (lane + u * 32 < ld8) {
         load_x<WF>(xs, ld8, lane + u * 32, xf);
 #pragma unroll
-        for (int r = 0; r < R; r++) acc[r] += dot_word<WF>(h.pre[u][r], h.pre_s[u][r], xf, h.ctx[r], lane + u * 32);
+        for (int r = 0; r < R; r++) acc[r] += dot_word<WF>(h.pre[u][r], s[r], xf, h.ctx[r], lane + u * 32);
       }
     }
+    // 4 steps at a time: per lane (a lane does one more round when its last word is in the row), or for I8
+    // (its scales are shuffled across the warp) warp-uniformly, whole rounds only. Either way each lane sums
+    // its words in the same order.
     int k = lane + P * 32;  // in 16-byte words
-    for (; k + 3 * 32 < ld8; k += 4 * 32) {
-      uint4 w[4][R];
-      WScale<WF> ws[4][R];
-#pragma unroll
-      for (int u = 0; u < 4; u++)
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-          w[u][r] = load_stream(h.wrow[r] + k + u * 32);
-          ws[u][r] = load_scale<WF>(h.ctx[r], k + u * 32);
-        }
-#pragma unroll
-      for (int u = 0; u < 4; u++) {
-        load_x<WF>(xs, ld8, k + u * 32, xf);
-#pragma unroll
-        for (int r = 0; r < R; r++) acc[r] += dot_word<WF>(w[u][r], ws[u][r], xf, h.ctx[r], k + u * 32);
-      }
+    if constexpr (WF == WFormat::I8) {
+      for (int kb = P * 32; kb + 4 * 32 <= ld8; kb += 4 * 32, k += 4 * 32)
+        round4<WF, R>(h, xs, ld8, kb, k, xf, acc);
+    } else {
+      for (; k + 3 * 32 < ld8; k += 4 * 32) round4<WF, R>(h, xs, ld8, k - lane, k, xf, acc);
     }
     for (; k < ld8; k += 32) {
       load_x<WF>(xs, ld8, k, xf);

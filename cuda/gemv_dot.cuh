@@ -6,7 +6,8 @@
 //       2^23 (__byte_perm with 0x4B000000): the float 2^23 + u; one subtract of 2^23 + 128 gives q exactly (the
 //       whole -128..127 range); fp32 FMAs with x into two partial sums; the block's d (fp16, widened once per
 //       word) scales the word's sum. ~3 instructions per weight, against a budget of ~7 at full bandwidth on
-//       the H200; d costs 2 bytes per 32 weights (+6% bytes) and one load + FMUL per word.
+//       the H200; d costs 2 bytes per 32 weights (+6% bytes) and per word a shuffle, a widening and an FFMA
+//       (ScaleRun: the d are loaded per 4 steps of the warp and shuffled to the lanes that need them).
 //   I4: a word is one group of 32. (w >> 4j) & 0x000F000F | 0x64006400 is the fp16 pair (1024 + q, 1024 + q')
 //       (the packer's nibble order makes the pair consecutive weights); one HSUB2 of 1032 gives q - 8 exactly
 //       (centred: smaller partial sums), one HFMA2 multiplies-accumulates with the fp16 input pair. For odd j
@@ -48,22 +49,64 @@ __device__ __forceinline__ void load_x(const __half* xs, int nw, int k, XFrag<WF
 // Row-wise context of the quantized formats: the row's block scales (I8: d per block of 32; I4: (scale, min)
 // per group) and, for I4, the per-group input sums.
 struct QCtx {
-  const __half* d = nullptr;    // I8: this row's d
+  const __half* d = nullptr;    // I8: all rows' d (one pointer for all rows: fewer registers than one per row)
+  int drow = 0;                 // I8: this row's first d in d (rows x blocks per row < 2^31)
   const __half2* sm = nullptr;  // I4: this row's (scale, min) pairs
   const float* xsum = nullptr;  // I4: per-group sums of the staged input
 };
-// What a 16-byte weight word k needs besides the input: I8 its block's d (word k is half of block k / 2; the two
-// lanes of a block read the same 2 bytes, a warp 32 contiguous bytes), I4 its group's (scale, min); nothing for
-// F16. Loaded together with the word (and, for the prefetched words, before the dependency wait: scales are
-// weights too).
+// What a 16-byte weight word k needs besides the input: I8 its block's d (word k is half of block k / 2), I4 its
+// group's (scale, min); nothing for F16. Loaded together with the word (and, for the prefetched words, before
+// the dependency wait: scales are weights too) — one at a time by load_scale (split-K, the last steps of a row),
+// for runs of steps by ScaleRun below.
 template <WFormat WF> struct WScale {};
 template <> struct WScale<WFormat::I8> { __half d; };
 template <> struct WScale<WFormat::I4> { __half2 sm; };
 template <WFormat WF>
 __device__ __forceinline__ WScale<WF> load_scale(const QCtx& c, int k) {
   WScale<WF> s;
-  if constexpr (WF == WFormat::I8) s.d = c.d[k >> 1];
+  if constexpr (WF == WFormat::I8) s.d = c.d[c.drow + (k >> 1)];
   if constexpr (WF == WFormat::I4) s.sm = c.sm[k];
+  return s;
+}
+
+// The scales of N consecutive steps of one row (a step: the warp's 32 consecutive words, lane l's word kb + l +
+// 32 u at step u), loaded together with the steps' words. I4: one (scale, min) per word. I8: a warp's 4 steps
+// span 64 blocks, so lane l holds the d of blocks kb / 2 + l and kb / 2 + 32 + l (one register and two
+// coalesced 2-byte loads per row per 4 steps, instead of a load and a register per word: per-word scales had
+// cost R=1 ~20 registers, 3 -> 2 blocks per SM, and spilled at R=4 — docs/perf/QUANT-NOTES.md, "Q8_0 GEMV");
+// the d of step u's word (block kb / 2 + (l >> 1) + 16 u) is then one shuffle away, at lane (l >> 1) +
+// 16 (u & 1), half u >> 1. The shuffles need the whole warp: I8's runs are used in warp-uniform code only.
+template <WFormat WF, int N> struct ScaleRun {};
+template <int N> struct ScaleRun<WFormat::I8, N> { __half2 d[(N + 3) / 4]; };
+template <int N> struct ScaleRun<WFormat::I4, N> { WScale<WFormat::I4> s[N]; };
+// Loads what step u of a run starting at word kb (uniform, a multiple of 32) needs, for a lane word k = kb +
+// lane + 32 u (called for u = 0..N-1 in order, each with that step's word). GUARD: words at or past nw (words
+// per row) read scale 0 / word 0's instead; without GUARD the caller knows the run is inside the row.
+template <WFormat WF, int N, bool GUARD>
+__device__ __forceinline__ void load_run_step(const QCtx& c, int kb, int u, int nw, ScaleRun<WF, N>& run) {
+  if constexpr (WF == WFormat::I8) {
+    if (u % 4 == 0) {
+      const __half zero = __ushort_as_half(0);
+      const int b = kb / 2 + 16 * u + (threadIdx.x & 31);  // and b + 32 (only where the run has step u + 2)
+      const bool hi = u + 2 < N;
+      run.d[u / 4] = __halves2half2(!GUARD || 2 * b < nw ? c.d[c.drow + b] : zero,
+                                    hi && (!GUARD || 2 * (b + 32) < nw) ? c.d[c.drow + b + 32] : zero);
+    }
+  } else if constexpr (WF == WFormat::I4) {
+    const int k = kb + (threadIdx.x & 31) + 32 * u;
+    run.s[u] = load_scale<WF>(c, !GUARD || k < nw ? k : 0);
+  }
+}
+template <WFormat WF, int N>
+__device__ __forceinline__ WScale<WF> run_scale(const ScaleRun<WF, N>& run, int u) {
+  WScale<WF> s;
+  if constexpr (WF == WFormat::I8) {
+    const int lane = threadIdx.x & 31;
+    const __half2 v = __shfl_sync(0xffffffffu, run.d[u / 4], (lane >> 1) + 16 * (u & 1));
+    s.d = u & 2 ? __high2half(v) : __low2half(v);
+  } else if constexpr (WF == WFormat::I4) {
+    s = run.s[u];
+  }
   return s;
 }
 
@@ -128,7 +171,10 @@ __device__ __forceinline__ int words_per_row(const GemvParams& p) {
 template <WFormat WF>
 __device__ __forceinline__ QCtx row_ctx(const GemvParams& p, int row, const float* xsum) {
   QCtx c;
-  if constexpr (WF == WFormat::I8) c.d = static_cast<const __half*>(p.scales) + (size_t)row * (p.ldq / kI8Block);
+  if constexpr (WF == WFormat::I8) {
+    c.d = static_cast<const __half*>(p.scales);
+    c.drow = row * (p.ldq / kI8Block);
+  }
   if constexpr (WF == WFormat::I4) {
     c.sm = static_cast<const __half2*>(p.scales) + (size_t)row * (p.K / kI4Group);
     c.xsum = xsum;

@@ -3,6 +3,7 @@
 // arithmetic (gemv.cu's fused RMSNorm and SwiGLU, attention.cu's fused RoPE) so both paths give the same numbers
 // up to the fp16 rounding of the GEMM inputs.
 #include "common.cuh"
+#include "kv_layout.cuh"
 #include "prefill.cuh"
 
 namespace ti::cuda {
@@ -66,6 +67,8 @@ __global__ void __launch_bounds__(256) rope_rows_kernel(RopeRowsParams p) {
   const float* row = p.qkv + (size_t)t * p.ldqkv;
   const float* cs = p.cos + (size_t)pos * half_d;
   const float* sn = p.sin + (size_t)pos * half_d;
+  const size_t kv_at = kv_row(p.page_table, pos, 0, p.n_kv_heads, p.page_shift, hd);  // head 0's row; head h: + h P hd
+  const size_t head_stride = (size_t)hd << p.page_shift;
   const int pairs = (p.n_heads + p.n_kv_heads) * half_d;
   for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
     const int head = j / half_d, i = j - head * half_d;
@@ -75,7 +78,7 @@ __global__ void __launch_bounds__(256) rope_rows_kernel(RopeRowsParams p) {
     if (head < p.n_heads) {
       out = p.q + (size_t)t * q_dim + (size_t)head * hd;
     } else {
-      out = p.k_cache + ((size_t)(head - p.n_heads) * p.max_seq + pos) * hd;
+      out = p.k_pages + kv_at + (size_t)(head - p.n_heads) * head_stride;
     }
     out[i] = r1;
     out[i + half_d] = r2;
@@ -83,11 +86,12 @@ __global__ void __launch_bounds__(256) rope_rows_kernel(RopeRowsParams p) {
   const float* v = row + q_dim + kv_dim;
   for (int j = threadIdx.x; j < kv_dim; j += blockDim.x) {
     const int h = j / hd, d = j - h * hd;
-    p.v_cache[((size_t)h * p.max_seq + pos) * hd + d] = __float2half(v[j]);
+    p.v_pages[kv_at + (size_t)h * head_stride + d] = __float2half(v[j]);
   }
 }
 
 void rope_rows(const RopeRowsParams& p, cudaStream_t s) {
+  if (p.page_shift < 0 || p.page_shift > 20) fail(ErrorKind::Request, "rope_rows: page_shift must be 0..20");
   if (p.T < 1) return;
   rope_rows_kernel<<<p.T, 256, 0, s>>>(p);
   TI_CUDA_CHECK(cudaGetLastError());

@@ -14,17 +14,19 @@ void rmsnorm_rows(const float* x, int ldx, const float* w, float eps, int H, int
                   cudaStream_t stream);
 
 // RoPE for T tokens at positions pos0..pos0+T-1. qkv: (T, ldqkv) fp32 rows q | k | v, before RoPE. Writes rope(q)
-// to q (T, q_dim) fp16, rope(k) and v into this layer's caches (n_kv_heads, max_seq, head_dim) fp16 at their
-// positions. cos/sin: (max_seq, head_dim / 2).
+// to q (T, q_dim) fp16, rope(k) and v into this layer's pages of the paged cache (cuda/kv_layout.cuh; the pages
+// of those positions assigned in page_table) at their positions. cos/sin: (max_seq, head_dim / 2).
 struct RopeRowsParams {
   const float* qkv = nullptr;
   const float* cos = nullptr;
   const float* sin = nullptr;
   __half* q = nullptr;
-  __half* k_cache = nullptr;
-  __half* v_cache = nullptr;
+  __half* k_pages = nullptr;
+  __half* v_pages = nullptr;
+  const int* page_table = nullptr;
+  int page_shift = 6;
   int ldqkv = 0;
-  int T = 0, pos0 = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, max_seq = 0;
+  int T = 0, pos0 = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
 };
 void rope_rows(const RopeRowsParams& p, cudaStream_t stream);
 

@@ -2,6 +2,7 @@
 //
 // What: out[t, h] = softmax_j<=pos0+t (q[t,h] . K[j] * scale) V[j] for T new tokens whose keys and values are
 // already in the cache (rope_rows wrote them), so a prompt can be prefilled in chunks and after earlier turns.
+// The cache is paged (kv_layout.cuh): each key tile is one run of a page, found by one table load.
 //
 // GQA packing. A block owns one KV head and 64 "packed rows": row r is (token r / group, query head
 // kvh * group + r % group), so the `group` query heads that share a KV head share every K/V tile the block
@@ -22,6 +23,7 @@
 #include <cfloat>
 
 #include "common.cuh"
+#include "kv_layout.cuh"
 #include "prefill_attention.cuh"
 
 namespace ti::cuda {
@@ -128,8 +130,6 @@ __global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParam
   const int kv_len = p.pos0 + min(r0 + kBr - 1, rows - 1) / group + 1;  // keys the block needs
   const int kv_all = p.pos0 + r0 / group + 1;  // keys [0, kv_all) are visible to every row of the block
   const float scale_log2 = p.scale * 1.4426950408889634f;
-  const __half* kc = p.k_cache + (size_t)kvh * p.max_seq * hd;
-  const __half* vc = p.v_cache + (size_t)kvh * p.max_seq * hd;
 
   // Q's A fragments: loaded from shared memory once and kept in registers when head_dim <= 128 (<= 32
   // registers); for 256 they would not fit beside O, so they are re-read per tile.
@@ -148,16 +148,19 @@ __global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParam
   for (int dn = 0; dn < HDMAX / 8; dn++) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
   float m_a = -1e30f, m_b = -1e30f, l_a = 0.0f, l_b = 0.0f;  // finite start: a fully masked tile gives exp2(-inf)=0
 
-  // K and V rows kv0.. of tile `stage` (rows past kv_len: zeros, since 0 * garbage could be NaN)
+  // K and V rows kv0.. of tile `stage` (rows past kv_len: zeros, since 0 * garbage could be NaN). The tile's BC
+  // rows lie in one page (BC <= 64 <= page_size, both powers of two, kv0 a multiple of BC): one table load, for
+  // the page of kv0 < kv_len (assigned).
   auto load_tile = [&](int stage, int kv0) {
     __half* Kd = KVs + (size_t)stage * 2 * BC * LD;
     __half* Vd = Kd + BC * LD;
+    const size_t base = kv_row(p.page_table, kv0, kvh, p.n_kv_heads, p.page_shift, hd);
     for (int i = threadIdx.x; i < BC * words; i += kThreads) {
       const int r = i / words, w = i % words;
       const bool ok = kv0 + r < kv_len;
-      const size_t at = (size_t)(ok ? kv0 + r : 0) * hd + w * 8;
-      cp_async16(Kd + r * LD + w * 8, kc + at, ok);
-      cp_async16(Vd + r * LD + w * 8, vc + at, ok);
+      const size_t at = base + (size_t)(ok ? r : 0) * hd + w * 8;
+      cp_async16(Kd + r * LD + w * 8, p.k_pages + at, ok);
+      cp_async16(Vd + r * LD + w * 8, p.v_pages + at, ok);
     }
     cp_async_commit();
   };
@@ -306,6 +309,9 @@ void prefill_attention(const PrefillAttnParams& p, cudaStream_t s) {
                                  std::to_string(p.head_dim));
   if (p.n_kv_heads < 1 || p.n_heads % p.n_kv_heads != 0)
     fail(ErrorKind::Request, "prefill_attention: n_heads must be a multiple of n_kv_heads");
+  if (p.page_shift < 6 || p.page_shift > 20)
+    fail(ErrorKind::Request, "prefill_attention: page size must be a power of two >= 64, got 2^" +
+                                 std::to_string(p.page_shift));
   if (p.T < 1) return;
   if (p.pos0 < 0 || p.pos0 + p.T > p.max_seq) fail(ErrorKind::Request, "prefill_attention: positions out of range");
   const int group = p.n_heads / p.n_kv_heads;

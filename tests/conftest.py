@@ -27,6 +27,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def to_pages(cache, page_size: int, seed: int, spare: int = 3, fill=0x7E00):
+    """A contiguous cache (n_kv_heads, n_pos, head_dim) -> the paged layout the kernels read (cuda/kv_layout.cuh):
+    a pool (n_pages, n_kv_heads, page_size, head_dim) and a page table of ceil(n_pos / page_size) int32 entries,
+    the pages scattered over the pool in a random order (`seed`) with `spare` unused pages of `fill` (fp16 NaN
+    bits by default) among them, and the tail of the last page `fill` too. The same seed gives the same table."""
+    import numpy as np
+
+    n_kv, n_pos, hd = cache.shape
+    n_tab = -(-n_pos // page_size)
+    table = np.random.default_rng(seed).permutation(n_tab + spare)[:n_tab].astype(np.int32)
+    padded = np.full((n_kv, n_tab * page_size, hd), fill, cache.dtype)
+    padded[:, :n_pos] = cache
+    pool = np.full((n_tab + spare, n_kv, page_size, hd), fill, cache.dtype)
+    pool[table] = padded.reshape(n_kv, n_tab, page_size, hd).transpose(1, 0, 2, 3)
+    return pool, table
+
+
+def from_pages(pool, table, n_pos: int):
+    """The inverse of to_pages: positions 0..n_pos-1 of the pool's sequence as a (n_kv_heads, n_pos, head_dim) array."""
+    n_kv, page_size, hd = pool.shape[1:]
+    return pool[table].transpose(1, 0, 2, 3).reshape(n_kv, len(table) * page_size, hd)[:, :n_pos]
+
+
+def unused_pages(pool, table):
+    """The pool's pages that are not in the table (they must come out of a kernel as they went in)."""
+    import numpy as np
+
+    return pool[np.setdiff1d(np.arange(pool.shape[0]), table)]
+
+
 def make_llama(
     out: Path,
     *,

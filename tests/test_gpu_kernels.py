@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyinfer import _core
+from conftest import from_pages, to_pages, unused_pages
+from tinyinfer import InvalidRequestError, _core
 
 pytestmark = pytest.mark.gpu
 
@@ -102,17 +103,34 @@ def test_decode_attention_matches_numpy(group, hd, pos):
     _check_attention(group, hd, pos, 64)
 
 
-# chunks of other sizes (CudaOptions.attn_chunk): up to 4 positions per lane (128), several chunks per head
+# chunks of other sizes (CudaOptions.attn_chunk): up to 4 positions per lane (128), several chunks per head; 40:
+# chunks that straddle two pages
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("hd", [64, 128])
 @pytest.mark.parametrize("pos", [5, 31, 200])
 @pytest.mark.parametrize("chunk", [16, 40, 128])
 def test_decode_attention_chunk_sizes(group, hd, pos, chunk):
-    _check_attention(group, hd, pos, chunk)
+    _check_attention(group, hd, pos, chunk, page_size=128 if chunk == 128 else 64)
 
 
-def _check_attention(group, hd, pos, chunk):
-    n_kv, max_seq = 2, 512
+# The paged cache: contexts (pos + 1) of 1, 63, 64, 65, 200, 1000 against pages of 64 (and larger pages, and the
+# smallest page a chunk allows), every supported head dim, the GQA groups of Llama-family models.
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("hd", [64, 96, 128, 256])
+@pytest.mark.parametrize("pos", [0, 62, 63, 64, 199, 999])
+@pytest.mark.parametrize("page_size", [64, 256])
+def test_decode_attention_paged(group, hd, pos, page_size):
+    _check_attention(group, hd, pos, 64 if hd <= 128 else 32, page_size=page_size, max_seq=1024 + 37)
+
+
+@pytest.mark.parametrize("pos", [0, 15, 16, 17, 100])
+def test_decode_attention_small_pages(pos):
+    """Pages as small as the chunk (16): every chunk its own page."""
+    _check_attention(4, 64, pos, 16, page_size=16, max_seq=128)
+
+
+def _check_attention(group, hd, pos, chunk, page_size=64, max_seq=512):
+    n_kv = 2
     n_heads = n_kv * group
     rng = np.random.default_rng(group * 1000 + hd + pos)
     qkv = rng.standard_normal((n_heads + 2 * n_kv) * hd).astype(np.float32)
@@ -121,8 +139,12 @@ def _check_attention(group, hd, pos, chunk):
     kc[:, pos + 1 :] = np.nan  # positions past pos must never be read
     vc[:, pos + 1 :] = np.nan
     cos, sin = _rope_tables(max_seq, hd)
-    kb, vb = kc.view(np.uint16).copy(), vc.view(np.uint16).copy()
-    out = np.array(_core.ops.decode_attention(qkv, kb, vb, cos, sin, pos, n_heads, chunk))
+    # the pages scattered over a pool with unused pages among them (NaN: a wrong page read shows)
+    kp, table = to_pages(kc.view(np.uint16), page_size, seed=pos + hd)
+    vp, _ = to_pages(vc.view(np.uint16), page_size, seed=pos + hd)
+    spare_k, spare_v = unused_pages(kp, table).copy(), unused_pages(vp, table).copy()
+    out = np.array(_core.ops.decode_attention(qkv, kp, vp, table, cos, sin, pos, n_heads, chunk))
+    kb, vb = from_pages(kp, table, max_seq), from_pages(vp, table, max_seq)
 
     q = qkv[: n_heads * hd].reshape(n_heads, hd)
     k = qkv[n_heads * hd : (n_heads + n_kv) * hd].reshape(n_kv, hd)
@@ -134,6 +156,10 @@ def _check_attention(group, hd, pos, chunk):
     np.testing.assert_array_equal(kb.view(np.float16)[:, pos], k_new)
     np.testing.assert_array_equal(vb.view(np.float16)[:, pos], v.astype(np.float16))
     np.testing.assert_array_equal(kb.view(np.float16)[:, :pos], kc[:, :pos])
+    np.testing.assert_array_equal(vb.view(np.float16)[:, :pos], vc[:, :pos])
+    np.testing.assert_array_equal(kb[:, pos + 1 :], 0x7E00)
+    np.testing.assert_array_equal(unused_pages(kp, table), spare_k)
+    np.testing.assert_array_equal(unused_pages(vp, table), spare_v)
     qr = _rot(q, c, s).astype(np.float64) / np.sqrt(hd)
     ref = np.empty((n_heads, hd))
     for h in range(n_heads):
@@ -146,57 +172,17 @@ def _check_attention(group, hd, pos, chunk):
     np.testing.assert_allclose(out.reshape(n_heads, hd), ref, atol=3e-3, rtol=3e-3)
 
 
-# ---- sampling (cuda/sampling.cu) ----
-
-def _sample(logits, **kw):
-    args = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=0, step=0)
-    args.update(kw)
-    seen = kw.pop("seen", None)
-    if seen is None:
-        seen = np.zeros(len(logits), np.uint8)
-    args.pop("seen", None)
-    return _core.ops.sample(logits, args["temperature"], args["top_k"], args["top_p"], args["min_p"],
-                            args["repetition_penalty"], args["seed"], args["step"], seen)
-
-
-@pytest.mark.parametrize("vocab", [1, 7, 1000, 32000, 49152, 128256])
-def test_greedy_sampling_is_argmax_lowest_id(vocab):
-    rng = np.random.default_rng(vocab)
-    logits = rng.standard_normal(vocab).astype(np.float32)
-    assert _sample(logits) == int(np.argmax(logits))
-    logits[vocab // 3] = logits[vocab // 2] = logits.max() + 1  # a tie: the lower id wins
-    assert _sample(logits) == min(vocab // 3, vocab // 2)
-
-
-def test_repetition_penalty_on_device_matches_reference():
-    logits = np.array([3.0, 2.9, -1.0, 2.0], np.float32)
-    seen = np.array([1, 0, 0, 0], np.uint8)
-    assert _sample(logits) == 0
-    assert _sample(logits, repetition_penalty=1.5, seen=seen) == 1  # 3.0 / 1.5 = 2.0 < 2.9
-
-
-def test_topk1_and_cutoffs_respected():
-    rng = np.random.default_rng(3)
-    logits = rng.standard_normal(5000).astype(np.float32) * 3
-    order = np.argsort(-logits, kind="stable")
-    p = np.exp(logits - logits.max())
-    p /= p.sum()
-    cum = np.cumsum(p[order])
-    top_p_set = set(order[: int(np.searchsorted(cum, 0.6) + 1)].tolist())
-    for step in range(200):
-        assert _sample(logits, temperature=1.0, top_k=1, seed=5, step=step) == order[0]
-        assert _sample(logits, temperature=1.0, top_k=5, seed=5, step=step) in set(order[:5].tolist())
-        assert _sample(logits, temperature=1.0, top_p=0.6, seed=5, step=step) in top_p_set
-        t = _sample(logits, temperature=1.0, min_p=0.2, seed=5, step=step)
-        assert p[t] >= 0.2 * p.max() * (1 - 1e-5)
-
-
-def test_sampling_follows_the_distribution_and_seed_reproduces():
-    logits = np.log(np.array([0.5, 0.25, 0.125, 0.0625, 0.0625], np.float32))
-    n = 4000
-    draws = np.array([_sample(logits, temperature=1.0, seed=11, step=i) for i in range(n)])
-    freq = np.bincount(draws, minlength=5) / n
-    want = np.exp(logits) / np.exp(logits).sum()
-    assert np.all(np.abs(freq - want) <= 4.5 * np.sqrt(want * (1 - want) / n))
-    again = np.array([_sample(logits, temperature=1.0, seed=11, step=i) for i in range(50)])
-    np.testing.assert_array_equal(again, draws[:50])
+def test_decode_attention_bad_pages_are_clear_errors():
+    hd, n_kv, n_heads, max_seq = 64, 1, 2, 128
+    qkv = np.zeros((n_heads + 2 * n_kv) * hd, np.float32)
+    cos, sin = _rope_tables(max_seq, hd)
+    pool = np.zeros((2, n_kv, 64, hd), np.uint16)
+    with pytest.raises(InvalidRequestError, match=r"page_table\[1\] = 5 is not a page of a pool of 2"):
+        _core.ops.decode_attention(qkv, pool, pool.copy(), np.array([0, 5], np.int32), cos, sin, 70, n_heads, 64)
+    with pytest.raises(InvalidRequestError, match="positions out of range of a page table of 1 pages"):
+        _core.ops.decode_attention(qkv, pool, pool.copy(), np.array([0], np.int32), cos, sin, 3, n_heads, 64)
+    with pytest.raises(InvalidRequestError, match="page size 64 must be >= the chunk of 128"):
+        _core.ops.decode_attention(qkv, pool, pool.copy(), np.array([0, 1], np.int32), cos, sin, 3, n_heads, 128)
+    odd = np.zeros((2, n_kv, 48, hd), np.uint16)
+    with pytest.raises(InvalidRequestError, match="must be a power of two, got 48"):
+        _core.ops.decode_attention(qkv, odd, odd.copy(), np.array([0, 1, 0], np.int32), cos, sin, 3, n_heads, 16)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import make_llama
+from conftest import from_pages, make_llama, to_pages, unused_pages
 from tinyinfer import Engine, InvalidRequestError, _core
 
 pytestmark = pytest.mark.gpu
@@ -87,6 +87,13 @@ def attention_ref(q, kc, vc, pos0, n_heads):
     return out.reshape(T, n_heads * hd)
 
 
+def paged(kc, vc, page_size, seed):
+    """Both caches in scattered pages of one table (conftest.to_pages)."""
+    kp, table = to_pages(kc, page_size, seed)
+    vp, _ = to_pages(vc, page_size, seed)
+    return kp, vp, table
+
+
 @pytest.mark.parametrize("n_heads,n_kv,hd,T,pos0", [
     (4, 4, 64, 1, 0),      # one token, one key
     (8, 2, 64, 17, 0),     # group 4, a partial tile
@@ -97,9 +104,13 @@ def attention_ref(q, kc, vc, pos0, n_heads):
     (2, 2, 16, 65, 64),    # the smallest head_dim; starting exactly at a tile edge
     (3, 3, 48, 200, 111),  # head_dim 48, long
     (4, 2, 64, 1, 300),    # one new token after a long context
+    # the paged cache: contexts crossing page edges (pages of 64), continuing a cache (pos0 > 0), GQA 1/3/4/8
+    (2, 2, 64, 63, 0), (6, 2, 128, 64, 1), (8, 2, 64, 65, 63), (16, 2, 128, 200, 64), (3, 1, 64, 136, 864),
+    (8, 1, 256, 65, 135), (4, 1, 96, 999, 1),
 ])
 @pytest.mark.parametrize("stages", [0, 1])  # 0: the launcher's choice (two stages on sm_80+); 1: the sm_75 path
-def test_prefill_attention_matches_reference(n_heads, n_kv, hd, T, pos0, stages):
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_prefill_attention_matches_reference(n_heads, n_kv, hd, T, pos0, stages, page_size):
     rng = np.random.default_rng(n_heads * 1000 + hd + T)
     max_seq = pos0 + T + 37
     kc = rng.standard_normal((n_kv, max_seq, hd)).astype(np.float16).view(np.uint16)
@@ -107,7 +118,8 @@ def test_prefill_attention_matches_reference(n_heads, n_kv, hd, T, pos0, stages)
     kc[:, pos0 + T:] = 0x7E00  # NaN past the last position: the kernel must never read it
     vc[:, pos0 + T:] = 0x7E00
     q = (rng.standard_normal((T, n_heads * hd)) * 2).astype(np.float32)
-    got = _core.ops.prefill_attention(q, kc, vc, pos0, n_heads, stages)
+    kp, vp, table = paged(kc, vc, page_size, seed=T + pos0)  # unused pages: NaN as well
+    got = _core.ops.prefill_attention(q, kp, vp, table, pos0, n_heads, stages)
     ref = attention_ref(q, kc, vc, pos0, n_heads)
     close(got, ref, atol=4e-3, rtol=1e-2)
 
@@ -118,18 +130,60 @@ def test_prefill_attention_named_inputs():
     kc = np.zeros((1, T, hd), np.float16)
     vc = np.tile(np.arange(T, dtype=np.float16)[None, :, None], (1, 1, hd))
     q = np.zeros((T, n_heads * hd), np.float32)  # zero scores: uniform weights over positions 0..t
-    got = _core.ops.prefill_attention(q, kc.view(np.uint16), vc.view(np.uint16), 0, n_heads)
+    kp, vp, table = paged(kc.view(np.uint16), vc.view(np.uint16), 64, seed=1)
+    got = _core.ops.prefill_attention(q, kp, vp, table, 0, n_heads)
     want = np.repeat((np.arange(T) / 2.0)[:, None], n_heads * hd, axis=1)  # mean of 0..t
     np.testing.assert_allclose(got, want, atol=2e-2)
 
 
 def test_prefill_attention_refuses_unsupported_head_dim():
-    kc = np.zeros((1, 8, 40), np.uint16)
+    kc = np.zeros((1, 1, 64, 40), np.uint16)
+    one = np.zeros(1, np.int32)  # a table of one entry: page 0
     with pytest.raises(InvalidRequestError, match="head_dim must be a multiple of 16"):
-        _core.ops.prefill_attention(np.zeros((2, 40), np.float32), kc, kc, 0, 1)
-    kc = np.zeros((1, 8, 64), np.uint16)
+        _core.ops.prefill_attention(np.zeros((2, 40), np.float32), kc, kc.copy(), one, 0, 1)
+    kc = np.zeros((1, 1, 64, 64), np.uint16)
     with pytest.raises(InvalidRequestError, match="out of range"):
-        _core.ops.prefill_attention(np.zeros((4, 64), np.float32), kc, kc, 6, 1)
+        _core.ops.prefill_attention(np.zeros((60, 64), np.float32), kc, kc.copy(), one, 6, 1)
+    small = np.zeros((4, 1, 32, 64), np.uint16)
+    with pytest.raises(InvalidRequestError, match="page size must be a power of two >= 64"):
+        _core.ops.prefill_attention(np.zeros((4, 64), np.float32), small, small.copy(), np.arange(4, dtype=np.int32),
+                                    0, 1)
+    with pytest.raises(InvalidRequestError, match=r"page_table\[0\] = -1 is not a page"):
+        _core.ops.prefill_attention(np.zeros((4, 64), np.float32), kc, kc.copy(), one - 1, 0, 1)
+
+
+# ---- the prefill's RoPE + cache write (cuda/prefill.cu, rope_rows) ----
+
+@pytest.mark.parametrize("n_heads,n_kv,hd,T,pos0,page_size", [
+    (4, 4, 64, 1, 0, 64), (6, 2, 64, 65, 0, 64), (8, 2, 128, 130, 63, 64), (3, 1, 96, 200, 800, 64),
+    (8, 1, 256, 70, 1, 128), (4, 2, 64, 17, 60, 16),
+])
+def test_rope_rows_writes_the_paged_cache(n_heads, n_kv, hd, T, pos0, page_size):
+    from test_gpu_kernels import _rope_tables, _rot
+
+    rng = np.random.default_rng(T * 7 + pos0)
+    max_seq = pos0 + T + 20
+    qkv = rng.standard_normal((T, (n_heads + 2 * n_kv) * hd)).astype(np.float32)
+    kc = rng.standard_normal((n_kv, max_seq, hd)).astype(np.float16).view(np.uint16)  # earlier content
+    vc = rng.standard_normal((n_kv, max_seq, hd)).astype(np.float16).view(np.uint16)
+    kp, vp, table = paged(kc, vc, page_size, seed=T)
+    spare_k = unused_pages(kp, table).copy()
+    cos, sin = _rope_tables(max_seq, hd)
+    q = _core.ops.rope_rows(qkv, kp, vp, table, cos, sin, pos0, n_heads)
+
+    c, s = cos[pos0:pos0 + T, None, :], sin[pos0:pos0 + T, None, :]
+    x = qkv.astype(np.float64)
+    q_ref = _rot(x[:, :n_heads * hd].reshape(T, n_heads, hd), c, s).reshape(T, -1)
+    k_ref = _rot(x[:, n_heads * hd:(n_heads + n_kv) * hd].reshape(T, n_kv, hd), c, s).transpose(1, 0, 2)
+    v_ref = qkv[:, (n_heads + n_kv) * hd:].reshape(T, n_kv, hd).transpose(1, 0, 2).astype(np.float16)
+    close(q, q_ref, atol=2e-3, rtol=1e-3)
+    kb, vb = from_pages(kp, table, max_seq), from_pages(vp, table, max_seq)
+    close(kb[:, pos0:pos0 + T].view(np.float16).astype(np.float64), k_ref, atol=2e-3, rtol=1e-3)
+    np.testing.assert_array_equal(vb[:, pos0:pos0 + T].view(np.float16), v_ref)
+    # nothing else written: the positions before and after, and the pages outside the table
+    np.testing.assert_array_equal(kb[:, :pos0], kc[:, :pos0])
+    np.testing.assert_array_equal(vb[:, pos0 + T:], vc[:, pos0 + T:])
+    np.testing.assert_array_equal(unused_pages(kp, table), spare_k)
 
 
 # ---- the engine's prefill ----

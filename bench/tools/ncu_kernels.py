@@ -30,9 +30,10 @@ gemv("int4", 2048, 2048, 2, 1, ops.GemvIn.F16, ops.GemvOut.AddF32)  # TinyLlama 
 gemv("int4", 22016, 4096, 2, 2)   # Llama-2-7B gate_up
 n_kv, group, hd, max_seq, pos = 4, 8, 64, 256, 16
 qkv = rng.standard_normal((n_kv * group + 2 * n_kv) * hd).astype(np.float32)
-kc = rng.standard_normal((n_kv, max_seq, hd)).astype(np.float16).view(np.uint16).copy()
-vc = kc.copy()
+kp = rng.standard_normal((max_seq // 64, n_kv, 64, hd)).astype(np.float16).view(np.uint16).copy()  # pages of 64
+vp = kp.copy()
+table = np.arange(max_seq // 64, dtype=np.int32)
 ang = np.arange(max_seq)[:, None] * (1.0 / 10000 ** (np.arange(0, hd, 2) / hd))[None, :]
-ops.decode_attention(qkv, kc, vc, np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32), pos,
+ops.decode_attention(qkv, kp, vp, table, np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32), pos,
                      n_kv * group, 64)
 print("decode attention TinyLlama pos 16")

@@ -6,7 +6,7 @@
 // memory. Readers widen a row at a time to fp32 (HostTensor::widen_row), which gives exactly the numbers a
 // whole-tensor fp32 conversion would (bf16 -> fp32 is exact; blocks go through the reference dequantizer).
 // Vectors (the norms) are kept as fp32. finish() checks that nothing is missing. The CPU engine reads
-// LayerWeights views; the GPU engine packs its matrices from widened copies (widen()).
+// LayerWeights views (the GPU engine streams its weights from the file: weight_stream.h).
 #pragma once
 #include <cstdint>
 #include <string>

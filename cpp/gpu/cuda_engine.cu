@@ -2,22 +2,30 @@
 #include "cuda_engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 
 #include "../../cuda/attention.cuh"
 #include "../../cuda/common.cuh"
 #include "../../cuda/prefill_attention.cuh"
 #include "../core/engine_checks.h"
 #include "../core/errors.h"
+#include "plan_cache.h"
 
 namespace ti {
 
 // ---- lifecycle ----
 
-CudaEngine::CudaEngine(const WeightStore& weights, int64_t max_seq_len, CudaOptions opt)
-    : cfg_(weights.config()), max_seq_(max_seq_len), opt_(std::move(opt)) {
-  if (!weights.finished()) fail(ErrorKind::Request, "CudaEngine: the WeightStore is not finished");
-  build([&] { weights_->upload(weights); });
+CudaEngine::CudaEngine(const ModelConfig& config, int64_t max_seq_len, CudaOptions opt,
+                       const std::function<void(WeightStream&)>& load)
+    : cfg_(config), max_seq_(max_seq_len), opt_(std::move(opt)) {
+  cfg_.validate();
+  build([&] {
+    WeightStream s(*weights_, cfg_, stream_);
+    load(s);
+    s.finish();
+  });
 }
 
 CudaEngine::CudaEngine(const ModelConfig& config, int64_t max_seq_len, uint64_t seed, CudaOptions opt)
@@ -33,11 +41,14 @@ void CudaEngine::build(const std::function<void()>& fill_weights) {
   try {
     init_device();
     allocate();
+    using Clock = std::chrono::steady_clock;
+    auto since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+    Clock::time_point t0 = Clock::now();
     fill_weights();
-    GemvTuneOptions t{opt_.gemv_rows, opt_.gemv_grid, opt_.gemv_resident_margin, opt_.gemv_small_tiles, opt_.gemv_pins};
-    plan_ = tune_gemv_plan(cfg_, *weights_, dbuf_, t, opt_.early_trigger, pdl_, *clock_);
-    build_graphs();
-    tune_decode_long();
+    load_times_.weights_s = since(t0);
+    tune();
+    load_times_.tune_s = tune_s_[0] + tune_s_[2];  // the GEMV plan + the long-context graph decision
+    load_times_.graphs_s = tune_s_[1];
   } catch (...) {
     release();
     throw;
@@ -62,6 +73,14 @@ void CudaEngine::init_device() {
   if (max_seq_ < 1) fail(ErrorKind::Request, "max_seq_len must be >= 1");
   if (opt_.attn_chunk == 0) opt_.attn_chunk = cuda::attn_chunk_for((int)cfg_.head_dim);
   if (opt_.attn_chunk < 8 || opt_.attn_chunk > 128) fail(ErrorKind::Request, "attn_chunk must be 8..128");
+  const int P = opt_.kv_page_size;
+  if (P < 64 || P > (1 << 20) || (P & (P - 1)))
+    fail(ErrorKind::Request, "kv_page_size must be a power of two in 64..2^20, got " + std::to_string(P));
+  if (P < opt_.attn_chunk)  // (a split-K block then reads at most two pages)
+    fail(ErrorKind::Request, "kv_page_size " + std::to_string(P) + " must be >= attn_chunk " + std::to_string(opt_.attn_chunk));
+  if (opt_.kv_pool_pages < 0)
+    fail(ErrorKind::Request, "kv_pool_pages must be >= 0 (0: enough for max_seq_len), got " +
+                                 std::to_string(opt_.kv_pool_pages));
   if (opt_.gemv_grid < -1 || opt_.gemv_grid > 2) fail(ErrorKind::Request, "gemv_grid must be -1 (tuned), 0, 1 or 2");
   if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))
     fail(ErrorKind::Request, "gemv_resident_margin must be in [0, 1]");
@@ -77,7 +96,11 @@ void CudaEngine::init_device() {
 
 void CudaEngine::allocate() {
   weights_ = std::make_unique<DeviceWeights>(cfg_, opt_.weights, arena_, stream_);
-  dbuf_ = DecodeBuffers::allocate(cfg_, *weights_, max_seq_, opt_.attn_chunk, opt_.trace, arena_, stream_);
+  const int P = opt_.kv_page_size;
+  pool_ = std::make_unique<KvPagePool>(opt_.kv_pool_pages ? opt_.kv_pool_pages : (max_seq_ + P - 1) / P, P,
+                                       opt_.kv_page_shuffle);
+  seq_ = std::make_unique<KvSequence>(*pool_, max_seq_);
+  dbuf_ = DecodeBuffers::allocate(cfg_, *weights_, max_seq_, opt_.attn_chunk, *pool_, opt_.trace, arena_, stream_);
   step_ = std::make_unique<DecodeStep>(cfg_, *weights_, dbuf_, plan_, opt_.early_trigger);
   h_state_ = arena_.alloc_pinned_n<cuda::DecodeState>(1);
   h_sampling_ = arena_.alloc_pinned_n<cuda::DeviceSampling>(1);
@@ -122,24 +145,92 @@ void CudaEngine::build_graphs() {
   graphs_ok_ = true;
 }
 
-// A second decode graph for long contexts, differing in qkv's variant only (gemv_plan.h, tune_decode_long).
-void CudaEngine::tune_decode_long() {
-  if (!graphs_ok_ || opt_.decode_long_from == 0) return;
+// ---- the tuning step: the GEMV plan, the decode graphs, the long-context graph ----
+
+std::string CudaEngine::plan_key(const ModelConfig& c, int64_t max_seq_len, const CudaOptions& o) {
+  int dev = 0;
+  cudaDeviceProp prop{};
+  TI_CUDA_CHECK(cudaGetDevice(&dev));
+  TI_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  const int chunk = o.attn_chunk ? o.attn_chunk : cuda::attn_chunk_for((int)c.head_dim);
+  // The long-context decision is timed up to the longest context the KV pool holds (decode_long_graph).
+  const int64_t longest = o.kv_pool_pages > 0 ? std::min<int64_t>(max_seq_len, o.kv_pool_pages * o.kv_page_size)
+                                              : max_seq_len;
+  char buf[512];
+  std::snprintf(buf, sizeof(buf),
+                " | model h%lld i%lld l%lld q%lld kv%lld d%lld v%lld tie%d %s | rows %d grid %d margin %.4g small %d "
+                "long %lld ctx %lld pdl %d graphs %d early %d chunk %d page %d trace %d",
+                (long long)c.hidden, (long long)c.intermediate, (long long)c.n_layers, (long long)c.n_heads,
+                (long long)c.n_kv_heads, (long long)c.head_dim, (long long)c.vocab, (int)c.tie_word_embeddings,
+                to_string(o.weights).c_str(), o.gemv_rows, o.gemv_grid, o.gemv_resident_margin, (int)o.gemv_small_tiles,
+                (long long)o.decode_long_from, (long long)std::min<int64_t>(1024, longest - 64),
+                (int)(o.pdl && prop.major >= 9), (int)o.graphs, (int)o.early_trigger, chunk, o.kv_page_size,
+                (int)o.trace);
+  return plan_device_id() + " | " + plan_build_id() + buf;
+}
+
+std::string CudaEngine::plan_text() const {
+  return opt_.gemv_pins.empty() ? gemv_plan_to_text(plan_, plan_key_) : std::string();
+}
+
+// The plan from opt_.plan_text where it is whole and made for this key (else tuned); pins on top; the graphs.
+void CudaEngine::tune() {
+  using clock = std::chrono::steady_clock;
+  auto secs = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+  const clock::time_point t0 = clock::now();
+  plan_key_ = plan_key(cfg_, max_seq_, opt_);
+  if (!opt_.plan_text.empty()) {
+    PlanRead r = gemv_plan_from_text(opt_.plan_text, plan_key_);
+    plan_cached_ = r.plan.has_value();
+    if (plan_cached_) plan_ = std::move(*r.plan);
+    else plan_problem_ = r.problem;
+  }
+  if (!plan_cached_) {
+    GemvTuneOptions t{opt_.gemv_rows, opt_.gemv_grid, opt_.gemv_resident_margin, opt_.gemv_small_tiles, {}};
+    plan_ = tune_gemv_plan(cfg_, *weights_, dbuf_, t, opt_.early_trigger, pdl_, *clock_);
+  }
+  for (const GemvPin& pin : opt_.gemv_pins)
+    if (GemvShapePlan* g = plan_.find(pin.role)) apply_pin(*g, pin);
+  const clock::time_point t1 = clock::now();
+  build_graphs();
+  const clock::time_point t2 = clock::now();
+  decode_long_graph();
+  tune_s_[0] = secs(t0, t1);
+  tune_s_[1] = secs(t1, t2);
+  tune_s_[2] = secs(t2, clock::now());
+}
+
+cudaGraphExec_t CudaEngine::capture_decode(GemvVariant qkv) {
+  GemvShapePlan* q = plan_.find(MatrixRole::Qkv);  // swapped while capturing
+  const GemvVariant keep = q->chosen;
+  q->chosen = qkv;
+  cudaGraphExec_t g = nullptr;
+  const cudaError_t err = capture_graph(stream_, [&] { step_->record(stream_, pdl_); }, &g);
+  q->chosen = keep;
+  TI_CUDA_CHECK(err);
+  return g;
+}
+
+// A second decode graph for long contexts, differing in qkv's variant only (gemv_plan.h, tune_decode_long):
+// the cached plan's decision where it has one and no pin changed qkv's pick; else timed.
+void CudaEngine::decode_long_graph() {
+  if (!graphs_ok_ || opt_.decode_long_from == 0) {
+    plan_.long_from = -1;
+    return;
+  }
+  if (plan_cached_ && opt_.gemv_pins.empty()) {
+    if (plan_.long_from > 0) g_decode_long_ = capture_decode(plan_.qkv_long);
+    return;
+  }
+  plan_.long_from = -1;
   DecodeGraphProbe probe;
-  probe.capture = [&](GemvVariant v) {
-    GemvShapePlan* q = plan_.find(MatrixRole::Qkv);  // swapped while capturing
-    const GemvVariant keep = q->chosen;
-    q->chosen = v;
-    cudaGraphExec_t g = nullptr;
-    const cudaError_t err = capture_graph(stream_, [&] { step_->record(stream_, pdl_); }, &g);
-    q->chosen = keep;
-    TI_CUDA_CHECK(err);
-    return g;
-  };
+  probe.capture = [&](GemvVariant v) { return capture_decode(v); };
   probe.step_ms = [&](cudaGraphExec_t g, int64_t context, int steps) {
     return time_steps(context, steps, [&](int64_t) { TI_CUDA_CHECK(cudaGraphLaunch(g, stream_)); });
   };
-  g_decode_long_ = ti::tune_decode_long(plan_, g_decode_, max_seq_, opt_.decode_long_from, probe);
+  // (timed at contexts the pool can hold: a pool smaller than max_seq_len must not fail the load)
+  const int64_t longest = std::min<int64_t>(max_seq_, pool_->n_pages() * pool_->page_size());
+  g_decode_long_ = ti::tune_decode_long(plan_, g_decode_, longest, opt_.decode_long_from, probe);
   reset();  // the cache may hold benchmark tokens
 }
 
@@ -163,6 +254,21 @@ void CudaEngine::release() {
 }
 
 CudaEngine::~CudaEngine() { release(); }
+
+std::pair<std::vector<uint8_t>, std::vector<uint8_t>> CudaEngine::matrix_bytes(int64_t layer, MatrixRole role) const {
+  if (role != MatrixRole::LmHead && (layer < 0 || layer >= cfg_.n_layers))
+    fail(ErrorKind::Request, "matrix_bytes: layer " + std::to_string(layer) + " out of range");
+  const DeviceLayer* L = role == MatrixRole::LmHead ? nullptr : &weights_->layers[(size_t)layer];
+  const cuda::QMat& m = role == MatrixRole::Qkv ? L->qkv : role == MatrixRole::O ? L->o
+                        : role == MatrixRole::GateUp ? L->gate_up : role == MatrixRole::Down ? L->down
+                                                                                             : weights_->lm_head;
+  const size_t row_q = m.fmt == WFormat::F16 ? (size_t)m.ld * 2 : (size_t)m.ld;
+  std::vector<uint8_t> q((size_t)m.rows * row_q), sc((size_t)(m.rows * WeightStream::scale_row_bytes(m.fmt, m.K)));
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  TI_CUDA_CHECK(cudaMemcpy(q.data(), m.q, q.size(), cudaMemcpyDeviceToHost));
+  if (!sc.empty()) TI_CUDA_CHECK(cudaMemcpy(sc.data(), m.scales, sc.size(), cudaMemcpyDeviceToHost));
+  return {q, sc};
+}
 
 // ---- running tokens ----
 
@@ -189,7 +295,17 @@ void CudaEngine::run_decode_step(int64_t pos) {
   else step_->record(stream_, pdl_);
 }
 
+// Pages for positions [0, positions) from the pool, their table entries copied ahead of the work that reads them
+// (stream order). All or nothing: a pool too small throws a Request error and changes nothing.
+void CudaEngine::kv_reserve(int64_t positions) {
+  const int64_t first = seq_->grow(*pool_, positions), n = seq_->pages() - first;
+  if (n > 0)  // (from pageable memory: staged before the call returns)
+    TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.page_table + first, seq_->table().data() + first, (size_t)n * sizeof(int),
+                                  cudaMemcpyHostToDevice, stream_));
+}
+
 void CudaEngine::reset() {
+  seq_->release(*pool_);  // (the device table keeps stale entries: no kernel reads past its position)
   tokens_.clear();
   has_logits_ = pending_ = false;
 }
@@ -197,6 +313,7 @@ void CudaEngine::reset() {
 void CudaEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, float* logits) {
   check_tokens(tokens, n, cfg_.vocab);
   check_room(position(), n, max_seq_);
+  kv_reserve(position() + n);
   std::vector<int32_t> seq;
   if (pending_) seq.push_back(tokens_.back());
   seq.insert(seq.end(), tokens, tokens + n);
@@ -234,6 +351,7 @@ std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig&
   const int64_t room = max_seq_ - position();
   if (room < 1) fail(ErrorKind::Request, "the sequence reached max_seq_len=" + std::to_string(max_seq_));
   const int64_t n = std::min(max_steps, room);
+  kv_reserve(position() + n);  // the steps write positions up to position() + n - 2
 
   upload_sampling(cuda::DeviceSampling{s.temperature, (int)std::min<int64_t>(s.top_k, INT32_MAX), s.top_p, s.min_p,
                                        s.repetition_penalty, (unsigned long long)s.seed});

@@ -3,7 +3,7 @@
 // Engine drives either. The work lives in its parts, read in this order:
 //   decode_step.*     THE decode pass (one token, a flat list of launches), captured once into CUDA graphs
 //   prefill_step.*    the batched prefill pass (cuBLASLt GEMMs + tiled causal attention), chunk by chunk
-//   device_weights.*  the weights on the device (allocation, upload, quantization, int4 import)
+//   device_weights.*  the weights on the device (allocation, quantization); weight_stream.* the load
 //   gemv_plan.*       the load-time GEMV tuner's result (plain data) and the tuner
 //   measure.*         GPU timing and graph capture; the measurement entry points below
 #pragma once
@@ -24,8 +24,10 @@
 #include "decode_step.h"
 #include "device_weights.h"
 #include "gemv_plan.h"
+#include "kv_pages.h"
 #include "measure.h"
 #include "prefill_step.h"
+#include "weight_stream.h"
 
 namespace ti {
 
@@ -46,12 +48,19 @@ struct CudaOptions {
   int prefill_chunk = 2048;            // tokens per prefill pass (activation buffers are sized for this at load)
   bool gemm_autotune = true;           // false: cuBLASLt's default algorithm for every GEMM
   WFormat weights = WFormat::F16;      // the matrices' format on the device (cpp/core/quant.h), quantized at load
+  // The paged KV cache (kv_pages.h):
+  int kv_page_size = 64;               // positions per page: a power of two, >= 64 and >= attn_chunk
+  int64_t kv_pool_pages = 0;           // pages in the pool; 0: what one sequence of max_seq_len needs
+  uint64_t kv_page_shuffle = 0;        // a seed shuffling the pool's free list (tests); 0: pages in order
+  std::string plan_text;               // a saved GEMV plan (plan_cache.h) to take instead of tuning; "": tune
 };
 
 class CudaEngine {
  public:
-  // Uploads the weights of a finished store; the store is not kept (its host memory can go).
-  CudaEngine(const WeightStore& weights, int64_t max_seq_len, CudaOptions opt = {});
+  // The weights streamed from the file: load(s) hands every tensor to s in its stored form (weight_stream.h);
+  // an exception from it (or a missing tensor) frees everything taken so far and propagates.
+  CudaEngine(const ModelConfig& config, int64_t max_seq_len, CudaOptions opt,
+             const std::function<void(WeightStream&)>& load);
   // Random weights at the config's shape, generated on the device (benchmarks: speed does not depend on values).
   CudaEngine(const ModelConfig& config, int64_t max_seq_len, uint64_t seed, CudaOptions opt = {});
   ~CudaEngine();
@@ -71,6 +80,16 @@ class CudaEngine {
   // ---- measurement (measure.cu) ----
   double last_decode_ms() const { return last_decode_ms_; }  // GPU time of the last decode()'s steps
   const GemvPlan& gemv_plan() const { return plan_; }
+  // ---- the GEMV plan across runs (plan_cache.h; the Python Engine keeps the file) ----
+  // What a saved plan must have been made for: GPU, driver, build, model shape, weight format, and the options
+  // that change what the tuners time or pick (device 0 is queried; pins are not part of it: they apply after).
+  static std::string plan_key(const ModelConfig& c, int64_t max_seq_len, const CudaOptions& o);
+  std::string plan_text() const;  // the plan to save; "" where pins changed it (then it is not this key's plan)
+  bool plan_from_cache() const { return plan_cached_; }          // CudaOptions::plan_text was taken
+  const std::string& plan_problem() const { return plan_problem_; }  // why plan_text was refused ("": it was not)
+  // Seconds spent at load on the GEMV plan (tuned or read), the decode graphs, and the long-context decision.
+  double tune_seconds() const { return tune_s_[0] + tune_s_[1] + tune_s_[2]; }
+  const double* tune_parts() const { return tune_s_; }  // {plan, graphs, long-context}
   // GPU ms per decode step at a context of `context` tokens (with the graph decode() would use there).
   double time_decode_step(int64_t context, int steps);
   // CudaOptions::trace: one decode step at `context`; per traced kernel in launch order its name and
@@ -87,20 +106,34 @@ class CudaEngine {
   int load_tactics(const std::string& text) { return gemm_ ? gemm_->load(text) : 0; }
   int tuned_gemms() const { return gemm_ ? gemm_->tuned_count() : 0; }
   size_t weight_bytes() const { return arena_.weight_bytes(); }  // every matrix + norms as stored on the device
-  size_t kv_cache_bytes() const { return arena_.kv_bytes(); }
+  size_t kv_cache_bytes() const { return arena_.kv_bytes(); }  // the page pool
+  // The paged KV cache: (positions per page, pages in the pool, pages the sequence holds now).
+  std::tuple<int, int64_t, int64_t> kv_pages() const { return {pool_->page_size(), pool_->n_pages(), seq_->pages()}; }
   size_t scratch_bytes() const { return arena_.scratch_bytes(); }  // device memory beyond weights and KV cache
   bool uses_pdl() const { return pdl_; }
   bool uses_graphs() const { return graphs_ok_; }
   std::string device_name() const { return device_name_; }
+  // Wall seconds of the load's parts: the weights (read + upload + conversion), GEMV tuning (decode-long
+  // included), graph capture.
+  struct LoadTimes {
+    double weights_s = 0, tune_s = 0, graphs_s = 0;
+  };
+  const LoadTimes& load_times() const { return load_times_; }
+  // A weight matrix's device bytes as stored (tests: the load's conversions against the host's): q (rows x ld
+  // halves or bytes) and scales (empty for fp16). layer is ignored for the LM head.
+  std::pair<std::vector<uint8_t>, std::vector<uint8_t>> matrix_bytes(int64_t layer, MatrixRole role) const;
 
  private:
   void build(const std::function<void()>& fill_weights);
   void init_device();
   void allocate();
+  void tune();
   void build_graphs();
-  void tune_decode_long();
+  cudaGraphExec_t capture_decode(GemvVariant qkv);  // a decode-step graph with qkv at that variant
+  void decode_long_graph();
   void release();
   void set_state(int token, int pos, int step);
+  void kv_reserve(int64_t positions);      // pages for positions [0, positions), their table entries on the device
   void run_prompt_token();                 // one prompt token through the decode pass (no sampling)
   void run_decode_step(int64_t pos);       // pos: the step's position (picks the graph)
   void upload_sampling(const cuda::DeviceSampling& s);
@@ -113,10 +146,15 @@ class CudaEngine {
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
   DeviceArena arena_;
+  std::unique_ptr<KvPagePool> pool_;       // the KV cache's pages
+  std::unique_ptr<KvSequence> seq_;        // the sequence's page table (one sequence today)
   std::unique_ptr<StreamClock> clock_;
   std::unique_ptr<DeviceWeights> weights_;
   DecodeBuffers dbuf_;
   GemvPlan plan_;
+  std::string plan_key_, plan_problem_;
+  bool plan_cached_ = false;
+  double tune_s_[3] = {0, 0, 0};
   std::unique_ptr<DecodeStep> step_;
   cudaGraphExec_t g_prompt_token_ = nullptr, g_decode_ = nullptr;
   cudaGraphExec_t g_decode_long_ = nullptr;  // contexts >= plan_.long_from
@@ -128,6 +166,7 @@ class CudaEngine {
   std::unique_ptr<PrefillStep> prefill_;
 
   std::vector<int32_t> tokens_;
+  LoadTimes load_times_;
   bool has_logits_ = false, pending_ = false;
   double last_decode_ms_ = 0;
 };

@@ -52,11 +52,12 @@ void DecodeStep::record(cudaStream_t s, bool pdl) {
 }
 
 cuda::DecodeAttnParams DecodeStep::attn_params(int64_t layer) const {
-  const size_t kv_layer = (size_t)c_.n_kv_heads * b_.max_seq * c_.head_dim;
   cuda::DecodeAttnParams a;
   a.qkv = b_.qkv;
-  a.k_cache = b_.k_cache + layer * kv_layer;
-  a.v_cache = b_.v_cache + layer * kv_layer;
+  a.k_pages = b_.k_pages + layer * b_.kv_layer_elems;
+  a.v_pages = b_.v_pages + layer * b_.kv_layer_elems;
+  a.page_table = b_.page_table;
+  a.page_shift = b_.page_shift;
   a.rope_cos = b_.rope_cos;
   a.rope_sin = b_.rope_sin;
   a.pos = &b_.state->pos;
@@ -81,16 +82,21 @@ unsigned long long* DecodeStep::next_trace(const char* name) {
 // ---- the buffers ----
 
 DecodeBuffers DecodeBuffers::allocate(const ModelConfig& c, const DeviceWeights& w, int64_t max_seq, int attn_chunk,
-                                      bool trace, DeviceArena& arena, cudaStream_t s) {
+                                      const KvPagePool& pages, bool trace, DeviceArena& arena, cudaStream_t s) {
   using Kind = DeviceArena::Kind;
   DecodeBuffers b;
   b.max_seq = max_seq;
   b.attn_chunk = attn_chunk;
-  const size_t kv = (size_t)c.n_layers * c.n_kv_heads * max_seq * c.head_dim;
-  b.k_cache = arena.alloc_n<__half>(kv, Kind::KvCache);
-  b.v_cache = arena.alloc_n<__half>(kv, Kind::KvCache);
-  TI_CUDA_CHECK(cudaMemsetAsync(b.k_cache, 0, kv * sizeof(__half), s));
-  TI_CUDA_CHECK(cudaMemsetAsync(b.v_cache, 0, kv * sizeof(__half), s));
+  b.kv_layer_elems = (size_t)pages.n_pages() * c.n_kv_heads * pages.page_size() * c.head_dim;
+  b.page_shift = pages.page_shift();
+  const size_t kv = (size_t)c.n_layers * b.kv_layer_elems;
+  b.k_pages = arena.alloc_n<__half>(kv, Kind::KvCache);
+  b.v_pages = arena.alloc_n<__half>(kv, Kind::KvCache);
+  TI_CUDA_CHECK(cudaMemsetAsync(b.k_pages, 0, kv * sizeof(__half), s));
+  TI_CUDA_CHECK(cudaMemsetAsync(b.v_pages, 0, kv * sizeof(__half), s));
+  const size_t max_pages = (size_t)pages.pages_for(max_seq);
+  b.page_table = arena.alloc_n<int>(max_pages, Kind::Scratch);
+  TI_CUDA_CHECK(cudaMemsetAsync(b.page_table, 0xFF, max_pages * sizeof(int), s));  // -1: no page yet
 
   const int64_t max_chunks = (max_seq + attn_chunk - 1) / attn_chunk;
   b.x = arena.alloc_n<float>((size_t)c.hidden, Kind::Scratch);

@@ -15,6 +15,7 @@
 #include "../core/config.h"
 #include "device_weights.h"
 #include "gemv_plan.h"
+#include "kv_pages.h"
 
 namespace ti {
 
@@ -29,8 +30,13 @@ struct DecodeBuffers {
   float* part_ml = nullptr;   // (n_heads, max_chunks, 2)
   float* rope_cos = nullptr;  // (max_seq, head_dim / 2)
   float* rope_sin = nullptr;
-  __half* k_cache = nullptr;  // [layer][kv_head][max_seq][head_dim] fp16
-  __half* v_cache = nullptr;
+  // The paged KV cache (kv_pages.h, cuda/kv_layout.cuh): pages [layer][page][kv_head][page_size][head_dim] fp16
+  // and the device copy of the sequence's page table, (ceil(max_seq / page_size)) page ids (-1: unassigned).
+  __half* k_pages = nullptr;
+  __half* v_pages = nullptr;
+  size_t kv_layer_elems = 0;  // one layer's pages
+  int* page_table = nullptr;
+  int page_shift = 6;         // log2(page_size)
   cuda::DecodeState* state = nullptr;        // token, pos, step
   cuda::DeviceSampling* sampling = nullptr;  // the sampling parameters
   unsigned char* seen = nullptr;             // (vocab) the repetition penalty's set
@@ -42,7 +48,7 @@ struct DecodeBuffers {
   size_t trace_words = 0;                    // the length of trace (0: tracing off)
 
   static DecodeBuffers allocate(const ModelConfig& c, const DeviceWeights& w, int64_t max_seq, int attn_chunk,
-                                bool trace, DeviceArena& arena, cudaStream_t s);
+                                const KvPagePool& pages, bool trace, DeviceArena& arena, cudaStream_t s);
 };
 
 class DecodeStep {

@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "../../cuda/common.cuh"
 #include "../../cuda/embedding.cuh"
@@ -94,44 +93,6 @@ cuda::QMat DeviceWeights::alloc_matrix(int rows, int K, WFormat fmt) {
   return m;
 }
 
-// Host fp16 rows (stride pad8(K)) into the matrix: uploaded as they are, or staged and quantized on the GPU.
-void DeviceWeights::store_matrix(const cuda::QMat& m, const std::vector<uint16_t>& host) {
-  __half* dst = m.fmt == WFormat::F16 ? static_cast<__half*>(const_cast<void*>(m.q)) : staging_;
-  TI_CUDA_CHECK(cudaMemcpyAsync(dst, host.data(), host.size() * 2, cudaMemcpyHostToDevice, stream_));
-  if (m.fmt != WFormat::F16) cuda::quantize_matrix(staging_, (int)cuda::pad8(m.K), m, stream_);
-  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // `host` may be reused or freed after this
-}
-
-// After store_matrix: the rows of parts the store holds already in the matrix's format (GGUF Q4_0 / Q4_1 as
-// int4, Q8_0 as int8, converted block for block) are replaced by those exact bytes, row i of part p sitting at
-// row_of(p, i) of the fused matrix. Rows are independent, so a fused matrix may mix imported and quantized parts
-// (q | k | v of different types).
-void DeviceWeights::overlay_imported(const cuda::QMat& m, const WeightStore& w, const std::vector<std::string>& parts,
-                                  const std::function<int64_t(size_t, int64_t)>& row_of) {
-  if (m.fmt == WFormat::F16) return;
-  bool any = false;
-  for (const std::string& name : parts) any = any || w.imported(name, m.fmt) != nullptr;
-  if (!any) return;
-  const int64_t halves = scale_halves(m.fmt, m.K);
-  std::vector<uint8_t> q((size_t)m.rows * m.ld);
-  std::vector<uint16_t> sm((size_t)(m.rows * halves));
-  TI_CUDA_CHECK(cudaMemcpy(q.data(), m.q, q.size(), cudaMemcpyDeviceToHost));
-  TI_CUDA_CHECK(cudaMemcpy(sm.data(), m.scales, sm.size() * 2, cudaMemcpyDeviceToHost));
-  for (size_t p = 0; p < parts.size(); p++) {
-    const QuantMatrix* src = w.imported(parts[p], m.fmt);
-    if (!src) continue;
-    if (src->K != m.K || src->ld != m.ld)
-      fail(ErrorKind::ModelFormat, to_string(m.fmt) + " tensor '" + parts[p] + "': bad width");
-    for (int64_t i = 0; i < src->rows; i++) {
-      const int64_t r = row_of(p, i);
-      std::memcpy(&q[(size_t)(r * m.ld)], &src->q[(size_t)(i * src->ld)], (size_t)src->ld);
-      std::memcpy(&sm[(size_t)(r * halves)], &src->sm[(size_t)(i * halves)], (size_t)halves * 2);
-    }
-  }
-  TI_CUDA_CHECK(cudaMemcpy(const_cast<void*>(m.q), q.data(), q.size(), cudaMemcpyHostToDevice));
-  TI_CUDA_CHECK(cudaMemcpy(const_cast<void*>(m.scales), sm.data(), sm.size() * 2, cudaMemcpyHostToDevice));
-}
-
 void DeviceWeights::random_matrix(const cuda::QMat& m, uint64_t seed, float scale) {
   const int ldh = (int)cuda::pad8(m.K);
   __half* dst = m.fmt == WFormat::F16 ? static_cast<__half*>(const_cast<void*>(m.q)) : staging_;
@@ -143,65 +104,6 @@ const __half* DeviceWeights::fp16_of(const cuda::QMat& m) {
   if (m.fmt == WFormat::F16) return static_cast<const __half*>(m.q);
   cuda::dequantize_matrix(m, staging_, (int)cuda::pad8(m.K), stream_);
   return staging_;
-}
-
-// Host fp32 (rows, K) -> fp16 rows of `host` (row-major, stride ld, zero padded); source row i lands at row
-// row_of(i). The caller sizes `host` for all destination rows.
-template <typename RowOf>
-static void pack_rows(std::vector<uint16_t>& host, const float* src, int64_t rows, int64_t K, int64_t ld,
-                      RowOf row_of) {
-  for (int64_t i = 0; i < rows; i++) {
-    const size_t at = (size_t)(row_of(i) * ld);
-    if (at + (size_t)ld > host.size()) fail(ErrorKind::Request, "pack_rows: destination row out of range");
-    uint16_t* out = &host[at];
-    for (int64_t k = 0; k < K; k++) out[k] = float_to_half(src[i * K + k]);
-  }
-}
-
-void DeviceWeights::upload(const WeightStore& w) {
-  const ModelConfig& c = cfg_;
-  auto same = [](int64_t i) { return i; };
-  std::vector<uint16_t> host;
-  auto fresh = [&](int64_t rows, int64_t ld) { host.assign((size_t)(rows * ld), 0); };
-  for (int64_t l = 0; l < c.n_layers; l++) {
-    const LayerWeights L = w.layer(l);
-    DeviceLayer& D = layers[(size_t)l];
-    auto name = [&](const char* leaf) { return WeightStore::layer_tensor(l, leaf); };
-    fresh(c.q_dim + 2 * c.kv_dim, ld_h);  // q | k | v
-    pack_rows(host, L.wq->widen().data(), c.q_dim, c.hidden, ld_h, same);
-    pack_rows(host, L.wk->widen().data(), c.kv_dim, c.hidden, ld_h, [&](int64_t i) { return c.q_dim + i; });
-    pack_rows(host, L.wv->widen().data(), c.kv_dim, c.hidden, ld_h, [&](int64_t i) { return c.q_dim + c.kv_dim + i; });
-    store_matrix(D.qkv, host);
-    overlay_imported(D.qkv, w, {name("self_attn.q_proj.weight"), name("self_attn.k_proj.weight"),
-                                name("self_attn.v_proj.weight")},
-                     [&](size_t p, int64_t i) { return p == 0 ? i : p == 1 ? c.q_dim + i : c.q_dim + c.kv_dim + i; });
-    fresh(c.hidden, ld_q);
-    pack_rows(host, L.wo->widen().data(), c.hidden, c.q_dim, ld_q, same);
-    store_matrix(D.o, host);
-    overlay_imported(D.o, w, {name("self_attn.o_proj.weight")}, [](size_t, int64_t i) { return i; });
-    fresh(2 * c.intermediate, ld_h);  // gate_0, up_0, gate_1, up_1, ...
-    pack_rows(host, L.w_gate->widen().data(), c.intermediate, c.hidden, ld_h, [](int64_t i) { return 2 * i; });
-    pack_rows(host, L.w_up->widen().data(), c.intermediate, c.hidden, ld_h, [](int64_t i) { return 2 * i + 1; });
-    store_matrix(D.gate_up, host);
-    overlay_imported(D.gate_up, w, {name("mlp.gate_proj.weight"), name("mlp.up_proj.weight")},
-                     [](size_t p, int64_t i) { return 2 * i + (int64_t)p; });
-    fresh(c.hidden, ld_i);
-    pack_rows(host, L.w_down->widen().data(), c.hidden, c.intermediate, ld_i, same);
-    store_matrix(D.down, host);
-    overlay_imported(D.down, w, {name("mlp.down_proj.weight")}, [](size_t, int64_t i) { return i; });
-    TI_CUDA_CHECK(cudaMemcpy(D.attn_norm, L.attn_norm, c.hidden * sizeof(float), cudaMemcpyHostToDevice));
-    TI_CUDA_CHECK(cudaMemcpy(D.mlp_norm, L.mlp_norm, c.hidden * sizeof(float), cudaMemcpyHostToDevice));
-  }
-  fresh(c.vocab, ld_h);
-  pack_rows(host, w.embedding().widen().data(), c.vocab, c.hidden, ld_h, same);
-  TI_CUDA_CHECK(cudaMemcpy(embedding, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
-  if (lm_head.q != embedding) {  // untied, or tied but quantized: the head's own copy
-    fresh(c.vocab, ld_h);
-    pack_rows(host, w.lm_head().widen().data(), c.vocab, c.hidden, ld_h, same);
-    store_matrix(lm_head, host);
-    overlay_imported(lm_head, w, {"lm_head.weight"}, [](size_t, int64_t i) { return i; });
-  }
-  TI_CUDA_CHECK(cudaMemcpy(final_norm, w.final_norm(), c.hidden * sizeof(float), cudaMemcpyHostToDevice));
 }
 
 void DeviceWeights::randomize(uint64_t seed) {

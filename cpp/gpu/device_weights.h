@@ -1,5 +1,5 @@
-// device_weights.h — the model's weights on the GPU: allocation, host packing and upload, quantization on the
-// device, the int4 import overlay, random weights for benchmarks; and DeviceArena, the engine's device memory.
+// device_weights.h — the model's weights on the GPU: allocation, random weights for benchmarks, fp16 views of
+// quantized matrices; and DeviceArena, the engine's device memory. The load (file -> device) is weight_stream.h.
 //
 // Layout (DESIGN.md §3): every matrix row-major [out, in] in the engine's format (cuda::QMat: fp16 rows padded
 // to 8 halves, or the I8 / I4 layouts of cpp/core/quant.h with their scales); q | k | v fused into one matrix,
@@ -10,7 +10,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -61,7 +60,6 @@ class DeviceWeights {
  public:
   // Allocates every matrix in `format` (int4: refused before any allocation unless the widths allow it).
   DeviceWeights(const ModelConfig& c, WFormat format, DeviceArena& arena, cudaStream_t stream);
-  void upload(const WeightStore& w);  // packs fp32 host tensors to fp16 rows, uploads, quantizes on the device
   void randomize(uint64_t seed);      // random values at the real shapes (benchmarks: speed ignores values)
   // The matrix as fp16 rows (stride pad8(K)): itself, or (quantized) dequantized into one shared staging buffer,
   // valid until the next call.
@@ -76,15 +74,12 @@ class DeviceWeights {
 
  private:
   cuda::QMat alloc_matrix(int rows, int K, WFormat fmt);
-  void store_matrix(const cuda::QMat& m, const std::vector<uint16_t>& fp16_rows);
-  void overlay_imported(const cuda::QMat& m, const WeightStore& w, const std::vector<std::string>& parts,
-                        const std::function<int64_t(size_t, int64_t)>& row_of);
   void random_matrix(const cuda::QMat& m, uint64_t seed, float scale);
 
   ModelConfig cfg_;
   DeviceArena& arena_;
   cudaStream_t stream_;
-  __half* staging_ = nullptr;  // quantized formats: fp16 rows of the largest matrix (upload, prefill GEMMs)
+  __half* staging_ = nullptr;  // quantized formats: fp16 rows of the largest matrix (random weights, prefill GEMMs)
 };
 
 }  // namespace ti

@@ -25,6 +25,15 @@ const char* role_name(MatrixRole r) {
   return "?";
 }
 
+cuda::GemvOut role_out(MatrixRole r) {
+  switch (r) {
+    case MatrixRole::Qkv: case MatrixRole::LmHead: return cuda::GemvOut::F32;
+    case MatrixRole::O: case MatrixRole::Down: return cuda::GemvOut::AddF32;
+    case MatrixRole::GateUp: return cuda::GemvOut::Swiglu;
+  }
+  return cuda::GemvOut::F32;
+}
+
 void check_pin(const GemvPin& f) {
   const std::string where = std::string("gemv_pins: ") + role_name(f.role) + ": ";
   if (f.rows_per_warp != 1 && f.rows_per_warp != 2 && f.rows_per_warp != 4 && f.rows_per_warp != cuda::kGemvSplitK)
@@ -76,6 +85,17 @@ void launch_gemv(const GemvPlan& plan, MatrixRole role, cuda::GemvParams p, cuda
   cuda::gemv(p, v.rows_per_warp, in, out, s, pdl);
 }
 
+void apply_pin(GemvShapePlan& g, const GemvPin& f) {
+  if (!cuda::gemv_variant_ok(f.rows_per_warp, role_out(g.role)))
+    fail(ErrorKind::Request, "gemv_pins: no variant rows_per_warp=" + std::to_string(f.rows_per_warp) + " for " +
+                                 role_name(f.role));
+  g.chosen = GemvVariant{f.rows_per_warp, f.blocks_per_sm};
+  g.gb_per_s = 0;
+  for (const GemvTrial& t : g.tried)
+    if (t.variant.rows_per_warp == f.rows_per_warp && t.variant.blocks_per_sm == f.blocks_per_sm)
+      g.gb_per_s = g.bytes / (t.us * 1e-6) / 1e9;
+}
+
 // ---- the tuner ----
 
 GemvShapePlan tune_gemv_shape(const GemvShapeSpec& s, const GemvTuneOptions& o,
@@ -86,6 +106,7 @@ GemvShapePlan tune_gemv_shape(const GemvShapeSpec& s, const GemvTuneOptions& o,
   g.K = s.K;
   g.ld = (int)cuda::pad8(s.K);
   g.copies = s.copies;
+  g.bytes = s.bytes;
   g.chosen = GemvVariant{1, 0};
   auto gb_per_s = [&](double us) { return s.bytes / (us * 1e-6) / 1e9; };
   double best = 1e30;
@@ -124,17 +145,8 @@ GemvShapePlan tune_gemv_shape(const GemvShapeSpec& s, const GemvTuneOptions& o,
       g.gb_per_s = gb_per_s(g.tried[(size_t)pick].us);
     }
   }
-  for (const GemvPin& f : o.pins) {
-    if (f.role != g.role) continue;
-    if (!cuda::gemv_variant_ok(f.rows_per_warp, s.out))
-      fail(ErrorKind::Request, "gemv_pins: no variant rows_per_warp=" + std::to_string(f.rows_per_warp) + " for " +
-                                   role_name(f.role));
-    g.chosen = GemvVariant{f.rows_per_warp, f.blocks_per_sm};
-    g.gb_per_s = 0;
-    for (const GemvTrial& t : g.tried)
-      if (t.variant.rows_per_warp == f.rows_per_warp && t.variant.blocks_per_sm == f.blocks_per_sm)
-        g.gb_per_s = gb_per_s(t.us);
-  }
+  for (const GemvPin& f : o.pins)
+    if (f.role == g.role) apply_pin(g, f);
   return g;
 }
 
@@ -175,8 +187,9 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
     sh.spec.copies = (int)sh.copies.size();
     sh.spec.bytes = (double)quant_bytes(sh.copies[0].fmt, sh.spec.rows, sh.spec.K);  // as stored, scales included
     // Cycle through every layer's copy (and at least ~256 MB of weights, several times the L2) so that the
-    // timing is of memory, not of the cache.
-    const int passes = std::max(2, (int)std::ceil(256e6 / (sh.spec.bytes * sh.spec.copies)));
+    // timing is of memory, not of the cache. One pass where the copies already hold that much (a pass of 22
+    // gate_up copies of TinyLlama is 1 GB: a second one only doubled the time spent; docs/perf/load.md).
+    const int passes = std::max(1, (int)std::ceil(256e6 / (sh.spec.bytes * sh.spec.copies)));
     plan.shapes.push_back(tune_gemv_shape(sh.spec, o, [&](GemvVariant v) {
       const float ms = clock.replay_ms([&] {
         for (int i = 0; i < passes; i++)
@@ -195,8 +208,8 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
 // qkv's candidates for long contexts: the short graph's R at 1 block per SM, and the largest tiles among the
 // 2-per-SM variants within 25% of the fastest alone. Each is timed as whole decode steps at a long context
 // (min(1,024, max_seq_len - 64)); a candidate faster than the short graph by > 2% gets a graph, used from the
-// first context in {64, 128, 256, 512} where it is faster by > 1% (else from the long context itself). The long
-// graph differs from the short one in qkv's grid or tile height only.
+// first context in {64, 128, 256, 512} where it is faster by > 1% (bisected; else from the long context itself).
+// The long graph differs from the short one in qkv's grid or tile height only.
 cudaGraphExec_t tune_decode_long(GemvPlan& plan, cudaGraphExec_t short_graph, int64_t max_seq, int64_t forced_from,
                                  const DecodeGraphProbe& probe) {
   const GemvShapePlan* q = plan.find(MatrixRole::Qkv);
@@ -237,14 +250,19 @@ cudaGraphExec_t tune_decode_long(GemvPlan& plan, cudaGraphExec_t short_graph, in
     }
   }
   if (long_graph) {
-    plan.long_from = ctx_long;
-    for (int64_t c : {64, 128, 256, 512}) {
-      if (c >= ctx_long) break;
-      if (probe.step_ms(long_graph, c, steps) < 0.99 * probe.step_ms(short_graph, c, steps)) {
-        plan.long_from = c;
-        break;
-      }
+    // The first context where the long graph leads by > 1%, found by bisection rather than context by context:
+    // its lead grows with the context (the attention's share of the step does), so 2 probes of 60 steps each
+    // decide what up to 4 did (docs/perf/load.md).
+    std::vector<int64_t> at;
+    for (int64_t c : {64, 128, 256, 512})
+      if (c < ctx_long) at.push_back(c);
+    size_t lo = 0, hi = at.size();  // the answer is in at[lo..hi), hi = at.size(): none (ctx_long)
+    while (lo < hi) {
+      const size_t mid = (lo + hi) / 2;
+      if (probe.step_ms(long_graph, at[mid], steps) < 0.99 * probe.step_ms(short_graph, at[mid], steps)) hi = mid;
+      else lo = mid + 1;
     }
+    plan.long_from = lo < at.size() ? at[lo] : ctx_long;
   }
   return long_graph;
 }

@@ -24,6 +24,7 @@ struct ModelConfig;
 
 enum class MatrixRole { Qkv, O, GateUp, Down, LmHead };
 const char* role_name(MatrixRole r);  // "qkv" | "o" | "gate_up" | "down" | "lm_head"
+cuda::GemvOut role_out(MatrixRole r);  // the output mode the decode step runs the role with
 
 struct GemvVariant {
   int rows_per_warp = 2;  // R: 1, 2, 4, or cuda::kGemvSplitK (8 rows per block, K split over its warps)
@@ -43,6 +44,7 @@ struct GemvShapePlan {
   GemvVariant chosen;
   std::vector<GemvTrial> tried;
   double gb_per_s = 0;          // of the chosen variant (0: pinned to a variant that was not timed)
+  double bytes = 0;             // one matrix as stored, scales included (gb_per_s = bytes / us)
 };
 
 // A variant forced for one role after tuning (CudaOptions::gemv_pins, A/B runs).
@@ -52,6 +54,8 @@ struct GemvPin {
   int blocks_per_sm = 0;
 };
 void check_pin(const GemvPin& pin);  // throws ti::Error(Request) naming the bad value
+// Forces pin's variant on g (g.role == pin.role); throws ti::Error(Request) where the role has no such variant.
+void apply_pin(GemvShapePlan& g, const GemvPin& pin);
 
 struct GemvPlan {
   std::vector<GemvShapePlan> shapes;  // in MatrixRole order
@@ -85,7 +89,7 @@ GemvShapePlan tune_gemv_shape(const GemvShapeSpec& s, const GemvTuneOptions& o,
                               const std::function<double(GemvVariant)>& us_per_matrix);
 
 // The whole plan at load (never inside a capture): every role timed over its layers' copies with the decode
-// step's buffers (their contents are overwritten).
+// step's buffers (their contents are overwritten). o.pins are applied to each role's pick.
 GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b, const GemvTuneOptions& o,
                         bool early_trigger, bool pdl, StreamClock& clock);
 

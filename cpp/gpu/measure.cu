@@ -73,6 +73,9 @@ float StreamClock::replay_ms(const std::function<void()>& enqueue) {
 // GPU ms per decode step, `launch(pos)` enqueueing the step at pos, from `context` on (greedy sampling; 3 steps
 // of warm-up). The cache is left holding benchmark tokens.
 double CudaEngine::time_steps(int64_t context, int steps, const std::function<void(int64_t)>& launch) {
+  if (context < 0 || context + std::max(steps, 3) > max_seq_)
+    fail(ErrorKind::Request, "timing decode steps: context + max(steps, 3) must be <= max_seq_len");
+  kv_reserve(context + std::max(steps, 3));
   upload_sampling(cuda::DeviceSampling{});
   set_state(1, (int)context, 0);
   for (int i = 0; i < 3; i++) launch(context + i);
@@ -93,7 +96,8 @@ double CudaEngine::time_decode_step(int64_t context, int steps) {
 
 std::pair<std::vector<std::string>, std::vector<uint64_t>> CudaEngine::trace_step(int64_t context) {
   if (!dbuf_.trace) fail(ErrorKind::Request, "trace_step: build the engine with CudaOptions.trace = True");
-  if (context < 0 || context + 1 >= max_seq_) fail(ErrorKind::Request, "trace_step: context must be < max_seq_len - 1");
+  if (context < 0 || context + 3 > max_seq_) fail(ErrorKind::Request, "trace_step: context must be <= max_seq_len - 3");
+  kv_reserve(context + 3);  // (three warm-up steps from context on)
   upload_sampling(cuda::DeviceSampling{});
   set_state(1, (int)context, 0);
   for (int i = 0; i < 3; i++) run_decode_step(context + i);  // warm-up: the traced step follows others
@@ -111,6 +115,7 @@ std::pair<std::vector<std::string>, std::vector<uint64_t>> CudaEngine::trace_ste
 
 double CudaEngine::time_attention(int64_t context, int reps) {
   if (context < 0 || context >= max_seq_) fail(ErrorKind::Request, "time_attention: context must be < max_seq_len");
+  kv_reserve(context + 1);
   set_state(1, (int)context, 0);
   auto run = [&] {
     for (int64_t l = 0; l < cfg_.n_layers; l++)  // every layer's cache: L2-cold like the real step
@@ -136,6 +141,7 @@ double CudaEngine::time_prefill(int64_t n_tokens, int reps) {
       prefill_->run_chunk(toks.data() + c0, (int)std::min<int64_t>(rows, n_tokens - c0), (int)c0, nullptr, 0);
   };
   reset();
+  kv_reserve(n_tokens);
   run();  // warm-up: tunes this length's GEMM shapes
   const float ms = clock_->gpu_ms([&] {
     for (int i = 0; i < reps; i++) run();

@@ -71,7 +71,6 @@ void PrefillStep::layer(const DeviceLayer& L, int64_t layer, int T, int pos0) {
   const int H = (int)c.hidden, I = (int)c.intermediate, q_dim = (int)c.q_dim;
   const int qkv_rows = (int)(c.q_dim + 2 * c.kv_dim);
   const float eps = (float)c.rms_eps;
-  const size_t kv_layer = (size_t)c.n_kv_heads * d_.max_seq * c.head_dim;
   cudaStream_t s = s_;
 
   // qkv = rmsnorm(x) @ [Wq; Wk; Wv].T
@@ -84,20 +83,23 @@ void PrefillStep::layer(const DeviceLayer& L, int64_t layer, int T, int pos0) {
   r.cos = d_.rope_cos;
   r.sin = d_.rope_sin;
   r.q = b_.q;
-  r.k_cache = d_.k_cache + layer * kv_layer;
-  r.v_cache = d_.v_cache + layer * kv_layer;
+  r.k_pages = d_.k_pages + layer * d_.kv_layer_elems;
+  r.v_pages = d_.v_pages + layer * d_.kv_layer_elems;
+  r.page_table = d_.page_table;
+  r.page_shift = d_.page_shift;
   r.T = T;
   r.pos0 = pos0;
   r.n_heads = (int)c.n_heads;
   r.n_kv_heads = (int)c.n_kv_heads;
   r.head_dim = (int)c.head_dim;
-  r.max_seq = (int)d_.max_seq;
   cuda::rope_rows(r, s);
   // att = softmax(q K^T / sqrt(d), causal) V over positions 0..pos0+t
   cuda::PrefillAttnParams a;
   a.q = b_.q;
-  a.k_cache = r.k_cache;
-  a.v_cache = r.v_cache;
+  a.k_pages = r.k_pages;
+  a.v_pages = r.v_pages;
+  a.page_table = r.page_table;
+  a.page_shift = r.page_shift;
   a.out = b_.att;
   a.ldo = w_.ld_q;
   a.T = T;
@@ -105,7 +107,7 @@ void PrefillStep::layer(const DeviceLayer& L, int64_t layer, int T, int pos0) {
   a.n_heads = r.n_heads;
   a.n_kv_heads = r.n_kv_heads;
   a.head_dim = r.head_dim;
-  a.max_seq = r.max_seq;
+  a.max_seq = (int)d_.max_seq;
   a.scale = 1.0f / std::sqrt((float)c.head_dim);
   cuda::prefill_attention(a, s);
   // x += att @ Wo.T

@@ -128,10 +128,12 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
     res = {"model": name, "dtype": dtype, "device": core.device_name, "read_bandwidth_gb_s": gbs, "load_s": load_s,
            "pdl": core.uses_pdl, "graphs": core.uses_graphs, "weight_bytes_on_device": core.weight_bytes,
            "scratch_bytes": core.scratch_bytes, "kv_cache_bytes": core.kv_cache_bytes, "decode": [], "gemv": [],
-           "attention": []}
+           "attention": [], "tune_s": core.tune_seconds, "tune_parts": core.tune_parts,
+           "plan_from_cache": core.plan_from_cache}
     out(f"tinyinfer bench: {name} ({dtype} weights, {core.weight_bytes / 1e6:,.0f} MB) on {core.device_name} | read bandwidth {gbs:,.0f} GB/s (cuda/bandwidth.cu) | "
         f"PDL {'on' if core.uses_pdl else 'off'}, graphs {'on' if core.uses_graphs else 'off'} | "
-        f"scratch {core.scratch_bytes / 2**20:.1f} MiB")
+        f"scratch {core.scratch_bytes / 2**20:.1f} MiB | load {load_s:.2f} s, tuning {core.tune_seconds:.2f} s"
+        f"{' (a saved plan)' if core.plan_from_cache else ''}")
     out(f"\n{'context':>8} {'tok/s':>9} {'ms/token':>9} {'MB/token':>9} {'roofline tok/s':>15} {'% roofline':>11}")
     for ctx in contexts:
         ms = core.time_decode_step(ctx, steps)

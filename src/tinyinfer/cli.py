@@ -37,8 +37,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU engine threads (default: the cores this process may use; 1 is steadiest on a busy "
-                   "machine)")
+                   help="CPU engine threads (default: the cores this process may use)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -290,9 +289,13 @@ def cmd_verify(args) -> int:
 
 def cmd_info(args) -> int:
     from . import _core
+    from .engine import no_cuda_sentence
 
-    print("build:", dict(_core.build_info))
+    info = dict(_core.build_info)
+    print("build:", info)
     print("cuda device:", dict(_core.ops.device_status()))
+    if not info["cuda"]:
+        print(no_cuda_sentence(info))
     return 0
 
 

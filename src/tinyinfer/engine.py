@@ -11,14 +11,17 @@ pass and then decodes tokens in chunks, back to back, without Python between the
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
+import shlex
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -33,9 +36,8 @@ Prompt = Union[str, Sequence[int]]
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "fp16", "bf16", "fp32", "int8", "int4")
 _QUANTIZED = ("int8", "int4")  # weight-only formats (cpp/quant.h): quantized at load, on either engine
-# What each engine can honour. The CPU reference engine computes in fp32 with the weights' own numbers, kept in
-# their stored precision (int8 / int4: quantized at load; the numbers the GPU's quantized kernels stand for);
-# the GPU engine stores fp16, int8 or int4.
+# What each engine can honour. The CPU reference engine computes in fp32 with fp32 weights (int8 / int4: the
+# dequantized numbers the GPU's quantized kernels stand for); the GPU engine stores fp16, int8 or int4.
 DEVICE_DTYPES = {"cpu": ("fp32", "int8", "int4"), "cuda": ("fp16", "int8", "int4")}
 _DEFAULT_MAX_SEQ = 4096
 
@@ -63,11 +65,28 @@ class Completion:
     stats: Stats = field(default_factory=Stats)
 
 
+def no_cuda_sentence(info: dict) -> str:
+    """Why a build (its build_info) has no CUDA backend and the command that fixes it, as one flat sentence."""
+    src = info.get("source_dir") or ""
+    # A source tree still there is what was installed (`pip install .`); else it came from an index. No pip cache:
+    # pip would reinstall the CPU-only wheel it built last time.
+    src = shlex.quote(src) if src and os.path.isfile(os.path.join(src, "pyproject.toml")) else "tinyinfer"
+    reinstall = f"pip install --force-reinstall --no-deps --no-cache-dir {src}"
+    reason, nvcc = info.get("no_cuda_reason"), info.get("nvcc_version") or "?"
+    if reason == "no-cublaslt":
+        wheel = "nvidia-cublas-cu12" if nvcc.startswith("12.") else "nvidia-cublas"
+        return (f"no CUDA backend: nvcc {nvcc} was found but not cuBLASLt when tinyinfer was built; "
+                f"fix: pip install {wheel} && {reinstall}")
+    if reason == "cuda-off":
+        return f"no CUDA backend: tinyinfer was built with TINYINFER_CUDA=OFF; fix: {reinstall}"
+    return (f"no CUDA backend: no CUDA compiler was found when tinyinfer was built; "
+            f"fix: pip install 'cuda-toolkit[nvcc,cudart,cccl]' && {reinstall}")
+
+
 def cuda_status() -> tuple[bool, str]:
     """(usable, reason): whether this build has the GPU engine and a usable GPU is present."""
     if not hasattr(_core, "CudaEngine"):
-        why = _core.build_info.get("no_cuda_reason") or "no CUDA compiler was found when it was built"
-        return False, f"this build of tinyinfer has no CUDA backend ({why})"
+        return False, no_cuda_sentence(dict(_core.build_info))
     status = _core.ops.device_status()
     return bool(status["usable"]), str(status.get("reason") or "")
 
@@ -99,9 +118,69 @@ def _pick_device(device: str) -> str:
     if device == "cuda":
         raise DeviceError(f"device='cuda' but no usable GPU: {reason}")
     if not _fallback_said:  # "auto": say once per process why the CPU engine runs
-        print(f"tinyinfer: no usable GPU ({reason}); running the CPU engine", file=sys.stderr)
+        print(f"tinyinfer: no usable GPU, running the CPU engine: {reason}", file=sys.stderr)
         _fallback_said = True
     return "cpu"
+
+
+# ---- the GEMV plan across runs: the CUDA engine's load-time tuning (cpp/gpu/plan_cache.h) is kept in
+# $TINYINFER_CACHE/plans/, one file per key (GPU, driver, build, model shape, options) and per build of _core, so a
+# later load takes it instead of tuning. TINYINFER_PLAN_CACHE=0 or Engine(plan_cache=False): neither read nor
+# written. A file the engine refuses (stale or corrupt) is said in one warning, re-tuned and overwritten; one
+# that cannot be read or written is skipped: it is only a cache.
+
+
+def plan_file(key: str) -> Optional[Path]:
+    """Where the plan for `key` (CudaEngine.plan_key) is kept; None where the plan cache is turned off."""
+    if os.environ.get("TINYINFER_PLAN_CACHE", "1") == "0":
+        return None
+    from .models import cache_dir
+
+    try:  # the module's size and time stand for this build (any rebuilt kernel may time differently)
+        st = os.stat(_core.__file__)
+        build = f"{st.st_size}-{st.st_mtime_ns}"
+    except (OSError, AttributeError, TypeError):
+        build = "?"
+    digest = hashlib.sha256(f"{key}\n{build}".encode()).hexdigest()[:24]
+    return cache_dir() / "plans" / f"{digest}.txt"
+
+
+def _read_plan(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")  # garbage reads as text the core calls corrupt
+    except OSError:
+        return ""
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    except OSError:
+        pass
+
+
+def with_plan_cache(opts: "_core.CudaOptions", path: Optional[Path],
+                    make: Callable[["_core.CudaOptions"], "_core.CudaEngine"]) -> "_core.CudaEngine":
+    """make(opts) with opts.plan_text read from `path` (None: the cache is off), then the plan kept there: a
+    refused one said (one warning) and every tuned one written. opts is left as it was given."""
+    given = opts.plan_text
+    use_file = path is not None and not given  # a plan_text given by the caller wins over the file
+    if use_file:
+        opts.plan_text = _read_plan(path)
+    try:
+        core = make(opts)
+    finally:
+        opts.plan_text = given
+    if core.plan_problem:
+        where = f"in {path}" if use_file else "in CudaOptions.plan_text"
+        warnings.warn(f"tinyinfer: the cached GEMV plan {where} was ignored ({core.plan_problem}); tuned again",
+                      RuntimeWarning, stacklevel=3)
+    if use_file and not core.plan_from_cache and core.plan_text:
+        _write_atomic(path, core.plan_text)
+    return core
 
 
 def check_threads(threads: Optional[int]) -> int:
@@ -117,30 +196,7 @@ def check_threads(threads: Optional[int]) -> int:
     return threads
 
 
-def _progress(model, config, skip: frozenset = frozenset()):
-    n_tensors = 2 + 9 * config.n_layers + (0 if config.tie_word_embeddings else 1) - len(skip)
-    return tqdm(model.tensors(skip=skip) if skip else model.tensors(), total=n_tensors, desc="loading",
-                unit="tensor", leave=False, disable=None)  # disable=None: only on a terminal
-
-
-def _load_store(model, config, dtype: str) -> "_core.WeightStore":
-    """The GPU engine's store: every tensor, then the int4 / int8 blocks it uploads as they are."""
-    store = _core.WeightStore(config)
-    for name, array, src_dtype in _progress(model, config):
-        if config.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        store.add(name, array, src_dtype)
-    if dtype == "int4" and model.int4_blocks is not None:  # GGUF Q4_0 / Q4_1: imported as they are
-        for name, q, sm in model.int4_blocks():
-            store.add_int4(name, q, sm)
-    if dtype in _QUANTIZED and model.int8_blocks is not None:  # GGUF Q8_0: int8 matrices, the int8 LM head
-        for name, q, d in model.int8_blocks(layers=dtype == "int8"):
-            store.add_int8(name, q, d)
-    store.finish()
-    return store
-
-
-def _load_cpu_store(model, config, dtype: str) -> "_core.WeightStore":
+def _load_cpu_store(model, config, dtype: str, show: bool = False) -> "_core.WeightStore":
     """The CPU engine's store, every tensor in its stored precision: GGUF Q4_0 / Q4_1 / Q8_0 matrices as our
     int4 / int8 blocks (whatever the dtype: their numbers are exactly the fp32 dequantization's), taken first so
     their fp32 twins are never made; the rest as the file has them. int8 / int4: then re-encoded (quantize)."""
@@ -154,7 +210,10 @@ def _load_cpu_store(model, config, dtype: str) -> "_core.WeightStore":
         for name, q, d in model.int8_blocks(layers=True):
             store.add_int8(name, q, d)
             held.add(name)
-    for name, array, src_dtype in _progress(model, config, frozenset(held)):
+    skip = frozenset(held)
+    n_tensors = 2 + 9 * config.n_layers + (0 if config.tie_word_embeddings else 1) - len(skip)
+    for name, array, src_dtype in tqdm(model.tensors(skip=skip) if skip else model.tensors(), total=n_tensors,
+                                       desc="loading", unit="tensor", leave=False, disable=not show):
         if name in held or (config.tie_word_embeddings and name == "lm_head.weight"):
             continue
         store.add(name, array, src_dtype)
@@ -162,6 +221,27 @@ def _load_cpu_store(model, config, dtype: str) -> "_core.WeightStore":
     if dtype in _QUANTIZED:
         store.quantize(dtype)
     return store
+
+
+def _load_cpu(model, max_seq_len: int, dtype: str, show: bool, threads: int):
+    """The CPU reference engine over the store as held (weights in their stored precision)."""
+    return _core.CpuEngine(_load_cpu_store(model, model.config, dtype, show), max_seq_len, threads)
+
+
+def _load_cuda(model, max_seq_len: int, opts: "_core.CudaOptions", dtype: str, show: bool):
+    """The GPU engine, its weights streamed from the mapped file tensor by tensor (CudaEngine.load): no host copy
+    of the model is made. The bar counts the file's bytes as the engine takes them."""
+    tied = model.config.tie_word_embeddings
+    with tqdm(total=model.stream_bytes, desc="loading", unit="B", unit_scale=True, leave=False,
+              disable=not show) as bar:
+        def items():
+            for item in model.stream(dtype):
+                if tied and item.name == "lm_head.weight" and item.kind == "rows":  # a copy some tied files keep
+                    continue
+                yield item
+                bar.update(item.nbytes)
+
+        return _core.CudaEngine.load(model.config, max_seq_len, opts, items())
 
 
 class Engine:
@@ -176,9 +256,15 @@ class Engine:
         dtype: str = "auto",
         max_seq_len: Optional[int] = None,
         cuda_options: Optional["_core.CudaOptions"] = None,
+        plan_cache: bool = True,
+        progress: Optional[bool] = None,
         threads: Optional[int] = None,
     ):
+        """progress: a bar over the bytes loaded and one line with the load's time split, on stderr (None: only
+        when stderr is a terminal; False: silent). threads: the CPU engine's (default: the cores this process may
+        use; the thread count never changes a result)."""
         self._core = None  # first: close() and repr must work on an engine whose loading failed
+        t0 = time.perf_counter()
         if dtype not in _DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(_DTYPES)} (got {dtype!r})")
         self.threads = check_threads(threads)
@@ -201,15 +287,24 @@ class Engine:
         self.max_seq_len = max_seq_len
         self._tactics_file: Optional[Path] = None
         self._tactics_saved = 0
+        show = progress is None and sys.stderr.isatty() or progress is True
         if self.device == "cuda":
-            store = _load_store(model, self.config, dtype)
             opts = cuda_options or _core.CudaOptions()
             if dtype in _QUANTIZED:
                 opts.weights = dtype
-            self._core = _core.CudaEngine(store, max_seq_len, opts)
+            key = _core.CudaEngine.plan_key(self.config, max_seq_len, opts)
+            self._core = with_plan_cache(opts, plan_file(key) if plan_cache else None,
+                                         lambda o: _load_cuda(model, max_seq_len, o, o.weights.name, show))
             self._load_tactics()
+            t = self._core.load_times
+            self.load_report = (f"tinyinfer: loaded {self.model_name} in {time.perf_counter() - t0:.2f} s "
+                                f"(read+upload {t['weights']:.2f} s, tune {t['tune']:.2f} s, "
+                                f"graphs {t['graphs']:.2f} s)")
         else:
-            self._core = _core.CpuEngine(_load_cpu_store(model, self.config, dtype), max_seq_len, self.threads)
+            self._core = _load_cpu(model, max_seq_len, self.dtype, show, self.threads)
+            self.load_report = f"tinyinfer: loaded {self.model_name} in {time.perf_counter() - t0:.2f} s"
+        if show:
+            print(self.load_report, file=sys.stderr)
         self._lock = threading.Lock()
         self._owner: Optional[int] = None  # thread holding the lock
         self.last_completion: Optional[Completion] = None

@@ -29,6 +29,34 @@ class BlockMatrix(NamedTuple):
 BlockSource = Callable[[], Iterator[BlockMatrix]]
 
 
+class StreamItem(NamedTuple):
+    """One piece of the GPU engine's load (CudaEngine.load; bindings/engines.cpp load_item reads the first 8
+    fields): rows of a tensor in their stored form, or a whole matrix in one of the engine's quantized layouts."""
+
+    kind: str  # "rows" | "int4" | "int8"
+    name: str  # HuggingFace name
+    data: np.ndarray  # rows: (n, K) or (K,) elements, a view over the mapped file where possible; else (rows, bytes)
+    scales: Optional[np.ndarray]  # int4 / int8: (rows, ...) the layout's scales; rows: None
+    dtype: str  # rows: "fp32" | "fp16" | "bf16" (bf16 as uint16 bits)
+    rope_heads: int  # > 0: GGUF attn_q / attn_k rows in llama.cpp's permuted order, undone on the device
+    row0: int  # rows: the first row of the tensor `data` holds
+    shape: tuple[int, int]  # the whole tensor: (rows, K); a vector: (1, K)
+    nbytes: int  # bytes of the file this item stands for (the progress bar)
+
+
+# Called with the engine's weight format ("fp16" | "int8" | "int4"): which matrices can come as stored blocks.
+StreamSource = Callable[[str], Iterator[StreamItem]]
+
+
+def rows_items(name: str, array: np.ndarray, dtype: str, rope_heads: int = 0,
+               nbytes: Optional[int] = None) -> Iterator[StreamItem]:
+    """A float tensor as one "rows" item (a vector as shape (1, K)); views stay views."""
+    shape = (1, int(array.shape[0])) if array.ndim == 1 else (int(array.shape[0]), int(np.prod(array.shape[1:])))
+    data = array if array.ndim <= 2 else array.reshape(shape)
+    yield StreamItem("rows", name, data, None, dtype, rope_heads, 0, shape,
+                     int(array.nbytes if nbytes is None else nbytes))
+
+
 @dataclass
 class LoadedModel:
     config: _core.ModelConfig
@@ -47,3 +75,6 @@ class LoadedModel:
     # (the tokenizer's big arrays left out).
     gguf_types: dict[str, str] = field(default_factory=dict)
     gguf_metadata: dict[str, Any] = field(default_factory=dict)
+    # The GPU engine's load: every tensor in its stored form (see StreamItem), and the bytes it will read.
+    stream: Optional[StreamSource] = None
+    stream_bytes: int = 0

@@ -11,6 +11,9 @@ One file holds everything: the config (llama.* metadata), the tokenizer (tokeniz
   Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K are dequantized to float32 with gguf.quants.dequantize (the same
   reference transformers uses), one tensor at a time; any other type is refused, naming the tensor and type;
 - undoes llama.cpp's rope permutation of the attn_q / attn_k rows (transformers' reverse_permute);
+- for the GPU engine (LoadedModel.stream), offers every tensor as stored instead: views, Q / K rows still
+  permuted (the device undoes it), Q4_0 / Q4_1 raw blocks for an int4 engine (converted on the device), other
+  quantized types dequantized 64 MiB of rows at a time;
 - turns every failure of a corrupt or truncated file into ModelFormatError naming the file.
 
 The source type of each tensor is kept in LoadedModel.gguf_types (HF name -> "Q4_1", ...); the Q4_0 / Q4_1 and
@@ -29,7 +32,7 @@ import numpy as np
 from .. import _core
 from ..errors import ModelFormatError, UnsupportedModelError
 from ..tokenizer import Tokenizer
-from .base import BlockMatrix, LoadedModel, TensorItem
+from .base import BlockMatrix, LoadedModel, StreamItem, TensorItem, rows_items
 from .gguf_config import config_from_gguf, read_metadata, rope_freqs_as_llama3
 # quantized types dequantized to float32 at load
 _DEQUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -277,6 +280,68 @@ def _int8_blocks(infos: dict[str, tuple[str, Any]], config: "_core.ModelConfig",
         yield BlockMatrix(hf, *_hf_rows(name, n_heads, n_kv, q, d))
 
 
+# Dequantized rows per "rows" item: a bounded fp32 buffer per step, whatever the tensor's size.
+_DEQUANT_CHUNK_BYTES = 64 << 20
+
+
+def _q4_importable(raw: np.ndarray, type_name: str) -> bool:
+    """Whether the device can take these Q4 blocks as they are: Q4_0's min -8 d must not overflow fp16 (as in
+    q4_blocks_to_int4; such a tensor is re-quantized instead)."""
+    if type_name == "Q4_1":
+        return True
+    d = raw.reshape(raw.shape[0], -1, 18)[..., 0:2].copy().view(np.float16)
+    with np.errstate(over="ignore"):
+        return bool(np.isfinite(np.float16(np.abs(d).max()) * np.float16(-8)))
+
+
+def _stream(infos: dict[str, tuple[str, Any]], config: "_core.ModelConfig", fmt: str,
+            where: str) -> Iterator[StreamItem]:
+    """The GPU engine's load: each tensor as stored. F32 / F16 / BF16 as views over the mapped file; Q4_0 / Q4_1
+    layer matrices for an int4 engine as their raw blocks (the device converts them to int4 block for block); Q8_0
+    as int8 rows as they are (the layer matrices of an int8 engine, the LM head of int8 / int4 ones: a tied
+    model's head as "lm_head.weight" from the embedding's blocks, the embedding itself dequantized too); any
+    other quantized tensor dequantized to fp32 a bounded chunk of rows at a time. Q / K rows keep llama.cpp's
+    order (rope_heads says so): the device undoes the permutation."""
+    import gguf
+
+    n_heads, n_kv = config.n_heads, config.n_kv_heads
+    tied = bool(config.tie_word_embeddings)
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    for name, (type_name, t) in infos.items():
+        hf = hf_tensor_name(name)
+        if hf is None:
+            continue
+        rope = n_heads if name.endswith(".attn_q.weight") else n_kv if name.endswith(".attn_k.weight") else 0
+        dims = [int(x) for x in reversed([int(d) for d in t.shape])]
+        rows, K = (dims[0], dims[1]) if len(dims) == 2 else (1, dims[0])
+        try:
+            if type_name in _PASSTHROUGH:
+                np_dtype, core_dtype = _PASSTHROUGH[type_name]
+                yield from rows_items(hf, np.asarray(t.data).view(np_dtype).reshape(dims), core_dtype, rope)
+                continue
+            raw = np.asarray(t.data).reshape(rows, -1)
+            if fmt == "int4" and type_name in ("Q4_0", "Q4_1") and ".layers." in hf and _q4_importable(raw, type_name):
+                yield StreamItem(type_name.lower(), hf, raw, None, "", rope, 0, (rows, K), int(t.n_bytes))
+                continue
+            if type_name == "Q8_0" and (fmt == "int8" and ".layers." in hf or fmt in ("int8", "int4") and hf == head):
+                q, d = q8_0_blocks(raw, rows, K)  # our int8 layout stores u = q + 128: flip the sign bit
+                yield StreamItem("int8", "lm_head.weight" if hf == head else hf, q.view(np.uint8) ^ np.uint8(0x80),
+                                 d, "", rope, 0, (rows, K), 0 if tied and hf == head else int(t.n_bytes))
+                if not (tied and hf == head):  # a tied embedding's rows are needed for the lookup as well
+                    continue
+            step = max(1, _DEQUANT_CHUNK_BYTES // (4 * K))
+            for r0 in range(0, rows, step):
+                part = gguf.quants.dequantize(raw[r0:r0 + step], t.tensor_type).astype(np.float32, copy=False)
+                part = part.reshape(-1, K) if len(dims) == 2 else part.reshape(K)
+                yield StreamItem("rows", hf, part, None, "fp32", rope, r0, (rows, K),
+                                 int(raw[r0:r0 + step].nbytes))
+        except (KeyboardInterrupt, MemoryError, GeneratorExit):
+            raise
+        except (ValueError, TypeError, AssertionError) as e:
+            raise ModelFormatError(f"{where}: tensor '{name}' ({type_name}) cannot be read: "
+                                   f"{type(e).__name__}: {e}") from e
+
+
 def load_gguf(path: Path) -> LoadedModel:
     """Load a llama-architecture GGUF: config, tensors (HF names, dequantized where needed), tokenizer."""
     path = Path(path)
@@ -306,6 +371,8 @@ def load_gguf(path: Path) -> LoadedModel:
         description=f"GGUF ({', '.join(kinds)}; {n_quant} tensor{'s' if n_quant != 1 else ''} dequantized to fp32)",
         int4_blocks=lambda: _int4_blocks(infos, config),
         int8_blocks=lambda layers=True: _int8_blocks(infos, config, where, layers),
+        stream=lambda fmt: _stream(infos, config, fmt, where),
+        stream_bytes=sum(int(t.n_bytes) for _, t in infos.values()),
         gguf_types=gguf_types,
         gguf_metadata={k: v for k, v in meta.items() if k not in _TOKENIZER_ARRAYS},
     )

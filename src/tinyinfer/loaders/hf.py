@@ -15,7 +15,7 @@ import numpy as np
 from .. import _core
 from ..errors import ConfigError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from ..tokenizer import Tokenizer
-from .base import LoadedModel, TensorItem
+from .base import LoadedModel, StreamItem, TensorItem, rows_items
 
 # safetensors dtype -> (numpy dtype of the raw bits, core dtype)
 _DTYPES = {"F32": ("<f4", "fp32"), "F16": ("<f2", "fp16"), "BF16": ("<u2", "bf16")}
@@ -215,6 +215,10 @@ def load_hf_dir(d: Path) -> LoadedModel:
                     continue
                 yield name, view, dtype
 
+    def stream(fmt: str) -> Iterator[StreamItem]:  # safetensors are stored as floats: every tensor as rows
+        for name, view, dtype in tensors():
+            yield from rows_items(name, view, dtype)
+
     tokenizer = None
     tok_path = d / "tokenizer.json"
     if tok_path.is_file():
@@ -222,4 +226,5 @@ def load_hf_dir(d: Path) -> LoadedModel:
         _apply_tokenizer_config(tokenizer, d / "tokenizer_config.json")
         _apply_chat_template_file(tokenizer, d / "chat_template.jinja")
     return LoadedModel(config=config, tensors=tensors, tokenizer=tokenizer, path=d,
-                       description=f"HF safetensors ({len(files)} file{'s' if len(files) > 1 else ''})")
+                       description=f"HF safetensors ({len(files)} file{'s' if len(files) > 1 else ''})",
+                       stream=stream, stream_bytes=sum(f.stat().st_size for f in files))

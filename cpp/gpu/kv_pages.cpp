@@ -1,0 +1,54 @@
+#include "kv_pages.h"
+
+#include <algorithm>
+#include <string>
+
+#include "../core/errors.h"
+#include "../core/rng.h"
+
+namespace ti {
+
+KvPagePool::KvPagePool(int64_t n_pages, int page_size, uint64_t shuffle_seed)
+    : page_size_(page_size), page_shift_(0), n_pages_(n_pages) {
+  if (page_size < 1 || (page_size & (page_size - 1)) != 0 || page_size > (1 << 20))
+    fail(ErrorKind::Request, "kv_page_size must be a power of two up to 2^20, got " + std::to_string(page_size));
+  if (n_pages < 1 || n_pages > INT32_MAX)
+    fail(ErrorKind::Request, "kv_pool_pages must be in 1..2^31-1, got " + std::to_string(n_pages));
+  while ((1 << page_shift_) < page_size) page_shift_++;
+  free_.resize((size_t)n_pages);
+  for (int64_t i = 0; i < n_pages; i++) free_[(size_t)i] = (int32_t)(n_pages - 1 - i);  // top of the stack: 0
+  if (shuffle_seed != 0)  // Fisher-Yates with the samplers' counter-based generator: the same order everywhere
+    for (int64_t i = n_pages - 1; i > 0; i--)
+      std::swap(free_[(size_t)i], free_[(size_t)(splitmix64(shuffle_seed ^ (uint64_t)i) % (uint64_t)(i + 1))]);
+}
+
+KvSequence::KvSequence(const KvPagePool& pool, int64_t max_positions)
+    : max_positions_(max_positions), max_pages_(pool.pages_for(max_positions)) {}
+
+int64_t KvSequence::grow(KvPagePool& pool, int64_t positions) {
+  if (positions > max_positions_)
+    fail(ErrorKind::Request, "KV cache: " + std::to_string(positions) + " positions exceed max_seq_len=" +
+                                 std::to_string(max_positions_));
+  const int64_t first = pages(), need = pool.pages_for(positions) - first;
+  if (need <= 0) return first;
+  if (need > pool.free_pages())
+    fail(ErrorKind::Request,
+         "KV cache pool exhausted: " + std::to_string(positions) + " positions need " +
+             std::to_string(first + need) + " pages of " + std::to_string(pool.page_size()) +
+             " positions; the sequence holds " + std::to_string(first) + " and the pool has " +
+             std::to_string(pool.free_pages()) + " free of " + std::to_string(pool.n_pages()) +
+             " (CudaOptions.kv_pool_pages; 0 sizes the pool for max_seq_len)");
+  for (int64_t i = 0; i < need; i++) {
+    table_.push_back(pool.free_.back());
+    pool.free_.pop_back();
+  }
+  return first;
+}
+
+void KvSequence::release(KvPagePool& pool) {
+  // back in reverse, so that a sequence that grows again after a reset gets the same pages in the same order
+  for (auto it = table_.rbegin(); it != table_.rend(); ++it) pool.free_.push_back(*it);
+  table_.clear();
+}
+
+}  // namespace ti

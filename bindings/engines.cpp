@@ -154,7 +154,7 @@ void bind_engines(nb::module_& m) {
       .value("fp16", ti::DType::F16)
       .value("bf16", ti::DType::BF16);
 
-  nb::class_<ti::WeightStore>(m, "WeightStore", "Named host tensors in, checked fp32 weights out.")
+  nb::class_<ti::WeightStore>(m, "WeightStore", "Named host tensors in, checked weights out (as stored).")
       .def(nb::init<const ti::ModelConfig&>(), "config"_a)
       .def(
           "add",
@@ -176,8 +176,12 @@ void bind_engines(nb::module_& m) {
       .def(
           "quantize", [](ti::WeightStore& w, const FormatArg& f) { w.quantize(to_format(f)); },
           "format"_a, nb::call_guard<nb::gil_scoped_release>(),
-          "The CPU engine's view of a quantized model: every matrix := dequantize(quantize(fp16(w))).")
+          "The CPU engine's quantized model: every matrix re-encoded as quantize(fp16(w)) (blocks kept).")
       .def_prop_ro("format", &ti::WeightStore::format)
+      .def_prop_ro("bytes", &ti::WeightStore::bytes, "Memory held by the tensors.")
+      .def(
+          "held", [](const ti::WeightStore& w, const std::string& n) { return ti::to_string(w.get(n).held); },
+          "name"_a, "How a tensor is held: 'fp32' | 'fp16' | 'bf16' | 'int8' | 'int4'.")
       .def(
           "add_int4",
           [](ti::WeightStore& w, const std::string& name,
@@ -212,7 +216,7 @@ void bind_engines(nb::module_& m) {
           "tensor",
           [](const ti::WeightStore& w, const std::string& n) {
             const ti::HostTensor& t = w.get(n);
-            return numpy_copy(t.data, (size_t)t.shape[0], t.shape.size() > 1 ? (size_t)t.shape[1] : 1);
+            return numpy_copy(t.widen(), (size_t)t.rows(), (size_t)t.cols());
           },
           "name"_a, "A copy of the fp32 values the CPU engine computes with: (rows, cols); a vector as (n, 1).")
       .def("expected_shape", &ti::WeightStore::expected_shape, "name"_a)
@@ -220,7 +224,10 @@ void bind_engines(nb::module_& m) {
       .def_prop_ro("config", &ti::WeightStore::config);
 
   auto cpu = nb::class_<ti::CpuEngine>(m, "CpuEngine", "The fp32 reference engine (one sequence).");
-  cpu.def(nb::init<std::shared_ptr<const ti::WeightStore>, int64_t>(), "weights"_a, "max_seq_len"_a);
+  cpu.def(nb::init<std::shared_ptr<const ti::WeightStore>, int64_t, int64_t>(), "weights"_a, "max_seq_len"_a,
+          "threads"_a = 0, "threads: 0 = the cores available, else 1..1024.")
+      .def_prop_ro("threads", &ti::CpuEngine::threads)
+      .def_prop_ro("weight_bytes", &ti::CpuEngine::weight_bytes, "Host memory of the weights, as held.");
   bind_engine_common<ti::CpuEngine>(cpu);
 
   // The paged KV cache's host bookkeeping (cpp/gpu/kv_pages.h: plain C++, in every build), for its CPU tests and

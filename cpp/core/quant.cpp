@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "errors.h"
 #include "weights.h"  // half_to_float, float_to_half
@@ -110,27 +111,35 @@ QuantMatrix i8_from_q8_0(const int8_t* q, const uint16_t* d, int64_t rows, int64
   return m;
 }
 
-std::vector<float> dequantize(const QuantMatrix& m) {
-  std::vector<float> w((size_t)(m.rows * m.K));
+void dequantize_row(const QuantMatrix& m, int64_t r, float* out) {
   if (m.format == WFormat::I8) {
     const int64_t blocks = m.ld / kI8Block;
-    for (int64_t r = 0; r < m.rows; r++)
-      for (int64_t k = 0; k < m.K; k++)
-        w[(size_t)(r * m.K + k)] = half_to_float(m.sm[(size_t)(r * blocks + k / kI8Block)]) *
-                                   (float)((int)m.q[(size_t)(r * m.ld + k)] - 128);
+    const uint8_t* q = &m.q[(size_t)(r * m.ld)];
+    for (int64_t b = 0; b * kI8Block < m.K; b++) {
+      const float d = half_to_float(m.sm[(size_t)(r * blocks + b)]);
+      const int64_t n = std::min<int64_t>(kI8Block, m.K - b * kI8Block);
+      for (int64_t i = 0; i < n; i++) out[b * kI8Block + i] = d * (float)((int)q[b * kI8Block + i] - 128);
+    }
   } else if (m.format == WFormat::I4) {
     const int64_t groups = m.K / kI4Group;
-    for (int64_t r = 0; r < m.rows; r++)
-      for (int64_t g = 0; g < groups; g++) {
-        const float s = half_to_float(m.sm[(size_t)((r * groups + g) * 2)]);
-        const float mn = half_to_float(m.sm[(size_t)((r * groups + g) * 2 + 1)]);
-        const uint32_t* words = reinterpret_cast<const uint32_t*>(&m.q[(size_t)(r * m.ld + g * kI4Group / 2)]);
-        for (int i = 0; i < kI4Group; i++) {
-          const uint32_t q = (words[i / 8] >> i4_nibble_pos(i % 8)) & 0xF;
-          w[(size_t)(r * m.K + g * kI4Group + i)] = s * (float)q + mn;
-        }
-      }
+    for (int64_t g = 0; g < groups; g++) {
+      const float s = half_to_float(m.sm[(size_t)((r * groups + g) * 2)]);
+      const float mn = half_to_float(m.sm[(size_t)((r * groups + g) * 2 + 1)]);
+      uint32_t words[kI4Group / 8];
+      std::memcpy(words, &m.q[(size_t)(r * m.ld + g * kI4Group / 2)], sizeof(words));
+      float* o = out + g * kI4Group;
+      for (int w = 0; w < kI4Group / 8; w++)
+        for (int i = 0; i < 8; i++) o[w * 8 + i] = s * (float)((words[w] >> i4_nibble_pos(i)) & 0xF) + mn;
+    }
+  } else {
+    fail(ErrorKind::Request, "dequantize: fp16 is not a quantized format");
   }
+}
+
+std::vector<float> dequantize(const QuantMatrix& m) {
+  std::vector<float> w((size_t)(m.rows * m.K));
+  if (m.format == WFormat::F16) return w;
+  for (int64_t r = 0; r < m.rows; r++) dequantize_row(m, r, &w[(size_t)(r * m.K)]);
   return w;
 }
 

@@ -68,6 +68,9 @@ QuantMatrix quantize(WFormat f, const float* w, int64_t rows, int64_t K);
 QuantMatrix i8_from_q8_0(const int8_t* q, const uint16_t* d, int64_t rows, int64_t K, const std::string& what);
 // (rows, K) fp32: the numbers the quantized matrix stands for.
 std::vector<float> dequantize(const QuantMatrix& m);
+// Row r of dequantize(m) into out[0..K): the CPU engine widens one row at a time inside its dot products, so
+// it computes with these numbers while the matrix stays in its blocks. dequantize() is built on it.
+void dequantize_row(const QuantMatrix& m, int64_t r, float* out);
 // In place: w := dequantize(quantize(w)) (F16: w := fp16(w)). The CPU engine's view of a quantized model.
 void quantize_dequantize(WFormat f, float* w, int64_t rows, int64_t K);
 

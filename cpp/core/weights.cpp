@@ -65,6 +65,65 @@ float bf16_to_float(uint16_t b) {
   return f;
 }
 
+std::string to_string(Held h) {
+  switch (h) {
+    case Held::F32: return "fp32";
+    case Held::F16: return "fp16";
+    case Held::BF16: return "bf16";
+    case Held::I8: return "int8";
+    case Held::I4: return "int4";
+  }
+  return "?";
+}
+
+// fp16 bits -> fp32 for all 65,536 patterns, built once from half_to_float (so exactly its numbers): a row of
+// fp16 weights widens at a table lookup per element.
+static const float* half_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(65536);
+    for (uint32_t h = 0; h < 65536; h++) t[h] = half_to_float((uint16_t)h);
+    return t;
+  }();
+  return table.data();
+}
+
+size_t HostTensor::bytes() const {
+  return f32.size() * 4 + bits.size() * 2 + blocks.q.size() + blocks.sm.size() * 2;
+}
+
+void HostTensor::widen_row(int64_t r, float* out) const {
+  const int64_t n = cols();
+  switch (held) {
+    case Held::F32:
+      std::memcpy(out, &f32[(size_t)(r * n)], (size_t)n * 4);
+      break;
+    case Held::F16: {
+      const float* table = half_table();
+      const uint16_t* b = &bits[(size_t)(r * n)];
+      for (int64_t i = 0; i < n; i++) out[i] = table[b[i]];
+      break;
+    }
+    case Held::BF16: {
+      const uint16_t* b = &bits[(size_t)(r * n)];
+      for (int64_t i = 0; i < n; i++) {
+        const uint32_t u = (uint32_t)b[i] << 16;
+        std::memcpy(&out[i], &u, 4);
+      }
+      break;
+    }
+    case Held::I8:
+    case Held::I4:
+      dequantize_row(blocks, r, out);
+      break;
+  }
+}
+
+std::vector<float> HostTensor::widen() const {
+  std::vector<float> w((size_t)(rows() * cols()));
+  for (int64_t r = 0; r < rows(); r++) widen_row(r, &w[(size_t)(r * cols())]);
+  return w;
+}
+
 static std::string shape_str(const std::vector<int64_t>& s) {
   std::string r = "[";
   for (size_t i = 0; i < s.size(); i++) r += (i ? ", " : "") + std::to_string(s[i]);
@@ -78,7 +137,7 @@ static std::string layer_name(int64_t i, const char* leaf) {
 std::string WeightStore::layer_tensor(int64_t layer, const char* leaf) { return layer_name(layer, leaf); }
 
 // Checks an imported matrix's name and shape (a layer matrix; for int8 also the head or the embedding) and
-// keeps it, the store's fp32 copy becoming exactly its dequantized numbers.
+// keeps it as the tensor of that name.
 void WeightStore::add_imported(const std::string& name, QuantMatrix m) {
   if (finished_) fail(ErrorKind::Request, "WeightStore: imported tensor '" + name + "' after finish()");
   const std::vector<int64_t> want = expected_shape(name);
@@ -89,9 +148,10 @@ void WeightStore::add_imported(const std::string& name, QuantMatrix m) {
                                      shape_str({m.rows, m.K}) + ": not a matrix of shape " + shape_str(want));
   HostTensor t;
   t.shape = {m.rows, m.K};
-  t.data = dequantize(m);
+  t.held = m.format == WFormat::I8 ? Held::I8 : Held::I4;
+  imported_[name] = m.format;
+  t.blocks = std::move(m);
   tensors_[name] = std::move(t);
-  imported_[name] = std::move(m);
 }
 
 void WeightStore::add_int4(const std::string& name, const uint8_t* q, const uint16_t* sm, int64_t rows, int64_t K) {
@@ -111,10 +171,10 @@ void WeightStore::add_int8(const std::string& name, const int8_t* q, const uint1
 }
 
 const QuantMatrix* WeightStore::imported(const std::string& name, WFormat f) const {
-  auto it = imported_.find(name);
-  if (it == imported_.end() && name == "lm_head.weight" && config_.tie_word_embeddings)
-    it = imported_.find("model.embed_tokens.weight");
-  return it == imported_.end() || it->second.format != f ? nullptr : &it->second;
+  std::string n = name;
+  if (!imported_.count(n) && name == "lm_head.weight" && config_.tie_word_embeddings) n = "model.embed_tokens.weight";
+  auto it = imported_.find(n);
+  return it == imported_.end() || it->second != f ? nullptr : &get(n).blocks;
 }
 
 WeightStore::WeightStore(const ModelConfig& config) : config_(config) { config_.validate(); }
@@ -167,18 +227,28 @@ void WeightStore::add(const std::string& name, DType dtype, const void* data, co
   for (int64_t d : shape) n *= (size_t)d;
   HostTensor t;
   t.shape = shape;
-  t.data.resize(n);
-  if (dtype == DType::F32) {
-    std::memcpy(t.data.data(), data, n * 4);
+  if (dtype == DType::F32 || shape.size() == 1) {  // vectors (the norms) as fp32: small, read whole
+    t.held = Held::F32;
+    t.f32.resize(n);
+    if (dtype == DType::F32) {
+      std::memcpy(t.f32.data(), data, n * 4);
+    } else {
+      const uint16_t* src = static_cast<const uint16_t*>(data);
+      for (size_t i = 0; i < n; i++) t.f32[i] = dtype == DType::F16 ? half_to_float(src[i]) : bf16_to_float(src[i]);
+    }
   } else {
+    t.held = dtype == DType::F16 ? Held::F16 : Held::BF16;
     const uint16_t* src = static_cast<const uint16_t*>(data);
-    for (size_t i = 0; i < n; i++) t.data[i] = dtype == DType::F16 ? half_to_float(src[i]) : bf16_to_float(src[i]);
+    t.bits.assign(src, src + n);
   }
   tensors_.emplace(name, std::move(t));
 }
 
 void WeightStore::finish() {
-  if (config_.tie_word_embeddings) tensors_.erase("lm_head.weight");  // tied: the embedding is the head
+  if (config_.tie_word_embeddings) {  // tied: the embedding is the head
+    tensors_.erase("lm_head.weight");
+    imported_.erase("lm_head.weight");
+  }
   for (const std::string& name : required_names())
     if (!tensors_.count(name))
       fail(ErrorKind::ModelFormat, "missing tensor '" + name + "' (expected shape " +
@@ -194,15 +264,23 @@ std::vector<std::string> WeightStore::names() const {
 
 const HostTensor& WeightStore::get(const std::string& name) const {
   auto it = tensors_.find(name);
+  if (it == tensors_.end() && name == "lm_head.weight" && finished_ && config_.tie_word_embeddings)
+    it = tensors_.find("model.embed_tokens.weight");  // tied: the embedding is the head
   if (it == tensors_.end()) fail(ErrorKind::Request, "no tensor '" + name + "' in the store");
   return it->second;
 }
 
-const float* WeightStore::embedding() const { return get("model.embed_tokens.weight").data.data(); }
-const float* WeightStore::final_norm() const { return get("model.norm.weight").data.data(); }
-const float* WeightStore::lm_head() const {
+const HostTensor& WeightStore::embedding() const { return get("model.embed_tokens.weight"); }
+const float* WeightStore::final_norm() const { return get("model.norm.weight").f32.data(); }
+const HostTensor& WeightStore::lm_head() const {
   auto it = tensors_.find("lm_head.weight");  // present when untied, or when quantize() untied it
-  return it != tensors_.end() ? it->second.data.data() : embedding();
+  return it != tensors_.end() ? it->second : embedding();
+}
+
+size_t WeightStore::bytes() const {
+  size_t b = 0;
+  for (const auto& kv : tensors_) b += kv.second.bytes();
+  return b;
 }
 
 void WeightStore::quantize(WFormat f) {
@@ -211,29 +289,37 @@ void WeightStore::quantize(WFormat f) {
   const ModelConfig& c = config_;
   // Check every width first: a model int4 cannot take is refused before anything changes.
   if (f == WFormat::I4) require_int4_widths(c.hidden, c.q_dim, c.intermediate);
-  if (c.tie_word_embeddings && !tensors_.count("lm_head.weight"))
-    tensors_["lm_head.weight"] = get("model.embed_tokens.weight");  // the head is quantized, the lookup is not
-  auto q = [&](const std::string& name, WFormat g) {
-    HostTensor& t = tensors_.at(name);
-    if (const QuantMatrix* m = imported(name, g)) t.data = dequantize(*m);  // imported block for block: exact
-    else quantize_dequantize(g, t.data.data(), t.shape[0], t.shape[1]);
+  // Re-encodes one matrix in format g unless it is held so already (imported block for block: exact). The
+  // fp32 copy lives for one matrix only.
+  auto q = [&](const std::string& name, const HostTensor& src, WFormat g) {
+    const Held want = g == WFormat::I8 ? Held::I8 : Held::I4;
+    if (src.held == want) return;  // (tied, embedding in the head's format: it stays the head, no copy)
+    HostTensor t;
+    t.shape = src.shape;
+    t.held = want;
+    t.blocks = ti::quantize(g, src.widen().data(), src.rows(), src.cols());
+    tensors_[name] = std::move(t);
+    imported_.erase(name);
   };
   for (int64_t i = 0; i < c.n_layers; i++)
     for (const char* leaf : {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                              "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                             "mlp.down_proj.weight"})
-      q(layer_name(i, leaf), f);
-  q("lm_head.weight", head_format(f));
+                             "mlp.down_proj.weight"}) {
+      const std::string name = layer_name(i, leaf);
+      q(name, tensors_.at(name), f);
+    }
+  q("lm_head.weight", lm_head(), head_format(f));  // tied: the head is quantized (untied), the lookup is not
   format_ = f;
 }
 
 LayerWeights WeightStore::layer(int64_t i) const {
-  auto p = [&](const char* leaf) { return get(layer_name(i, leaf)).data.data(); };
-  return LayerWeights{p("input_layernorm.weight"),  p("self_attn.q_proj.weight"),
-                      p("self_attn.k_proj.weight"), p("self_attn.v_proj.weight"),
-                      p("self_attn.o_proj.weight"), p("post_attention_layernorm.weight"),
-                      p("mlp.gate_proj.weight"),    p("mlp.up_proj.weight"),
-                      p("mlp.down_proj.weight")};
+  auto m = [&](const char* leaf) { return &get(layer_name(i, leaf)); };
+  auto v = [&](const char* leaf) { return get(layer_name(i, leaf)).f32.data(); };
+  return LayerWeights{v("input_layernorm.weight"),  m("self_attn.q_proj.weight"),
+                      m("self_attn.k_proj.weight"), m("self_attn.v_proj.weight"),
+                      m("self_attn.o_proj.weight"), v("post_attention_layernorm.weight"),
+                      m("mlp.gate_proj.weight"),    m("mlp.up_proj.weight"),
+                      m("mlp.down_proj.weight")};
 }
 
 }  // namespace ti

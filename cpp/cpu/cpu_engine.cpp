@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <thread>
 
 #include "../core/engine_checks.h"
 #include "../core/errors.h"
+#include "row_dot.h"
 
 namespace ti {
 
@@ -23,11 +25,27 @@ static float dot(const float* a, const float* b, int64_t n) {
 }
 
 void matmul(float* y, const float* x, const float* W, int64_t n, int64_t rows, int64_t cols) {
-#pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; r++) {
     const float* wr = W + r * cols;
     for (int64_t t = 0; t < n; t++) y[t * rows + r] = dot(x + t * cols, wr, cols);
   }
+}
+
+// y (n, rows) = x (n, cols) @ W^T with W in its stored precision: each row is widened to fp32 once (into a
+// per-thread row buffer) and dotted with the n inputs, so every output is the same dot() over the same fp32
+// numbers as a whole-matrix fp32 copy would give, whichever thread computes it.
+static void matmul(float* y, const float* x, const HostTensor& W, int64_t n, ThreadPool& pool) {
+  const int64_t rows = W.rows(), cols = W.cols();
+  pool.parallel_for(rows, pool.grain_for(rows, 4), [&](int64_t r0, int64_t r1) {
+    if (n == 1 && row_dots(W, x, y + r0, r0, r1)) return;  // the decode step: straight from the format
+    thread_local std::vector<float> row;
+    if (W.held != Held::F32 && (int64_t)row.size() < cols) row.resize((size_t)cols);
+    for (int64_t r = r0; r < r1; r++) {
+      const float* wr = W.held == Held::F32 ? &W.f32[(size_t)(r * cols)] : row.data();
+      if (W.held != Held::F32) W.widen_row(r, row.data());
+      for (int64_t t = 0; t < n; t++) y[t * rows + r] = dot(x + t * cols, wr, cols);
+    }
+  });
 }
 
 void rmsnorm(float* y, const float* x, const float* weight, int64_t n, int64_t d, float eps) {
@@ -49,10 +67,20 @@ void swiglu(float* gate, const float* up, int64_t count) {
 
 // ---- engine ----
 
-CpuEngine::CpuEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq_len)
+int default_threads() { return std::max(1, (int)std::thread::hardware_concurrency()); }
+
+static int checked_threads(int64_t threads) {
+  if (threads < 0 || threads > kMaxThreads)
+    fail(ErrorKind::Request, "threads must be in 1.." + std::to_string(kMaxThreads) +
+                                 " (or 0: the cores available), got " + std::to_string(threads));
+  return threads == 0 ? default_threads() : (int)threads;
+}
+
+CpuEngine::CpuEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq_len, int64_t threads)
     : w_(std::move(weights)), cfg_(w_->config()), max_seq_(max_seq_len) {
   if (!w_->finished()) fail(ErrorKind::Request, "CpuEngine: the WeightStore is not finished");
   if (max_seq_len < 1) fail(ErrorKind::Request, "max_seq_len must be >= 1 (got " + std::to_string(max_seq_len) + ")");
+  pool_ = std::make_unique<ThreadPool>(checked_threads(threads));
   kv_ = KVCache(cfg_.n_layers, cfg_.n_kv_heads, max_seq_len, cfg_.head_dim);
   rope_ = rope_table(cfg_, max_seq_len);
   last_logits_.resize((size_t)cfg_.vocab);
@@ -63,6 +91,30 @@ void CpuEngine::reset() {
   has_last_ = pending_ = false;
 }
 
+// Attention of token t (at pos0 + t) in head h over the cached positions 0..pos0+t.
+void CpuEngine::attend(int64_t l, int64_t t, int64_t h, int64_t pos0) {
+  const ModelConfig& c = cfg_;
+  const int64_t hd = c.head_dim;
+  const float scale = 1.0f / std::sqrt((float)hd);
+  const int64_t kvh = h / c.group, len = pos0 + t + 1;  // causal: positions 0..pos0+t
+  const float* q = &q_[t * c.q_dim + h * hd];
+  std::vector<float> score((size_t)len);
+  float mx = -INFINITY;
+  for (int64_t p = 0; p < len; p++) {
+    score[p] = dot(q, kv_.key(l, kvh, p), hd) * scale;
+    mx = std::max(mx, score[p]);
+  }
+  double sum = 0;
+  for (int64_t p = 0; p < len; p++) sum += (score[p] = std::exp(score[p] - mx));
+  float* out = &att_[t * c.q_dim + h * hd];
+  std::fill(out, out + hd, 0.0f);
+  for (int64_t p = 0; p < len; p++) {
+    const float wgt = (float)(score[p] / sum);
+    const float* v = kv_.value(l, kvh, p);
+    for (int64_t i = 0; i < hd; i++) out[i] += wgt * v[i];
+  }
+}
+
 void CpuEngine::run_layer(int64_t l, int64_t n, int64_t pos0) {
   const ModelConfig& c = cfg_;
   const LayerWeights L = w_->layer(l);
@@ -71,9 +123,9 @@ void CpuEngine::run_layer(int64_t l, int64_t n, int64_t pos0) {
 
   // ---- attention block: x += o_proj(attn(rope(q), rope(k), v)) ----
   rmsnorm(xn_.data(), x_.data(), L.attn_norm, n, H, eps);
-  matmul(q_.data(), xn_.data(), L.wq, n, c.q_dim, H);
-  matmul(k_.data(), xn_.data(), L.wk, n, c.kv_dim, H);
-  matmul(v_.data(), xn_.data(), L.wv, n, c.kv_dim, H);
+  matmul(q_.data(), xn_.data(), *L.wq, n, *pool_);
+  matmul(k_.data(), xn_.data(), *L.wk, n, *pool_);
+  matmul(v_.data(), xn_.data(), *L.wv, n, *pool_);
   for (int64_t t = 0; t < n; t++) {
     rope_apply(&q_[t * c.q_dim], c.n_heads, hd, rope_, pos0 + t);
     rope_apply(&k_[t * c.kv_dim], c.n_kv_heads, hd, rope_, pos0 + t);
@@ -82,38 +134,19 @@ void CpuEngine::run_layer(int64_t l, int64_t n, int64_t pos0) {
       std::memcpy(kv_.value(l, h, pos0 + t), &v_[t * c.kv_dim + h * hd], hd * sizeof(float));
     }
   }
-  const float scale = 1.0f / std::sqrt((float)hd);
-  // One task per (token, head); a plain loop index so MSVC's OpenMP 2.0 takes it too.
-#pragma omp parallel for schedule(static)
-  for (int64_t th = 0; th < n * c.n_heads; th++) {
-    const int64_t t = th / c.n_heads, h = th % c.n_heads;
-    const int64_t kvh = h / c.group, len = pos0 + t + 1;  // causal: positions 0..pos0+t
-    const float* q = &q_[t * c.q_dim + h * hd];
-    std::vector<float> score((size_t)len);
-    float mx = -INFINITY;
-    for (int64_t p = 0; p < len; p++) {
-      score[p] = dot(q, kv_.key(l, kvh, p), hd) * scale;
-      mx = std::max(mx, score[p]);
-    }
-    double sum = 0;
-    for (int64_t p = 0; p < len; p++) sum += (score[p] = std::exp(score[p] - mx));
-    float* out = &att_[t * c.q_dim + h * hd];
-    std::fill(out, out + hd, 0.0f);
-    for (int64_t p = 0; p < len; p++) {
-      const float wgt = (float)(score[p] / sum);
-      const float* v = kv_.value(l, kvh, p);
-      for (int64_t i = 0; i < hd; i++) out[i] += wgt * v[i];
-    }
-  }
-  matmul(tmp_.data(), att_.data(), L.wo, n, H, c.q_dim);
+  // One task per (token, head).
+  pool_->parallel_for(n * c.n_heads, 1, [&](int64_t th0, int64_t th1) {
+    for (int64_t th = th0; th < th1; th++) attend(l, th / c.n_heads, th % c.n_heads, pos0);
+  });
+  matmul(tmp_.data(), att_.data(), *L.wo, n, *pool_);
   for (int64_t i = 0; i < n * H; i++) x_[i] += tmp_[i];
 
   // ---- MLP block: x += down(silu(gate(xn)) * up(xn)) ----
   rmsnorm(xn_.data(), x_.data(), L.mlp_norm, n, H, eps);
-  matmul(gate_.data(), xn_.data(), L.w_gate, n, I, H);
-  matmul(up_.data(), xn_.data(), L.w_up, n, I, H);
+  matmul(gate_.data(), xn_.data(), *L.w_gate, n, *pool_);
+  matmul(up_.data(), xn_.data(), *L.w_up, n, *pool_);
   swiglu(gate_.data(), up_.data(), n * I);
-  matmul(tmp_.data(), gate_.data(), L.w_down, n, H, I);
+  matmul(tmp_.data(), gate_.data(), *L.w_down, n, *pool_);
   for (int64_t i = 0; i < n * H; i++) x_[i] += tmp_[i];
 }
 
@@ -126,7 +159,7 @@ void CpuEngine::run(const int32_t* tokens, int64_t m, int64_t pos0, int64_t firs
   for (auto* buf : {&gate_, &up_}) buf->resize((size_t)(m * c.intermediate));
 
   for (int64_t t = 0; t < m; t++)  // embedding lookup
-    std::memcpy(&x_[t * H], w_->embedding() + (int64_t)tokens[t] * H, H * sizeof(float));
+    w_->embedding().widen_row(tokens[t], &x_[t * H]);
   for (int64_t l = 0; l < c.n_layers; l++) run_layer(l, m, pos0);
 
   // Final norm and LM head only for the rows whose logits are wanted; the last row always (for decode).
@@ -134,7 +167,7 @@ void CpuEngine::run(const int32_t* tokens, int64_t m, int64_t pos0, int64_t firs
   rmsnorm(xn_.data(), &x_[first_logit_row * H], w_->final_norm(), rows, H, (float)c.rms_eps);
   std::vector<float>& out = logits_buf_;
   out.resize((size_t)(rows * c.vocab));
-  matmul(out.data(), xn_.data(), w_->lm_head(), rows, c.vocab, H);
+  matmul(out.data(), xn_.data(), w_->lm_head(), rows, *pool_);
   if (logits) std::memcpy(logits, out.data(), (size_t)(rows * c.vocab) * sizeof(float));
   std::memcpy(last_logits_.data(), &out[(rows - 1) * c.vocab], (size_t)c.vocab * sizeof(float));
   has_last_ = true;

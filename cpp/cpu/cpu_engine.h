@@ -1,8 +1,10 @@
 // cpu_engine.h — the reference engine: the whole Llama forward pass in plain fp32 C++.
 //
 // It is the oracle every GPU kernel is checked against and the device="cpu" backend, so it is written to be
-// obviously correct rather than fast: one loop nest per operation, threads (OpenMP) only across independent
-// output rows / heads. One sequence; tokens go in at position() and the KV cache grows with them.
+// obviously correct rather than fast: one loop nest per operation, threads (thread_pool.h) only across
+// independent output rows / heads, so the thread count never changes a number. The weights stay in their stored
+// precision (weights.h); each matrix row is widened to fp32 inside the matrix product. One sequence; tokens go
+// in at position() and the KV cache grows with them.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -10,15 +12,22 @@
 
 #include "../core/config.h"
 #include "kv_cache.h"
+#include "thread_pool.h"
 #include "../core/rope.h"
 #include "../core/sampling.h"
 #include "../core/weights.h"
 
 namespace ti {
 
+constexpr int64_t kMaxThreads = 1024;
+int default_threads();  // std::thread::hardware_concurrency(), at least 1
+
 class CpuEngine {
  public:
-  CpuEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq_len);
+  // threads: 0 = the cores available (default_threads()), else 1..kMaxThreads (else ti::Error naming it).
+  CpuEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq_len, int64_t threads = 0);
+  int threads() const { return pool_->threads(); }
+  size_t weight_bytes() const { return w_->bytes(); }  // host memory of the weights, as held
 
   const ModelConfig& config() const { return cfg_; }
   int64_t max_seq_len() const { return max_seq_; }
@@ -43,8 +52,10 @@ class CpuEngine {
   // row in last_logits_); copied to `logits` too when it is not null.
   void run(const int32_t* tokens, int64_t m, int64_t pos0, int64_t first_logit_row, float* logits);
   void run_layer(int64_t layer, int64_t n, int64_t pos0);
+  void attend(int64_t layer, int64_t t, int64_t head, int64_t pos0);
 
   std::shared_ptr<const WeightStore> w_;
+  std::unique_ptr<ThreadPool> pool_;
   ModelConfig cfg_;
   int64_t max_seq_;
   KVCache kv_;

@@ -201,7 +201,7 @@ def verify(model: str, steps: int = 32, prompt: str = "The quick brown fox", out
 
 # ---- the CPU reference engine ----
 
-def random_cpu_engine(cfg: _core.ModelConfig, max_seq: int, seed: int = 0):
+def random_cpu_engine(cfg: _core.ModelConfig, max_seq: int, seed: int = 0, threads: int = 0):
     """A CPU engine with random weights at `cfg`'s shape (speed does not depend on the values)."""
     import numpy as np
 
@@ -211,25 +211,29 @@ def random_cpu_engine(cfg: _core.ModelConfig, max_seq: int, seed: int = 0):
         shape = store.expected_shape(name)
         if name.endswith("norm.weight"):
             w = np.ones(shape, np.float16)
-        else:  # fp16 halves the host memory of the draw; the store widens to fp32 as for an fp16 checkpoint
+        else:  # fp16, as an fp16 checkpoint is held (widened to fp32 row by row in the products)
             w = (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float16)
         store.add(name, w, "fp16")
     store.finish()
-    return _core.CpuEngine(store, max_seq)
+    return _core.CpuEngine(store, max_seq, threads)
 
 
 def run_cpu(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 256), steps: int = 32,
-            prefill=(16, 128), json_path: Optional[str] = None, dtype: str = "fp32", out=print) -> dict:
+            prefill=(16, 128), json_path: Optional[str] = None, dtype: str = "fp32", out=print,
+            threads: Optional[int] = None) -> dict:
     """Decode tok/s at each context and prefill tok/s per prompt length on the CPU reference engine (wall
     time, fp32 math; this engine is the correctness oracle, not a fast path)."""
     import numpy as np
 
+    from .engine import check_threads
+
+    threads = check_threads(threads)
     max_seq = max(max(contexts) + steps + 1, max(prefill, default=0))
     t0 = time.perf_counter()
     if model is not None:
         from .engine import Engine
 
-        eng = Engine(model, device="cpu", dtype=dtype, max_seq_len=max_seq)
+        eng = Engine(model, device="cpu", dtype=dtype, max_seq_len=max_seq, threads=threads)
         core, cfg, name = eng._core, eng.config, str(model)
     else:
         if dtype != "fp32":
@@ -239,10 +243,11 @@ def run_cpu(shape: Optional[str] = None, model: Optional[str] = None, contexts=(
                                       f"pass --model to time a quantized model")
         name = shape or "smollm2-135m"
         cfg = shape_config(name)
-        core = random_cpu_engine(cfg, max_seq)
-    res = {"model": name, "device": "cpu", "dtype": dtype, "load_s": time.perf_counter() - t0, "decode": [],
-           "prefill": []}
-    out(f"tinyinfer bench: {name} on the CPU reference engine ({dtype} weights, fp32 math; wall time)")
+        core = random_cpu_engine(cfg, max_seq, threads=threads)
+    res = {"model": name, "device": "cpu", "dtype": dtype, "threads": threads, "load_s": time.perf_counter() - t0,
+           "decode": [], "prefill": []}
+    out(f"tinyinfer bench: {name} on the CPU reference engine ({dtype} weights, fp32 math, {threads} thread"
+        f"{'s' if threads != 1 else ''}; wall time)")
     rng = np.random.default_rng(0)
     greedy = _core.SamplingConfig()
     out(f"\n{'context':>8} {'tok/s':>9} {'ms/token':>9}")

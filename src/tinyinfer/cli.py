@@ -32,6 +32,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "load; the CPU engine then computes in fp32 with the dequantized weights); a dtype the device "
                    "cannot honour is refused")
     p.add_argument("--max-seq-len", type=int, default=None, help="KV cache length (default: min(model, 4096))")
+    _add_threads_arg(p)
+
+
+def _add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU engine threads (default: the cores this process may use)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -66,10 +72,16 @@ def _check_before_load(args) -> None:
                                       f"--max-seq-len {args.max_seq_len}")
     if getattr(args, "system", None) is not None and not args.system.strip():
         raise InvalidRequestError("--system is empty")
+    _check_threads(args)
     if args.dtype != "auto" and args.device != "auto":
         from .engine import check_dtype
 
         check_dtype(args.dtype, args.device)
+
+
+def _check_threads(args) -> None:
+    if args.threads is not None and args.threads < 1:
+        raise InvalidRequestError(f"--threads must be >= 1 (got {args.threads})")
 
 
 def _model_path(model: Optional[str]) -> str:
@@ -83,7 +95,8 @@ def _model_path(model: Optional[str]) -> str:
 def _engine(args):
     from .engine import Engine
 
-    return Engine(_model_path(args.model), device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len)
+    return Engine(_model_path(args.model), device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len,
+                  threads=args.threads)
 
 
 def stats_line(eng, out) -> str:
@@ -216,11 +229,13 @@ def cmd_bench(args) -> int:
     prefill = _int_list(("16,128" if cpu else "16,256,512,2048") if args.prefill is None else args.prefill,
                         "--prefill")
     steps = args.steps or (32 if cpu else 256)
+    _check_threads(args)
     if not contexts:
         raise InvalidRequestError("--contexts is empty")
     if cpu:
         bench.run_cpu(shape=args.shape, model=args.model, contexts=contexts, steps=steps, prefill=prefill,
-                      json_path=args.json, dtype="fp32" if args.dtype == "auto" else args.dtype)
+                      json_path=args.json, dtype="fp32" if args.dtype == "auto" else args.dtype,
+                      threads=args.threads)
     else:
         bench.run(shape=args.shape, model=args.model, contexts=contexts, steps=steps, json_path=args.json,
                   prefill=prefill, dtype="fp16" if args.dtype == "auto" else args.dtype)
@@ -235,6 +250,7 @@ def cmd_perplexity(args) -> int:
         raise InvalidRequestError(f"--tokens must be >= 2 (got {args.tokens})")
     if args.window is not None and args.window < 2:
         raise InvalidRequestError(f"--window must be >= 2 (got {args.window})")
+    _check_threads(args)
     try:
         with open(args.file, encoding="utf-8") as f:
             text = f.read()
@@ -248,7 +264,7 @@ def cmd_perplexity(args) -> int:
         check_dtype(args.dtype, args.device)
     window = args.window or args.tokens
     with Engine(_model_path(args.model), device=args.device, dtype=args.dtype,
-                max_seq_len=args.max_seq_len or window) as eng:
+                max_seq_len=args.max_seq_len or window, threads=args.threads) as eng:
         ids = eng.tokenize(text)
         if args.tokens:
             ids = ids[:args.tokens]
@@ -321,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated prompt lengths for the prefill table (default 16,256,512,2048; CPU "
                    "16,128; '' to skip)")
     p.add_argument("--json", default=None, help="write the results here")
+    _add_threads_arg(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("verify", help="GPU engine vs CPU engine: worst relative logit error, argmax mismatches")

@@ -183,26 +183,49 @@ def with_plan_cache(opts: "_core.CudaOptions", path: Optional[Path],
     return core
 
 
-def _load_cpu(model, max_seq_len: int, dtype: str, show: bool):
-    """The CPU reference engine: every tensor into an fp32 WeightStore (int8 / int4: then quantized in place)."""
-    config = model.config
+def check_threads(threads: Optional[int]) -> int:
+    """The CPU engine's thread count: None -> the cores this process may run on; else an int >= 1. (The GPU
+    engine's host side is one thread; there the value is checked and otherwise unused.)"""
+    if threads is None:
+        try:
+            return len(os.sched_getaffinity(0)) or 1
+        except AttributeError:  # not Linux
+            return os.cpu_count() or 1
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024:
+        raise InvalidRequestError(f"threads must be an integer in 1..1024, got {threads!r}")
+    return threads
+
+
+def _load_cpu_store(model, config, dtype: str, show: bool = False) -> "_core.WeightStore":
+    """The CPU engine's store, every tensor in its stored precision: GGUF Q4_0 / Q4_1 / Q8_0 matrices as our
+    int4 / int8 blocks (whatever the dtype: their numbers are exactly the fp32 dequantization's), taken first so
+    their fp32 twins are never made; the rest as the file has them. int8 / int4: then re-encoded (quantize)."""
     store = _core.WeightStore(config)
-    n_tensors = 2 + 9 * config.n_layers + (0 if config.tie_word_embeddings else 1)
-    for name, array, src_dtype in tqdm(model.tensors(), total=n_tensors, desc="loading", unit="tensor",
-                                       leave=False, disable=not show):
-        if config.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        store.add(name, array, src_dtype)
-    if dtype == "int4" and model.int4_blocks is not None:  # GGUF Q4_0 / Q4_1: imported as they are
+    held = set()
+    if model.int4_blocks is not None:
         for name, q, sm in model.int4_blocks():
             store.add_int4(name, q, sm)
-    if dtype in _QUANTIZED and model.int8_blocks is not None:  # GGUF Q8_0: int8 matrices, the int8 LM head
-        for name, q, d in model.int8_blocks(layers=dtype == "int8"):
+            held.add(name)
+    if model.int8_blocks is not None:
+        for name, q, d in model.int8_blocks(layers=True):
             store.add_int8(name, q, d)
+            held.add(name)
+    skip = frozenset(held)
+    n_tensors = 2 + 9 * config.n_layers + (0 if config.tie_word_embeddings else 1) - len(skip)
+    for name, array, src_dtype in tqdm(model.tensors(skip=skip) if skip else model.tensors(), total=n_tensors,
+                                       desc="loading", unit="tensor", leave=False, disable=not show):
+        if name in held or (config.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        store.add(name, array, src_dtype)
     store.finish()
     if dtype in _QUANTIZED:
         store.quantize(dtype)
-    return _core.CpuEngine(store, max_seq_len)
+    return store
+
+
+def _load_cpu(model, max_seq_len: int, dtype: str, show: bool, threads: int):
+    """The CPU reference engine over the store as held (weights in their stored precision)."""
+    return _core.CpuEngine(_load_cpu_store(model, model.config, dtype, show), max_seq_len, threads)
 
 
 def _load_cuda(model, max_seq_len: int, opts: "_core.CudaOptions", dtype: str, show: bool):
@@ -235,13 +258,16 @@ class Engine:
         cuda_options: Optional["_core.CudaOptions"] = None,
         plan_cache: bool = True,
         progress: Optional[bool] = None,
+        threads: Optional[int] = None,
     ):
         """progress: a bar over the bytes loaded and one line with the load's time split, on stderr (None: only
-        when stderr is a terminal; False: silent)."""
+        when stderr is a terminal; False: silent). threads: the CPU engine's (default: the cores this process may
+        use; the thread count never changes a result)."""
         self._core = None  # first: close() and repr must work on an engine whose loading failed
         t0 = time.perf_counter()
         if dtype not in _DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(_DTYPES)} (got {dtype!r})")
+        self.threads = check_threads(threads)
         self.device = _pick_device(device)
         self.dtype = check_dtype(dtype, self.device)
         model = load_model(path)
@@ -275,7 +301,7 @@ class Engine:
                                 f"(read+upload {t['weights']:.2f} s, tune {t['tune']:.2f} s, "
                                 f"graphs {t['graphs']:.2f} s)")
         else:
-            self._core = _load_cpu(model, max_seq_len, self.dtype, show)
+            self._core = _load_cpu(model, max_seq_len, self.dtype, show, self.threads)
             self.load_report = f"tinyinfer: loaded {self.model_name} in {time.perf_counter() - t0:.2f} s"
         if show:
             print(self.load_report, file=sys.stderr)

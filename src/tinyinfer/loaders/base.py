@@ -13,7 +13,7 @@ from ..tokenizer import Tokenizer
 
 # One tensor for the core: (HuggingFace name, array, core dtype "fp32" | "fp16" | "bf16"; bf16 as uint16 bits).
 TensorItem = tuple[str, np.ndarray, str]
-TensorSource = Callable[[], Iterator[TensorItem]]
+TensorSource = Callable[..., Iterator[TensorItem]]
 
 
 class BlockMatrix(NamedTuple):
@@ -60,7 +60,9 @@ def rows_items(name: str, array: np.ndarray, dtype: str, rope_heads: int = 0,
 @dataclass
 class LoadedModel:
     config: _core.ModelConfig
-    tensors: TensorSource  # called once; yields views over the mapped file, one tensor at a time
+    # called once; yields views over the mapped file, one tensor at a time. GGUF: tensors(skip=names) leaves
+    # those out unread (the CPU engine holds them as blocks)
+    tensors: TensorSource
     tokenizer: Optional[Tokenizer] = None
     path: Path = Path(".")
     description: str = ""

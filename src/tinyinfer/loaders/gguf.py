@@ -227,14 +227,16 @@ def _config(meta: dict[str, Any], infos: dict[str, tuple[str, Any]], where: str)
     return config
 
 
-def _tensors(infos: dict[str, tuple[str, Any]], config: "_core.ModelConfig", where: str) -> Iterator[TensorItem]:
-    """Every tensor under its HF name, row-major, passed through or dequantized to fp32; Q / K rows un-permuted."""
+def _tensors(infos: dict[str, tuple[str, Any]], config: "_core.ModelConfig", where: str,
+             skip: frozenset = frozenset()) -> Iterator[TensorItem]:
+    """Every tensor under its HF name, row-major, passed through or dequantized to fp32; Q / K rows un-permuted.
+    Names in `skip` (already taken as blocks) are left out unread: no fp32 copy of them is ever made."""
     import gguf
 
     n_heads, n_kv = config.n_heads, config.n_kv_heads
     for name, (type_name, t) in infos.items():
         hf = hf_tensor_name(name)
-        if hf is None:
+        if hf is None or hf in skip:
             continue
         try:
             if type_name in _PASSTHROUGH:
@@ -378,7 +380,7 @@ def load_gguf(path: Path) -> LoadedModel:
     kinds = sorted(set(gguf_types.values()))
     return LoadedModel(
         config=config,
-        tensors=lambda: _tensors(infos, config, where),
+        tensors=lambda skip=frozenset(): _tensors(infos, config, where, skip),
         tokenizer=tokenizer,
         path=path,
         description=f"GGUF ({', '.join(kinds)}; {n_quant} tensor{'s' if n_quant != 1 else ''} dequantized to fp32)",

@@ -1,0 +1,19 @@
+// row_dot.h — one-token products straight from the stored formats, on CPUs with AVX2 (+ F16C).
+//
+// The decode step multiplies each matrix row with one vector. Widening the row into a buffer first and then
+// calling dot() costs a second pass; here the row is widened 8 weights at a time in registers and multiplied
+// in the same loop. The numbers are dot()'s exactly: 8 partial sums (one per lane, lane j taking weights
+// 8i + j in order), the same weight value as dequantize_row() / the fp16 table (mul then add, never fused), and
+// the same final reduction. Returns false where it does not apply (no AVX2, a format or width it does not
+// take); the caller then widens the row and calls dot().
+#pragma once
+#include <cstdint>
+
+#include "../core/weights.h"
+
+namespace ti {
+
+// y[r - r0] = x . W[r] for r in [r0, r1) (x: W.cols() floats), or false without touching y.
+bool row_dots(const HostTensor& W, const float* x, float* y, int64_t r0, int64_t r1);
+
+}  // namespace ti

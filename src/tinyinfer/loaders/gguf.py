@@ -96,6 +96,38 @@ def _reader_class():
             self.data = self.data.view(np.ndarray)
             return super()._build_fields(offs, count)
 
+        def _get_field_parts(self, orig_offs, raw_type):
+            """An array of strings or numbers (the vocabulary, its scores and types: ~10^5 items each) in one lean
+            loop over the bytes, giving the very parts and indices the reader's element-by-element recursion
+            gives (a view per item); anything else: the reader itself."""
+            array, string = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
+            if raw_type != array or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            itype = gguf.GGUFValueType(int(self._get(orig_offs, np.uint32)[0]))
+            scalar = self.gguf_scalar_to_np.get(itype)
+            if itype != string and scalar is None:  # nested arrays
+                return super()._get_field_parts(orig_offs, raw_type)
+            data, u64 = self.data, np.dtype("<u8")
+            raw_itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            parts, idxs, offs, n_items = [raw_itype, alen], [], orig_offs + 12, int(alen[0])
+            if scalar is not None:
+                dt = np.dtype(scalar).newbyteorder("<")
+                for _ in range(n_items):
+                    idxs.append(len(parts))
+                    parts.append(data[offs:offs + dt.itemsize].view(dt))
+                    offs += dt.itemsize
+            else:
+                for _ in range(n_items):
+                    slen = data[offs:offs + 8].view(u64)
+                    n = int(slen[0])
+                    parts.append(slen)
+                    idxs.append(len(parts))
+                    parts.append(data[offs + 8:offs + 8 + n])
+                    offs += 8 + n
+            if offs > len(data):
+                raise ValueError("an array runs past the end of the file")
+            return offs - orig_offs, parts, idxs, [array, itype]
+
     return MappedReader
 
 

@@ -44,10 +44,19 @@ struct GemvIO {
     if (out == GemvOut::AddF32) put(dy.p, y_init, (size_t)rows * 4);
     else TI_CUDA_CHECK(cudaMemset(dy.p, 0xFF, (size_t)rows * 4));  // NaN in fp32 and fp16: poison
   }
-  void into(GemvParams& p) {
+  // Launches the GEMV of p (its weights set by the caller) over these vectors and returns y.
+  std::vector<float> run(GemvParams p, int K, int ld, float eps, int R, GemvIn in, int blocks_per_sm) {
+    p.rows = rows;
+    p.K = K;
+    p.ld = ld;
+    p.eps = eps;
+    p.blocks_per_sm = blocks_per_sm;
     p.x = dx.p;
     p.norm_w = dn.as<float>();
     p.y = dy.p;
+    gemv(p, R, in, out, 0, false);
+    TI_CUDA_CHECK(cudaDeviceSynchronize());
+    return result();
   }
   std::vector<float> result() {
     std::vector<float> y((size_t)n_out);
@@ -97,15 +106,7 @@ std::vector<float> run_gemv(const uint16_t* W, int rows, int K, const float* x, 
   GemvIO io(ld, K, rows, x, norm_w, y_init, in, out);
   GemvParams p;
   p.W = dW.as<__half>();
-  p.rows = rows;
-  p.K = K;
-  p.ld = ld;
-  p.eps = eps;
-  p.blocks_per_sm = blocks_per_sm;
-  io.into(p);
-  gemv(p, R, in, out, 0, false);
-  TI_CUDA_CHECK(cudaDeviceSynchronize());
-  return io.result();
+  return io.run(p, K, ld, eps, R, in, blocks_per_sm);
 }
 
 std::vector<float> run_decode_attention(const float* qkv, HostPages cache, const float* cos, const float* sin,
@@ -369,15 +370,7 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
   p.q = static_cast<const uint8_t*>(d.m.q);
   p.scales = d.m.scales;
   p.ldq = d.m.ld;
-  p.rows = rows;
-  p.K = K;
-  p.ld = ld;
-  p.eps = eps;
-  p.blocks_per_sm = blocks_per_sm;
-  io.into(p);
-  gemv(p, R, in, out, 0, false);
-  TI_CUDA_CHECK(cudaDeviceSynchronize());
-  return io.result();
+  return io.run(p, K, ld, eps, R, in, blocks_per_sm);
 }
 
 }  // namespace ti::cuda

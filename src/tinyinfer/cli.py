@@ -232,6 +232,16 @@ def cmd_bench(args) -> int:
     _check_threads(args)
     if not contexts:
         raise InvalidRequestError("--contexts is empty")
+    if args.batch is not None:
+        from . import bench_batch
+
+        batches = _int_list(args.batch, "--batch")
+        if not batches:
+            raise InvalidRequestError("--batch is empty")
+        dtype = ("fp32" if cpu else "fp16") if args.dtype == "auto" else args.dtype
+        bench_batch.run(args.device, batches, shape=args.shape, model=args.model, dtype=dtype,
+                        json_path=args.json, threads=args.threads)
+        return 0
     if cpu:
         bench.run_cpu(shape=args.shape, model=args.model, contexts=contexts, steps=steps, prefill=prefill,
                       json_path=args.json, dtype="fp32" if args.dtype == "auto" else args.dtype,
@@ -336,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", default=None,
                    help="comma-separated prompt lengths for the prefill table (default 16,256,512,2048; CPU "
                    "16,128; '' to skip)")
+    p.add_argument("--batch", default=None,
+                   help="comma-separated batch sizes, e.g. 1,8,32,64: batched decode tok/s (aggregate and per "
+                   "sequence; prompt 128 + 128 generated) instead of the batch-1 tables")
     p.add_argument("--json", default=None, help="write the results here")
     _add_threads_arg(p)
     p.set_defaults(func=cmd_bench)

@@ -1,0 +1,137 @@
+"""`tinyinfer bench --batch 1,8,32,64`: batched decode throughput through the engine's sequence slots.
+
+Per batch size B: B slots each prefill a prompt of `prompt` random tokens, then `gen` decode steps run for all
+B together (seq_step + seq_sample, greedy, every step a round trip to the host as the scheduler makes it).
+Aggregate tok/s = B * gen / decode wall time; per-sequence tok/s = gen / decode wall time. Batch 1 is also timed
+on the single-sequence path (the captured decode graph Engine.generate uses alone): the ratios divide by that,
+the fastest batch-1 figure this engine has. KV pages in use are read while the B sequences are live: they must
+equal what B sequences of prompt + gen positions hold (no per-sequence max_seq_len reservation).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from . import _core
+
+
+def _pages_for(positions: int, page_size: int) -> int:
+    return (positions + page_size - 1) // page_size
+
+
+def time_batch(core, batch: int, prompt: int, gen: int, vocab: int, seed: int = 0) -> dict:
+    """One batch size: aggregate and per-sequence decode tok/s, prefill wall time, KV pages in use."""
+    rng = np.random.default_rng(seed)
+    greedy = _core.SamplingConfig()
+    slots = [core.seq_open() for _ in range(batch)]
+    try:
+        t = time.perf_counter()
+        for s in slots:
+            core.seq_prefill(s, rng.integers(0, vocab, prompt).tolist())
+        toks, *_ = core.seq_sample(slots, [greedy] * batch, [0] * batch, 0)
+        prefill_s = time.perf_counter() - t
+        t = time.perf_counter()
+        for step in range(1, gen):
+            core.seq_step(slots, [int(x) for x in toks])
+            toks, *_ = core.seq_sample(slots, [greedy] * batch, [step] * batch, 0)
+        decode_s = time.perf_counter() - t
+        used = core.kv_pages_total - core.kv_pages_free
+    finally:
+        for s in slots:
+            core.seq_close(s)
+    steps = gen - 1  # the first token came from the prefill's logits
+    return {"batch": batch, "prompt": prompt, "gen": gen, "decode_s": decode_s, "prefill_s": prefill_s,
+            "ms_per_step": decode_s * 1e3 / steps, "tok_s": batch * steps / decode_s,
+            "per_seq_tok_s": steps / decode_s, "kv_pages_used": used,
+            "kv_pages_expected": batch * _pages_for(prompt + gen - 1, core.kv_page_size)}
+
+
+def time_single(core, prompt: int, gen: int, vocab: int, seed: int = 0) -> float:
+    """Decode tok/s of one sequence on the single-sequence path (CUDA: the captured decode graph), wall time."""
+    rng = np.random.default_rng(seed)
+    core.reset()
+    core.forward(rng.integers(0, vocab, prompt).tolist(), all_logits=False)
+    t = time.perf_counter()
+    n = len(core.decode(gen, _core.SamplingConfig(), [], 0))
+    s = time.perf_counter() - t
+    core.reset()
+    return n / s
+
+
+def run_batches(core, cfg, batches: Sequence[int], prompt: int = 128, gen: int = 128,
+                out: Callable[[str], None] = print) -> dict:
+    """The batch table on an engine that has sequence slots (both engines do)."""
+    batches = sorted(set(batches))
+    if max(batches) > core.max_batch:
+        from .errors import InvalidRequestError
+
+        raise InvalidRequestError(f"--batch {max(batches)} exceeds the engine's max_batch={core.max_batch}")
+    time_batch(core, min(batches), 8, 4, cfg.vocab)  # warm-up: first graphs, GEMM tactics of the smallest bucket
+    single = time_single(core, prompt, gen, cfg.vocab)
+    res = {"prompt": prompt, "gen": gen, "single_tok_s": single, "batches": []}
+    out(f"\nbatched decode: prompt {prompt} + {gen} generated per sequence, greedy; batch 1 on the "
+        f"single-sequence path: {single:,.0f} tok/s")
+    out(f"{'batch':>6} {'tok/s':>9} {'per seq':>9} {'ms/step':>8} {'x batch 1':>10} {'KV pages':>9} "
+        f"{'expected':>9}")
+    for b in batches:
+        time_batch(core, b, prompt, 4, cfg.vocab, seed=b)  # this bucket's graph and tactics before timing
+        row = time_batch(core, b, prompt, gen, cfg.vocab, seed=b)
+        row["x_single"] = row["tok_s"] / single
+        res["batches"].append(row)
+        out(f"{b:>6} {row['tok_s']:>9,.0f} {row['per_seq_tok_s']:>9,.0f} {row['ms_per_step']:>8.3f} "
+            f"{row['x_single']:>9.2f}x {row['kv_pages_used']:>9} {row['kv_pages_expected']:>9}")
+    return res
+
+
+def open_engine(device: str, shape: Optional[str], model: Optional[str], dtype: str, max_seq: int,
+                max_batch: int, threads: Optional[int] = None):
+    """(core, config, name) for the batch bench: random weights at `shape` or a real `model`."""
+    from .bench import random_cpu_engine, shape_config
+
+    if model is not None:
+        from .engine import Engine
+
+        opts = None
+        if device == "cuda":
+            opts = _core.CudaOptions()
+            opts.max_batch = max_batch
+        eng = Engine(model, device=device, dtype=dtype, max_seq_len=max_seq, cuda_options=opts, threads=threads)
+        return eng._core, eng.config, str(model)
+    name = shape or ("tinyllama-1.1b" if device == "cuda" else "smollm2-135m")
+    cfg = shape_config(name)
+    if device == "cuda":
+        opts = _core.CudaOptions()
+        opts.weights = dtype
+        opts.max_batch = max_batch
+        return _core.CudaEngine.random(cfg, max_seq, 1, opts), cfg, name
+    return random_cpu_engine(cfg, max_seq, threads=threads or 0), cfg, name
+
+
+def run(device: str, batches: Sequence[int], shape: Optional[str] = None, model: Optional[str] = None,
+        dtype: str = "fp16", prompt: int = 128, gen: int = 128, json_path: Optional[str] = None,
+        threads: Optional[int] = None, out: Callable[[str], None] = print) -> dict:
+    """`tinyinfer bench --batch ...`: load, print the batch table, write JSON."""
+    import json
+
+    if device == "cuda":
+        from .engine import cuda_status
+        from .errors import DeviceError
+
+        usable, reason = cuda_status()
+        if not usable:
+            raise DeviceError(f"tinyinfer bench needs a usable GPU: {reason}")
+    t0 = time.perf_counter()
+    core, cfg, name = open_engine(device, shape, model, dtype, prompt + gen + 16, max(batches), threads)
+    out(f"tinyinfer bench --batch: {name} ({dtype} weights) on "
+        f"{core.device_name if device == 'cuda' else 'the CPU reference engine'} | load "
+        f"{time.perf_counter() - t0:.2f} s | {core.kv_pages_total} KV pages of {core.kv_page_size} positions")
+    res = {"model": name, "device": device, "dtype": dtype, **run_batches(core, cfg, batches, prompt, gen, out)}
+    if device == "cuda":
+        res["device_name"] = core.device_name
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1)
+    return res

@@ -10,6 +10,7 @@
 
 #include <memory>
 
+#include "../cpp/core/batch_sample.h"
 #include "../cpp/core/config.h"
 #include "../cpp/core/quant.h"
 #include "../cpp/core/sampling.h"
@@ -94,6 +95,64 @@ void bind_engine_common(Cls& cls) {
           "Sample and run up to max_steps tokens; stops after a stop id (included).");
 }
 
+
+// A new 1-D numpy array owning a copy of `v`.
+template <typename T>
+nb::ndarray<nb::numpy, T, nb::ndim<1>> numpy_vec(const std::vector<T>& v) {
+  T* buf = new T[v.size() ? v.size() : 1];
+  std::copy(v.begin(), v.end(), buf);
+  nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+  return nb::ndarray<nb::numpy, T, nb::ndim<1>>(buf, {v.size()}, owner);
+}
+
+// The sequence slots (BATCH_CONTRACT.md §2): the same Python surface for every engine class that has them.
+template <typename E, typename Cls>
+void bind_engine_slots(Cls& cls) {
+  cls.def_prop_ro("max_batch", &E::max_batch)
+      .def_prop_ro("kv_pages_free", &E::kv_pages_free)
+      .def_prop_ro("kv_pages_total", &E::kv_pages_total)
+      .def_prop_ro("kv_page_size", &E::kv_page_size)
+      .def("seq_open", &E::seq_open, "A free, empty sequence slot (Request error when all are taken).")
+      .def("seq_close", &E::seq_close, "slot"_a, "Free the slot: its KV pages back to the pool, its history cleared.")
+      .def("seq_length", &E::seq_length, "slot"_a, "Positions in the slot's cache.")
+      .def(
+          "seq_prefill",
+          [](E& e, int64_t slot, const std::vector<int64_t>& tokens) {
+            std::vector<int32_t> ids = to_ids(tokens);
+            nb::gil_scoped_release release;
+            e.seq_prefill(slot, ids.data(), (int64_t)ids.size());
+          },
+          "slot"_a, "tokens"_a, "Prompt tokens at seq_length(slot); the last one's logits become the slot's.")
+      .def(
+          "seq_step",
+          [](E& e, const std::vector<int64_t>& slots, const std::vector<int64_t>& tokens) {
+            if (slots.size() != tokens.size())
+              ti::fail(ti::ErrorKind::Request, "seq_step: " + std::to_string(slots.size()) + " slots but " +
+                                                   std::to_string(tokens.size()) + " tokens");
+            std::vector<int32_t> ids = to_ids(tokens);
+            nb::gil_scoped_release release;
+            e.seq_step(slots.data(), ids.data(), (int64_t)ids.size());
+          },
+          "slots"_a, "tokens"_a, "One decode step: tokens[i] at seq_length(slots[i]) in slots[i], all at once.")
+      .def(
+          "seq_sample",
+          [](E& e, const std::vector<int64_t>& slots, const std::vector<ti::SamplingConfig>& cfgs,
+             const std::vector<uint64_t>& steps, int top_logprobs) {
+            if (cfgs.size() != slots.size() || steps.size() != slots.size())
+              ti::fail(ti::ErrorKind::Request, "seq_sample: slots, cfgs and steps must have one entry each");
+            ti::BatchSample r;
+            {
+              nb::gil_scoped_release release;
+              r = e.seq_sample(slots.data(), cfgs.data(), steps.data(), (int64_t)slots.size(), top_logprobs);
+            }
+            const size_t n = r.tokens.size(), k = (size_t)r.k;
+            return nb::make_tuple(numpy_vec(r.tokens), numpy_vec(r.logprobs), numpy_copy(r.top_ids, n, k),
+                                  numpy_copy(r.top_logprobs, n, k));
+          },
+          "slots"_a, "cfgs"_a, "steps"_a, "top_logprobs"_a = 0,
+          "The next token of each slot: (tokens int32[n], logprob float32[n], top ids int32[n, k], top logprobs "
+          "float32[n, k]); the token joins the slot's history.");
+}
 
 #ifdef TINYINFER_WITH_CUDA
 // One item of CudaEngine.load's iterable: (kind, name, data, scales, dtype, rope_heads, row0, (rows, K)).
@@ -286,6 +345,8 @@ void bind_engines(nb::module_& m) {
       .def_rw("batched_prefill", &ti::CudaOptions::batched_prefill)
       .def_rw("prefill_chunk", &ti::CudaOptions::prefill_chunk)
       .def_rw("gemm_autotune", &ti::CudaOptions::gemm_autotune)
+      .def_rw("max_batch", &ti::CudaOptions::max_batch)
+      .def_rw("batch_gemv_f16_max", &ti::CudaOptions::batch_gemv_f16_max)
       .def_rw("kv_page_size", &ti::CudaOptions::kv_page_size)
       .def_rw("kv_pool_pages", &ti::CudaOptions::kv_pool_pages)
       .def_rw("kv_page_shuffle", &ti::CudaOptions::kv_page_shuffle)
@@ -437,7 +498,10 @@ void bind_engines(nb::module_& m) {
           "after the PDL wait, after the prologue, end; 0 = block absent).")
       .def("time_attention", &ti::CudaEngine::time_attention, "context"_a, "reps"_a,
            nb::call_guard<nb::gil_scoped_release>(), "GPU µs of one layer's decode attention at this context.");
+  gpu.def("seq_logits", [](const ti::CudaEngine& e, int64_t slot) { return numpy_vec(e.seq_logits(slot)); }, "slot"_a,
+          "A slot's latest logits, float32[vocab] (tests).");
   bind_engine_common<ti::CudaEngine>(gpu);
+  bind_engine_slots<ti::CudaEngine>(gpu);
 #endif
 }
 

@@ -47,7 +47,7 @@ def test_scattered_pages_change_no_number(model, page_size, shuffle, batched, pr
     ref = Engine(model, device="cuda", max_seq_len=400, cuda_options=options(**same))
     eng = Engine(model, device="cuda", max_seq_len=400,
                  cuda_options=options(kv_page_size=page_size, kv_page_shuffle=shuffle, **same))
-    assert eng._core.kv_pages == (page_size, -(-400 // page_size), 0)
+    assert eng._core.kv_pages == (page_size, eng._core.max_batch * -(-400 // page_size), 0)  # the default pool
     ids = np.random.default_rng(1).integers(3, 1000, 230).tolist()  # crosses pages 64, 128, 192
     np.testing.assert_array_equal(eng.logits(ids), ref.logits(ids))
     for kw in (dict(), dict(temperature=0.9, seed=4)):  # 150 + 120 positions: the decode crosses pages too

@@ -58,7 +58,7 @@ void BatchStep::matmul(const cuda::QMat& W, const __half* X, int ldx, void* Y, i
   a.M = W.rows;
   a.N = n;
   a.K = W.K;
-  a.ldw = (int)cuda::pad8(W.K);
+  a.ldw = W.fmt == WFormat::F16 ? W.ld : (int)cuda::pad8(W.K);  // (fp16_of's rows: pad8(K))
   a.ldx = ldx;
   a.ldy = ldy;
   a.out = out;

@@ -1,11 +1,15 @@
-// gemv_batch.cu — Y = X @ W.T for a few rows of X (the batched decode step), see gemv_batch.cuh.
+// gemv_batch.cu — y = W x for a few vectors x at once (the batched decode step), see gemv_batch.cuh.
 //
-// A block of 8 warps owns 8 consecutive rows of W (a warp per row) and a group of NB <= 8 rows of X (the
-// grid's x: the column groups of one row tile are neighbours in launch order, so the second group's weights
-// come from L2). A lane walks its row in 16-byte words (8 fp16, 16 I8 or 32 I4 weights), dequantizes the word
-// once into fp32 registers (I8: d (q); I4: s q + m, the nibble order of quant.h's i4_nibble_pos), and meets
-// it with the same K-slice of each of the NB input rows (read from global memory through L1: the inputs are
-// small next to the weights), fp32 FMAs into NB sums; the warp then reduces each sum by shuffles.
+// A block of 8 warps serves one group of NB <= 8 input rows (the grid's x) and walks tiles of 8 weight rows, a
+// warp per row (the grid's y: about two blocks per SM, each looping over tiles; the groups of one tile run side
+// by side, so a second group's weights come from L2). A lane streams its row in 16-byte words (8 fp16, 16 I8 or
+// 32 I4 weights), 4 words in flight, dequantizes each word once into fp32 registers (I8: d q; I4: s q + m, the
+// nibble order of quant.h's i4_nibble_pos) and meets it with the same K-slice of each of the NB inputs, fp32
+// FMAs into NB sums, reduced over the warp by shuffles.
+// Inputs: F16 rows are read from global memory (small next to the weights: L1 / L2 hits after the first tile);
+// F32Norm rows are RMS-normed once per block into shared memory as fp16 (the decode GEMV's rounding:
+// fp16(w * (x * inv))), zero-padded to whole words. Swiglu: the gate and up rows of a pair are adjacent warps;
+// their sums meet in shared memory.
 #include <algorithm>
 
 #include "common.cuh"
@@ -13,114 +17,227 @@
 
 namespace ti::cuda {
 
-constexpr int kGbWarps = 8;
+constexpr int kGbWarps = 8, kGbThreads = kGbWarps * 32, kGbUnroll = 4;
 
 template <WFormat WF> constexpr int kWordElems = WF == WFormat::F16 ? 8 : WF == WFormat::I8 ? 16 : 32;
 
-// Word k of `row` as kWordElems<WF> fp32 weights.
+__host__ __device__ inline int gb_words(const QMat& W, int E) { return (W.K + E - 1) / E; }  // words with columns < K
+
 template <WFormat WF>
-__device__ __forceinline__ void dequant_word(const QMat& W, int row, int k, float* w) {
+__device__ __forceinline__ const uint4* gb_row(const QMat& W, int row) {
+  if constexpr (WF == WFormat::F16) return reinterpret_cast<const uint4*>(static_cast<const __half*>(W.q) + (size_t)row * W.ld);
+  else return reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(W.q) + (size_t)row * W.ld);
+}
+// The word's scales: I8 (d, -); I4 (s, m); F16 none.
+template <WFormat WF>
+__device__ __forceinline__ float2 gb_scale(const QMat& W, int row, int k) {
+  if constexpr (WF == WFormat::I8)
+    return make_float2(__half2float(static_cast<const __half*>(W.scales)[(size_t)row * (W.ld / kI8Block) + (k >> 1)]), 0.0f);
+  else if constexpr (WF == WFormat::I4)
+    return __half22float2(static_cast<const __half2*>(W.scales)[(size_t)row * (W.K / kI4Group) + k]);
+  else return make_float2(0.0f, 0.0f);
+}
+template <WFormat WF>
+__device__ __forceinline__ void gb_dequant(const uint4& v, float2 sc, float* w) {
   if constexpr (WF == WFormat::F16) {
-    const uint4 v = load_stream(reinterpret_cast<const uint4*>(static_cast<const __half*>(W.q) + (size_t)row * W.ld) + k);
     unpack8(v, w);
   } else if constexpr (WF == WFormat::I8) {
-    const uint4 v = load_stream(reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(W.q) + (size_t)row * W.ld) + k);
-    const float d = __half2float(static_cast<const __half*>(W.scales)[(size_t)row * (W.ld / kI8Block) + (k >> 1)]);
     const uint32_t u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int i = 0; i < 16; i++) w[i] = d * (float)((int)((u[i >> 2] >> (8 * (i & 3))) & 0xFF) - 128);
+    for (int i = 0; i < 16; i++) w[i] = sc.x * (float)((int)((u[i >> 2] >> (8 * (i & 3))) & 0xFF) - 128);
   } else {
-    const uint4 v = load_stream(reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(W.q) + (size_t)row * W.ld) + k);
-    const float2 sm = __half22float2(static_cast<const __half2*>(W.scales)[(size_t)row * (W.K / kI4Group) + k]);
     const uint32_t u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int i = 0; i < 32; i++) {  // element 8 j + e of the group: 32-bit word j, nibble at (e & 1) * 16 + (e >> 1) * 4
+    for (int i = 0; i < 32; i++) {  // element 8 j + e: 32-bit word j, nibble at (e & 1) * 16 + (e >> 1) * 4
       const int j = i >> 3, e = i & 7;
-      w[i] = fmaf(sm.x, (float)((u[j] >> ((e & 1) * 16 + (e >> 1) * 4)) & 0xF), sm.y);
+      w[i] = fmaf(sc.x, (float)((u[j] >> ((e & 1) * 16 + (e >> 1) * 4)) & 0xF), sc.y);
     }
   }
 }
 
-template <WFormat WF, int NB, GemmOut OUT>
-__global__ void __launch_bounds__(kGbWarps * 32) gemv_batch_kernel(QMat W, const __half* X, int ldx, void* Y, int ldy,
-                                                                   int n) {
+template <WFormat WF, int NB, GemvIn IN, GemvOut OUT>
+__global__ void __launch_bounds__(kGbThreads) gemv_batch_kernel(GemvBatchArgs a) {
   constexpr int E = kWordElems<WF>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __half* xs = reinterpret_cast<__half*>(smem_raw);  // F32Norm: (NB, words * E) the normed inputs
+  __shared__ float inv_s[NB];
+  __shared__ float pair_s[kGbWarps][NB];             // Swiglu: each warp's sums
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row = blockIdx.y * kGbWarps + warp, col0 = blockIdx.x * NB;
-  if (row >= W.rows) return;  // (no block barrier below)
-  const int words = (W.K + E - 1) / E;  // words holding columns < K (the rest of the row is padding)
-  float acc[NB];
+  const int col0 = blockIdx.x * NB, words = gb_words(a.W, E), kw = words * E;
+  const int n_cols = min(NB, a.n - col0);
+
+  if constexpr (IN == GemvIn::F32Norm) {  // ---- prologue: the group's inputs RMS-normed into shared memory ----
+    if (warp < n_cols) {
+      const float* x = static_cast<const float*>(a.x) + (size_t)(col0 + warp) * a.ldx;
+      float ss = 0.0f;
+      for (int i = lane; i < a.W.K; i += 32) ss = fmaf(x[i], x[i], ss);
+      ss = warp_sum(ss);
+      if (lane == 0) inv_s[warp] = rsqrtf(ss / (float)a.W.K + a.eps);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < NB * kw; i += kGbThreads) {
+      const int j = i / kw, e = i - j * kw;
+      float v = 0.0f;
+      if (j < n_cols && e < a.W.K)
+        v = a.norm_w[e] * (static_cast<const float*>(a.x)[(size_t)(col0 + j) * a.ldx + e] * inv_s[j]);
+      xs[i] = __float2half(v);
+    }
+    __syncthreads();
+  }
+
+  const int tiles = (a.W.rows + kGbWarps - 1) / kGbWarps;
+  for (int tile = blockIdx.y; tile < tiles; tile += gridDim.y) {  // (uniform: Swiglu's barriers below)
+    const int row = tile * kGbWarps + warp;
+    const int rr = min(row, a.W.rows - 1);  // rows past the end compute on the last row and store nothing
+    const uint4* wrow = gb_row<WF>(a.W, rr);
+    float acc[NB];
 #pragma unroll
-  for (int j = 0; j < NB; j++) acc[j] = 0.0f;
-  for (int k = lane; k < words; k += 32) {
-    float w[E];
-    dequant_word<WF>(W, row, k, w);
-    const bool whole = (k + 1) * E <= W.K;  // (uniform but for the last word)
+    for (int j = 0; j < NB; j++) acc[j] = 0.0f;
+    for (int k0 = lane; k0 < words; k0 += 32 * kGbUnroll) {
+      uint4 wv[kGbUnroll];
+      float2 sc[kGbUnroll];
 #pragma unroll
-    for (int j = 0; j < NB; j++) {
-      if (col0 + j >= n) break;
-      const __half* x = X + (size_t)(col0 + j) * ldx + (size_t)k * E;
-      float s = 0.0f;
-      if (whole) {
+      for (int u = 0; u < kGbUnroll; u++) {  // loads first: kGbUnroll words in flight per lane
+        const int k = k0 + 32 * u;
+        wv[u] = k < words ? load_stream(wrow + k) : make_uint4(0, 0, 0, 0);
+        sc[u] = gb_scale<WF>(a.W, rr, k < words ? k : 0);
+      }
 #pragma unroll
-        for (int c = 0; c < E / 8; c++) {
-          float xf[8];
-          unpack8(__ldg(reinterpret_cast<const uint4*>(x) + c), xf);
+      for (int u = 0; u < kGbUnroll; u++) {
+        const int k = k0 + 32 * u;
+        if (k >= words) break;
+        float w[E];
+        gb_dequant<WF>(wv[u], sc[u], w);
+        const bool whole = IN == GemvIn::F32Norm || (k + 1) * E <= a.W.K;
 #pragma unroll
-          for (int e = 0; e < 8; e++) s = fmaf(w[8 * c + e], xf[e], s);
+        for (int j = 0; j < NB; j++) {
+          if (j >= n_cols) break;
+          float s = 0.0f;
+          if constexpr (IN == GemvIn::F32Norm) {
+            const uint4* xv = reinterpret_cast<const uint4*>(xs + (size_t)j * kw + (size_t)k * E);
+#pragma unroll
+            for (int c = 0; c < E / 8; c++) {
+              float xf[8];
+              unpack8(xv[c], xf);
+#pragma unroll
+              for (int e = 0; e < 8; e++) s = fmaf(w[8 * c + e], xf[e], s);
+            }
+          } else {
+            const __half* x = static_cast<const __half*>(a.x) + (size_t)(col0 + j) * a.ldx + (size_t)k * E;
+            if (whole) {
+#pragma unroll
+              for (int c = 0; c < E / 8; c++) {
+                float xf[8];
+                unpack8(__ldg(reinterpret_cast<const uint4*>(x) + c), xf);
+#pragma unroll
+                for (int e = 0; e < 8; e++) s = fmaf(w[8 * c + e], xf[e], s);
+              }
+            } else {  // the row's last word, part of it past K: those inputs are not read
+#pragma unroll
+              for (int e = 0; e < E; e++)
+                if (k * E + e < a.W.K) s = fmaf(w[e], __half2float(x[e]), s);
+            }
+          }
+          acc[j] += s;
         }
-      } else {
-#pragma unroll
-        for (int e = 0; e < E; e++)
-          if (k * E + e < W.K) s = fmaf(w[e], __half2float(x[e]), s);
-      }
-      acc[j] += s;
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < NB; j++) acc[j] = warp_sum(acc[j]);
-  if (lane == 0) {
-#pragma unroll
-    for (int j = 0; j < NB; j++) {
-      const int col = col0 + j;
-      if (col >= n) break;
-      if constexpr (OUT == GemmOut::F16) {
-        static_cast<__half*>(Y)[(size_t)col * ldy + row] = __float2half(acc[j]);
-      } else {
-        float* y = static_cast<float*>(Y) + (size_t)col * ldy + row;
-        *y = OUT == GemmOut::AddF32 ? *y + acc[j] : acc[j];
       }
     }
+#pragma unroll
+    for (int j = 0; j < NB; j++) acc[j] = warp_sum(acc[j]);
+
+    if constexpr (OUT == GemvOut::Swiglu) {  // rows 2i (gate) and 2i + 1 (up): warps 2p and 2p + 1
+      if (lane == 0)
+#pragma unroll
+        for (int j = 0; j < NB; j++) pair_s[warp][j] = acc[j];
+      __syncthreads();
+      const int p = threadIdx.x / NB, j = threadIdx.x % NB, g_row = tile * kGbWarps + 2 * p;
+      if (p < kGbWarps / 2 && j < n_cols && g_row + 1 < a.W.rows) {
+        const float g = pair_s[2 * p][j], u = pair_s[2 * p + 1][j];
+        static_cast<__half*>(a.y)[(size_t)(col0 + j) * a.ldy + g_row / 2] = __float2half(g / (1.0f + __expf(-g)) * u);
+      }
+      __syncthreads();  // pair_s is reused by the next tile
+    } else if (lane == 0 && row < a.W.rows) {
+#pragma unroll
+      for (int j = 0; j < NB; j++) {
+        if (j >= n_cols) break;
+        float* y = static_cast<float*>(a.y) + (size_t)(col0 + j) * a.ldy + row;
+        *y = OUT == GemvOut::AddF32 ? *y + acc[j] : acc[j];
+      }
+    }
   }
+}
+
+static int gb_sms() {
+  static int sms = [] {
+    int dev = 0, n = 0;
+    TI_CUDA_CHECK(cudaGetDevice(&dev));
+    TI_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }();
+  return sms;
+}
+static int gb_smem_limit() {
+  static int limit = [] {
+    int dev = 0, n = 0;
+    TI_CUDA_CHECK(cudaGetDevice(&dev));
+    TI_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    return n - 4096;  // (the static shared arrays)
+  }();
+  return limit;
+}
+static int gb_nb(int n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : 8; }
+static size_t gb_smem(const QMat& W, int nb, GemvIn in) {
+  const int E = W.fmt == WFormat::F16 ? 8 : W.fmt == WFormat::I8 ? 16 : 32;
+  return in == GemvIn::F32Norm ? (size_t)nb * gb_words(W, E) * E * sizeof(__half) : 0;
+}
+
+bool gemv_batch_fits(const QMat& W, int n, GemvIn in) {
+  return n >= 1 && gb_smem(W, gb_nb(n), in) <= (size_t)gb_smem_limit();
+}
+
+template <WFormat WF, int NB, GemvIn IN, GemvOut OUT>
+static void launch_gb(const GemvBatchArgs& a, cudaStream_t s) {
+  const size_t smem = gb_smem(a.W, NB, IN);
+  if (smem > 48 * 1024)  // idempotent
+    TI_CUDA_CHECK(cudaFuncSetAttribute(gemv_batch_kernel<WF, NB, IN, OUT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)smem));
+  const int groups = (a.n + NB - 1) / NB, tiles = (a.W.rows + kGbWarps - 1) / kGbWarps;
+  const int per_group = std::max(1, (2 * gb_sms() + groups - 1) / groups);  // ~2 blocks per SM in all
+  launch(gemv_batch_kernel<WF, NB, IN, OUT>, dim3(groups, std::min(tiles, per_group)), dim3(kGbThreads), smem, s, false, a);
 }
 
 template <WFormat WF, int NB>
-static void launch_nb(const QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, GemmOut out, cudaStream_t s) {
-  const dim3 grid((n + NB - 1) / NB, (W.rows + kGbWarps - 1) / kGbWarps), block(kGbWarps * 32);
-  if (out == GemmOut::F32) launch(gemv_batch_kernel<WF, NB, GemmOut::F32>, grid, block, 0, s, false, W, X, ldx, Y, ldy, n);
-  else if (out == GemmOut::AddF32)
-    launch(gemv_batch_kernel<WF, NB, GemmOut::AddF32>, grid, block, 0, s, false, W, X, ldx, Y, ldy, n);
-  else launch(gemv_batch_kernel<WF, NB, GemmOut::F16>, grid, block, 0, s, false, W, X, ldx, Y, ldy, n);
+static void dispatch_modes(const GemvBatchArgs& a, GemvIn in, GemvOut out, cudaStream_t s) {
+  if (in == GemvIn::F32Norm && out == GemvOut::F32) return launch_gb<WF, NB, GemvIn::F32Norm, GemvOut::F32>(a, s);
+  if (in == GemvIn::F32Norm && out == GemvOut::Swiglu) return launch_gb<WF, NB, GemvIn::F32Norm, GemvOut::Swiglu>(a, s);
+  if (in == GemvIn::F16 && out == GemvOut::AddF32) return launch_gb<WF, NB, GemvIn::F16, GemvOut::AddF32>(a, s);
+  fail(ErrorKind::Request, "gemv_batch: modes are (f32norm, f32), (f32norm, swiglu) or (f16, add)");
 }
 
 template <WFormat WF>
-static void launch_fmt(const QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, GemmOut out, cudaStream_t s) {
-  if (n <= 1) launch_nb<WF, 1>(W, X, ldx, Y, ldy, n, out, s);
-  else if (n <= 2) launch_nb<WF, 2>(W, X, ldx, Y, ldy, n, out, s);
-  else if (n <= 4) launch_nb<WF, 4>(W, X, ldx, Y, ldy, n, out, s);
-  else launch_nb<WF, 8>(W, X, ldx, Y, ldy, n, out, s);
+static void dispatch_nb(const GemvBatchArgs& a, GemvIn in, GemvOut out, cudaStream_t s) {
+  switch (gb_nb(a.n)) {
+    case 1: return dispatch_modes<WF, 1>(a, in, out, s);
+    case 2: return dispatch_modes<WF, 2>(a, in, out, s);
+    case 4: return dispatch_modes<WF, 4>(a, in, out, s);
+    default: return dispatch_modes<WF, 8>(a, in, out, s);
+  }
 }
 
-void gemv_batch(const QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, GemmOut out, cudaStream_t s) {
-  if (n < 1 || ldx % 8 != 0 || ldx < W.K || ldy < W.rows || W.rows < 1 || W.K < 1)
-    fail(ErrorKind::Request, "gemv_batch: bad shape n=" + std::to_string(n) + " K=" + std::to_string(W.K) +
-                                 " ldx=" + std::to_string(ldx) + " rows=" + std::to_string(W.rows) +
-                                 " ldy=" + std::to_string(ldy));
-  if (W.fmt == WFormat::F16) launch_fmt<WFormat::F16>(W, X, ldx, Y, ldy, n, out, s);
-  else if (W.fmt == WFormat::I8) launch_fmt<WFormat::I8>(W, X, ldx, Y, ldy, n, out, s);
+void gemv_batch(const GemvBatchArgs& a, GemvIn in, GemvOut out, cudaStream_t s) {
+  const QMat& W = a.W;
+  if (a.n < 1 || a.ldx % 8 != 0 || a.ldx < W.K || W.rows < 1 || W.K < 1 ||
+      a.ldy < (out == GemvOut::Swiglu ? W.rows / 2 : W.rows) || (out == GemvOut::Swiglu && W.rows % 2 != 0))
+    fail(ErrorKind::Request, "gemv_batch: bad shape n=" + std::to_string(a.n) + " K=" + std::to_string(W.K) +
+                                 " ldx=" + std::to_string(a.ldx) + " rows=" + std::to_string(W.rows) +
+                                 " ldy=" + std::to_string(a.ldy));
+  if (in == GemvIn::F32Norm && (!a.norm_w || !gemv_batch_fits(W, a.n, in)))
+    fail(ErrorKind::Request, "gemv_batch: f32norm needs the norm weight and K within shared memory");
+  if (W.fmt == WFormat::F16) dispatch_nb<WFormat::F16>(a, in, out, s);
+  else if (W.fmt == WFormat::I8) dispatch_nb<WFormat::I8>(a, in, out, s);
   else {
     if (W.K % kI4Group != 0) fail(ErrorKind::Request, "gemv_batch: int4 weights need K % 32 == 0");
-    launch_fmt<WFormat::I4>(W, X, ldx, Y, ldy, n, out, s);
+    dispatch_nb<WFormat::I4>(a, in, out, s);
   }
 }
 

@@ -7,7 +7,7 @@
 //              h = silu(rmsnorm(x) @ Wg.T) * (rmsnorm(x) @ Wu.T)
 //              x += h @ Wd.T
 //   logits[slot[r]] = rmsnorm(x[r]) @ lm_head.T
-// The products: matmul (below). The element-wise kernels are the prefill's (cuda/prefill.cuh), a row per token.
+// The products: normed / residual (below), each one launch on the small-N path.
 #include "batch_step.h"
 
 #include <cmath>
@@ -20,39 +20,78 @@
 namespace ti {
 
 using cuda::GemmOut;
+using cuda::GemvIn;
+using cuda::GemvOut;
 
 void BatchStep::record(int n, cudaStream_t s) {
   const ModelConfig& c = c_;
-  const int H = (int)c.hidden, I = (int)c.intermediate;
-  const float eps = (float)c.rms_eps;
-  cuda::embed_tokens(w_.embedding, w_.ld_h, H, b_.tokens, n, b_.x, w_.ld_h, s);  // x = embed[tokens]
+  cuda::embed_tokens(w_.embedding, w_.ld_h, (int)c.hidden, b_.tokens, n, b_.x, w_.ld_h, s);  // x = embed[tokens]
   for (int64_t l = 0; l < c.n_layers; l++) {
     const DeviceLayer& L = w_.layers[(size_t)l];
-    cuda::rmsnorm_rows(b_.x, w_.ld_h, L.attn_norm, eps, H, n, b_.xn, w_.ld_h, s);
-    matmul(L.qkv, b_.xn, w_.ld_h, b_.qkv, b_.ld_qkv, n, GemmOut::F32, s);  // qkv = rmsnorm(x) @ Wqkv.T
-    cuda::decode_attention_rows(attn_params(l), n, s, false);             // att[r] over slot[r]'s cache
-    matmul(L.o, b_.att, w_.ld_q, b_.x, w_.ld_h, n, GemmOut::AddF32, s);   // x += att @ Wo.T
-    cuda::rmsnorm_rows(b_.x, w_.ld_h, L.mlp_norm, eps, H, n, b_.xn, w_.ld_h, s);
-    matmul(L.gate_up, b_.xn, w_.ld_h, b_.gu, b_.ld_gu, n, GemmOut::F16, s);  // gate | up interleaved
-    cuda::swiglu_rows(b_.gu, b_.ld_gu, I, n, b_.h, w_.ld_i, s);             // h = silu(gate) * up
-    matmul(L.down, b_.h, w_.ld_i, b_.x, w_.ld_h, n, GemmOut::AddF32, s);    // x += h @ Wd.T
+    normed(L.qkv, L.attn_norm, b_.qkv, b_.ld_qkv, GemvOut::F32, n, s);  // qkv = rmsnorm(x) @ Wqkv.T
+    cuda::decode_attention_rows(attn_params(l), n, s, false);          // att[r] over slot[r]'s cache
+    residual(L.o, b_.att, w_.ld_q, n, s);                              // x += att @ Wo.T
+    normed(L.gate_up, L.mlp_norm, b_.h, w_.ld_i, GemvOut::Swiglu, n, s);  // h = silu(gate) * up
+    residual(L.down, b_.h, w_.ld_i, n, s);                             // x += h @ Wd.T
   }
-  cuda::rmsnorm_rows(b_.x, w_.ld_h, w_.final_norm, eps, H, n, b_.xn, w_.ld_h, s);
-  matmul(w_.lm_head, b_.xn, w_.ld_h, b_.logits, b_.ld_v, n, GemmOut::F32, s);  // logits = rmsnorm(x) @ head.T
+  normed(w_.lm_head, w_.final_norm, b_.logits, b_.ld_v, GemvOut::F32, n, s);  // logits = rmsnorm(x) @ head.T
   cuda::scatter_rows(b_.logits, b_.ld_v, b_.slot_logits, (int)c.vocab, b_.slot, b_.pos, n, (int)c.vocab, s);
 }
 
-// Small n, or quantized weights at any n: the small-N GEMV (cuda/gemv_batch.cuh), which dequantizes each weight
-// once in registers and multiplies it by every row. fp16 beyond its reach: cuBLASLt through the engine's Gemm
-// (tuned per shape and bucket of n on the eager warm-up before a bucket's graph is captured).
-void BatchStep::matmul(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, GemmOut out,
+// The products. The small-N GEMV (cuda/gemv_batch.cuh: each weight read once per 8 rows and dequantized once,
+// RMSNorm and SwiGLU fused as in the decode GEMV) for quantized weights, and for fp16 up to f16_max rows;
+// beyond that cuBLASLt through the engine's Gemm (tuned per shape and bucket of n on the eager warm-up before a
+// bucket's graph is captured), with the RMSNorm and SwiGLU as their own kernels (cuda/prefill.cuh).
+bool BatchStep::small_n(const cuda::QMat& W, int n, GemvIn in) const {
+  return (W.fmt != WFormat::F16 || n <= f16_max_) && cuda::gemv_batch_fits(W, n, in);
+}
+
+// y = rmsnorm(x) @ W.T (out F32), or silu(gate) * up of it (out Swiglu: W's rows interleaved gate/up).
+void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, GemvOut out, int n,
                        cudaStream_t s) {
-  if (cuda::gemv_batch_supported(W, n, f16_max_)) {
-    cuda::gemv_batch(W, X, ldx, Y, ldy, n, out, s);
+  const float eps = (float)c_.rms_eps;
+  if (small_n(W, n, GemvIn::F32Norm)) {
+    cuda::GemvBatchArgs a;
+    a.W = W;
+    a.x = b_.x;
+    a.ldx = w_.ld_h;
+    a.norm_w = norm_w;
+    a.eps = eps;
+    a.y = y;
+    a.ldy = ldy;
+    a.n = n;
+    cuda::gemv_batch(a, GemvIn::F32Norm, out, s);
     return;
   }
+  cuda::rmsnorm_rows(b_.x, w_.ld_h, norm_w, eps, (int)c_.hidden, n, b_.xn, w_.ld_h, s);
+  if (out == GemvOut::Swiglu) {
+    gemm(W, b_.xn, w_.ld_h, b_.gu, b_.ld_gu, n, GemmOut::F16, s);
+    cuda::swiglu_rows(b_.gu, b_.ld_gu, (int)c_.intermediate, n, static_cast<__half*>(y), ldy, s);
+  } else {
+    gemm(W, b_.xn, w_.ld_h, y, ldy, n, GemmOut::F32, s);
+  }
+}
+
+// x += X @ W.T (the residual adds of the O and down projections).
+void BatchStep::residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s) {
+  if (small_n(W, n, GemvIn::F16)) {
+    cuda::GemvBatchArgs a;
+    a.W = W;
+    a.x = X;
+    a.ldx = ldx;
+    a.y = b_.x;
+    a.ldy = w_.ld_h;
+    a.n = n;
+    cuda::gemv_batch(a, GemvIn::F16, GemvOut::AddF32, s);
+    return;
+  }
+  gemm(W, X, ldx, b_.x, w_.ld_h, n, GemmOut::AddF32, s);
+}
+
+void BatchStep::gemm(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, GemmOut out,
+                     cudaStream_t s) {
   cuda::GemmArgs a;
-  a.W = w_.fp16_of(W);  // (quantized without a small-N kernel: dequantized into the shared staging first)
+  a.W = w_.fp16_of(W);  // (quantized: dequantized into the shared staging first; only where small_n refuses)
   a.X = X;
   a.Y = Y;
   a.M = W.rows;

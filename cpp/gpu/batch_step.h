@@ -12,6 +12,7 @@
 
 #include "../../cuda/attention.cuh"
 #include "../../cuda/gemm.cuh"
+#include "../../cuda/gemv.cuh"
 #include "../core/config.h"
 #include "decode_step.h"
 #include "device_weights.h"
@@ -59,9 +60,13 @@ class BatchStep {
   void record(int n, cudaStream_t s);
 
  private:
-  // Y (n, ldy) = X (n, ldx) @ W.T (+ Y for AddF32): every weight read once for all n rows.
-  void matmul(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, cuda::GemmOut out,
-              cudaStream_t s);
+  // The products over n rows, every weight read once per step (batch_step.cu): y = rmsnorm(x) @ W.T (or its
+  // SwiGLU), x += X @ W.T; small_n: whether the small-N GEMV takes W (else cuBLASLt).
+  void normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, cuda::GemvOut out, int n, cudaStream_t s);
+  void residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s);
+  void gemm(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, cuda::GemmOut out,
+            cudaStream_t s);
+  bool small_n(const cuda::QMat& W, int n, cuda::GemvIn in) const;
   cuda::DecodeAttnParams attn_params(int64_t layer) const;
   const ModelConfig& c_;
   DeviceWeights& w_;

@@ -81,7 +81,7 @@ def test_pages_on_demand_and_a_pool_too_small(model):
 def test_small_pool_loads_and_matches_the_full_pool(model):
     """A pool smaller than max_seq_len: the load-time tuning of the long-context graph times its steps inside the
     pool; short sequences give the same tokens as with the full pool."""
-    full = Engine(model, device="cuda", max_seq_len=2048, cuda_options=options())
+    full = Engine(model, device="cuda", max_seq_len=2048, cuda_options=options(kv_pool_pages=32))  # one sequence
     o = options(kv_pool_pages=8)
     o.decode_long_from = -1
     small = Engine(model, device="cuda", max_seq_len=2048, cuda_options=o)

@@ -54,7 +54,9 @@ struct CudaOptions {
   // Sequence slots (seq_open ..., batch_step.h): the most sequences one seq_step runs; graphs are captured per
   // bucket 1, 2, 4, ... up to max_batch, on first use.
   int64_t max_batch = 64;
-  int batch_gemv_f16_max = 0;          // fp16 batched products of <= this many rows: the small-N GEMV, else cuBLASLt
+  // fp16 batched steps of <= this many rows take the small-N GEMV (6 launches per layer, each weight read once),
+  // larger ones cuBLASLt (+ RMSNorm and SwiGLU kernels). 8: one group of the kernel's 8 inputs (not measured yet).
+  int batch_gemv_f16_max = 8;
   // The paged KV cache (kv_pages.h), shared by the single sequence and the slots:
   int kv_page_size = 64;               // positions per page: a power of two, >= 64 and >= attn_chunk
   // Pages in the pool. 0: enough for max_batch sequences of max_seq_len, but at most half the device memory

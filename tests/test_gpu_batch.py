@@ -79,6 +79,43 @@ def generate_batch(core, batch, steps):
     return out
 
 
+@pytest.mark.parametrize("fmt, K", [("fp16", 100), ("int8", 100), ("int4", 160)])  # 100: a partial last word
+@pytest.mark.parametrize("mode", ["f32norm-f32", "f32norm-swiglu", "f16-add"])
+@pytest.mark.parametrize("n", [1, 3, 8, 13])  # 13: two groups of the kernel's 8 inputs, the second partial
+def test_small_n_gemv_kernel(fmt, K, mode, n):
+    """cuda/gemv_batch.cu alone against numpy on the weights as the CPU engine dequantizes them: every input row
+    (NaN past K in its padding: never read), every output (NaN-poisoned before the launch: all written)."""
+    rng = np.random.default_rng(n * 7 + K)
+    rows = 70  # not a whole number of 8-row tiles
+    W = rng.standard_normal((rows, K), dtype=np.float32) * 0.1
+    X = rng.standard_normal((n, K), dtype=np.float32)
+    norm_w = (1 + 0.2 * rng.standard_normal(K)).astype(np.float32)
+    Y0 = rng.standard_normal((n, rows), dtype=np.float32)
+    ops = _core.ops
+    inp, out = mode.split("-")
+    gin = {"f16": ops.GemvIn.F16, "f32norm": ops.GemvIn.F32Norm}[inp]
+    gout = {"f32": ops.GemvOut.F32, "add": ops.GemvOut.AddF32, "swiglu": ops.GemvOut.Swiglu}[out]
+    got = ops.gemv_batch(W, fmt, X, norm_w, 1e-5, Y0, gin, gout)
+
+    Wq = W.astype(np.float16).astype(np.float64) if fmt == "fp16" else ops.dequantize_ref(W, fmt).astype(np.float64)
+    if inp == "f16":
+        xin = X.astype(np.float16).astype(np.float64)
+    else:  # the decode GEMV's rounding: fp16(w * (x * inv))
+        inv = 1.0 / np.sqrt((X.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-5)
+        xin = (norm_w * (X * inv)).astype(np.float16).astype(np.float64)
+    y = xin @ Wq.T
+    if out == "add":
+        y = y + Y0
+    elif out == "swiglu":
+        g, u = y[:, 0::2], y[:, 1::2]
+        y = g / (1 + np.exp(-g)) * u
+    assert got.shape == y.shape and np.isfinite(got).all()
+    # tolerance: fp32 sums against float64; f32norm: an input may round to the other fp16 neighbour (the rsqrt
+    # differs in its last bits); swiglu: the fp16 output
+    tol = {"f16-add": 1e-4, "f32norm-f32": 5e-4, "f32norm-swiglu": 3e-3}[mode]
+    np.testing.assert_allclose(got, y, rtol=0, atol=tol * np.abs(y).max())
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n", [1, 3, 8, 17])
 def test_batch_greedy_equals_each_prompt_alone(model, fmt, n):

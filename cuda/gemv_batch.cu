@@ -3,9 +3,14 @@
 // A block of 8 warps serves one group of NB <= 8 input rows (the grid's x) and walks tiles of 8 weight rows, a
 // warp per row (the grid's y: about two blocks per SM, each looping over tiles; the groups of one tile run side
 // by side, so a second group's weights come from L2). A lane streams its row in 16-byte words (8 fp16, 16 I8 or
-// 32 I4 weights), 4 words in flight, dequantizes each word once into fp32 registers (I8: d q; I4: s q + m, the
-// nibble order of quant.h's i4_nibble_pos) and meets it with the same K-slice of each of the NB inputs, fp32
-// FMAs into NB sums, reduced over the warp by shuffles.
+// 32 I4 weights), 4 words in flight, dequantizes each word once and meets it with the same K-slice of each of
+// the NB inputs; the NB sums are reduced over the warp by shuffles.
+//   fp16: fp32 FMAs (memory-bound: ~13 instructions per weight pair for 8 inputs).
+//   I8 / I4: at 8 inputs, fp32 dequantization and FMAs cost ~2-4x what the memory system delivers, so the word is
+//   dequantized to fp16 pairs without int->float conversions (I8: byte u = q + 128 as the fp16 1024 + u, minus
+//   1152, times d; I4: gemv_dot.cuh's LOP3 trick, (q - 8) s + (m + 8 s)) and each input meets it with HFMA2s,
+//   fp16 sums over one word (16 or 32 products, as the decode GEMV's I4 group sums), widened to fp32 per word.
+//   The weights are then the fp16 numbers the prefill's dequantization makes (quant.cu).
 // Inputs: F16 rows are read from global memory (small next to the weights: L1 / L2 hits after the first tile);
 // F32Norm rows are RMS-normed once per block into shared memory as fp16 (the decode GEMV's rounding:
 // fp16(w * (x * inv))), zero-padded to whole words. Swiglu: the gate and up rows of a pair are adjacent warps;
@@ -37,20 +42,37 @@ __device__ __forceinline__ float2 gb_scale(const QMat& W, int row, int k) {
     return __half22float2(static_cast<const __half2*>(W.scales)[(size_t)row * (W.K / kI4Group) + k]);
   else return make_float2(0.0f, 0.0f);
 }
+__device__ __forceinline__ __half2 gb_h2(uint32_t u) { return *reinterpret_cast<const __half2*>(&u); }
+__device__ __forceinline__ uint32_t gb_lop3(uint32_t a, uint32_t b, uint32_t c) {  // (a & b) | c
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+// I8 / I4: the word as fp16 pairs of consecutive weights (I8: 8 pairs, I4: 16), w[i] = (weight 2i, weight 2i+1).
 template <WFormat WF>
-__device__ __forceinline__ void gb_dequant(const uint4& v, float2 sc, float* w) {
-  if constexpr (WF == WFormat::F16) {
-    unpack8(v, w);
-  } else if constexpr (WF == WFormat::I8) {
-    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+__device__ __forceinline__ void gb_dequant_h2(const uint4& v, float2 sc, __half2* w) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+  if constexpr (WF == WFormat::I8) {
+    const __half2 d = __float2half2_rn(sc.x), off = __float2half2_rn(1152.0f);
 #pragma unroll
-    for (int i = 0; i < 16; i++) w[i] = sc.x * (float)((int)((u[i >> 2] >> (8 * (i & 3))) & 0xFF) - 128);
-  } else {
-    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+    for (int i = 0; i < 4; i++) {  // bytes (0, 1) and (2, 3) of u[i] into the low bytes of two fp16 1024 + u
+      w[2 * i] = __hmul2(__hsub2(gb_h2(__byte_perm(u[i], 0x64646464u, 0x4140u)), off), d);
+      w[2 * i + 1] = __hmul2(__hsub2(gb_h2(__byte_perm(u[i], 0x64646464u, 0x4342u)), off), d);
+    }
+  } else if constexpr (WF == WFormat::I4) {
+    const __half2 s2 = __float2half2_rn(sc.x), c2 = __float2half2_rn(fmaf(8.0f, sc.x, sc.y));
+    const __half2 off = __float2half2_rn(1032.0f), sixteenth = __float2half2_rn(0.0625f), off16 = __float2half2_rn(-72.0f);
 #pragma unroll
-    for (int i = 0; i < 32; i++) {  // element 8 j + e: 32-bit word j, nibble at (e & 1) * 16 + (e >> 1) * 4
-      const int j = i >> 3, e = i & 7;
-      w[i] = fmaf(sc.x, (float)((u[j] >> ((e & 1) * 16 + (e >> 1) * 4)) & 0xF), sc.y);
+    for (int i = 0; i < 4; i++) {  // elements 8i + (0,1), (2,3), (4,5), (6,7): gemv_dot.cuh's nibble pairs
+      const uint32_t lo = u[i], hi = u[i] >> 8;
+      const __half2 q0 = __hsub2(gb_h2(gb_lop3(lo, 0x000F000Fu, 0x64006400u)), off);
+      const __half2 q1 = __hfma2(gb_h2(gb_lop3(lo, 0x00F000F0u, 0x64006400u)), sixteenth, off16);
+      const __half2 q2 = __hsub2(gb_h2(gb_lop3(hi, 0x000F000Fu, 0x64006400u)), off);
+      const __half2 q3 = __hfma2(gb_h2(gb_lop3(hi, 0x00F000F0u, 0x64006400u)), sixteenth, off16);
+      w[4 * i] = __hfma2(q0, s2, c2);  // (q - 8) s + (m + 8 s) = s q + m
+      w[4 * i + 1] = __hfma2(q1, s2, c2);
+      w[4 * i + 2] = __hfma2(q2, s2, c2);
+      w[4 * i + 3] = __hfma2(q3, s2, c2);
     }
   }
 }
@@ -106,39 +128,59 @@ __global__ void __launch_bounds__(kGbThreads) gemv_batch_kernel(GemvBatchArgs a)
       for (int u = 0; u < kGbUnroll; u++) {
         const int k = k0 + 32 * u;
         if (k >= words) break;
-        float w[E];
-        gb_dequant<WF>(wv[u], sc[u], w);
-        const bool whole = IN == GemvIn::F32Norm || (k + 1) * E <= a.W.K;
+        if constexpr (WF == WFormat::F16) {
+          float w[8];
+          unpack8(wv[u], w);
+          const bool whole = IN == GemvIn::F32Norm || (k + 1) * E <= a.W.K;
 #pragma unroll
-        for (int j = 0; j < NB; j++) {
-          if (j >= n_cols) break;
-          float s = 0.0f;
-          if constexpr (IN == GemvIn::F32Norm) {
-            const uint4* xv = reinterpret_cast<const uint4*>(xs + (size_t)j * kw + (size_t)k * E);
-#pragma unroll
-            for (int c = 0; c < E / 8; c++) {
-              float xf[8];
-              unpack8(xv[c], xf);
-#pragma unroll
-              for (int e = 0; e < 8; e++) s = fmaf(w[8 * c + e], xf[e], s);
-            }
-          } else {
-            const __half* x = static_cast<const __half*>(a.x) + (size_t)(col0 + j) * a.ldx + (size_t)k * E;
+          for (int j = 0; j < NB; j++) {
+            if (j >= n_cols) break;
+            const __half* x = IN == GemvIn::F32Norm ? xs + (size_t)j * kw + (size_t)k * E
+                                                    : static_cast<const __half*>(a.x) + (size_t)(col0 + j) * a.ldx + (size_t)k * E;
+            float s = 0.0f;
             if (whole) {
+              float xf[8];
+              unpack8(IN == GemvIn::F32Norm ? *reinterpret_cast<const uint4*>(x) : __ldg(reinterpret_cast<const uint4*>(x)), xf);
 #pragma unroll
-              for (int c = 0; c < E / 8; c++) {
-                float xf[8];
-                unpack8(__ldg(reinterpret_cast<const uint4*>(x) + c), xf);
-#pragma unroll
-                for (int e = 0; e < 8; e++) s = fmaf(w[8 * c + e], xf[e], s);
-              }
+              for (int e = 0; e < 8; e++) s = fmaf(w[e], xf[e], s);
             } else {  // the row's last word, part of it past K: those inputs are not read
 #pragma unroll
               for (int e = 0; e < E; e++)
                 if (k * E + e < a.W.K) s = fmaf(w[e], __half2float(x[e]), s);
             }
+            acc[j] += s;
           }
-          acc[j] += s;
+        } else {
+          __half2 w[E / 2];
+          gb_dequant_h2<WF>(wv[u], sc[u], w);
+          const bool whole = IN == GemvIn::F32Norm || (k + 1) * E <= a.W.K;
+#pragma unroll
+          for (int j = 0; j < NB; j++) {
+            if (j >= n_cols) break;
+            const __half* x = IN == GemvIn::F32Norm ? xs + (size_t)j * kw + (size_t)k * E
+                                                    : static_cast<const __half*>(a.x) + (size_t)(col0 + j) * a.ldx + (size_t)k * E;
+            if (whole) {
+              __half2 h = __float2half2_rn(0.0f);
+#pragma unroll
+              for (int c = 0; c < E / 8; c++) {
+                const uint4 xv = IN == GemvIn::F32Norm ? reinterpret_cast<const uint4*>(x)[c]
+                                                       : __ldg(reinterpret_cast<const uint4*>(x) + c);
+                h = __hfma2(w[4 * c], gb_h2(xv.x), h);
+                h = __hfma2(w[4 * c + 1], gb_h2(xv.y), h);
+                h = __hfma2(w[4 * c + 2], gb_h2(xv.z), h);
+                h = __hfma2(w[4 * c + 3], gb_h2(xv.w), h);
+              }
+              const float2 f = __half22float2(h);
+              acc[j] += f.x + f.y;
+            } else {  // the row's last word, part of it past K: those inputs are not read
+              float s = 0.0f;
+#pragma unroll
+              for (int e = 0; e < E; e++)
+                if (k * E + e < a.W.K)
+                  s = fmaf(__half2float(e & 1 ? __high2half(w[e / 2]) : __low2half(w[e / 2])), __half2float(x[e]), s);
+              acc[j] += s;
+            }
+          }
         }
       }
     }

@@ -20,6 +20,7 @@
 //      (max, sum) go to a partial buffer and kernel 2 (decode_attn_merge, a block per query head, launched with
 //      PDL) merges chunks 0..pos/chunk with log-sum-exp. (An earlier version merged in the last chunk block to
 //      finish, saving a launch; ncu showed that serial tail leaving half the SMs idle at long contexts.)
+#include <algorithm>
 #include <cfloat>
 
 #include "attention.cuh"
@@ -44,8 +45,9 @@ __device__ __forceinline__ int attn_row(const DecodeAttnParams& p, int& z) {
   return r;
 }
 
+// One block's work on chunk `chunk` (the single sequence: the block's own, blockIdx.x).
 template <int HD, bool ROWS>
-__global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnParams p) {
+__device__ __forceinline__ void decode_attn_chunk(DecodeAttnParams p, int chunk) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int hd = HD ? HD : p.head_dim, half_d = hd / 2, CH = p.chunk, row = hd + kPad;
   float* q_s = reinterpret_cast<float*>(smem_raw);              // (kMaxGroup, hd)
@@ -58,7 +60,7 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   // last position (clamped to max_seq - 1). Their ids depend on the block alone, so they are loaded beside pos,
   // not after it: paging adds no link to the chain of dependent loads before the K/V fetch. (A block past the
   // sequence, or one that never reaches the second page, loads an unassigned entry and does not use it.)
-  const int c0 = blockIdx.x * CH;
+  const int c0 = chunk * CH;
   int zs = blockIdx.z;
   const int rr = attn_row<ROWS>(p, zs);  // (ROWS: the row; zs its z-slice)
   if constexpr (ROWS) {  // this row's table, q | k | v, output and partials
@@ -216,7 +218,7 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
       p.out[(size_t)(hq0 + hh) * hd + d] = __float2half(O / L);
       return;
     }
-    const size_t slot = (size_t)(hq0 + hh) * max_chunks + blockIdx.x;
+    const size_t slot = (size_t)(hq0 + hh) * max_chunks + chunk;
     p.part_o[slot * hd + d] = O;
     if (d == 0) {
       p.part_ml[slot * 2] = M;
@@ -256,6 +258,23 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
     }
   }
   trace_point(p.trace, 3);
+}
+
+template <int HD, bool ROWS>
+__global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnParams p) {
+  if constexpr (!ROWS) {
+    decode_attn_chunk<HD, false>(p, blockIdx.x);
+  } else {
+    // Many rows: the grid's x may be fewer blocks than max_seq has chunks (launch_pair sizes it for the rows):
+    // a block takes chunks blockIdx.x, + gridDim.x, ... up to its row's position, so short rows leave few idle
+    // blocks behind (a grid of max_seq's chunks for each of 64 rows is mostly blocks that exit at once).
+    int zs = blockIdx.z;
+    const int pos = p.row_pos[attn_row<true>(p, zs)];
+    for (int c = blockIdx.x; c * p.chunk <= pos; c += gridDim.x) {  // (uniform over the block)
+      decode_attn_chunk<HD, true>(p, c);
+      __syncthreads();  // the shared tiles are the next chunk's
+    }
+  }
 }
 
 __device__ __forceinline__ float block_max(float v, float* red) {
@@ -350,12 +369,23 @@ static void check_attn(const DecodeAttnParams& p) {
                                  " must be >= the chunk of " + std::to_string(p.chunk) + " positions");
 }
 
+// Many rows: about 4 blocks per SM over all rows and heads, each looping over chunks (at most max_seq's).
+static int rows_grid_x(const DecodeAttnParams& p, int blocks_per_chunk) {
+  static int sms = [] {
+    int dev = 0, n = 0;
+    TI_CUDA_CHECK(cudaGetDevice(&dev));
+    TI_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }();
+  return std::max(1, std::min(attn_max_chunks(p), (4 * sms + blocks_per_chunk - 1) / blocks_per_chunk));
+}
+
 template <bool ROWS>
 static void launch_pair(const DecodeAttnParams& p, int n_rows, cudaStream_t s, bool pdl) {
   check_attn(p);
   const size_t smem = decode_attention_smem(p);
-  const int group = p.n_heads / p.n_kv_heads;
-  dim3 grid(attn_max_chunks(p), p.n_kv_heads, n_rows * ((group + kMaxGroup - 1) / kMaxGroup));
+  const int group = p.n_heads / p.n_kv_heads, nz = n_rows * ((group + kMaxGroup - 1) / kMaxGroup);
+  dim3 grid(ROWS ? rows_grid_x(p, p.n_kv_heads * nz) : attn_max_chunks(p), p.n_kv_heads, nz);
   if (p.head_dim == 64) launch_attn<64, ROWS>(p, grid, smem, s, pdl);
   else if (p.head_dim == 128) launch_attn<128, ROWS>(p, grid, smem, s, pdl);
   else launch_attn<0, ROWS>(p, grid, smem, s, pdl);

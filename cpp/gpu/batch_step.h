@@ -31,10 +31,10 @@ struct BatchBuffers {
   int* pos = nullptr;          // = rows + max_rows
   int* slot = nullptr;         // = rows + 2 max_rows
   float* x = nullptr;          // (max_rows, ld_h) fp32 residual stream
-  __half* xn = nullptr;        // (max_rows, ld_h) rmsnorm(x), the products' input
+  __half* xn = nullptr;        // (max_rows, ld_h) rmsnorm(x), the cuBLASLt products' input
   float* qkv = nullptr;        // (max_rows, ld_qkv) q | k | v before RoPE
   __half* att = nullptr;       // (max_rows, ld_q) attention output
-  __half* gu = nullptr;        // (max_rows, ld_gu) gate/up interleaved
+  __half* gu = nullptr;        // (max_rows, ld_gu) gate/up interleaved (the cuBLASLt path; else fused)
   __half* h = nullptr;         // (max_rows, ld_i) silu(gate) * up
   float* logits = nullptr;     // (max_rows, ld_v) the step's logits in row order (also the sampler's gather)
   float* part_o = nullptr;     // (max_rows, n_heads, max_chunks, head_dim) split-K attention partials

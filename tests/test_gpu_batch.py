@@ -207,6 +207,7 @@ def test_padded_bucket_is_exact(model, fmt):
 def test_pages_taken_on_demand_and_given_back(model):
     eng = gpu_engine(model, "fp16")
     core = eng._core
+    core.reset()  # the single sequence gives back what earlier tests' generate() left it (it shares the pool)
     total, P = core.kv_pages_total, core.kv_page_size
     assert core.kv_pages_free == total and core.max_batch == 64
     assert total == 64 * -(-MAX_SEQ // P)  # the default pool: max_batch sequences of max_seq_len (small model)
@@ -310,3 +311,32 @@ def test_bad_slot_requests(model):
     bad.max_batch = 0
     with pytest.raises(InvalidRequestError, match="max_batch must be"):
         Engine(model[1], device="cuda", max_seq_len=MAX_SEQ, cuda_options=bad)
+
+
+def test_single_sequence_is_independent_of_the_slots(model):
+    """The single-sequence API (forward / decode) and the slots share only the page pool: slot work between a
+    forward() and its decode() changes none of the single sequence's tokens, and the other way round."""
+    eng = gpu_engine(model, "fp16")
+    core = eng._core
+    p, q = prompts(3, seed=8)[1:]
+    core.reset()
+    core.forward(p)
+    want = core.decode(20, greedy(), [], 0)
+    s = core.seq_open()
+    core.seq_prefill(s, q)
+    core.seq_step([s], [4])
+    slot_want = core.seq_logits(s)
+    core.seq_close(s)
+
+    core.reset()
+    core.forward(p)
+    s = core.seq_open()
+    core.seq_prefill(s, q)  # between forward() and decode()
+    got = core.decode(20, greedy(), [], 0)
+    core.reset()
+    core.forward(q)  # between the slot's prefill and its step
+    core.seq_step([s], [4])
+    np.testing.assert_array_equal(core.seq_logits(s), slot_want)
+    assert got == want
+    core.seq_close(s)
+    core.reset()

@@ -1,10 +1,11 @@
 // gemv_batch.cu — y = W x for a few vectors x at once (the batched decode step), see gemv_batch.cuh.
 //
-// A block of 8 warps serves one group of NB <= 8 input rows (the grid's x) and walks tiles of 8 weight rows, a
-// warp per row (the grid's y: about two blocks per SM, each looping over tiles; the groups of one tile run side
-// by side, so a second group's weights come from L2). A lane streams its row in 16-byte words (8 fp16, 16 I8 or
-// 32 I4 weights), 4 words in flight, dequantizes each word once and meets it with the same K-slice of each of
-// the NB inputs; the NB sums are reduced over the warp by shuffles.
+// A block of 8 warps serves one group of NB <= 8 input rows (the grid's x) and walks tiles of 8 x R weight rows,
+// R rows per warp (the grid's y: about two blocks per SM, each looping over tiles; the groups of one tile run
+// side by side, so a second group's weights come from L2). A lane streams its rows in 16-byte words (8 fp16,
+// 16 I8 or 32 I4 weights), 8 words in flight, dequantizes each word once and meets it with the same K-slice of
+// each of the NB inputs (each input fragment read once for the R rows); the R x NB sums are reduced over the
+// warp by shuffles.
 //   fp16: fp32 FMAs (memory-bound: ~13 instructions per weight pair for 8 inputs).
 //   I8 / I4: at 8 inputs, fp32 dequantization and FMAs cost ~2-4x what the memory system delivers, so the word is
 //   dequantized to fp16 pairs without int->float conversions (I8: byte u = q + 128 as the fp16 1024 + u, minus
@@ -77,13 +78,16 @@ __device__ __forceinline__ void gb_dequant_h2(const uint4& v, float2 sc, __half2
   }
 }
 
-template <WFormat WF, int NB, GemvIn IN, GemvOut OUT>
+// R rows per warp: each input fragment, read once from L1 / shared memory, meets the R rows' dequantized words
+// (at 8 inputs a 16-byte I4 word meets 512 bytes of inputs: with R = 1 those reads, not the weights, would set
+// the pace). Swiglu needs R even (gate and up rows of a pair in one warp).
+template <int R, WFormat WF, int NB, GemvIn IN, GemvOut OUT>
 __global__ void __launch_bounds__(kGbThreads) gemv_batch_kernel(GemvBatchArgs a) {
-  constexpr int E = kWordElems<WF>;
+  static_assert(OUT != GemvOut::Swiglu || R % 2 == 0, "swiglu pairs rows within a warp");
+  constexpr int E = kWordElems<WF>, U = R >= 4 ? 2 : 4;  // U: words per row in flight (R U per lane)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __half* xs = reinterpret_cast<__half*>(smem_raw);  // F32Norm: (NB, words * E) the normed inputs
   __shared__ float inv_s[NB];
-  __shared__ float pair_s[kGbWarps][NB];             // Swiglu: each warp's sums
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int col0 = blockIdx.x * NB, words = gb_words(a.W, E), kw = words * E;
   const int n_cols = min(NB, a.n - col0);
@@ -107,103 +111,130 @@ __global__ void __launch_bounds__(kGbThreads) gemv_batch_kernel(GemvBatchArgs a)
     __syncthreads();
   }
 
-  const int tiles = (a.W.rows + kGbWarps - 1) / kGbWarps;
-  for (int tile = blockIdx.y; tile < tiles; tile += gridDim.y) {  // (uniform: Swiglu's barriers below)
-    const int row = tile * kGbWarps + warp;
-    const int rr = min(row, a.W.rows - 1);  // rows past the end compute on the last row and store nothing
-    const uint4* wrow = gb_row<WF>(a.W, rr);
-    float acc[NB];
+  const int tiles = (a.W.rows + kGbWarps * R - 1) / (kGbWarps * R);
+  for (int tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
+    const int row0 = (tile * kGbWarps + warp) * R;
+    const uint4* wrow[R];
+    int rr[R];
 #pragma unroll
-    for (int j = 0; j < NB; j++) acc[j] = 0.0f;
-    for (int k0 = lane; k0 < words; k0 += 32 * kGbUnroll) {
-      uint4 wv[kGbUnroll];
-      float2 sc[kGbUnroll];
+    for (int r = 0; r < R; r++) {
+      rr[r] = min(row0 + r, a.W.rows - 1);  // rows past the end compute on the last row and store nothing
+      wrow[r] = gb_row<WF>(a.W, rr[r]);
+    }
+    float acc[R][NB];
 #pragma unroll
-      for (int u = 0; u < kGbUnroll; u++) {  // loads first: kGbUnroll words in flight per lane
-        const int k = k0 + 32 * u;
-        wv[u] = k < words ? load_stream(wrow + k) : make_uint4(0, 0, 0, 0);
-        sc[u] = gb_scale<WF>(a.W, rr, k < words ? k : 0);
-      }
+    for (int r = 0; r < R; r++)
 #pragma unroll
-      for (int u = 0; u < kGbUnroll; u++) {
+      for (int j = 0; j < NB; j++) acc[r][j] = 0.0f;
+    for (int k0 = lane; k0 < words; k0 += 32 * U) {
+      uint4 wv[U][R];
+      float2 sc[U][R];
+#pragma unroll
+      for (int u = 0; u < U; u++)  // loads first: R U words in flight per lane
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+          const int k = k0 + 32 * u;
+          wv[u][r] = k < words ? load_stream(wrow[r] + k) : make_uint4(0, 0, 0, 0);
+          sc[u][r] = gb_scale<WF>(a.W, rr[r], k < words ? k : 0);
+        }
+#pragma unroll
+      for (int u = 0; u < U; u++) {
         const int k = k0 + 32 * u;
         if (k >= words) break;
+        const bool whole = IN == GemvIn::F32Norm || (k + 1) * E <= a.W.K;
         if constexpr (WF == WFormat::F16) {
-          float w[8];
-          unpack8(wv[u], w);
-          const bool whole = IN == GemvIn::F32Norm || (k + 1) * E <= a.W.K;
+          float w[R][8];
+#pragma unroll
+          for (int r = 0; r < R; r++) unpack8(wv[u][r], w[r]);
 #pragma unroll
           for (int j = 0; j < NB; j++) {
             if (j >= n_cols) break;
             const __half* x = IN == GemvIn::F32Norm ? xs + (size_t)j * kw + (size_t)k * E
                                                     : static_cast<const __half*>(a.x) + (size_t)(col0 + j) * a.ldx + (size_t)k * E;
-            float s = 0.0f;
+            float xf[8];
             if (whole) {
-              float xf[8];
               unpack8(IN == GemvIn::F32Norm ? *reinterpret_cast<const uint4*>(x) : __ldg(reinterpret_cast<const uint4*>(x)), xf);
-#pragma unroll
-              for (int e = 0; e < 8; e++) s = fmaf(w[e], xf[e], s);
             } else {  // the row's last word, part of it past K: those inputs are not read
 #pragma unroll
-              for (int e = 0; e < E; e++)
-                if (k * E + e < a.W.K) s = fmaf(w[e], __half2float(x[e]), s);
+              for (int e = 0; e < 8; e++) xf[e] = k * E + e < a.W.K ? __half2float(x[e]) : 0.0f;
             }
-            acc[j] += s;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+              float s = 0.0f;
+#pragma unroll
+              for (int e = 0; e < 8; e++) s = fmaf(w[r][e], xf[e], s);
+              acc[r][j] += s;
+            }
           }
         } else {
-          __half2 w[E / 2];
-          gb_dequant_h2<WF>(wv[u], sc[u], w);
-          const bool whole = IN == GemvIn::F32Norm || (k + 1) * E <= a.W.K;
+          __half2 w[R][E / 2];
+#pragma unroll
+          for (int r = 0; r < R; r++) gb_dequant_h2<WF>(wv[u][r], sc[u][r], w[r]);
 #pragma unroll
           for (int j = 0; j < NB; j++) {
             if (j >= n_cols) break;
             const __half* x = IN == GemvIn::F32Norm ? xs + (size_t)j * kw + (size_t)k * E
                                                     : static_cast<const __half*>(a.x) + (size_t)(col0 + j) * a.ldx + (size_t)k * E;
             if (whole) {
-              __half2 h = __float2half2_rn(0.0f);
+              __half2 h[R];
+#pragma unroll
+              for (int r = 0; r < R; r++) h[r] = __float2half2_rn(0.0f);
 #pragma unroll
               for (int c = 0; c < E / 8; c++) {
                 const uint4 xv = IN == GemvIn::F32Norm ? reinterpret_cast<const uint4*>(x)[c]
                                                        : __ldg(reinterpret_cast<const uint4*>(x) + c);
-                h = __hfma2(w[4 * c], gb_h2(xv.x), h);
-                h = __hfma2(w[4 * c + 1], gb_h2(xv.y), h);
-                h = __hfma2(w[4 * c + 2], gb_h2(xv.z), h);
-                h = __hfma2(w[4 * c + 3], gb_h2(xv.w), h);
-              }
-              const float2 f = __half22float2(h);
-              acc[j] += f.x + f.y;
-            } else {  // the row's last word, part of it past K: those inputs are not read
-              float s = 0.0f;
 #pragma unroll
-              for (int e = 0; e < E; e++)
-                if (k * E + e < a.W.K)
-                  s = fmaf(__half2float(e & 1 ? __high2half(w[e / 2]) : __low2half(w[e / 2])), __half2float(x[e]), s);
-              acc[j] += s;
+                for (int r = 0; r < R; r++) {
+                  h[r] = __hfma2(w[r][4 * c], gb_h2(xv.x), h[r]);
+                  h[r] = __hfma2(w[r][4 * c + 1], gb_h2(xv.y), h[r]);
+                  h[r] = __hfma2(w[r][4 * c + 2], gb_h2(xv.z), h[r]);
+                  h[r] = __hfma2(w[r][4 * c + 3], gb_h2(xv.w), h[r]);
+                }
+              }
+#pragma unroll
+              for (int r = 0; r < R; r++) {
+                const float2 f = __half22float2(h[r]);
+                acc[r][j] += f.x + f.y;
+              }
+            } else {  // the row's last word, part of it past K: those inputs are not read
+#pragma unroll
+              for (int r = 0; r < R; r++) {
+                float s = 0.0f;
+#pragma unroll
+                for (int e = 0; e < E; e++)
+                  if (k * E + e < a.W.K)
+                    s = fmaf(__half2float(e & 1 ? __high2half(w[r][e / 2]) : __low2half(w[r][e / 2])), __half2float(x[e]), s);
+                acc[r][j] += s;
+              }
             }
           }
         }
       }
     }
 #pragma unroll
-    for (int j = 0; j < NB; j++) acc[j] = warp_sum(acc[j]);
-
-    if constexpr (OUT == GemvOut::Swiglu) {  // rows 2i (gate) and 2i + 1 (up): warps 2p and 2p + 1
-      if (lane == 0)
+    for (int r = 0; r < R; r++)
 #pragma unroll
-        for (int j = 0; j < NB; j++) pair_s[warp][j] = acc[j];
-      __syncthreads();
-      const int p = threadIdx.x / NB, j = threadIdx.x % NB, g_row = tile * kGbWarps + 2 * p;
-      if (p < kGbWarps / 2 && j < n_cols && g_row + 1 < a.W.rows) {
-        const float g = pair_s[2 * p][j], u = pair_s[2 * p + 1][j];
-        static_cast<__half*>(a.y)[(size_t)(col0 + j) * a.ldy + g_row / 2] = __float2half(g / (1.0f + __expf(-g)) * u);
-      }
-      __syncthreads();  // pair_s is reused by the next tile
-    } else if (lane == 0 && row < a.W.rows) {
+      for (int j = 0; j < NB; j++) acc[r][j] = warp_sum(acc[r][j]);
+
+    if (lane == 0) {  // ---- epilogue ----
 #pragma unroll
       for (int j = 0; j < NB; j++) {
         if (j >= n_cols) break;
-        float* y = static_cast<float*>(a.y) + (size_t)(col0 + j) * a.ldy + row;
-        *y = OUT == GemvOut::AddF32 ? *y + acc[j] : acc[j];
+        if constexpr (OUT == GemvOut::Swiglu) {  // rows 2i (gate), 2i + 1 (up)
+#pragma unroll
+          for (int r = 0; r < R; r += 2) {
+            if (row0 + r + 1 >= a.W.rows) break;
+            const float g = acc[r][j], u = acc[r + 1][j];
+            static_cast<__half*>(a.y)[(size_t)(col0 + j) * a.ldy + (row0 + r) / 2] = __float2half(g / (1.0f + __expf(-g)) * u);
+          }
+        } else {
+          float* y = static_cast<float*>(a.y) + (size_t)(col0 + j) * a.ldy;
+#pragma unroll
+          for (int r = 0; r < R; r++) {
+            if (row0 + r >= a.W.rows) break;
+            y[row0 + r] = OUT == GemvOut::AddF32 ? y[row0 + r] + acc[r][j] : acc[r][j];
+          }
+        }
       }
     }
   }
@@ -237,15 +268,24 @@ bool gemv_batch_fits(const QMat& W, int n, GemvIn in) {
   return n >= 1 && gb_smem(W, gb_nb(n), in) <= (size_t)gb_smem_limit();
 }
 
+// R: 1 for a single input (no fragment to share; Swiglu: 2), else 4 for I4 (a word meets the most inputs),
+// 2 for I8 and fp16.
+template <WFormat WF, int NB, GemvOut OUT>
+constexpr int gb_rows_per_warp() {
+  return NB == 1 ? (OUT == GemvOut::Swiglu ? 2 : 1) : WF == WFormat::I4 ? 4 : 2;
+}
+
 template <WFormat WF, int NB, GemvIn IN, GemvOut OUT>
 static void launch_gb(const GemvBatchArgs& a, cudaStream_t s) {
+  constexpr int R = gb_rows_per_warp<WF, NB, OUT>();
   const size_t smem = gb_smem(a.W, NB, IN);
   if (smem > 48 * 1024)  // idempotent
-    TI_CUDA_CHECK(cudaFuncSetAttribute(gemv_batch_kernel<WF, NB, IN, OUT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)smem));
-  const int groups = (a.n + NB - 1) / NB, tiles = (a.W.rows + kGbWarps - 1) / kGbWarps;
+    TI_CUDA_CHECK(cudaFuncSetAttribute(gemv_batch_kernel<R, WF, NB, IN, OUT>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  const int groups = (a.n + NB - 1) / NB, tiles = (a.W.rows + kGbWarps * R - 1) / (kGbWarps * R);
   const int per_group = std::max(1, (2 * gb_sms() + groups - 1) / groups);  // ~2 blocks per SM in all
-  launch(gemv_batch_kernel<WF, NB, IN, OUT>, dim3(groups, std::min(tiles, per_group)), dim3(kGbThreads), smem, s, false, a);
+  launch(gemv_batch_kernel<R, WF, NB, IN, OUT>, dim3(groups, std::min(tiles, per_group)), dim3(kGbThreads), smem, s,
+         false, a);
 }
 
 template <WFormat WF, int NB>

@@ -369,7 +369,8 @@ const void* stream_kernel_for(int stages) {
   fail(ErrorKind::Request, "ring: stages must be one of 2, 3, 4, 6, 8, got " + std::to_string(stages));
 }
 
-// A stream over a device buffer: the kernel for (copy, stages), its grid and its launches.
+// A stream over a device buffer: the kernel for (copy, stages), its grid and its launches. blocks_wanted: > 0
+// exactly, 0 every co-resident block, < 0 -n per SM.
 struct Stream {
   const void* kernel;
   size_t smem;
@@ -387,6 +388,7 @@ struct Stream {
       fail(ErrorKind::Request, std::string(who) + ": " + std::to_string(stages) + " slots of " +
                                    std::to_string(slot_kib) + " KiB need " + std::to_string(smem) +
                                    " bytes of shared memory, this GPU gives a block " + std::to_string(d.max_smem));
+    if (blocks_wanted < 0) blocks_wanted *= -d.sms;
     blocks = coresident_grid(kernel, smem, blocks_wanted, who);
     blocks_per_sm = (blocks + d.sms - 1) / d.sms;
   }
@@ -502,6 +504,7 @@ std::vector<uint64_t> run_reduction_chain(const uint32_t* x, int stages, int n, 
 // ---- the ring, alone and with hand-offs ----
 
 uint32_t ring_xor(const void* host, size_t bytes, RingCopy copy, int stages, int slot_kib, int blocks) {
+  if (blocks < 0) fail(ErrorKind::Request, "ring_xor: blocks must be >= 0");
   Stream st(copy, stages, slot_kib, blocks, "ring_xor");
   if (bytes == 0 || bytes % st.chunk_bytes)
     fail(ErrorKind::Request, "ring_xor: len(data) must be a positive multiple of slot_kib KiB");
@@ -518,7 +521,8 @@ uint32_t ring_xor(const void* host, size_t bytes, RingCopy copy, int stages, int
 }
 
 RingResult measure_ring(const RingConfig& c) {
-  Stream st(c.copy, c.stages, c.slot_kib, 0, "measure_ring");
+  if (c.blocks_per_sm < 1) fail(ErrorKind::Request, "measure_ring: blocks_per_sm must be >= 1");
+  Stream st(c.copy, c.stages, c.slot_kib, -c.blocks_per_sm, "measure_ring");
   const size_t n_chunks = c.bytes / st.chunk_bytes;
   if (n_chunks < (size_t)st.blocks) fail(ErrorKind::Request, "measure_ring: bytes must give every block a chunk");
   FilledBuffer buf(n_chunks * st.chunk_bytes);
@@ -543,7 +547,8 @@ RingResult measure_ring(const RingConfig& c) {
 
 StreamHandoffResult measure_stream_handoff(const StreamHandoffConfig& c) {
   check_chain_args(c.n_words, 1, 1, "measure_stream_handoff");
-  Stream st(c.ring.copy, c.ring.stages, c.ring.slot_kib, 0, "measure_stream_handoff");
+  if (c.ring.blocks_per_sm < 1) fail(ErrorKind::Request, "measure_stream_handoff: blocks_per_sm must be >= 1");
+  Stream st(c.ring.copy, c.ring.stages, c.ring.slot_kib, -c.ring.blocks_per_sm, "measure_stream_handoff");
   const double per_stage_all = (double)st.blocks * st.chunk_bytes;  // one chunk per block
   const int m = std::max(1, (int)std::lround(c.bytes_per_handoff / per_stage_all));
   const int K = (int)(c.ring.bytes / (per_stage_all * m));

@@ -32,8 +32,8 @@ struct HandoffResult {
 };
 HandoffResult measure_handoff(const HandoffConfig& c);
 
-// The weight ring alone: every block streams its chunks (grid-strided chunks of slot_kib KiB) of a `bytes`
-// buffer through a ring of `stages` slots and XORs them. Throws ti::Error(Request) for a configuration that does
+// The weight ring alone: every block (blocks_per_sm x the SM count) streams its chunks (grid-strided chunks of
+// slot_kib KiB) of a `bytes` buffer through a ring of `stages` slots and XORs them. Throws ti::Error(Request) for a configuration that does
 // not fit (shared memory) and ti::Error(Device) for Bulk below sm_90.
 struct RingConfig {
   RingCopy copy = RingCopy::Bulk;
@@ -41,6 +41,7 @@ struct RingConfig {
   int slot_kib = 16;
   size_t bytes = (size_t)2 << 30;
   int reps = 10;
+  int blocks_per_sm = 1;  // the persistent kernel's grid: one (or two) blocks per SM, each with its own ring
 };
 struct RingResult {
   double gb_per_s = 0, best_ms = 0, bytes = 0;

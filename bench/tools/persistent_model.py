@@ -33,7 +33,7 @@ class Inputs:
     step_launch: float = 2.0          # from one step's end to the next step's first task (a launch, or a loop)
     ring_stages: int = 4
     ring_slot_kib: int = 16
-    ring_blocks: int = 132            # blocks streaming (1 per SM)
+    ring_blocks: int = 132            # blocks streaming, a ring each (1 per SM)
 
     @property
     def bw(self) -> float:  # bytes per µs
@@ -60,8 +60,10 @@ def from_probe(path: str, base: Inputs) -> Inputs:
                    ("handoff_head", "handoff_ns_one_producer_2048")):
         if m.get(key):
             fields[k] = m[key] / 1e3
+    if "handoff_2048" in fields:  # the bare barrier's floor cannot sit above a measured hand-off
+        fields["barrier"] = min(base.barrier, fields["handoff_2048"])
     if ring.get("stages"):
-        fields.update(ring_stages=ring["stages"], ring_slot_kib=ring["slot_kib"])
+        fields.update(ring_stages=ring["stages"], ring_slot_kib=ring["slot_kib"], ring_blocks=ring["blocks"])
     return replace(base, **fields)
 
 
@@ -131,6 +133,25 @@ def table(x: Inputs, out=print) -> list:
     return rows
 
 
+def _scaled(x: Inputs, f: float) -> Inputs:
+    return replace(x, handoff_2048=x.handoff_2048 * f, handoff_5632=x.handoff_5632 * f, barrier=x.barrier * f,
+                   handoff_head=x.handoff_head * f)
+
+
+def margins(x: Inputs, out=print) -> None:
+    """Per target and schedule: the lowest ring efficiency (ring GB/s / read GB/s) that still reaches it, and how
+    many times the placeholder hand-off latencies may grow before it is missed (0.05 steps)."""
+    out("\n| shape | format | ctx | target | min ring efficiency A / B | max hand-off latency factor A / B |")
+    out("|---|---|---|---|---|---|")
+    for shape, fmt, ctx, target in TARGETS:
+        eff, lat = {}, {}
+        for s in "AB":
+            ok = lambda y: 1e6 / step_us(shape, fmt, ctx, s, y) >= target
+            eff[s] = next((f"{e / 100:.2f}" for e in range(50, 101) if ok(replace(x, ring_efficiency=e / 100))), "> 1")
+            lat[s] = next((f"{(f - 1) / 20:.2f}" for f in range(1, 200) if not ok(_scaled(x, f / 20))), "> 10")
+        out(f"| {shape} | {fmt} | {ctx} | {target:,} | {eff['A']} / {eff['B']} | {lat['A']} / {lat['B']} |")
+
+
 def main() -> None:
     x = Inputs()
     probe = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--probe=")), None)
@@ -141,6 +162,7 @@ def main() -> None:
         S, kib, bps = (int(v) for v in ring.split(","))
         x = replace(x, ring_stages=S, ring_slot_kib=kib, ring_blocks=132 * bps)
     table(x)
+    margins(x)
 
 
 if __name__ == "__main__":

@@ -84,10 +84,12 @@ CpuEngine::CpuEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq
   kv_ = KVCache(cfg_.n_layers, cfg_.n_kv_heads, max_seq_len, cfg_.head_dim);
   rope_ = rope_table(cfg_, max_seq_len);
   last_logits_.resize((size_t)cfg_.vocab);
+  history_ = TokenHistory(cfg_.vocab);
 }
 
 void CpuEngine::reset() {
   tokens_.clear();
+  history_.clear();
   has_last_ = pending_ = false;
 }
 
@@ -184,6 +186,7 @@ void CpuEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, float
   const int64_t first = all_logits ? m - n : m - 1;
   run(seq.data(), m, pos0, first, logits);
   tokens_.insert(tokens_.end(), tokens, tokens + n);
+  for (int64_t i = 0; i < n; i++) history_.add_prompt(tokens[i]);
   pending_ = false;
 }
 
@@ -199,9 +202,10 @@ std::vector<int32_t> CpuEngine::decode(int64_t max_steps, const SamplingConfig& 
     }
     if (position() >= max_seq_)
       fail(ErrorKind::Request, "the sequence reached max_seq_len=" + std::to_string(max_seq_));
-    const int32_t tok = sample_token(last_logits_.data(), cfg_.vocab, s, step0 + (uint64_t)i, tokens_,
-                                     scratch_, scratch_ids_);
+    const int32_t tok = sample_row(last_logits_.data(), cfg_.vocab, s, step0 + (uint64_t)i, history_, 0, scratch_,
+                                   scratch_ids_).token;
     tokens_.push_back(tok);
+    history_.add_generated(tok);
     pending_ = true;
     out.push_back(tok);
     if (std::find(stop_ids.begin(), stop_ids.end(), tok) != stop_ids.end()) break;

@@ -61,6 +61,7 @@ class CpuEngine {
   KVCache kv_;
   RopeTable rope_;
   std::vector<int32_t> tokens_;
+  TokenHistory history_{0};    // tokens_ as the penalties see them: forward() adds prompt, decode() generated
   bool has_last_ = false;      // last_logits_ holds the logits after tokens_ (minus pending_)
   bool pending_ = false;       // tokens_.back() was sampled but not yet run through the model
   std::vector<float> last_logits_;

@@ -127,8 +127,9 @@ def test_batched_greedy_equals_the_single_path_bit_for_bit(store):
 
 
 def test_batched_equals_each_slot_alone_with_logprobs(store):
-    core = _engine(store)
-    alone = [_alone(core, p, 5) for p in PROMPTS]
+    core = _engine(store, threads=3)
+    one_thread = _engine(store, threads=1)  # the thread count changes no number either
+    alone = [_alone(one_thread, p, 5) for p in PROMPTS]
     slots = [core.seq_open() for _ in PROMPTS]
     for got, want in zip(_generate(core, slots, PROMPTS, 5), alone):
         _assert_same_run(got, want)

@@ -11,12 +11,18 @@
 namespace ti {
 
 const CpuEngine::Slot& CpuEngine::open_slot(int64_t slot) const {
-  check_open_slot(slot, max_batch(), [&](int64_t s) { return slots_[(size_t)s] != nullptr; });
+  check_open_slot(slot, max_batch(), [&](int64_t s) { return is_open(s); });
   return *slots_[(size_t)slot];
 }
 
 CpuEngine::Slot& CpuEngine::open_slot(int64_t slot) {
   return const_cast<Slot&>(static_cast<const CpuEngine*>(this)->open_slot(slot));
+}
+
+void CpuEngine::check_batch(const char* what, const int64_t* slots, int64_t n) const {
+  check_batch_slots(
+      what, slots, n, max_batch(), [&](int64_t s) { return is_open(s); },
+      [&](int64_t s) { return !slots_[(size_t)s]->logits.empty(); });
 }
 
 int64_t CpuEngine::seq_open() {
@@ -50,9 +56,7 @@ void CpuEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
 }
 
 void CpuEngine::seq_step(const int64_t* slots, const int32_t* tokens, int64_t n) {
-  auto is_open = [&](int64_t s) { return slots_[(size_t)s] != nullptr; };
-  auto has_logits = [&](int64_t s) { return !slots_[(size_t)s]->logits.empty(); };
-  check_batch_slots("seq_step", slots, n, max_batch(), is_open, has_logits);
+  check_batch("seq_step", slots, n);
   check_tokens(tokens, n, cfg_.vocab);
   for (int64_t i = 0; i < n; i++) {
     const int64_t len = (int64_t)slots_[(size_t)slots[i]]->tokens.size();
@@ -79,9 +83,7 @@ void CpuEngine::seq_step(const int64_t* slots, const int32_t* tokens, int64_t n)
 
 BatchSample CpuEngine::seq_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps,
                                   int64_t n, int k) {
-  auto is_open = [&](int64_t s) { return slots_[(size_t)s] != nullptr; };
-  auto has_logits = [&](int64_t s) { return !slots_[(size_t)s]->logits.empty(); };
-  check_batch_slots("seq_sample", slots, n, max_batch(), is_open, has_logits);
+  check_batch("seq_sample", slots, n);
   check_top_logprobs(k);
   for (int64_t i = 0; i < n; i++) validate(cfgs[i]);
 

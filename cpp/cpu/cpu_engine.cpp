@@ -46,9 +46,8 @@ static bool matmul_direct(float* y, const float* x, const HostTensor& W, int64_t
 }
 
 // Whether reading W straight from its format (row_dots, once per input) beats widening each row once: always
-// for fp16 (one conversion instruction per 8 weights); for the quantized blocks only with a few inputs, since
-// their unpacking costs more than the dot itself (2 threads here, int8 / int4 at n = 16: 1.6x faster widened
-// once, at n = 4 even; fp16 at n = 2..64 1.3-5x faster direct).
+// for fp16 (one conversion instruction per 8 weights, against a scalar widen pass); for the quantized blocks
+// only with a few inputs, since unpacking them costs more than the dot itself (measurements: the commit).
 static bool direct_pays(const HostTensor& W, int64_t n) { return W.held == Held::F16 || n <= 4; }
 
 // y (n, rows) = x (n, cols) @ W^T with W in its stored precision: every output is the same dot() over the same

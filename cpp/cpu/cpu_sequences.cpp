@@ -2,6 +2,7 @@
 // one batched decode step, sampling. The forward pass is the single sequence's (cpu_engine.cpp run()), with each
 // row naming its slot's cache, so a slot's numbers are those it would have alone.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "../core/engine_checks.h"
@@ -87,17 +88,23 @@ BatchSample CpuEngine::seq_sample(const int64_t* slots, const SamplingConfig* cf
   check_top_logprobs(k);
   for (int64_t i = 0; i < n; i++) validate(cfgs[i]);
 
-  BatchSample out(n, k);
+  BatchSample out;
+  out.k = k;
+  out.tokens.resize((size_t)n);
+  out.logprobs.resize((size_t)n);
+  // Rows shorter than k (a vocabulary smaller than k) padded with id -1, logprob -inf.
+  out.top_ids.assign((size_t)(n * k), -1);
+  out.top_logprobs.assign((size_t)(n * k), -INFINITY);
   for (int64_t i = 0; i < n; i++) {
     Slot& s = *slots_[(size_t)slots[i]];
     const SampleResult r = sample_row(s.logits.data(), cfg_.vocab, cfgs[i], steps[i], s.history, k, scratch_,
                                       scratch_ids_);
     s.history.add_generated(r.token);
     out.tokens[i] = r.token;
-    out.logprob[i] = r.logprob;
-    const size_t got = std::min(r.top_ids.size(), (size_t)k);  // fewer only where the vocabulary is smaller
+    out.logprobs[i] = r.logprob;
+    const size_t got = std::min(r.top_ids.size(), (size_t)k);
     std::copy_n(r.top_ids.begin(), got, out.top_ids.begin() + i * k);
-    std::copy_n(r.top_logprobs.begin(), got, out.top_lp.begin() + i * k);
+    std::copy_n(r.top_logprobs.begin(), got, out.top_logprobs.begin() + i * k);
   }
   return out;
 }

@@ -69,7 +69,9 @@ __device__ __forceinline__ void block_first(float v, int i, SampleShared& sh) {
     }
     if (lane == 0) { sh.best_v = v; sh.best_i = i; }
   }
-  __syncthreads();  // (the next call writes wv / best only after its own first barrier: every thread read these)
+  // Callers read best_v / best_i right after: the next call rewrites them only after its first barrier, which
+  // every thread reaches after its read (and warp 0 read wv before the barrier above).
+  __syncthreads();
 }
 
 struct Penalties {

@@ -373,7 +373,7 @@ void bind_ops(nb::module_& m) {
           const int64_t slot = slots[(size_t)r];
           if (slot < 0 || slot >= n_slots || taken[(size_t)slot]) bad("slots must be distinct, in 0..n_slots-1");
           taken[(size_t)slot] = 1;
-          rows[(size_t)r] = {ti::cuda::device_sampling(cfgs[(size_t)r]), steps[(size_t)r], (int)slot};
+          rows[(size_t)r] = {ti::device_sampling(cfgs[(size_t)r]), steps[(size_t)r], (int)slot};
         }
         std::vector<uint8_t> seen_v(seen.data(), seen.data() + seen.size());
         std::vector<int32_t> counts_v(counts.data(), counts.data() + counts.size());

@@ -21,11 +21,6 @@ struct DeviceSampling {
   float frequency_penalty = 0.0f;  // times the generated count
 };
 
-// The device form of a (validated) SamplingConfig.
-inline DeviceSampling device_sampling(const SamplingConfig& s) {
-  return DeviceSampling{s.temperature,        (int)std::min<int64_t>(s.top_k, INT32_MAX), s.top_p, s.min_p,
-                        s.repetition_penalty, (unsigned long long)s.seed, s.presence_penalty, s.frequency_penalty};
-}
 
 // The decode loop's state, in device memory: the graph reads and advances it, the host sets it between calls.
 struct DecodeState {
@@ -62,3 +57,15 @@ void sample_rows(const float* logits, int64_t ld, int n_rows, int vocab, const R
                  float* out_logprob, int* top_ids, float* top_lp, cudaStream_t stream, bool pdl = false);
 
 }  // namespace ti::cuda
+
+namespace ti {
+
+// The device form of a (validated) SamplingConfig: every field, the penalties included. (In namespace ti, beside
+// the engines that call it: one definition for the single-sequence and the batched paths.)
+inline cuda::DeviceSampling device_sampling(const SamplingConfig& s) {
+  return cuda::DeviceSampling{s.temperature, (int)std::min<int64_t>(s.top_k, INT32_MAX), s.top_p, s.min_p,
+                              s.repetition_penalty, (unsigned long long)s.seed, s.presence_penalty,
+                              s.frequency_penalty};
+}
+
+}  // namespace ti

@@ -356,7 +356,7 @@ std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig&
   const int64_t n = std::min(max_steps, room);
   kv_reserve(position() + n);  // the steps write positions up to position() + n - 2
 
-  upload_sampling(cuda::device_sampling(s));
+  upload_sampling(device_sampling(s));
   // The penalties' history: the sequence so far (the kernel adds each token it samples). Read by the kernel only
   // when a penalty is on, so uploaded only then.
   if (s.repetition_penalty != 1.0f || s.presence_penalty != 0.0f || s.frequency_penalty != 0.0f) {

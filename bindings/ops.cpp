@@ -457,6 +457,51 @@ void bind_ops(nb::module_& m) {
       },
       "logits"_a, "temperature"_a, "top_k"_a, "top_p"_a, "min_p"_a, "repetition_penalty"_a, "seed"_a, "step"_a,
       "seen"_a, "One on-device sampling call (cuda/sampling.cu).");
+  ops.def(
+      "sample_rows",
+      [](F32In2 logits, const std::vector<ti::SamplingConfig>& cfgs, const std::vector<uint64_t>& steps,
+         const std::vector<int64_t>& slots, nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> seen,
+         nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> counts, int top_k, int64_t vocab) {
+        auto bad = [](const std::string& m) { ti::fail(ti::ErrorKind::Request, "sample_rows: " + m); };
+        const int64_t n = (int64_t)logits.shape(0), ld = (int64_t)logits.shape(1);
+        if (vocab < 0) vocab = ld;
+        if (n < 1 || vocab < 1 || vocab > ld) bad("logits must be (n_rows >= 1, ld >= vocab >= 1)");
+        if ((int64_t)cfgs.size() != n || (int64_t)steps.size() != n || (int64_t)slots.size() != n)
+          bad("cfgs, steps and slots need one entry per row");
+        const int64_t n_slots = (int64_t)seen.shape(0);
+        if ((int64_t)seen.shape(1) != vocab || counts.shape(0) != seen.shape(0) || (int64_t)counts.shape(1) != vocab)
+          bad("seen and counts must both be (n_slots, vocab)");
+        std::vector<ti::cuda::RowSampling> rows((size_t)n);
+        std::vector<char> taken((size_t)n_slots, 0);
+        for (int64_t r = 0; r < n; r++) {
+          ti::validate(cfgs[(size_t)r]);
+          const int64_t slot = slots[(size_t)r];
+          if (slot < 0 || slot >= n_slots || taken[(size_t)slot]) bad("slots must be distinct, in 0..n_slots-1");
+          taken[(size_t)slot] = 1;
+          rows[(size_t)r] = {ti::device_sampling(cfgs[(size_t)r]), steps[(size_t)r], (int)slot};
+        }
+        std::vector<uint8_t> seen_v(seen.data(), seen.data() + seen.size());
+        std::vector<int32_t> counts_v(counts.data(), counts.data() + counts.size());
+        ti::cuda::SampleRowsOut o;
+        {
+          nb::gil_scoped_release release;
+          o = ti::cuda::run_sample_rows(logits.data(), ld, (int)n, (int)vocab, rows.data(), seen_v.data(),
+                                        counts_v.data(), (int)n_slots, top_k);
+        }
+        nb::dict d;
+        d["tokens"] = numpy_vec(o.tokens);
+        d["logprob"] = numpy_vec(o.logprob);
+        d["top_ids"] = numpy_copy(o.top_ids, (size_t)n, (size_t)top_k);
+        d["top_lp"] = numpy_copy(o.top_lp, (size_t)n, (size_t)top_k);
+        d["seen"] = numpy_copy(seen_v, (size_t)n_slots, (size_t)vocab);
+        d["counts"] = numpy_copy(counts_v, (size_t)n_slots, (size_t)vocab);
+        return d;
+      },
+      "logits"_a, "cfgs"_a, "steps"_a, "slots"_a, "seen"_a, "counts"_a, "top_k"_a = 0, "vocab"_a = -1,
+      "One batched on-device sampling call (cuda/sampling.cu sample_rows): row r of logits (n_rows, ld; the "
+      "first vocab columns, default all) with cfgs[r], steps[r], history slot slots[r] of seen (n_slots, vocab) "
+      "uint8 and counts (n_slots, vocab) int32. Returns {'tokens', 'logprob', 'top_ids' (n_rows, top_k), "
+      "'top_lp', 'seen', 'counts' (the histories after the call)}.");
 #else
   ops.def("cuda_compiled", []() { return false; });
   ops.def("device_status", []() {

@@ -174,8 +174,9 @@ def test_draw_follows_the_penalised_distribution():
     """Temperature 1 over logits [0, 0, 0] with token 0 generated twice at frequency 1: p = [e^-2, 1, 1] / Z."""
     logits = np.zeros(3, dtype=np.float32)
     n = 3000
-    counts = np.bincount([sample_row(logits, cfg(temperature=1.0, frequency_penalty=1.0, seed=seed), 0, [], [0, 0], 0)[0]
-                          for seed in range(n)], minlength=3)
+    draws = [sample_row(logits, cfg(temperature=1.0, frequency_penalty=1.0, seed=seed), 0, [], [0, 0], 0)[0]
+             for seed in range(n)]
+    counts = np.bincount(draws, minlength=3)
     p = np.array([math.exp(-2), 1, 1]) / (math.exp(-2) + 2)
     sigma = np.sqrt(n * p * (1 - p))
     assert (np.abs(counts - n * p) <= 4.5 * sigma).all(), counts

@@ -166,6 +166,7 @@ class CudaEngine {
   std::unique_ptr<PrefillStep> prefill_;
 
   std::vector<int32_t> tokens_;
+  TokenHistory history_{0};  // tokens_ as the sampler's penalties see them: forward() prompt, decode() generated
   LoadTimes load_times_;
   bool has_logits_ = false, pending_ = false;
   double last_decode_ms_ = 0;

@@ -487,6 +487,8 @@ class Engine:
         scheduler and gives the Completions in order; `params` is then one SamplingParams or one per prompt."""
         if is_batch(prompt):
             return self._generate_batch(prompt, params, kwargs)
+        if isinstance(params, (list, tuple)):
+            raise InvalidRequestError("a list of SamplingParams needs a list of prompts")
         for _ in self.stream(prompt, params, **kwargs):
             pass
         assert self.last_completion is not None

@@ -416,9 +416,31 @@ class Scheduler:
         if eng.closed:  # closed under us: nothing can run; the requests end with the reason
             self._fail_all(InvalidRequestError(f"{eng!r} is closed"))
             return False
-        with eng._exclusive():
-            self._step_locked(eng._core)
+        try:
+            with eng._exclusive():
+                self._step_locked(eng._core)
+        finally:
+            with self._state:
+                self._state.notify_all()  # wait_idle() looks again
         return True
+
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Wait until no request waits or runs (all slots closed); without a driver thread, drive the steps.
+        False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._state:
+                if not self._has_work_locked():
+                    return True
+                if self._started and not self._closed or self._thread is not None:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._state.wait(left)
+                    continue
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            self.step()
 
     def _step_locked(self, core) -> None:
         with self._state:

@@ -299,3 +299,42 @@ def test_close_ends_requests_in_flight(tmp_path):
         e.generate(["a", "b"])
     with pytest.raises(InvalidRequestError, match="closed"):
         e.scheduler.submit("a")
+
+
+def _near_tie(eng, ids) -> bool:
+    """Whether the top two logits after `ids` (the single path's) are within the GPU paths' rounding."""
+    ref = eng.logits(ids)[-1]
+    top2 = np.sort(ref)[-2:]
+    return bool(top2[1] - top2[0] <= 3e-3 * np.abs(ref).max())
+
+
+@pytest.mark.gpu
+def test_gpu_batch_through_the_scheduler(tmp_path):
+    """On the GPU the batched step (small-N products) and the single path (tuned GEMV) may round differently:
+    each sequence must pick the single path's tokens up to a near-tie of its logits; logprobs are
+    log_softmax(Engine.logits) within fp16 rounding; the slots' pages all come back."""
+    d = make_chat_llama(tmp_path / "m", hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, layers=2,
+                        init_std=0.3, dtype="float16")
+    with Engine(d, device="cuda", max_seq_len=1024) as e:
+        free = e._core.kv_pages_free
+        sp = SamplingParams(max_tokens=24, ignore_eos=True)
+        prompts = TEXTS + [t[::-1] for t in TEXTS[:3]]
+        got = e.generate(prompts, sp)
+        assert e.scheduler.idle and e._core.kv_pages_free == free
+        for g in got:
+            alone = e.generate(g.prompt_token_ids, sp).token_ids
+            j = next((i for i in range(24) if g.token_ids[i] != alone[i]), 24)
+            assert j == 24 or _near_tie(e, g.prompt_token_ids + alone[:j]), (j, g.token_ids, alone)
+        outs = e.generate(prompts[:3], SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3))
+        for o in outs:
+            logits = e.logits(o.prompt_token_ids + o.token_ids[:-1])[len(o.prompt_token_ids) - 1:].astype(np.float64)
+            ls = logits - logits.max(axis=1, keepdims=True)
+            ls -= np.log(np.exp(ls).sum(axis=1, keepdims=True))
+            for row, raw, lp in zip(ls, logits, o.logprobs):
+                assert abs(lp.logprob - row[lp.token_id]) <= 3e-3 * np.abs(raw).max() + 1e-3
+        reqs = [e.scheduler.submit(p, SamplingParams(max_tokens=200, ignore_eos=True)) for p in prompts]
+        next(iter(reqs[2]))
+        reqs[2].cancel()
+        assert reqs[2].result().finish_reason == "cancelled"
+        assert all(r.result().finish_reason == "length" for i, r in enumerate(reqs) if i != 2)
+        assert e._core.kv_pages_free == free

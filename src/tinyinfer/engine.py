@@ -547,6 +547,13 @@ class Engine:
             raise TokenizerError(f"{self.path}: the model has no chat template")
         return tok.encode_chat(list(messages), add_generation_prompt=add_generation_prompt)
 
+    @overload
+    def chat(self, messages: Sequence[dict], params: Optional[SamplingParams] = None, **kwargs) -> Completion: ...
+
+    @overload
+    def chat(self, messages: list[list[dict]],
+             params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, **kwargs) -> list[Completion]: ...
+
     def chat(self, messages, params=None, **kwargs):
         """The assistant's reply to a conversation [{"role": ..., "content": ...}, ...]; a list of conversations
         gives the replies in order (one batch, as generate([...]))."""

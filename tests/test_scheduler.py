@@ -15,7 +15,6 @@ import pytest
 
 from conftest import make_chat_llama
 from tinyinfer import Engine, InvalidRequestError, KvCacheFullError, QueueFullError, SamplingParams, Scheduler
-from tinyinfer.engine import Engine as _Engine
 
 
 def _pages(n: int, page: int) -> int:
@@ -76,25 +75,14 @@ class FakeCore:
         return toks, np.full(n, -1.0, np.float32), np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
 
 
-class FakeEngine(_Engine):
-    """An Engine around a FakeCore: the real Engine's locking, prompt checks and batched calls."""
-
-    def __init__(self, core: FakeCore, max_seq_len: int = 512):
-        self._core = core
-        self.config = SimpleNamespace(vocab=core.vocab, eos_token_ids=[])
-        self.tokenizer = None
-        self.max_seq_len = max_seq_len
-        self.model_name, self.device, self.dtype = "fake", "cpu", "fp32"
-        self._lock = threading.Lock()
-        self._owner = None
-        self._sched_lock = threading.Lock()
-        self._scheduler = None
-        self.last_completion = None
-
-
-def _fake(**kw) -> tuple[FakeCore, FakeEngine]:
+def _fake(**kw) -> tuple[FakeCore, Engine]:
     core = FakeCore(**kw)
-    return core, FakeEngine(core)
+    return core, _engine(core)
+
+
+def _engine(core: FakeCore) -> Engine:
+    """The real Engine (locking, prompt checks, batched calls) around a FakeCore."""
+    return Engine.from_core(core, SimpleNamespace(vocab=core.vocab, eos_token_ids=[]), max_seq_len=512)
 
 
 def _alone(prompt: list[int], max_tokens: int, **kw) -> list[int]:
@@ -287,13 +275,13 @@ def test_queue_limit_ids_and_arguments():
     for bad in (dict(max_batch=0), dict(max_batch=5), dict(chunk_tokens=0), dict(max_waiting=-1),
                 dict(chunk_tokens=1.5)):
         with pytest.raises(InvalidRequestError):
-            Scheduler(FakeEngine(FakeCore(max_batch=4)), **bad)
+            Scheduler(_engine(FakeCore(max_batch=4)), **bad)
     for prompt, params, msg in (([], None, "empty prompt"), ([1] * 500, SamplingParams(max_tokens=20), "max_seq_len"),
                                 ([1], "greedy", "SamplingParams"), ([99], None, "out of range")):
         with pytest.raises(InvalidRequestError, match=msg):
             sched.submit(prompt, params)
     with pytest.raises(InvalidRequestError, match="KV pages"):  # can never be admitted: refused at once
-        Scheduler(FakeEngine(FakeCore(pages=2))).submit(list(range(1, 10)), None)
+        Scheduler(_engine(FakeCore(pages=2))).submit(list(range(1, 10)), None)
     sched.close()
     with pytest.raises(InvalidRequestError, match="closed"):
         sched.submit(P[0], None)

@@ -30,10 +30,21 @@ class FakeCore:
         self.max_batch, self.kv_page_size, self.kv_pages_total, self.vocab = max_batch, page_size, pages, vocab
         self.cache: dict[int, list[int]] = {}
         self.log: list[tuple] = []
+        self.single = 0  # pages the single-sequence path holds (the GPU engine's share the pool) until reset()
+        self.held = 0  # pages something else holds
 
     @property
     def kv_pages_free(self) -> int:
-        return self.kv_pages_total - sum(_pages(len(c), self.kv_page_size) for c in self.cache.values())
+        used = sum(_pages(len(c), self.kv_page_size) for c in self.cache.values())
+        return self.kv_pages_total - used - self.single - self.held
+
+    @property
+    def position(self) -> int:
+        return self.single * self.kv_page_size
+
+    def reset(self) -> None:
+        self.single = 0
+        self.log.append(("reset",))
 
     def _grow(self, slots_tokens: list[tuple[int, list[int]]]) -> None:
         need = sum(_pages(len(self.cache[s]) + len(t), self.kv_page_size) - _pages(len(self.cache[s]), self.kv_page_size)
@@ -286,6 +297,20 @@ def test_queue_limit_ids_and_arguments():
     with pytest.raises(InvalidRequestError, match="closed"):
         sched.submit(P[0], None)
     assert core.cache == {}
+
+
+def test_pages_of_the_single_path_are_taken_back_and_a_hopeless_request_fails():
+    core, eng = _fake(max_batch=2, pages=8)
+    core.single = 6  # a finished single-path generation still holds its cache
+    sched = Scheduler(eng)
+    a = sched.submit(list(range(1, 20)), SamplingParams(max_tokens=2))  # 5 pages
+    assert a.result().token_ids == _alone(list(range(1, 20)), 2)
+    assert ("reset",) in core.log and core.single == 0
+    core.held = 5  # pages no step will ever free
+    b = sched.submit(list(range(1, 20)), SamplingParams(max_tokens=2))
+    with pytest.raises(KvCacheFullError, match="needs 5 KV pages and only 3 are free with nothing running"):
+        b.result()
+    assert core.cache == {} and sched.idle
 
 
 def test_close_cancels_everything_in_flight():

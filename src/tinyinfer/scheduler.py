@@ -497,6 +497,10 @@ class Scheduler:
 
     def _admit(self, core, decode_pages: int) -> None:
         ps = self._page_size
+        if self._waiting and int(core.position) > 0:
+            # the single-sequence path's cache (the GPU engine's shares the pool) is dead once its call has
+            # returned (every call starts with reset()): give its pages back before asking for more
+            core.reset()
         free = int(core.kv_pages_free) - self._owed() - decode_pages
         while len(self._running) < self.max_batch:
             with self._state:
@@ -504,9 +508,19 @@ class Scheduler:
                     return
                 seq = self._waiting[0]
                 need = _pages(len(seq.prompt) + 1, ps)
-                if need > free:
+                if need > free and self._running:
                     return  # it waits for pages; so do those behind it (first come, first served)
-                self._waiting.popleft()
+                if need > free:  # nothing runs that could free pages: waiting would never end
+                    self._waiting.popleft()
+                    err = KvCacheFullError(f"request {seq.request.id!r} needs {need} KV pages and only {free} are "
+                                           f"free with nothing running")
+                else:
+                    self._waiting.popleft()
+                    self._running.append(seq)
+                    err = None
+            if err is not None:
+                self._end(core, seq, "length", error=err)
+                continue
                 self._running.append(seq)
             try:
                 seq.slot = int(core.seq_open())

@@ -34,6 +34,7 @@ result()) drives the steps itself; `async for` starts the thread (an event loop 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import queue
 import threading
@@ -298,7 +299,7 @@ class Scheduler:
         sp = SamplingParams() if params is None else params
         if not isinstance(sp, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams (got {type(sp).__name__})")
-        sp.validate()  # a dataclass may have been changed since it was made
+        sp = dataclasses.replace(sp)  # a copy (checked again): the caller may change or reuse theirs
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise InvalidRequestError(f"request_id must be a non-empty str (got {request_id!r})")
         ids = eng._prompt_ids(prompt)

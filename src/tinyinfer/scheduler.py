@@ -451,9 +451,8 @@ class Scheduler:
         stepping = [s for s in self._running if s.pending is not None]
         stepping = self._pages_for_decode(core, stepping)
         self._admit(core, decode_pages=sum(1 for s in stepping if s.length % self._page_size == 0))
-        if stepping:
-            self._core_call(core, stepping, lambda: core.seq_step([s.slot for s in stepping],
-                                                                  [s.pending for s in stepping]))
+        if stepping and self._core_call(core, stepping, lambda: core.seq_step([s.slot for s in stepping],
+                                                                                  [s.pending for s in stepping])):
             for s in stepping:
                 s.length, s.pending, s.fresh = s.length + 1, None, True
         self._prefill(core)

@@ -559,8 +559,8 @@ class Scheduler:
             lp = None
             if seq.logprobs is not None:
                 n = seq.params.logprobs
-                lp = TokenLogprob(int(tokens[i]), float(lps[i]),
-                                  [(int(top_ids[i][j]), float(top_lps[i][j])) for j in range(n)])
+                top = [(int(top_ids[i][j]), float(top_lps[i][j])) for j in range(n)]
+                lp = TokenLogprob(int(tokens[i]), float(lps[i]), [e for e in top if e[0] >= 0])  # -1: past vocab
             self._take(core, seq, int(tokens[i]), lp)
 
     def _take(self, core, seq: _Seq, tok: int, lp: Optional[TokenLogprob]) -> None:

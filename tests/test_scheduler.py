@@ -420,9 +420,12 @@ def test_result_timeout_and_cancel_from_another_thread(eng):
     req = eng.scheduler.submit(TEXTS[1], SamplingParams(max_tokens=400, ignore_eos=True))
     it = iter(req)
     next(it)  # running
+    sched = eng.scheduler
+    assert sched.running == 1 and 0 < sched.kv_pages_used < sched.kv_pages_total == eng._core.kv_pages_total
     with pytest.raises(TimeoutError):
         req.result(timeout=0)
     threading.Thread(target=req.cancel).start()
     out = req.result(timeout=600)
     assert out.finish_reason == "cancelled" and 1 <= len(out.token_ids) < 400
     assert [d.completion for d in it][-1] is out
+    assert sched.kv_pages_used == 0

@@ -21,9 +21,12 @@ core at the same time):
   6. deltas: each request's new text (stop strings, EOS / stop ids, max_tokens checked as Engine.generate does)
      goes to its thread-safe queue; a request that ends has its slot closed in this very step.
 
-Decode out of KV pages: when the pool cannot give the next page to every running sequence that needs one, the
-youngest of those end (nothing else is touched) with KvCacheFullError, its `completion` holding what they
-generated. A failing core call fails exactly the requests in that call (their slots closed); a TinyInferError
+Decode out of KV pages: running sequences come first; admitted requests still in their prompt go back to the
+queue (they have shown nothing); if that is not enough, the youngest of the sequences that need a page end
+(nothing else is touched) with KvCacheFullError, its `completion` holding what they generated (finish_reason
+"length"). A request that cannot fit even with nothing running fails the same way instead of waiting forever.
+The single path's cache (it shares the GPU pool) is reset() before admitting: it is dead once its call returned.
+A failing core call fails exactly the requests in that call (their slots closed); a TinyInferError
 stays with those requests, anything else (KeyboardInterrupt raised inside a call, ...) is re-raised by step().
 
 Who drives step(): start() runs a daemon thread while there is work (it ends when idle; a later submit starts

@@ -1,0 +1,403 @@
+"""The OpenAI-compatible HTTP app over a Scheduler: GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
+GET /health.
+
+    app = create_app(engine, scheduler, model_name="SmolLM2-135M-Instruct", api_key=None)
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Each choice of each prompt is its own scheduler Request (choice i of a seeded request gets seed + i); the app
+awaits their Deltas (Request.__aiter__: no thread is held per HTTP request) and cancels them when the client goes
+away, streaming or not, so their KV pages return to the pool at the scheduler's next step. The app's lifespan
+starts the scheduler's thread and closes it (uvicorn: Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import secrets
+import time
+import uuid
+from typing import AsyncIterator, Optional
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import ChatTemplateError, InvalidRequestError, QueueFullError, TokenizerError
+from . import protocol as P
+
+log = logging.getLogger("tinyinfer.server")
+
+MAX_BODY_BYTES = 4 << 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: the rest of the context
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was complete (its requests are cancelled)."""
+
+
+class DisconnectAwareStream(StreamingResponse):
+    """A StreamingResponse that always listens for the client's disconnect while streaming (Starlette only does
+    so for ASGI < 2.4; otherwise it notices at the next write), so a client that leaves while its request waits
+    or prefills has the body iterator cancelled at once, and the iterator's `finally` cancels the requests."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as tg:
+            async def stream() -> None:
+                with contextlib.suppress(OSError):  # the socket went away mid-write
+                    await self.stream_response(send)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            tg.cancel_scope.cancel()
+
+
+def _error_response(e: P.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _read_json(request: Request, limit: int):
+    """The body as JSON, refusing (413) more than `limit` bytes whether or not a Content-Length says so."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise P.APIError(413, f"the request body is {declared} bytes; the limit is {limit}",
+                         code="request_too_large")
+    data, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise P.APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+        data.append(chunk)
+    try:
+        return json.loads(b"".join(data))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise P.bad(f"the request body is not valid JSON: {e}") from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Choice:
+    """One scheduler Request answering one choice (index) of an HTTP request."""
+
+    def __init__(self, index: int, req, prompt_tokens: int):
+        self.index = index
+        self.req = req
+        self.prompt_tokens = prompt_tokens
+        self.completion = None  # the final Completion, once its last Delta arrived
+        self.lp_chars = 0  # characters of the tokens whose logprobs were sent (the legacy format's text_offset)
+
+
+class _Call:
+    """One HTTP generation request in flight: its choices, timing, and the one log line it ends with."""
+
+    def __init__(self, rid: str, choices: list[_Choice], n: int):
+        self.id = rid
+        self.choices = choices
+        self.n = n  # choices per prompt
+        self.t0 = time.perf_counter()
+        self.t_first: Optional[float] = None
+
+    def saw_tokens(self) -> None:
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+
+    def cancel_unfinished(self) -> None:
+        for c in self.choices:
+            if c.completion is None:
+                c.req.cancel()
+
+    @property
+    def prompt_tokens(self) -> int:  # OpenAI counts each prompt once, whatever n
+        return sum(c.prompt_tokens for c in self.choices if c.index % self.n == 0)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.completion.token_ids) for c in self.choices if c.completion is not None)
+
+    def usage(self) -> dict:
+        return P.usage(self.prompt_tokens, self.completion_tokens)
+
+    def log(self, outcome: str) -> None:
+        end = time.perf_counter()
+        out = self.completion_tokens
+        ttft = f"{(self.t_first - self.t0) * 1e3:.0f} ms" if self.t_first is not None else "-"
+        rate = out / (end - self.t_first) if self.t_first is not None and end > self.t_first else 0.0
+        log.info("%s: %d tokens in, %d out, ttft %s, %.1f tok/s, %.2f s, %s", self.id, self.prompt_tokens, out,
+                 ttft, rate, end - self.t0, outcome)
+
+
+def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app serving `engine` through `scheduler` (started and closed by the app's lifespan) as `model_name`.
+    api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (/health stays open for load balancers)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.close()
+
+    app = FastAPI(title="tinyinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    token_text = P.TokenText(engine.tokenizer) if engine.tokenizer is not None else None
+    created = int(time.time())
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(request, e: P.APIError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        return _error_response(P.APIError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):  # the server keeps serving; the client gets OpenAI's shape
+        log.exception("internal error on %s", request.url.path)
+        return _error_response(P.APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, key = got.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), api_key.encode()):
+            raise P.APIError(401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key")
+
+    def check_model(name: Optional[str]) -> None:
+        if name is not None and name != model_name:
+            raise P.APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
+                             param="model", code="model_not_found")
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "tinyinfer",
+                "max_model_len": engine.max_seq_len}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name, "running": scheduler.running, "waiting": scheduler.waiting,
+                "kv_pages_used": scheduler.kv_pages_used, "kv_pages_total": scheduler.kv_pages_total}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request):
+        check_auth(request)
+        check_model(name)
+        return model_card()
+
+    # ---- prompts -> token ids ----
+
+    def prompt_ids(g: P.GenerationRequest) -> list[list[int]]:
+        """Token ids of each prompt (runs in a worker thread: templates and tokenizing long prompts take time)."""
+        param = "messages" if g.kind == "chat" else "prompt"
+        try:
+            if g.kind == "chat":
+                return [engine.apply_chat_template(g.messages)]
+            out = []
+            for p in g.prompts:
+                ids = engine.tokenize(p) if isinstance(p, str) else list(p)
+                bad = [t for t in ids if not 0 <= t < engine.config.vocab]
+                if bad:
+                    raise P.bad(f"token id {bad[0]} is out of range for a vocabulary of {engine.config.vocab}",
+                                "prompt")
+                if not ids:
+                    raise P.bad("the prompt is empty", "prompt")
+                out.append(ids)
+            return out
+        except (InvalidRequestError, ChatTemplateError, TokenizerError) as e:
+            raise P.bad(str(e), param) from None
+
+    def max_tokens_for(g: P.GenerationRequest, n_prompt: int) -> int:
+        room = engine.max_seq_len - n_prompt
+        want = g.max_tokens
+        if want is None:
+            want = max(room, 1) if g.kind == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS
+        if n_prompt + want > engine.max_seq_len:
+            raise P.bad(f"this model's context is {engine.max_seq_len} tokens; the prompt has {n_prompt} and "
+                        f"{want} more were asked (max_tokens)", "max_tokens" if g.max_tokens else
+                        ("messages" if g.kind == "chat" else "prompt"), "context_length_exceeded")
+        return want
+
+    def submit(g: P.GenerationRequest, prompts: list[list[int]], rid: str) -> _Call:
+        """One scheduler Request per (prompt, choice); all or none (a refusal cancels those already queued)."""
+        choices: list[_Choice] = []
+        try:
+            for pi, ids in enumerate(prompts):
+                base = dataclasses.replace(g.params, max_tokens=max_tokens_for(g, len(ids)), logprobs=g.logprobs)
+                for j in range(g.n):
+                    sp = base if base.seed is None else dataclasses.replace(base, seed=base.seed + j)
+                    k = pi * g.n + j
+                    req = scheduler.submit(ids, sp, request_id=f"{rid}-{k}")
+                    choices.append(_Choice(k, req, len(ids)))
+        except BaseException as e:
+            for c in choices:
+                c.req.cancel()
+            if isinstance(e, QueueFullError):
+                raise P.APIError(503, f"the server is busy: {e}", code="queue_full",
+                                 headers={"Retry-After": "1"}) from None
+            if isinstance(e, InvalidRequestError):
+                raise P.bad(str(e)) from None
+            raise
+        return _Call(rid, choices, g.n)
+
+    async def start(request: Request, parse) -> tuple[P.GenerationRequest, _Call]:
+        check_auth(request)
+        g = parse(await _read_json(request, max_body_bytes))
+        check_model(g.model)
+        if engine.tokenizer is None and (g.kind == "chat" or any(isinstance(p, str) for p in g.prompts)):
+            raise P.bad("this model has no tokenizer: give the prompt as token ids",
+                        "messages" if g.kind == "chat" else "prompt")
+        prompts = await run_in_threadpool(prompt_ids, g)
+        rid = f"{'chatcmpl' if g.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        return g, submit(g, prompts, rid)
+
+    # ---- answers ----
+
+    def logprobs_of(g: P.GenerationRequest, items, c: _Choice):
+        if g.logprobs is None or not items or token_text is None:
+            return None
+        if g.kind == "chat":
+            return P.chat_logprobs(items, token_text)
+        lp = P.completion_logprobs(items, token_text, c.lp_chars)
+        c.lp_chars += sum(len(t) for t in lp["tokens"])
+        return lp
+
+    async def collect(call: _Call) -> None:
+        async def one(c: _Choice) -> None:
+            async for d in c.req:
+                if d.token_ids:
+                    call.saw_tokens()
+                if d.completion is not None:
+                    c.completion = d.completion
+
+        try:
+            await asyncio.gather(*(one(c) for c in call.choices))
+        finally:
+            call.cancel_unfinished()
+
+    async def answer(request: Request, g: P.GenerationRequest, call: _Call) -> dict:
+        work = asyncio.ensure_future(collect(call))
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():  # the client left: cancel (collect's finally cancels the requests)
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                call.log("client gone")
+                raise ClientGone()
+        work.result()
+        choices = []
+        for c in call.choices:
+            comp = c.completion
+            lp = logprobs_of(g, getattr(comp, "logprobs", None), c)
+            if g.kind == "chat":
+                choices.append({"index": c.index, "message": {"role": "assistant", "content": comp.text},
+                                "logprobs": lp, "finish_reason": comp.finish_reason})
+            else:
+                choices.append({"index": c.index, "text": comp.text, "logprobs": lp,
+                                "finish_reason": comp.finish_reason})
+        call.log(",".join(sorted({c.completion.finish_reason for c in call.choices})))
+        return {"id": call.id, "object": "chat.completion" if g.kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": model_name, "choices": choices, "usage": call.usage(),
+                "system_fingerprint": None}
+
+    async def events(g: P.GenerationRequest, call: _Call) -> AsyncIterator[str]:
+        """SSE: `data: {chunk}\\n\\n` per piece, the finish chunk per choice, the usage chunk when asked,
+        `data: [DONE]`. Cancelled (the client left) -> the requests are cancelled in `finally`."""
+        created_at = int(time.time())
+        obj = "chat.completion.chunk" if g.kind == "chat" else "text_completion"
+        extra = {"usage": None} if g.include_usage else {}
+
+        def chunk(choices: list) -> str:
+            body = {"id": call.id, "object": obj, "created": created_at, "model": model_name, "choices": choices,
+                    **extra}
+            if g.kind == "chat":
+                body["system_fingerprint"] = None
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        def piece(c: _Choice, text: str, lp, finish: Optional[str], first: bool = False) -> dict:
+            if g.kind == "chat":
+                delta = {"role": "assistant", "content": text} if first else ({"content": text} if text or lp
+                                                                              else {})
+                return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: _Choice) -> None:
+            try:
+                async for d in c.req:
+                    await queue.put((c, d))
+            except Exception as e:  # the scheduler failed this request: tell the client in the stream
+                await queue.put((c, e))
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in call.choices]
+        outcome = "client gone"
+        try:
+            if g.kind == "chat":
+                for c in call.choices:
+                    yield chunk([piece(c, "", None, None, first=True)])
+            left = len(call.choices)
+            while left:
+                c, d = await queue.get()
+                if isinstance(d, Exception):
+                    e = P.APIError(500, f"generation failed: {type(d).__name__}: {d}")
+                    yield f"data: {json.dumps(e.body())}\n\n"
+                    outcome = "failed"
+                    return
+                if d.token_ids:
+                    call.saw_tokens()
+                lp = logprobs_of(g, d.logprobs, c)
+                if d.text or lp:
+                    yield chunk([piece(c, d.text, lp, None)])
+                if d.completion is not None:
+                    c.completion = d.completion
+                    left -= 1
+                    yield chunk([piece(c, "", None, d.completion.finish_reason)])
+            if g.include_usage:
+                body = {"id": call.id, "object": obj, "created": created_at, "model": model_name, "choices": [],
+                        "usage": call.usage()}
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+            outcome = ",".join(sorted({c.completion.finish_reason for c in call.choices}))
+        finally:
+            for t in tasks:
+                t.cancel()
+            call.cancel_unfinished()
+            call.log(outcome)
+
+    async def generate(request: Request, parse):
+        g, call = await start(request, parse)
+        if g.stream:
+            return DisconnectAwareStream(events(g, call), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            return await answer(request, g, call)
+        except ClientGone:
+            return JSONResponse({"error": None}, status_code=499)  # nobody reads it
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, P.parse_chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, P.parse_completion)
+
+    return app

@@ -227,8 +227,9 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
             want = max(room, 1) if g.kind == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS
         if n_prompt + want > engine.max_seq_len:
             raise P.bad(f"this model's context is {engine.max_seq_len} tokens; the prompt has {n_prompt} and "
-                        f"{want} more were asked (max_tokens)", "max_tokens" if g.max_tokens else
-                        ("messages" if g.kind == "chat" else "prompt"), "context_length_exceeded")
+                        f"{want} more were asked (max_tokens)",
+                        "max_tokens" if g.max_tokens and room > 0 else ("messages" if g.kind == "chat" else "prompt"),
+                        "context_length_exceeded")
         return want
 
     def submit(g: P.GenerationRequest, prompts: list[list[int]], rid: str) -> _Call:

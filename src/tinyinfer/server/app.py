@@ -334,8 +334,7 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
 
         def piece(c: _Choice, text: str, lp, finish: Optional[str], first: bool = False) -> dict:
             if g.kind == "chat":
-                delta = {"role": "assistant", "content": text} if first else ({"content": text} if text or lp
-                                                                              else {})
+                delta = {"role": "assistant", "content": text} if first else ({} if finish else {"content": text})
                 return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
 
@@ -365,7 +364,7 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
                 if d.token_ids:
                     call.saw_tokens()
                 lp = logprobs_of(g, d.logprobs, c)
-                if d.text or lp:
+                if d.text or lp or d.token_ids:  # a chunk per step, text or not: clients can time tokens
                     yield chunk([piece(c, d.text, lp, None)])
                 if d.completion is not None:
                     c.completion = d.completion

@@ -308,18 +308,22 @@ def test_dropped_stream_frees_its_pages(server):
                 if got >= 3:  # generating: it holds pages now
                     break
             assert server.health()["kv_pages_used"] > 0
+            rid = json.loads(line[6:])["id"]
         # leaving the block closes the connection mid-stream
     h = server.wait_idle()
     assert h["running"] == 0 and h["kv_pages_used"] == 0
+    assert [x for x in server.log().splitlines() if rid in x][-1].endswith("client gone")
 
 
 def test_dropped_plain_request_is_cancelled(server):
     body = {"model": NAME, "prompt": "Once upon a time", "max_tokens": MAX_SEQ - 64, "ignore_eos": True}
+    gone = server.log().count("client gone")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                    timeout=httpx.Timeout(10, read=2))
     h = server.wait_idle()
     assert h["running"] == 0 and h["kv_pages_used"] == 0
+    assert server.log().count("client gone") == gone + 1  # cancelled, not run to its end
 
 
 # ---- errors: OpenAI's status and shape, and the server keeps serving ----

@@ -20,7 +20,7 @@ import logging
 import secrets
 import time
 import uuid
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
 import anyio
 from fastapi import FastAPI, Request
@@ -92,7 +92,8 @@ class _Choice:
         self.index = index
         self.req = req
         self.prompt_tokens = prompt_tokens
-        self.completion = None  # the final Completion, once its last Delta arrived
+        self.completion: Any = None  # the final Completion, once its last Delta arrived
+        self.tokens = 0  # generated so far (the log line of a request cut short)
         self.lp_chars = 0  # characters of the tokens whose logprobs were sent (the legacy format's text_offset)
 
 
@@ -106,9 +107,13 @@ class _Call:
         self.t0 = time.perf_counter()
         self.t_first: Optional[float] = None
 
-    def saw_tokens(self) -> None:
-        if self.t_first is None:
+    def saw(self, c: _Choice, d) -> None:
+        """Bookkeeping of one Delta of choice c."""
+        if d.token_ids and self.t_first is None:
             self.t_first = time.perf_counter()
+        c.tokens += len(d.token_ids)
+        if d.completion is not None:
+            c.completion = d.completion
 
     def cancel_unfinished(self) -> None:
         for c in self.choices:
@@ -121,7 +126,7 @@ class _Call:
 
     @property
     def completion_tokens(self) -> int:
-        return sum(len(c.completion.token_ids) for c in self.choices if c.completion is not None)
+        return sum(len(c.completion.token_ids) if c.completion is not None else c.tokens for c in self.choices)
 
     def usage(self) -> dict:
         return P.usage(self.prompt_tokens, self.completion_tokens)
@@ -279,10 +284,7 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
     async def collect(call: _Call) -> None:
         async def one(c: _Choice) -> None:
             async for d in c.req:
-                if d.token_ids:
-                    call.saw_tokens()
-                if d.completion is not None:
-                    c.completion = d.completion
+                call.saw(c, d)
 
         try:
             await asyncio.gather(*(one(c) for c in call.choices))
@@ -296,12 +298,14 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not work.done():  # the client left: cancel (collect's finally cancels the requests)
+            left = not work.done()
+            if left:  # the client left (or the server stops): collect's finally cancels the requests
                 work.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await work
                 call.log("client gone")
-                raise ClientGone()
+        if left:
+            raise ClientGone()
         work.result()
         choices = []
         for c in call.choices:
@@ -361,13 +365,11 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
                     yield f"data: {json.dumps(e.body())}\n\n"
                     outcome = "failed"
                     return
-                if d.token_ids:
-                    call.saw_tokens()
+                call.saw(c, d)
                 lp = logprobs_of(g, d.logprobs, c)
                 if d.text or lp or d.token_ids:  # a chunk per step, text or not: clients can time tokens
                     yield chunk([piece(c, d.text, lp, None)])
                 if d.completion is not None:
-                    c.completion = d.completion
                     left -= 1
                     yield chunk([piece(c, "", None, d.completion.finish_reason)])
             if g.include_usage:

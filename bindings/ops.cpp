@@ -24,6 +24,15 @@ using namespace nb::literals;
 
 namespace {
 
+// A new 1-D numpy array owning a copy of `v`.
+template <typename T>
+nb::ndarray<nb::numpy, T, nb::ndim<1>> numpy_vec(const std::vector<T>& v) {
+  T* buf = new T[v.size() ? v.size() : 1];
+  std::copy(v.begin(), v.end(), buf);
+  nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+  return nb::ndarray<nb::numpy, T, nb::ndim<1>>(buf, {v.size()}, owner);
+}
+
 #ifdef TINYINFER_WITH_CUDA
 // The GEMV test ops' vector lengths, checked the same way for every weight format.
 void check_gemv_args(const char* who, ti::cuda::GemvIn in, ti::cuda::GemvOut out, int rows, int K, const F32In1& x,
@@ -112,6 +121,25 @@ void bind_ops(nb::module_& m) {
       },
       "x"_a, "weight"_a, "eps"_a);
   ops.def("uniform_from_counter", &ti::uniform_from_counter, "seed"_a, "step"_a);
+  ops.def(
+      "sample_row",
+      [](F32In1 logits, const ti::SamplingConfig& cfg, uint64_t step, const std::vector<int64_t>& prompt_ids,
+         const std::vector<int64_t>& generated_ids, int top_logprobs) {
+        ti::validate(cfg);
+        const int64_t vocab = (int64_t)logits.shape(0);
+        if (vocab < 1) ti::fail(ti::ErrorKind::Request, "sample_row: empty logits");
+        ti::TokenHistory h(vocab);
+        for (int32_t t : to_ids(prompt_ids)) h.add_prompt(t);
+        for (int32_t t : to_ids(generated_ids)) h.add_generated(t);
+        std::vector<float> scratch;
+        std::vector<int32_t> scratch_ids;
+        const ti::SampleResult r = ti::sample_row(logits.data(), vocab, cfg, step, h, top_logprobs, scratch,
+                                                  scratch_ids);
+        return nb::make_tuple(r.token, r.logprob, numpy_vec(r.top_ids), numpy_vec(r.top_logprobs));
+      },
+      "logits"_a, "cfg"_a, "step"_a, "prompt_ids"_a, "generated_ids"_a, "top_logprobs"_a = 0,
+      "The reference sampler of one row (cpp/core/sampling.cpp sample_row) over a history of prompt and generated "
+      "ids: (token, logprob, top_ids int32[k], top_logprobs float32[k]).");
 
 #ifdef TINYINFER_WITH_CUDA
   nb::enum_<ti::cuda::GemvIn>(ops, "GemvIn", "A GEMV's input: an fp16 vector, or the fp32 residual RMS-normed.")

@@ -10,6 +10,8 @@ from typing import Optional, Sequence
 from . import _core
 from .errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # top entries per token a request may ask for (OpenAI's limit)
+
 
 @dataclass
 class SamplingParams:
@@ -21,10 +23,13 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence among the generated tokens
     seed: Optional[int] = None
     stop: Sequence[str] = field(default_factory=list)  # strings that end generation (excluded from the text)
     stop_token_ids: Sequence[int] = field(default_factory=list)  # in addition to the model's EOS ids
     ignore_eos: bool = False
+    logprobs: Optional[int] = None  # None: off; 0..20: the chosen token's logprob plus this many top entries
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,7 +42,7 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise bad(f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 raise bad(f"{name} must be a finite number (got {v!r})")
@@ -51,6 +56,12 @@ class SamplingParams:
             raise bad(f"min_p must be in [0, 1] (got {self.min_p})")
         if self.repetition_penalty <= 0:
             raise bad(f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(f"{name} must be in [-2, 2] (got {getattr(self, name)})")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad(f"logprobs must be None or an integer in 0..{MAX_LOGPROBS} (got {self.logprobs!r})")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
             raise bad(f"seed must be a non-negative integer or None (got {self.seed!r})")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
@@ -76,6 +87,8 @@ class SamplingParams:
         s.top_p = float(self.top_p)
         s.min_p = float(self.min_p)
         s.repetition_penalty = float(self.repetition_penalty)
+        s.presence_penalty = float(self.presence_penalty)
+        s.frequency_penalty = float(self.frequency_penalty)
         s.seed = int(self.seed if self.seed is not None else default_seed)
         return s
 

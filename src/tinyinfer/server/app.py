@@ -28,7 +28,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import ChatTemplateError, InvalidRequestError, QueueFullError, TokenizerError
+from ..errors import ChatTemplateError, InvalidRequestError, KvCacheFullError, QueueFullError, TokenizerError
+from ..scheduler import Delta
 from . import protocol as P
 
 log = logging.getLogger("tinyinfer.server")
@@ -95,6 +96,19 @@ class _Choice:
         self.completion: Any = None  # the final Completion, once its last Delta arrived
         self.tokens = 0  # generated so far (the log line of a request cut short)
         self.lp_chars = 0  # characters of the tokens whose logprobs were sent (the legacy format's text_offset)
+
+
+async def _deltas(c: _Choice) -> AsyncIterator[Delta]:
+    """The Deltas of one choice. A request the KV pool could not give its next page (KvCacheFullError) ends as
+    its length ran out: what it generated, finish_reason "length" (the client sees a short answer, no error)."""
+    sent = 0
+    try:
+        async for d in c.req:
+            sent += len(d.text)
+            yield d
+    except KvCacheFullError as e:
+        log.warning("%s: %s", c.req.id, e)
+        yield Delta(e.completion.text[sent:], [], None, e.completion)
 
 
 class _Call:
@@ -283,7 +297,7 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
 
     async def collect(call: _Call) -> None:
         async def one(c: _Choice) -> None:
-            async for d in c.req:
+            async for d in _deltas(c):
                 call.saw(c, d)
 
         try:
@@ -346,7 +360,7 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
 
         async def pump(c: _Choice) -> None:
             try:
-                async for d in c.req:
+                async for d in _deltas(c):
                     await queue.put((c, d))
             except Exception as e:  # the scheduler failed this request: tell the client in the stream
                 await queue.put((c, e))

@@ -17,9 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ..sampling import SamplingParams
-
-MAX_LOGPROBS = 20  # the contract's top_logprobs bound (scheduler / core sampler)
+from ..sampling import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):

@@ -446,10 +446,10 @@ def test_still_serving_after_errors(client, ref, server):
     assert h["kv_pages_used"] == 0 and server.proc.poll() is None
 
 
-# ---- a second server: the queue full, and Ctrl-C ----
+# ---- more servers: the queue full, and Ctrl-C ----
 
 
-def test_queue_full_is_503_then_ctrl_c_stops_cleanly(smollm_gguf, tmp_path):
+def test_queue_full_is_503(smollm_gguf, tmp_path):
     srv = Server(smollm_gguf, tmp_path, "--max-waiting", "0")
     try:
         with openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0) as c:
@@ -459,9 +459,25 @@ def test_queue_full_is_503_then_ctrl_c_stops_cleanly(smollm_gguf, tmp_path):
             assert _error_of(e)["code"] == "queue_full"
         assert srv.health()["status"] == "ok"
     finally:
+        assert srv.stop(signal.SIGINT) == 0, srv.log()
+
+
+def test_ctrl_c_ends_open_streams_and_exits_cleanly(smollm_gguf, tmp_path):
+    srv = Server(smollm_gguf, tmp_path)
+    try:
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0) as c:
+            stream = c.completions.create(model=NAME, prompt="Once", max_tokens=MAX_SEQ - 8, stream=True,
+                                          extra_body={"ignore_eos": True})
+            next(stream), next(stream)  # generating
+            srv.proc.send_signal(signal.SIGINT)
+            with pytest.raises(openai.APIError, match="shutting down"):
+                for _ in stream:
+                    pass
+        srv.proc.wait(60)  # one Ctrl-C is enough (a second one would force quit)
+    finally:
         rc = srv.stop(signal.SIGINT)
     assert rc == 0, srv.log()
-    assert "Traceback" not in srv.log()
+    assert "Traceback" not in srv.log() and "server shutdown" in srv.log()
 
 
 def test_serve_without_fastapi_says_how_to_install():

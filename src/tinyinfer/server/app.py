@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import secrets
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -168,6 +169,19 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
             scheduler.close()
 
     app = FastAPI(title="tinyinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    stopping = threading.Event()
+
+    def begin_shutdown() -> None:
+        """Stop generating (signal-handler safe: the scheduler closes in its own thread): requests in flight end
+        with a 503 / a stream error event, new ones get 503."""
+        if not stopping.is_set():
+            stopping.set()
+            threading.Thread(target=scheduler.close, name="tinyinfer-close", daemon=True).start()
+
+    app.state.begin_shutdown = begin_shutdown
+
+    def shutting_down() -> P.APIError:
+        return P.APIError(503, "the server is shutting down", code="server_shutdown")
     token_text = P.TokenText(engine.tokenizer) if engine.tokenizer is not None else None
     created = int(time.time())
 
@@ -265,6 +279,8 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
         except BaseException as e:
             for c in choices:
                 c.req.cancel()
+            if stopping.is_set():
+                raise shutting_down() from None
             if isinstance(e, QueueFullError):
                 raise P.APIError(503, f"the server is busy: {e}", code="queue_full",
                                  headers={"Retry-After": "1"}) from None
@@ -321,6 +337,9 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
         if left:
             raise ClientGone()
         work.result()
+        if any(c.completion.finish_reason == "cancelled" for c in call.choices):  # only close() cancels these
+            call.log("server shutdown")
+            raise shutting_down()
         choices = []
         for c in call.choices:
             comp = c.completion
@@ -383,6 +402,10 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
                 lp = logprobs_of(g, d.logprobs, c)
                 if d.text or lp or d.token_ids:  # a chunk per step, text or not: clients can time tokens
                     yield chunk([piece(c, d.text, lp, None)])
+                if d.completion is not None and d.completion.finish_reason == "cancelled":
+                    yield f"data: {json.dumps(shutting_down().body())}\n\n"  # only close() cancels these
+                    outcome = "server shutdown"
+                    return
                 if d.completion is not None:
                     left -= 1
                     yield chunk([piece(c, "", None, d.completion.finish_reason)])

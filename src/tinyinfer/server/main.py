@@ -21,7 +21,7 @@ MISSING = "tinyinfer serve needs fastapi and uvicorn: pip install 'tinyinfer[ser
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="default 8000 (0: any free port, printed at start)")
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TINYINFER_API_KEY; unset: open)")
     p.add_argument("--max-batch", type=int, default=None, help="sequences decoded together (default: the engine's)")
@@ -34,8 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_arguments(args) -> None:
     """What can be refused before the model loads."""
-    if not 0 <= args.port <= 65535:
-        raise InvalidRequestError(f"--port must be in 0..65535 (got {args.port})")
+    if not 1 <= args.port <= 65535:
+        raise InvalidRequestError(f"--port must be in 1..65535 (got {args.port})")
     if args.max_batch is not None and args.max_batch < 1:
         raise InvalidRequestError(f"--max-batch must be >= 1 (got {args.max_batch})")
     if args.max_waiting < 0:
@@ -75,9 +75,19 @@ def serve(args, engine_factory) -> int:
     print(f"tinyinfer: serving {name} [{engine.device} {engine.dtype}, max_seq_len {engine.max_seq_len}] "
           f"at http://{args.host}:{args.port}/v1{' (API key required)' if api_key else ''}", file=sys.stderr,
           flush=True)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # first stop generating (open streams end at once with a shutdown error, rather than after the
+            # graceful timeout with a cut connection), then uvicorn's own shutdown
+            app.state.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                                   timeout_graceful_shutdown=5))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                    timeout_graceful_shutdown=5)
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the signal it handled again once it has shut down
+        pass
     finally:
         engine.close()
-    return 0
+    return 0 if server.started else 1

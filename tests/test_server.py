@@ -38,11 +38,11 @@ def _free_port() -> int:
 class Server:
     """A `tinyinfer serve` process; its stderr goes to a file (the per-request log lines are read from it)."""
 
-    def __init__(self, model: Path, tmp: Path, *extra: str):
+    def __init__(self, model: Path, tmp: Path, *extra: str, device: str = "cpu"):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"serve-{self.port}.log"
-        cmd = [sys.executable, "-m", "tinyinfer", "serve", "--model", str(model), "--device", "cpu",
+        cmd = [sys.executable, "-m", "tinyinfer", "serve", "--model", str(model), "--device", device,
                "--port", str(self.port), "--served-model-name", NAME, "--max-seq-len", str(MAX_SEQ), *extra]
         env = {**os.environ, "TINYINFER_API_KEY": KEY, "PYTHONUNBUFFERED": "1"}
         self._log = open(self.log_path, "w")
@@ -478,6 +478,41 @@ def test_ctrl_c_ends_open_streams_and_exits_cleanly(smollm_gguf, tmp_path):
         rc = srv.stop(signal.SIGINT)
     assert rc == 0, srv.log()
     assert "Traceback" not in srv.log() and "server shutdown" in srv.log()
+
+
+@pytest.mark.gpu
+def test_gpu_server_batches_32_streams(smollm_gguf, tmp_path):
+    """The CUDA engine behind the server: 32 concurrent streams each get exactly their tokens, the greedy answer
+    alone equals Engine.chat's on the GPU, and the pool is empty afterwards."""
+    from tinyinfer import Engine
+
+    srv = Server(smollm_gguf, tmp_path, device="cuda")
+    try:
+        async def one(c, i):
+            n, text = 0, ""
+            async for ch in await c.completions.create(model=NAME, prompt=f"Story number {i}:", max_tokens=32,
+                                                       stream=True, stream_options={"include_usage": True},
+                                                       extra_body={"ignore_eos": True}):
+                if ch.choices:
+                    text += ch.choices[0].text
+                elif ch.usage:
+                    n = ch.usage.completion_tokens
+            return n, text
+
+        async def main():
+            async with openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0, timeout=600) as c:
+                return await asyncio.gather(*(one(c, i) for i in range(32)))
+
+        got = asyncio.run(main())
+        assert [n for n, _ in got] == [32] * 32 and all(t for _, t in got)
+        h = srv.wait_idle()
+        assert h["running"] == 0 and h["kv_pages_used"] == 0
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0) as c:
+            r = c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=16)
+        with Engine(smollm_gguf, device="cuda", max_seq_len=MAX_SEQ, progress=False) as eng:
+            assert r.choices[0].message.content == eng.chat(CHAT, max_tokens=16).text
+    finally:
+        assert srv.stop(signal.SIGINT) == 0, srv.log()
 
 
 def test_serve_without_fastapi_says_how_to_install():

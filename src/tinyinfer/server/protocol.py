@@ -213,7 +213,7 @@ def parse_chat(body: Any) -> GenerationRequest:
         raise bad("'max_tokens' and 'max_completion_tokens' disagree; give one", "max_completion_tokens")
     lp = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
-    if top is not None and not lp:
+    if top and not lp:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     stream, usage = _stream(body)
     max_tokens = mct if mct is not None else mt

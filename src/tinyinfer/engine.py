@@ -322,6 +322,9 @@ class Engine:
             self.load_report = f"tinyinfer: loaded {self.model_name} in {time.perf_counter() - t0:.2f} s"
         if show:
             print(self.load_report, file=sys.stderr)
+        self._init_state()
+
+    def _init_state(self) -> None:
         self._lock = threading.Lock()
         self._owner: Optional[int] = None  # thread holding the lock
         self._sched_lock = threading.Lock()  # guards _scheduler's creation
@@ -330,6 +333,20 @@ class Engine:
         # decode steps per core call: the granularity of streaming and of EOS checks (at most one chunk of
         # work is wasted after an EOS)
         self._chunk = 32 if self.device == "cuda" else 8
+
+    @classmethod
+    def from_core(cls, core, config: "_core.ModelConfig", *, max_seq_len: int, tokenizer=None,
+                  name: str = "core") -> "Engine":
+        """An Engine around a core engine made elsewhere (random weights for a benchmark, a test double):
+        token ids in, no tokenizer unless given."""
+        self = cls.__new__(cls)
+        self._core, self.config, self.tokenizer, self.max_seq_len = core, config, tokenizer, max_seq_len
+        self.path, self.model_name, self.model_description = Path(name), name, name
+        self.device = "cuda" if hasattr(core, "device_name") else "cpu"
+        self.dtype, self.threads, self.load_report = "?", 1, ""
+        self._tactics_file, self._tactics_saved = None, 0
+        self._init_state()
+        return self
 
     @contextlib.contextmanager
     def _exclusive(self):
@@ -487,6 +504,8 @@ class Engine:
         scheduler and gives the Completions in order; `params` is then one SamplingParams or one per prompt."""
         if is_batch(prompt):
             return self._generate_batch(prompt, params, kwargs)
+        if isinstance(params, (list, tuple)):
+            raise InvalidRequestError("a list of SamplingParams needs a list of prompts")
         for _ in self.stream(prompt, params, **kwargs):
             pass
         assert self.last_completion is not None
@@ -544,6 +563,13 @@ class Engine:
         if not getattr(tok, "chat_template", None):
             raise TokenizerError(f"{self.path}: the model has no chat template")
         return tok.encode_chat(list(messages), add_generation_prompt=add_generation_prompt)
+
+    @overload
+    def chat(self, messages: Sequence[dict], params: Optional[SamplingParams] = None, **kwargs) -> Completion: ...
+
+    @overload
+    def chat(self, messages: list[list[dict]],
+             params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, **kwargs) -> list[Completion]: ...
 
     def chat(self, messages, params=None, **kwargs):
         """The assistant's reply to a conversation [{"role": ..., "content": ...}, ...]; a list of conversations

@@ -72,6 +72,8 @@ class SamplingParams:
     @classmethod
     def from_kwargs(cls, params: Optional["SamplingParams"], kwargs: dict) -> "SamplingParams":
         """A SamplingParams from an optional object plus keyword overrides, refusing unknown names."""
+        if params is not None and not isinstance(params, cls):
+            raise InvalidRequestError(f"params must be a SamplingParams (got {type(params).__name__})")
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:

@@ -416,9 +416,31 @@ class Scheduler:
         if eng.closed:  # closed under us: nothing can run; the requests end with the reason
             self._fail_all(InvalidRequestError(f"{eng!r} is closed"))
             return False
-        with eng._exclusive():
-            self._step_locked(eng._core)
+        try:
+            with eng._exclusive():
+                self._step_locked(eng._core)
+        finally:
+            with self._state:
+                self._state.notify_all()  # wait_idle() looks again
         return True
+
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Wait until no request waits or runs (all slots closed); without a driver thread, drive the steps.
+        False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._state:
+                if not self._has_work_locked():
+                    return True
+                if self._started and not self._closed or self._thread is not None:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._state.wait(left)
+                    continue
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            self.step()
 
     def _step_locked(self, core) -> None:
         with self._state:
@@ -475,6 +497,10 @@ class Scheduler:
 
     def _admit(self, core, decode_pages: int) -> None:
         ps = self._page_size
+        if self._waiting and int(core.position) > 0:
+            # the single-sequence path's cache (the GPU engine's shares the pool) is dead once its call has
+            # returned (every call starts with reset()): give its pages back before asking for more
+            core.reset()
         free = int(core.kv_pages_free) - self._owed() - decode_pages
         while len(self._running) < self.max_batch:
             with self._state:
@@ -482,9 +508,19 @@ class Scheduler:
                     return
                 seq = self._waiting[0]
                 need = _pages(len(seq.prompt) + 1, ps)
-                if need > free:
+                if need > free and self._running:
                     return  # it waits for pages; so do those behind it (first come, first served)
-                self._waiting.popleft()
+                if need > free:  # nothing runs that could free pages: waiting would never end
+                    self._waiting.popleft()
+                    err = KvCacheFullError(f"request {seq.request.id!r} needs {need} KV pages and only {free} are "
+                                           f"free with nothing running")
+                else:
+                    self._waiting.popleft()
+                    self._running.append(seq)
+                    err = None
+            if err is not None:
+                self._end(core, seq, "length", error=err)
+                continue
                 self._running.append(seq)
             try:
                 seq.slot = int(core.seq_open())

@@ -146,6 +146,9 @@ class _Call:
     def usage(self) -> dict:
         return P.usage(self.prompt_tokens, self.completion_tokens)
 
+    def finish_reasons(self) -> str:
+        return ",".join(sorted({c.completion.finish_reason for c in self.choices}))
+
     def log(self, outcome: str) -> None:
         end = time.perf_counter()
         out = self.completion_tokens
@@ -155,132 +158,105 @@ class _Call:
                  ttft, rate, end - self.t0, outcome)
 
 
-def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The app serving `engine` through `scheduler` (started and closed by the app's lifespan) as `model_name`.
-    api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (/health stays open for load balancers)."""
+class Service:
+    """What the routes do: check, tokenize, submit one scheduler Request per choice, answer or stream."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        scheduler.start()
-        try:
-            yield
-        finally:
-            scheduler.close()
+    def __init__(self, engine, scheduler, model_name: str, api_key: Optional[str], max_body_bytes: int):
+        self.engine = engine
+        self.scheduler = scheduler
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.token_text = P.TokenText(engine.tokenizer) if engine.tokenizer is not None else None
+        self.created = int(time.time())
+        self.stopping = threading.Event()
 
-    app = FastAPI(title="tinyinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    stopping = threading.Event()
-
-    def begin_shutdown() -> None:
+    def begin_shutdown(self) -> None:
         """Stop generating (signal-handler safe: the scheduler closes in its own thread): requests in flight end
         with a 503 / a stream error event, new ones get 503."""
-        if not stopping.is_set():
-            stopping.set()
-            threading.Thread(target=scheduler.close, name="tinyinfer-close", daemon=True).start()
+        if not self.stopping.is_set():
+            self.stopping.set()
+            threading.Thread(target=self.scheduler.close, name="tinyinfer-close", daemon=True).start()
 
-    app.state.begin_shutdown = begin_shutdown
-
+    @staticmethod
     def shutting_down() -> P.APIError:
         return P.APIError(503, "the server is shutting down", code="server_shutdown")
-    token_text = P.TokenText(engine.tokenizer) if engine.tokenizer is not None else None
-    created = int(time.time())
 
-    @app.exception_handler(P.APIError)
-    async def _api_error(request, e: P.APIError):
-        return _error_response(e)
+    # ---- checks ----
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e: StarletteHTTPException):
-        return _error_response(P.APIError(e.status_code, str(e.detail)))
-
-    @app.exception_handler(Exception)
-    async def _internal(request, e: Exception):  # the server keeps serving; the client gets OpenAI's shape
-        log.exception("internal error on %s", request.url.path)
-        return _error_response(P.APIError(500, f"internal error: {type(e).__name__}: {e}"))
-
-    def check_auth(request: Request) -> None:
-        if api_key is None:
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
             return
-        got = request.headers.get("authorization", "")
-        scheme, _, key = got.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), api_key.encode()):
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise P.APIError(401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
-    def check_model(name: Optional[str]) -> None:
-        if name is not None and name != model_name:
-            raise P.APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.model_name:
+            raise P.APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
                              param="model", code="model_not_found")
 
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "tinyinfer",
-                "max_model_len": engine.max_seq_len}
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tinyinfer",
+                "max_model_len": self.engine.max_seq_len}
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": model_name, "running": scheduler.running, "waiting": scheduler.waiting,
-                "kv_pages_used": scheduler.kv_pages_used, "kv_pages_total": scheduler.kv_pages_total}
+    def health(self) -> dict:
+        s = self.scheduler
+        return {"status": "ok", "model": self.model_name, "running": s.running, "waiting": s.waiting,
+                "kv_pages_used": s.kv_pages_used, "kv_pages_total": s.kv_pages_total}
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        check_auth(request)
-        return {"object": "list", "data": [model_card()]}
+    # ---- prompts -> scheduler requests ----
 
-    @app.get("/v1/models/{name:path}")
-    async def model(name: str, request: Request):
-        check_auth(request)
-        check_model(name)
-        return model_card()
-
-    # ---- prompts -> token ids ----
-
-    def prompt_ids(g: P.GenerationRequest) -> list[list[int]]:
-        """Token ids of each prompt (runs in a worker thread: templates and tokenizing long prompts take time)."""
+    def prompt_ids(self, g: P.GenerationRequest) -> list[list[int]]:
+        """Token ids of each prompt (run in a worker thread: templates and long prompts take time)."""
+        eng = self.engine
         param = "messages" if g.kind == "chat" else "prompt"
+        if eng.tokenizer is None and (g.kind == "chat" or any(isinstance(p, str) for p in g.prompts)):
+            raise P.bad("this model has no tokenizer: give the prompt as token ids", param)
         try:
             if g.kind == "chat":
-                return [engine.apply_chat_template(g.messages)]
+                return [eng.apply_chat_template(g.messages)]
             out = []
             for p in g.prompts:
-                ids = engine.tokenize(p) if isinstance(p, str) else list(p)
-                bad = [t for t in ids if not 0 <= t < engine.config.vocab]
+                ids = eng.tokenize(p) if isinstance(p, str) else list(p)
+                bad = [t for t in ids if not 0 <= t < eng.config.vocab]
                 if bad:
-                    raise P.bad(f"token id {bad[0]} is out of range for a vocabulary of {engine.config.vocab}",
-                                "prompt")
+                    raise P.bad(f"token id {bad[0]} is out of range for a vocabulary of {eng.config.vocab}", param)
                 if not ids:
-                    raise P.bad("the prompt is empty", "prompt")
+                    raise P.bad("the prompt is empty", param)
                 out.append(ids)
             return out
         except (InvalidRequestError, ChatTemplateError, TokenizerError) as e:
             raise P.bad(str(e), param) from None
 
-    def max_tokens_for(g: P.GenerationRequest, n_prompt: int) -> int:
-        room = engine.max_seq_len - n_prompt
+    def max_tokens_for(self, g: P.GenerationRequest, n_prompt: int) -> int:
+        limit = self.engine.max_seq_len
+        room = limit - n_prompt
         want = g.max_tokens
         if want is None:
             want = max(room, 1) if g.kind == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS
-        if n_prompt + want > engine.max_seq_len:
-            raise P.bad(f"this model's context is {engine.max_seq_len} tokens; the prompt has {n_prompt} and "
-                        f"{want} more were asked (max_tokens)",
-                        "max_tokens" if g.max_tokens and room > 0 else ("messages" if g.kind == "chat" else "prompt"),
-                        "context_length_exceeded")
+        if n_prompt + want > limit:
+            param = "max_tokens" if g.max_tokens and room > 0 else ("messages" if g.kind == "chat" else "prompt")
+            raise P.bad(f"this model's context is {limit} tokens; the prompt has {n_prompt} and {want} more were "
+                        f"asked (max_tokens)", param, "context_length_exceeded")
         return want
 
-    def submit(g: P.GenerationRequest, prompts: list[list[int]], rid: str) -> _Call:
+    def submit(self, g: P.GenerationRequest, prompts: list[list[int]], rid: str) -> _Call:
         """One scheduler Request per (prompt, choice); all or none (a refusal cancels those already queued)."""
         choices: list[_Choice] = []
         try:
             for pi, ids in enumerate(prompts):
-                base = dataclasses.replace(g.params, max_tokens=max_tokens_for(g, len(ids)), logprobs=g.logprobs)
+                base = dataclasses.replace(g.params, max_tokens=self.max_tokens_for(g, len(ids)),
+                                           logprobs=g.logprobs)
                 for j in range(g.n):
                     sp = base if base.seed is None else dataclasses.replace(base, seed=base.seed + j)
                     k = pi * g.n + j
-                    req = scheduler.submit(ids, sp, request_id=f"{rid}-{k}")
-                    choices.append(_Choice(k, req, len(ids)))
+                    choices.append(_Choice(k, self.scheduler.submit(ids, sp, request_id=f"{rid}-{k}"), len(ids)))
         except BaseException as e:
             for c in choices:
                 c.req.cancel()
-            if stopping.is_set():
-                raise shutting_down() from None
+            if self.stopping.is_set():
+                raise self.shutting_down() from None
             if isinstance(e, QueueFullError):
                 raise P.APIError(503, f"the server is busy: {e}", code="queue_full",
                                  headers={"Retry-After": "1"}) from None
@@ -289,40 +265,44 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
             raise
         return _Call(rid, choices, g.n)
 
-    async def start(request: Request, parse) -> tuple[P.GenerationRequest, _Call]:
-        check_auth(request)
-        g = parse(await _read_json(request, max_body_bytes))
-        check_model(g.model)
-        if engine.tokenizer is None and (g.kind == "chat" or any(isinstance(p, str) for p in g.prompts)):
-            raise P.bad("this model has no tokenizer: give the prompt as token ids",
-                        "messages" if g.kind == "chat" else "prompt")
-        prompts = await run_in_threadpool(prompt_ids, g)
-        rid = f"{'chatcmpl' if g.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        return g, submit(g, prompts, rid)
+    async def generate(self, request: Request, parse):
+        self.check_auth(request)
+        g = parse(await _read_json(request, self.max_body_bytes))
+        self.check_model(g.model)
+        prompts = await run_in_threadpool(self.prompt_ids, g)
+        call = self.submit(g, prompts, f"{'chatcmpl' if g.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}")
+        if g.stream:
+            return DisconnectAwareStream(self.events(g, call), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            return await self.answer(request, g, call)
+        except ClientGone:
+            return JSONResponse({"error": None}, status_code=499)  # nobody reads it
 
     # ---- answers ----
 
-    def logprobs_of(g: P.GenerationRequest, items, c: _Choice):
-        if g.logprobs is None or not items or token_text is None:
+    def logprobs_of(self, g: P.GenerationRequest, items, c: _Choice) -> Optional[dict]:
+        if g.logprobs is None or not items or self.token_text is None:
             return None
         if g.kind == "chat":
-            return P.chat_logprobs(items, token_text)
-        lp = P.completion_logprobs(items, token_text, c.lp_chars)
+            return P.chat_logprobs(items, self.token_text)
+        lp = P.completion_logprobs(items, self.token_text, c.lp_chars)
         c.lp_chars += sum(len(t) for t in lp["tokens"])
         return lp
 
-    async def collect(call: _Call) -> None:
+    async def answer(self, request: Request, g: P.GenerationRequest, call: _Call) -> dict:
+        """The whole answer; the client's disconnect (watched meanwhile) cancels the requests."""
         async def one(c: _Choice) -> None:
             async for d in _deltas(c):
                 call.saw(c, d)
 
-        try:
-            await asyncio.gather(*(one(c) for c in call.choices))
-        finally:
-            call.cancel_unfinished()
+        async def collect() -> None:
+            try:
+                await asyncio.gather(*(one(c) for c in call.choices))
+            finally:
+                call.cancel_unfinished()
 
-    async def answer(request: Request, g: P.GenerationRequest, call: _Call) -> dict:
-        work = asyncio.ensure_future(collect(call))
+        work = asyncio.ensure_future(collect())
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -339,41 +319,25 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
         work.result()
         if any(c.completion.finish_reason == "cancelled" for c in call.choices):  # only close() cancels these
             call.log("server shutdown")
-            raise shutting_down()
-        choices = []
-        for c in call.choices:
-            comp = c.completion
-            lp = logprobs_of(g, getattr(comp, "logprobs", None), c)
-            if g.kind == "chat":
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": comp.text},
-                                "logprobs": lp, "finish_reason": comp.finish_reason})
-            else:
-                choices.append({"index": c.index, "text": comp.text, "logprobs": lp,
-                                "finish_reason": comp.finish_reason})
-        call.log(",".join(sorted({c.completion.finish_reason for c in call.choices})))
+            raise self.shutting_down()
+        choices = [P.final_choice(g.kind, c.index, c.completion.text,
+                                  self.logprobs_of(g, c.completion.logprobs, c), c.completion.finish_reason)
+                   for c in call.choices]
+        call.log(call.finish_reasons())
         return {"id": call.id, "object": "chat.completion" if g.kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": model_name, "choices": choices, "usage": call.usage(),
+                "created": int(time.time()), "model": self.model_name, "choices": choices, "usage": call.usage(),
                 "system_fingerprint": None}
 
-    async def events(g: P.GenerationRequest, call: _Call) -> AsyncIterator[str]:
-        """SSE: `data: {chunk}\\n\\n` per piece, the finish chunk per choice, the usage chunk when asked,
-        `data: [DONE]`. Cancelled (the client left) -> the requests are cancelled in `finally`."""
-        created_at = int(time.time())
+    async def events(self, g: P.GenerationRequest, call: _Call) -> AsyncIterator[str]:
+        """SSE: a chunk per step of each choice (text or not: clients can time tokens), its finish chunk, the
+        usage chunk when asked, `data: [DONE]`. Cancelled (the client left) -> `finally` cancels the requests."""
         obj = "chat.completion.chunk" if g.kind == "chat" else "text_completion"
-        extra = {"usage": None} if g.include_usage else {}
+        head: dict[str, Any] = {"id": call.id, "object": obj, "created": int(time.time()), "model": self.model_name}
+        if g.kind == "chat":
+            head["system_fingerprint"] = None
 
-        def chunk(choices: list) -> str:
-            body = {"id": call.id, "object": obj, "created": created_at, "model": model_name, "choices": choices,
-                    **extra}
-            if g.kind == "chat":
-                body["system_fingerprint"] = None
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-        def piece(c: _Choice, text: str, lp, finish: Optional[str], first: bool = False) -> dict:
-            if g.kind == "chat":
-                delta = {"role": "assistant", "content": text} if first else ({} if finish else {"content": text})
-                return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
+        def chunk(*choices: dict) -> str:
+            return P.sse({**head, "choices": list(choices), **({"usage": None} if g.include_usage else {})})
 
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -381,7 +345,7 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
             try:
                 async for d in _deltas(c):
                     await queue.put((c, d))
-            except Exception as e:  # the scheduler failed this request: tell the client in the stream
+            except Exception as e:  # the scheduler failed this request: the client is told in the stream
                 await queue.put((c, e))
 
         tasks = [asyncio.ensure_future(pump(c)) for c in call.choices]
@@ -389,54 +353,89 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
         try:
             if g.kind == "chat":
                 for c in call.choices:
-                    yield chunk([piece(c, "", None, None, first=True)])
+                    yield chunk(P.stream_choice("chat", c.index, "", None, None, first=True))
             left = len(call.choices)
             while left:
                 c, d = await queue.get()
                 if isinstance(d, Exception):
-                    e = P.APIError(500, f"generation failed: {type(d).__name__}: {d}")
-                    yield f"data: {json.dumps(e.body())}\n\n"
                     outcome = "failed"
+                    yield P.sse(P.APIError(500, f"generation failed: {type(d).__name__}: {d}").body())
                     return
                 call.saw(c, d)
-                lp = logprobs_of(g, d.logprobs, c)
-                if d.text or lp or d.token_ids:  # a chunk per step, text or not: clients can time tokens
-                    yield chunk([piece(c, d.text, lp, None)])
-                if d.completion is not None and d.completion.finish_reason == "cancelled":
-                    yield f"data: {json.dumps(shutting_down().body())}\n\n"  # only close() cancels these
+                lp = self.logprobs_of(g, d.logprobs, c)
+                if d.text or lp or d.token_ids:
+                    yield chunk(P.stream_choice(g.kind, c.index, d.text, lp, None))
+                if d.completion is None:
+                    continue
+                if d.completion.finish_reason == "cancelled":  # only close() cancels these
                     outcome = "server shutdown"
+                    yield P.sse(self.shutting_down().body())
                     return
-                if d.completion is not None:
-                    left -= 1
-                    yield chunk([piece(c, "", None, d.completion.finish_reason)])
+                left -= 1
+                yield chunk(P.stream_choice(g.kind, c.index, "", None, d.completion.finish_reason))
             if g.include_usage:
-                body = {"id": call.id, "object": obj, "created": created_at, "model": model_name, "choices": [],
-                        "usage": call.usage()}
-                yield f"data: {json.dumps(body)}\n\n"
+                yield P.sse({**head, "choices": [], "usage": call.usage()})
             yield "data: [DONE]\n\n"
-            outcome = ",".join(sorted({c.completion.finish_reason for c in call.choices}))
+            outcome = call.finish_reasons()
         finally:
             for t in tasks:
                 t.cancel()
             call.cancel_unfinished()
             call.log(outcome)
 
-    async def generate(request: Request, parse):
-        g, call = await start(request, parse)
-        if g.stream:
-            return DisconnectAwareStream(events(g, call), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app serving `engine` through `scheduler` (started and closed by the app's lifespan) as `model_name`.
+    api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (/health stays open for load balancers).
+    app.state.begin_shutdown(): stop generating now (tinyinfer serve calls it on Ctrl-C)."""
+    svc = Service(engine, scheduler, model_name, api_key, max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
         try:
-            return await answer(request, g, call)
-        except ClientGone:
-            return JSONResponse({"error": None}, status_code=499)  # nobody reads it
+            yield
+        finally:
+            scheduler.close()
+
+    app = FastAPI(title="tinyinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.begin_shutdown = svc.begin_shutdown
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(request, e: P.APIError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        return _error_response(P.APIError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):  # the server keeps serving; the client gets OpenAI's shape
+        log.exception("internal error on %s", request.url.path)
+        return _error_response(P.APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    @app.get("/health")
+    async def health():
+        return svc.health()
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        svc.check_auth(request)
+        return {"object": "list", "data": [svc.model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request):
+        svc.check_auth(request)
+        svc.check_model(name)
+        return svc.model_card()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generate(request, P.parse_chat)
+        return await svc.generate(request, P.parse_chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await generate(request, P.parse_completion)
+        return await svc.generate(request, P.parse_completion)
 
     return app

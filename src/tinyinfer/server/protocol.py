@@ -13,6 +13,7 @@ field is refused too, so a typo never silently changes nothing. Only `user`, `me
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
@@ -300,3 +301,25 @@ def completion_logprobs(items: Sequence, token_text: TokenText, offset: int) -> 
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def sse(body: dict) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def stream_choice(kind: str, index: int, text: str, logprobs: Optional[dict], finish: Optional[str],
+                  first: bool = False) -> dict:
+    """One choice of a streamed chunk. Chat: the first carries the role, the last (finish) an empty delta."""
+    if kind == "chat":
+        delta = {"role": "assistant", "content": text} if first else ({} if finish else {"content": text})
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def final_choice(kind: str, index: int, text: str, logprobs: Optional[dict], finish: str) -> dict:
+    """One choice of a whole (non-streamed) answer."""
+    if kind == "chat":
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}

@@ -147,9 +147,9 @@ void bind_sequences(Cls& cls) {
               r = e.seq_sample(slots.data(), cfgs.data(), counters.data(), (int64_t)slots.size(),
                                (int)top_logprobs);
             }
-            const size_t n = (size_t)r.n, k = (size_t)r.k;
-            return std::make_tuple(numpy_copy(r.tokens, n), numpy_copy(r.logprob, n), numpy_copy(r.top_ids, n, k),
-                                   numpy_copy(r.top_lp, n, k));
+            const size_t n = r.tokens.size(), k = (size_t)r.k;
+            return std::make_tuple(numpy_copy(r.tokens, n), numpy_copy(r.logprobs, n), numpy_copy(r.top_ids, n, k),
+                                   numpy_copy(r.top_logprobs, n, k));
           },
           "slots"_a, "cfgs"_a, "steps"_a, "top_logprobs"_a = 0,
           "The next token of each slot from its logits, added to its history as generated. steps[i]: the RNG "

@@ -280,6 +280,7 @@ def test_keyboard_interrupt_while_waiting_cancels_the_batch(eng, monkeypatch):
     (lambda e: e.generate(["a", "b" * 1000], max_tokens=100), "max_seq_len"),
     (lambda e: e.generate([[1, 2], [5000]]), "out of range"),
     (lambda e: e.chat([[{"role": "user", "content": "hi"}], [{"role": "nobody", "content": "x"}]]), "role"),
+    (lambda e: list(e.stream(["a", "b"])), "one prompt"),
 ])
 def test_bad_batch_input(eng, call, msg):
     with pytest.raises(InvalidRequestError, match=msg):

@@ -19,21 +19,21 @@ PROMPTS = [list(np.random.default_rng(i).integers(0, VOCAB, n)) for i, n in enum
 GREEDY = _core.SamplingConfig()
 
 
-def _config() -> _core.ModelConfig:
+def _config(vocab: int = VOCAB) -> _core.ModelConfig:
     c = _core.ModelConfig()
     c.hidden, c.intermediate, c.n_layers = 64, 128, 2
-    c.n_heads, c.n_kv_heads, c.head_dim, c.vocab = 2, 1, 64, VOCAB
+    c.n_heads, c.n_kv_heads, c.head_dim, c.vocab = 2, 1, 64, vocab
     c.max_position_embeddings = 4096
     c.rms_eps = 1e-5
     c.validate()
     return c
 
 
-def _store(fmt: str) -> _core.WeightStore:
+def _store(fmt: str, vocab: int = VOCAB) -> _core.WeightStore:
     """Random weights large enough that every token and position changes the logits; held as `fmt`
     (fp16: the one-row products go straight from the format, row_dot.cpp; int8 / int4: quantized blocks)."""
     rng = np.random.default_rng(7)
-    store = _core.WeightStore(_config())
+    store = _core.WeightStore(_config(vocab))
     for name in store.required_names():
         shape = store.expected_shape(name)
         if name.endswith("norm.weight"):
@@ -127,8 +127,9 @@ def test_batched_greedy_equals_the_single_path_bit_for_bit(store):
 
 
 def test_batched_equals_each_slot_alone_with_logprobs(store):
-    core = _engine(store)
-    alone = [_alone(core, p, 5) for p in PROMPTS]
+    core = _engine(store, threads=3)
+    one_thread = _engine(store, threads=1)  # the thread count changes no number either
+    alone = [_alone(one_thread, p, 5) for p in PROMPTS]
     slots = [core.seq_open() for _ in PROMPTS]
     for got, want in zip(_generate(core, slots, PROMPTS, 5), alone):
         _assert_same_run(got, want)
@@ -147,6 +148,16 @@ def test_logprobs_are_the_raw_logits_log_softmax(fp32_store):
     order = np.argsort(-want, kind="stable")[:20]
     np.testing.assert_array_equal(top_ids[0], order)
     np.testing.assert_allclose(top_lp[0], want[order], rtol=1e-5, atol=1e-5)
+
+
+def test_top_entries_past_a_small_vocabulary_are_padded():
+    core = _core.CpuEngine(_store("fp32", vocab=12), 16, 1, 2)
+    s = core.seq_open()
+    core.seq_prefill(s, [1, 2, 3])
+    toks, lp, top_ids, top_lp = core.seq_sample([s], [GREEDY], [0], 20)
+    assert top_ids.shape == (1, 20)
+    assert sorted(top_ids[0, :12]) == list(range(12)) and top_ids[0, 0] == toks[0] and top_lp[0, 0] == lp[0]
+    assert (top_ids[0, 12:] == -1).all() and np.isneginf(top_lp[0, 12:]).all()
 
 
 def _hot(seed: int, **kw) -> _core.SamplingConfig:

@@ -82,8 +82,10 @@ class FakeCore:
     def seq_sample(self, slots, cfgs, steps, k):
         toks = np.array([(sum(self.cache[s]) * 7 + len(self.cache[s])) % self.vocab for s in slots], np.int32)
         self.log.append(("sample", tuple(slots)))
-        n = len(slots)
-        return toks, np.full(n, -1.0, np.float32), np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
+        n, top = len(slots), min(k, 3)  # as the engines do past a small vocabulary: -1 / -inf rows
+        ids, lps = np.full((n, k), -1, np.int32), np.full((n, k), -np.inf, np.float32)
+        ids[:, :top], lps[:, :top] = np.arange(top), -np.arange(1, top + 1)
+        return toks, np.full(n, -1.0, np.float32), ids, lps
 
 
 def _fake(**kw) -> tuple[FakeCore, Engine]:
@@ -311,6 +313,18 @@ def test_pages_of_the_single_path_are_taken_back_and_a_hopeless_request_fails():
     with pytest.raises(KvCacheFullError, match="needs 5 KV pages and only 3 are free with nothing running"):
         b.result()
     assert core.cache == {} and sched.idle
+
+
+def test_logprobs_rows_take_the_requests_count_and_drop_padding():
+    core, eng = _fake()
+    sched = Scheduler(eng)
+    a = sched.submit(P[0], SamplingParams(max_tokens=2, logprobs=5))
+    b = sched.submit(P[1], SamplingParams(max_tokens=2, logprobs=1))
+    c = sched.submit(P[2], SamplingParams(max_tokens=2))
+    sched.wait_idle()
+    assert [lp.top for lp in a.result().logprobs] == [[(0, -1.0), (1, -2.0), (2, -3.0)]] * 2
+    assert [lp.top for lp in b.result().logprobs] == [[(0, -1.0)]] * 2
+    assert c.result().logprobs is None
 
 
 def test_close_cancels_everything_in_flight():

@@ -1,24 +1,17 @@
-// batch_sample.h — what one seq_sample call returns (BATCH_CONTRACT.md part 2): the next token of each of n
-// slots, its logprob and the top-k of each row, as flat row-major arrays (the bindings hand them to numpy).
-// Shared by the CPU and CUDA engines.
+// batch_sample.h — what seq_sample returns (BATCH_CONTRACT.md §2), the same for every engine: per sampled slot
+// the token, its logprob (log_softmax of the raw logits) and the top-k entries of the same distribution.
 #pragma once
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
 namespace ti {
 
 struct BatchSample {
-  int64_t n = 0, k = 0;             // rows, top entries per row
-  std::vector<int32_t> tokens;      // (n)
-  std::vector<float> logprob;       // (n) log_softmax(raw logits)[token]
-  std::vector<int32_t> top_ids;     // (n, k) descending logprob, ties: lower id; -1 past the vocabulary's size
-  std::vector<float> top_lp;        // (n, k); -inf past the vocabulary's size
-
-  BatchSample() = default;
-  BatchSample(int64_t rows, int64_t top)
-      : n(rows), k(top), tokens((size_t)rows), logprob((size_t)rows), top_ids((size_t)(rows * top), -1),
-        top_lp((size_t)(rows * top), -INFINITY) {}
+  std::vector<int32_t> tokens;        // (n)
+  std::vector<float> logprobs;        // (n)
+  std::vector<int32_t> top_ids;       // (n, k) row-major, descending logprob, ties: lower id
+  std::vector<float> top_logprobs;    // (n, k)
+  int64_t k = 0;
 };
 
 }  // namespace ti

@@ -133,8 +133,10 @@ class CpuEngine {
     std::vector<float> logits;    // (vocab) after tokens.back(); empty until the first prefill
     TokenHistory history;         // the penalties' state: prompt and generated tokens
   };
+  bool is_open(int64_t slot) const { return slots_[(size_t)slot] != nullptr; }  // slot in range
   const Slot& open_slot(int64_t slot) const;  // checked: exists and is open
   Slot& open_slot(int64_t slot);
+  void check_batch(const char* what, const int64_t* slots, int64_t n) const;  // check_batch_slots over slots_
   std::vector<std::unique_ptr<Slot>> slots_;
   int64_t slot_pages_ = 0;  // KV pages the slots hold
 };

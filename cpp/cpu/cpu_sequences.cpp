@@ -2,6 +2,7 @@
 // one batched decode step, sampling. The forward pass is the single sequence's (cpu_engine.cpp run()), with each
 // row naming its slot's cache, so a slot's numbers are those it would have alone.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "../core/engine_checks.h"
@@ -11,12 +12,18 @@
 namespace ti {
 
 const CpuEngine::Slot& CpuEngine::open_slot(int64_t slot) const {
-  check_open_slot(slot, max_batch(), [&](int64_t s) { return slots_[(size_t)s] != nullptr; });
+  check_open_slot(slot, max_batch(), [&](int64_t s) { return is_open(s); });
   return *slots_[(size_t)slot];
 }
 
 CpuEngine::Slot& CpuEngine::open_slot(int64_t slot) {
   return const_cast<Slot&>(static_cast<const CpuEngine*>(this)->open_slot(slot));
+}
+
+void CpuEngine::check_batch(const char* what, const int64_t* slots, int64_t n) const {
+  check_batch_slots(
+      what, slots, n, max_batch(), [&](int64_t s) { return is_open(s); },
+      [&](int64_t s) { return !slots_[(size_t)s]->logits.empty(); });
 }
 
 int64_t CpuEngine::seq_open() {
@@ -50,9 +57,7 @@ void CpuEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
 }
 
 void CpuEngine::seq_step(const int64_t* slots, const int32_t* tokens, int64_t n) {
-  auto is_open = [&](int64_t s) { return slots_[(size_t)s] != nullptr; };
-  auto has_logits = [&](int64_t s) { return !slots_[(size_t)s]->logits.empty(); };
-  check_batch_slots("seq_step", slots, n, max_batch(), is_open, has_logits);
+  check_batch("seq_step", slots, n);
   check_tokens(tokens, n, cfg_.vocab);
   for (int64_t i = 0; i < n; i++) {
     const int64_t len = (int64_t)slots_[(size_t)slots[i]]->tokens.size();
@@ -79,23 +84,27 @@ void CpuEngine::seq_step(const int64_t* slots, const int32_t* tokens, int64_t n)
 
 BatchSample CpuEngine::seq_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps,
                                   int64_t n, int k) {
-  auto is_open = [&](int64_t s) { return slots_[(size_t)s] != nullptr; };
-  auto has_logits = [&](int64_t s) { return !slots_[(size_t)s]->logits.empty(); };
-  check_batch_slots("seq_sample", slots, n, max_batch(), is_open, has_logits);
+  check_batch("seq_sample", slots, n);
   check_top_logprobs(k);
   for (int64_t i = 0; i < n; i++) validate(cfgs[i]);
 
-  BatchSample out(n, k);
+  BatchSample out;
+  out.k = k;
+  out.tokens.resize((size_t)n);
+  out.logprobs.resize((size_t)n);
+  // Rows shorter than k (a vocabulary smaller than k) padded with id -1, logprob -inf.
+  out.top_ids.assign((size_t)(n * k), -1);
+  out.top_logprobs.assign((size_t)(n * k), -INFINITY);
   for (int64_t i = 0; i < n; i++) {
     Slot& s = *slots_[(size_t)slots[i]];
     const SampleResult r = sample_row(s.logits.data(), cfg_.vocab, cfgs[i], steps[i], s.history, k, scratch_,
                                       scratch_ids_);
     s.history.add_generated(r.token);
     out.tokens[i] = r.token;
-    out.logprob[i] = r.logprob;
-    const size_t got = std::min(r.top_ids.size(), (size_t)k);  // fewer only where the vocabulary is smaller
+    out.logprobs[i] = r.logprob;
+    const size_t got = std::min(r.top_ids.size(), (size_t)k);
     std::copy_n(r.top_ids.begin(), got, out.top_ids.begin() + i * k);
-    std::copy_n(r.top_logprobs.begin(), got, out.top_lp.begin() + i * k);
+    std::copy_n(r.top_logprobs.begin(), got, out.top_logprobs.begin() + i * k);
   }
   return out;
 }

@@ -136,7 +136,7 @@ def open_engine(device: str, shape: Optional[str], model: Optional[str], dtype: 
         opts.weights = dtype
         opts.max_batch = max_batch
         return _core.CudaEngine.random(cfg, max_seq, 1, opts), cfg, name
-    return random_cpu_engine(cfg, max_seq, threads=threads or 0), cfg, name
+    return random_cpu_engine(cfg, max_seq, threads=threads or 0, max_batch=max_batch), cfg, name
 
 
 def run(device: str, batches: Sequence[int], shape: Optional[str] = None, model: Optional[str] = None,

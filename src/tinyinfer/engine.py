@@ -542,6 +542,9 @@ class Engine:
         When the iterator is exhausted, `last_completion` holds the Completion. On an idle engine the prompt
         runs alone (the chunked single-sequence path); while the scheduler has work, or when logprobs are asked,
         it joins the scheduler's batch."""
+        if is_batch(prompt):
+            raise InvalidRequestError("stream() takes one prompt; for many: generate([...]), or submit each to "
+                                      "Engine.scheduler and iterate its Request")
         sp = SamplingParams.from_kwargs(params, kwargs)
         self.last_completion = None
         gen = self._generate(prompt, sp)

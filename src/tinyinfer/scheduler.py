@@ -34,6 +34,7 @@ result()) drives the steps itself; `async for` starts the thread (an event loop 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import queue
 import threading
@@ -298,7 +299,7 @@ class Scheduler:
         sp = SamplingParams() if params is None else params
         if not isinstance(sp, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams (got {type(sp).__name__})")
-        sp.validate()  # a dataclass may have been changed since it was made
+        sp = dataclasses.replace(sp)  # a copy (checked again): the caller may change or reuse theirs
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise InvalidRequestError(f"request_id must be a non-empty str (got {request_id!r})")
         ids = eng._prompt_ids(prompt)
@@ -450,9 +451,8 @@ class Scheduler:
         stepping = [s for s in self._running if s.pending is not None]
         stepping = self._pages_for_decode(core, stepping)
         self._admit(core, decode_pages=sum(1 for s in stepping if s.length % self._page_size == 0))
-        if stepping:
-            self._core_call(core, stepping, lambda: core.seq_step([s.slot for s in stepping],
-                                                                  [s.pending for s in stepping]))
+        if stepping and self._core_call(core, stepping, lambda: core.seq_step([s.slot for s in stepping],
+                                                                                  [s.pending for s in stepping])):
             for s in stepping:
                 s.length, s.pending, s.fresh = s.length + 1, None, True
         self._prefill(core)
@@ -559,8 +559,8 @@ class Scheduler:
             lp = None
             if seq.logprobs is not None:
                 n = seq.params.logprobs
-                lp = TokenLogprob(int(tokens[i]), float(lps[i]),
-                                  [(int(top_ids[i][j]), float(top_lps[i][j])) for j in range(n)])
+                top = [(int(top_ids[i][j]), float(top_lps[i][j])) for j in range(n)]
+                lp = TokenLogprob(int(tokens[i]), float(lps[i]), [e for e in top if e[0] >= 0])  # -1: past vocab
             self._take(core, seq, int(tokens[i]), lp)
 
     def _take(self, core, seq: _Seq, tok: int, lp: Optional[TokenLogprob]) -> None:

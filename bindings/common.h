@@ -55,6 +55,15 @@ inline nb::ndarray<nb::numpy, T, nb::ndim<2>> numpy_copy(const std::vector<T>& v
   return nb::ndarray<nb::numpy, T, nb::ndim<2>>(buf, {rows, cols}, owner);
 }
 
+// A new 1-D numpy array owning a copy of the first n items of `v`.
+template <typename T>
+inline nb::ndarray<nb::numpy, T, nb::ndim<1>> numpy_copy(const std::vector<T>& v, size_t n) {
+  T* buf = new T[n ? n : 1];
+  std::copy(v.begin(), v.begin() + n, buf);
+  nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+  return nb::ndarray<nb::numpy, T, nb::ndim<1>>(buf, {n}, owner);
+}
+
 // The packed matrix as numpy: q (rows, ld) uint8 and scales (rows, scale_halves) fp16 bits (cpp/core/quant.h).
 inline nb::dict quant_dict(const std::vector<uint8_t>& q, const std::vector<uint16_t>& scales, int64_t rows,
                            int64_t ld, ti::WFormat f, int64_t K) {
@@ -70,6 +79,18 @@ inline std::vector<int32_t> to_ids(const std::vector<int64_t>& ids) {
     if (ids[i] < INT32_MIN || ids[i] > INT32_MAX)
       ti::fail(ti::ErrorKind::Request, "token id " + std::to_string(ids[i]) + " is out of range");
     r[i] = (int32_t)ids[i];
+  }
+  return r;
+}
+
+// seq_sample's RNG counters from Python ints: none negative.
+inline std::vector<uint64_t> to_steps(const std::vector<int64_t>& steps) {
+  std::vector<uint64_t> r(steps.size());
+  for (size_t i = 0; i < steps.size(); i++) {
+    if (steps[i] < 0)
+      ti::fail(ti::ErrorKind::Request, "step " + std::to_string(steps[i]) + " at index " + std::to_string(i) +
+                                           " is negative");
+    r[i] = (uint64_t)steps[i];
   }
   return r;
 }

@@ -1,10 +1,12 @@
 // engines.cpp — the engines and their options: WeightStore, CpuEngine, CudaOptions (+ GemvPin), CudaEngine,
-// and the enums they take (WFormat, DType, MatrixRole); the KV pages' bookkeeping (KvPagePool, KvSequence).
+// and the enums they take (WFormat, DType, MatrixRole); the sequence slots both engines share (bind_sequences);
+// the KV pages' bookkeeping (KvPagePool, KvSequence).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
@@ -12,6 +14,7 @@
 
 #include "../cpp/core/batch_sample.h"
 #include "../cpp/core/config.h"
+#include "../cpp/core/engine_checks.h"
 #include "../cpp/core/quant.h"
 #include "../cpp/core/sampling.h"
 #include "../cpp/core/weights.h"
@@ -95,25 +98,15 @@ void bind_engine_common(Cls& cls) {
           "Sample and run up to max_steps tokens; stops after a stop id (included).");
 }
 
-
-// A new 1-D numpy array owning a copy of `v`.
-template <typename T>
-nb::ndarray<nb::numpy, T, nb::ndim<1>> numpy_vec(const std::vector<T>& v) {
-  T* buf = new T[v.size() ? v.size() : 1];
-  std::copy(v.begin(), v.end(), buf);
-  nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<T*>(p); });
-  return nb::ndarray<nb::numpy, T, nb::ndim<1>>(buf, {v.size()}, owner);
-}
-
-// The sequence slots (BATCH_CONTRACT.md §2): the same Python surface for every engine class that has them.
+// The sequence slots (BATCH_CONTRACT.md part 2): the same Python surface for every engine class that has them.
 template <typename E, typename Cls>
-void bind_engine_slots(Cls& cls) {
-  cls.def_prop_ro("max_batch", &E::max_batch)
-      .def_prop_ro("kv_pages_free", &E::kv_pages_free)
-      .def_prop_ro("kv_pages_total", &E::kv_pages_total)
-      .def_prop_ro("kv_page_size", &E::kv_page_size)
-      .def("seq_open", &E::seq_open, "A free, empty sequence slot (Request error when all are taken).")
-      .def("seq_close", &E::seq_close, "slot"_a, "Free the slot: its KV pages back to the pool, its history cleared.")
+void bind_sequences(Cls& cls) {
+  cls.def_prop_ro("max_batch", &E::max_batch, "How many sequence slots the engine has.")
+      .def_prop_ro("kv_page_size", &E::kv_page_size, "Positions per KV page.")
+      .def_prop_ro("kv_pages_total", &E::kv_pages_total, "KV pages the slots may hold in all.")
+      .def_prop_ro("kv_pages_free", &E::kv_pages_free, "KV pages the slots do not hold now.")
+      .def("seq_open", &E::seq_open, "A free, empty slot (its number); an error when all are taken.")
+      .def("seq_close", &E::seq_close, "slot"_a, "Free a slot: its KV pages, logits and history.")
       .def("seq_length", &E::seq_length, "slot"_a, "Positions in the slot's cache.")
       .def(
           "seq_prefill",
@@ -122,7 +115,9 @@ void bind_engine_slots(Cls& cls) {
             nb::gil_scoped_release release;
             e.seq_prefill(slot, ids.data(), (int64_t)ids.size());
           },
-          "slot"_a, "tokens"_a, "Prompt tokens at seq_length(slot); the last one's logits become the slot's.")
+          "slot"_a, "tokens"_a,
+          "A prompt chunk at seq_length(slot): fills the cache, keeps the last token's logits, adds the tokens to "
+          "the slot's history as prompt.")
       .def(
           "seq_step",
           [](E& e, const std::vector<int64_t>& slots, const std::vector<int64_t>& tokens) {
@@ -133,25 +128,33 @@ void bind_engine_slots(Cls& cls) {
             nb::gil_scoped_release release;
             e.seq_step(slots.data(), ids.data(), (int64_t)ids.size());
           },
-          "slots"_a, "tokens"_a, "One decode step: tokens[i] at seq_length(slots[i]) in slots[i], all at once.")
+          "slots"_a, "tokens"_a,
+          "One decode step: tokens[i] runs at seq_length(slots[i]) in slots[i] (distinct slots); their logits "
+          "become the new ones.")
       .def(
           "seq_sample",
           [](E& e, const std::vector<int64_t>& slots, const std::vector<ti::SamplingConfig>& cfgs,
-             const std::vector<uint64_t>& steps, int top_logprobs) {
+             const std::vector<int64_t>& steps, int64_t top_logprobs) {
             if (cfgs.size() != slots.size() || steps.size() != slots.size())
-              ti::fail(ti::ErrorKind::Request, "seq_sample: slots, cfgs and steps must have one entry each");
+              ti::fail(ti::ErrorKind::Request, "seq_sample: " + std::to_string(slots.size()) + " slots, " +
+                                                   std::to_string(cfgs.size()) + " configs and " +
+                                                   std::to_string(steps.size()) + " steps");
+            ti::check_top_logprobs(top_logprobs);
+            const std::vector<uint64_t> counters = to_steps(steps);
             ti::BatchSample r;
             {
               nb::gil_scoped_release release;
-              r = e.seq_sample(slots.data(), cfgs.data(), steps.data(), (int64_t)slots.size(), top_logprobs);
+              r = e.seq_sample(slots.data(), cfgs.data(), counters.data(), (int64_t)slots.size(),
+                               (int)top_logprobs);
             }
             const size_t n = r.tokens.size(), k = (size_t)r.k;
-            return nb::make_tuple(numpy_vec(r.tokens), numpy_vec(r.logprobs), numpy_copy(r.top_ids, n, k),
-                                  numpy_copy(r.top_logprobs, n, k));
+            return std::make_tuple(numpy_copy(r.tokens, n), numpy_copy(r.logprobs, n), numpy_copy(r.top_ids, n, k),
+                                   numpy_copy(r.top_logprobs, n, k));
           },
           "slots"_a, "cfgs"_a, "steps"_a, "top_logprobs"_a = 0,
-          "The next token of each slot: (tokens int32[n], logprob float32[n], top ids int32[n, k], top logprobs "
-          "float32[n, k]); the token joins the slot's history.");
+          "The next token of each slot from its logits, added to its history as generated. steps[i]: the RNG "
+          "counter (tokens that request generated so far). Returns (tokens int32[n], logprob float32[n], "
+          "top_ids int32[n, k], top_lp float32[n, k]); logprobs are log_softmax of the raw logits.");
 }
 
 #ifdef TINYINFER_WITH_CUDA
@@ -282,12 +285,23 @@ void bind_engines(nb::module_& m) {
       .def("required_names", &ti::WeightStore::required_names)
       .def_prop_ro("config", &ti::WeightStore::config);
 
-  auto cpu = nb::class_<ti::CpuEngine>(m, "CpuEngine", "The fp32 reference engine (one sequence).");
-  cpu.def(nb::init<std::shared_ptr<const ti::WeightStore>, int64_t, int64_t>(), "weights"_a, "max_seq_len"_a,
-          "threads"_a = 0, "threads: 0 = the cores available, else 1..1024.")
+  auto cpu = nb::class_<ti::CpuEngine>(m, "CpuEngine",
+                                       "The fp32 reference engine: one sequence and max_batch sequence slots.");
+  cpu.def(nb::init<std::shared_ptr<const ti::WeightStore>, int64_t, int64_t, int64_t>(), "weights"_a,
+          "max_seq_len"_a, "threads"_a = 0, "max_batch"_a = 64,
+          "threads: 0 = the cores available, else 1..1024; max_batch: sequence slots, 1..1024.")
       .def_prop_ro("threads", &ti::CpuEngine::threads)
       .def_prop_ro("weight_bytes", &ti::CpuEngine::weight_bytes, "Host memory of the weights, as held.");
   bind_engine_common<ti::CpuEngine>(cpu);
+  bind_sequences<ti::CpuEngine>(cpu);
+  cpu.def(
+      "seq_logits",
+      [](const ti::CpuEngine& e, int64_t slot) {
+        const std::vector<float>& l = e.seq_logits(slot);
+        return numpy_copy(l, l.size());
+      },
+      "slot"_a, "The slot's current logits, float32 (vocab) (empty before its first prefill): the reference's "
+      "window for tests.");
 
   // The paged KV cache's host bookkeeping (cpp/gpu/kv_pages.h: plain C++, in every build), for its CPU tests and
   // a later scheduler.
@@ -498,10 +512,16 @@ void bind_engines(nb::module_& m) {
           "after the PDL wait, after the prologue, end; 0 = block absent).")
       .def("time_attention", &ti::CudaEngine::time_attention, "context"_a, "reps"_a,
            nb::call_guard<nb::gil_scoped_release>(), "GPU µs of one layer's decode attention at this context.");
-  gpu.def("seq_logits", [](const ti::CudaEngine& e, int64_t slot) { return numpy_vec(e.seq_logits(slot)); }, "slot"_a,
-          "A slot's latest logits, float32[vocab] (tests).");
   bind_engine_common<ti::CudaEngine>(gpu);
-  bind_engine_slots<ti::CudaEngine>(gpu);
+  bind_sequences<ti::CudaEngine>(gpu);
+  gpu.def(
+      "seq_logits",
+      [](const ti::CudaEngine& e, int64_t slot) {
+        const std::vector<float> l = e.seq_logits(slot);
+        return numpy_copy(l, l.size());
+      },
+      "slot"_a, "The slot's current logits, float32 (vocab) (empty before its first prefill), copied from the "
+      "device: tests.");
 #endif
 }
 

@@ -101,6 +101,8 @@ void bind_config(nb::module_& m) {
       .def_rw("min_p", &ti::SamplingConfig::min_p)
       .def_rw("repetition_penalty", &ti::SamplingConfig::repetition_penalty)
       .def_rw("seed", &ti::SamplingConfig::seed)
+      .def_rw("presence_penalty", &ti::SamplingConfig::presence_penalty)
+      .def_rw("frequency_penalty", &ti::SamplingConfig::frequency_penalty)
       .def("validate", [](const ti::SamplingConfig& s) { ti::validate(s); });
 }
 

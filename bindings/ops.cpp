@@ -15,6 +15,7 @@
 #ifdef TINYINFER_WITH_CUDA
 #include "../cuda/bandwidth.cuh"
 #include "../cuda/device.cuh"
+#include "../cuda/persistent_probe.cuh"
 #include "kernel_tests.h"
 #endif
 
@@ -23,6 +24,15 @@ namespace tinyinfer_bindings {
 using namespace nb::literals;
 
 namespace {
+
+// A new 1-D numpy array owning a copy of `v`.
+template <typename T>
+nb::ndarray<nb::numpy, T, nb::ndim<1>> numpy_vec(const std::vector<T>& v) {
+  T* buf = new T[v.size() ? v.size() : 1];
+  std::copy(v.begin(), v.end(), buf);
+  nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+  return nb::ndarray<nb::numpy, T, nb::ndim<1>>(buf, {v.size()}, owner);
+}
 
 #ifdef TINYINFER_WITH_CUDA
 // The GEMV test ops' vector lengths, checked the same way for every weight format.
@@ -68,6 +78,109 @@ ti::cuda::HostPages host_pages(const char* who, U16Pages& k, U16Pages& v, const 
                                            std::to_string(h.n_pages));
   return h;
 }
+
+// The persistent kernel's probes and synchronisation tests (cuda/persistent_probe.cuh).
+void bind_persistent_probe(nb::module_& ops) {
+  nb::enum_<ti::cuda::RingCopy>(ops, "RingCopy", "How the weight ring copies: cp.async per thread, or one bulk copy.")
+      .value("CpAsync", ti::cuda::RingCopy::CpAsync)
+      .value("Bulk", ti::cuda::RingCopy::Bulk);
+  ops.def(
+      "handoff_latency",
+      [](int n_words, int groups, int stages, int blocks_per_sm, uint32_t max_sleep_ns, int reps) {
+        ti::cuda::HandoffConfig c{n_words, groups, stages, blocks_per_sm, max_sleep_ns, reps};
+        ti::cuda::HandoffResult r;
+        {
+          nb::gil_scoped_release release;
+          r = ti::cuda::measure_handoff(c);
+        }
+        nb::dict d;
+        d["ns_per_handoff"] = r.ns_per_handoff;
+        d["wait_ns"] = r.wait_ns;
+        d["blocks"] = r.blocks;
+        d["stages"] = r.stages;
+        d["checksum_ok"] = r.checksum_ok;
+        return d;
+      },
+      "n_words"_a = 2048, "groups"_a = 1, "stages"_a = 256, "blocks_per_sm"_a = 1, "max_sleep_ns"_a = 0,
+      "reps"_a = 10,
+      "ns per hand-off of a chain across a persistent grid (cuda/persistent_probe.cu): groups = 1 all-to-all, "
+      "groups = blocks one producer per consumer.");
+  ops.def(
+      "ring_bandwidth",
+      [](ti::cuda::RingCopy copy, int stages, int slot_kib, size_t bytes, int reps, int blocks_per_sm) {
+        ti::cuda::RingConfig c{copy, stages, slot_kib, bytes, reps, blocks_per_sm};
+        ti::cuda::RingResult r;
+        {
+          nb::gil_scoped_release release;
+          r = ti::cuda::measure_ring(c);
+        }
+        nb::dict d;
+        d["gb_per_s"] = r.gb_per_s;
+        d["best_ms"] = r.best_ms;
+        d["bytes"] = r.bytes;
+        d["blocks"] = r.blocks;
+        d["blocks_per_sm"] = r.blocks_per_sm;
+        d["checksum_ok"] = r.checksum_ok;
+        return d;
+      },
+      "copy"_a, "stages"_a, "slot_kib"_a, "bytes"_a = (size_t)1 << 31, "reps"_a = 10, "blocks_per_sm"_a = 1,
+      "Steady-state bandwidth of the weight ring (cuda/ring.cuh) streaming `bytes` on blocks_per_sm blocks per SM.");
+  ops.def(
+      "stream_handoff",
+      [](ti::cuda::RingCopy copy, int stages, int slot_kib, size_t bytes, double bytes_per_handoff, int n_words,
+         uint32_t max_sleep_ns, int reps, int blocks_per_sm) {
+        ti::cuda::StreamHandoffConfig c{{copy, stages, slot_kib, bytes, reps, blocks_per_sm}, bytes_per_handoff, n_words,
+                                        max_sleep_ns};
+        ti::cuda::StreamHandoffResult r;
+        {
+          nb::gil_scoped_release release;
+          r = ti::cuda::measure_stream_handoff(c);
+        }
+        nb::dict d;
+        d["gb_per_s_alone"] = r.gb_per_s_alone;
+        d["gb_per_s_with"] = r.gb_per_s_with;
+        d["ns_lost_per_handoff"] = r.ns_lost_per_handoff;
+        d["wait_ns"] = r.wait_ns;
+        d["bytes_per_handoff"] = r.bytes_per_handoff;
+        d["handoffs"] = r.handoffs;
+        d["blocks"] = r.blocks;
+        d["checksum_ok"] = r.checksum_ok;
+        return d;
+      },
+      "copy"_a, "stages"_a, "slot_kib"_a, "bytes"_a = (size_t)1 << 31, "bytes_per_handoff"_a = 4e6,
+      "n_words"_a = 2048, "max_sleep_ns"_a = 0, "reps"_a = 5, "blocks_per_sm"_a = 1,
+      "The ring streaming while an all-to-all hand-off happens every ~bytes_per_handoff bytes: GB/s with and "
+      "without the hand-offs, and the ns per hand-off the stream did not hide.");
+  ops.def(
+      "handoff_chain",
+      [](int n_words, int groups, int stages, int blocks, int epochs) {
+        nb::gil_scoped_release release;
+        return ti::cuda::run_handoff_chain(n_words, groups, stages, blocks, epochs);
+      },
+      "n_words"_a, "groups"_a, "stages"_a, "blocks"_a, "epochs"_a,
+      "Runs the hand-off chain `epochs` times on counters never reset (blocks 0: every co-resident block); the "
+      "last vector (uint32 words).");
+  ops.def("handoff_chain_reference", &ti::cuda::handoff_chain_reference, "n_words"_a, "groups"_a, "stages"_a,
+          "epoch"_a, "The host's replica of handoff_chain's last vector at `epoch` (1-based).");
+  ops.def(
+      "ring_xor",
+      [](nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> a, ti::cuda::RingCopy copy,
+         int stages, int slot_kib, int blocks) {
+        nb::gil_scoped_release release;
+        return ti::cuda::ring_xor(a.data(), a.shape(0), copy, stages, slot_kib, blocks);
+      },
+      "data"_a, "copy"_a, "stages"_a, "slot_kib"_a, "blocks"_a,
+      "Streams `data` through the weight ring (blocks 0: every co-resident block): the XOR of its 32-bit words.");
+  ops.def(
+      "reduction_chain",
+      [](nb::ndarray<const uint32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> x, int blocks, int epochs) {
+        nb::gil_scoped_release release;
+        return ti::cuda::run_reduction_chain(x.data(), (int)x.shape(0), (int)x.shape(1), blocks, epochs);
+      },
+      "x"_a, "blocks"_a, "epochs"_a,
+      "A 64-bit sum of x (stages, n) carried through an all-to-all hand-off per stage, `epochs` times on counters "
+      "never reset: each epoch's total (sum(x) + epoch * x.size).");
+}
 #endif
 
 }  // namespace
@@ -112,6 +225,25 @@ void bind_ops(nb::module_& m) {
       },
       "x"_a, "weight"_a, "eps"_a);
   ops.def("uniform_from_counter", &ti::uniform_from_counter, "seed"_a, "step"_a);
+  ops.def(
+      "sample_row",
+      [](F32In1 logits, const ti::SamplingConfig& cfg, uint64_t step, const std::vector<int64_t>& prompt_ids,
+         const std::vector<int64_t>& generated_ids, int top_logprobs) {
+        ti::validate(cfg);
+        const int64_t vocab = (int64_t)logits.shape(0);
+        if (vocab < 1) ti::fail(ti::ErrorKind::Request, "sample_row: empty logits");
+        ti::TokenHistory h(vocab);
+        for (int32_t t : to_ids(prompt_ids)) h.add_prompt(t);
+        for (int32_t t : to_ids(generated_ids)) h.add_generated(t);
+        std::vector<float> scratch;
+        std::vector<int32_t> scratch_ids;
+        const ti::SampleResult r = ti::sample_row(logits.data(), vocab, cfg, step, h, top_logprobs, scratch,
+                                                  scratch_ids);
+        return nb::make_tuple(r.token, r.logprob, numpy_vec(r.top_ids), numpy_vec(r.top_logprobs));
+      },
+      "logits"_a, "cfg"_a, "step"_a, "prompt_ids"_a, "generated_ids"_a, "top_logprobs"_a = 0,
+      "The reference sampler of one row (cpp/core/sampling.cpp sample_row) over a history of prompt and generated "
+      "ids: (token, logprob, top_ids int32[k], top_logprobs float32[k]).");
 
 #ifdef TINYINFER_WITH_CUDA
   nb::enum_<ti::cuda::GemvIn>(ops, "GemvIn", "A GEMV's input: an fp16 vector, or the fp32 residual RMS-normed.")
@@ -170,6 +302,7 @@ void bind_ops(nb::module_& m) {
         return ti::cuda::stream_read_xor(a.data(), a.shape(0), blocks);
       },
       "data"_a, "blocks"_a, "Runs the bandwidth kernel over `data`; the XOR of all its 32-bit words.");
+  bind_persistent_probe(ops);
   ops.def(
       "gemv",
       [](nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> W, F32In1 x, F32In1 norm_w,
@@ -346,6 +479,51 @@ void bind_ops(nb::module_& m) {
       },
       "logits"_a, "temperature"_a, "top_k"_a, "top_p"_a, "min_p"_a, "repetition_penalty"_a, "seed"_a, "step"_a,
       "seen"_a, "One on-device sampling call (cuda/sampling.cu).");
+  ops.def(
+      "sample_rows",
+      [](F32In2 logits, const std::vector<ti::SamplingConfig>& cfgs, const std::vector<uint64_t>& steps,
+         const std::vector<int64_t>& slots, nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> seen,
+         nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> counts, int top_k, int64_t vocab) {
+        auto bad = [](const std::string& m) { ti::fail(ti::ErrorKind::Request, "sample_rows: " + m); };
+        const int64_t n = (int64_t)logits.shape(0), ld = (int64_t)logits.shape(1);
+        if (vocab < 0) vocab = ld;
+        if (n < 1 || vocab < 1 || vocab > ld) bad("logits must be (n_rows >= 1, ld >= vocab >= 1)");
+        if ((int64_t)cfgs.size() != n || (int64_t)steps.size() != n || (int64_t)slots.size() != n)
+          bad("cfgs, steps and slots need one entry per row");
+        const int64_t n_slots = (int64_t)seen.shape(0);
+        if ((int64_t)seen.shape(1) != vocab || counts.shape(0) != seen.shape(0) || (int64_t)counts.shape(1) != vocab)
+          bad("seen and counts must both be (n_slots, vocab)");
+        std::vector<ti::cuda::RowSampling> rows((size_t)n);
+        std::vector<char> taken((size_t)n_slots, 0);
+        for (int64_t r = 0; r < n; r++) {
+          ti::validate(cfgs[(size_t)r]);
+          const int64_t slot = slots[(size_t)r];
+          if (slot < 0 || slot >= n_slots || taken[(size_t)slot]) bad("slots must be distinct, in 0..n_slots-1");
+          taken[(size_t)slot] = 1;
+          rows[(size_t)r] = {ti::device_sampling(cfgs[(size_t)r]), steps[(size_t)r], (int)slot};
+        }
+        std::vector<uint8_t> seen_v(seen.data(), seen.data() + seen.size());
+        std::vector<int32_t> counts_v(counts.data(), counts.data() + counts.size());
+        ti::cuda::SampleRowsOut o;
+        {
+          nb::gil_scoped_release release;
+          o = ti::cuda::run_sample_rows(logits.data(), ld, (int)n, (int)vocab, rows.data(), seen_v.data(),
+                                        counts_v.data(), (int)n_slots, top_k);
+        }
+        nb::dict d;
+        d["tokens"] = numpy_vec(o.tokens);
+        d["logprob"] = numpy_vec(o.logprob);
+        d["top_ids"] = numpy_copy(o.top_ids, (size_t)n, (size_t)top_k);
+        d["top_lp"] = numpy_copy(o.top_lp, (size_t)n, (size_t)top_k);
+        d["seen"] = numpy_copy(seen_v, (size_t)n_slots, (size_t)vocab);
+        d["counts"] = numpy_copy(counts_v, (size_t)n_slots, (size_t)vocab);
+        return d;
+      },
+      "logits"_a, "cfgs"_a, "steps"_a, "slots"_a, "seen"_a, "counts"_a, "top_k"_a = 0, "vocab"_a = -1,
+      "One batched on-device sampling call (cuda/sampling.cu sample_rows): row r of logits (n_rows, ld; the "
+      "first vocab columns, default all) with cfgs[r], steps[r], history slot slots[r] of seen (n_slots, vocab) "
+      "uint8 and counts (n_slots, vocab) int32. Returns {'tokens', 'logprob', 'top_ids' (n_rows, top_k), "
+      "'top_lp', 'seen', 'counts' (the histories after the call)}.");
 #else
   ops.def("cuda_compiled", []() { return false; });
   ops.def("device_status", []() {

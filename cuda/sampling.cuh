@@ -2,7 +2,10 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+
+#include "../cpp/core/sampling.h"
 
 namespace ti::cuda {
 
@@ -14,7 +17,10 @@ struct DeviceSampling {
   float min_p = 0.0f;
   float repetition_penalty = 1.0f;
   unsigned long long seed = 0;
+  float presence_penalty = 0.0f;   // over generated tokens (counts > 0)
+  float frequency_penalty = 0.0f;  // times the generated count
 };
+
 
 // The decode loop's state, in device memory: the graph reads and advances it, the host sets it between calls.
 struct DecodeState {
@@ -25,8 +31,41 @@ struct DecodeState {
 };
 
 // Chooses the next token from logits[vocab] (fp32), writes it to st->token and out_tokens, advances
-// st->pos and st->step, marks it in seen[] (for the repetition penalty). scratch: float[vocab].
-void sample_token(const float* logits, int vocab, const DeviceSampling* sp, unsigned char* seen, float* scratch,
-                  DecodeState* st, int* out_tokens, cudaStream_t stream, bool pdl);
+// st->pos and st->step, marks it in seen[] (the repetition penalty) and counts it in counts[] (presence /
+// frequency). seen: (vocab) u8, counts: (vocab) int32 — the sequence's history; scratch: float[vocab].
+void sample_token(const float* logits, int vocab, const DeviceSampling* sp, unsigned char* seen, int* counts,
+                  float* scratch, DecodeState* st, int* out_tokens, cudaStream_t stream, bool pdl);
+
+// The most top-logprob entries per row (sample_rows' top_k).
+constexpr int kMaxTopK = kMaxTopLogprobs;
+
+struct RowSampling {             // device memory, one per row
+  DeviceSampling s;
+  unsigned long long step;       // RNG counter of the token being sampled
+  int slot;                      // which history row (counts / seen) this row uses
+};
+
+// One block per row, the same per-row algorithm as sample_token (the same logits and history give the same
+// token alone and in a batch). logits: row r at logits + r * ld. seen: (slots, vocab) u8; counts: (slots, vocab)
+// int32 — the sampler marks seen and increments counts[slot][token] for the token it picks (so the rows of one
+// launch must use distinct slots). scratch: n_rows * vocab floats. out_tokens[r]; out_logprob[r] (null: not
+// computed): log_softmax(raw logits)[token]; top_ids / top_lp: (n_rows, top_k) when top_k > 0 (else may be
+// null): the top_k largest raw-logit log-probabilities, descending, ties to the lower id (entries past the vocab:
+// id -1, -inf). top_k: 0..kMaxTopK.
+void sample_rows(const float* logits, int64_t ld, int n_rows, int vocab, const RowSampling* rows,
+                 unsigned char* seen, int* counts, float* scratch, int top_k, int* out_tokens,
+                 float* out_logprob, int* top_ids, float* top_lp, cudaStream_t stream, bool pdl = false);
 
 }  // namespace ti::cuda
+
+namespace ti {
+
+// The device form of a (validated) SamplingConfig: every field, the penalties included. (In namespace ti, beside
+// the engines that call it: one definition for the single-sequence and the batched paths.)
+inline cuda::DeviceSampling device_sampling(const SamplingConfig& s) {
+  return cuda::DeviceSampling{s.temperature, (int)std::min<int64_t>(s.top_k, INT32_MAX), s.top_p, s.min_p,
+                              s.repetition_penalty, (unsigned long long)s.seed, s.presence_penalty,
+                              s.frequency_penalty};
+}
+
+}  // namespace ti

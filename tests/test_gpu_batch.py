@@ -283,18 +283,19 @@ def test_bad_slot_requests(model):
     core = eng._core
     assert core.max_batch == 2
     a, b = core.seq_open(), core.seq_open()
-    with pytest.raises(InvalidRequestError, match="all 2 slots are taken"):
+    with pytest.raises(InvalidRequestError, match="all 2 sequence slots are open"):
         core.seq_open()
     core.seq_prefill(a, [1, 2, 3])
     cases = [
-        (lambda: core.seq_close(5), "out of range"),
-        (lambda: core.seq_length(-1), "out of range"),
-        (lambda: core.seq_step([a, a], [1, 2]), "given twice"),
+        (lambda: core.seq_close(5), "slot 5 does not exist"),
+        (lambda: core.seq_length(-1), "does not exist"),
+        (lambda: core.seq_step([a, a], [1, 2]), "listed twice"),
         (lambda: core.seq_step([a], [1, 2]), "1 slots but 2 tokens"),
         (lambda: core.seq_step([a], [VOCAB]), "out of range"),
-        (lambda: core.seq_step([], []), "1..2 slots"),
+        (lambda: core.seq_step([], []), "no slots given"),
         (lambda: core.seq_prefill(a, []), "no tokens"),
         (lambda: core.seq_sample([b], [greedy()], [0], 0), "has no logits"),
+        (lambda: core.seq_step([b], [1]), "has no logits"),
         (lambda: core.seq_sample([a], [greedy()], [0], 21), "0..20"),
     ]
     for call, msg in cases:

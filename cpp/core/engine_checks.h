@@ -3,8 +3,10 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "errors.h"
+#include "sampling.h"  // kMaxTopLogprobs
 
 namespace ti {
 
@@ -22,6 +24,55 @@ inline void check_room(int64_t position, int64_t n, int64_t max_seq) {
   if (position + n > max_seq)
     fail(ErrorKind::Request, std::to_string(position) + " tokens in the sequence + " + std::to_string(n) +
                                  " new ones exceed max_seq_len=" + std::to_string(max_seq));
+}
+
+// ---- the sequence slots (BATCH_CONTRACT.md part 2) ----
+
+constexpr int64_t kMaxBatch = 1024;  // the most sequence slots an engine takes
+
+inline void check_max_batch(int64_t max_batch) {
+  if (max_batch < 1 || max_batch > kMaxBatch)
+    fail(ErrorKind::Request, "max_batch must be in 1.." + std::to_string(kMaxBatch) + " (got " +
+                                 std::to_string(max_batch) + ")");
+}
+
+// seq_sample's top-logprob entries per row.
+inline void check_top_logprobs(int64_t k) {
+  if (k < 0 || k > kMaxTopLogprobs)
+    fail(ErrorKind::Request, "top_logprobs must be in 0.." + std::to_string(kMaxTopLogprobs) + " (got " +
+                                 std::to_string(k) + ")");
+}
+
+// `slot` must name one of the engine's max_batch slots.
+inline void check_slot_index(int64_t slot, int64_t max_batch) {
+  if (slot < 0 || slot >= max_batch)
+    fail(ErrorKind::Request, "slot " + std::to_string(slot) + " does not exist (slots are 0.." +
+                                 std::to_string(max_batch - 1) + ")");
+}
+
+// An existing slot that is open (seq_open gave it out and no seq_close took it back).
+template <typename IsOpen>
+void check_open_slot(int64_t slot, int64_t max_batch, const IsOpen& is_open) {
+  check_slot_index(slot, max_batch);
+  if (!is_open(slot)) fail(ErrorKind::Request, "slot " + std::to_string(slot) + " is not open");
+}
+
+// The slots of one batched call (seq_step / seq_sample): at least one, each open, none twice; and each with
+// logits to continue from (a prefill ran in it), since a step or a sample follows a sampled token.
+template <typename IsOpen, typename HasLogits>
+void check_batch_slots(const char* what, const int64_t* slots, int64_t n, int64_t max_batch, const IsOpen& is_open,
+                       const HasLogits& has_logits) {
+  if (n < 1) fail(ErrorKind::Request, std::string(what) + ": no slots given");
+  std::vector<bool> listed((size_t)max_batch, false);
+  for (int64_t i = 0; i < n; i++) {
+    check_open_slot(slots[i], max_batch, is_open);
+    if (listed[(size_t)slots[i]])
+      fail(ErrorKind::Request, std::string(what) + ": slot " + std::to_string(slots[i]) + " is listed twice");
+    listed[(size_t)slots[i]] = true;
+    if (!has_logits(slots[i]))
+      fail(ErrorKind::Request, std::string(what) + ": slot " + std::to_string(slots[i]) +
+                                   " has no logits yet (seq_prefill it first)");
+  }
 }
 
 }  // namespace ti

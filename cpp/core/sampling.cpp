@@ -6,6 +6,7 @@
 #include <string>
 
 #include "errors.h"
+#include "penalty.h"
 #include "rng.h"
 
 namespace ti {
@@ -19,6 +20,34 @@ void validate(const SamplingConfig& s) {
   if (!(s.min_p >= 0.0f && s.min_p <= 1.0f)) bad("min_p must be in [0, 1] (got " + std::to_string(s.min_p) + ")");
   if (!(s.repetition_penalty > 0.0f) || !std::isfinite(s.repetition_penalty))
     bad("repetition_penalty must be > 0 (got " + std::to_string(s.repetition_penalty) + ")");
+  // (the comparisons are false for NaN; +-inf fall outside the range)
+  if (!(s.presence_penalty >= -2.0f && s.presence_penalty <= 2.0f))
+    bad("presence_penalty must be a finite number in [-2, 2] (got " + std::to_string(s.presence_penalty) + ")");
+  if (!(s.frequency_penalty >= -2.0f && s.frequency_penalty <= 2.0f))
+    bad("frequency_penalty must be a finite number in [-2, 2] (got " + std::to_string(s.frequency_penalty) + ")");
+}
+
+TokenHistory::TokenHistory(int64_t vocab) : seen((size_t)vocab, 0), counts((size_t)vocab, 0) {}
+
+static void check_id(int32_t t, size_t vocab) {
+  if (t < 0 || (size_t)t >= vocab)
+    fail(ErrorKind::Request, "token id " + std::to_string(t) + " is out of range for vocab " + std::to_string(vocab));
+}
+
+void TokenHistory::add_prompt(int32_t t) {
+  check_id(t, seen.size());
+  seen[(size_t)t] = 1;
+}
+
+void TokenHistory::add_generated(int32_t t) {
+  check_id(t, seen.size());
+  seen[(size_t)t] = 1;
+  counts[(size_t)t] += 1;
+}
+
+void TokenHistory::clear() {
+  std::fill(seen.begin(), seen.end(), 0);
+  std::fill(counts.begin(), counts.end(), 0);
 }
 
 int32_t argmax(const float* logits, int64_t vocab) {
@@ -28,19 +57,19 @@ int32_t argmax(const float* logits, int64_t vocab) {
   return (int32_t)best;
 }
 
-int32_t sample_token(const float* logits, int64_t vocab, const SamplingConfig& s, uint64_t step,
-                     const std::vector<int32_t>& history, std::vector<float>& x, std::vector<int32_t>& ids) {
-  const bool penalise = s.repetition_penalty != 1.0f && !history.empty();
-  if (s.temperature == 0.0f && !penalise) return argmax(logits, vocab);
+namespace {
+
+// The token choice of one row. seen / counts: the history (null: none); x / ids: scratch.
+int32_t choose(const float* logits, int64_t vocab, const SamplingConfig& s, uint64_t step, const uint8_t* seen,
+               const int32_t* counts, std::vector<float>& x, std::vector<int32_t>& ids) {
+  const bool rep = s.repetition_penalty != 1.0f && seen;
+  const bool pf = (s.presence_penalty != 0.0f || s.frequency_penalty != 0.0f) && counts;
+  if (s.temperature == 0.0f && !rep && !pf) return argmax(logits, vocab);
   x.assign(logits, logits + vocab);
-  if (penalise) {  // transformers / vLLM: divide positive logits, multiply negative ones; once per token id
-    ids.assign((size_t)vocab, 0);  // used as a "seen" mark here
-    for (int32_t t : history) {
-      if (t < 0 || t >= vocab || ids[t]) continue;
-      ids[t] = 1;
-      x[t] = x[t] > 0 ? x[t] / s.repetition_penalty : x[t] * s.repetition_penalty;
-    }
-  }
+  if (rep || pf)
+    for (int64_t i = 0; i < vocab; i++)
+      x[i] = penalise_logit(x[i], rep && seen[i], pf ? counts[i] : 0, s.repetition_penalty, s.presence_penalty,
+                            s.frequency_penalty);
   if (s.temperature == 0.0f) return argmax(x.data(), vocab);
 
   // Softmax over the candidates, sorted by logit (stable: lower id first on ties).
@@ -79,6 +108,51 @@ int32_t sample_token(const float* logits, int64_t vocab, const SamplingConfig& s
     if (u < acc) return ids[i];
   }
   return ids[n - 1];
+}
+
+}  // namespace
+
+SampleResult sample_row(const float* logits, int64_t vocab, const SamplingConfig& s, uint64_t step,
+                        const TokenHistory& h, int top_logprobs, std::vector<float>& x, std::vector<int32_t>& ids) {
+  if (top_logprobs < 0 || top_logprobs > kMaxTopLogprobs)
+    fail(ErrorKind::Request, "top_logprobs must be in 0.." + std::to_string(kMaxTopLogprobs) + " (got " +
+                                 std::to_string(top_logprobs) + ")");
+  if ((int64_t)h.seen.size() != vocab || (int64_t)h.counts.size() != vocab)
+    fail(ErrorKind::Request, "sample_row: the history's vocab (" + std::to_string(h.seen.size()) +
+                                 ") differs from the logits' (" + std::to_string(vocab) + ")");
+  SampleResult r;
+  r.token = choose(logits, vocab, s, step, h.seen.data(), h.counts.data(), x, ids);
+
+  // log_softmax of the raw logits: l - (max + log sum exp(l - max)), in double.
+  const float mx = logits[argmax(logits, vocab)];
+  double sum = 0;
+  for (int64_t i = 0; i < vocab; i++) sum += std::exp((double)logits[i] - mx);
+  const double lse = mx + std::log(sum);
+  r.logprob = (float)(logits[r.token] - lse);
+  const int64_t k = std::min<int64_t>(top_logprobs, vocab);
+  if (k > 0) {
+    ids.resize((size_t)vocab);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    });
+    for (int64_t i = 0; i < k; i++) {
+      r.top_ids.push_back(ids[i]);
+      r.top_logprobs.push_back((float)(logits[ids[i]] - lse));
+    }
+  }
+  return r;
+}
+
+int32_t sample_token(const float* logits, int64_t vocab, const SamplingConfig& s, uint64_t step,
+                     const std::vector<int32_t>& history, std::vector<float>& x, std::vector<int32_t>& ids) {
+  std::vector<uint8_t> seen;
+  if (s.repetition_penalty != 1.0f && !history.empty()) {
+    seen.assign((size_t)vocab, 0);
+    for (int32_t t : history)
+      if (t >= 0 && t < vocab) seen[(size_t)t] = 1;
+  }
+  return choose(logits, vocab, s, step, seen.empty() ? nullptr : seen.data(), nullptr, x, ids);
 }
 
 }  // namespace ti

@@ -1,7 +1,9 @@
 // sampling.h — choosing the next token from a row of logits: the reference sampler.
-// Order (as vLLM and transformers): repetition penalty -> temperature -> top-k -> top-p -> min-p -> draw.
-// temperature == 0 is greedy (argmax, lowest id on ties). The random draw uses a counter-based generator,
-// uniform(seed, step), so a GPU sampler can reproduce the same stream without carrying state.
+// Order (as vLLM and transformers): repetition penalty (prompt + generated) -> presence / frequency penalties
+// (generated only) -> temperature -> top-k -> top-p -> min-p -> draw. temperature == 0 is greedy (argmax of
+// the penalised logits, lowest id on ties). The random draw uses a counter-based generator, uniform(seed, step),
+// so a GPU sampler can reproduce the same stream without carrying state. The penalties themselves are
+// penalty.h's penalise_logit, shared with the GPU sampler (cuda/sampling.cu).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -17,15 +19,44 @@ struct SamplingConfig {
   float min_p = 0.0f;              // 0: off
   float repetition_penalty = 1.0f; // 1: off; >1 discourages tokens already in the sequence
   uint64_t seed = 0;
+  float presence_penalty = 0.0f;   // OpenAI/vLLM: logit -= presence * (count > 0), over GENERATED tokens only
+  float frequency_penalty = 0.0f;  // logit -= frequency * count, over GENERATED tokens only
 };
+
+// The most top-logprob entries a sampler returns per token (OpenAI's limit).
+constexpr int kMaxTopLogprobs = 20;
 
 // Throws ti::Error(Request) naming the bad field.
 void validate(const SamplingConfig& s);
 
+// The penalty state of one sequence.
+struct TokenHistory {
+  explicit TokenHistory(int64_t vocab);
+  void add_prompt(int32_t t);     // the repetition penalty's set only
+  void add_generated(int32_t t);  // the repetition set + counts
+  void clear();
+  std::vector<uint8_t> seen;      // (vocab) in the prompt or generated
+  std::vector<int32_t> counts;    // (vocab) generated occurrences
+};
+
+struct SampleResult {
+  int32_t token = 0;
+  float logprob = 0.0f;               // log_softmax(RAW logits)[token] (before penalties / temperature)
+  std::vector<int32_t> top_ids;       // top_logprobs entries of log_softmax(raw logits), descending, ties: lower id
+  std::vector<float> top_logprobs;
+};
+
 int32_t argmax(const float* logits, int64_t vocab);
 
-// history: token ids the repetition penalty applies to (prompt + generated so far).
-// scratch is reused between calls to avoid allocation on the hot path.
+// The reference sampler of one row. h: the sequence's history (sized vocab; not changed here: the caller adds
+// the token as generated). top_logprobs: 0..kMaxTopLogprobs, else a Request error. s is not validated here
+// (validate() once per request). scratch / scratch_ids are reused between calls to avoid allocation.
+SampleResult sample_row(const float* logits, int64_t vocab, const SamplingConfig& s, uint64_t step,
+                        const TokenHistory& h, int top_logprobs, std::vector<float>& scratch,
+                        std::vector<int32_t>& scratch_ids);
+
+// The single-sequence form: history = token ids the repetition penalty applies to (prompt + generated so far);
+// no presence / frequency penalty (it cannot tell generated tokens from the prompt). Same token as sample_row.
 int32_t sample_token(const float* logits, int64_t vocab, const SamplingConfig& s, uint64_t step,
                      const std::vector<int32_t>& history, std::vector<float>& scratch,
                      std::vector<int32_t>& scratch_ids);

@@ -31,13 +31,33 @@ void matmul(float* y, const float* x, const float* W, int64_t n, int64_t rows, i
   }
 }
 
-// y (n, rows) = x (n, cols) @ W^T with W in its stored precision: each row is widened to fp32 once (into a
-// per-thread row buffer) and dotted with the n inputs, so every output is the same dot() over the same fp32
-// numbers as a whole-matrix fp32 copy would give, whichever thread computes it.
+// Rows [r0, r1) of y (n, rows) = x (n, cols) @ W^T by row_dots() (straight from the stored format), a block of
+// rows at a time for all n inputs so the block stays in cache between them. False, with nothing written, where
+// row_dots does not take W (it decides by format and width alone, so on its first call).
+static bool matmul_direct(float* y, const float* x, const HostTensor& W, int64_t n, int64_t r0, int64_t r1) {
+  constexpr int64_t kBlock = 16;
+  const int64_t rows = W.rows(), cols = W.cols();
+  for (int64_t b0 = r0; b0 < r1; b0 += kBlock) {
+    const int64_t b1 = std::min(b0 + kBlock, r1);
+    for (int64_t t = 0; t < n; t++)
+      if (!row_dots(W, x + t * cols, y + t * rows + b0, b0, b1)) return false;
+  }
+  return true;
+}
+
+// Whether reading W straight from its format (row_dots, once per input) beats widening each row once: always
+// for fp16 (one conversion instruction per 8 weights, against a scalar widen pass); for the quantized blocks
+// only with a few inputs, since unpacking them costs more than the dot itself (measurements: the commit).
+static bool direct_pays(const HostTensor& W, int64_t n) { return W.held == Held::F16 || n <= 4; }
+
+// y (n, rows) = x (n, cols) @ W^T with W in its stored precision: every output is the same dot() over the same
+// fp32 numbers as a whole-matrix fp32 copy would give, whichever thread computes it and whatever n is (so a
+// token's numbers do not depend on the other rows of its batch or chunk). Straight from the format where that
+// pays; else each row is widened to fp32 once (into a per-thread row buffer) and dotted with the n inputs.
 static void matmul(float* y, const float* x, const HostTensor& W, int64_t n, ThreadPool& pool) {
   const int64_t rows = W.rows(), cols = W.cols();
   pool.parallel_for(rows, pool.grain_for(rows, 4), [&](int64_t r0, int64_t r1) {
-    if (n == 1 && row_dots(W, x, y + r0, r0, r1)) return;  // the decode step: straight from the format
+    if (direct_pays(W, n) && matmul_direct(y, x, W, n, r0, r1)) return;
     thread_local std::vector<float> row;
     if (W.held != Held::F32 && (int64_t)row.size() < cols) row.resize((size_t)cols);
     for (int64_t r = r0; r < r1; r++) {
@@ -76,32 +96,38 @@ static int checked_threads(int64_t threads) {
   return threads == 0 ? default_threads() : (int)threads;
 }
 
-CpuEngine::CpuEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq_len, int64_t threads)
+CpuEngine::CpuEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq_len, int64_t threads,
+                     int64_t max_batch)
     : w_(std::move(weights)), cfg_(w_->config()), max_seq_(max_seq_len) {
   if (!w_->finished()) fail(ErrorKind::Request, "CpuEngine: the WeightStore is not finished");
   if (max_seq_len < 1) fail(ErrorKind::Request, "max_seq_len must be >= 1 (got " + std::to_string(max_seq_len) + ")");
+  check_max_batch(max_batch);
   pool_ = std::make_unique<ThreadPool>(checked_threads(threads));
-  kv_ = KVCache(cfg_.n_layers, cfg_.n_kv_heads, max_seq_len, cfg_.head_dim);
+  kv_ = KVCache(cfg_.n_layers, cfg_.n_kv_heads, cfg_.head_dim);
+  slots_.resize((size_t)max_batch);
   rope_ = rope_table(cfg_, max_seq_len);
   last_logits_.resize((size_t)cfg_.vocab);
+  history_ = TokenHistory(cfg_.vocab);
 }
 
 void CpuEngine::reset() {
   tokens_.clear();
+  history_.clear();
   has_last_ = pending_ = false;
 }
 
-// Attention of token t (at pos0 + t) in head h over the cached positions 0..pos0+t.
-void CpuEngine::attend(int64_t l, int64_t t, int64_t h, int64_t pos0) {
+// Attention of token t (at row.pos in row.kv) in head h over that cache's positions 0..row.pos.
+void CpuEngine::attend(int64_t l, int64_t t, int64_t h, const RowSlot& row) {
   const ModelConfig& c = cfg_;
   const int64_t hd = c.head_dim;
   const float scale = 1.0f / std::sqrt((float)hd);
-  const int64_t kvh = h / c.group, len = pos0 + t + 1;  // causal: positions 0..pos0+t
+  const int64_t kvh = h / c.group, len = row.pos + 1;  // causal: positions 0..row.pos
+  KVCache& kv = *row.kv;
   const float* q = &q_[t * c.q_dim + h * hd];
   std::vector<float> score((size_t)len);
   float mx = -INFINITY;
   for (int64_t p = 0; p < len; p++) {
-    score[p] = dot(q, kv_.key(l, kvh, p), hd) * scale;
+    score[p] = dot(q, kv.key(l, kvh, p), hd) * scale;
     mx = std::max(mx, score[p]);
   }
   double sum = 0;
@@ -110,12 +136,12 @@ void CpuEngine::attend(int64_t l, int64_t t, int64_t h, int64_t pos0) {
   std::fill(out, out + hd, 0.0f);
   for (int64_t p = 0; p < len; p++) {
     const float wgt = (float)(score[p] / sum);
-    const float* v = kv_.value(l, kvh, p);
+    const float* v = kv.value(l, kvh, p);
     for (int64_t i = 0; i < hd; i++) out[i] += wgt * v[i];
   }
 }
 
-void CpuEngine::run_layer(int64_t l, int64_t n, int64_t pos0) {
+void CpuEngine::run_layer(int64_t l, const RowSlot* rows, int64_t n) {
   const ModelConfig& c = cfg_;
   const LayerWeights L = w_->layer(l);
   const int64_t H = c.hidden, hd = c.head_dim, I = c.intermediate;
@@ -126,17 +152,20 @@ void CpuEngine::run_layer(int64_t l, int64_t n, int64_t pos0) {
   matmul(q_.data(), xn_.data(), *L.wq, n, *pool_);
   matmul(k_.data(), xn_.data(), *L.wk, n, *pool_);
   matmul(v_.data(), xn_.data(), *L.wv, n, *pool_);
+  // Every row's key and value go into its cache before any row attends: a prefill chunk's later rows read
+  // the earlier ones'.
   for (int64_t t = 0; t < n; t++) {
-    rope_apply(&q_[t * c.q_dim], c.n_heads, hd, rope_, pos0 + t);
-    rope_apply(&k_[t * c.kv_dim], c.n_kv_heads, hd, rope_, pos0 + t);
+    const RowSlot& r = rows[t];
+    rope_apply(&q_[t * c.q_dim], c.n_heads, hd, rope_, r.pos);
+    rope_apply(&k_[t * c.kv_dim], c.n_kv_heads, hd, rope_, r.pos);
     for (int64_t h = 0; h < c.n_kv_heads; h++) {
-      std::memcpy(kv_.key(l, h, pos0 + t), &k_[t * c.kv_dim + h * hd], hd * sizeof(float));
-      std::memcpy(kv_.value(l, h, pos0 + t), &v_[t * c.kv_dim + h * hd], hd * sizeof(float));
+      std::memcpy(r.kv->key(l, h, r.pos), &k_[t * c.kv_dim + h * hd], hd * sizeof(float));
+      std::memcpy(r.kv->value(l, h, r.pos), &v_[t * c.kv_dim + h * hd], hd * sizeof(float));
     }
   }
   // One task per (token, head).
   pool_->parallel_for(n * c.n_heads, 1, [&](int64_t th0, int64_t th1) {
-    for (int64_t th = th0; th < th1; th++) attend(l, th / c.n_heads, th % c.n_heads, pos0);
+    for (int64_t th = th0; th < th1; th++) attend(l, th / c.n_heads, th % c.n_heads, rows[th / c.n_heads]);
   });
   matmul(tmp_.data(), att_.data(), *L.wo, n, *pool_);
   for (int64_t i = 0; i < n * H; i++) x_[i] += tmp_[i];
@@ -150,7 +179,7 @@ void CpuEngine::run_layer(int64_t l, int64_t n, int64_t pos0) {
   for (int64_t i = 0; i < n * H; i++) x_[i] += tmp_[i];
 }
 
-void CpuEngine::run(const int32_t* tokens, int64_t m, int64_t pos0, int64_t first_logit_row, float* logits) {
+void CpuEngine::run(const int32_t* tokens, const RowSlot* rows, int64_t m, int64_t first_logit_row, float* logits) {
   const ModelConfig& c = cfg_;
   const int64_t H = c.hidden;
   for (auto* buf : {&x_, &xn_, &tmp_}) buf->resize((size_t)(m * H));
@@ -160,16 +189,24 @@ void CpuEngine::run(const int32_t* tokens, int64_t m, int64_t pos0, int64_t firs
 
   for (int64_t t = 0; t < m; t++)  // embedding lookup
     w_->embedding().widen_row(tokens[t], &x_[t * H]);
-  for (int64_t l = 0; l < c.n_layers; l++) run_layer(l, m, pos0);
+  for (int64_t l = 0; l < c.n_layers; l++) run_layer(l, rows, m);
 
   // Final norm and LM head only for the rows whose logits are wanted; the last row always (for decode).
-  const int64_t rows = m - first_logit_row;
-  rmsnorm(xn_.data(), &x_[first_logit_row * H], w_->final_norm(), rows, H, (float)c.rms_eps);
+  const int64_t n_out = m - first_logit_row;
+  rmsnorm(xn_.data(), &x_[first_logit_row * H], w_->final_norm(), n_out, H, (float)c.rms_eps);
   std::vector<float>& out = logits_buf_;
-  out.resize((size_t)(rows * c.vocab));
-  matmul(out.data(), xn_.data(), w_->lm_head(), rows, *pool_);
-  if (logits) std::memcpy(logits, out.data(), (size_t)(rows * c.vocab) * sizeof(float));
-  std::memcpy(last_logits_.data(), &out[(rows - 1) * c.vocab], (size_t)c.vocab * sizeof(float));
+  out.resize((size_t)(n_out * c.vocab));
+  matmul(out.data(), xn_.data(), w_->lm_head(), n_out, *pool_);
+  if (logits) std::memcpy(logits, out.data(), (size_t)(n_out * c.vocab) * sizeof(float));
+}
+
+void CpuEngine::run_single(const int32_t* tokens, int64_t m, int64_t pos0, int64_t first_logit_row, float* logits) {
+  kv_.reserve(pos0 + m);
+  rows_.resize((size_t)m);
+  for (int64_t t = 0; t < m; t++) rows_[t] = {&kv_, pos0 + t};
+  run(tokens, rows_.data(), m, first_logit_row, logits);
+  const int64_t n_rows = m - first_logit_row;
+  std::memcpy(last_logits_.data(), &logits_buf_[(n_rows - 1) * cfg_.vocab], (size_t)cfg_.vocab * sizeof(float));
   has_last_ = true;
 }
 
@@ -182,8 +219,9 @@ void CpuEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, float
   seq.insert(seq.end(), tokens, tokens + n);
   const int64_t m = (int64_t)seq.size(), pos0 = position() - (pending_ ? 1 : 0);
   const int64_t first = all_logits ? m - n : m - 1;
-  run(seq.data(), m, pos0, first, logits);
+  run_single(seq.data(), m, pos0, first, logits);
   tokens_.insert(tokens_.end(), tokens, tokens + n);
+  for (int64_t i = 0; i < n; i++) history_.add_prompt(tokens[i]);
   pending_ = false;
 }
 
@@ -194,14 +232,15 @@ std::vector<int32_t> CpuEngine::decode(int64_t max_steps, const SamplingConfig& 
   std::vector<int32_t> out;
   for (int64_t i = 0; i < max_steps; i++) {
     if (pending_) {
-      run(&tokens_.back(), 1, position() - 1, 0, nullptr);
+      run_single(&tokens_.back(), 1, position() - 1, 0, nullptr);
       pending_ = false;
     }
     if (position() >= max_seq_)
       fail(ErrorKind::Request, "the sequence reached max_seq_len=" + std::to_string(max_seq_));
-    const int32_t tok = sample_token(last_logits_.data(), cfg_.vocab, s, step0 + (uint64_t)i, tokens_,
-                                     scratch_, scratch_ids_);
+    const int32_t tok = sample_row(last_logits_.data(), cfg_.vocab, s, step0 + (uint64_t)i, history_, 0, scratch_,
+                                   scratch_ids_).token;
     tokens_.push_back(tok);
+    history_.add_generated(tok);
     pending_ = true;
     out.push_back(tok);
     if (std::find(stop_ids.begin(), stop_ids.end(), tok) != stop_ids.end()) break;

@@ -3,13 +3,19 @@
 // It is the oracle every GPU kernel is checked against and the device="cpu" backend, so it is written to be
 // obviously correct rather than fast: one loop nest per operation, threads (thread_pool.h) only across
 // independent output rows / heads, so the thread count never changes a number. The weights stay in their stored
-// precision (weights.h); each matrix row is widened to fp32 inside the matrix product. One sequence; tokens go
-// in at position() and the KV cache grows with them.
+// precision (weights.h); each matrix row is widened to fp32 inside the matrix product.
+//
+// Two independent kinds of sequence: the single one (reset / forward / decode: tokens go in at position() and
+// its KV cache grows with them) and max_batch sequence slots (seq_*, BATCH_CONTRACT.md part 2) for a
+// scheduler. Both run through the same forward pass, run(), whose rows each name the sequence they belong to
+// (a RowSlot), so a token gives bit for bit the same logits alone, in a prefill chunk or in a batched step:
+// every product is the same dot() per (row, weight row), and attention reads only the row's own cache.
 #pragma once
 #include <cstdint>
 #include <memory>
 #include <vector>
 
+#include "../core/batch_sample.h"
 #include "../core/config.h"
 #include "kv_cache.h"
 #include "thread_pool.h"
@@ -24,8 +30,10 @@ int default_threads();  // std::thread::hardware_concurrency(), at least 1
 
 class CpuEngine {
  public:
-  // threads: 0 = the cores available (default_threads()), else 1..kMaxThreads (else ti::Error naming it).
-  CpuEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq_len, int64_t threads = 0);
+  // threads: 0 = the cores available (default_threads()), else 1..kMaxThreads; max_batch: 1..kMaxBatch
+  // (else ti::Error naming it).
+  CpuEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq_len, int64_t threads = 0,
+            int64_t max_batch = 64);
   int threads() const { return pool_->threads(); }
   size_t weight_bytes() const { return w_->bytes(); }  // host memory of the weights, as held
 
@@ -47,20 +55,58 @@ class CpuEngine {
   std::vector<int32_t> decode(int64_t max_steps, const SamplingConfig& s, const std::vector<int32_t>& stop_ids,
                               uint64_t step0);
 
+  // ---- sequence slots (BATCH_CONTRACT.md part 2; cpu_sequences.cpp) ----
+  // Every call checks all its arguments first and throws ti::Error(Request), changing nothing, on a slot out of
+  // 0..max_batch-1 or not open, a token id out of range, positions beyond max_seq_len, a slot listed twice, or
+  // a step / sample on a slot with no logits yet (no prefill ran in it).
+  int64_t max_batch() const { return (int64_t)slots_.size(); }
+  int64_t seq_open();                      // the lowest free slot, empty; a Request error when all are taken
+  void seq_close(int64_t slot);            // frees its KV pages, logits and history
+  int64_t seq_length(int64_t slot) const;  // positions in its cache
+  // A prompt chunk at seq_length(slot)..: fills the cache, keeps the last token's logits as the slot's logits and
+  // adds the tokens to its history as prompt.
+  void seq_prefill(int64_t slot, const int32_t* tokens, int64_t n);
+  // One decode step of n distinct slots in one forward pass: tokens[i] at seq_length(slots[i]) in slots[i]; each
+  // slot's logits become the new ones (the token is not added to the history: seq_sample did that).
+  void seq_step(const int64_t* slots, const int32_t* tokens, int64_t n);
+  // The next token of each slot from its logits (sample_row with cfgs[i] at RNG counter steps[i]), added to the
+  // slot's history as generated; k = top_logprobs entries per row (0..kMaxTopLogprobs).
+  BatchSample seq_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps, int64_t n, int k);
+  // The slot's logits after its last token (vocab floats; empty before its first prefill). The reference
+  // engine's window for tests: the batched numbers checked bit for bit against the single sequence's.
+  const std::vector<float>& seq_logits(int64_t slot) const { return open_slot(slot).logits; }
+  // KV pages of kv_page_size() positions. A slot holds ceil(seq_length / page) of them, allocated as it grows;
+  // the total is what max_batch slots of max_seq_len would hold, max_batch * ceil(max_seq_len / page), so the
+  // CPU never runs out before max_seq_len (its pages come from the heap, not a fixed pool). The single
+  // sequence's cache is not counted.
+  int64_t kv_page_size() const { return kCpuKvPageSize; }
+  int64_t kv_pages_total() const { return max_batch() * KVCache::pages_for(max_seq_); }
+  int64_t kv_pages_free() const { return kv_pages_total() - slot_pages_; }
+
  private:
-  // The forward pass over m tokens at pos0.. ; logits of rows first_logit_row.. land in logits_buf_ (and the last
-  // row in last_logits_); copied to `logits` too when it is not null.
-  void run(const int32_t* tokens, int64_t m, int64_t pos0, int64_t first_logit_row, float* logits);
-  void run_layer(int64_t layer, int64_t n, int64_t pos0);
-  void attend(int64_t layer, int64_t t, int64_t head, int64_t pos0);
+  // One row of a forward pass: the cache it attends over (positions 0..pos) and writes its key/value into at pos.
+  // The cache must already cover pos (KVCache::reserve).
+  struct RowSlot {
+    KVCache* kv;
+    int64_t pos;
+  };
+  // The forward pass over m tokens, token t at rows[t]; logits of rows first_logit_row.. land in logits_buf_,
+  // (m - first_logit_row, vocab), and are copied to `logits` too when it is not null.
+  void run(const int32_t* tokens, const RowSlot* rows, int64_t m, int64_t first_logit_row, float* logits);
+  void run_layer(int64_t layer, const RowSlot* rows, int64_t n);
+  void attend(int64_t layer, int64_t t, int64_t head, const RowSlot& row);
+  // The single sequence's tokens [pos0, pos0 + m) through run(); its last logits kept in last_logits_.
+  void run_single(const int32_t* tokens, int64_t m, int64_t pos0, int64_t first_logit_row, float* logits);
 
   std::shared_ptr<const WeightStore> w_;
   std::unique_ptr<ThreadPool> pool_;
   ModelConfig cfg_;
   int64_t max_seq_;
-  KVCache kv_;
+  KVCache kv_;                 // the single sequence's
+  std::vector<RowSlot> rows_;  // run()'s row list, reused
   RopeTable rope_;
   std::vector<int32_t> tokens_;
+  TokenHistory history_{0};    // tokens_ as the penalties see them: forward() adds prompt, decode() generated
   bool has_last_ = false;      // last_logits_ holds the logits after tokens_ (minus pending_)
   bool pending_ = false;       // tokens_.back() was sampled but not yet run through the model
   std::vector<float> last_logits_;
@@ -78,6 +124,21 @@ class CpuEngine {
   std::vector<float> logits_buf_;  // (rows, vocab)
   std::vector<float> scratch_;
   std::vector<int32_t> scratch_ids_;
+
+  // One sequence slot's state; null in slots_ while the slot is free.
+  struct Slot {
+    explicit Slot(const ModelConfig& c) : kv(c.n_layers, c.n_kv_heads, c.head_dim), history(c.vocab) {}
+    KVCache kv;
+    std::vector<int32_t> tokens;  // the positions in kv
+    std::vector<float> logits;    // (vocab) after tokens.back(); empty until the first prefill
+    TokenHistory history;         // the penalties' state: prompt and generated tokens
+  };
+  bool is_open(int64_t slot) const { return slots_[(size_t)slot] != nullptr; }  // slot in range
+  const Slot& open_slot(int64_t slot) const;  // checked: exists and is open
+  Slot& open_slot(int64_t slot);
+  void check_batch(const char* what, const int64_t* slots, int64_t n) const;  // check_batch_slots over slots_
+  std::vector<std::unique_ptr<Slot>> slots_;
+  int64_t slot_pages_ = 0;  // KV pages the slots hold
 };
 
 // ---- the operations, exposed for the kernel tests (each GPU kernel's CPU twin) ----

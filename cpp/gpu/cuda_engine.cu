@@ -10,17 +10,11 @@
 #include "../../cuda/batch_rows.cuh"
 #include "../../cuda/common.cuh"
 #include "../../cuda/prefill_attention.cuh"
-#include "../../cuda/sample_rows_shim.cuh"  // TEMPORARY: cuda/sampling.cuh once helper `sampler` lands
 #include "../core/engine_checks.h"
 #include "../core/errors.h"
 #include "plan_cache.h"
 
 namespace ti {
-
-cuda::DeviceSampling device_sampling(const SamplingConfig& s) {
-  return cuda::DeviceSampling{s.temperature, (int)std::min<int64_t>(s.top_k, INT32_MAX), s.top_p, s.min_p,
-                              s.repetition_penalty, (unsigned long long)s.seed};
-}
 
 // ---- lifecycle ----
 
@@ -88,8 +82,7 @@ void CudaEngine::init_device() {
   if (opt_.kv_pool_pages < 0)
     fail(ErrorKind::Request, "kv_pool_pages must be >= 0 (0: enough for max_seq_len), got " +
                                  std::to_string(opt_.kv_pool_pages));
-  if (opt_.max_batch < 1 || opt_.max_batch > 1024)
-    fail(ErrorKind::Request, "max_batch must be 1..1024, got " + std::to_string(opt_.max_batch));
+  check_max_batch(opt_.max_batch);
   if (opt_.batch_gemv_f16_max < 0) fail(ErrorKind::Request, "batch_gemv_f16_max must be >= 0");
   if (opt_.gemv_grid < -1 || opt_.gemv_grid > 2) fail(ErrorKind::Request, "gemv_grid must be -1 (tuned), 0, 1 or 2");
   if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))
@@ -115,6 +108,7 @@ void CudaEngine::allocate() {
   h_state_ = arena_.alloc_pinned_n<cuda::DecodeState>(1);
   h_sampling_ = arena_.alloc_pinned_n<cuda::DeviceSampling>(1);
   h_out_ = arena_.alloc_pinned_n<int>((size_t)max_seq_);
+  history_ = TokenHistory(cfg_.vocab);
   *h_state_ = cuda::DecodeState{};
   *h_sampling_ = cuda::DeviceSampling{};
   TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.state, h_state_, sizeof(*h_state_), cudaMemcpyHostToDevice, stream_));
@@ -326,6 +320,7 @@ void CudaEngine::kv_reserve(int64_t positions) {
 void CudaEngine::reset() {
   seq_->release(*pool_);  // (the device table keeps stale entries: no kernel reads past its position)
   tokens_.clear();
+  history_.clear();
   has_logits_ = pending_ = false;
 }
 
@@ -358,6 +353,7 @@ void CudaEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, floa
     TI_CUDA_CHECK(cudaMemcpyAsync(logits, dbuf_.logits, V * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
   tokens_.insert(tokens_.end(), tokens, tokens + n);
+  for (int64_t i = 0; i < n; i++) history_.add_prompt(tokens[i]);
   pending_ = false;
   has_logits_ = true;
 }
@@ -373,20 +369,21 @@ std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig&
   kv_reserve(position() + n);  // the steps write positions up to position() + n - 2
 
   upload_sampling(device_sampling(s));
-  if (s.repetition_penalty != 1.0f) {  // the penalty's "seen" set: the sequence so far (the kernel adds to it)
-    std::vector<unsigned char> seen((size_t)cfg_.vocab, 0);
-    for (int32_t t : tokens_) seen[(size_t)t] = 1;
-    TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.seen, seen.data(), seen.size(), cudaMemcpyHostToDevice, stream_));
+  // The penalties' history: the sequence so far (the kernel adds each token it samples). Read by the kernel only
+  // when a penalty is on, so uploaded only then.
+  if (s.repetition_penalty != 1.0f || s.presence_penalty != 0.0f || s.frequency_penalty != 0.0f) {
+    TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.seen, history_.seen.data(), history_.seen.size(), cudaMemcpyHostToDevice,
+                                  stream_));
+    TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.counts, history_.counts.data(), history_.counts.size() * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, stream_));
     TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  } else {
-    TI_CUDA_CHECK(cudaMemsetAsync(dbuf_.seen, 0, cfg_.vocab, stream_));
   }
 
   int64_t replays = n;
   set_state(tokens_.back(), (int)(position() - 1), (int)step0);
   if (!pending_) {  // sample from the prefill's logits first (its token was fed at position()-1)
-    cuda::sample_token(dbuf_.logits, (int)cfg_.vocab, dbuf_.sampling, dbuf_.seen, dbuf_.probs, dbuf_.state, dbuf_.out,
-                       stream_, false);
+    cuda::sample_token(dbuf_.logits, (int)cfg_.vocab, dbuf_.sampling, dbuf_.seen, dbuf_.counts, dbuf_.probs,
+                       dbuf_.state, dbuf_.out, stream_, false);
     replays = n - 1;
   }  // else: feed the pending token, sample the next: n full steps
   last_decode_ms_ = clock_->gpu_ms([&] {
@@ -403,6 +400,7 @@ std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig&
   // The device ran past a stop token (at most one chunk of wasted work); the host state ends at the stop.
   // The last sampled token has not been fed: it is pending, as in the CPU engine.
   tokens_.insert(tokens_.end(), out.begin(), out.end());
+  for (int32_t t : out) history_.add_generated(t);
   pending_ = true;
   return out;
 }

@@ -68,9 +68,6 @@ struct CudaOptions {
   std::string plan_text;               // a saved GEMV plan (plan_cache.h) to take instead of tuning; "": tune
 };
 
-// The sampler's settings as the device kernels read them (the single sequence's and the slots').
-cuda::DeviceSampling device_sampling(const SamplingConfig& s);
-
 class CudaEngine {
  public:
   // The weights streamed from the file: load(s) hands every tensor to s in its stored form (weight_stream.h);
@@ -175,7 +172,7 @@ class CudaEngine {
   void run_decode_step(int64_t pos);       // pos: the step's position (picks the graph)
   void allocate_batch();                   // the slots, their buffers and sampling state
   int64_t default_pool_pages() const;      // CudaOptions::kv_pool_pages = 0 (see there)
-  void check_slot(int64_t slot, const char* what) const;  // open and in range, else a Request error
+  void check_slot(int64_t slot) const;     // open and in range, else a Request error (engine_checks.h)
   void slot_reserve(int64_t slot, int64_t positions);     // KvSequence::grow + the changed table entries uploaded
   // rows (token, position, slot) of one batched step, padded to the bucket; the bucket's graph (captured on
   // first use) or the launches.
@@ -230,6 +227,7 @@ class CudaEngine {
   void* h_sample_out_ = nullptr;                // pinned, the same
 
   std::vector<int32_t> tokens_;
+  TokenHistory history_{0};  // tokens_ as the sampler's penalties see them: forward() prompt, decode() generated
   LoadTimes load_times_;
   bool has_logits_ = false, pending_ = false;
   double last_decode_ms_ = 0;

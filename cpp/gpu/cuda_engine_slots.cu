@@ -10,17 +10,13 @@
 
 #include "../../cuda/batch_rows.cuh"
 #include "../../cuda/common.cuh"
-#include "../../cuda/sample_rows_shim.cuh"  // TEMPORARY: cuda/sampling.cuh once helper `sampler` lands
+#include "../../cuda/sampling.cuh"
 #include "../core/engine_checks.h"
 #include "../core/errors.h"
 #include "cuda_engine.h"
 
 namespace ti {
 
-namespace {
-constexpr int kMaxTopLogprobs = 20;
-std::string slot_name(int64_t slot) { return "slot " + std::to_string(slot); }
-}  // namespace
 
 int64_t CudaEngine::default_pool_pages() const {
   const int P = opt_.kv_page_size;
@@ -51,17 +47,14 @@ void CudaEngine::allocate_batch() {
   const size_t in_bytes = (size_t)B * (sizeof(cuda::RowSampling) + sizeof(int));
   d_sample_in_ = arena_.alloc(in_bytes, Kind::Scratch);
   h_sample_in_ = arena_.alloc_pinned(in_bytes);
-  const size_t out_bytes = (size_t)B * (1 + kMaxTopLogprobs) * (sizeof(int) + sizeof(float));
+  const size_t out_bytes = (size_t)B * (1 + cuda::kMaxTopK) * (sizeof(int) + sizeof(float));
   d_sample_out_ = arena_.alloc(out_bytes, Kind::Scratch);
   h_sample_out_ = arena_.alloc_pinned(out_bytes);
   d_prompt_ = arena_.alloc_n<int>((size_t)max_seq_, Kind::Scratch);
 }
 
-void CudaEngine::check_slot(int64_t slot, const char* what) const {
-  if (slot < 0 || slot >= (int64_t)slots_.size())
-    fail(ErrorKind::Request, std::string(what) + ": slot " + std::to_string(slot) + " out of range 0.." +
-                                 std::to_string(slots_.size() - 1));
-  if (!slots_[(size_t)slot].open) fail(ErrorKind::Request, std::string(what) + ": " + slot_name(slot) + " is not open");
+void CudaEngine::check_slot(int64_t slot) const {
+  check_open_slot(slot, (int64_t)slots_.size(), [&](int64_t i) { return slots_[(size_t)i].open; });
 }
 
 int64_t CudaEngine::seq_open() {
@@ -76,11 +69,11 @@ int64_t CudaEngine::seq_open() {
     sl.length = 0;
     return (int64_t)i;
   }
-  fail(ErrorKind::Request, "seq_open: all " + std::to_string(slots_.size()) + " slots are taken (max_batch)");
+  fail(ErrorKind::Request, "all " + std::to_string(slots_.size()) + " sequence slots are open (max_batch)");
 }
 
 void CudaEngine::seq_close(int64_t slot) {
-  check_slot(slot, "seq_close");
+  check_slot(slot);
   Slot& sl = slots_[(size_t)slot];
   sl.kv->release(*pool_);  // (its device table keeps stale entries: nothing reads past its length)
   const size_t V = (size_t)cfg_.vocab;
@@ -91,13 +84,13 @@ void CudaEngine::seq_close(int64_t slot) {
 }
 
 int64_t CudaEngine::seq_length(int64_t slot) const {
-  check_slot(slot, "seq_length");
+  check_slot(slot);
   return slots_[(size_t)slot].length;
 }
 
 std::vector<float> CudaEngine::seq_logits(int64_t slot) const {
-  check_slot(slot, "seq_logits");
-  if (!slots_[(size_t)slot].has_logits) fail(ErrorKind::Request, "seq_logits: " + slot_name(slot) + " has no logits yet");
+  check_slot(slot);
+  if (!slots_[(size_t)slot].has_logits) return {};  // (as the CPU engine: empty before the first prefill)
   std::vector<float> out((size_t)cfg_.vocab);
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
   TI_CUDA_CHECK(cudaMemcpy(out.data(), bbuf_.slot_logits + (size_t)slot * cfg_.vocab, out.size() * sizeof(float),
@@ -116,7 +109,7 @@ void CudaEngine::slot_reserve(int64_t slot, int64_t positions) {
 }
 
 void CudaEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
-  check_slot(slot, "seq_prefill");
+  check_slot(slot);
   check_tokens(tokens, n, cfg_.vocab);
   Slot& sl = slots_[(size_t)slot];
   check_room(sl.length, n, max_seq_);
@@ -143,15 +136,11 @@ void CudaEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
 }
 
 void CudaEngine::seq_step(const int64_t* slots, const int32_t* tokens, int64_t n) {
-  if (n < 1 || n > opt_.max_batch)
-    fail(ErrorKind::Request, "seq_step: 1.." + std::to_string(opt_.max_batch) + " slots per step, got " +
-                                 std::to_string(n));
+  check_batch_slots("seq_step", slots, n, (int64_t)slots_.size(), [&](int64_t i) { return slots_[(size_t)i].open; },
+                    [&](int64_t i) { return slots_[(size_t)i].has_logits; });
   check_tokens(tokens, n, cfg_.vocab);
-  std::vector<char> seen(slots_.size(), 0);
   int64_t need = 0;  // pages the step takes from the pool
   for (int64_t i = 0; i < n; i++) {
-    check_slot(slots[i], "seq_step");
-    if (seen[(size_t)slots[i]]++) fail(ErrorKind::Request, "seq_step: " + slot_name(slots[i]) + " given twice");
     const Slot& sl = slots_[(size_t)slots[i]];
     check_room(sl.length, 1, max_seq_);
     need += pool_->pages_for(sl.length + 1) - sl.kv->pages();
@@ -203,21 +192,10 @@ void CudaEngine::run_rows(const int32_t* tokens, const int64_t* pos, const int64
 
 BatchSample CudaEngine::seq_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps, int64_t n,
                                    int k) {
-  if (n < 1 || n > opt_.max_batch)
-    fail(ErrorKind::Request, "seq_sample: 1.." + std::to_string(opt_.max_batch) + " slots, got " + std::to_string(n));
-  if (k < 0 || k > kMaxTopLogprobs) fail(ErrorKind::Request, "seq_sample: top_logprobs must be 0..20, got " + std::to_string(k));
-  std::vector<char> seen(slots_.size(), 0);
-  for (int64_t i = 0; i < n; i++) {
-    check_slot(slots[i], "seq_sample");
-    if (seen[(size_t)slots[i]]++) fail(ErrorKind::Request, "seq_sample: " + slot_name(slots[i]) + " given twice");
-    if (!slots_[(size_t)slots[i]].has_logits)
-      fail(ErrorKind::Request, "seq_sample: " + slot_name(slots[i]) + " has no logits (prefill it first)");
-    validate(cfgs[i]);
-    // TEMPORARY (shim): the stand-in sampler is greedy only; helper `sampler`'s sample_rows does the rest.
-    if (cfgs[i].temperature > 0.0f)
-      fail(ErrorKind::Unsupported, "seq_sample: this build samples greedily only (temperature 0) until the batched "
-                                   "sampler lands");
-  }
+  check_batch_slots("seq_sample", slots, n, (int64_t)slots_.size(), [&](int64_t i) { return slots_[(size_t)i].open; },
+                    [&](int64_t i) { return slots_[(size_t)i].has_logits; });
+  check_top_logprobs(k);
+  for (int64_t i = 0; i < n; i++) validate(cfgs[i]);
   const int B = (int)opt_.max_batch, V = (int)cfg_.vocab;
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the pinned staging may still be read by the previous copy
   auto* rows_h = static_cast<cuda::RowSampling*>(h_sample_in_);
@@ -235,16 +213,16 @@ BatchSample CudaEngine::seq_sample(const int64_t* slots, const SamplingConfig* c
   int* tok_d = static_cast<int*>(d_sample_out_);
   float* lp_d = reinterpret_cast<float*>(tok_d + B);
   int* top_ids_d = reinterpret_cast<int*>(lp_d + B);
-  float* top_lp_d = reinterpret_cast<float*>(top_ids_d + (size_t)B * kMaxTopLogprobs);
+  float* top_lp_d = reinterpret_cast<float*>(top_ids_d + (size_t)B * cuda::kMaxTopK);
   cuda::sample_rows(bbuf_.logits, bbuf_.ld_v, (int)n, V, rows_d, seen_, counts_, sample_scratch_, k, tok_d, lp_d,
                     k ? top_ids_d : nullptr, k ? top_lp_d : nullptr, stream_);
-  const size_t out_bytes = (size_t)B * (1 + kMaxTopLogprobs) * (sizeof(int) + sizeof(float));
+  const size_t out_bytes = (size_t)B * (1 + cuda::kMaxTopK) * (sizeof(int) + sizeof(float));
   TI_CUDA_CHECK(cudaMemcpyAsync(h_sample_out_, d_sample_out_, out_bytes, cudaMemcpyDeviceToHost, stream_));
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
   const int* tok_h = static_cast<const int*>(h_sample_out_);
   const float* lp_h = reinterpret_cast<const float*>(tok_h + B);
   const int* top_ids_h = reinterpret_cast<const int*>(lp_h + B);
-  const float* top_lp_h = reinterpret_cast<const float*>(top_ids_h + (size_t)B * kMaxTopLogprobs);
+  const float* top_lp_h = reinterpret_cast<const float*>(top_ids_h + (size_t)B * cuda::kMaxTopK);
   BatchSample out;
   out.k = k;
   out.tokens.assign(tok_h, tok_h + n);

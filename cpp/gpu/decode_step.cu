@@ -48,7 +48,8 @@ void DecodeStep::record_token_logits(cudaStream_t s, bool pdl) {
 
 void DecodeStep::record(cudaStream_t s, bool pdl) {
   record_token_logits(s, pdl);
-  cuda::sample_token(b_.logits, (int)c_.vocab, b_.sampling, b_.seen, b_.probs, b_.state, b_.out, s, pdl);
+  cuda::sample_token(b_.logits, (int)c_.vocab, b_.sampling, b_.seen, b_.counts, b_.probs, b_.state, b_.out, s,
+                     pdl);
 }
 
 cuda::DecodeAttnParams DecodeStep::attn_params(int64_t layer) const {
@@ -116,6 +117,7 @@ DecodeBuffers DecodeBuffers::allocate(const ModelConfig& c, const DeviceWeights&
   b.sampling = arena.alloc_n<cuda::DeviceSampling>(1, Kind::Scratch);
   b.state = arena.alloc_n<cuda::DecodeState>(1, Kind::Scratch);
   b.seen = arena.alloc_n<unsigned char>((size_t)c.vocab, Kind::Scratch);
+  b.counts = arena.alloc_n<int>((size_t)c.vocab, Kind::Scratch);
   b.probs = arena.alloc_n<float>((size_t)c.vocab, Kind::Scratch);
   b.out = arena.alloc_n<int>((size_t)max_seq, Kind::Scratch);
   if (trace) {  // 5 kernels per layer + the head
@@ -123,6 +125,7 @@ DecodeBuffers DecodeBuffers::allocate(const ModelConfig& c, const DeviceWeights&
     b.trace = arena.alloc_n<unsigned long long>(b.trace_words, Kind::Scratch);
   }
   TI_CUDA_CHECK(cudaMemsetAsync(b.seen, 0, c.vocab, s));
+  TI_CUDA_CHECK(cudaMemsetAsync(b.counts, 0, c.vocab * sizeof(int), s));
   return b;
 }
 

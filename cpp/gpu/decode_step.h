@@ -40,6 +40,7 @@ struct DecodeBuffers {
   cuda::DecodeState* state = nullptr;        // token, pos, step
   cuda::DeviceSampling* sampling = nullptr;  // the sampling parameters
   unsigned char* seen = nullptr;             // (vocab) the repetition penalty's set
+  int* counts = nullptr;                     // (vocab) generated counts (presence / frequency penalties)
   float* probs = nullptr;                    // (vocab) sampler scratch
   int* out = nullptr;                        // (max_seq) sampled tokens of one decode() call
   unsigned long long* trace = nullptr;       // CudaOptions::trace: kTraceBlocks x kTracePoints per traced kernel

@@ -201,8 +201,9 @@ def verify(model: str, steps: int = 32, prompt: str = "The quick brown fox", out
 
 # ---- the CPU reference engine ----
 
-def random_cpu_engine(cfg: _core.ModelConfig, max_seq: int, seed: int = 0, threads: int = 0):
-    """A CPU engine with random weights at `cfg`'s shape (speed does not depend on the values)."""
+def random_cpu_engine(cfg: _core.ModelConfig, max_seq: int, seed: int = 0, threads: int = 0, max_batch: int = 64):
+    """A CPU engine with random weights at `cfg`'s shape (speed does not depend on the values); max_batch
+    sequence slots."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -215,7 +216,7 @@ def random_cpu_engine(cfg: _core.ModelConfig, max_seq: int, seed: int = 0, threa
             w = (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float16)
         store.add(name, w, "fp16")
     store.finish()
-    return _core.CpuEngine(store, max_seq, threads)
+    return _core.CpuEngine(store, max_seq, threads, max_batch)
 
 
 def run_cpu(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 256), steps: int = 32,

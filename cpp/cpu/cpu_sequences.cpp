@@ -1,0 +1,112 @@
+// cpu_sequences.cpp — the CPU engine's sequence slots (BATCH_CONTRACT.md part 2): open / close, prefill chunks,
+// one batched decode step, sampling. The forward pass is the single sequence's (cpu_engine.cpp run()), with each
+// row naming its slot's cache, so a slot's numbers are those it would have alone.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "../core/engine_checks.h"
+#include "../core/errors.h"
+#include "cpu_engine.h"
+
+namespace ti {
+
+const CpuEngine::Slot& CpuEngine::open_slot(int64_t slot) const {
+  check_open_slot(slot, max_batch(), [&](int64_t s) { return is_open(s); });
+  return *slots_[(size_t)slot];
+}
+
+CpuEngine::Slot& CpuEngine::open_slot(int64_t slot) {
+  return const_cast<Slot&>(static_cast<const CpuEngine*>(this)->open_slot(slot));
+}
+
+void CpuEngine::check_batch(const char* what, const int64_t* slots, int64_t n) const {
+  check_batch_slots(
+      what, slots, n, max_batch(), [&](int64_t s) { return is_open(s); },
+      [&](int64_t s) { return !slots_[(size_t)s]->logits.empty(); });
+}
+
+int64_t CpuEngine::seq_open() {
+  auto free = std::find(slots_.begin(), slots_.end(), nullptr);
+  if (free == slots_.end())
+    fail(ErrorKind::Request, "all " + std::to_string(max_batch()) + " sequence slots are open (max_batch)");
+  *free = std::make_unique<Slot>(cfg_);
+  return (int64_t)(free - slots_.begin());
+}
+
+void CpuEngine::seq_close(int64_t slot) {
+  slot_pages_ -= open_slot(slot).kv.pages();
+  slots_[(size_t)slot].reset();  // its cache, logits and history go with it
+}
+
+int64_t CpuEngine::seq_length(int64_t slot) const { return (int64_t)open_slot(slot).tokens.size(); }
+
+void CpuEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
+  Slot& s = open_slot(slot);
+  check_tokens(tokens, n, cfg_.vocab);
+  const int64_t pos0 = (int64_t)s.tokens.size();
+  check_room(pos0, n, max_seq_);
+
+  slot_pages_ += s.kv.reserve(pos0 + n);
+  rows_.resize((size_t)n);
+  for (int64_t t = 0; t < n; t++) rows_[t] = {&s.kv, pos0 + t};
+  run(tokens, rows_.data(), n, n - 1, nullptr);
+  s.logits.assign(logits_buf_.begin(), logits_buf_.begin() + cfg_.vocab);
+  s.tokens.insert(s.tokens.end(), tokens, tokens + n);
+  for (int64_t t = 0; t < n; t++) s.history.add_prompt(tokens[t]);
+}
+
+void CpuEngine::seq_step(const int64_t* slots, const int32_t* tokens, int64_t n) {
+  check_batch("seq_step", slots, n);
+  check_tokens(tokens, n, cfg_.vocab);
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t len = (int64_t)slots_[(size_t)slots[i]]->tokens.size();
+    if (len + 1 > max_seq_)
+      fail(ErrorKind::Request, "seq_step: slot " + std::to_string(slots[i]) + " holds " + std::to_string(len) +
+                                   " tokens, max_seq_len=" + std::to_string(max_seq_));
+  }
+
+  // All n tokens in one forward pass (the matrices read once per step), each row in its own slot's cache.
+  rows_.resize((size_t)n);
+  for (int64_t i = 0; i < n; i++) {
+    Slot& s = *slots_[(size_t)slots[i]];
+    const int64_t pos = (int64_t)s.tokens.size();
+    slot_pages_ += s.kv.reserve(pos + 1);
+    rows_[i] = {&s.kv, pos};
+  }
+  run(tokens, rows_.data(), n, 0, nullptr);
+  for (int64_t i = 0; i < n; i++) {
+    Slot& s = *slots_[(size_t)slots[i]];
+    std::memcpy(s.logits.data(), &logits_buf_[(size_t)(i * cfg_.vocab)], (size_t)cfg_.vocab * sizeof(float));
+    s.tokens.push_back(tokens[i]);
+  }
+}
+
+BatchSample CpuEngine::seq_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps,
+                                  int64_t n, int k) {
+  check_batch("seq_sample", slots, n);
+  check_top_logprobs(k);
+  for (int64_t i = 0; i < n; i++) validate(cfgs[i]);
+
+  BatchSample out;
+  out.k = k;
+  out.tokens.resize((size_t)n);
+  out.logprobs.resize((size_t)n);
+  // Rows shorter than k (a vocabulary smaller than k) padded with id -1, logprob -inf.
+  out.top_ids.assign((size_t)(n * k), -1);
+  out.top_logprobs.assign((size_t)(n * k), -INFINITY);
+  for (int64_t i = 0; i < n; i++) {
+    Slot& s = *slots_[(size_t)slots[i]];
+    const SampleResult r = sample_row(s.logits.data(), cfg_.vocab, cfgs[i], steps[i], s.history, k, scratch_,
+                                      scratch_ids_);
+    s.history.add_generated(r.token);
+    out.tokens[i] = r.token;
+    out.logprobs[i] = r.logprob;
+    const size_t got = std::min(r.top_ids.size(), (size_t)k);
+    std::copy_n(r.top_ids.begin(), got, out.top_ids.begin() + i * k);
+    std::copy_n(r.top_logprobs.begin(), got, out.top_logprobs.begin() + i * k);
+  }
+  return out;
+}
+
+}  // namespace ti

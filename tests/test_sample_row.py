@@ -1,0 +1,239 @@
+"""The reference sampler of one row (cpp/core/sampling.cpp sample_row, through _core.ops.sample_row): the chosen
+token's log-probability and the top entries (log_softmax of the RAW logits), the presence / frequency penalties
+over generated tokens, their validation, and the CPU engine's decode applying them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_llama
+from tinyinfer import Engine, InvalidRequestError, _core
+
+sample_row = _core.ops.sample_row
+
+
+def cfg(**kw) -> _core.SamplingConfig:
+    s = _core.SamplingConfig()
+    for k, v in kw.items():
+        setattr(s, k, v)
+    return s
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    return torch.log_softmax(torch.from_numpy(x.astype(np.float64)), dim=0).numpy()
+
+
+ARANGE = np.arange(10, dtype=np.float32)  # greedy: 9, then 8, ...
+
+
+# ---- log-probabilities ----
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_are_log_softmax_of_raw_logits(temperature):
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal(1000) * 4).astype(np.float32)
+    ref = log_softmax(logits)
+    # penalties and temperature change the choice, never the reported numbers
+    s = cfg(temperature=temperature, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25, seed=3)
+    tok, lp, top_ids, top_lp = sample_row(logits, s, 0, [int(np.argmax(logits))], [5, 5, 7], 20)
+    assert top_ids.dtype == np.int32 and top_lp.dtype == np.float32 and top_ids.shape == top_lp.shape == (20,)
+    assert abs(lp - ref[tok]) < 1e-5
+    want = np.argsort(-ref, kind="stable")[:20]
+    np.testing.assert_array_equal(top_ids, want)
+    np.testing.assert_allclose(top_lp, ref[want], atol=1e-5)
+
+
+def test_greedy_logprob_of_arange():
+    tok, lp, top_ids, top_lp = sample_row(ARANGE, cfg(), 0, [], [], 3)
+    ref = log_softmax(ARANGE)
+    assert tok == 9 and abs(lp - ref[9]) < 1e-6
+    assert list(top_ids) == [9, 8, 7]
+    np.testing.assert_allclose(top_lp, ref[[9, 8, 7]], atol=1e-6)
+
+
+def test_top_entries_ties_go_to_the_lower_id():
+    logits = np.array([1, 3, 3, 0, 3, 2, 3], dtype=np.float32)
+    _, _, top_ids, top_lp = sample_row(logits, cfg(), 0, [], [], 5)
+    assert list(top_ids) == [1, 2, 4, 6, 5]
+    assert top_lp[0] == top_lp[1] == top_lp[2] == top_lp[3] > top_lp[4]
+
+
+def test_top_logprobs_zero_and_more_than_vocab():
+    tok, _, top_ids, top_lp = sample_row(ARANGE, cfg(), 0, [], [], 0)
+    assert tok == 9 and top_ids.shape == (0,) and top_lp.shape == (0,)
+    small = np.array([0.5, 2.0, -1.0], dtype=np.float32)
+    _, _, top_ids, top_lp = sample_row(small, cfg(), 0, [], [], 20)  # clipped to the vocabulary
+    assert list(top_ids) == [1, 0, 2]
+    np.testing.assert_allclose(np.exp(top_lp).sum(), 1.0, rtol=1e-6)
+
+
+def test_logprob_of_a_masked_token_stays_finite():
+    logits = np.array([0.0, -np.inf, 5.0, -np.inf], dtype=np.float32)
+    tok, lp, top_ids, top_lp = sample_row(logits, cfg(), 0, [], [], 4)
+    ref = log_softmax(logits)
+    assert tok == 2 and abs(lp - ref[2]) < 1e-6
+    assert list(top_ids) == [2, 0, 1, 3] and np.isneginf(top_lp[2:]).all()
+
+
+# ---- penalties (greedy, on named inputs) ----
+
+@pytest.mark.parametrize(
+    "kw, prompt, generated, want",
+    [
+        (dict(), [], [9], 9),                                      # no penalty: argmax
+        (dict(presence_penalty=1.5), [], [9], 8),                  # 9 - 1.5 = 7.5 < 8
+        (dict(presence_penalty=1.5), [9], [], 9),                  # presence: generated tokens only
+        (dict(presence_penalty=0.5), [], [9, 9, 9], 9),            # once, whatever the count: 8.5 > 8
+        (dict(frequency_penalty=0.6), [], [9], 9),                 # 9 - 0.6 = 8.4 > 8
+        (dict(frequency_penalty=0.6), [], [9, 9], 8),              # 9 - 1.2 = 7.8 < 8
+        (dict(frequency_penalty=0.6), [9, 9, 9], [], 9),           # frequency: generated tokens only
+        (dict(frequency_penalty=-2.0), [], [3, 3, 3, 3], 3),       # negative: encourages (3 + 8 = 11 > 9)
+        (dict(presence_penalty=-2.0), [], [8], 8),                 # 8 + 2 = 10 > 9
+        (dict(repetition_penalty=2.0), [9], [], 8),                # repetition: prompt too (9 / 2 = 4.5)
+        (dict(repetition_penalty=1.125), [9], [], 8),              # 9 / 1.125 = 8 exactly: tie, lower id
+        (dict(presence_penalty=0.5, frequency_penalty=0.75), [], [9, 9, 8], 7),  # 9-2=7, 8-1.25=6.75: tie 7
+    ],
+)
+def test_penalties_change_the_greedy_choice(kw, prompt, generated, want):
+    tok, lp, _, _ = sample_row(ARANGE, cfg(**kw), 0, prompt, generated, 0)
+    assert tok == want
+    assert abs(lp - log_softmax(ARANGE)[want]) < 1e-6  # reported from the raw logits
+
+
+def test_repetition_penalty_applies_before_presence():
+    """Token 0 (logit 9, generated once) against token 1 (logit 4.1): repetition 2 then presence 0.5 gives
+    9 / 2 - 0.5 = 4.0 < 4.1; the other order would give (9 - 0.5) / 2 = 4.25 > 4.1."""
+    logits = np.array([9.0, 4.1, 0.0], dtype=np.float32)
+    s = cfg(repetition_penalty=2.0, presence_penalty=0.5)
+    assert sample_row(logits, s, 0, [], [0], 0)[0] == 1
+    assert sample_row(logits, cfg(repetition_penalty=2.0), 0, [], [0], 0)[0] == 0  # 4.5 > 4.1
+
+
+def test_penalties_apply_before_top_k():
+    """top_k=1 keeps the best PENALISED token, so sampling at any seed is the penalised greedy choice."""
+    s = cfg(temperature=1.0, top_k=1, frequency_penalty=2.0)
+    assert {sample_row(ARANGE, s, step, [], [9], 0)[0] for step in range(20)} == {8}
+
+
+# ---- validation ----
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("bad", [2.5, -2.01, math.inf, -math.inf, math.nan])
+def test_penalty_out_of_range_is_refused(field, bad):
+    s = cfg(**{field: bad})
+    with pytest.raises(InvalidRequestError, match=field):
+        s.validate()
+    with pytest.raises(InvalidRequestError, match=field):
+        sample_row(ARANGE, s, 0, [], [], 0)
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+def test_penalty_range_ends_are_accepted(field):
+    for v in (-2.0, 2.0, 0.0):
+        cfg(**{field: v}).validate()
+
+
+@pytest.mark.parametrize("bad", [-1, 21, 100])
+def test_top_logprobs_out_of_range_is_refused(bad):
+    with pytest.raises(InvalidRequestError, match="top_logprobs"):
+        sample_row(ARANGE, cfg(), 0, [], [], bad)
+
+
+@pytest.mark.parametrize("where", ["prompt", "generated"])
+@pytest.mark.parametrize("bad", [-1, 10])
+def test_history_ids_out_of_range_are_refused(where, bad):
+    hist = {"prompt": [], "generated": []}
+    hist[where] = [bad]
+    with pytest.raises(InvalidRequestError, match=f"token id {bad}"):
+        sample_row(ARANGE, cfg(), 0, hist["prompt"], hist["generated"], 0)
+
+
+def test_penalty_fields_round_trip():
+    s = cfg(presence_penalty=0.5, frequency_penalty=-1.25)
+    assert s.presence_penalty == 0.5 and s.frequency_penalty == -1.25
+    assert _core.SamplingConfig().presence_penalty == 0.0 == _core.SamplingConfig().frequency_penalty
+
+
+# ---- seeded sampling ----
+
+def test_seeded_sampling_is_a_function_of_seed_and_step():
+    logits = np.zeros(1000, dtype=np.float32)  # uniform: every draw lands somewhere else
+    s = cfg(temperature=1.0, seed=1234)
+    a = [sample_row(logits, s, step, [], [], 0)[0] for step in range(40)]
+    assert a == [sample_row(logits, s, step, [], [], 0)[0] for step in range(40)]
+    assert len(set(a)) > 30
+    b = [sample_row(logits, cfg(temperature=1.0, seed=99), step, [], [], 0)[0] for step in range(40)]
+    assert a != b
+
+
+def test_draw_follows_the_penalised_distribution():
+    """Temperature 1 over logits [0, 0, 0] with token 0 generated twice at frequency 1: p = [e^-2, 1, 1] / Z."""
+    logits = np.zeros(3, dtype=np.float32)
+    n = 3000
+    draws = [sample_row(logits, cfg(temperature=1.0, frequency_penalty=1.0, seed=seed), 0, [], [0, 0], 0)[0]
+             for seed in range(n)]
+    counts = np.bincount(draws, minlength=3)
+    p = np.array([math.exp(-2), 1, 1]) / (math.exp(-2) + 2)
+    sigma = np.sqrt(n * p * (1 - p))
+    assert (np.abs(counts - n * p) <= 4.5 * sigma).all(), counts
+
+
+# ---- the CPU engine's decode ----
+
+@pytest.fixture(scope="module")
+def core(tmp_path_factory):
+    d = make_llama(tmp_path_factory.mktemp("samprow"), layers=1, heads=2, kv_heads=2, hidden=128, vocab=256,
+                   init_std=0.3)
+    return Engine(d, device="cpu", max_seq_len=256)._core
+
+
+PROMPT = [3, 14, 15, 92, 65]
+
+
+def _decode(core, s, n):
+    core.reset()
+    core.forward(PROMPT, all_logits=False)
+    return list(core.decode(n, s, [], 0))
+
+
+def _step_by_step(core, s, n):
+    """The same generation driven from Python: sample_row over the history, forward() to feed each token."""
+    core.reset()
+    logits = core.forward(PROMPT, all_logits=False)[-1]
+    gen = []
+    for step in range(n):
+        tok = sample_row(logits, s, step, PROMPT, gen, 0)[0]
+        gen.append(tok)
+        logits = core.forward([tok], all_logits=False)[-1]
+    return gen
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(frequency_penalty=2.0), dict(presence_penalty=2.0, repetition_penalty=1.3),
+     dict(temperature=0.9, presence_penalty=1.0, frequency_penalty=0.5, seed=11)],
+)
+def test_cpu_decode_applies_the_penalties_over_its_history(core, kw):
+    s = cfg(**kw)
+    assert _decode(core, s, 24) == _step_by_step(core, s, 24)
+
+
+def test_frequency_penalty_changes_a_cpu_generation(core):
+    plain = _decode(core, cfg(), 24)
+    pen = _decode(core, cfg(frequency_penalty=2.0), 24)
+    # identical up to plain's first repeated token, which the penalty then avoids
+    i = next(i for i, t in enumerate(plain) if t in plain[:i])
+    assert pen[:i] == plain[:i] and pen[i] != plain[i]
+    # a negative penalty rewards repeating: the first generated token wins again and again
+    for kw in (dict(frequency_penalty=-2.0), dict(presence_penalty=-2.0)):
+        assert _decode(core, cfg(**kw), 12) == [plain[0]] * 12
+
+
+def test_cpu_decode_forgets_the_history_on_reset(core):
+    s = cfg(frequency_penalty=2.0, presence_penalty=2.0)
+    first = _decode(core, s, 16)
+    assert _decode(core, s, 16) == first  # reset() cleared the counts of the first run

@@ -341,3 +341,36 @@ def test_single_sequence_is_independent_of_the_slots(model):
     assert got == want
     core.seq_close(s)
     core.reset()
+
+
+def test_sampling_a_slot_alone_or_in_a_batch(model):
+    """seq_sample (cuda::sample_rows) with temperature, top-p and penalties: a slot's token depends on its own
+    logits, config, step counter and history only, so three slots sampled together pick what each picks alone."""
+    eng = gpu_engine(model, "fp16")
+    core = eng._core
+    batch = prompts(4, seed=12)[1:]
+
+    def cfg(i):
+        c = _core.SamplingConfig()
+        c.temperature, c.top_p, c.seed = 0.8, 0.9, 100 + i
+        c.repetition_penalty, c.presence_penalty, c.frequency_penalty = 1.1, 0.3, 0.2
+        return c
+
+    def run(members, steps=5):
+        slots = [core.seq_open() for _ in members]
+        for s, i in zip(slots, members):
+            core.seq_prefill(s, batch[i])
+        out = {i: [] for i in members}
+        for k in range(steps):
+            toks, lp, _, _ = core.seq_sample(slots, [cfg(i) for i in members], [k] * len(members), 0)
+            assert np.isfinite(lp).all() and (lp <= 0).all()
+            for i, t in zip(members, toks):
+                out[i].append(int(t))
+            core.seq_step(slots, toks.tolist())
+        for s in slots:
+            core.seq_close(s)
+        return out
+
+    together = run([0, 1, 2])
+    for i in range(3):
+        assert run([i])[i] == together[i]

@@ -33,7 +33,9 @@ void CudaEngine::allocate_batch() {
   const size_t V = (size_t)cfg_.vocab;
   using Kind = DeviceArena::Kind;
   bbuf_ = BatchBuffers::allocate(cfg_, *weights_, B, max_seq_, opt_.attn_chunk, *pool_, arena_, stream_);
-  batch_ = std::make_unique<BatchStep>(cfg_, *weights_, dbuf_, bbuf_, *gemm_, opt_.batch_gemv_f16_max);
+  batch_ = std::make_unique<BatchStep>(
+      cfg_, *weights_, dbuf_, bbuf_, *gemm_,
+      BatchStepOptions{opt_.batch_mma_max, opt_.batch_gemv_f16_max, opt_.batch_gemv_quant_max, opt_.batch_pdl});
   for (int b = 1; b < B; b *= 2) buckets_.push_back(b);
   buckets_.push_back(B);
   g_batch_.assign(buckets_.size(), nullptr);

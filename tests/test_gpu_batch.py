@@ -89,7 +89,7 @@ def generate_batch(core, batch, steps):
 def test_small_n_gemv_kernel(fmt, K, mode, n):
     """cuda/gemv_batch.cu alone against numpy on the weights as the CPU engine dequantizes them: every input row
     (NaN past K in its padding: never read), every output (NaN-poisoned before the launch: all written)."""
-    check_small_n_product("cuda_core", fmt, K, 70, mode, n)  # 70 rows: not a whole number of 8-row tiles
+    check_small_n_product(False, fmt, K, 70, mode, n)  # 70 rows: not a whole number of 8-row tiles
 
 
 # Awkward shapes for the tensor-core kernel: rows not a multiple of its 16-row tile (333; swiglu needs an even
@@ -100,7 +100,7 @@ def test_small_n_gemv_kernel(fmt, K, mode, n):
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 17, 32, 33, 64])
 def test_mma_small_n_kernel(fmt, K, mode, n):
     """cuda/mma_small_n.cu alone, as test_small_n_gemv_kernel (f32norm: rmsnorm_rows first, as the step)."""
-    check_small_n_product("mma", fmt, K, 334 if mode.endswith("swiglu") else 333, mode, n)
+    check_small_n_product(True, fmt, K, 334 if mode.endswith("swiglu") else 333, mode, n)
 
 
 def test_mma_small_n_refuses_more_than_64_rows():
@@ -108,10 +108,10 @@ def test_mma_small_n_refuses_more_than_64_rows():
     W, X = np.zeros((16, 64), np.float32), np.zeros((65, 64), np.float32)
     with pytest.raises(InvalidRequestError, match="mma_small_n: bad shape n=65"):
         ops.gemv_batch(W, "fp16", X, np.ones(64, np.float32), 1e-5, np.zeros((65, 16), np.float32),
-                       ops.GemvIn.F16, ops.GemvOut.F32, kernel="mma")
+                       ops.GemvIn.F16, ops.GemvOut.F32, mma=True)
 
 
-def check_small_n_product(kernel, fmt, K, rows, mode, n):
+def check_small_n_product(mma, fmt, K, rows, mode, n):
     rng = np.random.default_rng(n * 7 + K + rows)
     W = rng.standard_normal((rows, K), dtype=np.float32) * 0.1
     X = rng.standard_normal((n, K), dtype=np.float32)
@@ -121,7 +121,7 @@ def check_small_n_product(kernel, fmt, K, rows, mode, n):
     inp, out = mode.split("-")
     gin = {"f16": ops.GemvIn.F16, "f32norm": ops.GemvIn.F32Norm}[inp]
     gout = {"f32": ops.GemvOut.F32, "add": ops.GemvOut.AddF32, "swiglu": ops.GemvOut.Swiglu}[out]
-    got = ops.gemv_batch(W, fmt, X, norm_w, 1e-5, Y0, gin, gout, kernel=kernel)
+    got = ops.gemv_batch(W, fmt, X, norm_w, 1e-5, Y0, gin, gout, mma=mma)
 
     Wq = W.astype(np.float16).astype(np.float64) if fmt == "fp16" else ops.dequantize_ref(W, fmt).astype(np.float64)
     if inp == "f16":
@@ -425,10 +425,3 @@ def test_bad_batch_path_options_are_clear_errors(field, value, match):
     with pytest.raises(InvalidRequestError, match=match):
         _core.CudaEngine.random(shape_config("smollm2-135m"), 256, 1, o)
 
-
-def test_small_n_product_kernel_name_is_checked():
-    ops = _core.ops
-    W, X = np.zeros((16, 64), np.float32), np.zeros((2, 64), np.float32)
-    with pytest.raises(InvalidRequestError, match="kernel must be 'cuda_core' or 'mma', got 'tc'"):
-        ops.gemv_batch(W, "fp16", X, np.ones(64, np.float32), 1e-5, np.zeros((2, 16), np.float32),
-                       ops.GemvIn.F16, ops.GemvOut.F32, kernel="tc")

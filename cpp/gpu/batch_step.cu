@@ -7,7 +7,7 @@
 //              h = silu(rmsnorm(x) @ Wg.T) * (rmsnorm(x) @ Wu.T)
 //              x += h @ Wd.T
 //   logits[slot[r]] = rmsnorm(x[r]) @ lm_head.T
-// The products: normed / residual (below), each one launch on the small-N path. With PDL (BatchStepOptions) our
+// The products: normed / residual (below), each one launch on the small-N path. With PDL (record's pdl) our
 // kernels start while their predecessor drains (each waits before it reads anything it did not get from weights
 // or from two kernels back); cuBLASLt's and the RMSNorm / SwiGLU / scatter kernels are launched plainly (they
 // do not wait), which orders them fully behind their predecessor.
@@ -27,13 +27,14 @@ using cuda::GemmOut;
 using cuda::GemvIn;
 using cuda::GemvOut;
 
-void BatchStep::record(int n, cudaStream_t s) {
+void BatchStep::record(int n, cudaStream_t s, bool pdl) {
+  pdl_ = pdl;
   const ModelConfig& c = c_;
   cuda::embed_tokens(w_.embedding, w_.ld_h, (int)c.hidden, b_.tokens, n, b_.x, w_.ld_h, s);  // x = embed[tokens]
   for (int64_t l = 0; l < c.n_layers; l++) {
     const DeviceLayer& L = w_.layers[(size_t)l];
     normed(L.qkv, L.attn_norm, b_.qkv, b_.ld_qkv, GemvOut::F32, n, s);  // qkv = rmsnorm(x) @ Wqkv.T
-    cuda::decode_attention_rows(attn_params(l), n, s, o_.pdl);          // att[r] over slot[r]'s cache
+    cuda::decode_attention_rows(attn_params(l), n, s, pdl_);          // att[r] over slot[r]'s cache
     residual(L.o, b_.att, w_.ld_q, n, s);                              // x += att @ Wo.T
     normed(L.gate_up, L.mlp_norm, b_.h, w_.ld_i, GemvOut::Swiglu, n, s);  // h = silu(gate) * up
     residual(L.down, b_.h, w_.ld_i, n, s);                             // x += h @ Wd.T
@@ -62,7 +63,7 @@ void BatchStep::mma_product(const cuda::QMat& W, const __half* X, int ldx, void*
   a.y = y;
   a.ldy = ldy;
   a.n = n;
-  cuda::mma_small_n(a, out, s, o_.pdl);
+  cuda::mma_small_n(a, out, s, pdl_);
 }
 
 bool BatchStep::small_n(const cuda::QMat& W, int n, GemvIn in) const {
@@ -83,10 +84,10 @@ void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ld
     a.y = y;
     a.ldy = ldy;
     a.n = n;
-    cuda::gemv_batch(a, GemvIn::F32Norm, out, s, o_.pdl);
+    cuda::gemv_batch(a, GemvIn::F32Norm, out, s, pdl_);
     return;
   }
-  cuda::rmsnorm_rows(b_.x, w_.ld_h, norm_w, eps, (int)c_.hidden, n, b_.xn, w_.ld_h, s, o_.pdl);
+  cuda::rmsnorm_rows(b_.x, w_.ld_h, norm_w, eps, (int)c_.hidden, n, b_.xn, w_.ld_h, s, pdl_);
   if (mma(W, n)) return mma_product(W, b_.xn, w_.ld_h, y, ldy, out, n, s);
   if (out == GemvOut::Swiglu) {
     gemm(W, b_.xn, w_.ld_h, b_.gu, b_.ld_gu, n, GemmOut::F16, s);
@@ -107,7 +108,7 @@ void BatchStep::residual(const cuda::QMat& W, const __half* X, int ldx, int n, c
     a.y = b_.x;
     a.ldy = w_.ld_h;
     a.n = n;
-    cuda::gemv_batch(a, GemvIn::F16, GemvOut::AddF32, s, o_.pdl);
+    cuda::gemv_batch(a, GemvIn::F16, GemvOut::AddF32, s, pdl_);
     return;
   }
   gemm(W, X, ldx, b_.x, w_.ld_h, n, GemmOut::AddF32, s);

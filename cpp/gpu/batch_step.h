@@ -47,12 +47,11 @@ struct BatchBuffers {
                                int attn_chunk, const KvPagePool& pages, DeviceArena& arena, cudaStream_t s);
 };
 
-// How the step computes (CudaOptions::batch_gemv_f16_max, batch_gemv_quant_max, batch_pdl).
+// Which kernel takes the step's products (CudaOptions::batch_mma_max, batch_gemv_f16_max, batch_gemv_quant_max).
 struct BatchStepOptions {
   int mma_max = 0;    // products of up to this many rows (<= 64) take the tensor-core kernel first (any format)
   int f16_max = 1;    // fp16 products of up to this many rows take the small-N GEMV, larger ones cuBLASLt
   int quant_max = 4;  // int8 / int4 likewise; larger: dequantized into the fp16 staging, then cuBLASLt
-  bool pdl = true;    // our kernels (small-N GEMV, attention) launched with PDL (common.cuh); cuBLASLt's are not
 };
 
 class BatchStep {
@@ -63,7 +62,9 @@ class BatchStep {
       : c_(c), w_(w), d_(d), b_(b), gemm_(gemm), o_(o) {}
   // rows 0..n-1 of b.rows (n: a bucket, <= max_rows): each row's token at its position in its slot ->
   // the slot's logits (padding rows: nothing). Launches only (graph-capturable once the GEMMs are tuned).
-  void record(int n, cudaStream_t s);
+  // pdl: our kernels (small-N GEMV, tensor-core kernel, attention, RMSNorm) launched with PDL (common.cuh);
+  // cuBLASLt's and the SwiGLU / dequantization / embedding / scatter kernels are plain launches.
+  void record(int n, cudaStream_t s, bool pdl);
 
  private:
   // The products over n rows, every weight read once per step (batch_step.cu): y = rmsnorm(x) @ W.T (or its
@@ -83,6 +84,7 @@ class BatchStep {
   const BatchBuffers& b_;
   cuda::Gemm& gemm_;
   BatchStepOptions o_;
+  bool pdl_ = false;  // (this record's)
 };
 
 }  // namespace ti

@@ -62,8 +62,9 @@ struct CudaOptions {
   // the fp16 staging (DeviceWeights::fp16_of, as the prefill does) and take cuBLASLt: the small-N kernel costs
   // ~linearly in the rows past 4 (int4 2.97 ms at 8, 5.83 at 32), dequantize + cuBLASLt ~flat (docs/perf/batch.md).
   int batch_gemv_quant_max = 4;
-  // The batched step's own kernels (small-N GEMV, attention) launched with PDL inside its graphs, as the decode
-  // graph's (false: plain launches, for A/B runs and debugging).
+  // The batched step's own kernels (small-N GEMV, tensor-core kernel, attention, RMSNorm) launched with PDL
+  // inside its graphs, as the decode graph's, where the engine uses PDL at all (CudaOptions::pdl, sm_90+, a
+  // driver that captures it); false: plain launches, for A/B runs and debugging.
   bool batch_pdl = true;
   // Batched products of <= this many rows (at most 64) take the tensor-core small-N kernel (cuda/mma_small_n.cu,
   // any format, RMSNorm as its own kernel) ahead of the two choices above. 0: off (new, not yet measured).

@@ -35,7 +35,7 @@ void CudaEngine::allocate_batch() {
   bbuf_ = BatchBuffers::allocate(cfg_, *weights_, B, max_seq_, opt_.attn_chunk, *pool_, arena_, stream_);
   batch_ = std::make_unique<BatchStep>(
       cfg_, *weights_, dbuf_, bbuf_, *gemm_,
-      BatchStepOptions{opt_.batch_mma_max, opt_.batch_gemv_f16_max, opt_.batch_gemv_quant_max, opt_.batch_pdl});
+      BatchStepOptions{opt_.batch_mma_max, opt_.batch_gemv_f16_max, opt_.batch_gemv_quant_max});
   for (int b = 1; b < B; b *= 2) buckets_.push_back(b);
   buckets_.push_back(B);
   g_batch_.assign(buckets_.size(), nullptr);
@@ -168,6 +168,7 @@ void CudaEngine::run_rows(const int32_t* tokens, const int64_t* pos, const int64
   size_t b = 0;
   while (buckets_[b] < n) b++;
   const int bucket = buckets_[b], R = bbuf_.max_rows;
+  const bool pdl = opt_.batch_pdl && pdl_;  // (pdl_: the device has it and the decode graphs captured it)
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // bbuf_.h_rows may still be read by the previous copy
   int* h = bbuf_.h_rows;
   auto set_rows = [&](bool real) {  // real: the given rows, then padding; else padding only (the warm-up)
@@ -183,13 +184,13 @@ void CudaEngine::run_rows(const int32_t* tokens, const int64_t* pos, const int64
     // First use of this bucket: one eager pass of padding rows only (it tunes the bucket's cuBLASLt products and
     // touches no KV page and no slot's logits), then the capture.
     set_rows(false);
-    batch_->record(bucket, stream_);
+    batch_->record(bucket, stream_, pdl);
     TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    TI_CUDA_CHECK(capture_graph(stream_, [&] { batch_->record(bucket, stream_); }, &g_batch_[b]));
+    TI_CUDA_CHECK(capture_graph(stream_, [&] { batch_->record(bucket, stream_, pdl); }, &g_batch_[b]));
   }
   set_rows(true);
   if (opt_.graphs) TI_CUDA_CHECK(cudaGraphLaunch(g_batch_[b], stream_));
-  else batch_->record(bucket, stream_);
+  else batch_->record(bucket, stream_, pdl);
 }
 
 BatchSample CudaEngine::seq_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps, int64_t n,

@@ -93,9 +93,10 @@ def test_small_n_gemv_kernel(fmt, K, mode, n):
 
 
 # Awkward shapes for the tensor-core kernel: rows not a multiple of its 16-row tile (333; swiglu needs an even
-# count: 334), K not a multiple of its 4-word chunk (fp16 1000: a partial last word; int8 1000: a partial word
-# past ldx; int4 992: 31 groups, a partial chunk), n over every tile count (1, 7 | 8, 9 | 16, 17 | 32, 33 | 64).
-@pytest.mark.parametrize("fmt, K", [("fp16", 1000), ("int8", 1000), ("int4", 992)])
+# count: 334), K not a multiple of its 4-word chunk (fp16 1000: 125 words, a partial last chunk; fp16 1004: also
+# a partial last word; int8 1000: a partial word reaching past ldx; int4 992: 31 groups, a partial chunk), n over
+# every tile count (1, 7 | 8, 9 | 16, 17 | 32, 33 | 64).
+@pytest.mark.parametrize("fmt, K", [("fp16", 1000), ("fp16", 1004), ("int8", 1000), ("int4", 992)])
 @pytest.mark.parametrize("mode", ["f32norm-f32", "f32norm-swiglu", "f16-add", "f16-f32"])
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 17, 32, 33, 64])
 def test_mma_small_n_kernel(fmt, K, mode, n):

@@ -196,6 +196,7 @@ class CudaEngine {
   int64_t max_seq_;
   CudaOptions opt_;
   bool pdl_ = false, graphs_ok_ = false;
+  bool batch_pdl_ok_ = true;  // false once a batch graph failed to capture with PDL (run_rows)
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
   DeviceArena arena_;

@@ -168,7 +168,8 @@ void CudaEngine::run_rows(const int32_t* tokens, const int64_t* pos, const int64
   size_t b = 0;
   while (buckets_[b] < n) b++;
   const int bucket = buckets_[b], R = bbuf_.max_rows;
-  const bool pdl = opt_.batch_pdl && pdl_;  // (pdl_: the device has it and the decode graphs captured it)
+  // (pdl_: the device has it and the decode graphs captured it; batch_pdl_ok_: the batch graphs too)
+  bool pdl = opt_.batch_pdl && pdl_ && batch_pdl_ok_;
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // bbuf_.h_rows may still be read by the previous copy
   int* h = bbuf_.h_rows;
   auto set_rows = [&](bool real) {  // real: the given rows, then padding; else padding only (the warm-up)
@@ -186,7 +187,22 @@ void CudaEngine::run_rows(const int32_t* tokens, const int64_t* pos, const int64
     set_rows(false);
     batch_->record(bucket, stream_, pdl);
     TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    TI_CUDA_CHECK(capture_graph(stream_, [&] { batch_->record(bucket, stream_, pdl); }, &g_batch_[b]));
+    cudaError_t err = cudaSuccess;
+    try {
+      err = capture_graph(stream_, [&] { batch_->record(bucket, stream_, pdl); }, &g_batch_[b]);
+    } catch (const Error&) {
+      if (!pdl) throw;
+      err = cudaErrorNotSupported;
+    }
+    if (err != cudaSuccess && pdl) {
+      // A driver that cannot capture these programmatic launches (e.g. behind cuBLASLt's nodes): plain ones, for
+      // every bucket from now on (as build_graphs does for the decode graphs).
+      cudaGetLastError();
+      batch_pdl_ok_ = pdl = false;
+      g_batch_[b] = nullptr;
+      err = capture_graph(stream_, [&] { batch_->record(bucket, stream_, pdl); }, &g_batch_[b]);
+    }
+    TI_CUDA_CHECK(err);
   }
   set_rows(true);
   if (opt_.graphs) TI_CUDA_CHECK(cudaGraphLaunch(g_batch_[b], stream_));

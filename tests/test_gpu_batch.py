@@ -198,7 +198,8 @@ def test_step_logits_match_cpu_engine(model, fmt, path):
         single = eng.logits(p + [t])[-1]
         rel_cpu = np.abs(got - want).max() / np.abs(want).max()
         rel_single = np.abs(got - single).max() / np.abs(single).max()
-        print(f"{model[0]} {fmt} {path} prompt {len(p)}: rel err vs CPU {rel_cpu:.2e}, vs the single path {rel_single:.2e}")
+        print(f"{model[0]} {fmt} {path} prompt {len(p)}: rel err vs CPU {rel_cpu:.2e}, "
+              f"vs the single path {rel_single:.2e}")
         assert np.isfinite(got).all()
         assert rel_cpu < LOGIT_TOL[fmt]
         assert rel_single < LOGIT_TOL[fmt]

@@ -43,8 +43,9 @@ void BatchStep::record(int n, cudaStream_t s, bool pdl) {
   cuda::scatter_rows(b_.logits, b_.ld_v, b_.slot_logits, (int)c.vocab, b_.slot, b_.pos, n, (int)c.vocab, s);
 }
 
-// The products, the first path that takes them: the tensor-core small-N kernel up to mma_max rows; the small-N GEMV (cuda/gemv_batch.cuh: each weight read once per 8 rows and dequantized once,
-// RMSNorm and SwiGLU fused as in the decode GEMV) up to f16_max (fp16) / quant_max (int8, int4) rows; beyond
+// The products, the first path that takes them: the tensor-core small-N kernel up to mma_max rows; the small-N
+// GEMV (cuda/gemv_batch.cuh: each weight read once per 8 rows and dequantized once, RMSNorm and SwiGLU fused as
+// in the decode GEMV) up to f16_max (fp16) / quant_max (int8, int4) rows; beyond
 // that cuBLASLt through the engine's Gemm (tuned per shape and bucket of n on the eager warm-up before a bucket's
 // graph is captured), with the RMSNorm and SwiGLU as their own kernels (cuda/prefill.cuh); a quantized matrix is
 // dequantized into the fp16 staging right before its product (the staging is one matrix: each product consumes

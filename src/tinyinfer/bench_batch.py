@@ -190,7 +190,8 @@ def run(device: str, batches: Sequence[int], shape: Optional[str] = None, model:
     out(f"tinyinfer bench --batch: {name} ({dtype} weights{', ' + opts_spec if opts_spec else ''}) on "
         f"{core.device_name if device == 'cuda' else 'the CPU reference engine'} | load "
         f"{time.perf_counter() - t0:.2f} s | {core.kv_pages_total} KV pages of {core.kv_page_size} positions")
-    res = {"model": name, "device": device, "dtype": dtype, "opts": opts_spec, **run_batches(core, cfg, batches, prompt, gen, out)}
+    res = {"model": name, "device": device, "dtype": dtype, "opts": opts_spec,
+           **run_batches(core, cfg, batches, prompt, gen, out)}
     if device == "cuda":
         res["device_name"] = core.device_name
     if json_path:

@@ -2,6 +2,7 @@
 // forward() runs prompt tokens at position(); decode() samples and runs tokens back to back) so the Python
 // Engine drives either. The work lives in its parts, read in this order:
 //   decode_step.*     THE decode pass (one token, a flat list of launches), captured once into CUDA graphs
+//   decode_persistent.*  the same pass as one persistent kernel (CudaOptions::decode_path), captured with the sampler
 //   prefill_step.*    the batched prefill pass (cuBLASLt GEMMs + tiled causal attention), chunk by chunk
 //   device_weights.*  the weights on the device (allocation, quantization); weight_stream.* the load
 //   gemv_plan.*       the load-time GEMV tuner's result (plain data) and the tuner
@@ -21,6 +22,7 @@
 #include "../core/config.h"
 #include "../core/sampling.h"
 #include "../core/weights.h"
+#include "decode_persistent.h"
 #include "decode_step.h"
 #include "device_weights.h"
 #include "gemv_plan.h"
@@ -53,6 +55,9 @@ struct CudaOptions {
   int64_t kv_pool_pages = 0;           // pages in the pool; 0: what one sequence of max_seq_len needs
   uint64_t kv_page_shuffle = 0;        // a seed shuffling the pool's free list (tests); 0: pages in order
   std::string plan_text;               // a saved GEMV plan (plan_cache.h) to take instead of tuning; "": tune
+  // Which pass decode() replays: the graph of kernels (the reference), the persistent kernel (issue 16), or Auto
+  // (persistent where it can run, else graph). Graph until the persistent step is measured correct and faster.
+  DecodePath decode_path = DecodePath::Graph;
 };
 
 class CudaEngine {
@@ -77,6 +82,9 @@ class CudaEngine {
   std::vector<int32_t> decode(int64_t max_steps, const SamplingConfig& s, const std::vector<int32_t>& stop_ids,
                               uint64_t step0);
 
+  // The logits of the last pass (a prefill's last row, a prompt token, or decode()'s last step): (vocab).
+  std::vector<float> last_logits();
+
   // ---- measurement (measure.cu) ----
   double last_decode_ms() const { return last_decode_ms_; }  // GPU time of the last decode()'s steps
   const GemvPlan& gemv_plan() const { return plan_; }
@@ -90,8 +98,10 @@ class CudaEngine {
   // Seconds spent at load on the GEMV plan (tuned or read), the decode graphs, and the long-context decision.
   double tune_seconds() const { return tune_s_[0] + tune_s_[1] + tune_s_[2]; }
   const double* tune_parts() const { return tune_s_; }  // {plan, graphs, long-context}
-  // GPU ms per decode step at a context of `context` tokens (with the graph decode() would use there).
-  double time_decode_step(int64_t context, int steps);
+  // GPU ms per decode step at a context of `context` tokens (with the graph decode() would use there). path:
+  // Auto = the pass decode() replays; Graph / Persistent = that pass (Persistent: a Request error where it was
+  // not built), so that one engine loaded with DecodePath::Auto times both (tinyinfer bench).
+  double time_decode_step(int64_t context, int steps, DecodePath path = DecodePath::Auto);
   // CudaOptions::trace: one decode step at `context`; per traced kernel in launch order its name and
   // kTraceBlocks x kTracePoints global-timer stamps (ns; 0: block absent or exited early). common.cuh, trace_point.
   std::pair<std::vector<std::string>, std::vector<uint64_t>> trace_step(int64_t context);
@@ -111,6 +121,14 @@ class CudaEngine {
   std::tuple<int, int64_t, int64_t> kv_pages() const { return {pool_->page_size(), pool_->n_pages(), seq_->pages()}; }
   size_t scratch_bytes() const { return arena_.scratch_bytes(); }  // device memory beyond weights and KV cache
   bool uses_pdl() const { return pdl_; }
+  // The pass decode() replays (Graph or Persistent; never Auto), and why the persistent one was not taken under
+  // DecodePath::Auto ("": it was, or was not asked for).
+  DecodePath decode_path() const { return persistent_graph_ ? DecodePath::Persistent : DecodePath::Graph; }
+  const std::string& persistent_problem() const { return persistent_problem_; }
+  // The persistent kernel's grid and the co-resident blocks the occupancy API allows (0, 0: not built).
+  std::pair<int, int> persistent_grid() const {
+    return persistent_ ? std::pair<int, int>{persistent_->grid(), persistent_->max_coresident()} : std::pair<int, int>{0, 0};
+  }
   bool uses_graphs() const { return graphs_ok_; }
   std::string device_name() const { return device_name_; }
   // Wall seconds of the load's parts: the weights (read + upload + conversion), GEMV tuning (decode-long
@@ -131,11 +149,12 @@ class CudaEngine {
   void build_graphs();
   cudaGraphExec_t capture_decode(GemvVariant qkv);  // a decode-step graph with qkv at that variant
   void decode_long_graph();
+  void persistent_graph();  // CudaOptions::decode_path: the persistent step and its graph
   void release();
   void set_state(int token, int pos, int step);
   void kv_reserve(int64_t positions);      // pages for positions [0, positions), their table entries on the device
   void run_prompt_token();                 // one prompt token through the decode pass (no sampling)
-  void run_decode_step(int64_t pos);       // pos: the step's position (picks the graph)
+  void run_decode_step(int64_t pos, DecodePath path = DecodePath::Auto);  // pos: the step's position (picks the graph)
   void upload_sampling(const cuda::DeviceSampling& s);
   double time_steps(int64_t context, int steps, const std::function<void(int64_t)>& launch);
 
@@ -158,6 +177,9 @@ class CudaEngine {
   std::unique_ptr<DecodeStep> step_;
   cudaGraphExec_t g_prompt_token_ = nullptr, g_decode_ = nullptr;
   cudaGraphExec_t g_decode_long_ = nullptr;  // contexts >= plan_.long_from
+  std::unique_ptr<PersistentDecode> persistent_;
+  cudaGraphExec_t persistent_graph_ = nullptr;  // the persistent step + the sampler: decode()'s graph when set
+  std::string persistent_problem_;
   cuda::DecodeState* h_state_ = nullptr;        // pinned
   cuda::DeviceSampling* h_sampling_ = nullptr;  // pinned
   int* h_out_ = nullptr;                        // pinned (max_seq)

@@ -415,6 +415,8 @@ void bind_engines(nb::module_& m) {
       .def_rw("kv_pool_pages", &ti::CudaOptions::kv_pool_pages)
       .def_rw("kv_page_shuffle", &ti::CudaOptions::kv_page_shuffle)
       .def_rw("decode_path", &ti::CudaOptions::decode_path)
+      .def_rw("persistent_prefetch", &ti::CudaOptions::persistent_prefetch)
+      .def_rw("persistent_timeout_ms", &ti::CudaOptions::persistent_timeout_ms)
       .def_rw("plan_text", &ti::CudaOptions::plan_text,
               "A saved GEMV plan (CudaEngine.plan_text) to take instead of tuning, if made for this key; '': tune.")
       .def_prop_rw(
@@ -456,6 +458,8 @@ void bind_engines(nb::module_& m) {
       .def_prop_ro("uses_pdl", &ti::CudaEngine::uses_pdl)
       .def_prop_ro("uses_graphs", &ti::CudaEngine::uses_graphs)
       .def_prop_ro("decode_path", &ti::CudaEngine::decode_path, "The pass decode() replays: Graph or Persistent.")
+      .def("debug_skew_persistent_epoch", &ti::CudaEngine::debug_skew_persistent_epoch, "by"_a,
+           "Tests: the next persistent step's waits can never succeed (it must end with a DeviceError).")
       .def_prop_ro("persistent_problem", &ti::CudaEngine::persistent_problem,
                    "Why DecodePath.Auto fell back to the graph path ('': it did not).")
       .def_prop_ro("persistent_grid",

@@ -64,6 +64,7 @@ __device__ __forceinline__ float row_dot(const __half* W, int ld, int row, const
   const uint4* w = reinterpret_cast<const uint4*>(W + (size_t)row * ld);
   const uint4* xv = reinterpret_cast<const uint4*>(xs);
   float s = 0.0f;
+#pragma unroll 4
   for (int k = threadIdx.x & 31; k < ld / 8; k += 32) {
     float xf[8];
     unpack8(xv[k], xf);
@@ -210,6 +211,43 @@ __device__ void attn_merge(const PersistentParams& p, int hq, int pos) {
   }
 }
 
+// ---- weights ahead of the dependency ----
+
+// The first kPrefetchBytes of what a task streams, asked into L2 before the task's wait: the hand-off latency
+// then overlaps the weight stream (docs/perf/persistent.md: ring ahead >= BW x latency / SMs ~ 48 KiB per SM).
+// L2 prefetches hold no registers and no shared memory; a ring in shared memory (ring.cuh) is the next step.
+constexpr size_t kPrefetchBytes = 48 << 10;
+
+__device__ __forceinline__ void prefetch_l2(const void* base, size_t bytes) {
+  if (bytes > kPrefetchBytes) bytes = kPrefetchBytes;
+  const char* b = static_cast<const char*>(base);
+  for (size_t o = (size_t)threadIdx.x * 128; o < bytes; o += (size_t)kPersistentThreads * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(b + o));
+}
+
+__device__ void prefetch_task(const PersistentParams& p, const PTask& t, int pos) {
+  const PLayer* L = p.layers + t.layer;
+  const size_t rows = (size_t)(t.b - t.a);
+  switch (t.type) {
+    case TaskType::Qkv: prefetch_l2(L->qkv + (size_t)t.a * p.ld_h, rows * p.ld_h * 2); break;
+    case TaskType::O: prefetch_l2(L->o + (size_t)t.a * p.ld_q, rows * p.ld_q * 2); break;
+    case TaskType::GateUp: prefetch_l2(L->gate_up + (size_t)2 * t.a * p.ld_h, 2 * rows * p.ld_h * 2); break;
+    case TaskType::Down: prefetch_l2(L->down + (size_t)t.a * p.ld_i, rows * p.ld_i * 2); break;
+    case TaskType::LmHead: prefetch_l2(p.lm_head + (size_t)t.a * p.ld_h, rows * p.ld_h * 2); break;
+    case TaskType::AttnPartial: {  // the chunk's cached keys and values (the page of its first position)
+      const int c0 = t.b * p.chunk, n = min(p.chunk, pos - c0);  // positions < pos: written by earlier steps
+      if (n <= 0) break;
+      const int page_size = 1 << p.page_shift, in_page = min(n, page_size - (c0 & (page_size - 1)));
+      const size_t at = kv_row(p.page_table, c0, t.a, p.n_kv_heads, p.page_shift, p.head_dim);
+      const size_t bytes = (size_t)in_page * p.head_dim * 2, layer = (size_t)t.layer * p.kv_layer_elems;
+      prefetch_l2(p.k_pages + layer + at, bytes);
+      prefetch_l2(p.v_pages + layer + at, bytes);
+      break;
+    }
+    default: break;
+  }
+}
+
 // ---- the interpreter ----
 
 __device__ void run_task(const PersistentParams& p, const PTask& t, int token, int pos, const Smem& sm) {
@@ -262,6 +300,7 @@ __global__ void __launch_bounds__(kPersistentThreads) persistent_kernel(Persiste
   policy.timeout_ns = p.timeout_ns;
   for (int i = p.begin[blockIdx.x]; i < p.begin[blockIdx.x + 1]; i++) {
     const PTask t = p.tasks[i];
+    if (p.prefetch) prefetch_task(p, t, pos);
     if (t.wait >= 0 &&
         !sync::block_wait(p.counters + (size_t)t.wait * sync::kCounterStride,
                           sync::epoch_target(epoch, (uint32_t)t.wait_count), policy, p.error, (uint32_t)t.wait))

@@ -34,6 +34,7 @@ struct PersistentParams {
   uint32_t* error = nullptr;
   uint32_t max_sleep_ns = 0;
   unsigned long long timeout_ns = 2000000000ull;
+  bool prefetch = true;  // each task's first weights (or KV rows) asked into L2 before its wait
   // the model
   const PLayer* layers = nullptr;
   const __half* embedding = nullptr;  // (vocab, ld_h)

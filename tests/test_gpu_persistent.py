@@ -140,3 +140,28 @@ def test_auto_falls_back_where_persistent_cannot_run(tmp_path):
 
 def test_default_is_graph():
     assert _core.CudaOptions().decode_path == P.Graph
+
+
+def test_a_wait_that_never_succeeds_is_an_error_not_a_hang(tmp_path):
+    """The epoch moved ahead of the counters: no wait of the next step can succeed. The step ends after
+    persistent_timeout_ms with a DeviceError naming the counter, and the engine recovers (the counters zeroed)."""
+    from tinyinfer import DeviceError
+
+    m = make_llama(tmp_path, hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, vocab=512)
+    core = cuda(m, P.Persistent, max_seq_len=128, persistent_timeout_ms=200)
+    prompt = [5, 6, 7, 8]
+    good, _ = greedy_run(core, prompt, 10)
+    core.reset()
+    core.forward(prompt, False)
+    core.debug_skew_persistent_epoch(5)
+    with pytest.raises(DeviceError, match="timed out"):
+        core.decode(3, GREEDY, [], 0)
+    again, _ = greedy_run(core, prompt, 10)
+    assert again == good
+
+
+def test_prefetch_changes_no_number(model):
+    prompt = list(range(3, 90))
+    runs = [greedy_run(cuda(model, P.Persistent, persistent_prefetch=pf), prompt, 20) for pf in (True, False)]
+    assert runs[0][0] == runs[1][0]
+    assert np.array_equal(runs[0][1], runs[1][1])  # no atomics on data: the step is deterministic

@@ -85,6 +85,7 @@ void CudaEngine::init_device() {
   if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))
     fail(ErrorKind::Request, "gemv_resident_margin must be in [0, 1]");
   for (const GemvPin& pin : opt_.gemv_pins) check_pin(pin);
+  if (opt_.persistent_timeout_ms < 1) fail(ErrorKind::Request, "persistent_timeout_ms must be >= 1");
   if (opt_.decode_long_from < -1) fail(ErrorKind::Request, "decode_long_from must be -1 (tuned), 0 (off) or a context");
 #ifndef TI_TRACE
   if (opt_.trace)
@@ -245,7 +246,8 @@ void CudaEngine::persistent_graph() {
   if (why.empty() && !opt_.graphs) why = "the persistent decode step is replayed as a graph (CudaOptions.graphs)";
   if (why.empty()) {
     try {
-      persistent_ = std::make_unique<PersistentDecode>(cfg_, *weights_, dbuf_, arena_, stream_);
+      persistent_ = std::make_unique<PersistentDecode>(cfg_, *weights_, dbuf_, opt_.persistent_prefetch,
+                                                       opt_.persistent_timeout_ms, arena_, stream_);
     } catch (const Error& e) {
       if (forced || e.kind() != ErrorKind::Unsupported) throw;
       why = e.what();
@@ -301,6 +303,11 @@ std::pair<std::vector<uint8_t>, std::vector<uint8_t>> CudaEngine::matrix_bytes(i
 }
 
 // ---- running tokens ----
+
+void CudaEngine::debug_skew_persistent_epoch(int by) {
+  if (!persistent_) fail(ErrorKind::Request, "debug_skew_persistent_epoch: no persistent decode step");
+  persistent_->skew_epoch(by, stream_);
+}
 
 std::vector<float> CudaEngine::last_logits() {
   std::vector<float> out((size_t)cfg_.vocab);

@@ -58,6 +58,8 @@ struct CudaOptions {
   // Which pass decode() replays: the graph of kernels (the reference), the persistent kernel (issue 16), or Auto
   // (persistent where it can run, else graph). Graph until the persistent step is measured correct and faster.
   DecodePath decode_path = DecodePath::Graph;
+  bool persistent_prefetch = true;     // its tasks ask their first weights into L2 before their waits (A/B)
+  int persistent_timeout_ms = 2000;    // a counter wait that has not succeeded by then ends the step with an error
 };
 
 class CudaEngine {
@@ -126,6 +128,9 @@ class CudaEngine {
   DecodePath decode_path() const { return persistent_graph_ ? DecodePath::Persistent : DecodePath::Graph; }
   const std::string& persistent_problem() const { return persistent_problem_; }
   // The persistent kernel's grid and the co-resident blocks the occupancy API allows (0, 0: not built).
+  // Tests: moves the persistent step's epoch `by` steps ahead of its counters, so that the next step's waits can
+  // never succeed: it must end with a DeviceError after persistent_timeout_ms (and the engine recover).
+  void debug_skew_persistent_epoch(int by);
   std::pair<int, int> persistent_grid() const {
     return persistent_ ? std::pair<int, int>{persistent_->grid(), persistent_->max_coresident()} : std::pair<int, int>{0, 0};
   }

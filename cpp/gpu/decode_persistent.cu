@@ -31,9 +31,11 @@ std::string PersistentDecode::unsupported(const ModelConfig& c, const DeviceWeig
 }
 
 PersistentDecode::PersistentDecode(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b,
-                                   DeviceArena& arena, cudaStream_t s) {
+                                   bool prefetch, int timeout_ms, DeviceArena& arena, cudaStream_t s) {
   using Kind = DeviceArena::Kind;
   cuda::PersistentParams& p = p_;
+  p.prefetch = prefetch;
+  p.timeout_ns = (unsigned long long)timeout_ms * 1000000ull;
   p.hidden = (int)c.hidden;
   p.q_dim = (int)c.q_dim;
   p.kv_dim = (int)c.kv_dim;
@@ -126,6 +128,15 @@ PersistentDecode::PersistentDecode(const ModelConfig& c, const DeviceWeights& w,
 }
 
 void PersistentDecode::record(cudaStream_t s) const { cuda::persistent_step(p_, sched_.grid, s); }
+
+void PersistentDecode::skew_epoch(int by, cudaStream_t s) const {
+  uint32_t e = 0;
+  TI_CUDA_CHECK(cudaMemcpyAsync(&e, p_.epoch, sizeof(e), cudaMemcpyDeviceToHost, s));
+  TI_CUDA_CHECK(cudaStreamSynchronize(s));
+  e += (uint32_t)by;
+  TI_CUDA_CHECK(cudaMemcpyAsync(p_.epoch, &e, sizeof(e), cudaMemcpyHostToDevice, s));
+  TI_CUDA_CHECK(cudaStreamSynchronize(s));
+}
 
 void PersistentDecode::check(cudaStream_t s) const {
   uint32_t err[3] = {0, 0, 0};

@@ -27,13 +27,15 @@ class PersistentDecode {
   // DecodePath::Auto falls back quietly and DecodePath::Persistent fails with this sentence.
   static std::string unsupported(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b);
   // Builds, checks (throws ti::Error(Device) on a schedule that could hang) and uploads the schedule.
-  PersistentDecode(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b, DeviceArena& arena,
-                   cudaStream_t s);
+  // prefetch: tasks ask their first weights into L2 before their waits; timeout_ms: a wait's bound.
+  PersistentDecode(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b, bool prefetch,
+                   int timeout_ms, DeviceArena& arena, cudaStream_t s);
   // One step (state.token at state.pos -> logits): one launch. Graph-capturable.
   void record(cudaStream_t s) const;
   // Throws ti::Error(Device) if a wait of an earlier launch timed out (call after a stream synchronise); the
   // counters are then zeroed so that the next step starts a fresh epoch.
   void check(cudaStream_t s) const;
+  void skew_epoch(int by, cudaStream_t s) const;  // tests: the next step's waits can never succeed
   int grid() const { return sched_.grid; }
   int max_coresident() const { return max_coresident_; }
   const PersistentSchedule& schedule() const { return sched_; }

@@ -17,6 +17,7 @@
 #include <cfloat>
 
 #include "common.cuh"
+#include "gemv_dot.cuh"
 #include "kv_layout.cuh"
 #include "persistent.cuh"
 #include "sync.cuh"
@@ -31,69 +32,116 @@ constexpr int kRedFloats = 64;  // block_sum's 33 floats, padded to 256 bytes
 struct Smem {
   float* red;
   unsigned char* work;  // the task's own area (the staged input, or the attention's tiles)
+  float* xsum;          // I4: the staged input's group sums (after the widest staged input)
 };
 
 __device__ __forceinline__ float ldcg(const float* p) { return __ldcg(p); }
 
-// ---- the GEMV tasks: stage the input in shared memory as fp16, then a warp per output ----
+// ---- the GEMV tasks: stage the input in shared memory as fp16 (gemv_dot.cuh's layout for the matrix's format),
+//      then a warp per output row, the dot product of gemv_dot.cuh's format ----
 
-// xs[0, ld) = fp16 of rmsnorm(x) * w (K floats of x, produced in this kernel), zero past K.
-__device__ void stage_norm(const float* x, const float* w, int K, int ld, float eps, __half* xs, float* red) {
-  float ss = 0.0f;
-  for (int i = threadIdx.x; i < K; i += kPersistentThreads) {
-    const float v = ldcg(x + i);
-    ss += v * v;
+// The staged input's width in halves (the weight words' span): F16 / I8 ld (elements = bytes for I8), I4 2 ld.
+__device__ __forceinline__ int staged_width(const QMat& m) { return m.fmt == WFormat::I4 ? 2 * m.ld : m.ld; }
+
+// xs = fp16 of rmsnorm(x) * w (NORM; x: K floats produced in this kernel) or of x (K halves produced in this
+// kernel), in WF's layout, zero past K up to the matrix's width; I4: xsum[g] = the staged group sums.
+template <WFormat WF, bool NORM>
+__device__ void stage(const QMat& m, const void* x, const float* w, float eps, __half* xs, float* xsum, float* red) {
+  const int K = m.K, width = staged_width(m), nw = width / (8 * kXChunks<WF>);
+  float inv = 1.0f;
+  if constexpr (NORM) {
+    const float* xf = static_cast<const float*>(x);
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < K; i += kPersistentThreads) {
+      const float v = ldcg(xf + i);
+      ss += v * v;
+    }
+    ss = block_sum(ss, red);
+    inv = rsqrtf(ss / (float)K + eps);
   }
-  ss = block_sum(ss, red);
-  const float inv = rsqrtf(ss / (float)K + eps);
-  for (int i = threadIdx.x; i < ld; i += kPersistentThreads)
-    xs[i] = i < K ? __float2half(w[i] * (ldcg(x + i) * inv)) : __float2half(0.0f);
+  for (int i = threadIdx.x; i < width; i += kPersistentThreads) {
+    __half v = __float2half(0.0f);
+    if (i < K) {
+      if constexpr (NORM) v = __float2half(w[i] * (ldcg(static_cast<const float*>(x) + i) * inv));
+      else v = __ushort_as_half(__ldcg(static_cast<const unsigned short*>(x) + i));
+    }
+    xs[xs_index<WF>(i, nw)] = v;
+  }
   __syncthreads();
+  if constexpr (WF == WFormat::I4) {
+    for (int g = threadIdx.x; g < K / kI4Group; g += kPersistentThreads) {
+      float sum = 0.0f;
+      for (int e = g * kI4Group; e < (g + 1) * kI4Group; e++) sum += __half2float(xs[xs_index<WF>(e, nw)]);
+      xsum[g] = sum;
+    }
+    __syncthreads();
+  }
 }
 
-// xs[0, ld) = x (fp16, K of them, produced in this kernel), zero past K.
-__device__ void stage_f16(const __half* x, int K, int ld, __half* xs) {
-  const unsigned short* xu = reinterpret_cast<const unsigned short*>(x);
-  for (int i = threadIdx.x; i < ld; i += kPersistentThreads)
-    xs[i] = i < K ? __ushort_as_half(__ldcg(xu + i)) : __float2half(0.0f);
-  __syncthreads();
-}
-
-// One row of W (ld halves, 16-byte words) against the staged input; the warp's sum, in every lane.
-__device__ __forceinline__ float row_dot(const __half* W, int ld, int row, const __half* xs) {
-  const uint4* w = reinterpret_cast<const uint4*>(W + (size_t)row * ld);
-  const uint4* xv = reinterpret_cast<const uint4*>(xs);
+// One row of m against the staged input; the warp's sum, in every lane.
+template <WFormat WF>
+__device__ __forceinline__ float row_dot(const QMat& m, int row, const __half* xs, const float* xsum) {
+  const int nw = WF == WFormat::F16 ? m.ld / 8 : m.ld / 16;  // 16-byte words per row
+  const uint4* w = WF == WFormat::F16
+                       ? reinterpret_cast<const uint4*>(static_cast<const __half*>(m.q) + (size_t)row * m.ld)
+                       : reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(m.q) + (size_t)row * m.ld);
+  QCtx c;
+  if constexpr (WF == WFormat::I8) {
+    c.d = static_cast<const __half*>(m.scales);
+    c.drow = row * (m.ld / kI8Block);
+  }
+  if constexpr (WF == WFormat::I4) {
+    c.sm = static_cast<const __half2*>(m.scales) + (size_t)row * (m.K / kI4Group);
+    c.xsum = xsum;
+  }
   float s = 0.0f;
 #pragma unroll 4
-  for (int k = threadIdx.x & 31; k < ld / 8; k += 32) {
-    float xf[8];
-    unpack8(xv[k], xf);
-    s += dot8(load_stream(w + k), xf);
+  for (int k = threadIdx.x & 31; k < nw; k += 32) {
+    XFrag<WF> x;
+    load_x<WF>(xs, nw, k, x);
+    s += dot_word<WF>(load_stream(w + k), load_scale<WF>(c, k), x, c, k);
   }
   return warp_sum(s);
 }
 
-enum class Out { Store, Add };
+enum class Out { Store, Add, Swiglu };
 
-// rows [r0, r1) of W @ xs into y (stored or added: the residual).
-template <Out O>
-__device__ void gemv_rows(const __half* W, int ld, int r0, int r1, const __half* xs, float* y) {
+// Rows [r0, r1) of m @ xs into y: stored, added (the residual), or (Swiglu) outputs [r0, r1) of silu(gate) * up
+// from rows 2i, 2i + 1 into y as fp16.
+template <WFormat WF, Out O>
+__device__ void gemv_rows(const QMat& m, int r0, int r1, const __half* xs, const float* xsum, void* y) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int r = r0 + warp; r < r1; r += kWarps) {
-    const float s = row_dot(W, ld, r, xs);
-    if (lane == 0) {
-      if constexpr (O == Out::Add) y[r] = ldcg(y + r) + s;
-      else y[r] = s;
+    if constexpr (O == Out::Swiglu) {
+      const float g = row_dot<WF>(m, 2 * r, xs, xsum), u = row_dot<WF>(m, 2 * r + 1, xs, xsum);
+      if (lane == 0) static_cast<__half*>(y)[r] = __float2half(g / (1.0f + __expf(-g)) * u);
+    } else {
+      const float s = row_dot<WF>(m, r, xs, xsum);
+      float* yf = static_cast<float*>(y);
+      if (lane == 0) yf[r] = O == Out::Add ? ldcg(yf + r) + s : s;
     }
   }
 }
 
-// outputs [i0, i1) of silu(gate) * up (rows 2i, 2i + 1 of the interleaved matrix) into h (fp16).
-__device__ void swiglu_rows(const __half* W, int ld, int i0, int i1, const __half* xs, __half* h) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int i = i0 + warp; i < i1; i += kWarps) {
-    const float g = row_dot(W, ld, 2 * i, xs), u = row_dot(W, ld, 2 * i + 1, xs);
-    if (lane == 0) h[i] = __float2half(g / (1.0f + __expf(-g)) * u);
+// A GEMV task: stage (RMSNorm'd when NORM), then rows [r0, r1), in the matrix's format.
+template <bool NORM, Out O>
+__device__ void gemv_task(const QMat& m, const void* x, const float* w, float eps, int r0, int r1, void* y,
+                          const Smem& sm) {
+  __half* xs = reinterpret_cast<__half*>(sm.work);
+  float* xsum = sm.xsum;
+  switch (m.fmt) {
+    case WFormat::F16:
+      stage<WFormat::F16, NORM>(m, x, w, eps, xs, xsum, sm.red);
+      gemv_rows<WFormat::F16, O>(m, r0, r1, xs, xsum, y);
+      break;
+    case WFormat::I8:
+      stage<WFormat::I8, NORM>(m, x, w, eps, xs, xsum, sm.red);
+      gemv_rows<WFormat::I8, O>(m, r0, r1, xs, xsum, y);
+      break;
+    case WFormat::I4:
+      stage<WFormat::I4, NORM>(m, x, w, eps, xs, xsum, sm.red);
+      gemv_rows<WFormat::I4, O>(m, r0, r1, xs, xsum, y);
+      break;
   }
 }
 
@@ -225,15 +273,20 @@ __device__ __forceinline__ void prefetch_l2(const void* base, size_t bytes) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(b + o));
 }
 
+// The bytes of rows [r0, r1) of m (scales aside: 1/16 of an I8 row, 1/8 of an I4 one).
+__device__ __forceinline__ void prefetch_rows(const QMat& m, size_t r0, size_t r1) {
+  const size_t row = m.fmt == WFormat::F16 ? (size_t)m.ld * 2 : (size_t)m.ld;
+  prefetch_l2(static_cast<const uint8_t*>(m.q) + r0 * row, (r1 - r0) * row);
+}
+
 __device__ void prefetch_task(const PersistentParams& p, const PTask& t, int pos) {
   const PLayer* L = p.layers + t.layer;
-  const size_t rows = (size_t)(t.b - t.a);
   switch (t.type) {
-    case TaskType::Qkv: prefetch_l2(L->qkv + (size_t)t.a * p.ld_h, rows * p.ld_h * 2); break;
-    case TaskType::O: prefetch_l2(L->o + (size_t)t.a * p.ld_q, rows * p.ld_q * 2); break;
-    case TaskType::GateUp: prefetch_l2(L->gate_up + (size_t)2 * t.a * p.ld_h, 2 * rows * p.ld_h * 2); break;
-    case TaskType::Down: prefetch_l2(L->down + (size_t)t.a * p.ld_i, rows * p.ld_i * 2); break;
-    case TaskType::LmHead: prefetch_l2(p.lm_head + (size_t)t.a * p.ld_h, rows * p.ld_h * 2); break;
+    case TaskType::Qkv: prefetch_rows(L->qkv, t.a, t.b); break;
+    case TaskType::O: prefetch_rows(L->o, t.a, t.b); break;
+    case TaskType::GateUp: prefetch_rows(L->gate_up, 2 * (size_t)t.a, 2 * (size_t)t.b); break;
+    case TaskType::Down: prefetch_rows(L->down, t.a, t.b); break;
+    case TaskType::LmHead: prefetch_rows(p.lm_head, t.a, t.b); break;
     case TaskType::AttnPartial: {  // the chunk's cached keys and values (the page of its first position)
       const int c0 = t.b * p.chunk, n = min(p.chunk, pos - c0);  // positions < pos: written by earlier steps
       if (n <= 0) break;
@@ -251,7 +304,6 @@ __device__ void prefetch_task(const PersistentParams& p, const PTask& t, int pos
 // ---- the interpreter ----
 
 __device__ void run_task(const PersistentParams& p, const PTask& t, int token, int pos, const Smem& sm) {
-  __half* xs = reinterpret_cast<__half*>(sm.work);
   const PLayer* L = p.layers + t.layer;
   switch (t.type) {
     case TaskType::Embed:
@@ -259,8 +311,7 @@ __device__ void run_task(const PersistentParams& p, const PTask& t, int token, i
         p.x[i] = __half2float(p.embedding[(size_t)token * p.ld_h + i]);
       break;
     case TaskType::Qkv:
-      stage_norm(p.x, L->attn_norm, p.hidden, p.ld_h, p.eps, xs, sm.red);
-      gemv_rows<Out::Store>(L->qkv, p.ld_h, t.a, t.b, xs, p.qkv);
+      gemv_task<true, Out::Store>(L->qkv, p.x, L->attn_norm, p.eps, t.a, t.b, p.qkv, sm);
       break;
     case TaskType::AttnPartial:
       attn_partial(p, t.layer, t.a, t.b, pos, sm.work);
@@ -269,27 +320,25 @@ __device__ void run_task(const PersistentParams& p, const PTask& t, int token, i
       attn_merge(p, t.a, pos);
       break;
     case TaskType::O:
-      stage_f16(p.att, p.q_dim, p.ld_q, xs);
-      gemv_rows<Out::Add>(L->o, p.ld_q, t.a, t.b, xs, p.x);
+      gemv_task<false, Out::Add>(L->o, p.att, nullptr, p.eps, t.a, t.b, p.x, sm);
       break;
     case TaskType::GateUp:
-      stage_norm(p.x, L->mlp_norm, p.hidden, p.ld_h, p.eps, xs, sm.red);
-      swiglu_rows(L->gate_up, p.ld_h, t.a, t.b, xs, p.h);
+      gemv_task<true, Out::Swiglu>(L->gate_up, p.x, L->mlp_norm, p.eps, t.a, t.b, p.h, sm);
       break;
     case TaskType::Down:
-      stage_f16(p.h, p.intermediate, p.ld_i, xs);
-      gemv_rows<Out::Add>(L->down, p.ld_i, t.a, t.b, xs, p.x);
+      gemv_task<false, Out::Add>(L->down, p.h, nullptr, p.eps, t.a, t.b, p.x, sm);
       break;
     case TaskType::LmHead:
-      stage_norm(p.x, p.final_norm, p.hidden, p.ld_h, p.eps, xs, sm.red);
-      gemv_rows<Out::Store>(p.lm_head, p.ld_h, t.a, t.b, xs, p.logits);
+      gemv_task<true, Out::Store>(p.lm_head, p.x, p.final_norm, p.eps, t.a, t.b, p.logits, sm);
       break;
   }
 }
 
 __global__ void __launch_bounds__(kPersistentThreads) persistent_kernel(PersistentParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Smem sm{reinterpret_cast<float*>(smem_raw), smem_raw + kRedFloats * sizeof(float)};
+  unsigned char* work = smem_raw + kRedFloats * sizeof(float);
+  const Smem sm{reinterpret_cast<float*>(smem_raw), work,
+                reinterpret_cast<float*>(work + (size_t)p.stage_max * sizeof(__half))};
   __shared__ uint32_t epoch_s;
   if (threadIdx.x == 0) epoch_s = *reinterpret_cast<volatile uint32_t*>(p.epoch) + 1;
   __syncthreads();
@@ -320,9 +369,9 @@ __global__ void __launch_bounds__(kPersistentThreads) persistent_kernel(Persiste
 }  // namespace
 
 size_t persistent_smem(const PersistentParams& p) {
-  const int ld = max(p.ld_h, max(p.ld_q, p.ld_i));
   const int g = p.n_heads / max(1, p.n_kv_heads);
-  const size_t gemv = (size_t)ld * sizeof(__half);
+  // the widest staged input, then (I4) its group sums; or the attention's tiles
+  const size_t gemv = (size_t)p.stage_max * sizeof(__half) + (size_t)(p.stage_max / kI4Group + 1) * sizeof(float);
   const size_t attn = (size_t)(g * p.head_dim + g * p.chunk + 3 * p.head_dim) * sizeof(float);
   return kRedFloats * sizeof(float) + (gemv > attn ? gemv : attn);
 }

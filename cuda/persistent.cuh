@@ -6,17 +6,18 @@
 #include <cstdint>
 
 #include "../cpp/gpu/persistent_schedule.h"
+#include "quant.cuh"
 #include "sampling.cuh"
 
 namespace ti::cuda {
 
 constexpr int kPersistentThreads = 256;
 
-struct PLayer {  // one layer's fp16 weights
-  const __half* qkv = nullptr;      // (q_dim + 2 kv_dim, ld_h)
-  const __half* o = nullptr;        // (hidden, ld_q)
-  const __half* gate_up = nullptr;  // (2 intermediate, ld_h), rows interleaved gate_0, up_0, ...
-  const __half* down = nullptr;     // (hidden, ld_i)
+struct PLayer {  // one layer's matrices (quant.cuh: fp16, or I8 / I4 with their scales)
+  QMat qkv;      // (q_dim + 2 kv_dim, hidden)
+  QMat o;        // (hidden, q_dim)
+  QMat gate_up;  // (2 intermediate, hidden), rows interleaved gate_0, up_0, ...
+  QMat down;     // (hidden, intermediate)
   const float* attn_norm = nullptr;
   const float* mlp_norm = nullptr;
 };
@@ -38,10 +39,11 @@ struct PersistentParams {
   // the model
   const PLayer* layers = nullptr;
   const __half* embedding = nullptr;  // (vocab, ld_h)
-  const __half* lm_head = nullptr;    // (vocab, ld_h)
+  QMat lm_head;                       // (vocab, hidden)
   const float* final_norm = nullptr;
   int hidden = 0, q_dim = 0, kv_dim = 0, intermediate = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, vocab = 0;
-  int ld_h = 0, ld_q = 0, ld_i = 0;
+  int ld_h = 0;      // the embedding's row stride
+  int stage_max = 0;  // the widest staged input of any matrix (halves): the shared memory it needs
   float eps = 1e-5f, scale = 1.0f;
   // the step's buffers (decode_step.h, DecodeBuffers)
   float* x = nullptr;

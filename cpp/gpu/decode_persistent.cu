@@ -21,9 +21,7 @@ const char* decode_path_name(DecodePath p) {
 }
 
 std::string PersistentDecode::unsupported(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b) {
-  if (w.format != WFormat::F16)
-    return "the persistent decode step runs fp16 weights only (this engine holds " + to_string(w.format) + ")";
-  if (w.lm_head.fmt != WFormat::F16) return "the persistent decode step needs an fp16 LM head";
+  (void)w;  // fp16, int8 and int4 matrices all run (gemv_dot.cuh's dot products)
   if (c.head_dim % 2 || c.head_dim > 256) return "the persistent decode step needs an even head_dim <= 256";
   if (b.attn_chunk > 128) return "the persistent decode step needs attn_chunk <= 128";
   if (b.trace) return "the persistent decode step has no tracing";
@@ -45,8 +43,6 @@ PersistentDecode::PersistentDecode(const ModelConfig& c, const DeviceWeights& w,
   p.head_dim = (int)c.head_dim;
   p.vocab = (int)c.vocab;
   p.ld_h = w.ld_h;
-  p.ld_q = w.ld_q;
-  p.ld_i = w.ld_i;
   p.eps = (float)c.rms_eps;
   p.scale = 1.0f / std::sqrt((float)c.head_dim);
   p.x = b.x;
@@ -67,9 +63,13 @@ PersistentDecode::PersistentDecode(const ModelConfig& c, const DeviceWeights& w,
   p.max_chunks = (int)((b.max_seq + b.attn_chunk - 1) / b.attn_chunk);
   p.state = b.state;
   p.embedding = w.embedding;
-  p.lm_head = static_cast<const __half*>(w.lm_head.q);
-  if (w.lm_head.ld != w.ld_h) fail(ErrorKind::Unsupported, "persistent decode: LM head rows not at ld_h");
+  p.lm_head = w.lm_head;
   p.final_norm = w.final_norm;
+  // the widest staged input (halves): I4 rows of ld bytes span 2 ld weights
+  auto staged = [](const cuda::QMat& m) { return m.fmt == WFormat::I4 ? 2 * m.ld : m.ld; };
+  p.stage_max = staged(w.lm_head);
+  for (const DeviceLayer& L : w.layers)
+    for (const cuda::QMat* m : {&L.qkv, &L.o, &L.gate_up, &L.down}) p.stage_max = std::max(p.stage_max, staged(*m));
 
   // The co-resident grid: at most two blocks per SM (more blocks, more participants in every hand-off).
   const size_t smem = cuda::persistent_smem(p);
@@ -103,9 +103,7 @@ PersistentDecode::PersistentDecode(const ModelConfig& c, const DeviceWeights& w,
   }
   std::vector<cuda::PLayer> layers;
   for (const DeviceLayer& L : w.layers)
-    layers.push_back(cuda::PLayer{static_cast<const __half*>(L.qkv.q), static_cast<const __half*>(L.o.q),
-                                  static_cast<const __half*>(L.gate_up.q), static_cast<const __half*>(L.down.q),
-                                  L.attn_norm, L.mlp_norm});
+    layers.push_back(cuda::PLayer{L.qkv, L.o, L.gate_up, L.down, L.attn_norm, L.mlp_norm});
   PTask* d_tasks = arena.alloc_n<PTask>(tasks.size(), Kind::Scratch);
   int* d_begin = arena.alloc_n<int>(begin.size(), Kind::Scratch);
   cuda::PLayer* d_layers = arena.alloc_n<cuda::PLayer>(layers.size(), Kind::Scratch);

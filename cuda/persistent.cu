@@ -43,6 +43,43 @@ __device__ __forceinline__ float ldcg(const float* p) { return __ldcg(p); }
 // The staged input's width in halves (the weight words' span): F16 / I8 ld (elements = bytes for I8), I4 2 ld.
 __device__ __forceinline__ int staged_width(const QMat& m) { return m.fmt == WFormat::I4 ? 2 * m.ld : m.ld; }
 
+// I4: xsum[g] = the sum of the staged group g (after the staging's barrier); a barrier after. Else nothing.
+template <WFormat WF>
+__device__ __forceinline__ void stage_sums(int K, int nw, const __half* xs, float* xsum) {
+  if constexpr (WF == WFormat::I4) {
+    for (int g = threadIdx.x; g < K / kI4Group; g += kPersistentThreads) {
+      float sum = 0.0f;
+      for (int e = g * kI4Group; e < (g + 1) * kI4Group; e++) sum += __half2float(xs[xs_index<WF>(e, nw)]);
+      xsum[g] = sum;
+    }
+    __syncthreads();
+  }
+}
+
+// The RMSNorm staging with 16-byte loads (K % 4 == 0): the sum of squares, then x again (an L2 hit) scaled. (x
+// held in registers between the passes cost ~130 more registers in the interpreter kernel: spills.)
+template <WFormat WF>
+__device__ void stage_norm_vec(const QMat& m, const float* x, const float* w, float eps, __half* xs, float* red) {
+  const int K = m.K, width = staged_width(m), nw = width / (8 * kXChunks<WF>), nv = K / 4;
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < nv; i += kPersistentThreads) {
+    const float4 v = __ldcg(x4 + i);
+    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+  }
+  ss = block_sum(ss, red);
+  const float inv = rsqrtf(ss / (float)K + eps);
+  for (int i = threadIdx.x; i < nv; i += kPersistentThreads) {
+    const float4 v = __ldcg(x4 + i), wv = reinterpret_cast<const float4*>(w)[i];
+    xs[xs_index<WF>(4 * i, nw)] = __float2half(wv.x * (v.x * inv));
+    xs[xs_index<WF>(4 * i + 1, nw)] = __float2half(wv.y * (v.y * inv));
+    xs[xs_index<WF>(4 * i + 2, nw)] = __float2half(wv.z * (v.z * inv));
+    xs[xs_index<WF>(4 * i + 3, nw)] = __float2half(wv.w * (v.w * inv));
+  }
+  for (int i = K + threadIdx.x; i < width; i += kPersistentThreads) xs[xs_index<WF>(i, nw)] = __float2half(0.0f);
+  __syncthreads();
+}
+
 // xs = fp16 of rmsnorm(x) * w (NORM; x: K floats produced in this kernel) or of x (K halves produced in this
 // kernel), in WF's layout, zero past K up to the matrix's width; I4: xsum[g] = the staged group sums.
 template <WFormat WF, bool NORM>
@@ -50,6 +87,11 @@ __device__ void stage(const QMat& m, const void* x, const float* w, float eps, _
   const int K = m.K, width = staged_width(m), nw = width / (8 * kXChunks<WF>);
   float inv = 1.0f;
   if constexpr (NORM) {
+    if (K % 4 == 0) {  // (uniform)
+      stage_norm_vec<WF>(m, static_cast<const float*>(x), w, eps, xs, red);
+      stage_sums<WF>(K, nw, xs, xsum);
+      return;
+    }
     const float* xf = static_cast<const float*>(x);
     float ss = 0.0f;
     for (int i = threadIdx.x; i < K; i += kPersistentThreads) {
@@ -68,14 +110,7 @@ __device__ void stage(const QMat& m, const void* x, const float* w, float eps, _
     xs[xs_index<WF>(i, nw)] = v;
   }
   __syncthreads();
-  if constexpr (WF == WFormat::I4) {
-    for (int g = threadIdx.x; g < K / kI4Group; g += kPersistentThreads) {
-      float sum = 0.0f;
-      for (int e = g * kI4Group; e < (g + 1) * kI4Group; e++) sum += __half2float(xs[xs_index<WF>(e, nw)]);
-      xsum[g] = sum;
-    }
-    __syncthreads();
-  }
+  stage_sums<WF>(K, nw, xs, xsum);
 }
 
 // One row of m against the staged input; the warp's sum, in every lane.

@@ -14,6 +14,10 @@
 // `finish`) writes epoch + 1 — after every block has read it, so all blocks of a step agree, and the next kernel
 // (stream order) sees it. Counters never reset (sync.cuh). A wait that times out records the counter in `error`;
 // the block stops its list, still counts as finished, and the host turns the error into an exception.
+//
+// The schedule has an attention task for every chunk of the longest context; those past `pos` (known at the
+// kernel's start) signal at once without waiting: they read and write nothing, and their consumers (the merge)
+// still count every producer, so the host's check of the schedule holds as it is.
 #include <cfloat>
 
 #include "common.cuh"
@@ -384,13 +388,18 @@ __global__ void __launch_bounds__(kPersistentThreads) persistent_kernel(Persiste
   policy.timeout_ns = p.timeout_ns;
   for (int i = p.begin[blockIdx.x]; i < p.begin[blockIdx.x + 1]; i++) {
     const PTask t = p.tasks[i];
+    uint32_t* signal = t.signal >= 0 ? p.counters + (size_t)t.signal * sync::kCounterStride : nullptr;
+    if (t.type == TaskType::AttnPartial && t.b * p.chunk > pos) {  // a chunk past pos: nothing to wait for or do
+      if (signal) sync::block_signal(signal);                     // (its consumers count it all the same)
+      continue;
+    }
     if (p.prefetch) prefetch_task(p, t, pos);
     if (t.wait >= 0 &&
         !sync::block_wait(p.counters + (size_t)t.wait * sync::kCounterStride,
                           sync::epoch_target(epoch, (uint32_t)t.wait_count), policy, p.error, (uint32_t)t.wait))
       break;  // timed out (or another block did): the host reports it
     run_task(p, t, token, pos, sm);
-    if (t.signal >= 0) sync::block_signal(p.counters + (size_t)t.signal * sync::kCounterStride);
+    if (signal) sync::block_signal(signal);
     else __syncthreads();  // the next task reuses the shared memory
   }
   __syncthreads();

@@ -110,7 +110,7 @@ def test_ten_thousand_steps(tmp_path):
     sequence's first 200 tokens equal the graph path's (later, a near-tie may differ in the last bit and the
     sequences part), and the last step's logits equal the CPU engine's on the persistent tokens (every step's keys
     and values are in that cache: a wrong step anywhere shows)."""
-    m = make_llama(tmp_path, hidden=128, intermediate=300, layers=2, heads=4, kv_heads=2, head_dim=32 * 2,
+    m = make_llama(tmp_path, hidden=128, intermediate=300, layers=2, heads=4, kv_heads=2, head_dim=64,
                    vocab=300, max_pos=1100)
     per = cuda(m, P.Persistent, max_seq_len=1050)
     graph = cuda(m, P.Graph, max_seq_len=1050)

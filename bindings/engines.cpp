@@ -411,6 +411,8 @@ void bind_engines(nb::module_& m) {
       .def_rw("batched_prefill", &ti::CudaOptions::batched_prefill)
       .def_rw("prefill_chunk", &ti::CudaOptions::prefill_chunk)
       .def_rw("gemm_autotune", &ti::CudaOptions::gemm_autotune)
+      .def_rw("max_batch", &ti::CudaOptions::max_batch)
+      .def_rw("batch_gemv_f16_max", &ti::CudaOptions::batch_gemv_f16_max)
       .def_rw("kv_page_size", &ti::CudaOptions::kv_page_size)
       .def_rw("kv_pool_pages", &ti::CudaOptions::kv_pool_pages)
       .def_rw("kv_page_shuffle", &ti::CudaOptions::kv_page_shuffle)
@@ -585,6 +587,15 @@ void bind_engines(nb::module_& m) {
       .def("time_attention", &ti::CudaEngine::time_attention, "context"_a, "reps"_a,
            nb::call_guard<nb::gil_scoped_release>(), "GPU µs of one layer's decode attention at this context.");
   bind_engine_common<ti::CudaEngine>(gpu);
+  bind_sequences<ti::CudaEngine>(gpu);
+  gpu.def(
+      "seq_logits",
+      [](const ti::CudaEngine& e, int64_t slot) {
+        const std::vector<float> l = e.seq_logits(slot);
+        return numpy_copy(l, l.size());
+      },
+      "slot"_a, "The slot's current logits, float32 (vocab) (empty before its first prefill), copied from the "
+      "device: tests.");
 #endif
 }
 

@@ -1,8 +1,10 @@
 #include <cmath>
+#include <memory>
 #include <limits>
 
 #include "../cuda/attention.cuh"
 #include "../cuda/common.cuh"
+#include "../cuda/gemv_batch.cuh"
 #include "kernel_tests.h"
 #include "../cuda/prefill.cuh"
 #include "../cuda/prefill_attention.cuh"
@@ -401,6 +403,74 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
   p.scales = d.m.scales;
   p.ldq = d.m.ld;
   return io.run(p, K, ld, eps, R, in, blocks_per_sm);
+}
+
+std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, const float* X, int n,
+                                  const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out) {
+  if (fmt != WFormat::F16) check_quant_shape(K, fmt);
+  const int ldx = (int)pad8(K), n_out = out == GemvOut::Swiglu ? rows / 2 : rows, ldy = n_out + 3;  // (ldy: odd on purpose)
+  std::unique_ptr<DeviceQuant> dq;
+  std::unique_ptr<Buf> w16;
+  QMat m;
+  if (fmt == WFormat::F16) {
+    w16 = std::make_unique<Buf>((size_t)rows * ldx * 2);
+    std::vector<__half> h((size_t)rows * ldx, __float2half(0.0f));
+    for (int r = 0; r < rows; r++)
+      for (int k = 0; k < K; k++) h[(size_t)r * ldx + k] = __float2half(W[(size_t)r * K + k]);
+    put(w16->p, h.data(), h.size() * 2);
+    m.fmt = WFormat::F16;
+    m.q = w16->p;
+    m.rows = rows;
+    m.K = K;
+    m.ld = ldx;
+  } else {
+    dq = std::make_unique<DeviceQuant>(W, rows, K, fmt);
+    m = dq->m;
+  }
+  Buf dx((size_t)n * ldx * 4), dn((size_t)K * 4), dy((size_t)n * ldy * 4);
+  if (in == GemvIn::F16) {  // padding columns NaN: the kernel must never read past K
+    std::vector<__half> xh((size_t)n * ldx, __float2half(std::numeric_limits<float>::quiet_NaN()));
+    for (int j = 0; j < n; j++)
+      for (int k = 0; k < K; k++) xh[(size_t)j * ldx + k] = __float2half(X[(size_t)j * K + k]);
+    put(dx.p, xh.data(), xh.size() * 2);
+  } else {
+    std::vector<float> xf((size_t)n * ldx, std::numeric_limits<float>::quiet_NaN());
+    for (int j = 0; j < n; j++)
+      for (int k = 0; k < K; k++) xf[(size_t)j * ldx + k] = X[(size_t)j * K + k];
+    put(dx.p, xf.data(), xf.size() * 4);
+    put(dn.p, norm_w, (size_t)K * 4);
+  }
+  std::vector<float> yf((size_t)n * ldy);
+  if (out == GemvOut::AddF32) {
+    for (int j = 0; j < n; j++)
+      for (int r = 0; r < ldy; r++) yf[(size_t)j * ldy + r] = r < rows ? Y_init[(size_t)j * rows + r] : 0.0f;
+    put(dy.p, yf.data(), yf.size() * 4);
+  } else {
+    TI_CUDA_CHECK(cudaMemset(dy.p, 0xFF, yf.size() * 4));  // NaN in fp32 and fp16: poison
+  }
+  GemvBatchArgs a;
+  a.W = m;
+  a.x = dx.p;
+  a.ldx = ldx;
+  a.norm_w = dn.as<float>();
+  a.eps = eps;
+  a.y = dy.p;
+  a.ldy = ldy;
+  a.n = n;
+  gemv_batch(a, in, out, 0);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> res((size_t)n * n_out);
+  if (out == GemvOut::Swiglu) {
+    std::vector<__half> h((size_t)n * ldy);
+    get(h.data(), dy.p, h.size() * 2);
+    for (int j = 0; j < n; j++)
+      for (int i = 0; i < n_out; i++) res[(size_t)j * n_out + i] = __half2float(h[(size_t)j * ldy + i]);
+  } else {
+    get(yf.data(), dy.p, yf.size() * 4);
+    for (int j = 0; j < n; j++)
+      for (int i = 0; i < n_out; i++) res[(size_t)j * n_out + i] = yf[(size_t)j * ldy + i];
+  }
+  return res;
 }
 
 }  // namespace ti::cuda

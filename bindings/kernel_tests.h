@@ -72,6 +72,13 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
                                   float eps, const float* y_init, int R, GemvIn in, GemvOut out,
                                   int blocks_per_sm = 0);
 
+// One small-N GEMV (cuda/gemv_batch.cu, the batched decode step's products) over n input rows: W (rows, K) fp32
+// (rounded to fp16, then quantized on the device unless fmt is F16); X (n, K) floats (F16 input: rounded to
+// fp16; F32Norm: RMS-normed by the kernel with norm_w); Y_init (n, rows) for AddF32. Returns (n, rows) floats, or
+// (n, rows / 2) for Swiglu (widened from fp16).
+std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, const float* X, int n,
+                                  const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out);
+
 // One GEMM (cuBLASLt, gemm.cu) Y = X W^T (+ Y_init for AddF32). W: (M, K) fp16 bits; X: (N, K) floats (rounded
 // to fp16); Y_init: (N, M). Returns Y (N, M) floats (widened from fp16 for GemmOut::F16). autotune: time the
 // candidates first (else cuBLASLt's default).

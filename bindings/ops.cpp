@@ -405,6 +405,28 @@ void bind_ops(nb::module_& m) {
       "W"_a, "format"_a, "x"_a, "norm_w"_a, "eps"_a, "y_init"_a, "R"_a, "input"_a, "output"_a, "grid"_a = 0,
       "One quantized GEMV (cuda/gemv.cu) over W quantized on the device; grid as in gemv.");
   ops.def(
+      "gemv_batch",
+      [](F32In2 W, const FormatArg& f, F32In2 X, F32In1 norm_w, float eps, F32In2 Y_init, ti::cuda::GemvIn in,
+         ti::cuda::GemvOut out) {
+        const int rows = (int)W.shape(0), K = (int)W.shape(1), n = (int)X.shape(0);
+        if ((int)X.shape(1) != K) ti::fail(ti::ErrorKind::Request, "gemv_batch: X.shape[1] != W.shape[1]");
+        if (in == ti::cuda::GemvIn::F32Norm && (int)norm_w.shape(0) != K)
+          ti::fail(ti::ErrorKind::Request, "gemv_batch: len(norm_w) != K");
+        if (out == ti::cuda::GemvOut::AddF32 && ((int)Y_init.shape(0) != n || (int)Y_init.shape(1) != rows))
+          ti::fail(ti::ErrorKind::Request, "gemv_batch: Y_init must be (n, rows)");
+        const ti::WFormat fmt = to_format(f);
+        std::vector<float> y;
+        {
+          nb::gil_scoped_release release;
+          y = ti::cuda::run_gemv_batch(W.data(), rows, K, fmt, X.data(), n, norm_w.data(), eps, Y_init.data(), in,
+                                       out);
+        }
+        return numpy_copy(y, (size_t)n, y.size() / (size_t)n);
+      },
+      "W"_a, "format"_a, "X"_a, "norm_w"_a, "eps"_a, "Y_init"_a, "input"_a, "output"_a,
+      "One small-N GEMV (cuda/gemv_batch.cu) over the rows of X; W quantized on the device unless fp16: "
+      "(n, rows) floats, (n, rows / 2) for swiglu.");
+  ops.def(
       "gemm",
       [](nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> W, F32In2 X, F32In2 y_init,
          ti::cuda::GemmOut go, bool autotune) {

@@ -23,6 +23,13 @@ struct DecodeAttnParams {
   int n_heads = 0, n_kv_heads = 0, head_dim = 0, max_seq = 0, chunk = 64;  // max_seq: sizes the grid
   float scale = 1.0f;           // 1 / sqrt(head_dim)
   unsigned long long* trace = nullptr;  // debug timestamps of the chunk kernel (common.cuh, trace_point)
+  // Many rows (decode_attention_rows, the batched decode step): row r reads its q | k | v at qkv + r * ld_qkv,
+  // attends at position row_pos[r] (< 0: an inert padding row, which reads and writes nothing) through the page
+  // table page_table + row_slot[r] * table_stride, writes out + r * ld_out; its partials follow row by row.
+  // (pos is unused then.)
+  const int* row_pos = nullptr;
+  const int* row_slot = nullptr;
+  int table_stride = 0, ld_qkv = 0, ld_out = 0;
 };
 
 inline int attn_max_chunks(const DecodeAttnParams& p) { return (p.max_seq + p.chunk - 1) / p.chunk; }
@@ -33,5 +40,8 @@ size_t decode_attention_smem(const DecodeAttnParams& p);
 
 // RoPE + KV-cache write + split-K attention over chunks of `chunk` positions, then the log-sum-exp merge.
 void decode_attention(const DecodeAttnParams& p, cudaStream_t stream, bool pdl);
+// The same over n_rows rows, each at its own position through its own page table (the row fields above); the
+// partial buffers hold n_rows * n_heads * attn_max_chunks(p) chunks. One launch pair for all rows.
+void decode_attention_rows(const DecodeAttnParams& p, int n_rows, cudaStream_t stream, bool pdl);
 
 }  // namespace ti::cuda

@@ -47,7 +47,7 @@ def test_scattered_pages_change_no_number(model, page_size, shuffle, batched, pr
     ref = Engine(model, device="cuda", max_seq_len=400, cuda_options=options(**same))
     eng = Engine(model, device="cuda", max_seq_len=400,
                  cuda_options=options(kv_page_size=page_size, kv_page_shuffle=shuffle, **same))
-    assert eng._core.kv_pages == (page_size, -(-400 // page_size), 0)
+    assert eng._core.kv_pages == (page_size, eng._core.max_batch * -(-400 // page_size), 0)  # the default pool
     ids = np.random.default_rng(1).integers(3, 1000, 230).tolist()  # crosses pages 64, 128, 192
     np.testing.assert_array_equal(eng.logits(ids), ref.logits(ids))
     for kw in (dict(), dict(temperature=0.9, seed=4)):  # 150 + 120 positions: the decode crosses pages too
@@ -81,7 +81,7 @@ def test_pages_on_demand_and_a_pool_too_small(model):
 def test_small_pool_loads_and_matches_the_full_pool(model):
     """A pool smaller than max_seq_len: the load-time tuning of the long-context graph times its steps inside the
     pool; short sequences give the same tokens as with the full pool."""
-    full = Engine(model, device="cuda", max_seq_len=2048, cuda_options=options())
+    full = Engine(model, device="cuda", max_seq_len=2048, cuda_options=options(kv_pool_pages=32))  # one sequence
     o = options(kv_pool_pages=8)
     o.decode_long_from = -1
     small = Engine(model, device="cuda", max_seq_len=2048, cuda_options=o)

@@ -211,3 +211,53 @@ def test_keyboard_interrupt_mid_generation_leaves_engine_usable(eng, monkeypatch
         eng.generate(PROMPT, max_tokens=24, ignore_eos=True)
     monkeypatch.setattr(eng, "_core", core)
     assert eng.generate(PROMPT, max_tokens=24, ignore_eos=True).token_ids == want
+
+
+# ---- the assembler's windowed decode against decoding everything, on real tokenizers ----
+
+MIXED_TEXT = "Once upon a time, héllo wörld — 日本語のテキスト 🙂🚀 <s> the dog  \n\n x=1+2; «quotes» ok."
+
+
+def _char_tokenizer(tmp_path):
+    from conftest import save_char_tokenizer
+    from tinyinfer.tokenizer import Tokenizer
+
+    save_char_tokenizer(tmp_path)
+    return Tokenizer.from_file(tmp_path / "tokenizer.json")
+
+
+@pytest.fixture(params=["char", "bytelevel", "sentencepiece"])
+def tokenizer(request, tmp_path):
+    """(tokenizer, windowed): whether the assembler's windowed decode must hold on every stream. A sentencepiece
+    byte-fallback run that is still incomplete turns its earlier, complete characters into U+FFFD too (not a
+    local decode): there the assembler falls back to decoding everything, on ASCII text it must not."""
+    if request.param == "char":  # WordLevel, tokens joined with spaces
+        return _char_tokenizer(tmp_path), True
+    if request.param == "bytelevel":  # SmolLM2's byte-level BPE
+        return request.getfixturevalue("smollm_tokenizer"), True
+    from tinyinfer.loaders import load_model
+
+    return load_model(request.getfixturevalue("tiny_gguf_dir") / "tiny.gguf").tokenizer, False
+
+
+def test_windowed_decode_equals_decoding_everything(tokenizer):
+    tokenizer, always_windowed = tokenizer
+
+    def dec(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    rng = np.random.default_rng(0)
+    vocab = tokenizer.vocab_size
+    ascii_ids = tokenizer.encode("The quick brown fox, 12 dogs; and\nnew  lines.", add_special_tokens=False)
+    streams = [ascii_ids, tokenizer.encode(MIXED_TEXT, add_special_tokens=False),
+               rng.integers(0, vocab, 200).tolist(),  # anything: specials, lone bytes, broken UTF-8
+               rng.integers(0, min(vocab, 400), 200).tolist()]  # the low ids: byte tokens and specials
+    for ids in streams:
+        asm = TextAssembler(dec, [])
+        for i, t in enumerate(ids):
+            asm.add([t])
+            assert asm.text == dec(ids[:i + 1]).rstrip("\ufffd"), (i, ids[:i + 1])
+        asm.add([], final=True)
+        assert asm.text == dec(ids)
+        if always_windowed or ids is ascii_ids:  # the fast path held (a fallback passes the checks above too)
+            assert asm._windowed

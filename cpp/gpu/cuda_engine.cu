@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "../../cuda/attention.cuh"
+#include "../../cuda/batch_rows.cuh"
 #include "../../cuda/common.cuh"
 #include "../../cuda/prefill_attention.cuh"
 #include "../core/engine_checks.h"
@@ -81,6 +82,8 @@ void CudaEngine::init_device() {
   if (opt_.kv_pool_pages < 0)
     fail(ErrorKind::Request, "kv_pool_pages must be >= 0 (0: enough for max_seq_len), got " +
                                  std::to_string(opt_.kv_pool_pages));
+  check_max_batch(opt_.max_batch);
+  if (opt_.batch_gemv_f16_max < 0) fail(ErrorKind::Request, "batch_gemv_f16_max must be >= 0");
   if (opt_.gemv_grid < -1 || opt_.gemv_grid > 2) fail(ErrorKind::Request, "gemv_grid must be -1 (tuned), 0, 1 or 2");
   if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))
     fail(ErrorKind::Request, "gemv_resident_margin must be in [0, 1]");
@@ -98,7 +101,7 @@ void CudaEngine::init_device() {
 void CudaEngine::allocate() {
   weights_ = std::make_unique<DeviceWeights>(cfg_, opt_.weights, arena_, stream_);
   const int P = opt_.kv_page_size;
-  pool_ = std::make_unique<KvPagePool>(opt_.kv_pool_pages ? opt_.kv_pool_pages : (max_seq_ + P - 1) / P, P,
+  pool_ = std::make_unique<KvPagePool>(opt_.kv_pool_pages ? opt_.kv_pool_pages : default_pool_pages(), P,
                                        opt_.kv_page_shuffle);
   seq_ = std::make_unique<KvSequence>(*pool_, max_seq_);
   dbuf_ = DecodeBuffers::allocate(cfg_, *weights_, max_seq_, opt_.attn_chunk, *pool_, opt_.trace, arena_, stream_);
@@ -112,15 +115,18 @@ void CudaEngine::allocate() {
   TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.state, h_state_, sizeof(*h_state_), cudaMemcpyHostToDevice, stream_));
   TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.sampling, h_sampling_, sizeof(*h_sampling_), cudaMemcpyHostToDevice, stream_));
 
+  // cuBLASLt: the batched prefill's products and the batched decode step's large fp16 ones.
+  constexpr size_t kWorkspace = 32u << 20;
+  gemm_ = std::make_unique<cuda::Gemm>(kWorkspace);
+  gemm_->autotune = opt_.gemm_autotune;
+  arena_.count(DeviceArena::Kind::Scratch, kWorkspace);
+  allocate_batch();
+
   // The batched prefill's activations, sized for one chunk of min(prefill_chunk, max_seq) tokens (else prompts
   // go token by token through the decode pass).
   if (!opt_.batched_prefill || !cuda::prefill_attention_supported((int)cfg_.head_dim)) return;
   if (opt_.prefill_chunk < 1) fail(ErrorKind::Request, "prefill_chunk must be >= 1");
   pbuf_ = PrefillBuffers::allocate(cfg_, *weights_, (int)std::min<int64_t>(opt_.prefill_chunk, max_seq_), arena_);
-  constexpr size_t kWorkspace = 32u << 20;
-  gemm_ = std::make_unique<cuda::Gemm>(kWorkspace);
-  gemm_->autotune = opt_.gemm_autotune;
-  arena_.count(DeviceArena::Kind::Scratch, kWorkspace);
   prefill_ = std::make_unique<PrefillStep>(cfg_, *weights_, dbuf_, pbuf_, plan_, *gemm_, stream_);
 }
 
@@ -271,6 +277,12 @@ void CudaEngine::release() {
     if (g) cudaGraphExecDestroy(g);
   g_prompt_token_ = g_decode_ = g_decode_long_ = persistent_graph_ = nullptr;
   persistent_.reset();
+  for (cudaGraphExec_t& g : g_batch_)
+    if (g) cudaGraphExecDestroy(g);
+  g_batch_.clear();
+  batch_.reset();
+  slots_.clear();
+  h_sample_in_ = h_sample_out_ = nullptr;
   prefill_.reset();
   step_.reset();
   weights_.reset();

@@ -2,6 +2,7 @@
 // forward() runs prompt tokens at position(); decode() samples and runs tokens back to back) so the Python
 // Engine drives either. The work lives in its parts, read in this order:
 //   decode_step.*     THE decode pass (one token, a flat list of launches), captured once into CUDA graphs
+//   batch_step.*      THE batched decode pass (one token for each of many sequence slots), a graph per bucket
 //   decode_persistent.*  the same pass as one persistent kernel (CudaOptions::decode_path), captured with the sampler
 //   prefill_step.*    the batched prefill pass (cuBLASLt GEMMs + tiled causal attention), chunk by chunk
 //   device_weights.*  the weights on the device (allocation, quantization); weight_stream.* the load
@@ -19,10 +20,12 @@
 #include <vector>
 
 #include "../../cuda/gemm.cuh"
+#include "../core/batch_sample.h"
 #include "../core/config.h"
 #include "../core/sampling.h"
 #include "../core/weights.h"
 #include "decode_persistent.h"
+#include "batch_step.h"
 #include "decode_step.h"
 #include "device_weights.h"
 #include "gemv_plan.h"
@@ -50,9 +53,19 @@ struct CudaOptions {
   int prefill_chunk = 2048;            // tokens per prefill pass (activation buffers are sized for this at load)
   bool gemm_autotune = true;           // false: cuBLASLt's default algorithm for every GEMM
   WFormat weights = WFormat::F16;      // the matrices' format on the device (cpp/core/quant.h), quantized at load
-  // The paged KV cache (kv_pages.h):
+  // Sequence slots (seq_open ..., batch_step.h): the most sequences one seq_step runs; graphs are captured per
+  // bucket 1, 2, 4, ... up to max_batch, on first use.
+  int64_t max_batch = 64;
+  // fp16 batched steps of <= this many rows take the small-N GEMV (6 launches per layer, each weight read once),
+  // larger ones cuBLASLt (+ RMSNorm and SwiGLU kernels). 8: one group of the kernel's 8 inputs (not measured yet).
+  int batch_gemv_f16_max = 8;
+  // The paged KV cache (kv_pages.h), shared by the single sequence and the slots:
   int kv_page_size = 64;               // positions per page: a power of two, >= 64 and >= attn_chunk
-  int64_t kv_pool_pages = 0;           // pages in the pool; 0: what one sequence of max_seq_len needs
+  // Pages in the pool. 0: enough for max_batch sequences of max_seq_len, but at most half the device memory
+  // free once the weights are in (the other half: activations, cuBLASLt, other processes), and never fewer
+  // than one max_seq_len sequence needs (a batch then shares the pool: pages are taken on demand and a slot
+  // that cannot get one fails its call with a Request error). kv_cache_bytes() reports the choice.
+  int64_t kv_pool_pages = 0;
   uint64_t kv_page_shuffle = 0;        // a seed shuffling the pool's free list (tests); 0: pages in order
   std::string plan_text;               // a saved GEMV plan (plan_cache.h) to take instead of tuning; "": tune
   // Which pass decode() replays: the graph of kernels (the reference), the persistent kernel (issue 16), or Auto
@@ -100,6 +113,27 @@ class CudaEngine {
   // Seconds spent at load on the GEMV plan (tuned or read), the decode graphs, and the long-context decision.
   double tune_seconds() const { return tune_s_[0] + tune_s_[1] + tune_s_[2]; }
   const double* tune_parts() const { return tune_s_; }  // {plan, graphs, long-context}
+  // ---- sequence slots (BATCH_CONTRACT.md §2): many sequences, one decode step for all of them ----
+  int64_t max_batch() const { return opt_.max_batch; }
+  int64_t seq_open();                      // a free, empty slot; Request error when all are taken
+  void seq_close(int64_t slot);            // its pages back to the pool, its history cleared
+  int64_t seq_length(int64_t slot) const;  // positions in its cache
+  // Prompt tokens at seq_length(slot)..: the batched prefill through the slot's page table; the last token's
+  // logits become the slot's; the tokens join its history as prompt. Request error, nothing changed, when the
+  // pages run out or max_seq_len would be passed.
+  void seq_prefill(int64_t slot, const int32_t* tokens, int64_t n);
+  // tokens[i] at seq_length(slots[i]) in slots[i] (distinct, open), all in one batched step (a graph of the
+  // bucket of n, padded); each slot's logits become the new ones.
+  void seq_step(const int64_t* slots, const int32_t* tokens, int64_t n);
+  // The next token of each slot from its logits (adds it to the slot's history as generated); steps[i]: the
+  // RNG counter. k: top logprobs per row, 0..20.
+  BatchSample seq_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps, int64_t n, int k);
+  int64_t kv_pages_free() const { return pool_->free_pages(); }
+  int64_t kv_pages_total() const { return pool_->n_pages(); }
+  int64_t kv_page_size() const { return pool_->page_size(); }
+  // A slot's latest logits (tests: the batched step against other paths).
+  std::vector<float> seq_logits(int64_t slot) const;
+
   // GPU ms per decode step at a context of `context` tokens (with the graph decode() would use there). path:
   // Auto = the pass decode() replays; Graph / Persistent = that pass (Persistent: a Request error where it was
   // not built), so that one engine loaded with DecodePath::Auto times both (tinyinfer bench).
@@ -160,6 +194,13 @@ class CudaEngine {
   void kv_reserve(int64_t positions);      // pages for positions [0, positions), their table entries on the device
   void run_prompt_token();                 // one prompt token through the decode pass (no sampling)
   void run_decode_step(int64_t pos, DecodePath path = DecodePath::Auto);  // pos: the step's position (picks the graph)
+  void allocate_batch();                   // the slots, their buffers and sampling state
+  int64_t default_pool_pages() const;      // CudaOptions::kv_pool_pages = 0 (see there)
+  void check_slot(int64_t slot) const;     // open and in range, else a Request error (engine_checks.h)
+  void slot_reserve(int64_t slot, int64_t positions);     // KvSequence::grow + the changed table entries uploaded
+  // rows (token, position, slot) of one batched step, padded to the bucket; the bucket's graph (captured on
+  // first use) or the launches.
+  void run_rows(const int32_t* tokens, const int64_t* pos, const int64_t* slots, int64_t n);
   void upload_sampling(const cuda::DeviceSampling& s);
   double time_steps(int64_t context, int steps, const std::function<void(int64_t)>& launch);
 
@@ -191,6 +232,26 @@ class CudaEngine {
   std::unique_ptr<cuda::Gemm> gemm_;
   PrefillBuffers pbuf_;
   std::unique_ptr<PrefillStep> prefill_;
+
+  // The slots. Their page tables live in bbuf_.tables (slot s at row s), their logits in bbuf_.slot_logits.
+  BatchBuffers bbuf_;
+  std::unique_ptr<BatchStep> batch_;
+  std::vector<int> buckets_;                    // 1, 2, 4, ..., max_batch
+  std::vector<cudaGraphExec_t> g_batch_;        // per bucket, captured on first use
+  struct Slot {
+    bool open = false, has_logits = false;
+    int64_t length = 0;
+    std::unique_ptr<KvSequence> kv;
+  };
+  std::vector<Slot> slots_;
+  unsigned char* seen_ = nullptr;               // (max_batch, vocab) prompt + generated tokens per slot
+  int* counts_ = nullptr;                       // (max_batch, vocab) generated occurrences per slot
+  float* sample_scratch_ = nullptr;             // (max_batch, vocab)
+  void* d_sample_in_ = nullptr;                 // RowSampling (max_batch) | gather indices (max_batch)
+  void* h_sample_in_ = nullptr;                 // pinned, the same
+  int* d_prompt_ = nullptr;                     // (max_seq) a prompt's tokens (its history marks)
+  void* d_sample_out_ = nullptr;                // tokens | logprobs | top ids (max_batch, 20) | top lps
+  void* h_sample_out_ = nullptr;                // pinned, the same
 
   std::vector<int32_t> tokens_;
   TokenHistory history_{0};  // tokens_ as the sampler's penalties see them: forward() prompt, decode() generated

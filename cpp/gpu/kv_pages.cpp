@@ -37,7 +37,7 @@ int64_t KvSequence::grow(KvPagePool& pool, int64_t positions) {
              std::to_string(first + need) + " pages of " + std::to_string(pool.page_size()) +
              " positions; the sequence holds " + std::to_string(first) + " and the pool has " +
              std::to_string(pool.free_pages()) + " free of " + std::to_string(pool.n_pages()) +
-             " (CudaOptions.kv_pool_pages; 0 sizes the pool for max_seq_len)");
+             " (CudaOptions.kv_pool_pages; 0 sizes the pool for max_batch sequences within free memory)");
   for (int64_t i = 0; i < need; i++) {
     table_.push_back(pool.free_.back());
     pool.free_.pop_back();

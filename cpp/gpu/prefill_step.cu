@@ -66,7 +66,7 @@ static GemmArgs gemm_args(const __half* W, int M, int ldw, const __half* X, int 
   return a;
 }
 
-void PrefillStep::layer(const DeviceLayer& L, int64_t layer, int T, int pos0) {
+void PrefillStep::layer(const DeviceLayer& L, int64_t layer, int T, int pos0, const int* page_table) {
   const ModelConfig& c = c_;
   const int H = (int)c.hidden, I = (int)c.intermediate, q_dim = (int)c.q_dim;
   const int qkv_rows = (int)(c.q_dim + 2 * c.kv_dim);
@@ -85,7 +85,7 @@ void PrefillStep::layer(const DeviceLayer& L, int64_t layer, int T, int pos0) {
   r.q = b_.q;
   r.k_pages = d_.k_pages + layer * d_.kv_layer_elems;
   r.v_pages = d_.v_pages + layer * d_.kv_layer_elems;
-  r.page_table = d_.page_table;
+  r.page_table = page_table;
   r.page_shift = d_.page_shift;
   r.T = T;
   r.pos0 = pos0;
@@ -136,9 +136,11 @@ void PrefillStep::chunk_logits(int T, float* host_logits, int64_t host_row0) {
   }
 }
 
-// One chunk: T tokens at pos0.. (T <= rows()). Leaves the last row's residual in d_.x and its logits in
-// d_.logits (what decode() samples from first). host_logits: every row's logits as well (see chunk_logits).
-void PrefillStep::run_chunk(const int32_t* tokens, int T, int pos0, float* host_logits, int64_t host_row0) {
+// One chunk: T tokens at pos0.. (T <= rows()) through to.page_table. Leaves the last row's residual in to.x and
+// its logits in to.logits (the single sequence: what decode() samples from first). host_logits: every row's
+// logits as well (see chunk_logits).
+void PrefillStep::run_chunk(const int32_t* tokens, int T, int pos0, float* host_logits, int64_t host_row0,
+                            const PrefillTarget& to) {
   const ModelConfig& c = c_;
   const int H = (int)c.hidden;
   TI_CUDA_CHECK(cudaStreamSynchronize(s_));  // b_.h_tokens may still be read by the previous chunk's copy
@@ -146,12 +148,12 @@ void PrefillStep::run_chunk(const int32_t* tokens, int T, int pos0, float* host_
   TI_CUDA_CHECK(cudaMemcpyAsync(b_.tokens, b_.h_tokens, (size_t)T * sizeof(int), cudaMemcpyHostToDevice, s_));
 
   cuda::embed_tokens(w_.embedding, w_.ld_h, H, b_.tokens, T, b_.x, w_.ld_h, s_);  // x = embed[tokens]
-  for (int64_t l = 0; l < c.n_layers; l++) layer(w_.layers[(size_t)l], l, T, pos0);
+  for (int64_t l = 0; l < c.n_layers; l++) layer(w_.layers[(size_t)l], l, T, pos0, to.page_table);
 
   // logits of the last position = lm_head @ rmsnorm(x[T-1]): the decode GEMV, as a decode step would
-  TI_CUDA_CHECK(cudaMemcpyAsync(d_.x, b_.x + (size_t)(T - 1) * w_.ld_h, (size_t)H * sizeof(float),
+  TI_CUDA_CHECK(cudaMemcpyAsync(to.x, b_.x + (size_t)(T - 1) * w_.ld_h, (size_t)H * sizeof(float),
                                 cudaMemcpyDeviceToDevice, s_));
-  launch_gemv(plan_, MatrixRole::LmHead, gemv_args(w_.lm_head, d_.x, d_.logits, w_.final_norm, (float)c.rms_eps, false),
+  launch_gemv(plan_, MatrixRole::LmHead, gemv_args(w_.lm_head, to.x, to.logits, w_.final_norm, (float)c.rms_eps, false),
               cuda::GemvIn::F32Norm, cuda::GemvOut::F32, s_, false);
   if (host_logits) chunk_logits(T, host_logits, host_row0);
 }

@@ -37,6 +37,14 @@ struct PrefillBuffers {
   static PrefillBuffers allocate(const ModelConfig& c, const DeviceWeights& w, int rows, DeviceArena& arena);
 };
 
+// Where a chunk writes: the page table of the sequence it extends, and where the last row's residual and logits
+// go (the single sequence: the decode buffers' table, x and logits; a batch slot: its own table and logits row).
+struct PrefillTarget {
+  const int* page_table = nullptr;
+  float* x = nullptr;       // (hidden) the last row's residual
+  float* logits = nullptr;  // (vocab) the last row's logits
+};
+
 class PrefillStep {
  public:
   PrefillStep(const ModelConfig& c, DeviceWeights& w, const DecodeBuffers& d, const PrefillBuffers& b,
@@ -46,10 +54,15 @@ class PrefillStep {
   // T <= rows() tokens at positions pos0..: fills the cache, leaves the last row's residual in the decode
   // buffers' x and its logits in their logits (what decode() samples from first). host_logits (may be null):
   // every row's logits as well, row r at host_logits row host_row0 + r (rows with host_row0 + r < 0 skipped).
-  void run_chunk(const int32_t* tokens, int T, int pos0, float* host_logits, int64_t host_row0);
+  void run_chunk(const int32_t* tokens, int T, int pos0, float* host_logits, int64_t host_row0) {
+    run_chunk(tokens, T, pos0, host_logits, host_row0, PrefillTarget{d_.page_table, d_.x, d_.logits});
+  }
+  // The same for any sequence: through `to`'s page table, the last row's residual and logits into `to`.
+  void run_chunk(const int32_t* tokens, int T, int pos0, float* host_logits, int64_t host_row0,
+                 const PrefillTarget& to);
 
  private:
-  void layer(const DeviceLayer& L, int64_t l, int T, int pos0);
+  void layer(const DeviceLayer& L, int64_t l, int T, int pos0, const int* page_table);
   void chunk_logits(int T, float* host_logits, int64_t host_row0);
   const ModelConfig& c_;
   DeviceWeights& w_;

@@ -7,8 +7,10 @@ from .errors import (  # noqa: F401  (errors first: the core maps its exceptions
     ConfigError,
     DeviceError,
     InvalidRequestError,
+    KvCacheFullError,
     ModelFormatError,
     ModelNotFoundError,
+    QueueFullError,
     TinyInferError,
     TokenizerError,
     UnsupportedModelError,
@@ -55,6 +57,7 @@ _core = _import_core()
 from ._core import ModelConfig  # noqa: E402
 from .engine import Completion, Engine, Stats  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
+from .scheduler import Delta, Request, Scheduler, TokenLogprob  # noqa: E402
 
 __version__ = _core.build_info["version"]
 
@@ -63,6 +66,10 @@ __all__ = [
     "Completion",
     "Stats",
     "SamplingParams",
+    "Scheduler",
+    "Request",
+    "Delta",
+    "TokenLogprob",
     "ModelConfig",
     "TinyInferError",
     "ChatTemplateError",
@@ -73,4 +80,6 @@ __all__ = [
     "InvalidRequestError",
     "TokenizerError",
     "DeviceError",
+    "QueueFullError",
+    "KvCacheFullError",
 ]

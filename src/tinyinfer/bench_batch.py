@@ -5,7 +5,9 @@ B together (seq_step + seq_sample, greedy, every step a round trip to the host a
 Aggregate tok/s = B * gen / decode wall time; per-sequence tok/s = gen / decode wall time. Batch 1 is also timed
 on the single-sequence path (the captured decode graph Engine.generate uses alone): the ratios divide by that,
 the fastest batch-1 figure this engine has. KV pages in use are read while the B sequences are live: they must
-equal what B sequences of prompt + gen positions hold (no per-sequence max_seq_len reservation).
+equal what B sequences of prompt + gen positions hold (no per-sequence max_seq_len reservation). The same decode
+is then run through the Scheduler (tinyinfer.scheduler: admission, per-request sampling configs, Deltas, all
+in Python per step): its ms/step against the raw loop's is the scheduler's overhead.
 """
 
 from __future__ import annotations
@@ -49,6 +51,31 @@ def time_batch(core, batch: int, prompt: int, gen: int, vocab: int, seed: int = 
             "kv_pages_expected": batch * _pages_for(prompt + gen - 1, core.kv_page_size)}
 
 
+def time_scheduler(core, cfg, batch: int, prompt: int, gen: int, seed: int = 0) -> dict:
+    """time_batch's decode through a Scheduler: every prompt in the first step (chunk_tokens = batch * prompt),
+    then gen - 1 steps of all B together, each one seq_step + seq_sample plus the scheduler's Python."""
+    from .engine import Engine
+    from .sampling import SamplingParams
+    from .scheduler import Scheduler
+
+    rng = np.random.default_rng(seed)
+    sched = Scheduler(Engine.from_core(core, cfg, max_seq_len=core.max_seq_len, name="bench"), max_batch=batch,
+                      chunk_tokens=batch * prompt)
+    sp = SamplingParams(max_tokens=gen, ignore_eos=True)
+    for _ in range(batch):
+        sched.submit(rng.integers(0, int(cfg.vocab), prompt).tolist(), sp)
+    try:
+        sched.step()  # admission, the prompts, the first tokens
+        t = time.perf_counter()
+        while sched.step():
+            pass
+        decode_s = time.perf_counter() - t
+    finally:
+        sched.close()
+    steps = gen - 1
+    return {"sched_tok_s": batch * steps / decode_s, "sched_ms_per_step": decode_s * 1e3 / steps}
+
+
 def time_single(core, prompt: int, gen: int, vocab: int, seed: int = 0) -> float:
     """Decode tok/s of one sequence on the single-sequence path (CUDA: the captured decode graph), wall time."""
     rng = np.random.default_rng(seed)
@@ -75,14 +102,16 @@ def run_batches(core, cfg, batches: Sequence[int], prompt: int = 128, gen: int =
     out(f"\nbatched decode: prompt {prompt} + {gen} generated per sequence, greedy; batch 1 on the "
         f"single-sequence path: {single:,.0f} tok/s")
     out(f"{'batch':>6} {'tok/s':>9} {'per seq':>9} {'ms/step':>8} {'x batch 1':>10} {'KV pages':>9} "
-        f"{'expected':>9}")
+        f"{'expected':>9} {'sched tok/s':>12} {'sched ms/step':>14}")
     for b in batches:
         time_batch(core, b, prompt, 4, cfg.vocab, seed=b)  # this bucket's graph and tactics before timing
         row = time_batch(core, b, prompt, gen, cfg.vocab, seed=b)
         row["x_single"] = row["tok_s"] / single
+        row.update(time_scheduler(core, cfg, b, prompt, gen, seed=b))
         res["batches"].append(row)
         out(f"{b:>6} {row['tok_s']:>9,.0f} {row['per_seq_tok_s']:>9,.0f} {row['ms_per_step']:>8.3f} "
-            f"{row['x_single']:>9.2f}x {row['kv_pages_used']:>9} {row['kv_pages_expected']:>9}")
+            f"{row['x_single']:>9.2f}x {row['kv_pages_used']:>9} {row['kv_pages_expected']:>9} "
+            f"{row['sched_tok_s']:>12,.0f} {row['sched_ms_per_step']:>14.3f}")
     return res
 
 

@@ -1,10 +1,11 @@
-"""The tinyinfer command line: run | chat | bench | verify | perplexity | info.
+"""The tinyinfer command line: run | chat | serve | bench | verify | perplexity | info.
 
     tinyinfer run "Write a haiku about GPUs."          # default model, chat template, answer + stats line
     tinyinfer run --model path/to/model --raw "Once"    # plain completion, no chat template
     echo "Summarize: ..." | tinyinfer run -             # the prompt from stdin ("-", or no prompt and a pipe)
     tinyinfer chat                                      # interactive, multi-turn, streaming
     tinyinfer perplexity text.txt --dtype int4          # judge a quantization
+    tinyinfer serve --port 8000                         # an OpenAI-compatible HTTP server (the `serve` extra)
 
 Everything that can be checked without the model (sampling values, dtype names, the prompt) is checked before
 the model loads. A closed stdout (`| head`) ends the command quietly.
@@ -297,6 +298,19 @@ def cmd_verify(args) -> int:
     return 0 if res["argmax_mismatches"] == 0 else 3
 
 
+def cmd_serve(args) -> int:
+    from .server.main import serve
+
+    if args.max_seq_len is not None and args.max_seq_len < 2:
+        raise InvalidRequestError(f"--max-seq-len must be >= 2 (got {args.max_seq_len})")
+    _check_threads(args)
+    if args.dtype != "auto" and args.device != "auto":
+        from .engine import check_dtype
+
+        check_dtype(args.dtype, args.device)
+    return serve(args, _engine)
+
+
 def cmd_info(args) -> int:
     from . import _core
     from .engine import no_cuda_sentence
@@ -366,6 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=None,
                    help="tokens per window, each scored from an empty cache (default: --tokens, one window)")
     p.set_defaults(func=cmd_perplexity)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
+    _add_model_args(p)
+    from .server.main import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("info", help="build and GPU information")
     p.set_defaults(func=cmd_info)

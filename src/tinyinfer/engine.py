@@ -21,7 +21,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union, overload
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -30,6 +30,9 @@ from . import _core
 from .errors import DeviceError, InvalidRequestError, TinyInferError, TokenizerError
 from .loaders import load_model
 from .sampling import SamplingParams, TextAssembler
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler, TokenLogprob
 
 Prompt = Union[str, Sequence[int]]
 
@@ -40,6 +43,19 @@ _QUANTIZED = ("int8", "int4")  # weight-only formats (cpp/quant.h): quantized at
 # dequantized numbers the GPU's quantized kernels stand for); the GPU engine stores fp16, int8 or int4.
 DEVICE_DTYPES = {"cpu": ("fp32", "int8", "int4"), "cuda": ("fp16", "int8", "int4")}
 _DEFAULT_MAX_SEQ = 4096
+
+
+def is_batch(prompt) -> bool:
+    """Whether generate()'s `prompt` is a list of prompts: a list / tuple of strs or of id sequences (a flat
+    list of ids is one prompt). Mixed lists and empty ones are refused."""
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (list, tuple)):
+        return False
+    if not prompt:
+        raise InvalidRequestError("empty prompt (an empty list: neither token ids nor prompts)")
+    nested = [isinstance(p, (str, list, tuple, np.ndarray)) for p in prompt]
+    if any(nested) and not all(nested):
+        raise InvalidRequestError("a prompt list must hold only prompts (strs or lists of ids) or only token ids")
+    return nested[0]
 
 
 @dataclass
@@ -60,9 +76,10 @@ class Stats:
 class Completion:
     text: str
     token_ids: list[int]  # generated ids only (an EOS / stop id that ended generation included)
-    finish_reason: str  # "stop" (EOS, stop id or stop string) | "length" (max_tokens)
+    finish_reason: str  # "stop" (EOS, stop id or stop string) | "length" (max_tokens) | "cancelled"
     prompt_token_ids: list[int] = field(default_factory=list)
     stats: Stats = field(default_factory=Stats)
+    logprobs: Optional[list["TokenLogprob"]] = None  # one per generated token when SamplingParams.logprobs is set
 
 
 def no_cuda_sentence(info: dict) -> str:
@@ -305,12 +322,31 @@ class Engine:
             self.load_report = f"tinyinfer: loaded {self.model_name} in {time.perf_counter() - t0:.2f} s"
         if show:
             print(self.load_report, file=sys.stderr)
+        self._init_state()
+
+    def _init_state(self) -> None:
         self._lock = threading.Lock()
         self._owner: Optional[int] = None  # thread holding the lock
+        self._sched_lock = threading.Lock()  # guards _scheduler's creation
+        self._scheduler: Optional["Scheduler"] = None
         self.last_completion: Optional[Completion] = None
         # decode steps per core call: the granularity of streaming and of EOS checks (at most one chunk of
         # work is wasted after an EOS)
         self._chunk = 32 if self.device == "cuda" else 8
+
+    @classmethod
+    def from_core(cls, core, config: "_core.ModelConfig", *, max_seq_len: int, tokenizer=None,
+                  name: str = "core") -> "Engine":
+        """An Engine around a core engine made elsewhere (random weights for a benchmark, a test double):
+        token ids in, no tokenizer unless given."""
+        self = cls.__new__(cls)
+        self._core, self.config, self.tokenizer, self.max_seq_len = core, config, tokenizer, max_seq_len
+        self.path, self.model_name, self.model_description = Path(name), name, name
+        self.device = "cuda" if hasattr(core, "device_name") else "cpu"
+        self.dtype, self.threads, self.load_report = "?", 1, ""
+        self._tactics_file, self._tactics_saved = None, 0
+        self._init_state()
+        return self
 
     @contextlib.contextmanager
     def _exclusive(self):
@@ -340,6 +376,8 @@ class Engine:
         if self._owner == threading.get_ident():
             raise InvalidRequestError("close(): an unfinished stream in this thread still uses the engine; "
                                       "exhaust or close() the stream first")
+        if self._scheduler is not None:  # first: its requests end "cancelled" and its slots close
+            self._scheduler.close()
         with self._lock:
             core, self._core = self._core, None
             del core  # the last reference: the C++ destructor frees the memory here, not at garbage collection
@@ -434,17 +472,79 @@ class Engine:
 
     # ---- generation ----
 
-    def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs) -> Completion:
+    @property
+    def scheduler(self) -> "Scheduler":
+        """The continuous-batching scheduler of this engine (tinyinfer.scheduler), created on first use with its
+        defaults (construct Scheduler(eng, ...) first for others) and its driver thread started."""
+        with self._sched_lock:
+            sched = self._scheduler
+        if sched is None or sched._closed:
+            if self._core is None:
+                raise InvalidRequestError(f"{self!r} is closed")
+            from .scheduler import Scheduler
+
+            try:
+                sched = Scheduler(self)
+            except InvalidRequestError:  # another thread made it first
+                sched = self._scheduler
+        sched.start()
+        return sched
+
+    @overload
+    def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs) -> Completion: ...
+
+    @overload
+    def generate(self, prompt: list[Prompt], params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 **kwargs) -> list[Completion]: ...
+
+    def generate(self, prompt, params=None, **kwargs):
         """Generate a completion. Sampling settings come as a SamplingParams and/or keyword arguments
-        (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, stop_token_ids, ...)."""
+        (max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, stop_token_ids, ...).
+        A list of prompts (strs or lists of ids; a flat list of ids is one prompt) runs as one batch through the
+        scheduler and gives the Completions in order; `params` is then one SamplingParams or one per prompt."""
+        if is_batch(prompt):
+            return self._generate_batch(prompt, params, kwargs)
+        if isinstance(params, (list, tuple)):
+            raise InvalidRequestError("a list of SamplingParams needs a list of prompts")
         for _ in self.stream(prompt, params, **kwargs):
             pass
         assert self.last_completion is not None
         return self.last_completion
 
+    def _generate_batch(self, prompts: Sequence[Prompt], params, kwargs: dict) -> list[Completion]:
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise InvalidRequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+            sps = [SamplingParams.from_kwargs(p, kwargs) for p in params]
+        else:
+            sps = [SamplingParams.from_kwargs(params, kwargs)] * len(prompts)
+        self._refuse_own_stream()
+        reqs = self.scheduler._submit_many(prompts, sps)
+        try:
+            return [r.result() for r in reqs]
+        except BaseException:  # KeyboardInterrupt, or one request failed: the others end too
+            for r in reqs:
+                r.cancel()
+            for r in reqs:  # within one step: when this raises, their pages are back in the pool
+                r._done.wait()
+            raise
+
+    def _refuse_own_stream(self) -> None:
+        """The scheduler's steps need the engine's lock, which a suspended single-path stream of this very
+        thread holds: waiting for them here would never end."""
+        if self._owner == threading.get_ident():
+            raise InvalidRequestError(
+                "this engine is busy with an unfinished stream in this thread; exhaust or close() it first"
+            )
+
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, **kwargs) -> Iterator[str]:
         """Yield text pieces as they are generated (whole characters only; stop strings never half-shown).
-        When the iterator is exhausted, `last_completion` holds the Completion."""
+        When the iterator is exhausted, `last_completion` holds the Completion. On an idle engine the prompt
+        runs alone (the chunked single-sequence path); while the scheduler has work, or when logprobs are asked,
+        it joins the scheduler's batch."""
+        if is_batch(prompt):
+            raise InvalidRequestError("stream() takes one prompt; for many: generate([...]), or submit each to "
+                                      "Engine.scheduler and iterate its Request")
         sp = SamplingParams.from_kwargs(params, kwargs)
         self.last_completion = None
         gen = self._generate(prompt, sp)
@@ -467,8 +567,18 @@ class Engine:
             raise TokenizerError(f"{self.path}: the model has no chat template")
         return tok.encode_chat(list(messages), add_generation_prompt=add_generation_prompt)
 
-    def chat(self, messages: Sequence[dict], params: Optional[SamplingParams] = None, **kwargs) -> Completion:
-        """The assistant's reply to a conversation [{"role": ..., "content": ...}, ...]."""
+    @overload
+    def chat(self, messages: Sequence[dict], params: Optional[SamplingParams] = None, **kwargs) -> Completion: ...
+
+    @overload
+    def chat(self, messages: list[list[dict]],
+             params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, **kwargs) -> list[Completion]: ...
+
+    def chat(self, messages, params=None, **kwargs):
+        """The assistant's reply to a conversation [{"role": ..., "content": ...}, ...]; a list of conversations
+        gives the replies in order (one batch, as generate([...]))."""
+        if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, (list, tuple)) for m in messages):
+            return self.generate([self.apply_chat_template(m) for m in messages], params, **kwargs)
         return self.generate(self.apply_chat_template(messages), params, **kwargs)
 
     def stream_chat(self, messages: Sequence[dict], params: Optional[SamplingParams] = None, **kwargs) -> Iterator[str]:
@@ -482,6 +592,28 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds "
                 f"max_seq_len={self.max_seq_len}"
             )
+        if sp.logprobs is None:
+            with self._exclusive():  # the scheduler idle under the lock: no slot holds pages, none will meanwhile
+                if self._scheduler is None or self._scheduler.idle:
+                    yield from self._generate_single(prompt_ids, sp, t_start)
+                    return
+        yield from self._generate_scheduled(prompt_ids, sp)
+
+    def _generate_scheduled(self, prompt_ids: list[int], sp: SamplingParams) -> Iterator[Union[str, Completion]]:
+        self._refuse_own_stream()
+        req = self.scheduler._submit_many([prompt_ids], [sp])[0]
+        try:
+            for delta in req:
+                if delta.text:
+                    yield delta.text
+                if delta.completion is not None:
+                    yield delta.completion
+        finally:  # abandoned (closed, KeyboardInterrupt): its slot is freed at the next step
+            req.cancel()
+
+    def _generate_single(self, prompt_ids: list[int], sp: SamplingParams,
+                         t_start: float) -> Iterator[Union[str, Completion]]:
+        """The single-sequence path; the caller holds the engine's lock."""
         stop_ids = list(sp.stop_token_ids)
         if not sp.ignore_eos:
             stop_ids += list(self.config.eos_token_ids)
@@ -492,31 +624,40 @@ class Engine:
         stats = Stats(prompt_tokens=len(prompt_ids))
         out: list[int] = []
         finish = "length"
-        with self._exclusive():
-            self._core.reset()
-            t0 = time.perf_counter()
-            self._core.forward(prompt_ids, all_logits=False)
-            stats.prefill_ms = (time.perf_counter() - t0) * 1e3
-            self._save_tactics()
-            t0 = time.perf_counter()
-            gpu_ms = 0.0
-            while len(out) < sp.max_tokens:
-                new = self._core.decode(min(self._chunk, sp.max_tokens - len(out)), sampling, stop_ids, len(out))
-                gpu_ms += getattr(self._core, "last_decode_ms", 0.0)
-                out += new
-                ended = bool(new) and new[-1] in stop_ids
-                if text is not None:
-                    visible = [t for t in new if t not in stop_ids]
+        self._core.reset()
+        t0 = time.perf_counter()
+        self._core.forward(prompt_ids, all_logits=False)
+        stats.prefill_ms = (time.perf_counter() - t0) * 1e3
+        self._save_tactics()
+        t0 = time.perf_counter()
+        gpu_ms = 0.0
+        while len(out) < sp.max_tokens:
+            new = self._core.decode(min(self._chunk, sp.max_tokens - len(out)), sampling, stop_ids, len(out))
+            gpu_ms += getattr(self._core, "last_decode_ms", 0.0)
+            out += new
+            ended = bool(new) and new[-1] in stop_ids
+            if text is not None:
+                visible = [t for t in new if t not in stop_ids]
+                if sp.stop:  # token by token: generation ends at the token that completes a stop string
+                    piece = ""
+                    for i, t in enumerate(visible):
+                        piece += text.add([t])
+                        if text.stopped:
+                            del out[len(out) - len(new) + i + 1:]
+                            break
+                    if ended and not text.stopped:
+                        piece += text.add([], final=True)
+                else:
                     piece = text.add(visible, final=ended)
-                    if text.stopped:
-                        finish, ended = "stop", True
-                    yield piece
-                if ended:
-                    finish = "stop"
-                    break
-            stats.decode_s = time.perf_counter() - t0
-            if self.device == "cuda":  # GPU time of the decode steps (events), as the stats line says
-                stats.decode_s, stats.decode_timer = gpu_ms / 1e3, "GPU time"
+                if text.stopped:
+                    finish, ended = "stop", True
+                yield piece
+            if ended:
+                finish = "stop"
+                break
+        stats.decode_s = time.perf_counter() - t0
+        if self.device == "cuda":  # GPU time of the decode steps (events), as the stats line says
+            stats.decode_s, stats.decode_timer = gpu_ms / 1e3, "GPU time"
         if text is not None and not text.stopped and finish == "length":
             yield text.add([], final=True)
         stats.decode_tokens = len(out)

@@ -37,6 +37,19 @@ class DeviceError(TinyInferError, RuntimeError):
     """No usable GPU, not enough GPU memory, or a CUDA error."""
 
 
+class QueueFullError(TinyInferError, RuntimeError):
+    """The scheduler's waiting queue is full (Scheduler(max_waiting=...)); try again later (a server answers 503)."""
+
+
+class KvCacheFullError(TinyInferError, RuntimeError):
+    """A running request needed a KV page for its next token and the pool had none left: the request ended there.
+    `completion` holds what it generated up to that point (finish_reason "length")."""
+
+    def __init__(self, message: str, completion=None):
+        super().__init__(message)
+        self.completion = completion
+
+
 class ChatTemplateError(TinyInferError, ValueError):
     """A chat template failed to render: a syntax error, raise_exception() in the template, or an attempt to
     leave the Jinja sandbox (templates come from model files and are untrusted)."""
@@ -52,4 +65,6 @@ __all__ = [
     "TokenizerError",
     "DeviceError",
     "ChatTemplateError",
+    "QueueFullError",
+    "KvCacheFullError",
 ]

@@ -13,6 +13,8 @@ class Tokenizer:
         self._tok = tok
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self._byte_of: Optional[dict[str, int]] = None  # token_bytes' byte-level table, made on first use
+        self._added: set[int] = set()
 
     @classmethod
     def from_file(cls, path: Path, **kw) -> "Tokenizer":
@@ -36,6 +38,21 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tok.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (logprobs show them): byte-level BPE tokens (GPT-2 / Llama-3 / SmolLM2)
+        map back exactly, so a token holding half a UTF-8 character keeps its bytes; added tokens and other
+        tokenizers give the UTF-8 of the token's decoded text."""
+        if self._byte_of is None:
+            from tokenizers import decoders
+
+            byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+            self._byte_of = {c: b for b, c in _bytes_to_unicode().items()} if byte_level else {}
+            self._added = set(self._tok.get_added_tokens_decoder())
+        raw = self._tok.id_to_token(token_id) or ""
+        if self._byte_of and token_id not in self._added and raw and all(c in self._byte_of for c in raw):
+            return bytes(self._byte_of[c] for c in raw)
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     # Set by from_gguf_metadata (and by loaders that know them); None / False elsewhere.
     chat_template: Optional[str] = None  # Jinja source from the model file: untrusted, rendered in a sandbox

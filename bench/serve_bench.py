@@ -1,0 +1,196 @@
+"""Serving benchmark: start `tinyinfer serve` (a subprocess), drive C concurrent streaming clients per level
+(default 1, 8, 32, 64), report output throughput, time to first token and inter-token latency (p50 / p99).
+
+    python bench/serve_bench.py                                     # the default model, device auto
+    python bench/serve_bench.py --shape tinyllama-1.1b --device cuda --json bench/results/h200-serve.json
+    python bench/serve_bench.py --model path/to/model --concurrency 1,8 --max-tokens 64
+    python bench/serve_bench.py --url http://127.0.0.1:8000          # a server already running
+
+Prompts are synthetic token ids (so any model works, tokenizer or not) of mixed lengths (--prompt-lens, drawn
+per request from a seeded RNG); every request asks for exactly --max-tokens tokens (ignore_eos), streamed from
+/v1/completions with the usage chunk. Each client sends --rounds requests one after another. TTFT: request sent
+-> first streamed chunk; ITL: the gaps between a request's later chunks (one chunk per scheduler step);
+throughput: all completion tokens / the level's wall time. --shape writes a random-weight HF model at a real
+shape first (bench/tools/make_random_model.py, needs torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(a, model: str, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tinyinfer", "serve", "--model", model, "--device", a.device, "--dtype", a.dtype,
+           "--port", str(port), "--served-model-name", "bench", "--max-waiting", "100000", "--log-level", "warning"]
+    if a.max_batch:
+        cmd += ["--max-batch", str(a.max_batch)]
+    if a.max_seq_len:
+        cmd += ["--max-seq-len", str(a.max_seq_len)]
+    env = {k: v for k, v in os.environ.items() if k != "TINYINFER_API_KEY"}
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + a.startup_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"serve_bench: the server exited ({proc.returncode}):\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"serve_bench: no /health answer in {a.startup_s} s:\n{log_path.read_text()}")
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"error": f"{r.status_code}: {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                if chunk["choices"][0].get("finish_reason") is None:
+                    stamps.append(time.perf_counter())
+            elif chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    if not stamps:
+        return {"error": "no token chunks"}
+    return {"ttft": stamps[0] - t0, "itl": list(np.diff(stamps)), "tokens": tokens, "prompt": len(prompt)}
+
+
+async def run_level(url: str, model: str, concurrency: int, rounds: int, lens: list[int], max_tokens: int,
+                    seed: int) -> dict:
+    rng = np.random.default_rng(seed + concurrency)
+    prompts = [rng.integers(100, 1000, int(rng.choice(lens))).tolist() for _ in range(concurrency * rounds)]
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=60), limits=limits) as client:
+        async def worker(w: int) -> list[dict]:
+            return [await one_request(client, url, model, prompts[w * rounds + i], max_tokens) for i in range(rounds)]
+
+        t0 = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(worker(w) for w in range(concurrency))) for r in rs]
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    ttft = np.array([r["ttft"] for r in ok]) * 1e3
+    itl = np.array([x for r in ok for x in r["itl"]]) * 1e3
+    tokens = sum(r["tokens"] for r in ok)
+
+    def pct(x: np.ndarray) -> dict:
+        if not len(x):
+            return {"p50": None, "p99": None, "mean": None}
+        return {"p50": float(np.percentile(x, 50)), "p99": float(np.percentile(x, 99)), "mean": float(x.mean())}
+
+    return {"concurrency": concurrency, "requests": len(results), "errors": [r["error"] for r in results
+                                                                           if "error" in r][:5],
+            "failed": len(results) - len(ok), "wall_s": wall, "completion_tokens": tokens,
+            "prompt_tokens": sum(r["prompt"] for r in ok), "output_tok_s": tokens / wall,
+            "requests_s": len(ok) / wall, "ttft_ms": pct(ttft), "itl_ms": pct(itl)}
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise SystemExit(f"serve_bench: {flag} must be comma-separated integers (got {text!r})") from None
+    if not vals or min(vals) < 1:
+        raise SystemExit(f"serve_bench: {flag} values must be >= 1 (got {text!r})")
+    return vals
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", "-m", default=None, help="HF dir, .gguf or hub name (default: the default model)")
+    src.add_argument("--shape", default=None, help="random weights at a real shape (tinyinfer.bench.SHAPES)")
+    src.add_argument("--url", default=None, help="bench a server already running (its first model)")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-batch", type=int, default=None)
+    ap.add_argument("--max-seq-len", type=int, default=None)
+    ap.add_argument("--concurrency", default="1,8,32,64", help="comma-separated client counts (default 1,8,32,64)")
+    ap.add_argument("--rounds", type=int, default=2, help="requests each client sends in turn (default 2)")
+    ap.add_argument("--prompt-lens", default="32,128,512", help="prompt lengths drawn per request")
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request (default 128)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--startup-s", type=float, default=600, help="wait this long for the server to come up")
+    ap.add_argument("--json", default=None, help="write the results here")
+    a = ap.parse_args(argv)
+    levels, lens = _ints(a.concurrency, "--concurrency"), _ints(a.prompt_lens, "--prompt-lens")
+
+    proc, tmp = None, tempfile.TemporaryDirectory(prefix="serve_bench-")
+    try:
+        if a.url:
+            url = a.url.rstrip("/")
+            model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+            label = model
+        else:
+            if a.shape:
+                model_path = str(Path(tmp.name) / a.shape)
+                subprocess.run([sys.executable, str(HERE / "tools" / "make_random_model.py"), a.shape, model_path],
+                               check=True)
+            else:
+                model_path = a.model or str(__import__("tinyinfer.models", fromlist=["x"]).default_model_path())
+            proc, url = start_server(a, model_path, Path(tmp.name) / "serve.log")
+            model, label = "bench", a.shape or a.model or "default model"
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        print(f"serve_bench: {label} at {url}; prompts {lens} tokens, {a.max_tokens} generated each, "
+              f"{a.rounds} per client; KV pages {health.get('kv_pages_total')}")
+        asyncio.run(run_level(url, model, 1, 1, lens[:1], 4, a.seed))  # warm-up: first graphs and tactics
+        print(f"{'clients':>7} {'reqs':>5} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} "
+              f"{'p99':>8}  (ms)")
+        rows = []
+        for c in levels:
+            r = asyncio.run(run_level(url, model, c, a.rounds, lens, a.max_tokens, a.seed))
+            rows.append(r)
+            f = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
+            print(f"{c:>7} {r['requests']:>5} {r['output_tok_s']:>9.1f} {r['requests_s']:>7.2f} "
+                  f"{f(r['ttft_ms']['p50']):>9} {f(r['ttft_ms']['p99']):>8} {f(r['itl_ms']['p50']):>8} "
+                  f"{f(r['itl_ms']['p99']):>8}" + (f"  {r['failed']} failed: {r['errors'][0]}" if r["failed"] else ""))
+        out = {"model": label, "device": a.device, "dtype": a.dtype, "max_batch": a.max_batch,
+               "prompt_lens": lens, "max_tokens": a.max_tokens, "rounds": a.rounds, "levels": rows}
+        if a.json:
+            Path(a.json).write_text(json.dumps(out, indent=1))
+            print(f"serve_bench: wrote {a.json}")
+        return 1 if any(r["failed"] for r in rows) else 0
+    finally:
+        if proc is not None:
+            proc.send_signal(2)  # Ctrl-C: the server's clean shutdown
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

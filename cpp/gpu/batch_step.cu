@@ -1,0 +1,173 @@
+// batch_step.cu — THE batched decode pass (see batch_step.h), PyTorch in the comments, X: (n, hidden), row r
+// one token of slot slot[r] at position pos[r]:
+//   x = embed[tokens]
+//   per layer: qkv = rmsnorm(x) @ [Wq; Wk; Wv].T                      every weight read once for the n rows
+//              att[r] = attention(rope(q[r]), cache of slot[r])          RoPE + cache write + split-K, per row
+//              x += att @ Wo.T
+//              h = silu(rmsnorm(x) @ Wg.T) * (rmsnorm(x) @ Wu.T)
+//              x += h @ Wd.T
+//   logits[slot[r]] = rmsnorm(x[r]) @ lm_head.T
+// The products: normed / residual (below), each one launch on the small-N path.
+#include "batch_step.h"
+
+#include <cmath>
+
+#include "../../cuda/batch_rows.cuh"
+#include "../../cuda/common.cuh"
+#include "../../cuda/gemv_batch.cuh"
+#include "../../cuda/prefill.cuh"
+
+namespace ti {
+
+using cuda::GemmOut;
+using cuda::GemvIn;
+using cuda::GemvOut;
+
+void BatchStep::record(int n, cudaStream_t s) {
+  const ModelConfig& c = c_;
+  cuda::embed_tokens(w_.embedding, w_.ld_h, (int)c.hidden, b_.tokens, n, b_.x, w_.ld_h, s);  // x = embed[tokens]
+  for (int64_t l = 0; l < c.n_layers; l++) {
+    const DeviceLayer& L = w_.layers[(size_t)l];
+    normed(L.qkv, L.attn_norm, b_.qkv, b_.ld_qkv, GemvOut::F32, n, s);  // qkv = rmsnorm(x) @ Wqkv.T
+    cuda::decode_attention_rows(attn_params(l), n, s, false);          // att[r] over slot[r]'s cache
+    residual(L.o, b_.att, w_.ld_q, n, s);                              // x += att @ Wo.T
+    normed(L.gate_up, L.mlp_norm, b_.h, w_.ld_i, GemvOut::Swiglu, n, s);  // h = silu(gate) * up
+    residual(L.down, b_.h, w_.ld_i, n, s);                             // x += h @ Wd.T
+  }
+  normed(w_.lm_head, w_.final_norm, b_.logits, b_.ld_v, GemvOut::F32, n, s);  // logits = rmsnorm(x) @ head.T
+  cuda::scatter_rows(b_.logits, b_.ld_v, b_.slot_logits, (int)c.vocab, b_.slot, b_.pos, n, (int)c.vocab, s);
+}
+
+// The products. The small-N GEMV (cuda/gemv_batch.cuh: each weight read once per 8 rows and dequantized once,
+// RMSNorm and SwiGLU fused as in the decode GEMV) for quantized weights, and for fp16 up to f16_max rows;
+// beyond that cuBLASLt through the engine's Gemm (tuned per shape and bucket of n on the eager warm-up before a
+// bucket's graph is captured), with the RMSNorm and SwiGLU as their own kernels (cuda/prefill.cuh).
+bool BatchStep::small_n(const cuda::QMat& W, int n, GemvIn in) const {
+  return (W.fmt != WFormat::F16 || n <= f16_max_) && cuda::gemv_batch_fits(W, n, in);
+}
+
+// y = rmsnorm(x) @ W.T (out F32), or silu(gate) * up of it (out Swiglu: W's rows interleaved gate/up).
+void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, GemvOut out, int n,
+                       cudaStream_t s) {
+  const float eps = (float)c_.rms_eps;
+  if (small_n(W, n, GemvIn::F32Norm)) {
+    cuda::GemvBatchArgs a;
+    a.W = W;
+    a.x = b_.x;
+    a.ldx = w_.ld_h;
+    a.norm_w = norm_w;
+    a.eps = eps;
+    a.y = y;
+    a.ldy = ldy;
+    a.n = n;
+    cuda::gemv_batch(a, GemvIn::F32Norm, out, s);
+    return;
+  }
+  cuda::rmsnorm_rows(b_.x, w_.ld_h, norm_w, eps, (int)c_.hidden, n, b_.xn, w_.ld_h, s);
+  if (out == GemvOut::Swiglu) {
+    gemm(W, b_.xn, w_.ld_h, b_.gu, b_.ld_gu, n, GemmOut::F16, s);
+    cuda::swiglu_rows(b_.gu, b_.ld_gu, (int)c_.intermediate, n, static_cast<__half*>(y), ldy, s);
+  } else {
+    gemm(W, b_.xn, w_.ld_h, y, ldy, n, GemmOut::F32, s);
+  }
+}
+
+// x += X @ W.T (the residual adds of the O and down projections).
+void BatchStep::residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s) {
+  if (small_n(W, n, GemvIn::F16)) {
+    cuda::GemvBatchArgs a;
+    a.W = W;
+    a.x = X;
+    a.ldx = ldx;
+    a.y = b_.x;
+    a.ldy = w_.ld_h;
+    a.n = n;
+    cuda::gemv_batch(a, GemvIn::F16, GemvOut::AddF32, s);
+    return;
+  }
+  gemm(W, X, ldx, b_.x, w_.ld_h, n, GemmOut::AddF32, s);
+}
+
+void BatchStep::gemm(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, GemmOut out,
+                     cudaStream_t s) {
+  cuda::GemmArgs a;
+  a.W = w_.fp16_of(W);  // (quantized: dequantized into the shared staging first; only where small_n refuses)
+  a.X = X;
+  a.Y = Y;
+  a.M = W.rows;
+  a.N = n;
+  a.K = W.K;
+  a.ldw = W.fmt == WFormat::F16 ? W.ld : (int)cuda::pad8(W.K);  // (fp16_of's rows: pad8(K))
+  a.ldx = ldx;
+  a.ldy = ldy;
+  a.out = out;
+  gemm_.run(a, s);
+}
+
+cuda::DecodeAttnParams BatchStep::attn_params(int64_t layer) const {
+  cuda::DecodeAttnParams a;
+  a.qkv = b_.qkv;
+  a.k_pages = d_.k_pages + layer * d_.kv_layer_elems;
+  a.v_pages = d_.v_pages + layer * d_.kv_layer_elems;
+  a.page_table = b_.tables;
+  a.page_shift = d_.page_shift;
+  a.rope_cos = d_.rope_cos;
+  a.rope_sin = d_.rope_sin;
+  a.part_o = b_.part_o;
+  a.part_ml = b_.part_ml;
+  a.out = b_.att;
+  a.n_heads = (int)c_.n_heads;
+  a.n_kv_heads = (int)c_.n_kv_heads;
+  a.head_dim = (int)c_.head_dim;
+  a.max_seq = (int)d_.max_seq;
+  a.chunk = d_.attn_chunk;
+  a.scale = 1.0f / std::sqrt((float)c_.head_dim);
+  a.row_pos = b_.pos;
+  a.row_slot = b_.slot;
+  a.table_stride = b_.table_stride;
+  a.ld_qkv = b_.ld_qkv;
+  a.ld_out = w_.ld_q;
+  return a;
+}
+
+// ---- the buffers ----
+
+BatchBuffers BatchBuffers::allocate(const ModelConfig& c, const DeviceWeights& w, int max_rows, int64_t max_seq,
+                                    int attn_chunk, const KvPagePool& pages, DeviceArena& arena, cudaStream_t s) {
+  using Kind = DeviceArena::Kind;
+  BatchBuffers b;
+  const size_t R = (size_t)max_rows;
+  b.max_rows = max_rows;
+  b.ld_qkv = (int)cuda::pad8(c.q_dim + 2 * c.kv_dim);
+  b.ld_gu = (int)cuda::pad8(2 * c.intermediate);
+  b.ld_v = (int)cuda::pad8(c.vocab);
+  b.table_stride = (int)pages.pages_for(max_seq);
+  const size_t max_chunks = (size_t)((max_seq + attn_chunk - 1) / attn_chunk);
+  // Zeroed: a padding row computes on whatever its rows hold (never NaN from uninitialised memory, so no
+  // floating-point trap or NaN propagation can ever surprise a reader of those rows).
+  auto zeroed = [&](size_t bytes) {
+    void* p = arena.alloc(bytes, Kind::Scratch);
+    TI_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, s));
+    return p;
+  };
+  b.rows = static_cast<int*>(zeroed(3 * R * sizeof(int)));
+  b.h_rows = arena.alloc_pinned_n<int>(3 * R);
+  b.tokens = b.rows;
+  b.pos = b.rows + R;
+  b.slot = b.rows + 2 * R;
+  b.x = static_cast<float*>(zeroed(R * w.ld_h * sizeof(float)));
+  b.xn = static_cast<__half*>(zeroed(R * w.ld_h * sizeof(__half)));
+  b.qkv = static_cast<float*>(zeroed(R * b.ld_qkv * sizeof(float)));
+  b.att = static_cast<__half*>(zeroed(R * w.ld_q * sizeof(__half)));
+  b.gu = static_cast<__half*>(zeroed(R * b.ld_gu * sizeof(__half)));
+  b.h = static_cast<__half*>(zeroed(R * w.ld_i * sizeof(__half)));
+  b.logits = static_cast<float*>(zeroed(R * b.ld_v * sizeof(float)));
+  b.part_o = arena.alloc_n<float>(R * c.n_heads * max_chunks * c.head_dim, Kind::Scratch);
+  b.part_ml = arena.alloc_n<float>(R * c.n_heads * max_chunks * 2, Kind::Scratch);
+  b.tables = arena.alloc_n<int>(R * b.table_stride, Kind::Scratch);
+  TI_CUDA_CHECK(cudaMemsetAsync(b.tables, 0xFF, R * b.table_stride * sizeof(int), s));  // -1: no page yet
+  b.slot_logits = static_cast<float*>(zeroed(R * c.vocab * sizeof(float)));
+  return b;
+}
+
+}  // namespace ti

@@ -1,0 +1,79 @@
+// batch_step.h — THE batched decode pass: one token for each of n rows (n sequence slots) through the model in
+// one pass that reads every weight once (batch_step.cu reads top to bottom, like decode_step.cu). Each row runs
+// at its own position through its own slot's page table; the rows' inputs (token, position, slot) live in
+// device memory, so one graph per batch-size bucket (1, 2, 4, ..., max_batch) is captured and replayed with the
+// batch padded to its bucket. A padding row has position -1: the attention skips it (it reads and writes no KV
+// page) and its logits are not scattered; its other rows of the activations hold harmless numbers (token 0).
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../../cuda/attention.cuh"
+#include "../../cuda/gemm.cuh"
+#include "../../cuda/gemv.cuh"
+#include "../core/config.h"
+#include "decode_step.h"
+#include "device_weights.h"
+#include "kv_pages.h"
+
+namespace ti {
+
+// The activations of up to max_rows rows (row strides: the padded widths), the rows' inputs, every slot's page
+// table and logits.
+struct BatchBuffers {
+  int max_rows = 0;            // max_batch (the largest bucket)
+  int ld_qkv = 0, ld_gu = 0, ld_v = 0;
+  int* rows = nullptr;         // (3, max_rows) device: tokens | positions (-1: padding) | slots
+  int* h_rows = nullptr;       // pinned staging of the same
+  int* tokens = nullptr;       // = rows
+  int* pos = nullptr;          // = rows + max_rows
+  int* slot = nullptr;         // = rows + 2 max_rows
+  float* x = nullptr;          // (max_rows, ld_h) fp32 residual stream
+  __half* xn = nullptr;        // (max_rows, ld_h) rmsnorm(x), the cuBLASLt products' input
+  float* qkv = nullptr;        // (max_rows, ld_qkv) q | k | v before RoPE
+  __half* att = nullptr;       // (max_rows, ld_q) attention output
+  __half* gu = nullptr;        // (max_rows, ld_gu) gate/up interleaved (the cuBLASLt path; else fused)
+  __half* h = nullptr;         // (max_rows, ld_i) silu(gate) * up
+  float* logits = nullptr;     // (max_rows, ld_v) the step's logits in row order (also the sampler's gather)
+  float* part_o = nullptr;     // (max_rows, n_heads, max_chunks, head_dim) split-K attention partials
+  float* part_ml = nullptr;    // (max_rows, n_heads, max_chunks, 2)
+  int* tables = nullptr;       // (max_rows slots, table_stride) every slot's page table (-1: unassigned)
+  int table_stride = 0;        // pages_for(max_seq)
+  float* slot_logits = nullptr;  // (max_rows slots, vocab) each slot's latest logits
+
+  static BatchBuffers allocate(const ModelConfig& c, const DeviceWeights& w, int max_rows, int64_t max_seq,
+                               int attn_chunk, const KvPagePool& pages, DeviceArena& arena, cudaStream_t s);
+};
+
+class BatchStep {
+ public:
+  // d: the decode buffers, for what the rows share with the single sequence (the KV pages, the RoPE table).
+  // f16_max: fp16 products of up to this many rows take the small-N GEMV, larger ones cuBLASLt
+  // (CudaOptions::batch_gemv_f16_max); quantized ones always take the small-N GEMV.
+  BatchStep(const ModelConfig& c, DeviceWeights& w, const DecodeBuffers& d, const BatchBuffers& b, cuda::Gemm& gemm,
+            int f16_max)
+      : c_(c), w_(w), d_(d), b_(b), gemm_(gemm), f16_max_(f16_max) {}
+  // rows 0..n-1 of b.rows (n: a bucket, <= max_rows): each row's token at its position in its slot ->
+  // the slot's logits (padding rows: nothing). Launches only (graph-capturable once the GEMMs are tuned).
+  void record(int n, cudaStream_t s);
+
+ private:
+  // The products over n rows, every weight read once per step (batch_step.cu): y = rmsnorm(x) @ W.T (or its
+  // SwiGLU), x += X @ W.T; small_n: whether the small-N GEMV takes W (else cuBLASLt).
+  void normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, cuda::GemvOut out, int n, cudaStream_t s);
+  void residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s);
+  void gemm(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, cuda::GemmOut out,
+            cudaStream_t s);
+  bool small_n(const cuda::QMat& W, int n, cuda::GemvIn in) const;
+  cuda::DecodeAttnParams attn_params(int64_t layer) const;
+  const ModelConfig& c_;
+  DeviceWeights& w_;
+  const DecodeBuffers& d_;
+  const BatchBuffers& b_;
+  cuda::Gemm& gemm_;
+  int f16_max_;
+};
+
+}  // namespace ti

@@ -1,0 +1,235 @@
+// cuda_engine_slots.cu — the GPU engine's sequence slots (BATCH_CONTRACT.md §2; cuda_engine.h): many sequences
+// in one KV page pool, prefilled one at a time (the batched prefill through the slot's page table), stepped
+// together (batch_step.h: one graph per bucket of the batch size), sampled together (cuda::sample_rows).
+//
+// Host state per slot: open, its length, whether it has logits, its KvSequence (pages from the pool shared with
+// the single sequence). Device state per slot: its page table (a row of bbuf_.tables), its latest logits (a row
+// of bbuf_.slot_logits), its history for the penalties (a row of seen_ and counts_).
+#include <algorithm>
+#include <cstring>
+
+#include "../../cuda/batch_rows.cuh"
+#include "../../cuda/common.cuh"
+#include "../../cuda/sampling.cuh"
+#include "../core/engine_checks.h"
+#include "../core/errors.h"
+#include "cuda_engine.h"
+
+namespace ti {
+
+
+int64_t CudaEngine::default_pool_pages() const {
+  const int P = opt_.kv_page_size;
+  const int64_t one = (max_seq_ + P - 1) / P;  // one max_seq_len sequence
+  const size_t page_bytes = 2 * sizeof(__half) * (size_t)cfg_.n_layers * cfg_.n_kv_heads * P * cfg_.head_dim;
+  size_t free_b = 0, total_b = 0;
+  TI_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  const int64_t cap = (int64_t)(free_b / 2 / page_bytes);
+  return std::max(one, std::min(opt_.max_batch * one, cap));
+}
+
+void CudaEngine::allocate_batch() {
+  const int B = (int)opt_.max_batch;
+  const size_t V = (size_t)cfg_.vocab;
+  using Kind = DeviceArena::Kind;
+  bbuf_ = BatchBuffers::allocate(cfg_, *weights_, B, max_seq_, opt_.attn_chunk, *pool_, arena_, stream_);
+  batch_ = std::make_unique<BatchStep>(cfg_, *weights_, dbuf_, bbuf_, *gemm_, opt_.batch_gemv_f16_max);
+  for (int b = 1; b < B; b *= 2) buckets_.push_back(b);
+  buckets_.push_back(B);
+  g_batch_.assign(buckets_.size(), nullptr);
+  slots_.resize((size_t)B);
+  for (Slot& sl : slots_) sl.kv = std::make_unique<KvSequence>(*pool_, max_seq_);
+  seen_ = arena_.alloc_n<unsigned char>(B * V, Kind::Scratch);
+  counts_ = arena_.alloc_n<int>(B * V, Kind::Scratch);
+  TI_CUDA_CHECK(cudaMemsetAsync(seen_, 0, B * V, stream_));
+  TI_CUDA_CHECK(cudaMemsetAsync(counts_, 0, B * V * sizeof(int), stream_));
+  sample_scratch_ = arena_.alloc_n<float>(B * V, Kind::Scratch);
+  const size_t in_bytes = (size_t)B * (sizeof(cuda::RowSampling) + sizeof(int));
+  d_sample_in_ = arena_.alloc(in_bytes, Kind::Scratch);
+  h_sample_in_ = arena_.alloc_pinned(in_bytes);
+  const size_t out_bytes = (size_t)B * (1 + cuda::kMaxTopK) * (sizeof(int) + sizeof(float));
+  d_sample_out_ = arena_.alloc(out_bytes, Kind::Scratch);
+  h_sample_out_ = arena_.alloc_pinned(out_bytes);
+  d_prompt_ = arena_.alloc_n<int>((size_t)max_seq_, Kind::Scratch);
+}
+
+void CudaEngine::check_slot(int64_t slot) const {
+  check_open_slot(slot, (int64_t)slots_.size(), [&](int64_t i) { return slots_[(size_t)i].open; });
+}
+
+int64_t CudaEngine::seq_open() {
+  for (size_t i = 0; i < slots_.size(); i++) {
+    Slot& sl = slots_[i];
+    if (sl.open) continue;
+    const size_t V = (size_t)cfg_.vocab;
+    TI_CUDA_CHECK(cudaMemsetAsync(seen_ + i * V, 0, V, stream_));
+    TI_CUDA_CHECK(cudaMemsetAsync(counts_ + i * V, 0, V * sizeof(int), stream_));
+    sl.open = true;
+    sl.has_logits = false;
+    sl.length = 0;
+    return (int64_t)i;
+  }
+  fail(ErrorKind::Request, "all " + std::to_string(slots_.size()) + " sequence slots are open (max_batch)");
+}
+
+void CudaEngine::seq_close(int64_t slot) {
+  check_slot(slot);
+  Slot& sl = slots_[(size_t)slot];
+  sl.kv->release(*pool_);  // (its device table keeps stale entries: nothing reads past its length)
+  const size_t V = (size_t)cfg_.vocab;
+  TI_CUDA_CHECK(cudaMemsetAsync(seen_ + (size_t)slot * V, 0, V, stream_));
+  TI_CUDA_CHECK(cudaMemsetAsync(counts_ + (size_t)slot * V, 0, V * sizeof(int), stream_));
+  sl.open = sl.has_logits = false;
+  sl.length = 0;
+}
+
+int64_t CudaEngine::seq_length(int64_t slot) const {
+  check_slot(slot);
+  return slots_[(size_t)slot].length;
+}
+
+std::vector<float> CudaEngine::seq_logits(int64_t slot) const {
+  check_slot(slot);
+  if (!slots_[(size_t)slot].has_logits) return {};  // (as the CPU engine: empty before the first prefill)
+  std::vector<float> out((size_t)cfg_.vocab);
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  TI_CUDA_CHECK(cudaMemcpy(out.data(), bbuf_.slot_logits + (size_t)slot * cfg_.vocab, out.size() * sizeof(float),
+                           cudaMemcpyDeviceToHost));
+  return out;
+}
+
+// Pages for positions [0, positions) of the slot; the changed entries of its device table uploaded ahead of the
+// work that reads them (stream order). All or nothing (KvSequence::grow).
+void CudaEngine::slot_reserve(int64_t slot, int64_t positions) {
+  KvSequence& kv = *slots_[(size_t)slot].kv;
+  const int64_t first = kv.grow(*pool_, positions), n = kv.pages() - first;
+  if (n > 0)  // (from pageable memory: staged before the call returns)
+    TI_CUDA_CHECK(cudaMemcpyAsync(bbuf_.tables + (size_t)slot * bbuf_.table_stride + first, kv.table().data() + first,
+                                  (size_t)n * sizeof(int), cudaMemcpyHostToDevice, stream_));
+}
+
+void CudaEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
+  check_slot(slot);
+  check_tokens(tokens, n, cfg_.vocab);
+  Slot& sl = slots_[(size_t)slot];
+  check_room(sl.length, n, max_seq_);
+  slot_reserve(slot, sl.length + n);  // (throws before anything is launched)
+  const size_t V = (size_t)cfg_.vocab;
+  if (prefill_) {
+    const PrefillTarget to{bbuf_.tables + (size_t)slot * bbuf_.table_stride, bbuf_.x, bbuf_.slot_logits + slot * V};
+    for (int64_t c0 = 0; c0 < n; c0 += prefill_->rows()) {
+      const int T = (int)std::min<int64_t>(prefill_->rows(), n - c0);
+      prefill_->run_chunk(tokens + c0, T, (int)(sl.length + c0), nullptr, 0, to);
+    }
+  } else {  // no batched prefill (CudaOptions, or a head dim it lacks): a token at a time through the batched step
+    for (int64_t i = 0; i < n; i++) {
+      const int64_t pos = sl.length + i;
+      run_rows(tokens + i, &pos, &slot, 1);
+    }
+  }
+  // the prompt joins the slot's repetition-penalty set
+  TI_CUDA_CHECK(cudaMemcpyAsync(d_prompt_, tokens, (size_t)n * sizeof(int), cudaMemcpyHostToDevice, stream_));
+  cuda::mark_tokens(seen_ + (size_t)slot * V, d_prompt_, (int)n, stream_);
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // (d_prompt_ and the caller's tokens are free again)
+  sl.length += n;
+  sl.has_logits = true;
+}
+
+void CudaEngine::seq_step(const int64_t* slots, const int32_t* tokens, int64_t n) {
+  check_batch_slots("seq_step", slots, n, (int64_t)slots_.size(), [&](int64_t i) { return slots_[(size_t)i].open; },
+                    [&](int64_t i) { return slots_[(size_t)i].has_logits; });
+  check_tokens(tokens, n, cfg_.vocab);
+  int64_t need = 0;  // pages the step takes from the pool
+  for (int64_t i = 0; i < n; i++) {
+    const Slot& sl = slots_[(size_t)slots[i]];
+    check_room(sl.length, 1, max_seq_);
+    need += pool_->pages_for(sl.length + 1) - sl.kv->pages();
+  }
+  if (need > pool_->free_pages())  // checked for the whole step first: all slots grow, or none
+    fail(ErrorKind::Request, "KV cache pool exhausted: this step needs " + std::to_string(need) +
+                                 " more pages and the pool has " + std::to_string(pool_->free_pages()) + " free of " +
+                                 std::to_string(pool_->n_pages()) + " (CudaOptions.kv_pool_pages)");
+  std::vector<int64_t> pos((size_t)n);
+  for (int64_t i = 0; i < n; i++) {
+    pos[(size_t)i] = slots_[(size_t)slots[i]].length;
+    slot_reserve(slots[i], pos[(size_t)i] + 1);
+  }
+  run_rows(tokens, pos.data(), slots, n);
+  for (int64_t i = 0; i < n; i++) {
+    Slot& sl = slots_[(size_t)slots[i]];
+    sl.length += 1;
+    sl.has_logits = true;
+  }
+}
+
+void CudaEngine::run_rows(const int32_t* tokens, const int64_t* pos, const int64_t* slots, int64_t n) {
+  size_t b = 0;
+  while (buckets_[b] < n) b++;
+  const int bucket = buckets_[b], R = bbuf_.max_rows;
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // bbuf_.h_rows may still be read by the previous copy
+  int* h = bbuf_.h_rows;
+  auto set_rows = [&](bool real) {  // real: the given rows, then padding; else padding only (the warm-up)
+    for (int r = 0; r < bucket; r++) {
+      const bool live = real && r < n;
+      h[r] = live ? tokens[r] : 0;
+      h[R + r] = live ? (int)pos[r] : -1;
+      h[2 * R + r] = live ? (int)slots[r] : 0;
+    }
+    TI_CUDA_CHECK(cudaMemcpyAsync(bbuf_.rows, h, 3 * (size_t)R * sizeof(int), cudaMemcpyHostToDevice, stream_));
+  };
+  if (opt_.graphs && !g_batch_[b]) {
+    // First use of this bucket: one eager pass of padding rows only (it tunes the bucket's cuBLASLt products and
+    // touches no KV page and no slot's logits), then the capture.
+    set_rows(false);
+    batch_->record(bucket, stream_);
+    TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    TI_CUDA_CHECK(capture_graph(stream_, [&] { batch_->record(bucket, stream_); }, &g_batch_[b]));
+  }
+  set_rows(true);
+  if (opt_.graphs) TI_CUDA_CHECK(cudaGraphLaunch(g_batch_[b], stream_));
+  else batch_->record(bucket, stream_);
+}
+
+BatchSample CudaEngine::seq_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps, int64_t n,
+                                   int k) {
+  check_batch_slots("seq_sample", slots, n, (int64_t)slots_.size(), [&](int64_t i) { return slots_[(size_t)i].open; },
+                    [&](int64_t i) { return slots_[(size_t)i].has_logits; });
+  check_top_logprobs(k);
+  for (int64_t i = 0; i < n; i++) validate(cfgs[i]);
+  const int B = (int)opt_.max_batch, V = (int)cfg_.vocab;
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the pinned staging may still be read by the previous copy
+  auto* rows_h = static_cast<cuda::RowSampling*>(h_sample_in_);
+  int* idx_h = reinterpret_cast<int*>(rows_h + B);
+  for (int64_t i = 0; i < n; i++) {
+    rows_h[i] = cuda::RowSampling{device_sampling(cfgs[i]), (unsigned long long)steps[i], (int)slots[i]};
+    idx_h[i] = (int)slots[i];
+  }
+  auto* rows_d = static_cast<cuda::RowSampling*>(d_sample_in_);
+  int* idx_d = reinterpret_cast<int*>(rows_d + B);
+  TI_CUDA_CHECK(cudaMemcpyAsync(rows_d, rows_h, (size_t)n * sizeof(cuda::RowSampling), cudaMemcpyHostToDevice, stream_));
+  TI_CUDA_CHECK(cudaMemcpyAsync(idx_d, idx_h, (size_t)n * sizeof(int), cudaMemcpyHostToDevice, stream_));
+  // the slots' logits as dense rows (the step's row buffer is free between steps)
+  cuda::gather_rows(bbuf_.slot_logits, V, bbuf_.logits, bbuf_.ld_v, idx_d, (int)n, V, stream_);
+  int* tok_d = static_cast<int*>(d_sample_out_);
+  float* lp_d = reinterpret_cast<float*>(tok_d + B);
+  int* top_ids_d = reinterpret_cast<int*>(lp_d + B);
+  float* top_lp_d = reinterpret_cast<float*>(top_ids_d + (size_t)B * cuda::kMaxTopK);
+  cuda::sample_rows(bbuf_.logits, bbuf_.ld_v, (int)n, V, rows_d, seen_, counts_, sample_scratch_, k, tok_d, lp_d,
+                    k ? top_ids_d : nullptr, k ? top_lp_d : nullptr, stream_);
+  const size_t out_bytes = (size_t)B * (1 + cuda::kMaxTopK) * (sizeof(int) + sizeof(float));
+  TI_CUDA_CHECK(cudaMemcpyAsync(h_sample_out_, d_sample_out_, out_bytes, cudaMemcpyDeviceToHost, stream_));
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const int* tok_h = static_cast<const int*>(h_sample_out_);
+  const float* lp_h = reinterpret_cast<const float*>(tok_h + B);
+  const int* top_ids_h = reinterpret_cast<const int*>(lp_h + B);
+  const float* top_lp_h = reinterpret_cast<const float*>(top_ids_h + (size_t)B * cuda::kMaxTopK);
+  BatchSample out;
+  out.k = k;
+  out.tokens.assign(tok_h, tok_h + n);
+  out.logprobs.assign(lp_h, lp_h + n);
+  out.top_ids.assign(top_ids_h, top_ids_h + n * k);
+  out.top_logprobs.assign(top_lp_h, top_lp_h + n * k);
+  return out;
+}
+
+}  // namespace ti

@@ -1,0 +1,658 @@
+"""Continuous batching: many requests share the core engine's sequence slots, advanced together one step at a time.
+
+    sched = eng.scheduler                           # the engine's own (created on first use)
+    req = sched.submit("Once upon a time", SamplingParams(max_tokens=64))
+    for delta in req:                               # or `async for delta in req`, or req.result()
+        print(delta.text, end="")
+
+One step() (the engine's lock held throughout, so the single-sequence path and the scheduler never touch the
+core at the same time):
+  1. cancellations: the slots of cancelled requests are closed (their KV pages go back to the pool);
+  2. admission, first come first served: the oldest waiting request gets a slot when one is free and the pool
+     has the pages its whole prompt (+ its first generated position) needs, after what the admitted prompts
+     still need and what this step's decode needs. A request that cannot get them waits (and those behind it:
+     a long prompt is never starved by short ones); nothing running is ever evicted;
+  3. decode: ONE seq_step for every running sequence holding a sampled token not yet run;
+  4. prefill: prompt chunks of the admitted requests, oldest first, at most chunk_tokens tokens per step in all
+     (so a long prompt never stalls the running sequences for more than one chunk);
+  5. sampling: ONE seq_sample for every sequence with fresh logits (the ones just stepped and those whose prompt
+     just finished), each with its own SamplingConfig, seed and step counter (= tokens it generated so far: a
+     seeded request samples exactly what it samples alone on the single path);
+  6. deltas: each request's new text (stop strings, EOS / stop ids, max_tokens checked as Engine.generate does)
+     goes to its thread-safe queue; a request that ends has its slot closed in this very step.
+
+Decode out of KV pages: running sequences come first; admitted requests still in their prompt go back to the
+queue (they have shown nothing); if that is not enough, the youngest of the sequences that need a page end
+(nothing else is touched) with KvCacheFullError, its `completion` holding what they generated (finish_reason
+"length"). A request that cannot fit even with nothing running fails the same way instead of waiting forever.
+The single path's cache (it shares the GPU pool) is reset() before admitting: it is dead once its call returned.
+A failing core call fails exactly the requests in that call (their slots closed); a TinyInferError
+stays with those requests, anything else (KeyboardInterrupt raised inside a call, ...) is re-raised by step().
+
+Who drives step(): start() runs a daemon thread while there is work (it ends when idle; a later submit starts
+another, so an idle scheduler holds no thread). Without start(), whoever waits on a Request (iteration,
+result()) drives the steps itself; `async for` starts the thread (an event loop must never block on a step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Iterator, Optional, Sequence, Union
+
+from .engine import Completion, Stats
+from .errors import InvalidRequestError, KvCacheFullError, QueueFullError, TinyInferError
+from .sampling import SamplingParams, TextAssembler
+
+if TYPE_CHECKING:
+    from .engine import Engine, Prompt
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float  # log_softmax of the raw logits (before penalties and temperature) at token_id
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), descending
+
+
+@dataclass
+class Delta:
+    """What one step produced for one request."""
+
+    text: str  # newly safe text ("" possible: a held-back stop-string prefix, half a UTF-8 character)
+    token_ids: list[int]  # new generated ids (a stop / EOS id that ended it included, as in Completion.token_ids)
+    logprobs: Optional[list[TokenLogprob]]  # one per id when the request asked for logprobs, else None
+    completion: Optional[Completion] = None  # on the request's last Delta only
+
+
+class Request:
+    """A submitted request: a handle that any thread may wait on, iterate (one consumer) or cancel."""
+
+    def __init__(self, scheduler: "Scheduler", request_id: str, prompt_token_ids: list[int]):
+        self.id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._sched = scheduler
+        self._items: queue.SimpleQueue = queue.SimpleQueue()  # Deltas, then (on failure) the exception
+        self._done = threading.Event()
+        self._completion: Optional[Completion] = None
+        self._error: Optional[BaseException] = None
+        self._waker_lock = threading.Lock()
+        self._waker: Optional[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = None
+
+    def __repr__(self) -> str:
+        state = "finished" if self.finished else "live"
+        return f"Request(id={self.id!r}, prompt_tokens={len(self.prompt_token_ids)}, {state})"
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    # ---- the producer side (the scheduler) ----
+
+    def _put(self, item: Union[Delta, BaseException]) -> None:
+        if isinstance(item, BaseException):
+            self._error = item
+        elif item.completion is not None:
+            self._completion = item.completion
+        self._items.put(item)
+        if isinstance(item, BaseException) or item.completion is not None:
+            self._done.set()
+        with self._waker_lock:
+            waker = self._waker
+        if waker is not None:
+            loop, event = waker
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+                pass
+
+    # ---- the consumer side ----
+
+    def _next_item(self) -> Union[Delta, BaseException]:
+        while True:
+            try:
+                return self._items.get_nowait()
+            except queue.Empty:
+                pass
+            if self._sched._has_driver():
+                return self._items.get()
+            if not self._sched.step() and self._items.empty():
+                raise TinyInferError(f"request {self.id!r} is neither queued nor running")  # a bug, not a hang
+
+    def __iter__(self) -> Iterator[Delta]:
+        """Deltas as they are produced; ends after the one holding the completion. A failed request raises its
+        error (after the Deltas it produced)."""
+        while True:
+            item = self._next_item()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.completion is not None:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        """As __iter__, for asyncio: waits on an asyncio.Event the scheduler's thread sets, blocking no thread."""
+        event = asyncio.Event()
+        with self._waker_lock:
+            self._waker = (asyncio.get_running_loop(), event)
+        self._sched.start()
+        try:
+            while True:
+                try:
+                    item = self._items.get_nowait()
+                except queue.Empty:
+                    await event.wait()
+                    event.clear()  # then look again: a set that came before the clear left its item queued
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.completion is not None:
+                    return
+        finally:
+            with self._waker_lock:
+                self._waker = None
+
+    def result(self, timeout: Optional[float] = None) -> Completion:
+        """The Completion (waits for it; TimeoutError after `timeout` seconds); a failed request raises its error."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done.is_set():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"request {self.id!r} did not finish within {timeout} s")
+            if self._sched._has_driver():
+                self._done.wait(left)
+            elif not self._sched.step() and not self._done.is_set():
+                raise TinyInferError(f"request {self.id!r} is neither queued nor running")
+        if self._error is not None:
+            raise self._error
+        assert self._completion is not None
+        return self._completion
+
+    def cancel(self) -> None:
+        """End the request: finish_reason "cancelled"; its KV pages are freed at the next step. No-op once ended."""
+        self._sched.cancel(self.id)
+
+
+@dataclass
+class _Seq:
+    """The scheduler's state of one request (touched only by step(), under the engine's lock)."""
+
+    request: Request
+    prompt: list[int]
+    params: SamplingParams
+    sampling: object  # the core's SamplingConfig (seed fixed)
+    stop_ids: frozenset
+    text: Optional[TextAssembler]
+    slot: Optional[int] = None
+    length: int = 0  # positions in the slot's cache
+    pending: Optional[int] = None  # a sampled token not yet run by seq_step
+    fresh: bool = False  # the slot's logits are new: a token must be sampled from them
+    generated: list[int] = field(default_factory=list)
+    logprobs: Optional[list[TokenLogprob]] = None
+    t_submit: float = 0.0
+    t_admit: float = 0.0
+    t_first: float = 0.0  # when the prompt's last chunk ran
+
+    @property
+    def prefilling(self) -> bool:
+        return self.length < len(self.prompt) and self.pending is None and not self.generated
+
+
+def _pages(positions: int, page_size: int) -> int:
+    return -(-positions // page_size)
+
+
+class Scheduler:
+    """Continuous batching over one Engine's sequence slots. One scheduler per engine (Engine.scheduler is it;
+    constructing one registers it there). submit / cancel / properties from any thread."""
+
+    def __init__(self, engine: "Engine", *, max_batch: Optional[int] = None, chunk_tokens: int = 512,
+                 max_waiting: int = 1024):
+        core = engine._core
+        if core is None:
+            raise InvalidRequestError(f"{engine!r} is closed")
+        limit = int(core.max_batch)
+        for name, v, lo in (("max_batch", max_batch, 1), ("chunk_tokens", chunk_tokens, 1),
+                            ("max_waiting", max_waiting, 0)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
+                raise InvalidRequestError(f"Scheduler: {name} must be an integer >= {lo} (got {v!r})")
+        if max_batch is not None and max_batch > limit:
+            raise InvalidRequestError(f"Scheduler: max_batch={max_batch} exceeds the engine's {limit} slots")
+        self.max_batch = max_batch or limit
+        self.chunk_tokens = chunk_tokens
+        self.max_waiting = max_waiting
+        self._engine = engine
+        self._page_size = int(core.kv_page_size)
+        self._pages_total = int(core.kv_pages_total)
+        # _state guards the queues, the id table and the driver thread; the engine's lock (taken by step())
+        # guards the core. Order: engine lock, then _state (briefly), never the other way round.
+        self._state = threading.Condition()
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []  # admitted (holding a slot), oldest first
+        self._cancels: set[str] = set()
+        self._live: dict[str, _Seq] = {}  # every request not yet ended, by id
+        self._closed = False
+        self._started = False
+        self._thread: Optional[threading.Thread] = None
+        self._reraised: Optional[BaseException] = None  # the last exception step() raised after failing its requests
+        with engine._sched_lock:
+            if engine._scheduler is not None and not engine._scheduler._closed:
+                raise InvalidRequestError(f"{engine!r} already has a scheduler (Engine.scheduler)")
+            engine._scheduler = self
+
+    # ---- state ----
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def idle(self) -> bool:
+        """No request waiting, running or being cancelled (so no slot holds KV pages)."""
+        with self._state:
+            return not self._has_work_locked()
+
+    @property
+    def kv_pages_total(self) -> int:
+        return self._pages_total
+
+    @property
+    def kv_pages_used(self) -> int:
+        core = self._engine._core
+        return 0 if core is None else self._pages_total - int(core.kv_pages_free)
+
+    def _has_work_locked(self) -> bool:
+        return bool(self._waiting or self._running or self._cancels)
+
+    def __repr__(self) -> str:
+        return (f"Scheduler(running={self.running}, waiting={self.waiting}, max_batch={self.max_batch}, "
+                f"chunk_tokens={self.chunk_tokens}{', closed' if self._closed else ''})")
+
+    # ---- submission ----
+
+    def submit(self, prompt: "Prompt", params: Optional[SamplingParams] = None, *,
+               request_id: Optional[str] = None) -> Request:
+        """Queue a request; it is admitted at the next step that has a slot and pages for it. Checked at once:
+        InvalidRequestError (empty prompt, prompt + max_tokens > max_seq_len, bad params, a live id);
+        QueueFullError when max_waiting requests already wait."""
+        seq = self._prepare(prompt, params, request_id)
+        self._enqueue([seq], bounded=True)
+        return seq.request
+
+    def _submit_many(self, prompts: Sequence["Prompt"], params: Sequence[SamplingParams]) -> list[Request]:
+        """All checked before any is queued; not bounded by max_waiting (a local batch, not a server's queue)."""
+        seqs = [self._prepare(p, sp, None) for p, sp in zip(prompts, params)]
+        self._enqueue(seqs, bounded=False)
+        return [s.request for s in seqs]
+
+    def _prepare(self, prompt: "Prompt", params: Optional[SamplingParams], request_id: Optional[str]) -> _Seq:
+        eng = self._engine
+        sp = SamplingParams() if params is None else params
+        if not isinstance(sp, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams (got {type(sp).__name__})")
+        sp = dataclasses.replace(sp)  # a copy (checked again): the caller may change or reuse theirs
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise InvalidRequestError(f"request_id must be a non-empty str (got {request_id!r})")
+        ids = eng._prompt_ids(prompt)
+        if len(ids) + sp.max_tokens > eng.max_seq_len:
+            raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds "
+                                      f"max_seq_len={eng.max_seq_len}")
+        need = _pages(len(ids) + 1, self._page_size)
+        if need > self._pages_total:
+            raise InvalidRequestError(f"a prompt of {len(ids)} tokens needs {need} KV pages; the pool has "
+                                      f"{self._pages_total}")
+        seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(4), "little")
+        sampling = sp.to_core(seed)
+        sampling.validate()
+        stop_ids = set(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            stop_ids.update(eng.config.eos_token_ids)
+        rid = request_id or uuid.uuid4().hex
+        return _Seq(request=Request(self, rid, ids), prompt=ids, params=sp, sampling=sampling,
+                    stop_ids=frozenset(stop_ids),
+                    text=TextAssembler(eng.detokenize, sp.stop) if eng.tokenizer is not None else None,
+                    logprobs=[] if sp.logprobs is not None else None, t_submit=time.perf_counter())
+
+    def _enqueue(self, seqs: list[_Seq], bounded: bool) -> None:
+        with self._state:
+            if self._closed:
+                raise InvalidRequestError("the scheduler is closed")
+            if bounded and len(self._waiting) + len(seqs) > self.max_waiting:
+                raise QueueFullError(f"{len(self._waiting)} requests already wait (max_waiting={self.max_waiting})")
+            seen = set(self._live)
+            for s in seqs:
+                if s.request.id in seen:
+                    raise InvalidRequestError(f"request id {s.request.id!r} is already in use")
+                seen.add(s.request.id)
+            for s in seqs:
+                self._live[s.request.id] = s
+                self._waiting.append(s)
+            self._wake_locked()
+
+    def cancel(self, request_id: str) -> None:
+        """End a request (finish_reason "cancelled"). A waiting one ends now; a running one at the next step,
+        which frees its pages. An unknown or already ended id is ignored (ending races with cancelling)."""
+        with self._state:
+            seq = self._live.get(request_id)
+            if seq is None:
+                return
+            if seq.slot is None and seq in self._waiting:
+                self._waiting.remove(seq)
+                del self._live[request_id]
+                end = seq
+            else:
+                self._cancels.add(request_id)
+                self._wake_locked()
+                return
+        end.request._put(Delta("", [], [] if end.logprobs is not None else None, self._completion(end, "cancelled")))
+
+    # ---- the driver thread ----
+
+    def start(self) -> None:
+        """Drive step() from a daemon thread whenever there is work (idempotent)."""
+        with self._state:
+            if self._closed:
+                return
+            self._started = True
+            self._wake_locked()
+
+    def _has_driver(self) -> bool:
+        with self._state:
+            return self._started and not self._closed or self._thread is not None
+
+    def _wake_locked(self) -> None:
+        if self._started and self._thread is None and self._has_work_locked():
+            self._thread = threading.Thread(target=self._drive, name="tinyinfer-scheduler", daemon=True)
+            self._thread.start()
+        self._state.notify_all()
+
+    def _drive(self) -> None:
+        while True:
+            with self._state:
+                if not self._has_work_locked():
+                    self._thread = None
+                    self._state.notify_all()
+                    return
+            try:
+                self.step()
+            except BaseException as e:  # noqa: BLE001 (the thread must outlive any one failure)
+                if e is not self._reraised:  # not pinned on the requests it hit: fail all, rather than spin
+                    self._fail_all(e)
+
+    def close(self) -> None:
+        """Cancel every request in flight (their slots closed), stop the thread; later submits are refused."""
+        with self._state:
+            if self._closed and not self._live:
+                return
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), deque()
+            for s in waiting:
+                self._live.pop(s.request.id, None)
+            self._cancels.update(s.request.id for s in self._running)
+            thread = self._thread
+        for s in waiting:
+            s.request._put(Delta("", [], [] if s.logprobs is not None else None, self._completion(s, "cancelled")))
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        elif thread is None and self._running and not self._engine.closed:
+            self.step()
+
+    # ---- one step ----
+
+    def step(self) -> bool:
+        """One iteration (see the module's docstring). False when there was nothing to do."""
+        with self._state:
+            if not self._has_work_locked():
+                return False
+        eng = self._engine
+        if eng.closed:  # closed under us: nothing can run; the requests end with the reason
+            self._fail_all(InvalidRequestError(f"{eng!r} is closed"))
+            return False
+        try:
+            with eng._exclusive():
+                self._step_locked(eng._core)
+        finally:
+            with self._state:
+                self._state.notify_all()  # wait_idle() looks again
+        return True
+
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Wait until no request waits or runs (all slots closed); without a driver thread, drive the steps.
+        False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._state:
+                if not self._has_work_locked():
+                    return True
+                if self._started and not self._closed or self._thread is not None:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._state.wait(left)
+                    continue
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            self.step()
+
+    def _step_locked(self, core) -> None:
+        with self._state:
+            cancels, self._cancels = self._cancels, set()
+        for seq in [s for s in self._running if s.request.id in cancels]:
+            self._end(core, seq, "cancelled")
+        stepping = [s for s in self._running if s.pending is not None]
+        stepping = self._pages_for_decode(core, stepping)
+        self._admit(core, decode_pages=sum(1 for s in stepping if s.length % self._page_size == 0))
+        if stepping and self._core_call(core, stepping, lambda: core.seq_step([s.slot for s in stepping],
+                                                                                  [s.pending for s in stepping])):
+            for s in stepping:
+                s.length, s.pending, s.fresh = s.length + 1, None, True
+        self._prefill(core)
+        sampling = [s for s in self._running if s.fresh]
+        if sampling:
+            self._sample(core, sampling)
+
+    def _owed(self) -> int:
+        """Pages the admitted prompts still need for their remaining chunks (+ their first generated position)."""
+        ps = self._page_size
+        return sum(_pages(len(s.prompt) + 1, ps) - _pages(s.length, ps) for s in self._running if s.prefilling)
+
+    def _pages_for_decode(self, core, stepping: list[_Seq]) -> list[_Seq]:
+        """The sequences that can run this step. Running sequences come first for pages: when the pool cannot
+        give each one whose next position opens a page its page, admitted requests still in their prompt go
+        back to the queue (youngest first; they have shown nothing yet, so starting over later is invisible);
+        if that is not enough, the youngest of those sequences end with KvCacheFullError."""
+        needy = [s for s in stepping if s.length % self._page_size == 0]
+        free = int(core.kv_pages_free) - self._owed()
+        while len(needy) > free:
+            back = next((s for s in reversed(self._running) if s.prefilling), None)
+            if back is None:
+                break
+            free += _pages(len(back.prompt) + 1, self._page_size)  # what it held and what it was owed
+            self._requeue(core, back)
+        for s in needy[max(free, 0):] if len(needy) > free else []:
+            msg = (f"request {s.request.id!r} ran out of KV pages after {len(s.generated)} generated tokens "
+                   f"({self._pages_total} pages of {self._page_size} positions, all in use)")
+            self._end(core, s, "length", error=KvCacheFullError(msg))
+        return [s for s in stepping if s.slot is not None]
+
+    def _requeue(self, core, seq: _Seq) -> None:
+        """Un-admit a request still in its prompt: slot closed (pages back), to the head of the queue."""
+        slot, seq.slot, seq.length = seq.slot, None, 0
+        try:
+            core.seq_close(slot)
+        except TinyInferError:
+            pass
+        with self._state:
+            self._running.remove(seq)
+            self._waiting.appendleft(seq)
+
+    def _admit(self, core, decode_pages: int) -> None:
+        ps = self._page_size
+        if self._waiting and int(core.position) > 0:
+            # the single-sequence path's cache (the GPU engine's shares the pool) is dead once its call has
+            # returned (every call starts with reset()): give its pages back before asking for more
+            core.reset()
+        free = int(core.kv_pages_free) - self._owed() - decode_pages
+        while len(self._running) < self.max_batch:
+            with self._state:
+                if not self._waiting:
+                    return
+                seq = self._waiting[0]
+                need = _pages(len(seq.prompt) + 1, ps)
+                if need > free and self._running:
+                    return  # it waits for pages; so do those behind it (first come, first served)
+                if need > free:  # nothing runs that could free pages: waiting would never end
+                    self._waiting.popleft()
+                    err = KvCacheFullError(f"request {seq.request.id!r} needs {need} KV pages and only {free} are "
+                                           f"free with nothing running")
+                else:
+                    self._waiting.popleft()
+                    self._running.append(seq)
+                    err = None
+            if err is not None:
+                self._end(core, seq, "length", error=err)
+                continue
+                self._running.append(seq)
+            try:
+                seq.slot = int(core.seq_open())
+            except BaseException:
+                with self._state:  # not admitted after all: back to the head of the queue
+                    self._running.remove(seq)
+                    self._waiting.appendleft(seq)
+                raise
+            seq.t_admit = time.perf_counter()
+            free -= need
+
+    def _prefill(self, core) -> None:
+        budget = self.chunk_tokens
+        for seq in [s for s in self._running if s.prefilling]:
+            if budget <= 0:
+                return
+            n = min(budget, len(seq.prompt) - seq.length)
+            chunk = seq.prompt[seq.length:seq.length + n]
+            if not self._core_call(core, [seq], lambda: core.seq_prefill(seq.slot, chunk)):
+                continue
+            seq.length += n
+            budget -= n
+            if seq.length == len(seq.prompt):
+                seq.fresh, seq.t_first = True, time.perf_counter()
+
+    def _sample(self, core, seqs: list[_Seq]) -> None:
+        k = max((s.params.logprobs or 0) for s in seqs)
+        out = []
+        ok = self._core_call(core, seqs, lambda: out.append(core.seq_sample(
+            [s.slot for s in seqs], [s.sampling for s in seqs], [len(s.generated) for s in seqs], k)))
+        if not ok:
+            return
+        tokens, lps, top_ids, top_lps = out[0]
+        for i, seq in enumerate(seqs):
+            seq.fresh = False
+            lp = None
+            if seq.logprobs is not None:
+                n = seq.params.logprobs
+                top = [(int(top_ids[i][j]), float(top_lps[i][j])) for j in range(n)]
+                lp = TokenLogprob(int(tokens[i]), float(lps[i]), [e for e in top if e[0] >= 0])  # -1: past vocab
+            self._take(core, seq, int(tokens[i]), lp)
+
+    def _take(self, core, seq: _Seq, tok: int, lp: Optional[TokenLogprob]) -> None:
+        """One generated token: the checks Engine.generate makes, a Delta, and the end when it is the last."""
+        seq.generated.append(tok)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        finish = "stop" if tok in seq.stop_ids else None
+        last = finish is not None or len(seq.generated) >= seq.params.max_tokens
+        piece = ""
+        if seq.text is not None:
+            piece = seq.text.add([] if finish else [tok], final=last)
+            if seq.text.stopped:
+                finish = "stop"
+        if finish is None and last:
+            finish = "length"
+        if finish is None:
+            seq.pending = tok
+            seq.request._put(Delta(piece, [tok], None if lp is None else [lp]))
+        else:
+            self._end(core, seq, finish, piece=piece, last_ids=[tok], last_lp=None if lp is None else [lp])
+
+    # ---- ending ----
+
+    def _core_call(self, core, seqs: list[_Seq], call) -> bool:
+        """call(); if it raises, the sequences it was for are in an unknown state: they end with the error (their
+        slots closed). A TinyInferError stays with them (False); anything else is re-raised."""
+        try:
+            call()
+            return True
+        except BaseException as e:
+            for s in seqs:
+                self._end(core, s, "error", error=e)
+            if isinstance(e, TinyInferError):
+                return False
+            self._reraised = e
+            raise
+
+    def _end(self, core, seq: _Seq, finish: str, *, error: Optional[BaseException] = None, piece: str = "",
+             last_ids: Sequence[int] = (), last_lp: Optional[list] = None) -> None:
+        """The request ends: its slot is closed now, then its last Delta (or its error) is pushed."""
+        if seq.slot is not None:
+            slot, seq.slot = seq.slot, None
+            try:
+                core.seq_close(slot)
+            except TinyInferError:  # a slot the core no longer knows: nothing left to free
+                pass
+        with self._state:
+            if seq in self._running:
+                self._running.remove(seq)
+            self._live.pop(seq.request.id, None)
+        if error is not None:
+            if isinstance(error, KvCacheFullError):
+                error.completion = self._completion(seq, finish)
+            seq.request._put(error)
+            return
+        if last_lp is None and seq.logprobs is not None:
+            last_lp = []
+        seq.request._put(Delta(piece, list(last_ids), last_lp, self._completion(seq, finish)))
+
+    def _fail_all(self, error: BaseException) -> None:
+        """End every live request with `error` (the engine closed under us, or a failure step() could not pin
+        on the requests it hit); their slots are closed under the engine's lock while the core is there."""
+        with self._state:
+            seqs = list(self._live.values())
+            self._waiting.clear()
+            self._cancels.clear()
+        eng = self._engine
+        if not eng.closed:
+            try:
+                with eng._exclusive():
+                    for s in seqs:
+                        self._end(eng._core, s, "error", error=error)
+                return
+            except InvalidRequestError:  # closed meanwhile: its slots went with it
+                pass
+        for s in seqs:
+            s.slot = None
+            self._end(None, s, "error", error=error)
+
+    def _completion(self, seq: _Seq, finish: str) -> Completion:
+        now = time.perf_counter()
+        started = seq.t_first or now
+        stats = Stats(prompt_tokens=len(seq.prompt),
+                      prefill_ms=(seq.t_first - seq.t_admit) * 1e3 if seq.t_first else 0.0,
+                      decode_tokens=len(seq.generated), decode_s=now - started, wall_s=now - seq.t_submit)
+        return Completion(text=seq.text.text if seq.text is not None else "", token_ids=list(seq.generated),
+                          finish_reason=finish, prompt_token_ids=seq.prompt, stats=stats,
+                          logprobs=None if seq.logprobs is None else list(seq.logprobs))
+
+
+__all__ = ["Scheduler", "Request", "Delta", "TokenLogprob"]

@@ -1,0 +1,441 @@
+"""The OpenAI-compatible HTTP app over a Scheduler: GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
+GET /health.
+
+    app = create_app(engine, scheduler, model_name="SmolLM2-135M-Instruct", api_key=None)
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Each choice of each prompt is its own scheduler Request (choice i of a seeded request gets seed + i); the app
+awaits their Deltas (Request.__aiter__: no thread is held per HTTP request) and cancels them when the client goes
+away, streaming or not, so their KV pages return to the pool at the scheduler's next step. The app's lifespan
+starts the scheduler's thread and closes it (uvicorn: Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import ChatTemplateError, InvalidRequestError, KvCacheFullError, QueueFullError, TokenizerError
+from ..scheduler import Delta
+from . import protocol as P
+
+log = logging.getLogger("tinyinfer.server")
+
+MAX_BODY_BYTES = 4 << 20
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: the rest of the context
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was complete (its requests are cancelled)."""
+
+
+class DisconnectAwareStream(StreamingResponse):
+    """A StreamingResponse that always listens for the client's disconnect while streaming (Starlette only does
+    so for ASGI < 2.4; otherwise it notices at the next write), so a client that leaves while its request waits
+    or prefills has the body iterator cancelled at once, and the iterator's `finally` cancels the requests."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as tg:
+            async def stream() -> None:
+                with contextlib.suppress(OSError):  # the socket went away mid-write
+                    await self.stream_response(send)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            tg.cancel_scope.cancel()
+
+
+def _error_response(e: P.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _read_json(request: Request, limit: int):
+    """The body as JSON, refusing (413) more than `limit` bytes whether or not a Content-Length says so."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise P.APIError(413, f"the request body is {declared} bytes; the limit is {limit}",
+                         code="request_too_large")
+    data, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise P.APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+        data.append(chunk)
+    try:
+        return json.loads(b"".join(data))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise P.bad(f"the request body is not valid JSON: {e}") from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Choice:
+    """One scheduler Request answering one choice (index) of an HTTP request."""
+
+    def __init__(self, index: int, req, prompt_tokens: int):
+        self.index = index
+        self.req = req
+        self.prompt_tokens = prompt_tokens
+        self.completion: Any = None  # the final Completion, once its last Delta arrived
+        self.tokens = 0  # generated so far (the log line of a request cut short)
+        self.lp_chars = 0  # characters of the tokens whose logprobs were sent (the legacy format's text_offset)
+
+
+async def _deltas(c: _Choice) -> AsyncIterator[Delta]:
+    """The Deltas of one choice. A request the KV pool could not give its next page (KvCacheFullError) ends as
+    its length ran out: what it generated, finish_reason "length" (the client sees a short answer, no error)."""
+    sent = 0
+    try:
+        async for d in c.req:
+            sent += len(d.text)
+            yield d
+    except KvCacheFullError as e:
+        log.warning("%s: %s", c.req.id, e)
+        yield Delta(e.completion.text[sent:], [], None, e.completion)
+
+
+class _Call:
+    """One HTTP generation request in flight: its choices, timing, and the one log line it ends with."""
+
+    def __init__(self, rid: str, choices: list[_Choice], n: int):
+        self.id = rid
+        self.choices = choices
+        self.n = n  # choices per prompt
+        self.t0 = time.perf_counter()
+        self.t_first: Optional[float] = None
+
+    def saw(self, c: _Choice, d) -> None:
+        """Bookkeeping of one Delta of choice c."""
+        if d.token_ids and self.t_first is None:
+            self.t_first = time.perf_counter()
+        c.tokens += len(d.token_ids)
+        if d.completion is not None:
+            c.completion = d.completion
+
+    def cancel_unfinished(self) -> None:
+        for c in self.choices:
+            if c.completion is None:
+                c.req.cancel()
+
+    @property
+    def prompt_tokens(self) -> int:  # OpenAI counts each prompt once, whatever n
+        return sum(c.prompt_tokens for c in self.choices if c.index % self.n == 0)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.completion.token_ids) if c.completion is not None else c.tokens for c in self.choices)
+
+    def usage(self) -> dict:
+        return P.usage(self.prompt_tokens, self.completion_tokens)
+
+    def finish_reasons(self) -> str:
+        return ",".join(sorted({c.completion.finish_reason for c in self.choices}))
+
+    def log(self, outcome: str) -> None:
+        end = time.perf_counter()
+        out = self.completion_tokens
+        ttft = f"{(self.t_first - self.t0) * 1e3:.0f} ms" if self.t_first is not None else "-"
+        rate = out / (end - self.t_first) if self.t_first is not None and end > self.t_first else 0.0
+        log.info("%s: %d tokens in, %d out, ttft %s, %.1f tok/s, %.2f s, %s", self.id, self.prompt_tokens, out,
+                 ttft, rate, end - self.t0, outcome)
+
+
+class Service:
+    """What the routes do: check, tokenize, submit one scheduler Request per choice, answer or stream."""
+
+    def __init__(self, engine, scheduler, model_name: str, api_key: Optional[str], max_body_bytes: int):
+        self.engine = engine
+        self.scheduler = scheduler
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.token_text = P.TokenText(engine.tokenizer) if engine.tokenizer is not None else None
+        self.created = int(time.time())
+        self.stopping = threading.Event()
+
+    def begin_shutdown(self) -> None:
+        """Stop generating (signal-handler safe: the scheduler closes in its own thread): requests in flight end
+        with a 503 / a stream error event, new ones get 503."""
+        if not self.stopping.is_set():
+            self.stopping.set()
+            threading.Thread(target=self.scheduler.close, name="tinyinfer-close", daemon=True).start()
+
+    @staticmethod
+    def shutting_down() -> P.APIError:
+        return P.APIError(503, "the server is shutting down", code="server_shutdown")
+
+    # ---- checks ----
+
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise P.APIError(401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key")
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.model_name:
+            raise P.APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                             param="model", code="model_not_found")
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tinyinfer",
+                "max_model_len": self.engine.max_seq_len}
+
+    def health(self) -> dict:
+        s = self.scheduler
+        return {"status": "ok", "model": self.model_name, "running": s.running, "waiting": s.waiting,
+                "kv_pages_used": s.kv_pages_used, "kv_pages_total": s.kv_pages_total}
+
+    # ---- prompts -> scheduler requests ----
+
+    def prompt_ids(self, g: P.GenerationRequest) -> list[list[int]]:
+        """Token ids of each prompt (run in a worker thread: templates and long prompts take time)."""
+        eng = self.engine
+        param = "messages" if g.kind == "chat" else "prompt"
+        if eng.tokenizer is None and (g.kind == "chat" or any(isinstance(p, str) for p in g.prompts)):
+            raise P.bad("this model has no tokenizer: give the prompt as token ids", param)
+        try:
+            if g.kind == "chat":
+                return [eng.apply_chat_template(g.messages)]
+            out = []
+            for p in g.prompts:
+                ids = eng.tokenize(p) if isinstance(p, str) else list(p)
+                bad = [t for t in ids if not 0 <= t < eng.config.vocab]
+                if bad:
+                    raise P.bad(f"token id {bad[0]} is out of range for a vocabulary of {eng.config.vocab}", param)
+                if not ids:
+                    raise P.bad("the prompt is empty", param)
+                out.append(ids)
+            return out
+        except (InvalidRequestError, ChatTemplateError, TokenizerError) as e:
+            raise P.bad(str(e), param) from None
+
+    def max_tokens_for(self, g: P.GenerationRequest, n_prompt: int) -> int:
+        limit = self.engine.max_seq_len
+        room = limit - n_prompt
+        want = g.max_tokens
+        if want is None:
+            want = max(room, 1) if g.kind == "chat" else COMPLETIONS_DEFAULT_MAX_TOKENS
+        if n_prompt + want > limit:
+            param = "max_tokens" if g.max_tokens and room > 0 else ("messages" if g.kind == "chat" else "prompt")
+            raise P.bad(f"this model's context is {limit} tokens; the prompt has {n_prompt} and {want} more were "
+                        f"asked (max_tokens)", param, "context_length_exceeded")
+        return want
+
+    def submit(self, g: P.GenerationRequest, prompts: list[list[int]], rid: str) -> _Call:
+        """One scheduler Request per (prompt, choice); all or none (a refusal cancels those already queued)."""
+        choices: list[_Choice] = []
+        try:
+            for pi, ids in enumerate(prompts):
+                base = dataclasses.replace(g.params, max_tokens=self.max_tokens_for(g, len(ids)),
+                                           logprobs=g.logprobs)
+                for j in range(g.n):
+                    sp = base if base.seed is None else dataclasses.replace(base, seed=base.seed + j)
+                    k = pi * g.n + j
+                    choices.append(_Choice(k, self.scheduler.submit(ids, sp, request_id=f"{rid}-{k}"), len(ids)))
+        except BaseException as e:
+            for c in choices:
+                c.req.cancel()
+            if self.stopping.is_set():
+                raise self.shutting_down() from None
+            if isinstance(e, QueueFullError):
+                raise P.APIError(503, f"the server is busy: {e}", code="queue_full",
+                                 headers={"Retry-After": "1"}) from None
+            if isinstance(e, InvalidRequestError):
+                raise P.bad(str(e)) from None
+            raise
+        return _Call(rid, choices, g.n)
+
+    async def generate(self, request: Request, parse):
+        self.check_auth(request)
+        g = parse(await _read_json(request, self.max_body_bytes))
+        self.check_model(g.model)
+        prompts = await run_in_threadpool(self.prompt_ids, g)
+        call = self.submit(g, prompts, f"{'chatcmpl' if g.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}")
+        if g.stream:
+            return DisconnectAwareStream(self.events(g, call), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            return await self.answer(request, g, call)
+        except ClientGone:
+            return JSONResponse({"error": None}, status_code=499)  # nobody reads it
+
+    # ---- answers ----
+
+    def logprobs_of(self, g: P.GenerationRequest, items, c: _Choice) -> Optional[dict]:
+        if g.logprobs is None or not items or self.token_text is None:
+            return None
+        if g.kind == "chat":
+            return P.chat_logprobs(items, self.token_text)
+        lp = P.completion_logprobs(items, self.token_text, c.lp_chars)
+        c.lp_chars += sum(len(t) for t in lp["tokens"])
+        return lp
+
+    async def answer(self, request: Request, g: P.GenerationRequest, call: _Call) -> dict:
+        """The whole answer; the client's disconnect (watched meanwhile) cancels the requests."""
+        async def one(c: _Choice) -> None:
+            async for d in _deltas(c):
+                call.saw(c, d)
+
+        async def collect() -> None:
+            try:
+                await asyncio.gather(*(one(c) for c in call.choices))
+            finally:
+                call.cancel_unfinished()
+
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            left = not work.done()
+            if left:  # the client left (or the server stops): collect's finally cancels the requests
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                call.log("client gone")
+        if left:
+            raise ClientGone()
+        work.result()
+        if any(c.completion.finish_reason == "cancelled" for c in call.choices):  # only close() cancels these
+            call.log("server shutdown")
+            raise self.shutting_down()
+        choices = [P.final_choice(g.kind, c.index, c.completion.text,
+                                  self.logprobs_of(g, c.completion.logprobs, c), c.completion.finish_reason)
+                   for c in call.choices]
+        call.log(call.finish_reasons())
+        return {"id": call.id, "object": "chat.completion" if g.kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": self.model_name, "choices": choices, "usage": call.usage(),
+                "system_fingerprint": None}
+
+    async def events(self, g: P.GenerationRequest, call: _Call) -> AsyncIterator[str]:
+        """SSE: a chunk per step of each choice (text or not: clients can time tokens), its finish chunk, the
+        usage chunk when asked, `data: [DONE]`. Cancelled (the client left) -> `finally` cancels the requests."""
+        obj = "chat.completion.chunk" if g.kind == "chat" else "text_completion"
+        head: dict[str, Any] = {"id": call.id, "object": obj, "created": int(time.time()), "model": self.model_name}
+        if g.kind == "chat":
+            head["system_fingerprint"] = None
+
+        def chunk(*choices: dict) -> str:
+            return P.sse({**head, "choices": list(choices), **({"usage": None} if g.include_usage else {})})
+
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: _Choice) -> None:
+            try:
+                async for d in _deltas(c):
+                    await queue.put((c, d))
+            except Exception as e:  # the scheduler failed this request: the client is told in the stream
+                await queue.put((c, e))
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in call.choices]
+        outcome = "client gone"
+        try:
+            if g.kind == "chat":
+                for c in call.choices:
+                    yield chunk(P.stream_choice("chat", c.index, "", None, None, first=True))
+            left = len(call.choices)
+            while left:
+                c, d = await queue.get()
+                if isinstance(d, Exception):
+                    outcome = "failed"
+                    yield P.sse(P.APIError(500, f"generation failed: {type(d).__name__}: {d}").body())
+                    return
+                call.saw(c, d)
+                lp = self.logprobs_of(g, d.logprobs, c)
+                if d.text or lp or d.token_ids:
+                    yield chunk(P.stream_choice(g.kind, c.index, d.text, lp, None))
+                if d.completion is None:
+                    continue
+                if d.completion.finish_reason == "cancelled":  # only close() cancels these
+                    outcome = "server shutdown"
+                    yield P.sse(self.shutting_down().body())
+                    return
+                left -= 1
+                yield chunk(P.stream_choice(g.kind, c.index, "", None, d.completion.finish_reason))
+            if g.include_usage:
+                yield P.sse({**head, "choices": [], "usage": call.usage()})
+            yield "data: [DONE]\n\n"
+            outcome = call.finish_reasons()
+        finally:
+            for t in tasks:
+                t.cancel()
+            call.cancel_unfinished()
+            call.log(outcome)
+
+
+def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app serving `engine` through `scheduler` (started and closed by the app's lifespan) as `model_name`.
+    api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (/health stays open for load balancers).
+    app.state.begin_shutdown(): stop generating now (tinyinfer serve calls it on Ctrl-C)."""
+    svc = Service(engine, scheduler, model_name, api_key, max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.close()
+
+    app = FastAPI(title="tinyinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.begin_shutdown = svc.begin_shutdown
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(request, e: P.APIError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        return _error_response(P.APIError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):  # the server keeps serving; the client gets OpenAI's shape
+        log.exception("internal error on %s", request.url.path)
+        return _error_response(P.APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    @app.get("/health")
+    async def health():
+        return svc.health()
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        svc.check_auth(request)
+        return {"object": "list", "data": [svc.model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request):
+        svc.check_auth(request)
+        svc.check_model(name)
+        return svc.model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await svc.generate(request, P.parse_chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await svc.generate(request, P.parse_completion)
+
+    return app

@@ -1,0 +1,93 @@
+"""`tinyinfer serve`: load the model, start the scheduler, serve the OpenAI-compatible app with uvicorn.
+
+    tinyinfer serve                                  # the default model on http://127.0.0.1:8000/v1
+    tinyinfer serve --model path/to/model --port 9000 --api-key secret --max-batch 32
+
+Binds 127.0.0.1 unless --host says otherwise. Ctrl-C: uvicorn stops taking connections, gives open streams a few
+seconds, then the app's lifespan closes the scheduler (every request still in flight is cancelled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from ..errors import InvalidRequestError
+
+MISSING = "tinyinfer serve needs fastapi and uvicorn: pip install 'tinyinfer[serve]'"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TINYINFER_API_KEY; unset: open)")
+    p.add_argument("--max-batch", type=int, default=None, help="sequences decoded together (default: the engine's)")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests allowed to wait for a slot; beyond it: 503 with Retry-After (default 1024)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: --model as given, or SmolLM2-135M-Instruct)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def check_arguments(args) -> None:
+    """What can be refused before the model loads."""
+    if not 1 <= args.port <= 65535:
+        raise InvalidRequestError(f"--port must be in 1..65535 (got {args.port})")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise InvalidRequestError(f"--max-batch must be >= 1 (got {args.max_batch})")
+    if args.max_waiting < 0:
+        raise InvalidRequestError(f"--max-waiting must be >= 0 (got {args.max_waiting})")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise InvalidRequestError("--served-model-name is empty")
+    if args.api_key is not None and not args.api_key:
+        raise InvalidRequestError("--api-key is empty")
+
+
+def serve(args, engine_factory) -> int:
+    """Run the server until Ctrl-C. engine_factory(args) loads the Engine (cli.py's, shared with `run`)."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        print(f"tinyinfer: error: {MISSING}", file=sys.stderr)
+        return 1
+    check_arguments(args)
+    from ..models import DEFAULT_MODEL
+    from ..scheduler import Scheduler
+    from .app import create_app
+
+    api_key = args.api_key if args.api_key is not None else (os.environ.get("TINYINFER_API_KEY") or None)
+    name = args.served_model_name or args.model or DEFAULT_MODEL
+    engine = engine_factory(args)
+    scheduler = Scheduler(engine, max_batch=args.max_batch, max_waiting=args.max_waiting)
+    app = create_app(engine, scheduler, model_name=name, api_key=api_key)
+
+    logger = logging.getLogger("tinyinfer.server")
+    if not logger.handlers:  # one line per request, beside uvicorn's own log
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s tinyinfer: %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(args.log_level.upper())
+    logger.propagate = False
+    print(f"tinyinfer: serving {name} [{engine.device} {engine.dtype}, max_seq_len {engine.max_seq_len}] "
+          f"at http://{args.host}:{args.port}/v1{' (API key required)' if api_key else ''}", file=sys.stderr,
+          flush=True)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # first stop generating (open streams end at once with a shutdown error, rather than after the
+            # graceful timeout with a cut connection), then uvicorn's own shutdown
+            app.state.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                                   timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the signal it handled again once it has shut down
+        pass
+    finally:
+        engine.close()
+    return 0 if server.started else 1

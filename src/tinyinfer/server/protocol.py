@@ -1,0 +1,325 @@
+"""The OpenAI wire format: request bodies checked field by field into typed requests, errors in OpenAI's shape,
+and the response / chunk dictionaries.
+
+Bodies are checked by hand rather than by pydantic models: every refusal must be a 400 in OpenAI's error shape
+that names the parameter (`param`), and the tables below say in one place what is honoured, what is refused
+because this engine cannot do it, and what is accepted and ignored.
+
+Field policy (README "Serving"): a field of OpenAI's API that this server cannot honour is refused with 400 naming
+it (unless it holds the value that means "off", e.g. `"tools": []`, `"echo": false`, `"best_of": 1`); an unknown
+field is refused too, so a typo never silently changes nothing. Only `user`, `metadata`, `store` (false) and
+`parallel_tool_calls` (without tools it means nothing) are accepted and ignored: clients send them routinely.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+from ..sampling import MAX_LOGPROBS, SamplingParams
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
+                 type: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ---- typed requests ----
+
+
+@dataclass
+class GenerationRequest:
+    """What both endpoints ask of the scheduler: prompts (token ids or chat messages, resolved by the app), the
+    sampling parameters of choice 0 (choice i gets seed + i), how many choices per prompt, how to answer."""
+
+    kind: str  # "chat" | "completion"
+    model: Optional[str]
+    params: SamplingParams  # max_tokens may be None-ish: see max_tokens below
+    max_tokens: Optional[int]  # None: the endpoint's default (chat: the rest of the context; completions: 16)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: Optional[int] = None  # None: off; k: the chosen token's logprob and k top entries
+    messages: Optional[list[dict]] = None  # chat
+    prompts: list[Union[str, list[int]]] = field(default_factory=list)  # completions: one or more prompts
+
+
+# ---- field checkers: each returns the value or raises a 400 naming the field ----
+
+
+def _int(body: dict, name: str, lo: int, hi: Optional[int] = None) -> Optional[int]:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise bad(f"'{name}' must be an integer {rng} (got {v!r})", name)
+    return v
+
+
+def _num(body: dict, name: str, ok: Callable[[float], bool], what: str) -> Optional[float]:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+        raise bad(f"'{name}' must be {what} (got {v!r})", name)
+    return float(v)
+
+
+def _bool(body: dict, name: str) -> Optional[bool]:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise bad(f"'{name}' must be a boolean (got {v!r})", name)
+    return v
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad(f"'stop' must be a string or a list of strings (got {v!r:.100})", "stop")
+    if len(v) > 4:  # OpenAI's limit
+        raise bad(f"'stop' takes at most 4 sequences (got {len(v)})", "stop")
+    return [s for s in v if s]  # "" can never be found; OpenAI accepts and ignores it
+
+
+# Fields of OpenAI's API this engine cannot honour, each with the values that mean "not used" (accepted).
+_OFF = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "logit_bias": (None, {}), "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
+    "web_search_options": (None,), "service_tier": (None, "auto", "default"),
+}
+_IGNORED = {"user", "metadata", "store", "parallel_tool_calls"}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+           "frequency_penalty", "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "logprobs"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
+COMPLETION_FIELDS = _COMMON | {"prompt"}
+
+
+def _check_fields(body: dict, known: set) -> None:
+    for name, off in _OFF.items():
+        if name in body and not any(body[name] == o and type(body[name]) is type(o) for o in off):
+            raise bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    if body.get("store") not in (None, False):
+        raise bad("'store' is not supported by this server (only false)", "store", "unsupported_parameter")
+    unknown = sorted(set(body) - known - set(_OFF) - _IGNORED)
+    if unknown:
+        raise bad(f"unknown parameter(s): {', '.join(unknown)}", unknown[0], "unknown_parameter")
+
+
+def _sampling(body: dict, max_tokens: Optional[int]) -> SamplingParams:
+    """The body's sampling fields as SamplingParams (the remaining checks are SamplingParams.validate's, with
+    the field named in the message)."""
+    kw: dict[str, Any] = {}
+    t = _num(body, "temperature", lambda x: 0 <= x <= 2, "a number in [0, 2]")
+    if t is not None:
+        kw["temperature"] = t
+    p = _num(body, "top_p", lambda x: 0 < x <= 1, "a number in (0, 1]")
+    if p is not None:
+        kw["top_p"] = p
+    k = body.get("top_k")
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < -1:
+            raise bad(f"'top_k' must be an integer >= 0, or -1 / 0 for off (got {k!r})", "top_k")
+        kw["top_k"] = k
+    m = _num(body, "min_p", lambda x: 0 <= x <= 1, "a number in [0, 1]")
+    if m is not None:
+        kw["min_p"] = m
+    r = _num(body, "repetition_penalty", lambda x: x > 0, "a number > 0")
+    if r is not None:
+        kw["repetition_penalty"] = r
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _num(body, name, lambda x: -2 <= x <= 2, "a number in [-2, 2]")
+        if v is not None:
+            kw[name] = v
+    seed = body.get("seed")
+    if seed is not None:
+        # OpenAI's seed is a signed 64-bit integer; the core's RNG takes a non-negative one
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise bad(f"'seed' must be an integer in 0..2**63-1 (got {seed!r})", "seed")
+        kw["seed"] = seed
+    kw["stop"] = _stop(body)
+    if _bool(body, "ignore_eos"):
+        kw["ignore_eos"] = True
+    return SamplingParams(max_tokens=max_tokens or 1, **kw)
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = bool(_bool(body, "stream"))
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+        raise bad(f"'stream_options' may only hold 'include_usage' (got {opts!r:.100})", "stream_options")
+    inc = opts.get("include_usage")
+    if inc is not None and not isinstance(inc, bool):
+        raise bad("'stream_options.include_usage' must be a boolean", "stream_options")
+    return stream, bool(inc)
+
+
+def _model(body: dict) -> Optional[str]:
+    m = body.get("model")
+    if m is not None and not isinstance(m, str):
+        raise bad(f"'model' must be a string (got {m!r:.100})", "model")
+    return m
+
+
+def parse_chat(body: Any) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _check_fields(body, CHAT_FIELDS)
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise bad("'response_format' other than {\"type\": \"text\"} is not supported by this server",
+                  "response_format", "unsupported_parameter")
+    msgs = body.get("messages")
+    if msgs is None:
+        raise bad("'messages' is required", "messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty list", "messages")
+    for i, m in enumerate(msgs):
+        # OpenAI's content may be a list of parts; text parts are joined, anything else (images, audio) refused
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            parts = m["content"]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in parts):
+                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+            msgs[i] = {**m, "content": "".join(p["text"] for p in parts)}
+    mt, mct = _int(body, "max_tokens", 1), _int(body, "max_completion_tokens", 1)
+    if mt is not None and mct is not None and mt != mct:
+        raise bad("'max_tokens' and 'max_completion_tokens' disagree; give one", "max_completion_tokens")
+    lp = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top and not lp:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    stream, usage = _stream(body)
+    max_tokens = mct if mct is not None else mt
+    return GenerationRequest(kind="chat", model=_model(body), params=_sampling(body, max_tokens),
+                             max_tokens=max_tokens, n=_int(body, "n", 1, 128) or 1, stream=stream,
+                             include_usage=usage, logprobs=(top or 0) if lp else None, messages=msgs)
+
+
+def _prompts(p: Any) -> list[Union[str, list[int]]]:
+    """OpenAI's four prompt forms: a string, a list of token ids, a list of strings, a list of token-id lists."""
+    def ids(x: Any) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(p, str):
+        out: list = [p]
+    elif ids(p):
+        out = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) or ids(x) for x in p):
+        out = list(p)
+    else:
+        raise bad("'prompt' must be a string, a list of token ids, or a non-empty list of either", "prompt")
+    if any(x == "" for x in out):
+        raise bad("'prompt' is empty", "prompt")
+    return out
+
+
+def parse_completion(body: Any) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _check_fields(body, COMPLETION_FIELDS)
+    if "prompt" not in body:
+        raise bad("'prompt' is required", "prompt")
+    prompts = _prompts(body["prompt"])
+    mt = _int(body, "max_tokens", 1)
+    lp = _int(body, "logprobs", 0, MAX_LOGPROBS)
+    stream, usage = _stream(body)
+    return GenerationRequest(kind="completion", model=_model(body), params=_sampling(body, mt), max_tokens=mt,
+                             n=_int(body, "n", 1, 128) or 1, stream=stream, include_usage=usage, logprobs=lp,
+                             prompts=prompts)
+
+
+# ---- responses ----
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class TokenText:
+    """Token id -> (its text, its bytes), as logprobs show them; cached (a vocabulary is small)."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+            hit = self._cache[token_id] = (text, list(self._tok.token_bytes(token_id)))
+        return hit
+
+
+def chat_logprobs(items: Sequence, token_text: TokenText) -> dict:
+    """OpenAI chat format: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}."""
+    def entry(tid: int, lp: float) -> dict:
+        text, data = token_text(tid)
+        return {"token": text, "logprob": lp, "bytes": data}
+
+    return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, lp) for t, lp in x.top]}
+                        for x in items], "refusal": None}
+
+
+def completion_logprobs(items: Sequence, token_text: TokenText, offset: int) -> dict:
+    """The legacy completions format: tokens, token_logprobs, top_logprobs (dicts), text_offset (characters into
+    the choice's text, counted from `offset`, the characters already sent on this choice)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for x in items:
+        text, _ = token_text(x.token_id)
+        tokens.append(text)
+        lps.append(x.logprob)
+        tops.append({token_text(t)[0]: lp for t, lp in x.top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def sse(body: dict) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def stream_choice(kind: str, index: int, text: str, logprobs: Optional[dict], finish: Optional[str],
+                  first: bool = False) -> dict:
+    """One choice of a streamed chunk. Chat: the first carries the role, the last (finish) an empty delta."""
+    if kind == "chat":
+        delta = {"role": "assistant", "content": text} if first else ({} if finish else {"content": text})
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def final_choice(kind: str, index: int, text: str, logprobs: Optional[dict], finish: str) -> dict:
+    """One choice of a whole (non-streamed) answer."""
+    if kind == "chat":
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}

@@ -1,0 +1,376 @@
+"""The GPU engine's sequence slots (BATCH_CONTRACT.md §2; cpp/gpu/cuda_engine_slots.cu, batch_step.*): many
+sequences of different lengths stepped together through one batched decode pass (a graph per batch-size bucket,
+padded rows inert) give what each sequence gives alone; logits against the CPU engine; pages on demand and given
+back; a pool too small is a clear error that leaves the engine usable. Skipped without a usable CUDA device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import make_llama
+from tinyinfer import Engine, InvalidRequestError, _core
+
+pytestmark = pytest.mark.gpu
+
+# head_dim 64 / 128, GQA group 1 / 4. fp16 weights in the file: the CPU engine (fp32 arithmetic) and the GPU
+# engine then hold the very same weights, so their logits differ by the GPU's fp16 activations only.
+CONFIGS = {
+    "gqa1_hd64": dict(hidden=256, heads=4, kv_heads=4, head_dim=64, intermediate=512, layers=2),
+    "gqa4_hd64": dict(hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=768, layers=2),
+    "gqa4_hd128": dict(hidden=512, heads=8, kv_heads=2, head_dim=128, intermediate=640, layers=3),
+}
+FORMATS = ["fp16", "int8", "int4"]
+# Logits of the batched step against another path, relative to the largest: fp16 rounding of the activations
+# (fp16); the batched int8 / int4 products also round the dequantized weights to fp16 and sum each 16-byte
+# word's products in fp16 (cuda/gemv_batch.cu), as the single path's int4 GEMV sums its groups.
+LOGIT_TOL = {"fp16": 3e-3, "int8": 1e-2, "int4": 1e-2}
+VOCAB, MAX_SEQ = 1000, 400
+
+
+def options(**kw):
+    """Fixed GEMV variants and cuBLASLt's default GEMMs (fast loads, the same arithmetic in every engine)."""
+    o = _core.CudaOptions()
+    o.gemv_rows, o.gemv_grid, o.gemm_autotune, o.decode_long_from = 2, 0, False, 0
+    for k, v in kw.items():
+        setattr(o, k, v)
+    return o
+
+
+def greedy():
+    return _core.SamplingConfig()  # temperature 0
+
+
+def prompts(n, seed=0):
+    """n prompts of different lengths (1 .. ~130: some cross a 64-position page, one is a single token)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, VOCAB, 1 + (37 * i) % 131).tolist() for i in range(n)]
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def model(request, tmp_path_factory):
+    return request.param, make_llama(tmp_path_factory.mktemp(request.param), vocab=VOCAB, dtype="float16",
+                                     **CONFIGS[request.param])
+
+
+_engines = {}
+
+
+def gpu_engine(model, fmt, **kw):
+    """One engine per (model, format, options), kept for the module (loads are the slow part)."""
+    name, path = model
+    key = (name, fmt, tuple(sorted(kw.items())))
+    if key not in _engines:
+        _engines[key] = Engine(path, device="cuda", dtype=fmt, max_seq_len=MAX_SEQ, cuda_options=options(**kw))
+    return _engines[key]
+
+
+def generate_batch(core, batch, steps):
+    """Greedy: every prompt in its own slot, prefilled one by one, then `steps` tokens each, all slots sampled
+    and stepped together. Returns the tokens per prompt; the slots are closed again."""
+    slots = [core.seq_open() for _ in batch]
+    for s, p in zip(slots, batch):
+        core.seq_prefill(s, p)
+    out = [[] for _ in batch]
+    for i in range(steps):
+        toks, _, _, _ = core.seq_sample(slots, [greedy()] * len(slots), [i] * len(slots), 0)
+        for o, t in zip(out, toks):
+            o.append(int(t))
+        if i + 1 < steps:
+            core.seq_step(slots, toks.tolist())
+    for s in slots:
+        core.seq_close(s)
+    return out
+
+
+@pytest.mark.parametrize("fmt, K", [("fp16", 100), ("int8", 100), ("int4", 160)])  # 100: a partial last word
+@pytest.mark.parametrize("mode", ["f32norm-f32", "f32norm-swiglu", "f16-add"])
+@pytest.mark.parametrize("n", [1, 3, 8, 13])  # 13: two groups of the kernel's 8 inputs, the second partial
+def test_small_n_gemv_kernel(fmt, K, mode, n):
+    """cuda/gemv_batch.cu alone against numpy on the weights as the CPU engine dequantizes them: every input row
+    (NaN past K in its padding: never read), every output (NaN-poisoned before the launch: all written)."""
+    rng = np.random.default_rng(n * 7 + K)
+    rows = 70  # not a whole number of 8-row tiles
+    W = rng.standard_normal((rows, K), dtype=np.float32) * 0.1
+    X = rng.standard_normal((n, K), dtype=np.float32)
+    norm_w = (1 + 0.2 * rng.standard_normal(K)).astype(np.float32)
+    Y0 = rng.standard_normal((n, rows), dtype=np.float32)
+    ops = _core.ops
+    inp, out = mode.split("-")
+    gin = {"f16": ops.GemvIn.F16, "f32norm": ops.GemvIn.F32Norm}[inp]
+    gout = {"f32": ops.GemvOut.F32, "add": ops.GemvOut.AddF32, "swiglu": ops.GemvOut.Swiglu}[out]
+    got = ops.gemv_batch(W, fmt, X, norm_w, 1e-5, Y0, gin, gout)
+
+    Wq = W.astype(np.float16).astype(np.float64) if fmt == "fp16" else ops.dequantize_ref(W, fmt).astype(np.float64)
+    if inp == "f16":
+        xin = X.astype(np.float16).astype(np.float64)
+    else:  # the decode GEMV's rounding: fp16(w * (x * inv))
+        inv = 1.0 / np.sqrt((X.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-5)
+        xin = (norm_w * (X * inv)).astype(np.float16).astype(np.float64)
+    y = xin @ Wq.T
+    if out == "add":
+        y = y + Y0
+    elif out == "swiglu":
+        g, u = y[:, 0::2], y[:, 1::2]
+        y = g / (1 + np.exp(-g)) * u
+    assert got.shape == y.shape and np.isfinite(got).all()
+    # Tolerance, on the scale of a dot product (as test_gpu_quant.py): fp16 sums in fp32 (f32norm: an input may
+    # round to the other fp16 neighbour, the rsqrt differing in its last bits); int8 / int4 dequantize to fp16
+    # weights and sum a word's products in fp16 before widening; swiglu: relative to the largest output.
+    tol = {"fp16": 5e-4, "int8": 4e-3, "int4": 1e-2}[fmt]
+    scale = np.abs(Wq).max() * np.abs(xin).max() * np.sqrt(K)
+    atol = (tol + 3e-3) * np.abs(y).max() if out == "swiglu" else tol * scale
+    np.testing.assert_allclose(got, y, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n", [1, 3, 8, 17])
+def test_batch_greedy_equals_each_prompt_alone(model, fmt, n):
+    """Each sequence of a batch picks the tokens it picks alone on the single-sequence path, up to the first
+    step where the two paths' arithmetic (batched products vs the tuned GEMV) may legitimately differ: a near-tie
+    of the top two logits. A divergence anywhere else fails."""
+    eng = gpu_engine(model, fmt)
+    steps = 24
+    batch = prompts(n, seed=n)
+    got = generate_batch(eng._core, batch, steps)
+    for p, g in zip(batch, got):
+        alone = eng.generate(p, max_tokens=steps, ignore_eos=True).token_ids
+        j = next((i for i in range(steps) if g[i] != alone[i]), steps)
+        if j < steps:  # only at a near-tie of the single path's own logits at that step
+            ref = eng.logits(p + alone[:j])[-1]
+            top2 = np.sort(ref)[-2:]
+            assert top2[1] - top2[0] <= 2 * LOGIT_TOL[fmt] * np.abs(ref).max(), (
+                f"{model[0]} {fmt} batch {n}: prompt of {len(p)} diverges at step {j}: {g[:j + 1]} vs {alone[:j + 1]}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_step_logits_match_cpu_engine(model, fmt):
+    """The logits a batched step leaves in each slot, against the CPU engine (same weights, same quantization,
+    fp32 arithmetic) on the same tokens, and against the GPU's own single-sequence path."""
+    eng = gpu_engine(model, fmt)
+    cpu = Engine(model[1], device="cpu", dtype=fmt if fmt != "fp16" else "fp32", max_seq_len=MAX_SEQ)
+    core = eng._core
+    batch = prompts(5, seed=11)
+    nxt = [7 + 13 * i for i in range(len(batch))]
+    slots = [core.seq_open() for _ in batch]
+    for s, p in zip(slots, batch):
+        core.seq_prefill(s, p)
+    core.seq_step(slots, nxt)
+    for s, p, t in zip(slots, batch, nxt):
+        assert core.seq_length(s) == len(p) + 1
+        got = core.seq_logits(s)
+        want = cpu.logits(p + [t])[-1]
+        single = eng.logits(p + [t])[-1]
+        rel_cpu = np.abs(got - want).max() / np.abs(want).max()
+        rel_single = np.abs(got - single).max() / np.abs(single).max()
+        print(f"{model[0]} {fmt} prompt {len(p)}: rel err vs CPU {rel_cpu:.2e}, vs the single path {rel_single:.2e}")
+        assert np.isfinite(got).all()
+        assert rel_cpu < LOGIT_TOL[fmt]
+        assert rel_single < LOGIT_TOL[fmt]
+    for s in slots:
+        core.seq_close(s)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_padded_bucket_is_exact(model, fmt):
+    """3 sequences run in bucket 4 with one padding row; the same 3 with a real 4th sequence in that row; each of
+    the 3 alone (bucket 1). The small-N kernels (fp16 too, batch_gemv_f16_max) compute every row the same way
+    whatever its neighbours, so all three give the same logits bit for bit: the padding row writes no KV page
+    (else the next steps would differ), reads nothing that leaks into a real row, and scatters no logits."""
+    eng = gpu_engine(model, fmt, batch_gemv_f16_max=64)
+    core = eng._core
+    batch = prompts(4, seed=5)
+
+    def run(members, steps=6):
+        slots = [core.seq_open() for _ in members]
+        for s, i in zip(slots, members):
+            core.seq_prefill(s, batch[i])
+        rows = {i: [] for i in members}
+        tokens = [3 + i for i in members]
+        for k in range(steps):
+            core.seq_step(slots, tokens)
+            for s, i in zip(slots, members):
+                rows[i].append(core.seq_logits(s))
+            tokens = [int(np.argmax(rows[i][-1])) for i in members]
+        for s in slots:
+            core.seq_close(s)
+        return rows
+
+    three, four = run([0, 1, 2]), run([0, 1, 2, 3])
+    for i in range(3):
+        alone = run([i])[i]
+        for k in range(6):
+            np.testing.assert_array_equal(three[i][k], four[i][k])
+            np.testing.assert_array_equal(three[i][k], alone[k])
+
+
+def test_pages_taken_on_demand_and_given_back(model):
+    eng = gpu_engine(model, "fp16")
+    core = eng._core
+    core.reset()  # the single sequence gives back what earlier tests' generate() left it (it shares the pool)
+    total, P = core.kv_pages_total, core.kv_page_size
+    assert core.kv_pages_free == total and core.max_batch == 64
+    assert total == 64 * -(-MAX_SEQ // P)  # the default pool: max_batch sequences of max_seq_len (small model)
+    batch = prompts(6, seed=2)
+    slots = [core.seq_open() for _ in batch]
+    for s, p in zip(slots, batch):
+        core.seq_prefill(s, p)
+    assert core.kv_pages_free == total - sum(-(-len(p) // P) for p in batch)
+    core.seq_step(slots, [1] * len(slots))
+    assert core.kv_pages_free == total - sum(-(-(len(p) + 1) // P) for p in batch)
+    for s in slots:
+        core.seq_close(s)
+    assert core.kv_pages_free == total
+    assert [core.seq_open() for _ in range(3)] == [0, 1, 2]  # closed slots are free again
+    for s in range(3):
+        core.seq_close(s)
+
+
+def test_pool_exhausted_is_a_request_error_and_engine_stays_usable(model):
+    """A pool of 4 pages of 64: a prefill or a step that needs a page the pool lacks fails with
+    InvalidRequestError, changes nothing, and the engine then gives the same numbers as a fresh one."""
+    eng = Engine(model[1], device="cuda", max_seq_len=MAX_SEQ, cuda_options=options(kv_pool_pages=4))
+    core = eng._core
+    assert (core.kv_pages_total, core.kv_page_size) == (4, 64)
+    ids = np.random.default_rng(9).integers(3, VOCAB, 255).tolist()
+    a, b = core.seq_open(), core.seq_open()
+    core.seq_prefill(a, ids)  # 255 positions, 4 pages: the whole pool
+    assert core.kv_pages_free == 0
+    with pytest.raises(InvalidRequestError, match="pool exhausted"):
+        core.seq_prefill(b, [5, 6, 7])
+    assert core.seq_length(b) == 0 and core.kv_pages_free == 0
+    core.seq_step([a], [9])  # position 255: still in page 4
+    with pytest.raises(InvalidRequestError, match="pool exhausted"):
+        core.seq_step([a], [9])  # position 256 needs a 5th page
+    assert core.seq_length(a) == 256
+    with pytest.raises(InvalidRequestError, match="max_seq_len"):
+        core.seq_prefill(b, [1] * (MAX_SEQ + 1))
+    core.seq_close(a)
+    assert core.kv_pages_free == 4
+    core.seq_prefill(b, [5, 6, 7])
+    core.seq_step([b], [8])
+    fresh = Engine(model[1], device="cuda", max_seq_len=MAX_SEQ, cuda_options=options(kv_pool_pages=4))
+    f = fresh._core.seq_open()
+    fresh._core.seq_prefill(f, [5, 6, 7])
+    fresh._core.seq_step([f], [8])
+    np.testing.assert_array_equal(core.seq_logits(b), fresh._core.seq_logits(f))
+
+
+def test_sample_logprobs_and_top_entries(model):
+    """Greedy picks the argmax of the slot's logits; its logprob and the top entries are log_softmax of them
+    (descending); the token joins the repetition-penalty history (a penalty then changes the pick)."""
+    eng = gpu_engine(model, "fp16")
+    core = eng._core
+    s = core.seq_open()
+    core.seq_prefill(s, prompts(1, seed=4)[0])
+    z = core.seq_logits(s).astype(np.float64)
+    lsm = z - (z.max() + np.log(np.exp(z - z.max()).sum()))
+    toks, lp, top_ids, top_lp = core.seq_sample([s], [greedy()], [0], 5)
+    assert toks.dtype == np.int32 and toks.shape == (1,) and top_ids.shape == (1, 5) and top_lp.shape == (1, 5)
+    assert toks[0] == np.argmax(z)
+    np.testing.assert_allclose(lp[0], lsm[toks[0]], atol=1e-4)
+    np.testing.assert_array_equal(top_ids[0], np.argsort(-z, kind="stable")[:5])
+    np.testing.assert_allclose(top_lp[0], lsm[top_ids[0]], atol=1e-4)
+    pen = _core.SamplingConfig()
+    pen.repetition_penalty = 1e6  # the token just picked (now in the history) is pushed below every other
+    again, _, _, _ = core.seq_sample([s], [pen], [1], 0)
+    assert again[0] != toks[0] and z[toks[0]] > 0
+    core.seq_close(s)
+
+
+def test_bad_slot_requests(model):
+    eng = Engine(model[1], device="cuda", max_seq_len=MAX_SEQ, cuda_options=options(max_batch=2))
+    core = eng._core
+    assert core.max_batch == 2
+    a, b = core.seq_open(), core.seq_open()
+    with pytest.raises(InvalidRequestError, match="all 2 sequence slots are open"):
+        core.seq_open()
+    core.seq_prefill(a, [1, 2, 3])
+    cases = [
+        (lambda: core.seq_close(5), "slot 5 does not exist"),
+        (lambda: core.seq_length(-1), "does not exist"),
+        (lambda: core.seq_step([a, a], [1, 2]), "listed twice"),
+        (lambda: core.seq_step([a], [1, 2]), "1 slots but 2 tokens"),
+        (lambda: core.seq_step([a], [VOCAB]), "out of range"),
+        (lambda: core.seq_step([], []), "no slots given"),
+        (lambda: core.seq_prefill(a, []), "no tokens"),
+        (lambda: core.seq_sample([b], [greedy()], [0], 0), "has no logits"),
+        (lambda: core.seq_step([b], [1]), "has no logits"),
+        (lambda: core.seq_sample([a], [greedy()], [0], 21), "0..20"),
+    ]
+    for call, msg in cases:
+        with pytest.raises(InvalidRequestError, match=msg):
+            call()
+    core.seq_close(b)
+    with pytest.raises(InvalidRequestError, match="not open"):
+        core.seq_step([b], [1])
+    assert core.seq_length(a) == 3  # nothing above changed the open slot
+    core.seq_close(a)
+    with pytest.raises(InvalidRequestError, match="not open"):
+        core.seq_close(a)
+    bad = _core.CudaOptions()
+    bad.max_batch = 0
+    with pytest.raises(InvalidRequestError, match="max_batch must be"):
+        Engine(model[1], device="cuda", max_seq_len=MAX_SEQ, cuda_options=bad)
+
+
+def test_single_sequence_is_independent_of_the_slots(model):
+    """The single-sequence API (forward / decode) and the slots share only the page pool: slot work between a
+    forward() and its decode() changes none of the single sequence's tokens, and the other way round."""
+    eng = gpu_engine(model, "fp16")
+    core = eng._core
+    p, q = prompts(3, seed=8)[1:]
+    core.reset()
+    core.forward(p)
+    want = core.decode(20, greedy(), [], 0)
+    s = core.seq_open()
+    core.seq_prefill(s, q)
+    core.seq_step([s], [4])
+    slot_want = core.seq_logits(s)
+    core.seq_close(s)
+
+    core.reset()
+    core.forward(p)
+    s = core.seq_open()
+    core.seq_prefill(s, q)  # between forward() and decode()
+    got = core.decode(20, greedy(), [], 0)
+    core.reset()
+    core.forward(q)  # between the slot's prefill and its step
+    core.seq_step([s], [4])
+    np.testing.assert_array_equal(core.seq_logits(s), slot_want)
+    assert got == want
+    core.seq_close(s)
+    core.reset()
+
+
+def test_sampling_a_slot_alone_or_in_a_batch(model):
+    """seq_sample (cuda::sample_rows) with temperature, top-p and penalties: a slot's token depends on its own
+    logits, config, step counter and history only, so three slots sampled together pick what each picks alone."""
+    eng = gpu_engine(model, "fp16")
+    core = eng._core
+    batch = prompts(4, seed=12)[1:]
+
+    def cfg(i):
+        c = _core.SamplingConfig()
+        c.temperature, c.top_p, c.seed = 0.8, 0.9, 100 + i
+        c.repetition_penalty, c.presence_penalty, c.frequency_penalty = 1.1, 0.3, 0.2
+        return c
+
+    def run(members, steps=5):
+        slots = [core.seq_open() for _ in members]
+        for s, i in zip(slots, members):
+            core.seq_prefill(s, batch[i])
+        out = {i: [] for i in members}
+        for k in range(steps):
+            toks, lp, _, _ = core.seq_sample(slots, [cfg(i) for i in members], [k] * len(members), 0)
+            assert np.isfinite(lp).all() and (lp <= 0).all()
+            for i, t in zip(members, toks):
+                out[i].append(int(t))
+            core.seq_step(slots, toks.tolist())
+        for s in slots:
+            core.seq_close(s)
+        return out
+
+    together = run([0, 1, 2])
+    for i in range(3):
+        assert run([i])[i] == together[i]

@@ -1,0 +1,431 @@
+"""The scheduler's own logic (tinyinfer.scheduler): admission by slots and KV pages, the prefill chunk budget,
+cancellation order, decode out of pages, a failing core call, the queue limit; Request iteration (blocking and
+asyncio), threads submitting at once. The logic tests run on a tiny pure-Python fake of the core's slot API
+(whose next token is a function of the slot's cache alone, so a request gives the same tokens alone and in any
+batch) because the CPU engine never runs out of pages; the rest run on the real CPU engine."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from conftest import make_chat_llama
+from tinyinfer import Engine, InvalidRequestError, KvCacheFullError, QueueFullError, SamplingParams, Scheduler
+
+
+def _pages(n: int, page: int) -> int:
+    return -(-n // page)
+
+
+class FakeCore:
+    """The slot API of BATCH_CONTRACT part 2 in plain Python. Pages: a pool of `pages`, a slot holding
+    ceil(length / page_size); a call that cannot get its pages raises and changes nothing. `log` records every
+    call, one list per step (new_step() starts one)."""
+
+    def __init__(self, max_batch=4, page_size=4, pages=64, vocab=50):
+        self.max_batch, self.kv_page_size, self.kv_pages_total, self.vocab = max_batch, page_size, pages, vocab
+        self.cache: dict[int, list[int]] = {}
+        self.log: list[tuple] = []
+        self.single = 0  # pages the single-sequence path holds (the GPU engine's share the pool) until reset()
+        self.held = 0  # pages something else holds
+
+    @property
+    def kv_pages_free(self) -> int:
+        used = sum(_pages(len(c), self.kv_page_size) for c in self.cache.values())
+        return self.kv_pages_total - used - self.single - self.held
+
+    @property
+    def position(self) -> int:
+        return self.single * self.kv_page_size
+
+    def reset(self) -> None:
+        self.single = 0
+        self.log.append(("reset",))
+
+    def _grow(self, slots_tokens: list[tuple[int, list[int]]]) -> None:
+        need = sum(_pages(len(self.cache[s]) + len(t), self.kv_page_size) - _pages(len(self.cache[s]), self.kv_page_size)
+                   for s, t in slots_tokens)
+        if need > self.kv_pages_free:
+            raise InvalidRequestError("out of KV pages")
+        for s, t in slots_tokens:
+            self.cache[s] += t
+
+    def seq_open(self) -> int:
+        free = sorted(set(range(self.max_batch)) - set(self.cache))
+        if not free:
+            raise InvalidRequestError("all slots taken")
+        self.cache[free[0]] = []
+        self.log.append(("open", free[0]))
+        return free[0]
+
+    def seq_close(self, slot: int) -> None:
+        if slot not in self.cache:
+            raise InvalidRequestError(f"slot {slot} is not open")
+        del self.cache[slot]
+        self.log.append(("close", slot))
+
+    def seq_length(self, slot: int) -> int:
+        return len(self.cache[slot])
+
+    def seq_prefill(self, slot: int, tokens: list[int]) -> None:
+        self._grow([(slot, list(tokens))])
+        self.log.append(("prefill", slot, len(tokens)))
+
+    def seq_step(self, slots: list[int], tokens: list[int]) -> None:
+        self._grow([(s, [t]) for s, t in zip(slots, tokens)])
+        self.log.append(("step", tuple(slots)))
+
+    def seq_sample(self, slots, cfgs, steps, k):
+        toks = np.array([(sum(self.cache[s]) * 7 + len(self.cache[s])) % self.vocab for s in slots], np.int32)
+        self.log.append(("sample", tuple(slots)))
+        n, top = len(slots), min(k, 3)  # as the engines do past a small vocabulary: -1 / -inf rows
+        ids, lps = np.full((n, k), -1, np.int32), np.full((n, k), -np.inf, np.float32)
+        ids[:, :top], lps[:, :top] = np.arange(top), -np.arange(1, top + 1)
+        return toks, np.full(n, -1.0, np.float32), ids, lps
+
+
+def _fake(**kw) -> tuple[FakeCore, Engine]:
+    core = FakeCore(**kw)
+    return core, _engine(core)
+
+
+def _engine(core: FakeCore) -> Engine:
+    """The real Engine (locking, prompt checks, batched calls) around a FakeCore."""
+    return Engine.from_core(core, SimpleNamespace(vocab=core.vocab, eos_token_ids=[]), max_seq_len=512)
+
+
+def _alone(prompt: list[int], max_tokens: int, **kw) -> list[int]:
+    """What a request generates with the whole fake engine to itself."""
+    core, eng = _fake(**kw)
+    sched = Scheduler(eng)
+    return sched.submit(prompt, SamplingParams(max_tokens=max_tokens)).result().token_ids
+
+
+def _steps(sched: Scheduler, core: FakeCore) -> list[list[tuple]]:
+    """Run steps until idle; the core calls of each."""
+    out = []
+    while True:
+        core.log = []
+        if not sched.step():
+            return out
+        out.append(core.log)
+
+
+P = [list(range(1, 11)), list(range(20, 23)), list(range(30, 47))]
+
+
+def test_slots_bound_the_batch_and_a_free_slot_admits_the_next():
+    core, eng = _fake(max_batch=2)
+    sched = Scheduler(eng)
+    reqs = [sched.submit(p, SamplingParams(max_tokens=m)) for p, m in zip(P, (3, 6, 4))]
+    assert (sched.running, sched.waiting) == (0, 3)  # admitted at the next step, not at submission
+    sched.step()
+    assert (sched.running, sched.waiting) == (2, 1)
+    steps = _steps(sched, core)
+    opened = [i for i, calls in enumerate(steps) if ("open", 0) in calls or ("open", 1) in calls]
+    ended = next(i for i, calls in enumerate(steps) if any(c[0] == "close" for c in calls))
+    assert opened == [ended + 1]  # the third request got the first slot freed, at the next step
+    for r, p, m in zip(reqs, P, (3, 6, 4)):
+        assert r.result().token_ids == _alone(p, m)
+    assert core.cache == {} and sched.idle
+
+
+def test_a_request_waits_for_pages_and_nothing_is_evicted():
+    # 9 pages of 4: `a` (10 tokens + 8 generated) holds 3 pages, then up to 5; `b`'s 25-token prompt needs 7
+    # and waits until `a` ends; `c` behind it (1 page) waits too: first come, first served
+    long = list(range(1, 26))
+    core, eng = _fake(max_batch=4, pages=9)
+    sched = Scheduler(eng)
+    a = sched.submit(P[0], SamplingParams(max_tokens=8))
+    sched.step()
+    b = sched.submit(long, SamplingParams(max_tokens=3))
+    c = sched.submit(P[1], SamplingParams(max_tokens=3))
+    while not a.finished:
+        sched.step()
+        assert (sched.running, sched.waiting) == ((1, 2) if not a.finished else (0, 2))
+    sched.step()
+    assert (sched.running, sched.waiting) == (2, 0)
+    sched.wait_idle()
+    assert a.result().token_ids == _alone(P[0], 8)
+    assert b.result().token_ids == _alone(long, 3)
+    assert c.result().token_ids == _alone(P[1], 3)
+    assert core.cache == {}
+
+
+def test_prefill_chunks_share_the_budget_and_interleave_with_decode():
+    core, eng = _fake(max_batch=4)
+    sched = Scheduler(eng, chunk_tokens=6)
+    first = sched.submit(P[1], SamplingParams(max_tokens=12))  # 3 tokens: running after the first step
+    sched.step()
+    long_a = sched.submit(P[2], SamplingParams(max_tokens=2))  # 17 tokens
+    long_b = sched.submit(P[0], SamplingParams(max_tokens=2))  # 10 tokens
+    steps = _steps(sched, core)
+    for calls in steps:
+        assert sum(c[2] for c in calls if c[0] == "prefill") <= 6
+    chunks = [(c[1], c[2]) for calls in steps for c in calls if c[0] == "prefill"]
+    # oldest first: long_a's 17 as 6 + 6 + 5, the last step's spare 1 token to long_b, then its remaining 9
+    assert [n for _, n in chunks] == [6, 6, 5, 1, 6, 3]
+    # while the prompts were prefilled, the running request decoded at every step
+    for calls in steps[:4]:
+        assert any(c[0] == "step" for c in calls)
+    for r, p, m in ((first, P[1], 12), (long_a, P[2], 2), (long_b, P[0], 2)):
+        assert r.result().token_ids == _alone(p, m)
+
+
+def test_cancel_closes_the_slot_first_at_the_next_step_and_leaves_the_others_alone():
+    core, eng = _fake(max_batch=4)
+    sched = Scheduler(eng)
+    reqs = [sched.submit(p, SamplingParams(max_tokens=10)) for p in P]
+    sched.step()
+    sched.step()
+    slot = next(s for s, c in core.cache.items() if c[:len(P[1])] == P[1])
+    reqs[1].cancel()
+    assert sched.running == 3  # the pages go at the next step...
+    core.log = []
+    sched.step()
+    assert core.log[0] == ("close", slot)  # ...before anything else runs
+    assert all(slot not in c[1] for c in core.log[1:] if c[0] in ("step", "sample"))
+    sched.wait_idle()
+    out = reqs[1].result()
+    assert out.finish_reason == "cancelled"
+    assert out.token_ids == _alone(P[1], 10)[:len(out.token_ids)] and len(out.token_ids) == 2
+    for i in (0, 2):
+        assert reqs[i].result().token_ids == _alone(P[i], 10)
+    reqs[0].cancel()  # ended already: nothing happens
+    assert core.cache == {}
+
+
+def test_cancel_of_a_waiting_request_ends_it_at_once():
+    core, eng = _fake(max_batch=1)
+    sched = Scheduler(eng)
+    a = sched.submit(P[0], SamplingParams(max_tokens=4))
+    b = sched.submit(P[1], SamplingParams(max_tokens=4))
+    sched.cancel(b.id)
+    assert b.finished and sched.waiting == 1
+    deltas = list(b)
+    assert len(deltas) == 1 and deltas[0].completion.finish_reason == "cancelled"
+    assert deltas[0].completion.token_ids == []
+    assert a.result().token_ids == _alone(P[0], 4)
+    assert [c for c in core.log if c[0] == "open"] == [("open", 0)]  # b never got a slot
+
+
+def test_decode_out_of_pages_ends_the_youngest_with_kv_cache_full():
+    # 7 pages of 4 positions: two 7-token prompts hold 2 pages each; at 8 positions each takes a third, at 12
+    # only one page is left: the younger request ends there (6 tokens generated), the older one goes on
+    core, eng = _fake(max_batch=2, pages=7)
+    sched = Scheduler(eng)
+    old = sched.submit(list(range(1, 8)), SamplingParams(max_tokens=14))
+    young = sched.submit(list(range(11, 18)), SamplingParams(max_tokens=14))
+    sched.wait_idle()
+    with pytest.raises(KvCacheFullError, match="ran out of KV pages") as e:
+        young.result()
+    part = e.value.completion
+    assert part.finish_reason == "length" and len(part.token_ids) == 6
+    assert part.token_ids == _alone(list(range(11, 18)), 14)[:len(part.token_ids)]
+    assert old.result().token_ids == _alone(list(range(1, 8)), 14)
+    items = []
+    with pytest.raises(KvCacheFullError):
+        for d in young:  # iteration gives the Deltas it produced, then the error
+            items.append(d)
+    assert [t for d in items for t in d.token_ids] == part.token_ids
+    assert core.cache == {}
+
+
+def test_a_prompt_in_prefill_goes_back_to_the_queue_when_decode_needs_its_pages():
+    # 7 pages of 4: `a` (6 tokens, 2 pages) decodes; `b` (14 tokens: 4 pages, owed as it prefills 2 tokens a
+    # step) is admitted into the last 5 - 1; when `a` opens its third page, b is put back (nothing shown yet)
+    core, eng = _fake(max_batch=2, pages=7)
+    sched = Scheduler(eng, chunk_tokens=2)
+    a = sched.submit(list(range(1, 7)), SamplingParams(max_tokens=12))
+    sched.step()
+    b = sched.submit(list(range(20, 34)), SamplingParams(max_tokens=2))
+    sched.wait_idle()
+    assert a.result().token_ids == _alone(list(range(1, 7)), 12)
+    assert b.result().token_ids == _alone(list(range(20, 34)), 2)
+    # a opened; b opened, put back (closed) while a decodes; a ends; b admitted again
+    assert [c[0] for c in core.log if c[0] in ("open", "close")] == ["open", "open", "close", "close", "open", "close"]
+    assert core.cache == {}
+
+
+def test_a_failing_core_call_fails_its_requests_only():
+    core, eng = _fake(max_batch=4)
+    sched = Scheduler(eng, chunk_tokens=4)
+    a = sched.submit(P[1], SamplingParams(max_tokens=6))
+    sched.step()
+    b = sched.submit(P[2], SamplingParams(max_tokens=3))  # in prefill, 4 tokens a step
+    real = core.seq_step
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    core.seq_step = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        sched.step()
+    core.seq_step = real
+    with pytest.raises(KeyboardInterrupt):
+        a.result()
+    assert sched.running == 1  # b, whose state no failed call touched
+    sched.wait_idle()
+    assert b.result().token_ids == _alone(P[2], 3)
+    assert core.cache == {}
+
+
+def test_queue_limit_ids_and_arguments():
+    core, eng = _fake(max_batch=1)
+    sched = Scheduler(eng, max_waiting=2)
+    sched.submit(P[0], SamplingParams(max_tokens=2), request_id="x")
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        sched.submit(P[0], SamplingParams(max_tokens=2), request_id="x")
+    sched.submit(P[1], SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFullError, match="max_waiting=2"):
+        sched.submit(P[2], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="already has a scheduler"):
+        Scheduler(eng)
+    for bad in (dict(max_batch=0), dict(max_batch=5), dict(chunk_tokens=0), dict(max_waiting=-1),
+                dict(chunk_tokens=1.5)):
+        with pytest.raises(InvalidRequestError):
+            Scheduler(_engine(FakeCore(max_batch=4)), **bad)
+    for prompt, params, msg in (([], None, "empty prompt"), ([1] * 500, SamplingParams(max_tokens=20), "max_seq_len"),
+                                ([1], "greedy", "SamplingParams"), ([99], None, "out of range")):
+        with pytest.raises(InvalidRequestError, match=msg):
+            sched.submit(prompt, params)
+    with pytest.raises(InvalidRequestError, match="KV pages"):  # can never be admitted: refused at once
+        Scheduler(_engine(FakeCore(pages=2))).submit(list(range(1, 10)), None)
+    sched.close()
+    with pytest.raises(InvalidRequestError, match="closed"):
+        sched.submit(P[0], None)
+    assert core.cache == {}
+
+
+def test_pages_of_the_single_path_are_taken_back_and_a_hopeless_request_fails():
+    core, eng = _fake(max_batch=2, pages=8)
+    core.single = 6  # a finished single-path generation still holds its cache
+    sched = Scheduler(eng)
+    a = sched.submit(list(range(1, 20)), SamplingParams(max_tokens=2))  # 5 pages
+    assert a.result().token_ids == _alone(list(range(1, 20)), 2)
+    assert ("reset",) in core.log and core.single == 0
+    core.held = 5  # pages no step will ever free
+    b = sched.submit(list(range(1, 20)), SamplingParams(max_tokens=2))
+    with pytest.raises(KvCacheFullError, match="needs 5 KV pages and only 3 are free with nothing running"):
+        b.result()
+    assert core.cache == {} and sched.idle
+
+
+def test_logprobs_rows_take_the_requests_count_and_drop_padding():
+    core, eng = _fake()
+    sched = Scheduler(eng)
+    a = sched.submit(P[0], SamplingParams(max_tokens=2, logprobs=5))
+    b = sched.submit(P[1], SamplingParams(max_tokens=2, logprobs=1))
+    c = sched.submit(P[2], SamplingParams(max_tokens=2))
+    sched.wait_idle()
+    assert [lp.top for lp in a.result().logprobs] == [[(0, -1.0), (1, -2.0), (2, -3.0)]] * 2
+    assert [lp.top for lp in b.result().logprobs] == [[(0, -1.0)]] * 2
+    assert c.result().logprobs is None
+
+
+def test_close_cancels_everything_in_flight():
+    core, eng = _fake(max_batch=1)
+    sched = Scheduler(eng)
+    a = sched.submit(P[0], SamplingParams(max_tokens=50))
+    b = sched.submit(P[1], SamplingParams(max_tokens=50))
+    sched.step()
+    sched.close()
+    assert a.result().finish_reason == "cancelled" and b.result().finish_reason == "cancelled"
+    assert core.cache == {}
+
+
+# ---- the real CPU engine ----
+
+
+@pytest.fixture(scope="module")
+def eng(tmp_path_factory):
+    d = make_chat_llama(tmp_path_factory.mktemp("sched") / "m", init_std=0.3)
+    with Engine(d, device="cpu", max_seq_len=512, threads=2) as e:
+        yield e
+
+
+@pytest.fixture(autouse=True)
+def pool_empty_after(request):
+    yield
+    if "eng" in request.fixturenames:
+        e = request.getfixturevalue("eng")
+        assert e.scheduler.idle
+        assert e._core.kv_pages_free == e._core.kv_pages_total
+
+
+TEXTS = ["Once upon a time", "The", "GPUs are fast because they have many cores and wide memory.", "abc abc abc"]
+
+
+def _alone_real(eng, prompt, sp):
+    return eng.generate(prompt, sp)  # the single-sequence path (the scheduler idle)
+
+
+def test_deltas_add_up_to_the_completion(eng):
+    sp = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)
+    req = eng.scheduler.submit(TEXTS[0], sp)
+    deltas = list(req)
+    out = deltas[-1].completion
+    assert all(d.completion is None for d in deltas[:-1])
+    assert "".join(d.text for d in deltas) == out.text
+    assert [t for d in deltas for t in d.token_ids] == out.token_ids
+    assert [lp for d in deltas for lp in d.logprobs] == out.logprobs
+    assert req.result() is out
+    alone = _alone_real(eng, TEXTS[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert (out.text, out.token_ids, out.finish_reason) == (alone.text, alone.token_ids, alone.finish_reason)
+
+
+def test_async_iteration(eng):
+    sps = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 12, 9, 16)]
+    want = [_alone_real(eng, t, sp) for t, sp in zip(TEXTS, sps)]
+
+    async def one(t, sp):
+        req = eng.scheduler.submit(t, sp)
+        text = ""
+        async for d in req:
+            text += d.text
+        return text, req.result().token_ids
+
+    async def main():
+        return await asyncio.gather(*(one(t, sp) for t, sp in zip(TEXTS, sps)))
+
+    got = asyncio.run(main())
+    assert got == [(w.text, w.token_ids) for w in want]
+
+
+def test_threads_submitting_at_once(eng):
+    prompts = [TEXTS[i % 4] + str(i) for i in range(12)]
+    sps = [SamplingParams(max_tokens=6 + i, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True)
+           for i in range(12)]
+    want = [_alone_real(eng, p, sp).token_ids for p, sp in zip(prompts, sps)]
+    got = [None] * 12
+    start = threading.Barrier(12)
+
+    def worker(i):
+        start.wait()
+        got[i] = eng.scheduler.submit(prompts[i], sps[i]).result().token_ids
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
+
+
+def test_result_timeout_and_cancel_from_another_thread(eng):
+    req = eng.scheduler.submit(TEXTS[1], SamplingParams(max_tokens=400, ignore_eos=True))
+    it = iter(req)
+    next(it)  # running
+    sched = eng.scheduler
+    assert sched.running == 1 and 0 < sched.kv_pages_used < sched.kv_pages_total == eng._core.kv_pages_total
+    with pytest.raises(TimeoutError):
+        req.result(timeout=0)
+    threading.Thread(target=req.cancel).start()
+    out = req.result(timeout=600)
+    assert out.finish_reason == "cancelled" and 1 <= len(out.token_ids) < 400
+    assert [d.completion for d in it][-1] is out
+    assert sched.kv_pages_used == 0

@@ -1,0 +1,532 @@
+"""`tinyinfer serve` end to end: the real server process on a loopback port, the real default model (SmolLM2-135M
+GGUF) on the CPU engine, driven with the official openai client (sync, async, streaming) and httpx. Answers are
+compared with the in-process Engine on the same inputs; errors with OpenAI's status codes and shape."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+KEY = "test-key"
+NAME = "smol"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+MAX_SEQ = 512
+STARTUP_S = 180  # loading on a busy 2-core machine; a deadline for a wait, not a timed assertion
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `tinyinfer serve` process; its stderr goes to a file (the per-request log lines are read from it)."""
+
+    def __init__(self, model: Path, tmp: Path, *extra: str, device: str = "cpu"):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"serve-{self.port}.log"
+        cmd = [sys.executable, "-m", "tinyinfer", "serve", "--model", str(model), "--device", device,
+               "--port", str(self.port), "--served-model-name", NAME, "--max-seq-len", str(MAX_SEQ), *extra]
+        env = {**os.environ, "TINYINFER_API_KEY": KEY, "PYTHONUNBUFFERED": "1"}
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"the server did not answer /health in {STARTUP_S} s:\n{self.log()}")
+            time.sleep(0.3)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def wait_idle(self, timeout: float = 60) -> dict:
+        """/health once nothing runs or waits (a deadline for the wait; the caller asserts on the state)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            h = self.health()
+            if (h["running"] == 0 and h["waiting"] == 0) or time.monotonic() > deadline:
+                return h
+            time.sleep(0.1)
+
+    def stop(self, sig=signal.SIGINT, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(smollm_gguf, tmp_path_factory):
+    srv = Server(smollm_gguf, tmp_path_factory.mktemp("serve"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ref(smollm_gguf):
+    """The in-process reference engine (its own CPU engine over the same file)."""
+    from tinyinfer import Engine
+
+    with Engine(smollm_gguf, device="cpu", max_seq_len=MAX_SEQ, progress=False) as eng:
+        yield eng
+
+
+def _log_softmax(row: np.ndarray) -> np.ndarray:
+    row = row.astype(np.float64)
+    m = row.max()
+    return row - m - np.log(np.exp(row - m).sum())
+
+
+# ---- answers equal the engine's ----
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert client.models.retrieve(NAME).id == NAME
+    h = server.health()
+    assert h["status"] == "ok" and h["kv_pages_total"] > 0
+    assert {"running", "waiting", "kv_pages_used"} <= set(h)
+
+
+def test_chat_greedy_equals_engine_chat(client, ref, server):
+    want = ref.chat(CHAT, max_tokens=12)
+    r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert r.object == "chat.completion" and r.model == NAME
+    assert r.usage.prompt_tokens == len(ref.apply_chat_template(CHAT)) == len(want.prompt_token_ids)
+    assert r.usage.completion_tokens == len(want.token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # the per-request log line: id, tokens in / out, time to first token, tok/s
+    deadline = time.monotonic() + 10
+    while r.id not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    line = next(x for x in server.log().splitlines() if r.id in x)
+    assert f"{r.usage.prompt_tokens} tokens in, {r.usage.completion_tokens} out" in line
+    assert "ttft" in line and "tok/s" in line
+
+
+def test_max_completion_tokens_is_max_tokens(client, ref):
+    want = ref.chat(CHAT, max_tokens=5)
+    r = client.chat.completions.create(model=NAME, messages=CHAT, max_completion_tokens=5)
+    assert r.choices[0].message.content == want.text and r.usage.completion_tokens == len(want.token_ids)
+
+
+def test_completion_greedy_equals_engine_generate(client, ref):
+    prompt = "The capital of France is"
+    want = ref.generate(prompt, max_tokens=10)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0)
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.prompt_tokens == len(ref.tokenize(prompt)) and r.usage.completion_tokens == len(want.token_ids)
+    ids = ref.tokenize("Once upon a time")  # a prompt given as token ids
+    r = client.completions.create(model=NAME, prompt=ids, max_tokens=6)
+    assert r.choices[0].text == ref.generate(ids, max_tokens=6).text and r.usage.prompt_tokens == len(ids)
+
+
+def test_completion_default_max_tokens_is_16(client, ref):
+    r = client.completions.create(model=NAME, prompt="One, two, three,", extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+
+
+def test_several_prompts_each_their_choice(client, ref):
+    prompts = ["The sky is", "Water is"]
+    r = client.completions.create(model=NAME, prompt=prompts, max_tokens=4, n=2, seed=3, temperature=0.9)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:
+        want = ref.generate(prompts[c.index // 2], max_tokens=4, seed=3 + c.index % 2, temperature=0.9)
+        assert c.text == want.text
+    assert r.usage.prompt_tokens == sum(len(ref.tokenize(p)) for p in prompts)  # each prompt counted once
+
+
+def test_stream_joins_to_the_text(client, ref):
+    want = ref.chat(CHAT, max_tokens=12)
+    chunks = list(client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [want.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+    assert chunks[-1].usage.prompt_tokens == len(want.prompt_token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+    # completions: pieces join to the non-streamed text
+    prompt = "The capital of France is"
+    pieces = [c.choices[0].text for c in client.completions.create(model=NAME, prompt=prompt, max_tokens=10,
+                                                                   stream=True) if c.choices]
+    assert "".join(pieces) == ref.generate(prompt, max_tokens=10).text
+
+
+def test_stop_strings(client, ref):
+    full = ref.chat(CHAT, max_tokens=16).text
+    word = full.split()[2]  # a word in the middle of the greedy answer
+    want = ref.chat(CHAT, max_tokens=16, stop=[word])
+    assert want.finish_reason == "stop" and word not in want.text
+    r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=16, stop=word)
+    assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=16, stop=[word, "zzz"],
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+
+
+def test_n_with_seed_gives_seed_plus_i(client, ref):
+    kw = dict(max_tokens=8, temperature=0.9, top_p=0.95)
+    r = client.chat.completions.create(model=NAME, messages=CHAT, n=2, seed=11, **kw)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert c.message.content == ref.chat(CHAT, seed=11 + c.index, **kw).text
+    again = client.chat.completions.create(model=NAME, messages=CHAT, n=2, seed=11, **kw)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    # streamed: each choice's pieces join to its text
+    texts = {0: "", 1: ""}
+    for ch in client.chat.completions.create(model=NAME, messages=CHAT, n=2, seed=11, stream=True, **kw):
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+    assert [texts[0], texts[1]] == [c.message.content for c in r.choices]
+
+
+def test_extension_parameters_reach_the_sampler(client, ref):
+    kw = dict(max_tokens=8, temperature=0.7, seed=5)
+    ext = dict(top_k=20, min_p=0.05, repetition_penalty=1.3)
+    r = client.chat.completions.create(model=NAME, messages=CHAT, extra_body=ext, **kw)
+    assert r.choices[0].message.content == ref.chat(CHAT, **ext, **kw).text
+
+
+def test_chat_logprobs_agree_with_engine_logits(client, ref):
+    want = ref.chat(CHAT, max_tokens=6)
+    r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=6, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(want.token_ids)
+    logits = ref.logits(want.prompt_token_ids + want.token_ids)
+    n = len(want.prompt_token_ids)
+    for i, (tid, item) in enumerate(zip(want.token_ids, content)):
+        row = _log_softmax(logits[n - 1 + i])
+        assert item.logprob == pytest.approx(row[tid], abs=1e-3)
+        assert item.token == ref.detokenize([tid], skip_special_tokens=False)
+        assert bytes(item.bytes) == ref.tokenizer.token_bytes(tid)
+        top = np.sort(row)[::-1][:3]
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx(list(top), abs=1e-3)
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob, abs=1e-6)  # greedy: the argmax
+    # streamed logprobs: the same entries, in order
+    streamed = []
+    for ch in client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=6, logprobs=True,
+                                             top_logprobs=3, stream=True):
+        if ch.choices and ch.choices[0].logprobs is not None:
+            streamed += ch.choices[0].logprobs.content
+    assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in content]
+
+
+def test_completion_logprobs_legacy_format(client, ref):
+    prompt = "The capital of France is"
+    want = ref.generate(prompt, max_tokens=5)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=5, logprobs=2)
+    lp = r.choices[0].logprobs
+    ids = ref.tokenize(prompt)
+    logits = ref.logits(ids + want.token_ids)
+    assert lp.tokens == [ref.detokenize([t], skip_special_tokens=False) for t in want.token_ids]
+    for i, tid in enumerate(want.token_ids):
+        row = _log_softmax(logits[len(ids) - 1 + i])
+        assert lp.token_logprobs[i] == pytest.approx(row[tid], abs=1e-3)
+        assert len(lp.top_logprobs[i]) <= 2 and max(lp.top_logprobs[i].values()) == pytest.approx(row.max(), abs=1e-3)
+    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+
+
+# ---- concurrency and cancellation ----
+
+
+def test_concurrent_streams_equal_their_solo_text(server, ref):
+    prompts = [f"Tell me about the number {i}." if i % 3 else f"Count from {i} to {i + 20}:" + " go" * (i % 7)
+               for i in range(16)]
+    want = [ref.generate(p, max_tokens=6).text for p in prompts]
+
+    async def one(c, p):
+        out = ""
+        async for ch in await c.completions.create(model=NAME, prompt=p, max_tokens=6, stream=True):
+            if ch.choices:
+                out += ch.choices[0].text
+        return out
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=600) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    assert asyncio.run(main()) == want
+    h = server.wait_idle()
+    assert h["kv_pages_used"] == 0 and h["running"] == 0
+
+
+def test_dropped_stream_frees_its_pages(server):
+    body = {"model": NAME, "messages": CHAT, "max_tokens": MAX_SEQ - 64, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c:
+        with c.stream("POST", f"{server.url}/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()  # kept: a dropped line iterator closes the connection (httpx)
+            data = [x for x in (next(lines) for _ in range(8)) if x.startswith("data: ")]
+            assert len(data) >= 3  # the role chunk and tokens: it is generating and holds pages now
+            h = server.health()
+            assert h["kv_pages_used"] > 0 and h["running"] == 1
+            rid = json.loads(data[0][6:])["id"]
+        # leaving the block closes the connection mid-stream
+    h = server.wait_idle()
+    assert h["running"] == 0 and h["kv_pages_used"] == 0
+    assert [x for x in server.log().splitlines() if rid in x][-1].endswith("client gone")
+
+
+def test_dropped_plain_request_is_cancelled(server):
+    body = {"model": NAME, "prompt": "Once upon a time", "max_tokens": MAX_SEQ - 64, "ignore_eos": True}
+    gone = server.log().count("client gone")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=httpx.Timeout(10, read=2))
+    h = server.wait_idle()
+    assert h["running"] == 0 and h["kv_pages_used"] == 0
+    assert server.log().count("client gone") == gone + 1  # cancelled, not run to its end
+
+
+# ---- errors: OpenAI's status and shape, and the server keeps serving ----
+
+
+def _error_of(exc) -> dict:
+    body = exc.value.response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+BAD_CHAT = [  # (extra arguments, param named)
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    (dict(tool_choice="auto"), "tool_choice"),
+    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(logit_bias={"42": 5}), "logit_bias"),
+    (dict(extra_body={"no_such_field": 1}), "no_such_field"),
+    (dict(temperature=3.5), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(n=0), "n"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_logprobs=3), "top_logprobs"),  # without logprobs=true
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (dict(seed=-1), "seed"),
+    (dict(stream_options={"include_usage": True}), "stream_options"),  # without stream
+    (dict(max_tokens=MAX_SEQ), "max_tokens"),  # prompt + max_tokens beyond the context
+]
+
+
+@pytest.mark.parametrize("extra,param", BAD_CHAT, ids=[p for _, p in BAD_CHAT])
+def test_bad_chat_parameter_is_400_naming_it(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=CHAT, **extra)
+    err = _error_of(e)
+    assert e.value.status_code == 400 and err["type"] == "invalid_request_error" and err["param"] == param
+
+
+BAD_COMPLETION = [
+    (dict(echo=True), "echo"),
+    (dict(best_of=2), "best_of"),
+    (dict(suffix="end"), "suffix"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=""), "prompt"),
+    (dict(prompt=[1, "a"]), "prompt"),
+    (dict(prompt=[10 ** 6]), "prompt"),  # a token id outside the vocabulary
+    (dict(logprobs=21), "logprobs"),
+    (dict(prompt="x " * 600), "prompt"),  # the prompt alone is longer than the context
+]
+
+
+@pytest.mark.parametrize("extra,param", BAD_COMPLETION, ids=[f"{p}{i}" for i, (_, p) in enumerate(BAD_COMPLETION)])
+def test_bad_completion_parameter_is_400_naming_it(client, extra, param):
+    kw = {"prompt": "hi", **extra}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, max_tokens=4, **kw)
+    assert _error_of(e)["param"] == param
+
+
+def test_context_overflow_has_openai_code(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="hello", max_tokens=MAX_SEQ)
+    assert _error_of(e)["code"] == "context_length_exceeded"
+
+
+def test_bad_messages_are_400(client):
+    for msgs in ([], [{"role": "wizard", "content": "hi"}], [{"role": "user"}]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=NAME, messages=msgs, max_tokens=2)
+        assert _error_of(e)["param"] == "messages"
+
+
+def test_api_key_is_required(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0) as c:
+        with pytest.raises(openai.AuthenticationError) as e:
+            c.models.list()
+        assert e.value.status_code == 401 and _error_of(e)["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=2)
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": "hi"}, timeout=30)  # no key
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/health").status_code == 200  # open for load balancers
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
+    assert _error_of(e)["code"] == "model_not_found" and _error_of(e)["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_body_over_the_limit_is_413(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    big = json.dumps({"model": NAME, "prompt": "x" * (5 << 20), "max_tokens": 1})
+    r = httpx.post(f"{server.url}/v1/completions", content=big, headers=auth, timeout=60)
+    assert r.status_code == 413 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(5):
+            yield b" " * (1 << 20)
+
+    r = httpx.post(f"{server.url}/v1/completions", content=chunks(), headers=auth, timeout=60)
+    assert r.status_code == 413
+
+
+def test_malformed_json_is_400(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json", timeout=30,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.get(f"{server.url}/v1/nothing", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_still_serving_after_errors(client, ref, server):
+    """Runs after the error rows (file order): the same answer as at the start, nothing left in the pool."""
+    r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=4)
+    assert r.choices[0].message.content == ref.chat(CHAT, max_tokens=4).text
+    h = server.wait_idle()
+    assert h["kv_pages_used"] == 0 and server.proc.poll() is None
+
+
+# ---- more servers: the queue full, and Ctrl-C ----
+
+
+def test_queue_full_is_503(smollm_gguf, tmp_path):
+    srv = Server(smollm_gguf, tmp_path, "--max-waiting", "0")
+    try:
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0) as c:
+            with pytest.raises(openai.InternalServerError) as e:
+                c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=2)
+            assert e.value.status_code == 503 and e.value.response.headers.get("retry-after")
+            assert _error_of(e)["code"] == "queue_full"
+        assert srv.health()["status"] == "ok"
+    finally:
+        assert srv.stop(signal.SIGINT) == 0, srv.log()
+
+
+def test_ctrl_c_ends_open_streams_and_exits_cleanly(smollm_gguf, tmp_path):
+    srv = Server(smollm_gguf, tmp_path)
+    try:
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0) as c:
+            stream = c.completions.create(model=NAME, prompt="Once", max_tokens=MAX_SEQ - 8, stream=True,
+                                          extra_body={"ignore_eos": True})
+            next(stream), next(stream)  # generating
+            srv.proc.send_signal(signal.SIGINT)
+            with pytest.raises(openai.APIError, match="shutting down"):
+                for _ in stream:
+                    pass
+        srv.proc.wait(60)  # one Ctrl-C is enough (a second one would force quit)
+    finally:
+        rc = srv.stop(signal.SIGINT)
+    assert rc == 0, srv.log()
+    assert "Traceback" not in srv.log() and "server shutdown" in srv.log()
+
+
+@pytest.mark.gpu
+def test_gpu_server_batches_32_streams(smollm_gguf, tmp_path):
+    """The CUDA engine behind the server: 32 concurrent streams each get exactly their tokens, the greedy answer
+    alone equals Engine.chat's on the GPU, and the pool is empty afterwards."""
+    from tinyinfer import Engine
+
+    srv = Server(smollm_gguf, tmp_path, device="cuda")
+    try:
+        async def one(c, i):
+            n, text = 0, ""
+            async for ch in await c.completions.create(model=NAME, prompt=f"Story number {i}:", max_tokens=32,
+                                                       stream=True, stream_options={"include_usage": True},
+                                                       extra_body={"ignore_eos": True}):
+                if ch.choices:
+                    text += ch.choices[0].text
+                elif ch.usage:
+                    n = ch.usage.completion_tokens
+            return n, text
+
+        async def main():
+            async with openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0, timeout=600) as c:
+                return await asyncio.gather(*(one(c, i) for i in range(32)))
+
+        got = asyncio.run(main())
+        assert [n for n, _ in got] == [32] * 32 and all(t for _, t in got)
+        h = srv.wait_idle()
+        assert h["running"] == 0 and h["kv_pages_used"] == 0
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0) as c:
+            r = c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=16)
+        with Engine(smollm_gguf, device="cuda", max_seq_len=MAX_SEQ, progress=False) as eng:
+            assert r.choices[0].message.content == eng.chat(CHAT, max_tokens=16).text
+    finally:
+        assert srv.stop(signal.SIGINT) == 0, srv.log()
+
+
+def test_serve_without_fastapi_says_how_to_install():
+    code = ("import sys; sys.modules['fastapi'] = None; from tinyinfer.cli import main; "
+            "sys.exit(main(['serve', '--device', 'cpu']))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    assert p.stderr.strip().splitlines()[-1] == ("tinyinfer: error: tinyinfer serve needs fastapi and uvicorn: "
+                                                 "pip install 'tinyinfer[serve]'")
+
+
+@pytest.mark.parametrize("args,msg", [(["--port", "70000"], "--port"), (["--max-batch", "0"], "--max-batch"),
+                                      (["--served-model-name", " "], "--served-model-name")])
+def test_serve_bad_arguments_refused_before_loading(args, msg):
+    p = subprocess.run([sys.executable, "-m", "tinyinfer", "serve", "--model", "/nonexistent", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and msg in p.stderr and "nonexistent" not in p.stderr

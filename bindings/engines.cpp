@@ -20,6 +20,7 @@
 #include "../cpp/core/weights.h"
 #include "../cpp/cpu/cpu_engine.h"
 #include "../cpp/gpu/kv_pages.h"
+#include "../cpp/gpu/persistent_schedule.h"
 #include "common.h"
 #ifdef TINYINFER_WITH_CUDA
 #include "../cpp/gpu/cuda_engine.h"
@@ -319,6 +320,53 @@ void bind_engines(nb::module_& m) {
       .def_prop_ro("table", &ti::KvSequence::table)
       .def_prop_ro("max_pages", &ti::KvSequence::max_pages);
 
+  // The persistent decode step's schedule (cpp/gpu/persistent_schedule.h: plain C++, in every build): built and
+  // checked on the host; bound so that its checker is tested without a GPU (a broken schedule must be refused).
+  nb::enum_<ti::TaskType>(m, "TaskType", "A task type of the persistent decode step.")
+      .value("Embed", ti::TaskType::Embed)
+      .value("Qkv", ti::TaskType::Qkv)
+      .value("AttnPartial", ti::TaskType::AttnPartial)
+      .value("AttnMerge", ti::TaskType::AttnMerge)
+      .value("O", ti::TaskType::O)
+      .value("GateUp", ti::TaskType::GateUp)
+      .value("Down", ti::TaskType::Down)
+      .value("LmHead", ti::TaskType::LmHead);
+  nb::class_<ti::PTask>(m, "PTask", "One task of a persistent-step block: its unit and the counters it waits on / signals.")
+      .def(nb::init<>())
+      .def_rw("type", &ti::PTask::type)
+      .def_rw("layer", &ti::PTask::layer)
+      .def_rw("a", &ti::PTask::a)
+      .def_rw("b", &ti::PTask::b)
+      .def_rw("wait", &ti::PTask::wait)
+      .def_rw("wait_count", &ti::PTask::wait_count)
+      .def_rw("signal", &ti::PTask::signal)
+      .def("__repr__", [](const ti::PTask& t) {
+        return std::string("PTask(") + ti::task_name(t.type) + ", layer " + std::to_string(t.layer) + ", [" +
+               std::to_string(t.a) + ", " + std::to_string(t.b) + "), wait " + std::to_string(t.wait) + " x" +
+               std::to_string(t.wait_count) + ", signal " + std::to_string(t.signal) + ")";
+      });
+  nb::class_<ti::ScheduleShape>(m, "ScheduleShape", "What a persistent-step schedule is built from.")
+      .def(nb::init<>())
+      .def_rw("hidden", &ti::ScheduleShape::hidden)
+      .def_rw("q_dim", &ti::ScheduleShape::q_dim)
+      .def_rw("kv_dim", &ti::ScheduleShape::kv_dim)
+      .def_rw("intermediate", &ti::ScheduleShape::intermediate)
+      .def_rw("n_layers", &ti::ScheduleShape::n_layers)
+      .def_rw("n_heads", &ti::ScheduleShape::n_heads)
+      .def_rw("n_kv_heads", &ti::ScheduleShape::n_kv_heads)
+      .def_rw("vocab", &ti::ScheduleShape::vocab)
+      .def_rw("max_chunks", &ti::ScheduleShape::max_chunks)
+      .def_rw("grid", &ti::ScheduleShape::grid);
+  nb::class_<ti::PersistentSchedule>(m, "PersistentSchedule", "Per block of the persistent kernel, its tasks in order.")
+      .def_rw("grid", &ti::PersistentSchedule::grid)
+      .def_rw("n_counters", &ti::PersistentSchedule::n_counters)
+      .def_rw("blocks", &ti::PersistentSchedule::blocks, "A list (per block) of lists of PTask (copied both ways).")
+      .def_ro("final_counter", &ti::PersistentSchedule::final_counter)
+      .def_prop_ro("n_tasks", &ti::PersistentSchedule::n_tasks);
+  m.def("build_persistent_schedule", &ti::build_persistent_schedule, "shape"_a);
+  m.def("check_persistent_schedule", &ti::check_persistent_schedule, "schedule"_a, "max_coresident"_a,
+        "Raises DeviceError naming the first problem unless the schedule completes on max_coresident blocks.");
+
 #ifdef TINYINFER_WITH_CUDA
   nb::enum_<ti::MatrixRole>(m, "MatrixRole", "A GEMV shape of the decode step (cpp/gpu/gemv_plan.h).")
       .value("Qkv", ti::MatrixRole::Qkv)
@@ -343,6 +391,10 @@ void bind_engines(nb::module_& m) {
         return std::string("GemvPin(") + ti::role_name(p.role) + ", " + std::to_string(p.rows_per_warp) + ", " +
                std::to_string(p.blocks_per_sm) + ")";
       });
+  nb::enum_<ti::DecodePath>(m, "DecodePath", "Which decode pass CudaEngine.decode replays (CudaOptions.decode_path).")
+      .value("Graph", ti::DecodePath::Graph)
+      .value("Persistent", ti::DecodePath::Persistent)
+      .value("Auto", ti::DecodePath::Auto);
   nb::class_<ti::CudaOptions>(m, "CudaOptions", "The GPU engine's options (cpp/gpu/cuda_engine.h).")
       .def(nb::init<>())
       .def_rw("pdl", &ti::CudaOptions::pdl)
@@ -367,6 +419,9 @@ void bind_engines(nb::module_& m) {
       .def_rw("kv_page_size", &ti::CudaOptions::kv_page_size)
       .def_rw("kv_pool_pages", &ti::CudaOptions::kv_pool_pages)
       .def_rw("kv_page_shuffle", &ti::CudaOptions::kv_page_shuffle)
+      .def_rw("decode_path", &ti::CudaOptions::decode_path)
+      .def_rw("persistent_prefetch", &ti::CudaOptions::persistent_prefetch)
+      .def_rw("persistent_timeout_ms", &ti::CudaOptions::persistent_timeout_ms)
       .def_rw("plan_text", &ti::CudaOptions::plan_text,
               "A saved GEMV plan (CudaEngine.plan_text) to take instead of tuning, if made for this key; '': tune.")
       .def_prop_rw(
@@ -407,6 +462,17 @@ void bind_engines(nb::module_& m) {
                    "The paged KV cache: (positions per page, pages in the pool, pages the sequence holds).")
       .def_prop_ro("uses_pdl", &ti::CudaEngine::uses_pdl)
       .def_prop_ro("uses_graphs", &ti::CudaEngine::uses_graphs)
+      .def_prop_ro("decode_path", &ti::CudaEngine::decode_path, "The pass decode() replays: Graph or Persistent.")
+      .def("debug_skew_persistent_epoch", &ti::CudaEngine::debug_skew_persistent_epoch, "by"_a,
+           "Tests: the next persistent step's waits can never succeed (it must end with a DeviceError).")
+      .def_prop_ro("persistent_problem", &ti::CudaEngine::persistent_problem,
+                   "Why DecodePath.Auto fell back to the graph path ('': it did not).")
+      .def_prop_ro("persistent_grid",
+                   [](const ti::CudaEngine& e) {
+                     const auto [grid, coresident] = e.persistent_grid();
+                     return nb::make_tuple(grid, coresident);
+                   },
+                   "(blocks of the persistent kernel, co-resident blocks the occupancy API allows); (0, 0): none.")
       .def_prop_ro("decode_long",
                    [](const ti::CudaEngine& e) {
                      const ti::GemvPlan& p = e.gemv_plan();
@@ -498,8 +564,16 @@ void bind_engines(nb::module_& m) {
                   "What saved tactics are valid for: the cuBLASLt version and the GPU.")
       .def("time_prefill", &ti::CudaEngine::time_prefill, "n_tokens"_a, "reps"_a,
            nb::call_guard<nb::gil_scoped_release>(), "GPU ms of one prefill of n_tokens at position 0 (resets).")
+      .def(
+          "last_logits",
+          [](ti::CudaEngine& e) {
+            const std::vector<float> l = e.last_logits();
+            return numpy_copy(l, l.size());
+          },
+          "The logits of the last pass (prefill's last row, prompt token or decode()'s last step), float32 (vocab).")
       .def("time_decode_step", &ti::CudaEngine::time_decode_step, "context"_a, "steps"_a,
-           nb::call_guard<nb::gil_scoped_release>(), "GPU ms per graph-replayed decode step at this context.")
+           "path"_a = ti::DecodePath::Auto, nb::call_guard<nb::gil_scoped_release>(),
+           "GPU ms per graph-replayed decode step at this context; path: Auto (decode()'s pass), Graph or Persistent.")
       .def(
           "trace_step",
           [](ti::CudaEngine& e, int64_t context) {

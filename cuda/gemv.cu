@@ -31,18 +31,7 @@ namespace ti::cuda {
 
 constexpr int kGemvWarps = 8, kGemvThreads = kGemvWarps * 32;
 
-// The staged input's layout. A 16-byte weight word meets C = 1 (F16), 2 (I8) or 4 (I4) 16-byte chunks of the
-// fp16 input. Stored in natural order, the chunks lane l reads (its word k = l + 32u) would be C x 16 bytes
-// apart from lane l+1's: C-way bank conflicts (ncu: 73% excess shared wavefronts at I4). So chunk i of word k
-// lives at chunk slot i * nw + k (nw: words per row): for each i, a warp reads 32 consecutive 16-byte chunks.
-template <WFormat WF> constexpr int kXChunks = WF == WFormat::F16 ? 1 : WF == WFormat::I8 ? 2 : 4;
-template <WFormat WF>
-__device__ __forceinline__ int xs_index(int e, int nw) {  // element e of the input -> its half in xs
-  constexpr int C = kXChunks<WF>;
-  if constexpr (C == 1) return e;
-  const int k = e / (8 * C), i = (e / 8) % C;
-  return (i * nw + k) * 8 + e % 8;
-}
+// The staged input's layout (kXChunks, xs_index): gemv_dot.cuh.
 
 // Stages the input vector in shared memory as fp16 (layout above), zero padded to ld (RMS-normed first for
 // F32Norm), with 16-byte loads where the width allows. Called by every thread of the block after pdl_wait().

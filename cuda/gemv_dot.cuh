@@ -1,5 +1,5 @@
 // gemv_dot.cuh — the weight formats as the GEMV kernels (gemv.cu) see them: a 16-byte word of each, the scales
-// it needs, the staged input it meets, and their dot product. Internal to gemv.cu.
+// it needs, the staged input it meets, and their dot product. Internal to the kernels (gemv.cu, persistent.cu).
 //
 // The quantized words are dequantized in registers without int->float conversions:
 //   I8: a word is half a block of 32 (16 weights). A byte u = q + 128 is permuted into the low mantissa byte of
@@ -26,6 +26,20 @@
 #include "gemv.cuh"
 
 namespace ti::cuda {
+
+// The staged input's layout (shared by gemv.cu and the persistent step, persistent.cu). A 16-byte weight word
+// meets C = 1 (F16), 2 (I8) or 4 (I4) 16-byte chunks of the fp16 input. Stored in natural order, the chunks lane
+// l reads (its word k = l + 32u) would be C x 16 bytes apart from lane l+1's: C-way bank conflicts (ncu: 73%
+// excess shared wavefronts at I4). So chunk i of word k lives at chunk slot i * nw + k (nw: words per row): for
+// each i, a warp reads 32 consecutive 16-byte chunks.
+template <WFormat WF> constexpr int kXChunks = WF == WFormat::F16 ? 1 : WF == WFormat::I8 ? 2 : 4;
+template <WFormat WF>
+__device__ __forceinline__ int xs_index(int e, int nw) {  // element e of the input -> its half in xs
+  constexpr int C = kXChunks<WF>;
+  if constexpr (C == 1) return e;
+  const int k = e / (8 * C), i = (e / 8) % C;
+  return (i * nw + k) * 8 + e % 8;
+}
 
 template <WFormat WF> struct XFrag;  // the staged input a 16-byte weight word meets
 template <> struct XFrag<WFormat::F16> { float v[8]; };

@@ -31,6 +31,9 @@ def options(spec: str, dtype: str) -> "_core.CudaOptions":
         if k == "gemv_pins":
             o.gemv_pins = gemv_pins(v)
             continue
+        if k == "decode_path":  # graph | persistent | auto
+            o.decode_path = getattr(_core.DecodePath, v.capitalize())
+            continue
         cur = getattr(o, k)
         setattr(o, k, type(cur)(int(v)) if isinstance(cur, (bool, int)) else type(cur)(v))
     return o

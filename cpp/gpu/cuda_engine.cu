@@ -91,6 +91,7 @@ void CudaEngine::init_device() {
   if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))
     fail(ErrorKind::Request, "gemv_resident_margin must be in [0, 1]");
   for (const GemvPin& pin : opt_.gemv_pins) check_pin(pin);
+  if (opt_.persistent_timeout_ms < 1) fail(ErrorKind::Request, "persistent_timeout_ms must be >= 1");
   if (opt_.decode_long_from < -1) fail(ErrorKind::Request, "decode_long_from must be -1 (tuned), 0 (off) or a context");
 #ifndef TI_TRACE
   if (opt_.trace)
@@ -205,6 +206,7 @@ void CudaEngine::tune() {
   build_graphs();
   const clock::time_point t2 = clock::now();
   decode_long_graph();
+  persistent_graph();
   tune_s_[0] = secs(t0, t1);
   tune_s_[1] = secs(t1, t2);
   tune_s_[2] = secs(t2, clock::now());
@@ -244,11 +246,40 @@ void CudaEngine::decode_long_graph() {
   reset();  // the cache may hold benchmark tokens
 }
 
+// The persistent step (DecodePath::Persistent, or Auto where it can run) captured with the sampler: decode()
+// then replays it instead of the graph of kernels (prompt tokens keep the graph path).
+void CudaEngine::persistent_graph() {
+  if (opt_.decode_path == DecodePath::Graph) return;
+  const bool forced = opt_.decode_path == DecodePath::Persistent;
+  std::string why = PersistentDecode::unsupported(cfg_, *weights_, dbuf_);
+  if (why.empty() && !opt_.graphs) why = "the persistent decode step is replayed as a graph (CudaOptions.graphs)";
+  if (why.empty()) {
+    try {
+      persistent_ = std::make_unique<PersistentDecode>(cfg_, *weights_, dbuf_, opt_.persistent_prefetch,
+                                                       opt_.persistent_timeout_ms, arena_, stream_);
+    } catch (const Error& e) {
+      if (forced || e.kind() != ErrorKind::Unsupported) throw;
+      why = e.what();
+    }
+  }
+  if (!why.empty()) {
+    if (forced) fail(ErrorKind::Unsupported, "CudaOptions.decode_path = persistent: " + why);
+    persistent_problem_ = why;
+    return;
+  }
+  TI_CUDA_CHECK(capture_graph(stream_, [&] {
+    persistent_->record(stream_);
+    cuda::sample_token(dbuf_.logits, (int)cfg_.vocab, dbuf_.sampling, dbuf_.seen, dbuf_.counts, dbuf_.probs,
+                       dbuf_.state, dbuf_.out, stream_, false);
+  }, &persistent_graph_));
+}
+
 void CudaEngine::release() {
   if (stream_) cudaStreamSynchronize(stream_);
-  for (cudaGraphExec_t g : {g_prompt_token_, g_decode_, g_decode_long_})
+  for (cudaGraphExec_t g : {g_prompt_token_, g_decode_, g_decode_long_, persistent_graph_})
     if (g) cudaGraphExecDestroy(g);
-  g_prompt_token_ = g_decode_ = g_decode_long_ = nullptr;
+  g_prompt_token_ = g_decode_ = g_decode_long_ = persistent_graph_ = nullptr;
+  persistent_.reset();
   for (cudaGraphExec_t& g : g_batch_)
     if (g) cudaGraphExecDestroy(g);
   g_batch_.clear();
@@ -288,6 +319,18 @@ std::pair<std::vector<uint8_t>, std::vector<uint8_t>> CudaEngine::matrix_bytes(i
 
 // ---- running tokens ----
 
+void CudaEngine::debug_skew_persistent_epoch(int by) {
+  if (!persistent_) fail(ErrorKind::Request, "debug_skew_persistent_epoch: no persistent decode step");
+  persistent_->skew_epoch(by, stream_);
+}
+
+std::vector<float> CudaEngine::last_logits() {
+  std::vector<float> out((size_t)cfg_.vocab);
+  TI_CUDA_CHECK(cudaMemcpyAsync(out.data(), dbuf_.logits, out.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return out;
+}
+
 void CudaEngine::set_state(int token, int pos, int step) {
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // h_state_ may still be read by an earlier copy
   *h_state_ = cuda::DecodeState{token, pos, step, step};
@@ -305,8 +348,9 @@ void CudaEngine::run_prompt_token() {
   else step_->record_token_logits(stream_, pdl_);
 }
 
-void CudaEngine::run_decode_step(int64_t pos) {
-  if (graphs_ok_)
+void CudaEngine::run_decode_step(int64_t pos, DecodePath path) {
+  if (persistent_graph_ && path != DecodePath::Graph) TI_CUDA_CHECK(cudaGraphLaunch(persistent_graph_, stream_));
+  else if (graphs_ok_)
     TI_CUDA_CHECK(cudaGraphLaunch(g_decode_long_ && pos >= plan_.long_from ? g_decode_long_ : g_decode_, stream_));
   else step_->record(stream_, pdl_);
 }
@@ -394,6 +438,7 @@ std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig&
   });
   TI_CUDA_CHECK(cudaMemcpyAsync(h_out_, dbuf_.out, n * sizeof(int), cudaMemcpyDeviceToHost, stream_));
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (persistent_) persistent_->check(stream_);  // a timed-out wait: an error, not silently wrong tokens
 
   std::vector<int32_t> out;
   for (int64_t i = 0; i < n; i++) {

@@ -3,6 +3,7 @@
 // Engine drives either. The work lives in its parts, read in this order:
 //   decode_step.*     THE decode pass (one token, a flat list of launches), captured once into CUDA graphs
 //   batch_step.*      THE batched decode pass (one token for each of many sequence slots), a graph per bucket
+//   decode_persistent.*  the same pass as one persistent kernel (CudaOptions::decode_path), captured with the sampler
 //   prefill_step.*    the batched prefill pass (cuBLASLt GEMMs + tiled causal attention), chunk by chunk
 //   device_weights.*  the weights on the device (allocation, quantization); weight_stream.* the load
 //   gemv_plan.*       the load-time GEMV tuner's result (plain data) and the tuner
@@ -23,6 +24,7 @@
 #include "../core/config.h"
 #include "../core/sampling.h"
 #include "../core/weights.h"
+#include "decode_persistent.h"
 #include "batch_step.h"
 #include "decode_step.h"
 #include "device_weights.h"
@@ -78,6 +80,11 @@ struct CudaOptions {
   int64_t kv_pool_pages = 0;
   uint64_t kv_page_shuffle = 0;        // a seed shuffling the pool's free list (tests); 0: pages in order
   std::string plan_text;               // a saved GEMV plan (plan_cache.h) to take instead of tuning; "": tune
+  // Which pass decode() replays: the graph of kernels (the reference), the persistent kernel (issue 16), or Auto
+  // (persistent where it can run, else graph). Graph until the persistent step is measured correct and faster.
+  DecodePath decode_path = DecodePath::Graph;
+  bool persistent_prefetch = true;     // its tasks ask their first weights into L2 before their waits (A/B)
+  int persistent_timeout_ms = 2000;    // a counter wait that has not succeeded by then ends the step with an error
 };
 
 class CudaEngine {
@@ -101,6 +108,9 @@ class CudaEngine {
   void forward(const int32_t* tokens, int64_t n, bool all_logits, float* logits);
   std::vector<int32_t> decode(int64_t max_steps, const SamplingConfig& s, const std::vector<int32_t>& stop_ids,
                               uint64_t step0);
+
+  // The logits of the last pass (a prefill's last row, a prompt token, or decode()'s last step): (vocab).
+  std::vector<float> last_logits();
 
   // ---- measurement (measure.cu) ----
   double last_decode_ms() const { return last_decode_ms_; }  // GPU time of the last decode()'s steps
@@ -136,8 +146,10 @@ class CudaEngine {
   // A slot's latest logits (tests: the batched step against other paths).
   std::vector<float> seq_logits(int64_t slot) const;
 
-  // GPU ms per decode step at a context of `context` tokens (with the graph decode() would use there).
-  double time_decode_step(int64_t context, int steps);
+  // GPU ms per decode step at a context of `context` tokens (with the graph decode() would use there). path:
+  // Auto = the pass decode() replays; Graph / Persistent = that pass (Persistent: a Request error where it was
+  // not built), so that one engine loaded with DecodePath::Auto times both (tinyinfer bench).
+  double time_decode_step(int64_t context, int steps, DecodePath path = DecodePath::Auto);
   // CudaOptions::trace: one decode step at `context`; per traced kernel in launch order its name and
   // kTraceBlocks x kTracePoints global-timer stamps (ns; 0: block absent or exited early). common.cuh, trace_point.
   std::pair<std::vector<std::string>, std::vector<uint64_t>> trace_step(int64_t context);
@@ -157,6 +169,17 @@ class CudaEngine {
   std::tuple<int, int64_t, int64_t> kv_pages() const { return {pool_->page_size(), pool_->n_pages(), seq_->pages()}; }
   size_t scratch_bytes() const { return arena_.scratch_bytes(); }  // device memory beyond weights and KV cache
   bool uses_pdl() const { return pdl_; }
+  // The pass decode() replays (Graph or Persistent; never Auto), and why the persistent one was not taken under
+  // DecodePath::Auto ("": it was, or was not asked for).
+  DecodePath decode_path() const { return persistent_graph_ ? DecodePath::Persistent : DecodePath::Graph; }
+  const std::string& persistent_problem() const { return persistent_problem_; }
+  // The persistent kernel's grid and the co-resident blocks the occupancy API allows (0, 0: not built).
+  // Tests: moves the persistent step's epoch `by` steps ahead of its counters, so that the next step's waits can
+  // never succeed: it must end with a DeviceError after persistent_timeout_ms (and the engine recover).
+  void debug_skew_persistent_epoch(int by);
+  std::pair<int, int> persistent_grid() const {
+    return persistent_ ? std::pair<int, int>{persistent_->grid(), persistent_->max_coresident()} : std::pair<int, int>{0, 0};
+  }
   bool uses_graphs() const { return graphs_ok_; }
   std::string device_name() const { return device_name_; }
   // Wall seconds of the load's parts: the weights (read + upload + conversion), GEMV tuning (decode-long
@@ -177,11 +200,12 @@ class CudaEngine {
   void build_graphs();
   cudaGraphExec_t capture_decode(GemvVariant qkv);  // a decode-step graph with qkv at that variant
   void decode_long_graph();
+  void persistent_graph();  // CudaOptions::decode_path: the persistent step and its graph
   void release();
   void set_state(int token, int pos, int step);
   void kv_reserve(int64_t positions);      // pages for positions [0, positions), their table entries on the device
   void run_prompt_token();                 // one prompt token through the decode pass (no sampling)
-  void run_decode_step(int64_t pos);       // pos: the step's position (picks the graph)
+  void run_decode_step(int64_t pos, DecodePath path = DecodePath::Auto);  // pos: the step's position (picks the graph)
   void allocate_batch();                   // the slots, their buffers and sampling state
   int64_t default_pool_pages() const;      // CudaOptions::kv_pool_pages = 0 (see there)
   void check_slot(int64_t slot) const;     // open and in range, else a Request error (engine_checks.h)
@@ -212,6 +236,9 @@ class CudaEngine {
   std::unique_ptr<DecodeStep> step_;
   cudaGraphExec_t g_prompt_token_ = nullptr, g_decode_ = nullptr;
   cudaGraphExec_t g_decode_long_ = nullptr;  // contexts >= plan_.long_from
+  std::unique_ptr<PersistentDecode> persistent_;
+  cudaGraphExec_t persistent_graph_ = nullptr;  // the persistent step + the sampler: decode()'s graph when set
+  std::string persistent_problem_;
   cuda::DecodeState* h_state_ = nullptr;        // pinned
   cuda::DeviceSampling* h_sampling_ = nullptr;  // pinned
   int* h_out_ = nullptr;                        // pinned (max_seq)

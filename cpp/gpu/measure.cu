@@ -86,10 +86,13 @@ double CudaEngine::time_steps(int64_t context, int steps, const std::function<vo
   return ms / steps;
 }
 
-double CudaEngine::time_decode_step(int64_t context, int steps) {
+double CudaEngine::time_decode_step(int64_t context, int steps, DecodePath path) {
   if (context < 0 || context + steps >= max_seq_)
     fail(ErrorKind::Request, "time_decode_step: context + steps must be < max_seq_len");
-  const double ms = time_steps(context, steps, [&](int64_t pos) { run_decode_step(pos); });
+  if (path == DecodePath::Persistent && !persistent_graph_)
+    fail(ErrorKind::Request, "time_decode_step: this engine has no persistent decode step (CudaOptions.decode_path)");
+  const double ms = time_steps(context, steps, [&](int64_t pos) { run_decode_step(pos, path); });
+  if (persistent_) persistent_->check(stream_);
   reset();  // the cache now holds benchmark tokens
   return ms;
 }

@@ -101,7 +101,10 @@ def run_prefill(core, cfg: _core.ModelConfig, lengths=(16, 256, 512, 2048), reps
 
 
 def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 1024, 4096), steps: int = 256,
-        json_path: Optional[str] = None, out=print, prefill=(16, 256, 512, 2048), dtype: str = "fp16") -> dict:
+        json_path: Optional[str] = None, out=print, prefill=(16, 256, 512, 2048), dtype: str = "fp16",
+        persistent: bool = True) -> dict:
+    """persistent: also build the persistent decode step (CudaOptions.decode_path = Auto) and time both passes
+    (the decode table's `tok/s` stays the graph path's; `persistent` beside it, '-' where it cannot run)."""
     from .engine import cuda_status
     from .errors import DeviceError
 
@@ -116,12 +119,15 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
     if model is not None:
         from .engine import Engine
 
-        eng = Engine(model, device="cuda", max_seq_len=max_seq, dtype=dtype)
+        opts = _core.CudaOptions()
+        opts.decode_path = _core.DecodePath.Auto if persistent else _core.DecodePath.Graph
+        eng = Engine(model, device="cuda", max_seq_len=max_seq, dtype=dtype, cuda_options=opts)
         core, cfg, name = eng._core, eng.config, str(model)
     else:
         cfg = shape_config(shape or "tinyllama-1.1b")
         opts = _core.CudaOptions()
         opts.weights = dtype
+        opts.decode_path = _core.DecodePath.Auto if persistent else _core.DecodePath.Graph
         core = _core.CudaEngine.random(cfg, max_seq, 1, opts)
         name = shape or "tinyllama-1.1b"
     load_s = time.perf_counter() - t0
@@ -134,15 +140,29 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
         f"PDL {'on' if core.uses_pdl else 'off'}, graphs {'on' if core.uses_graphs else 'off'} | "
         f"scratch {core.scratch_bytes / 2**20:.1f} MiB | load {load_s:.2f} s, tuning {core.tune_seconds:.2f} s"
         f"{' (a saved plan)' if core.plan_from_cache else ''}")
-    out(f"\n{'context':>8} {'tok/s':>9} {'ms/token':>9} {'MB/token':>9} {'roofline tok/s':>15} {'% roofline':>11}")
+    has_p = core.decode_path == _core.DecodePath.Persistent
+    res["persistent"] = {"built": has_p, "problem": core.persistent_problem, "grid": list(core.persistent_grid)}
+    if persistent and not has_p:
+        out(f"persistent decode step: not built ({core.persistent_problem})")
+    out(f"\n{'context':>8} {'tok/s':>9} {'ms/token':>9} {'MB/token':>9} {'roofline tok/s':>15} {'% roofline':>11}"
+        f" {'persistent tok/s':>17}")
     for ctx in contexts:
-        ms = core.time_decode_step(ctx, steps)
+        ms = core.time_decode_step(ctx, steps, _core.DecodePath.Graph)
+        ms_p = None
+        if has_p:
+            try:
+                ms_p = core.time_decode_step(ctx, steps, _core.DecodePath.Persistent)
+            except DeviceError as e:  # a timed-out wait (the engine recovers): reported, the graph numbers kept
+                res["persistent"]["problem"] = str(e)
+                out(f"persistent decode step at context {ctx}: {e}")
         b = bytes_per_token(cfg, ctx, dtype)["total"]
         roof = gbs * 1e9 / b
         row = {"context": ctx, "tok_s": 1e3 / ms, "ms_per_token": ms, "bytes_per_token": b, "roofline_tok_s": roof,
                "pct_roofline": 100 * (1e3 / ms) / roof, "effective_gb_s": b / (ms * 1e-3) / 1e9}
+        row["persistent_tok_s"] = 1e3 / ms_p if ms_p else None
         res["decode"].append(row)
-        out(f"{ctx:>8} {row['tok_s']:>9.0f} {ms:>9.3f} {b / 1e6:>9.1f} {roof:>15.0f} {row['pct_roofline']:>10.1f}%")
+        p_col = f"{row['persistent_tok_s']:>17.0f}" if ms_p else f"{'-':>17}"
+        out(f"{ctx:>8} {row['tok_s']:>9.0f} {ms:>9.3f} {b / 1e6:>9.1f} {roof:>15.0f} {row['pct_roofline']:>10.1f}% {p_col}")
     out(f"\n{'matrix':>8} {'rows x K':>13} {'copies':>6} {'R':>2} {'grid':>4} {'best µs per R (1/2/4/8=split-K)':>32} "
         f"{'GB/s':>7} {'% peak':>7}")
     for g in core.gemv_table():

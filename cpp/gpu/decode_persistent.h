@@ -1,0 +1,51 @@
+// decode_persistent.h — the persistent decode step on the host (issue 16, DESIGN.md §4): the schedule built from
+// the config and the weights' format at load (persistent_schedule.h), checked against the co-residency the
+// occupancy API reports, uploaded with the kernel's parameters; then one launch per token (cuda/persistent.cu),
+// captured by the engine into a graph with the sampler. The graph path (decode_step.h) stays the reference and
+// the fallback.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "../../cuda/persistent.cuh"
+#include "../core/config.h"
+#include "decode_step.h"
+#include "device_weights.h"
+#include "persistent_schedule.h"
+
+namespace ti {
+
+// Which decode pass CudaEngine::decode() replays (CudaOptions::decode_path).
+enum class DecodePath { Graph, Persistent, Auto };  // Auto: persistent where it can run, else graph
+const char* decode_path_name(DecodePath p);         // "graph" | "persistent" | "auto"
+
+class PersistentDecode {
+ public:
+  // Why the persistent step cannot run for this model / device ("": it can). Checked before construction so that
+  // DecodePath::Auto falls back quietly and DecodePath::Persistent fails with this sentence.
+  static std::string unsupported(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b);
+  // Builds, checks (throws ti::Error(Device) on a schedule that could hang) and uploads the schedule.
+  // prefetch: tasks ask their first weights into L2 before their waits; timeout_ms: a wait's bound.
+  PersistentDecode(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b, bool prefetch,
+                   int timeout_ms, DeviceArena& arena, cudaStream_t s);
+  // One step (state.token at state.pos -> logits): one launch. Graph-capturable.
+  void record(cudaStream_t s) const;
+  // Throws ti::Error(Device) if a wait of an earlier launch timed out (call after a stream synchronise); the
+  // counters are then zeroed so that the next step starts a fresh epoch.
+  void check(cudaStream_t s) const;
+  void skew_epoch(int by, cudaStream_t s) const;  // tests: the next step's waits can never succeed
+  int grid() const { return sched_.grid; }
+  int max_coresident() const { return max_coresident_; }
+  const PersistentSchedule& schedule() const { return sched_; }
+
+ private:
+  PersistentSchedule sched_;
+  cuda::PersistentParams p_;
+  int max_coresident_ = 0;
+  size_t sync_words_ = 0;  // counters + epoch + finish + error, zeroed together
+  uint32_t* sync_base_ = nullptr;
+};
+
+}  // namespace ti

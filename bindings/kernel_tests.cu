@@ -5,6 +5,7 @@
 #include "../cuda/attention.cuh"
 #include "../cuda/common.cuh"
 #include "../cuda/gemv_batch.cuh"
+#include "../cuda/mma_small_n.cuh"
 #include "kernel_tests.h"
 #include "../cuda/prefill.cuh"
 #include "../cuda/prefill_attention.cuh"
@@ -406,7 +407,8 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
 }
 
 std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, const float* X, int n,
-                                  const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out) {
+                                  const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out,
+                                  bool mma) {
   if (fmt != WFormat::F16) check_quant_shape(K, fmt);
   const int ldx = (int)pad8(K), n_out = out == GemvOut::Swiglu ? rows / 2 : rows, ldy = n_out + 3;  // (ldy: odd on purpose)
   std::unique_ptr<DeviceQuant> dq;
@@ -457,7 +459,17 @@ std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, 
   a.y = dy.p;
   a.ldy = ldy;
   a.n = n;
-  gemv_batch(a, in, out, 0);
+  Buf xn((size_t)n * ldx * 2);
+  if (!mma) {
+    gemv_batch(a, in, out, 0);
+  } else {
+    if (in == GemvIn::F32Norm) {  // padding columns NaN, as the F16 input's
+      TI_CUDA_CHECK(cudaMemset(xn.p, 0xFF, (size_t)n * ldx * 2));
+      rmsnorm_rows(dx.as<float>(), ldx, dn.as<float>(), eps, K, n, xn.as<__half>(), ldx, 0);
+      a.x = xn.p;
+    }
+    mma_small_n(a, out, 0);
+  }
   TI_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<float> res((size_t)n * n_out);
   if (out == GemvOut::Swiglu) {

@@ -407,7 +407,7 @@ void bind_ops(nb::module_& m) {
   ops.def(
       "gemv_batch",
       [](F32In2 W, const FormatArg& f, F32In2 X, F32In1 norm_w, float eps, F32In2 Y_init, ti::cuda::GemvIn in,
-         ti::cuda::GemvOut out) {
+         ti::cuda::GemvOut out, bool mma) {
         const int rows = (int)W.shape(0), K = (int)W.shape(1), n = (int)X.shape(0);
         if ((int)X.shape(1) != K) ti::fail(ti::ErrorKind::Request, "gemv_batch: X.shape[1] != W.shape[1]");
         if (in == ti::cuda::GemvIn::F32Norm && (int)norm_w.shape(0) != K)
@@ -419,12 +419,13 @@ void bind_ops(nb::module_& m) {
         {
           nb::gil_scoped_release release;
           y = ti::cuda::run_gemv_batch(W.data(), rows, K, fmt, X.data(), n, norm_w.data(), eps, Y_init.data(), in,
-                                       out);
+                                       out, mma);
         }
         return numpy_copy(y, (size_t)n, y.size() / (size_t)n);
       },
-      "W"_a, "format"_a, "X"_a, "norm_w"_a, "eps"_a, "Y_init"_a, "input"_a, "output"_a,
-      "One small-N GEMV (cuda/gemv_batch.cu) over the rows of X; W quantized on the device unless fp16: "
+      "W"_a, "format"_a, "X"_a, "norm_w"_a, "eps"_a, "Y_init"_a, "input"_a, "output"_a, "mma"_a = false,
+      "One small-N product over the rows of X: the CUDA-core cuda/gemv_batch.cu, or with mma the tensor-core "
+      "cuda/mma_small_n.cu (n <= 64; f32norm: rmsnorm_rows first); W quantized on the device unless fp16: "
       "(n, rows) floats, (n, rows / 2) for swiglu.");
   ops.def(
       "gemm",

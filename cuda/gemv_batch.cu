@@ -20,63 +20,11 @@
 
 #include "common.cuh"
 #include "gemv_batch.cuh"
+#include "quant_words.cuh"
 
 namespace ti::cuda {
 
 constexpr int kGbWarps = 8, kGbThreads = kGbWarps * 32, kGbUnroll = 4;
-
-template <WFormat WF> constexpr int kWordElems = WF == WFormat::F16 ? 8 : WF == WFormat::I8 ? 16 : 32;
-
-__host__ __device__ inline int gb_words(const QMat& W, int E) { return (W.K + E - 1) / E; }  // words with columns < K
-
-template <WFormat WF>
-__device__ __forceinline__ const uint4* gb_row(const QMat& W, int row) {
-  if constexpr (WF == WFormat::F16) return reinterpret_cast<const uint4*>(static_cast<const __half*>(W.q) + (size_t)row * W.ld);
-  else return reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(W.q) + (size_t)row * W.ld);
-}
-// The word's scales: I8 (d, -); I4 (s, m); F16 none.
-template <WFormat WF>
-__device__ __forceinline__ float2 gb_scale(const QMat& W, int row, int k) {
-  if constexpr (WF == WFormat::I8)
-    return make_float2(__half2float(static_cast<const __half*>(W.scales)[(size_t)row * (W.ld / kI8Block) + (k >> 1)]), 0.0f);
-  else if constexpr (WF == WFormat::I4)
-    return __half22float2(static_cast<const __half2*>(W.scales)[(size_t)row * (W.K / kI4Group) + k]);
-  else return make_float2(0.0f, 0.0f);
-}
-__device__ __forceinline__ __half2 gb_h2(uint32_t u) { return *reinterpret_cast<const __half2*>(&u); }
-__device__ __forceinline__ uint32_t gb_lop3(uint32_t a, uint32_t b, uint32_t c) {  // (a & b) | c
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-// I8 / I4: the word as fp16 pairs of consecutive weights (I8: 8 pairs, I4: 16), w[i] = (weight 2i, weight 2i+1).
-template <WFormat WF>
-__device__ __forceinline__ void gb_dequant_h2(const uint4& v, float2 sc, __half2* w) {
-  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-  if constexpr (WF == WFormat::I8) {
-    const __half2 d = __float2half2_rn(sc.x), off = __float2half2_rn(1152.0f);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {  // bytes (0, 1) and (2, 3) of u[i] into the low bytes of two fp16 1024 + u
-      w[2 * i] = __hmul2(__hsub2(gb_h2(__byte_perm(u[i], 0x64646464u, 0x4140u)), off), d);
-      w[2 * i + 1] = __hmul2(__hsub2(gb_h2(__byte_perm(u[i], 0x64646464u, 0x4342u)), off), d);
-    }
-  } else if constexpr (WF == WFormat::I4) {
-    const __half2 s2 = __float2half2_rn(sc.x), c2 = __float2half2_rn(fmaf(8.0f, sc.x, sc.y));
-    const __half2 off = __float2half2_rn(1032.0f), sixteenth = __float2half2_rn(0.0625f), off16 = __float2half2_rn(-72.0f);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {  // elements 8i + (0,1), (2,3), (4,5), (6,7): gemv_dot.cuh's nibble pairs
-      const uint32_t lo = u[i], hi = u[i] >> 8;
-      const __half2 q0 = __hsub2(gb_h2(gb_lop3(lo, 0x000F000Fu, 0x64006400u)), off);
-      const __half2 q1 = __hfma2(gb_h2(gb_lop3(lo, 0x00F000F0u, 0x64006400u)), sixteenth, off16);
-      const __half2 q2 = __hsub2(gb_h2(gb_lop3(hi, 0x000F000Fu, 0x64006400u)), off);
-      const __half2 q3 = __hfma2(gb_h2(gb_lop3(hi, 0x00F000F0u, 0x64006400u)), sixteenth, off16);
-      w[4 * i] = __hfma2(q0, s2, c2);  // (q - 8) s + (m + 8 s) = s q + m
-      w[4 * i + 1] = __hfma2(q1, s2, c2);
-      w[4 * i + 2] = __hfma2(q2, s2, c2);
-      w[4 * i + 3] = __hfma2(q3, s2, c2);
-    }
-  }
-}
 
 // R rows per warp: each input fragment, read once from L1 / shared memory, meets the R rows' dequantized words
 // (at 8 inputs a 16-byte I4 word meets 512 bytes of inputs: with R = 1 those reads, not the weights, would set
@@ -91,6 +39,10 @@ __global__ void __launch_bounds__(kGbThreads) gemv_batch_kernel(GemvBatchArgs a)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int col0 = blockIdx.x * NB, words = gb_words(a.W, E), kw = words * E;
   const int n_cols = min(NB, a.n - col0);
+  // PDL (common.cuh): nothing is read before the wait, and the trigger follows it, so a successor may read
+  // what was written two kernels back before its own wait (the attention's cache tiles).
+  pdl_wait();
+  pdl_launch_dependents();
 
   if constexpr (IN == GemvIn::F32Norm) {  // ---- prologue: the group's inputs RMS-normed into shared memory ----
     if (warp < n_cols) {
@@ -276,7 +228,7 @@ constexpr int gb_rows_per_warp() {
 }
 
 template <WFormat WF, int NB, GemvIn IN, GemvOut OUT>
-static void launch_gb(const GemvBatchArgs& a, cudaStream_t s) {
+static void launch_gb(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
   constexpr int R = gb_rows_per_warp<WF, NB, OUT>();
   const size_t smem = gb_smem(a.W, NB, IN);
   if (smem > 48 * 1024)  // idempotent
@@ -285,28 +237,28 @@ static void launch_gb(const GemvBatchArgs& a, cudaStream_t s) {
   const int groups = (a.n + NB - 1) / NB, tiles = (a.W.rows + kGbWarps * R - 1) / (kGbWarps * R);
   const int per_group = std::max(1, (2 * gb_sms() + groups - 1) / groups);  // ~2 blocks per SM in all
   launch(gemv_batch_kernel<R, WF, NB, IN, OUT>, dim3(groups, std::min(tiles, per_group)), dim3(kGbThreads), smem, s,
-         false, a);
+         pdl, a);
 }
 
 template <WFormat WF, int NB>
-static void dispatch_modes(const GemvBatchArgs& a, GemvIn in, GemvOut out, cudaStream_t s) {
-  if (in == GemvIn::F32Norm && out == GemvOut::F32) return launch_gb<WF, NB, GemvIn::F32Norm, GemvOut::F32>(a, s);
-  if (in == GemvIn::F32Norm && out == GemvOut::Swiglu) return launch_gb<WF, NB, GemvIn::F32Norm, GemvOut::Swiglu>(a, s);
-  if (in == GemvIn::F16 && out == GemvOut::AddF32) return launch_gb<WF, NB, GemvIn::F16, GemvOut::AddF32>(a, s);
+static void dispatch_modes(const GemvBatchArgs& a, GemvIn in, GemvOut out, cudaStream_t s, bool pdl) {
+  if (in == GemvIn::F32Norm && out == GemvOut::F32) return launch_gb<WF, NB, GemvIn::F32Norm, GemvOut::F32>(a, s, pdl);
+  if (in == GemvIn::F32Norm && out == GemvOut::Swiglu) return launch_gb<WF, NB, GemvIn::F32Norm, GemvOut::Swiglu>(a, s, pdl);
+  if (in == GemvIn::F16 && out == GemvOut::AddF32) return launch_gb<WF, NB, GemvIn::F16, GemvOut::AddF32>(a, s, pdl);
   fail(ErrorKind::Request, "gemv_batch: modes are (f32norm, f32), (f32norm, swiglu) or (f16, add)");
 }
 
 template <WFormat WF>
-static void dispatch_nb(const GemvBatchArgs& a, GemvIn in, GemvOut out, cudaStream_t s) {
+static void dispatch_nb(const GemvBatchArgs& a, GemvIn in, GemvOut out, cudaStream_t s, bool pdl) {
   switch (gb_nb(a.n)) {
-    case 1: return dispatch_modes<WF, 1>(a, in, out, s);
-    case 2: return dispatch_modes<WF, 2>(a, in, out, s);
-    case 4: return dispatch_modes<WF, 4>(a, in, out, s);
-    default: return dispatch_modes<WF, 8>(a, in, out, s);
+    case 1: return dispatch_modes<WF, 1>(a, in, out, s, pdl);
+    case 2: return dispatch_modes<WF, 2>(a, in, out, s, pdl);
+    case 4: return dispatch_modes<WF, 4>(a, in, out, s, pdl);
+    default: return dispatch_modes<WF, 8>(a, in, out, s, pdl);
   }
 }
 
-void gemv_batch(const GemvBatchArgs& a, GemvIn in, GemvOut out, cudaStream_t s) {
+void gemv_batch(const GemvBatchArgs& a, GemvIn in, GemvOut out, cudaStream_t s, bool pdl) {
   const QMat& W = a.W;
   if (a.n < 1 || a.ldx % 8 != 0 || a.ldx < W.K || W.rows < 1 || W.K < 1 ||
       a.ldy < (out == GemvOut::Swiglu ? W.rows / 2 : W.rows) || (out == GemvOut::Swiglu && W.rows % 2 != 0))
@@ -315,11 +267,11 @@ void gemv_batch(const GemvBatchArgs& a, GemvIn in, GemvOut out, cudaStream_t s) 
                                  " ldy=" + std::to_string(a.ldy));
   if (in == GemvIn::F32Norm && (!a.norm_w || !gemv_batch_fits(W, a.n, in)))
     fail(ErrorKind::Request, "gemv_batch: f32norm needs the norm weight and K within shared memory");
-  if (W.fmt == WFormat::F16) dispatch_nb<WFormat::F16>(a, in, out, s);
-  else if (W.fmt == WFormat::I8) dispatch_nb<WFormat::I8>(a, in, out, s);
+  if (W.fmt == WFormat::F16) dispatch_nb<WFormat::F16>(a, in, out, s, pdl);
+  else if (W.fmt == WFormat::I8) dispatch_nb<WFormat::I8>(a, in, out, s, pdl);
   else {
     if (W.K % kI4Group != 0) fail(ErrorKind::Request, "gemv_batch: int4 weights need K % 32 == 0");
-    dispatch_nb<WFormat::I4>(a, in, out, s);
+    dispatch_nb<WFormat::I4>(a, in, out, s, pdl);
   }
 }
 

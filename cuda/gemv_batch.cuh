@@ -23,7 +23,8 @@ struct GemvBatchArgs {
 
 // in: F16 (fp16 rows) or F32Norm (fp32 rows RMS-normed in the prologue, as the decode GEMV does); out: F32,
 // AddF32 (added in place: the residual), Swiglu (W's rows interleaved gate/up: y_i = silu(g_i) u_i as fp16).
-void gemv_batch(const GemvBatchArgs& a, GemvIn in, GemvOut out, cudaStream_t stream);
+// pdl: launched with programmatic dependent launch (common.cuh; the kernel waits before it reads anything).
+void gemv_batch(const GemvBatchArgs& a, GemvIn in, GemvOut out, cudaStream_t stream, bool pdl = false);
 // Whether gemv_batch takes these arguments (F32Norm stages the normed inputs in shared memory: K bounded by it).
 bool gemv_batch_fits(const QMat& W, int n, GemvIn in);
 

@@ -27,6 +27,8 @@ __global__ void __launch_bounds__(256) rmsnorm_rows_kernel(const float* x, int l
   __shared__ float red[33];
   const float* xr = x + (size_t)blockIdx.x * ldx;
   __half* yr = y + (size_t)blockIdx.x * ldy;
+  pdl_wait();  // (the batched step launches it with PDL; no-ops otherwise)
+  pdl_launch_dependents();
   const bool vec = (H % 4 == 0) && (ldx % 4 == 0) && (ldy % 4 == 0);
   float ss = 0.0f;
   if (vec) {
@@ -52,9 +54,8 @@ __global__ void __launch_bounds__(256) rmsnorm_rows_kernel(const float* x, int l
 }
 
 void rmsnorm_rows(const float* x, int ldx, const float* w, float eps, int H, int T, __half* y, int ldy,
-                  cudaStream_t s) {
-  rmsnorm_rows_kernel<<<T, 256, 0, s>>>(x, ldx, w, eps, H, y, ldy);
-  TI_CUDA_CHECK(cudaGetLastError());
+                  cudaStream_t s, bool pdl) {
+  launch(rmsnorm_rows_kernel, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy);
 }
 
 // A block per token (the first version, a block per (token, head) of 64 threads, spent 46 µs per layer on a

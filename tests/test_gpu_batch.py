@@ -89,8 +89,31 @@ def generate_batch(core, batch, steps):
 def test_small_n_gemv_kernel(fmt, K, mode, n):
     """cuda/gemv_batch.cu alone against numpy on the weights as the CPU engine dequantizes them: every input row
     (NaN past K in its padding: never read), every output (NaN-poisoned before the launch: all written)."""
-    rng = np.random.default_rng(n * 7 + K)
-    rows = 70  # not a whole number of 8-row tiles
+    check_small_n_product(False, fmt, K, 70, mode, n)  # 70 rows: not a whole number of 8-row tiles
+
+
+# Awkward shapes for the tensor-core kernel: rows not a multiple of its 16-row tile (333; swiglu needs an even
+# count: 334), K not a multiple of its 4-word chunk (fp16 1000: 125 words, a partial last chunk; fp16 1004: also
+# a partial last word; int8 1000: a partial word reaching past ldx; int4 992: 31 groups, a partial chunk), n over
+# every tile count (1, 7 | 8, 9 | 16, 17 | 32, 33 | 64).
+@pytest.mark.parametrize("fmt, K", [("fp16", 1000), ("fp16", 1004), ("int8", 1000), ("int4", 992)])
+@pytest.mark.parametrize("mode", ["f32norm-f32", "f32norm-swiglu", "f16-add", "f16-f32"])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 17, 32, 33, 64])
+def test_mma_small_n_kernel(fmt, K, mode, n):
+    """cuda/mma_small_n.cu alone, as test_small_n_gemv_kernel (f32norm: rmsnorm_rows first, as the step)."""
+    check_small_n_product(True, fmt, K, 334 if mode.endswith("swiglu") else 333, mode, n)
+
+
+def test_mma_small_n_refuses_more_than_64_rows():
+    ops = _core.ops
+    W, X = np.zeros((16, 64), np.float32), np.zeros((65, 64), np.float32)
+    with pytest.raises(InvalidRequestError, match="mma_small_n: bad shape n=65"):
+        ops.gemv_batch(W, "fp16", X, np.ones(64, np.float32), 1e-5, np.zeros((65, 16), np.float32),
+                       ops.GemvIn.F16, ops.GemvOut.F32, mma=True)
+
+
+def check_small_n_product(mma, fmt, K, rows, mode, n):
+    rng = np.random.default_rng(n * 7 + K + rows)
     W = rng.standard_normal((rows, K), dtype=np.float32) * 0.1
     X = rng.standard_normal((n, K), dtype=np.float32)
     norm_w = (1 + 0.2 * rng.standard_normal(K)).astype(np.float32)
@@ -99,7 +122,7 @@ def test_small_n_gemv_kernel(fmt, K, mode, n):
     inp, out = mode.split("-")
     gin = {"f16": ops.GemvIn.F16, "f32norm": ops.GemvIn.F32Norm}[inp]
     gout = {"f32": ops.GemvOut.F32, "add": ops.GemvOut.AddF32, "swiglu": ops.GemvOut.Swiglu}[out]
-    got = ops.gemv_batch(W, fmt, X, norm_w, 1e-5, Y0, gin, gout)
+    got = ops.gemv_batch(W, fmt, X, norm_w, 1e-5, Y0, gin, gout, mma=mma)
 
     Wq = W.astype(np.float16).astype(np.float64) if fmt == "fp16" else ops.dequantize_ref(W, fmt).astype(np.float64)
     if inp == "f16":
@@ -123,13 +146,15 @@ def test_small_n_gemv_kernel(fmt, K, mode, n):
     np.testing.assert_allclose(got, y, rtol=0, atol=atol)
 
 
+@pytest.mark.parametrize("path", ["default", "mma"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n", [1, 3, 8, 17])
-def test_batch_greedy_equals_each_prompt_alone(model, fmt, n):
+def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
     """Each sequence of a batch picks the tokens it picks alone on the single-sequence path, up to the first
     step where the two paths' arithmetic (batched products vs the tuned GEMV) may legitimately differ: a near-tie
-    of the top two logits. A divergence anywhere else fails."""
-    eng = gpu_engine(model, fmt)
+    of the top two logits. A divergence anywhere else fails. Default options (fp16: small-N at 1 row, cuBLASLt
+    above; int8 / int4: small-N up to 4 rows, dequantize + cuBLASLt above) and the tensor-core kernel."""
+    eng = gpu_engine(model, fmt, **PATHS.get(path, {}))
     steps = 24
     batch = prompts(n, seed=n)
     got = generate_batch(eng._core, batch, steps)
@@ -143,11 +168,21 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n):
                 f"{model[0]} {fmt} batch {n}: prompt of {len(p)} diverges at step {j}: {g[:j + 1]} vs {alone[:j + 1]}")
 
 
+# The batched products' paths (BatchStep::mma, small_n): every product on the small-N GEMV; every product of two
+# rows or more on cuBLASLt (int8 / int4: dequantized into the fp16 staging first); every product on the
+# tensor-core small-N kernel.
+PATHS = {"small_n": dict(batch_gemv_f16_max=64, batch_gemv_quant_max=64),
+         "cublaslt": dict(batch_gemv_f16_max=1, batch_gemv_quant_max=1),
+         "mma": dict(batch_mma_max=64)}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_step_logits_match_cpu_engine(model, fmt):
+def test_step_logits_match_cpu_engine(model, fmt, path):
     """The logits a batched step leaves in each slot, against the CPU engine (same weights, same quantization,
-    fp32 arithmetic) on the same tokens, and against the GPU's own single-sequence path."""
-    eng = gpu_engine(model, fmt)
+    fp32 arithmetic) on the same tokens, and against the GPU's own single-sequence path; on both product paths
+    (5 rows: bucket 8)."""
+    eng = gpu_engine(model, fmt, **PATHS[path])
     cpu = Engine(model[1], device="cpu", dtype=fmt if fmt != "fp16" else "fp32", max_seq_len=MAX_SEQ)
     core = eng._core
     batch = prompts(5, seed=11)
@@ -163,7 +198,8 @@ def test_step_logits_match_cpu_engine(model, fmt):
         single = eng.logits(p + [t])[-1]
         rel_cpu = np.abs(got - want).max() / np.abs(want).max()
         rel_single = np.abs(got - single).max() / np.abs(single).max()
-        print(f"{model[0]} {fmt} prompt {len(p)}: rel err vs CPU {rel_cpu:.2e}, vs the single path {rel_single:.2e}")
+        print(f"{model[0]} {fmt} {path} prompt {len(p)}: rel err vs CPU {rel_cpu:.2e}, "
+              f"vs the single path {rel_single:.2e}")
         assert np.isfinite(got).all()
         assert rel_cpu < LOGIT_TOL[fmt]
         assert rel_single < LOGIT_TOL[fmt]
@@ -171,13 +207,14 @@ def test_step_logits_match_cpu_engine(model, fmt):
         core.seq_close(s)
 
 
+@pytest.mark.parametrize("path", ["small_n", "mma"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_padded_bucket_is_exact(model, fmt):
+def test_padded_bucket_is_exact(model, fmt, path):
     """3 sequences run in bucket 4 with one padding row; the same 3 with a real 4th sequence in that row; each of
-    the 3 alone (bucket 1). The small-N kernels (fp16 too, batch_gemv_f16_max) compute every row the same way
-    whatever its neighbours, so all three give the same logits bit for bit: the padding row writes no KV page
-    (else the next steps would differ), reads nothing that leaks into a real row, and scatters no logits."""
-    eng = gpu_engine(model, fmt, batch_gemv_f16_max=64)
+    the 3 alone (bucket 1). The small-N kernels (CUDA-core or tensor-core, every format) compute every row the
+    same way whatever its neighbours, so all three give the same logits bit for bit: the padding row writes no KV
+    page (else the next steps would differ), reads nothing that leaks into a real row, and scatters no logits."""
+    eng = gpu_engine(model, fmt, **PATHS[path])
     core = eng._core
     batch = prompts(4, seed=5)
 
@@ -374,3 +411,19 @@ def test_sampling_a_slot_alone_or_in_a_batch(model):
     together = run([0, 1, 2])
     for i in range(3):
         assert run([i])[i] == together[i]
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("batch_gemv_f16_max", -1, "batch_gemv_f16_max must be >= 0"),
+    ("batch_gemv_quant_max", -1, "batch_gemv_quant_max must be >= 0"),
+    ("batch_mma_max", -1, "batch_mma_max must be in 0..64, got -1"),
+    ("batch_mma_max", 65, "batch_mma_max must be in 0..64, got 65"),
+])
+def test_bad_batch_path_options_are_clear_errors(field, value, match):
+    from tinyinfer.bench import shape_config
+
+    o = _core.CudaOptions()
+    setattr(o, field, value)
+    with pytest.raises(InvalidRequestError, match=match):
+        _core.CudaEngine.random(shape_config("smollm2-135m"), 256, 1, o)
+

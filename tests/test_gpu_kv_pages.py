@@ -112,5 +112,6 @@ def test_chunks_of_128_need_pages_of_128():
 
     o = _core.CudaOptions()
     o.attn_chunk, o.kv_page_size = 128, 128
+    o.max_batch = 1  # the default pool holds max_batch sequences of max_seq_len: one sequence, 256 / 128 pages
     eng = _core.CudaEngine.random(shape_config("smollm2-135m"), 256, 1, o)
     assert eng.kv_pages == (128, 2, 0) and eng.time_decode_step(200, 4) > 0

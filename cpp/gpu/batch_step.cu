@@ -7,7 +7,10 @@
 //              h = silu(rmsnorm(x) @ Wg.T) * (rmsnorm(x) @ Wu.T)
 //              x += h @ Wd.T
 //   logits[slot[r]] = rmsnorm(x[r]) @ lm_head.T
-// The products: normed / residual (below), each one launch on the small-N path.
+// The products: normed / residual (below), each one launch on the small-N path. With PDL (record's pdl) our
+// kernels start while their predecessor drains (each waits before it reads anything it did not get from weights
+// or from two kernels back); cuBLASLt's and the RMSNorm / SwiGLU / scatter kernels are launched plainly (they
+// do not wait), which orders them fully behind their predecessor.
 #include "batch_step.h"
 
 #include <cmath>
@@ -15,6 +18,7 @@
 #include "../../cuda/batch_rows.cuh"
 #include "../../cuda/common.cuh"
 #include "../../cuda/gemv_batch.cuh"
+#include "../../cuda/mma_small_n.cuh"
 #include "../../cuda/prefill.cuh"
 
 namespace ti {
@@ -23,13 +27,14 @@ using cuda::GemmOut;
 using cuda::GemvIn;
 using cuda::GemvOut;
 
-void BatchStep::record(int n, cudaStream_t s) {
+void BatchStep::record(int n, cudaStream_t s, bool pdl) {
+  pdl_ = pdl;
   const ModelConfig& c = c_;
   cuda::embed_tokens(w_.embedding, w_.ld_h, (int)c.hidden, b_.tokens, n, b_.x, w_.ld_h, s);  // x = embed[tokens]
   for (int64_t l = 0; l < c.n_layers; l++) {
     const DeviceLayer& L = w_.layers[(size_t)l];
     normed(L.qkv, L.attn_norm, b_.qkv, b_.ld_qkv, GemvOut::F32, n, s);  // qkv = rmsnorm(x) @ Wqkv.T
-    cuda::decode_attention_rows(attn_params(l), n, s, false);          // att[r] over slot[r]'s cache
+    cuda::decode_attention_rows(attn_params(l), n, s, pdl_);          // att[r] over slot[r]'s cache
     residual(L.o, b_.att, w_.ld_q, n, s);                              // x += att @ Wo.T
     normed(L.gate_up, L.mlp_norm, b_.h, w_.ld_i, GemvOut::Swiglu, n, s);  // h = silu(gate) * up
     residual(L.down, b_.h, w_.ld_i, n, s);                             // x += h @ Wd.T
@@ -38,19 +43,39 @@ void BatchStep::record(int n, cudaStream_t s) {
   cuda::scatter_rows(b_.logits, b_.ld_v, b_.slot_logits, (int)c.vocab, b_.slot, b_.pos, n, (int)c.vocab, s);
 }
 
-// The products. The small-N GEMV (cuda/gemv_batch.cuh: each weight read once per 8 rows and dequantized once,
-// RMSNorm and SwiGLU fused as in the decode GEMV) for quantized weights, and for fp16 up to f16_max rows;
-// beyond that cuBLASLt through the engine's Gemm (tuned per shape and bucket of n on the eager warm-up before a
-// bucket's graph is captured), with the RMSNorm and SwiGLU as their own kernels (cuda/prefill.cuh).
+// The products, the first path that takes them: the tensor-core small-N kernel up to mma_max rows; the small-N
+// GEMV (cuda/gemv_batch.cuh: each weight read once per 8 rows and dequantized once, RMSNorm and SwiGLU fused as
+// in the decode GEMV) up to f16_max (fp16) / quant_max (int8, int4) rows; beyond
+// that cuBLASLt through the engine's Gemm (tuned per shape and bucket of n on the eager warm-up before a bucket's
+// graph is captured), with the RMSNorm and SwiGLU as their own kernels (cuda/prefill.cuh); a quantized matrix is
+// dequantized into the fp16 staging right before its product (the staging is one matrix: each product consumes
+// it before the next dequantization, stream order), so the step reads int8/int4 bytes + writes and re-reads
+// fp16 ones, most of the latter from L2 for all but the largest matrices (docs/perf/batch.md).
+bool BatchStep::mma(const cuda::QMat& W, int n) const { return n <= o_.mma_max && cuda::mma_small_n_fits(W, n); }
+
+// The tensor-core small-N product (cuda/mma_small_n.cuh: each weight read and dequantized once for all n rows,
+// fp16 inputs; the RMSNorm before it as its own kernel).
+void BatchStep::mma_product(const cuda::QMat& W, const __half* X, int ldx, void* y, int ldy, GemvOut out, int n,
+                            cudaStream_t s) {
+  cuda::GemvBatchArgs a;
+  a.W = W;
+  a.x = X;
+  a.ldx = ldx;
+  a.y = y;
+  a.ldy = ldy;
+  a.n = n;
+  cuda::mma_small_n(a, out, s, pdl_);
+}
+
 bool BatchStep::small_n(const cuda::QMat& W, int n, GemvIn in) const {
-  return (W.fmt != WFormat::F16 || n <= f16_max_) && cuda::gemv_batch_fits(W, n, in);
+  return n <= (W.fmt == WFormat::F16 ? o_.f16_max : o_.quant_max) && cuda::gemv_batch_fits(W, n, in);
 }
 
 // y = rmsnorm(x) @ W.T (out F32), or silu(gate) * up of it (out Swiglu: W's rows interleaved gate/up).
 void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, GemvOut out, int n,
                        cudaStream_t s) {
   const float eps = (float)c_.rms_eps;
-  if (small_n(W, n, GemvIn::F32Norm)) {
+  if (!mma(W, n) && small_n(W, n, GemvIn::F32Norm)) {
     cuda::GemvBatchArgs a;
     a.W = W;
     a.x = b_.x;
@@ -60,10 +85,11 @@ void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ld
     a.y = y;
     a.ldy = ldy;
     a.n = n;
-    cuda::gemv_batch(a, GemvIn::F32Norm, out, s);
+    cuda::gemv_batch(a, GemvIn::F32Norm, out, s, pdl_);
     return;
   }
-  cuda::rmsnorm_rows(b_.x, w_.ld_h, norm_w, eps, (int)c_.hidden, n, b_.xn, w_.ld_h, s);
+  cuda::rmsnorm_rows(b_.x, w_.ld_h, norm_w, eps, (int)c_.hidden, n, b_.xn, w_.ld_h, s, pdl_);
+  if (mma(W, n)) return mma_product(W, b_.xn, w_.ld_h, y, ldy, out, n, s);
   if (out == GemvOut::Swiglu) {
     gemm(W, b_.xn, w_.ld_h, b_.gu, b_.ld_gu, n, GemmOut::F16, s);
     cuda::swiglu_rows(b_.gu, b_.ld_gu, (int)c_.intermediate, n, static_cast<__half*>(y), ldy, s);
@@ -74,6 +100,7 @@ void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ld
 
 // x += X @ W.T (the residual adds of the O and down projections).
 void BatchStep::residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s) {
+  if (mma(W, n)) return mma_product(W, X, ldx, b_.x, w_.ld_h, GemvOut::AddF32, n, s);
   if (small_n(W, n, GemvIn::F16)) {
     cuda::GemvBatchArgs a;
     a.W = W;
@@ -82,7 +109,7 @@ void BatchStep::residual(const cuda::QMat& W, const __half* X, int ldx, int n, c
     a.y = b_.x;
     a.ldy = w_.ld_h;
     a.n = n;
-    cuda::gemv_batch(a, GemvIn::F16, GemvOut::AddF32, s);
+    cuda::gemv_batch(a, GemvIn::F16, GemvOut::AddF32, s, pdl_);
     return;
   }
   gemm(W, X, ldx, b_.x, w_.ld_h, n, GemmOut::AddF32, s);

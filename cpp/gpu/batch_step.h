@@ -47,17 +47,24 @@ struct BatchBuffers {
                                int attn_chunk, const KvPagePool& pages, DeviceArena& arena, cudaStream_t s);
 };
 
+// Which kernel takes the step's products (CudaOptions::batch_mma_max, batch_gemv_f16_max, batch_gemv_quant_max).
+struct BatchStepOptions {
+  int mma_max = 0;    // products of up to this many rows (<= 64) take the tensor-core kernel first (any format)
+  int f16_max = 1;    // fp16 products of up to this many rows take the small-N GEMV, larger ones cuBLASLt
+  int quant_max = 4;  // int8 / int4 likewise; larger: dequantized into the fp16 staging, then cuBLASLt
+};
+
 class BatchStep {
  public:
   // d: the decode buffers, for what the rows share with the single sequence (the KV pages, the RoPE table).
-  // f16_max: fp16 products of up to this many rows take the small-N GEMV, larger ones cuBLASLt
-  // (CudaOptions::batch_gemv_f16_max); quantized ones always take the small-N GEMV.
   BatchStep(const ModelConfig& c, DeviceWeights& w, const DecodeBuffers& d, const BatchBuffers& b, cuda::Gemm& gemm,
-            int f16_max)
-      : c_(c), w_(w), d_(d), b_(b), gemm_(gemm), f16_max_(f16_max) {}
+            BatchStepOptions o)
+      : c_(c), w_(w), d_(d), b_(b), gemm_(gemm), o_(o) {}
   // rows 0..n-1 of b.rows (n: a bucket, <= max_rows): each row's token at its position in its slot ->
   // the slot's logits (padding rows: nothing). Launches only (graph-capturable once the GEMMs are tuned).
-  void record(int n, cudaStream_t s);
+  // pdl: our kernels (small-N GEMV, tensor-core kernel, attention, RMSNorm) launched with PDL (common.cuh);
+  // cuBLASLt's and the SwiGLU / dequantization / embedding / scatter kernels are plain launches.
+  void record(int n, cudaStream_t s, bool pdl);
 
  private:
   // The products over n rows, every weight read once per step (batch_step.cu): y = rmsnorm(x) @ W.T (or its
@@ -67,13 +74,17 @@ class BatchStep {
   void gemm(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, cuda::GemmOut out,
             cudaStream_t s);
   bool small_n(const cuda::QMat& W, int n, cuda::GemvIn in) const;
+  bool mma(const cuda::QMat& W, int n) const;
+  void mma_product(const cuda::QMat& W, const __half* X, int ldx, void* y, int ldy, cuda::GemvOut out, int n,
+                   cudaStream_t s);
   cuda::DecodeAttnParams attn_params(int64_t layer) const;
   const ModelConfig& c_;
   DeviceWeights& w_;
   const DecodeBuffers& d_;
   const BatchBuffers& b_;
   cuda::Gemm& gemm_;
-  int f16_max_;
+  BatchStepOptions o_;
+  bool pdl_ = false;  // (this record's)
 };
 
 }  // namespace ti

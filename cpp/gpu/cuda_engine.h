@@ -57,8 +57,20 @@ struct CudaOptions {
   // bucket 1, 2, 4, ... up to max_batch, on first use.
   int64_t max_batch = 64;
   // fp16 batched steps of <= this many rows take the small-N GEMV (6 launches per layer, each weight read once),
-  // larger ones cuBLASLt (+ RMSNorm and SwiGLU kernels). 8: one group of the kernel's 8 inputs (not measured yet).
-  int batch_gemv_f16_max = 8;
+  // larger ones cuBLASLt (+ RMSNorm and SwiGLU kernels). 1: cuBLASLt from 2 rows on — on the H200 (TinyLlama,
+  // 92e0bc3) cuBLASLt's step at 16 rows (1.43 ms) beat the small-N kernel's at 2 (1.56), see docs/perf/batch.md.
+  int batch_gemv_f16_max = 1;
+  // int8 / int4 batched steps of <= this many rows take the small-N GEMV; larger ones dequantize each matrix into
+  // the fp16 staging (DeviceWeights::fp16_of, as the prefill does) and take cuBLASLt: the small-N kernel costs
+  // ~linearly in the rows past 4 (int4 2.97 ms at 8, 5.83 at 32), dequantize + cuBLASLt ~flat (docs/perf/batch.md).
+  int batch_gemv_quant_max = 4;
+  // The batched step's own kernels (small-N GEMV, tensor-core kernel, attention, RMSNorm) launched with PDL
+  // inside its graphs, as the decode graph's, where the engine uses PDL at all (CudaOptions::pdl, sm_90+, a
+  // driver that captures it); false: plain launches, for A/B runs and debugging.
+  bool batch_pdl = true;
+  // Batched products of <= this many rows (at most 64) take the tensor-core small-N kernel (cuda/mma_small_n.cu,
+  // any format, RMSNorm as its own kernel) ahead of the two choices above. 0: off (new, not yet measured).
+  int batch_mma_max = 0;
   // The paged KV cache (kv_pages.h), shared by the single sequence and the slots:
   int kv_page_size = 64;               // positions per page: a power of two, >= 64 and >= attn_chunk
   // Pages in the pool. 0: enough for max_batch sequences of max_seq_len, but at most half the device memory
@@ -208,6 +220,7 @@ class CudaEngine {
   int64_t max_seq_;
   CudaOptions opt_;
   bool pdl_ = false, graphs_ok_ = false;
+  bool batch_pdl_ok_ = true;  // false once a batch graph failed to capture with PDL (run_rows)
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
   DeviceArena arena_;

@@ -33,7 +33,9 @@ void CudaEngine::allocate_batch() {
   const size_t V = (size_t)cfg_.vocab;
   using Kind = DeviceArena::Kind;
   bbuf_ = BatchBuffers::allocate(cfg_, *weights_, B, max_seq_, opt_.attn_chunk, *pool_, arena_, stream_);
-  batch_ = std::make_unique<BatchStep>(cfg_, *weights_, dbuf_, bbuf_, *gemm_, opt_.batch_gemv_f16_max);
+  batch_ = std::make_unique<BatchStep>(
+      cfg_, *weights_, dbuf_, bbuf_, *gemm_,
+      BatchStepOptions{opt_.batch_mma_max, opt_.batch_gemv_f16_max, opt_.batch_gemv_quant_max});
   for (int b = 1; b < B; b *= 2) buckets_.push_back(b);
   buckets_.push_back(B);
   g_batch_.assign(buckets_.size(), nullptr);
@@ -166,6 +168,8 @@ void CudaEngine::run_rows(const int32_t* tokens, const int64_t* pos, const int64
   size_t b = 0;
   while (buckets_[b] < n) b++;
   const int bucket = buckets_[b], R = bbuf_.max_rows;
+  // (pdl_: the device has it and the decode graphs captured it; batch_pdl_ok_: the batch graphs too)
+  bool pdl = opt_.batch_pdl && pdl_ && batch_pdl_ok_;
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // bbuf_.h_rows may still be read by the previous copy
   int* h = bbuf_.h_rows;
   auto set_rows = [&](bool real) {  // real: the given rows, then padding; else padding only (the warm-up)
@@ -181,13 +185,28 @@ void CudaEngine::run_rows(const int32_t* tokens, const int64_t* pos, const int64
     // First use of this bucket: one eager pass of padding rows only (it tunes the bucket's cuBLASLt products and
     // touches no KV page and no slot's logits), then the capture.
     set_rows(false);
-    batch_->record(bucket, stream_);
+    batch_->record(bucket, stream_, pdl);
     TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    TI_CUDA_CHECK(capture_graph(stream_, [&] { batch_->record(bucket, stream_); }, &g_batch_[b]));
+    cudaError_t err = cudaSuccess;
+    try {
+      err = capture_graph(stream_, [&] { batch_->record(bucket, stream_, pdl); }, &g_batch_[b]);
+    } catch (const Error&) {
+      if (!pdl) throw;
+      err = cudaErrorNotSupported;
+    }
+    if (err != cudaSuccess && pdl) {
+      // A driver that cannot capture these programmatic launches (e.g. behind cuBLASLt's nodes): plain ones, for
+      // every bucket from now on (as build_graphs does for the decode graphs).
+      cudaGetLastError();
+      batch_pdl_ok_ = pdl = false;
+      g_batch_[b] = nullptr;
+      err = capture_graph(stream_, [&] { batch_->record(bucket, stream_, pdl); }, &g_batch_[b]);
+    }
+    TI_CUDA_CHECK(err);
   }
   set_rows(true);
   if (opt_.graphs) TI_CUDA_CHECK(cudaGraphLaunch(g_batch_[b], stream_));
-  else batch_->record(bucket, stream_);
+  else batch_->record(bucket, stream_, pdl);
 }
 
 BatchSample CudaEngine::seq_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps, int64_t n,

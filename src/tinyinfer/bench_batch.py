@@ -115,11 +115,41 @@ def run_batches(core, cfg, batches: Sequence[int], prompt: int = 128, gen: int =
     return res
 
 
+def apply_options(opts, spec: str):
+    """`--opts name=value,...` (A/B runs, e.g. batch_gemv_f16_max=8,batch_gemv_quant_max=64) onto an options
+    object: each name must be one of its fields, each value is parsed as that field's current type (bool: 0/1)."""
+    from .errors import InvalidRequestError
+
+    for item in filter(None, spec.split(",")):
+        name, eq, text = item.partition("=")
+        if not eq or not hasattr(opts, name) or name.startswith("_"):
+            raise InvalidRequestError(f"--opts: {item!r} is not name=value with a CudaOptions field name")
+        cur = getattr(opts, name)
+        if not isinstance(cur, (bool, int, float, str)):
+            raise InvalidRequestError(f"--opts: {name} (a {type(cur).__name__}) cannot be set from the command line")
+        try:
+            if isinstance(cur, bool):
+                if text not in ("0", "1"):
+                    raise ValueError(text)
+                value = text == "1"
+            else:
+                value = type(cur)(text)
+        except ValueError:
+            raise InvalidRequestError(f"--opts: {name}={text!r} is not a {type(cur).__name__}") from None
+        setattr(opts, name, value)
+    return opts
+
+
 def open_engine(device: str, shape: Optional[str], model: Optional[str], dtype: str, max_seq: int,
-                max_batch: int, threads: Optional[int] = None):
-    """(core, config, name) for the batch bench: random weights at `shape` or a real `model`."""
+                max_batch: int, threads: Optional[int] = None, opts_spec: str = ""):
+    """(core, config, name) for the batch bench: random weights at `shape` or a real `model`; opts_spec: CudaOptions
+    fields (apply_options), applied last (CUDA only)."""
     from .bench import random_cpu_engine, shape_config
 
+    if opts_spec and device != "cuda":
+        from .errors import InvalidRequestError
+
+        raise InvalidRequestError("--opts sets CudaOptions: it needs --device cuda")
     if model is not None:
         from .engine import Engine
 
@@ -127,6 +157,7 @@ def open_engine(device: str, shape: Optional[str], model: Optional[str], dtype: 
         if device == "cuda":
             opts = _core.CudaOptions()
             opts.max_batch = max_batch
+            apply_options(opts, opts_spec)
         eng = Engine(model, device=device, dtype=dtype, max_seq_len=max_seq, cuda_options=opts, threads=threads)
         return eng._core, eng.config, str(model)
     name = shape or ("tinyllama-1.1b" if device == "cuda" else "smollm2-135m")
@@ -135,13 +166,14 @@ def open_engine(device: str, shape: Optional[str], model: Optional[str], dtype: 
         opts = _core.CudaOptions()
         opts.weights = dtype
         opts.max_batch = max_batch
+        apply_options(opts, opts_spec)
         return _core.CudaEngine.random(cfg, max_seq, 1, opts), cfg, name
     return random_cpu_engine(cfg, max_seq, threads=threads or 0, max_batch=max_batch), cfg, name
 
 
 def run(device: str, batches: Sequence[int], shape: Optional[str] = None, model: Optional[str] = None,
         dtype: str = "fp16", prompt: int = 128, gen: int = 128, json_path: Optional[str] = None,
-        threads: Optional[int] = None, out: Callable[[str], None] = print) -> dict:
+        threads: Optional[int] = None, opts_spec: str = "", out: Callable[[str], None] = print) -> dict:
     """`tinyinfer bench --batch ...`: load, print the batch table, write JSON."""
     import json
 
@@ -153,11 +185,13 @@ def run(device: str, batches: Sequence[int], shape: Optional[str] = None, model:
         if not usable:
             raise DeviceError(f"tinyinfer bench needs a usable GPU: {reason}")
     t0 = time.perf_counter()
-    core, cfg, name = open_engine(device, shape, model, dtype, prompt + gen + 16, max(batches), threads)
-    out(f"tinyinfer bench --batch: {name} ({dtype} weights) on "
+    core, cfg, name = open_engine(device, shape, model, dtype, prompt + gen + 16, max(batches), threads,
+                                 opts_spec)
+    out(f"tinyinfer bench --batch: {name} ({dtype} weights{', ' + opts_spec if opts_spec else ''}) on "
         f"{core.device_name if device == 'cuda' else 'the CPU reference engine'} | load "
         f"{time.perf_counter() - t0:.2f} s | {core.kv_pages_total} KV pages of {core.kv_page_size} positions")
-    res = {"model": name, "device": device, "dtype": dtype, **run_batches(core, cfg, batches, prompt, gen, out)}
+    res = {"model": name, "device": device, "dtype": dtype, "opts": opts_spec,
+           **run_batches(core, cfg, batches, prompt, gen, out)}
     if device == "cuda":
         res["device_name"] = core.device_name
     if json_path:

@@ -241,8 +241,10 @@ def cmd_bench(args) -> int:
             raise InvalidRequestError("--batch is empty")
         dtype = ("fp32" if cpu else "fp16") if args.dtype == "auto" else args.dtype
         bench_batch.run(args.device, batches, shape=args.shape, model=args.model, dtype=dtype,
-                        json_path=args.json, threads=args.threads)
+                        json_path=args.json, threads=args.threads, opts_spec=args.opts)
         return 0
+    if args.opts:
+        raise InvalidRequestError("--opts is for --batch runs")
     if cpu:
         bench.run_cpu(shape=args.shape, model=args.model, contexts=contexts, steps=steps, prefill=prefill,
                       json_path=args.json, dtype="fp32" if args.dtype == "auto" else args.dtype,
@@ -363,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", default=None,
                    help="comma-separated batch sizes, e.g. 1,8,32,64: batched decode tok/s (aggregate and per "
                    "sequence; prompt 128 + 128 generated) instead of the batch-1 tables")
+    p.add_argument("--opts", default="",
+                   help="with --batch on cuda: CudaOptions fields as name=value,... for A/B runs, e.g. "
+                   "batch_gemv_f16_max=8,batch_gemv_quant_max=64")
     p.add_argument("--json", default=None, help="write the results here")
     _add_threads_arg(p)
     p.set_defaults(func=cmd_bench)

@@ -1,0 +1,234 @@
+// mma_small_n.cu — y = W x for up to 64 fp16 input rows on the tensor cores (mma.sync m16n8k16, fp16 in, fp32
+// sums), see mma_small_n.cuh. The batched decode step is memory-bound at every n <= 64 only if each weight is
+// read and dequantized once for all n and the arithmetic per weight stays small: one mma per 16 x 16 weight tile
+// per 8 inputs does that (the CUDA-core gemv_batch.cu spends ~13 instructions per weight pair per 8 inputs).
+//
+// A block of 8 warps owns 16 weight rows (M) and splits K over its warps; each warp covers the block's n inputs
+// (NT tiles of 8: the mma's N). Weights go straight from global memory into A fragments, no shared memory:
+// lane (g = lane / 4, t = lane % 4) loads the 16-byte word t of a "chunk" (4 words: 32 fp16, 64 I8 or 128 I4
+// weights) of rows g and g + 8, dequantizes it to fp16 pairs (quant_words.cuh), and that word feeds E / 4
+// mma k-steps. The k order inside a k-step is permuted: in step s the lane's A halves (2t, 2t + 1) and
+// (2t + 8, 2t + 9) are the physical columns E t + 4 s + (0, 1) and (2, 3) of the chunk (E: weights per word);
+// the B fragment (the inputs, column n = g of the tile) takes the same physical columns, so each lane reads E
+// contiguous fp16 inputs per word — the sum over k is the same sum. Inputs come from global memory (n x K fp16:
+// L1 / L2 hits, read once per block). Past K (the row's last word) both the weights and the inputs are zeroed.
+// The 8 warps' fp32 partial sums meet in shared memory in warp order (deterministic), then the epilogue.
+#include <algorithm>
+
+#include "common.cuh"
+#include "mma_small_n.cuh"
+#include "quant_words.cuh"
+
+namespace ti::cuda {
+
+constexpr int kMmWarps = 8, kMmThreads = kMmWarps * 32, kMmRows = 16;
+// Chunks in flight per warp: 2 U 16-byte words per lane (fp16 / I8: 4; I4, whose dequantized words fill the most
+// registers: 2). With one 8-warp block per SM (o and down: 128 blocks of 16 rows) that is 32 KB in flight.
+template <WFormat WF> constexpr int kMmUnroll = WF == WFormat::I4 ? 2 : 4;
+
+__device__ __forceinline__ uint32_t mm_u32(__half2 h) { return *reinterpret_cast<const uint32_t*>(&h); }
+
+// d += A (16 x 16, rows g / g + 8, halves as above) * B (16 x 8)
+__device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                       uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();  // (never launched below sm_80: mma_small_n_fits refuses)
+#endif
+}
+
+// The word (16 bytes) of one row as E / 2 fp16 pairs; columns at or past K zeroed (k: the word's index).
+template <WFormat WF>
+__device__ __forceinline__ void mm_weights(const uint4& v, float2 sc, int k, int K, bool valid, __half2* w) {
+  constexpr int E = kWordElems<WF>;
+  if constexpr (WF == WFormat::F16) {
+    w[0] = gb_h2(v.x), w[1] = gb_h2(v.y), w[2] = gb_h2(v.z), w[3] = gb_h2(v.w);
+  } else {
+    gb_dequant_h2<WF>(v, sc, w);
+  }
+  if (!valid || (k + 1) * E > K) {
+    const __half z = __float2half(0.0f);
+#pragma unroll
+    for (int i = 0; i < E / 2; i++) {
+      const int c = k * E + 2 * i;
+      if (!valid || c >= K) w[i] = __halves2half2(z, z);
+      else if (c + 1 >= K) w[i] = __halves2half2(__low2half(w[i]), z);
+    }
+  }
+}
+
+// The E inputs of column row x (fp16) at the word k as E / 2 pairs; zero past K or for a column past n.
+template <int E>
+__device__ __forceinline__ void mm_inputs(const __half* x, int k, int K, bool live, __half2* b) {
+  const __half z = __float2half(0.0f);
+  if (live && (k + 1) * E <= K) {
+    const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)k * E);
+#pragma unroll
+    for (int c = 0; c < E / 8; c++) {
+      const uint4 v = __ldg(p + c);
+      b[4 * c] = gb_h2(v.x), b[4 * c + 1] = gb_h2(v.y), b[4 * c + 2] = gb_h2(v.z), b[4 * c + 3] = gb_h2(v.w);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < E / 2; i++) {
+      const int c = k * E + 2 * i;
+      const __half lo = live && c < K ? x[c] : z, hi = live && c + 1 < K ? x[c + 1] : z;
+      b[i] = __halves2half2(lo, hi);
+    }
+  }
+}
+
+template <WFormat WF, int NT, GemvOut OUT>
+__global__ void __launch_bounds__(kMmThreads) mma_small_n_kernel(GemvBatchArgs a) {
+  constexpr int E = kWordElems<WF>, NC = NT * 8, U = kMmUnroll<WF>;
+  extern __shared__ __align__(16) float red[];  // (kMmWarps, kMmRows, NC) the warps' partial sums
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const QMat& W = a.W;
+  const int row0 = blockIdx.x * kMmRows, K = W.K;
+  const int ra = min(row0 + g, W.rows - 1), rb = min(row0 + g + 8, W.rows - 1);  // past the end: stored nowhere
+  const uint4* wa = gb_row<WF>(W, ra);
+  const uint4* wb = gb_row<WF>(W, rb);
+  const int words = gb_words(W, E), chunks = (words + 3) / 4;
+  const __half* xcol[NT];
+  bool live[NT];
+#pragma unroll
+  for (int j = 0; j < NT; j++) {
+    const int col = j * 8 + g;
+    live[j] = col < a.n;
+    xcol[j] = static_cast<const __half*>(a.x) + (size_t)(live[j] ? col : 0) * a.ldx;
+  }
+  // PDL (common.cuh): nothing is read before the wait, the trigger follows it.
+  pdl_wait();
+  pdl_launch_dependents();
+
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+  for (int c0 = warp; c0 < chunks; c0 += kMmWarps * U) {
+    uint4 va[U], vb[U];
+    float2 sa[U], sb[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {  // loads first: 2 U words in flight per lane
+      const int k = (c0 + u * kMmWarps) * 4 + t;
+      const bool ok = c0 + u * kMmWarps < chunks && k < words;
+      va[u] = ok ? load_stream(wa + k) : make_uint4(0, 0, 0, 0);
+      vb[u] = ok ? load_stream(wb + k) : make_uint4(0, 0, 0, 0);
+      sa[u] = gb_scale<WF>(W, ra, ok ? k : 0);
+      sb[u] = gb_scale<WF>(W, rb, ok ? k : 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int c = c0 + u * kMmWarps;
+      if (c >= chunks) break;
+      const int k = c * 4 + t;
+      const bool ok = k < words;
+      __half2 wa2[E / 2], wb2[E / 2];
+      mm_weights<WF>(va[u], sa[u], k, K, ok, wa2);
+      mm_weights<WF>(vb[u], sb[u], k, K, ok, wb2);
+#pragma unroll
+      for (int j = 0; j < NT; j++) {
+        __half2 x2[E / 2];
+        mm_inputs<E>(xcol[j], k, K, live[j] && ok, x2);
+#pragma unroll
+        for (int s = 0; s < E / 4; s++)
+          mm_mma(acc[j], mm_u32(wa2[2 * s]), mm_u32(wb2[2 * s]), mm_u32(wa2[2 * s + 1]), mm_u32(wb2[2 * s + 1]),
+                 mm_u32(x2[2 * s]), mm_u32(x2[2 * s + 1]));
+      }
+    }
+  }
+
+  // ---- the warps' sums in shared memory: acc[j] = (row g, cols 2t, 2t + 1), (row g + 8, the same) ----
+  float* mine = red + (size_t)warp * kMmRows * NC;
+#pragma unroll
+  for (int j = 0; j < NT; j++) {
+    const int col = j * 8 + 2 * t;
+    mine[g * NC + col] = acc[j][0];
+    mine[g * NC + col + 1] = acc[j][1];
+    mine[(g + 8) * NC + col] = acc[j][2];
+    mine[(g + 8) * NC + col + 1] = acc[j][3];
+  }
+  __syncthreads();
+  auto total = [&](int r, int col) {
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMmWarps; w++) s += red[((size_t)w * kMmRows + r) * NC + col];
+    return s;
+  };
+  if constexpr (OUT == GemvOut::Swiglu) {  // rows 2i (gate), 2i + 1 (up): 8 pairs per block
+    for (int i = threadIdx.x; i < (kMmRows / 2) * NC; i += kMmThreads) {
+      const int p = i % (kMmRows / 2), col = i / (kMmRows / 2), row = row0 + 2 * p;
+      if (col >= a.n || row + 1 >= W.rows) continue;
+      const float gt = total(2 * p, col), up = total(2 * p + 1, col);
+      static_cast<__half*>(a.y)[(size_t)col * a.ldy + row / 2] = __float2half(gt / (1.0f + __expf(-gt)) * up);
+    }
+  } else {
+    for (int i = threadIdx.x; i < kMmRows * NC; i += kMmThreads) {
+      const int r = i % kMmRows, col = i / kMmRows, row = row0 + r;
+      if (col >= a.n || row >= W.rows) continue;
+      float* y = static_cast<float*>(a.y) + (size_t)col * a.ldy + row;
+      const float v = total(r, col);
+      *y = OUT == GemvOut::AddF32 ? *y + v : v;
+    }
+  }
+}
+
+static bool mm_arch_ok() {
+  static bool ok = [] {
+    int dev = 0, major = 0;
+    TI_CUDA_CHECK(cudaGetDevice(&dev));
+    TI_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    return major >= 8;
+  }();
+  return ok;
+}
+
+bool mma_small_n_fits(const QMat& W, int n) {
+  return n >= 1 && n <= kMmaMaxN && (W.fmt != WFormat::I4 || W.K % kI4Group == 0) && mm_arch_ok();
+}
+
+template <WFormat WF, int NT, GemvOut OUT>
+static void launch_mm(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
+  const size_t smem = (size_t)kMmWarps * kMmRows * NT * 8 * sizeof(float);  // <= 32 KB: no opt-in
+  launch(mma_small_n_kernel<WF, NT, OUT>, dim3((a.W.rows + kMmRows - 1) / kMmRows), dim3(kMmThreads), smem, s, pdl,
+         a);
+}
+
+template <WFormat WF, int NT>
+static void mm_modes(const GemvBatchArgs& a, GemvOut out, cudaStream_t s, bool pdl) {
+  if (out == GemvOut::F32) return launch_mm<WF, NT, GemvOut::F32>(a, s, pdl);
+  if (out == GemvOut::AddF32) return launch_mm<WF, NT, GemvOut::AddF32>(a, s, pdl);
+  return launch_mm<WF, NT, GemvOut::Swiglu>(a, s, pdl);
+}
+
+template <WFormat WF>
+static void mm_tiles(const GemvBatchArgs& a, GemvOut out, cudaStream_t s, bool pdl) {
+  const int nt = (a.n + 7) / 8;  // N padded to 8, 16, 32 or 64
+  if (nt <= 1) return mm_modes<WF, 1>(a, out, s, pdl);
+  if (nt <= 2) return mm_modes<WF, 2>(a, out, s, pdl);
+  if (nt <= 4) return mm_modes<WF, 4>(a, out, s, pdl);
+  return mm_modes<WF, 8>(a, out, s, pdl);
+}
+
+void mma_small_n(const GemvBatchArgs& a, GemvOut out, cudaStream_t s, bool pdl) {
+  const QMat& W = a.W;
+  if (a.n < 1 || a.n > kMmaMaxN || a.ldx % 8 != 0 || a.ldx < W.K || W.rows < 1 || W.K < 1 ||
+      a.ldy < (out == GemvOut::Swiglu ? W.rows / 2 : W.rows) || (out == GemvOut::Swiglu && W.rows % 2 != 0))
+    fail(ErrorKind::Request, "mma_small_n: bad shape n=" + std::to_string(a.n) + " K=" + std::to_string(W.K) +
+                                 " ldx=" + std::to_string(a.ldx) + " rows=" + std::to_string(W.rows) +
+                                 " ldy=" + std::to_string(a.ldy));
+  if (out != GemvOut::F32 && out != GemvOut::AddF32 && out != GemvOut::Swiglu)
+    fail(ErrorKind::Request, "mma_small_n: out must be f32, add or swiglu");
+  if (!mma_small_n_fits(W, a.n))
+    fail(ErrorKind::Request, "mma_small_n: needs sm_80+ and (int4) K % 32 == 0");
+  if (W.fmt == WFormat::F16) mm_tiles<WFormat::F16>(a, out, s, pdl);
+  else if (W.fmt == WFormat::I8) mm_tiles<WFormat::I8>(a, out, s, pdl);
+  else mm_tiles<WFormat::I4>(a, out, s, pdl);
+}
+
+}  // namespace ti::cuda

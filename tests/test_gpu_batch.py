@@ -171,9 +171,9 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
 # The batched products' paths (BatchStep::mma, small_n): every product on the small-N GEMV; every product of two
 # rows or more on cuBLASLt (int8 / int4: dequantized into the fp16 staging first); every product on the
 # tensor-core small-N kernel.
-PATHS = {"small_n": dict(batch_gemv_f16_max=64, batch_gemv_quant_max=64),
-         "cublaslt": dict(batch_gemv_f16_max=1, batch_gemv_quant_max=1),
-         "mma": dict(batch_mma_max=64)}
+PATHS = {"small_n": dict(batch_mma_max=0, batch_gemv_f16_max=64, batch_gemv_quant_max=64),
+         "cublaslt": dict(batch_mma_max=0, batch_gemv_f16_max=1, batch_gemv_quant_max=1),
+         "mma": dict(batch_mma_max=64, batch_mma_f16_max=64)}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -418,6 +418,7 @@ def test_sampling_a_slot_alone_or_in_a_batch(model):
     ("batch_gemv_quant_max", -1, "batch_gemv_quant_max must be >= 0"),
     ("batch_mma_max", -1, "batch_mma_max must be in 0..64, got -1"),
     ("batch_mma_max", 65, "batch_mma_max must be in 0..64, got 65"),
+    ("batch_mma_f16_max", 65, "batch_mma_f16_max must be in 0..64, got 65"),
 ])
 def test_bad_batch_path_options_are_clear_errors(field, value, match):
     from tinyinfer.bench import shape_config

@@ -43,7 +43,8 @@ void BatchStep::record(int n, cudaStream_t s, bool pdl) {
   cuda::scatter_rows(b_.logits, b_.ld_v, b_.slot_logits, (int)c.vocab, b_.slot, b_.pos, n, (int)c.vocab, s);
 }
 
-// The products, the first path that takes them: the tensor-core small-N kernel up to mma_max rows; the small-N
+// The products, the first path that takes them: the tensor-core small-N kernel up to mma_max (int8 / int4) or
+// mma_f16_max (fp16) rows; the small-N
 // GEMV (cuda/gemv_batch.cuh: each weight read once per 8 rows and dequantized once, RMSNorm and SwiGLU fused as
 // in the decode GEMV) up to f16_max (fp16) / quant_max (int8, int4) rows; beyond
 // that cuBLASLt through the engine's Gemm (tuned per shape and bucket of n on the eager warm-up before a bucket's
@@ -51,7 +52,9 @@ void BatchStep::record(int n, cudaStream_t s, bool pdl) {
 // dequantized into the fp16 staging right before its product (the staging is one matrix: each product consumes
 // it before the next dequantization, stream order), so the step reads int8/int4 bytes + writes and re-reads
 // fp16 ones, most of the latter from L2 for all but the largest matrices (docs/perf/batch.md).
-bool BatchStep::mma(const cuda::QMat& W, int n) const { return n <= o_.mma_max && cuda::mma_small_n_fits(W, n); }
+bool BatchStep::mma(const cuda::QMat& W, int n) const {
+  return n <= (W.fmt == WFormat::F16 ? o_.mma_f16_max : o_.mma_max) && cuda::mma_small_n_fits(W, n);
+}
 
 // The tensor-core small-N product (cuda/mma_small_n.cuh: each weight read and dequantized once for all n rows,
 // fp16 inputs; the RMSNorm before it as its own kernel).

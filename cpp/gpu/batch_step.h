@@ -47,9 +47,10 @@ struct BatchBuffers {
                                int attn_chunk, const KvPagePool& pages, DeviceArena& arena, cudaStream_t s);
 };
 
-// Which kernel takes the step's products (CudaOptions::batch_mma_max, batch_gemv_f16_max, batch_gemv_quant_max).
+// Which kernel takes the step's products (CudaOptions::batch_mma_max / _f16_max, batch_gemv_f16_max / _quant_max).
 struct BatchStepOptions {
-  int mma_max = 0;    // products of up to this many rows (<= 64) take the tensor-core kernel first (any format)
+  int mma_max = 16;     // int8 / int4 products of up to this many rows (<= 64) take the tensor-core kernel first
+  int mma_f16_max = 0;  // fp16 likewise
   int f16_max = 1;    // fp16 products of up to this many rows take the small-N GEMV, larger ones cuBLASLt
   int quant_max = 4;  // int8 / int4 likewise; larger: dequantized into the fp16 staging, then cuBLASLt
 };

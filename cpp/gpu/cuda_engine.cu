@@ -87,6 +87,8 @@ void CudaEngine::init_device() {
   if (opt_.batch_gemv_quant_max < 0) fail(ErrorKind::Request, "batch_gemv_quant_max must be >= 0");
   if (opt_.batch_mma_max < 0 || opt_.batch_mma_max > 64)
     fail(ErrorKind::Request, "batch_mma_max must be in 0..64, got " + std::to_string(opt_.batch_mma_max));
+  if (opt_.batch_mma_f16_max < 0 || opt_.batch_mma_f16_max > 64)
+    fail(ErrorKind::Request, "batch_mma_f16_max must be in 0..64, got " + std::to_string(opt_.batch_mma_f16_max));
   if (opt_.gemv_grid < -1 || opt_.gemv_grid > 2) fail(ErrorKind::Request, "gemv_grid must be -1 (tuned), 0, 1 or 2");
   if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))
     fail(ErrorKind::Request, "gemv_resident_margin must be in [0, 1]");

@@ -68,9 +68,13 @@ struct CudaOptions {
   // inside its graphs, as the decode graph's, where the engine uses PDL at all (CudaOptions::pdl, sm_90+, a
   // driver that captures it); false: plain launches, for A/B runs and debugging.
   bool batch_pdl = true;
-  // Batched products of <= this many rows (at most 64) take the tensor-core small-N kernel (cuda/mma_small_n.cu,
-  // any format, RMSNorm as its own kernel) ahead of the two choices above. 0: off (new, not yet measured).
-  int batch_mma_max = 0;
+  // int8 / int4 batched products of <= this many rows (at most 64) take the tensor-core small-N kernel
+  // (cuda/mma_small_n.cu, RMSNorm as its own kernel) ahead of the choice above; batch_mma_f16_max likewise for
+  // fp16 (0: off). Measured on the H200 (TinyLlama, e3a70ff, docs/perf/batch.md): int4 at 8 rows 1.12 ms per
+  // step against 2.11 dequantize + cuBLASLt, but 2.07 against 2.24 at 32 and 3.70 against 2.57 at 64; fp16 slower
+  // than cuBLASLt at every row count (8 rows: 1.57 against 1.44 ms).
+  int batch_mma_max = 16;
+  int batch_mma_f16_max = 0;
   // The paged KV cache (kv_pages.h), shared by the single sequence and the slots:
   int kv_page_size = 64;               // positions per page: a power of two, >= 64 and >= attn_chunk
   // Pages in the pool. 0: enough for max_batch sequences of max_seq_len, but at most half the device memory

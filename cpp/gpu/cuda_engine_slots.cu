@@ -35,7 +35,8 @@ void CudaEngine::allocate_batch() {
   bbuf_ = BatchBuffers::allocate(cfg_, *weights_, B, max_seq_, opt_.attn_chunk, *pool_, arena_, stream_);
   batch_ = std::make_unique<BatchStep>(
       cfg_, *weights_, dbuf_, bbuf_, *gemm_,
-      BatchStepOptions{opt_.batch_mma_max, opt_.batch_gemv_f16_max, opt_.batch_gemv_quant_max});
+      BatchStepOptions{opt_.batch_mma_max, opt_.batch_mma_f16_max, opt_.batch_gemv_f16_max,
+                       opt_.batch_gemv_quant_max});
   for (int b = 1; b < B; b *= 2) buckets_.push_back(b);
   buckets_.push_back(B);
   g_batch_.assign(buckets_.size(), nullptr);

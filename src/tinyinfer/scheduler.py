@@ -72,6 +72,30 @@ class Delta:
     completion: Optional[Completion] = None  # on the request's last Delta only
 
 
+def merge_deltas(deltas: Sequence[Delta]) -> Delta:
+    """Consecutive Deltas of one request as one (text joined, ids and logprobs in order, the last completion)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    lps = None
+    if any(d.logprobs is not None for d in deltas):
+        lps = [x for d in deltas for x in (d.logprobs or ())]
+    return Delta("".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids], lps,
+                 deltas[-1].completion)
+
+
+def _wake(loop: asyncio.AbstractEventLoop, events: list) -> None:
+    """Set asyncio Events from another thread: one hand-off to their loop for all of them."""
+    try:
+        loop.call_soon_threadsafe(_set_all, events)
+    except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+        pass
+
+
+def _set_all(events: list) -> None:
+    for e in events:
+        e.set()
+
+
 class Request:
     """A submitted request: a handle that any thread may wait on, iterate (one consumer) or cancel."""
 
@@ -96,7 +120,9 @@ class Request:
 
     # ---- the producer side (the scheduler) ----
 
-    def _put(self, item: Union[Delta, BaseException]) -> None:
+    def _put(self, item: Union[Delta, BaseException], wakes: Optional[dict] = None) -> None:
+        """Queue an item and wake an asyncio consumer: at once, or (wakes given: the scheduler's step collects
+        them) by one call_soon_threadsafe per event loop when the step ends, not one per request."""
         if isinstance(item, BaseException):
             self._error = item
         elif item.completion is not None:
@@ -106,12 +132,13 @@ class Request:
             self._done.set()
         with self._waker_lock:
             waker = self._waker
-        if waker is not None:
-            loop, event = waker
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
-                pass
+        if waker is None:
+            return
+        loop, event = waker
+        if wakes is not None:
+            wakes.setdefault(loop, []).append(event)
+        else:
+            _wake(loop, [event])
 
     # ---- the consumer side ----
 
@@ -139,22 +166,36 @@ class Request:
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         """As __iter__, for asyncio: waits on an asyncio.Event the scheduler's thread sets, blocking no thread."""
+        async for batch in self.batches():
+            for d in batch:
+                yield d
+
+    async def batches(self) -> AsyncIterator[list[Delta]]:
+        """As __aiter__, but every Delta queued by the time the consumer looks comes at once, in order (never an
+        empty list): a consumer slower than the steps (a server streaming to many clients) catches up in one go
+        instead of handling one Delta per wake-up. A failed request raises after the Deltas it produced."""
         event = asyncio.Event()
         with self._waker_lock:
             self._waker = (asyncio.get_running_loop(), event)
         self._sched.start()
         try:
             while True:
+                batch: list = []
                 try:
-                    item = self._items.get_nowait()
+                    while True:
+                        batch.append(self._items.get_nowait())
                 except queue.Empty:
+                    pass
+                if not batch:
                     await event.wait()
                     event.clear()  # then look again: a set that came before the clear left its item queued
                     continue
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.completion is not None:
+                error = batch.pop() if isinstance(batch[-1], BaseException) else None  # nothing comes after it
+                if batch:
+                    yield batch
+                if error is not None:
+                    raise error
+                if batch[-1].completion is not None:
                     return
         finally:
             with self._waker_lock:
@@ -243,6 +284,9 @@ class Scheduler:
         self._started = False
         self._thread: Optional[threading.Thread] = None
         self._reraised: Optional[BaseException] = None  # the last exception step() raised after failing its requests
+        # during a step: the asyncio consumers to wake when it ends (event loop -> Events), so a step hands each
+        # loop one call_soon_threadsafe rather than one per request (64 self-pipe writes and wake-ups a step)
+        self._wakes: Optional[dict] = None
         with engine._sched_lock:
             if engine._scheduler is not None and not engine._scheduler._closed:
                 raise InvalidRequestError(f"{engine!r} already has a scheduler (Engine.scheduler)")
@@ -422,7 +466,13 @@ class Scheduler:
             return False
         try:
             with eng._exclusive():
-                self._step_locked(eng._core)
+                self._wakes = {}
+                try:
+                    self._step_locked(eng._core)
+                finally:
+                    wakes, self._wakes = self._wakes, None
+                    for loop, events in wakes.items():
+                        _wake(loop, events)
         finally:
             with self._state:
                 self._state.notify_all()  # wait_idle() looks again
@@ -582,7 +632,7 @@ class Scheduler:
             finish = "length"
         if finish is None:
             seq.pending = tok
-            seq.request._put(Delta(piece, [tok], None if lp is None else [lp]))
+            seq.request._put(Delta(piece, [tok], None if lp is None else [lp]), self._wakes)
         else:
             self._end(core, seq, finish, piece=piece, last_ids=[tok], last_lp=None if lp is None else [lp])
 
@@ -618,11 +668,11 @@ class Scheduler:
         if error is not None:
             if isinstance(error, KvCacheFullError):
                 error.completion = self._completion(seq, finish)
-            seq.request._put(error)
+            seq.request._put(error, self._wakes)
             return
         if last_lp is None and seq.logprobs is not None:
             last_lp = []
-        seq.request._put(Delta(piece, list(last_ids), last_lp, self._completion(seq, finish)))
+        seq.request._put(Delta(piece, list(last_ids), last_lp, self._completion(seq, finish)), self._wakes)
 
     def _fail_all(self, error: BaseException) -> None:
         """End every live request with `error` (the engine closed under us, or a failure step() could not pin
@@ -655,4 +705,4 @@ class Scheduler:
                           logprobs=None if seq.logprobs is None else list(seq.logprobs))
 
 
-__all__ = ["Scheduler", "Request", "Delta", "TokenLogprob"]
+__all__ = ["Scheduler", "Request", "Delta", "TokenLogprob", "merge_deltas"]

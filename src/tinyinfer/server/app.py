@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ChatTemplateError, InvalidRequestError, KvCacheFullError, QueueFullError, TokenizerError
-from ..scheduler import Delta
+from ..scheduler import Delta, merge_deltas
 from . import protocol as P
 
 log = logging.getLogger("tinyinfer.server")
@@ -100,16 +100,51 @@ class _Choice:
 
 
 async def _deltas(c: _Choice) -> AsyncIterator[Delta]:
-    """The Deltas of one choice. A request the KV pool could not give its next page (KvCacheFullError) ends as
-    its length ran out: what it generated, finish_reason "length" (the client sees a short answer, no error)."""
+    """The Deltas of one choice, those ready at once merged into one: a client served slower than the steps come
+    gets multi-token chunks (OpenAI clients accept them) and catches up, rather than falling further behind one
+    chunk per token. A request the KV pool could not give its next page (KvCacheFullError) ends as its length ran
+    out: what it generated, finish_reason "length" (the client sees a short answer, no error)."""
     sent = 0
     try:
-        async for d in c.req:
+        async for batch in c.req.batches():
+            d = merge_deltas(batch)
             sent += len(d.text)
             yield d
     except KvCacheFullError as e:
         log.warning("%s: %s", c.req.id, e)
         yield Delta(e.completion.text[sent:], [], None, e.completion)
+
+
+async def _ready(choices: list[_Choice]) -> AsyncIterator[list[tuple[_Choice, Any]]]:
+    """What the choices have ready, as (choice, merged Delta or the exception that failed it) in order, all that
+    is ready in one list (one write to the client). One choice: its Deltas directly; several: a task each."""
+    if len(choices) == 1:
+        c = choices[0]
+        try:
+            async for d in _deltas(c):
+                yield [(c, d)]
+        except Exception as e:  # the scheduler failed this request: the client is told in the stream
+            yield [(c, e)]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: _Choice) -> None:
+        try:
+            async for d in _deltas(c):
+                queue.put_nowait((c, d))
+        except Exception as e:
+            queue.put_nowait((c, e))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        while True:
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            yield items
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 class _Call:
@@ -329,57 +364,52 @@ class Service:
                 "system_fingerprint": None}
 
     async def events(self, g: P.GenerationRequest, call: _Call) -> AsyncIterator[str]:
-        """SSE: a chunk per step of each choice (text or not: clients can time tokens), its finish chunk, the
-        usage chunk when asked, `data: [DONE]`. Cancelled (the client left) -> `finally` cancels the requests."""
-        obj = "chat.completion.chunk" if g.kind == "chat" else "text_completion"
-        head: dict[str, Any] = {"id": call.id, "object": obj, "created": int(time.time()), "model": self.model_name}
+        """SSE: chunks of each choice's new text (all that is ready: one token per chunk while the client keeps
+        up, several when it lags), its finish chunk, the usage chunk when asked, `data: [DONE]`; what is ready
+        at once goes out in one write. Cancelled (the client left) -> `finally` cancels the requests."""
+        head: dict[str, Any] = {"id": call.id, "object": "chat.completion.chunk" if g.kind == "chat"
+                                else "text_completion", "created": int(time.time()), "model": self.model_name}
         if g.kind == "chat":
             head["system_fingerprint"] = None
-
-        def chunk(*choices: dict) -> str:
-            return P.sse({**head, "choices": list(choices), **({"usage": None} if g.include_usage else {})})
-
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(c: _Choice) -> None:
-            try:
-                async for d in _deltas(c):
-                    await queue.put((c, d))
-            except Exception as e:  # the scheduler failed this request: the client is told in the stream
-                await queue.put((c, e))
-
-        tasks = [asyncio.ensure_future(pump(c)) for c in call.choices]
+        fmt = P.ChunkFormat(head, g.kind, g.include_usage)
         outcome = "client gone"
         try:
             if g.kind == "chat":
-                for c in call.choices:
-                    yield chunk(P.stream_choice("chat", c.index, "", None, None, first=True))
+                yield "".join(fmt.chunk(P.stream_choice("chat", c.index, "", None, None, first=True))
+                              for c in call.choices)
             left = len(call.choices)
-            while left:
-                c, d = await queue.get()
-                if isinstance(d, Exception):
-                    outcome = "failed"
-                    yield P.sse(P.APIError(500, f"generation failed: {type(d).__name__}: {d}").body())
-                    return
-                call.saw(c, d)
-                lp = self.logprobs_of(g, d.logprobs, c)
-                if d.text or lp or d.token_ids:
-                    yield chunk(P.stream_choice(g.kind, c.index, d.text, lp, None))
-                if d.completion is None:
-                    continue
-                if d.completion.finish_reason == "cancelled":  # only close() cancels these
-                    outcome = "server shutdown"
-                    yield P.sse(self.shutting_down().body())
-                    return
-                left -= 1
-                yield chunk(P.stream_choice(g.kind, c.index, "", None, d.completion.finish_reason))
-            if g.include_usage:
-                yield P.sse({**head, "choices": [], "usage": call.usage()})
-            yield "data: [DONE]\n\n"
-            outcome = call.finish_reasons()
+            async with contextlib.aclosing(_ready(call.choices)) as ready:
+                async for items in ready:
+                    out: list[str] = []
+                    for c, d in items:
+                        if isinstance(d, Exception):
+                            outcome = "failed"
+                            out.append(P.sse(P.APIError(500, f"generation failed: {type(d).__name__}: {d}").body()))
+                            yield "".join(out)
+                            return
+                        call.saw(c, d)
+                        lp = self.logprobs_of(g, d.logprobs, c)
+                        if d.text or lp or d.token_ids:
+                            out.append(fmt.text(c.index, d.text, lp))
+                        if d.completion is None:
+                            continue
+                        if d.completion.finish_reason == "cancelled":  # only close() cancels these
+                            outcome = "server shutdown"
+                            out.append(P.sse(self.shutting_down().body()))
+                            yield "".join(out)
+                            return
+                        left -= 1
+                        out.append(fmt.finish(c.index, d.completion.finish_reason))
+                    if not left:
+                        if g.include_usage:
+                            out.append(P.sse({**head, "choices": [], "usage": call.usage()}))
+                        out.append("data: [DONE]\n\n")
+                        outcome = call.finish_reasons()
+                        yield "".join(out)
+                        return
+                    if out:
+                        yield "".join(out)
         finally:
-            for t in tasks:
-                t.cancel()
             call.cancel_unfinished()
             call.log(outcome)
 

@@ -149,7 +149,7 @@ def serve(a) -> None:
 
     eng = make_engine(a)
     core = eng._core
-    app = create_app(eng, make_scheduler(a, eng), model_name="bench")
+    app = create_app(eng, make_scheduler(a, eng), model_name="bench", stream_interval=a.stream_interval)
     logging.getLogger("tinyinfer.server").setLevel(logging.WARNING)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=a.port, log_level="warning",
                                            access_log=False))
@@ -211,6 +211,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--prefill-ms", type=float, default=0.3, help="sleep per 128 prompt tokens (default 0.3)")
     ap.add_argument("--prefill-tokens", type=int, default=None,
                     help="the scheduler's prompt-token budget per step (default: the Scheduler's)")
+    ap.add_argument("--stream-interval", type=int, default=None,
+                    help="tokens per streamed chunk (default: the server's adaptive interval)")
     ap.add_argument("--text", action="store_true", help="give the engine a one-character-per-token tokenizer")
     ap.add_argument("--repeat", type=int, default=3, help="runs per level; the best is reported (default 3)")
     ap.add_argument("--seed", type=int, default=0)

@@ -14,6 +14,7 @@ core at the same time):
      a long prompt is never starved by short ones); nothing running is ever evicted;
   3. decode: ONE seq_step for every running sequence holding a sampled token not yet run;
   4. prefill: prompt chunks of the admitted requests, oldest first, at most chunk_tokens tokens per step in all
+     (CHUNK_TOKENS by device unless given)
      (so a long prompt never stalls the running sequences for more than one chunk);
   5. sampling: ONE seq_sample for every sequence with fresh logits (the ones just stepped and those whose prompt
      just finished), each with its own SamplingConfig, seed and step counter (= tokens it generated so far: a
@@ -109,6 +110,9 @@ class Request:
         self._error: Optional[BaseException] = None
         self._waker_lock = threading.Lock()
         self._waker: Optional[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = None
+        self._every: Optional[int] = 1  # batches(every): wake the consumer once per this many Deltas
+        self._unwoken = 0  # Deltas queued since the consumer was last woken
+        self._seen_token = False
 
     def __repr__(self) -> str:
         state = "finished" if self.finished else "live"
@@ -134,6 +138,16 @@ class Request:
             waker = self._waker
         if waker is None:
             return
+        if isinstance(item, Delta) and item.completion is None:
+            # a consumer asking for coarser wake-ups is woken for its first token (time to first token), then
+            # once per `every` Deltas; always for the last one and for an error
+            self._unwoken += 1
+            first = not self._seen_token and bool(item.token_ids)
+            self._seen_token = self._seen_token or first
+            every = self._every if self._every is not None else self._sched.adaptive_interval()
+            if not first and self._unwoken < every:
+                return
+        self._unwoken = 0
         loop, event = waker
         if wakes is not None:
             wakes.setdefault(loop, []).append(event)
@@ -170,12 +184,18 @@ class Request:
             for d in batch:
                 yield d
 
-    async def batches(self) -> AsyncIterator[list[Delta]]:
+    async def batches(self, every: Optional[int] = 1) -> AsyncIterator[list[Delta]]:
         """As __aiter__, but every Delta queued by the time the consumer looks comes at once, in order (never an
         empty list): a consumer slower than the steps (a server streaming to many clients) catches up in one go
-        instead of handling one Delta per wake-up. A failed request raises after the Deltas it produced."""
+        instead of handling one Delta per wake-up. A failed request raises after the Deltas it produced.
+        every: wake this consumer (after its first token) once per `every` Deltas, not at each one; None: the
+        scheduler's adaptive_interval(), coarser as more sequences run (each wake-up costs the event loop a
+        task switch and a write; at 64 streams they would hold the GIL longer than the core's step)."""
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+            raise InvalidRequestError(f"every must be an integer >= 1 or None (got {every!r})")
         event = asyncio.Event()
         with self._waker_lock:
+            self._every = every
             self._waker = (asyncio.get_running_loop(), event)
         self._sched.start()
         try:
@@ -247,6 +267,17 @@ class _Seq:
         return self.length < len(self.prompt) and self.pending is None and not self.generated
 
 
+# Scheduler(chunk_tokens=None): prompt tokens per step by device. The GPU prefills 2048 tokens in a few ms, so
+# 64 arriving 128-token prompts are admitted in 4 steps rather than 16 (each step also a decode of the running
+# ones: fewer, fuller steps reach the first tokens sooner); the CPU takes ~0.1 s per 512, which the running
+# sequences would wait for at every step.
+CHUNK_TOKENS = {"cuda": 2048, "cpu": 512}
+
+# Request.batches(None): a consumer is woken once per token while at most this many sequences run (see
+# Scheduler.adaptive_interval)
+STREAM_ROWS = 16
+
+
 def _pages(positions: int, page_size: int) -> int:
     return -(-positions // page_size)
 
@@ -255,8 +286,9 @@ class Scheduler:
     """Continuous batching over one Engine's sequence slots. One scheduler per engine (Engine.scheduler is it;
     constructing one registers it there). submit / cancel / properties from any thread."""
 
-    def __init__(self, engine: "Engine", *, max_batch: Optional[int] = None, chunk_tokens: int = 512,
+    def __init__(self, engine: "Engine", *, max_batch: Optional[int] = None, chunk_tokens: Optional[int] = None,
                  max_waiting: int = 1024):
+        """chunk_tokens: prompt tokens prefilled per step in all (None: CHUNK_TOKENS of the engine's device)."""
         core = engine._core
         if core is None:
             raise InvalidRequestError(f"{engine!r} is closed")
@@ -268,7 +300,7 @@ class Scheduler:
         if max_batch is not None and max_batch > limit:
             raise InvalidRequestError(f"Scheduler: max_batch={max_batch} exceeds the engine's {limit} slots")
         self.max_batch = max_batch or limit
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens = chunk_tokens or CHUNK_TOKENS.get(engine.device, CHUNK_TOKENS["cpu"])
         self.max_waiting = max_waiting
         self._engine = engine
         self._page_size = int(core.kv_page_size)
@@ -323,6 +355,12 @@ class Scheduler:
     def __repr__(self) -> str:
         return (f"Scheduler(running={self.running}, waiting={self.waiting}, max_batch={self.max_batch}, "
                 f"chunk_tokens={self.chunk_tokens}{', closed' if self._closed else ''})")
+
+    def adaptive_interval(self) -> int:
+        """Deltas per wake-up of a consumer of Request.batches(None): 1 while at most STREAM_ROWS sequences run,
+        then one more per STREAM_ROWS (64 running: every 4th token), so the event loop's work per step stays
+        about that of STREAM_ROWS streams however many run."""
+        return 1 + max(len(self._running) - 1, 0) // STREAM_ROWS
 
     # ---- submission ----
 

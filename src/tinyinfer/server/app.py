@@ -37,6 +37,7 @@ log = logging.getLogger("tinyinfer.server")
 
 MAX_BODY_BYTES = 4 << 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: the rest of the context
+NO_STREAM_EVERY = 1 << 30  # a whole answer needs waking for its end only (and its first token, for the log line)
 
 
 class ClientGone(Exception):
@@ -99,14 +100,14 @@ class _Choice:
         self.lp_chars = 0  # characters of the tokens whose logprobs were sent (the legacy format's text_offset)
 
 
-async def _deltas(c: _Choice) -> AsyncIterator[Delta]:
+async def _deltas(c: _Choice, every: Optional[int] = 1) -> AsyncIterator[Delta]:
     """The Deltas of one choice, those ready at once merged into one: a client served slower than the steps come
     gets multi-token chunks (OpenAI clients accept them) and catches up, rather than falling further behind one
     chunk per token. A request the KV pool could not give its next page (KvCacheFullError) ends as its length ran
     out: what it generated, finish_reason "length" (the client sees a short answer, no error)."""
     sent = 0
     try:
-        async for batch in c.req.batches():
+        async for batch in c.req.batches(every):
             d = merge_deltas(batch)
             sent += len(d.text)
             yield d
@@ -115,13 +116,14 @@ async def _deltas(c: _Choice) -> AsyncIterator[Delta]:
         yield Delta(e.completion.text[sent:], [], None, e.completion)
 
 
-async def _ready(choices: list[_Choice]) -> AsyncIterator[list[tuple[_Choice, Any]]]:
+async def _ready(choices: list[_Choice], every: Optional[int]) -> AsyncIterator[list[tuple[_Choice, Any]]]:
     """What the choices have ready, as (choice, merged Delta or the exception that failed it) in order, all that
-    is ready in one list (one write to the client). One choice: its Deltas directly; several: a task each."""
+    is ready in one list (one write to the client). One choice: its Deltas directly; several: a task each.
+    every: Request.batches' (Deltas per wake-up)."""
     if len(choices) == 1:
         c = choices[0]
         try:
-            async for d in _deltas(c):
+            async for d in _deltas(c, every):
                 yield [(c, d)]
         except Exception as e:  # the scheduler failed this request: the client is told in the stream
             yield [(c, e)]
@@ -130,7 +132,7 @@ async def _ready(choices: list[_Choice]) -> AsyncIterator[list[tuple[_Choice, An
 
     async def pump(c: _Choice) -> None:
         try:
-            async for d in _deltas(c):
+            async for d in _deltas(c, every):
                 queue.put_nowait((c, d))
         except Exception as e:
             queue.put_nowait((c, e))
@@ -196,8 +198,10 @@ class _Call:
 class Service:
     """What the routes do: check, tokenize, submit one scheduler Request per choice, answer or stream."""
 
-    def __init__(self, engine, scheduler, model_name: str, api_key: Optional[str], max_body_bytes: int):
+    def __init__(self, engine, scheduler, model_name: str, api_key: Optional[str], max_body_bytes: int,
+                 stream_interval: Optional[int] = None):
         self.engine = engine
+        self.stream_interval = stream_interval
         self.scheduler = scheduler
         self.model_name = model_name
         self.api_key = api_key
@@ -328,7 +332,7 @@ class Service:
     async def answer(self, request: Request, g: P.GenerationRequest, call: _Call) -> dict:
         """The whole answer; the client's disconnect (watched meanwhile) cancels the requests."""
         async def one(c: _Choice) -> None:
-            async for d in _deltas(c):
+            async for d in _deltas(c, NO_STREAM_EVERY):
                 call.saw(c, d)
 
         async def collect() -> None:
@@ -378,7 +382,7 @@ class Service:
                 yield "".join(fmt.chunk(P.stream_choice("chat", c.index, "", None, None, first=True))
                               for c in call.choices)
             left = len(call.choices)
-            async with contextlib.aclosing(_ready(call.choices)) as ready:
+            async with contextlib.aclosing(_ready(call.choices, self.stream_interval)) as ready:
                 async for items in ready:
                     out: list[str] = []
                     for c, d in items:
@@ -415,11 +419,16 @@ class Service:
 
 
 def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, stream_interval: Optional[int] = None) -> FastAPI:
     """The app serving `engine` through `scheduler` (started and closed by the app's lifespan) as `model_name`.
     api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (/health stays open for load balancers).
+    stream_interval: a stream's chunk goes out once per this many tokens (its first token and its end at once);
+    None: adaptive (Scheduler.adaptive_interval: 1 while few sequences run, every 4th token at 64).
     app.state.begin_shutdown(): stop generating now (tinyinfer serve calls it on Ctrl-C)."""
-    svc = Service(engine, scheduler, model_name, api_key, max_body_bytes)
+    if stream_interval is not None and (not isinstance(stream_interval, int) or isinstance(stream_interval, bool)
+                                        or stream_interval < 1):
+        raise InvalidRequestError(f"stream_interval must be an integer >= 1 or None (got {stream_interval!r})")
+    svc = Service(engine, scheduler, model_name, api_key, max_body_bytes, stream_interval)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -39,7 +39,10 @@ import serve_bench  # noqa: E402  (bench/ is not a package)
 
 
 class SleepCore:
-    """The core's slot API with fixed sleeps instead of work; page accounting as the real pools do it."""
+    """The core's slot API with fixed sleeps instead of work; page accounting as the real pools do it. It has a
+    device_name, so Engine.from_core takes it for a GPU core (the scheduler's GPU defaults apply)."""
+
+    device_name = "sleep (fake GPU core)"
 
     def __init__(self, max_batch: int = 64, step_ms: float = 1.5, prefill_ms: float = 0.3, sample_ms: float = 0.3,
                  page_size: int = 16, pages: int = 8192, vocab: int = 32000, max_seq_len: int = 2048):
@@ -149,10 +152,11 @@ def serve(a) -> None:
 
     eng = make_engine(a)
     core = eng._core
-    app = create_app(eng, make_scheduler(a, eng), model_name="bench", stream_interval=a.stream_interval)
+    kw = {} if a.stream_interval is None else {"stream_interval": a.stream_interval}
+    app = create_app(eng, make_scheduler(a, eng), model_name="bench", **kw)
     logging.getLogger("tinyinfer.server").setLevel(logging.WARNING)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=a.port, log_level="warning",
-                                           access_log=False))
+                                           access_log=False, http=a.http, loop=a.loop))
     prof = None
     if a.profile:
         import cProfile
@@ -210,9 +214,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--sample-ms", type=float, default=0.3, help="sleep per seq_sample (default 0.3)")
     ap.add_argument("--prefill-ms", type=float, default=0.3, help="sleep per 128 prompt tokens (default 0.3)")
     ap.add_argument("--prefill-tokens", type=int, default=None,
-                    help="the scheduler's prompt-token budget per step (default: the Scheduler's)")
+                    help="the scheduler's prompt tokens per step (default: the Scheduler's for cuda)")
     ap.add_argument("--stream-interval", type=int, default=None,
                     help="tokens per streamed chunk (default: the server's adaptive interval)")
+    ap.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"),
+                    help="uvicorn's HTTP implementation (auto: httptools when installed, as tinyinfer serve)")
+    ap.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                    help="uvicorn's event loop (auto: uvloop when installed, as tinyinfer serve)")
     ap.add_argument("--text", action="store_true", help="give the engine a one-character-per-token tokenizer")
     ap.add_argument("--repeat", type=int, default=3, help="runs per level; the best is reported (default 3)")
     ap.add_argument("--seed", type=int, default=0)
@@ -234,7 +242,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"serve_overhead: fake core {a.step_ms} ms/step + {a.sample_ms} ms/sample, prefill {a.prefill_ms} ms "
               f"per 128 tokens; prompts {a.lens}, {a.max_tokens} out, {a.rounds} per client")
         print(f"{'clients':>7} {'tok/s':>9} {'ceiling':>9} {'ratio':>6} {'wall s':>7} {'cpu us/tok':>10} "
-              f"{'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8}  (ms)")
+              f"{'tok/chunk':>9} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8}  (ms)")
         for c in levels:
             best = None
             for _ in range(a.repeat):
@@ -249,7 +257,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             r["ratio"] = r["output_tok_s"] / r["ceiling_tok_s"]
             rows.append(r)
             print(f"{c:>7} {r['output_tok_s']:>9.0f} {r['ceiling_tok_s']:>9.0f} {r['ratio']:>6.2f} "
-                  f"{r['wall_s']:>7.3f} {r['server_cpu_us_per_token']:>10.1f} {r['ttft_ms']['p50']:>9.1f} {r['ttft_ms']['p99']:>8.1f} "
+                  f"{r['wall_s']:>7.3f} {r['server_cpu_us_per_token']:>10.1f} {r['tokens_per_chunk']:>9.2f} "
+                  f"{r['ttft_ms']['p50']:>9.1f} {r['ttft_ms']['p99']:>8.1f} "
                   f"{r['itl_ms']['p50']:>8.2f} {r['itl_ms']['p99']:>8.2f}"
                   + (f"  {r['failed']} failed: {r['errors'][0]}" if r["failed"] else ""))
     finally:

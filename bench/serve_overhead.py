@@ -235,7 +235,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         serve(a)
         return 0
     levels = serve_bench._ints(a.concurrency, "--concurrency")
-    proc, url = start(a, [x for x in argv if x != "--json"])
+    proc, url = start(a, argv)  # the server ignores the client-side flags
     rows = []
     try:
         asyncio.run(serve_bench.run_level(url, "bench", 1, 1, a.lens[:1], 4, a.seed))  # warm-up

@@ -9,8 +9,9 @@
 Prompts are synthetic token ids (so any model works, tokenizer or not) of mixed lengths (--prompt-lens, drawn
 per request from a seeded RNG); every request asks for exactly --max-tokens tokens (ignore_eos), streamed from
 /v1/completions with the usage chunk. Each client sends --rounds requests one after another. TTFT: request sent
--> first streamed chunk; ITL: the gaps between a request's later chunks (one chunk per scheduler step);
-throughput: all completion tokens / the level's wall time. --shape writes a random-weight HF model at a real
+-> first streamed chunk; ITL: the gaps between a request's later chunks (a chunk holds the tokens of one step, or
+of several when the server streams at an interval: `tok/chunk`); throughput: all completion tokens / the level's
+wall time (from the first request sent, the server already up and warm, to the last stream's end). --shape writes a random-weight HF model at a real
 shape first (bench/tools/make_random_model.py, needs torch).
 """
 
@@ -85,7 +86,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                 tokens = chunk["usage"]["completion_tokens"]
     if not stamps:
         return {"error": "no token chunks"}
-    return {"ttft": stamps[0] - t0, "itl": list(np.diff(stamps)), "tokens": tokens, "prompt": len(prompt)}
+    return {"ttft": stamps[0] - t0, "itl": list(np.diff(stamps)), "tokens": tokens, "prompt": len(prompt),
+            "chunks": len(stamps)}
 
 
 async def run_level(url: str, model: str, concurrency: int, rounds: int, lens: list[int], max_tokens: int,
@@ -114,7 +116,8 @@ async def run_level(url: str, model: str, concurrency: int, rounds: int, lens: l
                                                                            if "error" in r][:5],
             "failed": len(results) - len(ok), "wall_s": wall, "completion_tokens": tokens,
             "prompt_tokens": sum(r["prompt"] for r in ok), "output_tok_s": tokens / wall,
-            "requests_s": len(ok) / wall, "ttft_ms": pct(ttft), "itl_ms": pct(itl)}
+            "requests_s": len(ok) / wall, "ttft_ms": pct(ttft), "itl_ms": pct(itl),
+            "tokens_per_chunk": tokens / max(sum(r["chunks"] for r in ok), 1)}
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -167,7 +170,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{a.rounds} per client; KV pages {health.get('kv_pages_total')}")
         asyncio.run(run_level(url, model, 1, 1, lens[:1], 4, a.seed))  # warm-up: first graphs and tactics
         print(f"{'clients':>7} {'reqs':>5} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} "
-              f"{'p99':>8}  (ms)")
+              f"{'p99':>8} {'tok/chunk':>9}  (ms)")
         rows = []
         for c in levels:
             r = asyncio.run(run_level(url, model, c, a.rounds, lens, a.max_tokens, a.seed))
@@ -175,7 +178,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             f = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
             print(f"{c:>7} {r['requests']:>5} {r['output_tok_s']:>9.1f} {r['requests_s']:>7.2f} "
                   f"{f(r['ttft_ms']['p50']):>9} {f(r['ttft_ms']['p99']):>8} {f(r['itl_ms']['p50']):>8} "
-                  f"{f(r['itl_ms']['p99']):>8}" + (f"  {r['failed']} failed: {r['errors'][0]}" if r["failed"] else ""))
+                  f"{f(r['itl_ms']['p99']):>8} {r['tokens_per_chunk']:>9.2f}"
+                  + (f"  {r['failed']} failed: {r['errors'][0]}" if r["failed"] else ""))
         out = {"model": label, "device": a.device, "dtype": a.dtype, "max_batch": a.max_batch,
                "prompt_lens": lens, "max_tokens": a.max_tokens, "rounds": a.rounds, "levels": rows}
         if a.json:

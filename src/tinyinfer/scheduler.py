@@ -77,11 +77,13 @@ def merge_deltas(deltas: Sequence[Delta]) -> Delta:
     """Consecutive Deltas of one request as one (text joined, ids and logprobs in order, the last completion)."""
     if len(deltas) == 1:
         return deltas[0]
-    lps = None
-    if any(d.logprobs is not None for d in deltas):
-        lps = [x for d in deltas for x in (d.logprobs or ())]
-    return Delta("".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids], lps,
-                 deltas[-1].completion)
+    text, ids, lps = [], [], None
+    for d in deltas:
+        text.append(d.text)
+        ids += d.token_ids
+        if d.logprobs is not None:
+            lps = (lps or []) + d.logprobs
+    return Delta("".join(text), ids, lps, deltas[-1].completion)
 
 
 def _wake(loop: asyncio.AbstractEventLoop, events: list) -> None:

@@ -2,7 +2,8 @@
 wakes a stream once per that many tokens): the pieces must still join to the whole text, the logprobs entries
 come in order and the legacy text_offset counts on. The real app in-process (httpx's ASGI transport) over the
 scheduler tests' pure-Python fake core, with a one-character-per-token tokenizer and a logprob per position, so
-text and logprobs are exact and any loss or reordering shows."""
+text and logprobs are exact and any loss or reordering shows. Also: the adaptive interval's growth with the
+batch, and the scheduler's prompt-token budget by device."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from test_scheduler import FakeCore
-from tinyinfer import Engine, InvalidRequestError, Scheduler
+from tinyinfer import Engine, InvalidRequestError, SamplingParams, Scheduler
 from tinyinfer.scheduler import Delta, TokenLogprob, merge_deltas
 
 pytest.importorskip("fastapi")
@@ -150,3 +151,29 @@ def test_bad_stream_interval_is_refused():
         with pytest.raises(InvalidRequestError, match="every"):
             asyncio.run(consume(bad))
     sched.close()
+
+
+def test_adaptive_interval_grows_with_the_batch():
+    core = FakeCore(max_batch=64, pages=1024)
+    sched = Scheduler(Engine.from_core(core, SimpleNamespace(vocab=core.vocab, eos_token_ids=[]), max_seq_len=512))
+    assert sched.adaptive_interval() == 1
+    seen = []
+    for n in (16, 1, 47):  # running: 16, 17, 64
+        for _ in range(n):
+            sched.submit([1, 2, 3], SamplingParams(max_tokens=100))
+        sched.step()
+        seen.append((sched.running, sched.adaptive_interval()))
+    assert seen == [(16, 1), (17, 2), (64, 4)]
+    sched.close()
+
+
+def test_chunk_tokens_default_by_device():
+    class GpuCore(FakeCore):
+        device_name = "fake GPU"
+
+    for core, want in ((FakeCore(), 512), (GpuCore(), 2048)):
+        eng = Engine.from_core(core, SimpleNamespace(vocab=core.vocab, eos_token_ids=[]), max_seq_len=512)
+        assert Scheduler(eng).chunk_tokens == want
+        eng.close()
+    assert Scheduler(Engine.from_core(FakeCore(), SimpleNamespace(vocab=50, eos_token_ids=[]), max_seq_len=512),
+                     chunk_tokens=7).chunk_tokens == 7

@@ -242,7 +242,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"serve_overhead: fake core {a.step_ms} ms/step + {a.sample_ms} ms/sample, prefill {a.prefill_ms} ms "
               f"per 128 tokens; prompts {a.lens}, {a.max_tokens} out, {a.rounds} per client")
         print(f"{'clients':>7} {'tok/s':>9} {'ceiling':>9} {'ratio':>6} {'wall s':>7} {'cpu us/tok':>10} "
-              f"{'tok/chunk':>9} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8}  (ms)")
+              f"{'tok/chunk':>9} {'client cpu':>10} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8}  (ms)")
         for c in levels:
             best = None
             for _ in range(a.repeat):
@@ -257,7 +257,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             r["ratio"] = r["output_tok_s"] / r["ceiling_tok_s"]
             rows.append(r)
             print(f"{c:>7} {r['output_tok_s']:>9.0f} {r['ceiling_tok_s']:>9.0f} {r['ratio']:>6.2f} "
-                  f"{r['wall_s']:>7.3f} {r['server_cpu_us_per_token']:>10.1f} {r['tokens_per_chunk']:>9.2f} "
+                  f"{r['wall_s']:>7.3f} {r['server_cpu_us_per_token']:>10.1f} {r['tokens_per_chunk']:>9.2f} {r['client_cpu']:>9.0%} "
                   f"{r['ttft_ms']['p50']:>9.1f} {r['ttft_ms']['p99']:>8.1f} "
                   f"{r['itl_ms']['p50']:>8.2f} {r['itl_ms']['p99']:>8.2f}"
                   + (f"  {r['failed']} failed: {r['errors'][0]}" if r["failed"] else ""))

@@ -20,7 +20,8 @@ core at the same time):
      just finished), each with its own SamplingConfig, seed and step counter (= tokens it generated so far: a
      seeded request samples exactly what it samples alone on the single path);
   6. deltas: each request's new text (stop strings, EOS / stop ids, max_tokens checked as Engine.generate does)
-     goes to its thread-safe queue; a request that ends has its slot closed in this very step.
+     goes to its thread-safe queue; a request that ends has its slot closed in this very step. asyncio consumers
+     are woken when the step ends, one call_soon_threadsafe per event loop (Request.batches: at an interval).
 
 Decode out of KV pages: running sequences come first; admitted requests still in their prompt go back to the
 queue (they have shown nothing); if that is not enough, the youngest of the sequences that need a page end

@@ -238,7 +238,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     proc, url = start(a, argv)  # the server ignores the client-side flags
     rows = []
     try:
-        asyncio.run(serve_bench.run_level(url, "bench", 1, 1, a.lens[:1], 4, a.seed))  # warm-up
+        for c in sorted({1, *levels}):  # warm-up as serve_bench's
+            asyncio.run(serve_bench.run_level(url, "bench", c, 1, a.lens, 4, a.seed - 1))
         print(f"serve_overhead: fake core {a.step_ms} ms/step + {a.sample_ms} ms/sample, prefill {a.prefill_ms} ms "
               f"per 128 tokens; prompts {a.lens}, {a.max_tokens} out, {a.rounds} per client")
         print(f"{'clients':>7} {'tok/s':>9} {'ceiling':>9} {'ratio':>6} {'wall s':>7} {'cpu us/tok':>10} "

@@ -9,8 +9,10 @@
 Prompts are synthetic token ids (so any model works, tokenizer or not) of mixed lengths (--prompt-lens, drawn
 per request from a seeded RNG); every request asks for exactly --max-tokens tokens (ignore_eos), streamed from
 /v1/completions with the usage chunk. Each client sends --rounds requests one after another. TTFT: request sent
--> first streamed chunk; ITL: the gaps between a request's later chunks (one chunk per scheduler step);
-throughput: all completion tokens / the level's wall time. --shape writes a random-weight HF model at a real
+-> first streamed chunk; ITL: the gaps between a request's later chunks (a chunk holds the tokens of one step, or
+of several when the server streams at an interval: `tok/chunk`); throughput: all completion tokens / the level's
+wall time (from the first request sent, the server already up and warm, to the last stream's end); client cpu:
+the clients' process CPU time / wall (near 100%: the clients, one Python process, set the pace, not the server). --shape writes a random-weight HF model at a real
 shape first (bench/tools/make_random_model.py, needs torch).
 """
 
@@ -85,7 +87,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                 tokens = chunk["usage"]["completion_tokens"]
     if not stamps:
         return {"error": "no token chunks"}
-    return {"ttft": stamps[0] - t0, "itl": list(np.diff(stamps)), "tokens": tokens, "prompt": len(prompt)}
+    return {"ttft": stamps[0] - t0, "itl": list(np.diff(stamps)), "tokens": tokens, "prompt": len(prompt),
+            "chunks": len(stamps)}
 
 
 async def run_level(url: str, model: str, concurrency: int, rounds: int, lens: list[int], max_tokens: int,
@@ -97,9 +100,9 @@ async def run_level(url: str, model: str, concurrency: int, rounds: int, lens: l
         async def worker(w: int) -> list[dict]:
             return [await one_request(client, url, model, prompts[w * rounds + i], max_tokens) for i in range(rounds)]
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         results = [r for rs in await asyncio.gather(*(worker(w) for w in range(concurrency))) for r in rs]
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     ok = [r for r in results if "error" not in r]
     ttft = np.array([r["ttft"] for r in ok]) * 1e3
     itl = np.array([x for r in ok for x in r["itl"]]) * 1e3
@@ -114,7 +117,9 @@ async def run_level(url: str, model: str, concurrency: int, rounds: int, lens: l
                                                                            if "error" in r][:5],
             "failed": len(results) - len(ok), "wall_s": wall, "completion_tokens": tokens,
             "prompt_tokens": sum(r["prompt"] for r in ok), "output_tok_s": tokens / wall,
-            "requests_s": len(ok) / wall, "ttft_ms": pct(ttft), "itl_ms": pct(itl)}
+            "requests_s": len(ok) / wall, "ttft_ms": pct(ttft), "itl_ms": pct(itl),
+            "tokens_per_chunk": tokens / max(sum(r["chunks"] for r in ok), 1),
+            "client_cpu": cpu / wall}  # near 1.0: this one-process client, not the server, set the pace
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -165,9 +170,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         health = httpx.get(f"{url}/health", timeout=30).json()
         print(f"serve_bench: {label} at {url}; prompts {lens} tokens, {a.max_tokens} generated each, "
               f"{a.rounds} per client; KV pages {health.get('kv_pages_total')}")
-        asyncio.run(run_level(url, model, 1, 1, lens[:1], 4, a.seed))  # warm-up: first graphs and tactics
+        # warm-up, untimed: every prompt length at every level's concurrency (on the GPU each
+        # batch bucket's decode graph is captured on its first use: a cold 64-client level would pay those)
+        for c in sorted({1, *levels}):
+            asyncio.run(run_level(url, model, c, 1, lens, 4, a.seed - 1))
         print(f"{'clients':>7} {'reqs':>5} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} "
-              f"{'p99':>8}  (ms)")
+              f"{'p99':>8} {'tok/chunk':>9} {'client cpu':>10}  (ms)")
         rows = []
         for c in levels:
             r = asyncio.run(run_level(url, model, c, a.rounds, lens, a.max_tokens, a.seed))
@@ -175,7 +183,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             f = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
             print(f"{c:>7} {r['requests']:>5} {r['output_tok_s']:>9.1f} {r['requests_s']:>7.2f} "
                   f"{f(r['ttft_ms']['p50']):>9} {f(r['ttft_ms']['p99']):>8} {f(r['itl_ms']['p50']):>8} "
-                  f"{f(r['itl_ms']['p99']):>8}" + (f"  {r['failed']} failed: {r['errors'][0]}" if r["failed"] else ""))
+                  f"{f(r['itl_ms']['p99']):>8} {r['tokens_per_chunk']:>9.2f} {r['client_cpu']:>9.0%}"
+                  + (f"  {r['failed']} failed: {r['errors'][0]}" if r["failed"] else ""))
         out = {"model": label, "device": a.device, "dtype": a.dtype, "max_batch": a.max_batch,
                "prompt_lens": lens, "max_tokens": a.max_tokens, "rounds": a.rounds, "levels": rows}
         if a.json:

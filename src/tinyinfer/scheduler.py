@@ -14,12 +14,14 @@ core at the same time):
      a long prompt is never starved by short ones); nothing running is ever evicted;
   3. decode: ONE seq_step for every running sequence holding a sampled token not yet run;
   4. prefill: prompt chunks of the admitted requests, oldest first, at most chunk_tokens tokens per step in all
+     (CHUNK_TOKENS by device unless given)
      (so a long prompt never stalls the running sequences for more than one chunk);
   5. sampling: ONE seq_sample for every sequence with fresh logits (the ones just stepped and those whose prompt
      just finished), each with its own SamplingConfig, seed and step counter (= tokens it generated so far: a
      seeded request samples exactly what it samples alone on the single path);
   6. deltas: each request's new text (stop strings, EOS / stop ids, max_tokens checked as Engine.generate does)
-     goes to its thread-safe queue; a request that ends has its slot closed in this very step.
+     goes to its thread-safe queue; a request that ends has its slot closed in this very step. asyncio consumers
+     are woken when the step ends, one call_soon_threadsafe per event loop (Request.batches: at an interval).
 
 Decode out of KV pages: running sequences come first; admitted requests still in their prompt go back to the
 queue (they have shown nothing); if that is not enough, the youngest of the sequences that need a page end
@@ -72,6 +74,32 @@ class Delta:
     completion: Optional[Completion] = None  # on the request's last Delta only
 
 
+def merge_deltas(deltas: Sequence[Delta]) -> Delta:
+    """Consecutive Deltas of one request as one (text joined, ids and logprobs in order, the last completion)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    text, ids, lps = [], [], None
+    for d in deltas:
+        text.append(d.text)
+        ids += d.token_ids
+        if d.logprobs is not None:
+            lps = (lps or []) + d.logprobs
+    return Delta("".join(text), ids, lps, deltas[-1].completion)
+
+
+def _wake(loop: asyncio.AbstractEventLoop, events: list) -> None:
+    """Set asyncio Events from another thread: one hand-off to their loop for all of them."""
+    try:
+        loop.call_soon_threadsafe(_set_all, events)
+    except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+        pass
+
+
+def _set_all(events: list) -> None:
+    for e in events:
+        e.set()
+
+
 class Request:
     """A submitted request: a handle that any thread may wait on, iterate (one consumer) or cancel."""
 
@@ -85,6 +113,9 @@ class Request:
         self._error: Optional[BaseException] = None
         self._waker_lock = threading.Lock()
         self._waker: Optional[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = None
+        self._every: Optional[int] = 1  # batches(every): wake the consumer once per this many Deltas
+        self._unwoken = 0  # Deltas queued since the consumer was last woken
+        self._seen_token = False
 
     def __repr__(self) -> str:
         state = "finished" if self.finished else "live"
@@ -96,7 +127,9 @@ class Request:
 
     # ---- the producer side (the scheduler) ----
 
-    def _put(self, item: Union[Delta, BaseException]) -> None:
+    def _put(self, item: Union[Delta, BaseException], wakes: Optional[dict] = None) -> None:
+        """Queue an item and wake an asyncio consumer: at once, or (wakes given: the scheduler's step collects
+        them) by one call_soon_threadsafe per event loop when the step ends, not one per request."""
         if isinstance(item, BaseException):
             self._error = item
         elif item.completion is not None:
@@ -106,12 +139,23 @@ class Request:
             self._done.set()
         with self._waker_lock:
             waker = self._waker
-        if waker is not None:
-            loop, event = waker
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
-                pass
+        if waker is None:
+            return
+        if isinstance(item, Delta) and item.completion is None:
+            # a consumer asking for coarser wake-ups is woken for its first token (time to first token), then
+            # once per `every` Deltas; always for the last one and for an error
+            self._unwoken += 1
+            first = not self._seen_token and bool(item.token_ids)
+            self._seen_token = self._seen_token or first
+            every = self._every if self._every is not None else self._sched.adaptive_interval()
+            if not first and self._unwoken < every:
+                return
+        self._unwoken = 0
+        loop, event = waker
+        if wakes is not None:
+            wakes.setdefault(loop, []).append(event)
+        else:
+            _wake(loop, [event])
 
     # ---- the consumer side ----
 
@@ -139,22 +183,42 @@ class Request:
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         """As __iter__, for asyncio: waits on an asyncio.Event the scheduler's thread sets, blocking no thread."""
+        async for batch in self.batches():
+            for d in batch:
+                yield d
+
+    async def batches(self, every: Optional[int] = 1) -> AsyncIterator[list[Delta]]:
+        """As __aiter__, but every Delta queued by the time the consumer looks comes at once, in order (never an
+        empty list): a consumer slower than the steps (a server streaming to many clients) catches up in one go
+        instead of handling one Delta per wake-up. A failed request raises after the Deltas it produced.
+        every: wake this consumer (after its first token) once per `every` Deltas, not at each one; None: the
+        scheduler's adaptive_interval(), coarser as more sequences run (each wake-up costs the event loop a
+        task switch and a write; at 64 streams they would hold the GIL longer than the core's step)."""
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+            raise InvalidRequestError(f"every must be an integer >= 1 or None (got {every!r})")
         event = asyncio.Event()
         with self._waker_lock:
+            self._every = every
             self._waker = (asyncio.get_running_loop(), event)
         self._sched.start()
         try:
             while True:
+                batch: list = []
                 try:
-                    item = self._items.get_nowait()
+                    while True:
+                        batch.append(self._items.get_nowait())
                 except queue.Empty:
+                    pass
+                if not batch:
                     await event.wait()
                     event.clear()  # then look again: a set that came before the clear left its item queued
                     continue
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.completion is not None:
+                error = batch.pop() if isinstance(batch[-1], BaseException) else None  # nothing comes after it
+                if batch:
+                    yield batch
+                if error is not None:
+                    raise error
+                if batch[-1].completion is not None:
                     return
         finally:
             with self._waker_lock:
@@ -206,6 +270,17 @@ class _Seq:
         return self.length < len(self.prompt) and self.pending is None and not self.generated
 
 
+# Scheduler(chunk_tokens=None): prompt tokens per step by device. The GPU prefills 2048 tokens in a few ms, so
+# 64 arriving 128-token prompts are admitted in 4 steps rather than 16 (each step also a decode of the running
+# ones: fewer, fuller steps reach the first tokens sooner); the CPU takes ~0.1 s per 512, which the running
+# sequences would wait for at every step.
+CHUNK_TOKENS = {"cuda": 2048, "cpu": 512}
+
+# Request.batches(None): a consumer is woken once per token while at most this many sequences run (see
+# Scheduler.adaptive_interval)
+STREAM_ROWS = 16
+
+
 def _pages(positions: int, page_size: int) -> int:
     return -(-positions // page_size)
 
@@ -214,8 +289,9 @@ class Scheduler:
     """Continuous batching over one Engine's sequence slots. One scheduler per engine (Engine.scheduler is it;
     constructing one registers it there). submit / cancel / properties from any thread."""
 
-    def __init__(self, engine: "Engine", *, max_batch: Optional[int] = None, chunk_tokens: int = 512,
+    def __init__(self, engine: "Engine", *, max_batch: Optional[int] = None, chunk_tokens: Optional[int] = None,
                  max_waiting: int = 1024):
+        """chunk_tokens: prompt tokens prefilled per step in all (None: CHUNK_TOKENS of the engine's device)."""
         core = engine._core
         if core is None:
             raise InvalidRequestError(f"{engine!r} is closed")
@@ -227,7 +303,7 @@ class Scheduler:
         if max_batch is not None and max_batch > limit:
             raise InvalidRequestError(f"Scheduler: max_batch={max_batch} exceeds the engine's {limit} slots")
         self.max_batch = max_batch or limit
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens = chunk_tokens or CHUNK_TOKENS.get(engine.device, CHUNK_TOKENS["cpu"])
         self.max_waiting = max_waiting
         self._engine = engine
         self._page_size = int(core.kv_page_size)
@@ -243,6 +319,9 @@ class Scheduler:
         self._started = False
         self._thread: Optional[threading.Thread] = None
         self._reraised: Optional[BaseException] = None  # the last exception step() raised after failing its requests
+        # during a step: the asyncio consumers to wake when it ends (event loop -> Events), so a step hands each
+        # loop one call_soon_threadsafe rather than one per request (64 self-pipe writes and wake-ups a step)
+        self._wakes: Optional[dict] = None
         with engine._sched_lock:
             if engine._scheduler is not None and not engine._scheduler._closed:
                 raise InvalidRequestError(f"{engine!r} already has a scheduler (Engine.scheduler)")
@@ -279,6 +358,12 @@ class Scheduler:
     def __repr__(self) -> str:
         return (f"Scheduler(running={self.running}, waiting={self.waiting}, max_batch={self.max_batch}, "
                 f"chunk_tokens={self.chunk_tokens}{', closed' if self._closed else ''})")
+
+    def adaptive_interval(self) -> int:
+        """Deltas per wake-up of a consumer of Request.batches(None): 1 while at most STREAM_ROWS sequences run,
+        then one more per STREAM_ROWS (64 running: every 4th token), so the event loop's work per step stays
+        about that of STREAM_ROWS streams however many run."""
+        return 1 + max(len(self._running) - 1, 0) // STREAM_ROWS
 
     # ---- submission ----
 
@@ -422,7 +507,13 @@ class Scheduler:
             return False
         try:
             with eng._exclusive():
-                self._step_locked(eng._core)
+                self._wakes = {}
+                try:
+                    self._step_locked(eng._core)
+                finally:
+                    wakes, self._wakes = self._wakes, None
+                    for loop, events in wakes.items():
+                        _wake(loop, events)
         finally:
             with self._state:
                 self._state.notify_all()  # wait_idle() looks again
@@ -582,7 +673,7 @@ class Scheduler:
             finish = "length"
         if finish is None:
             seq.pending = tok
-            seq.request._put(Delta(piece, [tok], None if lp is None else [lp]))
+            seq.request._put(Delta(piece, [tok], None if lp is None else [lp]), self._wakes)
         else:
             self._end(core, seq, finish, piece=piece, last_ids=[tok], last_lp=None if lp is None else [lp])
 
@@ -618,11 +709,11 @@ class Scheduler:
         if error is not None:
             if isinstance(error, KvCacheFullError):
                 error.completion = self._completion(seq, finish)
-            seq.request._put(error)
+            seq.request._put(error, self._wakes)
             return
         if last_lp is None and seq.logprobs is not None:
             last_lp = []
-        seq.request._put(Delta(piece, list(last_ids), last_lp, self._completion(seq, finish)))
+        seq.request._put(Delta(piece, list(last_ids), last_lp, self._completion(seq, finish)), self._wakes)
 
     def _fail_all(self, error: BaseException) -> None:
         """End every live request with `error` (the engine closed under us, or a failure step() could not pin
@@ -655,4 +746,4 @@ class Scheduler:
                           logprobs=None if seq.logprobs is None else list(seq.logprobs))
 
 
-__all__ = ["Scheduler", "Request", "Delta", "TokenLogprob"]
+__all__ = ["Scheduler", "Request", "Delta", "TokenLogprob", "merge_deltas"]

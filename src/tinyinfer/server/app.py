@@ -30,13 +30,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ChatTemplateError, InvalidRequestError, KvCacheFullError, QueueFullError, TokenizerError
-from ..scheduler import Delta
+from ..scheduler import Delta, merge_deltas
 from . import protocol as P
 
 log = logging.getLogger("tinyinfer.server")
 
 MAX_BODY_BYTES = 4 << 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: the rest of the context
+NO_STREAM_EVERY = 1 << 30  # a whole answer needs waking for its end only (and its first token, for the log line)
 
 
 class ClientGone(Exception):
@@ -99,17 +100,53 @@ class _Choice:
         self.lp_chars = 0  # characters of the tokens whose logprobs were sent (the legacy format's text_offset)
 
 
-async def _deltas(c: _Choice) -> AsyncIterator[Delta]:
-    """The Deltas of one choice. A request the KV pool could not give its next page (KvCacheFullError) ends as
-    its length ran out: what it generated, finish_reason "length" (the client sees a short answer, no error)."""
+async def _deltas(c: _Choice, every: Optional[int] = 1) -> AsyncIterator[Delta]:
+    """The Deltas of one choice, those ready at once merged into one: a client served slower than the steps come
+    gets multi-token chunks (OpenAI clients accept them) and catches up, rather than falling further behind one
+    chunk per token. A request the KV pool could not give its next page (KvCacheFullError) ends as its length ran
+    out: what it generated, finish_reason "length" (the client sees a short answer, no error)."""
     sent = 0
     try:
-        async for d in c.req:
+        async for batch in c.req.batches(every):
+            d = merge_deltas(batch)
             sent += len(d.text)
             yield d
     except KvCacheFullError as e:
         log.warning("%s: %s", c.req.id, e)
         yield Delta(e.completion.text[sent:], [], None, e.completion)
+
+
+async def _ready(choices: list[_Choice], every: Optional[int]) -> AsyncIterator[list[tuple[_Choice, Any]]]:
+    """What the choices have ready, as (choice, merged Delta or the exception that failed it) in order, all that
+    is ready in one list (one write to the client). One choice: its Deltas directly; several: a task each.
+    every: Request.batches' (Deltas per wake-up)."""
+    if len(choices) == 1:
+        c = choices[0]
+        try:
+            async for d in _deltas(c, every):
+                yield [(c, d)]
+        except Exception as e:  # the scheduler failed this request: the client is told in the stream
+            yield [(c, e)]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: _Choice) -> None:
+        try:
+            async for d in _deltas(c, every):
+                queue.put_nowait((c, d))
+        except Exception as e:
+            queue.put_nowait((c, e))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        while True:
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            yield items
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 class _Call:
@@ -161,8 +198,10 @@ class _Call:
 class Service:
     """What the routes do: check, tokenize, submit one scheduler Request per choice, answer or stream."""
 
-    def __init__(self, engine, scheduler, model_name: str, api_key: Optional[str], max_body_bytes: int):
+    def __init__(self, engine, scheduler, model_name: str, api_key: Optional[str], max_body_bytes: int,
+                 stream_interval: Optional[int] = None):
         self.engine = engine
+        self.stream_interval = stream_interval
         self.scheduler = scheduler
         self.model_name = model_name
         self.api_key = api_key
@@ -269,7 +308,10 @@ class Service:
         self.check_auth(request)
         g = parse(await _read_json(request, self.max_body_bytes))
         self.check_model(g.model)
-        prompts = await run_in_threadpool(self.prompt_ids, g)
+        if g.kind == "completion" and not any(isinstance(p, str) for p in g.prompts):
+            prompts = self.prompt_ids(g)  # token ids: only checked, no worker-thread hop (~0.5 ms a request)
+        else:
+            prompts = await run_in_threadpool(self.prompt_ids, g)
         call = self.submit(g, prompts, f"{'chatcmpl' if g.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}")
         if g.stream:
             return DisconnectAwareStream(self.events(g, call), media_type="text/event-stream",
@@ -293,7 +335,7 @@ class Service:
     async def answer(self, request: Request, g: P.GenerationRequest, call: _Call) -> dict:
         """The whole answer; the client's disconnect (watched meanwhile) cancels the requests."""
         async def one(c: _Choice) -> None:
-            async for d in _deltas(c):
+            async for d in _deltas(c, NO_STREAM_EVERY):
                 call.saw(c, d)
 
         async def collect() -> None:
@@ -329,67 +371,67 @@ class Service:
                 "system_fingerprint": None}
 
     async def events(self, g: P.GenerationRequest, call: _Call) -> AsyncIterator[str]:
-        """SSE: a chunk per step of each choice (text or not: clients can time tokens), its finish chunk, the
-        usage chunk when asked, `data: [DONE]`. Cancelled (the client left) -> `finally` cancels the requests."""
-        obj = "chat.completion.chunk" if g.kind == "chat" else "text_completion"
-        head: dict[str, Any] = {"id": call.id, "object": obj, "created": int(time.time()), "model": self.model_name}
+        """SSE: chunks of each choice's new text (all that is ready: one token per chunk while the client keeps
+        up, several when it lags), its finish chunk, the usage chunk when asked, `data: [DONE]`; what is ready
+        at once goes out in one write. Cancelled (the client left) -> `finally` cancels the requests."""
+        head: dict[str, Any] = {"id": call.id, "object": "chat.completion.chunk" if g.kind == "chat"
+                                else "text_completion", "created": int(time.time()), "model": self.model_name}
         if g.kind == "chat":
             head["system_fingerprint"] = None
-
-        def chunk(*choices: dict) -> str:
-            return P.sse({**head, "choices": list(choices), **({"usage": None} if g.include_usage else {})})
-
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(c: _Choice) -> None:
-            try:
-                async for d in _deltas(c):
-                    await queue.put((c, d))
-            except Exception as e:  # the scheduler failed this request: the client is told in the stream
-                await queue.put((c, e))
-
-        tasks = [asyncio.ensure_future(pump(c)) for c in call.choices]
+        fmt = P.ChunkFormat(head, g.kind, g.include_usage)
         outcome = "client gone"
         try:
             if g.kind == "chat":
-                for c in call.choices:
-                    yield chunk(P.stream_choice("chat", c.index, "", None, None, first=True))
+                yield "".join(fmt.chunk(P.stream_choice("chat", c.index, "", None, None, first=True))
+                              for c in call.choices)
             left = len(call.choices)
-            while left:
-                c, d = await queue.get()
-                if isinstance(d, Exception):
-                    outcome = "failed"
-                    yield P.sse(P.APIError(500, f"generation failed: {type(d).__name__}: {d}").body())
-                    return
-                call.saw(c, d)
-                lp = self.logprobs_of(g, d.logprobs, c)
-                if d.text or lp or d.token_ids:
-                    yield chunk(P.stream_choice(g.kind, c.index, d.text, lp, None))
-                if d.completion is None:
-                    continue
-                if d.completion.finish_reason == "cancelled":  # only close() cancels these
-                    outcome = "server shutdown"
-                    yield P.sse(self.shutting_down().body())
-                    return
-                left -= 1
-                yield chunk(P.stream_choice(g.kind, c.index, "", None, d.completion.finish_reason))
-            if g.include_usage:
-                yield P.sse({**head, "choices": [], "usage": call.usage()})
-            yield "data: [DONE]\n\n"
-            outcome = call.finish_reasons()
+            async with contextlib.aclosing(_ready(call.choices, self.stream_interval)) as ready:
+                async for items in ready:
+                    out: list[str] = []
+                    for c, d in items:
+                        if isinstance(d, Exception):
+                            outcome = "failed"
+                            out.append(P.sse(P.APIError(500, f"generation failed: {type(d).__name__}: {d}").body()))
+                            yield "".join(out)
+                            return
+                        call.saw(c, d)
+                        lp = self.logprobs_of(g, d.logprobs, c)
+                        if d.text or lp or d.token_ids:
+                            out.append(fmt.text(c.index, d.text, lp))
+                        if d.completion is None:
+                            continue
+                        if d.completion.finish_reason == "cancelled":  # only close() cancels these
+                            outcome = "server shutdown"
+                            out.append(P.sse(self.shutting_down().body()))
+                            yield "".join(out)
+                            return
+                        left -= 1
+                        out.append(fmt.finish(c.index, d.completion.finish_reason))
+                    if not left:
+                        if g.include_usage:
+                            out.append(P.sse({**head, "choices": [], "usage": call.usage()}))
+                        out.append("data: [DONE]\n\n")
+                        outcome = call.finish_reasons()
+                        yield "".join(out)
+                        return
+                    if out:
+                        yield "".join(out)
         finally:
-            for t in tasks:
-                t.cancel()
             call.cancel_unfinished()
             call.log(outcome)
 
 
 def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, stream_interval: Optional[int] = None) -> FastAPI:
     """The app serving `engine` through `scheduler` (started and closed by the app's lifespan) as `model_name`.
     api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (/health stays open for load balancers).
+    stream_interval: a stream's chunk goes out once per this many tokens (its first token and its end at once);
+    None: adaptive (Scheduler.adaptive_interval: 1 while few sequences run, every 4th token at 64).
     app.state.begin_shutdown(): stop generating now (tinyinfer serve calls it on Ctrl-C)."""
-    svc = Service(engine, scheduler, model_name, api_key, max_body_bytes)
+    if stream_interval is not None and (not isinstance(stream_interval, int) or isinstance(stream_interval, bool)
+                                        or stream_interval < 1):
+        raise InvalidRequestError(f"stream_interval must be an integer >= 1 or None (got {stream_interval!r})")
+    svc = Service(engine, scheduler, model_name, api_key, max_body_bytes, stream_interval)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

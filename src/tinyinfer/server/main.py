@@ -25,6 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TINYINFER_API_KEY; unset: open)")
     p.add_argument("--max-batch", type=int, default=None, help="sequences decoded together (default: the engine's)")
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="prompt tokens prefilled per scheduler step (default: 2048 on cuda, 512 on cpu)")
+    p.add_argument("--stream-interval", type=int, default=None,
+                   help="tokens per streamed chunk (default: adaptive, 1 while at most 16 streams run, then one "
+                        "more per 16)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests allowed to wait for a slot; beyond it: 503 with Retry-After (default 1024)")
     p.add_argument("--served-model-name", default=None,
@@ -38,6 +43,9 @@ def check_arguments(args) -> None:
         raise InvalidRequestError(f"--port must be in 1..65535 (got {args.port})")
     if args.max_batch is not None and args.max_batch < 1:
         raise InvalidRequestError(f"--max-batch must be >= 1 (got {args.max_batch})")
+    for flag, v in (("--chunk-tokens", args.chunk_tokens), ("--stream-interval", args.stream_interval)):
+        if v is not None and v < 1:
+            raise InvalidRequestError(f"{flag} must be >= 1 (got {v})")
     if args.max_waiting < 0:
         raise InvalidRequestError(f"--max-waiting must be >= 0 (got {args.max_waiting})")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -62,8 +70,9 @@ def serve(args, engine_factory) -> int:
     api_key = args.api_key if args.api_key is not None else (os.environ.get("TINYINFER_API_KEY") or None)
     name = args.served_model_name or args.model or DEFAULT_MODEL
     engine = engine_factory(args)
-    scheduler = Scheduler(engine, max_batch=args.max_batch, max_waiting=args.max_waiting)
-    app = create_app(engine, scheduler, model_name=name, api_key=api_key)
+    scheduler = Scheduler(engine, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
+                          max_waiting=args.max_waiting)
+    app = create_app(engine, scheduler, model_name=name, api_key=api_key, stream_interval=args.stream_interval)
 
     logger = logging.getLogger("tinyinfer.server")
     if not logger.handlers:  # one line per request, beside uvicorn's own log

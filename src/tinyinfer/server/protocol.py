@@ -308,6 +308,37 @@ def sse(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
+class ChunkFormat:
+    """The SSE chunks of one streamed answer (`head`: id, object, created, model, ...). The frequent chunk, a
+    choice's new text without logprobs, comes from a template made once per choice index: only the text is
+    JSON-encoded per chunk (a server streaming to 64 clients writes thousands of them a second)."""
+
+    _MARK = "tinyinfer-text-7f3a9c1e"
+
+    def __init__(self, head: dict, kind: str, include_usage: bool):
+        self.head = head
+        self.kind = kind
+        self.tail = {"usage": None} if include_usage else {}
+        self._text: dict[int, tuple[str, str]] = {}
+
+    def chunk(self, *choices: dict) -> str:
+        return sse({**self.head, "choices": list(choices), **self.tail})
+
+    def text(self, index: int, text: str, logprobs: Optional[dict]) -> str:
+        """The chunk of new text (and its logprobs) of choice `index`: sse(...) of the same dictionary."""
+        if logprobs is not None:
+            return self.chunk(stream_choice(self.kind, index, text, logprobs, None))
+        t = self._text.get(index)
+        if t is None:
+            pre, post = self.chunk(stream_choice(self.kind, index, self._MARK, None, None)).split(
+                json.dumps(self._MARK))
+            t = self._text[index] = (pre, post)
+        return t[0] + json.dumps(text, ensure_ascii=False) + t[1]
+
+    def finish(self, index: int, reason: str) -> str:
+        return self.chunk(stream_choice(self.kind, index, "", None, reason))
+
+
 def stream_choice(kind: str, index: int, text: str, logprobs: Optional[dict], finish: Optional[str],
                   first: bool = False) -> dict:
     """One choice of a streamed chunk. Chat: the first carries the role, the last (finish) an empty delta."""

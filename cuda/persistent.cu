@@ -189,24 +189,32 @@ __device__ void gemv_task(const QMat& m, const void* x, const float* w, float ep
 // (KV head kvh, chunk c) of layer l: RoPE of the group's queries; the chunk holding pos also rotates the new key
 // and writes key and value into the cache; scores, softmax and P V over the chunk's positions; the unnormalised
 // output and (max, sum) into the partial buffers (the merge task combines the chunks).
+//
+// Latency, not bandwidth, bounds this task (a chunk of TinyLlama's is 8 KiB of K and V; few blocks run it at short
+// contexts while the rest wait): so no load waits on another. The chunk's row offsets are resolved through the
+// page table once, into shared memory; a warp scores a position for all g heads of the group (one load of the key
+// row, lanes over dimension pairs); P V has a thread per (head, dimension pair), its loop over positions unrolled
+// so that its value loads are in flight together. The new key and value are read back from the cache after the
+// barrier that follows their store (the block's own global writes are visible to it after __syncthreads): the
+// same fp16 values attention.cu uses.
 __device__ void attn_partial(const PersistentParams& p, int l, int kvh, int c, int pos, unsigned char* work) {
   const int hd = p.head_dim, half_d = hd / 2, CH = p.chunk, c0 = c * CH;
   if (c0 > pos) return;
   const int n = min(CH, pos + 1 - c0), g = p.n_heads / p.n_kv_heads, hq0 = kvh * g;
   float* q_s = reinterpret_cast<float*>(work);  // (g, hd)
   float* s_s = q_s + g * hd;                    // (g, CH) scores, then probabilities
-  float* kn = s_s + g * CH;                     // (hd) the new key, rotated and rounded to fp16
-  float* vn = kn + hd;                          // (hd) the new value, rounded
-  float* cs = vn + hd;                          // (half_d) RoPE row of pos
+  float* cs = s_s + g * CH;                     // (half_d) RoPE row of pos
   float* sn = cs + half_d;
+  int* rows = reinterpret_cast<int*>(sn + half_d);  // (CH) the chunk's cache rows (elements from the layer's base)
   __half* kp = p.k_pages + (size_t)l * p.kv_layer_elems;
   __half* vp = p.v_pages + (size_t)l * p.kv_layer_elems;
   for (int i = threadIdx.x; i < half_d; i += kPersistentThreads) {
     cs[i] = p.rope_cos[(size_t)pos * half_d + i];
     sn[i] = p.rope_sin[(size_t)pos * half_d + i];
   }
+  for (int t = threadIdx.x; t < n; t += kPersistentThreads)
+    rows[t] = (int)kv_row(p.page_table, c0 + t, kvh, p.n_kv_heads, p.page_shift, hd);
   __syncthreads();
-  const bool owner = pos < c0 + CH;
   for (int t = threadIdx.x; t < g * half_d; t += kPersistentThreads) {
     const int hh = t / half_d, i = t % half_d;
     const float* q = p.qkv + (size_t)(hq0 + hh) * hd;
@@ -214,40 +222,40 @@ __device__ void attn_partial(const PersistentParams& p, int l, int kvh, int c, i
     q_s[hh * hd + i] = (x1 * cs[i] - x2 * sn[i]) * p.scale;
     q_s[hh * hd + i + half_d] = (x2 * cs[i] + x1 * sn[i]) * p.scale;
   }
-  if (owner) {
-    const size_t at = kv_row(p.page_table, pos, kvh, p.n_kv_heads, p.page_shift, hd);
+  if (pos < c0 + CH) {  // this chunk holds pos: the new key (rotated) and value into the cache
+    const size_t at = rows[pos - c0];
     const float* k = p.qkv + p.q_dim + (size_t)kvh * hd;
     const float* v = p.qkv + p.q_dim + p.kv_dim + (size_t)kvh * hd;
     for (int i = threadIdx.x; i < half_d; i += kPersistentThreads) {
       const float k1 = ldcg(k + i), k2 = ldcg(k + i + half_d);
       // rounded products, no FMA contraction: exactly what attention.cu (and the CPU engine) write
-      const __half r1 = __float2half(__fsub_rn(__fmul_rn(k1, cs[i]), __fmul_rn(k2, sn[i])));
-      const __half r2 = __float2half(__fadd_rn(__fmul_rn(k2, cs[i]), __fmul_rn(k1, sn[i])));
-      const __half v1 = __float2half(ldcg(v + i)), v2 = __float2half(ldcg(v + i + half_d));
-      kp[at + i] = r1;
-      kp[at + i + half_d] = r2;
-      vp[at + i] = v1;
-      vp[at + i + half_d] = v2;
-      kn[i] = __half2float(r1);
-      kn[i + half_d] = __half2float(r2);
-      vn[i] = __half2float(v1);
-      vn[i + half_d] = __half2float(v2);
+      kp[at + i] = __float2half(__fsub_rn(__fmul_rn(k1, cs[i]), __fmul_rn(k2, sn[i])));
+      kp[at + i + half_d] = __float2half(__fadd_rn(__fmul_rn(k2, cs[i]), __fmul_rn(k1, sn[i])));
+      vp[at + i] = __float2half(ldcg(v + i));
+      vp[at + i + half_d] = __float2half(ldcg(v + i + half_d));
     }
   }
   __syncthreads();
-  // scores: a warp per (head, position), lanes over the dims
+  // scores: a warp per position, all g heads; lane `lane` holds the key's dimension pairs 2 lane + 64 j
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int e = warp; e < g * n; e += kWarps) {
-    const int hh = e / n, t = e % n, at_pos = c0 + t;
-    float s = 0.0f;
-    if (at_pos == pos) {
-      for (int d = lane; d < hd; d += 32) s += q_s[hh * hd + d] * kn[d];
-    } else {
-      const __half* kr = kp + kv_row(p.page_table, at_pos, kvh, p.n_kv_heads, p.page_shift, hd);
-      for (int d = lane; d < hd; d += 32) s += q_s[hh * hd + d] * __half2float(kr[d]);
+  constexpr int kPairs = 4;  // head_dim <= 256 (PersistentDecode::unsupported)
+  for (int t = warp; t < n; t += kWarps) {
+    const __half2* kr = reinterpret_cast<const __half2*>(kp + rows[t]);
+    float2 kf[kPairs];
+#pragma unroll
+    for (int j = 0; j < kPairs; j++)
+      kf[j] = 2 * lane + 64 * j < hd ? __half22float2(kr[lane + 32 * j]) : make_float2(0.0f, 0.0f);
+    for (int hh = 0; hh < g; hh++) {
+      const float* q = q_s + hh * hd;
+      float s = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kPairs; j++) {
+        const int d = 2 * lane + 64 * j;
+        if (d < hd) s += q[d] * kf[j].x + q[d + 1] * kf[j].y;
+      }
+      s = warp_sum(s);
+      if (lane == 0) s_s[hh * CH + t] = s;
     }
-    s = warp_sum(s);
-    if (lane == 0) s_s[hh * CH + t] = s;
   }
   __syncthreads();
   // softmax per head (a warp per head): probabilities in place, (max, sum) to the partial buffer
@@ -268,17 +276,20 @@ __device__ void attn_partial(const PersistentParams& p, int l, int kvh, int c, i
     }
   }
   __syncthreads();
-  // O = P V: a thread per (head, dim)
-  for (int e = threadIdx.x; e < g * hd; e += kPersistentThreads) {
-    const int hh = e / hd, d = e % hd;
-    float o = 0.0f;
+  // O = P V: a thread per (head, dimension pair), the positions unrolled so their loads overlap
+  for (int e = threadIdx.x; e < g * half_d; e += kPersistentThreads) {
+    const int hh = e / half_d, d = 2 * (e % half_d);
+    const float* pr = s_s + hh * CH;
+    float o0 = 0.0f, o1 = 0.0f;
+#pragma unroll 8
     for (int t = 0; t < n; t++) {
-      const int at_pos = c0 + t;
-      const float v = at_pos == pos ? vn[d]
-                                    : __half2float(vp[kv_row(p.page_table, at_pos, kvh, p.n_kv_heads, p.page_shift, hd) + d]);
-      o = fmaf(s_s[hh * CH + t], v, o);
+      const float2 v = __half22float2(*reinterpret_cast<const __half2*>(vp + rows[t] + d));
+      o0 = fmaf(pr[t], v.x, o0);
+      o1 = fmaf(pr[t], v.y, o1);
     }
-    p.part_o[((size_t)(hq0 + hh) * p.max_chunks + c) * hd + d] = o;
+    float* out = p.part_o + ((size_t)(hq0 + hh) * p.max_chunks + c) * hd + d;
+    out[0] = o0;
+    out[1] = o1;
   }
 }
 
@@ -342,6 +353,15 @@ __device__ void prefetch_task(const PersistentParams& p, const PTask& t, int pos
 
 // ---- the interpreter ----
 
+// Thread 0 stamps the global timer for task `i` at `point` (TI_TRACE builds with a trace buffer; else nothing).
+__device__ __forceinline__ void task_stamp(unsigned long long* trace, int i, int point) {
+#ifdef TI_TRACE
+  if (trace != nullptr && threadIdx.x == 0) trace[(size_t)i * kTaskStamps + point] = sync::global_ns();
+#else
+  (void)trace, (void)i, (void)point;
+#endif
+}
+
 __device__ void run_task(const PersistentParams& p, const PTask& t, int token, int pos, const Smem& sm) {
   const PLayer* L = p.layers + t.layer;
   switch (t.type) {
@@ -389,8 +409,11 @@ __global__ void __launch_bounds__(kPersistentThreads) persistent_kernel(Persiste
   for (int i = p.begin[blockIdx.x]; i < p.begin[blockIdx.x + 1]; i++) {
     const PTask t = p.tasks[i];
     uint32_t* signal = t.signal >= 0 ? p.counters + (size_t)t.signal * sync::kCounterStride : nullptr;
+    task_stamp(p.trace, i, 0);
     if (t.type == TaskType::AttnPartial && t.b * p.chunk > pos) {  // a chunk past pos: nothing to wait for or do
       if (signal) sync::block_signal(signal);                     // (its consumers count it all the same)
+      task_stamp(p.trace, i, 1);
+      task_stamp(p.trace, i, 2);
       continue;
     }
     if (p.prefetch) prefetch_task(p, t, pos);
@@ -398,9 +421,11 @@ __global__ void __launch_bounds__(kPersistentThreads) persistent_kernel(Persiste
         !sync::block_wait(p.counters + (size_t)t.wait * sync::kCounterStride,
                           sync::epoch_target(epoch, (uint32_t)t.wait_count), policy, p.error, (uint32_t)t.wait))
       break;  // timed out (or another block did): the host reports it
+    task_stamp(p.trace, i, 1);
     run_task(p, t, token, pos, sm);
     if (signal) sync::block_signal(signal);
     else __syncthreads();  // the next task reuses the shared memory
+    task_stamp(p.trace, i, 2);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -416,7 +441,7 @@ size_t persistent_smem(const PersistentParams& p) {
   const int g = p.n_heads / max(1, p.n_kv_heads);
   // the widest staged input, then (I4) its group sums; or the attention's tiles
   const size_t gemv = (size_t)p.stage_max * sizeof(__half) + (size_t)(p.stage_max / kI4Group + 1) * sizeof(float);
-  const size_t attn = (size_t)(g * p.head_dim + g * p.chunk + 3 * p.head_dim) * sizeof(float);
+  const size_t attn = (size_t)(g * p.head_dim + g * p.chunk + p.head_dim + p.chunk) * sizeof(float);
   return kRedFloats * sizeof(float) + (gemv > attn ? gemv : attn);
 }
 

@@ -162,6 +162,22 @@ def test_ten_thousand_steps(tmp_path):
             assert rel_err(logits_p, ref) < 3e-3
 
 
+def test_repeated_runs_are_bitwise_equal(tmp_path):
+    """No atomics on data: the same prompt gives the same tokens and the same last logits on every run. A race
+    between blocks (a consumer reading before its producer's write is visible, a buffer rewritten while a reader
+    is still on it) shows as run-to-run differences here, unlike a near-tie with the graph path, which repeats."""
+    m = make_llama(tmp_path, hidden=128, intermediate=300, layers=2, heads=4, kv_heads=2, head_dim=64,
+                   vocab=300, max_pos=1100)
+    per = cuda(m, P.Persistent, max_seq_len=1050, kv_page_shuffle=3)
+    prompt = [1, 7, 3]
+    first = greedy_run(per, prompt, 400)
+    for _ in range(4):
+        toks, logits = greedy_run(per, prompt, 400)
+        j = first_difference(toks, first[0])
+        assert j is None, f"run-to-run difference at step {j}: {toks[j]} vs {first[0][j]} (a race)"
+        assert np.array_equal(logits, first[1])
+
+
 def test_auto_falls_back_where_persistent_cannot_run(tmp_path):
     """Without graphs (CudaOptions.graphs = False, a debugging mode) the persistent step is not built: Auto takes
     the graph path and says why; Persistent refuses to load."""

@@ -141,6 +141,9 @@ class CudaEngine {
   // CudaOptions::trace: one decode step at `context`; per traced kernel in launch order its name and
   // kTraceBlocks x kTracePoints global-timer stamps (ns; 0: block absent or exited early). common.cuh, trace_point.
   std::pair<std::vector<std::string>, std::vector<uint64_t>> trace_step(int64_t context);
+  // CudaOptions::trace with the persistent step built: one persistent step at `context` (after 3 warm-up steps);
+  // PersistentDecode::kTraceColumns values per task (PersistentDecode::read_trace). The graph path: trace_step.
+  std::vector<int64_t> persistent_trace_step(int64_t context);
   double time_attention(int64_t context, int reps);  // GPU µs of one layer's attention (chunks + merge)
   // GPU ms of prefilling `n_tokens` (arbitrary ids) at position 0: mean of `reps` after a warm-up that tunes
   // the GEMMs of that length's bucket. The cache is reset afterwards.

@@ -24,7 +24,8 @@ std::string PersistentDecode::unsupported(const ModelConfig& c, const DeviceWeig
   (void)w;  // fp16, int8 and int4 matrices all run (gemv_dot.cuh's dot products)
   if (c.head_dim % 2 || c.head_dim > 256) return "the persistent decode step needs an even head_dim <= 256";
   if (b.attn_chunk > 128) return "the persistent decode step needs attn_chunk <= 128";
-  if (b.trace) return "the persistent decode step has no tracing";
+  if (b.kv_layer_elems >= (size_t)1 << 31)  // (its attention keeps a chunk's cache rows as int offsets)
+    return "the persistent decode step needs a KV cache of < 2^31 elements per layer";
   return "";
 }
 
@@ -110,6 +111,10 @@ PersistentDecode::PersistentDecode(const ModelConfig& c, const DeviceWeights& w,
   TI_CUDA_CHECK(cudaMemcpy(d_tasks, tasks.data(), tasks.size() * sizeof(PTask), cudaMemcpyHostToDevice));
   TI_CUDA_CHECK(cudaMemcpy(d_begin, begin.data(), begin.size() * sizeof(int), cudaMemcpyHostToDevice));
   TI_CUDA_CHECK(cudaMemcpy(d_layers, layers.data(), layers.size() * sizeof(cuda::PLayer), cudaMemcpyHostToDevice));
+  if (b.trace) {  // (a TINYINFER_TRACE build stamps them; another leaves zeros)
+    p.trace = arena.alloc_n<unsigned long long>(tasks.size() * cuda::kTaskStamps, Kind::Scratch);
+    clear_trace(s);
+  }
   p.tasks = d_tasks;
   p.begin = d_begin;
   p.layers = d_layers;
@@ -134,6 +139,28 @@ void PersistentDecode::skew_epoch(int by, cudaStream_t s) const {
   e += (uint32_t)by;
   TI_CUDA_CHECK(cudaMemcpyAsync(p_.epoch, &e, sizeof(e), cudaMemcpyHostToDevice, s));
   TI_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+void PersistentDecode::clear_trace(cudaStream_t s) const {
+  if (p_.trace)
+    TI_CUDA_CHECK(cudaMemsetAsync(p_.trace, 0, sched_.n_tasks() * cuda::kTaskStamps * sizeof(*p_.trace), s));
+}
+
+std::vector<int64_t> PersistentDecode::read_trace(cudaStream_t s) const {
+  if (!p_.trace) fail(ErrorKind::Request, "persistent trace: the engine was built without CudaOptions.trace");
+  std::vector<unsigned long long> t(sched_.n_tasks() * cuda::kTaskStamps);
+  TI_CUDA_CHECK(cudaMemcpyAsync(t.data(), p_.trace, t.size() * sizeof(t[0]), cudaMemcpyDeviceToHost, s));
+  TI_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<int64_t> rows;
+  rows.reserve(sched_.n_tasks() * kTraceColumns);
+  size_t i = 0;
+  for (int blk = 0; blk < sched_.grid; blk++)
+    for (const PTask& k : sched_.blocks[(size_t)blk]) {
+      for (int64_t v : {(int64_t)blk, (int64_t)k.type, (int64_t)k.layer, (int64_t)k.a, (int64_t)k.b}) rows.push_back(v);
+      for (int j = 0; j < cuda::kTaskStamps; j++) rows.push_back((int64_t)t[i * cuda::kTaskStamps + j]);
+      i++;
+    }
+  return rows;
 }
 
 void PersistentDecode::check(cudaStream_t s) const {

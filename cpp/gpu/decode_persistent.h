@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "../../cuda/persistent.cuh"
 #include "../core/config.h"
@@ -36,6 +37,13 @@ class PersistentDecode {
   // counters are then zeroed so that the next step starts a fresh epoch.
   void check(cudaStream_t s) const;
   void skew_epoch(int by, cudaStream_t s) const;  // tests: the next step's waits can never succeed
+  // Tracing (DecodeBuffers::trace set, a TINYINFER_TRACE build): the stamps zeroed; then, after steps, per task
+  // of the schedule (blocks in order, each block's list in order) kTraceColumns values: block, task type, layer,
+  // a, b, and the global-timer ns at its start, after its wait, at its end (0: not reached).
+  static constexpr int kTraceColumns = 8;
+  bool traced() const { return p_.trace != nullptr; }
+  void clear_trace(cudaStream_t s) const;
+  std::vector<int64_t> read_trace(cudaStream_t s) const;
   int grid() const { return sched_.grid; }
   int max_coresident() const { return max_coresident_; }
   const PersistentSchedule& schedule() const { return sched_; }

@@ -117,14 +117,9 @@ __device__ void stage(const QMat& m, const void* x, const float* w, float eps, _
   stage_sums<WF>(K, nw, xs, xsum);
 }
 
-// One row of m against the staged input; the warp's sum, in every lane.
+// Row `row` of m: its 16-byte words and its scales' context (gemv_dot.cuh).
 template <WFormat WF>
-__device__ __forceinline__ float row_dot(const QMat& m, int row, const __half* xs, const float* xsum) {
-  const int nw = WF == WFormat::F16 ? m.ld / 8 : m.ld / 16;  // 16-byte words per row
-  const uint4* w = WF == WFormat::F16
-                       ? reinterpret_cast<const uint4*>(static_cast<const __half*>(m.q) + (size_t)row * m.ld)
-                       : reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(m.q) + (size_t)row * m.ld);
-  QCtx c;
+__device__ __forceinline__ const uint4* row_ptr(const QMat& m, int row, const float* xsum, QCtx& c) {
   if constexpr (WF == WFormat::I8) {
     c.d = static_cast<const __half*>(m.scales);
     c.drow = row * (m.ld / kI8Block);
@@ -133,6 +128,21 @@ __device__ __forceinline__ float row_dot(const QMat& m, int row, const __half* x
     c.sm = static_cast<const __half2*>(m.scales) + (size_t)row * (m.K / kI4Group);
     c.xsum = xsum;
   }
+  return WF == WFormat::F16
+             ? reinterpret_cast<const uint4*>(static_cast<const __half*>(m.q) + (size_t)row * m.ld)
+             : reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(m.q) + (size_t)row * m.ld);
+}
+
+// 16-byte words per row of m.
+template <WFormat WF>
+__device__ __forceinline__ int row_words(const QMat& m) { return WF == WFormat::F16 ? m.ld / 8 : m.ld / 16; }
+
+// One row of m against the staged input; the warp's sum, in every lane.
+template <WFormat WF>
+__device__ __forceinline__ float row_dot(const QMat& m, int row, const __half* xs, const float* xsum) {
+  const int nw = row_words<WF>(m);
+  QCtx c;
+  const uint4* w = row_ptr<WF>(m, row, xsum, c);
   float s = 0.0f;
 #pragma unroll 4
   for (int k = threadIdx.x & 31; k < nw; k += 32) {
@@ -143,6 +153,26 @@ __device__ __forceinline__ float row_dot(const QMat& m, int row, const __half* x
   return warp_sum(s);
 }
 
+// Two rows at once (their loads in flight together: a warp's rows are latency-bound one at a time); the warp's
+// two sums, in every lane. Each sum in the order row_dot adds it: the same bits.
+template <WFormat WF>
+__device__ __forceinline__ float2 row_dot2(const QMat& m, int ra, int rb, const __half* xs, const float* xsum) {
+  const int nw = row_words<WF>(m);
+  QCtx ca, cb;
+  const uint4* wa = row_ptr<WF>(m, ra, xsum, ca);
+  const uint4* wb = row_ptr<WF>(m, rb, xsum, cb);
+  float sa = 0.0f, sb = 0.0f;
+#pragma unroll 4
+  for (int k = threadIdx.x & 31; k < nw; k += 32) {
+    XFrag<WF> x;
+    load_x<WF>(xs, nw, k, x);
+    const uint4 a = load_stream(wa + k), b = load_stream(wb + k);
+    sa += dot_word<WF>(a, load_scale<WF>(ca, k), x, ca, k);
+    sb += dot_word<WF>(b, load_scale<WF>(cb, k), x, cb, k);
+  }
+  return make_float2(warp_sum(sa), warp_sum(sb));
+}
+
 enum class Out { Store, Add, Swiglu };
 
 // Rows [r0, r1) of m @ xs into y: stored, added (the residual), or (Swiglu) outputs [r0, r1) of silu(gate) * up
@@ -150,11 +180,13 @@ enum class Out { Store, Add, Swiglu };
 template <WFormat WF, Out O>
 __device__ void gemv_rows(const QMat& m, int r0, int r1, const __half* xs, const float* xsum, void* y) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int r = r0 + warp; r < r1; r += kWarps) {
-    if constexpr (O == Out::Swiglu) {
-      const float g = row_dot<WF>(m, 2 * r, xs, xsum), u = row_dot<WF>(m, 2 * r + 1, xs, xsum);
-      if (lane == 0) static_cast<__half*>(y)[r] = __float2half(g / (1.0f + __expf(-g)) * u);
-    } else {
+  if constexpr (O == Out::Swiglu) {  // gate and up rows together
+    for (int r = r0 + warp; r < r1; r += kWarps) {
+      const float2 gu = row_dot2<WF>(m, 2 * r, 2 * r + 1, xs, xsum);
+      if (lane == 0) static_cast<__half*>(y)[r] = __float2half(gu.x / (1.0f + __expf(-gu.x)) * gu.y);
+    }
+  } else {
+    for (int r = r0 + warp; r < r1; r += kWarps) {
       const float s = row_dot<WF>(m, r, xs, xsum);
       float* yf = static_cast<float*>(y);
       if (lane == 0) yf[r] = O == Out::Add ? ldcg(yf + r) + s : s;

@@ -356,7 +356,8 @@ void bind_engines(nb::module_& m) {
       .def_rw("n_kv_heads", &ti::ScheduleShape::n_kv_heads)
       .def_rw("vocab", &ti::ScheduleShape::vocab)
       .def_rw("max_chunks", &ti::ScheduleShape::max_chunks)
-      .def_rw("grid", &ti::ScheduleShape::grid);
+      .def_rw("grid", &ti::ScheduleShape::grid)
+      .def_rw("fused_merge", &ti::ScheduleShape::fused_merge);
   nb::class_<ti::PersistentSchedule>(m, "PersistentSchedule", "Per block of the persistent kernel, its tasks in order.")
       .def_rw("grid", &ti::PersistentSchedule::grid)
       .def_rw("n_counters", &ti::PersistentSchedule::n_counters)
@@ -418,6 +419,7 @@ void bind_engines(nb::module_& m) {
       .def_rw("kv_page_shuffle", &ti::CudaOptions::kv_page_shuffle)
       .def_rw("decode_path", &ti::CudaOptions::decode_path)
       .def_rw("persistent_prefetch", &ti::CudaOptions::persistent_prefetch)
+      .def_rw("persistent_fused_merge", &ti::CudaOptions::persistent_fused_merge)
       .def_rw("persistent_timeout_ms", &ti::CudaOptions::persistent_timeout_ms)
       .def_rw("plan_text", &ti::CudaOptions::plan_text,
               "A saved GEMV plan (CudaEngine.plan_text) to take instead of tuning, if made for this key; '': tune.")

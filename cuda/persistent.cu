@@ -218,6 +218,49 @@ __device__ void gemv_task(const QMat& m, const void* x, const float* w, float ep
 
 // ---- the attention tasks ----
 
+// Query head hq, dimension d: the chunks' partials merged with log-sum-exp into att (fp16).
+__device__ __forceinline__ void merge_dim(const PersistentParams& p, int hq, int d, int n_chunks) {
+  const int hd = p.head_dim;
+  const float* ml = p.part_ml + (size_t)hq * p.max_chunks * 2;
+  float M = -FLT_MAX;
+  for (int c = 0; c < n_chunks; c++) M = fmaxf(M, ldcg(ml + 2 * c));
+  float L = 0.0f;
+  for (int c = 0; c < n_chunks; c++) L += ldcg(ml + 2 * c + 1) * __expf(ldcg(ml + 2 * c) - M);
+  float o = 0.0f;
+  for (int c = 0; c < n_chunks; c++)
+    o += ldcg(p.part_o + ((size_t)hq * p.max_chunks + c) * hd + d) * __expf(ldcg(ml + 2 * c) - M);
+  p.att[(size_t)hq * hd + d] = __float2half(o / L);
+}
+
+// The merge task (ScheduleShape::fused_merge off): query head hq.
+__device__ void attn_merge(const PersistentParams& p, int hq, int pos) {
+  for (int d = threadIdx.x; d < p.head_dim; d += kPersistentThreads) merge_dim(p, hq, d, pos / p.chunk + 1);
+}
+
+// Fused merge: after its partials, each attention task of KV head kvh counts itself on the head's arrival word;
+// the last of the context's chunks to arrive (they all run in this step) merges the group's heads and zeroes the
+// word for the next step. The classic last-block pattern: every block's partial writes, its barrier, a fence,
+// then its count; the last block's fence after the count orders its reads of the others' partials (ld.cg).
+__device__ void merge_if_last(const PersistentParams& p, int l, int kvh, int pos) {
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    uint32_t* arrived = p.arrivals + (size_t)l * p.n_kv_heads + kvh;
+    last = atomicAdd(arrived, 1u) + 1u == (uint32_t)(pos / p.chunk + 1);
+    if (last) {
+      atomicExch(arrived, 0u);
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  if (!last) return;
+  const int g = p.n_heads / p.n_kv_heads, hd = p.head_dim;
+  for (int e = threadIdx.x; e < g * hd; e += kPersistentThreads)
+    merge_dim(p, kvh * g + e / hd, e % hd, pos / p.chunk + 1);
+}
+
+
 // (KV head kvh, chunk c) of layer l: RoPE of the group's queries; the chunk holding pos also rotates the new key
 // and writes key and value into the cache; scores, softmax and P V over the chunk's positions; the unnormalised
 // output and (max, sum) into the partial buffers (the merge task combines the chunks).
@@ -238,6 +281,7 @@ __device__ void attn_partial(const PersistentParams& p, int l, int kvh, int c, i
   float* cs = s_s + g * CH;                     // (half_d) RoPE row of pos
   float* sn = cs + half_d;
   int* rows = reinterpret_cast<int*>(sn + half_d);  // (CH) the chunk's cache rows (elements from the layer's base)
+  float* lsum = reinterpret_cast<float*>(rows + CH);  // (g) the softmax sums
   __half* kp = p.k_pages + (size_t)l * p.kv_layer_elems;
   __half* vp = p.v_pages + (size_t)l * p.kv_layer_elems;
   for (int i = threadIdx.x; i < half_d; i += kPersistentThreads) {
@@ -305,10 +349,13 @@ __device__ void attn_partial(const PersistentParams& p, int l, int kvh, int c, i
       float* ml = p.part_ml + ((size_t)(hq0 + hh) * p.max_chunks + c) * 2;
       ml[0] = m;
       ml[1] = sum;
+      lsum[hh] = sum;
     }
   }
   __syncthreads();
-  // O = P V: a thread per (head, dimension pair), the positions unrolled so their loads overlap
+  // O = P V: a thread per (head, dimension pair), the positions unrolled so their loads overlap. Fused merge with
+  // one chunk in the context: att directly (the merge's o * 1 / (sum * 1), the same bits).
+  const bool alone = p.fused_merge && pos < CH;
   for (int e = threadIdx.x; e < g * half_d; e += kPersistentThreads) {
     const int hh = e / half_d, d = 2 * (e % half_d);
     const float* pr = s_s + hh * CH;
@@ -319,26 +366,17 @@ __device__ void attn_partial(const PersistentParams& p, int l, int kvh, int c, i
       o0 = fmaf(pr[t], v.x, o0);
       o1 = fmaf(pr[t], v.y, o1);
     }
+    if (alone) {
+      __half* a = p.att + (size_t)(hq0 + hh) * hd + d;
+      a[0] = __float2half(o0 / lsum[hh]);
+      a[1] = __float2half(o1 / lsum[hh]);
+      continue;
+    }
     float* out = p.part_o + ((size_t)(hq0 + hh) * p.max_chunks + c) * hd + d;
     out[0] = o0;
     out[1] = o1;
   }
-}
-
-// Query head hq: the chunks' partials merged with log-sum-exp into att (fp16).
-__device__ void attn_merge(const PersistentParams& p, int hq, int pos) {
-  const int hd = p.head_dim, n_chunks = pos / p.chunk + 1;
-  const float* ml = p.part_ml + (size_t)hq * p.max_chunks * 2;
-  float M = -FLT_MAX;
-  for (int c = 0; c < n_chunks; c++) M = fmaxf(M, ldcg(ml + 2 * c));
-  float L = 0.0f;
-  for (int c = 0; c < n_chunks; c++) L += ldcg(ml + 2 * c + 1) * __expf(ldcg(ml + 2 * c) - M);
-  for (int d = threadIdx.x; d < hd; d += kPersistentThreads) {
-    float o = 0.0f;
-    for (int c = 0; c < n_chunks; c++)
-      o += ldcg(p.part_o + ((size_t)hq * p.max_chunks + c) * hd + d) * __expf(ldcg(ml + 2 * c) - M);
-    p.att[(size_t)hq * hd + d] = __float2half(o / L);
-  }
+  if (p.fused_merge && !alone) merge_if_last(p, l, kvh, pos);
 }
 
 // ---- weights ahead of the dependency ----
@@ -473,7 +511,7 @@ size_t persistent_smem(const PersistentParams& p) {
   const int g = p.n_heads / max(1, p.n_kv_heads);
   // the widest staged input, then (I4) its group sums; or the attention's tiles
   const size_t gemv = (size_t)p.stage_max * sizeof(__half) + (size_t)(p.stage_max / kI4Group + 1) * sizeof(float);
-  const size_t attn = (size_t)(g * p.head_dim + g * p.chunk + p.head_dim + p.chunk) * sizeof(float);
+  const size_t attn = (size_t)(g * p.head_dim + g * p.chunk + p.head_dim + p.chunk + g) * sizeof(float);
   return kRedFloats * sizeof(float) + (gemv > attn ? gemv : attn);
 }
 

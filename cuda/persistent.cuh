@@ -40,6 +40,10 @@ struct PersistentParams {
   // TINYINFER_TRACE builds (common.cuh): kTaskStamps global-timer ns per task of the flattened schedule (task i
   // at trace[kTaskStamps * i]): its start (before its prefetch), after its wait, after its signal. nullptr: off.
   unsigned long long* trace = nullptr;
+  // ScheduleShape::fused_merge: no merge tasks; arrivals (n_layers x n_kv_heads words, zero between steps) count a
+  // KV head's finished attention chunks, and the last one merges them.
+  bool fused_merge = false;
+  uint32_t* arrivals = nullptr;
   // the model
   const PLayer* layers = nullptr;
   const __half* embedding = nullptr;  // (vocab, ld_h)

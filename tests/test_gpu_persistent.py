@@ -242,6 +242,17 @@ def test_a_wait_that_never_succeeds_is_an_error_not_a_hang(tmp_path):
     assert again == good
 
 
+@pytest.mark.parametrize("prompt_len", [40, 150])  # one chunk (att written directly), three (the last merges)
+def test_fused_merge_changes_no_number(model, prompt_len):
+    """CudaOptions.persistent_fused_merge (the last attention task of a KV head merges; no merge phase) against
+    the merge phase: the same operations in the same order, so the same bits."""
+    prompt = [int(t) for t in np.random.default_rng(prompt_len).integers(1, 1000, prompt_len)]
+    runs = [greedy_run(cuda(model, P.Persistent, persistent_fused_merge=f, kv_page_shuffle=5), prompt, 30)
+            for f in (True, False)]
+    assert runs[0][0] == runs[1][0]
+    assert np.array_equal(runs[0][1], runs[1][1])
+
+
 def test_prefetch_changes_no_number(model):
     prompt = list(range(3, 90))
     runs = [greedy_run(cuda(model, P.Persistent, persistent_prefetch=pf), prompt, 20) for pf in (True, False)]

@@ -253,7 +253,8 @@ void CudaEngine::persistent_graph() {
   if (why.empty()) {
     try {
       persistent_ = std::make_unique<PersistentDecode>(cfg_, *weights_, dbuf_, opt_.persistent_prefetch,
-                                                       opt_.persistent_timeout_ms, arena_, stream_);
+                                                       opt_.persistent_fused_merge, opt_.persistent_timeout_ms,
+                                                       arena_, stream_);
     } catch (const Error& e) {
       if (forced || e.kind() != ErrorKind::Unsupported) throw;
       why = e.what();

@@ -72,6 +72,7 @@ struct CudaOptions {
   // (persistent where it can run, else graph). Graph until the persistent step is measured correct and faster.
   DecodePath decode_path = DecodePath::Graph;
   bool persistent_prefetch = true;     // its tasks ask their first weights into L2 before their waits (A/B)
+  bool persistent_fused_merge = true;  // no merge phase: a KV head's last attention task merges its chunks (A/B)
   int persistent_timeout_ms = 2000;    // a counter wait that has not succeeded by then ends the step with an error
 };
 

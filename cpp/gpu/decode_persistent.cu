@@ -30,10 +30,12 @@ std::string PersistentDecode::unsupported(const ModelConfig& c, const DeviceWeig
 }
 
 PersistentDecode::PersistentDecode(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b,
-                                   bool prefetch, int timeout_ms, DeviceArena& arena, cudaStream_t s) {
+                                   bool prefetch, bool fused_merge, int timeout_ms, DeviceArena& arena,
+                                   cudaStream_t s) {
   using Kind = DeviceArena::Kind;
   cuda::PersistentParams& p = p_;
   p.prefetch = prefetch;
+  p.fused_merge = fused_merge;
   p.timeout_ns = (unsigned long long)timeout_ms * 1000000ull;
   p.hidden = (int)c.hidden;
   p.q_dim = (int)c.q_dim;
@@ -92,6 +94,7 @@ PersistentDecode::PersistentDecode(const ModelConfig& c, const DeviceWeights& w,
   shape.vocab = p.vocab;
   shape.max_chunks = p.max_chunks;
   shape.grid = std::min(max_coresident_, 2 * sms);
+  shape.fused_merge = fused_merge;
   sched_ = build_persistent_schedule(shape);
   check_persistent_schedule(sched_, max_coresident_);
 
@@ -118,15 +121,18 @@ PersistentDecode::PersistentDecode(const ModelConfig& c, const DeviceWeights& w,
   p.tasks = d_tasks;
   p.begin = d_begin;
   p.layers = d_layers;
-  // counters (one 128-byte line each), then epoch, finish and the 3 error words on lines of their own
+  // counters (one 128-byte line each), then epoch, finish and the 3 error words on lines of their own, then the
+  // fused merge's arrival counts (one word per layer and KV head): all zeroed together (check() after an error)
   const size_t counter_words = (size_t)sched_.n_counters * cuda::sync::kCounterStride;
-  sync_words_ = counter_words + 3 * cuda::sync::kCounterStride;
+  const size_t arrival_words = (size_t)c.n_layers * c.n_kv_heads;
+  sync_words_ = counter_words + 3 * cuda::sync::kCounterStride + arrival_words;
   sync_base_ = arena.alloc_n<uint32_t>(sync_words_, Kind::Scratch);
   TI_CUDA_CHECK(cudaMemsetAsync(sync_base_, 0, sync_words_ * sizeof(uint32_t), s));
   p.counters = sync_base_;
   p.epoch = sync_base_ + counter_words;
   p.finish = p.epoch + cuda::sync::kCounterStride;
   p.error = p.finish + cuda::sync::kCounterStride;
+  p.arrivals = p.error + cuda::sync::kCounterStride;
   TI_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 

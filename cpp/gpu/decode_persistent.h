@@ -28,9 +28,10 @@ class PersistentDecode {
   // DecodePath::Auto falls back quietly and DecodePath::Persistent fails with this sentence.
   static std::string unsupported(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b);
   // Builds, checks (throws ti::Error(Device) on a schedule that could hang) and uploads the schedule.
-  // prefetch: tasks ask their first weights into L2 before their waits; timeout_ms: a wait's bound.
+  // prefetch: tasks ask their first weights into L2 before their waits; fused_merge: ScheduleShape::fused_merge;
+  // timeout_ms: a wait's bound.
   PersistentDecode(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b, bool prefetch,
-                   int timeout_ms, DeviceArena& arena, cudaStream_t s);
+                   bool fused_merge, int timeout_ms, DeviceArena& arena, cudaStream_t s);
   // One step (state.token at state.pos -> logits): one launch. Graph-capturable.
   void record(cudaStream_t s) const;
   // Throws ti::Error(Device) if a wait of an earlier launch timed out (call after a stream synchronise); the

@@ -10,8 +10,8 @@ Per task type, summed over the layers and averaged over the traced steps (µs):
   work/task  mean and max of a task's end - its wait's end (max > mean: imbalance, the phase waits for it)
   tail       median task end -> last task end (stragglers)
   wait, work block-µs summed over the tasks: time blocks spent waiting on counters vs running tasks
-and the step's span, the blocks' mean busy fraction, and the share of the span where fewer than 10% of the blocks
-work (serial phases)."""
+and the step's span, the blocks' mean busy fraction, the share of the span where fewer than 10% of the blocks
+work (serial phases), and one layer's phases as a timeline."""
 
 import json
 import sys
@@ -64,6 +64,14 @@ def analyse(rows: np.ndarray) -> dict:
             d["incr"] += float(e.max() - prev_end)
             d["handoff"] += float(w[busy].min() - prev_end) if busy.any() else 0.0
         prev_end = float(e.max())
+    timeline = []  # layer 1 (or 0): per phase, µs from the step's start
+    pick = 1 if int(rows[:, 2].max()) >= 1 else 0
+    for t, layer, r in phases(rows):
+        if layer == pick and t not in (EMBED, LM_HEAD):
+            s, w, e = ((r[:, 5 + j] - t0) / 1e3 for j in range(3))
+            real = ~((r[:, 1] == 2) & (e - s < 0.05))
+            timeline.append((TYPES[t], int(real.sum()), float(w[real].min()), float(np.median(w[real])),
+                             float(np.median(e[real])), float(e.max())))
     span = (end.max() - t0) / 1e3
     grid = int(rows[:, 0].max()) + 1
     work_all = float(((end - waited) / 1e3).sum())
@@ -74,7 +82,7 @@ def analyse(rows: np.ndarray) -> dict:
     np.add.at(delta, np.searchsorted(ts, (end - t0) / 1e3), -1)
     active = np.cumsum(delta)[:-1]
     return {"span": span, "grid": grid, "busy": work_all / (grid * span), "serial": float((active < 0.1 * grid).mean()),
-            "types": {k: dict(v) for k, v in st.items()}}
+            "types": {k: dict(v) for k, v in st.items()}, "timeline": timeline}
 
 
 def main() -> None:
@@ -104,6 +112,10 @@ def main() -> None:
               f"{row['work_per_task']:>9.2f} {row['work_max_mean']:>7.2f} {row['tail']:>7.1f} {row['wait']:>11.0f} "
               f"{row['work']:>11.0f}")
     print("(incr, handoff, tail: µs summed over the layers; work/task, max: µs per task, mean over the layers)")
+    print("one layer of the last traced step (µs from the step's start): tasks working, first past its wait, "
+          "median past its wait, median end, last end")
+    for name, n, w0, wm, em, e1 in results[-1]["timeline"]:
+        print(f"  {name:>12} {n:>5d} {w0:9.2f} {wm:9.2f} {em:9.2f} {e1:9.2f}")
     if out:
         with open(out, "w") as f:
             json.dump({"shape": shape, "dtype": dtype, "context": ctx, "opts": spec, "grid": grid,

@@ -420,6 +420,7 @@ void bind_engines(nb::module_& m) {
       .def_rw("decode_path", &ti::CudaOptions::decode_path)
       .def_rw("persistent_prefetch", &ti::CudaOptions::persistent_prefetch)
       .def_rw("persistent_fused_merge", &ti::CudaOptions::persistent_fused_merge)
+      .def_rw("persistent_blocks_per_sm", &ti::CudaOptions::persistent_blocks_per_sm)
       .def_rw("persistent_timeout_ms", &ti::CudaOptions::persistent_timeout_ms)
       .def_rw("plan_text", &ti::CudaOptions::plan_text,
               "A saved GEMV plan (CudaEngine.plan_text) to take instead of tuning, if made for this key; '': tune.")

@@ -253,6 +253,24 @@ def test_fused_merge_changes_no_number(model, prompt_len):
     assert np.array_equal(runs[0][1], runs[1][1])
 
 
+def test_one_block_per_sm(tmp_path):
+    """CudaOptions.persistent_blocks_per_sm = 1: half the grid, the same tokens as the graph path; out of 1..4 it
+    is refused with the valid range."""
+    from tinyinfer import InvalidRequestError
+
+    m = make_llama(tmp_path, hidden=256, intermediate=500, layers=2, heads=4, kv_heads=2, vocab=512)
+    one, two = cuda(m, P.Persistent, persistent_blocks_per_sm=1), cuda(m, P.Persistent)
+    assert 2 * one.persistent_grid[0] == two.persistent_grid[0] or two.persistent_grid[0] == two.persistent_grid[1]
+    prompt = list(range(3, 80))
+    toks_1, _ = greedy_run(one, prompt, 60)
+    graph = cuda(m, P.Graph)
+    toks_g, _ = greedy_run(graph, prompt, 60)
+    check_divergence_is_near_tie(one, graph, prompt, toks_1, toks_g)
+    for bad in (0, 5):
+        with pytest.raises(InvalidRequestError, match="persistent_blocks_per_sm must be 1 to 4"):
+            cuda(m, P.Persistent, persistent_blocks_per_sm=bad)
+
+
 def test_prefetch_changes_no_number(model):
     prompt = list(range(3, 90))
     runs = [greedy_run(cuda(model, P.Persistent, persistent_prefetch=pf), prompt, 20) for pf in (True, False)]

@@ -73,6 +73,7 @@ struct CudaOptions {
   DecodePath decode_path = DecodePath::Graph;
   bool persistent_prefetch = true;     // its tasks ask their first weights into L2 before their waits (A/B)
   bool persistent_fused_merge = true;  // no merge phase: a KV head's last attention task merges its chunks (A/B)
+  int persistent_blocks_per_sm = 2;    // its grid: min(co-resident, this x SMs); 1 to 4 (A/B)
   int persistent_timeout_ms = 2000;    // a counter wait that has not succeeded by then ends the step with an error
 };
 

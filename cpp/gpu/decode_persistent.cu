@@ -30,13 +30,12 @@ std::string PersistentDecode::unsupported(const ModelConfig& c, const DeviceWeig
 }
 
 PersistentDecode::PersistentDecode(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b,
-                                   bool prefetch, bool fused_merge, int timeout_ms, DeviceArena& arena,
-                                   cudaStream_t s) {
+                                   const PersistentOptions& o, DeviceArena& arena, cudaStream_t s) {
   using Kind = DeviceArena::Kind;
   cuda::PersistentParams& p = p_;
-  p.prefetch = prefetch;
-  p.fused_merge = fused_merge;
-  p.timeout_ns = (unsigned long long)timeout_ms * 1000000ull;
+  p.prefetch = o.prefetch;
+  p.fused_merge = o.fused_merge;
+  p.timeout_ns = (unsigned long long)o.timeout_ms * 1000000ull;
   p.hidden = (int)c.hidden;
   p.q_dim = (int)c.q_dim;
   p.kv_dim = (int)c.kv_dim;
@@ -74,7 +73,8 @@ PersistentDecode::PersistentDecode(const ModelConfig& c, const DeviceWeights& w,
   for (const DeviceLayer& L : w.layers)
     for (const cuda::QMat* m : {&L.qkv, &L.o, &L.gate_up, &L.down}) p.stage_max = std::max(p.stage_max, staged(*m));
 
-  // The co-resident grid: at most two blocks per SM (more blocks, more participants in every hand-off).
+  // The co-resident grid: at most o.blocks_per_sm per SM (default 2; more blocks, more participants in every
+  // hand-off, fewer rows each).
   const size_t smem = cuda::persistent_smem(p);
   max_coresident_ = cuda::persistent_max_coresident(smem);
   int dev = 0, sms = 0;
@@ -93,8 +93,8 @@ PersistentDecode::PersistentDecode(const ModelConfig& c, const DeviceWeights& w,
   shape.n_kv_heads = p.n_kv_heads;
   shape.vocab = p.vocab;
   shape.max_chunks = p.max_chunks;
-  shape.grid = std::min(max_coresident_, 2 * sms);
-  shape.fused_merge = fused_merge;
+  shape.grid = std::min(max_coresident_, o.blocks_per_sm * sms);
+  shape.fused_merge = o.fused_merge;
   sched_ = build_persistent_schedule(shape);
   check_persistent_schedule(sched_, max_coresident_);
 

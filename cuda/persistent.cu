@@ -260,10 +260,10 @@ __device__ void merge_if_last(const PersistentParams& p, int l, int kvh, int pos
     merge_dim(p, kvh * g + e / hd, e % hd, pos / p.chunk + 1);
 }
 
-
 // (KV head kvh, chunk c) of layer l: RoPE of the group's queries; the chunk holding pos also rotates the new key
 // and writes key and value into the cache; scores, softmax and P V over the chunk's positions; the unnormalised
-// output and (max, sum) into the partial buffers (the merge task combines the chunks).
+// output and (max, sum) into the partial buffers, merged by the merge task or (fused_merge) by the last of the
+// head's chunks to finish (merge_if_last); a context of one chunk (fused_merge) writes att directly.
 //
 // Latency, not bandwidth, bounds this task (a chunk of TinyLlama's is 8 KiB of K and V; few blocks run it at short
 // contexts while the rest wait): so no load waits on another. The chunk's row offsets are resolved through the

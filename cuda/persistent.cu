@@ -186,9 +186,19 @@ __device__ void gemv_rows(const QMat& m, int r0, int r1, const __half* xs, const
       if (lane == 0) static_cast<__half*>(y)[r] = __float2half(gu.x / (1.0f + __expf(-gu.x)) * gu.y);
     }
   } else {
-    for (int r = r0 + warp; r < r1; r += kWarps) {
+    float* yf = static_cast<float*>(y);
+    int r = r0 + warp;
+    if constexpr (WF == WFormat::F16) {  // rows r, r + kWarps together (I8 / I4: the registers spill)
+      for (; r + kWarps < r1; r += 2 * kWarps) {
+        const float2 s = row_dot2<WF>(m, r, r + kWarps, xs, xsum);
+        if (lane == 0) {
+          yf[r] = O == Out::Add ? ldcg(yf + r) + s.x : s.x;
+          yf[r + kWarps] = O == Out::Add ? ldcg(yf + r + kWarps) + s.y : s.y;
+        }
+      }
+    }
+    for (; r < r1; r += kWarps) {
       const float s = row_dot<WF>(m, r, xs, xsum);
-      float* yf = static_cast<float*>(y);
       if (lane == 0) yf[r] = O == Out::Add ? ldcg(yf + r) + s : s;
     }
   }

@@ -37,7 +37,14 @@ struct Smem {
   float* red;
   unsigned char* work;  // the task's own area (the staged input, or the attention's tiles)
   float* xsum;          // I4: the staged input's group sums (after the widest staged input)
+  float4* keep;         // the RMSNorm's input as read by its first pass (hidden floats, after xsum)
 };
+
+// Bytes of the GEMV tasks' area before `keep`: the widest staged input, then (I4) its group sums; 16-aligned.
+__host__ __device__ inline size_t gemv_stage_bytes(int stage_max) {
+  const size_t b = (size_t)stage_max * sizeof(__half) + (size_t)(stage_max / kI4Group + 1) * sizeof(float);
+  return (b + 15) / 16 * 16;
+}
 
 __device__ __forceinline__ float ldcg(const float* p) { return __ldcg(p); }
 
@@ -60,21 +67,25 @@ __device__ __forceinline__ void stage_sums(int K, int nw, const __half* xs, floa
   }
 }
 
-// The RMSNorm staging with 16-byte loads (K % 4 == 0): the sum of squares, then x again (an L2 hit) scaled. (x
-// held in registers between the passes cost ~130 more registers in the interpreter kernel: spills.)
+// The RMSNorm staging with 16-byte loads (K % 4 == 0): the sum of squares, then x scaled. The first pass keeps
+// what it read in shared memory (`keep`), and each thread reads back its own words: one L2 round trip on the
+// phase's critical path instead of two. (x held in registers between the passes cost ~130 more registers in the
+// interpreter kernel: spills.) The same values as reading x twice: the same bits.
 template <WFormat WF>
-__device__ void stage_norm_vec(const QMat& m, const float* x, const float* w, float eps, __half* xs, float* red) {
+__device__ void stage_norm_vec(const QMat& m, const float* x, const float* w, float eps, __half* xs, float* red,
+                               float4* keep) {
   const int K = m.K, width = staged_width(m), nw = width / (8 * kXChunks<WF>), nv = K / 4;
   const float4* x4 = reinterpret_cast<const float4*>(x);
   float ss = 0.0f;
   for (int i = threadIdx.x; i < nv; i += kPersistentThreads) {
     const float4 v = __ldcg(x4 + i);
+    keep[i] = v;
     ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
   }
   ss = block_sum(ss, red);
   const float inv = rsqrtf(ss / (float)K + eps);
   for (int i = threadIdx.x; i < nv; i += kPersistentThreads) {
-    const float4 v = __ldcg(x4 + i), wv = reinterpret_cast<const float4*>(w)[i];
+    const float4 v = keep[i], wv = reinterpret_cast<const float4*>(w)[i];
     xs[xs_index<WF>(4 * i, nw)] = __float2half(wv.x * (v.x * inv));
     xs[xs_index<WF>(4 * i + 1, nw)] = __float2half(wv.y * (v.y * inv));
     xs[xs_index<WF>(4 * i + 2, nw)] = __float2half(wv.z * (v.z * inv));
@@ -87,12 +98,13 @@ __device__ void stage_norm_vec(const QMat& m, const float* x, const float* w, fl
 // xs = fp16 of rmsnorm(x) * w (NORM; x: K floats produced in this kernel) or of x (K halves produced in this
 // kernel), in WF's layout, zero past K up to the matrix's width; I4: xsum[g] = the staged group sums.
 template <WFormat WF, bool NORM>
-__device__ void stage(const QMat& m, const void* x, const float* w, float eps, __half* xs, float* xsum, float* red) {
+__device__ void stage(const QMat& m, const void* x, const float* w, float eps, __half* xs, float* xsum, float* red,
+                      float4* keep) {
   const int K = m.K, width = staged_width(m), nw = width / (8 * kXChunks<WF>);
   float inv = 1.0f;
   if constexpr (NORM) {
     if (K % 4 == 0) {  // (uniform)
-      stage_norm_vec<WF>(m, static_cast<const float*>(x), w, eps, xs, red);
+      stage_norm_vec<WF>(m, static_cast<const float*>(x), w, eps, xs, red, keep);
       stage_sums<WF>(K, nw, xs, xsum);
       return;
     }
@@ -212,15 +224,15 @@ __device__ void gemv_task(const QMat& m, const void* x, const float* w, float ep
   float* xsum = sm.xsum;
   switch (m.fmt) {
     case WFormat::F16:
-      stage<WFormat::F16, NORM>(m, x, w, eps, xs, xsum, sm.red);
+      stage<WFormat::F16, NORM>(m, x, w, eps, xs, xsum, sm.red, sm.keep);
       gemv_rows<WFormat::F16, O>(m, r0, r1, xs, xsum, y);
       break;
     case WFormat::I8:
-      stage<WFormat::I8, NORM>(m, x, w, eps, xs, xsum, sm.red);
+      stage<WFormat::I8, NORM>(m, x, w, eps, xs, xsum, sm.red, sm.keep);
       gemv_rows<WFormat::I8, O>(m, r0, r1, xs, xsum, y);
       break;
     case WFormat::I4:
-      stage<WFormat::I4, NORM>(m, x, w, eps, xs, xsum, sm.red);
+      stage<WFormat::I4, NORM>(m, x, w, eps, xs, xsum, sm.red, sm.keep);
       gemv_rows<WFormat::I4, O>(m, r0, r1, xs, xsum, y);
       break;
   }
@@ -477,7 +489,8 @@ __global__ void __launch_bounds__(kPersistentThreads) persistent_kernel(Persiste
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* work = smem_raw + kRedFloats * sizeof(float);
   const Smem sm{reinterpret_cast<float*>(smem_raw), work,
-                reinterpret_cast<float*>(work + (size_t)p.stage_max * sizeof(__half))};
+                reinterpret_cast<float*>(work + (size_t)p.stage_max * sizeof(__half)),
+                reinterpret_cast<float4*>(work + gemv_stage_bytes(p.stage_max))};
   __shared__ uint32_t epoch_s;
   if (threadIdx.x == 0) epoch_s = *reinterpret_cast<volatile uint32_t*>(p.epoch) + 1;
   __syncthreads();
@@ -519,8 +532,9 @@ __global__ void __launch_bounds__(kPersistentThreads) persistent_kernel(Persiste
 
 size_t persistent_smem(const PersistentParams& p) {
   const int g = p.n_heads / max(1, p.n_kv_heads);
-  // the widest staged input, then (I4) its group sums; or the attention's tiles
-  const size_t gemv = (size_t)p.stage_max * sizeof(__half) + (size_t)(p.stage_max / kI4Group + 1) * sizeof(float);
+  // the widest staged input, then (I4) its group sums, then the RMSNorm's kept input (hidden floats; the normed
+  // matrices all take the residual); or the attention's tiles
+  const size_t gemv = gemv_stage_bytes(p.stage_max) + (size_t)p.hidden * sizeof(float);
   const size_t attn = (size_t)(g * p.head_dim + g * p.chunk + p.head_dim + p.chunk + g) * sizeof(float);
   return kRedFloats * sizeof(float) + (gemv > attn ? gemv : attn);
 }

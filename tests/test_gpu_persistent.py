@@ -271,6 +271,28 @@ def test_one_block_per_sm(tmp_path):
             cuda(m, P.Persistent, persistent_blocks_per_sm=bad)
 
 
+def test_persistent_trace_step(tmp_path):
+    """CudaEngine.persistent_trace_step (bench/tools/trace_persistent.py): refused without a traced persistent
+    step or at a context past max_seq_len - 4; in a -DTINYINFER_TRACE=ON build one row per task of the schedule,
+    each with its three stamps in order."""
+    from tinyinfer import InvalidRequestError
+
+    m = make_llama(tmp_path, hidden=256, intermediate=500, layers=2, heads=4, kv_heads=2, vocab=512)
+    with pytest.raises(InvalidRequestError, match="persistent_trace_step: build the engine with CudaOptions.trace"):
+        cuda(m, P.Persistent, max_seq_len=128).persistent_trace_step(8)
+    try:
+        core = cuda(m, P.Persistent, max_seq_len=128, trace=True)
+    except InvalidRequestError as e:  # a build without tracing says so
+        assert "TINYINFER_TRACE=ON" in str(e)
+        return
+    with pytest.raises(InvalidRequestError, match="context must be <= max_seq_len - 4"):
+        core.persistent_trace_step(125)
+    rows = core.persistent_trace_step(20)
+    grid = core.persistent_grid[0]
+    assert rows.shape[1] == 8 and set(rows[:, 0]) <= set(range(grid))
+    assert (rows[:, 5] > 0).all() and (rows[:, 5] <= rows[:, 6]).all() and (rows[:, 6] <= rows[:, 7]).all()
+
+
 def test_prefetch_changes_no_number(model):
     prompt = list(range(3, 90))
     runs = [greedy_run(cuda(model, P.Persistent, persistent_prefetch=pf), prompt, 20) for pf in (True, False)]

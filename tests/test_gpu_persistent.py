@@ -87,7 +87,9 @@ def check_divergence_is_near_tie(per, graph, prompt, toks_p, toks_g, cpu=None):
     print(f"tokens part at step {j}: persistent {a} vs graph {b}; graph-logit gap {gap:.3e} = {gap / scale:.2e} "
           f"relative; persistent vs graph logits there {rel_err(lp, lg):.2e}{vs_cpu}")
     assert rel_err(lp, lg) < 1e-3, f"step {j}: the paths' logits differ by {rel_err(lp, lg):.2e}{vs_cpu}: a bug"
-    assert int(np.argmax(lp)) == a and int(np.argmax(lg)) == b
+    assert int(np.argmax(lp)) == a and int(np.argmax(lg)) == b, (
+        f"step {j}: a re-run picked {int(np.argmax(lp))} (persistent) / {int(np.argmax(lg))} (graph) instead of "
+        f"{a} / {b}: a run-to-run difference (a race), not a tie")
     assert gap <= NEAR_TIE * scale, (
         f"step {j}: persistent picked {a}, graph {b}, {gap / scale:.2e} apart relative (> {NEAR_TIE}): not a near-tie")
     return j

@@ -356,7 +356,8 @@ void bind_engines(nb::module_& m) {
       .def_rw("n_kv_heads", &ti::ScheduleShape::n_kv_heads)
       .def_rw("vocab", &ti::ScheduleShape::vocab)
       .def_rw("max_chunks", &ti::ScheduleShape::max_chunks)
-      .def_rw("grid", &ti::ScheduleShape::grid);
+      .def_rw("grid", &ti::ScheduleShape::grid)
+      .def_rw("fused_merge", &ti::ScheduleShape::fused_merge);
   nb::class_<ti::PersistentSchedule>(m, "PersistentSchedule", "Per block of the persistent kernel, its tasks in order.")
       .def_rw("grid", &ti::PersistentSchedule::grid)
       .def_rw("n_counters", &ti::PersistentSchedule::n_counters)
@@ -422,6 +423,8 @@ void bind_engines(nb::module_& m) {
       .def_rw("kv_page_shuffle", &ti::CudaOptions::kv_page_shuffle)
       .def_rw("decode_path", &ti::CudaOptions::decode_path)
       .def_rw("persistent_prefetch", &ti::CudaOptions::persistent_prefetch)
+      .def_rw("persistent_fused_merge", &ti::CudaOptions::persistent_fused_merge)
+      .def_rw("persistent_blocks_per_sm", &ti::CudaOptions::persistent_blocks_per_sm)
       .def_rw("persistent_timeout_ms", &ti::CudaOptions::persistent_timeout_ms)
       .def_rw("plan_text", &ti::CudaOptions::plan_text,
               "A saved GEMV plan (CudaEngine.plan_text) to take instead of tuning, if made for this key; '': tune.")
@@ -588,6 +591,18 @@ void bind_engines(nb::module_& m) {
           "context"_a,
           "CudaOptions.trace engines: one decode step; per kernel (name, kTraceBlocks x 4 global-timer ns: start, "
           "after the PDL wait, after the prologue, end; 0 = block absent).")
+      .def(
+          "persistent_trace_step",
+          [](ti::CudaEngine& e, int64_t context) {
+            const std::vector<int64_t> rows = e.persistent_trace_step(context);
+            constexpr size_t cols = ti::PersistentDecode::kTraceColumns;
+            return numpy_copy(rows, rows.size() / cols, cols);
+          },
+          "context"_a,
+          "CudaOptions.trace engines with the persistent step: one step at `context` (after 3 warm-up steps); int64 "
+          "(tasks, 8): block, task type (0 embed, 1 qkv, 2 attn_partial, 3 attn_merge, 4 o, 5 gate_up, 6 down, "
+          "7 lm_head), layer, a, b, global-timer ns at the task's start, after its wait, at its end (0: not reached; "
+          "all 0 in a build without -DTINYINFER_TRACE=ON).")
       .def("time_attention", &ti::CudaEngine::time_attention, "context"_a, "reps"_a,
            nb::call_guard<nb::gil_scoped_release>(), "GPU µs of one layer's decode attention at this context.");
   bind_engine_common<ti::CudaEngine>(gpu);

@@ -24,7 +24,9 @@ CONFIGS = {  # (head dim, group = heads / kv_heads); intermediate sizes not mult
     "mha_hd64": dict(hidden=256, heads=4, kv_heads=4, head_dim=64, intermediate=500, layers=2),
     "gqa4_hd128": dict(hidden=512, heads=8, kv_heads=2, head_dim=128, intermediate=1001, layers=2),
     "gqa8_hd96": dict(hidden=384, heads=8, kv_heads=1, head_dim=96, intermediate=700, layers=2),
-    "gqa3_hd256": dict(hidden=448, heads=6, kv_heads=2, head_dim=256, intermediate=900, layers=2),
+    # (transformers' LlamaConfig requires hidden % heads == 0, even with an explicit head_dim: 448 / 6 failed the
+    # fixture, so every gqa3_hd256 case was an error, not a run)
+    "gqa3_hd256": dict(hidden=384, heads=6, kv_heads=2, head_dim=256, intermediate=900, layers=2),
     "gqa7_hd64": dict(hidden=448, heads=7, kv_heads=1, head_dim=64, intermediate=1000, layers=3),
 }
 
@@ -55,6 +57,44 @@ def rel_err(a, ref):
     return float(np.abs(a - ref).max() / np.abs(ref).max())
 
 
+NEAR_TIE = 2 * 3e-3  # tests/test_gpu_batch.py's criterion at fp16: 2 * LOGIT_TOL, relative to max |logit|
+
+
+def first_difference(a, b):
+    """The first index where the token lists differ (None: equal over the shorter one's length)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def check_divergence_is_near_tie(per, graph, prompt, toks_p, toks_g, cpu=None):
+    """Where the two paths' greedy tokens part (index j), tell a near-tie from a bug: both paths re-run to step j
+    on the same prefix (equal up to j); their logits there must agree (rel 1e-3: a wrong step shows here, e.g. a
+    race on the KV append or a stale epoch), and in the graph path's logits the two chosen tokens must be within
+    NEAR_TIE of each other (the persistent step's different fp32 sum order may then legitimately flip the pick).
+    Returns j (None: no divergence)."""
+    j = first_difference(toks_p, toks_g)
+    if j is None:
+        return None
+    _, lp = greedy_run(per, prompt, j + 1)
+    _, lg = greedy_run(graph, prompt, j + 1)
+    a, b = toks_p[j], toks_g[j]
+    gap = float(lg[b] - lg[a])
+    scale = float(np.abs(lg).max())
+    vs_cpu = ""
+    if cpu is not None:  # which path is off, when one is: both against the CPU engine on the common prefix
+        cpu.reset()
+        ref = cpu.forward(prompt + toks_p[:j], True)[-1]
+        vs_cpu = f"; vs the CPU engine: persistent {rel_err(lp, ref):.2e}, graph {rel_err(lg, ref):.2e}"
+    print(f"tokens part at step {j}: persistent {a} vs graph {b}; graph-logit gap {gap:.3e} = {gap / scale:.2e} "
+          f"relative; persistent vs graph logits there {rel_err(lp, lg):.2e}{vs_cpu}")
+    assert rel_err(lp, lg) < 1e-3, f"step {j}: the paths' logits differ by {rel_err(lp, lg):.2e}{vs_cpu}: a bug"
+    assert int(np.argmax(lp)) == a and int(np.argmax(lg)) == b, (
+        f"step {j}: a re-run picked {int(np.argmax(lp))} (persistent) / {int(np.argmax(lg))} (graph) instead of "
+        f"{a} / {b}: a run-to-run difference (a race), not a tie")
+    assert gap <= NEAR_TIE * scale, (
+        f"step {j}: persistent picked {a}, graph {b}, {gap / scale:.2e} apart relative (> {NEAR_TIE}): not a near-tie")
+    return j
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def model(request, tmp_path_factory):
     return make_llama(tmp_path_factory.mktemp(request.param), vocab=1000, **CONFIGS[request.param])
@@ -74,14 +114,16 @@ def test_tokens_match_graph_and_logits_match_cpu(model, prompt_len, steps, shuff
     assert graph.decode_path == P.Graph
     toks_p, logits_p = greedy_run(per, prompt, steps)
     toks_g, logits_g = greedy_run(graph, prompt, steps)
-    assert toks_p == toks_g
     cpu = Engine(model, device="cpu", max_seq_len=400)._core
+    parted = check_divergence_is_near_tie(per, graph, prompt, toks_p, toks_g, cpu) is not None
     cpu.reset()
     ref = cpu.forward(prompt + toks_p[:-1], True)[-1]  # the logits the last token was sampled from
-    e_cpu, e_graph = rel_err(logits_p, ref), rel_err(logits_g, ref)
-    print(f"persistent vs cpu {e_cpu:.2e} (graph vs cpu {e_graph:.2e}), vs graph {rel_err(logits_p, logits_g):.2e}")
-    assert rel_err(logits_p, logits_g) < 1e-3  # first: a persistent-step bug shows here
-    assert e_cpu < 3e-3, f"persistent vs cpu {e_cpu:.2e}; the graph path's own error: {e_graph:.2e}"
+    e_cpu = rel_err(logits_p, ref)
+    if not parted:  # (after a near-tie the graph path's last step saw other tokens: the CPU check remains)
+        print(f"persistent vs cpu {e_cpu:.2e} (graph vs cpu {rel_err(logits_g, ref):.2e}), "
+              f"vs graph {rel_err(logits_p, logits_g):.2e}")
+        assert rel_err(logits_p, logits_g) < 1e-3  # first: a persistent-step bug shows here
+    assert e_cpu < 3e-3, f"persistent vs cpu {e_cpu:.2e}"
     assert int(np.argmax(logits_p)) == toks_p[-1]
 
 
@@ -107,8 +149,8 @@ def test_sampled_steps_match_graph(model):
 
 def test_ten_thousand_steps(tmp_path):
     """10 sequences x 1,000 steps on one engine: 10,000 launches, the counters' epochs never reset. Each
-    sequence's first 200 tokens equal the graph path's (later, a near-tie may differ in the last bit and the
-    sequences part), and the last step's logits equal the CPU engine's on the persistent tokens (every step's keys
+    sequence's tokens equal the graph path's over the first 200 steps up to a near-tie where they may part
+    (check_divergence_is_near_tie), and the last step's logits equal the CPU engine's on the persistent tokens (every step's keys
     and values are in that cache: a wrong step anywhere shows)."""
     m = make_llama(tmp_path, hidden=128, intermediate=300, layers=2, heads=4, kv_heads=2, head_dim=64,
                    vocab=300, max_pos=1100)
@@ -120,11 +162,27 @@ def test_ten_thousand_steps(tmp_path):
         toks_p, logits_p = greedy_run(per, prompt, 1000)
         toks_g, _ = greedy_run(graph, prompt, 200)
         assert len(toks_p) == 1000
-        assert toks_p[:200] == toks_g
+        check_divergence_is_near_tie(per, graph, prompt, toks_p[:200], toks_g, cpu)
         if seq in (0, 9):
             cpu.reset()
             ref = cpu.forward(prompt + toks_p[:-1], True)[-1]
             assert rel_err(logits_p, ref) < 3e-3
+
+
+def test_repeated_runs_are_bitwise_equal(tmp_path):
+    """No atomics on data: the same prompt gives the same tokens and the same last logits on every run. A race
+    between blocks (a consumer reading before its producer's write is visible, a buffer rewritten while a reader
+    is still on it) shows as run-to-run differences here, unlike a near-tie with the graph path, which repeats."""
+    m = make_llama(tmp_path, hidden=128, intermediate=300, layers=2, heads=4, kv_heads=2, head_dim=64,
+                   vocab=300, max_pos=1100)
+    per = cuda(m, P.Persistent, max_seq_len=1050, kv_page_shuffle=3)
+    prompt = [1, 7, 3]
+    first = greedy_run(per, prompt, 400)
+    for _ in range(4):
+        toks, logits = greedy_run(per, prompt, 400)
+        j = first_difference(toks, first[0])
+        assert j is None, f"run-to-run difference at step {j}: {toks[j]} vs {first[0][j]} (a race)"
+        assert np.array_equal(logits, first[1])
 
 
 def test_auto_falls_back_where_persistent_cannot_run(tmp_path):
@@ -184,6 +242,57 @@ def test_a_wait_that_never_succeeds_is_an_error_not_a_hang(tmp_path):
         core.decode(3, GREEDY, [], 0)
     again, _ = greedy_run(core, prompt, 10)
     assert again == good
+
+
+@pytest.mark.parametrize("prompt_len", [40, 150])  # one chunk (att written directly), three (the last merges)
+def test_fused_merge_changes_no_number(model, prompt_len):
+    """CudaOptions.persistent_fused_merge (the last attention task of a KV head merges; no merge phase) against
+    the merge phase: the same operations in the same order, so the same bits."""
+    prompt = [int(t) for t in np.random.default_rng(prompt_len).integers(1, 1000, prompt_len)]
+    runs = [greedy_run(cuda(model, P.Persistent, persistent_fused_merge=f, kv_page_shuffle=5), prompt, 30)
+            for f in (True, False)]
+    assert runs[0][0] == runs[1][0]
+    assert np.array_equal(runs[0][1], runs[1][1])
+
+
+def test_one_block_per_sm(tmp_path):
+    """CudaOptions.persistent_blocks_per_sm = 1: half the grid, the same tokens as the graph path; out of 1..4 it
+    is refused with the valid range."""
+    from tinyinfer import InvalidRequestError
+
+    m = make_llama(tmp_path, hidden=256, intermediate=500, layers=2, heads=4, kv_heads=2, vocab=512)
+    one, two = cuda(m, P.Persistent, persistent_blocks_per_sm=1), cuda(m, P.Persistent)
+    assert 2 * one.persistent_grid[0] == two.persistent_grid[0] or two.persistent_grid[0] == two.persistent_grid[1]
+    prompt = list(range(3, 80))
+    toks_1, _ = greedy_run(one, prompt, 60)
+    graph = cuda(m, P.Graph)
+    toks_g, _ = greedy_run(graph, prompt, 60)
+    check_divergence_is_near_tie(one, graph, prompt, toks_1, toks_g)
+    for bad in (0, 5):
+        with pytest.raises(InvalidRequestError, match="persistent_blocks_per_sm must be 1 to 4"):
+            cuda(m, P.Persistent, persistent_blocks_per_sm=bad)
+
+
+def test_persistent_trace_step(tmp_path):
+    """CudaEngine.persistent_trace_step (bench/tools/trace_persistent.py): refused without a traced persistent
+    step or at a context past max_seq_len - 4; in a -DTINYINFER_TRACE=ON build one row per task of the schedule,
+    each with its three stamps in order."""
+    from tinyinfer import InvalidRequestError
+
+    m = make_llama(tmp_path, hidden=256, intermediate=500, layers=2, heads=4, kv_heads=2, vocab=512)
+    with pytest.raises(InvalidRequestError, match="persistent_trace_step: build the engine with CudaOptions.trace"):
+        cuda(m, P.Persistent, max_seq_len=128).persistent_trace_step(8)
+    try:
+        core = cuda(m, P.Persistent, max_seq_len=128, trace=True)
+    except InvalidRequestError as e:  # a build without tracing says so
+        assert "TINYINFER_TRACE=ON" in str(e)
+        return
+    with pytest.raises(InvalidRequestError, match="context must be <= max_seq_len - 4"):
+        core.persistent_trace_step(125)
+    rows = core.persistent_trace_step(20)
+    grid = core.persistent_grid[0]
+    assert rows.shape[1] == 8 and set(rows[:, 0]) <= set(range(grid))
+    assert (rows[:, 5] > 0).all() and (rows[:, 5] <= rows[:, 6]).all() and (rows[:, 6] <= rows[:, 7]).all()
 
 
 def test_prefetch_changes_no_number(model):

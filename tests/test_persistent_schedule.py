@@ -51,6 +51,25 @@ def test_built_schedule_is_accepted_and_covers_every_unit(grid):
     assert sched.final_counter == sched.n_counters - 1
 
 
+@pytest.mark.parametrize("grid", [1, 8, 132])
+def test_fused_merge_schedule_has_no_merge_phase(grid):
+    """ScheduleShape.fused_merge: the attention tasks merge (the last of a KV head's chunks); the O tasks wait on
+    the attention partials' counter, for every attention task (those past the context signal at once)."""
+    sh = shape(grid=grid)
+    sh.fused_merge = True
+    sched = _core.build_persistent_schedule(sh)
+    _core.check_persistent_schedule(sched, grid)
+    tasks = all_tasks(sched)
+    assert not [t for t in tasks if t.type == T.AttnMerge]
+    unfused = _core.build_persistent_schedule(shape(grid=grid))
+    assert sched.n_counters == unfused.n_counters - sh.n_layers  # one phase fewer per layer
+    for layer in range(sh.n_layers):
+        attn = {t.signal for t in tasks if t.type == T.AttnPartial and t.layer == layer}
+        o = [t for t in tasks if t.type == T.O and t.layer == layer]
+        assert len(attn) == 1 and {t.wait for t in o} == attn
+        assert {t.wait_count for t in o} == {sh.n_kv_heads * sh.max_chunks}
+
+
 def test_grid_past_coresidency_is_refused():
     sched = _core.build_persistent_schedule(shape(grid=8))
     with pytest.raises(DeviceError, match="exceeds the 7 co-resident blocks"):

@@ -94,6 +94,8 @@ void CudaEngine::init_device() {
     fail(ErrorKind::Request, "gemv_resident_margin must be in [0, 1]");
   for (const GemvPin& pin : opt_.gemv_pins) check_pin(pin);
   if (opt_.persistent_timeout_ms < 1) fail(ErrorKind::Request, "persistent_timeout_ms must be >= 1");
+  if (opt_.persistent_blocks_per_sm < 1 || opt_.persistent_blocks_per_sm > 4)
+    fail(ErrorKind::Request, "persistent_blocks_per_sm must be 1 to 4");
   if (opt_.decode_long_from < -1) fail(ErrorKind::Request, "decode_long_from must be -1 (tuned), 0 (off) or a context");
 #ifndef TI_TRACE
   if (opt_.trace)
@@ -257,8 +259,12 @@ void CudaEngine::persistent_graph() {
   if (why.empty() && !opt_.graphs) why = "the persistent decode step is replayed as a graph (CudaOptions.graphs)";
   if (why.empty()) {
     try {
-      persistent_ = std::make_unique<PersistentDecode>(cfg_, *weights_, dbuf_, opt_.persistent_prefetch,
-                                                       opt_.persistent_timeout_ms, arena_, stream_);
+      PersistentOptions po;
+      po.prefetch = opt_.persistent_prefetch;
+      po.fused_merge = opt_.persistent_fused_merge;
+      po.blocks_per_sm = opt_.persistent_blocks_per_sm;
+      po.timeout_ms = opt_.persistent_timeout_ms;
+      persistent_ = std::make_unique<PersistentDecode>(cfg_, *weights_, dbuf_, po, arena_, stream_);
     } catch (const Error& e) {
       if (forced || e.kind() != ErrorKind::Unsupported) throw;
       why = e.what();

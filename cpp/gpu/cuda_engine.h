@@ -88,6 +88,8 @@ struct CudaOptions {
   // (persistent where it can run, else graph). Graph until the persistent step is measured correct and faster.
   DecodePath decode_path = DecodePath::Graph;
   bool persistent_prefetch = true;     // its tasks ask their first weights into L2 before their waits (A/B)
+  bool persistent_fused_merge = true;  // no merge phase: a KV head's last attention task merges its chunks (A/B)
+  int persistent_blocks_per_sm = 2;    // its grid: min(co-resident, this x SMs); 1 to 4 (A/B)
   int persistent_timeout_ms = 2000;    // a counter wait that has not succeeded by then ends the step with an error
 };
 
@@ -157,6 +159,9 @@ class CudaEngine {
   // CudaOptions::trace: one decode step at `context`; per traced kernel in launch order its name and
   // kTraceBlocks x kTracePoints global-timer stamps (ns; 0: block absent or exited early). common.cuh, trace_point.
   std::pair<std::vector<std::string>, std::vector<uint64_t>> trace_step(int64_t context);
+  // CudaOptions::trace with the persistent step built: one persistent step at `context` (after 3 warm-up steps);
+  // PersistentDecode::kTraceColumns values per task (PersistentDecode::read_trace). The graph path: trace_step.
+  std::vector<int64_t> persistent_trace_step(int64_t context);
   double time_attention(int64_t context, int reps);  // GPU µs of one layer's attention (chunks + merge)
   // GPU ms of prefilling `n_tokens` (arbitrary ids) at position 0: mean of `reps` after a warm-up that tunes
   // the GEMMs of that length's bucket. The cache is reset afterwards.

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "../../cuda/persistent.cuh"
 #include "../core/config.h"
@@ -21,21 +22,35 @@ namespace ti {
 enum class DecodePath { Graph, Persistent, Auto };  // Auto: persistent where it can run, else graph
 const char* decode_path_name(DecodePath p);         // "graph" | "persistent" | "auto"
 
+// CudaOptions' persistent_* fields, as the step takes them.
+struct PersistentOptions {
+  bool prefetch = true;     // tasks ask their first weights into L2 before their waits
+  bool fused_merge = true;  // ScheduleShape::fused_merge
+  int blocks_per_sm = 2;    // the grid: min(co-resident, blocks_per_sm x SMs)
+  int timeout_ms = 2000;    // a wait's bound
+};
+
 class PersistentDecode {
  public:
   // Why the persistent step cannot run for this model / device ("": it can). Checked before construction so that
   // DecodePath::Auto falls back quietly and DecodePath::Persistent fails with this sentence.
   static std::string unsupported(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b);
   // Builds, checks (throws ti::Error(Device) on a schedule that could hang) and uploads the schedule.
-  // prefetch: tasks ask their first weights into L2 before their waits; timeout_ms: a wait's bound.
-  PersistentDecode(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b, bool prefetch,
-                   int timeout_ms, DeviceArena& arena, cudaStream_t s);
+  PersistentDecode(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b,
+                   const PersistentOptions& o, DeviceArena& arena, cudaStream_t s);
   // One step (state.token at state.pos -> logits): one launch. Graph-capturable.
   void record(cudaStream_t s) const;
   // Throws ti::Error(Device) if a wait of an earlier launch timed out (call after a stream synchronise); the
   // counters are then zeroed so that the next step starts a fresh epoch.
   void check(cudaStream_t s) const;
   void skew_epoch(int by, cudaStream_t s) const;  // tests: the next step's waits can never succeed
+  // Tracing (DecodeBuffers::trace set, a TINYINFER_TRACE build): the stamps zeroed; then, after steps, per task
+  // of the schedule (blocks in order, each block's list in order) kTraceColumns values: block, task type, layer,
+  // a, b, and the global-timer ns at its start, after its wait, at its end (0: not reached).
+  static constexpr int kTraceColumns = 8;
+  bool traced() const { return p_.trace != nullptr; }
+  void clear_trace(cudaStream_t s) const;
+  std::vector<int64_t> read_trace(cudaStream_t s) const;
   int grid() const { return sched_.grid; }
   int max_coresident() const { return max_coresident_; }
   const PersistentSchedule& schedule() const { return sched_; }

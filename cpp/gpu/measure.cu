@@ -103,17 +103,36 @@ std::pair<std::vector<std::string>, std::vector<uint64_t>> CudaEngine::trace_ste
   kv_reserve(context + 3);  // (three warm-up steps from context on)
   upload_sampling(cuda::DeviceSampling{});
   set_state(1, (int)context, 0);
-  for (int i = 0; i < 3; i++) run_decode_step(context + i);  // warm-up: the traced step follows others
+  // (the graph path's kernels, also where decode() replays the persistent step: persistent_trace_step traces that)
+  for (int i = 0; i < 3; i++) run_decode_step(context + i, DecodePath::Graph);  // warm-up: the traced step follows others
   set_state(1, (int)context, 0);
   const size_t n = dbuf_.trace_words;
   TI_CUDA_CHECK(cudaMemsetAsync(dbuf_.trace, 0, n * 8, stream_));
-  run_decode_step(context);
-  run_decode_step(context + 1);  // the traced step: the second, so that the one before overlaps as usual
+  run_decode_step(context, DecodePath::Graph);
+  run_decode_step(context + 1, DecodePath::Graph);  // the traced step: the second, so that the one before overlaps as usual
   std::vector<uint64_t> t(n);
   TI_CUDA_CHECK(cudaMemcpyAsync(t.data(), dbuf_.trace, n * 8, cudaMemcpyDeviceToHost, stream_));
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
   reset();
   return {step_->trace_names(), t};
+}
+
+std::vector<int64_t> CudaEngine::persistent_trace_step(int64_t context) {
+  if (!persistent_ || !persistent_->traced())
+    fail(ErrorKind::Request, "persistent_trace_step: build the engine with CudaOptions.trace = True and "
+                             "decode_path = persistent");
+  if (context < 0 || context + 4 > max_seq_)
+    fail(ErrorKind::Request, "persistent_trace_step: context must be <= max_seq_len - 4");
+  kv_reserve(context + 4);
+  upload_sampling(cuda::DeviceSampling{});
+  set_state(1, (int)context, 0);
+  for (int i = 0; i < 3; i++) run_decode_step(context + i, DecodePath::Persistent);  // warm-up
+  persistent_->clear_trace(stream_);
+  run_decode_step(context + 3, DecodePath::Persistent);  // the traced step (its state: 3 steps on from context)
+  std::vector<int64_t> rows = persistent_->read_trace(stream_);
+  persistent_->check(stream_);
+  reset();
+  return rows;
 }
 
 double CudaEngine::time_attention(int64_t context, int reps) {

@@ -93,7 +93,7 @@ PersistentSchedule build_persistent_schedule(const ScheduleShape& s) {
   for (int l = 0; l < s.n_layers; l++) {
     b.rows(TaskType::Qkv, l, s.q_dim + 2 * s.kv_dim, 8);
     b.units(TaskType::AttnPartial, l, s.n_kv_heads, s.max_chunks);
-    b.units(TaskType::AttnMerge, l, s.n_heads, 0);
+    if (!s.fused_merge) b.units(TaskType::AttnMerge, l, s.n_heads, 0);
     b.rows(TaskType::O, l, s.hidden, 8);
     b.rows(TaskType::GateUp, l, s.intermediate, 8);  // outputs of silu(gate) * up: rows 2i, 2i + 1 each
     b.rows(TaskType::Down, l, s.hidden, 8);

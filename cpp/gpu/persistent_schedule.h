@@ -38,6 +38,9 @@ struct ScheduleShape {
   int hidden = 0, q_dim = 0, kv_dim = 0, intermediate = 0, n_layers = 0, n_heads = 0, n_kv_heads = 0, vocab = 0;
   int max_chunks = 0;  // attention chunks of the longest context (max_seq / chunk, rounded up)
   int grid = 0;        // blocks of the persistent kernel
+  // No merge phase: the last attention task of a KV head to finish merges its chunks (cuda/persistent.cu), and
+  // the O phase waits on the attention partials' counter. One hand-off and one phase fewer per layer.
+  bool fused_merge = false;
 };
 
 struct PersistentSchedule {

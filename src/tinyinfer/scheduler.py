@@ -428,7 +428,6 @@ class Scheduler:
             if err is not None:
                 self._end(core, seq, "length", error=err)
                 continue
-                self._running.append(seq)
             try:
                 seq.slot = int(core.seq_open())
             except BaseException:

@@ -17,7 +17,7 @@ import gguf_writer
 from conftest import make_llama
 from test_int8_blocks import _gguf_dequantized
 from tinyinfer import Engine, _core
-from tinyinfer.engine import _load_cpu_store
+from tinyinfer.loading import load_cpu_store
 from tinyinfer.errors import InvalidRequestError, TinyInferError
 from tinyinfer.loaders import load_model
 
@@ -59,7 +59,7 @@ def all_types_gguf(tmp_path_factory):
 def test_gguf_tensors_held_compact_with_the_fp32_engines_logits(all_types_gguf):
     ref = _gguf_dequantized(all_types_gguf)
     model = load_model(all_types_gguf)
-    store = _load_cpu_store(model, model.config, "fp32")
+    store = load_cpu_store(model, model.config, "fp32")
     held = {"F16": "fp16", "BF16": "bf16", "F32": "fp32", "Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8",
             "Q4_K": "fp32", "Q5_K": "fp32", "Q6_K": "fp32"}  # K-quants: widened to fp32 at load
     for name, (ty, a) in ref.items():
@@ -76,7 +76,7 @@ def test_gguf_tensors_held_compact_with_the_fp32_engines_logits(all_types_gguf):
 def test_safetensors_held_as_stored_with_the_fp32_engines_logits(tmp_path, dtype):
     d = make_llama(tmp_path / dtype, hidden=128, intermediate=256, heads=2, kv_heads=1, vocab=300, dtype=dtype)
     model = load_model(d)
-    store = _load_cpu_store(model, model.config, "fp32")
+    store = load_cpu_store(model, model.config, "fp32")
     held = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[dtype]
     assert store.held("model.layers.0.mlp.down_proj.weight") == held
     assert store.held("model.embed_tokens.weight") == held
@@ -95,7 +95,7 @@ def test_quantized_at_load_into_blocks_with_the_old_numbers(tmp_path, dtype):
     d = make_llama(tmp_path / "m", hidden=128, intermediate=256, heads=2, kv_heads=1, vocab=300, tie=True)
     model = load_model(d)
     src = {n: a.astype(np.float32) for n, a, _ in model.tensors()}
-    store = _load_cpu_store(model, model.config, dtype)
+    store = load_cpu_store(model, model.config, dtype)
     head = "int8" if dtype == "int4" else dtype
     assert store.held("model.layers.1.self_attn.q_proj.weight") == dtype
     assert store.held("lm_head.weight") == head
@@ -111,7 +111,7 @@ def test_quantized_at_load_into_blocks_with_the_old_numbers(tmp_path, dtype):
 
 def test_thread_count_never_changes_a_number(all_types_gguf):
     model = load_model(all_types_gguf)
-    store = _load_cpu_store(model, model.config, "int4")
+    store = load_cpu_store(model, model.config, "int4")
     engines = [_core.CpuEngine(store, 128, t) for t in (1, 2, 3, 7)]
     assert [e.threads for e in engines] == [1, 2, 3, 7]
     logits = [_logits(e) for e in engines]
@@ -132,7 +132,7 @@ def test_threads_refused_with_the_value(all_types_gguf, bad):
 
 def test_core_threads_refused(all_types_gguf):
     model = load_model(all_types_gguf)
-    store = _load_cpu_store(model, model.config, "fp32")
+    store = load_cpu_store(model, model.config, "fp32")
     for bad in (-1, 1025):
         with pytest.raises(TinyInferError, match=f"threads must be in 1..1024.*got {bad}"):
             _core.CpuEngine(store, 16, bad)

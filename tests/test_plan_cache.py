@@ -1,4 +1,4 @@
-"""The GEMV plan across runs (cpp/gpu/plan_cache.h, engine.py's plan cache): the saved text is taken only when it
+"""The GEMV plan across runs (cpp/gpu/plan_cache.h, loading.py's plan cache): the saved text is taken only when it
 is whole and made for this key (hit), refused as stale for another key or format version and as corrupt when
 damaged (checksum, truncation, garbage, fields out of range); the Python side reads and writes the file, warns
 once for a refused one, rewrites it, and stays off with TINYINFER_PLAN_CACHE=0 or Engine(plan_cache=False).

@@ -11,8 +11,10 @@ per request from a seeded RNG); every request asks for exactly --max-tokens toke
 /v1/completions with the usage chunk. Each client sends --rounds requests one after another. TTFT: request sent
 -> first streamed chunk; ITL: the gaps between a request's later chunks (a chunk holds the tokens of one step, or
 of several when the server streams at an interval: `tok/chunk`); throughput: all completion tokens / the level's
-wall time (from the first request sent, the server already up and warm, to the last stream's end); client cpu:
-the clients' process CPU time / wall (near 100%: the clients, one Python process, set the pace, not the server). --shape writes a random-weight HF model at a real
+wall time (from the first request sent, the server already up and warm, to the last stream's end). The clients
+of a level run in --client-procs processes (default one per 16 clients, so that at 64 clients the clients' own
+Python does not set the pace); client cpu: the busiest client process's CPU time / wall (near 100%: the clients,
+not the server, set the pace). --shape writes a random-weight HF model at a real
 shape first (bench/tools/make_random_model.py, needs torch).
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -91,18 +94,33 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
             "chunks": len(stamps)}
 
 
-async def run_level(url: str, model: str, concurrency: int, rounds: int, lens: list[int], max_tokens: int,
-                    seed: int) -> dict:
+def _prompts(concurrency: int, rounds: int, lens: list[int], seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed + concurrency)
-    prompts = [rng.integers(100, 1000, int(rng.choice(lens))).tolist() for _ in range(concurrency * rounds)]
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    return [rng.integers(100, 1000, int(rng.choice(lens))).tolist() for _ in range(concurrency * rounds)]
+
+
+async def _drive(url: str, model: str, prompts: list[list[int]], rounds: int, max_tokens: int,
+                 start_at: Optional[float] = None) -> tuple[list[dict], float, float, float]:
+    """len(prompts) // rounds clients, each sending its `rounds` prompts in turn; -> (results, t_start, t_end,
+    cpu seconds). Times are time.time() so that client processes' windows can be joined."""
+    clients = len(prompts) // rounds
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=60), limits=limits) as client:
         async def worker(w: int) -> list[dict]:
             return [await one_request(client, url, model, prompts[w * rounds + i], max_tokens) for i in range(rounds)]
 
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        results = [r for rs in await asyncio.gather(*(worker(w) for w in range(concurrency))) for r in rs]
-        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        if start_at is not None:  # every client process starts together
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+        t0, cpu0 = time.time(), time.process_time()
+        results = [r for rs in await asyncio.gather(*(worker(w) for w in range(clients))) for r in rs]
+        return results, t0, time.time(), time.process_time() - cpu0
+
+
+def _drive_in_process(args: tuple) -> tuple[list[dict], float, float, float]:
+    return asyncio.run(_drive(*args))
+
+
+def _summary(concurrency: int, results: list[dict], wall: float, client_cpu: float) -> dict:
     ok = [r for r in results if "error" not in r]
     ttft = np.array([r["ttft"] for r in ok]) * 1e3
     itl = np.array([x for r in ok for x in r["itl"]]) * 1e3
@@ -119,7 +137,34 @@ async def run_level(url: str, model: str, concurrency: int, rounds: int, lens: l
             "prompt_tokens": sum(r["prompt"] for r in ok), "output_tok_s": tokens / wall,
             "requests_s": len(ok) / wall, "ttft_ms": pct(ttft), "itl_ms": pct(itl),
             "tokens_per_chunk": tokens / max(sum(r["chunks"] for r in ok), 1),
-            "client_cpu": cpu / wall}  # near 1.0: this one-process client, not the server, set the pace
+            "client_cpu": client_cpu}  # near 1.0: the (busiest) client process, not the server, set the pace
+
+
+async def run_level(url: str, model: str, concurrency: int, rounds: int, lens: list[int], max_tokens: int,
+                    seed: int) -> dict:
+    """One level driven from this process (its event loop)."""
+    results, t0, t1, cpu = await _drive(url, model, _prompts(concurrency, rounds, lens, seed), rounds, max_tokens)
+    return _summary(concurrency, results, t1 - t0, cpu / (t1 - t0))
+
+
+def measure_level(url: str, model: str, concurrency: int, rounds: int, lens: list[int], max_tokens: int,
+                  seed: int, procs: int = 0) -> dict:
+    """One level with the clients spread over `procs` processes (0: one per 16 clients), so that the clients'
+    Python does not set the pace at high concurrency; the same prompts whatever `procs`. The wall is from the
+    common start to the last stream's end; client_cpu is the busiest process's CPU time over it."""
+    procs = max(1, min(concurrency, procs or -(-concurrency // 16)))
+    if procs == 1:
+        return asyncio.run(run_level(url, model, concurrency, rounds, lens, max_tokens, seed))
+    prompts = _prompts(concurrency, rounds, lens, seed)
+    share = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
+    start_at, parts, first = time.time() + 1.0 + 0.1 * procs, [], 0  # after every process has started
+    for n in share:
+        parts.append((url, model, prompts[first * rounds:(first + n) * rounds], rounds, max_tokens, start_at))
+        first += n
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        out = pool.map(_drive_in_process, parts)
+    t0, t1 = min(o[1] for o in out), max(o[2] for o in out)
+    return _summary(concurrency, [r for o in out for r in o[0]], t1 - t0, max(o[3] for o in out) / (t1 - t0))
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -148,6 +193,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request (default 128)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-s", type=float, default=600, help="wait this long for the server to come up")
+    ap.add_argument("--client-procs", type=int, default=0,
+                    help="client processes per level (default 0: one per 16 clients)")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
     levels, lens = _ints(a.concurrency, "--concurrency"), _ints(a.prompt_lens, "--prompt-lens")
@@ -178,7 +225,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{'p99':>8} {'tok/chunk':>9} {'client cpu':>10}  (ms)")
         rows = []
         for c in levels:
-            r = asyncio.run(run_level(url, model, c, a.rounds, lens, a.max_tokens, a.seed))
+            r = measure_level(url, model, c, a.rounds, lens, a.max_tokens, a.seed, a.client_procs)
             rows.append(r)
             f = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
             print(f"{c:>7} {r['requests']:>5} {r['output_tok_s']:>9.1f} {r['requests_s']:>7.2f} "
@@ -186,7 +233,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{f(r['itl_ms']['p99']):>8} {r['tokens_per_chunk']:>9.2f} {r['client_cpu']:>9.0%}"
                   + (f"  {r['failed']} failed: {r['errors'][0]}" if r["failed"] else ""))
         out = {"model": label, "device": a.device, "dtype": a.dtype, "max_batch": a.max_batch,
-               "prompt_lens": lens, "max_tokens": a.max_tokens, "rounds": a.rounds, "levels": rows}
+               "prompt_lens": lens, "max_tokens": a.max_tokens, "rounds": a.rounds,
+               "client_procs": a.client_procs, "levels": rows}
         if a.json:
             Path(a.json).write_text(json.dumps(out, indent=1))
             print(f"serve_bench: wrote {a.json}")

@@ -315,6 +315,32 @@ def test_sample_logprobs_and_top_entries(model):
     core.seq_close(s)
 
 
+def test_logits_of_a_slot_left_out_of_a_step(model):
+    """A slot's logits stay in the step row that computed them (no copy to a per-slot buffer); a later step
+    without that slot overwrites the row (a smaller bucket: row 0; padding rows too), so the engine moves them to
+    the slot's own row first: seq_logits and seq_sample (with logprobs) still see them, in any order of steps."""
+    eng = gpu_engine(model, "fp16")
+    core = eng._core
+    batch = prompts(3, seed=21)
+    slots = [core.seq_open() for _ in batch]
+    for s, p in zip(slots, batch):
+        core.seq_prefill(s, p)
+    core.seq_step(slots, [5, 6, 7])
+    before = [core.seq_logits(s) for s in slots]
+    core.seq_step([slots[2]], [9])  # bucket 1: row 0, slot 0's
+    np.testing.assert_array_equal(core.seq_logits(slots[0]), before[0])
+    np.testing.assert_array_equal(core.seq_logits(slots[1]), before[1])
+    core.seq_step([slots[2], slots[1]], [3, 4])  # bucket 2: rows 0 and 1, slot 1 now in row 1
+    np.testing.assert_array_equal(core.seq_logits(slots[0]), before[0])
+    z = before[0].astype(np.float64)
+    toks, lp, _, _ = core.seq_sample([slots[1], slots[0]], [greedy()] * 2, [0, 0], 0)
+    assert toks[1] == np.argmax(z)
+    np.testing.assert_allclose(lp[1], z[toks[1]] - (z.max() + np.log(np.exp(z - z.max()).sum())), atol=1e-4)
+    assert toks[0] == np.argmax(core.seq_logits(slots[1]))
+    for s in slots:
+        core.seq_close(s)
+
+
 def test_bad_slot_requests(model):
     eng = Engine(model[1], device="cuda", max_seq_len=MAX_SEQ, cuda_options=options(max_batch=2))
     core = eng._core

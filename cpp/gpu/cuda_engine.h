@@ -255,7 +255,8 @@ class CudaEngine {
   PrefillBuffers pbuf_;
   std::unique_ptr<PrefillStep> prefill_;
 
-  // The slots. Their page tables live in bbuf_.tables (slot s at row s), their logits in bbuf_.slot_logits.
+  // The slots. Their page tables live in bbuf_.tables (slot s at row s), their logits in a row of bbuf_.logits
+  // (Slot::logits_row: the step row that computed them, or the slot's own row, bbuf_.slot_row).
   BatchBuffers bbuf_;
   std::unique_ptr<BatchStep> batch_;
   std::vector<int> buckets_;                    // 1, 2, 4, ..., max_batch
@@ -263,13 +264,14 @@ class CudaEngine {
   struct Slot {
     bool open = false, has_logits = false;
     int64_t length = 0;
+    int logits_row = -1;  // its latest logits: row of bbuf_.logits (a step row < max_batch, or its own row)
     std::unique_ptr<KvSequence> kv;
   };
   std::vector<Slot> slots_;
   unsigned char* seen_ = nullptr;               // (max_batch, vocab) prompt + generated tokens per slot
   int* counts_ = nullptr;                       // (max_batch, vocab) generated occurrences per slot
   float* sample_scratch_ = nullptr;             // (max_batch, vocab)
-  void* d_sample_in_ = nullptr;                 // RowSampling (max_batch) | gather indices (max_batch)
+  void* d_sample_in_ = nullptr;                 // RowSampling (max_batch)
   void* h_sample_in_ = nullptr;                 // pinned, the same
   int* d_prompt_ = nullptr;                     // (max_seq) a prompt's tokens (its history marks)
   void* d_sample_out_ = nullptr;                // tokens | logprobs | top ids (max_batch, 20) | top lps

@@ -5,15 +5,15 @@
 // paid (docs/perf/batch.md: ~11 us per layer at batch 8) was the chain of dependent steps per layer and a second
 // launch (the merge). So ONE launch per layer, and as few blocks per row as the work allows:
 //   grid (x: splits, y: KV head, z: row x ceil(group / 8)). A block serves one KV head of one row and up to 8
-//   query heads of its group (each K and V read once per group) over one split of attn_rows_span positions
-//   (256 at head dim 64, 128 up to 128, 64 above: the same span x head_dim multiply-adds per head at every head
-//   dim). A row no longer than the span is one block per KV head, which writes the output itself: no partials,
-//   no merge. A longer row: each split's block writes its unnormalised (O, max, sum); the last of the row's splits
-//   to finish (an atomic ticket per (row, KV head, z), reset to zero by that block, so graph replays find it
-//   zero) merges them, log-sum-exp, in split order — the result depends neither on which block came last nor on
-//   the other rows or the bucket. The grid's x is sized for the bucket (graph-safe): a block loops over splits
-//   x, x + gridDim.x, ... below its row's count; blocks past their row's length and padding rows (position < 0)
-//   exit at once.
+//   query heads of its group (each K and V read once per group) over one split of `span` positions (by default
+//   attn_rows_span: 256 at head dim 64, 128 up to 128, 64 above: the same span x head_dim multiply-adds per head
+//   at every head dim; 64 or 128 by CudaOptions::batch_attn_span). A row no longer than the span is one block
+//   per KV head, which writes the output itself: no partials, no merge. A longer row: each split's block writes
+//   its unnormalised (O, max, sum); the last of the row's splits to finish (an atomic ticket per (row, KV head,
+//   z), reset to zero by that block, so graph replays find it zero) merges them, log-sum-exp, in split order —
+//   the result depends neither on which block came last nor on the other rows or the bucket. The grid's x is
+//   sized for the bucket (graph-safe): a block loops over splits x, x + gridDim.x, ... below its row's count;
+//   blocks past their row's length and padding rows (position < 0) exit at once.
 //   1. Before the PDL wait: the row's position and slot, its RoPE row and the split's cached keys and values
 //      (positions < pos, written by earlier steps: complete by the two-back rule, common.cuh), 16-byte loads
 //      through the page table (a table entry per position, from L1: any power-of-two page size) into shared
@@ -22,12 +22,15 @@
 //      own tile (attention_common.cuh, shared with the single sequence's kernel). Nothing else reads that row in
 //      this launch; the next step's read is two kernels back.
 //   3. Scores: warp w takes positions w * span / 8 .. of the split (32, 16, 8 per warp), a position per 1, 2, 4
-//      lanes (each lane 64 dims of it, or 48 at head dim 96: K words from the padded tile, conflict-free; the q
+//      lanes (each lane every 1st, 2nd, 4th 16-byte word of it: K from the padded tile, conflict-free; the q
 //      words broadcast), all g heads per position; softmax per head within the warp by shuffles; the
 //      probabilities to shared memory.
 //   4. O = P V: a lane per hd / 32 dims, each V row read once for all g heads, the probabilities read 4
 //      positions at a time as broadcast float4s (shuffles would be 8 per position). The 8 warps' (max, sum, O)
 //      meet in shared memory (over the K / V tiles, done with by then), combined by a thread per (head, dim).
+// Where the time goes (docs/perf/batch.md): at the default span, 8 rows of ~200 positions, ~13 us per layer —
+// steps 3-4 are a serial chain per block (8 heads one after another), so a span of 256 is not free; the smaller
+// spans are the other side of that trade.
 #include <algorithm>
 #include <cfloat>
 
@@ -59,20 +62,23 @@ __host__ __device__ constexpr size_t rows_smem_floats(int hd) {  // q_s, p_s, Ro
   return (size_t)kMaxGroup * hd + (size_t)kWarps * kMaxGroup * 32 + hd;
 }
 
-size_t rows_smem(int hd) {
-  return sizeof(float) * rows_smem_floats(hd) + 2 * sizeof(__half) * (size_t)attn_rows_span(hd) * (hd + kPad);
+size_t rows_smem(int hd, int span) {
+  return sizeof(float) * rows_smem_floats(hd) + 2 * sizeof(__half) * (size_t)span * (hd + kPad);
 }
 
-template <int HD>
+// HD, SPAN: the head dim and the span as compile-time constants (the instantiations the engine's shapes take),
+// or 0: from p at run time.
+template <int HD, int SPAN>
 __global__ void __launch_bounds__(kThreads) decode_attn_rows_kernel(DecodeAttnParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ int s_last;
   const int hd = HD ? HD : p.head_dim, half_d = hd / 2, words = hd / 8, row = hd + kPad;
-  const int span = attn_rows_span(hd), ppw = span / kWarps, lpp = 32 / ppw;  // positions per warp, lanes per one
+  const int span = SPAN ? SPAN : p.rows_span ? p.rows_span : attn_rows_span(hd);
+  const int ppw = span / kWarps, lpp = 32 / ppw;  // positions per warp, lanes per position
   const int group = p.n_heads / p.n_kv_heads, nz = (group + kMaxGroup - 1) / kMaxGroup;
   const int rr = blockIdx.z / nz, zs = blockIdx.z - rr * nz, kvh = blockIdx.y;
   const int hq0 = kvh * group + zs * kMaxGroup, g = min(kMaxGroup, group - zs * kMaxGroup);
-  const int max_splits = attn_rows_splits(p.max_seq, hd);
+  const int max_splits = attn_rows_max_splits(p.max_seq);
   float* q_s = reinterpret_cast<float*>(smem_raw);   // (kMaxGroup, hd) rope(q) / sqrt(hd)
   float* p_s = q_s + kMaxGroup * hd;                 // (kWarps, kMaxGroup, 32) probabilities
   float* cs = p_s + kWarps * kMaxGroup * 32;         // (half_d) the position's RoPE row
@@ -264,17 +270,31 @@ __global__ void __launch_bounds__(kThreads) decode_attn_rows_kernel(DecodeAttnPa
 }
 
 // Splits per block row: about 4 blocks per SM over all rows and heads, each looping over its row's splits.
-int rows_grid_x(int max_splits, int blocks_per_split) {
+int rows_grid_x(int splits, int blocks_per_split) {
   static int sms = [] {
     int dev = 0, n = 0;
     TI_CUDA_CHECK(cudaGetDevice(&dev));
     TI_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
     return n;
   }();
-  return std::max(1, std::min(max_splits, (4 * sms + blocks_per_split - 1) / blocks_per_split));
+  return std::max(1, std::min(splits, (4 * sms + blocks_per_split - 1) / blocks_per_split));
+}
+
+template <int HD, int SPAN>
+void launch_rows(const DecodeAttnParams& p, dim3 grid, size_t smem, cudaStream_t s, bool pdl) {
+  launch_attention<decode_attn_rows_kernel<HD, SPAN>>(p, grid, dim3(kThreads), smem, s, pdl);
 }
 
 }  // namespace
+
+int attn_rows_span_of(const DecodeAttnParams& p) {
+  const int span = p.rows_span ? p.rows_span : attn_rows_span(p.head_dim);
+  if ((span != 64 && span != 128 && span != 256) || span > attn_rows_span(p.head_dim))
+    fail(ErrorKind::Request, "batch_attn_span " + std::to_string(span) + " must be 64, 128 or 256 and at most " +
+                                 std::to_string(attn_rows_span(p.head_dim)) + " at head dim " +
+                                 std::to_string(p.head_dim) + " (0: that)");
+  return span;
+}
 
 void decode_attention_rows(const DecodeAttnParams& p, int n_rows, cudaStream_t s, bool pdl) {
   check_decode_attn(p);
@@ -282,13 +302,17 @@ void decode_attention_rows(const DecodeAttnParams& p, int n_rows, cudaStream_t s
   if (n_rows < 1 || nz > 65535 || !p.row_pos || !p.row_slot || !p.tickets || p.table_stride < 1)
     fail(ErrorKind::Request, "decode_attention_rows: needs 1.." + std::to_string(65535 / per_row) +
                                  " rows, row_pos, row_slot, tickets and table_stride");
-  const int gx = p.grid_x > 0 ? p.grid_x : rows_grid_x(attn_rows_splits(p.max_seq, p.head_dim), p.n_kv_heads * nz);
+  const int span = attn_rows_span_of(p);
+  const int gx = p.grid_x > 0 ? p.grid_x : rows_grid_x((p.max_seq + span - 1) / span, p.n_kv_heads * nz);
   const dim3 grid(gx, p.n_kv_heads, nz);
-  const size_t smem = rows_smem(p.head_dim);
-  const dim3 block(kThreads);
-  if (p.head_dim == 64) launch_attention<decode_attn_rows_kernel<64>>(p, grid, block, smem, s, pdl);
-  else if (p.head_dim == 128) launch_attention<decode_attn_rows_kernel<128>>(p, grid, block, smem, s, pdl);
-  else launch_attention<decode_attn_rows_kernel<0>>(p, grid, block, smem, s, pdl);
+  const size_t smem = rows_smem(p.head_dim, span);
+  const int hd = p.head_dim;
+  if (hd == 64 && span == 256) launch_rows<64, 256>(p, grid, smem, s, pdl);
+  else if (hd == 64 && span == 128) launch_rows<64, 128>(p, grid, smem, s, pdl);
+  else if (hd == 64) launch_rows<64, 64>(p, grid, smem, s, pdl);
+  else if (hd == 128 && span == 128) launch_rows<128, 128>(p, grid, smem, s, pdl);
+  else if (hd == 128) launch_rows<128, 64>(p, grid, smem, s, pdl);
+  else launch_rows<0, 0>(p, grid, smem, s, pdl);
 }
 
 }  // namespace ti::cuda

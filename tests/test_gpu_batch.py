@@ -146,7 +146,7 @@ def check_small_n_product(mma, fmt, K, rows, mode, n):
     np.testing.assert_allclose(got, y, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("path", ["default", "mma"])
+@pytest.mark.parametrize("path", ["default", "mma", "span64"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n", [1, 3, 8, 17])
 def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
@@ -170,10 +170,12 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
 
 # The batched products' paths (BatchStep::mma, small_n): every product on the small-N GEMV; every product of two
 # rows or more on cuBLASLt (int8 / int4: dequantized into the fp16 staging first); every product on the
-# tensor-core small-N kernel.
+# tensor-core small-N kernel; the default products with the attention in blocks of 64 positions (rows past 64
+# split and merged in the kernel).
 PATHS = {"small_n": dict(batch_mma_max=0, batch_gemv_f16_max=64, batch_gemv_quant_max=64),
          "cublaslt": dict(batch_mma_max=0, batch_gemv_f16_max=1, batch_gemv_quant_max=1),
-         "mma": dict(batch_mma_max=64, batch_mma_f16_max=64)}
+         "mma": dict(batch_mma_max=64, batch_mma_f16_max=64),
+         "span64": dict(batch_attn_span=64)}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -445,6 +447,8 @@ def test_sampling_a_slot_alone_or_in_a_batch(model):
     ("batch_mma_max", -1, "batch_mma_max must be in 0..64, got -1"),
     ("batch_mma_max", 65, "batch_mma_max must be in 0..64, got 65"),
     ("batch_mma_f16_max", 65, "batch_mma_f16_max must be in 0..64, got 65"),
+    ("batch_attn_span", 96, "batch_attn_span 96 must be 64, 128 or 256 and at most 256 at head dim 64"),
+    ("batch_attn_span", 512, "batch_attn_span 512 must be"),
 ])
 def test_bad_batch_path_options_are_clear_errors(field, value, match):
     from tinyinfer.bench import shape_config

@@ -197,16 +197,17 @@ def test_decode_attention_bad_pages_are_clear_errors():
         _core.ops.decode_attention(qkv, odd, odd.copy(), np.array([0, 1, 0], np.int32), cos, sin, 3, n_heads, 16)
 
 
-# The batched form (cuda/attention_rows.cu): splits of attn_rows_span positions (256 at head dim 64, 128 up to
-# 128, 64 above) per block; a longer row is split, and merged in the same launch by its last split to finish.
-def _span(hd):
-    return 256 if hd <= 64 else 128 if hd <= 128 else 64
+# The batched form (cuda/attention_rows.cu): splits of `span` positions per block (by default 256 at head dim 64,
+# 128 up to 128, 64 above; smaller by DecodeAttnParams::rows_span); a longer row is split, and merged in the same
+# launch by its last split to finish.
+def _span(hd, span=0):
+    return span or (256 if hd <= 64 else 128 if hd <= 128 else 64)
 
 
-def _rows_lengths(hd):
+def _rows_lengths(hd, span=0):
     """Contexts (pos + 1) mixed in one batch: 1, span - 1, span, span + 1, a padding row (0), rows crossing 2 and 3
     splits, a short odd one."""
-    sp = _span(hd)
+    sp = _span(hd, span)
     return [1, sp - 1, sp, sp + 1, 0, 3 * sp + 7, 2 * sp, 37]
 
 
@@ -241,19 +242,20 @@ def _rows_case(group, hd, lengths, page_size, max_seq, n_kv=2, seed=0):
                 row_slot=row_slot, n_heads=n_heads, caches=caches, spare=ids[used:])
 
 
-def _attention_rows(c, rows=None, grid_x=0):
+def _attention_rows(c, rows=None, grid_x=0, span=0):
     """ops.decode_attention_rows on case c (rows: a subset of its rows, in this order); the pools updated in place."""
     rows = np.arange(len(c["row_pos"])) if rows is None else np.asarray(rows)
     return np.asarray(_core.ops.decode_attention_rows(
         np.ascontiguousarray(c["qkv"][rows]), c["kp"], c["vp"], c["tables"], c["cos"], c["sin"],
-        np.ascontiguousarray(c["row_pos"][rows]), np.ascontiguousarray(c["row_slot"][rows]), c["n_heads"], grid_x))
+        np.ascontiguousarray(c["row_pos"][rows]), np.ascontiguousarray(c["row_slot"][rows]), c["n_heads"], grid_x,
+        span))
 
 
-def _check_attention_rows(group, hd, lengths, page_size=64, max_seq=1024 + 37, grid_x=0):
+def _check_attention_rows(group, hd, lengths, page_size=64, max_seq=1024 + 37, grid_x=0, span=0):
     c = _rows_case(group, hd, lengths, page_size, max_seq)
     kp, vp, n_heads = c["kp"], c["vp"], c["n_heads"]
     spare_k, spare_v = kp[c["spare"]].copy(), vp[c["spare"]].copy()
-    out = _attention_rows(c, grid_x=grid_x)
+    out = _attention_rows(c, grid_x=grid_x, span=span)
     assert out.shape == (len(lengths), n_heads * hd)
     np.testing.assert_array_equal(kp[c["spare"]], spare_k)
     np.testing.assert_array_equal(vp[c["spare"]], spare_v)
@@ -283,6 +285,13 @@ def test_decode_attention_rows_page_sizes(hd, page_size):
     _check_attention_rows(4, hd, _rows_lengths(hd), page_size=page_size)
 
 
+@pytest.mark.parametrize("hd, span, group", [(64, 64, 8), (64, 128, 4), (128, 64, 8), (96, 64, 3), (256, 64, 7)])
+def test_decode_attention_rows_smaller_spans(hd, span, group):
+    """CudaOptions::batch_attn_span: shorter blocks (more lanes per position), more splits and merges."""
+    _check_attention_rows(group, hd, _rows_lengths(hd, span), span=span)
+    _check_attention_rows(group, hd, _rows_lengths(hd, span), span=span, grid_x=1, page_size=16)
+
+
 @pytest.mark.parametrize("grid_x", [1, 2])
 def test_decode_attention_rows_blocks_loop_over_splits(grid_x):
     """A grid narrower than the longest row's splits (as for large buckets): each block takes several splits."""
@@ -310,6 +319,11 @@ def test_decode_attention_rows_bad_input_is_a_clear_error():
     with pytest.raises(InvalidRequestError, match="position or slot out of range"):
         _core.ops.decode_attention_rows(c["qkv"], c["kp"], c["vp"], c["tables"], c["cos"], c["sin"], bad_pos,
                                         c["row_slot"], c["n_heads"])
+    with pytest.raises(InvalidRequestError, match="batch_attn_span 256 must be 64, 128 or 256 and at most 128"):
+        c128 = _rows_case(1, 128, [10], 64, 128)
+        _attention_rows(c128, span=256)
+    with pytest.raises(InvalidRequestError, match="batch_attn_span 96 must be"):
+        _attention_rows(c, span=96)
     with pytest.raises(InvalidRequestError, match="is not a page of a pool"):
         tables = c["tables"].copy()
         tables[c["row_slot"][1], 1] = -1

@@ -153,6 +153,7 @@ cuda::DecodeAttnParams BatchStep::attn_params(int64_t layer) const {
   a.row_pos = b_.pos;
   a.row_slot = b_.slot;
   a.tickets = b_.attn_tickets;
+  a.rows_span = o_.attn_span;
   a.table_stride = b_.table_stride;
   a.ld_qkv = b_.ld_qkv;
   a.ld_out = w_.ld_q;
@@ -171,7 +172,7 @@ BatchBuffers BatchBuffers::allocate(const ModelConfig& c, const DeviceWeights& w
   b.ld_gu = (int)cuda::pad8(2 * c.intermediate);
   b.ld_v = (int)cuda::pad8(c.vocab);
   b.table_stride = (int)pages.pages_for(max_seq);
-  const size_t splits = (size_t)cuda::attn_rows_splits((int)max_seq, (int)c.head_dim);
+  const size_t splits = (size_t)cuda::attn_rows_max_splits((int)max_seq);
   // Zeroed: a padding row computes on whatever its rows hold (never NaN from uninitialised memory, so no
   // floating-point trap or NaN propagation can ever surprise a reader of those rows).
   auto zeroed = [&](size_t bytes) {

@@ -40,8 +40,8 @@ struct BatchBuffers {
   // and seq_logits read them there: no scatter to slots, no gather back); row max_rows + s is slot s's own row
   // (the prefill's target, and where the engine moves a slot's step row before a step without it overwrites it).
   float* logits = nullptr;
-  float* part_o = nullptr;     // (max_rows, n_heads, attn_rows_splits, head_dim) split-K attention partials
-  float* part_ml = nullptr;    // (max_rows, n_heads, attn_rows_splits, 2)
+  float* part_o = nullptr;     // (max_rows, n_heads, attn_rows_max_splits, head_dim) split-K attention partials
+  float* part_ml = nullptr;    // (max_rows, n_heads, attn_rows_max_splits, 2)
   unsigned* attn_tickets = nullptr;  // attn_rows_tickets(max_rows, ...) zeroed: the attention's merge tickets
   int* tables = nullptr;       // (max_rows slots, table_stride) every slot's page table (-1: unassigned)
   int table_stride = 0;        // pages_for(max_seq)
@@ -57,6 +57,7 @@ struct BatchStepOptions {
   int mma_f16_max = 0;  // fp16 likewise
   int f16_max = 1;    // fp16 products of up to this many rows take the small-N GEMV, larger ones cuBLASLt
   int quant_max = 4;  // int8 / int4 likewise; larger: dequantized into the fp16 staging, then cuBLASLt
+  int attn_span = 0;  // positions per attention block (CudaOptions::batch_attn_span; 0: the head dim's default)
 };
 
 class BatchStep {

@@ -75,6 +75,11 @@ struct CudaOptions {
   // than cuBLASLt at every row count (8 rows: 1.57 against 1.44 ms).
   int batch_mma_max = 16;
   int batch_mma_f16_max = 0;
+  // Positions per block of the batched step's attention (cuda/attention_rows.cu): 0 (default) 256 at head dim 64,
+  // 128 up to 128, 64 above — a row that long is one block per KV head, no merge; 64 or 128: more, shorter blocks
+  // and an in-kernel merge. Measured (H200, TinyLlama fp16, docs/perf/batch.md): the default at 8 rows takes
+  // ~13 us per layer, a chain of serial work per block; the smaller spans are for the A/B, not yet measured.
+  int batch_attn_span = 0;
   // The paged KV cache (kv_pages.h), shared by the single sequence and the slots:
   int kv_page_size = 64;               // positions per page: a power of two, >= 64 and >= attn_chunk
   // Pages in the pool. 0: enough for max_batch sequences of max_seq_len, but at most half the device memory

@@ -28,9 +28,9 @@
 //   4. O = P V: a lane per hd / 32 dims, each V row read once for all g heads, the probabilities read 4
 //      positions at a time as broadcast float4s (shuffles would be 8 per position). The 8 warps' (max, sum, O)
 //      meet in shared memory (over the K / V tiles, done with by then), combined by a thread per (head, dim).
-// Where the time goes (docs/perf/batch.md): at the default span, 8 rows of ~200 positions, ~13 us per layer —
-// steps 3-4 are a serial chain per block (8 heads one after another), so a span of 256 is not free; the smaller
-// spans are the other side of that trade.
+// Where the time goes (docs/perf/batch.md): at the default span, 8 rows of ~200 positions, ~13 us per layer
+// when the 8 heads' score chains ran one after another — steps 3-4 are serial work per block, so a span of 256 is
+// not free (hence the heads side by side in step 3, and the smaller spans as the other side of the trade).
 #include <algorithm>
 #include <cfloat>
 
@@ -144,21 +144,48 @@ __global__ void __launch_bounds__(kThreads) decode_attn_rows_kernel(DecodeAttnPa
     for (int u = 0; u < kMaxWords; u++)
       if (u < wpl && valid && j + u * lpp < words)
         kw[u] = *reinterpret_cast<const uint4*>(k_s + (size_t)r * row + (j + u * lpp) * 8);
-    float m[kMaxGroup], l[kMaxGroup];
+    // The g heads side by side, each step for every head before the next step: 8 independent chains the warp
+    // scheduler overlaps (head after head, each with its own 5-shuffle reductions, was one long dependent chain).
+    // Per head the same operations in the same order: the same bits either way.
+    float x[kMaxGroup], m[kMaxGroup], l[kMaxGroup];
+#pragma unroll
+    for (int h = 0; h < kMaxGroup; h++) x[h] = 0.0f;
+#pragma unroll
+    for (int u = 0; u < kMaxWords; u++) {
+      if (u < wpl && valid && j + u * lpp < words) {
+        const float* qw = q_s + (j + u * lpp) * 8;
+#pragma unroll
+        for (int h = 0; h < kMaxGroup; h++)
+          if (h < g) x[h] += dot8_shared(kw[u], qw + h * hd);
+      }
+    }
+    for (int o = 1; o < lpp; o <<= 1)  // the position's lanes' parts
+#pragma unroll
+      for (int h = 0; h < kMaxGroup; h++)
+        if (h < g) x[h] += __shfl_xor_sync(0xffffffffu, x[h], o);
 #pragma unroll
     for (int h = 0; h < kMaxGroup; h++) {
-      if (h >= g) break;  // (uniform)
-      float a = 0.0f;
-#pragma unroll
-      for (int u = 0; u < kMaxWords; u++)
-        if (u < wpl && valid && j + u * lpp < words) a += dot8_shared(kw[u], q_s + h * hd + (j + u * lpp) * 8);
-      for (int o = 1; o < lpp; o <<= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-      const float x = valid ? a : -FLT_MAX;
-      m[h] = warp_max(x);
-      const float pr = valid ? __expf(x - m[h]) : 0.0f;  // (a warp without positions: m = -FLT_MAX, l = 0, O = 0)
-      l[h] = warp_sum(j == 0 ? pr : 0.0f);
-      if (j == 0) p_s[(warp * kMaxGroup + h) * 32 + tt] = pr;
+      x[h] = valid ? x[h] : -FLT_MAX;
+      m[h] = x[h];
     }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)  // max over the warp's positions (warp_max, the heads interleaved)
+#pragma unroll
+      for (int h = 0; h < kMaxGroup; h++)
+        if (h < g) m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], o));
+#pragma unroll
+    for (int h = 0; h < kMaxGroup; h++) {
+      x[h] = valid && h < g ? __expf(x[h] - m[h]) : 0.0f;  // (a warp without positions: m = -FLT_MAX, l = 0, O = 0)
+      l[h] = j == 0 ? x[h] : 0.0f;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)  // sum over them (warp_sum, likewise)
+#pragma unroll
+      for (int h = 0; h < kMaxGroup; h++)
+        if (h < g) l[h] += __shfl_xor_sync(0xffffffffu, l[h], o);
+#pragma unroll
+    for (int h = 0; h < kMaxGroup; h++)
+      if (h < g && j == 0) p_s[(warp * kMaxGroup + h) * 32 + tt] = x[h];
     __syncwarp();
 
     // ---- 4. O = P V over the warp's positions, 4 at a time ----
@@ -193,7 +220,7 @@ __global__ void __launch_bounds__(kThreads) decode_attn_rows_kernel(DecodeAttnPa
         }
 #pragma unroll
         for (int h = 0; h < kMaxGroup; h++) {
-          if (h >= g) break;
+          if (h >= g) continue;  // (uniform; not break: the heads' FMAs stay free to interleave)
           const float pq = q == 0 ? p4[h].x : q == 1 ? p4[h].y : q == 2 ? p4[h].z : p4[h].w;
 #pragma unroll
           for (int u = 0; u < kMaxDpl; u++)

@@ -112,51 +112,102 @@ std::vector<float> run_gemv(const uint16_t* W, int rows, int K, const float* x, 
   return io.run(p, K, ld, eps, R, in, blocks_per_sm);
 }
 
+namespace {
+
+// The device buffers of a decode-attention call and its parameters (the fields both forms share).
+struct AttnCall {
+  DevicePages dc;
+  Buf dqkv, dcos, dsin, dpo, dpml, dout;
+  size_t out_elems;
+  DecodeAttnParams a;
+  AttnCall(const float* qkv, size_t qkv_elems, const HostPages& cache, const float* cos, const float* sin,
+           size_t parts, size_t out_elems_, int n_heads, int max_seq)
+      : dc(cache), dqkv(qkv_elems * 4), dcos(rope_bytes(cache, max_seq)), dsin(rope_bytes(cache, max_seq)),
+        dpo(parts * cache.head_dim * 4), dpml(parts * 2 * 4), dout(out_elems_ * 2), out_elems(out_elems_) {
+    const size_t rope = rope_bytes(cache, max_seq);
+    put(dqkv.p, qkv, qkv_elems * 4);
+    put(dcos.p, cos, rope);
+    put(dsin.p, sin, rope);
+    TI_CUDA_CHECK(cudaMemset(dpo.p, 0xFF, parts * cache.head_dim * 4));
+    TI_CUDA_CHECK(cudaMemset(dpml.p, 0xFF, parts * 2 * 4));
+    poison();
+    a.qkv = dqkv.as<float>();
+    a.k_pages = dc.k.as<__half>();
+    a.v_pages = dc.v.as<__half>();
+    a.page_table = dc.table.as<int>();
+    a.page_shift = cache.page_shift();
+    a.rope_cos = dcos.as<float>();
+    a.rope_sin = dsin.as<float>();
+    a.part_o = dpo.as<float>();
+    a.part_ml = dpml.as<float>();
+    a.out = dout.as<__half>();
+    a.n_heads = n_heads;
+    a.n_kv_heads = cache.n_kv_heads;
+    a.head_dim = cache.head_dim;
+    a.max_seq = max_seq;
+    a.scale = 1.0f / std::sqrt((float)cache.head_dim);
+  }
+  static size_t rope_bytes(const HostPages& c, int max_seq) { return (size_t)max_seq * c.head_dim / 2 * 4; }
+  void poison() { TI_CUDA_CHECK(cudaMemset(dout.p, 0xFF, out_elems * 2)); }
+  // The output (fp16 -> float) after the launches; the pools copied back to the host.
+  std::vector<float> result() {
+    TI_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<__half> oh(out_elems);
+    get(oh.data(), dout.p, out_elems * 2);
+    dc.back();
+    std::vector<float> o(out_elems);
+    for (size_t i = 0; i < out_elems; i++) o[i] = __half2float(oh[i]);
+    return o;
+  }
+};
+
+}  // namespace
+
 std::vector<float> run_decode_attention(const float* qkv, HostPages cache, const float* cos, const float* sin,
                                         int pos, int n_heads, int max_seq, int chunk) {
-  const int head_dim = cache.head_dim, q_dim = n_heads * head_dim, kv_dim = cache.n_kv_heads * head_dim;
-  const size_t table = (size_t)max_seq * head_dim / 2;
+  const int hd = cache.head_dim, q_dim = n_heads * hd, kv_dim = cache.n_kv_heads * hd;
   const int max_chunks = (max_seq + chunk - 1) / chunk;
-  DevicePages dc(cache);
-  Buf dqkv((size_t)(q_dim + 2 * kv_dim) * 4), dcos(table * 4), dsin(table * 4), dpos(4),
-      dpo((size_t)n_heads * max_chunks * head_dim * 4), dpml((size_t)n_heads * max_chunks * 2 * 4),
-      dout((size_t)q_dim * 2);
-  put(dqkv.p, qkv, (size_t)(q_dim + 2 * kv_dim) * 4);
-  put(dcos.p, cos, table * 4);
-  put(dsin.p, sin, table * 4);
+  AttnCall c(qkv, (size_t)(q_dim + 2 * kv_dim), cache, cos, sin, (size_t)n_heads * max_chunks, (size_t)q_dim, n_heads,
+             max_seq);
+  Buf dpos(4);
   put(dpos.p, &pos, 4);
-  TI_CUDA_CHECK(cudaMemset(dpo.p, 0xFF, (size_t)n_heads * max_chunks * head_dim * 4));
-  TI_CUDA_CHECK(cudaMemset(dpml.p, 0xFF, (size_t)n_heads * max_chunks * 2 * 4));
-  TI_CUDA_CHECK(cudaMemset(dout.p, 0xFF, (size_t)q_dim * 2));
-  DecodeAttnParams a;
-  a.qkv = dqkv.as<float>();
-  a.k_pages = dc.k.as<__half>();
-  a.v_pages = dc.v.as<__half>();
-  a.page_table = dc.table.as<int>();
-  a.page_shift = cache.page_shift();
-  a.rope_cos = dcos.as<float>();
-  a.rope_sin = dsin.as<float>();
-  a.pos = dpos.as<int>();
-  a.part_o = dpo.as<float>();
-  a.part_ml = dpml.as<float>();
-  a.out = dout.as<__half>();
-  a.n_heads = n_heads;
-  a.n_kv_heads = cache.n_kv_heads;
-  a.head_dim = head_dim;
-  a.max_seq = max_seq;
-  a.chunk = chunk;
-  a.scale = 1.0f / std::sqrt((float)head_dim);
-  decode_attention(a, 0, false);
+  c.a.pos = dpos.as<int>();
+  c.a.chunk = chunk;
+  decode_attention(c.a, 0, false);
   // Twice, the output poisoned in between: a second call must work from the state the first one left
   // (the second call rewrites the same rope(k), v at pos).
-  TI_CUDA_CHECK(cudaMemset(dout.p, 0xFF, (size_t)q_dim * 2));
-  decode_attention(a, 0, false);
-  TI_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<__half> oh((size_t)q_dim);
-  get(oh.data(), dout.p, (size_t)q_dim * 2);
-  dc.back();
-  std::vector<float> o((size_t)q_dim);
-  for (int i = 0; i < q_dim; i++) o[i] = __half2float(oh[i]);
+  c.poison();
+  decode_attention(c.a, 0, false);
+  return c.result();
+}
+
+std::vector<float> run_decode_attention_rows(const float* qkv, HostPages cache, int table_stride, const float* cos,
+                                             const float* sin, const int* row_pos, const int* row_slot, int n_rows,
+                                             int n_heads, int max_seq, int grid_x, int span) {
+  const int hd = cache.head_dim, q_dim = n_heads * hd, ld = q_dim + 2 * cache.n_kv_heads * hd;
+  const size_t parts = (size_t)n_rows * n_heads * attn_rows_max_splits(max_seq);
+  const int n_tickets = attn_rows_tickets(n_rows, n_heads, cache.n_kv_heads);
+  AttnCall c(qkv, (size_t)n_rows * ld, cache, cos, sin, parts, (size_t)n_rows * q_dim, n_heads, max_seq);
+  Buf drows((size_t)n_rows * 8), dtickets((size_t)n_tickets * 4);
+  put(drows.p, row_pos, (size_t)n_rows * 4);
+  put(drows.as<int>() + n_rows, row_slot, (size_t)n_rows * 4);
+  TI_CUDA_CHECK(cudaMemset(dtickets.p, 0, (size_t)n_tickets * 4));
+  c.a.row_pos = drows.as<int>();
+  c.a.row_slot = drows.as<int>() + n_rows;
+  c.a.tickets = dtickets.as<unsigned>();
+  c.a.table_stride = table_stride;
+  c.a.ld_qkv = ld;
+  c.a.ld_out = q_dim;
+  c.a.grid_x = grid_x;
+  c.a.rows_span = span;
+  decode_attention_rows(c.a, n_rows, 0, false);
+  c.poison();  // (as above; and the second launch must find every merge ticket zero again)
+  decode_attention_rows(c.a, n_rows, 0, false);
+  std::vector<float> o = c.result();
+  std::vector<unsigned> tickets((size_t)n_tickets);
+  get(tickets.data(), dtickets.p, (size_t)n_tickets * 4);
+  for (unsigned t : tickets)
+    if (t != 0) fail(ErrorKind::Device, "decode_attention_rows left a merge ticket at " + std::to_string(t));
   return o;
 }
 

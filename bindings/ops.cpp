@@ -48,19 +48,21 @@ void check_gemv_args(const char* who, ti::cuda::GemvIn in, ti::cuda::GemvOut out
 
 using U16Pages = nb::ndarray<uint16_t, nb::ndim<4>, nb::c_contig, nb::device::cpu>;
 using I32In1 = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using I32In2 = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
 // A paged cache as the attention test ops take it (pools (n_pages, n_kv_heads, page_size, head_dim) of fp16 bits and
 // a page table), checked: the pools agree in shape, page_size is a power of two, the table reaches n_positions
 // and its entries for positions [0, n_positions) name pages of the pool.
-ti::cuda::HostPages host_pages(const char* who, U16Pages& k, U16Pages& v, const I32In1& table, int64_t n_positions) {
+ti::cuda::HostPages host_pages(const char* who, U16Pages& k, U16Pages& v, const int32_t* table, int table_len,
+                               int64_t n_positions) {
   const std::string w = who;
   for (size_t d = 0; d < 4; d++)
     if (k.shape(d) != v.shape(d)) ti::fail(ti::ErrorKind::Request, w + ": k and v pages differ in shape");
   ti::cuda::HostPages h;
   h.k = k.data();
   h.v = v.data();
-  h.table = table.data();
-  h.table_len = (int)table.shape(0);
+  h.table = table;
+  h.table_len = table_len;
   h.n_pages = (int)k.shape(0);
   h.n_kv_heads = (int)k.shape(1);
   h.page_size = (int)k.shape(2);
@@ -325,7 +327,8 @@ void bind_ops(nb::module_& m) {
          int n_heads, int chunk) {
         const int max_seq = (int)cos.shape(0);
         if (pos < 0 || pos >= max_seq) ti::fail(ti::ErrorKind::Request, "attention: pos out of range");
-        const ti::cuda::HostPages h = host_pages("attention", k_pages, v_pages, page_table, max_seq);
+        const ti::cuda::HostPages h =
+            host_pages("attention", k_pages, v_pages, page_table.data(), (int)page_table.shape(0), max_seq);
         const int hd = h.head_dim;
         if ((int)qkv.shape(0) != (n_heads + 2 * h.n_kv_heads) * hd) ti::fail(ti::ErrorKind::Request, "attention: bad qkv length");
         if ((int)cos.shape(1) != hd / 2 || sin.shape(0) != cos.shape(0) || sin.shape(1) != cos.shape(1))
@@ -341,13 +344,52 @@ void bind_ops(nb::module_& m) {
       "One decode-attention call (cuda/attention.cu) over a paged cache: pages (n_pages, n_kv_heads, page_size, "
       "head_dim) of fp16 bits, updated in place; the table covers max_seq = len(cos) positions.");
   ops.def(
+      "decode_attention_rows",
+      [](F32In2 qkv, U16Pages k_pages, U16Pages v_pages, I32In2 tables, F32In2 cos, F32In2 sin, I32In1 row_pos,
+         I32In1 row_slot, int n_heads, int grid_x, int span) {
+        const int max_seq = (int)cos.shape(0), n_rows = (int)qkv.shape(0), n_slots = (int)tables.shape(0);
+        const int stride = (int)tables.shape(1);
+        if (n_rows < 1 || (int)row_pos.shape(0) != n_rows || (int)row_slot.shape(0) != n_rows)
+          ti::fail(ti::ErrorKind::Request, "attention_rows: qkv, row_pos and row_slot need one row per row");
+        ti::cuda::HostPages h{};
+        for (int r = 0; r < n_rows; r++) {  // each live row's table checked up to its position
+          const int pos = row_pos.data()[r], slot = row_slot.data()[r];
+          if (pos >= max_seq || slot < 0 || slot >= n_slots)
+            ti::fail(ti::ErrorKind::Request,
+                     "attention_rows: row " + std::to_string(r) + ": position or slot out of range");
+          h = host_pages("attention_rows", k_pages, v_pages, tables.data() + (size_t)slot * stride, stride,
+                         pos < 0 ? 0 : pos + 1);
+        }
+        h.table = tables.data();
+        h.table_len = n_slots * stride;
+        const int hd = h.head_dim;
+        if ((int)qkv.shape(1) != (n_heads + 2 * h.n_kv_heads) * hd)
+          ti::fail(ti::ErrorKind::Request, "attention_rows: bad qkv width");
+        if ((int)cos.shape(1) != hd / 2 || sin.shape(0) != cos.shape(0) || sin.shape(1) != cos.shape(1))
+          ti::fail(ti::ErrorKind::Request, "attention_rows: bad rope table");
+        std::vector<float> o;
+        {
+          nb::gil_scoped_release release;
+          o = ti::cuda::run_decode_attention_rows(qkv.data(), h, stride, cos.data(), sin.data(), row_pos.data(),
+                                                  row_slot.data(), n_rows, n_heads, max_seq, grid_x, span);
+        }
+        return numpy_copy(o, (size_t)n_rows, (size_t)(n_heads * hd));
+      },
+      "qkv"_a, "k_pages"_a, "v_pages"_a, "tables"_a, "cos"_a, "sin"_a, "row_pos"_a, "row_slot"_a, "n_heads"_a,
+      "grid_x"_a = 0, "span"_a = 0,
+      "One batched decode-attention call (cuda/attention_rows.cu): row r of qkv (n_rows, q_dim + 2 kv_dim) at "
+      "position row_pos[r] (< 0: padding) through page table tables[row_slot[r]] (n_slots, pages) into the paged "
+      "pools (updated in place); run twice; grid_x / span: DecodeAttnParams' (0: the engine's). Returns (n_rows, "
+      "q_dim) float32 (padding rows NaN).");
+  ops.def(
       "rope_rows",
       [](F32In2 qkv, U16Pages k_pages, U16Pages v_pages, I32In1 page_table, F32In2 cos, F32In2 sin, int pos0,
          int n_heads) {
         const int T = (int)qkv.shape(0);
         if (T < 1 || pos0 < 0 || (int64_t)pos0 + T > (int64_t)cos.shape(0))
           ti::fail(ti::ErrorKind::Request, "rope_rows: positions out of range of the rope table");
-        const ti::cuda::HostPages h = host_pages("rope_rows", k_pages, v_pages, page_table, (int64_t)pos0 + T);
+        const ti::cuda::HostPages h = host_pages("rope_rows", k_pages, v_pages, page_table.data(),
+                                                 (int)page_table.shape(0), (int64_t)pos0 + T);
         const int hd = h.head_dim;
         if ((int)qkv.shape(1) != (n_heads + 2 * h.n_kv_heads) * hd)
           ti::fail(ti::ErrorKind::Request, "rope_rows: qkv must be (T, (n_heads + 2 n_kv_heads) head_dim)");
@@ -452,7 +494,8 @@ void bind_ops(nb::module_& m) {
       [](F32In2 q, U16Pages k_pages, U16Pages v_pages, I32In1 page_table, int pos0, int n_heads, int stages) {
         const int T = (int)q.shape(0);
         if (pos0 < 0) ti::fail(ti::ErrorKind::Request, "prefill_attention: positions out of range");
-        const ti::cuda::HostPages h = host_pages("prefill_attention", k_pages, v_pages, page_table, (int64_t)pos0 + T);
+        const ti::cuda::HostPages h = host_pages("prefill_attention", k_pages, v_pages, page_table.data(),
+                                                 (int)page_table.shape(0), (int64_t)pos0 + T);
         if ((int)q.shape(1) != n_heads * h.head_dim)
           ti::fail(ti::ErrorKind::Request, "prefill_attention: q must be (T, n_heads * head_dim)");
         std::vector<float> o;
@@ -501,7 +544,7 @@ void bind_ops(nb::module_& m) {
           const int64_t slot = slots[(size_t)r];
           if (slot < 0 || slot >= n_slots || taken[(size_t)slot]) bad("slots must be distinct, in 0..n_slots-1");
           taken[(size_t)slot] = 1;
-          rows[(size_t)r] = {ti::device_sampling(cfgs[(size_t)r]), steps[(size_t)r], (int)slot};
+          rows[(size_t)r] = {ti::device_sampling(cfgs[(size_t)r]), steps[(size_t)r], (int)slot, (int)r};
         }
         std::vector<uint8_t> seen_v(seen.data(), seen.data() + seen.size());
         std::vector<int32_t> counts_v(counts.data(), counts.data() + counts.size());

@@ -24,6 +24,7 @@
 #include <cfloat>
 
 #include "attention.cuh"
+#include "attention_common.cuh"
 #include "common.cuh"
 #include "kv_layout.cuh"
 
@@ -34,20 +35,9 @@ constexpr int kAttnThreads = 256, kMaxGroup = 8, kPad = 8;  // kPad: halves of p
 // HD: the head dim as a compile-time constant (64, 128: the Llama family's), or 0: p.head_dim at run time. A
 // constant turns the index arithmetic's divisions (~20 dependent instructions each at run time) into shifts and
 // unrolls the shuffle loops: at short contexts this kernel is a chain of dependent instructions, not a stream.
-// ROWS: the batched form (decode_attention_rows): blockIdx.z = row * z-slices + slice, and the row's position,
-// page table, q | k | v, output and partials replace the single sequence's. Compiled apart, so the single
-// sequence's kernel (a latency-bound chain at short contexts) is unchanged.
-template <bool ROWS>
-__device__ __forceinline__ int attn_row(const DecodeAttnParams& p, int& z) {
-  if constexpr (!ROWS) return 0;
-  const int nz = (p.n_heads / p.n_kv_heads + kMaxGroup - 1) / kMaxGroup, r = z / nz;
-  z -= r * nz;
-  return r;
-}
-
-// One block's work on chunk `chunk` (the single sequence: the block's own, blockIdx.x).
-template <int HD, bool ROWS>
-__device__ __forceinline__ void decode_attn_chunk(DecodeAttnParams p, int chunk) {
+// (The batched form, many rows at their own positions, is attention_rows.cu: a different shape of work.)
+template <int HD>
+__global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int hd = HD ? HD : p.head_dim, half_d = hd / 2, CH = p.chunk, row = hd + kPad;
   float* q_s = reinterpret_cast<float*>(smem_raw);              // (kMaxGroup, hd)
@@ -60,26 +50,15 @@ __device__ __forceinline__ void decode_attn_chunk(DecodeAttnParams p, int chunk)
   // last position (clamped to max_seq - 1). Their ids depend on the block alone, so they are loaded beside pos,
   // not after it: paging adds no link to the chain of dependent loads before the K/V fetch. (A block past the
   // sequence, or one that never reaches the second page, loads an unassigned entry and does not use it.)
-  const int c0 = chunk * CH;
-  int zs = blockIdx.z;
-  const int rr = attn_row<ROWS>(p, zs);  // (ROWS: the row; zs its z-slice)
-  if constexpr (ROWS) {  // this row's table, q | k | v, output and partials
-    p.page_table += (size_t)p.row_slot[rr] * p.table_stride;
-    p.qkv += (size_t)rr * p.ld_qkv;
-    p.out += (size_t)rr * p.ld_out;
-    const size_t chunks = (size_t)p.n_heads * ((p.max_seq + CH - 1) / CH);
-    p.part_o += (size_t)rr * chunks * hd;
-    p.part_ml += (size_t)rr * chunks * 2;
-  }
+  const int chunk = blockIdx.x, c0 = chunk * CH, zs = blockIdx.z;
   const int page_a = p.page_table[c0 >> p.page_shift];
   const int page_b = p.page_table[min(c0 + CH - 1, p.max_seq - 1) >> p.page_shift];
-  const int pos = ROWS ? p.row_pos[rr] : *p.pos;  // final before the wait, like the table: see the header's PDL paragraph
-  if (c0 > pos) return;   // (an exiting block counts as having waited and triggered; a padding row, pos < 0, too)
+  const int pos = *p.pos;  // final before the wait, like the table: see the header's PDL paragraph
+  if (c0 > pos) return;   // (an exiting block counts as having waited and triggered)
   const int n = min(CH, pos + 1 - c0);  // positions in this chunk
   const int kvh = blockIdx.y, group = p.n_heads / p.n_kv_heads;
   const int hq0 = kvh * group + zs * kMaxGroup;
   const int g = min(kMaxGroup, group - zs * kMaxGroup);
-  const int q_dim = p.n_heads * hd, kv_dim = p.n_kv_heads * hd;
   float* cs = reinterpret_cast<float*>(v_s + (size_t)CH * row);  // (half_d) this position's RoPE row
   float* sn = cs + half_d;
   // Rows c0 .. c0 + n - 1 (positions <= pos: assigned pages): those before `split` in page_a from its row
@@ -109,39 +88,10 @@ __device__ __forceinline__ void decode_attn_chunk(DecodeAttnParams p, int chunk)
   pdl_launch_dependents();
   trace_point(p.trace, 1);
 
-  // ---- 2. rotate the query heads; the owner of pos writes rope(k) and v into the cache and its tile. The new
-  //      key and value are read first, so that their reads and the queries' are one round trip, not three. ----
+  // ---- 2. rotate the query heads; the owner of pos writes rope(k) and v into the cache and its tile ----
   const bool owner = pos < c0 + CH;  // every z-slice of this chunk writes the same values: harmless
-  float k1 = 0.0f, k2 = 0.0f, v1 = 0.0f, v2 = 0.0f;
-  const int i_kv = threadIdx.x;  // half_d <= 128 < kAttnThreads: one (i, i + half_d) pair per thread
-  if (owner && i_kv < half_d) {
-    const float* k = p.qkv + q_dim + (size_t)kvh * hd;
-    const float* v = p.qkv + q_dim + kv_dim + (size_t)kvh * hd;
-    k1 = k[i_kv];
-    k2 = k[i_kv + half_d];
-    v1 = v[i_kv];
-    v2 = v[i_kv + half_d];
-  }
-  for (int t = threadIdx.x; t < g * half_d; t += kAttnThreads) {
-    const int h = t / half_d, i = t % half_d;
-    const float* q = p.qkv + (size_t)(hq0 + h) * hd;
-    const float x1 = q[i], x2 = q[i + half_d];
-    q_s[h * hd + i] = (x1 * cs[i] - x2 * sn[i]) * p.scale;
-    q_s[h * hd + i + half_d] = (x2 * cs[i] + x1 * sn[i]) * p.scale;
-  }
-  if (owner && i_kv < half_d) {
-    const int i = i_kv;
-    __half* kr = k_s + (size_t)(pos - c0) * row;
-    __half* vr = v_s + (size_t)(pos - c0) * row;
-    // rounded products, no FMA contraction: the cache gets exactly what fp32 numpy / the CPU engine compute
-    const __half r1 = __float2half(__fsub_rn(__fmul_rn(k1, cs[i]), __fmul_rn(k2, sn[i])));
-    const __half r2 = __float2half(__fadd_rn(__fmul_rn(k2, cs[i]), __fmul_rn(k1, sn[i])));
-    const size_t at = row_off(pos - c0);
-    p.k_pages[at + i] = kr[i] = r1;
-    p.k_pages[at + i + half_d] = kr[i + half_d] = r2;
-    p.v_pages[at + i] = vr[i] = __float2half(v1);
-    p.v_pages[at + i + half_d] = vr[i + half_d] = __float2half(v2);
-  }
+  rope_new_token<HD>(p.qkv, p.n_heads, p.n_kv_heads, hd, kvh, hq0, g, cs, sn, p.scale, q_s, owner, p.k_pages,
+                     p.v_pages, row_off(pos - c0), k_s + (size_t)(pos - c0) * row, v_s + (size_t)(pos - c0) * row);
   __syncthreads();
   trace_point(p.trace, 2);
 
@@ -260,23 +210,6 @@ __device__ __forceinline__ void decode_attn_chunk(DecodeAttnParams p, int chunk)
   trace_point(p.trace, 3);
 }
 
-template <int HD, bool ROWS>
-__global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnParams p) {
-  if constexpr (!ROWS) {
-    decode_attn_chunk<HD, false>(p, blockIdx.x);
-  } else {
-    // Many rows: the grid's x may be fewer blocks than max_seq has chunks (launch_pair sizes it for the rows):
-    // a block takes chunks blockIdx.x, + gridDim.x, ... up to its row's position, so short rows leave few idle
-    // blocks behind (a grid of max_seq's chunks for each of 64 rows is mostly blocks that exit at once).
-    int zs = blockIdx.z;
-    const int pos = p.row_pos[attn_row<true>(p, zs)];
-    for (int c = blockIdx.x; c * p.chunk <= pos; c += gridDim.x) {  // (uniform over the block)
-      decode_attn_chunk<HD, true>(p, c);
-      __syncthreads();  // the shared tiles are the next chunk's
-    }
-  }
-}
-
 __device__ __forceinline__ float block_max(float v, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
   v = warp_max(v);
@@ -295,23 +228,14 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 // Kernel 2: one block per query head, a thread per dim: out = sum_c w_c O_c / sum_c w_c l_c with
 // w_c = exp(m_c - max m). Does nothing while pos < chunk (the chunk kernel wrote the output itself). Many
 // blocks at once, launched with PDL behind the chunk kernel: no serial tail on one SM.
-// ROWS: blockIdx.y is the row (decode_attention_rows).
-template <bool ROWS>
 __global__ void decode_attn_merge(DecodeAttnParams p) {
   extern __shared__ float w_s[];  // (max_chunks)
   __shared__ float red[33];
   pdl_launch_dependents();  // the O GEMV after it reads only weights before its wait
   const int CH = p.chunk, hd = p.head_dim, h = blockIdx.x;
   const int max_chunks = (p.max_seq + CH - 1) / CH;
-  if constexpr (ROWS) {
-    const int r = blockIdx.y;
-    p.out += (size_t)r * p.ld_out;
-    p.part_o += (size_t)r * p.n_heads * max_chunks * hd;
-    p.part_ml += (size_t)r * p.n_heads * max_chunks * 2;
-  }
-  const int pos = ROWS ? p.row_pos[blockIdx.y] : *p.pos;  // final: the two-back rule
+  const int pos = *p.pos;  // final: the two-back rule
   pdl_wait();  // (also when there is nothing to merge: the O GEMV's wait must cover the attention kernel)
-  if (pos < 0) return;  // a padding row
   const int n_chunks = pos / CH + 1;
   if (n_chunks == 1) return;
   const float2* ml = reinterpret_cast<const float2*>(p.part_ml) + (size_t)h * max_chunks;
@@ -347,58 +271,28 @@ size_t decode_attention_smem(const DecodeAttnParams& p) {
          2 * sizeof(__half) * (size_t)p.chunk * (p.head_dim + kPad) + sizeof(float) * p.head_dim;  // + RoPE row
 }
 
-template <int HD, bool ROWS>
-static void launch_attn(const DecodeAttnParams& p, dim3 grid, size_t smem, cudaStream_t s, bool pdl) {
-  if (smem > 48 * 1024) {
-    static bool raised = false;  // a property of the CUDA function (process-wide), set once per instantiation
-    if (!raised) {
-      TI_CUDA_CHECK(cudaFuncSetAttribute(decode_attn_kernel<HD, ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         96 * 1024));
-      raised = true;
-    }
-  }
-  launch(decode_attn_kernel<HD, ROWS>, grid, dim3(kAttnThreads), smem, s, pdl, p);
-}
-
-static void check_attn(const DecodeAttnParams& p) {
+void check_decode_attn(const DecodeAttnParams& p) {
   if (p.head_dim % 8 != 0 || p.head_dim > 256 || p.head_dim < 64 || p.n_heads % p.n_kv_heads != 0)
     fail(ErrorKind::Request, "decode_attention: unsupported head_dim " + std::to_string(p.head_dim));
+  if (p.page_shift < 0 || p.page_shift > 20)
+    fail(ErrorKind::Request, "decode_attention: page size 2^" + std::to_string(p.page_shift) + " out of range");
+}
+
+void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl) {
+  check_decode_attn(p);
   if (p.chunk < 1 || p.chunk > 128) fail(ErrorKind::Request, "decode_attention: chunk must be 1..128");
-  if (p.page_shift < 0 || p.page_shift > 20 || (1 << p.page_shift) < p.chunk)
+  if ((1 << p.page_shift) < p.chunk)
     fail(ErrorKind::Request, "decode_attention: page size " + std::to_string(1 << p.page_shift) +
                                  " must be >= the chunk of " + std::to_string(p.chunk) + " positions");
-}
-
-// Many rows: about 4 blocks per SM over all rows and heads, each looping over chunks (at most max_seq's).
-static int rows_grid_x(const DecodeAttnParams& p, int blocks_per_chunk) {
-  static int sms = [] {
-    int dev = 0, n = 0;
-    TI_CUDA_CHECK(cudaGetDevice(&dev));
-    TI_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    return n;
-  }();
-  return std::max(1, std::min(attn_max_chunks(p), (4 * sms + blocks_per_chunk - 1) / blocks_per_chunk));
-}
-
-template <bool ROWS>
-static void launch_pair(const DecodeAttnParams& p, int n_rows, cudaStream_t s, bool pdl) {
-  check_attn(p);
   const size_t smem = decode_attention_smem(p);
-  const int group = p.n_heads / p.n_kv_heads, nz = n_rows * ((group + kMaxGroup - 1) / kMaxGroup);
-  dim3 grid(ROWS ? rows_grid_x(p, p.n_kv_heads * nz) : attn_max_chunks(p), p.n_kv_heads, nz);
-  if (p.head_dim == 64) launch_attn<64, ROWS>(p, grid, smem, s, pdl);
-  else if (p.head_dim == 128) launch_attn<128, ROWS>(p, grid, smem, s, pdl);
-  else launch_attn<0, ROWS>(p, grid, smem, s, pdl);
-  launch(decode_attn_merge<ROWS>, dim3(p.n_heads, n_rows), dim3(p.head_dim <= 128 ? 128 : 256),
+  const int group = p.n_heads / p.n_kv_heads, nz = (group + kMaxGroup - 1) / kMaxGroup;
+  const dim3 grid(attn_max_chunks(p), p.n_kv_heads, nz);
+  const dim3 block(kAttnThreads);
+  if (p.head_dim == 64) launch_attention<decode_attn_kernel<64>>(p, grid, block, smem, s, pdl);
+  else if (p.head_dim == 128) launch_attention<decode_attn_kernel<128>>(p, grid, block, smem, s, pdl);
+  else launch_attention<decode_attn_kernel<0>>(p, grid, block, smem, s, pdl);
+  launch(decode_attn_merge, dim3(p.n_heads), dim3(p.head_dim <= 128 ? 128 : 256),
          sizeof(float) * (size_t)attn_max_chunks(p), s, pdl, p);
-}
-
-void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl) { launch_pair<false>(p, 1, s, pdl); }
-
-void decode_attention_rows(const DecodeAttnParams& p, int n_rows, cudaStream_t s, bool pdl) {
-  if (n_rows < 1 || n_rows > 65535 || !p.row_pos || !p.row_slot || p.table_stride < 1)
-    fail(ErrorKind::Request, "decode_attention_rows: needs 1..65535 rows, row_pos, row_slot and table_stride");
-  launch_pair<true>(p, n_rows, s, pdl);
 }
 
 }  // namespace ti::cuda

@@ -1,4 +1,5 @@
-// attention.cuh — launchers of the decode attention kernels (see attention.cu).
+// attention.cuh — launchers of the decode attention kernels: the single sequence's (attention.cu) and the
+// batched step's, many rows at their own positions (attention_rows.cu).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -25,11 +26,16 @@ struct DecodeAttnParams {
   unsigned long long* trace = nullptr;  // debug timestamps of the chunk kernel (common.cuh, trace_point)
   // Many rows (decode_attention_rows, the batched decode step): row r reads its q | k | v at qkv + r * ld_qkv,
   // attends at position row_pos[r] (< 0: an inert padding row, which reads and writes nothing) through the page
-  // table page_table + row_slot[r] * table_stride, writes out + r * ld_out; its partials follow row by row.
-  // (pos is unused then.)
+  // table page_table + row_slot[r] * table_stride, writes out + r * ld_out. Its partials (split-K over splits of
+  // rows_span positions, long rows only): part_o (n_rows, n_heads, attn_rows_max_splits, head_dim), part_ml
+  // (..., 2); tickets: attn_rows_tickets(...) counters, zero before the first launch, which every launch leaves
+  // zero again (graph replays). (pos and chunk are unused then.)
   const int* row_pos = nullptr;
   const int* row_slot = nullptr;
+  unsigned* tickets = nullptr;
   int table_stride = 0, ld_qkv = 0, ld_out = 0;
+  int grid_x = 0;  // the rows grid's x (blocks per row and head, each looping over splits); 0: sized for n_rows
+  int rows_span = 0;  // positions per block: 64, 128 or 256, at most attn_rows_span(head_dim); 0: that
 };
 
 inline int attn_max_chunks(const DecodeAttnParams& p) { return (p.max_seq + p.chunk - 1) / p.chunk; }
@@ -40,8 +46,25 @@ size_t decode_attention_smem(const DecodeAttnParams& p);
 
 // RoPE + KV-cache write + split-K attention over chunks of `chunk` positions, then the log-sum-exp merge.
 void decode_attention(const DecodeAttnParams& p, cudaStream_t stream, bool pdl);
-// The same over n_rows rows, each at its own position through its own page table (the row fields above); the
-// partial buffers hold n_rows * n_heads * attn_max_chunks(p) chunks. One launch pair for all rows.
+
+// The batched form: positions per block (a split; a row no longer than this is one block, no merge), by
+// default and at most: a block's work (span x head_dim multiply-adds per query head) the same at every head dim,
+// its K and V tiles ~70 KB of shared memory. Smaller spans (64, 128: CudaOptions::batch_attn_span) trade less
+// serial work per block for more blocks and a merge.
+__host__ __device__ constexpr int attn_rows_span(int head_dim) {
+  return head_dim <= 64 ? 256 : head_dim <= 128 ? 128 : 64;
+}
+// Splits per row the partial buffers are laid out for (the smallest span, 64, whatever the launch's).
+__host__ __device__ constexpr int attn_rows_max_splits(int max_seq) { return (max_seq + 63) / 64; }
+inline int attn_rows_tickets(int n_rows, int n_heads, int n_kv_heads) {  // a counter per (row, KV head, 8 heads)
+  return n_rows * n_kv_heads * ((n_heads / n_kv_heads + 7) / 8);
+}
+// n_rows rows, each at its own position through its own page table (the row fields above): RoPE + KV-cache
+// write + attention in ONE launch (attention_rows.cu).
 void decode_attention_rows(const DecodeAttnParams& p, int n_rows, cudaStream_t stream, bool pdl);
+// The span a launch with p uses (p.rows_span or the head dim's default); a Request error for one it cannot take.
+int attn_rows_span_of(const DecodeAttnParams& p);
+// The checks both share (clear errors for shapes the kernels do not take).
+void check_decode_attn(const DecodeAttnParams& p);
 
 }  // namespace ti::cuda

@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kSampleThreads)
   pdl_launch_dependents();
   const int r = blockIdx.x;
   const RowSampling row = rows[r];
-  const float* lg = logits + (int64_t)r * ld;
+  const float* lg = logits + (int64_t)row.logits_row * ld;
   unsigned char* sn = seen + (int64_t)row.slot * vocab;
   int* cn = counts + (int64_t)row.slot * vocab;
   const int tok = sample_block(lg, vocab, row.s, row.step, sn, cn, scratch + (int64_t)r * vocab, sh);

@@ -43,10 +43,12 @@ struct RowSampling {             // device memory, one per row
   DeviceSampling s;
   unsigned long long step;       // RNG counter of the token being sampled
   int slot;                      // which history row (counts / seen) this row uses
+  int logits_row;                // which row of `logits` (sample_rows) holds this row's logits
 };
 
 // One block per row, the same per-row algorithm as sample_token (the same logits and history give the same
-// token alone and in a batch). logits: row r at logits + r * ld. seen: (slots, vocab) u8; counts: (slots, vocab)
+// token alone and in a batch). logits: row r's at logits + rows[r].logits_row * ld (the batched engine samples
+// a slot where its logits lie, no gather). seen: (slots, vocab) u8; counts: (slots, vocab)
 // int32 — the sampler marks seen and increments counts[slot][token] for the token it picks (so the rows of one
 // launch must use distinct slots). scratch: n_rows * vocab floats. out_tokens[r]; out_logprob[r] (null: not
 // computed): log_softmax(raw logits)[token]; top_ids / top_lp: (n_rows, top_k) when top_k > 0 (else may be

@@ -146,7 +146,7 @@ def check_small_n_product(mma, fmt, K, rows, mode, n):
     np.testing.assert_allclose(got, y, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("path", ["default", "mma"])
+@pytest.mark.parametrize("path", ["default", "mma", "span64"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n", [1, 3, 8, 17])
 def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
@@ -170,10 +170,12 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
 
 # The batched products' paths (BatchStep::mma, small_n): every product on the small-N GEMV; every product of two
 # rows or more on cuBLASLt (int8 / int4: dequantized into the fp16 staging first); every product on the
-# tensor-core small-N kernel.
+# tensor-core small-N kernel; the default products with the attention in blocks of 64 positions (rows past 64
+# split and merged in the kernel).
 PATHS = {"small_n": dict(batch_mma_max=0, batch_gemv_f16_max=64, batch_gemv_quant_max=64),
          "cublaslt": dict(batch_mma_max=0, batch_gemv_f16_max=1, batch_gemv_quant_max=1),
-         "mma": dict(batch_mma_max=64, batch_mma_f16_max=64)}
+         "mma": dict(batch_mma_max=64, batch_mma_f16_max=64),
+         "span64": dict(batch_attn_span=64)}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -315,6 +317,32 @@ def test_sample_logprobs_and_top_entries(model):
     core.seq_close(s)
 
 
+def test_logits_of_a_slot_left_out_of_a_step(model):
+    """A slot's logits stay in the step row that computed them (no copy to a per-slot buffer); a later step
+    without that slot overwrites the row (a smaller bucket: row 0; padding rows too), so the engine moves them to
+    the slot's own row first: seq_logits and seq_sample (with logprobs) still see them, in any order of steps."""
+    eng = gpu_engine(model, "fp16")
+    core = eng._core
+    batch = prompts(3, seed=21)
+    slots = [core.seq_open() for _ in batch]
+    for s, p in zip(slots, batch):
+        core.seq_prefill(s, p)
+    core.seq_step(slots, [5, 6, 7])
+    before = [core.seq_logits(s) for s in slots]
+    core.seq_step([slots[2]], [9])  # bucket 1: row 0, slot 0's
+    np.testing.assert_array_equal(core.seq_logits(slots[0]), before[0])
+    np.testing.assert_array_equal(core.seq_logits(slots[1]), before[1])
+    core.seq_step([slots[2], slots[1]], [3, 4])  # bucket 2: rows 0 and 1, slot 1 now in row 1
+    np.testing.assert_array_equal(core.seq_logits(slots[0]), before[0])
+    z = before[0].astype(np.float64)
+    toks, lp, _, _ = core.seq_sample([slots[1], slots[0]], [greedy()] * 2, [0, 0], 0)
+    assert toks[1] == np.argmax(z)
+    np.testing.assert_allclose(lp[1], z[toks[1]] - (z.max() + np.log(np.exp(z - z.max()).sum())), atol=1e-4)
+    assert toks[0] == np.argmax(core.seq_logits(slots[1]))
+    for s in slots:
+        core.seq_close(s)
+
+
 def test_bad_slot_requests(model):
     eng = Engine(model[1], device="cuda", max_seq_len=MAX_SEQ, cuda_options=options(max_batch=2))
     core = eng._core
@@ -419,6 +447,8 @@ def test_sampling_a_slot_alone_or_in_a_batch(model):
     ("batch_mma_max", -1, "batch_mma_max must be in 0..64, got -1"),
     ("batch_mma_max", 65, "batch_mma_max must be in 0..64, got 65"),
     ("batch_mma_f16_max", 65, "batch_mma_f16_max must be in 0..64, got 65"),
+    ("batch_attn_span", 96, "batch_attn_span 96 must be 64, 128 or 256 and at most 256 at head dim 64"),
+    ("batch_attn_span", 512, "batch_attn_span 512 must be"),
 ])
 def test_bad_batch_path_options_are_clear_errors(field, value, match):
     from tinyinfer.bench import shape_config

@@ -129,6 +129,34 @@ def test_decode_attention_small_pages(pos):
     _check_attention(4, 64, pos, 16, page_size=16, max_seq=128)
 
 
+def _attention_twin(qkv, kc, vc, kb, vb, pos, n_heads, cos, sin):
+    """The CPU twin of one row's decode attention (float64), after checking what the kernel wrote into the row's
+    cache: rope(k) and v at pos (fp16) and nothing else. kc, vc: the cache before the call (n_kv, > pos, hd) fp16
+    (NaN past pos; pos is set here); kb, vb: the same positions read back from the pools after it (fp16 bits)."""
+    n_kv, _, hd = kc.shape
+    group = n_heads // n_kv
+    q = qkv[: n_heads * hd].reshape(n_heads, hd)
+    k = qkv[n_heads * hd : (n_heads + n_kv) * hd].reshape(n_kv, hd)
+    v = qkv[(n_heads + n_kv) * hd :].reshape(n_kv, hd)
+    c, s = cos[pos], sin[pos]
+    k_new = _rot(k, c, s).astype(np.float16)
+    kc[:, pos], vc[:, pos] = k_new, v.astype(np.float16)
+    np.testing.assert_array_equal(kb.view(np.float16)[:, pos], k_new)
+    np.testing.assert_array_equal(vb.view(np.float16)[:, pos], v.astype(np.float16))
+    np.testing.assert_array_equal(kb.view(np.float16)[:, :pos], kc[:, :pos])
+    np.testing.assert_array_equal(vb.view(np.float16)[:, :pos], vc[:, :pos])
+    np.testing.assert_array_equal(kb[:, pos + 1 :], 0x7E00)
+    qr = _rot(q, c, s).astype(np.float64) / np.sqrt(hd)
+    ref = np.empty((n_heads, hd))
+    for h in range(n_heads):
+        K = kc[h // group, : pos + 1].astype(np.float64)
+        V = vc[h // group, : pos + 1].astype(np.float64)
+        sc = K @ qr[h]
+        p = np.exp(sc - sc.max())
+        ref[h] = p @ V / p.sum()
+    return ref
+
+
 def _check_attention(group, hd, pos, chunk, page_size=64, max_seq=512):
     n_kv = 2
     n_heads = n_kv * group
@@ -146,28 +174,9 @@ def _check_attention(group, hd, pos, chunk, page_size=64, max_seq=512):
     out = np.array(_core.ops.decode_attention(qkv, kp, vp, table, cos, sin, pos, n_heads, chunk))
     kb, vb = from_pages(kp, table, max_seq), from_pages(vp, table, max_seq)
 
-    q = qkv[: n_heads * hd].reshape(n_heads, hd)
-    k = qkv[n_heads * hd : (n_heads + n_kv) * hd].reshape(n_kv, hd)
-    v = qkv[(n_heads + n_kv) * hd :].reshape(n_kv, hd)
-    c, s = cos[pos], sin[pos]
-    k_new = _rot(k, c, s).astype(np.float16)
-    kc[:, pos], vc[:, pos] = k_new, v.astype(np.float16)
-    # the kernel wrote rope(k) and v at pos (fp16), and nothing else
-    np.testing.assert_array_equal(kb.view(np.float16)[:, pos], k_new)
-    np.testing.assert_array_equal(vb.view(np.float16)[:, pos], v.astype(np.float16))
-    np.testing.assert_array_equal(kb.view(np.float16)[:, :pos], kc[:, :pos])
-    np.testing.assert_array_equal(vb.view(np.float16)[:, :pos], vc[:, :pos])
-    np.testing.assert_array_equal(kb[:, pos + 1 :], 0x7E00)
     np.testing.assert_array_equal(unused_pages(kp, table), spare_k)
     np.testing.assert_array_equal(unused_pages(vp, table), spare_v)
-    qr = _rot(q, c, s).astype(np.float64) / np.sqrt(hd)
-    ref = np.empty((n_heads, hd))
-    for h in range(n_heads):
-        K = kc[h // group, : pos + 1].astype(np.float64)
-        V = vc[h // group, : pos + 1].astype(np.float64)
-        sc = K @ qr[h]
-        p = np.exp(sc - sc.max())
-        ref[h] = p @ V / p.sum()
+    ref = _attention_twin(qkv, kc, vc, kb, vb, pos, n_heads, cos, sin)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out.reshape(n_heads, hd), ref, atol=3e-3, rtol=3e-3)
 
@@ -186,3 +195,137 @@ def test_decode_attention_bad_pages_are_clear_errors():
     odd = np.zeros((2, n_kv, 48, hd), np.uint16)
     with pytest.raises(InvalidRequestError, match="must be a power of two, got 48"):
         _core.ops.decode_attention(qkv, odd, odd.copy(), np.array([0, 1, 0], np.int32), cos, sin, 3, n_heads, 16)
+
+
+# The batched form (cuda/attention_rows.cu): splits of `span` positions per block (by default 256 at head dim 64,
+# 128 up to 128, 64 above; smaller by DecodeAttnParams::rows_span); a longer row is split, and merged in the same
+# launch by its last split to finish.
+def _span(hd, span=0):
+    return span or (256 if hd <= 64 else 128 if hd <= 128 else 64)
+
+
+def _rows_lengths(hd, span=0):
+    """Contexts (pos + 1) mixed in one batch: 1, span - 1, span, span + 1, a padding row (0), rows crossing 2 and 3
+    splits, a short odd one."""
+    sp = _span(hd, span)
+    return [1, sp - 1, sp, sp + 1, 0, 3 * sp + 7, 2 * sp, 37]
+
+
+def _rows_case(group, hd, lengths, page_size, max_seq, n_kv=2, seed=0):
+    """Rows of the given contexts (0: padding) in one shared pool (pages in a random order, 3 spare pages, NaN
+    past each row's cached positions), each with its own page table; the slots in a shuffled order."""
+    n_heads, n_rows = n_kv * group, len(lengths)
+    rng = np.random.default_rng(seed * 7919 + group * 131 + hd)
+    stride = -(-max_seq // page_size)
+    n_pages = [-(-L // page_size) for L in lengths]
+    ids = rng.permutation(sum(n_pages) + 3).astype(np.int32)
+    kp = np.full((len(ids), n_kv, page_size, hd), 0x7E00, np.uint16)
+    vp = kp.copy()
+    row_slot = rng.permutation(n_rows).astype(np.int32)
+    tables = np.full((n_rows, stride), -1, np.int32)
+    caches, used = [], 0
+    for r, L in enumerate(lengths):
+        kc = np.full((n_kv, n_pages[r] * page_size, hd), np.nan, np.float16)
+        vc = kc.copy()
+        kc[:, : max(L - 1, 0)] = rng.standard_normal((n_kv, max(L - 1, 0), hd))
+        vc[:, : max(L - 1, 0)] = rng.standard_normal((n_kv, max(L - 1, 0), hd))
+        table = ids[used : used + n_pages[r]]
+        used += n_pages[r]
+        tables[row_slot[r], : n_pages[r]] = table
+        for j, pg in enumerate(table):
+            kp[pg] = kc[:, j * page_size : (j + 1) * page_size].view(np.uint16)
+            vp[pg] = vc[:, j * page_size : (j + 1) * page_size].view(np.uint16)
+        caches.append((kc, vc, table))
+    cos, sin = _rope_tables(max_seq, hd)
+    return dict(qkv=rng.standard_normal((n_rows, (n_heads + 2 * n_kv) * hd)).astype(np.float32), kp=kp, vp=vp,
+                tables=tables, cos=cos, sin=sin, row_pos=np.array([L - 1 for L in lengths], np.int32),
+                row_slot=row_slot, n_heads=n_heads, caches=caches, spare=ids[used:])
+
+
+def _attention_rows(c, rows=None, grid_x=0, span=0):
+    """ops.decode_attention_rows on case c (rows: a subset of its rows, in this order); the pools updated in place."""
+    rows = np.arange(len(c["row_pos"])) if rows is None else np.asarray(rows)
+    return np.asarray(_core.ops.decode_attention_rows(
+        np.ascontiguousarray(c["qkv"][rows]), c["kp"], c["vp"], c["tables"], c["cos"], c["sin"],
+        np.ascontiguousarray(c["row_pos"][rows]), np.ascontiguousarray(c["row_slot"][rows]), c["n_heads"], grid_x,
+        span))
+
+
+def _check_attention_rows(group, hd, lengths, page_size=64, max_seq=1024 + 37, grid_x=0, span=0):
+    c = _rows_case(group, hd, lengths, page_size, max_seq)
+    kp, vp, n_heads = c["kp"], c["vp"], c["n_heads"]
+    spare_k, spare_v = kp[c["spare"]].copy(), vp[c["spare"]].copy()
+    out = _attention_rows(c, grid_x=grid_x, span=span)
+    assert out.shape == (len(lengths), n_heads * hd)
+    np.testing.assert_array_equal(kp[c["spare"]], spare_k)
+    np.testing.assert_array_equal(vp[c["spare"]], spare_v)
+    for r, L in enumerate(lengths):
+        if L == 0:  # a padding row: no output written (its pages: none to write)
+            assert np.isnan(out[r]).all()
+            continue
+        kc, vc, table = c["caches"][r]
+        n = len(table) * kp.shape[2]  # the whole last page: nothing past pos written
+        kb, vb = from_pages(kp, table, n), from_pages(vp, table, n)
+        ref = _attention_twin(c["qkv"][r], kc, vc, kb, vb, L - 1, n_heads, c["cos"], c["sin"])
+        assert np.isfinite(out[r]).all(), f"row {r} (context {L})"
+        np.testing.assert_allclose(out[r].reshape(n_heads, hd), ref, atol=3e-3, rtol=3e-3,
+                                   err_msg=f"row {r} (context {L})")
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 7, 8, 16])
+@pytest.mark.parametrize("hd", [64, 96, 128, 256])
+def test_decode_attention_rows_matches_twin(group, hd):
+    _check_attention_rows(group, hd, _rows_lengths(hd))
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_decode_attention_rows_page_sizes(hd, page_size):
+    """Pages smaller than a split (a split over many pages) and larger (several splits in one page)."""
+    _check_attention_rows(4, hd, _rows_lengths(hd), page_size=page_size)
+
+
+@pytest.mark.parametrize("hd, span, group", [(64, 64, 8), (64, 128, 4), (128, 64, 8), (96, 64, 3), (256, 64, 7)])
+def test_decode_attention_rows_smaller_spans(hd, span, group):
+    """CudaOptions::batch_attn_span: shorter blocks (more lanes per position), more splits and merges."""
+    _check_attention_rows(group, hd, _rows_lengths(hd, span), span=span)
+    _check_attention_rows(group, hd, _rows_lengths(hd, span), span=span, grid_x=1, page_size=16)
+
+
+@pytest.mark.parametrize("grid_x", [1, 2])
+def test_decode_attention_rows_blocks_loop_over_splits(grid_x):
+    """A grid narrower than the longest row's splits (as for large buckets): each block takes several splits."""
+    _check_attention_rows(8, 64, [4 * 256 + 3, 1, 600, 0, 257], grid_x=grid_x)
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+def test_decode_attention_rows_row_independent_of_the_batch(hd):
+    """A row's output is bit for bit the same among others, alone, and on a narrower grid: split boundaries and
+    the merge order depend on its own length only (the greedy tokens of a slot must not depend on the batch)."""
+    lengths = _rows_lengths(hd)
+    c = _rows_case(4, hd, lengths, 64, 1024 + 37)
+    together = _attention_rows(c)
+    np.testing.assert_array_equal(_attention_rows(c, grid_x=1), together)
+    for r, L in enumerate(lengths):
+        np.testing.assert_array_equal(_attention_rows(c, rows=[r])[0], together[r])
+    rev = list(range(len(lengths)))[::-1]
+    np.testing.assert_array_equal(_attention_rows(c, rows=rev), together[rev])
+
+
+def test_decode_attention_rows_bad_input_is_a_clear_error():
+    c = _rows_case(4, 64, [10, 70], 64, 128)
+    bad_pos = c["row_pos"].copy()
+    bad_pos[1] = 500
+    with pytest.raises(InvalidRequestError, match="position or slot out of range"):
+        _core.ops.decode_attention_rows(c["qkv"], c["kp"], c["vp"], c["tables"], c["cos"], c["sin"], bad_pos,
+                                        c["row_slot"], c["n_heads"])
+    with pytest.raises(InvalidRequestError, match="batch_attn_span 256 must be 64, 128 or 256 and at most 128"):
+        c128 = _rows_case(1, 128, [10], 64, 128)
+        _attention_rows(c128, span=256)
+    with pytest.raises(InvalidRequestError, match="batch_attn_span 96 must be"):
+        _attention_rows(c, span=96)
+    with pytest.raises(InvalidRequestError, match="is not a page of a pool"):
+        tables = c["tables"].copy()
+        tables[c["row_slot"][1], 1] = -1
+        _core.ops.decode_attention_rows(c["qkv"], c["kp"], c["vp"], tables, c["cos"], c["sin"], c["row_pos"],
+                                        c["row_slot"], c["n_heads"])

@@ -6,16 +6,15 @@
 //              x += att @ Wo.T
 //              h = silu(rmsnorm(x) @ Wg.T) * (rmsnorm(x) @ Wu.T)
 //              x += h @ Wd.T
-//   logits[slot[r]] = rmsnorm(x[r]) @ lm_head.T
+//   logits[r] = rmsnorm(x[r]) @ lm_head.T                              (the sampler reads row r for slot[r])
 // The products: normed / residual (below), each one launch on the small-N path. With PDL (record's pdl) our
 // kernels start while their predecessor drains (each waits before it reads anything it did not get from weights
-// or from two kernels back); cuBLASLt's and the RMSNorm / SwiGLU / scatter kernels are launched plainly (they
-// do not wait), which orders them fully behind their predecessor.
+// or from two kernels back); cuBLASLt's and the RMSNorm / SwiGLU kernels are launched plainly (they do not
+// wait), which orders them fully behind their predecessor.
 #include "batch_step.h"
 
 #include <cmath>
 
-#include "../../cuda/batch_rows.cuh"
 #include "../../cuda/common.cuh"
 #include "../../cuda/gemv_batch.cuh"
 #include "../../cuda/mma_small_n.cuh"
@@ -40,7 +39,6 @@ void BatchStep::record(int n, cudaStream_t s, bool pdl) {
     residual(L.down, b_.h, w_.ld_i, n, s);                             // x += h @ Wd.T
   }
   normed(w_.lm_head, w_.final_norm, b_.logits, b_.ld_v, GemvOut::F32, n, s);  // logits = rmsnorm(x) @ head.T
-  cuda::scatter_rows(b_.logits, b_.ld_v, b_.slot_logits, (int)c.vocab, b_.slot, b_.pos, n, (int)c.vocab, s);
 }
 
 // The products, the first path that takes them: the tensor-core small-N kernel up to mma_max (int8 / int4) or
@@ -154,6 +152,8 @@ cuda::DecodeAttnParams BatchStep::attn_params(int64_t layer) const {
   a.scale = 1.0f / std::sqrt((float)c_.head_dim);
   a.row_pos = b_.pos;
   a.row_slot = b_.slot;
+  a.tickets = b_.attn_tickets;
+  a.rows_span = o_.attn_span;
   a.table_stride = b_.table_stride;
   a.ld_qkv = b_.ld_qkv;
   a.ld_out = w_.ld_q;
@@ -163,7 +163,7 @@ cuda::DecodeAttnParams BatchStep::attn_params(int64_t layer) const {
 // ---- the buffers ----
 
 BatchBuffers BatchBuffers::allocate(const ModelConfig& c, const DeviceWeights& w, int max_rows, int64_t max_seq,
-                                    int attn_chunk, const KvPagePool& pages, DeviceArena& arena, cudaStream_t s) {
+                                    const KvPagePool& pages, DeviceArena& arena, cudaStream_t s) {
   using Kind = DeviceArena::Kind;
   BatchBuffers b;
   const size_t R = (size_t)max_rows;
@@ -172,7 +172,7 @@ BatchBuffers BatchBuffers::allocate(const ModelConfig& c, const DeviceWeights& w
   b.ld_gu = (int)cuda::pad8(2 * c.intermediate);
   b.ld_v = (int)cuda::pad8(c.vocab);
   b.table_stride = (int)pages.pages_for(max_seq);
-  const size_t max_chunks = (size_t)((max_seq + attn_chunk - 1) / attn_chunk);
+  const size_t splits = (size_t)cuda::attn_rows_max_splits((int)max_seq);
   // Zeroed: a padding row computes on whatever its rows hold (never NaN from uninitialised memory, so no
   // floating-point trap or NaN propagation can ever surprise a reader of those rows).
   auto zeroed = [&](size_t bytes) {
@@ -191,12 +191,13 @@ BatchBuffers BatchBuffers::allocate(const ModelConfig& c, const DeviceWeights& w
   b.att = static_cast<__half*>(zeroed(R * w.ld_q * sizeof(__half)));
   b.gu = static_cast<__half*>(zeroed(R * b.ld_gu * sizeof(__half)));
   b.h = static_cast<__half*>(zeroed(R * w.ld_i * sizeof(__half)));
-  b.logits = static_cast<float*>(zeroed(R * b.ld_v * sizeof(float)));
-  b.part_o = arena.alloc_n<float>(R * c.n_heads * max_chunks * c.head_dim, Kind::Scratch);
-  b.part_ml = arena.alloc_n<float>(R * c.n_heads * max_chunks * 2, Kind::Scratch);
+  b.logits = static_cast<float*>(zeroed(2 * R * b.ld_v * sizeof(float)));
+  b.part_o = arena.alloc_n<float>(R * c.n_heads * splits * c.head_dim, Kind::Scratch);
+  b.part_ml = arena.alloc_n<float>(R * c.n_heads * splits * 2, Kind::Scratch);
+  b.attn_tickets = static_cast<unsigned*>(
+      zeroed(cuda::attn_rows_tickets(max_rows, (int)c.n_heads, (int)c.n_kv_heads) * sizeof(unsigned)));
   b.tables = arena.alloc_n<int>(R * b.table_stride, Kind::Scratch);
   TI_CUDA_CHECK(cudaMemsetAsync(b.tables, 0xFF, R * b.table_stride * sizeof(int), s));  // -1: no page yet
-  b.slot_logits = static_cast<float*>(zeroed(R * c.vocab * sizeof(float)));
   return b;
 }
 

@@ -3,7 +3,7 @@
 // at its own position through its own slot's page table; the rows' inputs (token, position, slot) live in
 // device memory, so one graph per batch-size bucket (1, 2, 4, ..., max_batch) is captured and replayed with the
 // batch padded to its bucket. A padding row has position -1: the attention skips it (it reads and writes no KV
-// page) and its logits are not scattered; its other rows of the activations hold harmless numbers (token 0).
+// page); its other rows of the activations, its logits row included, hold harmless numbers (token 0).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -21,7 +21,7 @@
 namespace ti {
 
 // The activations of up to max_rows rows (row strides: the padded widths), the rows' inputs, every slot's page
-// table and logits.
+// table, the logits.
 struct BatchBuffers {
   int max_rows = 0;            // max_batch (the largest bucket)
   int ld_qkv = 0, ld_gu = 0, ld_v = 0;
@@ -36,15 +36,19 @@ struct BatchBuffers {
   __half* att = nullptr;       // (max_rows, ld_q) attention output
   __half* gu = nullptr;        // (max_rows, ld_gu) gate/up interleaved (the cuBLASLt path; else fused)
   __half* h = nullptr;         // (max_rows, ld_i) silu(gate) * up
-  float* logits = nullptr;     // (max_rows, ld_v) the step's logits in row order (also the sampler's gather)
-  float* part_o = nullptr;     // (max_rows, n_heads, max_chunks, head_dim) split-K attention partials
-  float* part_ml = nullptr;    // (max_rows, n_heads, max_chunks, 2)
+  // (2 max_rows, ld_v): rows 0..max_rows-1 the step's logits in row order (the LM head writes them, the sampler
+  // and seq_logits read them there: no scatter to slots, no gather back); row max_rows + s is slot s's own row
+  // (the prefill's target, and where the engine moves a slot's step row before a step without it overwrites it).
+  float* logits = nullptr;
+  float* part_o = nullptr;     // (max_rows, n_heads, attn_rows_max_splits, head_dim) split-K attention partials
+  float* part_ml = nullptr;    // (max_rows, n_heads, attn_rows_max_splits, 2)
+  unsigned* attn_tickets = nullptr;  // attn_rows_tickets(max_rows, ...) zeroed: the attention's merge tickets
   int* tables = nullptr;       // (max_rows slots, table_stride) every slot's page table (-1: unassigned)
   int table_stride = 0;        // pages_for(max_seq)
-  float* slot_logits = nullptr;  // (max_rows slots, vocab) each slot's latest logits
+  float* slot_row(int64_t slot) const { return logits + (size_t)(max_rows + slot) * ld_v; }
 
   static BatchBuffers allocate(const ModelConfig& c, const DeviceWeights& w, int max_rows, int64_t max_seq,
-                               int attn_chunk, const KvPagePool& pages, DeviceArena& arena, cudaStream_t s);
+                               const KvPagePool& pages, DeviceArena& arena, cudaStream_t s);
 };
 
 // Which kernel takes the step's products (CudaOptions::batch_mma_max / _f16_max, batch_gemv_f16_max / _quant_max).
@@ -53,6 +57,7 @@ struct BatchStepOptions {
   int mma_f16_max = 0;  // fp16 likewise
   int f16_max = 1;    // fp16 products of up to this many rows take the small-N GEMV, larger ones cuBLASLt
   int quant_max = 4;  // int8 / int4 likewise; larger: dequantized into the fp16 staging, then cuBLASLt
+  int attn_span = 0;  // positions per attention block (CudaOptions::batch_attn_span; 0: the head dim's default)
 };
 
 class BatchStep {
@@ -62,9 +67,10 @@ class BatchStep {
             BatchStepOptions o)
       : c_(c), w_(w), d_(d), b_(b), gemm_(gemm), o_(o) {}
   // rows 0..n-1 of b.rows (n: a bucket, <= max_rows): each row's token at its position in its slot ->
-  // the slot's logits (padding rows: nothing). Launches only (graph-capturable once the GEMMs are tuned).
+  // logits row r (every row of the bucket, padding rows too, is written). Launches only (graph-capturable once
+  // the GEMMs are tuned).
   // pdl: our kernels (small-N GEMV, tensor-core kernel, attention, RMSNorm) launched with PDL (common.cuh);
-  // cuBLASLt's and the SwiGLU / dequantization / embedding / scatter kernels are plain launches.
+  // cuBLASLt's and the SwiGLU / dequantization / embedding kernels are plain launches.
   void record(int n, cudaStream_t s, bool pdl);
 
  private:

@@ -89,6 +89,12 @@ void CudaEngine::init_device() {
     fail(ErrorKind::Request, "batch_mma_max must be in 0..64, got " + std::to_string(opt_.batch_mma_max));
   if (opt_.batch_mma_f16_max < 0 || opt_.batch_mma_f16_max > 64)
     fail(ErrorKind::Request, "batch_mma_f16_max must be in 0..64, got " + std::to_string(opt_.batch_mma_f16_max));
+  {
+    cuda::DecodeAttnParams a;  // (a clear error for a span the head dim cannot take)
+    a.head_dim = (int)cfg_.head_dim;
+    a.rows_span = opt_.batch_attn_span;
+    if (opt_.batch_attn_span != 0) cuda::attn_rows_span_of(a);
+  }
   if (opt_.gemv_grid < -1 || opt_.gemv_grid > 2) fail(ErrorKind::Request, "gemv_grid must be -1 (tuned), 0, 1 or 2");
   if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))
     fail(ErrorKind::Request, "gemv_resident_margin must be in [0, 1]");

@@ -75,6 +75,11 @@ struct CudaOptions {
   // than cuBLASLt at every row count (8 rows: 1.57 against 1.44 ms).
   int batch_mma_max = 16;
   int batch_mma_f16_max = 0;
+  // Positions per block of the batched step's attention (cuda/attention_rows.cu): 0 (default) 256 at head dim 64,
+  // 128 up to 128, 64 above — a row that long is one block per KV head, no merge; 64 or 128: more, shorter blocks
+  // and an in-kernel merge. Measured (H200, TinyLlama fp16, docs/perf/batch.md): the default at 8 rows takes
+  // ~13 us per layer, a chain of serial work per block; the smaller spans are for the A/B, not yet measured.
+  int batch_attn_span = 0;
   // The paged KV cache (kv_pages.h), shared by the single sequence and the slots:
   int kv_page_size = 64;               // positions per page: a power of two, >= 64 and >= attn_chunk
   // Pages in the pool. 0: enough for max_batch sequences of max_seq_len, but at most half the device memory
@@ -255,7 +260,8 @@ class CudaEngine {
   PrefillBuffers pbuf_;
   std::unique_ptr<PrefillStep> prefill_;
 
-  // The slots. Their page tables live in bbuf_.tables (slot s at row s), their logits in bbuf_.slot_logits.
+  // The slots. Their page tables live in bbuf_.tables (slot s at row s), their logits in a row of bbuf_.logits
+  // (Slot::logits_row: the step row that computed them, or the slot's own row, bbuf_.slot_row).
   BatchBuffers bbuf_;
   std::unique_ptr<BatchStep> batch_;
   std::vector<int> buckets_;                    // 1, 2, 4, ..., max_batch
@@ -263,13 +269,14 @@ class CudaEngine {
   struct Slot {
     bool open = false, has_logits = false;
     int64_t length = 0;
+    int logits_row = -1;  // its latest logits: row of bbuf_.logits (a step row < max_batch, or its own row)
     std::unique_ptr<KvSequence> kv;
   };
   std::vector<Slot> slots_;
   unsigned char* seen_ = nullptr;               // (max_batch, vocab) prompt + generated tokens per slot
   int* counts_ = nullptr;                       // (max_batch, vocab) generated occurrences per slot
   float* sample_scratch_ = nullptr;             // (max_batch, vocab)
-  void* d_sample_in_ = nullptr;                 // RowSampling (max_batch) | gather indices (max_batch)
+  void* d_sample_in_ = nullptr;                 // RowSampling (max_batch)
   void* h_sample_in_ = nullptr;                 // pinned, the same
   int* d_prompt_ = nullptr;                     // (max_seq) a prompt's tokens (its history marks)
   void* d_sample_out_ = nullptr;                // tokens | logprobs | top ids (max_batch, 20) | top lps

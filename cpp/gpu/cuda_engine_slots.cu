@@ -2,9 +2,15 @@
 // in one KV page pool, prefilled one at a time (the batched prefill through the slot's page table), stepped
 // together (batch_step.h: one graph per bucket of the batch size), sampled together (cuda::sample_rows).
 //
-// Host state per slot: open, its length, whether it has logits, its KvSequence (pages from the pool shared with
-// the single sequence). Device state per slot: its page table (a row of bbuf_.tables), its latest logits (a row
-// of bbuf_.slot_logits), its history for the penalties (a row of seen_ and counts_).
+// Host state per slot: open, its length, whether it has logits and which row of bbuf_.logits holds them, its
+// KvSequence (pages from the pool shared with the single sequence). Device state per slot: its page table (a
+// row of bbuf_.tables), its history for the penalties (a row of seen_ and counts_).
+//
+// Logits stay where they are computed: a step's row r (the LM head's output) for the slot stepped in row r, the
+// slot's own row (bbuf_.slot_row) after a prefill. The sampler and seq_logits read that row; nothing is
+// scattered to slots or gathered back. The one move: a step overwrites rows 0..bucket-1 (padding rows too), so
+// a slot whose logits lie in one of them and which is not in that step gets them copied to its own row first
+// (run_rows; a scheduler that steps the same slots each time never pays it).
 #include <algorithm>
 #include <cstring>
 
@@ -32,11 +38,11 @@ void CudaEngine::allocate_batch() {
   const int B = (int)opt_.max_batch;
   const size_t V = (size_t)cfg_.vocab;
   using Kind = DeviceArena::Kind;
-  bbuf_ = BatchBuffers::allocate(cfg_, *weights_, B, max_seq_, opt_.attn_chunk, *pool_, arena_, stream_);
+  bbuf_ = BatchBuffers::allocate(cfg_, *weights_, B, max_seq_, *pool_, arena_, stream_);
   batch_ = std::make_unique<BatchStep>(
       cfg_, *weights_, dbuf_, bbuf_, *gemm_,
       BatchStepOptions{opt_.batch_mma_max, opt_.batch_mma_f16_max, opt_.batch_gemv_f16_max,
-                       opt_.batch_gemv_quant_max});
+                       opt_.batch_gemv_quant_max, opt_.batch_attn_span});
   for (int b = 1; b < B; b *= 2) buckets_.push_back(b);
   buckets_.push_back(B);
   g_batch_.assign(buckets_.size(), nullptr);
@@ -47,7 +53,7 @@ void CudaEngine::allocate_batch() {
   TI_CUDA_CHECK(cudaMemsetAsync(seen_, 0, B * V, stream_));
   TI_CUDA_CHECK(cudaMemsetAsync(counts_, 0, B * V * sizeof(int), stream_));
   sample_scratch_ = arena_.alloc_n<float>(B * V, Kind::Scratch);
-  const size_t in_bytes = (size_t)B * (sizeof(cuda::RowSampling) + sizeof(int));
+  const size_t in_bytes = (size_t)B * sizeof(cuda::RowSampling);
   d_sample_in_ = arena_.alloc(in_bytes, Kind::Scratch);
   h_sample_in_ = arena_.alloc_pinned(in_bytes);
   const size_t out_bytes = (size_t)B * (1 + cuda::kMaxTopK) * (sizeof(int) + sizeof(float));
@@ -69,6 +75,7 @@ int64_t CudaEngine::seq_open() {
     TI_CUDA_CHECK(cudaMemsetAsync(counts_ + i * V, 0, V * sizeof(int), stream_));
     sl.open = true;
     sl.has_logits = false;
+    sl.logits_row = -1;
     sl.length = 0;
     return (int64_t)i;
   }
@@ -83,6 +90,7 @@ void CudaEngine::seq_close(int64_t slot) {
   TI_CUDA_CHECK(cudaMemsetAsync(seen_ + (size_t)slot * V, 0, V, stream_));
   TI_CUDA_CHECK(cudaMemsetAsync(counts_ + (size_t)slot * V, 0, V * sizeof(int), stream_));
   sl.open = sl.has_logits = false;
+  sl.logits_row = -1;
   sl.length = 0;
 }
 
@@ -96,8 +104,8 @@ std::vector<float> CudaEngine::seq_logits(int64_t slot) const {
   if (!slots_[(size_t)slot].has_logits) return {};  // (as the CPU engine: empty before the first prefill)
   std::vector<float> out((size_t)cfg_.vocab);
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  TI_CUDA_CHECK(cudaMemcpy(out.data(), bbuf_.slot_logits + (size_t)slot * cfg_.vocab, out.size() * sizeof(float),
-                           cudaMemcpyDeviceToHost));
+  TI_CUDA_CHECK(cudaMemcpy(out.data(), bbuf_.logits + (size_t)slots_[(size_t)slot].logits_row * bbuf_.ld_v,
+                           out.size() * sizeof(float), cudaMemcpyDeviceToHost));
   return out;
 }
 
@@ -119,11 +127,12 @@ void CudaEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
   slot_reserve(slot, sl.length + n);  // (throws before anything is launched)
   const size_t V = (size_t)cfg_.vocab;
   if (prefill_) {
-    const PrefillTarget to{bbuf_.tables + (size_t)slot * bbuf_.table_stride, bbuf_.x, bbuf_.slot_logits + slot * V};
+    const PrefillTarget to{bbuf_.tables + (size_t)slot * bbuf_.table_stride, bbuf_.x, bbuf_.slot_row(slot)};
     for (int64_t c0 = 0; c0 < n; c0 += prefill_->rows()) {
       const int T = (int)std::min<int64_t>(prefill_->rows(), n - c0);
       prefill_->run_chunk(tokens + c0, T, (int)(sl.length + c0), nullptr, 0, to);
     }
+    sl.logits_row = bbuf_.max_rows + (int)slot;
   } else {  // no batched prefill (CudaOptions, or a head dim it lacks): a token at a time through the batched step
     for (int64_t i = 0; i < n; i++) {
       const int64_t pos = sl.length + i;
@@ -171,6 +180,16 @@ void CudaEngine::run_rows(const int32_t* tokens, const int64_t* pos, const int64
   const int bucket = buckets_[b], R = bbuf_.max_rows;
   // (pdl_: the device has it and the decode graphs captured it; batch_pdl_ok_: the batch graphs too)
   bool pdl = opt_.batch_pdl && pdl_ && batch_pdl_ok_;
+  // Slots outside this step whose logits lie in a row it overwrites (rows 0..bucket-1): to their own rows first.
+  for (size_t s = 0; s < slots_.size(); s++) {
+    Slot& sl = slots_[s];
+    if (!sl.open || sl.logits_row < 0 || sl.logits_row >= bucket) continue;
+    if (std::find(slots, slots + n, (int64_t)s) != slots + n) continue;  // stepped now: new logits come
+    const size_t ld = (size_t)bbuf_.ld_v;
+    TI_CUDA_CHECK(cudaMemcpyAsync(bbuf_.slot_row((int64_t)s), bbuf_.logits + (size_t)sl.logits_row * ld,
+                                  (size_t)cfg_.vocab * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    sl.logits_row = R + (int)s;
+  }
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // bbuf_.h_rows may still be read by the previous copy
   int* h = bbuf_.h_rows;
   auto set_rows = [&](bool real) {  // real: the given rows, then padding; else padding only (the warm-up)
@@ -208,6 +227,7 @@ void CudaEngine::run_rows(const int32_t* tokens, const int64_t* pos, const int64
   set_rows(true);
   if (opt_.graphs) TI_CUDA_CHECK(cudaGraphLaunch(g_batch_[b], stream_));
   else batch_->record(bucket, stream_, pdl);
+  for (int64_t r = 0; r < n; r++) slots_[(size_t)slots[r]].logits_row = (int)r;
 }
 
 BatchSample CudaEngine::seq_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps, int64_t n,
@@ -219,17 +239,11 @@ BatchSample CudaEngine::seq_sample(const int64_t* slots, const SamplingConfig* c
   const int B = (int)opt_.max_batch, V = (int)cfg_.vocab;
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the pinned staging may still be read by the previous copy
   auto* rows_h = static_cast<cuda::RowSampling*>(h_sample_in_);
-  int* idx_h = reinterpret_cast<int*>(rows_h + B);
-  for (int64_t i = 0; i < n; i++) {
-    rows_h[i] = cuda::RowSampling{device_sampling(cfgs[i]), (unsigned long long)steps[i], (int)slots[i]};
-    idx_h[i] = (int)slots[i];
-  }
+  for (int64_t i = 0; i < n; i++)  // each row read where its slot's logits lie (no gather)
+    rows_h[i] = cuda::RowSampling{device_sampling(cfgs[i]), (unsigned long long)steps[i], (int)slots[i],
+                                  slots_[(size_t)slots[i]].logits_row};
   auto* rows_d = static_cast<cuda::RowSampling*>(d_sample_in_);
-  int* idx_d = reinterpret_cast<int*>(rows_d + B);
   TI_CUDA_CHECK(cudaMemcpyAsync(rows_d, rows_h, (size_t)n * sizeof(cuda::RowSampling), cudaMemcpyHostToDevice, stream_));
-  TI_CUDA_CHECK(cudaMemcpyAsync(idx_d, idx_h, (size_t)n * sizeof(int), cudaMemcpyHostToDevice, stream_));
-  // the slots' logits as dense rows (the step's row buffer is free between steps)
-  cuda::gather_rows(bbuf_.slot_logits, V, bbuf_.logits, bbuf_.ld_v, idx_d, (int)n, V, stream_);
   int* tok_d = static_cast<int*>(d_sample_out_);
   float* lp_d = reinterpret_cast<float*>(tok_d + B);
   int* top_ids_d = reinterpret_cast<int*>(lp_d + B);

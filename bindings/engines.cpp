@@ -120,6 +120,28 @@ void bind_sequences(Cls& cls) {
           "A prompt chunk at seq_length(slot): fills the cache, keeps the last token's logits, adds the tokens to "
           "the slot's history as prompt.")
       .def(
+          "seq_prefill_many",
+          [](E& e, const std::vector<int64_t>& slots, const std::vector<std::vector<int64_t>>& prompts) {
+            if (slots.size() != prompts.size())
+              ti::fail(ti::ErrorKind::Request, "seq_prefill_many: " + std::to_string(slots.size()) + " slots but " +
+                                                   std::to_string(prompts.size()) + " prompts");
+            std::vector<std::vector<int32_t>> ids;
+            ids.reserve(prompts.size());  // (the pointers below stay valid)
+            std::vector<const int32_t*> ptrs;
+            std::vector<int64_t> lens;
+            for (const std::vector<int64_t>& p : prompts) {
+              ids.push_back(to_ids(p));
+              ptrs.push_back(ids.back().data());
+              lens.push_back((int64_t)p.size());
+            }
+            nb::gil_scoped_release release;
+            e.seq_prefill_many(slots.data(), ptrs.data(), lens.data(), (int64_t)slots.size());
+          },
+          "slots"_a, "prompts"_a,
+          "seq_prefill of many slots at once: prompts[i] at seq_length(slots[i]) in slots[i] (distinct). On the "
+          "GPU their tokens share batched passes; each slot ends as seq_prefill would leave it. All checked first: "
+          "an error changes nothing.")
+      .def(
           "seq_step",
           [](E& e, const std::vector<int64_t>& slots, const std::vector<int64_t>& tokens) {
             if (slots.size() != tokens.size())

@@ -25,6 +25,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -53,6 +54,7 @@ def start_server(a, model: str, log_path: Path) -> tuple[subprocess.Popen, str]:
         cmd += ["--max-batch", str(a.max_batch)]
     if a.max_seq_len:
         cmd += ["--max-seq-len", str(a.max_seq_len)]
+    cmd += shlex.split(a.serve_args)
     env = {k: v for k, v in os.environ.items() if k != "TINYINFER_API_KEY"}
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -195,6 +197,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--startup-s", type=float, default=600, help="wait this long for the server to come up")
     ap.add_argument("--client-procs", type=int, default=0,
                     help="client processes per level (default 0: one per 16 clients)")
+    ap.add_argument("--serve-args", default="",
+                    help="more arguments for `tinyinfer serve` (A/B), e.g. '--no-batched-prefill --chunk-tokens 8192'")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
     levels, lens = _ints(a.concurrency, "--concurrency"), _ints(a.prompt_lens, "--prompt-lens")

@@ -1,5 +1,5 @@
 // engines.cpp — the engines and their options: WeightStore, CpuEngine, CudaOptions (+ GemvPin), CudaEngine,
-// and the enums they take (WFormat, DType, MatrixRole); the sequence slots both engines share (bind_sequences);
+// and the enums they take (WFormat, DType, MatrixRole); the sequence slots both engines share (sequences.h);
 // the KV pages' bookkeeping (KvPagePool, KvSequence).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -22,6 +22,7 @@
 #include "../cpp/gpu/kv_pages.h"
 #include "../cpp/gpu/persistent_schedule.h"
 #include "common.h"
+#include "sequences.h"
 #ifdef TINYINFER_WITH_CUDA
 #include "../cpp/gpu/cuda_engine.h"
 #include "../cpp/gpu/plan_cache.h"
@@ -97,65 +98,6 @@ void bind_engine_common(Cls& cls) {
           },
           "max_steps"_a, "sampling"_a, "stop_ids"_a, "step0"_a = 0,
           "Sample and run up to max_steps tokens; stops after a stop id (included).");
-}
-
-// The sequence slots (BATCH_CONTRACT.md part 2): the same Python surface for every engine class that has them.
-template <typename E, typename Cls>
-void bind_sequences(Cls& cls) {
-  cls.def_prop_ro("max_batch", &E::max_batch, "How many sequence slots the engine has.")
-      .def_prop_ro("kv_page_size", &E::kv_page_size, "Positions per KV page.")
-      .def_prop_ro("kv_pages_total", &E::kv_pages_total, "KV pages the slots may hold in all.")
-      .def_prop_ro("kv_pages_free", &E::kv_pages_free, "KV pages the slots do not hold now.")
-      .def("seq_open", &E::seq_open, "A free, empty slot (its number); an error when all are taken.")
-      .def("seq_close", &E::seq_close, "slot"_a, "Free a slot: its KV pages, logits and history.")
-      .def("seq_length", &E::seq_length, "slot"_a, "Positions in the slot's cache.")
-      .def(
-          "seq_prefill",
-          [](E& e, int64_t slot, const std::vector<int64_t>& tokens) {
-            std::vector<int32_t> ids = to_ids(tokens);
-            nb::gil_scoped_release release;
-            e.seq_prefill(slot, ids.data(), (int64_t)ids.size());
-          },
-          "slot"_a, "tokens"_a,
-          "A prompt chunk at seq_length(slot): fills the cache, keeps the last token's logits, adds the tokens to "
-          "the slot's history as prompt.")
-      .def(
-          "seq_step",
-          [](E& e, const std::vector<int64_t>& slots, const std::vector<int64_t>& tokens) {
-            if (slots.size() != tokens.size())
-              ti::fail(ti::ErrorKind::Request, "seq_step: " + std::to_string(slots.size()) + " slots but " +
-                                                   std::to_string(tokens.size()) + " tokens");
-            std::vector<int32_t> ids = to_ids(tokens);
-            nb::gil_scoped_release release;
-            e.seq_step(slots.data(), ids.data(), (int64_t)ids.size());
-          },
-          "slots"_a, "tokens"_a,
-          "One decode step: tokens[i] runs at seq_length(slots[i]) in slots[i] (distinct slots); their logits "
-          "become the new ones.")
-      .def(
-          "seq_sample",
-          [](E& e, const std::vector<int64_t>& slots, const std::vector<ti::SamplingConfig>& cfgs,
-             const std::vector<int64_t>& steps, int64_t top_logprobs) {
-            if (cfgs.size() != slots.size() || steps.size() != slots.size())
-              ti::fail(ti::ErrorKind::Request, "seq_sample: " + std::to_string(slots.size()) + " slots, " +
-                                                   std::to_string(cfgs.size()) + " configs and " +
-                                                   std::to_string(steps.size()) + " steps");
-            ti::check_top_logprobs(top_logprobs);
-            const std::vector<uint64_t> counters = to_steps(steps);
-            ti::BatchSample r;
-            {
-              nb::gil_scoped_release release;
-              r = e.seq_sample(slots.data(), cfgs.data(), counters.data(), (int64_t)slots.size(),
-                               (int)top_logprobs);
-            }
-            const size_t n = r.tokens.size(), k = (size_t)r.k;
-            return std::make_tuple(numpy_copy(r.tokens, n), numpy_copy(r.logprobs, n), numpy_copy(r.top_ids, n, k),
-                                   numpy_copy(r.top_logprobs, n, k));
-          },
-          "slots"_a, "cfgs"_a, "steps"_a, "top_logprobs"_a = 0,
-          "The next token of each slot from its logits, added to its history as generated. steps[i]: the RNG "
-          "counter (tokens that request generated so far). Returns (tokens int32[n], logprob float32[n], "
-          "top_ids int32[n, k], top_lp float32[n, k]); logprobs are log_softmax of the raw logits.");
 }
 
 #ifdef TINYINFER_WITH_CUDA

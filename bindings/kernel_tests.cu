@@ -347,7 +347,10 @@ std::vector<float> run_gemm(const uint16_t* W, const float* X, const float* Y_in
   return y;
 }
 
-std::vector<float> run_prefill_attention(const float* q, HostPages cache, int T, int pos0, int n_heads, int stages) {
+// One prefill_attention launch over T query rows; `set` fills in where the rows sit (one sequence or many).
+template <typename Set>
+static std::vector<float> prefill_attention_call(const float* q, HostPages cache, int T, int n_heads, int stages,
+                                                 const Set& set) {
   const int hd = cache.head_dim, q_dim = n_heads * hd;
   const size_t nq = (size_t)T * q_dim;
   std::vector<__half> qh(nq);
@@ -365,20 +368,50 @@ std::vector<float> run_prefill_attention(const float* q, HostPages cache, int T,
   a.out = dout.as<__half>();
   a.ldo = q_dim;
   a.T = T;
-  a.pos0 = pos0;
   a.n_heads = n_heads;
   a.n_kv_heads = cache.n_kv_heads;
   a.head_dim = hd;
   a.max_seq = cache.table_len * cache.page_size;
   a.scale = 1.0f / std::sqrt((float)hd);
   a.stages = stages;
-  prefill_attention(a, 0);
+  set(a);
   TI_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<__half> oh(nq);
   get(oh.data(), dout.p, nq * 2);
   std::vector<float> o(nq);
   for (size_t i = 0; i < nq; i++) o[i] = __half2float(oh[i]);
   return o;
+}
+
+std::vector<float> run_prefill_attention(const float* q, HostPages cache, int T, int pos0, int n_heads, int stages) {
+  return prefill_attention_call(q, cache, T, n_heads, stages, [&](PrefillAttnParams& a) {
+    a.pos0 = pos0;
+    prefill_attention(a, 0);
+  });
+}
+
+std::vector<float> run_prefill_attention_varlen(const float* q, HostPages cache, int row_len, const int* seq_T,
+                                                const int* seq_pos0, int n_seqs, int n_heads, int stages) {
+  int T = 0;
+  std::vector<int4> seqs((size_t)n_seqs);
+  for (int s = 0; s < n_seqs; s++) {
+    seqs[(size_t)s] = make_int4(T, seq_T[s], seq_pos0[s], s * row_len);
+    T += seq_T[s];
+  }
+  const int group = n_heads / cache.n_kv_heads;
+  std::vector<int2> tiles((size_t)prefill_attention_max_tiles(T, n_seqs, group));
+  int n_tiles = 0;
+  prefill_attention_tiles(seq_T, seq_pos0, n_seqs, group, tiles.data(), &n_tiles);
+  Buf dseqs(seqs.size() * sizeof(int4)), dtiles(tiles.size() * sizeof(int2));
+  put(dseqs.p, seqs.data(), seqs.size() * sizeof(int4));
+  put(dtiles.p, tiles.data(), tiles.size() * sizeof(int2));
+  return prefill_attention_call(q, cache, T, n_heads, stages, [&](PrefillAttnParams& a) {
+    a.max_seq = row_len * cache.page_size;
+    a.seqs = dseqs.as<int4>();
+    a.tiles = dtiles.as<int2>();
+    a.n_tiles = n_tiles;
+    prefill_attention(a, 0);
+  });
 }
 
 namespace {

@@ -98,5 +98,9 @@ std::vector<float> run_gemm(const uint16_t* W, const float* X, const float* Y_in
 // One prefill-attention call over T tokens at pos0..pos0+T-1. q: (T, n_heads * head_dim) floats (rounded to
 // fp16); the cache holds positions 0..pos0+T-1. Returns (T, n_heads * head_dim) floats.
 std::vector<float> run_prefill_attention(const float* q, HostPages cache, int T, int pos0, int n_heads, int stages);
+// The same for many sequences in one launch (varlen): sequence s's seq_T[s] query rows follow the previous
+// ones in q, sit at positions seq_pos0[s].. and read through table row s (cache.table: n_seqs rows of row_len).
+std::vector<float> run_prefill_attention_varlen(const float* q, HostPages cache, int row_len, const int* seq_T,
+                                                const int* seq_pos0, int n_seqs, int n_heads, int stages);
 
 }  // namespace ti::cuda

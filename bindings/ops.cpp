@@ -81,6 +81,10 @@ ti::cuda::HostPages host_pages(const char* who, U16Pages& k, U16Pages& v, const 
   return h;
 }
 
+ti::cuda::HostPages host_pages(const char* who, U16Pages& k, U16Pages& v, const I32In1& table, int64_t n_positions) {
+  return host_pages(who, k, v, table.data(), (int)table.shape(0), n_positions);
+}
+
 // The persistent kernel's probes and synchronisation tests (cuda/persistent_probe.cuh).
 void bind_persistent_probe(nb::module_& ops) {
   nb::enum_<ti::cuda::RingCopy>(ops, "RingCopy", "How the weight ring copies: cp.async per thread, or one bulk copy.")
@@ -512,6 +516,40 @@ void bind_ops(nb::module_& m) {
       "One prefill-attention call (cuda/prefill_attention.cu): T queries at pos0.. over a paged cache (pages "
       "(n_pages, n_kv_heads, page_size, head_dim) of fp16 bits); stages 1 | 2 forces that variant (0: the "
       "launcher's choice).");
+  ops.def(
+      "prefill_attention_varlen",
+      [](F32In2 q, U16Pages k_pages, U16Pages v_pages, I32In2 tables, const std::vector<int>& seq_T,
+         const std::vector<int>& seq_pos0, int n_heads, int stages) {
+        auto bad = [](const std::string& m) { ti::fail(ti::ErrorKind::Request, "prefill_attention_varlen: " + m); };
+        const int n = (int)seq_T.size(), row_len = (int)tables.shape(1);
+        if (n < 1 || seq_pos0.size() != seq_T.size() || (int)tables.shape(0) != n)
+          bad("one T, pos0 and table row per sequence (at least one)");
+        int64_t rows = 0;
+        for (int s = 0; s < n; s++) {
+          if (seq_T[s] < 1 || seq_pos0[s] < 0) bad("every sequence needs T >= 1 and pos0 >= 0");
+          rows += seq_T[s];
+          // each row checked as the one-sequence op checks its table
+          host_pages("prefill_attention_varlen", k_pages, v_pages, tables.data() + (size_t)s * row_len, row_len,
+                     (int64_t)seq_pos0[s] + seq_T[s]);
+        }
+        ti::cuda::HostPages h =
+            host_pages("prefill_attention_varlen", k_pages, v_pages, tables.data(), n * row_len, 0);
+        if ((int64_t)q.shape(0) != rows || (int)q.shape(1) != n_heads * h.head_dim)
+          bad("q must be (sum of T, n_heads * head_dim)");
+        std::vector<float> o;
+        {
+          nb::gil_scoped_release release;
+          o = ti::cuda::run_prefill_attention_varlen(q.data(), h, row_len, seq_T.data(), seq_pos0.data(), n,
+                                                     n_heads, stages);
+        }
+        float* out = nullptr;
+        F32Out arr = new_f32_array((size_t)rows, (size_t)n_heads * h.head_dim, &out);
+        std::copy(o.begin(), o.end(), out);
+        return arr;
+      },
+      "q"_a, "k_pages"_a, "v_pages"_a, "tables"_a, "seq_T"_a, "seq_pos0"_a, "n_heads"_a, "stages"_a = 0,
+      "prefill_attention over many sequences in one launch (varlen): sequence s's seq_T[s] query rows follow "
+      "the previous ones in q, sit at positions seq_pos0[s].. and read the pool through tables[s].");
   ops.def(
       "sample",
       [](F32In1 logits, float temperature, int top_k, float top_p, float min_p, float rep, unsigned long long seed,

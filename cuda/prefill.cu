@@ -63,12 +63,14 @@ void rmsnorm_rows(const float* x, int ldx, const float* w, float eps, int H, int
 // (i, i + head_dim/2) of every query and key head — consecutive threads, consecutive i: coalesced — then copy
 // the value heads.
 __global__ void __launch_bounds__(256) rope_rows_kernel(RopeRowsParams p) {
-  const int t = blockIdx.x, hd = p.head_dim, half_d = hd / 2, pos = p.pos0 + t;
+  const int t = blockIdx.x, hd = p.head_dim, half_d = hd / 2;
+  const int pos = p.tok_pos ? p.tok_pos[t] : p.pos0 + t;
+  const int* table = p.tok_table ? p.page_table + p.tok_table[t] : p.page_table;
   const int q_dim = p.n_heads * hd, kv_dim = p.n_kv_heads * hd;
   const float* row = p.qkv + (size_t)t * p.ldqkv;
   const float* cs = p.cos + (size_t)pos * half_d;
   const float* sn = p.sin + (size_t)pos * half_d;
-  const size_t kv_at = kv_row(p.page_table, pos, 0, p.n_kv_heads, p.page_shift, hd);  // head 0's row; head h: + h P hd
+  const size_t kv_at = kv_row(table, pos, 0, p.n_kv_heads, p.page_shift, hd);  // head 0's row; head h: + h P hd
   const size_t head_stride = (size_t)hd << p.page_shift;
   const int pairs = (p.n_heads + p.n_kv_heads) * half_d;
   for (int j = threadIdx.x; j < pairs; j += blockDim.x) {

@@ -14,7 +14,7 @@ void embed_tokens(const __half* E, int ldE, int H, const int* tokens, int T, flo
 void rmsnorm_rows(const float* x, int ldx, const float* w, float eps, int H, int T, __half* y, int ldy,
                   cudaStream_t stream, bool pdl = false);
 
-// RoPE for T tokens at positions pos0..pos0+T-1. qkv: (T, ldqkv) fp32 rows q | k | v, before RoPE. Writes rope(q)
+// RoPE for T tokens at positions pos0..pos0+T-1 (or each at its own, tok_pos). qkv: (T, ldqkv) fp32 rows q | k | v, before RoPE. Writes rope(q)
 // to q (T, q_dim) fp16, rope(k) and v into this layer's pages of the paged cache (cuda/kv_layout.cuh; the pages
 // of those positions assigned in page_table) at their positions. cos/sin: (max_seq, head_dim / 2).
 struct RopeRowsParams {
@@ -28,6 +28,10 @@ struct RopeRowsParams {
   int page_shift = 6;
   int ldqkv = 0;
   int T = 0, pos0 = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  // Many sequences in one pass (null: token t at pos0 + t through page_table): token t at position tok_pos[t]
+  // through page_table + tok_table[t] (its sequence's table). Device memory, T entries each.
+  const int* tok_pos = nullptr;
+  const int* tok_table = nullptr;
 };
 void rope_rows(const RopeRowsParams& p, cudaStream_t stream);
 

@@ -17,10 +17,19 @@
 // layout of one k16 step) and V fragments by ldmatrix.trans. No T x T matrix exists anywhere; O stays in
 // registers (HDMAX / 8 x 4 floats per thread) until the final 1 / l.
 //
+// Varlen (many sequences in one pass, PrefillAttnParams::seqs / tiles): the rows of K prompts lie one after the
+// other in q and out; a block still serves 64 packed rows of ONE sequence (a tile never straddles two, so its
+// keys come through one page table and its causal limits are that sequence's), named by a host-made tile list
+// that also orders the blocks heaviest first across all sequences. Nothing else changes: one launch attends
+// every sequence to its own cache pages and its own earlier tokens.
+//
 // Variants (HDMAX, BC, STAGES): (64, 64) for head_dim <= 64, (128, 64) for <= 128, (256, 32) for <= 256, with
 // two K/V stages (cp.async, sm_80+: the next tile streams in while this one is computed); one stage where the
 // GPU lacks cp.async or the shared memory (sm_75: 64 KB per block), and (256, 16, 1) below 67 KB.
+#include <algorithm>
 #include <cfloat>
+#include <utility>
+#include <vector>
 
 #include "common.cuh"
 #include "kv_layout.cuh"
@@ -108,10 +117,25 @@ __global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParam
   __half* Qs = reinterpret_cast<__half*>(smem_raw);  // (kBr, LD)
   __half* KVs = Qs + kBr * LD;                        // STAGES x [K (BC, LD), V (BC, LD)]
 
-  const int group = p.n_heads / p.n_kv_heads, kvh = blockIdx.y, rows = p.T * group;
-  const int r0 = (gridDim.x - 1 - blockIdx.x) * kBr;  // heaviest tiles first
+  const int group = p.n_heads / p.n_kv_heads, kvh = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int q_dim = p.n_heads * hd;
+  // The block's sequence: the one of the params, or (varlen) the one its tile names.
+  int T = p.T, pos0 = p.pos0, r0 = (gridDim.x - 1 - blockIdx.x) * kBr;  // heaviest tiles first
+  const __half* qs = p.q;
+  __half* outs = p.out;
+  const int* table = p.page_table;
+  if (p.tiles) {
+    const int2 tile = p.tiles[blockIdx.x];
+    const int4 sq = p.seqs[tile.x];
+    T = sq.y;
+    pos0 = sq.z;
+    r0 = tile.y;
+    qs += (size_t)sq.x * q_dim;
+    outs += (size_t)sq.x * p.ldo;
+    table += sq.w;
+  }
+  const int rows = T * group;
 
   // ---- the block's 64 packed query rows into shared memory (zeros past the last row) ----
   for (int i = threadIdx.x; i < kBr * words; i += kThreads) {
@@ -119,16 +143,16 @@ __global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParam
     uint4 v = make_uint4(0, 0, 0, 0);
     if (pr < rows) {
       const int t = pr / group, h = kvh * group + pr % group;
-      v = *reinterpret_cast<const uint4*>(p.q + (size_t)t * q_dim + (size_t)h * hd + w * 8);
+      v = *reinterpret_cast<const uint4*>(qs + (size_t)t * q_dim + (size_t)h * hd + w * 8);
     }
     *reinterpret_cast<uint4*>(Qs + r * LD + w * 8) = v;
   }
 
   // This thread's two rows (of the warp's 16): ra and rb = ra + 8; the last key position each may see.
   const int ra = r0 + warp * 16 + g, rb = ra + 8;
-  const int lim_a = p.pos0 + min(ra, rows - 1) / group, lim_b = p.pos0 + min(rb, rows - 1) / group;
-  const int kv_len = p.pos0 + min(r0 + kBr - 1, rows - 1) / group + 1;  // keys the block needs
-  const int kv_all = p.pos0 + r0 / group + 1;  // keys [0, kv_all) are visible to every row of the block
+  const int lim_a = pos0 + min(ra, rows - 1) / group, lim_b = pos0 + min(rb, rows - 1) / group;
+  const int kv_len = pos0 + min(r0 + kBr - 1, rows - 1) / group + 1;  // keys the block needs
+  const int kv_all = pos0 + r0 / group + 1;  // keys [0, kv_all) are visible to every row of the block
   const float scale_log2 = p.scale * 1.4426950408889634f;
 
   // Q's A fragments: loaded from shared memory once and kept in registers when head_dim <= 128 (<= 32
@@ -154,7 +178,7 @@ __global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParam
   auto load_tile = [&](int stage, int kv0) {
     __half* Kd = KVs + (size_t)stage * 2 * BC * LD;
     __half* Vd = Kd + BC * LD;
-    const size_t base = kv_row(p.page_table, kv0, kvh, p.n_kv_heads, p.page_shift, hd);
+    const size_t base = kv_row(table, kv0, kvh, p.n_kv_heads, p.page_shift, hd);
     for (int i = threadIdx.x; i < BC * words; i += kThreads) {
       const int r = i / words, w = i % words;
       const bool ok = kv0 + r < kv_len;
@@ -275,8 +299,8 @@ __global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParam
   l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
   l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
   const float inv_a = 1.0f / l_a, inv_b = 1.0f / l_b;
-  __half* out_a = ra < rows ? p.out + (size_t)(ra / group) * p.ldo + (size_t)(kvh * group + ra % group) * hd : nullptr;
-  __half* out_b = rb < rows ? p.out + (size_t)(rb / group) * p.ldo + (size_t)(kvh * group + rb % group) * hd : nullptr;
+  __half* out_a = ra < rows ? outs + (size_t)(ra / group) * p.ldo + (size_t)(kvh * group + ra % group) * hd : nullptr;
+  __half* out_b = rb < rows ? outs + (size_t)(rb / group) * p.ldo + (size_t)(kvh * group + rb % group) * hd : nullptr;
 #pragma unroll
   for (int dn = 0; dn < HDMAX / 8; dn++) {
     if (dn < hd / 8) {
@@ -285,6 +309,24 @@ __global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParam
       if (out_b) *reinterpret_cast<__half2*>(out_b + col) = __floats2half2_rn(o[dn][2] * inv_b, o[dn][3] * inv_b);
     }
   }
+}
+
+// Varlen blocks. A tile's work grows with the keys its last row sees (pos0 + its last token + 1): sorted by that,
+// largest first, so the long rows of long sequences start first and short tiles fill the tail.
+void prefill_attention_tiles(const int* seq_T, const int* seq_pos0, int n_seqs, int group, int2* out, int* n_out) {
+  std::vector<std::pair<int, int2>> tiles;  // (keys, tile)
+  for (int s = 0; s < n_seqs; s++) {
+    const int rows = seq_T[s] * group;
+    for (int r0 = 0; r0 < rows; r0 += kBr)
+      tiles.push_back({seq_pos0[s] + (std::min(r0 + kBr, rows) - 1) / group + 1, make_int2(s, r0)});
+  }
+  std::stable_sort(tiles.begin(), tiles.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (size_t i = 0; i < tiles.size(); i++) out[i] = tiles[i].second;
+  *n_out = (int)tiles.size();
+}
+
+int prefill_attention_max_tiles(int total_T, int n_seqs, int group) {
+  return (int)(((int64_t)total_T * group) / kBr + n_seqs);  // sum of ceil(T_s g / 64) <= sum (T_s g / 64 + 1)
 }
 
 bool prefill_attention_supported(int head_dim) { return head_dim % 16 == 0 && head_dim >= 16 && head_dim <= 256; }
@@ -312,10 +354,17 @@ void prefill_attention(const PrefillAttnParams& p, cudaStream_t s) {
   if (p.page_shift < 6 || p.page_shift > 20)
     fail(ErrorKind::Request, "prefill_attention: page size must be a power of two >= 64, got 2^" +
                                  std::to_string(p.page_shift));
-  if (p.T < 1) return;
-  if (p.pos0 < 0 || p.pos0 + p.T > p.max_seq) fail(ErrorKind::Request, "prefill_attention: positions out of range");
   const int group = p.n_heads / p.n_kv_heads;
-  const dim3 grid((unsigned)(((int64_t)p.T * group + kBr - 1) / kBr), (unsigned)p.n_kv_heads);
+  dim3 grid;
+  if (p.tiles) {  // (the sequences' ranges were checked where the tiles were made: they live on the device)
+    if (!p.seqs) fail(ErrorKind::Request, "prefill_attention: varlen tiles without sequences");
+    if (p.n_tiles < 1) return;
+    grid = dim3((unsigned)p.n_tiles, (unsigned)p.n_kv_heads);
+  } else {
+    if (p.T < 1) return;
+    if (p.pos0 < 0 || p.pos0 + p.T > p.max_seq) fail(ErrorKind::Request, "prefill_attention: positions out of range");
+    grid = dim3((unsigned)(((int64_t)p.T * group + kBr - 1) / kBr), (unsigned)p.n_kv_heads);
+  }
   int dev = 0, optin = 0, major = 0;
   TI_CUDA_CHECK(cudaGetDevice(&dev));
   TI_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));

@@ -19,7 +19,20 @@ struct PrefillAttnParams {
   int n_heads = 0, n_kv_heads = 0, head_dim = 0, max_seq = 0;
   float scale = 1.0f;               // 1 / sqrt(head_dim)
   int stages = 0;                   // 0: the launcher's choice; 1 or 2: force that variant (tests)
+  // Many sequences in one pass (varlen; null: the one sequence above). Sequence s owns rows seqs[s].x ..
+  // seqs[s].x + seqs[s].y - 1 of q and out, its tokens sit at positions seqs[s].z .. and it reads its keys
+  // through page_table + seqs[s].w; T and pos0 above are then unused. tiles[b]: block b's sequence (x) and
+  // first packed row within it (y), n_tiles blocks (prefill_attention_tiles builds them). Device memory.
+  const int4* seqs = nullptr;
+  const int2* tiles = nullptr;
+  int n_tiles = 0;
 };
+
+// The blocks of a varlen pass: ceil(T_s * group / 64) per sequence, heaviest (most keys) first. seq_T and
+// seq_pos0: per sequence (host). Appends to `out` (x: sequence, y: first packed row).
+void prefill_attention_tiles(const int* seq_T, const int* seq_pos0, int n_seqs, int group, int2* out, int* n_out);
+// An upper bound of prefill_attention_tiles' count for n_seqs sequences of total_T tokens.
+int prefill_attention_max_tiles(int total_T, int n_seqs, int group);
 
 // head_dim a multiple of 16 in 16..256 (the tensor-core tile); n_heads a multiple of n_kv_heads; pages of >= 64
 // positions (a key tile, <= 64 rows at a multiple of its size, then never straddles two pages).

@@ -124,6 +124,52 @@ def test_prefill_attention_matches_reference(n_heads, n_kv, hd, T, pos0, stages,
     close(got, ref, atol=4e-3, rtol=1e-2)
 
 
+@pytest.mark.parametrize("n_heads,n_kv,hd", [(4, 4, 64), (8, 2, 64), (8, 2, 128), (6, 2, 96), (7, 1, 256)])
+@pytest.mark.parametrize("stages", [0, 1])
+def test_prefill_attention_varlen_matches_reference(n_heads, n_kv, hd, stages):
+    """Many sequences in one launch (seq_prefill_many's attention): each sequence's rows equal the reference
+    over its own cache only (one pool, a table row each; a NaN anywhere another sequence owns would show):
+    one token, a partial tile, crossing pages, continuing a cache (pos0 > 0), a long one."""
+    rng = np.random.default_rng(n_heads * 100 + hd)
+    shapes = [(1, 0), (17, 5), (130, 64), (64, 0), (70, 135), (3, 200)]
+    page, pools, tables, qs, refs, n_pages = 64, [], [], [], [], 0
+    for i, (T, pos0) in enumerate(shapes):
+        kc = rng.standard_normal((n_kv, pos0 + T, hd)).astype(np.float16).view(np.uint16)
+        vc = rng.standard_normal((n_kv, pos0 + T, hd)).astype(np.float16).view(np.uint16)
+        q = (rng.standard_normal((T, n_heads * hd)) * 2).astype(np.float32)
+        kp, vp, table = paged(kc, vc, page, seed=i)
+        pools.append((kp, vp))
+        tables.append(table + n_pages)
+        n_pages += len(kp)
+        qs.append(q)
+        refs.append(attention_ref(q, kc, vc, pos0, n_heads))
+    row = max(len(t) for t in tables)
+    tab = np.full((len(shapes), row), -1, np.int32)
+    for i, t in enumerate(tables):
+        tab[i, :len(t)] = t
+    kp = np.concatenate([p[0] for p in pools])
+    vp = np.concatenate([p[1] for p in pools])
+    got = _core.ops.prefill_attention_varlen(np.concatenate(qs), kp, vp, tab, [T for T, _ in shapes],
+                                             [p for _, p in shapes], n_heads, stages)
+    close(got, np.concatenate(refs), atol=4e-3, rtol=1e-2)
+
+
+def test_prefill_attention_varlen_bad_inputs():
+    kc = np.zeros((2, 1, 64, 64), np.uint16)
+    tab = np.array([[0], [1]], np.int32)
+    op = _core.ops.prefill_attention_varlen
+    with pytest.raises(InvalidRequestError, match="one T, pos0 and table row per sequence"):
+        op(np.zeros((3, 64), np.float32), kc, kc.copy(), tab, [3], [0], 1)
+    with pytest.raises(InvalidRequestError, match="T >= 1"):
+        op(np.zeros((3, 64), np.float32), kc, kc.copy(), tab, [3, 0], [0, 0], 1)
+    with pytest.raises(InvalidRequestError, match="sum of T"):
+        op(np.zeros((3, 64), np.float32), kc, kc.copy(), tab, [2, 2], [0, 0], 1)
+    with pytest.raises(InvalidRequestError, match="out of range"):
+        op(np.zeros((3, 64), np.float32), kc, kc.copy(), tab, [2, 1], [0, 64], 1)
+    with pytest.raises(InvalidRequestError, match="is not a page"):
+        op(np.zeros((3, 64), np.float32), kc, kc.copy(), tab - 1, [2, 1], [0, 0], 1)
+
+
 def test_prefill_attention_named_inputs():
     """Constant V rows: the output is that constant whatever the scores; V = position: a causal average."""
     n_heads, hd, T = 2, 64, 40

@@ -75,6 +75,14 @@ class FakeCore:
         self._grow([(slot, list(tokens))])
         self.log.append(("prefill", slot, len(tokens)))
 
+    def seq_prefill_many(self, slots: list[int], prompts: list[list[int]]) -> None:
+        """All or nothing, as the engines: logged as the one call ("many", n) and its prefills."""
+        if len(set(slots)) != len(slots) or len(slots) != len(prompts):
+            raise InvalidRequestError("seq_prefill_many: bad slots")
+        self._grow([(s, list(t)) for s, t in zip(slots, prompts)])
+        self.log.append(("many", len(slots)))
+        self.log += [("prefill", s, len(t)) for s, t in zip(slots, prompts)]
+
     def seq_step(self, slots: list[int], tokens: list[int]) -> None:
         self._grow([(s, [t]) for s, t in zip(slots, tokens)])
         self.log.append(("step", tuple(slots)))

@@ -75,4 +75,24 @@ void check_batch_slots(const char* what, const int64_t* slots, int64_t n, int64_
   }
 }
 
+// seq_prefill_many's request: at least one prompt; each slot open and listed once; each prompt non-empty, its
+// ids in the vocabulary, and room for it after the slot's length(slot) positions.
+template <typename IsOpen, typename Length>
+void check_prefill_many(const int64_t* slots, const int32_t* const* tokens, const int64_t* lens, int64_t n,
+                        int64_t max_batch, int64_t vocab, int64_t max_seq, const IsOpen& is_open,
+                        const Length& length) {
+  if (n < 1) fail(ErrorKind::Request, "seq_prefill_many: no slots given");
+  std::vector<bool> listed((size_t)max_batch, false);
+  for (int64_t i = 0; i < n; i++) {
+    check_open_slot(slots[i], max_batch, is_open);
+    if (listed[(size_t)slots[i]])
+      fail(ErrorKind::Request, "seq_prefill_many: slot " + std::to_string(slots[i]) + " is listed twice");
+    listed[(size_t)slots[i]] = true;
+    if (lens[i] < 1)
+      fail(ErrorKind::Request, "seq_prefill_many: the prompt for slot " + std::to_string(slots[i]) + " is empty");
+    check_tokens(tokens[i], lens[i], vocab);
+    check_room(length(slots[i]), lens[i], max_seq);
+  }
+}
+
 }  // namespace ti

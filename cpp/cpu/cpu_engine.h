@@ -66,6 +66,9 @@ class CpuEngine {
   // A prompt chunk at seq_length(slot)..: fills the cache, keeps the last token's logits as the slot's logits and
   // adds the tokens to its history as prompt.
   void seq_prefill(int64_t slot, const int32_t* tokens, int64_t n);
+  // seq_prefill of n sequences: tokens[i] (lens[i] of them) in slots[i] (distinct, open); everything checked
+  // before any runs. The reference loops over them (so each slot's logits are exactly its seq_prefill's).
+  void seq_prefill_many(const int64_t* slots, const int32_t* const* tokens, const int64_t* lens, int64_t n);
   // One decode step of n distinct slots in one forward pass: tokens[i] at seq_length(slots[i]) in slots[i]; each
   // slot's logits become the new ones (the token is not added to the history: seq_sample did that).
   void seq_step(const int64_t* slots, const int32_t* tokens, int64_t n);

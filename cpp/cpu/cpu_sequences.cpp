@@ -56,6 +56,14 @@ void CpuEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
   for (int64_t t = 0; t < n; t++) s.history.add_prompt(tokens[t]);
 }
 
+void CpuEngine::seq_prefill_many(const int64_t* slots, const int32_t* const* tokens, const int64_t* lens,
+                                 int64_t n) {
+  check_prefill_many(
+      slots, tokens, lens, n, max_batch(), cfg_.vocab, max_seq_, [&](int64_t s) { return is_open(s); },
+      [&](int64_t s) { return (int64_t)slots_[(size_t)s]->tokens.size(); });
+  for (int64_t i = 0; i < n; i++) seq_prefill(slots[i], tokens[i], lens[i]);
+}
+
 void CpuEngine::seq_step(const int64_t* slots, const int32_t* tokens, int64_t n) {
   check_batch("seq_step", slots, n);
   check_tokens(tokens, n, cfg_.vocab);

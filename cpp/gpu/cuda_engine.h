@@ -145,6 +145,11 @@ class CudaEngine {
   // logits become the slot's; the tokens join its history as prompt. Request error, nothing changed, when the
   // pages run out or max_seq_len would be passed.
   void seq_prefill(int64_t slot, const int32_t* tokens, int64_t n);
+  // seq_prefill of n sequences at once: tokens[i] (lens[i] of them) in slots[i] (distinct, open). Their tokens
+  // share batched passes (PrefillStep::run_many: one weight read per pass of up to prefill_chunk tokens; a
+  // prompt may span two passes). The same checks as seq_prefill for the whole call before anything runs
+  // (pages: the sum of what every slot needs).
+  void seq_prefill_many(const int64_t* slots, const int32_t* const* tokens, const int64_t* lens, int64_t n);
   // tokens[i] at seq_length(slots[i]) in slots[i] (distinct, open), all in one batched step (a graph of the
   // bucket of n, padded); each slot's logits become the new ones.
   void seq_step(const int64_t* slots, const int32_t* tokens, int64_t n);
@@ -224,6 +229,8 @@ class CudaEngine {
   int64_t default_pool_pages() const;      // CudaOptions::kv_pool_pages = 0 (see there)
   void check_slot(int64_t slot) const;     // open and in range, else a Request error (engine_checks.h)
   void slot_reserve(int64_t slot, int64_t positions);     // KvSequence::grow + the changed table entries uploaded
+  void prefill_by_token(int64_t slot, const int32_t* tokens, int64_t n);  // (no batched prefill)
+  void mark_prompt(int64_t slot, const int32_t* tokens, int64_t n);       // the prompt into the penalty set
   // rows (token, position, slot) of one batched step, padded to the bucket; the bucket's graph (captured on
   // first use) or the launches.
   void run_rows(const int32_t* tokens, const int64_t* pos, const int64_t* slots, int64_t n);

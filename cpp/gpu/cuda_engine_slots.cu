@@ -1,6 +1,7 @@
 // cuda_engine_slots.cu — the GPU engine's sequence slots (BATCH_CONTRACT.md §2; cuda_engine.h): many sequences
-// in one KV page pool, prefilled one at a time (the batched prefill through the slot's page table), stepped
-// together (batch_step.h: one graph per bucket of the batch size), sampled together (cuda::sample_rows).
+// in one KV page pool, prefilled one at a time or many at once (the batched prefill through the slots' page
+// tables), stepped together (batch_step.h: one graph per bucket of the batch size), sampled together
+// (cuda::sample_rows).
 //
 // Host state per slot: open, its length, whether it has logits and which row of bbuf_.logits holds them, its
 // KvSequence (pages from the pool shared with the single sequence). Device state per slot: its page table (a
@@ -125,7 +126,6 @@ void CudaEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
   Slot& sl = slots_[(size_t)slot];
   check_room(sl.length, n, max_seq_);
   slot_reserve(slot, sl.length + n);  // (throws before anything is launched)
-  const size_t V = (size_t)cfg_.vocab;
   if (prefill_) {
     const PrefillTarget to{bbuf_.tables + (size_t)slot * bbuf_.table_stride, bbuf_.x, bbuf_.slot_row(slot)};
     for (int64_t c0 = 0; c0 < n; c0 += prefill_->rows()) {
@@ -133,18 +133,85 @@ void CudaEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
       prefill_->run_chunk(tokens + c0, T, (int)(sl.length + c0), nullptr, 0, to);
     }
     sl.logits_row = bbuf_.max_rows + (int)slot;
-  } else {  // no batched prefill (CudaOptions, or a head dim it lacks): a token at a time through the batched step
-    for (int64_t i = 0; i < n; i++) {
-      const int64_t pos = sl.length + i;
-      run_rows(tokens + i, &pos, &slot, 1);
-    }
+  } else {
+    prefill_by_token(slot, tokens, n);
   }
-  // the prompt joins the slot's repetition-penalty set
-  TI_CUDA_CHECK(cudaMemcpyAsync(d_prompt_, tokens, (size_t)n * sizeof(int), cudaMemcpyHostToDevice, stream_));
-  cuda::mark_tokens(seen_ + (size_t)slot * V, d_prompt_, (int)n, stream_);
+  mark_prompt(slot, tokens, n);
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // (d_prompt_ and the caller's tokens are free again)
   sl.length += n;
   sl.has_logits = true;
+}
+
+// No batched prefill (CudaOptions, or a head dim it lacks): a token at a time through the batched step.
+void CudaEngine::prefill_by_token(int64_t slot, const int32_t* tokens, int64_t n) {
+  const int64_t length = slots_[(size_t)slot].length;
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t pos = length + i;
+    run_rows(tokens + i, &pos, &slot, 1);
+  }
+}
+
+// The prompt joins the slot's repetition-penalty set. (d_prompt_ may be reused right after: stream order.)
+void CudaEngine::mark_prompt(int64_t slot, const int32_t* tokens, int64_t n) {
+  TI_CUDA_CHECK(cudaMemcpyAsync(d_prompt_, tokens, (size_t)n * sizeof(int), cudaMemcpyHostToDevice, stream_));
+  cuda::mark_tokens(seen_ + (size_t)slot * cfg_.vocab, d_prompt_, (int)n, stream_);
+}
+
+// Every prompt's tokens one after the other, cut into passes of prefill_->rows() tokens (a prompt that does not
+// fit the rest of a pass continues at the start of the next: a chunk continuation, like a long prompt's).
+void CudaEngine::seq_prefill_many(const int64_t* slots, const int32_t* const* tokens, const int64_t* lens,
+                                  int64_t n) {
+  check_prefill_many(
+      slots, tokens, lens, n, (int64_t)slots_.size(), cfg_.vocab, max_seq_,
+      [&](int64_t i) { return slots_[(size_t)i].open; }, [&](int64_t i) { return slots_[(size_t)i].length; });
+  int64_t need = 0;  // pages the call takes from the pool: all slots grow, or none
+  for (int64_t i = 0; i < n; i++) {
+    const Slot& sl = slots_[(size_t)slots[i]];
+    need += pool_->pages_for(sl.length + lens[i]) - sl.kv->pages();
+  }
+  if (need > pool_->free_pages())
+    fail(ErrorKind::Request, "KV cache pool exhausted: these prompts need " + std::to_string(need) +
+                                 " more pages and the pool has " + std::to_string(pool_->free_pages()) + " free of " +
+                                 std::to_string(pool_->n_pages()) + " (CudaOptions.kv_pool_pages)");
+  for (int64_t i = 0; i < n; i++) slot_reserve(slots[i], slots_[(size_t)slots[i]].length + lens[i]);
+  if (prefill_) {
+    const int rows = prefill_->rows();
+    std::vector<PrefillSegment> pass;
+    int used = 0;
+    for (int64_t i = 0; i < n; i++) {
+      const int64_t slot = slots[i], length = slots_[(size_t)slot].length;
+      for (int64_t off = 0; off < lens[i];) {
+        PrefillSegment sg;
+        sg.T = (int)std::min<int64_t>(lens[i] - off, rows - used);
+        sg.tokens = tokens[i] + off;
+        sg.pos0 = (int)(length + off);
+        sg.table_offset = slot * bbuf_.table_stride;
+        off += sg.T;
+        if (off == lens[i]) {  // the prompt's last row: its logits become the slot's
+          sg.x = bbuf_.x;
+          sg.logits = bbuf_.slot_row(slot);
+        }
+        pass.push_back(sg);
+        used += sg.T;
+        if (used == rows) {
+          prefill_->run_many(pass.data(), (int)pass.size(), bbuf_.tables);
+          pass.clear();
+          used = 0;
+        }
+      }
+    }
+    if (!pass.empty()) prefill_->run_many(pass.data(), (int)pass.size(), bbuf_.tables);
+    for (int64_t i = 0; i < n; i++) slots_[(size_t)slots[i]].logits_row = bbuf_.max_rows + (int)slots[i];
+  } else {
+    for (int64_t i = 0; i < n; i++) prefill_by_token(slots[i], tokens[i], lens[i]);
+  }
+  for (int64_t i = 0; i < n; i++) mark_prompt(slots[i], tokens[i], lens[i]);
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // (d_prompt_ and the caller's tokens are free again)
+  for (int64_t i = 0; i < n; i++) {
+    Slot& sl = slots_[(size_t)slots[i]];
+    sl.length += lens[i];
+    sl.has_logits = true;
+  }
 }
 
 void CudaEngine::seq_step(const int64_t* slots, const int32_t* tokens, int64_t n) {

@@ -3,6 +3,9 @@
 // Per chunk of T tokens at positions pos0..pos0+T-1, top to bottom (PyTorch in the comments, X: (T, hidden)):
 //   x = embed[tokens]; for each layer: qkv = rmsnorm(x) @ Wqkv.T; rope + KV-cache write; att = causal
 //   attention over the cache; x += att @ Wo.T; gu = rmsnorm(x) @ Wgu.T; x += swiglu(gu) @ Wd.T.
+// Many sequences (run_many): the same pass over their concatenated tokens; only RoPE + cache write (a position
+// and a page table per token) and the attention (varlen: a tile list, each block in one sequence) know where
+// one sequence ends.
 // Then the last row becomes the decode state (x, logits via the decode GEMV), and only when the caller asks
 // for every position's logits (Engine.logits) does the LM head run as a GEMM over the chunk's rows.
 // The five products go through cuda::Gemm (cuBLASLt, tuned per shape on first use); the residual adds ride in
@@ -47,6 +50,9 @@ PrefillBuffers PrefillBuffers::allocate(const ModelConfig& c, const DeviceWeight
   b.h = f16((size_t)T * w.ld_i);
   b.logits = f32((size_t)b.logit_rows * b.ld_v);
   b.rows = T;
+  b.max_tiles = cuda::prefill_attention_max_tiles(T, T, (int)(c.n_heads / c.n_kv_heads));
+  b.varlen = arena.alloc_n<int>((size_t)b.varlen_ints(), Kind::Scratch);
+  b.h_varlen = arena.alloc_pinned_n<int>((size_t)b.varlen_ints());
   return b;
 }
 
@@ -66,8 +72,9 @@ static GemmArgs gemm_args(const __half* W, int M, int ldw, const __half* X, int 
   return a;
 }
 
-void PrefillStep::layer(const DeviceLayer& L, int64_t layer, int T, int pos0, const int* page_table) {
+void PrefillStep::layer(const DeviceLayer& L, int64_t layer, const PrefillRows& rows) {
   const ModelConfig& c = c_;
+  const int T = rows.T;
   const int H = (int)c.hidden, I = (int)c.intermediate, q_dim = (int)c.q_dim;
   const int qkv_rows = (int)(c.q_dim + 2 * c.kv_dim);
   const float eps = (float)c.rms_eps;
@@ -85,10 +92,12 @@ void PrefillStep::layer(const DeviceLayer& L, int64_t layer, int T, int pos0, co
   r.q = b_.q;
   r.k_pages = d_.k_pages + layer * d_.kv_layer_elems;
   r.v_pages = d_.v_pages + layer * d_.kv_layer_elems;
-  r.page_table = page_table;
+  r.page_table = rows.page_table;
   r.page_shift = d_.page_shift;
   r.T = T;
-  r.pos0 = pos0;
+  r.pos0 = rows.pos0;
+  r.tok_pos = rows.tok_pos;
+  r.tok_table = rows.tok_table;
   r.n_heads = (int)c.n_heads;
   r.n_kv_heads = (int)c.n_kv_heads;
   r.head_dim = (int)c.head_dim;
@@ -103,7 +112,10 @@ void PrefillStep::layer(const DeviceLayer& L, int64_t layer, int T, int pos0, co
   a.out = b_.att;
   a.ldo = w_.ld_q;
   a.T = T;
-  a.pos0 = pos0;
+  a.pos0 = rows.pos0;
+  a.seqs = rows.seqs;
+  a.tiles = rows.tiles;
+  a.n_tiles = rows.n_tiles;
   a.n_heads = r.n_heads;
   a.n_kv_heads = r.n_kv_heads;
   a.head_dim = r.head_dim;
@@ -148,14 +160,72 @@ void PrefillStep::run_chunk(const int32_t* tokens, int T, int pos0, float* host_
   TI_CUDA_CHECK(cudaMemcpyAsync(b_.tokens, b_.h_tokens, (size_t)T * sizeof(int), cudaMemcpyHostToDevice, s_));
 
   cuda::embed_tokens(w_.embedding, w_.ld_h, H, b_.tokens, T, b_.x, w_.ld_h, s_);  // x = embed[tokens]
-  for (int64_t l = 0; l < c.n_layers; l++) layer(w_.layers[(size_t)l], l, T, pos0, to.page_table);
-
-  // logits of the last position = lm_head @ rmsnorm(x[T-1]): the decode GEMV, as a decode step would
-  TI_CUDA_CHECK(cudaMemcpyAsync(to.x, b_.x + (size_t)(T - 1) * w_.ld_h, (size_t)H * sizeof(float),
-                                cudaMemcpyDeviceToDevice, s_));
-  launch_gemv(plan_, MatrixRole::LmHead, gemv_args(w_.lm_head, to.x, to.logits, w_.final_norm, (float)c.rms_eps, false),
-              cuda::GemvIn::F32Norm, cuda::GemvOut::F32, s_, false);
+  PrefillRows rows;
+  rows.T = T;
+  rows.pos0 = pos0;
+  rows.page_table = to.page_table;
+  for (int64_t l = 0; l < c.n_layers; l++) layer(w_.layers[(size_t)l], l, rows);
+  last_row_logits(T - 1, to.x, to.logits);
   if (host_logits) chunk_logits(T, host_logits, host_row0);
+}
+
+// logits of a sequence's last position = lm_head @ rmsnorm(x[row]): the decode GEMV, as a decode step would
+// (so a prompt's first sampled token comes from the same arithmetic however it was prefilled).
+void PrefillStep::last_row_logits(int row, float* x, float* logits) {
+  TI_CUDA_CHECK(cudaMemcpyAsync(x, b_.x + (size_t)row * w_.ld_h, (size_t)c_.hidden * sizeof(float),
+                                cudaMemcpyDeviceToDevice, s_));
+  launch_gemv(plan_, MatrixRole::LmHead, gemv_args(w_.lm_head, x, logits, w_.final_norm, (float)c_.rms_eps, false),
+              cuda::GemvIn::F32Norm, cuda::GemvOut::F32, s_, false);
+}
+
+// Many sequences: their tokens concatenated into one pass. The layout (per-token positions and tables, the
+// sequences, the attention's tiles) is built on the host and uploaded with the tokens, once for all layers.
+// Each finished prompt's logits come from its own LM-head GEMV (K reads of the head; see docs/perf/serve.md).
+void PrefillStep::run_many(const PrefillSegment* segs, int n, const int* tables) {
+  const ModelConfig& c = c_;
+  int T = 0;
+  for (int i = 0; i < n; i++) T += segs[i].T;
+  if (n < 1 || T < 1 || T > b_.rows)
+    fail(ErrorKind::Request, "prefill: " + std::to_string(n) + " sequences of " + std::to_string(T) +
+                                 " tokens in all do not fit one pass of " + std::to_string(b_.rows) + " rows");
+  const int group = (int)(c.n_heads / c.n_kv_heads);
+  TI_CUDA_CHECK(cudaStreamSynchronize(s_));  // the pinned staging may still be read by the previous pass's copy
+  int4* seqs = reinterpret_cast<int4*>(b_.h_varlen);
+  int2* tiles = reinterpret_cast<int2*>(b_.h_varlen + b_.tiles_at());
+  int* tok_pos = b_.h_varlen + b_.tok_pos_at();
+  int* tok_table = b_.h_varlen + b_.tok_table_at();
+  std::vector<int> seq_T((size_t)n), seq_pos0((size_t)n);
+  for (int i = 0, row = 0; i < n; row += segs[i].T, i++) {
+    const PrefillSegment& sg = segs[i];
+    std::memcpy(b_.h_tokens + row, sg.tokens, (size_t)sg.T * sizeof(int32_t));
+    for (int t = 0; t < sg.T; t++) {
+      tok_pos[row + t] = sg.pos0 + t;
+      tok_table[row + t] = (int)sg.table_offset;
+    }
+    seqs[i] = make_int4(row, sg.T, sg.pos0, (int)sg.table_offset);
+    seq_T[(size_t)i] = sg.T;
+    seq_pos0[(size_t)i] = sg.pos0;
+  }
+  int n_tiles = 0;
+  cuda::prefill_attention_tiles(seq_T.data(), seq_pos0.data(), n, group, tiles, &n_tiles);
+  TI_CUDA_CHECK(cudaMemcpyAsync(b_.tokens, b_.h_tokens, (size_t)T * sizeof(int), cudaMemcpyHostToDevice, s_));
+  TI_CUDA_CHECK(cudaMemcpyAsync(b_.varlen, b_.h_varlen, (size_t)b_.varlen_ints() * sizeof(int),
+                                cudaMemcpyHostToDevice, s_));
+
+  cuda::embed_tokens(w_.embedding, w_.ld_h, (int)c.hidden, b_.tokens, T, b_.x, w_.ld_h, s_);  // x = embed[tokens]
+  PrefillRows rows;
+  rows.T = T;
+  rows.page_table = tables;
+  rows.tok_pos = b_.varlen + b_.tok_pos_at();
+  rows.tok_table = b_.varlen + b_.tok_table_at();
+  rows.seqs = reinterpret_cast<const int4*>(b_.varlen);
+  rows.tiles = reinterpret_cast<const int2*>(b_.varlen + b_.tiles_at());
+  rows.n_tiles = n_tiles;
+  for (int64_t l = 0; l < c.n_layers; l++) layer(w_.layers[(size_t)l], l, rows);
+  for (int i = 0, row = 0; i < n; i++) {
+    row += segs[i].T;
+    if (segs[i].logits) last_row_logits(row - 1, segs[i].x, segs[i].logits);
+  }
 }
 
 std::vector<std::pair<std::string, cuda::GemmTuning>> named_gemm_table(const cuda::Gemm& gemm, const ModelConfig& c) {

@@ -1,6 +1,6 @@
 // prefill_step.h — the batched prefill pass: a whole prompt per pass (chunks of up to CudaOptions::prefill_chunk
-// tokens) through cuBLASLt GEMMs and the tiled causal attention, as opposed to the decode step that feeds one
-// token through a captured graph (decode_step.h).
+// tokens), or the prompts of many sequences at once (run_many), through cuBLASLt GEMMs and the tiled causal
+// attention, as opposed to the decode step that feeds one token through a captured graph (decode_step.h).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -33,6 +33,17 @@ struct PrefillBuffers {
   __half* gu = nullptr;      // (rows, ld_gu) gate/up interleaved
   __half* h = nullptr;       // (rows, ld_i) silu(gate) * up
   float* logits = nullptr;   // (logit_rows, ld_v) logits of all positions (Engine.logits), a slice at a time
+  // A many-sequence pass's layout (PrefillStep::run_many), in one int block uploaded once per pass, read by
+  // every layer: per sequence an int4 (first row, tokens, pos0, table offset; first, so 16-byte aligned), per
+  // attention block an int2 (cuda::prefill_attention_tiles), per token its position and page-table offset.
+  // h_varlen: its pinned twin.
+  int max_tiles = 0;
+  int* varlen = nullptr;
+  int* h_varlen = nullptr;
+  int tiles_at() const { return 4 * rows; }
+  int tok_pos_at() const { return tiles_at() + 2 * max_tiles; }
+  int tok_table_at() const { return tok_pos_at() + rows; }
+  int varlen_ints() const { return tok_table_at() + rows; }
 
   static PrefillBuffers allocate(const ModelConfig& c, const DeviceWeights& w, int rows, DeviceArena& arena);
 };
@@ -43,6 +54,28 @@ struct PrefillTarget {
   const int* page_table = nullptr;
   float* x = nullptr;       // (hidden) the last row's residual
   float* logits = nullptr;  // (vocab) the last row's logits
+};
+
+// One sequence's part of a many-sequence pass (run_many): T tokens at positions pos0.. through the page table
+// at tables + table_offset. x / logits: where its last row's residual and logits go; null when the prompt goes
+// on in a later pass (nothing is computed for it).
+struct PrefillSegment {
+  const int32_t* tokens = nullptr;  // (T) host
+  int T = 0, pos0 = 0;
+  int64_t table_offset = 0;
+  float* x = nullptr;
+  float* logits = nullptr;
+};
+
+// How a pass's rows map onto sequences: one (T tokens at pos0 through page_table) or many (the varlen layout).
+struct PrefillRows {
+  int T = 0, pos0 = 0;
+  const int* page_table = nullptr;
+  const int* tok_pos = nullptr;     // varlen: per token (device)
+  const int* tok_table = nullptr;
+  const int4* seqs = nullptr;
+  const int2* tiles = nullptr;
+  int n_tiles = 0;
 };
 
 class PrefillStep {
@@ -60,9 +93,14 @@ class PrefillStep {
   // The same for any sequence: through `to`'s page table, the last row's residual and logits into `to`.
   void run_chunk(const int32_t* tokens, int T, int pos0, float* host_logits, int64_t host_row0,
                  const PrefillTarget& to);
+  // Many sequences in one pass: segs[0..n) (distinct sequences, sum of T <= rows()) one after the other, the
+  // products over all their rows at once (every weight read once), each token's RoPE at its own position, the
+  // attention of each sequence over its own pages (varlen), the cache written through each one's table.
+  void run_many(const PrefillSegment* segs, int n, const int* tables);
 
  private:
-  void layer(const DeviceLayer& L, int64_t l, int T, int pos0, const int* page_table);
+  void layer(const DeviceLayer& L, int64_t l, const PrefillRows& rows);
+  void last_row_logits(int row, float* x, float* logits);
   void chunk_logits(int T, float* host_logits, int64_t host_row0);
   const ModelConfig& c_;
   DeviceWeights& w_;

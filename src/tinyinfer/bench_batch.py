@@ -7,7 +7,8 @@ on the single-sequence path (the captured decode graph Engine.generate uses alon
 the fastest batch-1 figure this engine has. KV pages in use are read while the B sequences are live: they must
 equal what B sequences of prompt + gen positions hold (no per-sequence max_seq_len reservation). The same decode
 is then run through the Scheduler (tinyinfer.scheduler: admission, per-request sampling configs, Deltas, all
-in Python per step): its ms/step against the raw loop's is the scheduler's overhead.
+in Python per step): its ms/step against the raw loop's is the scheduler's overhead. Last, the B prompts'
+prefill: one seq_prefill each against one seq_prefill_many for all of them (time_prefill).
 """
 
 from __future__ import annotations
@@ -49,6 +50,34 @@ def time_batch(core, batch: int, prompt: int, gen: int, vocab: int, seed: int = 
             "ms_per_step": decode_s * 1e3 / steps, "tok_s": batch * steps / decode_s,
             "per_seq_tok_s": steps / decode_s, "kv_pages_used": used,
             "kv_pages_expected": batch * _pages_for(prompt + gen - 1, core.kv_page_size)}
+
+
+def time_prefill(core, batch: int, prompt: int, vocab: int, seed: int = 0, reps: int = 3) -> dict:
+    """Wall ms to prefill B prompts of `prompt` tokens into B fresh slots: one seq_prefill each (what the
+    scheduler did before seq_prefill_many) against one seq_prefill_many for all (one pass over B * prompt
+    tokens, each weight read once per pass). Both calls return after the GPU finished (each syncs): the
+    figures are what a scheduler step waits. Best of `reps` after one untimed round of each (GEMM tactics)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab, prompt).tolist() for _ in range(batch)]
+
+    def once(many: bool) -> float:
+        slots = [core.seq_open() for _ in range(batch)]
+        try:
+            t = time.perf_counter()
+            if many:
+                core.seq_prefill_many(slots, prompts)
+            else:
+                for s, p in zip(slots, prompts):
+                    core.seq_prefill(s, p)
+            return time.perf_counter() - t
+        finally:
+            for s in slots:
+                core.seq_close(s)
+
+    once(False), once(True)
+    one = min(once(False) for _ in range(reps))  # (interleaving buys nothing: both are synchronous)
+    many = min(once(True) for _ in range(reps))
+    return {"prefill_each_ms": one * 1e3, "prefill_many_ms": many * 1e3, "prefill_x": one / many}
 
 
 def time_scheduler(core, cfg, batch: int, prompt: int, gen: int, seed: int = 0) -> dict:
@@ -102,16 +131,18 @@ def run_batches(core, cfg, batches: Sequence[int], prompt: int = 128, gen: int =
     out(f"\nbatched decode: prompt {prompt} + {gen} generated per sequence, greedy; batch 1 on the "
         f"single-sequence path: {single:,.0f} tok/s")
     out(f"{'batch':>6} {'tok/s':>9} {'per seq':>9} {'ms/step':>8} {'x batch 1':>10} {'KV pages':>9} "
-        f"{'expected':>9} {'sched tok/s':>12} {'sched ms/step':>14}")
+        f"{'expected':>9} {'sched tok/s':>12} {'sched ms/step':>14} {'prefill each ms':>16} {'all at once ms':>15}")
     for b in batches:
         time_batch(core, b, prompt, 4, cfg.vocab, seed=b)  # this bucket's graph and tactics before timing
         row = time_batch(core, b, prompt, gen, cfg.vocab, seed=b)
         row["x_single"] = row["tok_s"] / single
         row.update(time_scheduler(core, cfg, b, prompt, gen, seed=b))
+        row.update(time_prefill(core, b, prompt, cfg.vocab, seed=b))
         res["batches"].append(row)
         out(f"{b:>6} {row['tok_s']:>9,.0f} {row['per_seq_tok_s']:>9,.0f} {row['ms_per_step']:>8.3f} "
             f"{row['x_single']:>9.2f}x {row['kv_pages_used']:>9} {row['kv_pages_expected']:>9} "
-            f"{row['sched_tok_s']:>12,.0f} {row['sched_ms_per_step']:>14.3f}")
+            f"{row['sched_tok_s']:>12,.0f} {row['sched_ms_per_step']:>14.3f} {row['prefill_each_ms']:>16.2f} "
+            f"{row['prefill_many_ms']:>15.2f}")
     return res
 
 

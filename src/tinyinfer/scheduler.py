@@ -14,8 +14,9 @@ core at the same time):
      a long prompt is never starved by short ones); nothing running is ever evicted;
   3. decode: ONE seq_step for every running sequence holding a sampled token not yet run;
   4. prefill: prompt chunks of the admitted requests, oldest first, at most chunk_tokens tokens per step in all
-     (CHUNK_TOKENS by device unless given)
-     (so a long prompt never stalls the running sequences for more than one chunk);
+     (CHUNK_TOKENS by device unless given; so a long prompt never stalls the running sequences for more than
+     one chunk), all in ONE seq_prefill_many (batched_prefill: on the GPU one pass over all their tokens, every
+     weight read once, rather than a pass per prompt); the finished prompts join the decode at the next step;
   5. sampling: ONE seq_sample for every sequence with fresh logits (the ones just stepped and those whose prompt
      just finished), each with its own SamplingConfig, seed and step counter (= tokens it generated so far: a
      seeded request samples exactly what it samples alone on the single path);
@@ -103,8 +104,10 @@ class Scheduler:
     constructing one registers it there). submit / cancel / properties from any thread."""
 
     def __init__(self, engine: "Engine", *, max_batch: Optional[int] = None, chunk_tokens: Optional[int] = None,
-                 max_waiting: int = 1024):
-        """chunk_tokens: prompt tokens prefilled per step in all (None: CHUNK_TOKENS of the engine's device)."""
+                 max_waiting: int = 1024, batched_prefill: bool = True):
+        """chunk_tokens: prompt tokens prefilled per step in all (None: CHUNK_TOKENS of the engine's device).
+        batched_prefill: a step's prompt chunks in one seq_prefill_many (every weight read once for all of
+        them); False: one seq_prefill each (the A/B reference)."""
         core = engine._core
         if core is None:
             raise InvalidRequestError(f"{engine!r} is closed")
@@ -113,11 +116,14 @@ class Scheduler:
                             ("max_waiting", max_waiting, 0)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
                 raise InvalidRequestError(f"Scheduler: {name} must be an integer >= {lo} (got {v!r})")
+        if not isinstance(batched_prefill, bool):
+            raise InvalidRequestError(f"Scheduler: batched_prefill must be a bool (got {batched_prefill!r})")
         if max_batch is not None and max_batch > limit:
             raise InvalidRequestError(f"Scheduler: max_batch={max_batch} exceeds the engine's {limit} slots")
         self.max_batch = max_batch or limit
         self.chunk_tokens = chunk_tokens or CHUNK_TOKENS.get(engine.device, CHUNK_TOKENS["cpu"])
         self.max_waiting = max_waiting
+        self.batched_prefill = batched_prefill
         self._engine = engine
         self._page_size = int(core.kv_page_size)
         self._pages_total = int(core.kv_pages_total)
@@ -439,18 +445,38 @@ class Scheduler:
             free -= need
 
     def _prefill(self, core) -> None:
+        """This step's prompt chunks: the admitted prompts oldest first, chunk_tokens tokens in all; ONE
+        seq_prefill_many for all of them (batched_prefill), else one seq_prefill each."""
         budget = self.chunk_tokens
+        chunks: list[tuple[_Seq, list[int]]] = []
         for seq in [s for s in self._running if s.prefilling]:
             if budget <= 0:
-                return
+                break
             n = min(budget, len(seq.prompt) - seq.length)
-            chunk = seq.prompt[seq.length:seq.length + n]
-            if not self._core_call(core, [seq], lambda: core.seq_prefill(seq.slot, chunk)):
-                continue
-            seq.length += n
+            chunks.append((seq, seq.prompt[seq.length:seq.length + n]))
             budget -= n
+        if not chunks:
+            return
+        done = None
+        if self.batched_prefill and len(chunks) > 1:
+            def many() -> None:
+                nonlocal done
+                try:
+                    core.seq_prefill_many([s.slot for s, _ in chunks], [c for _, c in chunks])
+                    done = chunks
+                except TinyInferError:
+                    # The engine checks the whole call before it runs any of it: one call each below pins the
+                    # error on the request(s) it belongs to, exactly as without the batched call.
+                    pass
+            self._core_call(core, [s for s, _ in chunks], many)  # (anything else: all of them end, re-raised)
+        if done is None:
+            done = [(seq, chunk) for seq, chunk in chunks
+                    if self._core_call(core, [seq], lambda seq=seq, chunk=chunk: core.seq_prefill(seq.slot, chunk))]
+        now = time.perf_counter()
+        for seq, chunk in done:
+            seq.length += len(chunk)
             if seq.length == len(seq.prompt):
-                seq.fresh, seq.t_first = True, time.perf_counter()
+                seq.fresh, seq.t_first = True, now
 
     def _sample(self, core, seqs: list[_Seq]) -> None:
         k = max((s.params.logprobs or 0) for s in seqs)

@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval", type=int, default=None,
                    help="tokens per streamed chunk (default: adaptive, 1 while at most 16 streams run, then one "
                         "more per 16)")
+    p.add_argument("--no-batched-prefill", dest="batched_prefill", action="store_false",
+                   help="prefill each admitted prompt in its own call (default: a step's prompts in one batched "
+                        "pass; the A/B reference)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests allowed to wait for a slot; beyond it: 503 with Retry-After (default 1024)")
     p.add_argument("--served-model-name", default=None,
@@ -71,7 +74,7 @@ def serve(args, engine_factory) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL
     engine = engine_factory(args)
     scheduler = Scheduler(engine, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
-                          max_waiting=args.max_waiting)
+                          max_waiting=args.max_waiting, batched_prefill=args.batched_prefill)
     app = create_app(engine, scheduler, model_name=name, api_key=api_key, stream_interval=args.stream_interval)
 
     logger = logging.getLogger("tinyinfer.server")

@@ -1,0 +1,100 @@
+// sequences.h — the sequence slots' Python surface (BATCH_CONTRACT.md part 2), the same for every engine class
+// that has them (CpuEngine, CudaEngine): bind_sequences<E>(cls). Type conversion and argument checks only.
+#pragma once
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <vector>
+
+#include "../cpp/core/batch_sample.h"
+#include "../cpp/core/engine_checks.h"
+#include "../cpp/core/sampling.h"
+#include "common.h"
+
+namespace tinyinfer_bindings {
+
+// The sequence slots (BATCH_CONTRACT.md part 2): the same Python surface for every engine class that has them.
+template <typename E, typename Cls>
+inline void bind_sequences(Cls& cls) {
+  using namespace nb::literals;
+  cls.def_prop_ro("max_batch", &E::max_batch, "How many sequence slots the engine has.")
+      .def_prop_ro("kv_page_size", &E::kv_page_size, "Positions per KV page.")
+      .def_prop_ro("kv_pages_total", &E::kv_pages_total, "KV pages the slots may hold in all.")
+      .def_prop_ro("kv_pages_free", &E::kv_pages_free, "KV pages the slots do not hold now.")
+      .def("seq_open", &E::seq_open, "A free, empty slot (its number); an error when all are taken.")
+      .def("seq_close", &E::seq_close, "slot"_a, "Free a slot: its KV pages, logits and history.")
+      .def("seq_length", &E::seq_length, "slot"_a, "Positions in the slot's cache.")
+      .def(
+          "seq_prefill",
+          [](E& e, int64_t slot, const std::vector<int64_t>& tokens) {
+            std::vector<int32_t> ids = to_ids(tokens);
+            nb::gil_scoped_release release;
+            e.seq_prefill(slot, ids.data(), (int64_t)ids.size());
+          },
+          "slot"_a, "tokens"_a,
+          "A prompt chunk at seq_length(slot): fills the cache, keeps the last token's logits, adds the tokens to "
+          "the slot's history as prompt.")
+      .def(
+          "seq_prefill_many",
+          [](E& e, const std::vector<int64_t>& slots, const std::vector<std::vector<int64_t>>& prompts) {
+            if (slots.size() != prompts.size())
+              ti::fail(ti::ErrorKind::Request, "seq_prefill_many: " + std::to_string(slots.size()) + " slots but " +
+                                                   std::to_string(prompts.size()) + " prompts");
+            std::vector<std::vector<int32_t>> ids;
+            ids.reserve(prompts.size());  // (the pointers below stay valid)
+            std::vector<const int32_t*> ptrs;
+            std::vector<int64_t> lens;
+            for (const std::vector<int64_t>& p : prompts) {
+              ids.push_back(to_ids(p));
+              ptrs.push_back(ids.back().data());
+              lens.push_back((int64_t)p.size());
+            }
+            nb::gil_scoped_release release;
+            e.seq_prefill_many(slots.data(), ptrs.data(), lens.data(), (int64_t)slots.size());
+          },
+          "slots"_a, "prompts"_a,
+          "seq_prefill of many slots at once: prompts[i] at seq_length(slots[i]) in slots[i] (distinct). On the "
+          "GPU their tokens share batched passes; each slot ends as seq_prefill would leave it. All checked first: "
+          "an error changes nothing.")
+      .def(
+          "seq_step",
+          [](E& e, const std::vector<int64_t>& slots, const std::vector<int64_t>& tokens) {
+            if (slots.size() != tokens.size())
+              ti::fail(ti::ErrorKind::Request, "seq_step: " + std::to_string(slots.size()) + " slots but " +
+                                                   std::to_string(tokens.size()) + " tokens");
+            std::vector<int32_t> ids = to_ids(tokens);
+            nb::gil_scoped_release release;
+            e.seq_step(slots.data(), ids.data(), (int64_t)ids.size());
+          },
+          "slots"_a, "tokens"_a,
+          "One decode step: tokens[i] runs at seq_length(slots[i]) in slots[i] (distinct slots); their logits "
+          "become the new ones.")
+      .def(
+          "seq_sample",
+          [](E& e, const std::vector<int64_t>& slots, const std::vector<ti::SamplingConfig>& cfgs,
+             const std::vector<int64_t>& steps, int64_t top_logprobs) {
+            if (cfgs.size() != slots.size() || steps.size() != slots.size())
+              ti::fail(ti::ErrorKind::Request, "seq_sample: " + std::to_string(slots.size()) + " slots, " +
+                                                   std::to_string(cfgs.size()) + " configs and " +
+                                                   std::to_string(steps.size()) + " steps");
+            ti::check_top_logprobs(top_logprobs);
+            const std::vector<uint64_t> counters = to_steps(steps);
+            ti::BatchSample r;
+            {
+              nb::gil_scoped_release release;
+              r = e.seq_sample(slots.data(), cfgs.data(), counters.data(), (int64_t)slots.size(),
+                               (int)top_logprobs);
+            }
+            const size_t n = r.tokens.size(), k = (size_t)r.k;
+            return std::make_tuple(numpy_copy(r.tokens, n), numpy_copy(r.logprobs, n), numpy_copy(r.top_ids, n, k),
+                                   numpy_copy(r.top_logprobs, n, k));
+          },
+          "slots"_a, "cfgs"_a, "steps"_a, "top_logprobs"_a = 0,
+          "The next token of each slot from its logits, added to its history as generated. steps[i]: the RNG "
+          "counter (tokens that request generated so far). Returns (tokens int32[n], logprob float32[n], "
+          "top_ids int32[n, k], top_lp float32[n, k]); logprobs are log_softmax of the raw logits.");
+}
+
+}  // namespace tinyinfer_bindings

@@ -250,9 +250,12 @@ struct PlanRing {
 // of the matrix. A unit is a row (Swiglu: a gate/up pair, computed together); a warp per unit when there are at
 // least kWarps units, else kWarps / units warps per unit, each over a share of the row's words, their sums added
 // in shared memory (red: at most 2 x kWarps floats) in a fixed order.
+//
+// Out::Add: the residual's old values come from `old` (old[r - r_old]: loaded once per task, before its staging),
+// not from a load per row here: that load's round trip would stall the block at every tile's release.
 template <WFormat WF, Out O>
 __device__ void tile_dot(const QMat& m, const uint8_t* tile, int row0, int R, const __half* xs, const float* xsum,
-                         void* y, float* red) {
+                         void* y, float* red, const float* old, int r_old) {
   constexpr int NR = O == Out::Swiglu ? 2 : 1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int nw = row_words<WF>(m), row_bytes = 16 * nw;
@@ -264,7 +267,7 @@ __device__ void tile_dot(const QMat& m, const uint8_t* tile, int row0, int R, co
       static_cast<__half*>(y)[r / 2] = __float2half(a / (1.0f + __expf(-a)) * b);
     } else {
       float* yf = static_cast<float*>(y);
-      yf[r] = O == Out::Add ? ldcg(yf + r) + a : a;
+      yf[r] = O == Out::Add ? old[r - r_old] + a : a;
     }
   };
   for (int u = warp; u < units * splits; u += kWarps) {
@@ -316,39 +319,50 @@ __device__ void tile_dot(const QMat& m, const uint8_t* tile, int row0, int R, co
 // Matrix rows [r0, r1) of m from the ring, in tiles of `per` rows (the plan's), after the staging.
 template <WFormat WF, Out O>
 __device__ void ring_rows(const QMat& m, int r0, int r1, int per, const __half* xs, const float* xsum, void* y,
-                          float* red, PlanRing& pr) {
+                          float* red, const float* old, PlanRing& pr) {
   for (int r = r0; r < r1; r += per) {
     pr.fill();
     const uint8_t* tile = pr.ring.acquire();
-    tile_dot<WF, O>(m, tile, r, min(per, r1 - r), xs, xsum, y, red);
+    tile_dot<WF, O>(m, tile, r, min(per, r1 - r), xs, xsum, y, red, old, r0);
     pr.ring.release();
   }
 }
 
-// A GEMV task: stage (RMSNorm'd when NORM), then rows [r0, r1) in the matrix's format: from the ring in tiles of
-// `per` matrix rows (per > 0; Swiglu: outputs [r0, r1) are matrix rows 2 r0 .. 2 r1), else from global memory.
+// A GEMV task in format WF: stage (RMSNorm'd when NORM), then rows [r0, r1) from the ring in tiles of `per`
+// matrix rows (per > 0; Swiglu: outputs [r0, r1) are matrix rows 2 r0 .. 2 r1), else from global memory.
+// Add from the ring: the residual rows' old values are loaded before the staging (in flight during it) and kept in
+// `keep` (which an unnormed staging does not use) for tile_dot.
+template <WFormat WF, bool NORM, Out O>
+__device__ void gemv_task_fmt(const QMat& m, const void* x, const float* w, float eps, int r0, int r1, void* y,
+                              const Smem& sm, int per, PlanRing* pr) {
+  constexpr int f = O == Out::Swiglu ? 2 : 1;
+  __half* xs = reinterpret_cast<__half*>(sm.work);
+  const bool add_ring = O == Out::Add && per > 0;
+  const int nr = r1 - r0;
+  float o = 0.0f;
+  if (add_ring && (int)threadIdx.x < nr) o = ldcg(static_cast<float*>(y) + r0 + threadIdx.x);
+  stage<WF, NORM>(m, x, w, eps, xs, sm.xsum, sm.red, sm.keep);
+  if (per <= 0) {
+    gemv_rows<WF, O>(m, r0, r1, xs, sm.xsum, y);
+    return;
+  }
+  float* old = reinterpret_cast<float*>(sm.keep);
+  if (add_ring) {
+    if ((int)threadIdx.x < nr) old[threadIdx.x] = o;
+    for (int i = threadIdx.x + kPersistentThreads; i < nr; i += kPersistentThreads)
+      old[i] = ldcg(static_cast<float*>(y) + r0 + i);
+    __syncthreads();
+  }
+  ring_rows<WF, O>(m, f * r0, f * r1, per, xs, sm.xsum, y, sm.red, old, *pr);
+}
+
 template <bool NORM, Out O>
 __device__ void gemv_task(const QMat& m, const void* x, const float* w, float eps, int r0, int r1, void* y,
                           const Smem& sm, int per, PlanRing* pr) {
-  constexpr int f = O == Out::Swiglu ? 2 : 1;
-  __half* xs = reinterpret_cast<__half*>(sm.work);
-  float* xsum = sm.xsum;
   switch (m.fmt) {
-    case WFormat::F16:
-      stage<WFormat::F16, NORM>(m, x, w, eps, xs, xsum, sm.red, sm.keep);
-      if (per > 0) ring_rows<WFormat::F16, O>(m, f * r0, f * r1, per, xs, xsum, y, sm.red, *pr);
-      else gemv_rows<WFormat::F16, O>(m, r0, r1, xs, xsum, y);
-      break;
-    case WFormat::I8:
-      stage<WFormat::I8, NORM>(m, x, w, eps, xs, xsum, sm.red, sm.keep);
-      if (per > 0) ring_rows<WFormat::I8, O>(m, f * r0, f * r1, per, xs, xsum, y, sm.red, *pr);
-      else gemv_rows<WFormat::I8, O>(m, r0, r1, xs, xsum, y);
-      break;
-    case WFormat::I4:
-      stage<WFormat::I4, NORM>(m, x, w, eps, xs, xsum, sm.red, sm.keep);
-      if (per > 0) ring_rows<WFormat::I4, O>(m, f * r0, f * r1, per, xs, xsum, y, sm.red, *pr);
-      else gemv_rows<WFormat::I4, O>(m, r0, r1, xs, xsum, y);
-      break;
+    case WFormat::F16: gemv_task_fmt<WFormat::F16, NORM, O>(m, x, w, eps, r0, r1, y, sm, per, pr); break;
+    case WFormat::I8: gemv_task_fmt<WFormat::I8, NORM, O>(m, x, w, eps, r0, r1, y, sm, per, pr); break;
+    case WFormat::I4: gemv_task_fmt<WFormat::I4, NORM, O>(m, x, w, eps, r0, r1, y, sm, per, pr); break;
   }
 }
 

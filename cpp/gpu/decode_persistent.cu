@@ -167,6 +167,9 @@ PersistentDecode::PersistentDecode(const ModelConfig& c, const DeviceWeights& w,
   // The co-resident grid: at most o.blocks_per_sm per SM (default 2; more blocks, more participants in every
   // hand-off, fewer rows each; with the ring's shared memory usually 1 fits).
   const size_t smem = layout();
+  if (p.ring_slots > 0 && smem > max_block)  // (before the occupancy query, which would refuse it less clearly)
+    fail(ErrorKind::Device, "persistent ring plan rejected: " +
+                                ring_smem_problem(p.ring_slots, p.ring_slot_bytes, smem, max_block));
   max_coresident_ = cuda::persistent_max_coresident(smem);
   int dev = 0, sms = 0;
   TI_CUDA_CHECK(cudaGetDevice(&dev));

@@ -50,6 +50,12 @@ size_t RingPlan::n_tiles() const {
 
 size_t ring_plan_smem(int slots, int slot_bytes) { return kRingPlanHeader + (size_t)slots * (size_t)slot_bytes; }
 
+std::string ring_smem_problem(int slots, int slot_bytes, size_t need, size_t max_smem) {
+  return std::to_string(slots) + " slots of " + std::to_string(slot_bytes / 1024) + " KiB need " +
+         std::to_string(need) + " bytes of shared memory per block with the rest of the kernel's, over the " +
+         std::to_string(max_smem) + " a block may have (fewer or smaller slots)";
+}
+
 RingPlan build_ring_plan(const PersistentSchedule& s, const RingPlanShape& shape) {
   if (shape.slots < 2 || shape.slots > 8)
     fail(ErrorKind::Request, "persistent_ring_slots must be 2 to 8, got " + std::to_string(shape.slots));
@@ -101,10 +107,7 @@ void check_ring_plan(const RingPlan& plan, const PersistentSchedule& s, const Ri
   if (plan.slots < 2 || plan.slots > 8) bad("slots " + std::to_string(plan.slots) + " not within 2..8");
   if (plan.slot_bytes < 16 || plan.slot_bytes % 16) bad("slot bytes " + std::to_string(plan.slot_bytes));
   const size_t need = ring_plan_smem(plan.slots, plan.slot_bytes) + other_smem;
-  if (need > max_smem)
-    bad(std::to_string(plan.slots) + " slots of " + std::to_string(plan.slot_bytes / 1024) + " KiB need " +
-        std::to_string(need) + " bytes of shared memory per block with the rest of the kernel's, over the " +
-        std::to_string(max_smem) + " a block may have (fewer or smaller slots)");
+  if (need > max_smem) bad(ring_smem_problem(plan.slots, plan.slot_bytes, need, max_smem));
   if (plan.blocks.size() != s.blocks.size() || plan.task_tiles.size() != s.blocks.size())
     bad("its block lists do not match the schedule's grid");
   // covered[type][layer]: the rows of ringed tasks, each to be covered exactly once

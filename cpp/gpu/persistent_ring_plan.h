@@ -59,6 +59,8 @@ struct RingPlan {
 
 // Shared memory of a ring: kRingHeader (its mbarriers, cuda/ring.cuh) + slots x slot_bytes.
 size_t ring_plan_smem(int slots, int slot_bytes);
+// The sentence naming a ring that does not fit (need: the kernel's whole dynamic shared memory with it).
+std::string ring_smem_problem(int slots, int slot_bytes, size_t need, size_t max_smem);
 
 // The plan for a schedule. Tiles hold the most rows that fit a slot (weights + scales), a multiple of 8 rows
 // where that many fit (so that every int8 / int4 scale copy starts 16-byte aligned) and a multiple of the rows

@@ -224,18 +224,51 @@ __device__ void gemv_rows(const QMat& m, int r0, int r1, const __half* xs, const
 // counter wait and before every tile it acquires, so the copies of the next tasks' weights run while the block
 // waits for its input and while it computes: the stream stops only when the ring is full. Thread 0 issues; it
 // keeps the next tile's descriptor loaded ahead in registers so that an issue does not wait on a global load.
+constexpr uint32_t kRingErrorIndex = 0xFFFFFFFFu;  // the error record's "counter" of a ring copy that never landed
+
 struct PlanRing {
   BulkRing ring;
   const PTileCopy* copies;
   int next, end;
   PTileCopy ahead;  // thread 0: copies[next]
+  sync::WaitPolicy policy;
+  uint32_t* error;
 
   // (ring_slots 0: an empty ring that fill() never issues to.) Contains a barrier.
-  __device__ PlanRing(uint8_t* smem, const PersistentParams& p)
+  __device__ PlanRing(uint8_t* smem, const PersistentParams& p, const sync::WaitPolicy& pol)
       : ring(smem, (uint32_t)p.ring_slots, (uint32_t)p.ring_slot_bytes), copies(p.ring_copies),
         next(p.ring_slots > 0 ? p.ring_begin[blockIdx.x] : 0),
-        end(p.ring_slots > 0 ? p.ring_begin[blockIdx.x + 1] : 0) {
+        end(p.ring_slots > 0 ? p.ring_begin[blockIdx.x + 1] : 0), policy(pol), error(p.error) {
     if (threadIdx.x == 0 && next < end) ahead = copies[next];
+  }
+  // Waits (bounded) for the oldest tile; returns its slot. A copy that has not landed after the waits' timeout
+  // (or, `give_up`, once another wait recorded an error) records kWaitTimedOut with counter index
+  // kRingErrorIndex and returns the slot as it is: the step's output is then invalid and the host reports the
+  // error (PersistentDecode::check).
+  __device__ const uint8_t* acquire(bool give_up = true) {
+    unsigned long long t0 = 0;
+    for (uint32_t i = 0; !ring.ready(); i++) {
+      if ((i & 63) != 63) continue;
+      if (t0 == 0) {
+        t0 = sync::global_ns();
+      } else if ((give_up && *reinterpret_cast<volatile uint32_t*>(error) != 0) ||
+                 sync::global_ns() - t0 > policy.timeout_ns) {
+        if (atomicCAS(error, 0u, sync::kWaitTimedOut) == 0u) {
+          error[1] = kRingErrorIndex;
+          error[2] = ring.consumed;
+        }
+        break;
+      }
+    }
+    return ring.oldest();
+  }
+  // Every copy still in flight waited for, whatever error another wait recorded (a block must not exit with
+  // copies into its shared memory pending).
+  __device__ void drain() {
+    while (ring.consumed != ring.issued) {
+      acquire(false);
+      ring.consumed++;
+    }
   }
   __device__ __forceinline__ void fill() {
     while (next < end && ring.free_slots() > 0) {
@@ -322,7 +355,7 @@ __device__ void ring_rows(const QMat& m, int r0, int r1, int per, const __half* 
                           float* red, const float* old, PlanRing& pr) {
   for (int r = r0; r < r1; r += per) {
     pr.fill();
-    const uint8_t* tile = pr.ring.acquire();
+    const uint8_t* tile = pr.acquire();
     tile_dot<WF, O>(m, tile, r, min(per, r1 - r), xs, xsum, y, red, old, r0);
     pr.ring.release();
   }
@@ -697,7 +730,7 @@ __global__ void __launch_bounds__(kPersistentThreads) persistent_kernel(Persiste
   // The ring (off: ring_slots 0). Its first tiles are issued at once: the first tasks' weights stream while the
   // block waits for the embedding and the first hand-off.
   const bool ringed = p.ring_slots > 0;
-  PlanRing ring(smem_raw + p.ring_offset, p);
+  PlanRing ring(smem_raw + p.ring_offset, p, policy);
   PlanRing* pr = &ring;
   for (int i = p.begin[blockIdx.x]; i < p.begin[blockIdx.x + 1]; i++) {
     const PTask t = p.tasks[i];
@@ -723,7 +756,7 @@ __global__ void __launch_bounds__(kPersistentThreads) persistent_kernel(Persiste
     else __syncthreads();  // the next task reuses the shared memory
     task_stamp(p.trace, i, 2);
   }
-  if (ringed) pr->ring.drain();  // (after a timeout tiles may still be in flight)
+  if (ringed) pr->drain();  // (after a timeout tiles may still be in flight)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_all;" ::: "memory");  // (likewise attn_preload's copies)
 #endif

@@ -169,21 +169,26 @@ struct BulkRing {
     issued++;
   }
 
+  // Whether the oldest tile not yet acquired has landed (one mbarrier try_wait: it may suspend briefly).
+  __device__ __forceinline__ bool ready() const {
+    uint32_t done = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const uint32_t bar = smem_addr(full + consumed % n_slots), parity = (consumed / n_slots) & 1;
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+#endif
+    return done != 0;
+  }
+  // The oldest tile's slot (after ready()), readable by every thread that saw it ready.
+  __device__ __forceinline__ const uint8_t* oldest() const { return slots + (size_t)(consumed % n_slots) * slot_bytes; }
   // Waits for the oldest tile not yet acquired; returns its slot, readable by every thread.
   __device__ __forceinline__ const uint8_t* acquire() const {
-    const uint32_t slot = consumed % n_slots;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const uint32_t bar = smem_addr(full + slot), parity = (consumed / n_slots) & 1;
-    uint32_t done = 0;
-    do {
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-          : "=r"(done)
-          : "r"(bar), "r"(parity)
-          : "memory");
-    } while (!done);
-#endif
-    return slots + (size_t)slot * slot_bytes;
+    while (!ready()) {
+    }
+    return oldest();
   }
 
   // Every thread is done reading the slot acquire() returned: it may be refilled.
@@ -192,13 +197,6 @@ struct BulkRing {
     consumed++;
   }
 
-  // Waits for every copy still in flight (a block must not exit with copies into its shared memory pending).
-  __device__ __forceinline__ void drain() {
-    while (consumed != issued) {
-      acquire();
-      consumed++;
-    }
-  }
 };
 #endif  // __CUDACC__
 

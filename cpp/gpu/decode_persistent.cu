@@ -284,6 +284,9 @@ void PersistentDecode::check(cudaStream_t s) const {
   if (err[0] == 0) return;
   TI_CUDA_CHECK(cudaMemsetAsync(sync_base_, 0, sync_words_ * sizeof(uint32_t), s));
   TI_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (err[1] == 0xFFFFFFFFu)  // (cuda/persistent.cu, kRingErrorIndex)
+    fail(ErrorKind::Device, "persistent decode step: a weight-ring copy timed out (tile " + std::to_string(err[2]) +
+                                " of a block's plan); this step's tokens are invalid");
   fail(ErrorKind::Device, "persistent decode step: a wait on counter " + std::to_string(err[1]) +
                               " timed out at value " + std::to_string(err[2]) +
                               " (a broken schedule or blocks not co-resident); this step's tokens are invalid");

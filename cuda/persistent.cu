@@ -15,6 +15,13 @@
 // (stream order) sees it. Counters never reset (sync.cuh). A wait that times out records the counter in `error`;
 // the block stops its list, still counts as finished, and the host turns the error into an exception.
 //
+// The weight ring (CudaOptions::persistent_ring, docs/perf/persistent.md §7): each block streams the weight tiles
+// of its GEMV tasks, in its task order (cpp/gpu/persistent_ring_plan.h), into a shared-memory ring with bulk
+// copies, and issues them before every counter wait — the next tasks' weights land while the block waits for its
+// input, so the stream no longer stops at task boundaries. The attention tasks likewise copy the keys and values
+// of the positions before pos into shared memory before their wait (kv_stage). Without the ring a task reads its
+// rows from global memory after its wait (its first bytes asked into L2 before it: `prefetch`).
+//
 // The schedule has an attention task for every chunk of the longest context; those past `pos` (known at the
 // kernel's start) signal at once without waiting: they read and write nothing, and their consumers (the merge)
 // still count every producer, so the host's check of the schedule holds as it is.

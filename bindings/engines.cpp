@@ -20,6 +20,7 @@
 #include "../cpp/core/weights.h"
 #include "../cpp/cpu/cpu_engine.h"
 #include "../cpp/gpu/kv_pages.h"
+#include "../cpp/gpu/persistent_ring_plan.h"
 #include "../cpp/gpu/persistent_schedule.h"
 #include "common.h"
 #include "sequences.h"
@@ -309,6 +310,34 @@ void bind_engines(nb::module_& m) {
   m.def("build_persistent_schedule", &ti::build_persistent_schedule, "shape"_a);
   m.def("check_persistent_schedule", &ti::check_persistent_schedule, "schedule"_a, "max_coresident"_a,
         "Raises DeviceError naming the first problem unless the schedule completes on max_coresident blocks.");
+  // Its weight ring's plan (cpp/gpu/persistent_ring_plan.h), likewise plain C++.
+  nb::class_<ti::RingTile>(m, "RingTile", "One tile of a block's ring plan: rows of one matrix into one slot.")
+      .def_ro("task", &ti::RingTile::task)
+      .def_prop_ro("type", [](const ti::RingTile& k) { return (ti::TaskType)k.type; })
+      .def_ro("layer", &ti::RingTile::layer)
+      .def_ro("row0", &ti::RingTile::row0)
+      .def_ro("rows", &ti::RingTile::rows)
+      .def_ro("bytes", &ti::RingTile::bytes)
+      .def_ro("scale_bytes", &ti::RingTile::scale_bytes);
+  nb::class_<ti::RingPlanShape>(m, "RingPlanShape", "What a ring plan is built from: slots, slot bytes, matrices.")
+      .def(nb::init<>())
+      .def_rw("slots", &ti::RingPlanShape::slots)
+      .def_rw("slot_bytes", &ti::RingPlanShape::slot_bytes)
+      .def("set_matrix",
+           [](ti::RingPlanShape& s, ti::TaskType t, int rows, int row_bytes, int scale_row_bytes, int scale_alloc) {
+             s.mats[(int)t] = ti::RingMatrix{rows, row_bytes, scale_row_bytes, scale_alloc};
+           },
+           "type"_a, "rows"_a, "row_bytes"_a, "scale_row_bytes"_a = 0, "scale_alloc"_a = 0);
+  nb::class_<ti::RingPlan>(m, "RingPlan", "Per block of the persistent kernel, the tiles its ring streams, in order.")
+      .def_ro("slots", &ti::RingPlan::slots)
+      .def_ro("slot_bytes", &ti::RingPlan::slot_bytes)
+      .def_rw("blocks", &ti::RingPlan::blocks, "A list (per block) of lists of RingTile (copied).")
+      .def_rw("task_tiles", &ti::RingPlan::task_tiles, "Per block, per task: the tiles it consumes.")
+      .def_prop_ro("n_tiles", &ti::RingPlan::n_tiles);
+  m.def("build_ring_plan", &ti::build_ring_plan, "schedule"_a, "shape"_a);
+  m.def("check_ring_plan", &ti::check_ring_plan, "plan"_a, "schedule"_a, "shape"_a, "other_smem"_a, "max_smem"_a,
+        "Raises DeviceError naming the first problem unless the plan is safe (see persistent_ring_plan.h).");
+  m.def("ring_plan_smem", &ti::ring_plan_smem, "slots"_a, "slot_bytes"_a);
 
 #ifdef TINYINFER_WITH_CUDA
   nb::enum_<ti::MatrixRole>(m, "MatrixRole", "A GEMV shape of the decode step (cpp/gpu/gemv_plan.h).")
@@ -369,6 +398,10 @@ void bind_engines(nb::module_& m) {
       .def_rw("persistent_fused_merge", &ti::CudaOptions::persistent_fused_merge)
       .def_rw("persistent_blocks_per_sm", &ti::CudaOptions::persistent_blocks_per_sm)
       .def_rw("persistent_timeout_ms", &ti::CudaOptions::persistent_timeout_ms)
+      .def_rw("persistent_ring", &ti::CudaOptions::persistent_ring)
+      .def_rw("persistent_ring_slots", &ti::CudaOptions::persistent_ring_slots)
+      .def_rw("persistent_ring_slot_kib", &ti::CudaOptions::persistent_ring_slot_kib)
+      .def_rw("persistent_kv_stage", &ti::CudaOptions::persistent_kv_stage)
       .def_rw("plan_text", &ti::CudaOptions::plan_text,
               "A saved GEMV plan (CudaEngine.plan_text) to take instead of tuning, if made for this key; '': tune.")
       .def_prop_rw(

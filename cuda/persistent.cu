@@ -15,6 +15,13 @@
 // (stream order) sees it. Counters never reset (sync.cuh). A wait that times out records the counter in `error`;
 // the block stops its list, still counts as finished, and the host turns the error into an exception.
 //
+// The weight ring (CudaOptions::persistent_ring, docs/perf/persistent.md §7): each block streams the weight tiles
+// of its GEMV tasks, in its task order (cpp/gpu/persistent_ring_plan.h), into a shared-memory ring with bulk
+// copies, and issues them before every counter wait — the next tasks' weights land while the block waits for its
+// input, so the stream no longer stops at task boundaries. The attention tasks likewise copy the keys and values
+// of the positions before pos into shared memory before their wait (kv_stage). Without the ring a task reads its
+// rows from global memory after its wait (its first bytes asked into L2 before it: `prefetch`).
+//
 // The schedule has an attention task for every chunk of the longest context; those past `pos` (known at the
 // kernel's start) signal at once without waiting: they read and write nothing, and their consumers (the merge)
 // still count every producer, so the host's check of the schedule holds as it is.
@@ -24,6 +31,7 @@
 #include "gemv_dot.cuh"
 #include "kv_layout.cuh"
 #include "persistent.cuh"
+#include "ring.cuh"
 #include "sync.cuh"
 
 namespace ti::cuda {
@@ -216,25 +224,185 @@ __device__ void gemv_rows(const QMat& m, int r0, int r1, const __half* xs, const
   }
 }
 
-// A GEMV task: stage (RMSNorm'd when NORM), then rows [r0, r1), in the matrix's format.
+// ---- the GEMV tasks fed by the weight ring (CudaOptions::persistent_ring) ----
+//
+// The block's ring plan (persistent_ring_plan.h) lists its tiles in task order; `PlanRing` walks it with two
+// cursors. fill() issues tiles while a slot is free — whatever task they belong to — and is called before every
+// counter wait and before every tile it acquires, so the copies of the next tasks' weights run while the block
+// waits for its input and while it computes: the stream stops only when the ring is full. Thread 0 issues; it
+// keeps the next tile's descriptor loaded ahead in registers so that an issue does not wait on a global load.
+constexpr uint32_t kRingErrorIndex = 0xFFFFFFFFu;  // the error record's "counter" of a ring copy that never landed
+
+struct PlanRing {
+  BulkRing ring;
+  const PTileCopy* copies;
+  int next, end;
+  PTileCopy ahead;  // thread 0: copies[next]
+  sync::WaitPolicy policy;
+  uint32_t* error;
+
+  // (ring_slots 0: an empty ring that fill() never issues to.) Contains a barrier.
+  __device__ PlanRing(uint8_t* smem, const PersistentParams& p, const sync::WaitPolicy& pol)
+      : ring(smem, (uint32_t)p.ring_slots, (uint32_t)p.ring_slot_bytes), copies(p.ring_copies),
+        next(p.ring_slots > 0 ? p.ring_begin[blockIdx.x] : 0),
+        end(p.ring_slots > 0 ? p.ring_begin[blockIdx.x + 1] : 0), policy(pol), error(p.error) {
+    if (threadIdx.x == 0 && next < end) ahead = copies[next];
+  }
+  // Waits (bounded) for the oldest tile; returns its slot. A copy that has not landed after the waits' timeout
+  // (or, `give_up`, once another wait recorded an error) records kWaitTimedOut with counter index
+  // kRingErrorIndex and returns the slot as it is: the step's output is then invalid and the host reports the
+  // error (PersistentDecode::check).
+  __device__ const uint8_t* acquire(bool give_up = true) {
+    unsigned long long t0 = 0;
+    for (uint32_t i = 0; !ring.ready(); i++) {
+      if ((i & 63) != 63) continue;
+      if (t0 == 0) {
+        t0 = sync::global_ns();
+      } else if ((give_up && *reinterpret_cast<volatile uint32_t*>(error) != 0) ||
+                 sync::global_ns() - t0 > policy.timeout_ns) {
+        if (atomicCAS(error, 0u, sync::kWaitTimedOut) == 0u) {
+          error[1] = kRingErrorIndex;
+          error[2] = ring.consumed;
+        }
+        break;
+      }
+    }
+    return ring.oldest();
+  }
+  // Every copy still in flight waited for, whatever error another wait recorded (a block must not exit with
+  // copies into its shared memory pending).
+  __device__ void drain() {
+    while (ring.consumed != ring.issued) {
+      acquire(false);
+      ring.consumed++;
+    }
+  }
+  __device__ __forceinline__ void fill() {
+    while (next < end && ring.free_slots() > 0) {
+      ring.issue(ahead.w, ahead.bytes, ahead.scales, ahead.scale_bytes);
+      next++;
+      if (threadIdx.x == 0 && next < end) ahead = copies[next];
+    }
+  }
+};
+
+// One tile of R rows (weights at `tile`, then their scales) of m against the staged input: rows row0 .. row0 + R
+// of the matrix. A unit is a row (Swiglu: a gate/up pair, computed together); a warp per unit when there are at
+// least kWarps units, else kWarps / units warps per unit, each over a share of the row's words, their sums added
+// in shared memory (red: at most 2 x kWarps floats) in a fixed order.
+//
+// Out::Add: the residual's old values come from `old` (old[r - r_old]: loaded once per task, before its staging),
+// not from a load per row here: that load's round trip would stall the block at every tile's release.
+template <WFormat WF, Out O>
+__device__ void tile_dot(const QMat& m, const uint8_t* tile, int row0, int R, const __half* xs, const float* xsum,
+                         void* y, float* red, const float* old, int r_old) {
+  constexpr int NR = O == Out::Swiglu ? 2 : 1;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int nw = row_words<WF>(m), row_bytes = 16 * nw;
+  const int units = R / NR, splits = units >= kWarps ? 1 : kWarps / units;
+  const uint8_t* scl = tile + (size_t)R * row_bytes;
+  auto write = [&](int unit, float a, float b) {
+    const int r = row0 + unit * NR;
+    if constexpr (O == Out::Swiglu) {
+      static_cast<__half*>(y)[r / 2] = __float2half(a / (1.0f + __expf(-a)) * b);
+    } else {
+      float* yf = static_cast<float*>(y);
+      yf[r] = O == Out::Add ? old[r - r_old] + a : a;
+    }
+  };
+  for (int u = warp; u < units * splits; u += kWarps) {
+    const int unit = u / splits, part = u % splits, lr = unit * NR;
+    QCtx ca, cb;
+    if constexpr (WF == WFormat::I8) {
+      ca.d = cb.d = reinterpret_cast<const __half*>(scl);
+      ca.drow = lr * (m.ld / kI8Block);
+      cb.drow = ca.drow + m.ld / kI8Block;
+    }
+    if constexpr (WF == WFormat::I4) {
+      ca.sm = reinterpret_cast<const __half2*>(scl) + (size_t)lr * (m.K / kI4Group);
+      cb.sm = ca.sm + m.K / kI4Group;
+      ca.xsum = cb.xsum = xsum;
+    }
+    const uint4* wa = reinterpret_cast<const uint4*>(tile + (size_t)lr * row_bytes);
+    float sa = 0.0f, sb = 0.0f;
+#pragma unroll 4
+    for (int k = part * 32 + lane; k < nw; k += 32 * splits) {
+      XFrag<WF> x;
+      load_x<WF>(xs, nw, k, x);
+      sa += dot_word<WF>(wa[k], load_scale<WF>(ca, k), x, ca, k);
+      if constexpr (NR == 2) sb += dot_word<WF>(wa[nw + k], load_scale<WF>(cb, k), x, cb, k);
+    }
+    sa = warp_sum(sa);
+    if constexpr (NR == 2) sb = warp_sum(sb);
+    if (lane == 0) {
+      if (splits == 1) {
+        write(unit, sa, sb);
+      } else {
+        red[2 * u] = sa;
+        red[2 * u + 1] = sb;
+      }
+    }
+  }
+  if (splits > 1) {  // (uniform)
+    __syncthreads();
+    if ((int)threadIdx.x < units) {
+      float a = 0.0f, b = 0.0f;
+      for (int q = 0; q < splits; q++) {
+        a += red[2 * (threadIdx.x * splits + q)];
+        b += red[2 * (threadIdx.x * splits + q) + 1];
+      }
+      write(threadIdx.x, a, b);
+    }
+  }
+}
+
+// Matrix rows [r0, r1) of m from the ring, in tiles of `per` rows (the plan's), after the staging.
+template <WFormat WF, Out O>
+__device__ void ring_rows(const QMat& m, int r0, int r1, int per, const __half* xs, const float* xsum, void* y,
+                          float* red, const float* old, PlanRing& pr) {
+  for (int r = r0; r < r1; r += per) {
+    pr.fill();
+    const uint8_t* tile = pr.acquire();
+    tile_dot<WF, O>(m, tile, r, min(per, r1 - r), xs, xsum, y, red, old, r0);
+    pr.ring.release();
+  }
+}
+
+// A GEMV task in format WF: stage (RMSNorm'd when NORM), then rows [r0, r1) from the ring in tiles of `per`
+// matrix rows (per > 0; Swiglu: outputs [r0, r1) are matrix rows 2 r0 .. 2 r1), else from global memory.
+// Add from the ring: the residual rows' old values are loaded before the staging (in flight during it) and kept in
+// `keep` (which an unnormed staging does not use) for tile_dot.
+template <WFormat WF, bool NORM, Out O>
+__device__ void gemv_task_fmt(const QMat& m, const void* x, const float* w, float eps, int r0, int r1, void* y,
+                              const Smem& sm, int per, PlanRing* pr) {
+  constexpr int f = O == Out::Swiglu ? 2 : 1;
+  __half* xs = reinterpret_cast<__half*>(sm.work);
+  const bool add_ring = O == Out::Add && per > 0;
+  const int nr = r1 - r0;
+  float o = 0.0f;
+  if (add_ring && (int)threadIdx.x < nr) o = ldcg(static_cast<float*>(y) + r0 + threadIdx.x);
+  stage<WF, NORM>(m, x, w, eps, xs, sm.xsum, sm.red, sm.keep);
+  if (per <= 0) {
+    gemv_rows<WF, O>(m, r0, r1, xs, sm.xsum, y);
+    return;
+  }
+  float* old = reinterpret_cast<float*>(sm.keep);
+  if (add_ring) {
+    if ((int)threadIdx.x < nr) old[threadIdx.x] = o;
+    for (int i = threadIdx.x + kPersistentThreads; i < nr; i += kPersistentThreads)
+      old[i] = ldcg(static_cast<float*>(y) + r0 + i);
+    __syncthreads();
+  }
+  ring_rows<WF, O>(m, f * r0, f * r1, per, xs, sm.xsum, y, sm.red, old, *pr);
+}
+
 template <bool NORM, Out O>
 __device__ void gemv_task(const QMat& m, const void* x, const float* w, float eps, int r0, int r1, void* y,
-                          const Smem& sm) {
-  __half* xs = reinterpret_cast<__half*>(sm.work);
-  float* xsum = sm.xsum;
+                          const Smem& sm, int per, PlanRing* pr) {
   switch (m.fmt) {
-    case WFormat::F16:
-      stage<WFormat::F16, NORM>(m, x, w, eps, xs, xsum, sm.red, sm.keep);
-      gemv_rows<WFormat::F16, O>(m, r0, r1, xs, xsum, y);
-      break;
-    case WFormat::I8:
-      stage<WFormat::I8, NORM>(m, x, w, eps, xs, xsum, sm.red, sm.keep);
-      gemv_rows<WFormat::I8, O>(m, r0, r1, xs, xsum, y);
-      break;
-    case WFormat::I4:
-      stage<WFormat::I4, NORM>(m, x, w, eps, xs, xsum, sm.red, sm.keep);
-      gemv_rows<WFormat::I4, O>(m, r0, r1, xs, xsum, y);
-      break;
+    case WFormat::F16: gemv_task_fmt<WFormat::F16, NORM, O>(m, x, w, eps, r0, r1, y, sm, per, pr); break;
+    case WFormat::I8: gemv_task_fmt<WFormat::I8, NORM, O>(m, x, w, eps, r0, r1, y, sm, per, pr); break;
+    case WFormat::I4: gemv_task_fmt<WFormat::I4, NORM, O>(m, x, w, eps, r0, r1, y, sm, per, pr); break;
   }
 }
 
@@ -294,24 +462,75 @@ __device__ void merge_if_last(const PersistentParams& p, int l, int kvh, int pos
 // so that its value loads are in flight together. The new key and value are read back from the cache after the
 // barrier that follows their store (the block's own global writes are visible to it after __syncthreads): the
 // same fp16 values attention.cu uses.
+// The attention task's shared memory (`work`): the rotated queries, scores, the RoPE row, the chunk's cache rows,
+// the softmax sums; with kv_stage the chunk's keys and values (CH x hd halves each) after them.
+struct AttnSmem {
+  float *q_s, *s_s, *cs, *sn, *lsum;
+  int* rows;
+  __half *ks, *vs;
+  __host__ __device__ AttnSmem(unsigned char* work, int g, int hd, int CH) {
+    q_s = reinterpret_cast<float*>(work);  // (g, hd)
+    s_s = q_s + g * hd;                    // (g, CH) scores, then probabilities
+    cs = s_s + g * CH;                     // (hd / 2) RoPE row of pos
+    sn = cs + hd / 2;
+    rows = reinterpret_cast<int*>(sn + hd / 2);  // (CH) the chunk's cache rows (elements from the layer's base)
+    lsum = reinterpret_cast<float*>(rows + CH);  // (g) the softmax sums
+    const size_t at = ((size_t)(reinterpret_cast<unsigned char*>(lsum + g) - work) + 15) / 16 * 16;
+    ks = reinterpret_cast<__half*>(work + at);  // (CH, hd) kv_stage only
+    vs = ks + (size_t)CH * hd;
+  }
+  // the bytes the layout above spans (the same arithmetic, from offset 0)
+  static size_t bytes(int g, int hd, int CH, bool kv_stage) {
+    const size_t head = ((size_t)(g * hd + g * CH + hd + CH + g) * sizeof(float) + 15) / 16 * 16;
+    return head + (kv_stage ? 2 * (size_t)CH * hd * sizeof(__half) : 0);
+  }
+};
+
+// Before the task's wait: the chunk's cache rows, and (kv_stage) the keys and values of its positions before pos
+// — written by earlier steps, final — copied into shared memory with cp.async, so that after the wait only the
+// new token's q / k / v are on the critical path. The copies complete in attn_partial (wait_all + a barrier).
+__device__ void attn_preload(const PersistentParams& p, int l, int kvh, int c, int pos, unsigned char* work) {
+  const int hd = p.head_dim, CH = p.chunk, c0 = c * CH, g = p.n_heads / p.n_kv_heads;
+  const int n = min(CH, pos + 1 - c0);
+  const AttnSmem a(work, g, hd, CH);
+  for (int t = threadIdx.x; t < n; t += kPersistentThreads)
+    a.rows[t] = (int)kv_row(p.page_table, c0 + t, kvh, p.n_kv_heads, p.page_shift, hd);
+  if (!p.kv_stage) return;
+  const int n_old = min(CH, pos - c0), pieces = hd / 8;  // 16-byte pieces per row
+  const size_t layer = (size_t)l * p.kv_layer_elems;
+  for (int e = threadIdx.x; e < n_old * pieces; e += kPersistentThreads) {
+    const int t = e / pieces, j = e % pieces;
+    const size_t at = layer + kv_row(p.page_table, c0 + t, kvh, p.n_kv_heads, p.page_shift, hd) + 8 * j;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(a.ks + t * hd + 8 * j)),
+                 "l"(p.k_pages + at) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(a.vs + t * hd + 8 * j)),
+                 "l"(p.v_pages + at) : "memory");
+#endif
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
 __device__ void attn_partial(const PersistentParams& p, int l, int kvh, int c, int pos, unsigned char* work) {
   const int hd = p.head_dim, half_d = hd / 2, CH = p.chunk, c0 = c * CH;
   if (c0 > pos) return;
   const int n = min(CH, pos + 1 - c0), g = p.n_heads / p.n_kv_heads, hq0 = kvh * g;
-  float* q_s = reinterpret_cast<float*>(work);  // (g, hd)
-  float* s_s = q_s + g * hd;                    // (g, CH) scores, then probabilities
-  float* cs = s_s + g * CH;                     // (half_d) RoPE row of pos
-  float* sn = cs + half_d;
-  int* rows = reinterpret_cast<int*>(sn + half_d);  // (CH) the chunk's cache rows (elements from the layer's base)
-  float* lsum = reinterpret_cast<float*>(rows + CH);  // (g) the softmax sums
+  const AttnSmem a(work, g, hd, CH);
+  float *q_s = a.q_s, *s_s = a.s_s, *cs = a.cs, *sn = a.sn, *lsum = a.lsum;
+  const int* rows = a.rows;  // (attn_preload)
   __half* kp = p.k_pages + (size_t)l * p.kv_layer_elems;
   __half* vp = p.v_pages + (size_t)l * p.kv_layer_elems;
+  // where position t's key and value are read: the staged tiles (kv_stage) or the cache
+  const bool st = p.kv_stage;
+  const __half* kb = st ? a.ks : kp;
+  const __half* vb = st ? a.vs : vp;
+  auto off = [&](int t) { return st ? t * hd : rows[t]; };
   for (int i = threadIdx.x; i < half_d; i += kPersistentThreads) {
     cs[i] = p.rope_cos[(size_t)pos * half_d + i];
     sn[i] = p.rope_sin[(size_t)pos * half_d + i];
   }
-  for (int t = threadIdx.x; t < n; t += kPersistentThreads)
-    rows[t] = (int)kv_row(p.page_table, c0 + t, kvh, p.n_kv_heads, p.page_shift, hd);
   __syncthreads();
   for (int t = threadIdx.x; t < g * half_d; t += kPersistentThreads) {
     const int hh = t / half_d, i = t % half_d;
@@ -327,18 +546,32 @@ __device__ void attn_partial(const PersistentParams& p, int l, int kvh, int c, i
     for (int i = threadIdx.x; i < half_d; i += kPersistentThreads) {
       const float k1 = ldcg(k + i), k2 = ldcg(k + i + half_d);
       // rounded products, no FMA contraction: exactly what attention.cu (and the CPU engine) write
-      kp[at + i] = __float2half(__fsub_rn(__fmul_rn(k1, cs[i]), __fmul_rn(k2, sn[i])));
-      kp[at + i + half_d] = __float2half(__fadd_rn(__fmul_rn(k2, cs[i]), __fmul_rn(k1, sn[i])));
-      vp[at + i] = __float2half(ldcg(v + i));
-      vp[at + i + half_d] = __float2half(ldcg(v + i + half_d));
+      const __half r1 = __float2half(__fsub_rn(__fmul_rn(k1, cs[i]), __fmul_rn(k2, sn[i])));
+      const __half r2 = __float2half(__fadd_rn(__fmul_rn(k2, cs[i]), __fmul_rn(k1, sn[i])));
+      const __half v1 = __float2half(ldcg(v + i)), v2 = __float2half(ldcg(v + i + half_d));
+      kp[at + i] = r1;
+      kp[at + i + half_d] = r2;
+      vp[at + i] = v1;
+      vp[at + i + half_d] = v2;
+      if (st) {  // the same values into the staged tiles
+        __half* kt = a.ks + (pos - c0) * hd;
+        __half* vt = a.vs + (pos - c0) * hd;
+        kt[i] = r1;
+        kt[i + half_d] = r2;
+        vt[i] = v1;
+        vt[i + half_d] = v2;
+      }
     }
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if (st) asm volatile("cp.async.wait_all;" ::: "memory");  // attn_preload's copies (this thread's)
+#endif
   __syncthreads();
   // scores: a warp per position, all g heads; lane `lane` holds the key's dimension pairs 2 lane + 64 j
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   constexpr int kPairs = 4;  // head_dim <= 256 (PersistentDecode::unsupported)
   for (int t = warp; t < n; t += kWarps) {
-    const __half2* kr = reinterpret_cast<const __half2*>(kp + rows[t]);
+    const __half2* kr = reinterpret_cast<const __half2*>(kb + off(t));
     float2 kf[kPairs];
 #pragma unroll
     for (int j = 0; j < kPairs; j++)
@@ -384,7 +617,7 @@ __device__ void attn_partial(const PersistentParams& p, int l, int kvh, int c, i
     float o0 = 0.0f, o1 = 0.0f;
 #pragma unroll 8
     for (int t = 0; t < n; t++) {
-      const float2 v = __half22float2(*reinterpret_cast<const __half2*>(vp + rows[t] + d));
+      const float2 v = __half22float2(*reinterpret_cast<const __half2*>(vb + off(t) + d));
       o0 = fmaf(pr[t], v.x, o0);
       o1 = fmaf(pr[t], v.y, o1);
     }
@@ -454,7 +687,9 @@ __device__ __forceinline__ void task_stamp(unsigned long long* trace, int i, int
 #endif
 }
 
-__device__ void run_task(const PersistentParams& p, const PTask& t, int token, int pos, const Smem& sm) {
+// Task t (index i of the flattened schedule); per: its ring tiles' rows (0: its weights from global memory).
+__device__ void run_task(const PersistentParams& p, const PTask& t, int token, int pos, const Smem& sm, int per,
+                         PlanRing* pr) {
   const PLayer* L = p.layers + t.layer;
   switch (t.type) {
     case TaskType::Embed:
@@ -462,7 +697,7 @@ __device__ void run_task(const PersistentParams& p, const PTask& t, int token, i
         p.x[i] = __half2float(p.embedding[(size_t)token * p.ld_h + i]);
       break;
     case TaskType::Qkv:
-      gemv_task<true, Out::Store>(L->qkv, p.x, L->attn_norm, p.eps, t.a, t.b, p.qkv, sm);
+      gemv_task<true, Out::Store>(L->qkv, p.x, L->attn_norm, p.eps, t.a, t.b, p.qkv, sm, per, pr);
       break;
     case TaskType::AttnPartial:
       attn_partial(p, t.layer, t.a, t.b, pos, sm.work);
@@ -471,22 +706,22 @@ __device__ void run_task(const PersistentParams& p, const PTask& t, int token, i
       attn_merge(p, t.a, pos);
       break;
     case TaskType::O:
-      gemv_task<false, Out::Add>(L->o, p.att, nullptr, p.eps, t.a, t.b, p.x, sm);
+      gemv_task<false, Out::Add>(L->o, p.att, nullptr, p.eps, t.a, t.b, p.x, sm, per, pr);
       break;
     case TaskType::GateUp:
-      gemv_task<true, Out::Swiglu>(L->gate_up, p.x, L->mlp_norm, p.eps, t.a, t.b, p.h, sm);
+      gemv_task<true, Out::Swiglu>(L->gate_up, p.x, L->mlp_norm, p.eps, t.a, t.b, p.h, sm, per, pr);
       break;
     case TaskType::Down:
-      gemv_task<false, Out::Add>(L->down, p.h, nullptr, p.eps, t.a, t.b, p.x, sm);
+      gemv_task<false, Out::Add>(L->down, p.h, nullptr, p.eps, t.a, t.b, p.x, sm, per, pr);
       break;
     case TaskType::LmHead:
-      gemv_task<true, Out::Store>(p.lm_head, p.x, p.final_norm, p.eps, t.a, t.b, p.logits, sm);
+      gemv_task<true, Out::Store>(p.lm_head, p.x, p.final_norm, p.eps, t.a, t.b, p.logits, sm, per, pr);
       break;
   }
 }
 
 __global__ void __launch_bounds__(kPersistentThreads) persistent_kernel(PersistentParams p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* work = smem_raw + kRedFloats * sizeof(float);
   const Smem sm{reinterpret_cast<float*>(smem_raw), work,
                 reinterpret_cast<float*>(work + (size_t)p.stage_max * sizeof(__half)),
@@ -499,8 +734,14 @@ __global__ void __launch_bounds__(kPersistentThreads) persistent_kernel(Persiste
   sync::WaitPolicy policy;
   policy.max_sleep_ns = p.max_sleep_ns;
   policy.timeout_ns = p.timeout_ns;
+  // The ring (off: ring_slots 0). Its first tiles are issued at once: the first tasks' weights stream while the
+  // block waits for the embedding and the first hand-off.
+  const bool ringed = p.ring_slots > 0;
+  PlanRing ring(smem_raw + p.ring_offset, p, policy);
+  PlanRing* pr = &ring;
   for (int i = p.begin[blockIdx.x]; i < p.begin[blockIdx.x + 1]; i++) {
     const PTask t = p.tasks[i];
+    const int per = ringed ? p.task_tile_rows[i] : 0;
     uint32_t* signal = t.signal >= 0 ? p.counters + (size_t)t.signal * sync::kCounterStride : nullptr;
     task_stamp(p.trace, i, 0);
     if (t.type == TaskType::AttnPartial && t.b * p.chunk > pos) {  // a chunk past pos: nothing to wait for or do
@@ -509,17 +750,23 @@ __global__ void __launch_bounds__(kPersistentThreads) persistent_kernel(Persiste
       task_stamp(p.trace, i, 2);
       continue;
     }
-    if (p.prefetch) prefetch_task(p, t, pos);
+    if (ringed) pr->fill();  // before the wait: this task's and the next tasks' tiles, as far as slots are free
+    if (t.type == TaskType::AttnPartial) attn_preload(p, t.layer, t.a, t.b, pos, sm.work);
+    if (p.prefetch && per == 0 && !(t.type == TaskType::AttnPartial && p.kv_stage)) prefetch_task(p, t, pos);
     if (t.wait >= 0 &&
         !sync::block_wait(p.counters + (size_t)t.wait * sync::kCounterStride,
                           sync::epoch_target(epoch, (uint32_t)t.wait_count), policy, p.error, (uint32_t)t.wait))
       break;  // timed out (or another block did): the host reports it
     task_stamp(p.trace, i, 1);
-    run_task(p, t, token, pos, sm);
+    run_task(p, t, token, pos, sm, per, pr);
     if (signal) sync::block_signal(signal);
     else __syncthreads();  // the next task reuses the shared memory
     task_stamp(p.trace, i, 2);
   }
+  if (ringed) pr->drain();  // (after a timeout tiles may still be in flight)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");  // (likewise attn_preload's copies)
+#endif
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();  // this block's read of epoch (and its outputs) before its count
@@ -535,8 +782,25 @@ size_t persistent_smem(const PersistentParams& p) {
   // the widest staged input, then (I4) its group sums, then the RMSNorm's kept input (hidden floats; the normed
   // matrices all take the residual); or the attention's tiles
   const size_t gemv = gemv_stage_bytes(p.stage_max) + (size_t)p.hidden * sizeof(float);
-  const size_t attn = (size_t)(g * p.head_dim + g * p.chunk + p.head_dim + p.chunk + g) * sizeof(float);
+  const size_t attn = AttnSmem::bytes(g, p.head_dim, p.chunk, p.kv_stage);
   return kRedFloats * sizeof(float) + (gemv > attn ? gemv : attn);
+}
+
+static_assert(kRingHeader == 128, "cpp/gpu/persistent_ring_plan.cpp's kRingPlanHeader");
+static_assert(sizeof(PTileCopy) == 24, "PTileCopy is uploaded as it is");
+
+size_t persistent_ring_offset(const PersistentParams& p) { return (persistent_smem(p) + 127) / 128 * 128; }
+
+size_t persistent_total_smem(const PersistentParams& p) {
+  if (p.ring_slots <= 0) return persistent_smem(p);
+  return persistent_ring_offset(p) + ring_smem_bytes(p.ring_slots, (size_t)p.ring_slot_bytes);
+}
+
+size_t persistent_max_block_smem() {
+  int dev = 0, optin = 0;
+  TI_CUDA_CHECK(cudaGetDevice(&dev));
+  TI_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  return (size_t)optin;
 }
 
 int persistent_max_coresident(size_t smem) {
@@ -549,7 +813,7 @@ int persistent_max_coresident(size_t smem) {
 }
 
 void persistent_step(const PersistentParams& p, int grid, cudaStream_t stream) {
-  const size_t smem = persistent_smem(p);
+  const size_t smem = persistent_total_smem(p);
   persistent_kernel<<<grid, kPersistentThreads, smem, stream>>>(p);
   TI_CUDA_CHECK(cudaGetLastError());
 }

@@ -23,6 +23,14 @@ struct PLayer {  // one layer's matrices (quant.cuh: fp16, or I8 / I4 with their
   const float* mlp_norm = nullptr;
 };
 
+// One tile of a block's ring plan (cpp/gpu/persistent_ring_plan.h) as the kernel copies it: the plan's rows
+// resolved to addresses at load (weights, then the same rows' scales; scale_bytes 0 for fp16).
+struct PTileCopy {
+  const void* w = nullptr;
+  const void* scales = nullptr;
+  uint32_t bytes = 0, scale_bytes = 0;
+};
+
 struct PersistentParams {
   // the schedule (device copies): block b runs tasks[begin[b] .. begin[b + 1])
   const PTask* tasks = nullptr;
@@ -44,6 +52,17 @@ struct PersistentParams {
   // KV head's finished attention chunks, and the last one merges them.
   bool fused_merge = false;
   uint32_t* arrivals = nullptr;
+  // The weight ring (CudaOptions::persistent_ring; ring_slots 0: off): block b streams copies[ring_begin[b] ..
+  // ring_begin[b + 1]) in order through ring_slots slots of ring_slot_bytes; the GEMV task i of the flattened
+  // schedule consumes its rows from the ring in tiles of task_tile_rows[i] rows (0: from global memory).
+  const PTileCopy* ring_copies = nullptr;
+  const int* ring_begin = nullptr;
+  const int* task_tile_rows = nullptr;
+  int ring_slots = 0, ring_slot_bytes = 0;
+  uint32_t ring_offset = 0;  // bytes into the dynamic shared memory (persistent_ring_offset)
+  // Attention tasks copy their chunk's cached keys and values (positions before pos: final) into shared memory
+  // before their wait (cp.async); only the new token's q / k / v is read after it.
+  bool kv_stage = false;
   // the model
   const PLayer* layers = nullptr;
   const __half* embedding = nullptr;  // (vocab, ld_h)
@@ -71,8 +90,15 @@ struct PersistentParams {
   const DecodeState* state = nullptr;  // token and pos of this step (the sampler after the kernel advances them)
 };
 
-// Dynamic shared memory the kernel needs for these shapes.
+// Dynamic shared memory the kernel needs for these shapes, without the ring (its ring, if any, comes after:
+// persistent_ring_offset(p) bytes in, ring_smem_bytes(slots, slot bytes) long). kv_stage adds the attention's
+// key and value tiles.
 size_t persistent_smem(const PersistentParams& p);
+size_t persistent_ring_offset(const PersistentParams& p);
+// The kernel's dynamic shared memory: the above plus the ring (p.ring_slots, p.ring_slot_bytes).
+size_t persistent_total_smem(const PersistentParams& p);
+// The largest dynamic shared memory one block may have on device 0 (the opt-in limit).
+size_t persistent_max_block_smem();
 // The most blocks of the kernel that can be co-resident on device 0 at that shared memory (the occupancy API).
 int persistent_max_coresident(size_t smem);
 // One decode step (state.token at state.pos -> logits) on `grid` blocks; no sampling.

@@ -123,6 +123,81 @@ struct WeightRing {
     consumed++;
   }
 };
+
+// The persistent kernel's ring (cuda/persistent.cu): the Bulk variant with the slot count chosen at launch
+// (CudaOptions::persistent_ring_slots) and a copy of up to two pieces per slot (a tile's weight rows and their
+// scales), and no fixed issue/acquire alternation: the caller issues whenever a slot is free (free_slots()),
+// typically several tiles of its next tasks before it waits on a counter, and acquires in issue order.
+// issued / consumed are kept by every thread alike (call everything uniformly); thread 0 alone issues the copies.
+struct BulkRing {
+  uint8_t* slots;
+  uint64_t* full;
+  uint32_t slot_bytes, n_slots;
+  uint32_t issued = 0, consumed = 0;
+
+  // smem: ring_smem_bytes(n, bytes), 128-byte aligned; n <= kRingMaxStages. Contains a barrier.
+  __device__ BulkRing(uint8_t* smem, uint32_t n, uint32_t bytes)
+      : slots(smem + kRingHeader), full(reinterpret_cast<uint64_t*>(smem)), slot_bytes(bytes), n_slots(n) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0) {
+      for (uint32_t s = 0; s < n; s++) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(full + s)));
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+#endif
+    __syncthreads();
+  }
+  __device__ __forceinline__ uint32_t free_slots() const { return n_slots - (issued - consumed); }
+
+  // Copies a (na bytes) then b (nb bytes, may be 0) into the next free slot, b right after a. Sources and sizes:
+  // multiples of 16; na + nb <= slot_bytes. Only thread 0's arguments are used.
+  __device__ __forceinline__ void issue(const void* a, uint32_t na, const void* b, uint32_t nb) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0) {
+      const uint32_t slot = issued % n_slots;
+      const uint32_t bar = smem_addr(full + slot), dst = smem_addr(slots + (size_t)slot * slot_bytes);
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(na + nb) : "memory");
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   ::"r"(dst), "l"(a), "r"(na), "r"(bar) : "memory");
+      if (nb)
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(dst + na), "l"(b), "r"(nb), "r"(bar) : "memory");
+    }
+#else
+    (void)a, (void)na, (void)b, (void)nb;
+    __trap();  // the host builds no ring below sm_90
+#endif
+    issued++;
+  }
+
+  // Whether the oldest tile not yet acquired has landed (one mbarrier try_wait: it may suspend briefly).
+  __device__ __forceinline__ bool ready() const {
+    uint32_t done = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const uint32_t bar = smem_addr(full + consumed % n_slots), parity = (consumed / n_slots) & 1;
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+#endif
+    return done != 0;
+  }
+  // The oldest tile's slot (after ready()), readable by every thread that saw it ready.
+  __device__ __forceinline__ const uint8_t* oldest() const { return slots + (size_t)(consumed % n_slots) * slot_bytes; }
+  // Waits for the oldest tile not yet acquired; returns its slot, readable by every thread.
+  __device__ __forceinline__ const uint8_t* acquire() const {
+    while (!ready()) {
+    }
+    return oldest();
+  }
+
+  // Every thread is done reading the slot acquire() returned: it may be refilled.
+  __device__ __forceinline__ void release() {
+    __syncthreads();
+    consumed++;
+  }
+
+};
 #endif  // __CUDACC__
 
 }  // namespace ti::cuda

@@ -100,15 +100,23 @@ def model(request, tmp_path_factory):
     return make_llama(tmp_path_factory.mktemp(request.param), vocab=1000, **CONFIGS[request.param])
 
 
+RING = {  # the weight ring and the attention's key / value staging (docs/perf/persistent.md §7), on and off
+    "ring": dict(),
+    "noring": dict(persistent_ring=False, persistent_kv_stage=False),
+    "ring_small": dict(persistent_ring_slots=2, persistent_ring_slot_kib=1),  # rows wider than a slot: global
+}
+
+
+@pytest.mark.parametrize("ring", sorted(RING))
 @pytest.mark.parametrize("prompt_len, steps, shuffle", [
     (5, 40, 0),     # one chunk
     (60, 80, 7),    # crosses 64 (a chunk and a page edge) and 128, pages scattered
     (200, 70, 3),   # several chunks to merge, crossing 256
 ])
-def test_tokens_match_graph_and_logits_match_cpu(model, prompt_len, steps, shuffle):
+def test_tokens_match_graph_and_logits_match_cpu(model, prompt_len, steps, shuffle, ring):
     rng = np.random.default_rng(prompt_len)
     prompt = [int(t) for t in rng.integers(1, 1000, prompt_len)]
-    per = cuda(model, P.Persistent, kv_page_shuffle=shuffle)
+    per = cuda(model, P.Persistent, kv_page_shuffle=shuffle, **RING[ring])
     assert per.decode_path == P.Persistent
     graph = cuda(model, P.Graph, kv_page_shuffle=shuffle)
     assert graph.decode_path == P.Graph
@@ -203,8 +211,9 @@ def test_auto_falls_back_where_persistent_cannot_run(tmp_path):
     assert fp16.decode_path == P.Persistent and fp16.persistent_problem == ""
 
 
+@pytest.mark.parametrize("ring", sorted(RING))
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
-def test_quantized_weights_through_the_same_schedule(tmp_path, dtype):
+def test_quantized_weights_through_the_same_schedule(tmp_path, dtype, ring):
     """int8 / int4 matrices (gemv_dot.cuh's dot products; the tied-off LM head int8 under int4): tokens equal
     the graph path's, logits within the quantized engines' GPU-vs-CPU tolerance (tests/test_gpu_quant.py) of
     the CPU engine at the same format, and within 1e-3 of the graph path's."""
@@ -213,7 +222,7 @@ def test_quantized_weights_through_the_same_schedule(tmp_path, dtype):
 
     def core(path):
         return Engine(m, device="cuda", dtype=dtype, max_seq_len=400, plan_cache=False,
-                      cuda_options=options(path, kv_page_shuffle=4))._core
+                      cuda_options=options(path, kv_page_shuffle=4, **(RING[ring] if path == P.Persistent else {})))._core
 
     per, graph = core(P.Persistent), core(P.Graph)
     assert per.decode_path == P.Persistent
@@ -231,13 +240,14 @@ def test_default_is_graph():
     assert _core.CudaOptions().decode_path == P.Graph
 
 
-def test_a_wait_that_never_succeeds_is_an_error_not_a_hang(tmp_path):
+@pytest.mark.parametrize("ring", [True, False])
+def test_a_wait_that_never_succeeds_is_an_error_not_a_hang(tmp_path, ring):
     """The epoch moved ahead of the counters: no wait of the next step can succeed. The step ends after
     persistent_timeout_ms with a DeviceError naming the counter, and the engine recovers (the counters zeroed)."""
     from tinyinfer import DeviceError
 
     m = make_llama(tmp_path, hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, vocab=512)
-    core = cuda(m, P.Persistent, max_seq_len=128, persistent_timeout_ms=200)
+    core = cuda(m, P.Persistent, max_seq_len=128, persistent_timeout_ms=200, persistent_ring=ring)
     prompt = [5, 6, 7, 8]
     good, _ = greedy_run(core, prompt, 10)
     core.reset()
@@ -305,3 +315,28 @@ def test_prefetch_changes_no_number(model):
     runs = [greedy_run(cuda(model, P.Persistent, persistent_prefetch=pf), prompt, 20) for pf in (True, False)]
     assert runs[0][0] == runs[1][0]
     assert np.array_equal(runs[0][1], runs[1][1])  # no atomics on data: the step is deterministic
+
+
+def test_ring_options_are_range_checked(tmp_path):
+    from tinyinfer import InvalidRequestError
+
+    m = make_llama(tmp_path, hidden=256, intermediate=500, layers=1, heads=4, kv_heads=2, vocab=512)
+    for k, v, msg in [("persistent_ring_slots", 1, "2 to 8"), ("persistent_ring_slots", 9, "2 to 8"),
+                      ("persistent_ring_slot_kib", 0, "1 to 128"), ("persistent_ring_slot_kib", 129, "1 to 128")]:
+        with pytest.raises(InvalidRequestError, match=f"{k} must be {msg}"):
+            cuda(m, P.Persistent, max_seq_len=128, **{k: v})
+    # 8 slots of 128 KiB cannot fit a block's shared memory: a clear DeviceError, not a failed launch
+    from tinyinfer import DeviceError
+    with pytest.raises(DeviceError, match="ring plan rejected: .*shared memory"):
+        cuda(m, P.Persistent, max_seq_len=128, persistent_ring_slots=8, persistent_ring_slot_kib=128)
+
+
+@pytest.mark.parametrize("ring", [True, False])
+def test_ring_runs_are_bitwise_equal(tmp_path, ring):
+    """The ring changes where the weights come from, not the order of any sum between runs: repeatable."""
+    m = make_llama(tmp_path, hidden=256, intermediate=500, layers=2, heads=8, kv_heads=2, head_dim=64, vocab=500)
+    per = cuda(m, P.Persistent, kv_page_shuffle=3, persistent_ring=ring)
+    prompt = list(range(3, 70))
+    first = greedy_run(per, prompt, 100)
+    again = greedy_run(per, prompt, 100)
+    assert first[0] == again[0] and np.array_equal(first[1], again[1])

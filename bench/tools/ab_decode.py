@@ -2,6 +2,8 @@
     python3 bench/tools/ab_decode.py tinyllama-1.1b int4 16 "" "gemv_grid=2" "gemv_pins=qkv:2/2;down:1/2"
     python3 bench/tools/ab_decode.py tinyllama-1.1b fp16 16 "" "decode_path=persistent" \
         "decode_path=persistent,persistent_prefetch=0"          (the persistent step against the graph path)
+    python3 bench/tools/ab_decode.py tinyllama-1.1b fp16 16 "decode_path=persistent" \
+        "decode_path=persistent,persistent_ring=0"              (its weight ring on / off: docs/perf/persistent.md §7)
 Each variant is one engine (its own load-time autotune); the variants' timings are interleaved over `--rounds`
 rounds (default 3) so that drift hits all alike, and each row reports the best and the median round. `--gemv`
 also prints each variant's GEMV picks (R, grid) and their GB/s timed alone."""

@@ -102,6 +102,10 @@ void CudaEngine::init_device() {
   if (opt_.persistent_timeout_ms < 1) fail(ErrorKind::Request, "persistent_timeout_ms must be >= 1");
   if (opt_.persistent_blocks_per_sm < 1 || opt_.persistent_blocks_per_sm > 4)
     fail(ErrorKind::Request, "persistent_blocks_per_sm must be 1 to 4");
+  if (opt_.persistent_ring_slots < 2 || opt_.persistent_ring_slots > 8)
+    fail(ErrorKind::Request, "persistent_ring_slots must be 2 to 8");
+  if (opt_.persistent_ring_slot_kib < 1 || opt_.persistent_ring_slot_kib > 128)
+    fail(ErrorKind::Request, "persistent_ring_slot_kib must be 1 to 128");
   if (opt_.decode_long_from < -1) fail(ErrorKind::Request, "decode_long_from must be -1 (tuned), 0 (off) or a context");
 #ifndef TI_TRACE
   if (opt_.trace)
@@ -270,6 +274,10 @@ void CudaEngine::persistent_graph() {
       po.fused_merge = opt_.persistent_fused_merge;
       po.blocks_per_sm = opt_.persistent_blocks_per_sm;
       po.timeout_ms = opt_.persistent_timeout_ms;
+      po.ring = opt_.persistent_ring;
+      po.ring_slots = opt_.persistent_ring_slots;
+      po.ring_slot_kib = opt_.persistent_ring_slot_kib;
+      po.kv_stage = opt_.persistent_kv_stage;
       persistent_ = std::make_unique<PersistentDecode>(cfg_, *weights_, dbuf_, po, arena_, stream_);
     } catch (const Error& e) {
       if (forced || e.kind() != ErrorKind::Unsupported) throw;

@@ -14,6 +14,7 @@
 #include "../core/config.h"
 #include "decode_step.h"
 #include "device_weights.h"
+#include "persistent_ring_plan.h"
 #include "persistent_schedule.h"
 
 namespace ti {
@@ -28,6 +29,10 @@ struct PersistentOptions {
   bool fused_merge = true;  // ScheduleShape::fused_merge
   int blocks_per_sm = 2;    // the grid: min(co-resident, blocks_per_sm x SMs)
   int timeout_ms = 2000;    // a wait's bound
+  bool ring = true;         // the weight ring across task boundaries (persistent_ring_plan.h)
+  int ring_slots = 4;       // its slots per block (2..8)
+  int ring_slot_kib = 32;   // its slot size (1..128 KiB)
+  bool kv_stage = true;     // attention tasks copy their chunk's earlier keys / values before their wait
 };
 
 class PersistentDecode {
@@ -54,9 +59,14 @@ class PersistentDecode {
   int grid() const { return sched_.grid; }
   int max_coresident() const { return max_coresident_; }
   const PersistentSchedule& schedule() const { return sched_; }
+  const RingPlan& ring_plan() const { return ring_; }  // (slots 0: the ring is off)
+  bool kv_stage() const { return p_.kv_stage; }
 
  private:
+  static std::string ring_unsupported(const DeviceWeights& w);
+  void upload_ring(const DeviceWeights& w, const std::vector<cuda::PLayer>& layers, DeviceArena& arena);
   PersistentSchedule sched_;
+  RingPlan ring_;
   cuda::PersistentParams p_;
   int max_coresident_ = 0;
   size_t sync_words_ = 0;  // counters + epoch + finish + error, zeroed together

@@ -102,9 +102,11 @@ def run_prefill(core, cfg: _core.ModelConfig, lengths=(16, 256, 512, 2048), reps
 
 def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 1024, 4096), steps: int = 256,
         json_path: Optional[str] = None, out=print, prefill=(16, 256, 512, 2048), dtype: str = "fp16",
-        persistent: bool = True) -> dict:
+        persistent: bool = True, opts_spec: str = "") -> dict:
     """persistent: also build the persistent decode step (CudaOptions.decode_path = Auto) and time both passes
-    (the decode table's `tok/s` stays the graph path's; `persistent` beside it, '-' where it cannot run)."""
+    (the decode table's `tok/s` stays the graph path's; `persistent` beside it, '-' where it cannot run).
+    opts_spec: CudaOptions fields as name=value,... (bench_batch.apply_options), e.g. persistent_ring=0."""
+    from .bench_batch import apply_options
     from .engine import cuda_status
     from .errors import DeviceError
 
@@ -121,6 +123,7 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
 
         opts = _core.CudaOptions()
         opts.decode_path = _core.DecodePath.Auto if persistent else _core.DecodePath.Graph
+        apply_options(opts, opts_spec)
         eng = Engine(model, device="cuda", max_seq_len=max_seq, dtype=dtype, cuda_options=opts)
         core, cfg, name = eng._core, eng.config, str(model)
     else:
@@ -128,6 +131,7 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
         opts = _core.CudaOptions()
         opts.weights = dtype
         opts.decode_path = _core.DecodePath.Auto if persistent else _core.DecodePath.Graph
+        apply_options(opts, opts_spec)
         core = _core.CudaEngine.random(cfg, max_seq, 1, opts)
         name = shape or "tinyllama-1.1b"
     load_s = time.perf_counter() - t0

@@ -243,15 +243,15 @@ def cmd_bench(args) -> int:
         bench_batch.run(args.device, batches, shape=args.shape, model=args.model, dtype=dtype,
                         json_path=args.json, threads=args.threads, opts_spec=args.opts)
         return 0
-    if args.opts:
-        raise InvalidRequestError("--opts is for --batch runs")
+    if args.opts and cpu:
+        raise InvalidRequestError("--opts is for cuda runs")
     if cpu:
         bench.run_cpu(shape=args.shape, model=args.model, contexts=contexts, steps=steps, prefill=prefill,
                       json_path=args.json, dtype="fp32" if args.dtype == "auto" else args.dtype,
                       threads=args.threads)
     else:
         bench.run(shape=args.shape, model=args.model, contexts=contexts, steps=steps, json_path=args.json,
-                  prefill=prefill, dtype="fp16" if args.dtype == "auto" else args.dtype)
+                  prefill=prefill, dtype="fp16" if args.dtype == "auto" else args.dtype, opts_spec=args.opts)
     return 0
 
 
@@ -366,8 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated batch sizes, e.g. 1,8,32,64: batched decode tok/s (aggregate and per "
                    "sequence; prompt 128 + 128 generated) instead of the batch-1 tables")
     p.add_argument("--opts", default="",
-                   help="with --batch on cuda: CudaOptions fields as name=value,... for A/B runs, e.g. "
-                   "batch_gemv_f16_max=8,batch_gemv_quant_max=64")
+                   help="on cuda: CudaOptions fields as name=value,... for A/B runs, e.g. "
+                   "batch_gemv_f16_max=8,batch_gemv_quant_max=64 (--batch) or persistent_ring=0,"
+                   "persistent_ring_slots=6 (the decode table's persistent column)")
     p.add_argument("--json", default=None, help="write the results here")
     _add_threads_arg(p)
     p.set_defaults(func=cmd_bench)

@@ -101,7 +101,7 @@ def model(request, tmp_path_factory):
 
 
 RING = {  # the weight ring and the attention's key / value staging (docs/perf/persistent.md §7), on and off
-    "ring": dict(),
+    "ring": dict(persistent_ring=True, persistent_kv_stage=True),
     "noring": dict(persistent_ring=False, persistent_kv_stage=False),
     "ring_small": dict(persistent_ring_slots=2, persistent_ring_slot_kib=1),  # rows wider than a slot: global
 }
@@ -328,7 +328,8 @@ def test_ring_options_are_range_checked(tmp_path):
     # 8 slots of 128 KiB cannot fit a block's shared memory: a clear DeviceError, not a failed launch
     from tinyinfer import DeviceError
     with pytest.raises(DeviceError, match="ring plan rejected: .*shared memory"):
-        cuda(m, P.Persistent, max_seq_len=128, persistent_ring_slots=8, persistent_ring_slot_kib=128)
+        cuda(m, P.Persistent, max_seq_len=128, persistent_ring=True, persistent_ring_slots=8,
+             persistent_ring_slot_kib=128)
 
 
 @pytest.mark.parametrize("ring", [True, False])

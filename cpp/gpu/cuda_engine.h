@@ -97,8 +97,9 @@ struct CudaOptions {
   int persistent_blocks_per_sm = 2;    // its grid: min(co-resident, this x SMs); 1 to 4 (A/B)
   int persistent_timeout_ms = 2000;    // a counter wait that has not succeeded by then ends the step with an error
   // The weight ring across task boundaries (persistent_ring_plan.h, docs/perf/persistent.md §7): each block copies
-  // its next tasks' weight tiles into shared memory (cp.async.bulk, sm_90) before it waits on a counter.
-  bool persistent_ring = true;
+  // its next tasks' weight tiles into shared memory (cp.async.bulk, sm_90) before it waits on a counter. Off: on
+  // the H200 it made the step slower (TinyLlama fp16 1,861 against 1,238 µs without it; §7.4).
+  bool persistent_ring = false;
   int persistent_ring_slots = 4;       // slots per block: 2 to 8
   int persistent_ring_slot_kib = 32;   // slot size: 1 to 128 KiB (slots x size must fit the block's shared memory)
   bool persistent_kv_stage = true;     // attention tasks copy the earlier positions' keys / values before the wait

@@ -83,6 +83,12 @@ class SleepCore:
         self._sleep("seq_prefill", self.prefill_s * len(tokens) / 128, 1)
         self._len[slot] += len(tokens)
 
+    def seq_prefill_many(self, slots: list[int], prompts: list[list[int]]) -> None:
+        n = sum(len(p) for p in prompts)  # one batched pass: the same cost per token as one prompt's
+        self._sleep("seq_prefill", self.prefill_s * n / 128, len(slots))
+        for s, p in zip(slots, prompts):
+            self._len[s] += len(p)
+
     def seq_step(self, slots: list[int], tokens: list[int]) -> None:
         self._sleep("seq_step", self.step_s, len(slots))
         for s in slots:

@@ -1,0 +1,27 @@
+"""bench/serve_overhead.py's fake core (SleepCore) keeps the slot API the scheduler drives: its in-process
+ceiling runs to the end with every request's tokens (a scheduler change that calls a new core method must
+give the fake core that method too, or the overhead benchmark breaks unnoticed)."""
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+
+def _serve_overhead():
+    path = Path(__file__).resolve().parents[1] / "bench" / "serve_overhead.py"
+    spec = importlib.util.spec_from_file_location("serve_overhead", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ceiling_runs_every_request_to_its_max_tokens():
+    so = _serve_overhead()
+    a = SimpleNamespace(max_batch=8, step_ms=0.0, prefill_ms=0.0, sample_ms=0.0, text=True, prefill_tokens=None,
+                        seed=0, max_tokens=9, lens=[5, 40])
+    r = so.ceiling(a, 6)
+    assert r["ceiling_s"] > 0
+    calls = r["core_calls"]
+    assert calls["seq_step"] >= 8 and calls["seq_sample"] >= 9  # 9 tokens each: a prefill sample + 8 steps
+    assert calls["seq_prefill"] >= 1
+    assert abs(r["ceiling_tok_s"] * r["ceiling_s"] - 6 * 9) < 1e-6  # every request got its 9 tokens

@@ -51,7 +51,7 @@ def main() -> None:
     ev = [e for e in prof.events() if e.device_type.name == "CUDA" and "memcpy" not in e.name.lower()
           and "memset" not in e.name.lower()]
     ev.sort(key=lambda e: e.time_range.start)
-    incr, cnt = defaultdict(float), defaultdict(int)
+    incr, cnt, dur = defaultdict(float), defaultdict(float), defaultdict(float)
     gpu = 0.0
     end = ev[0].time_range.start
     for e in ev:
@@ -62,12 +62,15 @@ def main() -> None:
         incr[n] += d
         gpu += d
         cnt[n] += 1
+        dur[n] += e.time_range.end - e.time_range.start
         end = max(end, e.time_range.end)
     print(f"{shape} {dtype} batch {batch} {spec}: {wall * 1e3:.3f} ms per step (wall, seq_step + seq_sample); "
           f"GPU busy {gpu / n_prof / 1e3:.3f} ms per step under the profiler; host / idle the rest")
-    print(f"{'kernel':90s} {'n/step':>6s} {'incr us/step':>12s} {'share':>6s}")
+    # incr: how far the kernel moves the step's end; dur: its own duration (start to end, overlaps included)
+    print(f"{'kernel':90s} {'n/step':>6s} {'incr us/step':>12s} {'dur us/step':>11s} {'share':>6s}")
     for n in sorted(incr, key=lambda k: -incr[k])[:25]:
-        print(f"{n:90s} {cnt[n] / n_prof:6.0f} {incr[n] / n_prof:12.1f} {100 * incr[n] / gpu:5.1f}%")
+        print(f"{n:90s} {cnt[n] / n_prof:6.0f} {incr[n] / n_prof:12.1f} {dur[n] / n_prof:11.1f} "
+              f"{100 * incr[n] / gpu:5.1f}%")
 
 
 if __name__ == "__main__":

@@ -1,22 +1,49 @@
-"""Prefill of one prompt length on a random-weight shape, for a profiler to look at, or (--kernels) a per-kernel
-GPU-time table from torch's CUPTI profiler (it sees every kernel in the process, ours and cuBLASLt's):
+"""Prefill on a random-weight shape, for a profiler to look at, or (--kernels) a per-kernel GPU-time table from
+torch's CUPTI profiler (it sees every kernel in the process, ours and cuBLASLt's). One prompt of N tokens, or
+(--many=B) B prompts of N tokens each in one seq_prefill_many (the serving scheduler's batched prefill):
     python3 bench/tools/profile_prefill.py tinyllama-1.1b 2048 --kernels
+    python3 bench/tools/profile_prefill.py tinyllama-1.1b 128 --many=64 --kernels
     ncu --clock-control none -k regex:prefill_attn -s 200 -c 1 python3 bench/tools/profile_prefill.py tinyllama-1.1b 2048"""
 
 import sys
+import time
+
+import numpy as np
 
 from tinyinfer import _core
 from tinyinfer.bench import shape_config
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 shape, n = (args[0] if args else "tinyllama-1.1b"), int(args[1]) if len(args) > 1 else 2048
-eng = _core.CudaEngine.random(shape_config(shape), max(n, 16), 1)
-print(f"{shape} prefill {n}: {eng.time_prefill(n, 3):.3f} ms")  # (its warm-up tunes the GEMMs)
+many = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--many=")), "0"))
+cfg = shape_config(shape)
+
+if many:
+    opts = _core.CudaOptions()
+    opts.max_batch = max(opts.max_batch, many)
+    eng = _core.CudaEngine.random(cfg, max(n + 16, 256), 1, opts)
+    prompts = [np.random.default_rng(i).integers(0, cfg.vocab, n).tolist() for i in range(many)]
+
+    def run() -> float:
+        slots = [eng.seq_open() for _ in range(many)]
+        t = time.perf_counter()
+        eng.seq_prefill_many(slots, prompts)
+        dt = time.perf_counter() - t
+        for s in slots:
+            eng.seq_close(s)
+        return dt
+
+    run()  # GEMM tactics
+    print(f"{shape} prefill {many} x {n} in one seq_prefill_many: {min(run() for _ in range(3)) * 1e3:.3f} ms")
+else:
+    eng = _core.CudaEngine.random(cfg, max(n, 16), 1)
+    run = lambda: eng.time_prefill(n, 1)  # noqa: E731  (warm-up + 1 timed: 2 prefills)
+    print(f"{shape} prefill {n}: {eng.time_prefill(n, 3):.3f} ms")  # (its warm-up tunes the GEMMs)
 if "--kernels" in sys.argv:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.init()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        eng.time_prefill(n, 1)  # warm-up + 1 timed: 2 prefills
+        run()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))

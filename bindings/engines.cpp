@@ -390,6 +390,7 @@ void bind_engines(nb::module_& m) {
       .def_rw("batch_mma_max", &ti::CudaOptions::batch_mma_max)
       .def_rw("batch_mma_f16_max", &ti::CudaOptions::batch_mma_f16_max)
       .def_rw("batch_attn_span", &ti::CudaOptions::batch_attn_span)
+      .def_rw("batch_attn_heads", &ti::CudaOptions::batch_attn_heads)
       .def_rw("kv_page_size", &ti::CudaOptions::kv_page_size)
       .def_rw("kv_pool_pages", &ti::CudaOptions::kv_pool_pages)
       .def_rw("kv_page_shuffle", &ti::CudaOptions::kv_page_shuffle)

@@ -4,8 +4,10 @@
 // Latency, not bandwidth: at a few hundred positions one row's K and V of a layer are ~100 KB; what the step
 // paid (docs/perf/batch.md: ~11 us per layer at batch 8) was the chain of dependent steps per layer and a second
 // launch (the merge). So ONE launch per layer, and as few blocks per row as the work allows:
-//   grid (x: splits, y: KV head, z: row x ceil(group / 8)). A block serves one KV head of one row and up to 8
-//   query heads of its group (each K and V read once per group) over one split of `span` positions (by default
+//   grid (x: splits, y: KV head, z: row x ceil(group / G)). A block serves one KV head of one row and up to G
+//   query heads of its group (each K and V read once per block: G = 2, 4 or 8, attn_rows_heads_of: the fewest
+//   heads per block while the busy blocks fit one per SM; CudaOptions::batch_attn_heads) over one split of
+//   `span` positions (by default
 //   attn_rows_span: 256 at head dim 64, 128 up to 128, 64 above: the same span x head_dim multiply-adds per head
 //   at every head dim; 64 or 128 by CudaOptions::batch_attn_span). A row no longer than the span is one block
 //   per KV head, which writes the output itself: no partials, no merge. A longer row: each split's block writes
@@ -28,9 +30,11 @@
 //   4. O = P V: a lane per hd / 32 dims, each V row read once for all g heads, the probabilities read 4
 //      positions at a time as broadcast float4s (shuffles would be 8 per position). The 8 warps' (max, sum, O)
 //      meet in shared memory (over the K / V tiles, done with by then), combined by a thread per (head, dim).
-// Where the time goes (docs/perf/batch.md): at the default span, 8 rows of ~200 positions, ~13 us per layer
-// when the 8 heads' score chains ran one after another — steps 3-4 are serial work per block, so a span of 256 is
-// not free (hence the heads side by side in step 3, and the smaller spans as the other side of the trade).
+// Where the time goes (docs/perf/batch.md): with all 8 heads of a group in one block, 8 rows of ~200 positions
+// took ~13.6 us per layer: Nsight Compute showed each warp issuing ~3,000 instructions at one per ~8.4 cycles
+// (two warps per scheduler, latency-bound: the block's serial work, not memory) on 32 of 132 SMs. Slicing the
+// group (G < 8) divides the scores' and P V's work per block by 8 / G and multiplies the blocks by as much; the
+// K / V tiles are then read once per slice (from L2 after the first).
 #include <algorithm>
 #include <cfloat>
 
@@ -43,7 +47,7 @@ namespace ti::cuda {
 
 namespace {
 
-constexpr int kThreads = 256, kWarps = kThreads / 32, kMaxGroup = 8;
+constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kPad = 8;        // halves of padding per shared K / V row: 16-byte reads of consecutive rows
 constexpr int kMaxWords = 8;   // 16-byte K words per lane: words / lanes per position <= 8 for every span
 constexpr int kMaxDpl = 8;     // V dims per lane: hd <= 256
@@ -58,32 +62,32 @@ __device__ __forceinline__ float dot8_shared(const uint4& k, const float* q) {
   return fmaf(q1.x, kf[4], fmaf(q1.y, kf[5], fmaf(q1.z, kf[6], fmaf(q1.w, kf[7], a))));
 }
 
-__host__ __device__ constexpr size_t rows_smem_floats(int hd) {  // q_s, p_s, RoPE row (the tiles follow)
-  return (size_t)kMaxGroup * hd + (size_t)kWarps * kMaxGroup * 32 + hd;
+__host__ __device__ constexpr size_t rows_smem_floats(int hd, int G) {  // q_s, p_s, RoPE row (the tiles follow)
+  return (size_t)G * hd + (size_t)kWarps * G * 32 + hd;
 }
 
-size_t rows_smem(int hd, int span) {
-  return sizeof(float) * rows_smem_floats(hd) + 2 * sizeof(__half) * (size_t)span * (hd + kPad);
+size_t rows_smem(int hd, int span, int G) {
+  return sizeof(float) * rows_smem_floats(hd, G) + 2 * sizeof(__half) * (size_t)span * (hd + kPad);
 }
 
 // HD, SPAN: the head dim and the span as compile-time constants (the instantiations the engine's shapes take),
-// or 0: from p at run time.
-template <int HD, int SPAN>
+// or 0: from p at run time. G: query heads per block (attn_rows_heads).
+template <int HD, int SPAN, int G>
 __global__ void __launch_bounds__(kThreads) decode_attn_rows_kernel(DecodeAttnParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ int s_last;
   const int hd = HD ? HD : p.head_dim, half_d = hd / 2, words = hd / 8, row = hd + kPad;
   const int span = SPAN ? SPAN : p.rows_span ? p.rows_span : attn_rows_span(hd);
   const int ppw = span / kWarps, lpp = 32 / ppw;  // positions per warp, lanes per position
-  const int group = p.n_heads / p.n_kv_heads, nz = (group + kMaxGroup - 1) / kMaxGroup;
+  const int group = p.n_heads / p.n_kv_heads, nz = (group + G - 1) / G;
   const int rr = blockIdx.z / nz, zs = blockIdx.z - rr * nz, kvh = blockIdx.y;
-  const int hq0 = kvh * group + zs * kMaxGroup, g = min(kMaxGroup, group - zs * kMaxGroup);
+  const int hq0 = kvh * group + zs * G, g = min(G, group - zs * G);
   const int max_splits = attn_rows_max_splits(p.max_seq);
-  float* q_s = reinterpret_cast<float*>(smem_raw);   // (kMaxGroup, hd) rope(q) / sqrt(hd)
-  float* p_s = q_s + kMaxGroup * hd;                 // (kWarps, kMaxGroup, 32) probabilities
-  float* cs = p_s + kWarps * kMaxGroup * 32;         // (half_d) the position's RoPE row
+  float* q_s = reinterpret_cast<float*>(smem_raw);   // (G, hd) rope(q) / sqrt(hd)
+  float* p_s = q_s + G * hd;                 // (kWarps, G, 32) probabilities
+  float* cs = p_s + kWarps * G * 32;         // (half_d) the position's RoPE row
   float* sn = cs + half_d;
-  __half* k_s = reinterpret_cast<__half*>(q_s + rows_smem_floats(hd));  // (span, row)
+  __half* k_s = reinterpret_cast<__half*>(q_s + rows_smem_floats(hd, G));  // (span, row)
   __half* v_s = k_s + (size_t)span * row;                               // (span, row)
   float* part = reinterpret_cast<float*>(k_s);       // (kWarps, g, hd + 2) after P V: the warps' O, max, sum
 
@@ -147,60 +151,60 @@ __global__ void __launch_bounds__(kThreads) decode_attn_rows_kernel(DecodeAttnPa
     // The g heads side by side, each step for every head before the next step: 8 independent chains the warp
     // scheduler overlaps (head after head, each with its own 5-shuffle reductions, was one long dependent chain).
     // Per head the same operations in the same order: the same bits either way.
-    float x[kMaxGroup], m[kMaxGroup], l[kMaxGroup];
+    float x[G], m[G], l[G];
 #pragma unroll
-    for (int h = 0; h < kMaxGroup; h++) x[h] = 0.0f;
+    for (int h = 0; h < G; h++) x[h] = 0.0f;
 #pragma unroll
     for (int u = 0; u < kMaxWords; u++) {
       if (u < wpl && valid && j + u * lpp < words) {
         const float* qw = q_s + (j + u * lpp) * 8;
 #pragma unroll
-        for (int h = 0; h < kMaxGroup; h++)
+        for (int h = 0; h < G; h++)
           if (h < g) x[h] += dot8_shared(kw[u], qw + h * hd);
       }
     }
     for (int o = 1; o < lpp; o <<= 1)  // the position's lanes' parts
 #pragma unroll
-      for (int h = 0; h < kMaxGroup; h++)
+      for (int h = 0; h < G; h++)
         if (h < g) x[h] += __shfl_xor_sync(0xffffffffu, x[h], o);
 #pragma unroll
-    for (int h = 0; h < kMaxGroup; h++) {
+    for (int h = 0; h < G; h++) {
       x[h] = valid ? x[h] : -FLT_MAX;
       m[h] = x[h];
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)  // max over the warp's positions (warp_max, the heads interleaved)
 #pragma unroll
-      for (int h = 0; h < kMaxGroup; h++)
+      for (int h = 0; h < G; h++)
         if (h < g) m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], o));
 #pragma unroll
-    for (int h = 0; h < kMaxGroup; h++) {
+    for (int h = 0; h < G; h++) {
       x[h] = valid && h < g ? __expf(x[h] - m[h]) : 0.0f;  // (a warp without positions: m = -FLT_MAX, l = 0, O = 0)
       l[h] = j == 0 ? x[h] : 0.0f;
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)  // sum over them (warp_sum, likewise)
 #pragma unroll
-      for (int h = 0; h < kMaxGroup; h++)
+      for (int h = 0; h < G; h++)
         if (h < g) l[h] += __shfl_xor_sync(0xffffffffu, l[h], o);
 #pragma unroll
-    for (int h = 0; h < kMaxGroup; h++)
-      if (h < g && j == 0) p_s[(warp * kMaxGroup + h) * 32 + tt] = x[h];
+    for (int h = 0; h < G; h++)
+      if (h < g && j == 0) p_s[(warp * G + h) * 32 + tt] = x[h];
     __syncwarp();
 
     // ---- 4. O = P V over the warp's positions, 4 at a time ----
     const int cnt = max(0, min(ppw, n - warp * ppw));
     const __half* vb = v_s + (size_t)warp * ppw * row + lane * dpl;
-    const float* pw = p_s + warp * kMaxGroup * 32;
-    float o[kMaxGroup][kMaxDpl];
+    const float* pw = p_s + warp * G * 32;
+    float o[G][kMaxDpl];
 #pragma unroll
-    for (int h = 0; h < kMaxGroup; h++)
+    for (int h = 0; h < G; h++)
 #pragma unroll
       for (int u = 0; u < kMaxDpl; u++) o[h][u] = 0.0f;
     for (int t0 = 0; t0 < cnt; t0 += 4) {
-      float4 p4[kMaxGroup];
+      float4 p4[G];
 #pragma unroll
-      for (int h = 0; h < kMaxGroup; h++)
+      for (int h = 0; h < G; h++)
         if (h < g) p4[h] = *reinterpret_cast<const float4*>(pw + h * 32 + t0);
 #pragma unroll
       for (int q = 0; q < 4; q++) {
@@ -219,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) decode_attn_rows_kernel(DecodeAttnPa
           for (int u = 0; u < kMaxDpl; u++) vf[u] = u < dpl && lane * dpl + u < hd ? __half2float(vr[u]) : 0.0f;
         }
 #pragma unroll
-        for (int h = 0; h < kMaxGroup; h++) {
+        for (int h = 0; h < G; h++) {
           if (h >= g) continue;  // (uniform; not break: the heads' FMAs stay free to interleave)
           const float pq = q == 0 ? p4[h].x : q == 1 ? p4[h].y : q == 2 ? p4[h].z : p4[h].w;
 #pragma unroll
@@ -232,7 +236,7 @@ __global__ void __launch_bounds__(kThreads) decode_attn_rows_kernel(DecodeAttnPa
     // ---- the warps' (max, sum, O) -> the output, or this split's partial (+ the merge by the last split) ----
     __syncthreads();  // every warp is done with the K and V tiles: `part` lies over them
 #pragma unroll
-    for (int h = 0; h < kMaxGroup; h++) {
+    for (int h = 0; h < G; h++) {
       if (h >= g) break;
       float* ws = part + (size_t)(warp * g + h) * (hd + 2);
 #pragma unroll
@@ -296,20 +300,26 @@ __global__ void __launch_bounds__(kThreads) decode_attn_rows_kernel(DecodeAttnPa
   }
 }
 
-// Splits per block row: about 4 blocks per SM over all rows and heads, each looping over its row's splits.
-int rows_grid_x(int splits, int blocks_per_split) {
+int sm_count() {
   static int sms = [] {
     int dev = 0, n = 0;
     TI_CUDA_CHECK(cudaGetDevice(&dev));
     TI_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
     return n;
   }();
-  return std::max(1, std::min(splits, (4 * sms + blocks_per_split - 1) / blocks_per_split));
+  return sms;
+}
+
+// Splits per block row: about 4 blocks per SM over all rows and heads, each looping over its row's splits.
+int rows_grid_x(int splits, int blocks_per_split) {
+  return std::max(1, std::min(splits, (4 * sm_count() + blocks_per_split - 1) / blocks_per_split));
 }
 
 template <int HD, int SPAN>
-void launch_rows(const DecodeAttnParams& p, dim3 grid, size_t smem, cudaStream_t s, bool pdl) {
-  launch_attention<decode_attn_rows_kernel<HD, SPAN>>(p, grid, dim3(kThreads), smem, s, pdl);
+void launch_rows(const DecodeAttnParams& p, int G, dim3 grid, size_t smem, cudaStream_t s, bool pdl) {
+  if (G == 2) launch_attention<decode_attn_rows_kernel<HD, SPAN, 2>>(p, grid, dim3(kThreads), smem, s, pdl);
+  else if (G == 4) launch_attention<decode_attn_rows_kernel<HD, SPAN, 4>>(p, grid, dim3(kThreads), smem, s, pdl);
+  else launch_attention<decode_attn_rows_kernel<HD, SPAN, 8>>(p, grid, dim3(kThreads), smem, s, pdl);
 }
 
 }  // namespace
@@ -323,23 +333,38 @@ int attn_rows_span_of(const DecodeAttnParams& p) {
   return span;
 }
 
+int attn_rows_heads_of(const DecodeAttnParams& p, int n_rows) {
+  if (p.rows_heads != 0 && p.rows_heads != 2 && p.rows_heads != 4 && p.rows_heads != 8)
+    fail(ErrorKind::Request, "batch_attn_heads " + std::to_string(p.rows_heads) + " must be 0 (auto), 2, 4 or 8");
+  if (p.rows_heads) return p.rows_heads;
+  // Auto: the fewest heads per block (the shortest serial work per block, the most blocks) while the busy
+  // blocks fit one per SM. Measured (H200, TinyLlama: 4 KV heads of 8, ms per batched step, docs/perf/batch.md):
+  // 8 rows 2 heads 1.235 / 4 1.242 / 8 1.356 (128, 64, 32 blocks); 32 rows 1.710 / 1.496 / 1.457 (512, 256,
+  // 128): past one block per SM the slices run in waves and cost more than the shorter blocks save.
+  const int group = p.n_heads / p.n_kv_heads;
+  for (int G : {2, 4})
+    if ((int64_t)n_rows * p.n_kv_heads * ((group + G - 1) / G) <= sm_count()) return G;
+  return 8;
+}
+
 void decode_attention_rows(const DecodeAttnParams& p, int n_rows, cudaStream_t s, bool pdl) {
   check_decode_attn(p);
-  const int per_row = (p.n_heads / p.n_kv_heads + kMaxGroup - 1) / kMaxGroup, nz = n_rows * per_row;
+  const int G = attn_rows_heads_of(p, n_rows);
+  const int per_row = (p.n_heads / p.n_kv_heads + G - 1) / G, nz = n_rows * per_row;
   if (n_rows < 1 || nz > 65535 || !p.row_pos || !p.row_slot || !p.tickets || p.table_stride < 1)
     fail(ErrorKind::Request, "decode_attention_rows: needs 1.." + std::to_string(65535 / per_row) +
                                  " rows, row_pos, row_slot, tickets and table_stride");
   const int span = attn_rows_span_of(p);
   const int gx = p.grid_x > 0 ? p.grid_x : rows_grid_x((p.max_seq + span - 1) / span, p.n_kv_heads * nz);
   const dim3 grid(gx, p.n_kv_heads, nz);
-  const size_t smem = rows_smem(p.head_dim, span);
+  const size_t smem = rows_smem(p.head_dim, span, G);
   const int hd = p.head_dim;
-  if (hd == 64 && span == 256) launch_rows<64, 256>(p, grid, smem, s, pdl);
-  else if (hd == 64 && span == 128) launch_rows<64, 128>(p, grid, smem, s, pdl);
-  else if (hd == 64) launch_rows<64, 64>(p, grid, smem, s, pdl);
-  else if (hd == 128 && span == 128) launch_rows<128, 128>(p, grid, smem, s, pdl);
-  else if (hd == 128) launch_rows<128, 64>(p, grid, smem, s, pdl);
-  else launch_rows<0, 0>(p, grid, smem, s, pdl);
+  if (hd == 64 && span == 256) launch_rows<64, 256>(p, G, grid, smem, s, pdl);
+  else if (hd == 64 && span == 128) launch_rows<64, 128>(p, G, grid, smem, s, pdl);
+  else if (hd == 64) launch_rows<64, 64>(p, G, grid, smem, s, pdl);
+  else if (hd == 128 && span == 128) launch_rows<128, 128>(p, G, grid, smem, s, pdl);
+  else if (hd == 128) launch_rows<128, 64>(p, G, grid, smem, s, pdl);
+  else launch_rows<0, 0>(p, G, grid, smem, s, pdl);
 }
 
 }  // namespace ti::cuda

@@ -175,7 +175,8 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
 PATHS = {"small_n": dict(batch_mma_max=0, batch_gemv_f16_max=64, batch_gemv_quant_max=64),
          "cublaslt": dict(batch_mma_max=0, batch_gemv_f16_max=1, batch_gemv_quant_max=1),
          "mma": dict(batch_mma_max=64, batch_mma_f16_max=64),
-         "span64": dict(batch_attn_span=64)}
+         "span64": dict(batch_attn_span=64),
+         "heads8": dict(batch_attn_heads=8)}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -449,6 +450,7 @@ def test_sampling_a_slot_alone_or_in_a_batch(model):
     ("batch_mma_f16_max", 65, "batch_mma_f16_max must be in 0..64, got 65"),
     ("batch_attn_span", 96, "batch_attn_span 96 must be 64, 128 or 256 and at most 256 at head dim 64"),
     ("batch_attn_span", 512, "batch_attn_span 512 must be"),
+    ("batch_attn_heads", 3, "batch_attn_heads 3 must be 0"),
 ])
 def test_bad_batch_path_options_are_clear_errors(field, value, match):
     from tinyinfer.bench import shape_config

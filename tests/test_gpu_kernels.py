@@ -242,20 +242,20 @@ def _rows_case(group, hd, lengths, page_size, max_seq, n_kv=2, seed=0):
                 row_slot=row_slot, n_heads=n_heads, caches=caches, spare=ids[used:])
 
 
-def _attention_rows(c, rows=None, grid_x=0, span=0):
+def _attention_rows(c, rows=None, grid_x=0, span=0, heads=0):
     """ops.decode_attention_rows on case c (rows: a subset of its rows, in this order); the pools updated in place."""
     rows = np.arange(len(c["row_pos"])) if rows is None else np.asarray(rows)
     return np.asarray(_core.ops.decode_attention_rows(
         np.ascontiguousarray(c["qkv"][rows]), c["kp"], c["vp"], c["tables"], c["cos"], c["sin"],
         np.ascontiguousarray(c["row_pos"][rows]), np.ascontiguousarray(c["row_slot"][rows]), c["n_heads"], grid_x,
-        span))
+        span, heads))
 
 
-def _check_attention_rows(group, hd, lengths, page_size=64, max_seq=1024 + 37, grid_x=0, span=0):
+def _check_attention_rows(group, hd, lengths, page_size=64, max_seq=1024 + 37, grid_x=0, span=0, heads=0):
     c = _rows_case(group, hd, lengths, page_size, max_seq)
     kp, vp, n_heads = c["kp"], c["vp"], c["n_heads"]
     spare_k, spare_v = kp[c["spare"]].copy(), vp[c["spare"]].copy()
-    out = _attention_rows(c, grid_x=grid_x, span=span)
+    out = _attention_rows(c, grid_x=grid_x, span=span, heads=heads)
     assert out.shape == (len(lengths), n_heads * hd)
     np.testing.assert_array_equal(kp[c["spare"]], spare_k)
     np.testing.assert_array_equal(vp[c["spare"]], spare_v)
@@ -292,6 +292,25 @@ def test_decode_attention_rows_smaller_spans(hd, span, group):
     _check_attention_rows(group, hd, _rows_lengths(hd, span), span=span, grid_x=1, page_size=16)
 
 
+@pytest.mark.parametrize("heads", [2, 4, 8])
+@pytest.mark.parametrize("hd, group", [(64, 1), (64, 3), (64, 8), (96, 7), (128, 4), (128, 16), (256, 5)])
+def test_decode_attention_rows_heads_per_block(hd, group, heads):
+    """CudaOptions::batch_attn_heads: a KV head's group in slices of 2 / 4 / 8 query heads per block (the last
+    slice partial when the group is not a multiple), with splits and merges (span 64) and without."""
+    _check_attention_rows(group, hd, _rows_lengths(hd), heads=heads)
+    _check_attention_rows(group, hd, _rows_lengths(hd, 64), span=64, heads=heads, page_size=16)
+
+
+@pytest.mark.parametrize("hd, group", [(64, 8), (128, 7)])
+def test_decode_attention_rows_same_bits_at_any_heads_per_block(hd, group):
+    """Each head's operations do not depend on which other heads share its block: the slices give the same bits
+    as the whole group (auto, 2, 4, 8), so a bucket's choice never changes a sequence's tokens."""
+    c = _rows_case(group, hd, _rows_lengths(hd), 64, 1024 + 37)
+    ref = _attention_rows(c, heads=8)
+    for heads in (0, 2, 4):
+        np.testing.assert_array_equal(_attention_rows(c, heads=heads), ref)
+
+
 @pytest.mark.parametrize("grid_x", [1, 2])
 def test_decode_attention_rows_blocks_loop_over_splits(grid_x):
     """A grid narrower than the longest row's splits (as for large buckets): each block takes several splits."""
@@ -324,6 +343,8 @@ def test_decode_attention_rows_bad_input_is_a_clear_error():
         _attention_rows(c128, span=256)
     with pytest.raises(InvalidRequestError, match="batch_attn_span 96 must be"):
         _attention_rows(c, span=96)
+    with pytest.raises(InvalidRequestError, match=r"batch_attn_heads 3 must be 0 \(auto\), 2, 4 or 8"):
+        _attention_rows(c, heads=3)
     with pytest.raises(InvalidRequestError, match="is not a page of a pool"):
         tables = c["tables"].copy()
         tables[c["row_slot"][1], 1] = -1

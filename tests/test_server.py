@@ -527,7 +527,8 @@ def test_serve_without_fastapi_says_how_to_install():
 @pytest.mark.parametrize("args,msg", [(["--port", "70000"], "--port"), (["--max-batch", "0"], "--max-batch"),
                                       (["--served-model-name", " "], "--served-model-name"),
                                       (["--chunk-tokens", "0"], "--chunk-tokens"),
-                                      (["--stream-interval", "0"], "--stream-interval")])
+                                      (["--stream-interval", "0"], "--stream-interval"),
+                                      (["--switch-interval-ms", "0"], "--switch-interval-ms")])
 def test_serve_bad_arguments_refused_before_loading(args, msg):
     p = subprocess.run([sys.executable, "-m", "tinyinfer", "serve", "--model", "/nonexistent", *args],
                        capture_output=True, text=True, timeout=120)

@@ -2,7 +2,7 @@
 torch's CUPTI profiler (it sees every kernel in the process, ours and cuBLASLt's). One prompt of N tokens, or
 (--many=B) B prompts of N tokens each in one seq_prefill_many (the serving scheduler's batched prefill):
     python3 bench/tools/profile_prefill.py tinyllama-1.1b 2048 --kernels
-    python3 bench/tools/profile_prefill.py tinyllama-1.1b 128 --many=64 --kernels
+    python3 bench/tools/profile_prefill.py tinyllama-1.1b 128 --many=16 --kernels [--max-seq=2048]
     ncu --clock-control none -k regex:prefill_attn -s 200 -c 1 python3 bench/tools/profile_prefill.py tinyllama-1.1b 2048"""
 
 import sys
@@ -16,12 +16,14 @@ from tinyinfer.bench import shape_config
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 shape, n = (args[0] if args else "tinyllama-1.1b"), int(args[1]) if len(args) > 1 else 2048
 many = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--many=")), "0"))
+# the engine's max_seq_len (2048 by default, as a server's): a pass is min(prefill_chunk, max_seq_len) rows
+max_seq = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--max-seq=")), "2048"))
 cfg = shape_config(shape)
 
 if many:
     opts = _core.CudaOptions()
     opts.max_batch = max(opts.max_batch, many)
-    eng = _core.CudaEngine.random(cfg, max(n + 16, 256), 1, opts)
+    eng = _core.CudaEngine.random(cfg, max(n + 16, max_seq), 1, opts)
     prompts = [np.random.default_rng(i).integers(0, cfg.vocab, n).tolist() for i in range(many)]
 
     def run() -> float:

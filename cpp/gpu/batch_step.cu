@@ -154,6 +154,7 @@ cuda::DecodeAttnParams BatchStep::attn_params(int64_t layer) const {
   a.row_slot = b_.slot;
   a.tickets = b_.attn_tickets;
   a.rows_span = o_.attn_span;
+  a.rows_heads = o_.attn_heads;
   a.table_stride = b_.table_stride;
   a.ld_qkv = b_.ld_qkv;
   a.ld_out = w_.ld_q;

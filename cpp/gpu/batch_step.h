@@ -58,6 +58,7 @@ struct BatchStepOptions {
   int f16_max = 1;    // fp16 products of up to this many rows take the small-N GEMV, larger ones cuBLASLt
   int quant_max = 4;  // int8 / int4 likewise; larger: dequantized into the fp16 staging, then cuBLASLt
   int attn_span = 0;  // positions per attention block (CudaOptions::batch_attn_span; 0: the head dim's default)
+  int attn_heads = 0;  // query heads per attention block (CudaOptions::batch_attn_heads; 0: by the bucket)
 };
 
 class BatchStep {

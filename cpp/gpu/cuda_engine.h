@@ -78,8 +78,13 @@ struct CudaOptions {
   // Positions per block of the batched step's attention (cuda/attention_rows.cu): 0 (default) 256 at head dim 64,
   // 128 up to 128, 64 above — a row that long is one block per KV head, no merge; 64 or 128: more, shorter blocks
   // and an in-kernel merge. Measured (H200, TinyLlama fp16, docs/perf/batch.md): the default at 8 rows takes
-  // ~13 us per layer, a chain of serial work per block; the smaller spans are for the A/B, not yet measured.
+  // ~13 us per layer, a chain of serial work per block; the smaller spans measured no better at 8 rows and worse
+  // at 32 (more blocks in waves at one block per SM).
   int batch_attn_span = 0;
+  // Query heads per block of that attention: 2, 4 or 8 (a KV head's group split into slices of that many, each
+  // its own block re-reading the K / V tile from L2), 0 (default): the fewest while the busy blocks fit one per
+  // SM (cuda/attention_rows.cu). All 8 of a group in one block was latency-bound (docs/perf/batch.md).
+  int batch_attn_heads = 0;
   // The paged KV cache (kv_pages.h), shared by the single sequence and the slots:
   int kv_page_size = 64;               // positions per page: a power of two, >= 64 and >= attn_chunk
   // Pages in the pool. 0: enough for max_batch sequences of max_seq_len, but at most half the device memory

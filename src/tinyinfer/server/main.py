@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "pass; the A/B reference)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests allowed to wait for a slot; beyond it: 503 with Retry-After (default 1024)")
+    p.add_argument("--switch-interval-ms", type=float, default=0.2,
+                   help="Python's thread switch interval (sys.setswitchinterval; default 0.2 ms, Python's own is 5): "
+                        "how long the scheduler may wait for the GIL after a GPU call while the HTTP loop holds it")
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: --model as given, or SmolLM2-135M-Instruct)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -49,6 +52,8 @@ def check_arguments(args) -> None:
     for flag, v in (("--chunk-tokens", args.chunk_tokens), ("--stream-interval", args.stream_interval)):
         if v is not None and v < 1:
             raise InvalidRequestError(f"{flag} must be >= 1 (got {v})")
+    if not 0.01 <= args.switch_interval_ms <= 100:
+        raise InvalidRequestError(f"--switch-interval-ms must be in 0.01..100 (got {args.switch_interval_ms})")
     if args.max_waiting < 0:
         raise InvalidRequestError(f"--max-waiting must be >= 0 (got {args.max_waiting})")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -73,6 +78,11 @@ def serve(args, engine_factory) -> int:
     api_key = args.api_key if args.api_key is not None else (os.environ.get("TINYINFER_API_KEY") or None)
     name = args.served_model_name or args.model or DEFAULT_MODEL
     engine = engine_factory(args)
+    # The scheduler's thread releases the GIL in every GPU call and must take it back to go on; with Python's 5
+    # ms switch interval a busy event loop (64 streams) holds it that long each time. Measured in-process on the
+    # H200 (bench/tools/trace_scheduler.py, docs/perf/serve.md): core calls that take ~8 ms on the GPU returned
+    # after ~20 ms.
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
     scheduler = Scheduler(engine, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
                           max_waiting=args.max_waiting, batched_prefill=args.batched_prefill)
     app = create_app(engine, scheduler, model_name=name, api_key=api_key, stream_interval=args.stream_interval)

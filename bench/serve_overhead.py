@@ -176,6 +176,20 @@ def ceiling(a, clients: int) -> dict:
             "overhead_ms_per_step": max(wall - core.busy_s, 0.0) * 1e3 / steps}
 
 
+def raw_loop(a, rows: int) -> float:
+    """The device idle per step (ms) of the bare loop over the fake core, no scheduler (bench --batch's: seq_step
+    + seq_sample, the tokens fed back): the fake core's own floor (its sleeps overshoot, the calls cost)."""
+    core = SleepCore(max_batch=a.max_batch, step_ms=a.step_ms, prefill_ms=a.prefill_ms, sample_ms=a.sample_ms)
+    slots = [core.seq_open() for _ in range(min(rows, a.max_batch))]
+    core.seq_prefill_many(slots, [[1] * 8] * len(slots))
+    t, busy = time.perf_counter(), core.busy_s
+    toks = core.seq_sample(slots, [None] * len(slots), [0] * len(slots), 0)[0]
+    for i in range(1, a.max_tokens):
+        core.seq_step(slots, toks.tolist())
+        toks = core.seq_sample(slots, [None] * len(slots), [i] * len(slots), 0)[0]
+    return (time.perf_counter() - t - (core.busy_s - busy)) * 1e3 / a.max_tokens
+
+
 def serve(a) -> None:
     """The server process: the real app over the fake core on 127.0.0.1:--port."""
     import logging
@@ -283,12 +297,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.ceiling_only:
         print(f"serve_overhead: fake core {a.step_ms} ms/step + {a.sample_ms} ms/sample; prompts {a.lens}, "
               f"{a.max_tokens} out{', no overlap' if a.no_overlap else ''}")
-        print(f"{'requests':>8} {'tok/s':>9} {'device':>9} {'ratio':>6} {'overhead ms/step':>17}")
+        print(f"{'requests':>8} {'tok/s':>9} {'device':>9} {'ratio':>6} {'overhead ms/step':>17} "
+              f"{'bare loop':>9}")
         for c in levels:
             r = max((ceiling(a, c * a.rounds) for _ in range(a.repeat)), key=lambda r: r["ceiling_tok_s"])
+            r["raw_overhead_ms_per_step"] = min(raw_loop(a, c * a.rounds) for _ in range(a.repeat))
             rows.append(r)
             print(f"{c * a.rounds:>8} {r['ceiling_tok_s']:>9.0f} {r['device_tok_s']:>9.0f} "
-                  f"{r['ceiling_tok_s'] / r['device_tok_s']:>6.2f} {r['overhead_ms_per_step']:>17.3f}")
+                  f"{r['ceiling_tok_s'] / r['device_tok_s']:>6.2f} {r['overhead_ms_per_step']:>17.3f} "
+                  f"{r['raw_overhead_ms_per_step']:>9.3f}")
         write_json(a, rows)
         return 0
     proc, url = start(a, argv)  # the server ignores the client-side flags

@@ -403,6 +403,8 @@ class Scheduler:
         back to the queue (youngest first; they have shown nothing yet, so starting over later is invisible);
         if that is not enough, the youngest of those sequences end with KvCacheFullError."""
         needy = [s for s in stepping if s.length % self._page_size == 0]
+        if not needy:  # (the common case: no page opens; nothing to count)
+            return stepping
         free = int(core.kv_pages_free) - self._owed()
         while len(needy) > free:
             back = next((s for s in reversed(self._running) if s.prefilling), None)
@@ -429,7 +431,9 @@ class Scheduler:
 
     def _admit(self, core, decode_pages: int) -> None:
         ps = self._page_size
-        if self._waiting and int(core.position) > 0:
+        if not self._waiting:  # (read without the lock: a request queued meanwhile waits for the next step)
+            return
+        if int(core.position) > 0:
             # the single-sequence path's cache (the GPU engine's shares the pool) is dead once its call has
             # returned (every call starts with reset()): give its pages back before asking for more
             core.reset()

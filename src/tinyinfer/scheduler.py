@@ -38,6 +38,7 @@ issued after it on the one stream, may reuse) and nothing is ever sampled from t
 same as without overlap: the sampling counter is len(generated) either way, every row's computation identical.
 A launch that fails with a TinyInferError launches nothing (step 3 meets the error again and pins it on its
 requests); anything else ends the requests of that call and is re-raised after the deltas of the others.
+(The CPU engine's seq_step computes before it returns: there nothing overlaps, only the order changes.)
 
 Decode out of KV pages: running sequences come first; admitted requests still in their prompt go back to the
 queue (they have shown nothing); if that is not enough, the youngest of the sequences that need a page end

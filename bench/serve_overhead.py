@@ -6,14 +6,18 @@ real Scheduler over a fake core whose calls only sleep, driven by serve_bench's 
     python bench/serve_overhead.py --profile /tmp/serve.prof        # cProfile of the server's event loop thread
 
 The fake core (SleepCore) implements the slot API of the CPU / CUDA engines (seq_open / close / length /
-prefill / step / sample, kv_pages_*, max_batch) and sleeps a fixed time per call, GIL released as the real
-cores do: --step-ms per seq_step (whatever the batch: a batched decode step on the GPU costs about the same for
-1..64 rows), --prefill-ms per 128 prompt tokens, --sample-ms per seq_sample. Defaults model TinyLlama-1.1B fp16 on
-an H200 (bench --batch 64: 1.81 ms per seq_step + seq_sample). It returns fixed tokens (no EOS: every request
-runs to max_tokens).
+prefill / step / sample, kv_pages_*, max_batch) and models the device's time as the CUDA engine spends it, GIL
+released as the real cores do: --step-ms per seq_step (whatever the batch: a batched decode step on the GPU costs
+about the same for 1..64 rows), --prefill-ms per 128 prompt tokens, --sample-ms per seq_sample. As on the GPU,
+seq_step only launches: it waits for the device to be free (the engine's sync at its start), books the step on the
+device's timeline and returns; seq_sample and the prefills wait for the device, then sleep their own time (they
+sync at their end). So the scheduler's Python between a launch and the next sync is hidden, as on the GPU.
+Defaults model TinyLlama-1.1B fp16 on an H200 (bench --batch 64: 1.81 ms per seq_step + seq_sample). It returns
+fixed tokens (no EOS: every request runs to max_tokens).
 
 The ceiling is the same scheduler driven in-process with no HTTP (every request submitted at once, steps until
-idle): what the core alone allows for this shape. The server runs in a subprocess (its event loop and scheduler
+idle); beside it, the fake device's busy time and the scheduler's overhead per decode step (the device idle, ms per
+seq_sample: what `tinyinfer bench --batch B`'s raw loop does not pay). The server runs in a subprocess (its event loop and scheduler
 thread do not share a GIL with the clients); `server / ceiling` is the figure of issue 18's target (>= 80%).
 """
 
@@ -53,12 +57,29 @@ class SleepCore:
         self._len: dict[int, int] = {}
         self.calls = {"seq_step": 0, "seq_prefill": 0, "seq_sample": 0}
         self.trace: list[tuple[float, float, str, int]] = []  # (start, end, call, rows): --trace
+        self.free_at = 0.0  # perf_counter() when the device has run all that was launched
+        self.busy_s = 0.0  # the device's time in all
+
+    def _wait(self) -> float:
+        """The host waits for the device (a stream sync); returns now."""
+        t = time.perf_counter()
+        if self.free_at > t:
+            time.sleep(self.free_at - t)
+            t = time.perf_counter()
+        return t
+
+    def _launch(self, name: str, s: float, rows: int) -> None:
+        """Work queued on the device: it runs from when the device is free; the host goes on."""
+        self.calls[name] += 1
+        t = max(time.perf_counter(), self.free_at)
+        self.free_at = t + s
+        self.busy_s += s
+        self.trace.append((t, self.free_at, name, rows))
 
     def _sleep(self, name: str, s: float, rows: int) -> None:
-        self.calls[name] += 1
-        t = time.perf_counter()
-        time.sleep(s)
-        self.trace.append((t, time.perf_counter(), name, rows))
+        """Work the host waits for (launched, then synced)."""
+        self._launch(name, s, rows)
+        self._wait()
 
     @property
     def kv_pages_free(self) -> int:
@@ -90,7 +111,8 @@ class SleepCore:
             self._len[s] += len(p)
 
     def seq_step(self, slots: list[int], tokens: list[int]) -> None:
-        self._sleep("seq_step", self.step_s, len(slots))
+        self._wait()  # the CUDA engine syncs first (its pinned row buffer), launches, and returns
+        self._launch("seq_step", self.step_s, len(slots))
         for s in slots:
             self._len[s] += 1
 
@@ -127,6 +149,8 @@ def make_scheduler(a, engine):
     from tinyinfer.scheduler import Scheduler
 
     kw = {} if a.prefill_tokens is None else {"chunk_tokens": a.prefill_tokens}
+    if getattr(a, "no_overlap", False):
+        kw["overlap"] = False
     return Scheduler(engine, max_batch=a.max_batch, max_waiting=100000, **kw)
 
 
@@ -144,8 +168,26 @@ def ceiling(a, clients: int) -> dict:
         pass
     wall = time.perf_counter() - t
     sched.close()
+    core = eng._core
     tokens = sum(len(r.result().token_ids) for r in reqs)
-    return {"ceiling_tok_s": tokens / wall, "ceiling_s": wall, "core_calls": dict(eng._core.calls)}
+    steps = max(core.calls["seq_sample"], 1)
+    return {"ceiling_tok_s": tokens / wall, "ceiling_s": wall, "core_calls": dict(core.calls),
+            "device_tok_s": tokens / core.busy_s if core.busy_s else 0.0,
+            "overhead_ms_per_step": max(wall - core.busy_s, 0.0) * 1e3 / steps}
+
+
+def raw_loop(a, rows: int) -> float:
+    """The device idle per step (ms) of the bare loop over the fake core, no scheduler (bench --batch's: seq_step
+    + seq_sample, the tokens fed back): the fake core's own floor (its sleeps overshoot, the calls cost)."""
+    core = SleepCore(max_batch=a.max_batch, step_ms=a.step_ms, prefill_ms=a.prefill_ms, sample_ms=a.sample_ms)
+    slots = [core.seq_open() for _ in range(min(rows, a.max_batch))]
+    core.seq_prefill_many(slots, [[1] * 8] * len(slots))
+    t, busy = time.perf_counter(), core.busy_s
+    toks = core.seq_sample(slots, [None] * len(slots), [0] * len(slots), 0)[0]
+    for i in range(1, a.max_tokens):
+        core.seq_step(slots, toks.tolist())
+        toks = core.seq_sample(slots, [None] * len(slots), [i] * len(slots), 0)[0]
+    return (time.perf_counter() - t - (core.busy_s - busy)) * 1e3 / a.max_tokens
 
 
 def serve(a) -> None:
@@ -208,6 +250,12 @@ def start(a, argv: list[str]) -> tuple[subprocess.Popen, str]:
     raise SystemExit("serve_overhead: the server did not come up in 60 s")
 
 
+def write_json(a, rows: list[dict]) -> None:
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": {k: v for k, v in vars(a).items() if k != "serve"},
+                                            "levels": rows}, indent=1))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -228,6 +276,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
                     help="uvicorn's event loop (auto: uvloop when installed, as tinyinfer serve)")
     ap.add_argument("--text", action="store_true", help="give the engine a one-character-per-token tokenizer")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="Scheduler(overlap=False): no decode step launched before a step's per-token work (A/B)")
+    ap.add_argument("--ceiling-only", action="store_true",
+                    help="only the in-process ceiling (no server, no HTTP): the scheduler's overhead per step")
     ap.add_argument("--repeat", type=int, default=3, help="runs per level; the best is reported (default 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", default=None, help="cProfile the server's main thread into this file")
@@ -241,14 +293,28 @@ def main(argv: Optional[list[str]] = None) -> int:
         serve(a)
         return 0
     levels = serve_bench._ints(a.concurrency, "--concurrency")
-    proc, url = start(a, argv)  # the server ignores the client-side flags
     rows = []
+    if a.ceiling_only:
+        print(f"serve_overhead: fake core {a.step_ms} ms/step + {a.sample_ms} ms/sample; prompts {a.lens}, "
+              f"{a.max_tokens} out{', no overlap' if a.no_overlap else ''}")
+        print(f"{'requests':>8} {'tok/s':>9} {'device':>9} {'ratio':>6} {'overhead ms/step':>17} "
+              f"{'bare loop':>9}")
+        for c in levels:
+            r = max((ceiling(a, c * a.rounds) for _ in range(a.repeat)), key=lambda r: r["ceiling_tok_s"])
+            r["raw_overhead_ms_per_step"] = min(raw_loop(a, c * a.rounds) for _ in range(a.repeat))
+            rows.append(r)
+            print(f"{c * a.rounds:>8} {r['ceiling_tok_s']:>9.0f} {r['device_tok_s']:>9.0f} "
+                  f"{r['ceiling_tok_s'] / r['device_tok_s']:>6.2f} {r['overhead_ms_per_step']:>17.3f} "
+                  f"{r['raw_overhead_ms_per_step']:>9.3f}")
+        write_json(a, rows)
+        return 0
+    proc, url = start(a, argv)  # the server ignores the client-side flags
     try:
         for c in sorted({1, *levels}):  # warm-up as serve_bench's
             asyncio.run(serve_bench.run_level(url, "bench", c, 1, a.lens, 4, a.seed - 1))
         print(f"serve_overhead: fake core {a.step_ms} ms/step + {a.sample_ms} ms/sample, prefill {a.prefill_ms} ms "
               f"per 128 tokens; prompts {a.lens}, {a.max_tokens} out, {a.rounds} per client")
-        print(f"{'clients':>7} {'tok/s':>9} {'ceiling':>9} {'ratio':>6} {'wall s':>7} {'cpu us/tok':>10} "
+        print(f"{'clients':>7} {'tok/s':>9} {'ceiling':>9} {'ratio':>6} {'/device':>7} {'wall s':>7} {'cpu us/tok':>10} "
               f"{'tok/chunk':>9} {'client cpu':>10} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8}  (ms)")
         for c in levels:
             best = None
@@ -264,7 +330,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             r["ratio"] = r["output_tok_s"] / r["ceiling_tok_s"]
             rows.append(r)
             print(f"{c:>7} {r['output_tok_s']:>9.0f} {r['ceiling_tok_s']:>9.0f} {r['ratio']:>6.2f} "
-                  f"{r['wall_s']:>7.3f} {r['server_cpu_us_per_token']:>10.1f} {r['tokens_per_chunk']:>9.2f} {r['client_cpu']:>9.0%} "
+                  f"{r['output_tok_s'] / r['device_tok_s']:>7.2f} {r['wall_s']:>7.3f} {r['server_cpu_us_per_token']:>10.1f} {r['tokens_per_chunk']:>9.2f} {r['client_cpu']:>9.0%} "
                   f"{r['ttft_ms']['p50']:>9.1f} {r['ttft_ms']['p99']:>8.1f} "
                   f"{r['itl_ms']['p50']:>8.2f} {r['itl_ms']['p99']:>8.2f}"
                   + (f"  {r['failed']} failed: {r['errors'][0]}" if r["failed"] else ""))
@@ -274,9 +340,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    if a.json:
-        Path(a.json).write_text(json.dumps({"args": {k: v for k, v in vars(a).items() if k != "serve"},
-                                            "levels": rows}, indent=1))
+    write_json(a, rows)
     return 1 if any(r["failed"] for r in rows) else 0
 
 

@@ -460,3 +460,34 @@ def test_bad_batch_path_options_are_clear_errors(field, value, match):
     with pytest.raises(InvalidRequestError, match=match):
         _core.CudaEngine.random(shape_config("smollm2-135m"), 256, 1, o)
 
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "int4"])
+def test_scheduler_overlap_gives_the_same_tokens(model, fmt):
+    """The scheduler launching each next decode step before its per-token work (overlap) and not: the same tokens,
+    greedy and seeded, with requests joining while others are stepped ahead and one cancelled while its launched
+    step is in flight (its slot closed under it, then opened and prefilled for the next request); the pool empty
+    after either."""
+    from tinyinfer import SamplingParams, Scheduler
+
+    eng = gpu_engine(model, fmt)
+    ps = prompts(12, seed=3)
+    sps = [SamplingParams(max_tokens=3 + 5 * (i % 4), temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True)
+           for i in range(12)]
+    out = {}
+    for overlap in (True, False):
+        if eng._scheduler is not None:
+            eng._scheduler.close()
+        sched = Scheduler(eng, overlap=overlap, max_batch=min(8, int(eng._core.max_batch)), chunk_tokens=256)
+        reqs = [sched.submit(p, sp) for p, sp in zip(ps[:6], sps[:6])]
+        for _ in range(3):
+            sched.step()
+        reqs[1].cancel()
+        reqs += [sched.submit(p, sp) for p, sp in zip(ps[6:], sps[6:])]
+        while sched.step():
+            pass
+        out[overlap] = [(r.result().token_ids, r.result().finish_reason) for r in reqs]
+        sched.close()
+        assert eng._core.kv_pages_free == eng._core.kv_pages_total
+    assert out[True] == out[False]
+    assert out[True][1][1] == "cancelled" and 0 < len(out[True][1][0]) < 8

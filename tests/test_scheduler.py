@@ -126,6 +126,12 @@ def _steps(sched: Scheduler, core: FakeCore) -> list[list[tuple]]:
 P = [list(range(1, 11)), list(range(20, 23)), list(range(30, 47))]
 
 
+def _launched_after_last_sample(log: list[tuple], slot: int) -> bool:
+    """Whether the last step that sampled `slot` launched a decode step for it afterwards."""
+    last = max(i for i, c in enumerate(log) if c[0] == "sample" and slot in c[1])
+    return any(c[0] == "step" and slot in c[1] for c in log[last + 1:])
+
+
 def test_slots_bound_the_batch_and_a_free_slot_admits_the_next():
     core, eng = _fake(max_batch=2)
     sched = Scheduler(eng)
@@ -191,6 +197,7 @@ def test_cancel_closes_the_slot_first_at_the_next_step_and_leaves_the_others_alo
     sched.step()
     sched.step()
     slot = next(s for s, c in core.cache.items() if c[:len(P[1])] == P[1])
+    assert _launched_after_last_sample(core.log, slot)  # (overlap: its next step is in flight)
     reqs[1].cancel()
     assert sched.running == 3  # the pages go at the next step...
     core.log = []
@@ -259,9 +266,10 @@ def test_a_prompt_in_prefill_goes_back_to_the_queue_when_decode_needs_its_pages(
     assert core.cache == {}
 
 
-def test_a_failing_core_call_fails_its_requests_only():
+@pytest.mark.parametrize("overlap", [True, False])  # interrupted in the launch ahead / in step 3's seq_step
+def test_a_failing_core_call_fails_its_requests_only(overlap):
     core, eng = _fake(max_batch=4)
-    sched = Scheduler(eng, chunk_tokens=4)
+    sched = Scheduler(eng, chunk_tokens=4, overlap=overlap)
     a = sched.submit(P[1], SamplingParams(max_tokens=6))
     sched.step()
     b = sched.submit(P[2], SamplingParams(max_tokens=3))  # in prefill, 4 tokens a step
@@ -344,6 +352,128 @@ def test_close_cancels_everything_in_flight():
     sched.close()
     assert a.result().finish_reason == "cancelled" and b.result().finish_reason == "cancelled"
     assert core.cache == {}
+
+
+# ---- overlap: the next decode step launched before a step's per-token work ----
+
+
+class LetterTokenizer:
+    """Token t is the letter 'a' + t % 26: the fake engine's tokens make text (for stop strings)."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + t % 26) for t in ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) - 97 for c in text]
+
+
+def _run(prompts, sps, overlap: bool, tokenizer=None, **kw):
+    """Every request submitted at once, steps until idle: (completions, the core's log, the core)."""
+    core = FakeCore(**kw)
+    eng = Engine.from_core(core, SimpleNamespace(vocab=core.vocab, eos_token_ids=[]), max_seq_len=512,
+                           tokenizer=tokenizer)
+    sched = Scheduler(eng, overlap=overlap)
+    reqs = [sched.submit(p, sp) for p, sp in zip(prompts, sps)]
+    sched.wait_idle()
+    return [r.result() for r in reqs], core.log, core
+
+
+def test_overlap_launches_the_next_step_before_the_tokens_are_taken():
+    outs, log, core = _run(P, [SamplingParams(max_tokens=6)] * 3, overlap=True)
+    # after the first sample, every sample is followed by the launch of the next step of those going on
+    samples = [i for i, c in enumerate(log) if c[0] == "sample"]
+    for i in samples[:-1]:
+        assert log[i + 1][0] == "step" and log[i + 1][1] == log[i][1]
+    assert not any(c[0] == "step" for c in log[samples[-1] + 1:])  # max_tokens reached: nothing launched
+    assert [o.token_ids for o in outs] == [_alone(p, 6) for p in P]
+    assert core.cache == {}
+    off = _run(P, [SamplingParams(max_tokens=6)] * 3, overlap=False)[1]
+    assert sum(c[0] == "step" for c in log) == sum(c[0] == "step" for c in off)  # no step more or less
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_max_tokens_reached_exactly_and_stop_ids(overlap):
+    # a request of max_tokens m runs m - 1 decode steps (its first token comes from its prompt's logits); one
+    # whose token is a stop id gets no step after it
+    alone = _alone(P[0], 12)
+    stop = alone[4]
+    sps = [SamplingParams(max_tokens=m) for m in (1, 2, 5)] + [SamplingParams(max_tokens=12, stop_token_ids=[stop])]
+    outs, log, core = _run([P[0], P[1], P[2], P[0]], sps, overlap=overlap, max_batch=4)
+    assert [len(o.token_ids) for o in outs[:3]] == [1, 2, 5]
+    assert outs[3].token_ids == alone[:alone.index(stop) + 1] and outs[3].finish_reason == "stop"
+    slots = {}
+    for c in log:
+        if c[0] == "open":
+            slots.setdefault(len(slots), c[1])
+    steps = [sum(c[0] == "step" and slots[i] in c[1] for c in log) for i in range(4)]
+    assert steps == [0, 1, 4, alone.index(stop)]
+    assert core.cache == {}
+
+
+def test_a_stop_string_ends_a_request_whose_next_step_is_launched():
+    tok = LetterTokenizer()
+    text = tok.decode(_alone(P[2], 20))
+    stop = text[7:9]  # found only once the 9th token is taken: its next step is launched by then
+    assert stop not in text[:8]
+    sps = [SamplingParams(max_tokens=20, stop=[stop]), SamplingParams(max_tokens=20)]
+    on, log, core = _run([P[2], P[0]], sps, overlap=True, tokenizer=tok)
+    off = _run([P[2], P[0]], sps, overlap=False, tokenizer=tok)[0]
+    assert [(o.text, o.token_ids, o.finish_reason) for o in on] == [(o.text, o.token_ids, o.finish_reason) for o in off]
+    assert on[0].finish_reason == "stop" and on[0].text == text[:text.index(stop)]
+    slot = next(c[1] for c in log if c[0] == "open")
+    closed = log.index(("close", slot))
+    assert _launched_after_last_sample(log[:closed], slot)  # its step ran; nothing was sampled from it
+    assert not any(c[0] == "sample" and slot in c[1] for c in log[closed:])
+    assert core.cache == {} and core.kv_pages_free == core.kv_pages_total
+
+
+def test_requests_join_while_others_are_stepped_ahead():
+    core, eng = _fake(max_batch=4, pages=40)
+    sched = Scheduler(eng, chunk_tokens=5)
+    first = sched.submit(P[1], SamplingParams(max_tokens=14))
+    sched.step()
+    sched.step()
+    later = [sched.submit(p, SamplingParams(max_tokens=m)) for p, m in ((P[2], 6), (P[0], 9))]
+    steps = _steps(sched, core)
+    # the prompts were prefilled (5 tokens a step) while `first` went on stepped ahead: no step waited for them
+    for calls in steps[:5]:
+        assert [c[0] for c in calls if c[0] in ("step", "sample")][-2:] == ["sample", "step"]
+    assert max(sum(c[0] == "step" for c in calls) for calls in steps) == 1  # one launch a step, never two
+    for r, p, m in ((first, P[1], 14), (later[0], P[2], 6), (later[1], P[0], 9)):
+        assert r.result().token_ids == _alone(p, m)
+    assert core.cache == {}
+
+
+def test_no_launch_ahead_without_pages_and_a_failed_launch_falls_back():
+    # 7 pages of 4 (as test_decode_out_of_pages...): at 12 positions both need a 4th page and one is free, so
+    # nothing is launched early and step 3 ends the younger one; a launch refused by the core (here a
+    # TinyInferError once) launches nothing and the next step runs it the usual way
+    core, eng = _fake(max_batch=2, pages=7)
+    sched = Scheduler(eng)
+    real, refused = core.seq_step, []
+
+    def once(slots, tokens):
+        if not refused:
+            refused.append(tuple(slots))
+            raise InvalidRequestError("refused")
+        real(slots, tokens)
+
+    core.seq_step = once
+    old = sched.submit(list(range(1, 8)), SamplingParams(max_tokens=14))
+    young = sched.submit(list(range(11, 18)), SamplingParams(max_tokens=14))
+    steps = _steps(sched, core)
+    assert refused and steps[1][0][0] == "step"  # refused after the first sample: the usual launch next step
+    short = [i for i, calls in enumerate(steps) if i and calls[-1][0] == "sample"]  # sampled, nothing launched
+    assert short and steps[short[0] + 1][:2] == [("close", 1), ("step", (0,))]  # the younger ends, the older steps
+    with pytest.raises(KvCacheFullError):
+        young.result()
+    assert old.result().token_ids == _alone(list(range(1, 8)), 14)
+    assert core.cache == {}
+
+
+def test_overlap_must_be_a_bool():
+    with pytest.raises(InvalidRequestError, match="overlap must be a bool"):
+        Scheduler(_engine(FakeCore()), overlap=1)
 
 
 # ---- the real CPU engine ----
@@ -437,3 +567,25 @@ def test_result_timeout_and_cancel_from_another_thread(eng):
     assert out.finish_reason == "cancelled" and 1 <= len(out.token_ids) < 400
     assert [d.completion for d in it][-1] is out
     assert sched.kv_pages_used == 0
+
+
+@pytest.mark.parametrize("logprobs", [None, 3])
+def test_overlap_on_and_off_give_the_same_tokens(eng, logprobs):
+    prompts = [TEXTS[i % 4] + str(i) for i in range(10)]
+    sps = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.9 if i % 2 else 0.0, seed=100 + i, ignore_eos=i < 5,
+                          stop=[" "] if i % 3 == 0 else [], logprobs=logprobs) for i in range(10)]
+    got = {}
+    for overlap in (True, False):
+        eng.scheduler.close()
+        sched = Scheduler(eng, overlap=overlap)
+        sched.start()
+        reqs = [sched.submit(p, sp) for p, sp in zip(prompts, sps)]
+        got[overlap] = [(o.text, o.token_ids, o.finish_reason, o.logprobs)
+                        for o in (r.result(timeout=600) for r in reqs)]
+        sched.close()
+    assert got[True] == got[False]
+    assert {f for _, _, f, _ in got[True]} == {"stop", "length"}  # stop strings found after launches ahead
+    for (text, ids, finish, _), p, sp in zip(got[True], prompts, sps):
+        if sp.temperature == 0.0 and logprobs is None:  # greedy: what the single path gives
+            alone = _alone_real(eng, p, sp)
+            assert (text, ids, finish) == (alone.text, alone.token_ids, alone.finish_reason)

@@ -533,3 +533,17 @@ def test_serve_bad_arguments_refused_before_loading(args, msg):
     p = subprocess.run([sys.executable, "-m", "tinyinfer", "serve", "--model", "/nonexistent", *args],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and msg in p.stderr and "nonexistent" not in p.stderr
+
+
+def test_serve_flags_of_the_scheduler():
+    """`tinyinfer serve --no-overlap / --no-batched-prefill`: the A/B references; both on by default."""
+    import argparse
+
+    from tinyinfer.server.main import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    a = p.parse_args([])
+    assert (a.overlap, a.batched_prefill) == (True, True)
+    a = p.parse_args(["--no-overlap", "--no-batched-prefill"])
+    assert (a.overlap, a.batched_prefill) == (False, False)

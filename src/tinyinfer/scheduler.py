@@ -24,6 +24,22 @@ core at the same time):
      goes to its thread-safe queue; a request that ends has its slot closed in this very step. asyncio consumers
      are woken when the step ends, one call_soon_threadsafe per event loop (Request.batches: at an interval).
 
+Overlap (overlap=True, the default; vLLM's "async scheduling"): seq_step only launches the step (on the GPU: the
+bucket's CUDA graph, returning before it ran), and step 6 is Python the device would otherwise wait for (~0.3 ms
+at 64 rows, a sixth of a TinyLlama step on an H200). So between 5 and 6 the NEXT decode step is launched for
+every sequence sure to go on: its token is no stop id, it has max_tokens left after it, it is not being
+cancelled, and the pool has the pages those next positions open (after what the admitted prompts are owed, as
+step 3 counts; if not, nothing is launched early and the next step's 3 does it, with its requeue / eviction).
+Step 6 then runs while the device computes; at the next step those sequences already hold fresh logits (length
++1, no pending token) so 3 leaves them out, and 5 samples them as usual. What only 6 can tell — a stop string in
+the new text — ends a request whose next step is already launched: its slot is closed as any ending's (seq_close
+is host bookkeeping plus stream-ordered work, so the in-flight step finishes writing into pages that later work,
+issued after it on the one stream, may reuse) and nothing is ever sampled from that step's row. Tokens are the
+same as without overlap: the sampling counter is len(generated) either way, every row's computation identical.
+A launch that fails with a TinyInferError launches nothing (step 3 meets the error again and pins it on its
+requests); anything else ends the requests of that call and is re-raised after the deltas of the others.
+(The CPU engine's seq_step computes before it returns: there nothing overlaps, only the order changes.)
+
 Decode out of KV pages: running sequences come first; admitted requests still in their prompt go back to the
 queue (they have shown nothing); if that is not enough, the youngest of the sequences that need a page end
 (nothing else is touched) with KvCacheFullError, its `completion` holding what they generated (finish_reason
@@ -72,7 +88,7 @@ class _Seq:
     slot: Optional[int] = None
     length: int = 0  # positions in the slot's cache
     pending: Optional[int] = None  # a sampled token not yet run by seq_step
-    fresh: bool = False  # the slot's logits are new: a token must be sampled from them
+    fresh: bool = False  # the slot's logits are new (or being computed): a token must be sampled from them
     generated: list[int] = field(default_factory=list)
     logprobs: Optional[list[TokenLogprob]] = None
     t_submit: float = 0.0
@@ -104,10 +120,12 @@ class Scheduler:
     constructing one registers it there). submit / cancel / properties from any thread."""
 
     def __init__(self, engine: "Engine", *, max_batch: Optional[int] = None, chunk_tokens: Optional[int] = None,
-                 max_waiting: int = 1024, batched_prefill: bool = True):
+                 max_waiting: int = 1024, batched_prefill: bool = True, overlap: bool = True):
         """chunk_tokens: prompt tokens prefilled per step in all (None: CHUNK_TOKENS of the engine's device).
         batched_prefill: a step's prompt chunks in one seq_prefill_many (every weight read once for all of
-        them); False: one seq_prefill each (the A/B reference)."""
+        them); False: one seq_prefill each (the A/B reference). overlap: launch the next decode step before a
+        step's per-token work, which then runs while the device computes (see the module's docstring); False:
+        every step in turn (the A/B reference)."""
         core = engine._core
         if core is None:
             raise InvalidRequestError(f"{engine!r} is closed")
@@ -116,14 +134,16 @@ class Scheduler:
                             ("max_waiting", max_waiting, 0)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
                 raise InvalidRequestError(f"Scheduler: {name} must be an integer >= {lo} (got {v!r})")
-        if not isinstance(batched_prefill, bool):
-            raise InvalidRequestError(f"Scheduler: batched_prefill must be a bool (got {batched_prefill!r})")
+        for name, v in (("batched_prefill", batched_prefill), ("overlap", overlap)):
+            if not isinstance(v, bool):
+                raise InvalidRequestError(f"Scheduler: {name} must be a bool (got {v!r})")
         if max_batch is not None and max_batch > limit:
             raise InvalidRequestError(f"Scheduler: max_batch={max_batch} exceeds the engine's {limit} slots")
         self.max_batch = max_batch or limit
         self.chunk_tokens = chunk_tokens or CHUNK_TOKENS.get(engine.device, CHUNK_TOKENS["cpu"])
         self.max_waiting = max_waiting
         self.batched_prefill = batched_prefill
+        self.overlap = overlap
         self._engine = engine
         self._page_size = int(core.kv_page_size)
         self._pages_total = int(core.kv_pages_total)
@@ -384,6 +404,8 @@ class Scheduler:
         back to the queue (youngest first; they have shown nothing yet, so starting over later is invisible);
         if that is not enough, the youngest of those sequences end with KvCacheFullError."""
         needy = [s for s in stepping if s.length % self._page_size == 0]
+        if not needy:  # (the common case: no page opens; nothing to count)
+            return stepping
         free = int(core.kv_pages_free) - self._owed()
         while len(needy) > free:
             back = next((s for s in reversed(self._running) if s.prefilling), None)
@@ -410,7 +432,9 @@ class Scheduler:
 
     def _admit(self, core, decode_pages: int) -> None:
         ps = self._page_size
-        if self._waiting and int(core.position) > 0:
+        if not self._waiting:  # (read without the lock: a request queued meanwhile waits for the next step)
+            return
+        if int(core.position) > 0:
             # the single-sequence path's cache (the GPU engine's shares the pool) is dead once its call has
             # returned (every call starts with reset()): give its pages back before asking for more
             core.reset()
@@ -486,17 +510,54 @@ class Scheduler:
         if not ok:
             return
         tokens, lps, top_ids, top_lps = out[0]
-        for i, seq in enumerate(seqs):
+        toks = tokens.tolist()
+        for seq in seqs:
             seq.fresh = False
+        ahead, failed = self._step_ahead(core, seqs, toks) if self.overlap else ((), None)
+        for i, seq in enumerate(seqs):
+            if seq.slot is None:  # ended by a failed launch ahead
+                continue
             lp = None
             if seq.logprobs is not None:
                 n = seq.params.logprobs
                 top = [(int(top_ids[i][j]), float(top_lps[i][j])) for j in range(n)]
-                lp = TokenLogprob(int(tokens[i]), float(lps[i]), [e for e in top if e[0] >= 0])  # -1: past vocab
-            self._take(core, seq, int(tokens[i]), lp)
+                lp = TokenLogprob(toks[i], float(lps[i]), [e for e in top if e[0] >= 0])  # -1: past vocab
+            self._take(core, seq, toks[i], lp, id(seq) in ahead)
+        if failed is not None:
+            raise failed
 
-    def _take(self, core, seq: _Seq, tok: int, lp: Optional[TokenLogprob]) -> None:
-        """One generated token: the checks Engine.generate makes, a Delta, and the end when it is the last."""
+    def _step_ahead(self, core, seqs: list[_Seq], toks: list[int]) -> tuple[set, Optional[BaseException]]:
+        """Launch the next decode step of the sequences sure to go on after these tokens (the module's docstring,
+        "Overlap"); they are then as after step 3 (fresh logits coming, no pending token). Returns their id()s,
+        and what a failed launch raised that must be re-raised once the step's deltas are out."""
+        with self._state:
+            cancels = self._cancels
+            ahead = [(s, t) for s, t in zip(seqs, toks)
+                     if t not in s.stop_ids and len(s.generated) + 1 < s.params.max_tokens
+                     and s.request.id not in cancels]
+        if not ahead:
+            return set(), None
+        ps = self._page_size
+        needy = sum(1 for s, _ in ahead if s.length % ps == 0)
+        if needy and needy > int(core.kv_pages_free) - self._owed():
+            return set(), None  # short of pages: step 3 decides who gets them
+        try:
+            core.seq_step([s.slot for s, _ in ahead], [t for _, t in ahead])
+        except TinyInferError:
+            return set(), None  # (the core checks before it launches anything: step 3 meets it again)
+        except BaseException as e:  # state unknown: as _core_call, these requests end with it
+            for s, _ in ahead:
+                self._end(core, s, "error", error=e)
+            self._reraised = e
+            return set(), e
+        for s, _ in ahead:
+            s.length += 1
+            s.fresh = True
+        return {id(s) for s, _ in ahead}, None
+
+    def _take(self, core, seq: _Seq, tok: int, lp: Optional[TokenLogprob], stepped: bool = False) -> None:
+        """One generated token: the checks Engine.generate makes, a Delta, and the end when it is the last.
+        stepped: its next step is launched already (the token is in flight, not pending)."""
         seq.generated.append(tok)
         if lp is not None:
             seq.logprobs.append(lp)
@@ -510,7 +571,8 @@ class Scheduler:
         if finish is None and last:
             finish = "length"
         if finish is None:
-            seq.pending = tok
+            if not stepped:
+                seq.pending = tok
             seq.request._put(Delta(piece, [tok], None if lp is None else [lp]), self._wakes)
         else:
             self._end(core, seq, finish, piece=piece, last_ids=[tok], last_lp=None if lp is None else [lp])

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-batched-prefill", dest="batched_prefill", action="store_false",
                    help="prefill each admitted prompt in its own call (default: a step's prompts in one batched "
                         "pass; the A/B reference)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="run each scheduler step's per-token work before launching the next decode step (default: "
+                        "launched first, so that work overlaps the device's; the A/B reference)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests allowed to wait for a slot; beyond it: 503 with Retry-After (default 1024)")
     p.add_argument("--switch-interval-ms", type=float, default=0.2,
@@ -84,7 +87,8 @@ def serve(args, engine_factory) -> int:
     # after ~20 ms.
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     scheduler = Scheduler(engine, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
-                          max_waiting=args.max_waiting, batched_prefill=args.batched_prefill)
+                          max_waiting=args.max_waiting, batched_prefill=args.batched_prefill,
+                          overlap=args.overlap)
     app = create_app(engine, scheduler, model_name=name, api_key=api_key, stream_interval=args.stream_interval)
 
     logger = logging.getLogger("tinyinfer.server")

@@ -36,7 +36,7 @@ struct DecodeAttnParams {
   int table_stride = 0, ld_qkv = 0, ld_out = 0;
   int grid_x = 0;  // the rows grid's x (blocks per row and head, each looping over splits); 0: sized for n_rows
   int rows_span = 0;  // positions per block: 64, 128 or 256, at most attn_rows_span(head_dim); 0: that
-  int rows_heads = 0;  // query heads per block: 2, 4 or 8 (a KV head's group in slices of that); 0: by n_rows
+  int rows_heads = 0;  // query heads per block: 1, 2, 4 or 8 (a KV head's group in slices of that); 0: by n_rows
 };
 
 inline int attn_max_chunks(const DecodeAttnParams& p) { return (p.max_seq + p.chunk - 1) / p.chunk; }
@@ -57,17 +57,15 @@ __host__ __device__ constexpr int attn_rows_span(int head_dim) {
 }
 // Splits per row the partial buffers are laid out for (the smallest span, 64, whatever the launch's).
 __host__ __device__ constexpr int attn_rows_max_splits(int max_seq) { return (max_seq + 63) / 64; }
-// A counter per (row, KV head, slice of heads), laid out for the smallest slice (2 heads): any launch's fits.
-inline int attn_rows_tickets(int n_rows, int n_heads, int n_kv_heads) {
-  return n_rows * n_kv_heads * ((n_heads / n_kv_heads + 1) / 2);
-}
+// A counter per (row, KV head, slice of heads), laid out for the smallest slice (1 head): any launch's fits.
+inline int attn_rows_tickets(int n_rows, int n_heads, int /*n_kv_heads*/) { return n_rows * n_heads; }
 // n_rows rows, each at its own position through its own page table (the row fields above): RoPE + KV-cache
 // write + attention in ONE launch (attention_rows.cu).
 void decode_attention_rows(const DecodeAttnParams& p, int n_rows, cudaStream_t stream, bool pdl);
 // The span a launch with p uses (p.rows_span or the head dim's default); a Request error for one it cannot take.
 int attn_rows_span_of(const DecodeAttnParams& p);
-// The query heads per block a launch of n_rows rows uses (p.rows_heads, or by the grid's size); likewise.
-int attn_rows_heads_of(const DecodeAttnParams& p, int n_rows);
+// A Request error for a p.rows_heads the kernel does not take (0: auto, 1, 2, 4, 8).
+void check_attn_rows_heads(const DecodeAttnParams& p);
 // The checks both share (clear errors for shapes the kernels do not take).
 void check_decode_attn(const DecodeAttnParams& p);
 

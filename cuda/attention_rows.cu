@@ -5,8 +5,8 @@
 // paid (docs/perf/batch.md: ~11 us per layer at batch 8) was the chain of dependent steps per layer and a second
 // launch (the merge). So ONE launch per layer, and as few blocks per row as the work allows:
 //   grid (x: splits, y: KV head, z: row x ceil(group / G)). A block serves one KV head of one row and up to G
-//   query heads of its group (each K and V read once per block: G = 2, 4 or 8, attn_rows_heads_of: the fewest
-//   heads per block while the busy blocks fit one per SM; CudaOptions::batch_attn_heads) over one split of
+//   query heads of its group (each K and V read once per block: G = 1, 2, 4 or 8, launch_rows: the fewest heads
+//   per block while the busy blocks fit in one wave; CudaOptions::batch_attn_heads) over one split of
 //   `span` positions (by default
 //   attn_rows_span: 256 at head dim 64, 128 up to 128, 64 above: the same span x head_dim multiply-adds per head
 //   at every head dim; 64 or 128 by CudaOptions::batch_attn_span). A row no longer than the span is one block
@@ -51,7 +51,24 @@ constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kPad = 8;        // halves of padding per shared K / V row: 16-byte reads of consecutive rows
 constexpr int kMaxWords = 8;   // 16-byte K words per lane: words / lanes per position <= 8 for every span
 constexpr int kMaxDpl = 8;     // V dims per lane: hd <= 256
-constexpr int kLoads = 8;      // 16-byte K (and V) loads per thread per split: span x hd / 8 / kThreads <= 8
+
+// A 16-byte copy global -> shared that holds no registers while in flight (cp.async, sm_80+; a plain load and
+// store below): the split's K and V tiles, every word of them requested before any is waited for. Registers
+// staging them (16 words a thread) set the kernel's register peak, and so its blocks per SM.
+__device__ __forceinline__ void copy16_async(__half* dst, const __half* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
+               "l"(src) : "memory");
+#else
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+#endif
+}
+
+__device__ __forceinline__ void copy16_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
+#endif
+}
 
 // dot of 8 fp16 keys with 8 fp32 query values from shared memory (two 16-byte reads).
 __device__ __forceinline__ float dot8_shared(const uint4& k, const float* q) {
@@ -73,7 +90,7 @@ size_t rows_smem(int hd, int span, int G) {
 // HD, SPAN: the head dim and the span as compile-time constants (the instantiations the engine's shapes take),
 // or 0: from p at run time. G: query heads per block (attn_rows_heads).
 template <int HD, int SPAN, int G>
-__global__ void __launch_bounds__(kThreads) decode_attn_rows_kernel(DecodeAttnParams p) {
+__global__ void __launch_bounds__(kThreads, HD == 64 ? 2 : 1) decode_attn_rows_kernel(DecodeAttnParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ int s_last;
   const int hd = HD ? HD : p.head_dim, half_d = hd / 2, words = hd / 8, row = hd + kPad;
@@ -110,27 +127,14 @@ __global__ void __launch_bounds__(kThreads) decode_attn_rows_kernel(DecodeAttnPa
       sn[i] = p.rope_sin[(size_t)pos * half_d + i];
     }
     const int total = cached * words;
-    for (int i0 = threadIdx.x; i0 < total; i0 += kLoads * kThreads) {  // (one pass at every supported shape)
-      uint4 kk[kLoads], vv[kLoads];
-#pragma unroll
-      for (int u = 0; u < kLoads; u++) {
-        const int i = i0 + u * kThreads, r = i / words, w = i - r * words;
-        if (i < total) {
-          const size_t at = kv_row(table, c0 + r, kvh, p.n_kv_heads, p.page_shift, hd) + w * 8;
-          kk[u] = *reinterpret_cast<const uint4*>(p.k_pages + at);
-          vv[u] = *reinterpret_cast<const uint4*>(p.v_pages + at);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kLoads; u++) {
-        const int i = i0 + u * kThreads, r = i / words, w = i - r * words;
-        if (i < total) {
-          *reinterpret_cast<uint4*>(k_s + (size_t)r * row + w * 8) = kk[u];
-          *reinterpret_cast<uint4*>(v_s + (size_t)r * row + w * 8) = vv[u];
-        }
-      }
+    for (int i = threadIdx.x; i < total; i += kThreads) {
+      const int r = i / words, w = i - r * words;
+      const size_t at = kv_row(table, c0 + r, kvh, p.n_kv_heads, p.page_shift, hd) + w * 8;
+      copy16_async(k_s + (size_t)r * row + w * 8, p.k_pages + at);
+      copy16_async(v_s + (size_t)r * row + w * 8, p.v_pages + at);
     }
-    __syncthreads();  // (cs, sn)
+    copy16_wait_all();
+    __syncthreads();  // (cs, sn, the tiles)
     pdl_wait();
     pdl_launch_dependents();  // the O product after this kernel reads only weights before its own wait
 
@@ -315,9 +319,39 @@ int rows_grid_x(int splits, int blocks_per_split) {
   return std::max(1, std::min(splits, (4 * sm_count() + blocks_per_split - 1) / blocks_per_split));
 }
 
+// Blocks of this instantiation one SM holds at `smem` bytes (its registers and shared memory decide).
+template <int HD, int SPAN, int G>
+int resident(size_t smem) {
+  auto k = decode_attn_rows_kernel<HD, SPAN, G>;
+  if (smem > 48 * 1024)
+    TI_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+  int b = 0;
+  TI_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, k, kThreads, smem));
+  return b;
+}
+
+// G (p.rows_heads, or auto: the fewest heads per block — the shortest serial work per block, the most blocks —
+// while the busy blocks, n_rows x KV heads x slices, fit in one wave at the kernel's residency), then the launch.
+// Measured (H200, TinyLlama: 4 KV heads of 8, ms per batched step, docs/perf/batch.md), when every variant held
+// one block per SM: 8 rows, G = 2 / 4 / 8: 1.235 / 1.242 / 1.356 (128, 64, 32 blocks); 32 rows: 1.710 / 1.496 /
+// 1.457 (512, 256, 128): past one wave the slices cost more than the shorter blocks save.
 template <int HD, int SPAN>
-void launch_rows(const DecodeAttnParams& p, int G, dim3 grid, size_t smem, cudaStream_t s, bool pdl) {
-  if (G == 2) launch_attention<decode_attn_rows_kernel<HD, SPAN, 2>>(p, grid, dim3(kThreads), smem, s, pdl);
+void launch_rows(const DecodeAttnParams& p, int n_rows, int span, cudaStream_t s, bool pdl) {
+  const int group = p.n_heads / p.n_kv_heads, hd = p.head_dim;
+  const int64_t sms = sm_count();
+  auto busy = [&](int G) { return (int64_t)n_rows * p.n_kv_heads * ((group + G - 1) / G); };
+  int G = p.rows_heads;
+  if (G == 0)
+    G = busy(1) <= sms * resident<HD, SPAN, 1>(rows_smem(hd, span, 1))   ? 1
+        : busy(2) <= sms * resident<HD, SPAN, 2>(rows_smem(hd, span, 2)) ? 2
+        : busy(4) <= sms * resident<HD, SPAN, 4>(rows_smem(hd, span, 4)) ? 4
+                                                                          : 8;
+  const int nz = n_rows * ((group + G - 1) / G);
+  const dim3 grid(p.grid_x > 0 ? p.grid_x : rows_grid_x((p.max_seq + span - 1) / span, p.n_kv_heads * nz),
+                  p.n_kv_heads, nz);
+  const size_t smem = rows_smem(hd, span, G);
+  if (G == 1) launch_attention<decode_attn_rows_kernel<HD, SPAN, 1>>(p, grid, dim3(kThreads), smem, s, pdl);
+  else if (G == 2) launch_attention<decode_attn_rows_kernel<HD, SPAN, 2>>(p, grid, dim3(kThreads), smem, s, pdl);
   else if (G == 4) launch_attention<decode_attn_rows_kernel<HD, SPAN, 4>>(p, grid, dim3(kThreads), smem, s, pdl);
   else launch_attention<decode_attn_rows_kernel<HD, SPAN, 8>>(p, grid, dim3(kThreads), smem, s, pdl);
 }
@@ -333,38 +367,26 @@ int attn_rows_span_of(const DecodeAttnParams& p) {
   return span;
 }
 
-int attn_rows_heads_of(const DecodeAttnParams& p, int n_rows) {
-  if (p.rows_heads != 0 && p.rows_heads != 2 && p.rows_heads != 4 && p.rows_heads != 8)
-    fail(ErrorKind::Request, "batch_attn_heads " + std::to_string(p.rows_heads) + " must be 0 (auto), 2, 4 or 8");
-  if (p.rows_heads) return p.rows_heads;
-  // Auto: the fewest heads per block (the shortest serial work per block, the most blocks) while the busy
-  // blocks fit one per SM. Measured (H200, TinyLlama: 4 KV heads of 8, ms per batched step, docs/perf/batch.md):
-  // 8 rows 2 heads 1.235 / 4 1.242 / 8 1.356 (128, 64, 32 blocks); 32 rows 1.710 / 1.496 / 1.457 (512, 256,
-  // 128): past one block per SM the slices run in waves and cost more than the shorter blocks save.
-  const int group = p.n_heads / p.n_kv_heads;
-  for (int G : {2, 4})
-    if ((int64_t)n_rows * p.n_kv_heads * ((group + G - 1) / G) <= sm_count()) return G;
-  return 8;
+void check_attn_rows_heads(const DecodeAttnParams& p) {
+  if (p.rows_heads != 0 && p.rows_heads != 1 && p.rows_heads != 2 && p.rows_heads != 4 && p.rows_heads != 8)
+    fail(ErrorKind::Request,
+         "batch_attn_heads " + std::to_string(p.rows_heads) + " must be 0 (auto), 1, 2, 4 or 8");
 }
 
 void decode_attention_rows(const DecodeAttnParams& p, int n_rows, cudaStream_t s, bool pdl) {
   check_decode_attn(p);
-  const int G = attn_rows_heads_of(p, n_rows);
-  const int per_row = (p.n_heads / p.n_kv_heads + G - 1) / G, nz = n_rows * per_row;
+  check_attn_rows_heads(p);
+  const int per_row = p.n_heads / p.n_kv_heads, nz = n_rows * per_row;  // (at most: a head a block)
   if (n_rows < 1 || nz > 65535 || !p.row_pos || !p.row_slot || !p.tickets || p.table_stride < 1)
     fail(ErrorKind::Request, "decode_attention_rows: needs 1.." + std::to_string(65535 / per_row) +
                                  " rows, row_pos, row_slot, tickets and table_stride");
-  const int span = attn_rows_span_of(p);
-  const int gx = p.grid_x > 0 ? p.grid_x : rows_grid_x((p.max_seq + span - 1) / span, p.n_kv_heads * nz);
-  const dim3 grid(gx, p.n_kv_heads, nz);
-  const size_t smem = rows_smem(p.head_dim, span, G);
-  const int hd = p.head_dim;
-  if (hd == 64 && span == 256) launch_rows<64, 256>(p, G, grid, smem, s, pdl);
-  else if (hd == 64 && span == 128) launch_rows<64, 128>(p, G, grid, smem, s, pdl);
-  else if (hd == 64) launch_rows<64, 64>(p, G, grid, smem, s, pdl);
-  else if (hd == 128 && span == 128) launch_rows<128, 128>(p, G, grid, smem, s, pdl);
-  else if (hd == 128) launch_rows<128, 64>(p, G, grid, smem, s, pdl);
-  else launch_rows<0, 0>(p, G, grid, smem, s, pdl);
+  const int span = attn_rows_span_of(p), hd = p.head_dim;
+  if (hd == 64 && span == 256) launch_rows<64, 256>(p, n_rows, span, s, pdl);
+  else if (hd == 64 && span == 128) launch_rows<64, 128>(p, n_rows, span, s, pdl);
+  else if (hd == 64) launch_rows<64, 64>(p, n_rows, span, s, pdl);
+  else if (hd == 128 && span == 128) launch_rows<128, 128>(p, n_rows, span, s, pdl);
+  else if (hd == 128) launch_rows<128, 64>(p, n_rows, span, s, pdl);
+  else launch_rows<0, 0>(p, n_rows, span, s, pdl);
 }
 
 }  // namespace ti::cuda

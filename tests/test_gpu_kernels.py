@@ -292,10 +292,10 @@ def test_decode_attention_rows_smaller_spans(hd, span, group):
     _check_attention_rows(group, hd, _rows_lengths(hd, span), span=span, grid_x=1, page_size=16)
 
 
-@pytest.mark.parametrize("heads", [2, 4, 8])
+@pytest.mark.parametrize("heads", [1, 2, 4, 8])
 @pytest.mark.parametrize("hd, group", [(64, 1), (64, 3), (64, 8), (96, 7), (128, 4), (128, 16), (256, 5)])
 def test_decode_attention_rows_heads_per_block(hd, group, heads):
-    """CudaOptions::batch_attn_heads: a KV head's group in slices of 2 / 4 / 8 query heads per block (the last
+    """CudaOptions::batch_attn_heads: a KV head's group in slices of 1 / 2 / 4 / 8 query heads per block (the last
     slice partial when the group is not a multiple), with splits and merges (span 64) and without."""
     _check_attention_rows(group, hd, _rows_lengths(hd), heads=heads)
     _check_attention_rows(group, hd, _rows_lengths(hd, 64), span=64, heads=heads, page_size=16)
@@ -307,7 +307,7 @@ def test_decode_attention_rows_same_bits_at_any_heads_per_block(hd, group):
     as the whole group (auto, 2, 4, 8), so a bucket's choice never changes a sequence's tokens."""
     c = _rows_case(group, hd, _rows_lengths(hd), 64, 1024 + 37)
     ref = _attention_rows(c, heads=8)
-    for heads in (0, 2, 4):
+    for heads in (0, 1, 2, 4):
         np.testing.assert_array_equal(_attention_rows(c, heads=heads), ref)
 
 
@@ -343,7 +343,7 @@ def test_decode_attention_rows_bad_input_is_a_clear_error():
         _attention_rows(c128, span=256)
     with pytest.raises(InvalidRequestError, match="batch_attn_span 96 must be"):
         _attention_rows(c, span=96)
-    with pytest.raises(InvalidRequestError, match=r"batch_attn_heads 3 must be 0 \(auto\), 2, 4 or 8"):
+    with pytest.raises(InvalidRequestError, match=r"batch_attn_heads 3 must be 0 \(auto\), 1, 2, 4 or 8"):
         _attention_rows(c, heads=3)
     with pytest.raises(InvalidRequestError, match="is not a page of a pool"):
         tables = c["tables"].copy()

@@ -95,9 +95,7 @@ void CudaEngine::init_device() {
     a.rows_span = opt_.batch_attn_span;
     if (opt_.batch_attn_span != 0) cuda::attn_rows_span_of(a);
     a.rows_heads = opt_.batch_attn_heads;
-    a.n_heads = (int)cfg_.n_heads;
-    a.n_kv_heads = (int)cfg_.n_kv_heads;
-    cuda::attn_rows_heads_of(a, 1);
+    cuda::check_attn_rows_heads(a);
   }
   if (opt_.gemv_grid < -1 || opt_.gemv_grid > 2) fail(ErrorKind::Request, "gemv_grid must be -1 (tuned), 0, 1 or 2");
   if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))

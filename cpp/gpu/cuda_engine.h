@@ -81,9 +81,9 @@ struct CudaOptions {
   // ~13 us per layer, a chain of serial work per block; the smaller spans measured no better at 8 rows and worse
   // at 32 (more blocks in waves at one block per SM).
   int batch_attn_span = 0;
-  // Query heads per block of that attention: 2, 4 or 8 (a KV head's group split into slices of that many, each
-  // its own block re-reading the K / V tile from L2), 0 (default): the fewest while the busy blocks fit one per
-  // SM (cuda/attention_rows.cu). All 8 of a group in one block was latency-bound (docs/perf/batch.md).
+  // Query heads per block of that attention: 1, 2, 4 or 8 (a KV head's group split into slices of that many, each
+  // its own block re-reading the K / V tile from L2), 0 (default): the fewest while the busy blocks fit in one
+  // wave (cuda/attention_rows.cu). All 8 of a group in one block was latency-bound (docs/perf/batch.md).
   int batch_attn_heads = 0;
   // The paged KV cache (kv_pages.h), shared by the single sequence and the slots:
   int kv_page_size = 64;               // positions per page: a power of two, >= 64 and >= attn_chunk

@@ -471,6 +471,34 @@ def test_no_launch_ahead_without_pages_and_a_failed_launch_falls_back():
     assert core.cache == {}
 
 
+def test_warm_up_runs_every_prefill_and_batch_bucket_and_leaves_nothing_behind():
+    """Scheduler.warm_up (tinyinfer serve calls it on the GPU): one prompt per token bucket 16, 32, ... up to
+    prompt_tokens, then a prefill + step of every batch bucket up to max_batch (a last bucket that is not a power of
+    two included), each in slots it closes again; afterwards a request runs as it would have."""
+    core, eng = _fake(max_batch=3, pages=64)
+    sched = Scheduler(eng)
+    assert sched.warm_up(prompt_tokens=100) >= 0
+    assert [e[2] for e in core.log if e[0] == "prefill" and e[2] > 1] == [16, 32, 64]
+    assert [len(e[1]) for e in core.log if e[0] == "step"] == [1, 2, 3]
+    assert core.cache == {} and core.kv_pages_free == core.kv_pages_total
+    assert sched.submit([1, 2, 3], SamplingParams(max_tokens=6)).result().token_ids == _alone([1, 2, 3], 6,
+                                                                                            max_batch=3)
+    req = sched.submit([1, 2, 3, 4, 5], SamplingParams(max_tokens=3))  # waiting: warm_up refuses
+    with pytest.raises(InvalidRequestError, match="requests are running"):
+        sched.warm_up()
+    req.cancel()
+    sched.wait_idle()
+
+
+def test_warm_up_on_the_real_engine(eng):
+    """On the CPU engine it only computes (nothing to tune or capture): the pool is as before and results are."""
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    before = _alone_real(eng, TEXTS[2], sp)
+    eng.scheduler.warm_up(prompt_tokens=40, max_batch=3)
+    assert eng._core.kv_pages_free == eng._core.kv_pages_total
+    assert eng.scheduler.submit(TEXTS[2], sp).result().token_ids == before.token_ids
+
+
 def test_overlap_must_be_a_bool():
     with pytest.raises(InvalidRequestError, match="overlap must be a bool"):
         Scheduler(_engine(FakeCore()), overlap=1)

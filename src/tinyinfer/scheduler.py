@@ -282,6 +282,43 @@ class Scheduler:
                 return
         end.request._put(Delta("", [], [] if end.logprobs is not None else None, self._completion(end, "cancelled")))
 
+    # ---- before serving ----
+
+    def warm_up(self, prompt_tokens: Optional[int] = None, max_batch: Optional[int] = None) -> float:
+        """Do now, before any request, what the GPU engine otherwise does on the first use of each shape: tune the
+        prefill GEMMs of every token bucket (16, 32, ... up to prompt_tokens, default chunk_tokens, and
+        max_seq_len: cuBLASLt tactics, kept in the tactics file) and tune + capture the batched decode step of
+        every bucket up to max_batch (default the scheduler's). Measured on the H200 (docs/perf/serve.md): a
+        bucket's first batched prefill cost a first token ~130 ms. Prompts of token 0 in slots opened and closed
+        here (the pool as it was); call it while no request runs. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        eng = self._engine
+        top_prompt = min(prompt_tokens or self.chunk_tokens, eng.max_seq_len - 1)
+        top_batch = min(max_batch or self.max_batch, self.max_batch)
+        with eng._exclusive():
+            core = eng._core
+            with self._state:
+                if self._running or self._waiting:
+                    raise InvalidRequestError("Scheduler.warm_up: requests are running; call it before serving")
+            n = 16
+            while n <= top_prompt:
+                slot = int(core.seq_open())
+                try:
+                    core.seq_prefill(slot, [0] * n)
+                finally:
+                    core.seq_close(slot)
+                n *= 2
+            for b in sorted({min(1 << i, top_batch) for i in range(top_batch.bit_length() + 1)}):  # the buckets
+                slots = [int(core.seq_open()) for _ in range(b)]
+                try:
+                    core.seq_prefill_many(slots, [[0]] * b)
+                    core.seq_step(slots, [0] * b)
+                finally:
+                    for s in slots:
+                        core.seq_close(s)
+            eng._tactics.save(core)
+        return time.perf_counter() - t0
+
     # ---- the driver thread ----
 
     def start(self) -> None:

@@ -89,6 +89,9 @@ def serve(args, engine_factory) -> int:
     scheduler = Scheduler(engine, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
                           max_waiting=args.max_waiting, batched_prefill=args.batched_prefill,
                           overlap=args.overlap)
+    if engine.device == "cuda":  # (the CPU engine has no tactics or graphs to make on first use)
+        print(f"tinyinfer: warmed up (prefill GEMMs, batch graphs) in {scheduler.warm_up():.2f} s",
+              file=sys.stderr, flush=True)
     app = create_app(engine, scheduler, model_name=name, api_key=api_key, stream_interval=args.stream_interval)
 
     logger = logging.getLogger("tinyinfer.server")

@@ -97,5 +97,6 @@ inline std::vector<uint64_t> to_steps(const std::vector<int64_t>& steps) {
 
 void bind_engines(nb::module_& m);  // engines.cpp
 void bind_ops(nb::module_& m);      // ops.cpp
+void bind_persistent_probe(nb::module_& ops);  // ops_probe.cpp (CUDA builds)
 
 }  // namespace tinyinfer_bindings

@@ -483,6 +483,10 @@ def test_warm_up_runs_every_prefill_and_batch_bucket_and_leaves_nothing_behind()
     assert core.cache == {} and core.kv_pages_free == core.kv_pages_total
     assert sched.submit([1, 2, 3], SamplingParams(max_tokens=6)).result().token_ids == _alone([1, 2, 3], 6,
                                                                                             max_batch=3)
+    core2, eng2 = _fake(max_batch=3, pages=5)  # a small pool: only what fits (prompts of 16, batches of 3)
+    Scheduler(eng2).warm_up(prompt_tokens=64)
+    assert [e[2] for e in core2.log if e[0] == "prefill" and e[2] > 1] == [16]
+    assert core2.cache == {} and core2.kv_pages_free == core2.kv_pages_total
     req = sched.submit([1, 2, 3, 4, 5], SamplingParams(max_tokens=3))  # waiting: warm_up refuses
     with pytest.raises(InvalidRequestError, match="requests are running"):
         sched.warm_up()

@@ -300,6 +300,11 @@ class Scheduler:
             with self._state:
                 if self._running or self._waiting:
                     raise InvalidRequestError("Scheduler.warm_up: requests are running; call it before serving")
+            if int(core.position) > 0:
+                core.reset()  # (the single path's pages back to the pool, as _admit does)
+            free = int(core.kv_pages_free)  # a small pool bounds what can run: warm what fits
+            top_prompt = min(top_prompt, free * self._page_size - 1)
+            top_batch = min(top_batch, free)
             n = 16
             while n <= top_prompt:
                 slot = int(core.seq_open())

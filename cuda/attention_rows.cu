@@ -6,20 +6,20 @@
 // launch (the merge). So ONE launch per layer, and as few blocks per row as the work allows:
 //   grid (x: splits, y: KV head, z: row x ceil(group / G)). A block serves one KV head of one row and up to G
 //   query heads of its group (each K and V read once per block: G = 1, 2, 4 or 8, launch_rows: the fewest heads
-//   per block while the busy blocks fit in one wave; CudaOptions::batch_attn_heads) over one split of
-//   `span` positions (by default
-//   attn_rows_span: 256 at head dim 64, 128 up to 128, 64 above: the same span x head_dim multiply-adds per head
-//   at every head dim; 64 or 128 by CudaOptions::batch_attn_span). A row no longer than the span is one block
-//   per KV head, which writes the output itself: no partials, no merge. A longer row: each split's block writes
-//   its unnormalised (O, max, sum); the last of the row's splits to finish (an atomic ticket per (row, KV head,
-//   z), reset to zero by that block, so graph replays find it zero) merges them, log-sum-exp, in split order —
+//   per block while the busy blocks fit in one wave; CudaOptions::batch_attn_heads) over one split of `span`
+//   positions (by default attn_rows_span: 256 at head dim 64, 128 up to 128, 64 above: the same span x head_dim
+//   multiply-adds per head at every head dim; 64 or 128 by CudaOptions::batch_attn_span). A row no longer than the
+//   span is one block per KV head (per slice), which writes the output itself: no partials, no merge. A longer
+//   row: each split's block writes its unnormalised (O, max, sum); the last of the row's splits to finish (an
+//   atomic ticket per (row, KV head, z), reset to zero by that block, so graph replays find it zero) merges them,
+//   log-sum-exp, in split order —
 //   the result depends neither on which block came last nor on the other rows or the bucket. The grid's x is
 //   sized for the bucket (graph-safe): a block loops over splits x, x + gridDim.x, ... below its row's count;
 //   blocks past their row's length and padding rows (position < 0) exit at once.
 //   1. Before the PDL wait: the row's position and slot, its RoPE row and the split's cached keys and values
-//      (positions < pos, written by earlier steps: complete by the two-back rule, common.cuh), 16-byte loads
-//      through the page table (a table entry per position, from L1: any power-of-two page size) into shared
-//      memory, all of a thread's loads in flight at once (one round trip).
+//      (positions < pos, written by earlier steps: complete by the two-back rule, common.cuh), 16-byte cp.async
+//      copies through the page table (a table entry per position, from L1: any power-of-two page size) into
+//      shared memory, all of a thread's copies in flight at once (one round trip), none held in registers.
 //   2. After it: RoPE on the queries; the split owning pos rotates k and writes rope(k), v into the cache and its
 //      own tile (attention_common.cuh, shared with the single sequence's kernel). Nothing else reads that row in
 //      this launch; the next step's read is two kernels back.
@@ -100,12 +100,12 @@ __global__ void __launch_bounds__(kThreads, HD == 64 ? 2 : 1) decode_attn_rows_k
   const int rr = blockIdx.z / nz, zs = blockIdx.z - rr * nz, kvh = blockIdx.y;
   const int hq0 = kvh * group + zs * G, g = min(G, group - zs * G);
   const int max_splits = attn_rows_max_splits(p.max_seq);
-  float* q_s = reinterpret_cast<float*>(smem_raw);   // (G, hd) rope(q) / sqrt(hd)
-  float* p_s = q_s + G * hd;                 // (kWarps, G, 32) probabilities
-  float* cs = p_s + kWarps * G * 32;         // (half_d) the position's RoPE row
+  float* q_s = reinterpret_cast<float*>(smem_raw);  // (G, hd) rope(q) / sqrt(hd)
+  float* p_s = q_s + G * hd;                        // (kWarps, G, 32) probabilities
+  float* cs = p_s + kWarps * G * 32;                // (half_d) the position's RoPE row
   float* sn = cs + half_d;
   __half* k_s = reinterpret_cast<__half*>(q_s + rows_smem_floats(hd, G));  // (span, row)
-  __half* v_s = k_s + (size_t)span * row;                               // (span, row)
+  __half* v_s = k_s + (size_t)span * row;                                  // (span, row)
   float* part = reinterpret_cast<float*>(k_s);       // (kWarps, g, hd + 2) after P V: the warps' O, max, sum
 
   const int pos = p.row_pos[rr];  // final before the wait, like the table (the host writes both before a step)

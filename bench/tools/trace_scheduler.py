@@ -82,11 +82,8 @@ def main() -> None:
     sp = SamplingParams(max_tokens=a.gen, ignore_eos=True)
     rng = np.random.default_rng(0)
     prompts = [[rng.integers(0, cfg.vocab, a.prompt).tolist() for _ in range(a.rounds + 1)] for _ in range(a.clients)]
-    for p in prompts[:4]:  # warm-up: graphs of the buckets, GEMM tactics
-        sched.submit(p[-1], sp).result()
-    sched.submit(prompts[0][-1], SamplingParams(max_tokens=4, ignore_eos=True))
-    reqs = [sched.submit(p[-1], SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts]
-    for r in reqs:
+    sched.warm_up()  # every prefill token bucket's GEMM tactics and batch bucket's graph, as tinyinfer serve does
+    for r in [sched.submit(p[-1], SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts]:
         r.result()
     sched.wait_idle()
     core.spent.clear(), core.calls.clear(), steps.clear()

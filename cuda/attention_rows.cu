@@ -304,16 +304,6 @@ __global__ void __launch_bounds__(kThreads, HD == 64 ? 2 : 1) decode_attn_rows_k
   }
 }
 
-int sm_count() {
-  static int sms = [] {
-    int dev = 0, n = 0;
-    TI_CUDA_CHECK(cudaGetDevice(&dev));
-    TI_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    return n;
-  }();
-  return sms;
-}
-
 // Splits per block row: about 4 blocks per SM over all rows and heads, each looping over its row's splits.
 int rows_grid_x(int splits, int blocks_per_split) {
   return std::max(1, std::min(splits, (4 * sm_count() + blocks_per_split - 1) / blocks_per_split));

@@ -32,6 +32,17 @@ namespace ti::cuda {
                                               #expr + " at " + __FILE__ + ":" + std::to_string(__LINE__));   \
   } while (0)
 
+// Multiprocessors of the current device, asked once per process (the engine uses one device): grid sizing.
+inline int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    TI_CUDA_CHECK(cudaGetDevice(&dev));
+    TI_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
 // 16-byte load that skips L1 (streamed data is read once).
 __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p); }
 

@@ -464,12 +464,7 @@ static void raise_smem(Kernel kernel, size_t smem) {
 // Blocks for `tiles` tiles: one per tile (blocks_per_sm == 0), or at most blocks_per_sm per SM, spread so that
 // every block loops over the same number of tiles (no block does one more tile than the rest).
 static int gemv_grid(int tiles, int blocks_per_sm) {
-  static int sms = [] {
-    int dev = 0, n = 0;
-    TI_CUDA_CHECK(cudaGetDevice(&dev));
-    TI_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    return n;
-  }();
+  const int sms = sm_count();
   if (blocks_per_sm == 0) return tiles;
   if (blocks_per_sm < 0) return std::min(tiles, -blocks_per_sm);  // exactly n blocks (tests: uneven loops)
   const int cap = sms * blocks_per_sm, per_block = (tiles + cap - 1) / cap;

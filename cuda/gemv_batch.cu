@@ -192,15 +192,6 @@ __global__ void __launch_bounds__(kGbThreads) gemv_batch_kernel(GemvBatchArgs a)
   }
 }
 
-static int gb_sms() {
-  static int sms = [] {
-    int dev = 0, n = 0;
-    TI_CUDA_CHECK(cudaGetDevice(&dev));
-    TI_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    return n;
-  }();
-  return sms;
-}
 static int gb_smem_limit() {
   static int limit = [] {
     int dev = 0, n = 0;
@@ -235,7 +226,7 @@ static void launch_gb(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
     TI_CUDA_CHECK(cudaFuncSetAttribute(gemv_batch_kernel<R, WF, NB, IN, OUT>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   const int groups = (a.n + NB - 1) / NB, tiles = (a.W.rows + kGbWarps * R - 1) / (kGbWarps * R);
-  const int per_group = std::max(1, (2 * gb_sms() + groups - 1) / groups);  // ~2 blocks per SM in all
+  const int per_group = std::max(1, (2 * sm_count() + groups - 1) / groups);  // ~2 blocks per SM in all
   launch(gemv_batch_kernel<R, WF, NB, IN, OUT>, dim3(groups, std::min(tiles, per_group)), dim3(kGbThreads), smem, s,
          pdl, a);
 }

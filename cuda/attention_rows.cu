@@ -322,9 +322,7 @@ int resident(size_t smem) {
 
 // G (p.rows_heads, or auto: the fewest heads per block — the shortest serial work per block, the most blocks —
 // while the busy blocks, n_rows x KV heads x slices, fit in one wave at the kernel's residency), then the launch.
-// Measured (H200, TinyLlama: 4 KV heads of 8, ms per batched step, docs/perf/batch.md), when every variant held
-// one block per SM: 8 rows, G = 2 / 4 / 8: 1.235 / 1.242 / 1.356 (128, 64, 32 blocks); 32 rows: 1.710 / 1.496 /
-// 1.457 (512, 256, 128): past one wave the slices cost more than the shorter blocks save.
+// Past one wave the slices cost more than their shorter blocks save (the A/B: docs/perf/batch.md).
 template <int HD, int SPAN>
 void launch_rows(const DecodeAttnParams& p, int n_rows, int span, cudaStream_t s, bool pdl) {
   const int group = p.n_heads / p.n_kv_heads, hd = p.head_dim;

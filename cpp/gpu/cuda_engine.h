@@ -77,9 +77,7 @@ struct CudaOptions {
   int batch_mma_f16_max = 0;
   // Positions per block of the batched step's attention (cuda/attention_rows.cu): 0 (default) 256 at head dim 64,
   // 128 up to 128, 64 above — a row that long is one block per KV head, no merge; 64 or 128: more, shorter blocks
-  // and an in-kernel merge. Measured (H200, TinyLlama fp16, docs/perf/batch.md): the default at 8 rows takes
-  // ~13 us per layer, a chain of serial work per block; the smaller spans measured no better at 8 rows and worse
-  // at 32 (more blocks in waves at one block per SM).
+  // and an in-kernel merge (smaller spans did not pay on the H200: docs/perf/batch.md).
   int batch_attn_span = 0;
   // Query heads per block of that attention: 1, 2, 4 or 8 (a KV head's group split into slices of that many, each
   // its own block re-reading the K / V tile from L2), 0 (default): the fewest while the busy blocks fit in one

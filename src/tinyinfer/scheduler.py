@@ -288,8 +288,8 @@ class Scheduler:
         """Do now, before any request, what the GPU engine otherwise does on the first use of each shape: tune the
         prefill GEMMs of every token bucket (16, 32, ... up to prompt_tokens, default chunk_tokens, and
         max_seq_len: cuBLASLt tactics, kept in the tactics file) and tune + capture the batched decode step of
-        every bucket up to max_batch (default the scheduler's). Measured on the H200 (docs/perf/serve.md): a
-        bucket's first batched prefill cost a first token ~130 ms. Prompts of token 0 in slots opened and closed
+        every bucket up to max_batch (default the scheduler's), so no request waits for them (docs/perf/serve.md).
+        Prompts of token 0 in slots opened and closed
         here (the pool as it was); call it while no request runs. Returns the seconds it took."""
         t0 = time.perf_counter()
         eng = self._engine

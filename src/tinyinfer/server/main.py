@@ -82,9 +82,7 @@ def serve(args, engine_factory) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL
     engine = engine_factory(args)
     # The scheduler's thread releases the GIL in every GPU call and must take it back to go on; with Python's 5
-    # ms switch interval a busy event loop (64 streams) may hold it that long each time. Measured on the H200
-    # (docs/perf/serve.md): seq_step, a graph launch, 0.37 ms at 5 ms and 0.06 ms at 0.2 ms (in-process); 64
-    # clients through HTTP 20,812 tok/s at 5 ms, 26,883 at 0.2 ms.
+    # ms switch interval a busy event loop (64 streams) may hold it that long each time (docs/perf/serve.md).
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     scheduler = Scheduler(engine, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
                           max_waiting=args.max_waiting, batched_prefill=args.batched_prefill,

@@ -54,6 +54,8 @@ def start_server(a, model: str, log_path: Path) -> tuple[subprocess.Popen, str]:
         cmd += ["--max-batch", str(a.max_batch)]
     if a.max_seq_len:
         cmd += ["--max-seq-len", str(a.max_seq_len)]
+    if a.trace_dir:
+        cmd += ["--trace", str(Path(a.trace_dir) / "serve.json")]
     cmd += shlex.split(a.serve_args)
     env = {k: v for k, v in os.environ.items() if k != "TINYINFER_API_KEY"}
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
@@ -200,7 +202,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--serve-args", default="",
                     help="more arguments for `tinyinfer serve` (A/B), e.g. '--no-batched-prefill --chunk-tokens 8192'")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--trace-dir", default=None,
+                    help="the server records a timeline (`tinyinfer serve --trace DIR/serve.json`, written when it "
+                         "stops) and each level's start and end go to DIR/levels.json: "
+                         "bench/tools/serve_timeline.py DIR/serve.json")
     a = ap.parse_args(argv)
+    if a.trace_dir and a.url:
+        raise SystemExit("serve_bench: --trace-dir needs the server this script starts (not --url)")
+    if a.trace_dir:
+        Path(a.trace_dir).mkdir(parents=True, exist_ok=True)
     levels, lens = _ints(a.concurrency, "--concurrency"), _ints(a.prompt_lens, "--prompt-lens")
 
     proc, tmp = None, tempfile.TemporaryDirectory(prefix="serve_bench-")
@@ -227,9 +237,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             asyncio.run(run_level(url, model, c, 1, lens, 4, a.seed - 1))
         print(f"{'clients':>7} {'reqs':>5} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} "
               f"{'p99':>8} {'tok/chunk':>9} {'client cpu':>10}  (ms)")
-        rows = []
+        rows, marks = [], []
         for c in levels:
+            # the server's trace is in time.perf_counter() = CLOCK_MONOTONIC on Linux, the same clock in every
+            # process of the machine: these marks cut it into levels
+            t0 = time.perf_counter()
             r = measure_level(url, model, c, a.rounds, lens, a.max_tokens, a.seed, a.client_procs)
+            marks.append({"concurrency": c, "rounds": a.rounds, "t_start": t0, "t_end": time.perf_counter()})
             rows.append(r)
             f = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
             print(f"{c:>7} {r['requests']:>5} {r['output_tok_s']:>9.1f} {r['requests_s']:>7.2f} "
@@ -242,6 +256,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if a.json:
             Path(a.json).write_text(json.dumps(out, indent=1))
             print(f"serve_bench: wrote {a.json}")
+        if a.trace_dir:
+            clock = time.get_clock_info("perf_counter").implementation
+            Path(a.trace_dir, "levels.json").write_text(json.dumps({"clock": f"time.perf_counter ({clock})",
+                                                                    "levels": marks}, indent=1))
         return 1 if any(r["failed"] for r in rows) else 0
     finally:
         if proc is not None:
@@ -250,6 +268,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+            if a.trace_dir:
+                trace = Path(a.trace_dir) / "serve.json"
+                print(f"serve_bench: {'wrote' if trace.exists() else 'NO trace written to'} {trace} "
+                      f"(server exit {proc.returncode})")
         tmp.cleanup()
 
 

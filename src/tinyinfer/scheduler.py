@@ -73,6 +73,7 @@ from .sampling import SamplingParams, TextAssembler
 
 if TYPE_CHECKING:
     from .engine import Engine, Prompt
+    from .trace import Trace
 
 
 @dataclass
@@ -120,12 +121,14 @@ class Scheduler:
     constructing one registers it there). submit / cancel / properties from any thread."""
 
     def __init__(self, engine: "Engine", *, max_batch: Optional[int] = None, chunk_tokens: Optional[int] = None,
-                 max_waiting: int = 1024, batched_prefill: bool = True, overlap: bool = True):
+                 max_waiting: int = 1024, batched_prefill: bool = True, overlap: bool = True,
+                 trace: Optional["Trace"] = None):
         """chunk_tokens: prompt tokens prefilled per step in all (None: CHUNK_TOKENS of the engine's device).
         batched_prefill: a step's prompt chunks in one seq_prefill_many (every weight read once for all of
         them); False: one seq_prefill each (the A/B reference). overlap: launch the next decode step before a
         step's per-token work, which then runs while the device computes (see the module's docstring); False:
-        every step in turn (the A/B reference)."""
+        every step in turn (the A/B reference). trace: record every core call of the steps and every request's
+        submit / first token / end into it (trace.py; None: nothing recorded, the core called directly)."""
         core = engine._core
         if core is None:
             raise InvalidRequestError(f"{engine!r} is closed")
@@ -144,6 +147,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.batched_prefill = batched_prefill
         self.overlap = overlap
+        self.trace = trace
         self._engine = engine
         self._page_size = int(core.kv_page_size)
         self._pages_total = int(core.kv_pages_total)
@@ -263,6 +267,8 @@ class Scheduler:
             for s in seqs:
                 self._live[s.request.id] = s
                 self._waiting.append(s)
+                if self.trace is not None:
+                    self.trace.event("submit", s.request.id, len(s.prompt), t=s.t_submit)
             self._wake_locked()
 
     def cancel(self, request_id: str) -> None:
@@ -280,7 +286,13 @@ class Scheduler:
                 self._cancels.add(request_id)
                 self._wake_locked()
                 return
-        end.request._put(Delta("", [], [] if end.logprobs is not None else None, self._completion(end, "cancelled")))
+        self._cancelled_waiting(end)
+
+    def _cancelled_waiting(self, seq: _Seq) -> None:
+        """A request cancelled before it was admitted (taken off the queue already): its last Delta."""
+        if self.trace is not None:
+            self.trace.event("end", seq.request.id, 0, "cancelled")
+        seq.request._put(Delta("", [], [] if seq.logprobs is not None else None, self._completion(seq, "cancelled")))
 
     # ---- before serving ----
 
@@ -369,7 +381,7 @@ class Scheduler:
             self._cancels.update(s.request.id for s in self._running)
             thread = self._thread
         for s in waiting:
-            s.request._put(Delta("", [], [] if s.logprobs is not None else None, self._completion(s, "cancelled")))
+            self._cancelled_waiting(s)
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         elif thread is None and self._running and not self._engine.closed:
@@ -390,7 +402,7 @@ class Scheduler:
             with eng._exclusive():
                 self._wakes = {}
                 try:
-                    self._step_locked(eng._core)
+                    self._step_locked(eng._core if self.trace is None else self.trace.wrap(eng._core))
                 finally:
                     wakes, self._wakes = self._wakes, None
                     for loop, events in wakes.items():
@@ -508,6 +520,8 @@ class Scheduler:
                     self._waiting.appendleft(seq)
                 raise
             seq.t_admit = time.perf_counter()
+            if self.trace is not None:
+                self.trace.event("admit", seq.request.id, t=seq.t_admit)
             free -= need
 
     def _prefill(self, core) -> None:
@@ -543,6 +557,8 @@ class Scheduler:
             seq.length += len(chunk)
             if seq.length == len(seq.prompt):
                 seq.fresh, seq.t_first = True, now
+                if self.trace is not None:
+                    self.trace.event("prefilled", seq.request.id, t=now)
 
     def _sample(self, core, seqs: list[_Seq]) -> None:
         k = max((s.params.logprobs or 0) for s in seqs)
@@ -601,6 +617,8 @@ class Scheduler:
         """One generated token: the checks Engine.generate makes, a Delta, and the end when it is the last.
         stepped: its next step is launched already (the token is in flight, not pending)."""
         seq.generated.append(tok)
+        if self.trace is not None and len(seq.generated) == 1:
+            self.trace.event("first", seq.request.id)
         if lp is not None:
             seq.logprobs.append(lp)
         finish = "stop" if tok in seq.stop_ids else None
@@ -648,6 +666,8 @@ class Scheduler:
             if seq in self._running:
                 self._running.remove(seq)
             self._live.pop(seq.request.id, None)
+        if self.trace is not None:
+            self.trace.event("end", seq.request.id, len(seq.generated), finish)
         if error is not None:
             if isinstance(error, KvCacheFullError):
                 error.completion = self._completion(seq, finish)

@@ -158,11 +158,14 @@ class _Call:
         self.n = n  # choices per prompt
         self.t0 = time.perf_counter()
         self.t_first: Optional[float] = None
+        self.trace = None  # the scheduler's Trace, if any: gets this call's "http_end"
 
     def saw(self, c: _Choice, d) -> None:
         """Bookkeeping of one Delta of choice c."""
         if d.token_ids and self.t_first is None:
             self.t_first = time.perf_counter()
+            if self.trace is not None:  # the event loop has the first token (its chunk is written next)
+                self.trace.event("http_first", self.id, t=self.t_first)
         c.tokens += len(d.token_ids)
         if d.completion is not None:
             c.completion = d.completion
@@ -193,6 +196,8 @@ class _Call:
         rate = out / (end - self.t_first) if self.t_first is not None and end > self.t_first else 0.0
         log.info("%s: %d tokens in, %d out, ttft %s, %.1f tok/s, %.2f s, %s", self.id, self.prompt_tokens, out,
                  ttft, rate, end - self.t0, outcome)
+        if self.trace is not None:  # (streaming: the last chunk has been handed to the server to write)
+            self.trace.event("http_end", self.id, out, outcome, t=end)
 
 
 class Service:
@@ -305,6 +310,7 @@ class Service:
         return _Call(rid, choices, g.n)
 
     async def generate(self, request: Request, parse):
+        t_start = time.perf_counter()
         self.check_auth(request)
         g = parse(await _read_json(request, self.max_body_bytes))
         self.check_model(g.model)
@@ -313,6 +319,10 @@ class Service:
         else:
             prompts = await run_in_threadpool(self.prompt_ids, g)
         call = self.submit(g, prompts, f"{'chatcmpl' if g.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}")
+        trace = getattr(self.scheduler, "trace", None)
+        if trace is not None:  # the handler's start; its scheduler requests are "<call.id>-<k>"
+            trace.event("http_start", call.id, t=t_start)
+            call.trace = trace
         if g.stream:
             return DisconnectAwareStream(self.events(g, call), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

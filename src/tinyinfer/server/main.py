@@ -2,6 +2,7 @@
 
     tinyinfer serve                                  # the default model on http://127.0.0.1:8000/v1
     tinyinfer serve --model path/to/model --port 9000 --api-key secret --max-batch 32
+    tinyinfer serve --trace serve.json               # a timeline, written at shutdown (bench/tools/serve_timeline.py)
 
 Binds 127.0.0.1 unless --host says otherwise. Ctrl-C: uvicorn stops taking connections, gives open streams a few
 seconds, then the app's lifespan closes the scheduler (every request still in flight is cancelled).
@@ -44,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: --model as given, or SmolLM2-135M-Instruct)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="record a timeline (every core call of the scheduler, every request's submit / first token / "
+                        "end, each HTTP call's start and end) and write it as JSON to FILE at shutdown; read it with "
+                        "bench/tools/serve_timeline.py")
 
 
 def check_arguments(args) -> None:
@@ -63,6 +68,8 @@ def check_arguments(args) -> None:
         raise InvalidRequestError("--served-model-name is empty")
     if args.api_key is not None and not args.api_key:
         raise InvalidRequestError("--api-key is empty")
+    if args.trace is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
+        raise InvalidRequestError(f"--trace: the folder of {args.trace!r} does not exist")
 
 
 def serve(args, engine_factory) -> int:
@@ -76,6 +83,7 @@ def serve(args, engine_factory) -> int:
     check_arguments(args)
     from ..models import DEFAULT_MODEL
     from ..scheduler import Scheduler
+    from ..trace import Trace
     from .app import create_app
 
     api_key = args.api_key if args.api_key is not None else (os.environ.get("TINYINFER_API_KEY") or None)
@@ -84,9 +92,10 @@ def serve(args, engine_factory) -> int:
     # The scheduler's thread releases the GIL in every GPU call and must take it back to go on; with Python's 5
     # ms switch interval a busy event loop (64 streams) may hold it that long each time (docs/perf/serve.md).
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    trace = Trace() if args.trace else None
     scheduler = Scheduler(engine, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
                           max_waiting=args.max_waiting, batched_prefill=args.batched_prefill,
-                          overlap=args.overlap)
+                          overlap=args.overlap, trace=trace)
     if engine.device == "cuda":  # (the CPU engine has no tactics or graphs to make on first use)
         print(f"tinyinfer: warmed up (prefill GEMMs, batch graphs) in {scheduler.warm_up():.2f} s",
               file=sys.stderr, flush=True)
@@ -117,4 +126,8 @@ def serve(args, engine_factory) -> int:
         pass
     finally:
         engine.close()
+        if trace is not None:  # (the scheduler is closed: its thread has ended)
+            trace.save(args.trace)
+            print(f"tinyinfer: wrote the trace to {args.trace} ({len(trace.calls)} core calls, "
+                  f"{len(trace.events)} events)", file=sys.stderr, flush=True)
     return 0 if server.started else 1

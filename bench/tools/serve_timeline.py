@@ -1,0 +1,223 @@
+"""Where a serving round's time goes, from a `tinyinfer serve --trace` timeline (src/tinyinfer/trace.py).
+
+    python bench/serve_bench.py --shape tinyllama-1.1b --device cuda --concurrency 8,64 --trace-dir /tmp/t
+    python bench/tools/serve_timeline.py /tmp/t/serve.json [--level 64] [--json out.json]
+
+Levels: serve_bench's marks (levels.json beside the trace; one clock, perf_counter = CLOCK_MONOTONIC); without
+it the whole trace is one level. A level's requests are those submitted inside its marks; its rounds are those
+requests in submit order, `concurrency` at a time (each client sends its next request when its last ends).
+Per round:
+  wall        first submit -> last end (the scheduler's; tok/s: the tokens generated over it);
+  prefill     the seq_prefill_many (and seq_prefill) calls: count, prompt tokens, ms;
+  decode      per seq_step (one decode step): period = its start -> the next seq_step's start, split into the
+              launch (seq_step), other core calls before its seq_sample (prefill, open, close), host Python
+              between, the seq_sample (waits for the step's device work, samples), and the gap from that
+              seq_sample's end to the next launch (host time on the critical path when nothing is launched ahead);
+  no core call  time with no core call running (the device possibly idle), split by whether any request of
+              the level was in flight (submitted, not ended) — the latter is what the scheduler could have used;
+  TTFT        per request, p50 / p99: submit -> admit (queue), admit -> prefilled (its prompt's last chunk ran),
+              prefilled -> first token sampled; HTTP: handler start -> submit, and first token -> the event loop
+              has it (http_first);
+  turnaround  the last end of round r -> the first submit of round r+1, and r+1's submit spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+
+def _stats(x) -> dict:
+    x = np.asarray(x, float) * 1e3
+    if not len(x):
+        return {"n": 0, "mean": None, "p50": None, "p99": None}
+    return {"n": len(x), "mean": float(x.mean()), "p50": float(np.percentile(x, 50)),
+            "p99": float(np.percentile(x, 99))}
+
+
+def _merge(intervals) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _overlap(segs: list[tuple[float, float]], lo: float, hi: float) -> float:
+    return sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in segs)
+
+
+def _requests(events: list) -> dict[str, dict]:
+    """Scheduler request id -> {kind: t, "prompt", "tokens", "finish", and the HTTP call's http_* times}."""
+    reqs: dict[str, dict] = defaultdict(dict)
+    http: dict[str, dict] = defaultdict(dict)
+    for kind, t, rid, a, b in events:
+        if kind.startswith("http_"):
+            http[rid][kind] = t
+            continue
+        r = reqs[rid]
+        r.setdefault(kind, t)
+        if kind == "submit":
+            r["prompt"] = a
+        elif kind == "end":
+            r["tokens"], r["finish"] = a, b
+    for rid, r in reqs.items():
+        r.update(http.get(rid.rpartition("-")[0], {}))  # "<call id>-<k>"
+    return {rid: r for rid, r in reqs.items() if "submit" in r}
+
+
+def _decode(calls: list, lo: float, hi: float) -> dict:
+    """The decode steps launched in [lo, hi): each seq_step with the first seq_sample that starts after it."""
+    steps = [c for c in calls if c[0] == "seq_step" and lo <= c[1] < hi]
+    samples = [c for c in calls if c[0] == "seq_sample"]
+    starts = [c[1] for c in samples]
+    others = [c for c in calls if c[0] not in ("seq_step", "seq_sample")]
+    parts = defaultdict(list)
+    for i, st in enumerate(steps):
+        j = bisect.bisect_left(starts, st[2])
+        if j == len(samples):
+            continue
+        sa = samples[j]
+        other = sum(c[2] - c[1] for c in others if st[2] <= c[1] < sa[1])
+        parts["launch"].append(st[2] - st[1])
+        parts["other core"].append(other)
+        parts["host"].append(sa[1] - st[2] - other)
+        parts["sample"].append(sa[2] - sa[1])
+        parts["rows"].append(st[3] / 1e3)  # (_stats scales by 1e3)
+        if i + 1 < len(steps):
+            parts["period"].append(steps[i + 1][1] - st[1])
+            parts["gap"].append(steps[i + 1][1] - sa[2])
+    return {k: _stats(v) for k, v in parts.items()} | {"steps": len(steps)}
+
+
+def analyze_window(calls: list, reqs: list[dict], in_flight: list, lo: float, hi: float) -> dict:
+    """One round (or level): its requests, and the core calls that started in [lo, hi]."""
+    inside = [c for c in calls if lo <= c[1] <= hi]
+    prefill = {name: {"calls": len(cs), "tokens": sum(c[3] for c in cs), "ms": 1e3 * sum(c[2] - c[1] for c in cs)}
+               for name in ("seq_prefill_many", "seq_prefill") if (cs := [c for c in inside if c[0] == name])}
+    busy = _merge((max(c[1], lo), min(c[2], hi)) for c in inside)
+    gaps, t = [], lo
+    for s, e in busy:
+        if s > t:
+            gaps.append((t, s))
+        t = max(t, e)
+    if t < hi:
+        gaps.append((t, hi))
+    idle = sum(e - s for s, e in gaps)
+    idle_flight = sum(_overlap(in_flight, s, e) for s, e in gaps)
+
+    def span(a: str, b: str) -> dict:
+        return _stats([r[b] - r[a] for r in reqs if a in r and b in r])
+
+    tokens = sum(r.get("tokens", 0) for r in reqs)
+    return {"requests": len(reqs), "wall_ms": 1e3 * (hi - lo), "tokens": tokens,
+            "tok_s": tokens / (hi - lo) if hi > lo else None,
+            "submit_spread_ms": 1e3 * (max(r["submit"] for r in reqs) - min(r["submit"] for r in reqs)),
+            "prefill": prefill, "decode": _decode(calls, lo, hi),
+            "no_core_call_ms": {"total": 1e3 * idle, "requests in flight": 1e3 * idle_flight,
+                                "none in flight": 1e3 * (idle - idle_flight)},
+            "ttft_ms": {"queue (submit->admit)": span("submit", "admit"),
+                        "prefill (admit->prefilled)": span("admit", "prefilled"),
+                        "sample (prefilled->first)": span("prefilled", "first"),
+                        "total (submit->first)": span("submit", "first"),
+                        "http (handler start->submit)": span("http_start", "submit"),
+                        "loop (first->http_first)": span("first", "http_first"),
+                        "http end (end->http_end)": span("end", "http_end")}}
+
+
+def analyze(trace: dict, levels: Optional[list[dict]], only: Optional[int] = None) -> list[dict]:
+    calls = sorted((tuple(c) for c in trace["calls"]), key=lambda c: c[1])
+    reqs = _requests(trace["events"])
+    every = sorted(reqs.values(), key=lambda r: r["submit"])
+    if not levels:
+        t0 = min([r["submit"] for r in every] + [c[1] for c in calls[:1]])
+        t1 = max([r.get("end", t0) for r in every] + [c[2] for c in calls[-1:]])
+        levels = [{"concurrency": None, "t_start": t0, "t_end": t1}]
+    out = []
+    for lv in levels:
+        if only is not None and lv["concurrency"] != only:
+            continue
+        mine = [r for r in every if lv["t_start"] <= r["submit"] <= lv["t_end"] and "end" in r]
+        if not mine:
+            continue
+        in_flight = _merge((r["submit"], r["end"]) for r in mine)
+        per = lv["concurrency"] or len(mine)
+        rounds = [mine[i:i + per] for i in range(0, len(mine), per)]
+        res = []
+        for rs in rounds:
+            lo, hi = min(r["submit"] for r in rs), max(r["end"] for r in rs)
+            res.append(analyze_window(calls, rs, in_flight, lo, hi))
+        for i in range(len(rounds) - 1):
+            res[i]["turnaround_ms"] = 1e3 * (min(r["submit"] for r in rounds[i + 1])
+                                             - max(r["end"] for r in rounds[i]))
+        lo, hi = mine[0]["submit"], max(r["end"] for r in mine)
+        out.append({"concurrency": lv["concurrency"], "level": analyze_window(calls, mine, in_flight, lo, hi),
+                    "rounds": res})
+    return out
+
+
+def _f(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def report(levels: list[dict], file=sys.stdout) -> None:
+    def p(*a):
+        print(*a, file=file)
+
+    for lv in levels:
+        p(f"== level {lv['concurrency'] or 'all'}: {lv['level']['requests']} requests, "
+          f"{len(lv['rounds'])} round(s) ==")
+        for name, w in [(f"round {i}", r) for i, r in enumerate(lv["rounds"])] + [("level", lv["level"])]:
+            p(f"{name}: {w['requests']} requests, wall {w['wall_ms']:.1f} ms (first submit -> last end), "
+              f"{w['tokens']} tokens, {w['tok_s'] or 0:,.0f} tok/s; submits spread over {w['submit_spread_ms']:.1f} ms"
+              + (f"; turnaround to the next round {w['turnaround_ms']:.1f} ms" if "turnaround_ms" in w else ""))
+            for k, v in w["prefill"].items():
+                p(f"  {k:17s} {v['calls']:5d} calls {v['tokens']:7d} tokens {v['ms']:9.1f} ms")
+            d = w["decode"]
+            p(f"  decode steps {d['steps']} (rows p50 {_f(d.get('rows', {}).get('p50'))})    "
+              f"{'mean':>7} {'p50':>7} {'p99':>7} ms")
+            for k in ("period", "launch", "other core", "host", "sample", "gap"):
+                s = d.get(k)
+                if s and s["n"]:
+                    p(f"    {k:24s} {_f(s['mean']):>7} {_f(s['p50']):>7} {_f(s['p99']):>7}")
+            n = w["no_core_call_ms"]
+            p(f"  no core call running   {n['total']:8.1f} ms: requests in flight {n['requests in flight']:.1f}, "
+              f"none in flight {n['none in flight']:.1f}")
+            p(f"  per request            {'p50':>7} {'p99':>7} ms")
+            for k, s in w["ttft_ms"].items():
+                if s["n"]:
+                    p(f"    {k:28s} {_f(s['p50']):>7} {_f(s['p99']):>7}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", help="the JSON `tinyinfer serve --trace` wrote")
+    ap.add_argument("--levels", default=None, help="serve_bench's level marks (default: levels.json beside the trace)")
+    ap.add_argument("--level", type=int, default=None, help="only the level of this many clients")
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    a = ap.parse_args(argv)
+    trace = json.loads(Path(a.trace).read_text())
+    marks = Path(a.levels) if a.levels else Path(a.trace).with_name("levels.json")
+    levels = json.loads(marks.read_text())["levels"] if marks.exists() else None
+    out = analyze(trace, levels, a.level)
+    if not out:
+        print("serve_timeline: no finished request in the trace" + (f" at level {a.level}" if a.level else ""),
+              file=sys.stderr)
+        return 1
+    report(out)
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""A timeline recorder for the scheduler: what the core ran when, and what happened to each request.
+
+    trace = Trace()
+    sched = Scheduler(engine, trace=trace)      # or `tinyinfer serve --trace FILE`
+    ...
+    trace.save("serve.json")                    # bench/tools/serve_timeline.py reads it
+
+Two lists of tuples, appended as things happen (a list append is atomic under the GIL, so the scheduler's thread
+and the server's event loop share them without a lock; the cost is a perf_counter() and an append, ~0.2 us):
+  calls:  (name, t_start, t_end, n) for each core call the scheduler makes through the wrapper (CORE_CALLS);
+          n is the rows of a seq_step / seq_sample, the prompt tokens of a seq_prefill(_many), else 0;
+  events: (kind, t, request id, a, b). From the scheduler: "submit" (a = prompt tokens), "admit" (a slot
+          opened), "prefilled" (the prompt's last chunk ran), "first" (the first token sampled), "end" (a = tokens
+          generated, b = the finish reason). From the server, under the HTTP call's id (its choices' scheduler
+          ids are "<id>-<k>"): "http_start" (the handler began), "http_first" (the event loop has the first
+          token), "http_end" (the last chunk handed over to be written; a = tokens, b = the outcome).
+Times are time.perf_counter(): on Linux clock_gettime(CLOCK_MONOTONIC), one clock for every process of the
+machine, so another process's perf_counter() marks (serve_bench's levels) fall on the same axis.
+Off (no trace given) there is no wrapper at all: the scheduler calls the core directly.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+CORE_CALLS = ("seq_open", "seq_prefill", "seq_prefill_many", "seq_step", "seq_sample", "seq_close", "reset")
+
+
+class Trace:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.events: list[tuple] = []
+
+    def wrap(self, core) -> "TracedCore":
+        return TracedCore(core, self.calls)
+
+    def event(self, kind: str, request_id: str, a=None, b=None, t: Optional[float] = None) -> None:
+        self.events.append((kind, time.perf_counter() if t is None else t, request_id, a, b))
+
+    def to_json(self) -> dict:
+        info = time.get_clock_info("perf_counter")
+        return {"clock": f"time.perf_counter ({info.implementation})",
+                "calls": [list(c) for c in self.calls], "events": [list(e) for e in self.events]}
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f)
+
+
+class TracedCore:
+    """The core, with the calls in CORE_CALLS timed into `calls`; everything else (kv_pages_free, position, ...)
+    forwarded as is."""
+
+    def __init__(self, core, calls: list) -> None:
+        self._core, self._calls = core, calls
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+    def _timed(self, name: str, n: int, f, *args):
+        t = time.perf_counter()
+        try:
+            return f(*args)
+        finally:
+            self._calls.append((name, t, time.perf_counter(), n))
+
+    def seq_open(self):
+        return self._timed("seq_open", 0, self._core.seq_open)
+
+    def seq_close(self, slot):
+        return self._timed("seq_close", 0, self._core.seq_close, slot)
+
+    def reset(self):
+        return self._timed("reset", 0, self._core.reset)
+
+    def seq_prefill(self, slot, tokens):
+        return self._timed("seq_prefill", len(tokens), self._core.seq_prefill, slot, tokens)
+
+    def seq_prefill_many(self, slots, chunks):
+        return self._timed("seq_prefill_many", sum(len(c) for c in chunks), self._core.seq_prefill_many, slots,
+                           chunks)
+
+    def seq_step(self, slots, tokens):
+        return self._timed("seq_step", len(slots), self._core.seq_step, slots, tokens)
+
+    def seq_sample(self, slots, *args):
+        return self._timed("seq_sample", len(slots), self._core.seq_sample, slots, *args)

@@ -1,0 +1,118 @@
+"""The scheduler's timeline recorder (tinyinfer.trace) over the real CPU engine, and bench/tools/serve_timeline.py
+on what it records. Names and order only: nothing timed."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import make_chat_llama
+from tinyinfer import Engine, SamplingParams, Scheduler
+from tinyinfer.trace import CORE_CALLS, Trace
+
+TOOL = Path(__file__).resolve().parents[1] / "bench" / "tools" / "serve_timeline.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("serve_timeline", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def eng(tmp_path_factory):
+    d = make_chat_llama(tmp_path_factory.mktemp("trace") / "m", init_std=0.3)
+    with Engine(d, device="cpu", max_seq_len=256, threads=2) as e:
+        yield e
+
+
+def _two_rounds(eng, trace: Trace, clients: int = 3, cancel: bool = True) -> list:
+    """`clients` requests, then `clients` more once those ended (two rounds); then one cancelled while waiting."""
+    sched = Scheduler(eng, trace=trace, max_batch=clients)
+    try:
+        out = []
+        for r in range(2):
+            reqs = [sched.submit("GPUs are fast " * (1 + i), SamplingParams(max_tokens=3 + i, ignore_eos=True))
+                    for i in range(clients)]
+            sched.wait_idle()
+            out += [q.result() for q in reqs]
+        if not cancel:
+            return out
+        late = sched.submit("one more", SamplingParams(max_tokens=2))
+        late.cancel()  # still waiting: ended without a step
+        assert late.result().finish_reason == "cancelled"
+        return out
+    finally:
+        sched.close()
+
+
+def test_the_recorder_sees_every_core_call_and_request_event(eng):
+    want = [eng.generate("GPUs are fast " * (1 + i), SamplingParams(max_tokens=3 + i, ignore_eos=True))
+            for i in range(3)]
+    trace = Trace()
+    got = _two_rounds(eng, trace)
+    assert [c.token_ids for c in got] == [w.token_ids for w in want] * 2  # nothing changed by recording
+    names = {c[0] for c in trace.calls}
+    assert {"seq_open", "seq_prefill_many", "seq_step", "seq_sample", "seq_close"} <= names <= set(CORE_CALLS)
+    assert all(t0 <= t1 for _, t0, t1, _ in trace.calls)
+    rows = [n for name, _, _, n in trace.calls if name == "seq_sample"]
+    assert max(rows) == 3 and min(rows) >= 1
+    prompt = [n for name, _, _, n in trace.calls if name == "seq_prefill_many"]
+    by_id: dict = {}
+    for kind, t, rid, a, b in trace.events:
+        by_id.setdefault(rid, []).append((kind, a, b))
+    assert len(by_id) == 7
+    ends = []
+    for rid, evs in by_id.items():
+        kinds = [k for k, _, _ in evs]
+        if kinds == ["submit", "end"]:  # the one cancelled while waiting
+            assert evs[1][1:] == (0, "cancelled")
+            continue
+        assert kinds == ["submit", "admit", "prefilled", "first", "end"], kinds
+        ends.append(evs[-1][1])
+        assert evs[-1][2] == "length"
+    assert sorted(ends) == sorted([3, 4, 5] * 2)
+    submitted = sum(a for evs in by_id.values() for k, a, _ in evs if k == "submit")
+    assert sum(prompt) + sum(n for name, _, _, n in trace.calls if name == "seq_prefill") == submitted - len("one more")
+
+
+def test_off_there_is_no_wrapper(eng):
+    sched = Scheduler(eng)
+    seen = []
+    inner = sched._step_locked
+    sched._step_locked = lambda core: (seen.append(core), inner(core))
+    try:
+        sched.submit("hi", SamplingParams(max_tokens=2, ignore_eos=True)).result()
+    finally:
+        sched.close()
+    assert seen and all(c is eng._core for c in seen)
+
+
+def test_serve_timeline_reports_levels_and_rounds(eng, tmp_path):
+    trace = Trace()
+    _two_rounds(eng, trace, cancel=False)
+    path = tmp_path / "serve.json"
+    trace.save(path)
+    data = json.loads(path.read_text())
+    assert "CLOCK_MONOTONIC" in data["clock"] or data["clock"].startswith("time.perf_counter")
+    t0 = min(c[1] for c in data["calls"])
+    (tmp_path / "levels.json").write_text(json.dumps({"levels": [
+        {"concurrency": 3, "rounds": 2, "t_start": t0 - 1, "t_end": t0 + 3600}]}))
+    tool = _tool()
+    out = io.StringIO()
+    levels = tool.analyze(data, json.loads((tmp_path / "levels.json").read_text())["levels"])
+    tool.report(levels, out)
+    text = out.getvalue()
+    for want in ("== level 3", "round 0:", "round 1:", "turnaround", "seq_prefill_many", "decode steps",
+                 "period", "no core call running", "queue (submit->admit)"):
+        assert want in text, (want, text)
+    assert [r["requests"] for r in levels[0]["rounds"]] == [3, 3]
+    assert levels[0]["level"]["tokens"] == 2 * (3 + 4 + 5)
+    assert tool.main([str(path), "--level", "3", "--json", str(tmp_path / "t.json")]) == 0
+    assert json.loads((tmp_path / "t.json").read_text())[0]["concurrency"] == 3
+    assert tool.main([str(path), "--level", "64"]) == 1  # no such level: said, not a traceback

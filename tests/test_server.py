@@ -480,6 +480,33 @@ def test_ctrl_c_ends_open_streams_and_exits_cleanly(smollm_gguf, tmp_path):
     assert "Traceback" not in srv.log() and "server shutdown" in srv.log()
 
 
+def test_trace_is_written_at_shutdown(smollm_gguf, tmp_path):
+    """--trace FILE: after SIGTERM the file holds the core calls and each request's scheduler and HTTP events;
+    serve_timeline.py reads it."""
+    path = tmp_path / "serve.json"
+    srv = Server(smollm_gguf, tmp_path, "--trace", str(path))
+    try:
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0) as c:
+            for n in (3, 5):
+                text = "".join(ch.choices[0].text for ch in c.completions.create(
+                    model=NAME, prompt=[1, 2, 3, 4], max_tokens=n, stream=True, extra_body={"ignore_eos": True}))
+                assert text
+    finally:
+        srv.stop(signal.SIGTERM)  # (uvicorn raises it again once shut down: the exit status is -SIGTERM)
+    assert "wrote the trace" in srv.log() and "Traceback" not in srv.log(), srv.log()
+    trace = json.loads(path.read_text())
+    assert {"seq_open", "seq_step", "seq_sample", "seq_close"} <= {c[0] for c in trace["calls"]}
+    kinds: dict = {}
+    for kind, _, rid, *_ in trace["events"]:
+        kinds.setdefault(rid, []).append(kind)
+    calls = [k for k in kinds if k.startswith("cmpl-") and not k[-2:] == "-0"]
+    assert len(calls) == 2 and all(kinds[k] == ["http_start", "http_first", "http_end"] for k in calls)
+    assert all(kinds[f"{k}-0"] == ["submit", "admit", "prefilled", "first", "end"] for k in calls)
+    tool = Path(__file__).resolve().parents[1] / "bench" / "tools" / "serve_timeline.py"
+    out = subprocess.run([sys.executable, str(tool), str(path)], capture_output=True, text=True)
+    assert out.returncode == 0 and "decode steps" in out.stdout, out.stderr
+
+
 @pytest.mark.gpu
 def test_gpu_server_batches_32_streams(smollm_gguf, tmp_path):
     """The CUDA engine behind the server: 32 concurrent streams each get exactly their tokens, the greedy answer

@@ -2,15 +2,19 @@
 (P-token prompts, G tokens out, greedy) to one Scheduler driven by its own thread, as serve_bench's clients do
 through the server. The core is wrapped so that every call is timed; the report splits the wall time into the
 core's calls (seq_step launches the step's graph, seq_sample waits for it and samples; prefill), the scheduler's
-own Python (a step's time outside core calls) and idle (no step running: waiting for requests).
+own Python (a step's time outside core calls) and idle (no step running: waiting for requests). The core calls
+are recorded by the scheduler's own Trace (src/tinyinfer/trace.py); --trace FILE writes it for
+bench/tools/serve_timeline.py (one level: the measured rounds).
     python3 bench/tools/trace_scheduler.py tinyllama-1.1b fp16 --clients 64 --rounds 2 [--opts=...] [--sched k=v]
 """
 
 import argparse
+import json
 import sys
 import threading
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 from common import options
@@ -20,29 +24,7 @@ from tinyinfer.bench import shape_config
 from tinyinfer.engine import Engine
 from tinyinfer.sampling import SamplingParams
 from tinyinfer.scheduler import Scheduler
-
-TIMED = ("seq_step", "seq_sample", "seq_prefill_many", "seq_prefill", "seq_open", "seq_close")
-
-
-class TimedCore:
-    """Forwards everything to the core; the calls in TIMED add their wall time and count to `spent`."""
-
-    def __init__(self, core):
-        self._core, self.spent, self.calls = core, defaultdict(float), defaultdict(int)
-
-    def __getattr__(self, name):
-        f = getattr(self._core, name)
-        if name not in TIMED:
-            return f
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                self.spent[name] += time.perf_counter() - t
-                self.calls[name] += 1
-        return timed
+from tinyinfer.trace import Trace
 
 
 def main() -> None:
@@ -58,17 +40,19 @@ def main() -> None:
     ap.add_argument("--sched", default="", help="Scheduler keyword arguments, k=v,... (ints / bools)")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval (tinyinfer serve sets 0.2; Python's default is 5)")
+    ap.add_argument("--trace", default=None, help="write the measured rounds' timeline here (serve_timeline.py)")
     a = ap.parse_args()
     if a.switch_interval_ms is not None:
         sys.setswitchinterval(a.switch_interval_ms / 1e3)
     cfg = shape_config(a.shape)
     o = options(a.opts, a.dtype)
     o.max_batch = max(o.max_batch, a.clients)
-    core = TimedCore(_core.CudaEngine.random(cfg, a.max_seq_len, 1, o))
+    core = _core.CudaEngine.random(cfg, a.max_seq_len, 1, o)
     kw = {k: (v.lower() == "true" if v.lower() in ("true", "false") else int(v))
           for k, v in (kv.split("=", 1) for kv in filter(None, a.sched.split(",")))}
     eng = Engine.from_core(core, cfg, max_seq_len=a.max_seq_len, name=a.shape)
-    sched = Scheduler(eng, max_batch=a.clients, **kw)
+    trace = Trace()
+    sched = Scheduler(eng, max_batch=a.clients, trace=trace, **kw)
     steps, busy = [], [0.0]
     inner = sched._step_locked
 
@@ -86,7 +70,7 @@ def main() -> None:
     for r in [sched.submit(p[-1], SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts]:
         r.result()
     sched.wait_idle()
-    core.spent.clear(), core.calls.clear(), steps.clear()
+    trace.calls.clear(), trace.events.clear(), steps.clear()
     ttft = []
 
     def client(i: int) -> None:
@@ -106,18 +90,27 @@ def main() -> None:
         t.start()
     for t in th:
         t.join()
-    wall = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    wall = t1 - t0
     sched.close()
+    spent, calls = defaultdict(float), defaultdict(int)
+    for name, s, e, _ in trace.calls:
+        spent[name] += e - s
+        calls[name] += 1
+    if a.trace:
+        trace.save(a.trace)
+        marks = {"levels": [{"concurrency": a.clients, "rounds": a.rounds, "t_start": t0, "t_end": t1}]}
+        Path(a.trace).with_name("levels.json").write_text(json.dumps(marks))  # (serve_timeline reads it)
     in_steps = sum(e - s for s, e in steps)
-    core_s = sum(core.spent.values())
+    core_s = sum(spent.values())
     toks = a.clients * a.rounds * a.gen
     print(f"{a.shape} {a.dtype} {a.clients} clients x {a.rounds} rounds, {a.prompt} + {a.gen}, sched {kw}, "
           f"opts '{a.opts}', switch interval {sys.getswitchinterval() * 1e3:g} ms: {wall:.3f} s, {toks / wall:,.0f} tok/s out, {len(steps)} steps, "
           f"TTFT p50 {1e3 * float(np.median(ttft)):.1f} ms")
     print(f"  in steps {in_steps:.3f} s (core calls {core_s:.3f}, scheduler Python {in_steps - core_s:.3f}); "
           f"idle between steps {wall - in_steps:.3f} s")
-    for k in sorted(core.spent, key=lambda k: -core.spent[k]):
-        print(f"  {k:18s} {core.calls[k]:6d} calls {core.spent[k]:8.3f} s  {1e3 * core.spent[k] / core.calls[k]:8.3f} ms")
+    for k in sorted(spent, key=lambda k: -spent[k]):
+        print(f"  {k:18s} {calls[k]:6d} calls {spent[k]:8.3f} s  {1e3 * spent[k] / calls[k]:8.3f} ms")
 
 
 if __name__ == "__main__":

@@ -118,6 +118,13 @@ def serve(args, engine_factory) -> int:
             app.state.begin_shutdown()
             super().handle_exit(sig, frame)
 
+        async def shutdown(self, sockets=None) -> None:
+            await super().shutdown(sockets)  # (the app's lifespan has closed the scheduler: its thread has ended)
+            if trace is not None:  # here, not after run(): uvicorn then raises a SIGTERM again, which kills
+                trace.save(args.trace)
+                print(f"tinyinfer: wrote the trace to {args.trace} ({len(trace.calls)} core calls, "
+                      f"{len(trace.events)} events)", file=sys.stderr, flush=True)
+
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                                    timeout_graceful_shutdown=5))
     try:
@@ -126,8 +133,4 @@ def serve(args, engine_factory) -> int:
         pass
     finally:
         engine.close()
-        if trace is not None:  # (the scheduler is closed: its thread has ended)
-            trace.save(args.trace)
-            print(f"tinyinfer: wrote the trace to {args.trace} ({len(trace.calls)} core calls, "
-                  f"{len(trace.events)} events)", file=sys.stderr, flush=True)
     return 0 if server.started else 1

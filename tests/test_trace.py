@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_chat_llama
-from tinyinfer import Engine, SamplingParams, Scheduler
+from tinyinfer import Engine, InvalidRequestError, SamplingParams, Scheduler
 from tinyinfer.trace import CORE_CALLS, Trace
 
 TOOL = Path(__file__).resolve().parents[1] / "bench" / "tools" / "serve_timeline.py"
@@ -79,6 +79,11 @@ def test_the_recorder_sees_every_core_call_and_request_event(eng):
     assert sorted(ends) == sorted([3, 4, 5] * 2)
     submitted = sum(a for evs in by_id.values() for k, a, _ in evs if k == "submit")
     assert sum(prompt) + sum(n for name, _, _, n in trace.calls if name == "seq_prefill") == submitted - len("one more")
+
+
+def test_a_bad_trace_is_refused(eng):
+    with pytest.raises(InvalidRequestError, match="trace"):
+        Scheduler(eng, trace=[])
 
 
 def test_off_there_is_no_wrapper(eng):

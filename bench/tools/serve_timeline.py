@@ -18,7 +18,8 @@ Per round:
   TTFT        per request, p50 / p99: submit -> admit (queue), admit -> prefilled (its prompt's last chunk ran),
               prefilled -> first token sampled; HTTP: handler start -> submit, and first token -> the event loop
               has it (http_first);
-  turnaround  the last end of round r -> the first submit of round r+1, and r+1's submit spread.
+  turnaround  the last end of round r -> the first submit of round r+1; and per request, the k-th end of round
+              r -> the k-th submit of round r+1 (a client's own turnaround: HTTP out, the client, HTTP in).
 """
 
 from __future__ import annotations
@@ -157,8 +158,12 @@ def analyze(trace: dict, levels: Optional[list[dict]], only: Optional[int] = Non
             lo, hi = min(r["submit"] for r in rs), max(r["end"] for r in rs)
             res.append(analyze_window(calls, rs, in_flight, lo, hi))
         for i in range(len(rounds) - 1):
-            res[i]["turnaround_ms"] = 1e3 * (min(r["submit"] for r in rounds[i + 1])
-                                             - max(r["end"] for r in rounds[i]))
+            ends = sorted(r["end"] for r in rounds[i])
+            submits = sorted(r["submit"] for r in rounds[i + 1])
+            res[i]["turnaround_ms"] = 1e3 * (submits[0] - ends[-1])
+            # a client's own turnaround (its last token -> its next request queued), its clients unknown: the
+            # k-th end with the k-th next submit
+            res[i]["turnaround_each_ms"] = _stats([s - e for s, e in zip(submits, ends)])
         lo, hi = mine[0]["submit"], max(r["end"] for r in mine)
         out.append({"concurrency": lv["concurrency"], "level": analyze_window(calls, mine, in_flight, lo, hi),
                     "rounds": res})
@@ -179,7 +184,9 @@ def report(levels: list[dict], file=sys.stdout) -> None:
         for name, w in [(f"round {i}", r) for i, r in enumerate(lv["rounds"])] + [("level", lv["level"])]:
             p(f"{name}: {w['requests']} requests, wall {w['wall_ms']:.1f} ms (first submit -> last end), "
               f"{w['tokens']} tokens, {w['tok_s'] or 0:,.0f} tok/s; submits spread over {w['submit_spread_ms']:.1f} ms"
-              + (f"; turnaround to the next round {w['turnaround_ms']:.1f} ms" if "turnaround_ms" in w else ""))
+              + (f"; turnaround to the next round {w['turnaround_ms']:.1f} ms (k-th end -> k-th next submit p50 "
+                 f"{_f(w['turnaround_each_ms']['p50'])}, p99 {_f(w['turnaround_each_ms']['p99'])})"
+                 if "turnaround_ms" in w else ""))
             for k, v in w["prefill"].items():
                 p(f"  {k:17s} {v['calls']:5d} calls {v['tokens']:7d} tokens {v['ms']:9.1f} ms")
             d = w["decode"]

@@ -70,10 +70,10 @@ from .engine import Completion, Stats
 from .errors import InvalidRequestError, KvCacheFullError, QueueFullError, TinyInferError
 from .request import Delta, Request, TokenLogprob, merge_deltas, wake
 from .sampling import SamplingParams, TextAssembler
+from .trace import Trace
 
 if TYPE_CHECKING:
     from .engine import Engine, Prompt
-    from .trace import Trace
 
 
 @dataclass
@@ -122,13 +122,14 @@ class Scheduler:
 
     def __init__(self, engine: "Engine", *, max_batch: Optional[int] = None, chunk_tokens: Optional[int] = None,
                  max_waiting: int = 1024, batched_prefill: bool = True, overlap: bool = True,
-                 trace: Optional["Trace"] = None):
+                 trace: Optional[Trace] = None):
         """chunk_tokens: prompt tokens prefilled per step in all (None: CHUNK_TOKENS of the engine's device).
         batched_prefill: a step's prompt chunks in one seq_prefill_many (every weight read once for all of
         them); False: one seq_prefill each (the A/B reference). overlap: launch the next decode step before a
         step's per-token work, which then runs while the device computes (see the module's docstring); False:
-        every step in turn (the A/B reference). trace: record every core call of the steps and every request's
-        submit / first token / end into it (trace.py; None: nothing recorded, the core called directly)."""
+        every step in turn (the A/B reference). trace: record into it every core call the steps make and each
+        request's submit / admit / prefilled / first token / end (trace.py; None: nothing recorded, the core
+        called directly)."""
         core = engine._core
         if core is None:
             raise InvalidRequestError(f"{engine!r} is closed")
@@ -140,6 +141,8 @@ class Scheduler:
         for name, v in (("batched_prefill", batched_prefill), ("overlap", overlap)):
             if not isinstance(v, bool):
                 raise InvalidRequestError(f"Scheduler: {name} must be a bool (got {v!r})")
+        if trace is not None and not isinstance(trace, Trace):
+            raise InvalidRequestError(f"Scheduler: trace must be a tinyinfer.trace.Trace (got {type(trace).__name__})")
         if max_batch is not None and max_batch > limit:
             raise InvalidRequestError(f"Scheduler: max_batch={max_batch} exceeds the engine's {limit} slots")
         self.max_batch = max_batch or limit

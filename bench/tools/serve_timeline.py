@@ -13,10 +13,13 @@ Per round:
               launch (seq_step), other core calls before its seq_sample (prefill, open, close), host Python
               between, the seq_sample (waits for the step's device work, samples), and the gap from that
               seq_sample's end to the next launch (host time on the critical path when nothing is launched ahead);
+              A call ends when the scheduler's thread has the GIL back: a wait for it (the event loop holding
+              it) shows as a long launch or sample, not as host time;
   no core call  time with no core call running (the device possibly idle), split by whether any request of
               the level was in flight (submitted, not ended) — the latter is what the scheduler could have used;
   TTFT        per request, p50 / p99: submit -> admit (queue), admit -> prefilled (its prompt's last chunk ran),
-              prefilled -> first token sampled; HTTP: handler start -> submit, and first token -> the event loop
+              prefilled -> first token sampled (with overlap, after the next step's launch: on the CPU that
+              is the whole step); HTTP: handler start -> submit, and first token -> the event loop
               has it (http_first);
   turnaround  the last end of round r -> the first submit of round r+1; and per request, the k-th end of round
               r -> the k-th submit of round r+1 (a client's own turnaround: HTTP out, the client, HTTP in).

@@ -113,6 +113,10 @@ async def _drive(url: str, model: str, prompts: list[list[int]], rounds: int, ma
         async def worker(w: int) -> list[dict]:
             return [await one_request(client, url, model, prompts[w * rounds + i], max_tokens) for i in range(rounds)]
 
+        # Every client's connection opened before the timed window (one concurrent GET /health each: the pool
+        # keeps them alive for the requests), so that a level measures serving, not TCP and HTTP connection
+        # setup (which, 64 clients at once, spread the first round's submits over ~40 ms on the H200).
+        await asyncio.gather(*(client.get(f"{url}/health") for _ in range(clients)))
         if start_at is not None:  # every client process starts together
             await asyncio.sleep(max(0.0, start_at - time.time()))
         t0, cpu0 = time.time(), time.process_time()

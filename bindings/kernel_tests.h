@@ -85,10 +85,11 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
 // (rounded to fp16, then quantized on the device unless fmt is F16); X (n, K) floats (F16 input: rounded to
 // fp16; F32Norm: RMS-normed by the kernel with norm_w); Y_init (n, rows) for AddF32. Returns (n, rows) floats, or
 // (n, rows / 2) for Swiglu (widened from fp16). mma: the tensor-core kernel (cuda/mma_small_n.cu) instead, its
-// F32Norm input RMS-normed first by rmsnorm_rows (prefill.cuh) as the batched step does.
+// F32Norm input RMS-normed first by rmsnorm_rows (prefill.cuh) as the batched step does; m_tiles its 16-row
+// tiles per block (GemvBatchArgs::m_tiles).
 std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, const float* X, int n,
                                   const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out,
-                                  bool mma = false);
+                                  bool mma = false, int m_tiles = 0);
 
 // One GEMM (cuBLASLt, gemm.cu) Y = X W^T (+ Y_init for AddF32). W: (M, K) fp16 bits; X: (N, K) floats (rounded
 // to fp16); Y_init: (N, M). Returns Y (N, M) floats (widened from fp16 for GemmOut::F16). autotune: time the

@@ -19,6 +19,7 @@ struct GemvBatchArgs {
   void* y = nullptr;               // n rows, stride ldy: F32 / AddF32 float (rows); Swiglu half (rows / 2)
   int ldy = 0;
   int n = 0;
+  int m_tiles = 0;  // mma_small_n only: 16-row tiles per block, 0 (auto), 1 or 2 (n <= 16)
 };
 
 // in: F16 (fp16 rows) or F32Norm (fp32 rows RMS-normed in the prologue, as the decode GEMV does); out: F32,

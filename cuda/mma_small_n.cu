@@ -3,7 +3,7 @@
 // read and dequantized once for all n and the arithmetic per weight stays small: one mma per 16 x 16 weight tile
 // per 8 inputs does that (the CUDA-core gemv_batch.cu spends ~13 instructions per weight pair per 8 inputs).
 //
-// A block of 8 warps owns 16 weight rows (M) and splits K over its warps; each warp covers the block's n inputs
+// A block of 8 warps owns 16 weight rows (M; or 32, two tiles, see mm_rows) and splits K over its warps; each warp covers the block's n inputs
 // (NT tiles of 8: the mma's N). Weights go straight from global memory into A fragments, no shared memory:
 // lane (g = lane / 4, t = lane % 4) loads the 16-byte word t of a "chunk" (4 words: 32 fp16, 64 I8 or 128 I4
 // weights) of rows g and g + 8, dequantizes it to fp16 pairs (quant_words.cuh), and that word feeds E / 4
@@ -83,16 +83,26 @@ __device__ __forceinline__ void mm_inputs(const __half* x, int k, int K, bool li
   }
 }
 
-template <WFormat WF, int NT, GemvOut OUT>
-__global__ void __launch_bounds__(kMmThreads) mma_small_n_kernel(GemvBatchArgs a) {
-  constexpr int E = kWordElems<WF>, NC = NT * 8, U = kMmUnroll<WF>;
-  extern __shared__ __align__(16) float red[];  // (kMmWarps, kMmRows, NC) the warps' partial sums
+// MT 16-row M tiles per block (1 or 2; mma_small_n picks): with 2, each input fragment, read once per chunk from
+// L1 / L2, meets two tiles' weights — at int4 a 16-byte word of 32 weights meets 64 bytes of inputs per column, so
+// the inputs' traffic, not the weights', sets the pace of a one-tile block; two tiles halve it.
+template <WFormat WF, int NT, int MT, GemvOut OUT>
+__global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 : 1) mma_small_n_kernel(GemvBatchArgs a) {
+  constexpr int E = kWordElems<WF>, NC = NT * 8, U = kMmUnroll<WF>, BR = kMmRows * MT;
+  extern __shared__ __align__(16) float red[];  // (kMmWarps, BR, NC) the warps' partial sums
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const QMat& W = a.W;
-  const int row0 = blockIdx.x * kMmRows, K = W.K;
-  const int ra = min(row0 + g, W.rows - 1), rb = min(row0 + g + 8, W.rows - 1);  // past the end: stored nowhere
-  const uint4* wa = gb_row<WF>(W, ra);
-  const uint4* wb = gb_row<WF>(W, rb);
+  const int row0 = blockIdx.x * BR, K = W.K;
+  int ra[MT], rb[MT];
+  const uint4* wa[MT];
+  const uint4* wb[MT];
+#pragma unroll
+  for (int m = 0; m < MT; m++) {
+    ra[m] = min(row0 + kMmRows * m + g, W.rows - 1);  // past the end: computed, stored nowhere
+    rb[m] = min(row0 + kMmRows * m + g + 8, W.rows - 1);
+    wa[m] = gb_row<WF>(W, ra[m]);
+    wb[m] = gb_row<WF>(W, rb[m]);
+  }
   const int words = gb_words(W, E), chunks = (words + 3) / 4;
   const __half* xcol[NT];
   bool live[NT];
@@ -102,21 +112,26 @@ __global__ void __launch_bounds__(kMmThreads) mma_small_n_kernel(GemvBatchArgs a
     live[j] = col < a.n;
     xcol[j] = static_cast<const __half*>(a.x) + (size_t)(live[j] ? col : 0) * a.ldx;
   }
-  float acc[NT][4];
+  float acc[MT][NT][4];
 #pragma unroll
-  for (int j = 0; j < NT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  for (int m = 0; m < MT; m++)
+#pragma unroll
+    for (int j = 0; j < NT; j++) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
 
-  uint4 va[U], vb[U];
-  float2 sa[U], sb[U];
-  auto load = [&](int c0) {  // the U chunks from c0 on (stride kMmWarps): 2 U words in flight per lane
+  uint4 va[MT][U], vb[MT][U];
+  float2 sa[MT][U], sb[MT][U];
+  auto load = [&](int c0) {  // the U chunks from c0 on (stride kMmWarps): 2 MT U words in flight per lane
 #pragma unroll
     for (int u = 0; u < U; u++) {
       const int k = (c0 + u * kMmWarps) * 4 + t;
       const bool ok = c0 + u * kMmWarps < chunks && k < words;
-      va[u] = ok ? load_stream(wa + k) : make_uint4(0, 0, 0, 0);
-      vb[u] = ok ? load_stream(wb + k) : make_uint4(0, 0, 0, 0);
-      sa[u] = gb_scale<WF>(W, ra, ok ? k : 0);
-      sb[u] = gb_scale<WF>(W, rb, ok ? k : 0);
+#pragma unroll
+      for (int m = 0; m < MT; m++) {
+        va[m][u] = ok ? load_stream(wa[m] + k) : make_uint4(0, 0, 0, 0);
+        vb[m][u] = ok ? load_stream(wb[m] + k) : make_uint4(0, 0, 0, 0);
+        sa[m][u] = gb_scale<WF>(W, ra[m], ok ? k : 0);
+        sb[m][u] = gb_scale<WF>(W, rb[m], ok ? k : 0);
+      }
     }
   };
   // PDL (common.cuh): the first chunks' weights (and scales) are requested before the wait — weights never
@@ -134,48 +149,53 @@ __global__ void __launch_bounds__(kMmThreads) mma_small_n_kernel(GemvBatchArgs a
       if (c >= chunks) break;
       const int k = c * 4 + t;
       const bool ok = k < words;
-      __half2 wa2[E / 2], wb2[E / 2];
-      mm_weights<WF>(va[u], sa[u], k, K, ok, wa2);
-      mm_weights<WF>(vb[u], sb[u], k, K, ok, wb2);
+      __half2 x2[NT][E / 2];
 #pragma unroll
-      for (int j = 0; j < NT; j++) {
-        __half2 x2[E / 2];
-        mm_inputs<E>(xcol[j], k, K, live[j] && ok, x2);
+      for (int j = 0; j < NT; j++) mm_inputs<E>(xcol[j], k, K, live[j] && ok, x2[j]);
 #pragma unroll
-        for (int s = 0; s < E / 4; s++)
-          mm_mma(acc[j], mm_u32(wa2[2 * s]), mm_u32(wb2[2 * s]), mm_u32(wa2[2 * s + 1]), mm_u32(wb2[2 * s + 1]),
-                 mm_u32(x2[2 * s]), mm_u32(x2[2 * s + 1]));
+      for (int m = 0; m < MT; m++) {
+        __half2 wa2[E / 2], wb2[E / 2];
+        mm_weights<WF>(va[m][u], sa[m][u], k, K, ok, wa2);
+        mm_weights<WF>(vb[m][u], sb[m][u], k, K, ok, wb2);
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+          for (int s = 0; s < E / 4; s++)
+            mm_mma(acc[m][j], mm_u32(wa2[2 * s]), mm_u32(wb2[2 * s]), mm_u32(wa2[2 * s + 1]),
+                   mm_u32(wb2[2 * s + 1]), mm_u32(x2[j][2 * s]), mm_u32(x2[j][2 * s + 1]));
       }
     }
   }
 
-  // ---- the warps' sums in shared memory: acc[j] = (row g, cols 2t, 2t + 1), (row g + 8, the same) ----
-  float* mine = red + (size_t)warp * kMmRows * NC;
+  // ---- the warps' sums in shared memory: acc[m][j] = (row 16 m + g, cols 2t, 2t + 1), (row 16 m + g + 8, ...) ----
+  float* mine = red + (size_t)warp * BR * NC;
 #pragma unroll
-  for (int j = 0; j < NT; j++) {
-    const int col = j * 8 + 2 * t;
-    mine[g * NC + col] = acc[j][0];
-    mine[g * NC + col + 1] = acc[j][1];
-    mine[(g + 8) * NC + col] = acc[j][2];
-    mine[(g + 8) * NC + col + 1] = acc[j][3];
-  }
+  for (int m = 0; m < MT; m++)
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+      const int col = j * 8 + 2 * t, r = kMmRows * m + g;
+      mine[r * NC + col] = acc[m][j][0];
+      mine[r * NC + col + 1] = acc[m][j][1];
+      mine[(r + 8) * NC + col] = acc[m][j][2];
+      mine[(r + 8) * NC + col + 1] = acc[m][j][3];
+    }
   __syncthreads();
   auto total = [&](int r, int col) {
     float s = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kMmWarps; w++) s += red[((size_t)w * kMmRows + r) * NC + col];
+    for (int w = 0; w < kMmWarps; w++) s += red[((size_t)w * BR + r) * NC + col];
     return s;
   };
-  if constexpr (OUT == GemvOut::Swiglu) {  // rows 2i (gate), 2i + 1 (up): 8 pairs per block
-    for (int i = threadIdx.x; i < (kMmRows / 2) * NC; i += kMmThreads) {
-      const int p = i % (kMmRows / 2), col = i / (kMmRows / 2), row = row0 + 2 * p;
+  if constexpr (OUT == GemvOut::Swiglu) {  // rows 2i (gate), 2i + 1 (up): BR / 2 pairs per block
+    for (int i = threadIdx.x; i < (BR / 2) * NC; i += kMmThreads) {
+      const int p = i % (BR / 2), col = i / (BR / 2), row = row0 + 2 * p;
       if (col >= a.n || row + 1 >= W.rows) continue;
       const float gt = total(2 * p, col), up = total(2 * p + 1, col);
       static_cast<__half*>(a.y)[(size_t)col * a.ldy + row / 2] = __float2half(gt / (1.0f + __expf(-gt)) * up);
     }
   } else {
-    for (int i = threadIdx.x; i < kMmRows * NC; i += kMmThreads) {
-      const int r = i % kMmRows, col = i / kMmRows, row = row0 + r;
+    for (int i = threadIdx.x; i < BR * NC; i += kMmThreads) {
+      const int r = i % BR, col = i / BR, row = row0 + r;
       if (col >= a.n || row >= W.rows) continue;
       float* y = static_cast<float*>(a.y) + (size_t)col * a.ldy + row;
       const float v = total(r, col);
@@ -198,18 +218,32 @@ bool mma_small_n_fits(const QMat& W, int n) {
   return n >= 1 && n <= kMmaMaxN && (W.fmt != WFormat::I4 || W.K % kI4Group == 0) && mm_arch_ok();
 }
 
-template <WFormat WF, int NT, GemvOut OUT>
+template <WFormat WF, int NT, int MT, GemvOut OUT>
 static void launch_mm(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
-  const size_t smem = (size_t)kMmWarps * kMmRows * NT * 8 * sizeof(float);  // <= 32 KB: no opt-in
-  launch(mma_small_n_kernel<WF, NT, OUT>, dim3((a.W.rows + kMmRows - 1) / kMmRows), dim3(kMmThreads), smem, s, pdl,
-         a);
+  const size_t smem = (size_t)kMmWarps * kMmRows * MT * NT * 8 * sizeof(float);  // <= 32 KB: no opt-in
+  launch(mma_small_n_kernel<WF, NT, MT, OUT>, dim3((a.W.rows + kMmRows * MT - 1) / (kMmRows * MT)), dim3(kMmThreads),
+         smem, s, pdl, a);
+}
+
+// Two M tiles a block for int4 products of 9..16 inputs where the matrix still gives every SM two blocks (gate/up,
+// the LM head at TinyLlama's shape), or as a.m_tiles says (tests, A/B). Measured on the H200 (TinyLlama, docs/perf/
+// batch.md): int4 at 16 rows 1.21 -> 1.16 ms a step; at 8 rows no gain (0.90 either way), int8 at 8 rows a loss
+// (0.97 -> 1.03: 166 registers, one block per SM).
+template <WFormat WF, int NT, GemvOut OUT>
+static void mm_rows(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
+  if constexpr (NT <= 2) {
+    const bool two = WF == WFormat::I4 && NT == 2 && a.W.rows / (2 * kMmRows) >= 2 * sm_count();
+    const int mt = a.m_tiles > 0 ? a.m_tiles : two ? 2 : 1;
+    if (mt == 2) return launch_mm<WF, NT, 2, OUT>(a, s, pdl);
+  }
+  launch_mm<WF, NT, 1, OUT>(a, s, pdl);
 }
 
 template <WFormat WF, int NT>
 static void mm_modes(const GemvBatchArgs& a, GemvOut out, cudaStream_t s, bool pdl) {
-  if (out == GemvOut::F32) return launch_mm<WF, NT, GemvOut::F32>(a, s, pdl);
-  if (out == GemvOut::AddF32) return launch_mm<WF, NT, GemvOut::AddF32>(a, s, pdl);
-  return launch_mm<WF, NT, GemvOut::Swiglu>(a, s, pdl);
+  if (out == GemvOut::F32) return mm_rows<WF, NT, GemvOut::F32>(a, s, pdl);
+  if (out == GemvOut::AddF32) return mm_rows<WF, NT, GemvOut::AddF32>(a, s, pdl);
+  return mm_rows<WF, NT, GemvOut::Swiglu>(a, s, pdl);
 }
 
 template <WFormat WF>
@@ -230,6 +264,8 @@ void mma_small_n(const GemvBatchArgs& a, GemvOut out, cudaStream_t s, bool pdl) 
                                  " ldy=" + std::to_string(a.ldy));
   if (out != GemvOut::F32 && out != GemvOut::AddF32 && out != GemvOut::Swiglu)
     fail(ErrorKind::Request, "mma_small_n: out must be f32, add or swiglu");
+  if (a.m_tiles < 0 || a.m_tiles > 2 || (a.m_tiles == 2 && a.n > 16))
+    fail(ErrorKind::Request, "mma_small_n: m_tiles " + std::to_string(a.m_tiles) + " must be 0 (auto), 1 or 2 (2: n <= 16)");
   if (!mma_small_n_fits(W, a.n))
     fail(ErrorKind::Request, "mma_small_n: needs sm_80+ and (int4) K % 32 == 0");
   if (W.fmt == WFormat::F16) mm_tiles<WFormat::F16>(a, out, s, pdl);

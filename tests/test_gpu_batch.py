@@ -104,6 +104,23 @@ def test_mma_small_n_kernel(fmt, K, mode, n):
     check_small_n_product(True, fmt, K, 334 if mode.endswith("swiglu") else 333, mode, n)
 
 
+@pytest.mark.parametrize("fmt, K", [("fp16", 1004), ("int8", 1000), ("int4", 992)])
+@pytest.mark.parametrize("mode", ["f32norm-f32", "f32norm-swiglu", "f16-add"])
+@pytest.mark.parametrize("n", [1, 8, 9, 16])
+def test_mma_small_n_two_tiles_a_block(fmt, K, mode, n):
+    """The tensor-core kernel with two 16-row tiles a block (each input fragment meeting both tiles' weights): 333
+    / 334 rows make 11 blocks of 32, the last one partial."""
+    check_small_n_product(True, fmt, K, 334 if mode.endswith("swiglu") else 333, mode, n, m_tiles=2)
+
+
+def test_mma_small_n_refuses_two_tiles_past_16_rows():
+    ops = _core.ops
+    W, X = np.zeros((64, 64), np.float32), np.zeros((17, 64), np.float32)
+    with pytest.raises(InvalidRequestError, match="m_tiles 2 must be 0"):
+        ops.gemv_batch(W, "fp16", X, np.ones(64, np.float32), 1e-5, np.zeros((17, 64), np.float32),
+                       ops.GemvIn.F16, ops.GemvOut.F32, mma=True, m_tiles=2)
+
+
 def test_mma_small_n_refuses_more_than_64_rows():
     ops = _core.ops
     W, X = np.zeros((16, 64), np.float32), np.zeros((65, 64), np.float32)
@@ -112,7 +129,7 @@ def test_mma_small_n_refuses_more_than_64_rows():
                        ops.GemvIn.F16, ops.GemvOut.F32, mma=True)
 
 
-def check_small_n_product(mma, fmt, K, rows, mode, n):
+def check_small_n_product(mma, fmt, K, rows, mode, n, m_tiles=0):
     rng = np.random.default_rng(n * 7 + K + rows)
     W = rng.standard_normal((rows, K), dtype=np.float32) * 0.1
     X = rng.standard_normal((n, K), dtype=np.float32)
@@ -122,7 +139,7 @@ def check_small_n_product(mma, fmt, K, rows, mode, n):
     inp, out = mode.split("-")
     gin = {"f16": ops.GemvIn.F16, "f32norm": ops.GemvIn.F32Norm}[inp]
     gout = {"f32": ops.GemvOut.F32, "add": ops.GemvOut.AddF32, "swiglu": ops.GemvOut.Swiglu}[out]
-    got = ops.gemv_batch(W, fmt, X, norm_w, 1e-5, Y0, gin, gout, mma=mma)
+    got = ops.gemv_batch(W, fmt, X, norm_w, 1e-5, Y0, gin, gout, mma=mma, m_tiles=m_tiles)
 
     Wq = W.astype(np.float16).astype(np.float64) if fmt == "fp16" else ops.dequantize_ref(W, fmt).astype(np.float64)
     if inp == "f16":
@@ -170,11 +187,12 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
 
 # The batched products' paths (BatchStep::mma, small_n): every product on the small-N GEMV; every product of two
 # rows or more on cuBLASLt (int8 / int4: dequantized into the fp16 staging first); every product on the
-# tensor-core small-N kernel; the default products with the attention in blocks of 64 positions (rows past 64
-# split and merged in the kernel).
+# tensor-core small-N kernel (mma_two_tiles: two 16-row tiles a block up to 16 rows); the default products with
+# the attention in blocks of 64 positions (rows past 64 split and merged in the kernel).
 PATHS = {"small_n": dict(batch_mma_max=0, batch_gemv_f16_max=64, batch_gemv_quant_max=64),
          "cublaslt": dict(batch_mma_max=0, batch_gemv_f16_max=1, batch_gemv_quant_max=1),
          "mma": dict(batch_mma_max=64, batch_mma_f16_max=64),
+         "mma_two_tiles": dict(batch_mma_max=64, batch_mma_f16_max=64, batch_mma_m_tiles=2),
          "span64": dict(batch_attn_span=64),
          "heads8": dict(batch_attn_heads=8)}
 
@@ -448,6 +466,7 @@ def test_sampling_a_slot_alone_or_in_a_batch(model):
     ("batch_mma_max", -1, "batch_mma_max must be in 0..64, got -1"),
     ("batch_mma_max", 65, "batch_mma_max must be in 0..64, got 65"),
     ("batch_mma_f16_max", 65, "batch_mma_f16_max must be in 0..64, got 65"),
+    ("batch_mma_m_tiles", 3, r"batch_mma_m_tiles must be 0 \(auto\), 1 or 2, got 3"),
     ("batch_attn_span", 96, "batch_attn_span 96 must be 64, 128 or 256 and at most 256 at head dim 64"),
     ("batch_attn_span", 512, "batch_attn_span 512 must be"),
     ("batch_attn_heads", 3, "batch_attn_heads 3 must be 0"),

@@ -65,6 +65,7 @@ void BatchStep::mma_product(const cuda::QMat& W, const __half* X, int ldx, void*
   a.y = y;
   a.ldy = ldy;
   a.n = n;
+  a.m_tiles = o_.mma_m_tiles == 2 && n > 16 ? 1 : o_.mma_m_tiles;  // (2 serves up to 16 rows)
   cuda::mma_small_n(a, out, s, pdl_);
 }
 

@@ -59,6 +59,7 @@ struct BatchStepOptions {
   int quant_max = 4;  // int8 / int4 likewise; larger: dequantized into the fp16 staging, then cuBLASLt
   int attn_span = 0;  // positions per attention block (CudaOptions::batch_attn_span; 0: the head dim's default)
   int attn_heads = 0;  // query heads per attention block (CudaOptions::batch_attn_heads; 0: by the bucket)
+  int mma_m_tiles = 0;  // the tensor-core kernel's 16-row tiles per block (CudaOptions::batch_mma_m_tiles; 0: auto)
 };
 
 class BatchStep {

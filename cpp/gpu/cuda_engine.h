@@ -75,6 +75,10 @@ struct CudaOptions {
   // than cuBLASLt at every row count (8 rows: 1.57 against 1.44 ms).
   int batch_mma_max = 16;
   int batch_mma_f16_max = 0;
+  // 16-row tiles per block of that kernel: 0 (default) two for int4 products of 9..16 rows whose matrix still
+  // gives every SM two blocks (each input fragment then meets two tiles' weights: docs/perf/batch.md), else one;
+  // 1 or 2 force it (2: products of up to 16 rows) for A/B runs.
+  int batch_mma_m_tiles = 0;
   // Positions per block of the batched step's attention (cuda/attention_rows.cu): 0 (default) 256 at head dim 64,
   // 128 up to 128, 64 above — a row that long is one block per KV head, no merge; 64 or 128: more, shorter blocks
   // and an in-kernel merge (smaller spans did not pay on the H200: docs/perf/batch.md).

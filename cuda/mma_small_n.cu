@@ -226,9 +226,8 @@ static void launch_mm(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
 }
 
 // Two M tiles a block for int4 products of 9..16 inputs where the matrix still gives every SM two blocks (gate/up,
-// the LM head at TinyLlama's shape), or as a.m_tiles says (tests, A/B). Measured on the H200 (TinyLlama, docs/perf/
-// batch.md): int4 at 16 rows 1.21 -> 1.16 ms a step; at 8 rows no gain (0.90 either way), int8 at 8 rows a loss
-// (0.97 -> 1.03: 166 registers, one block per SM).
+// the LM head at TinyLlama's shape), or as a.m_tiles says (tests, A/B): only there did halving the inputs' traffic
+// pay; at 8 inputs it did not, and int8's two-tile block (166 registers, one block per SM) lost (docs/perf/batch.md).
 template <WFormat WF, int NT, GemvOut OUT>
 static void mm_rows(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
   if constexpr (NT <= 2) {

@@ -110,6 +110,18 @@ class SleepCore:
         for s, p in zip(slots, prompts):
             self._len[s] += len(p)
 
+    def seq_mixed(self, step_slots: list[int], step_tokens: list[int], slots: list[int],
+                  prompts: list[list[int]]) -> None:
+        # one pass for the decode rows and the prompts (the GPU's mixed step): the prompt tokens' cost only,
+        # or the step's when that is more (the pass reads the weights once, as the step does)
+        self._wait()
+        n = sum(len(p) for p in prompts)
+        self._sleep("seq_step", max(self.step_s, self.prefill_s * n / 128), len(slots))
+        for s in step_slots:
+            self._len[s] += 1
+        for s, p in zip(slots, prompts):
+            self._len[s] += len(p)
+
     def seq_step(self, slots: list[int], tokens: list[int]) -> None:
         self._wait()  # the CUDA engine syncs first (its pinned row buffer), launches, and returns
         self._launch("seq_step", self.step_s, len(slots))

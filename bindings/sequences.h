@@ -15,6 +15,21 @@
 
 namespace tinyinfer_bindings {
 
+// Many prompts as the engines take them: each as int32 ids, a pointer and a length.
+struct PromptIds {
+  std::vector<std::vector<int32_t>> ids;
+  std::vector<const int32_t*> ptrs;
+  std::vector<int64_t> lens;
+  explicit PromptIds(const std::vector<std::vector<int64_t>>& prompts) {
+    ids.reserve(prompts.size());  // (the pointers below stay valid)
+    for (const std::vector<int64_t>& p : prompts) {
+      ids.push_back(to_ids(p));
+      ptrs.push_back(ids.back().data());
+      lens.push_back((int64_t)p.size());
+    }
+  }
+};
+
 // The sequence slots (BATCH_CONTRACT.md part 2): the same Python surface for every engine class that has them.
 template <typename E, typename Cls>
 inline void bind_sequences(Cls& cls) {
@@ -42,22 +57,33 @@ inline void bind_sequences(Cls& cls) {
             if (slots.size() != prompts.size())
               ti::fail(ti::ErrorKind::Request, "seq_prefill_many: " + std::to_string(slots.size()) + " slots but " +
                                                    std::to_string(prompts.size()) + " prompts");
-            std::vector<std::vector<int32_t>> ids;
-            ids.reserve(prompts.size());  // (the pointers below stay valid)
-            std::vector<const int32_t*> ptrs;
-            std::vector<int64_t> lens;
-            for (const std::vector<int64_t>& p : prompts) {
-              ids.push_back(to_ids(p));
-              ptrs.push_back(ids.back().data());
-              lens.push_back((int64_t)p.size());
-            }
+            const PromptIds p(prompts);
             nb::gil_scoped_release release;
-            e.seq_prefill_many(slots.data(), ptrs.data(), lens.data(), (int64_t)slots.size());
+            e.seq_prefill_many(slots.data(), p.ptrs.data(), p.lens.data(), (int64_t)slots.size());
           },
           "slots"_a, "prompts"_a,
           "seq_prefill of many slots at once: prompts[i] at seq_length(slots[i]) in slots[i] (distinct). On the "
           "GPU their tokens share batched passes; each slot ends as seq_prefill would leave it. All checked first: "
           "an error changes nothing.")
+      .def(
+          "seq_mixed",
+          [](E& e, const std::vector<int64_t>& step_slots, const std::vector<int64_t>& step_tokens,
+             const std::vector<int64_t>& slots, const std::vector<std::vector<int64_t>>& prompts) {
+            if (step_slots.size() != step_tokens.size() || slots.size() != prompts.size())
+              ti::fail(ti::ErrorKind::Request, "seq_mixed: " + std::to_string(step_slots.size()) + " step slots, " +
+                                                   std::to_string(step_tokens.size()) + " tokens, " +
+                                                   std::to_string(slots.size()) + " prompt slots and " +
+                                                   std::to_string(prompts.size()) + " prompts");
+            const std::vector<int32_t> step_ids = to_ids(step_tokens);
+            const PromptIds p(prompts);
+            nb::gil_scoped_release release;
+            e.seq_mixed(step_slots.data(), step_ids.data(), (int64_t)step_ids.size(), slots.data(), p.ptrs.data(),
+                        p.lens.data(), (int64_t)slots.size());
+          },
+          "step_slots"_a, "step_tokens"_a, "slots"_a, "prompts"_a,
+          "seq_step(step_slots, step_tokens) and seq_prefill_many(slots, prompts) in one call (all slots distinct). "
+          "On the GPU one pass for both: the decode rows ride in the prompts' products, every weight read once. "
+          "Each slot ends as the two calls would leave it. All checked first: an error changes nothing.")
       .def(
           "seq_step",
           [](E& e, const std::vector<int64_t>& slots, const std::vector<int64_t>& tokens) {

@@ -23,9 +23,9 @@ void embed_tokens(const __half* E, int ldE, int H, const int* tokens, int T, flo
 // A block of 256 threads per row: sum of squares in fp32, then y = x * inv * w rounded to fp16. Rows are read
 // as float4 (H and the strides are multiples of 4 on this path; else scalar), written as 4 halves.
 __global__ void __launch_bounds__(256) rmsnorm_rows_kernel(const float* x, int ldx, const float* w, float eps, int H,
-                                                           __half* y, int ldy) {
+                                                           __half* y, int ldy, const int* row_of) {
   __shared__ float red[33];
-  const float* xr = x + (size_t)blockIdx.x * ldx;
+  const float* xr = x + (size_t)(row_of ? row_of[blockIdx.x] : (int)blockIdx.x) * ldx;
   __half* yr = y + (size_t)blockIdx.x * ldy;
   pdl_wait();  // (the batched step launches it with PDL; no-ops otherwise)
   pdl_launch_dependents();
@@ -54,8 +54,8 @@ __global__ void __launch_bounds__(256) rmsnorm_rows_kernel(const float* x, int l
 }
 
 void rmsnorm_rows(const float* x, int ldx, const float* w, float eps, int H, int T, __half* y, int ldy,
-                  cudaStream_t s, bool pdl) {
-  launch(rmsnorm_rows_kernel, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy);
+                  cudaStream_t s, bool pdl, const int* row_of) {
+  launch(rmsnorm_rows_kernel, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
 }
 
 // A block per token (the first version, a block per (token, head) of 64 threads, spent 46 µs per layer on a

@@ -497,7 +497,8 @@ def test_scheduler_overlap_gives_the_same_tokens(model, fmt):
     for overlap in (True, False):
         if eng._scheduler is not None:
             eng._scheduler.close()
-        sched = Scheduler(eng, overlap=overlap, max_batch=min(8, int(eng._core.max_batch)), chunk_tokens=256)
+        sched = Scheduler(eng, overlap=overlap, mixed_steps=False, max_batch=min(8, int(eng._core.max_batch)),
+                          chunk_tokens=256)
         reqs = [sched.submit(p, sp) for p, sp in zip(ps[:6], sps[:6])]
         for _ in range(3):
             sched.step()

@@ -59,9 +59,14 @@ def test_many_prompts_leave_each_slot_as_one_at_a_time(fmt):
     for s, ch in zip(slots, chunks):
         one.seq_prefill(s, ch)
     many.seq_prefill_many(slots, chunks)
-    assert [many.seq_length(s) for s in slots] == [one.seq_length(s) for s in slots] == [1, 7, 128, 60, 9]
-    assert many.kv_pages_free == one.kv_pages_free
-    want, got = _greedy_run(one, slots), _greedy_run(many, slots)
+    assert_same_slots(one, many, slots, [1, 7, 128, 60, 9])
+
+
+def assert_same_slots(want_core, got_core, slots, lengths):
+    """Two engines' slots hold the same lengths, pages, logits (bit for bit) and greedy continuation."""
+    assert [got_core.seq_length(s) for s in slots] == [want_core.seq_length(s) for s in slots] == lengths
+    assert got_core.kv_pages_free == want_core.kv_pages_free
+    want, got = _greedy_run(want_core, slots), _greedy_run(got_core, slots)
     for a, b in zip(want[0], got[0]):
         np.testing.assert_array_equal(a, b)
     assert got[1] == want[1]
@@ -145,7 +150,7 @@ def test_a_steps_prompts_go_in_one_call_and_each_request_generates_what_it_does_
 
 def test_the_budget_cuts_chunks_across_one_call_per_step():
     core, eng = _fake(max_batch=4)
-    sched = Scheduler(eng, chunk_tokens=12)
+    sched = Scheduler(eng, chunk_tokens=12, mixed_steps=False)  # (the chunks in mixed calls: test_mixed_step.py)
     reqs = [sched.submit(p, SamplingParams(max_tokens=3)) for p in P]  # 10, 3, 17 tokens
     steps = _steps(sched, core)
     prefills = [[(c[1], c[2]) for c in calls if c[0] == "prefill"] for calls in steps]
@@ -195,7 +200,7 @@ def test_a_refused_many_call_falls_back_to_one_call_each():
 
 def test_an_interrupted_many_call_fails_its_requests_and_is_reraised():
     core, eng = _fake(max_batch=4)
-    sched = Scheduler(eng)
+    sched = Scheduler(eng, mixed_steps=False)  # (an interrupted mixed call: test_mixed_step.py)
     first = sched.submit(P[1], SamplingParams(max_tokens=6))
     sched.step()
     reqs = [sched.submit(p, SamplingParams(max_tokens=3)) for p in (P[0], P[2])]

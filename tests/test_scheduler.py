@@ -87,6 +87,15 @@ class FakeCore:
         self._grow([(s, [t]) for s, t in zip(slots, tokens)])
         self.log.append(("step", tuple(slots)))
 
+    def seq_mixed(self, step_slots, step_tokens, slots, prompts) -> None:
+        """seq_step + seq_prefill_many in one call, all or nothing: logged as ("mixed", rows, prompts) and the
+        entries of the two calls."""
+        if set(step_slots) & set(slots) or len(set(slots)) != len(slots) or len(slots) != len(prompts):
+            raise InvalidRequestError("seq_mixed: bad slots")
+        self._grow([(s, [t]) for s, t in zip(step_slots, step_tokens)] + [(s, list(t)) for s, t in zip(slots, prompts)])
+        self.log += [("mixed", len(step_slots), len(slots)), ("step", tuple(step_slots)), ("many", len(slots))]
+        self.log += [("prefill", s, len(t)) for s, t in zip(slots, prompts)]
+
     def seq_sample(self, slots, cfgs, steps, k):
         toks = np.array([(sum(self.cache[s]) * 7 + len(self.cache[s])) % self.vocab for s in slots], np.int32)
         self.log.append(("sample", tuple(slots)))
@@ -183,9 +192,9 @@ def test_prefill_chunks_share_the_budget_and_interleave_with_decode():
     chunks = [(c[1], c[2]) for calls in steps for c in calls if c[0] == "prefill"]
     # oldest first: long_a's 17 as 6 + 6 + 5, the last step's spare 1 token to long_b, then its remaining 9
     assert [n for _, n in chunks] == [6, 6, 5, 1, 6, 3]
-    # while the prompts were prefilled, the running request decoded at every step
+    # while the prompts were prefilled, the running request got a token at every step
     for calls in steps[:4]:
-        assert any(c[0] == "step" for c in calls)
+        assert any(c[0] == "sample" and 0 in c[1] for c in calls)
     for r, p, m in ((first, P[1], 12), (long_a, P[2], 2), (long_b, P[0], 2)):
         assert r.result().token_ids == _alone(p, m)
 
@@ -269,7 +278,7 @@ def test_a_prompt_in_prefill_goes_back_to_the_queue_when_decode_needs_its_pages(
 @pytest.mark.parametrize("overlap", [True, False])  # interrupted in the launch ahead / in step 3's seq_step
 def test_a_failing_core_call_fails_its_requests_only(overlap):
     core, eng = _fake(max_batch=4)
-    sched = Scheduler(eng, chunk_tokens=4, overlap=overlap)
+    sched = Scheduler(eng, chunk_tokens=4, overlap=overlap, mixed_steps=False)  # (mixed: test_mixed_step.py)
     a = sched.submit(P[1], SamplingParams(max_tokens=6))
     sched.step()
     b = sched.submit(P[2], SamplingParams(max_tokens=3))  # in prefill, 4 tokens a step
@@ -428,8 +437,9 @@ def test_a_stop_string_ends_a_request_whose_next_step_is_launched():
 
 
 def test_requests_join_while_others_are_stepped_ahead():
+    """Without mixed steps (with them the prompts ride in the steps instead: test_mixed_step.py)."""
     core, eng = _fake(max_batch=4, pages=40)
-    sched = Scheduler(eng, chunk_tokens=5)
+    sched = Scheduler(eng, chunk_tokens=5, mixed_steps=False)
     first = sched.submit(P[1], SamplingParams(max_tokens=14))
     sched.step()
     sched.step()
@@ -474,12 +484,14 @@ def test_no_launch_ahead_without_pages_and_a_failed_launch_falls_back():
 def test_warm_up_runs_every_prefill_and_batch_bucket_and_leaves_nothing_behind():
     """Scheduler.warm_up (tinyinfer serve calls it on the GPU): one prompt per token bucket 16, 32, ... up to
     prompt_tokens, then a prefill + step of every batch bucket up to max_batch (a last bucket that is not a power of
-    two included), each in slots it closes again; afterwards a request runs as it would have."""
+    two included) and a mixed call of each from 2 (the LM-head GEMM over that many rows), each in slots it
+    closes again; afterwards a request runs as it would have."""
     core, eng = _fake(max_batch=3, pages=64)
-    sched = Scheduler(eng)
+    sched = Scheduler(eng, mixed_steps=True)
     assert sched.warm_up(prompt_tokens=100) >= 0
     assert [e[2] for e in core.log if e[0] == "prefill" and e[2] > 1] == [16, 32, 64]
-    assert [len(e[1]) for e in core.log if e[0] == "step"] == [1, 2, 3]
+    assert [len(e[1]) for e in core.log if e[0] == "step"] == [1, 2, 1, 3, 2]  # (a mixed call logs a step)
+    assert [e for e in core.log if e[0] == "mixed"] == [("mixed", 1, 1), ("mixed", 2, 1)]
     assert core.cache == {} and core.kv_pages_free == core.kv_pages_total
     assert sched.submit([1, 2, 3], SamplingParams(max_tokens=6)).result().token_ids == _alone([1, 2, 3], 6,
                                                                                             max_batch=3)

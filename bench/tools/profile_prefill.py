@@ -3,6 +3,9 @@ torch's CUPTI profiler (it sees every kernel in the process, ours and cuBLASLt's
 (--many=B) B prompts of N tokens each in one seq_prefill_many (the serving scheduler's batched prefill):
     python3 bench/tools/profile_prefill.py tinyllama-1.1b 2048 --kernels
     python3 bench/tools/profile_prefill.py tinyllama-1.1b 128 --many=16 --kernels [--max-seq=2048]
+(--mixed=R) the same call with R decoding sequences stepped in it (seq_mixed: the scheduler's mixed step), against
+seq_step of those R then seq_prefill_many:
+    python3 bench/tools/profile_prefill.py tinyllama-1.1b 128 --many=7 --mixed=57 --kernels
     ncu --clock-control none -k regex:prefill_attn -s 200 -c 1 python3 bench/tools/profile_prefill.py tinyllama-1.1b 2048"""
 
 import sys
@@ -16,27 +19,39 @@ from tinyinfer.bench import shape_config
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 shape, n = (args[0] if args else "tinyllama-1.1b"), int(args[1]) if len(args) > 1 else 2048
 many = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--many=")), "0"))
+mixed = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--mixed=")), "0"))
 # the engine's max_seq_len (2048 by default, as a server's): a pass is min(prefill_chunk, max_seq_len) rows
 max_seq = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--max-seq=")), "2048"))
 cfg = shape_config(shape)
 
 if many:
     opts = _core.CudaOptions()
-    opts.max_batch = max(opts.max_batch, many)
+    opts.max_batch = max(opts.max_batch, many + mixed)
     eng = _core.CudaEngine.random(cfg, max(n + 16, max_seq), 1, opts)
     prompts = [np.random.default_rng(i).integers(0, cfg.vocab, n).tolist() for i in range(many)]
+    running = [eng.seq_open() for _ in range(mixed)]
+    if mixed:
+        eng.seq_prefill_many(running, prompts[:1] * mixed)  # (contexts of n tokens, as the prompts')
 
-    def run() -> float:
+    def run(together: bool = True) -> float:
         slots = [eng.seq_open() for _ in range(many)]
         t = time.perf_counter()
-        eng.seq_prefill_many(slots, prompts)
+        if mixed and together:
+            eng.seq_mixed(running, [1] * mixed, slots, prompts)
+        else:
+            if mixed:
+                eng.seq_step(running, [1] * mixed)
+            eng.seq_prefill_many(slots, prompts)
         dt = time.perf_counter() - t
         for s in slots:
             eng.seq_close(s)
         return dt
 
-    run()  # GEMM tactics
-    print(f"{shape} prefill {many} x {n} in one seq_prefill_many: {min(run() for _ in range(3)) * 1e3:.3f} ms")
+    run(), run(False)  # GEMM tactics, graphs
+    what = f"{many} x {n}" + (f" + {mixed} decode rows" if mixed else "")
+    print(f"{shape} prefill {what} in one call: {min(run() for _ in range(3)) * 1e3:.3f} ms")
+    if mixed:
+        print(f"{shape} the same as seq_step + seq_prefill_many: {min(run(False) for _ in range(3)) * 1e3:.3f} ms")
 else:
     eng = _core.CudaEngine.random(cfg, max(n, 16), 1)
     run = lambda: eng.time_prefill(n, 1)  # noqa: E731  (warm-up + 1 timed: 2 prefills)

@@ -8,9 +8,10 @@ it the whole trace is one level. A level's requests are those submitted inside i
 requests in submit order, `concurrency` at a time (each client sends its next request when its last ends).
 Per round:
   wall        first submit -> last end (the scheduler's; tok/s: the tokens generated over it);
-  prefill     the seq_prefill_many (and seq_prefill) calls: count, prompt tokens, ms;
-  decode      per seq_step (one decode step): period = its start -> the next seq_step's start, split into the
-              launch (seq_step), other core calls before its seq_sample (prefill, open, close), host Python
+  prefill     the seq_prefill_many, seq_mixed (a decode step and prompts in one pass) and seq_prefill calls:
+              count, prompt tokens, ms;
+  decode      per seq_step or seq_mixed (one decode step): period = its start -> the next one's start, split
+              into the launch (seq_step; a seq_mixed's whole pass), other core calls before its seq_sample (prefill, open, close), host Python
               between, the seq_sample (waits for the step's device work, samples), and the gap from that
               seq_sample's end to the next launch (host time on the critical path when nothing is launched ahead);
               A call ends when the scheduler's thread has the GIL back: a wait for it (the event loop holding
@@ -80,11 +81,12 @@ def _requests(events: list) -> dict[str, dict]:
 
 
 def _decode(calls: list, lo: float, hi: float) -> dict:
-    """The decode steps launched in [lo, hi): each seq_step with the first seq_sample that starts after it."""
-    steps = [c for c in calls if c[0] == "seq_step" and lo <= c[1] < hi]
+    """The decode steps launched in [lo, hi): each seq_step (or seq_mixed) with the first seq_sample that starts
+    after it."""
+    steps = [c for c in calls if c[0] in ("seq_step", "seq_mixed") and lo <= c[1] < hi]
     samples = [c for c in calls if c[0] == "seq_sample"]
     starts = [c[1] for c in samples]
-    others = [c for c in calls if c[0] not in ("seq_step", "seq_sample")]
+    others = [c for c in calls if c[0] not in ("seq_step", "seq_mixed", "seq_sample")]
     parts = defaultdict(list)
     for i, st in enumerate(steps):
         j = bisect.bisect_left(starts, st[2])
@@ -96,7 +98,8 @@ def _decode(calls: list, lo: float, hi: float) -> dict:
         parts["other core"].append(other)
         parts["host"].append(sa[1] - st[2] - other)
         parts["sample"].append(sa[2] - sa[1])
-        parts["rows"].append(st[3] / 1e3)  # (_stats scales by 1e3)
+        if st[0] == "seq_step":
+            parts["rows"].append(st[3] / 1e3)  # (_stats scales by 1e3)
         if i + 1 < len(steps):
             parts["period"].append(steps[i + 1][1] - st[1])
             parts["gap"].append(steps[i + 1][1] - sa[2])
@@ -107,7 +110,7 @@ def analyze_window(calls: list, reqs: list[dict], in_flight: list, lo: float, hi
     """One round (or level): its requests, and the core calls that started in [lo, hi]."""
     inside = [c for c in calls if lo <= c[1] <= hi]
     prefill = {name: {"calls": len(cs), "tokens": sum(c[3] for c in cs), "ms": 1e3 * sum(c[2] - c[1] for c in cs)}
-               for name in ("seq_prefill_many", "seq_prefill") if (cs := [c for c in inside if c[0] == name])}
+               for name in ("seq_prefill_many", "seq_mixed", "seq_prefill") if (cs := [c for c in inside if c[0] == name])}
     busy = _merge((max(c[1], lo), min(c[2], hi)) for c in inside)
     gaps, t = [], lo
     for s, e in busy:

@@ -95,4 +95,12 @@ void check_prefill_many(const int64_t* slots, const int32_t* const* tokens, cons
   }
 }
 
+// seq_mixed's two parts name different slots (a slot is either stepped or prefilled in one call).
+inline void check_mixed_disjoint(const int64_t* step_slots, int64_t n_step, const int64_t* slots, int64_t n) {
+  for (int64_t i = 0; i < n_step; i++)
+    for (int64_t j = 0; j < n; j++)
+      if (step_slots[i] == slots[j])
+        fail(ErrorKind::Request, "seq_mixed: slot " + std::to_string(slots[j]) + " is both stepped and prefilled");
+}
+
 }  // namespace ti

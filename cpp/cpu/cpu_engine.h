@@ -72,6 +72,10 @@ class CpuEngine {
   // One decode step of n distinct slots in one forward pass: tokens[i] at seq_length(slots[i]) in slots[i]; each
   // slot's logits become the new ones (the token is not added to the history: seq_sample did that).
   void seq_step(const int64_t* slots, const int32_t* tokens, int64_t n);
+  // seq_step of step_slots, then seq_prefill_many of slots (distinct from them), both checked before either
+  // runs: the reference for the GPU engine's mixed pass (one pass for both there).
+  void seq_mixed(const int64_t* step_slots, const int32_t* step_tokens, int64_t n_step, const int64_t* slots,
+                 const int32_t* const* tokens, const int64_t* lens, int64_t n);
   // The next token of each slot from its logits (sample_row with cfgs[i] at RNG counter steps[i]), added to the
   // slot's history as generated; k = top_logprobs entries per row (0..kMaxTopLogprobs).
   BatchSample seq_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps, int64_t n, int k);
@@ -140,6 +144,7 @@ class CpuEngine {
   const Slot& open_slot(int64_t slot) const;  // checked: exists and is open
   Slot& open_slot(int64_t slot);
   void check_batch(const char* what, const int64_t* slots, int64_t n) const;  // check_batch_slots over slots_
+  void check_step(const char* what, const int64_t* slots, const int32_t* tokens, int64_t n) const;  // + ids, room
   std::vector<std::unique_ptr<Slot>> slots_;
   int64_t slot_pages_ = 0;  // KV pages the slots hold
 };

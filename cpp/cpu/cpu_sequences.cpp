@@ -64,15 +64,30 @@ void CpuEngine::seq_prefill_many(const int64_t* slots, const int32_t* const* tok
   for (int64_t i = 0; i < n; i++) seq_prefill(slots[i], tokens[i], lens[i]);
 }
 
-void CpuEngine::seq_step(const int64_t* slots, const int32_t* tokens, int64_t n) {
-  check_batch("seq_step", slots, n);
+void CpuEngine::check_step(const char* what, const int64_t* slots, const int32_t* tokens, int64_t n) const {
+  check_batch(what, slots, n);
   check_tokens(tokens, n, cfg_.vocab);
   for (int64_t i = 0; i < n; i++) {
     const int64_t len = (int64_t)slots_[(size_t)slots[i]]->tokens.size();
     if (len + 1 > max_seq_)
-      fail(ErrorKind::Request, "seq_step: slot " + std::to_string(slots[i]) + " holds " + std::to_string(len) +
-                                   " tokens, max_seq_len=" + std::to_string(max_seq_));
+      fail(ErrorKind::Request, std::string(what) + ": slot " + std::to_string(slots[i]) + " holds " +
+                                   std::to_string(len) + " tokens, max_seq_len=" + std::to_string(max_seq_));
   }
+}
+
+void CpuEngine::seq_mixed(const int64_t* step_slots, const int32_t* step_tokens, int64_t n_step, const int64_t* slots,
+                          const int32_t* const* tokens, const int64_t* lens, int64_t n) {
+  check_step("seq_mixed", step_slots, step_tokens, n_step);
+  check_prefill_many(
+      slots, tokens, lens, n, max_batch(), cfg_.vocab, max_seq_, [&](int64_t s) { return is_open(s); },
+      [&](int64_t s) { return (int64_t)slots_[(size_t)s]->tokens.size(); });
+  check_mixed_disjoint(step_slots, n_step, slots, n);
+  seq_step(step_slots, step_tokens, n_step);
+  seq_prefill_many(slots, tokens, lens, n);
+}
+
+void CpuEngine::seq_step(const int64_t* slots, const int32_t* tokens, int64_t n) {
+  check_step("seq_step", slots, tokens, n);
 
   // All n tokens in one forward pass (the matrices read once per step), each row in its own slot's cache.
   rows_.resize((size_t)n);

@@ -167,6 +167,15 @@ class CudaEngine {
   // tokens[i] at seq_length(slots[i]) in slots[i] (distinct, open), all in one batched step (a graph of the
   // bucket of n, padded); each slot's logits become the new ones.
   void seq_step(const int64_t* slots, const int32_t* tokens, int64_t n);
+  // seq_step of step_slots and seq_prefill_many of slots in ONE pass (the scheduler's mixed step): the decode
+  // rows first, then the prompts' tokens, their products over all the pass's rows (every weight read once for
+  // both) and every row's logits from one LM-head GEMM over the gathered last rows (row i for step_slots[i],
+  // n_step + i for slots[i]). Each slot ends as those two calls would leave it; the decode rows' arithmetic is
+  // the prefill pass's (cuBLASLt at the pass's rows, the varlen attention), not the bucket graph's. All slots
+  // distinct; everything checked first (an error changes nothing). Returns once launched, as seq_step (the
+  // next syncing call waits). Without the batched prefill: seq_step, then seq_prefill_many.
+  void seq_mixed(const int64_t* step_slots, const int32_t* step_tokens, int64_t n_step, const int64_t* slots,
+                 const int32_t* const* tokens, const int64_t* lens, int64_t n);
   // The next token of each slot from its logits (adds it to the slot's history as generated); steps[i]: the
   // RNG counter. k: top logprobs per row, 0..20.
   BatchSample seq_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps, int64_t n, int k);
@@ -248,6 +257,9 @@ class CudaEngine {
   // rows (token, position, slot) of one batched step, padded to the bucket; the bucket's graph (captured on
   // first use) or the launches.
   void run_rows(const int32_t* tokens, const int64_t* pos, const int64_t* slots, int64_t n);
+  // Slots other than slots[0..n) whose logits lie in bbuf_.logits rows 0..rows-1: copied to their own rows
+  // (work about to write those rows).
+  void move_logits_out(int rows, const int64_t* slots, int64_t n);
   void upload_sampling(const cuda::DeviceSampling& s);
   double time_steps(int64_t context, int steps, const std::function<void(int64_t)>& launch);
 

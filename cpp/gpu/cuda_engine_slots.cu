@@ -242,22 +242,95 @@ void CudaEngine::seq_step(const int64_t* slots, const int32_t* tokens, int64_t n
   }
 }
 
+void CudaEngine::move_logits_out(int rows, const int64_t* slots, int64_t n) {
+  for (size_t s = 0; s < slots_.size(); s++) {
+    Slot& sl = slots_[s];
+    if (!sl.open || sl.logits_row < 0 || sl.logits_row >= rows) continue;
+    if (std::find(slots, slots + n, (int64_t)s) != slots + n) continue;  // in this work: new logits come
+    const size_t ld = (size_t)bbuf_.ld_v;
+    TI_CUDA_CHECK(cudaMemcpyAsync(bbuf_.slot_row((int64_t)s), bbuf_.logits + (size_t)sl.logits_row * ld,
+                                  (size_t)cfg_.vocab * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    sl.logits_row = bbuf_.max_rows + (int)s;
+  }
+}
+
+void CudaEngine::seq_mixed(const int64_t* step_slots, const int32_t* step_tokens, int64_t n_step,
+                           const int64_t* slots, const int32_t* const* tokens, const int64_t* lens, int64_t n) {
+  const auto open = [&](int64_t i) { return slots_[(size_t)i].open; };
+  check_batch_slots("seq_mixed", step_slots, n_step, (int64_t)slots_.size(), open,
+                    [&](int64_t i) { return slots_[(size_t)i].has_logits; });
+  check_tokens(step_tokens, n_step, cfg_.vocab);
+  check_prefill_many(slots, tokens, lens, n, (int64_t)slots_.size(), cfg_.vocab, max_seq_, open,
+                     [&](int64_t i) { return slots_[(size_t)i].length; });
+  check_mixed_disjoint(step_slots, n_step, slots, n);
+  int64_t need = 0;  // pages the call takes from the pool: all slots grow, or none
+  for (int64_t i = 0; i < n_step; i++) {
+    const Slot& sl = slots_[(size_t)step_slots[i]];
+    check_room(sl.length, 1, max_seq_);
+    need += pool_->pages_for(sl.length + 1) - sl.kv->pages();
+  }
+  for (int64_t i = 0; i < n; i++) {
+    const Slot& sl = slots_[(size_t)slots[i]];
+    need += pool_->pages_for(sl.length + lens[i]) - sl.kv->pages();
+  }
+  if (need > pool_->free_pages())
+    fail(ErrorKind::Request, "KV cache pool exhausted: this step and these prompts need " + std::to_string(need) +
+                                 " more pages and the pool has " + std::to_string(pool_->free_pages()) + " free of " +
+                                 std::to_string(pool_->n_pages()) + " (CudaOptions.kv_pool_pages)");
+  if (!prefill_) {
+    seq_step(step_slots, step_tokens, n_step);
+    seq_prefill_many(slots, tokens, lens, n);
+    return;
+  }
+  std::vector<int64_t> all(step_slots, step_slots + n_step);
+  all.insert(all.end(), slots, slots + n);
+  move_logits_out((int)all.size(), all.data(), (int64_t)all.size());  // (<= max_rows: distinct slots)
+  for (int64_t i = 0; i < n_step; i++) slot_reserve(step_slots[i], slots_[(size_t)step_slots[i]].length + 1);
+  for (int64_t i = 0; i < n; i++) slot_reserve(slots[i], slots_[(size_t)slots[i]].length + lens[i]);
+  const int rows = prefill_->rows();
+  std::vector<PrefillSegment> pass;
+  int used = 0;
+  auto add = [&](int64_t slot, const int32_t* toks, int64_t len, int logits_row) {
+    const int64_t length = slots_[(size_t)slot].length;
+    for (int64_t off = 0; off < len;) {
+      PrefillSegment sg;
+      sg.T = (int)std::min<int64_t>(len - off, rows - used);
+      sg.tokens = toks + off;
+      sg.pos0 = (int)(length + off);
+      sg.table_offset = slot * bbuf_.table_stride;
+      off += sg.T;
+      if (off == len) sg.logits_row = logits_row;
+      pass.push_back(sg);
+      used += sg.T;
+      if (used == rows) {
+        prefill_->run_many(pass.data(), (int)pass.size(), bbuf_.tables, bbuf_.logits);
+        pass.clear();
+        used = 0;
+      }
+    }
+  };
+  for (int64_t i = 0; i < n_step; i++) add(step_slots[i], step_tokens + i, 1, (int)i);
+  for (int64_t i = 0; i < n; i++) add(slots[i], tokens[i], lens[i], (int)(n_step + i));
+  if (!pass.empty()) prefill_->run_many(pass.data(), (int)pass.size(), bbuf_.tables, bbuf_.logits);
+  for (int64_t i = 0; i < n; i++) mark_prompt(slots[i], tokens[i], lens[i]);
+  // No sync: like seq_step it returns once launched (the scheduler does a step's per-token work meanwhile). The
+  // caller's tokens are free already (run_many copies them to pinned staging, which the next pass or step
+  // waits for before reusing; mark_prompt's copies from pageable memory are staged before they return).
+  for (size_t r = 0; r < all.size(); r++) {
+    Slot& sl = slots_[(size_t)all[r]];
+    sl.length += r < (size_t)n_step ? 1 : lens[r - (size_t)n_step];
+    sl.has_logits = true;
+    sl.logits_row = (int)r;
+  }
+}
+
 void CudaEngine::run_rows(const int32_t* tokens, const int64_t* pos, const int64_t* slots, int64_t n) {
   size_t b = 0;
   while (buckets_[b] < n) b++;
   const int bucket = buckets_[b], R = bbuf_.max_rows;
   // (pdl_: the device has it and the decode graphs captured it; batch_pdl_ok_: the batch graphs too)
   bool pdl = opt_.batch_pdl && pdl_ && batch_pdl_ok_;
-  // Slots outside this step whose logits lie in a row it overwrites (rows 0..bucket-1): to their own rows first.
-  for (size_t s = 0; s < slots_.size(); s++) {
-    Slot& sl = slots_[s];
-    if (!sl.open || sl.logits_row < 0 || sl.logits_row >= bucket) continue;
-    if (std::find(slots, slots + n, (int64_t)s) != slots + n) continue;  // stepped now: new logits come
-    const size_t ld = (size_t)bbuf_.ld_v;
-    TI_CUDA_CHECK(cudaMemcpyAsync(bbuf_.slot_row((int64_t)s), bbuf_.logits + (size_t)sl.logits_row * ld,
-                                  (size_t)cfg_.vocab * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-    sl.logits_row = R + (int)s;
-  }
+  move_logits_out(bucket, slots, n);  // (the step overwrites rows 0..bucket-1, padding rows too)
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // bbuf_.h_rows may still be read by the previous copy
   int* h = bbuf_.h_rows;
   auto set_rows = [&](bool real) {  // real: the given rows, then padding; else padding only (the warm-up)

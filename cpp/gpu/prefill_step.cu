@@ -180,8 +180,10 @@ void PrefillStep::last_row_logits(int row, float* x, float* logits) {
 
 // Many sequences: their tokens concatenated into one pass. The layout (per-token positions and tables, the
 // sequences, the attention's tiles) is built on the host and uploaded with the tokens, once for all layers.
-// Each finished prompt's logits come from its own LM-head GEMV (K reads of the head; see docs/perf/serve.md).
-void PrefillStep::run_many(const PrefillSegment* segs, int n, const int* tables) {
+// Each finished prompt's logits come from its own LM-head GEMV (K reads of the head; see docs/perf/serve.md), or,
+// for segments with a logits_row (the mixed step's decode rows and prompts), from one GEMM over their gathered
+// last rows.
+void PrefillStep::run_many(const PrefillSegment* segs, int n, const int* tables, float* gathered) {
   const ModelConfig& c = c_;
   int T = 0;
   for (int i = 0; i < n; i++) T += segs[i].T;
@@ -206,6 +208,16 @@ void PrefillStep::run_many(const PrefillSegment* segs, int n, const int* tables)
     seq_T[(size_t)i] = sg.T;
     seq_pos0[(size_t)i] = sg.pos0;
   }
+  int* logit_src = b_.h_varlen + b_.logit_src_at();
+  int n_gathered = 0, first_row = -1;
+  for (int i = 0, row = 0; i < n; i++) {
+    row += segs[i].T;
+    if (segs[i].logits_row < 0) continue;
+    if (first_row < 0) first_row = segs[i].logits_row;
+    if (segs[i].logits_row != first_row + n_gathered || !gathered)
+      fail(ErrorKind::Request, "prefill: a pass's gathered logits rows must ascend by one");
+    logit_src[n_gathered++] = row - 1;
+  }
   int n_tiles = 0;
   cuda::prefill_attention_tiles(seq_T.data(), seq_pos0.data(), n, group, tiles, &n_tiles);
   TI_CUDA_CHECK(cudaMemcpyAsync(b_.tokens, b_.h_tokens, (size_t)T * sizeof(int), cudaMemcpyHostToDevice, s_));
@@ -225,6 +237,14 @@ void PrefillStep::run_many(const PrefillSegment* segs, int n, const int* tables)
   for (int i = 0, row = 0; i < n; i++) {
     row += segs[i].T;
     if (segs[i].logits) last_row_logits(row - 1, segs[i].x, segs[i].logits);
+  }
+  if (n_gathered > 0) {  // logits = rmsnorm(x[last rows]) @ lm_head.T, one weight read for all of them
+    const int H = (int)c.hidden;
+    cuda::rmsnorm_rows(b_.x, w_.ld_h, w_.final_norm, (float)c.rms_eps, H, n_gathered, b_.xn, w_.ld_h, s_, false,
+                       b_.varlen + b_.logit_src_at());
+    gemm_.run(gemm_args(w_.fp16_of(w_.lm_head), (int)c.vocab, w_.ld_h, b_.xn, w_.ld_h,
+                        gathered + (size_t)first_row * b_.ld_v, b_.ld_v, n_gathered, H, GemmOut::F32),
+              s_);
   }
 }
 

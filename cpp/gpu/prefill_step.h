@@ -43,7 +43,8 @@ struct PrefillBuffers {
   int tiles_at() const { return 4 * rows; }
   int tok_pos_at() const { return tiles_at() + 2 * max_tiles; }
   int tok_table_at() const { return tok_pos_at() + rows; }
-  int varlen_ints() const { return tok_table_at() + rows; }
+  int logit_src_at() const { return tok_table_at() + rows; }  // the gathered logits' source rows (run_many)
+  int varlen_ints() const { return logit_src_at() + rows; }
 
   static PrefillBuffers allocate(const ModelConfig& c, const DeviceWeights& w, int rows, DeviceArena& arena);
 };
@@ -57,14 +58,17 @@ struct PrefillTarget {
 };
 
 // One sequence's part of a many-sequence pass (run_many): T tokens at positions pos0.. through the page table
-// at tables + table_offset. x / logits: where its last row's residual and logits go; null when the prompt goes
-// on in a later pass (nothing is computed for it).
+// at tables + table_offset. x / logits: where its last row's residual and logits go (its own LM-head GEMV);
+// null when the prompt goes on in a later pass (nothing is computed for it). logits_row >= 0 instead: its last
+// row's logits are row logits_row of run_many's `gathered` (one LM-head GEMM for all such segments of the pass;
+// their logits_rows ascend by one in segment order).
 struct PrefillSegment {
   const int32_t* tokens = nullptr;  // (T) host
   int T = 0, pos0 = 0;
   int64_t table_offset = 0;
   float* x = nullptr;
   float* logits = nullptr;
+  int logits_row = -1;
 };
 
 // How a pass's rows map onto sequences: one (T tokens at pos0 through page_table) or many (the varlen layout).
@@ -96,7 +100,8 @@ class PrefillStep {
   // Many sequences in one pass: segs[0..n) (distinct sequences, sum of T <= rows()) one after the other, the
   // products over all their rows at once (every weight read once), each token's RoPE at its own position, the
   // attention of each sequence over its own pages (varlen), the cache written through each one's table.
-  void run_many(const PrefillSegment* segs, int n, const int* tables);
+  // gathered (ld_v floats a row): where the segments with a logits_row put their logits (may be null if none).
+  void run_many(const PrefillSegment* segs, int n, const int* tables, float* gathered = nullptr);
 
  private:
   void layer(const DeviceLayer& L, int64_t l, const PrefillRows& rows);

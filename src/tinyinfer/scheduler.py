@@ -17,6 +17,10 @@ core at the same time):
      (CHUNK_TOKENS by device unless given; so a long prompt never stalls the running sequences for more than
      one chunk), all in ONE seq_prefill_many (batched_prefill: on the GPU one pass over all their tokens, every
      weight read once, rather than a pass per prompt); the finished prompts join the decode at the next step;
+     Mixed steps (mixed_steps=True; vLLM's chunked prefill): when 3 and 4 both have work they are
+     ONE seq_mixed call: on the GPU one pass whose products take the decode rows and the prompt tokens together
+     (every weight read once for both), rather than the decode step's graph and then a prefill pass that reads
+     every weight again (on the H200, 57 rows + 7 prompts of 128: 4.3 ms against 5.7; docs/perf/serve.md);
   5. sampling: ONE seq_sample for every sequence with fresh logits (the ones just stepped and those whose prompt
      just finished), each with its own SamplingConfig, seed and step counter (= tokens it generated so far: a
      seeded request samples exactly what it samples alone on the single path);
@@ -39,6 +43,11 @@ same as without overlap: the sampling counter is len(generated) either way, ever
 A launch that fails with a TinyInferError launches nothing (step 3 meets the error again and pins it on its
 requests); anything else ends the requests of that call and is re-raised after the deltas of the others.
 (The CPU engine's seq_step computes before it returns: there nothing overlaps, only the order changes.)
+With mixed steps the launch ahead carries the prompts too: between 5 and 6 the waiting requests are admitted
+(as 2 does, after the pages the launched rows open) and their chunks go with those rows in ONE seq_mixed, which
+returns once launched like seq_step, so 6 still overlaps the pass. Prompts that arrive after that launch are
+admitted by the next step's 2 but not prefilled by its 4 while its sequences' step is in flight: they ride in
+the next launch ahead (up to a step of first-token latency, against a pass of their own).
 
 Decode out of KV pages: running sequences come first; admitted requests still in their prompt go back to the
 queue (they have shown nothing); if that is not enough, the youngest of the sequences that need a page end
@@ -122,12 +131,15 @@ class Scheduler:
 
     def __init__(self, engine: "Engine", *, max_batch: Optional[int] = None, chunk_tokens: Optional[int] = None,
                  max_waiting: int = 1024, batched_prefill: bool = True, overlap: bool = True,
-                 trace: Optional[Trace] = None):
+                 mixed_steps: bool = False, trace: Optional[Trace] = None):
         """chunk_tokens: prompt tokens prefilled per step in all (None: CHUNK_TOKENS of the engine's device).
         batched_prefill: a step's prompt chunks in one seq_prefill_many (every weight read once for all of
         them); False: one seq_prefill each (the A/B reference). overlap: launch the next decode step before a
         step's per-token work, which then runs while the device computes (see the module's docstring); False:
-        every step in turn (the A/B reference). trace: record into it every core call the steps make and each
+        every step in turn (the A/B reference). mixed_steps: a step's decode rows and prompt chunks in one
+        seq_mixed, and with overlap the waiting prompts launched with the next step (needs batched_prefill; see
+        the module's docstring; on the H200 they gave the same throughput at 64 streams and a lower TTFT p50:
+        docs/perf/serve.md); False (the default): seq_step, then the prefill. trace: record into it every core call the steps make and each
         request's submit / admit / prefilled / first token / end (trace.py; None: nothing recorded, the core
         called directly)."""
         core = engine._core
@@ -138,7 +150,7 @@ class Scheduler:
                             ("max_waiting", max_waiting, 0)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
                 raise InvalidRequestError(f"Scheduler: {name} must be an integer >= {lo} (got {v!r})")
-        for name, v in (("batched_prefill", batched_prefill), ("overlap", overlap)):
+        for name, v in (("batched_prefill", batched_prefill), ("overlap", overlap), ("mixed_steps", mixed_steps)):
             if not isinstance(v, bool):
                 raise InvalidRequestError(f"Scheduler: {name} must be a bool (got {v!r})")
         if trace is not None and not isinstance(trace, Trace):
@@ -150,6 +162,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.batched_prefill = batched_prefill
         self.overlap = overlap
+        self.mixed_steps = mixed_steps and batched_prefill
         self.trace = trace
         self._engine = engine
         self._page_size = int(core.kv_page_size)
@@ -333,6 +346,8 @@ class Scheduler:
                 try:
                     core.seq_prefill_many(slots, [[0]] * b)
                     core.seq_step(slots, [0] * b)
+                    if self.mixed_steps and b > 1:  # (the LM-head GEMM over b gathered rows)
+                        core.seq_mixed(slots[1:], [0] * (b - 1), slots[:1], [[0]])
                 finally:
                     for s in slots:
                         core.seq_close(s)
@@ -441,14 +456,44 @@ class Scheduler:
         stepping = [s for s in self._running if s.pending is not None]
         stepping = self._pages_for_decode(core, stepping)
         self._admit(core, decode_pages=sum(1 for s in stepping if s.length % self._page_size == 0))
-        if stepping and self._core_call(core, stepping, lambda: core.seq_step([s.slot for s in stepping],
-                                                                                  [s.pending for s in stepping])):
-            for s in stepping:
-                s.length, s.pending, s.fresh = s.length + 1, None, True
-        self._prefill(core)
+        chunks = self._chunks()
+        if self.mixed_steps and chunks and not stepping and any(s.fresh for s in self._running):
+            # the running sequences' next step was launched ahead before these prompts came: they ride in the
+            # next launch ahead (this step's sample), mixed, rather than in a pass of their own
+            chunks = []
+        if not (stepping and chunks and self.mixed_steps and self._mixed(core, stepping, chunks)):
+            if stepping and self._core_call(core, stepping, lambda: core.seq_step([s.slot for s in stepping],
+                                                                                      [s.pending for s in stepping])):
+                self._stepped(stepping)
+            self._prefill(core, chunks)
         sampling = [s for s in self._running if s.fresh]
         if sampling:
             self._sample(core, sampling)
+
+    @staticmethod
+    def _stepped(seqs: list[_Seq]) -> None:
+        for s in seqs:
+            s.length, s.pending, s.fresh = s.length + 1, None, True
+
+    def _mixed(self, core, stepping: list[_Seq], chunks: list[tuple[_Seq, list[int]]]) -> bool:
+        """Steps 3 and 4 in one seq_mixed. False when the core refused it with a TinyInferError (it checks the
+        whole call before it runs any of it): the separate calls then pin the error on the request(s) it belongs
+        to, exactly as without mixed steps."""
+        ok = False
+
+        def call() -> None:
+            nonlocal ok
+            try:
+                core.seq_mixed([s.slot for s in stepping], [s.pending for s in stepping],
+                               [s.slot for s, _ in chunks], [c for _, c in chunks])
+                ok = True
+            except TinyInferError:
+                pass
+        self._core_call(core, stepping + [s for s, _ in chunks], call)  # (anything else: all end, re-raised)
+        if ok:
+            self._stepped(stepping)
+            self._prefilled(chunks)
+        return ok
 
     def _owed(self) -> int:
         """Pages the admitted prompts still need for their remaining chunks (+ their first generated position)."""
@@ -527,9 +572,8 @@ class Scheduler:
                 self.trace.event("admit", seq.request.id, t=seq.t_admit)
             free -= need
 
-    def _prefill(self, core) -> None:
-        """This step's prompt chunks: the admitted prompts oldest first, chunk_tokens tokens in all; ONE
-        seq_prefill_many for all of them (batched_prefill), else one seq_prefill each."""
+    def _chunks(self) -> list[tuple[_Seq, list[int]]]:
+        """This step's prompt chunks: the admitted prompts oldest first, chunk_tokens tokens in all."""
         budget = self.chunk_tokens
         chunks: list[tuple[_Seq, list[int]]] = []
         for seq in [s for s in self._running if s.prefilling]:
@@ -538,6 +582,10 @@ class Scheduler:
             n = min(budget, len(seq.prompt) - seq.length)
             chunks.append((seq, seq.prompt[seq.length:seq.length + n]))
             budget -= n
+        return chunks
+
+    def _prefill(self, core, chunks: list[tuple[_Seq, list[int]]]) -> None:
+        """The chunks in ONE seq_prefill_many (batched_prefill), else one seq_prefill each."""
         if not chunks:
             return
         done = None
@@ -555,6 +603,9 @@ class Scheduler:
         if done is None:
             done = [(seq, chunk) for seq, chunk in chunks
                     if self._core_call(core, [seq], lambda seq=seq, chunk=chunk: core.seq_prefill(seq.slot, chunk))]
+        self._prefilled(done)
+
+    def _prefilled(self, done: list[tuple[_Seq, list[int]]]) -> None:
         now = time.perf_counter()
         for seq, chunk in done:
             seq.length += len(chunk)
@@ -602,18 +653,27 @@ class Scheduler:
         needy = sum(1 for s, _ in ahead if s.length % ps == 0)
         if needy and needy > int(core.kv_pages_free) - self._owed():
             return set(), None  # short of pages: step 3 decides who gets them
+        chunks = []
+        if self.mixed_steps:  # the waiting prompts ride in this launch (admitted as step 2 would)
+            self._admit(core, decode_pages=needy)
+            chunks = self._chunks()
         try:
-            core.seq_step([s.slot for s, _ in ahead], [t for _, t in ahead])
+            if chunks:
+                core.seq_mixed([s.slot for s, _ in ahead], [t for _, t in ahead], [s.slot for s, _ in chunks],
+                               [c for _, c in chunks])
+            else:
+                core.seq_step([s.slot for s, _ in ahead], [t for _, t in ahead])
         except TinyInferError:
             return set(), None  # (the core checks before it launches anything: step 3 meets it again)
         except BaseException as e:  # state unknown: as _core_call, these requests end with it
-            for s, _ in ahead:
+            for s in [s for s, _ in ahead] + [s for s, _ in chunks]:
                 self._end(core, s, "error", error=e)
             self._reraised = e
             return set(), e
         for s, _ in ahead:
             s.length += 1
             s.fresh = True
+        self._prefilled(chunks)
         return {id(s) for s, _ in ahead}, None
 
     def _take(self, core, seq: _Seq, tok: int, lp: Optional[TokenLogprob], stepped: bool = False) -> None:

@@ -8,7 +8,8 @@
 Two lists of tuples, appended as things happen (a list append is atomic under the GIL, so the scheduler's thread
 and the server's event loop share them without a lock; the cost is a perf_counter() and an append, ~0.2 us):
   calls:  (name, t_start, t_end, n) for each core call the scheduler makes through the wrapper (CORE_CALLS);
-          n is the rows of a seq_step / seq_sample, the prompt tokens of a seq_prefill(_many), else 0;
+          n is the rows of a seq_step / seq_sample, the prompt tokens of a seq_prefill(_many) or a seq_mixed
+          (whose decode rows its seq_sample counts), else 0;
   events: (kind, t, request id, a, b). From the scheduler: "submit" (a = prompt tokens), "admit" (a slot
           opened), "prefilled" (the prompt's last chunk ran), "first" (the first token sampled), "end" (a = tokens
           generated, b = the finish reason). From the server, under the HTTP call's id (its choices' scheduler
@@ -25,7 +26,8 @@ import json
 import time
 from typing import Optional
 
-CORE_CALLS = ("seq_open", "seq_prefill", "seq_prefill_many", "seq_step", "seq_sample", "seq_close", "reset")
+CORE_CALLS = ("seq_open", "seq_prefill", "seq_prefill_many", "seq_mixed", "seq_step", "seq_sample", "seq_close",
+              "reset")
 
 
 class Trace:
@@ -81,6 +83,10 @@ class TracedCore:
     def seq_prefill_many(self, slots, chunks):
         return self._timed("seq_prefill_many", sum(len(c) for c in chunks), self._core.seq_prefill_many, slots,
                            chunks)
+
+    def seq_mixed(self, step_slots, step_tokens, slots, chunks):
+        return self._timed("seq_mixed", sum(len(c) for c in chunks), self._core.seq_mixed, step_slots, step_tokens,
+                           slots, chunks)
 
     def seq_step(self, slots, tokens):
         return self._timed("seq_step", len(slots), self._core.seq_step, slots, tokens)

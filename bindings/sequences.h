@@ -1,4 +1,4 @@
-// sequences.h — the sequence slots' Python surface (BATCH_CONTRACT.md part 2), the same for every engine class
+// sequences.h — the sequence slots' Python surface (docs/BATCH_CONTRACT.md part 2), the same for every engine class
 // that has them (CpuEngine, CudaEngine): bind_sequences<E>(cls). Type conversion and argument checks only.
 #pragma once
 #include <nanobind/nanobind.h>
@@ -30,7 +30,7 @@ struct PromptIds {
   }
 };
 
-// The sequence slots (BATCH_CONTRACT.md part 2): the same Python surface for every engine class that has them.
+// The sequence slots (docs/BATCH_CONTRACT.md part 2): the same Python surface for every engine class that has them.
 template <typename E, typename Cls>
 inline void bind_sequences(Cls& cls) {
   using namespace nb::literals;

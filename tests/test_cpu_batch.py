@@ -1,4 +1,4 @@
-"""The CPU engine's sequence slots (BATCH_CONTRACT.md part 2): several sequences of different lengths stepped
+"""The CPU engine's sequence slots (docs/BATCH_CONTRACT.md part 2): several sequences of different lengths stepped
 together give bit for bit the logits, tokens and logprobs each gives alone (in a slot by itself, and on the
 single-sequence path); KV pages are held as the slots grow and come back when they close; every bad call is a
 Request error that changes nothing."""

@@ -1,4 +1,4 @@
-"""The GPU engine's sequence slots (BATCH_CONTRACT.md §2; cpp/gpu/cuda_engine_slots.cu, batch_step.*): many
+"""The GPU engine's sequence slots (docs/BATCH_CONTRACT.md §2; cpp/gpu/cuda_engine_slots.cu, batch_step.*): many
 sequences of different lengths stepped together through one batched decode pass (a graph per batch-size bucket,
 padded rows inert) give what each sequence gives alone; logits against the CPU engine; pages on demand and given
 back; a pool too small is a clear error that leaves the engine usable. Skipped without a usable CUDA device."""

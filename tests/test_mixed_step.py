@@ -1,4 +1,4 @@
-"""seq_mixed, a decode step and prompt chunks in one call (BATCH_CONTRACT.md part 2; cpp/cpu/cpu_sequences.cpp,
+"""seq_mixed, a decode step and prompt chunks in one call (docs/BATCH_CONTRACT.md part 2; cpp/cpu/cpu_sequences.cpp,
 cpp/gpu/cuda_engine_slots.cu), and the scheduler's mixed steps. The CPU engine's seq_mixed leaves every slot
 exactly as seq_step then seq_prefill_many do (decode rows beside fresh prompts, a chunk continuing a prompt, a
 slot closed and opened again); every bad call is a Request error that changes nothing; the scheduler makes a

@@ -1,4 +1,4 @@
-"""seq_prefill_many, the slot API's many-prompt prefill (BATCH_CONTRACT.md part 2; cpp/cpu/cpu_sequences.cpp,
+"""seq_prefill_many, the slot API's many-prompt prefill (docs/BATCH_CONTRACT.md part 2; cpp/cpu/cpu_sequences.cpp,
 cpp/gpu/cuda_engine_slots.cu) and the scheduler's one prefill call per step. On the CPU engine many prompts at
 once leave each slot exactly as seq_prefill one at a time does (lengths 1, 7 and 128, a chunk continuing a
 prompt, a slot closed and opened again); every bad call is a Request error that changes nothing; the scheduler

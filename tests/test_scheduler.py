@@ -22,7 +22,7 @@ def _pages(n: int, page: int) -> int:
 
 
 class FakeCore:
-    """The slot API of BATCH_CONTRACT part 2 in plain Python. Pages: a pool of `pages`, a slot holding
+    """The slot API of docs/BATCH_CONTRACT.md part 2 in plain Python. Pages: a pool of `pages`, a slot holding
     ceil(length / page_size); a call that cannot get its pages raises and changes nothing. `log` records every
     call, one list per step (new_step() starts one)."""
 

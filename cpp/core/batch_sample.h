@@ -1,4 +1,4 @@
-// batch_sample.h — what seq_sample returns (BATCH_CONTRACT.md §2), the same for every engine: per sampled slot
+// batch_sample.h — what seq_sample returns (docs/BATCH_CONTRACT.md §2), the same for every engine: per sampled slot
 // the token, its logprob (log_softmax of the raw logits) and the top-k entries of the same distribution.
 #pragma once
 #include <cstdint>

@@ -26,7 +26,7 @@ inline void check_room(int64_t position, int64_t n, int64_t max_seq) {
                                  " new ones exceed max_seq_len=" + std::to_string(max_seq));
 }
 
-// ---- the sequence slots (BATCH_CONTRACT.md part 2) ----
+// ---- the sequence slots (docs/BATCH_CONTRACT.md part 2) ----
 
 constexpr int64_t kMaxBatch = 1024;  // the most sequence slots an engine takes
 

@@ -6,7 +6,7 @@
 // precision (weights.h); each matrix row is widened to fp32 inside the matrix product.
 //
 // Two independent kinds of sequence: the single one (reset / forward / decode: tokens go in at position() and
-// its KV cache grows with them) and max_batch sequence slots (seq_*, BATCH_CONTRACT.md part 2) for a
+// its KV cache grows with them) and max_batch sequence slots (seq_*, docs/BATCH_CONTRACT.md part 2) for a
 // scheduler. Both run through the same forward pass, run(), whose rows each name the sequence they belong to
 // (a RowSlot), so a token gives bit for bit the same logits alone, in a prefill chunk or in a batched step:
 // every product is the same dot() per (row, weight row), and attention reads only the row's own cache.
@@ -55,7 +55,7 @@ class CpuEngine {
   std::vector<int32_t> decode(int64_t max_steps, const SamplingConfig& s, const std::vector<int32_t>& stop_ids,
                               uint64_t step0);
 
-  // ---- sequence slots (BATCH_CONTRACT.md part 2; cpu_sequences.cpp) ----
+  // ---- sequence slots (docs/BATCH_CONTRACT.md part 2; cpu_sequences.cpp) ----
   // Every call checks all its arguments first and throws ti::Error(Request), changing nothing, on a slot out of
   // 0..max_batch-1 or not open, a token id out of range, positions beyond max_seq_len, a slot listed twice, or
   // a step / sample on a slot with no logits yet (no prefill ran in it).

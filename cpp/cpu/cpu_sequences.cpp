@@ -1,4 +1,4 @@
-// cpu_sequences.cpp — the CPU engine's sequence slots (BATCH_CONTRACT.md part 2): open / close, prefill chunks,
+// cpu_sequences.cpp — the CPU engine's sequence slots (docs/BATCH_CONTRACT.md part 2): open / close, prefill chunks,
 // one batched decode step, sampling. The forward pass is the single sequence's (cpu_engine.cpp run()), with each
 // row naming its slot's cache, so a slot's numbers are those it would have alone.
 #include <algorithm>

@@ -150,7 +150,7 @@ class CudaEngine {
   // Seconds spent at load on the GEMV plan (tuned or read), the decode graphs, and the long-context decision.
   double tune_seconds() const { return tune_s_[0] + tune_s_[1] + tune_s_[2]; }
   const double* tune_parts() const { return tune_s_; }  // {plan, graphs, long-context}
-  // ---- sequence slots (BATCH_CONTRACT.md §2): many sequences, one decode step for all of them ----
+  // ---- sequence slots (docs/BATCH_CONTRACT.md §2): many sequences, one decode step for all of them ----
   int64_t max_batch() const { return opt_.max_batch; }
   int64_t seq_open();                      // a free, empty slot; Request error when all are taken
   void seq_close(int64_t slot);            // its pages back to the pool, its history cleared

@@ -1,4 +1,4 @@
-// cuda_engine_slots.cu — the GPU engine's sequence slots (BATCH_CONTRACT.md §2; cuda_engine.h): many sequences
+// cuda_engine_slots.cu — the GPU engine's sequence slots (docs/BATCH_CONTRACT.md §2; cuda_engine.h): many sequences
 // in one KV page pool, prefilled one at a time or many at once (the batched prefill through the slots' page
 // tables), stepped together (batch_step.h: one graph per bucket of the batch size), sampled together
 // (cuda::sample_rows).

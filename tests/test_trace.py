@@ -121,3 +121,29 @@ def test_serve_timeline_reports_levels_and_rounds(eng, tmp_path):
     assert tool.main([str(path), "--level", "3", "--json", str(tmp_path / "t.json")]) == 0
     assert json.loads((tmp_path / "t.json").read_text())[0]["concurrency"] == 3
     assert tool.main([str(path), "--level", "64"]) == 1  # no such level: said, not a traceback
+
+
+def test_serve_timeline_tells_mixed_steps_from_plain_ones(eng, tmp_path):
+    """A request joining a running one with mixed steps on: the trace holds its seq_mixed, and the timeline
+    counts it as a prefill call and a decode step, with the periods of mixed and plain steps apart."""
+    trace = Trace()
+    sched = Scheduler(eng, trace=trace, mixed_steps=True)
+    try:
+        first = sched.submit("GPUs are fast", SamplingParams(max_tokens=8, ignore_eos=True))
+        sched.step()
+        sched.step()
+        later = sched.submit("GPUs are fast " * 3, SamplingParams(max_tokens=4, ignore_eos=True))
+        sched.wait_idle()
+        assert len(first.result().token_ids) == 8 and len(later.result().token_ids) == 4
+    finally:
+        sched.close()
+    mixed = [c for c in trace.calls if c[0] == "seq_mixed"]
+    assert len(mixed) == 1 and mixed[0][3] > 0  # n: the prompt tokens it carried
+    path = tmp_path / "serve.json"
+    trace.save(path)
+    tool = _tool()
+    out = io.StringIO()
+    tool.report(tool.analyze(json.loads(path.read_text()), None), out)
+    text = out.getvalue()
+    for want in ("seq_mixed", "period, mixed", "period, plain"):
+        assert want in text, (want, text)

@@ -10,7 +10,8 @@ Per round:
   wall        first submit -> last end (the scheduler's; tok/s: the tokens generated over it);
   prefill     the seq_prefill_many, seq_mixed (a decode step and prompts in one pass) and seq_prefill calls:
               count, prompt tokens, ms;
-  decode      per seq_step or seq_mixed (one decode step): period = its start -> the next one's start, split
+  decode      per seq_step or seq_mixed (one decode step): period = its start -> the next one's start (also
+              by kind: plain steps and mixed ones, when there are), split
               into the launch (seq_step; a seq_mixed's whole pass), other core calls before its seq_sample (prefill, open, close), host Python
               between, the seq_sample (waits for the step's device work, samples), and the gap from that
               seq_sample's end to the next launch (host time on the critical path when nothing is launched ahead);
@@ -102,6 +103,8 @@ def _decode(calls: list, lo: float, hi: float) -> dict:
             parts["rows"].append(st[3] / 1e3)  # (_stats scales by 1e3)
         if i + 1 < len(steps):
             parts["period"].append(steps[i + 1][1] - st[1])
+            # (a seq_mixed's pass against a plain step: what a mixed step costs the level)
+            parts["period, mixed" if st[0] == "seq_mixed" else "period, plain"].append(steps[i + 1][1] - st[1])
             parts["gap"].append(steps[i + 1][1] - sa[2])
     return {k: _stats(v) for k, v in parts.items()} | {"steps": len(steps)}
 
@@ -198,7 +201,7 @@ def report(levels: list[dict], file=sys.stdout) -> None:
             d = w["decode"]
             p(f"  decode steps {d['steps']} (rows p50 {_f(d.get('rows', {}).get('p50'))})    "
               f"{'mean':>7} {'p50':>7} {'p99':>7} ms")
-            for k in ("period", "launch", "other core", "host", "sample", "gap"):
+            for k in ("period", "period, plain", "period, mixed", "launch", "other core", "host", "sample", "gap"):
                 s = d.get(k)
                 if s and s["n"]:
                     p(f"    {k:24s} {_f(s['mean']):>7} {_f(s['p50']):>7} {_f(s['p99']):>7}")

@@ -215,3 +215,32 @@ def test_requests_joining_running_ones_generate_what_each_does_alone(eng):
     for i in range(0, 8, 2):
         w = eng.generate(texts[i], sps[i])
         assert out[True][i] == (w.token_ids, w.text), i
+
+
+def test_an_interrupted_admission_in_the_launch_ahead_loses_no_token():
+    """A request arrives while a step computes; the launch ahead admits it and seq_open is interrupted: nothing
+    is launched, the step's sampled tokens are still taken (the running request goes on, its tokens as alone),
+    the newcomer stays queued, and step() re-raises."""
+    core, eng = _fake(max_batch=4, pages=40)
+    sched = Scheduler(eng, chunk_tokens=64, mixed_steps=True)
+    first = sched.submit(P[1], SamplingParams(max_tokens=12))
+    sched.step()
+    real_sample, real_open, later = core.seq_sample, core.seq_open, []
+
+    def sample_while_one_arrives(*args):
+        if not later:
+            later.append(sched.submit(P[0], SamplingParams(max_tokens=3)))
+        return real_sample(*args)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    core.seq_sample, core.seq_open = sample_while_one_arrives, interrupted
+    with pytest.raises(KeyboardInterrupt):
+        sched.step()
+    core.seq_sample, core.seq_open = real_sample, real_open
+    assert sched.waiting == 1 and sched.running == 1
+    assert sched.wait_idle(timeout=10)
+    assert first.result().token_ids == _alone(P[1], 12)
+    assert later[0].result().token_ids == _alone(P[0], 3)
+    assert core.cache == {}

@@ -655,7 +655,11 @@ class Scheduler:
             return set(), None  # short of pages: step 3 decides who gets them
         chunks = []
         if self.mixed_steps:  # the waiting prompts ride in this launch (admitted as step 2 would)
-            self._admit(core, decode_pages=needy)
+            try:
+                self._admit(core, decode_pages=needy)
+            except BaseException as e:  # nothing launched: these tokens are still taken, then it is re-raised
+                self._reraised = e
+                return set(), e
             chunks = self._chunks()
         try:
             if chunks:

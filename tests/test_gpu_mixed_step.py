@@ -2,8 +2,9 @@
 one-token segments and every row's logits from one LM-head GEMM over the gathered last rows): each slot's logits
 within the batched path's tolerance of seq_step then seq_prefill_many, and the same greedy tokens after it, on
 head_dim 64 / 128 and GQA groups 1 / 4; prompts spanning passes (a small prefill_chunk); logits left in the
-step's rows survive a later step of other slots; every bad call is a Request error that changes nothing; the
-scheduler's tokens with mixed steps on and off. Skipped without a usable CUDA device."""
+step's rows survive a later step of other slots, and other slots' logits survive a seq_mixed; every bad call
+is a Request error that changes nothing; the scheduler's tokens with mixed steps on and off. Skipped without a
+usable CUDA device."""
 
 from __future__ import annotations
 
@@ -78,6 +79,25 @@ def test_logits_in_the_step_rows_survive_a_step_of_other_slots(model):
     for s, b in zip(run, before):
         np.testing.assert_array_equal(core.seq_logits(s), b)
     for s in run + new:
+        core.seq_close(s)
+    assert core.kv_pages_free == core.kv_pages_total
+
+
+def test_seq_mixed_moves_other_slots_logits_out_of_its_rows(model):
+    """a and b stepped (their logits in the step's rows 0 and 1), then a seq_mixed of two other slots (rows 0
+    and 1 again): a's and b's logits read the same after it."""
+    core = gpu_engine(model, "fp16")._core
+    ps, _, _ = _chunks(seed=6)
+    a, b, c = (core.seq_open() for _ in range(3))
+    core.seq_prefill_many([a, b, c], ps[1:4])
+    t, *_ = core.seq_sample([a, b, c], [greedy()] * 3, [0] * 3, 0)
+    core.seq_step([a, b], t[:2].tolist())
+    before = [core.seq_logits(s).copy() for s in (a, b)]
+    d = core.seq_open()
+    core.seq_mixed([c], [int(t[2])], [d], [ps[0]])
+    for s, x in zip((a, b), before):
+        np.testing.assert_array_equal(core.seq_logits(s), x)
+    for s in (a, b, c, d):
         core.seq_close(s)
     assert core.kv_pages_free == core.kv_pages_total
 

@@ -1,10 +1,11 @@
 """seq_mixed, a decode step and prompt chunks in one call (docs/BATCH_CONTRACT.md part 2; cpp/cpu/cpu_sequences.cpp,
 cpp/gpu/cuda_engine_slots.cu), and the scheduler's mixed steps. The CPU engine's seq_mixed leaves every slot
 exactly as seq_step then seq_prefill_many do (decode rows beside fresh prompts, a chunk continuing a prompt, a
-slot closed and opened again); every bad call is a Request error that changes nothing; the scheduler makes a
-step that has both decode rows and prompt chunks one call, launches nothing ahead while prompts wait for that
-step, falls back to the separate calls when the core refuses, and every request generates what it does alone
-(fake core and real CPU engine). The GPU side: tests/test_gpu_mixed_step.py."""
+slot closed and opened again); every bad call is a Request error that changes nothing; the scheduler puts the
+waiting prompts into the launch ahead (or, without overlap, makes a step that has both decode rows and prompt
+chunks one call), leaves the pass's rows to the decode rows out of the prompt budget, falls back to the separate
+calls when the core refuses, and every request generates what it does alone (fake core and real CPU engine).
+The GPU side: tests/test_gpu_mixed_step.py."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from test_cpu_batch import VOCAB, _store
 from test_prefill_many import GREEDY, MAX_SEQ, _setup, _snapshot, assert_same_slots
 from test_scheduler import P, _alone, _fake, _steps
 from tinyinfer import Engine, InvalidRequestError, SamplingParams, Scheduler, _core
+from tinyinfer.trace import Trace
 
 
 def _decoding(core, n=2):
@@ -122,6 +124,29 @@ def test_waiting_prompts_ride_in_the_launch_ahead():
         assert core.cache == {}
 
 
+def test_without_overlap_a_step_with_rows_and_prompts_is_one_call():
+    """overlap=False: no launch ahead, so step 3 and 4 themselves make the mixed call."""
+    core, reqs, steps = _joining(True, overlap=False)
+    mixed = [c for calls in steps for c in calls if c[0] == "mixed"]
+    assert mixed == [("mixed", 1, 2)]
+    assert not any(c[0] == "prefill" for calls in steps for c in calls if ("mixed", 1, 2) not in calls)
+    for r, (p, m) in zip(reqs, ((P[1], 12), (P[2], 6), (P[0], 9))):
+        assert r.result().token_ids == _alone(p, m)
+    assert core.cache == {}
+
+
+def test_the_decode_rows_come_out_of_the_prompt_budget():
+    """chunk_tokens 8: a mixed call with r decode rows carries 8 - r prompt tokens (one pass of 8 rows), never
+    less than half the budget (4)."""
+    core, reqs, steps = _joining(True, chunk_tokens=8)
+    calls = [(c, sum(x[2] for x in st if x[0] == "prefill")) for st in steps for c in st if c[0] == "mixed"]
+    assert [(c[1], n) for c, n in calls[:4]] == [(1, 7), (1, 7), (1, 7), (2, 6)]  # P[2]'s 17 tokens and P[0]'s 10
+    assert all(n <= max(8 - c[1], 4) for c, n in calls)
+    for r, (p, m) in zip(reqs, ((P[1], 12), (P[2], 6), (P[0], 9))):
+        assert r.result().token_ids == _alone(p, m)
+    assert core.cache == {}
+
+
 def test_a_request_waiting_for_pages_does_not_stop_the_launch_ahead():
     """A prompt that cannot be admitted (the pool too small for it until the running request ends) is no reason
     to hold back the running one's next step."""
@@ -197,9 +222,9 @@ def test_requests_joining_running_ones_generate_what_each_does_alone(eng):
     texts = [("GPUs are fast " * 8)[:1 + (29 * i) % 100] for i in range(8)]
     sps = [SamplingParams(max_tokens=6 + i % 3, ignore_eos=True,
                           **({"temperature": 0.8, "seed": i} if i % 2 else {})) for i in range(8)]
-    out = {}
+    out, trace = {}, Trace()
     for mixed in (True, False):
-        sched = Scheduler(eng, chunk_tokens=24, mixed_steps=mixed)
+        sched = Scheduler(eng, chunk_tokens=24, mixed_steps=mixed, trace=trace if mixed else None)
         try:
             reqs = [sched.submit(texts[0], sps[0])]
             sched.step()
@@ -212,6 +237,7 @@ def test_requests_joining_running_ones_generate_what_each_does_alone(eng):
         finally:
             sched.close()
     assert out[True] == out[False]
+    assert sum(c[0] == "seq_mixed" for c in trace.calls) >= 3  # (the prompts did ride in mixed calls)
     for i in range(0, 8, 2):
         w = eng.generate(texts[i], sps[i])
         assert out[True][i] == (w.token_ids, w.text), i

@@ -287,6 +287,10 @@ void CudaEngine::seq_mixed(const int64_t* step_slots, const int32_t* step_tokens
   move_logits_out((int)all.size(), all.data(), (int64_t)all.size());  // (<= max_rows: distinct slots)
   for (int64_t i = 0; i < n_step; i++) slot_reserve(step_slots[i], slots_[(size_t)step_slots[i]].length + 1);
   for (int64_t i = 0; i < n; i++) slot_reserve(slots[i], slots_[(size_t)slots[i]].length + lens[i]);
+  // The prompts join the penalty sets first (the pass never reads them; the sampler, later, does): the copies
+  // from pageable memory here and in slot_reserve may make the driver wait for the stream, which is idle now,
+  // not behind the queued passes (after them, they would hold this call until the passes ran).
+  for (int64_t i = 0; i < n; i++) mark_prompt(slots[i], tokens[i], lens[i]);
   const int rows = prefill_->rows();
   std::vector<PrefillSegment> pass;
   int used = 0;
@@ -312,7 +316,6 @@ void CudaEngine::seq_mixed(const int64_t* step_slots, const int32_t* step_tokens
   for (int64_t i = 0; i < n_step; i++) add(step_slots[i], step_tokens + i, 1, (int)i);
   for (int64_t i = 0; i < n; i++) add(slots[i], tokens[i], lens[i], (int)(n_step + i));
   if (!pass.empty()) prefill_->run_many(pass.data(), (int)pass.size(), bbuf_.tables, bbuf_.logits);
-  for (int64_t i = 0; i < n; i++) mark_prompt(slots[i], tokens[i], lens[i]);
   // No sync: like seq_step it returns once launched (the scheduler does a step's per-token work meanwhile). The
   // caller's tokens are free already (run_many copies them to pinned staging, which the next pass or step
   // waits for before reusing; mark_prompt's copies from pageable memory are staged before they return).

@@ -139,7 +139,9 @@ class Scheduler:
         every step in turn (the A/B reference). mixed_steps: a step's decode rows and prompt chunks in one
         seq_mixed, and with overlap the waiting prompts launched with the next step (needs batched_prefill; see
         the module's docstring; on the H200 they gave the same throughput at 64 streams and a lower TTFT p50:
-        docs/perf/serve.md); False (the default): seq_step, then the prefill. trace: record into it every core call the steps make and each
+        docs/perf/serve.md). The rows of a mixed pass take the prefill's arithmetic (cuBLASLt over the pass, the
+        LM head as a GEMM), so on the GPU a request's tokens may then depend on when others arrive, at near-ties
+        of its logits. False (the default): seq_step, then the prefill. trace: record into it every core call the steps make and each
         request's submit / admit / prefilled / first token / end (trace.py; None: nothing recorded, the core
         called directly)."""
         core = engine._core
@@ -456,7 +458,7 @@ class Scheduler:
         stepping = [s for s in self._running if s.pending is not None]
         stepping = self._pages_for_decode(core, stepping)
         self._admit(core, decode_pages=sum(1 for s in stepping if s.length % self._page_size == 0))
-        chunks = self._chunks()
+        chunks = self._chunks(len(stepping) if self.mixed_steps else 0)
         if self.mixed_steps and chunks and not stepping and any(s.fresh for s in self._running):
             # the running sequences' next step was launched ahead before these prompts came: they ride in the
             # next launch ahead (this step's sample), mixed, rather than in a pass of their own
@@ -572,9 +574,11 @@ class Scheduler:
                 self.trace.event("admit", seq.request.id, t=seq.t_admit)
             free -= need
 
-    def _chunks(self) -> list[tuple[_Seq, list[int]]]:
-        """This step's prompt chunks: the admitted prompts oldest first, chunk_tokens tokens in all."""
-        budget = self.chunk_tokens
+    def _chunks(self, rows: int = 0) -> list[tuple[_Seq, list[int]]]:
+        """This step's prompt chunks: the admitted prompts oldest first, chunk_tokens tokens in all, less the `rows`
+        decode rows of a mixed call riding in the same pass (a pass holds chunk_tokens rows by default: one more
+        would read every weight again for a few tokens), but never less than half of it (prompts always advance)."""
+        budget = max(self.chunk_tokens - rows, (self.chunk_tokens + 1) // 2)
         chunks: list[tuple[_Seq, list[int]]] = []
         for seq in [s for s in self._running if s.prefilling]:
             if budget <= 0:
@@ -660,7 +664,7 @@ class Scheduler:
             except BaseException as e:  # nothing launched: these tokens are still taken, then it is re-raised
                 self._reraised = e
                 return set(), e
-            chunks = self._chunks()
+            chunks = self._chunks(len(ahead))
         try:
             if chunks:
                 core.seq_mixed([s.slot for s, _ in ahead], [t for _, t in ahead], [s.slot for s, _ in chunks],

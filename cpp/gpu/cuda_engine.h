@@ -260,6 +260,9 @@ class CudaEngine {
   // Slots other than slots[0..n) whose logits lie in bbuf_.logits rows 0..rows-1: copied to their own rows
   // (work about to write those rows).
   void move_logits_out(int rows, const int64_t* slots, int64_t n);
+  int64_t step_pages(const int64_t* slots, int64_t n) const;  // (check_room each)
+  int64_t prompt_pages(const int64_t* slots, const int64_t* lens, int64_t n) const;
+  void require_pages(int64_t need, const char* what) const;  // "KV cache pool exhausted: ..." when short
   void upload_sampling(const cuda::DeviceSampling& s);
   double time_steps(int64_t context, int steps, const std::function<void(int64_t)>& launch);
 

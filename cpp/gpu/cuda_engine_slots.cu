@@ -158,6 +158,35 @@ void CudaEngine::mark_prompt(int64_t slot, const int32_t* tokens, int64_t n) {
   cuda::mark_tokens(seen_ + (size_t)slot * cfg_.vocab, d_prompt_, (int)n, stream_);
 }
 
+// Pages a step of these slots takes from the pool (and room for one more position in each).
+int64_t CudaEngine::step_pages(const int64_t* slots, int64_t n) const {
+  int64_t need = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const Slot& sl = slots_[(size_t)slots[i]];
+    check_room(sl.length, 1, max_seq_);
+    need += pool_->pages_for(sl.length + 1) - sl.kv->pages();
+  }
+  return need;
+}
+
+// Pages prompts of lens[i] tokens in slots[i] take from the pool.
+int64_t CudaEngine::prompt_pages(const int64_t* slots, const int64_t* lens, int64_t n) const {
+  int64_t need = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const Slot& sl = slots_[(size_t)slots[i]];
+    need += pool_->pages_for(sl.length + lens[i]) - sl.kv->pages();
+  }
+  return need;
+}
+
+// A Request error, before anything changed, when the pool lacks `need` pages ("<what> N more pages ...").
+void CudaEngine::require_pages(int64_t need, const char* what) const {
+  if (need > pool_->free_pages())
+    fail(ErrorKind::Request, std::string("KV cache pool exhausted: ") + what + " " + std::to_string(need) +
+                                 " more pages and the pool has " + std::to_string(pool_->free_pages()) + " free of " +
+                                 std::to_string(pool_->n_pages()) + " (CudaOptions.kv_pool_pages)");
+}
+
 // Every prompt's tokens one after the other, cut into passes of prefill_->rows() tokens (a prompt that does not
 // fit the rest of a pass continues at the start of the next: a chunk continuation, like a long prompt's).
 void CudaEngine::seq_prefill_many(const int64_t* slots, const int32_t* const* tokens, const int64_t* lens,
@@ -165,15 +194,7 @@ void CudaEngine::seq_prefill_many(const int64_t* slots, const int32_t* const* to
   check_prefill_many(
       slots, tokens, lens, n, (int64_t)slots_.size(), cfg_.vocab, max_seq_,
       [&](int64_t i) { return slots_[(size_t)i].open; }, [&](int64_t i) { return slots_[(size_t)i].length; });
-  int64_t need = 0;  // pages the call takes from the pool: all slots grow, or none
-  for (int64_t i = 0; i < n; i++) {
-    const Slot& sl = slots_[(size_t)slots[i]];
-    need += pool_->pages_for(sl.length + lens[i]) - sl.kv->pages();
-  }
-  if (need > pool_->free_pages())
-    fail(ErrorKind::Request, "KV cache pool exhausted: these prompts need " + std::to_string(need) +
-                                 " more pages and the pool has " + std::to_string(pool_->free_pages()) + " free of " +
-                                 std::to_string(pool_->n_pages()) + " (CudaOptions.kv_pool_pages)");
+  require_pages(prompt_pages(slots, lens, n), "these prompts need");  // all slots grow, or none
   for (int64_t i = 0; i < n; i++) slot_reserve(slots[i], slots_[(size_t)slots[i]].length + lens[i]);
   if (prefill_) {
     const int rows = prefill_->rows();
@@ -219,16 +240,7 @@ void CudaEngine::seq_step(const int64_t* slots, const int32_t* tokens, int64_t n
   check_batch_slots("seq_step", slots, n, (int64_t)slots_.size(), [&](int64_t i) { return slots_[(size_t)i].open; },
                     [&](int64_t i) { return slots_[(size_t)i].has_logits; });
   check_tokens(tokens, n, cfg_.vocab);
-  int64_t need = 0;  // pages the step takes from the pool
-  for (int64_t i = 0; i < n; i++) {
-    const Slot& sl = slots_[(size_t)slots[i]];
-    check_room(sl.length, 1, max_seq_);
-    need += pool_->pages_for(sl.length + 1) - sl.kv->pages();
-  }
-  if (need > pool_->free_pages())  // checked for the whole step first: all slots grow, or none
-    fail(ErrorKind::Request, "KV cache pool exhausted: this step needs " + std::to_string(need) +
-                                 " more pages and the pool has " + std::to_string(pool_->free_pages()) + " free of " +
-                                 std::to_string(pool_->n_pages()) + " (CudaOptions.kv_pool_pages)");
+  require_pages(step_pages(slots, n), "this step needs");  // the whole step first: all slots grow, or none
   std::vector<int64_t> pos((size_t)n);
   for (int64_t i = 0; i < n; i++) {
     pos[(size_t)i] = slots_[(size_t)slots[i]].length;
@@ -263,20 +275,8 @@ void CudaEngine::seq_mixed(const int64_t* step_slots, const int32_t* step_tokens
   check_prefill_many(slots, tokens, lens, n, (int64_t)slots_.size(), cfg_.vocab, max_seq_, open,
                      [&](int64_t i) { return slots_[(size_t)i].length; });
   check_mixed_disjoint(step_slots, n_step, slots, n);
-  int64_t need = 0;  // pages the call takes from the pool: all slots grow, or none
-  for (int64_t i = 0; i < n_step; i++) {
-    const Slot& sl = slots_[(size_t)step_slots[i]];
-    check_room(sl.length, 1, max_seq_);
-    need += pool_->pages_for(sl.length + 1) - sl.kv->pages();
-  }
-  for (int64_t i = 0; i < n; i++) {
-    const Slot& sl = slots_[(size_t)slots[i]];
-    need += pool_->pages_for(sl.length + lens[i]) - sl.kv->pages();
-  }
-  if (need > pool_->free_pages())
-    fail(ErrorKind::Request, "KV cache pool exhausted: this step and these prompts need " + std::to_string(need) +
-                                 " more pages and the pool has " + std::to_string(pool_->free_pages()) + " free of " +
-                                 std::to_string(pool_->n_pages()) + " (CudaOptions.kv_pool_pages)");
+  // all slots grow, or none
+  require_pages(step_pages(step_slots, n_step) + prompt_pages(slots, lens, n), "this step and these prompts need");
   if (!prefill_) {
     seq_step(step_slots, step_tokens, n_step);
     seq_prefill_many(slots, tokens, lens, n);

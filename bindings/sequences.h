@@ -5,11 +5,13 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <climits>
 #include <string>
 #include <vector>
 
 #include "../cpp/core/batch_sample.h"
 #include "../cpp/core/engine_checks.h"
+#include "../cpp/core/sample_step.h"
 #include "../cpp/core/sampling.h"
 #include "common.h"
 
@@ -120,7 +122,50 @@ inline void bind_sequences(Cls& cls) {
           "slots"_a, "cfgs"_a, "steps"_a, "top_logprobs"_a = 0,
           "The next token of each slot from its logits, added to its history as generated. steps[i]: the RNG "
           "counter (tokens that request generated so far). Returns (tokens int32[n], logprob float32[n], "
-          "top_ids int32[n, k], top_lp float32[n, k]); logprobs are log_softmax of the raw logits.");
+          "top_ids int32[n, k], top_lp float32[n, k]); logprobs are log_softmax of the raw logits.")
+      .def(
+          "seq_sample_step",
+          [](E& e, const std::vector<int64_t>& slots, const std::vector<ti::SamplingConfig>& cfgs,
+             const std::vector<int64_t>& steps, int64_t top_logprobs, const std::vector<bool>& go_on,
+             const std::vector<std::vector<int64_t>>& stop_ids) {
+            const size_t n = slots.size();
+            if (cfgs.size() != n || steps.size() != n || go_on.size() != n || stop_ids.size() != n)
+              ti::fail(ti::ErrorKind::Request, "seq_sample_step: " + std::to_string(n) + " slots, " +
+                                                   std::to_string(cfgs.size()) + " configs, " +
+                                                   std::to_string(steps.size()) + " steps, " +
+                                                   std::to_string(go_on.size()) + " go_on and " +
+                                                   std::to_string(stop_ids.size()) + " stop id lists");
+            ti::check_top_logprobs(top_logprobs);
+            const std::vector<uint64_t> counters = to_steps(steps);
+            const std::vector<uint8_t> go(go_on.begin(), go_on.end());
+            std::vector<std::vector<int32_t>> stops;
+            std::vector<const int32_t*> stop_ptrs;
+            std::vector<int64_t> n_stop;
+            stops.reserve(n);  // (the pointers below stay valid)
+            for (const std::vector<int64_t>& s : stop_ids) {
+              stops.emplace_back();
+              for (int64_t id : s)  // (an id outside int32 matches no token: it is left out, not narrowed)
+                if (id >= 0 && id <= INT32_MAX) stops.back().push_back((int32_t)id);
+              stop_ptrs.push_back(stops.back().data());
+              n_stop.push_back((int64_t)stops.back().size());
+            }
+            ti::SampleStep r;
+            {
+              nb::gil_scoped_release release;
+              r = ti::seq_sample_step(e, slots.data(), cfgs.data(), counters.data(), (int64_t)n, (int)top_logprobs,
+                                      go.data(), stop_ptrs.data(), n_stop.data());
+            }
+            const size_t k = (size_t)r.sample.k;
+            return std::make_tuple(numpy_copy(r.sample.tokens, n), numpy_copy(r.sample.logprobs, n),
+                                   numpy_copy(r.sample.top_ids, n, k), numpy_copy(r.sample.top_logprobs, n, k),
+                                   numpy_copy(r.stepped, n), r.launch_s);
+          },
+          "slots"_a, "cfgs"_a, "steps"_a, "top_logprobs"_a, "go_on"_a, "stop_ids"_a,
+          "seq_sample, then at once seq_step of the rows i with go_on[i] whose token is not in stop_ids[i], with "
+          "those tokens (the scheduler's launch ahead without a return to Python between). A step the engine "
+          "refuses with a request error (pages, length) launches nothing; the sample stands. Returns seq_sample's "
+          "four arrays, stepped (uint8[n], 1: the row's token ran in the launched step) and the launch's host "
+          "seconds.");
 }
 
 }  // namespace tinyinfer_bindings

@@ -216,7 +216,7 @@ def test_concurrent_generate_calls_from_threads(eng):
 def test_keyboard_interrupt_inside_a_step_cancels_the_batch(eng, monkeypatch):
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
     want = [_alone(eng, t, sp) for t in TEXTS[:3]]
-    real = type(eng._core).seq_step
+    real, real_sample_step = type(eng._core).seq_step, type(eng._core).seq_sample_step
     calls = {"n": 0}
 
     class Interrupting:
@@ -231,6 +231,12 @@ def test_keyboard_interrupt_inside_a_step_cancels_the_batch(eng, monkeypatch):
             if calls["n"] == 3:
                 raise KeyboardInterrupt
             return real(self._c, *a)
+
+        def seq_sample_step(self, *a):  # (the launch ahead: a step inside the sampling call)
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise KeyboardInterrupt
+            return real_sample_step(self._c, *a)
 
     core = eng._core
     monkeypatch.setattr(eng, "_core", Interrupting(core))

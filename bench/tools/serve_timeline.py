@@ -95,17 +95,22 @@ def _decode(calls: list, lo: float, hi: float) -> dict:
             continue
         sa = samples[j]
         other = sum(c[2] - c[1] for c in others if st[2] <= c[1] < sa[1])
-        parts["launch"].append(st[2] - st[1])
-        parts["other core"].append(other)
-        parts["host"].append(sa[1] - st[2] - other)
-        parts["sample"].append(sa[2] - sa[1])
+        # each part also by kind (a seq_mixed's pass against a plain step: where a mixed step's time goes)
+        kind = "mixed" if st[0] == "seq_mixed" else "plain"
+
+        def add(k: str, v: float) -> None:
+            parts[k].append(v)
+            parts[f"{k}, {kind}"].append(v)
+
+        add("launch", st[2] - st[1])
+        add("other core", other)
+        add("host", sa[1] - st[2] - other)
+        add("sample", sa[2] - sa[1])
         if st[0] == "seq_step":
             parts["rows"].append(st[3] / 1e3)  # (_stats scales by 1e3)
         if i + 1 < len(steps):
-            parts["period"].append(steps[i + 1][1] - st[1])
-            # (a seq_mixed's pass against a plain step: what a mixed step costs the level)
-            parts["period, mixed" if st[0] == "seq_mixed" else "period, plain"].append(steps[i + 1][1] - st[1])
-            parts["gap"].append(steps[i + 1][1] - sa[2])
+            add("period", steps[i + 1][1] - st[1])
+            add("gap", steps[i + 1][1] - sa[2])
     return {k: _stats(v) for k, v in parts.items()} | {"steps": len(steps)}
 
 
@@ -201,7 +206,9 @@ def report(levels: list[dict], file=sys.stdout) -> None:
             d = w["decode"]
             p(f"  decode steps {d['steps']} (rows p50 {_f(d.get('rows', {}).get('p50'))})    "
               f"{'mean':>7} {'p50':>7} {'p99':>7} ms")
-            for k in ("period", "period, plain", "period, mixed", "launch", "other core", "host", "sample", "gap"):
+            mixed = bool(d.get("period, mixed", {}).get("n"))  # (by kind only when there are mixed steps)
+            for k in [f"{k}{kind}" for k in ("period", "launch", "other core", "host", "sample", "gap")
+                      for kind in ("", ", plain", ", mixed")[:3 if mixed else 1]]:
                 s = d.get(k)
                 if s and s["n"]:
                     p(f"    {k:24s} {_f(s['mean']):>7} {_f(s['p50']):>7} {_f(s['p99']):>7}")

@@ -4,11 +4,14 @@ through the server. The core is wrapped so that every call is timed; the report 
 core's calls (seq_step launches the step's graph, seq_sample waits for it and samples; prefill), the scheduler's
 own Python (a step's time outside core calls) and idle (no step running: waiting for requests). The core calls
 are recorded by the scheduler's own Trace (src/tinyinfer/trace.py); --trace FILE writes it for
-bench/tools/serve_timeline.py (one level: the measured rounds).
+bench/tools/serve_timeline.py (one level: the measured rounds); --gpu-idle records the rounds' device activity
+(torch.profiler) and reports where the device waited (gpu_idle.py).
     python3 bench/tools/trace_scheduler.py tinyllama-1.1b fp16 --clients 64 --rounds 2 [--opts=...] [--sched k=v]
+        [--gpu-idle]
 """
 
 import argparse
+import contextlib
 import json
 import sys
 import threading
@@ -17,6 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+import gpu_idle
 from common import options
 
 from tinyinfer import _core
@@ -37,10 +41,12 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--opts", default="")
-    ap.add_argument("--sched", default="", help="Scheduler keyword arguments, k=v,... (ints / bools)")
+    ap.add_argument("--sched", default="", help="Scheduler keyword arguments, k=v,... (ints; bools as true / false)")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval (tinyinfer serve sets 0.2; Python's default is 5)")
     ap.add_argument("--trace", default=None, help="write the measured rounds' timeline here (serve_timeline.py)")
+    ap.add_argument("--gpu-idle", action="store_true",
+                    help="record the measured rounds' device activity (torch.profiler) and report where it idles")
     a = ap.parse_args()
     if a.switch_interval_ms is not None:
         sys.setswitchinterval(a.switch_interval_ms / 1e3)
@@ -83,14 +89,16 @@ def main() -> None:
                     ttft.append(time.perf_counter() - t)
                     first = False
 
-    sched.start()
-    t0 = time.perf_counter()
-    th = [threading.Thread(target=client, args=(i,)) for i in range(a.clients)]
-    for t in th:
-        t.start()
-    for t in th:
-        t.join()
-    t1 = time.perf_counter()
+    prof = None
+    with (gpu_idle.record() if a.gpu_idle else contextlib.nullcontext()) as prof:
+        sched.start()
+        t0 = time.perf_counter()
+        th = [threading.Thread(target=client, args=(i,)) for i in range(a.clients)]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join()
+        t1 = time.perf_counter()
     wall = t1 - t0
     sched.close()
     spent, calls = defaultdict(float), defaultdict(int)
@@ -111,6 +119,8 @@ def main() -> None:
           f"idle between steps {wall - in_steps:.3f} s")
     for k in sorted(spent, key=lambda k: -spent[k]):
         print(f"  {k:18s} {calls[k]:6d} calls {spent[k]:8.3f} s  {1e3 * spent[k] / calls[k]:8.3f} ms")
+    if prof is not None:
+        print(gpu_idle.report(prof))
 
 
 if __name__ == "__main__":

@@ -312,6 +312,8 @@ void CudaEngine::release() {
   batch_.reset();
   slots_.clear();
   h_sample_in_ = h_sample_out_ = nullptr;
+  if (sample_in_read_) cudaEventDestroy(sample_in_read_);
+  sample_in_read_ = nullptr;
   prefill_.reset();
   step_.reset();
   weights_.reset();

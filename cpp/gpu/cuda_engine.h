@@ -314,6 +314,7 @@ class CudaEngine {
   float* sample_scratch_ = nullptr;             // (max_batch, vocab)
   void* d_sample_in_ = nullptr;                 // RowSampling (max_batch)
   void* h_sample_in_ = nullptr;                 // pinned, the same
+  cudaEvent_t sample_in_read_ = nullptr;        // recorded once the sampler's rows left h_sample_in_
   int* d_prompt_ = nullptr;                     // (max_seq) a prompt's tokens (its history marks)
   void* d_sample_out_ = nullptr;                // tokens | logprobs | top ids (max_batch, 20) | top lps
   void* h_sample_out_ = nullptr;                // pinned, the same

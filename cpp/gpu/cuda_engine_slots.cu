@@ -58,6 +58,7 @@ void CudaEngine::allocate_batch() {
   const size_t in_bytes = (size_t)B * sizeof(cuda::RowSampling);
   d_sample_in_ = arena_.alloc(in_bytes, Kind::Scratch);
   h_sample_in_ = arena_.alloc_pinned(in_bytes);
+  TI_CUDA_CHECK(cudaEventCreateWithFlags(&sample_in_read_, cudaEventDisableTiming));
   const size_t out_bytes = (size_t)B * (1 + cuda::kMaxTopK) * (sizeof(int) + sizeof(float));
   d_sample_out_ = arena_.alloc(out_bytes, Kind::Scratch);
   h_sample_out_ = arena_.alloc_pinned(out_bytes);
@@ -381,13 +382,16 @@ BatchSample CudaEngine::seq_sample(const int64_t* slots, const SamplingConfig* c
   check_top_logprobs(k);
   for (int64_t i = 0; i < n; i++) validate(cfgs[i]);
   const int B = (int)opt_.max_batch, V = (int)cfg_.vocab;
-  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the pinned staging may still be read by the previous copy
+  // Queued behind the step it samples (no sync on the stream: the sampler starts when the step ends, not a host
+  // round trip later). Only the staging must be free: its last copy has normally run long ago.
+  TI_CUDA_CHECK(cudaEventSynchronize(sample_in_read_));
   auto* rows_h = static_cast<cuda::RowSampling*>(h_sample_in_);
   for (int64_t i = 0; i < n; i++)  // each row read where its slot's logits lie (no gather)
     rows_h[i] = cuda::RowSampling{device_sampling(cfgs[i]), (unsigned long long)steps[i], (int)slots[i],
                                   slots_[(size_t)slots[i]].logits_row};
   auto* rows_d = static_cast<cuda::RowSampling*>(d_sample_in_);
   TI_CUDA_CHECK(cudaMemcpyAsync(rows_d, rows_h, (size_t)n * sizeof(cuda::RowSampling), cudaMemcpyHostToDevice, stream_));
+  TI_CUDA_CHECK(cudaEventRecord(sample_in_read_, stream_));
   int* tok_d = static_cast<int*>(d_sample_out_);
   float* lp_d = reinterpret_cast<float*>(tok_d + B);
   int* top_ids_d = reinterpret_cast<int*>(lp_d + B);

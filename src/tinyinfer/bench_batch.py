@@ -1,7 +1,8 @@
 """`tinyinfer bench --batch 1,8,32,64`: batched decode throughput through the engine's sequence slots.
 
 Per batch size B: B slots each prefill a prompt of `prompt` random tokens, then `gen` decode steps run for all
-B together (seq_step + seq_sample, greedy, every step a round trip to the host as the scheduler makes it).
+B together (greedy; each step launched inside the seq_sample_step that samples the step before, as the scheduler
+launches ahead: the tokens come back to the host, no Python runs between).
 Aggregate tok/s = B * gen / decode wall time; per-sequence tok/s = gen / decode wall time. Batch 1 is also timed
 on the single-sequence path (the captured decode graph Engine.generate uses alone): the ratios divide by that,
 the fastest batch-1 figure this engine has. KV pages in use are read while the B sequences are live: they must
@@ -37,9 +38,11 @@ def time_batch(core, batch: int, prompt: int, gen: int, vocab: int, seed: int = 
         toks, *_ = core.seq_sample(slots, [greedy] * batch, [0] * batch, 0)
         prefill_s = time.perf_counter() - t
         t = time.perf_counter()
-        for step in range(1, gen):
+        if gen > 1:
             core.seq_step(slots, [int(x) for x in toks])
-            toks, *_ = core.seq_sample(slots, [greedy] * batch, [step] * batch, 0)
+        for step in range(1, gen):  # sample this step; launch the next one inside the same call (if there is one)
+            toks, *_ = core.seq_sample_step(slots, [greedy] * batch, [step] * batch, 0, [step < gen - 1] * batch,
+                                            [[]] * batch)
         decode_s = time.perf_counter() - t
         used = core.kv_pages_total - core.kv_pages_free
     finally:

@@ -43,6 +43,12 @@ same as without overlap: the sampling counter is len(generated) either way, ever
 A launch that fails with a TinyInferError launches nothing (step 3 meets the error again and pins it on its
 requests); anything else ends the requests of that call and is re-raised after the deltas of the others.
 (The CPU engine's seq_step computes before it returns: there nothing overlaps, only the order changes.)
+The launch itself happens inside the sampling call where it can (seq_sample_step, both engines): the scheduler
+says beforehand which sequences go on unless their token is a stop id (the same conditions, less the token), and
+the core launches their step the moment it has the tokens, with no return to Python between — the device would
+otherwise idle while the tokens come back, the interpreter gets the GIL (behind a busy event loop in a server)
+and builds the rows (docs/perf/serve.md). With mixed steps, a step while prompts wait or are being prefilled
+launches from Python after the sample as before, so that they ride in it (a seq_mixed).
 With mixed steps the launch ahead carries the prompts too: between 5 and 6 the waiting requests are admitted
 (as 2 does, after the pages the launched rows open) and their chunks go with those rows in ONE seq_mixed, which
 returns once launched like seq_step, so 6 still overlaps the pass. Prompts that arrive after that launch are
@@ -105,6 +111,9 @@ class _Seq:
     t_admit: float = 0.0
     t_first: float = 0.0  # when the prompt's last chunk ran
 
+    def __post_init__(self) -> None:
+        self.stop_list = list(self.stop_ids)  # (as seq_sample_step takes them, built once)
+
     @property
     def prefilling(self) -> bool:
         return self.length < len(self.prompt) and self.pending is None and not self.generated
@@ -131,12 +140,13 @@ class Scheduler:
 
     def __init__(self, engine: "Engine", *, max_batch: Optional[int] = None, chunk_tokens: Optional[int] = None,
                  max_waiting: int = 1024, batched_prefill: bool = True, overlap: bool = True,
-                 mixed_steps: bool = False, trace: Optional[Trace] = None):
+                 sample_launch: bool = True, mixed_steps: bool = False, trace: Optional[Trace] = None):
         """chunk_tokens: prompt tokens prefilled per step in all (None: CHUNK_TOKENS of the engine's device).
         batched_prefill: a step's prompt chunks in one seq_prefill_many (every weight read once for all of
         them); False: one seq_prefill each (the A/B reference). overlap: launch the next decode step before a
         step's per-token work, which then runs while the device computes (see the module's docstring); False:
-        every step in turn (the A/B reference). mixed_steps: a step's decode rows and prompt chunks in one
+        every step in turn (the A/B reference). sample_launch: with overlap, that launch inside the sampling call
+        (seq_sample_step) where the core has it; False: from Python after the sample (the A/B reference). mixed_steps: a step's decode rows and prompt chunks in one
         seq_mixed, and with overlap the waiting prompts launched with the next step (needs batched_prefill; see
         the module's docstring; on the H200 they gave the same throughput at 64 streams and a lower TTFT p50:
         docs/perf/serve.md). The rows of a mixed pass take the prefill's arithmetic (cuBLASLt over the pass, the
@@ -152,7 +162,8 @@ class Scheduler:
                             ("max_waiting", max_waiting, 0)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
                 raise InvalidRequestError(f"Scheduler: {name} must be an integer >= {lo} (got {v!r})")
-        for name, v in (("batched_prefill", batched_prefill), ("overlap", overlap), ("mixed_steps", mixed_steps)):
+        for name, v in (("batched_prefill", batched_prefill), ("overlap", overlap), ("sample_launch", sample_launch),
+                        ("mixed_steps", mixed_steps)):
             if not isinstance(v, bool):
                 raise InvalidRequestError(f"Scheduler: {name} must be a bool (got {v!r})")
         if trace is not None and not isinstance(trace, Trace):
@@ -164,6 +175,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.batched_prefill = batched_prefill
         self.overlap = overlap
+        self.sample_launch = sample_launch
         self.mixed_steps = mixed_steps and batched_prefill
         self.trace = trace
         self._engine = engine
@@ -620,16 +632,29 @@ class Scheduler:
 
     def _sample(self, core, seqs: list[_Seq]) -> None:
         k = max((s.params.logprobs or 0) for s in seqs)
+        args = ([s.slot for s in seqs], [s.sampling for s in seqs], [len(s.generated) for s in seqs], k)
+        go_on = self._go_on(core, seqs) if self.overlap else None
         out = []
-        ok = self._core_call(core, seqs, lambda: out.append(core.seq_sample(
-            [s.slot for s in seqs], [s.sampling for s in seqs], [len(s.generated) for s in seqs], k)))
+        if go_on is not None:  # the launch ahead inside the core's call (seq_sample_step)
+            ok = self._core_call(core, seqs, lambda: out.append(core.seq_sample_step(
+                *args, go_on, [s.stop_list for s in seqs])))
+        else:
+            ok = self._core_call(core, seqs, lambda: out.append(core.seq_sample(*args)))
         if not ok:
             return
-        tokens, lps, top_ids, top_lps = out[0]
+        tokens, lps, top_ids, top_lps = out[0][:4]
         toks = tokens.tolist()
         for seq in seqs:
             seq.fresh = False
-        ahead, failed = self._step_ahead(core, seqs, toks) if self.overlap else ((), None)
+        if go_on is not None:
+            ahead, failed = set(), None
+            for seq, stepped in zip(seqs, out[0][4].tolist()):
+                if stepped:
+                    seq.length += 1
+                    seq.fresh = True
+                    ahead.add(id(seq))
+        else:
+            ahead, failed = self._step_ahead(core, seqs, toks) if self.overlap else ((), None)
         for i, seq in enumerate(seqs):
             if seq.slot is None:  # ended by a failed launch ahead
                 continue
@@ -641,6 +666,26 @@ class Scheduler:
             self._take(core, seq, toks[i], lp, id(seq) in ahead)
         if failed is not None:
             raise failed
+
+    def _go_on(self, core, seqs: list[_Seq]) -> Optional[list[bool]]:
+        """For the launch ahead inside seq_sample_step: per sequence, whether it goes on unless its token is a
+        stop id (not being cancelled, a token left after this one; and the pool has the pages those next
+        positions open, after what the admitted prompts are owed: else none goes on, as _step_ahead decides).
+        None: the launch ahead is _step_ahead's, after the sample — sample_launch off, the core has no
+        seq_sample_step, or with
+        mixed steps prompts wait or are being prefilled (they ride in that launch: a seq_mixed)."""
+        if not (self.sample_launch and hasattr(core, "seq_sample_step")):
+            return None
+        if self.mixed_steps and (self._waiting or any(s.prefilling for s in self._running)):
+            return None
+        with self._state:
+            cancels = self._cancels
+            go = [len(s.generated) + 1 < s.params.max_tokens and s.request.id not in cancels for s in seqs]
+        ps = self._page_size
+        needy = sum(1 for s, g in zip(seqs, go) if g and s.length % ps == 0)
+        if needy and needy > int(core.kv_pages_free) - self._owed():
+            return [False] * len(seqs)  # short of pages: step 3 decides who gets them
+        return go
 
     def _step_ahead(self, core, seqs: list[_Seq], toks: list[int]) -> tuple[set, Optional[BaseException]]:
         """Launch the next decode step of the sequences sure to go on after these tokens (the module's docstring,

@@ -9,7 +9,8 @@ Two lists of tuples, appended as things happen (a list append is atomic under th
 and the server's event loop share them without a lock; the cost is a perf_counter() and an append, ~0.2 us):
   calls:  (name, t_start, t_end, n) for each core call the scheduler makes through the wrapper (CORE_CALLS);
           n is the rows of a seq_step / seq_sample, the prompt tokens of a seq_prefill(_many) or a seq_mixed
-          (whose decode rows its seq_sample counts), else 0;
+          (whose decode rows its seq_sample counts), else 0; a seq_sample_step is recorded as its seq_sample and
+          the seq_step it launched (split at the launch's own host time, which the core reports);
   events: (kind, t, request id, a, b). From the scheduler: "submit" (a = prompt tokens), "admit" (a slot
           opened), "prefilled" (the prompt's last chunk ran), "first" (the first token sampled), "end" (a = tokens
           generated, b = the finish reason). From the server, under the HTTP call's id (its choices' scheduler
@@ -93,3 +94,18 @@ class TracedCore:
 
     def seq_sample(self, slots, *args):
         return self._timed("seq_sample", len(slots), self._core.seq_sample, slots, *args)
+
+    def seq_sample_step(self, slots, *args):
+        """Recorded as what it is made of: the seq_sample, then the seq_step it launched (when it did)."""
+        t = time.perf_counter()
+        try:
+            r = self._core.seq_sample_step(slots, *args)
+        except BaseException:
+            self._calls.append(("seq_sample", t, time.perf_counter(), len(slots)))
+            raise
+        t1 = time.perf_counter()
+        launch, n = float(r[5]), int(r[4].sum())
+        self._calls.append(("seq_sample", t, t1 - launch, len(slots)))
+        if n:
+            self._calls.append(("seq_step", t1 - launch, t1, n))
+        return r

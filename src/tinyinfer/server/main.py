@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="run each scheduler step's per-token work before launching the next decode step (default: "
                         "launched first, so that work overlaps the device's; the A/B reference)")
+    p.add_argument("--no-sample-launch", dest="sample_launch", action="store_false",
+                   help="launch each next decode step from Python after its tokens are sampled (default: inside the "
+                        "sampling call, seq_sample_step; the A/B reference)")
     p.add_argument("--mixed-steps", action="store_true",
                    help="launch waiting prompts with the running sequences' next step in one mixed pass (every "
                         "weight read once for both; default: a prefill pass of their own)")
@@ -98,7 +101,8 @@ def serve(args, engine_factory) -> int:
     trace = Trace() if args.trace else None
     scheduler = Scheduler(engine, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
                           max_waiting=args.max_waiting, batched_prefill=args.batched_prefill,
-                          overlap=args.overlap, mixed_steps=args.mixed_steps, trace=trace)
+                          overlap=args.overlap, sample_launch=args.sample_launch, mixed_steps=args.mixed_steps,
+                          trace=trace)
     if engine.device == "cuda":  # (the CPU engine has no tactics or graphs to make on first use)
         print(f"tinyinfer: warmed up (prefill GEMMs, batch graphs) in {scheduler.warm_up():.2f} s",
               file=sys.stderr, flush=True)

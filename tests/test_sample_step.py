@@ -1,0 +1,138 @@
+"""seq_sample_step: seq_sample, then at once seq_step of the rows that go on (docs/BATCH_CONTRACT.md part 2;
+cpp/core/sample_step.h, bound for both engines), and the scheduler's launch ahead through it. On the CPU engine the
+call leaves every slot exactly as seq_sample then seq_step of the chosen rows do; a row is stepped only when its
+go_on is set and its token is none of its stop ids; a step the engine refuses (here: a slot at max_seq_len)
+launches nothing and the sample stands; bad arguments are a Request error that changes nothing. The scheduler uses
+it for the launch ahead and every request generates what it does without overlap."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from test_cpu_batch import VOCAB, _store
+from test_prefill_many import GREEDY, MAX_SEQ, _snapshot, assert_same_slots
+from tinyinfer import Engine, InvalidRequestError, SamplingParams, Scheduler, _core
+from tinyinfer.trace import Trace
+
+SEEDED = _core.SamplingConfig()
+SEEDED.temperature, SEEDED.seed = 0.9, 11
+
+
+def _twins(n=4, fmt="fp32"):
+    """Two engines holding the same n prefilled slots (prompts of different lengths): (a, b, slots)."""
+    engines = [_core.CpuEngine(_store(fmt), MAX_SEQ, 2, n + 2) for _ in range(2)]
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, VOCAB, 3 + 9 * i).tolist() for i in range(n)]
+    for e in engines:
+        slots = [e.seq_open() for _ in range(n)]
+        e.seq_prefill_many(slots, prompts)
+    return engines[0], engines[1], slots
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int4"])
+def test_sample_step_is_sample_then_step_of_the_rows_that_go_on(fmt):
+    a, b, slots = _twins(fmt=fmt)
+    cfgs = [GREEDY, SEEDED, GREEDY, SEEDED]
+    for step in range(3):
+        want = b.seq_sample(slots, cfgs, [step] * 4, 2)
+        toks = want[0].tolist()
+        # row 1 has no tokens left, row 2 samples one of its stop ids (found by the twin), rows 0 and 3 go on
+        go_on, stops = [True, False, True, True], [[], [], [toks[2], VOCAB + 5], [toks[3] + 1]]
+        got = a.seq_sample_step(slots, cfgs, [step] * 4, 2, go_on, stops)
+        for w, g in zip(want, got[:4]):
+            np.testing.assert_array_equal(g, w)
+        assert got[4].tolist() == [1, 0, 0, 1]
+        assert got[5] > 0  # (the launch's host seconds)
+        b.seq_step([slots[0], slots[3]], [toks[0], toks[3]])
+        assert [a.seq_length(s) for s in slots] == [b.seq_length(s) for s in slots]
+        for i in (1, 2):  # not stepped: their next step is the caller's, with this token
+            a.seq_step([slots[i]], [toks[i]])
+            b.seq_step([slots[i]], [toks[i]])
+    assert_same_slots(b, a, slots, [b.seq_length(s) for s in slots])
+
+
+def test_nothing_goes_on_is_a_plain_sample():
+    a, b, slots = _twins(2)
+    got = a.seq_sample_step(slots, [GREEDY] * 2, [0, 0], 0, [False, False], [[], []])
+    want = b.seq_sample(slots, [GREEDY] * 2, [0, 0], 0)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert got[4].tolist() == [0, 0] and got[5] == 0
+    assert _snapshot(a, slots)[0] == _snapshot(b, slots)[0]
+
+
+def test_a_refused_step_launches_nothing_and_the_sample_stands():
+    a, b, slots = _twins(2)
+    for e in (a, b):  # a third slot filled to max_seq_len: sampling it works, stepping it cannot
+        full = e.seq_open()
+        e.seq_prefill(full, [5] * MAX_SEQ)
+    rows = slots + [full]
+    before = _snapshot(a, rows)
+    got = a.seq_sample_step(rows, [GREEDY] * 3, [0] * 3, 0, [True] * 3, [[], [], []])
+    want = b.seq_sample(rows, [GREEDY] * 3, [0] * 3, 0)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert got[4].tolist() == [0, 0, 0] and got[5] == 0
+    assert [a.seq_length(s) for s in rows] == before[0]
+    a.seq_step(slots, got[0].tolist()[:2])  # the engine goes on
+    b.seq_step(slots, want[0].tolist()[:2])
+    assert_same_slots(b, a, slots, [b.seq_length(s) for s in slots])
+
+
+def test_bad_arguments_are_a_request_error_that_changes_nothing():
+    a, _, slots = _twins(2)
+    before = _snapshot(a, slots)
+    cases = [
+        (lambda: a.seq_sample_step(slots, [GREEDY] * 2, [0, 0], 0, [True], [[], []]), "1 go_on"),
+        (lambda: a.seq_sample_step(slots, [GREEDY] * 2, [0, 0], 0, [True, True], [[]]), "1 stop id lists"),
+        (lambda: a.seq_sample_step(slots, [GREEDY], [0, 0], 0, [True, True], [[], []]), "1 configs"),
+        (lambda: a.seq_sample_step(slots, [GREEDY] * 2, [0, 0], 21, [True, True], [[], []]), "top_logprobs"),
+        (lambda: a.seq_sample_step([slots[0], slots[0]], [GREEDY] * 2, [0, 0], 0, [True, True], [[], []]),
+         "listed twice"),
+    ]
+    for call, msg in cases:
+        with pytest.raises(InvalidRequestError, match=msg):
+            call()
+        after = _snapshot(a, slots)
+        assert after[0] == before[0] and after[2] == before[2]
+    got = a.seq_sample_step(slots, [GREEDY] * 2, [0, 0], 0, [True, True], [[], []])
+    assert got[4].tolist() == [1, 1]
+
+
+def test_a_stop_id_past_int32_matches_no_token():
+    a, b, slots = _twins(1)
+    want = b.seq_sample(slots, [GREEDY], [0], 0)[0].tolist()[0]
+    got = a.seq_sample_step(slots, [GREEDY], [0], 0, [True], [[want + (1 << 32)]])
+    assert got[0].tolist() == [want] and got[4].tolist() == [1]
+
+
+def test_the_scheduler_launches_ahead_inside_the_sample_and_generates_the_same():
+    """Overlap on: the launch ahead goes through seq_sample_step (its steps recorded as a seq_sample and a seq_step
+    starting at its end), not with sample_launch=False or without overlap; every request's tokens are the same in
+    all three (stop ids and max_tokens mixed)."""
+    store = _store("fp32")
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, VOCAB, 4 + 5 * i).tolist() for i in range(5)]
+    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True,
+                             stop_token_ids=list(range(i, VOCAB, 7)) if i in (1, 4) else [])
+              for i in range(5)]
+    outs = {}
+    for overlap, inside in ((False, True), (True, False), (True, True)):
+        core = _core.CpuEngine(store, MAX_SEQ, 2, 4)
+        eng = Engine.from_core(core, SimpleNamespace(vocab=VOCAB, eos_token_ids=[]), max_seq_len=MAX_SEQ)
+        trace = Trace()
+        sched = Scheduler(eng, max_batch=4, overlap=overlap, sample_launch=inside, trace=trace)
+        reqs = [sched.submit(p, sp) for p, sp in zip(prompts, params)]
+        while not sched.idle:
+            sched.step()
+        outs[overlap, inside] = [r.result().token_ids for r in reqs]
+        steps = [c for c in trace.calls if c[0] == "seq_step"]
+        ends = {c[2] for c in trace.calls if c[0] == "seq_sample"}
+        inside_steps = sum(c[1] in ends for c in steps)  # (recorded as a seq_step starting where its sample ends)
+        assert inside_steps >= len(steps) // 2 > 0 if overlap and inside else inside_steps == 0
+        assert core.kv_pages_free == core.kv_pages_total
+    assert outs[True, True] == outs[True, False] == outs[False, True]
+    lens = [len(t) for t in outs[True, True]]
+    assert all(n <= p.max_tokens for n, p in zip(lens, params))
+    assert lens[0] == params[0].max_tokens and any(n < p.max_tokens for n, p in zip(lens, params))  # a stop id bit

@@ -162,8 +162,9 @@ inline void bind_sequences(Cls& cls) {
           },
           "slots"_a, "cfgs"_a, "steps"_a, "top_logprobs"_a, "go_on"_a, "stop_ids"_a,
           "seq_sample, then at once seq_step of the rows i with go_on[i] whose token is not in stop_ids[i], with "
-          "those tokens (the scheduler's launch ahead without a return to Python between). A step the engine "
-          "refuses with a request error (pages, length) launches nothing; the sample stands. Returns seq_sample's "
+          "those tokens (the scheduler's launch ahead without a return to Python between). A step that fails "
+          "with an engine error (a request error: pages, length) leaves every row un-stepped; the sample stands. "
+          "Stop ids outside int32 match no token. Returns seq_sample's "
           "four arrays, stepped (uint8[n], 1: the row's token ran in the launched step) and the launch's host "
           "seconds.");
 }

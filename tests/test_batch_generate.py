@@ -213,7 +213,9 @@ def test_concurrent_generate_calls_from_threads(eng):
         _same(g, w)
 
 
-def test_keyboard_interrupt_inside_a_step_cancels_the_batch(eng, monkeypatch):
+@pytest.mark.parametrize("sample_launch", [True, False])  # the launch ahead inside seq_sample_step, or seq_step
+def test_keyboard_interrupt_inside_a_step_cancels_the_batch(eng, monkeypatch, sample_launch):
+    monkeypatch.setattr(eng.scheduler, "sample_launch", sample_launch)
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
     want = [_alone(eng, t, sp) for t in TEXTS[:3]]
     real, real_sample_step = type(eng._core).seq_step, type(eng._core).seq_sample_step
@@ -243,6 +245,7 @@ def test_keyboard_interrupt_inside_a_step_cancels_the_batch(eng, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         eng.generate(TEXTS[:3], sp)
     monkeypatch.setattr(eng, "_core", core)
+    assert calls["n"] == 3
     assert eng.scheduler.idle and core.kv_pages_free == core.kv_pages_total
     for g, w in zip(eng.generate(TEXTS[:3], sp), want):
         _same(g, w)

@@ -81,7 +81,7 @@ def test_a_refused_step_launches_nothing_and_the_sample_stands():
 
 
 def test_bad_arguments_are_a_request_error_that_changes_nothing():
-    a, _, slots = _twins(2)
+    a, b, slots = _twins(2)
     before = _snapshot(a, slots)
     cases = [
         (lambda: a.seq_sample_step(slots, [GREEDY] * 2, [0, 0], 0, [True], [[], []]), "1 go_on"),
@@ -96,7 +96,13 @@ def test_bad_arguments_are_a_request_error_that_changes_nothing():
             call()
         after = _snapshot(a, slots)
         assert after[0] == before[0] and after[2] == before[2]
-    got = a.seq_sample_step(slots, [GREEDY] * 2, [0, 0], 0, [True, True], [[], []])
+    # nothing sampled either: the histories the penalties read are the twin's (which saw no bad call)
+    pen = _core.SamplingConfig()
+    pen.temperature, pen.seed, pen.repetition_penalty, pen.frequency_penalty = 1.0, 3, 1.8, 0.7
+    got = a.seq_sample_step(slots, [pen] * 2, [0, 0], 2, [True, True], [[], []])
+    want = b.seq_sample(slots, [pen] * 2, [0, 0], 2)
+    for w, g in zip(want, got[:4]):
+        np.testing.assert_array_equal(g, w)
     assert got[4].tolist() == [1, 1]
 
 
@@ -136,3 +142,57 @@ def test_the_scheduler_launches_ahead_inside_the_sample_and_generates_the_same()
     lens = [len(t) for t in outs[True, True]]
     assert all(n <= p.max_tokens for n, p in zip(lens, params))
     assert lens[0] == params[0].max_tokens and any(n < p.max_tokens for n, p in zip(lens, params))  # a stop id bit
+
+
+def test_a_cancel_before_the_sample_is_not_launched_ahead():
+    """A cancel that lands inside a step, before its sample (here: while a new request is admitted), keeps that
+    row out of the launch inside seq_sample_step; the next step closes its slot first; the others generate what
+    they do alone and the pool ends empty (fake core, docs/BATCH_CONTRACT.md part 2)."""
+    from test_scheduler import P, FakeCore, _alone, _engine
+
+    class CancelOnOpen(FakeCore):
+        victim = None
+
+        def seq_open(self):
+            if self.victim is not None:
+                self.victim.cancel()
+                self.victim = None
+            return super().seq_open()
+
+    core = CancelOnOpen(max_batch=4)
+    sched = Scheduler(_engine(core))
+    reqs = [sched.submit(p, SamplingParams(max_tokens=10)) for p in P[:2]]
+    sched.step()
+    sched.step()
+    slot = next(s for s, c in core.cache.items() if c[:len(P[1])] == P[1])
+    core.victim = reqs[1]
+    reqs.append(sched.submit(P[2], SamplingParams(max_tokens=10)))
+    core.log = []
+    sched.step()  # admits P[2] (the cancel lands), prefills it, samples and launches ahead all but the victim
+    i = core.log.index(next(c for c in core.log if c[0] == "sample"))
+    assert core.log[i + 1][0] == "step" and slot not in core.log[i + 1][1]
+    core.log = []
+    sched.step()
+    assert core.log[0] == ("close", slot)
+    sched.wait_idle()
+    assert reqs[1].result().finish_reason == "cancelled"
+    for r, p in ((reqs[0], P[0]), (reqs[2], P[2])):
+        assert r.result().token_ids == _alone(p, 10)
+    assert core.cache == {}
+
+
+def test_stop_ids_outside_int32_are_left_out_of_the_call():
+    """A request's stop id past int32 (or negative) matches no token: the launch ahead still runs (it would not
+    even convert to the core's int64 ids), and the request generates what it does without it."""
+    store = _store("fp32")
+    outs = []
+    for stops in ([], [2**64, 2**31, -3]):
+        core = _core.CpuEngine(store, MAX_SEQ, 2, 2)
+        eng = Engine.from_core(core, SimpleNamespace(vocab=VOCAB, eos_token_ids=[]), max_seq_len=MAX_SEQ)
+        sched = Scheduler(eng, trace=(trace := Trace()))
+        req = sched.submit([3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=stops))
+        while not sched.idle:
+            sched.step()
+        outs.append(req.result().token_ids)
+        assert any(c[0] == "seq_step" for c in trace.calls)
+    assert outs[0] == outs[1] and len(outs[0]) == 6

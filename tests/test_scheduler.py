@@ -15,6 +15,7 @@ import pytest
 
 from conftest import make_chat_llama
 from tinyinfer import Engine, InvalidRequestError, KvCacheFullError, QueueFullError, SamplingParams, Scheduler
+from tinyinfer.errors import TinyInferError
 
 
 def _pages(n: int, page: int) -> int:
@@ -104,9 +105,43 @@ class FakeCore:
         ids[:, :top], lps[:, :top] = np.arange(top), -np.arange(1, top + 1)
         return toks, np.full(n, -1.0, np.float32), ids, lps
 
+    def seq_sample_step(self, slots, cfgs, steps, k, go_on, stop_ids):
+        """seq_sample, then seq_step of the rows that go on (docs/BATCH_CONTRACT.md part 2): logged as the two
+        calls; a step refused with a TinyInferError leaves every row un-stepped."""
+        toks, lps, ids, tlps = self.seq_sample(slots, cfgs, steps, k)
+        rows = [i for i, t in enumerate(toks.tolist()) if go_on[i] and t not in stop_ids[i]]
+        stepped = np.zeros(len(slots), np.uint8)
+        if rows:
+            try:
+                self.seq_step([slots[i] for i in rows], [int(toks[i]) for i in rows])
+                stepped[rows] = 1
+            except TinyInferError:
+                pass
+        return toks, lps, ids, tlps, stepped, 0.0
+
+
+class PlainCore(FakeCore):
+    """A core without seq_sample_step: the scheduler launches ahead from Python after the sample."""
+
+    @property
+    def seq_sample_step(self):
+        raise AttributeError("seq_sample_step")  # (hasattr(core, "seq_sample_step") is False)
+
+
+# The core _fake makes: FakeCore (the launch ahead inside seq_sample_step) or PlainCore (from Python after the
+# sample); every test of this module runs with both (the fixture below).
+_CORE = {"class": FakeCore}
+
+
+@pytest.fixture(autouse=True, params=["sample_step", "plain"])
+def _core_kind(request):
+    _CORE["class"] = FakeCore if request.param == "sample_step" else PlainCore
+    yield
+    _CORE["class"] = FakeCore
+
 
 def _fake(**kw) -> tuple[FakeCore, Engine]:
-    core = FakeCore(**kw)
+    core = _CORE["class"](**kw)
     return core, _engine(core)
 
 
@@ -378,7 +413,7 @@ class LetterTokenizer:
 
 def _run(prompts, sps, overlap: bool, tokenizer=None, **kw):
     """Every request submitted at once, steps until idle: (completions, the core's log, the core)."""
-    core = FakeCore(**kw)
+    core = _CORE["class"](**kw)
     eng = Engine.from_core(core, SimpleNamespace(vocab=core.vocab, eos_token_ids=[]), max_seq_len=512,
                            tokenizer=tokenizer)
     sched = Scheduler(eng, overlap=overlap)

@@ -41,7 +41,8 @@ is host bookkeeping plus stream-ordered work, so the in-flight step finishes wri
 issued after it on the one stream, may reuse) and nothing is ever sampled from that step's row. Tokens are the
 same as without overlap: the sampling counter is len(generated) either way, every row's computation identical.
 A launch that fails with a TinyInferError launches nothing (step 3 meets the error again and pins it on its
-requests); anything else ends the requests of that call and is re-raised after the deltas of the others.
+requests); anything else ends the requests of that call and is re-raised after the deltas of the others (inside
+seq_sample_step: the requests of the whole sampling call, whose tokens are lost with it).
 (The CPU engine's seq_step computes before it returns: there nothing overlaps, only the order changes.)
 The launch itself happens inside the sampling call where it can (seq_sample_step, both engines): the scheduler
 says beforehand which sequences go on unless their token is a stop id (the same conditions, less the token), and
@@ -112,7 +113,8 @@ class _Seq:
     t_first: float = 0.0  # when the prompt's last chunk ran
 
     def __post_init__(self) -> None:
-        self.stop_list = list(self.stop_ids)  # (as seq_sample_step takes them, built once)
+        # as seq_sample_step takes them, built once: an id outside int32 matches no token (and would not convert)
+        self.stop_list = [t for t in self.stop_ids if 0 <= t < 2**31]
 
     @property
     def prefilling(self) -> bool:

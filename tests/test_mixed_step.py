@@ -15,7 +15,7 @@ import pytest
 from conftest import make_chat_llama
 from test_cpu_batch import VOCAB, _store
 from test_prefill_many import GREEDY, MAX_SEQ, _setup, _snapshot, assert_same_slots
-from test_scheduler import P, _alone, _fake, _steps
+from test_scheduler import P, PlainCore, _alone, _engine, _fake, _steps
 from tinyinfer import Engine, InvalidRequestError, SamplingParams, Scheduler, _core
 from tinyinfer.trace import Trace
 
@@ -246,8 +246,10 @@ def test_requests_joining_running_ones_generate_what_each_does_alone(eng):
 def test_an_interrupted_admission_in_the_launch_ahead_loses_no_token():
     """A request arrives while a step computes; the launch ahead admits it and seq_open is interrupted: nothing
     is launched, the step's sampled tokens are still taken (the running request goes on, its tokens as alone),
-    the newcomer stays queued, and step() re-raises."""
-    core, eng = _fake(max_batch=4, pages=40)
+    the newcomer stays queued, and step() re-raises. (A core without seq_sample_step: with it, a request that
+    arrives during the sample waits for the next step's admission, outside the launch.)"""
+    core = PlainCore(max_batch=4, pages=40)
+    eng = _engine(core)
     sched = Scheduler(eng, chunk_tokens=64, mixed_steps=True)
     first = sched.submit(P[1], SamplingParams(max_tokens=12))
     sched.step()

@@ -111,6 +111,7 @@ class _Seq:
     t_submit: float = 0.0
     t_admit: float = 0.0
     t_first: float = 0.0  # when the prompt's last chunk ran
+    stop_list: list[int] = field(init=False)  # stop_ids as seq_sample_step takes them
 
     def __post_init__(self) -> None:
         # as seq_sample_step takes them, built once: an id outside int32 matches no token (and would not convert)
@@ -148,8 +149,8 @@ class Scheduler:
         them); False: one seq_prefill each (the A/B reference). overlap: launch the next decode step before a
         step's per-token work, which then runs while the device computes (see the module's docstring); False:
         every step in turn (the A/B reference). sample_launch: with overlap, that launch inside the sampling call
-        (seq_sample_step) where the core has it; False: from Python after the sample (the A/B reference). mixed_steps: a step's decode rows and prompt chunks in one
-        seq_mixed, and with overlap the waiting prompts launched with the next step (needs batched_prefill; see
+        (seq_sample_step) where the core has it; False: from Python after the sample (the A/B reference).
+        mixed_steps: a step's decode rows and prompt chunks in one seq_mixed, and with overlap the waiting prompts launched with the next step (needs batched_prefill; see
         the module's docstring; on the H200 they gave the same throughput at 64 streams and a lower TTFT p50:
         docs/perf/serve.md). The rows of a mixed pass take the prefill's arithmetic (cuBLASLt over the pass, the
         LM head as a GEMM), so on the GPU a request's tokens may then depend on when others arrive, at near-ties
@@ -674,20 +675,31 @@ class Scheduler:
         stop id (not being cancelled, a token left after this one; and the pool has the pages those next
         positions open, after what the admitted prompts are owed: else none goes on, as _step_ahead decides).
         None: the launch ahead is _step_ahead's, after the sample — sample_launch off, the core has no
-        seq_sample_step, or with
-        mixed steps prompts wait or are being prefilled (they ride in that launch: a seq_mixed)."""
+        seq_sample_step, or with mixed steps prompts wait or are being prefilled (they ride in that launch: a
+        seq_mixed)."""
         if not (self.sample_launch and hasattr(core, "seq_sample_step")):
             return None
         if self.mixed_steps and (self._waiting or any(s.prefilling for s in self._running)):
             return None
         with self._state:
             cancels = self._cancels
-            go = [len(s.generated) + 1 < s.params.max_tokens and s.request.id not in cancels for s in seqs]
-        ps = self._page_size
-        needy = sum(1 for s, g in zip(seqs, go) if g and s.length % ps == 0)
-        if needy and needy > int(core.kv_pages_free) - self._owed():
-            return [False] * len(seqs)  # short of pages: step 3 decides who gets them
+            go = [self._goes_on(s, cancels) for s in seqs]
+        if self._short_of_pages(core, self._pages_opened([s for s, g in zip(seqs, go) if g])):
+            return [False] * len(seqs)  # step 3 decides who gets them
         return go
+
+    @staticmethod
+    def _goes_on(seq: _Seq, cancels: set) -> bool:
+        """A step after this token, unless the token is a stop id: a token left after it, not being cancelled."""
+        return len(seq.generated) + 1 < seq.params.max_tokens and seq.request.id not in cancels
+
+    def _pages_opened(self, seqs: list[_Seq]) -> int:
+        """Pages these sequences' next positions open (one each whose length fills its last page)."""
+        return sum(1 for s in seqs if s.length % self._page_size == 0)
+
+    def _short_of_pages(self, core, needy: int) -> bool:
+        """The pool lacks `needy` pages after what the admitted prompts are owed (nothing is launched ahead)."""
+        return needy > 0 and needy > int(core.kv_pages_free) - self._owed()
 
     def _step_ahead(self, core, seqs: list[_Seq], toks: list[int]) -> tuple[set, Optional[BaseException]]:
         """Launch the next decode step of the sequences sure to go on after these tokens (the module's docstring,
@@ -695,14 +707,11 @@ class Scheduler:
         and what a failed launch raised that must be re-raised once the step's deltas are out."""
         with self._state:
             cancels = self._cancels
-            ahead = [(s, t) for s, t in zip(seqs, toks)
-                     if t not in s.stop_ids and len(s.generated) + 1 < s.params.max_tokens
-                     and s.request.id not in cancels]
+            ahead = [(s, t) for s, t in zip(seqs, toks) if t not in s.stop_ids and self._goes_on(s, cancels)]
         if not ahead:
             return set(), None
-        ps = self._page_size
-        needy = sum(1 for s, _ in ahead if s.length % ps == 0)
-        if needy and needy > int(core.kv_pages_free) - self._owed():
+        needy = self._pages_opened([s for s, _ in ahead])
+        if self._short_of_pages(core, needy):
             return set(), None  # short of pages: step 3 decides who gets them
         chunks = []
         if self.mixed_steps:  # the waiting prompts ride in this launch (admitted as step 2 would)

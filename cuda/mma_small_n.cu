@@ -25,6 +25,12 @@ constexpr int kMmWarps = 8, kMmThreads = kMmWarps * 32, kMmRows = 16;
 // Chunks in flight per warp: 2 U 16-byte words per lane (fp16 / I8: 4; I4, whose dequantized words fill the most
 // registers: 2). With one 8-warp block per SM (o and down: 128 blocks of 16 rows) that is 32 KB in flight.
 template <WFormat WF> constexpr int kMmUnroll = WF == WFormat::I4 ? 2 : 4;
+// A product of at most one block per SM (the residual products o and down at a 2,048-wide model: 128 tiles of 16
+// rows) has only its one block's bytes in flight per SM, and a warp requests its next U chunks only once it has
+// used the last ones: at down's K = 5,632 (int4: 5.5 chunks a warp) U = 2 cost three dependent round trips to
+// DRAM. There a warp asks for up to kMmUnrollDeep chunks at once (all of down's at int4, before the PDL wait) —
+// 156 registers at int4, so only where the grid is one wave anyway (7B's 256 tiles lost 5% with it: two waves).
+template <WFormat WF> constexpr int kMmUnrollDeep = WF == WFormat::I4 ? 6 : 8;
 
 __device__ __forceinline__ uint32_t mm_u32(__half2 h) { return *reinterpret_cast<const uint32_t*>(&h); }
 
@@ -86,9 +92,9 @@ __device__ __forceinline__ void mm_inputs(const __half* x, int k, int K, bool li
 // MT 16-row M tiles per block (1 or 2; mma_small_n picks): with 2, each input fragment, read once per chunk from
 // L1 / L2, meets two tiles' weights — at int4 a 16-byte word of 32 weights meets 64 bytes of inputs per column, so
 // the inputs' traffic, not the weights', sets the pace of a one-tile block; two tiles halve it.
-template <WFormat WF, int NT, int MT, GemvOut OUT>
+template <WFormat WF, int NT, int MT, GemvOut OUT, int U>
 __global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 : 1) mma_small_n_kernel(GemvBatchArgs a) {
-  constexpr int E = kWordElems<WF>, NC = NT * 8, U = kMmUnroll<WF>, BR = kMmRows * MT;
+  constexpr int E = kWordElems<WF>, NC = NT * 8, BR = kMmRows * MT;
   extern __shared__ __align__(16) float red[];  // (kMmWarps, BR, NC) the warps' partial sums
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const QMat& W = a.W;
@@ -218,10 +224,10 @@ bool mma_small_n_fits(const QMat& W, int n) {
   return n >= 1 && n <= kMmaMaxN && (W.fmt != WFormat::I4 || W.K % kI4Group == 0) && mm_arch_ok();
 }
 
-template <WFormat WF, int NT, int MT, GemvOut OUT>
+template <WFormat WF, int NT, int MT, GemvOut OUT, int U = kMmUnroll<WF>>
 static void launch_mm(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
   const size_t smem = (size_t)kMmWarps * kMmRows * MT * NT * 8 * sizeof(float);  // <= 32 KB: no opt-in
-  launch(mma_small_n_kernel<WF, NT, MT, OUT>, dim3((a.W.rows + kMmRows * MT - 1) / (kMmRows * MT)), dim3(kMmThreads),
+  launch(mma_small_n_kernel<WF, NT, MT, OUT, U>, dim3((a.W.rows + kMmRows * MT - 1) / (kMmRows * MT)), dim3(kMmThreads),
          smem, s, pdl, a);
 }
 
@@ -234,6 +240,8 @@ static void mm_rows(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
     const bool two = WF == WFormat::I4 && NT == 2 && a.W.rows / (2 * kMmRows) >= 2 * sm_count();
     const int mt = a.m_tiles > 0 ? a.m_tiles : two ? 2 : 1;
     if (mt == 2) return launch_mm<WF, NT, 2, OUT>(a, s, pdl);
+    if constexpr (OUT == GemvOut::AddF32)  // (the residual products: where one wave of 16-row tiles is common)
+      if ((a.W.rows + kMmRows - 1) / kMmRows <= sm_count()) return launch_mm<WF, NT, 1, OUT, kMmUnrollDeep<WF>>(a, s, pdl);
   }
   launch_mm<WF, NT, 1, OUT>(a, s, pdl);
 }

@@ -113,6 +113,15 @@ def test_mma_small_n_two_tiles_a_block(fmt, K, mode, n):
     check_small_n_product(True, fmt, K, 334 if mode.endswith("swiglu") else 333, mode, n, m_tiles=2)
 
 
+@pytest.mark.parametrize("fmt, K", [("fp16", 1004), ("int8", 1000), ("int4", 992)])
+@pytest.mark.parametrize("n", [1, 9])
+def test_mma_small_n_residual_past_one_wave(fmt, K, n):
+    """A residual (add) product of up to 16 rows whose 16-row tiles fit one wave (one per SM) asks for all of a
+    warp's chunks at once (the tests above, 21 tiles); past one wave it keeps the shallow unroll: 2,200 rows = 138
+    tiles (the H200 has 132 SMs), the last one partial."""
+    check_small_n_product(True, fmt, K, 2200, "f16-add", n)
+
+
 def test_mma_small_n_refuses_two_tiles_past_16_rows():
     ops = _core.ops
     W, X = np.zeros((64, 64), np.float32), np.zeros((17, 64), np.float32)

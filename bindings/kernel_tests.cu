@@ -571,4 +571,23 @@ std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, 
   return res;
 }
 
+std::vector<float> run_rmsnorm_rows(const float* X, int T, int H, const float* w, float eps, bool in_registers) {
+  const int ldx = (H + 4 + 3) / 4 * 4, ldy = (H + 8 + 3) / 4 * 4;
+  std::vector<float> xf((size_t)T * ldx, std::numeric_limits<float>::quiet_NaN());  // padding never read
+  for (int t = 0; t < T; t++)
+    for (int i = 0; i < H; i++) xf[(size_t)t * ldx + i] = X[(size_t)t * H + i];
+  Buf dx(xf.size() * 4), dw((size_t)H * 4), dy((size_t)T * ldy * 2);
+  put(dx.p, xf.data(), xf.size() * 4);
+  put(dw.p, w, (size_t)H * 4);
+  TI_CUDA_CHECK(cudaMemset(dy.p, 0xFF, (size_t)T * ldy * 2));
+  rmsnorm_rows(dx.as<float>(), ldx, dw.as<float>(), eps, H, T, dy.as<__half>(), ldy, 0, false, nullptr, in_registers);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<__half> h((size_t)T * ldy);
+  get(h.data(), dy.p, h.size() * 2);
+  std::vector<float> out((size_t)T * H);
+  for (int t = 0; t < T; t++)
+    for (int i = 0; i < H; i++) out[(size_t)t * H + i] = __half2float(h[(size_t)t * ldy + i]);
+  return out;
+}
+
 }  // namespace ti::cuda

@@ -374,6 +374,22 @@ void bind_ops(nb::module_& m) {
       "W quantized on the device unless fp16: "
       "(n, rows) floats, (n, rows / 2) for swiglu.");
   ops.def(
+      "rmsnorm_rows",
+      [](F32In2 X, F32In1 w, float eps, bool in_registers) {
+        const int T = (int)X.shape(0), H = (int)X.shape(1);
+        if ((int)w.shape(0) != H) ti::fail(ti::ErrorKind::Request, "rmsnorm_rows: len(w) != X.shape[1]");
+        if (T < 1 || H < 1) ti::fail(ti::ErrorKind::Request, "rmsnorm_rows: X must have rows and columns");
+        std::vector<float> y;
+        {
+          nb::gil_scoped_release release;
+          y = ti::cuda::run_rmsnorm_rows(X.data(), T, H, w.data(), eps, in_registers);
+        }
+        return numpy_copy(y, (size_t)T, (size_t)H);
+      },
+      "X"_a, "w"_a, "eps"_a, "in_registers"_a = true,
+      "cuda/prefill.cu's rmsnorm_rows over the rows of X: fp16(x / rms(x) * w) widened to floats; in_registers "
+      "false takes the grid-stride kernel.");
+  ops.def(
       "gemm",
       [](nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> W, F32In2 X, F32In2 y_init,
          ti::cuda::GemmOut go, bool autotune) {

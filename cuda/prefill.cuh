@@ -11,9 +11,10 @@ void embed_tokens(const __half* E, int ldE, int H, const int* tokens, int T, flo
 
 // y[t] = fp16(x[t] / rms(x[t]) * w) for t < T. x: (T, H) fp32 row stride ldx; y: (T, ldy) fp16. pdl: launched
 // with programmatic dependent launch (common.cuh; the kernel waits before it reads). row_of (device, T ints;
-// may be null): y[t] normalizes x row row_of[t] instead (a gather: the mixed step's logits rows).
+// may be null): y[t] normalizes x row row_of[t] instead (a gather: the mixed step's logits rows). in_registers:
+// false takes the grid-stride kernel even where the register one (H <= 8,192, 16-byte rows) would (tests: same bits).
 void rmsnorm_rows(const float* x, int ldx, const float* w, float eps, int H, int T, __half* y, int ldy,
-                  cudaStream_t stream, bool pdl = false, const int* row_of = nullptr);
+                  cudaStream_t stream, bool pdl = false, const int* row_of = nullptr, bool in_registers = true);
 
 // RoPE for T tokens at positions pos0..pos0+T-1 (or each at its own, tok_pos). qkv: (T, ldqkv) fp32 rows q | k | v, before RoPE. Writes rope(q)
 // to q (T, q_dim) fp16, rope(k) and v into this layer's pages of the paged cache (cuda/kv_layout.cuh; the pages

@@ -122,6 +122,21 @@ def test_mma_small_n_residual_past_one_wave(fmt, K, n):
     check_small_n_product(True, fmt, K, 2200, "f16-add", n)
 
 
+@pytest.mark.parametrize("H", [62, 1000, 1024, 2048, 3000, 4096, 8192, 8200])
+def test_rmsnorm_rows_registers_match_the_grid_stride_kernel(H):
+    """The norm that holds a row in registers (H <= 8,192, 16-byte rows; its weight read before the PDL wait) gives
+    the grid-stride kernel's bits (same sums in the same order) and numpy's norm up to the fp16 rounding; 62 (not a
+    multiple of 4) and 8,200 (past 8,192) take the grid-stride kernel either way."""
+    ops = _core.ops
+    rng = np.random.default_rng(H)
+    X = rng.standard_normal((3, H), dtype=np.float32) * 4
+    w = (1 + 0.2 * rng.standard_normal(H)).astype(np.float32)
+    got = ops.rmsnorm_rows(X, w, 1e-5)
+    np.testing.assert_array_equal(got, ops.rmsnorm_rows(X, w, 1e-5, in_registers=False))
+    want = X / np.sqrt((X.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-3)
+
+
 def test_mma_small_n_refuses_two_tiles_past_16_rows():
     ops = _core.ops
     W, X = np.zeros((64, 64), np.float32), np.zeros((17, 64), np.float32)

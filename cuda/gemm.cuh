@@ -70,6 +70,7 @@ class Gemm {
   static std::string fingerprint();
 
   bool autotune = true;      // false: always cuBLASLt's default choice (for the benchmark's comparison)
+  bool tune_cold = true;     // each timed run with W out of the L2 (gemm.cu); false: back to back (A/B only)
   int max_candidates = 32;   // heuristic results asked for
   int timing_reps = 5;
 

@@ -140,6 +140,7 @@ void CudaEngine::allocate() {
   constexpr size_t kWorkspace = 32u << 20;
   gemm_ = std::make_unique<cuda::Gemm>(kWorkspace);
   gemm_->autotune = opt_.gemm_autotune;
+  gemm_->tune_cold = opt_.gemm_tune_cold;
   arena_.count(DeviceArena::Kind::Scratch, kWorkspace);
   allocate_batch();
 

@@ -52,6 +52,7 @@ struct CudaOptions {
   bool batched_prefill = true;         // false: feed prompts one token at a time through the decode graph
   int prefill_chunk = 2048;            // tokens per prefill pass (activation buffers are sized for this at load)
   bool gemm_autotune = true;           // false: cuBLASLt's default algorithm for every GEMM
+  bool gemm_tune_cold = true;          // the tuner times each GEMM with its weights out of the L2 (false: A/B runs)
   WFormat weights = WFormat::F16;      // the matrices' format on the device (cpp/core/quant.h), quantized at load
   // Sequence slots (seq_open ..., batch_step.h): the most sequences one seq_step runs; graphs are captured per
   // bucket 1, 2, 4, ... up to max_batch, on first use.

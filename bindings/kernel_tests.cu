@@ -590,4 +590,6 @@ std::vector<float> run_rmsnorm_rows(const float* X, int T, int H, const float* w
   return out;
 }
 
+int device_sm_count() { return sm_count(); }
+
 }  // namespace ti::cuda

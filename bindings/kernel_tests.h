@@ -91,6 +91,9 @@ std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, 
                                   const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out,
                                   bool mma = false, int m_tiles = 0);
 
+// The device's SM count (the kernels' one-wave rules depend on it: tests size their shapes by it).
+int device_sm_count();
+
 // rmsnorm_rows (prefill.cu) over T rows of H floats X with weight w: (T, H) floats (widened from fp16); the rows'
 // strides are not packed (ldx = H + 4, ldy = H + 8 rounded to 4). in_registers as rmsnorm_rows'.
 std::vector<float> run_rmsnorm_rows(const float* X, int T, int H, const float* w, float eps, bool in_registers);

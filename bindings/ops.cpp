@@ -373,6 +373,7 @@ void bind_ops(nb::module_& m) {
       "cuda/mma_small_n.cu (n <= 64; f32norm: rmsnorm_rows first; m_tiles: its 16-row tiles per block, 0 auto); "
       "W quantized on the device unless fp16: "
       "(n, rows) floats, (n, rows / 2) for swiglu.");
+  ops.def("sm_count", [] { return ti::cuda::device_sm_count(); }, "The CUDA device's streaming multiprocessors.");
   ops.def(
       "rmsnorm_rows",
       [](F32In2 X, F32In1 w, float eps, bool in_registers) {

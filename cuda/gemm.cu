@@ -14,10 +14,11 @@
 // shape is tuned once per bucket (at the bucket's N) and its algorithm reused for every N in the bucket after
 // cublasLtMatmulAlgoCheck says it applies (else the heuristic's default for that exact N).
 //
-// Timed from DRAM. A timed run follows a write over twice the L2's size (tune_cold), so the weights come from
+// Timed from DRAM. A timed run follows a read over twice the L2's size (tune_cold), so the weights come from
 // DRAM as in a model's pass (each matrix read once per step, the model far larger than the L2). Timed back to
 // back instead, every matrix up to ~40 MB (all of TinyLlama's but gate/up) ran from the L2 after the warm-up and
-// the tuner picked for a cache the real step never has.
+// the tuner picked for a cache the real step never has. (A read, not a write: dirty lines left in the L2 would
+// be written back during the timed run, traffic a real step does not have.)
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -180,6 +181,22 @@ std::string Gemm::fingerprint() {
          " SMs | timed from DRAM";
 }
 
+// Reads n bytes (a multiple of 16) so that the L2 holds only clean lines of them afterwards; the one store is
+// never taken (the sum of zeros), it only keeps the loads from being dropped.
+__global__ void l2_evict_kernel(const uint4* p, size_t n16, unsigned* never) {
+  unsigned acc = 0;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n16; i += (size_t)gridDim.x * blockDim.x) {
+    const uint4 v = p[i];
+    acc |= v.x | v.y | v.z | v.w;
+  }
+  if (acc == 0xFFFFFFFFu) *never = acc;
+}
+
+static void evict_l2(void* buf, size_t bytes, cudaStream_t s) {
+  l2_evict_kernel<<<1024, 256, 0, s>>>(static_cast<const uint4*>(buf), bytes / 16, static_cast<unsigned*>(buf));
+  TI_CUDA_CHECK(cudaGetLastError());
+}
+
 // FNV-1a over a saved line: cuBLASLt's algorithm struct is opaque, and handing it a damaged one is undefined
 // behaviour (it can crash), so a line whose checksum does not match is never parsed into one.
 static uint64_t line_hash(const std::string& s) {
@@ -327,7 +344,12 @@ Gemm::Entry& Gemm::lookup(const GemmArgs& a, cudaStream_t s) {
       TI_CUDA_CHECK(cudaGetDevice(&dev));
       TI_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
       flush_bytes = 2 * (size_t)std::max(l2, 1 << 20);
-      TI_CUDA_CHECK(cudaMalloc(&flush, flush_bytes));
+      if (cudaMalloc(&flush, flush_bytes) != cudaSuccess) {  // no room: timed warm, as before, not a failure
+        cudaGetLastError();
+        flush = nullptr;
+      } else {
+        TI_CUDA_CHECK(cudaMemsetAsync(flush, 0, flush_bytes, s));
+      }
     }
     const float alpha = 1.0f;
     auto launch_algo = [&](const cublasLtMatmulAlgo_t& algo) {
@@ -340,7 +362,7 @@ Gemm::Entry& Gemm::lookup(const GemmArgs& a, cudaStream_t s) {
       if (launch_algo(cands[(size_t)i]) != CUBLAS_STATUS_SUCCESS) continue;  // warm-up (and: does it run?)
       std::vector<float> ms;
       for (int r = 0; r < std::max(1, timing_reps); r++) {
-        if (flush) TI_CUDA_CHECK(cudaMemsetAsync(flush, r & 0xFF, flush_bytes, s));  // the L2 holds none of W
+        if (flush) evict_l2(flush, flush_bytes, s);  // the L2 holds none of W
         TI_CUDA_CHECK(cudaEventRecord(e0, s));
         launch_algo(cands[(size_t)i]);
         TI_CUDA_CHECK(cudaEventRecord(e1, s));

@@ -113,13 +113,21 @@ def test_mma_small_n_two_tiles_a_block(fmt, K, mode, n):
     check_small_n_product(True, fmt, K, 334 if mode.endswith("swiglu") else 333, mode, n, m_tiles=2)
 
 
-@pytest.mark.parametrize("fmt, K", [("fp16", 1004), ("int8", 1000), ("int4", 992)])
+# A residual (add) product of up to 16 rows whose 16-row tiles fit one wave (one per SM) asks for up to 6 (int4) / 8
+# chunks a warp at once (mma_small_n.cu's deep unroll); past one wave it keeps the shallow unroll. Widths where a
+# warp's chunks take more than one pass of the deep unroll (fp16 5,632: down's, 3 passes; fp16 6,196: a partial
+# word and chunk in the last pass; int8 5,632: 2 passes; int4 6,272: 49 chunks against 48 a pass) and below one.
+@pytest.mark.parametrize("fmt, K", [("fp16", 5632), ("fp16", 6196), ("int8", 5632), ("int4", 6272), ("int4", 992)])
+@pytest.mark.parametrize("n", [1, 9, 16])
+def test_mma_small_n_residual_deep_unroll(fmt, K, n):
+    check_small_n_product(True, fmt, K, 333, "f16-add", n)
+
+
+@pytest.mark.parametrize("fmt, K", [("fp16", 1004), ("fp16", 5632), ("int8", 1000), ("int4", 6272)])
 @pytest.mark.parametrize("n", [1, 9])
 def test_mma_small_n_residual_past_one_wave(fmt, K, n):
-    """A residual (add) product of up to 16 rows whose 16-row tiles fit one wave (one per SM) asks for all of a
-    warp's chunks at once (the tests above, 21 tiles); past one wave it keeps the shallow unroll: 2,200 rows = 138
-    tiles (the H200 has 132 SMs), the last one partial."""
-    check_small_n_product(True, fmt, K, 2200, "f16-add", n)
+    """Past one wave (six 16-row tiles more than the device's SMs, the last one partial) the shallow unroll."""
+    check_small_n_product(True, fmt, K, (_core.ops.sm_count() + 6) * 16 - 5, "f16-add", n)
 
 
 @pytest.mark.parametrize("H", [62, 1000, 1024, 2048, 3000, 4096, 8192, 8200])
@@ -210,11 +218,13 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
 
 
 # The batched products' paths (BatchStep::mma, small_n): every product on the small-N GEMV; every product of two
-# rows or more on cuBLASLt (int8 / int4: dequantized into the fp16 staging first); every product on the
+# rows or more on cuBLASLt (int8 / int4: dequantized into the fp16 staging first); the defaults (fp16: qkv and o
+# on the tensor-core kernel up to 16 rows, the others on cuBLASLt); every product on the
 # tensor-core small-N kernel (mma_two_tiles: two 16-row tiles a block up to 16 rows); the default products with
 # the attention in blocks of 64 positions (rows past 64 split and merged in the kernel).
-PATHS = {"small_n": dict(batch_mma_max=0, batch_gemv_f16_max=64, batch_gemv_quant_max=64),
-         "cublaslt": dict(batch_mma_max=0, batch_gemv_f16_max=1, batch_gemv_quant_max=1),
+PATHS = {"small_n": dict(batch_mma_max=0, batch_mma_f16_qkvo_max=0, batch_gemv_f16_max=64, batch_gemv_quant_max=64),
+         "cublaslt": dict(batch_mma_max=0, batch_mma_f16_qkvo_max=0, batch_gemv_f16_max=1, batch_gemv_quant_max=1),
+         "default": {},
          "mma": dict(batch_mma_max=64, batch_mma_f16_max=64),
          "mma_two_tiles": dict(batch_mma_max=64, batch_mma_f16_max=64, batch_mma_m_tiles=2),
          "span64": dict(batch_attn_span=64),
@@ -489,6 +499,7 @@ def test_sampling_a_slot_alone_or_in_a_batch(model):
     ("batch_gemv_quant_max", -1, "batch_gemv_quant_max must be >= 0"),
     ("batch_mma_max", -1, "batch_mma_max must be in 0..64, got -1"),
     ("batch_mma_max", 65, "batch_mma_max must be in 0..64, got 65"),
+    ("batch_mma_f16_qkvo_max", 65, "batch_mma_f16_qkvo_max must be in 0..64, got 65"),
     ("batch_mma_f16_max", 65, "batch_mma_f16_max must be in 0..64, got 65"),
     ("batch_mma_m_tiles", 3, r"batch_mma_m_tiles must be 0 \(auto\), 1 or 2, got 3"),
     ("batch_attn_span", 96, "batch_attn_span 96 must be 64, 128 or 256 and at most 256 at head dim 64"),

@@ -8,11 +8,12 @@
 //              x += h @ Wd.T
 //   logits[r] = rmsnorm(x[r]) @ lm_head.T                              (the sampler reads row r for slot[r])
 // The products: normed / residual (below), each one launch on the small-N path. With PDL (record's pdl) our
-// kernels start while their predecessor drains (each waits before it reads anything it did not get from weights
-// or from two kernels back); cuBLASLt's and the RMSNorm / SwiGLU kernels are launched plainly (they do not
-// wait), which orders them fully behind their predecessor.
+// kernels (the products, the attention, the RMSNorm) start while their predecessor drains (each waits before it
+// reads anything it did not get from weights or from two kernels back); cuBLASLt's and the SwiGLU kernels are
+// launched plainly (they do not wait), which orders them fully behind their predecessor.
 #include "batch_step.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "../../cuda/common.cuh"
@@ -32,9 +33,9 @@ void BatchStep::record(int n, cudaStream_t s, bool pdl) {
   cuda::embed_tokens(w_.embedding, w_.ld_h, (int)c.hidden, b_.tokens, n, b_.x, w_.ld_h, s);  // x = embed[tokens]
   for (int64_t l = 0; l < c.n_layers; l++) {
     const DeviceLayer& L = w_.layers[(size_t)l];
-    normed(L.qkv, L.attn_norm, b_.qkv, b_.ld_qkv, GemvOut::F32, n, s);  // qkv = rmsnorm(x) @ Wqkv.T
+    normed(L.qkv, L.attn_norm, b_.qkv, b_.ld_qkv, GemvOut::F32, n, s, true);  // qkv = rmsnorm(x) @ Wqkv.T
     cuda::decode_attention_rows(attn_params(l), n, s, pdl_);          // att[r] over slot[r]'s cache
-    residual(L.o, b_.att, w_.ld_q, n, s);                              // x += att @ Wo.T
+    residual(L.o, b_.att, w_.ld_q, n, s, true);                        // x += att @ Wo.T
     normed(L.gate_up, L.mlp_norm, b_.h, w_.ld_i, GemvOut::Swiglu, n, s);  // h = silu(gate) * up
     residual(L.down, b_.h, w_.ld_i, n, s);                             // x += h @ Wd.T
   }
@@ -50,8 +51,9 @@ void BatchStep::record(int n, cudaStream_t s, bool pdl) {
 // dequantized into the fp16 staging right before its product (the staging is one matrix: each product consumes
 // it before the next dequantization, stream order), so the step reads int8/int4 bytes + writes and re-reads
 // fp16 ones, most of the latter from L2 for all but the largest matrices (docs/perf/batch.md).
-bool BatchStep::mma(const cuda::QMat& W, int n) const {
-  return n <= (W.fmt == WFormat::F16 ? o_.mma_f16_max : o_.mma_max) && cuda::mma_small_n_fits(W, n);
+bool BatchStep::mma(const cuda::QMat& W, int n, bool qkvo) const {
+  const int most = W.fmt != WFormat::F16 ? o_.mma_max : std::max(o_.mma_f16_max, qkvo ? o_.mma_f16_qkvo_max : 0);
+  return n <= most && cuda::mma_small_n_fits(W, n);
 }
 
 // The tensor-core small-N product (cuda/mma_small_n.cuh: each weight read and dequantized once for all n rows,
@@ -75,9 +77,9 @@ bool BatchStep::small_n(const cuda::QMat& W, int n, GemvIn in) const {
 
 // y = rmsnorm(x) @ W.T (out F32), or silu(gate) * up of it (out Swiglu: W's rows interleaved gate/up).
 void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, GemvOut out, int n,
-                       cudaStream_t s) {
+                       cudaStream_t s, bool qkvo) {
   const float eps = (float)c_.rms_eps;
-  if (!mma(W, n) && small_n(W, n, GemvIn::F32Norm)) {
+  if (!mma(W, n, qkvo) && small_n(W, n, GemvIn::F32Norm)) {
     cuda::GemvBatchArgs a;
     a.W = W;
     a.x = b_.x;
@@ -91,7 +93,7 @@ void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ld
     return;
   }
   cuda::rmsnorm_rows(b_.x, w_.ld_h, norm_w, eps, (int)c_.hidden, n, b_.xn, w_.ld_h, s, pdl_);
-  if (mma(W, n)) return mma_product(W, b_.xn, w_.ld_h, y, ldy, out, n, s);
+  if (mma(W, n, qkvo)) return mma_product(W, b_.xn, w_.ld_h, y, ldy, out, n, s);
   if (out == GemvOut::Swiglu) {
     gemm(W, b_.xn, w_.ld_h, b_.gu, b_.ld_gu, n, GemmOut::F16, s);
     cuda::swiglu_rows(b_.gu, b_.ld_gu, (int)c_.intermediate, n, static_cast<__half*>(y), ldy, s);
@@ -101,8 +103,8 @@ void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ld
 }
 
 // x += X @ W.T (the residual adds of the O and down projections).
-void BatchStep::residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s) {
-  if (mma(W, n)) return mma_product(W, X, ldx, b_.x, w_.ld_h, GemvOut::AddF32, n, s);
+void BatchStep::residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s, bool qkvo) {
+  if (mma(W, n, qkvo)) return mma_product(W, X, ldx, b_.x, w_.ld_h, GemvOut::AddF32, n, s);
   if (small_n(W, n, GemvIn::F16)) {
     cuda::GemvBatchArgs a;
     a.W = W;

@@ -60,6 +60,7 @@ struct BatchStepOptions {
   int attn_span = 0;  // positions per attention block (CudaOptions::batch_attn_span; 0: the head dim's default)
   int attn_heads = 0;  // query heads per attention block (CudaOptions::batch_attn_heads; 0: by the bucket)
   int mma_m_tiles = 0;  // the tensor-core kernel's 16-row tiles per block (CudaOptions::batch_mma_m_tiles; 0: auto)
+  int mma_f16_qkvo_max = 16;  // fp16 qkv and o products: mma_f16_max for those two (CudaOptions::batch_mma_f16_qkvo_max)
 };
 
 class BatchStep {
@@ -78,12 +79,15 @@ class BatchStep {
  private:
   // The products over n rows, every weight read once per step (batch_step.cu): y = rmsnorm(x) @ W.T (or its
   // SwiGLU), x += X @ W.T; small_n: whether the small-N GEMV takes W (else cuBLASLt).
-  void normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, cuda::GemvOut out, int n, cudaStream_t s);
-  void residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s);
+  // qkvo: the products on either side of the attention (qkv, o), which may take the tensor-core kernel at fp16
+  // where the others do not (mma_f16_qkvo_max)
+  void normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, cuda::GemvOut out, int n, cudaStream_t s,
+              bool qkvo = false);
+  void residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s, bool qkvo = false);
   void gemm(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, cuda::GemmOut out,
             cudaStream_t s);
   bool small_n(const cuda::QMat& W, int n, cuda::GemvIn in) const;
-  bool mma(const cuda::QMat& W, int n) const;
+  bool mma(const cuda::QMat& W, int n, bool qkvo = false) const;
   void mma_product(const cuda::QMat& W, const __half* X, int ldx, void* y, int ldy, cuda::GemvOut out, int n,
                    cudaStream_t s);
   cuda::DecodeAttnParams attn_params(int64_t layer) const;

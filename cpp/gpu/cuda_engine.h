@@ -76,6 +76,10 @@ struct CudaOptions {
   // than cuBLASLt at every row count (8 rows: 1.57 against 1.44 ms).
   int batch_mma_max = 16;
   int batch_mma_f16_max = 0;
+  // fp16 qkv and o products (the two beside the attention) of <= this many rows take that kernel while the others
+  // stay on cuBLASLt: at 8 rows cuBLASLt streamed gate/up and down at ~3.3-3.7 TB/s but qkv (split-K + reduce) and
+  // o (32 tiles) at ~1.1-1.4 TB/s, and after our qkv the attention starts early under PDL (docs/perf/batch.md).
+  int batch_mma_f16_qkvo_max = 16;
   // 16-row tiles per block of that kernel: 0 (default) two for int4 products of 9..16 rows whose matrix still
   // gives every SM two blocks (each input fragment then meets two tiles' weights: docs/perf/batch.md), else one;
   // 1 or 2 force it (2: products of up to 16 rows) for A/B runs.
@@ -203,8 +207,10 @@ class CudaEngine {
   std::vector<std::pair<std::string, cuda::GemmTuning>> gemm_table() const;  // every GEMM shape tuned so far
   bool batched_prefill() const { return prefill_ != nullptr; }  // else prompts run one token at a time
   // The GEMM tactics across runs (cuda::Gemm::save / load; the Python Engine keeps the file).
-  std::string save_tactics() const { return gemm_ ? gemm_->save() : std::string(); }
-  int load_tactics(const std::string& text) { return gemm_ ? gemm_->load(text) : 0; }
+  // (an engine tuning with a warm L2, gemm_tune_cold false, neither takes nor gives the saved tactics, which the
+  // file's fingerprint says were timed from DRAM: "" / 0)
+  std::string save_tactics() const { return gemm_ && opt_.gemm_tune_cold ? gemm_->save() : std::string(); }
+  int load_tactics(const std::string& text) { return gemm_ && opt_.gemm_tune_cold ? gemm_->load(text) : 0; }
   int tuned_gemms() const { return gemm_ ? gemm_->tuned_count() : 0; }
   size_t weight_bytes() const { return arena_.weight_bytes(); }  // every matrix + norms as stored on the device
   size_t kv_cache_bytes() const { return arena_.kv_bytes(); }  // the page pool

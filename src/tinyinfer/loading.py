@@ -246,7 +246,8 @@ class TacticsCache:
         """Write the tactics when the core tuned more since the last save (a CPU core never has a file)."""
         if self.file is None or core.tuned_gemms <= self.saved:
             return
-        if _write_atomic(self.file, core.save_tactics()):
+        text = core.save_tactics()  # ("": an engine whose tactics do not belong in the file)
+        if text and _write_atomic(self.file, text):
             self.saved = core.tuned_gemms
 
 

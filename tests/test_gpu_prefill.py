@@ -359,6 +359,21 @@ def test_tactics_save_and_load_round_trip():
     assert b.load_tactics(damaged + "\n") == 0  # the checksum no longer matches: never parsed
 
 
+def test_tactics_of_a_warm_l2_tuner_are_neither_saved_nor_loaded():
+    """gemm_tune_cold=False (A/B runs) times with the weights in the L2: its tactics do not belong in the file
+    whose fingerprint says "timed from DRAM", and it takes none from there."""
+    a = _core.CudaEngine.random(_small_config(), 512, 1)
+    a.time_prefill(100, 1)
+    text = a.save_tactics()
+    assert "timed from DRAM" in text.splitlines()[0]
+    opts = _core.CudaOptions()
+    opts.gemm_tune_cold = False
+    warm = _core.CudaEngine.random(_small_config(), 512, 2, opts)
+    assert warm.load_tactics(text) == 0
+    warm.time_prefill(100, 1)
+    assert warm.tuned_gemms >= 4 and warm.save_tactics() == ""
+
+
 def test_engine_keeps_tactics_in_the_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("TINYINFER_CACHE", str(tmp_path / "cache"))
     d = make_llama(tmp_path / "m", vocab=300, layers=1)

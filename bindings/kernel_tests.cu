@@ -26,6 +26,15 @@ struct Buf {
 
 void put(void* dst, const void* src, size_t bytes) { TI_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice)); }
 void get(void* dst, const void* src, size_t bytes) { TI_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost)); }
+// rows x cols fp16 values at row stride ld on the device, as packed floats on the host.
+std::vector<float> get_half_rows(const void* src, int rows, int cols, int ld) {
+  std::vector<__half> h((size_t)rows * ld);
+  get(h.data(), src, h.size() * 2);
+  std::vector<float> out((size_t)rows * cols);
+  for (int r = 0; r < rows; r++)
+    for (int c = 0; c < cols; c++) out[(size_t)r * cols + c] = __half2float(h[(size_t)r * ld + c]);
+  return out;
+}
 
 // The vectors of one GEMV call on the device: input x (fp16, zero padded to the staged width ld, or fp32 for
 // F32Norm), norm weight, output y (y_init for AddF32, else NaN-poisoned); result() reads y back as floats.
@@ -468,12 +477,7 @@ std::vector<float> run_dequantize(const float* W, int rows, int K, WFormat fmt) 
   Buf out((size_t)rows * ldo * 2);
   dequantize_matrix(d.m, out.as<__half>(), ldo, 0);
   TI_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<__half> h((size_t)rows * ldo);
-  get(h.data(), out.p, h.size() * 2);
-  std::vector<float> w((size_t)rows * K);
-  for (int r = 0; r < rows; r++)
-    for (int k = 0; k < K; k++) w[(size_t)r * K + k] = __half2float(h[(size_t)r * ldo + k]);
-  return w;
+  return get_half_rows(out.p, rows, K, ldo);
 }
 
 std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, const float* x, const float* norm_w,
@@ -559,10 +563,7 @@ std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, 
   TI_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<float> res((size_t)n * n_out);
   if (out == GemvOut::Swiglu) {
-    std::vector<__half> h((size_t)n * ldy);
-    get(h.data(), dy.p, h.size() * 2);
-    for (int j = 0; j < n; j++)
-      for (int i = 0; i < n_out; i++) res[(size_t)j * n_out + i] = __half2float(h[(size_t)j * ldy + i]);
+    res = get_half_rows(dy.p, n, n_out, ldy);
   } else {
     get(yf.data(), dy.p, yf.size() * 4);
     for (int j = 0; j < n; j++)
@@ -582,12 +583,7 @@ std::vector<float> run_rmsnorm_rows(const float* X, int T, int H, const float* w
   TI_CUDA_CHECK(cudaMemset(dy.p, 0xFF, (size_t)T * ldy * 2));
   rmsnorm_rows(dx.as<float>(), ldx, dw.as<float>(), eps, H, T, dy.as<__half>(), ldy, 0, false, nullptr, in_registers);
   TI_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<__half> h((size_t)T * ldy);
-  get(h.data(), dy.p, h.size() * 2);
-  std::vector<float> out((size_t)T * H);
-  for (int t = 0; t < T; t++)
-    for (int i = 0; i < H; i++) out[(size_t)t * H + i] = __half2float(h[(size_t)t * ldy + i]);
-  return out;
+  return get_half_rows(dy.p, T, H, ldy);
 }
 
 int device_sm_count() { return sm_count(); }

@@ -29,7 +29,8 @@ template <WFormat WF> constexpr int kMmUnroll = WF == WFormat::I4 ? 2 : 4;
 // rows) has only its one block's bytes in flight per SM, and a warp requests its next U chunks only once it has
 // used the last ones: at down's K = 5,632 (int4: 5.5 chunks a warp) U = 2 cost three dependent round trips to
 // DRAM. There a warp asks for up to kMmUnrollDeep chunks at once (all of down's at int4, before the PDL wait) —
-// 156-184 registers at int4, so only where the grid is one wave anyway (7B's 256 tiles lost 5% with it: two waves).
+// 156-184 registers at int4 (one block per SM), so only where the grid is one wave anyway: a grid of two waves at
+// that residency lost more than it gained (docs/perf/batch.md).
 template <WFormat WF> constexpr int kMmUnrollDeep = WF == WFormat::I4 ? 6 : 8;
 
 __device__ __forceinline__ uint32_t mm_u32(__half2 h) { return *reinterpret_cast<const uint32_t*>(&h); }

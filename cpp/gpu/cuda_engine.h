@@ -77,8 +77,8 @@ struct CudaOptions {
   int batch_mma_max = 16;
   int batch_mma_f16_max = 0;
   // fp16 qkv and o products (the two beside the attention) of <= this many rows take that kernel while the others
-  // stay on cuBLASLt: at 8 rows cuBLASLt streamed gate/up and down at ~3.3-3.7 TB/s but qkv (split-K + reduce) and
-  // o (32 tiles) at ~1.1-1.4 TB/s, and after our qkv the attention starts early under PDL (docs/perf/batch.md).
+  // stay on cuBLASLt: at few rows cuBLASLt streams the large gate/up and down well but splits qkv's K (a reduce
+  // kernel) and gives o too few tiles, and after our qkv the attention starts early under PDL (docs/perf/batch.md).
   int batch_mma_f16_qkvo_max = 16;
   // 16-row tiles per block of that kernel: 0 (default) two for int4 products of 9..16 rows whose matrix still
   // gives every SM two blocks (each input fragment then meets two tiles' weights: docs/perf/batch.md), else one;

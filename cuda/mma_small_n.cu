@@ -22,15 +22,15 @@
 namespace ti::cuda {
 
 constexpr int kMmWarps = 8, kMmThreads = kMmWarps * 32, kMmRows = 16;
-// Chunks in flight per warp: 2 U 16-byte words per lane (fp16 / I8: 4; I4, whose dequantized words fill the most
-// registers: 2). With one 8-warp block per SM (o and down: 128 blocks of 16 rows) that is 32 KB in flight.
+// Chunks in flight per warp (the ring's slots, U): 2 U 16-byte words of weights per lane (fp16 / I8: 4; I4,
+// whose dequantized words fill the most registers: 2). With one 8-warp block per SM (o and down: 128 blocks of 16
+// rows) that is 32 KB in flight.
 template <WFormat WF> constexpr int kMmUnroll = WF == WFormat::I4 ? 2 : 4;
 // A product of at most one block per SM (the residual products o and down at a 2,048-wide model: 128 tiles of 16
-// rows) has only its one block's bytes in flight per SM, and a warp requests its next U chunks only once it has
-// used the last ones: at down's K = 5,632 (int4: 5.5 chunks a warp) U = 2 cost three dependent round trips to
-// DRAM. There a warp asks for up to kMmUnrollDeep chunks at once (all of down's at int4, before the PDL wait) —
-// 156-184 registers at int4 (one block per SM), so only where the grid is one wave anyway: a grid of two waves at
-// that residency lost more than it gained (docs/perf/batch.md).
+// rows) has only its one block's bytes in flight per SM: at down's K = 5,632 (int4: 5.5 chunks a warp) U = 2
+// cost three dependent round trips to DRAM. There a warp keeps up to kMmUnrollDeep chunks in flight (all of
+// down's at int4, before the PDL wait) — 156-184 registers at int4 (one block per SM), so only where the grid is
+// one wave anyway: a grid of two waves at that residency lost more than it gained (docs/perf/batch.md).
 template <WFormat WF> constexpr int kMmUnrollDeep = WF == WFormat::I4 ? 6 : 8;
 
 __device__ __forceinline__ uint32_t mm_u32(__half2 h) { return *reinterpret_cast<const uint32_t*>(&h); }
@@ -69,15 +69,15 @@ __device__ __forceinline__ void mm_weights(const uint4& v, float2 sc, int k, int
   }
 }
 
-// The E inputs of column row x (fp16) at the word k as E / 2 pairs; zero past K or for a column past n.
-template <int E>
-__device__ __forceinline__ void mm_inputs(const __half* x, int k, int K, bool live, __half2* b) {
+// The E inputs of column row x (fp16) at the word k as E / 2 pairs; zero past K or for a column past n. PRE: the
+// word's E / 8 16-byte input words are already loaded into pre (the ring below) where it lies wholly below K.
+template <int E, bool PRE>
+__device__ __forceinline__ void mm_inputs(const __half* x, int k, int K, bool live, const uint4* pre, __half2* b) {
   const __half z = __float2half(0.0f);
   if (live && (k + 1) * E <= K) {
-    const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)k * E);
 #pragma unroll
     for (int c = 0; c < E / 8; c++) {
-      const uint4 v = __ldg(p + c);
+      const uint4 v = PRE ? pre[c] : __ldg(reinterpret_cast<const uint4*>(x + (size_t)k * E) + c);
       b[4 * c] = gb_h2(v.x), b[4 * c + 1] = gb_h2(v.y), b[4 * c + 2] = gb_h2(v.z), b[4 * c + 3] = gb_h2(v.w);
     }
   } else {
@@ -125,31 +125,52 @@ __global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 :
 #pragma unroll
     for (int j = 0; j < NT; j++) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
 
-  uint4 va[MT][U], vb[MT][U];
+  // A ring of U register slots a lane: slot u holds the weights and the inputs of the warp's chunks u, u + U,
+  // u + 2 U, ... (each kMmWarps apart), and a slot is refilled with its next chunk as soon as the current one is
+  // consumed, so U chunks stay in flight while the warp computes. The inputs (L2 hits) travel with their
+  // weights: read at the chunk's use, each cost the warp a dependent L2 round trip per chunk (~0.7 µs under load,
+  // 22 of them a warp at down's fp16 K = 5,632: the kernel ran at 1.4 TB/s there), and refilling all U slots
+  // only once all U were used left a DRAM round trip exposed per pass; at one block per SM nothing hides either.
+  // (Only at fp16 / int8 and where the inputs' registers stay few, <= 8 words a lane: more spilled at 64 rows,
+  // and at int4 — whose word takes 4 input words a column — the registers cost its multi-wave products (gate/up)
+  // their second block per SM: batch 8 0.775 -> 0.945 ms a step. There the inputs are read at the chunk's use.)
+  constexpr int XW = E / 8;  // 16-byte input words a column per weight word
+  constexpr bool PX = WF != WFormat::I4 && MT == 1 && U * NT * XW <= 8;
+  uint4 va[MT][U], vb[MT][U], xv[PX ? U : 1][NT][XW];
   float2 sa[MT][U], sb[MT][U];
-  auto load = [&](int c0) {  // the U chunks from c0 on (stride kMmWarps): 2 MT U words in flight per lane
+  auto load_weights = [&](int u, int c) {  // chunk c (of this warp) into slot u: 2 MT words a lane
+    const int k = c * 4 + t;
+    const bool ok = c < chunks && k < words;
 #pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int k = (c0 + u * kMmWarps) * 4 + t;
-      const bool ok = c0 + u * kMmWarps < chunks && k < words;
-#pragma unroll
-      for (int m = 0; m < MT; m++) {
-        va[m][u] = ok ? load_stream(wa[m] + k) : make_uint4(0, 0, 0, 0);
-        vb[m][u] = ok ? load_stream(wb[m] + k) : make_uint4(0, 0, 0, 0);
-        sa[m][u] = gb_scale<WF>(W, ra[m], ok ? k : 0);
-        sb[m][u] = gb_scale<WF>(W, rb[m], ok ? k : 0);
-      }
+    for (int m = 0; m < MT; m++) {
+      va[m][u] = ok ? load_stream(wa[m] + k) : make_uint4(0, 0, 0, 0);
+      vb[m][u] = ok ? load_stream(wb[m] + k) : make_uint4(0, 0, 0, 0);
+      sa[m][u] = gb_scale<WF>(W, ra[m], ok ? k : 0);
+      sb[m][u] = gb_scale<WF>(W, rb[m], ok ? k : 0);
     }
+  };
+  auto load_inputs = [&](int u, int c) {  // its inputs, where the word lies wholly below K (else mm_inputs reads)
+    if constexpr (!PX) return;
+    const int k = c * 4 + t;
+    const bool full = c < chunks && (k + 1) * E <= K;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+      for (int q = 0; q < XW; q++)
+        xv[u][j][q] = full && live[j] ? __ldg(reinterpret_cast<const uint4*>(xcol[j] + (size_t)k * E) + q)
+                                      : make_uint4(0, 0, 0, 0);
   };
   // PDL (common.cuh): the first chunks' weights (and scales) are requested before the wait — weights never
   // depend on the previous kernel, so their latency hides behind its tail (at K = 2048 int4 that is all of a
   // warp's weights); the inputs are read after it, and the trigger follows it.
-  load(warp);
+#pragma unroll
+  for (int u = 0; u < U; u++) load_weights(u, warp + u * kMmWarps);
   pdl_wait();
   pdl_launch_dependents();
+#pragma unroll
+  for (int u = 0; u < U; u++) load_inputs(u, warp + u * kMmWarps);
 
   for (int c0 = warp; c0 < chunks; c0 += kMmWarps * U) {
-    if (c0 != warp) load(c0);
 #pragma unroll
     for (int u = 0; u < U; u++) {
       const int c = c0 + u * kMmWarps;
@@ -158,7 +179,7 @@ __global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 :
       const bool ok = k < words;
       __half2 x2[NT][E / 2];
 #pragma unroll
-      for (int j = 0; j < NT; j++) mm_inputs<E>(xcol[j], k, K, live[j] && ok, x2[j]);
+      for (int j = 0; j < NT; j++) mm_inputs<E, PX>(xcol[j], k, K, live[j] && ok, xv[PX ? u : 0][j], x2[j]);
 #pragma unroll
       for (int m = 0; m < MT; m++) {
         __half2 wa2[E / 2], wb2[E / 2];
@@ -170,6 +191,10 @@ __global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 :
           for (int s = 0; s < E / 4; s++)
             mm_mma(acc[m][j], mm_u32(wa2[2 * s]), mm_u32(wb2[2 * s]), mm_u32(wa2[2 * s + 1]),
                    mm_u32(wb2[2 * s + 1]), mm_u32(x2[j][2 * s]), mm_u32(x2[j][2 * s + 1]));
+      }
+      if (c + kMmWarps * U < chunks) {  // the slot's next chunk
+        load_weights(u, c + kMmWarps * U);
+        load_inputs(u, c + kMmWarps * U);
       }
     }
   }

@@ -219,12 +219,14 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
 
 # The batched products' paths (BatchStep::mma, small_n): every product on the small-N GEMV; every product of two
 # rows or more on cuBLASLt (int8 / int4: dequantized into the fp16 staging first); the defaults (fp16: qkv and o
-# on the tensor-core kernel up to 16 rows, the others on cuBLASLt); every product on the
+# on the tensor-core kernel up to 16 rows, the others on cuBLASLt); down on that kernel too; every product on the
 # tensor-core small-N kernel (mma_two_tiles: two 16-row tiles a block up to 16 rows); the default products with
 # the attention in blocks of 64 positions (rows past 64 split and merged in the kernel).
-PATHS = {"small_n": dict(batch_mma_max=0, batch_mma_f16_qkvo_max=0, batch_gemv_f16_max=64, batch_gemv_quant_max=64),
-         "cublaslt": dict(batch_mma_max=0, batch_mma_f16_qkvo_max=0, batch_gemv_f16_max=1, batch_gemv_quant_max=1),
+NO_MMA = dict(batch_mma_max=0, batch_mma_f16_qkvo_max=0, batch_mma_f16_down_max=0)
+PATHS = {"small_n": dict(NO_MMA, batch_gemv_f16_max=64, batch_gemv_quant_max=64),
+         "cublaslt": dict(NO_MMA, batch_gemv_f16_max=1, batch_gemv_quant_max=1),
          "default": {},
+         "mma_down": dict(batch_mma_f16_down_max=16),
          "mma": dict(batch_mma_max=64, batch_mma_f16_max=64),
          "mma_two_tiles": dict(batch_mma_max=64, batch_mma_f16_max=64, batch_mma_m_tiles=2),
          "span64": dict(batch_attn_span=64),
@@ -501,6 +503,7 @@ def test_sampling_a_slot_alone_or_in_a_batch(model):
     ("batch_mma_max", 65, "batch_mma_max must be in 0..64, got 65"),
     ("batch_mma_f16_qkvo_max", 65, "batch_mma_f16_qkvo_max must be in 0..64, got 65"),
     ("batch_mma_f16_max", 65, "batch_mma_f16_max must be in 0..64, got 65"),
+    ("batch_mma_f16_down_max", -1, "batch_mma_f16_down_max must be in 0..64, got -1"),
     ("batch_mma_m_tiles", 3, r"batch_mma_m_tiles must be 0 \(auto\), 1 or 2, got 3"),
     ("batch_attn_span", 96, "batch_attn_span 96 must be 64, 128 or 256 and at most 256 at head dim 64"),
     ("batch_attn_span", 512, "batch_attn_span 512 must be"),

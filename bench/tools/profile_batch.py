@@ -71,6 +71,10 @@ def main() -> None:
     for n in sorted(incr, key=lambda k: -incr[k])[:25]:
         print(f"{n:90s} {cnt[n] / n_prof:6.0f} {incr[n] / n_prof:12.1f} {dur[n] / n_prof:11.1f} "
               f"{100 * incr[n] / gpu:5.1f}%")
+    # the tuner's picks for the step's cuBLASLt products (timed alone at the bucket's N: tuned against default)
+    for g in eng.gemm_table():
+        print(f"gemm {g['name']:>8} {g['M']}x{g['N']}x{g['K']} {g['out']:>6}: default {g['default_us']:.1f} µs, "
+              f"tuned {g['tuned_us']:.1f} µs, pick {g['chosen']} of {g['candidates']}: {g['algo']}")
 
 
 if __name__ == "__main__":

@@ -33,13 +33,13 @@ void BatchStep::record(int n, cudaStream_t s, bool pdl) {
   cuda::embed_tokens(w_.embedding, w_.ld_h, (int)c.hidden, b_.tokens, n, b_.x, w_.ld_h, s);  // x = embed[tokens]
   for (int64_t l = 0; l < c.n_layers; l++) {
     const DeviceLayer& L = w_.layers[(size_t)l];
-    normed(L.qkv, L.attn_norm, b_.qkv, b_.ld_qkv, GemvOut::F32, n, s, true);  // qkv = rmsnorm(x) @ Wqkv.T
+    normed(L.qkv, L.attn_norm, b_.qkv, b_.ld_qkv, GemvOut::F32, n, s, Product::Qkv);  // qkv = rmsnorm(x) @ Wqkv.T
     cuda::decode_attention_rows(attn_params(l), n, s, pdl_);          // att[r] over slot[r]'s cache
-    residual(L.o, b_.att, w_.ld_q, n, s, true);                        // x += att @ Wo.T
-    normed(L.gate_up, L.mlp_norm, b_.h, w_.ld_i, GemvOut::Swiglu, n, s);  // h = silu(gate) * up
-    residual(L.down, b_.h, w_.ld_i, n, s);                             // x += h @ Wd.T
+    residual(L.o, b_.att, w_.ld_q, n, s, Product::O);                 // x += att @ Wo.T
+    normed(L.gate_up, L.mlp_norm, b_.h, w_.ld_i, GemvOut::Swiglu, n, s, Product::GateUp);  // h = silu(gate) * up
+    residual(L.down, b_.h, w_.ld_i, n, s, Product::Down);             // x += h @ Wd.T
   }
-  normed(w_.lm_head, w_.final_norm, b_.logits, b_.ld_v, GemvOut::F32, n, s);  // logits = rmsnorm(x) @ head.T
+  normed(w_.lm_head, w_.final_norm, b_.logits, b_.ld_v, GemvOut::F32, n, s, Product::Head);  // logits = rmsnorm(x) @ head.T
 }
 
 // The products, the first path that takes them: the tensor-core small-N kernel up to mma_max (int8 / int4) or
@@ -51,8 +51,9 @@ void BatchStep::record(int n, cudaStream_t s, bool pdl) {
 // dequantized into the fp16 staging right before its product (the staging is one matrix: each product consumes
 // it before the next dequantization, stream order), so the step reads int8/int4 bytes + writes and re-reads
 // fp16 ones, most of the latter from L2 for all but the largest matrices (docs/perf/batch.md).
-bool BatchStep::mma(const cuda::QMat& W, int n, bool qkvo) const {
-  const int most = W.fmt != WFormat::F16 ? o_.mma_max : std::max(o_.mma_f16_max, qkvo ? o_.mma_f16_qkvo_max : 0);
+bool BatchStep::mma(const cuda::QMat& W, int n, Product p) const {
+  const int own = p == Product::Qkv || p == Product::O ? o_.mma_f16_qkvo_max : p == Product::Down ? o_.mma_f16_down_max : 0;
+  const int most = W.fmt != WFormat::F16 ? o_.mma_max : std::max(o_.mma_f16_max, own);
   return n <= most && cuda::mma_small_n_fits(W, n);
 }
 
@@ -77,9 +78,9 @@ bool BatchStep::small_n(const cuda::QMat& W, int n, GemvIn in) const {
 
 // y = rmsnorm(x) @ W.T (out F32), or silu(gate) * up of it (out Swiglu: W's rows interleaved gate/up).
 void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, GemvOut out, int n,
-                       cudaStream_t s, bool qkvo) {
+                       cudaStream_t s, Product p) {
   const float eps = (float)c_.rms_eps;
-  if (!mma(W, n, qkvo) && small_n(W, n, GemvIn::F32Norm)) {
+  if (!mma(W, n, p) && small_n(W, n, GemvIn::F32Norm)) {
     cuda::GemvBatchArgs a;
     a.W = W;
     a.x = b_.x;
@@ -93,7 +94,7 @@ void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ld
     return;
   }
   cuda::rmsnorm_rows(b_.x, w_.ld_h, norm_w, eps, (int)c_.hidden, n, b_.xn, w_.ld_h, s, pdl_);
-  if (mma(W, n, qkvo)) return mma_product(W, b_.xn, w_.ld_h, y, ldy, out, n, s);
+  if (mma(W, n, p)) return mma_product(W, b_.xn, w_.ld_h, y, ldy, out, n, s);
   if (out == GemvOut::Swiglu) {
     gemm(W, b_.xn, w_.ld_h, b_.gu, b_.ld_gu, n, GemmOut::F16, s);
     cuda::swiglu_rows(b_.gu, b_.ld_gu, (int)c_.intermediate, n, static_cast<__half*>(y), ldy, s);
@@ -103,8 +104,8 @@ void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ld
 }
 
 // x += X @ W.T (the residual adds of the O and down projections).
-void BatchStep::residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s, bool qkvo) {
-  if (mma(W, n, qkvo)) return mma_product(W, X, ldx, b_.x, w_.ld_h, GemvOut::AddF32, n, s);
+void BatchStep::residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s, Product p) {
+  if (mma(W, n, p)) return mma_product(W, X, ldx, b_.x, w_.ld_h, GemvOut::AddF32, n, s);
   if (small_n(W, n, GemvIn::F16)) {
     cuda::GemvBatchArgs a;
     a.W = W;

@@ -61,7 +61,11 @@ struct BatchStepOptions {
   int attn_heads = 0;  // query heads per attention block (CudaOptions::batch_attn_heads; 0: by the bucket)
   int mma_m_tiles = 0;  // the tensor-core kernel's 16-row tiles per block (CudaOptions::batch_mma_m_tiles; 0: auto)
   int mma_f16_qkvo_max = 16;  // fp16 qkv and o products: mma_f16_max for those two (CudaOptions::batch_mma_f16_qkvo_max)
+  int mma_f16_down_max = 0;  // fp16 down likewise (CudaOptions::batch_mma_f16_down_max)
 };
+
+// The products of a layer (and the LM head): which kernel takes one may depend on which it is.
+enum class Product { Qkv, O, GateUp, Down, Head };
 
 class BatchStep {
  public:
@@ -79,15 +83,15 @@ class BatchStep {
  private:
   // The products over n rows, every weight read once per step (batch_step.cu): y = rmsnorm(x) @ W.T (or its
   // SwiGLU), x += X @ W.T; small_n: whether the small-N GEMV takes W (else cuBLASLt).
-  // qkvo: the products on either side of the attention (qkv, o), which may take the tensor-core kernel at fp16
-  // where the others do not (mma_f16_qkvo_max)
+  // p: which product (at fp16 qkv, o and down may take the tensor-core kernel where the others do not:
+  // mma_f16_qkvo_max, mma_f16_down_max).
   void normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, cuda::GemvOut out, int n, cudaStream_t s,
-              bool qkvo = false);
-  void residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s, bool qkvo = false);
+              Product p);
+  void residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s, Product p);
   void gemm(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, cuda::GemmOut out,
             cudaStream_t s);
   bool small_n(const cuda::QMat& W, int n, cuda::GemvIn in) const;
-  bool mma(const cuda::QMat& W, int n, bool qkvo = false) const;
+  bool mma(const cuda::QMat& W, int n, Product p) const;
   void mma_product(const cuda::QMat& W, const __half* X, int ldx, void* y, int ldy, cuda::GemvOut out, int n,
                    cudaStream_t s);
   cuda::DecodeAttnParams attn_params(int64_t layer) const;

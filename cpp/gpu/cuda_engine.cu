@@ -92,6 +92,9 @@ void CudaEngine::init_device() {
   if (opt_.batch_mma_f16_qkvo_max < 0 || opt_.batch_mma_f16_qkvo_max > 64)
     fail(ErrorKind::Request,
          "batch_mma_f16_qkvo_max must be in 0..64, got " + std::to_string(opt_.batch_mma_f16_qkvo_max));
+  if (opt_.batch_mma_f16_down_max < 0 || opt_.batch_mma_f16_down_max > 64)
+    fail(ErrorKind::Request,
+         "batch_mma_f16_down_max must be in 0..64, got " + std::to_string(opt_.batch_mma_f16_down_max));
   if (opt_.batch_mma_m_tiles < 0 || opt_.batch_mma_m_tiles > 2)
     fail(ErrorKind::Request, "batch_mma_m_tiles must be 0 (auto), 1 or 2, got " + std::to_string(opt_.batch_mma_m_tiles));
   {
@@ -144,6 +147,7 @@ void CudaEngine::allocate() {
   gemm_ = std::make_unique<cuda::Gemm>(kWorkspace);
   gemm_->autotune = opt_.gemm_autotune;
   gemm_->tune_cold = opt_.gemm_tune_cold;
+  gemm_->split_k_small_n = opt_.gemm_split_k_small_n;
   arena_.count(DeviceArena::Kind::Scratch, kWorkspace);
   allocate_batch();
 

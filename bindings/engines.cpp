@@ -384,7 +384,6 @@ void bind_engines(nb::module_& m) {
       .def_rw("prefill_chunk", &ti::CudaOptions::prefill_chunk)
       .def_rw("gemm_autotune", &ti::CudaOptions::gemm_autotune)
       .def_rw("gemm_tune_cold", &ti::CudaOptions::gemm_tune_cold)
-      .def_rw("gemm_split_k_small_n", &ti::CudaOptions::gemm_split_k_small_n)
       .def_rw("max_batch", &ti::CudaOptions::max_batch)
       .def_rw("batch_gemv_f16_max", &ti::CudaOptions::batch_gemv_f16_max)
       .def_rw("batch_gemv_quant_max", &ti::CudaOptions::batch_gemv_quant_max)

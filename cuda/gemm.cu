@@ -313,16 +313,6 @@ Gemm::Entry& Gemm::lookup(const GemmArgs& a, cudaStream_t s) {
   for (int i = 0; i < found; i++)
     if (res[(size_t)i].state == CUBLAS_STATUS_SUCCESS) cands.push_back(res[(size_t)i].algo);
   if (autotune && !capturing(s)) add_split_k(as_handle(handle_), d, a.K, workspace_bytes_, cands);
-  if (!split_k_small_n && nb <= 16) {  // (split_k_small_n: no split-K tactic for the batched step's buckets)
-    std::vector<cublasLtMatmulAlgo_t> plain;
-    for (const auto& c : cands) {
-      uint32_t k = 1;
-      size_t written = 0;
-      cublasLtMatmulAlgoConfigGetAttribute(&c, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &k, sizeof(k), &written);
-      if (k <= 1) plain.push_back(c);
-    }
-    if (!plain.empty()) cands.swap(plain);
-  }
   if (capturing(s) || !autotune) {  // no timing inside a capture; or the default on purpose
     e->info.candidates = 1;
     e->info.offered = found;

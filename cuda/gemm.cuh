@@ -71,7 +71,6 @@ class Gemm {
 
   bool autotune = true;      // false: always cuBLASLt's default choice (for the benchmark's comparison)
   bool tune_cold = true;     // each timed run with W out of the L2 (gemm.cu); false: back to back (A/B only)
-  bool split_k_small_n = true;  // false: shapes tuned at N <= 16 take no split-K tactic (A/B runs)
   int max_candidates = 32;   // heuristic results asked for
   int timing_reps = 5;
 

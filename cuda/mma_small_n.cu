@@ -131,11 +131,13 @@ __global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 :
   // weights: read at the chunk's use, each cost the warp a dependent L2 round trip per chunk (~0.7 µs under load,
   // 22 of them a warp at down's fp16 K = 5,632: the kernel ran at 1.4 TB/s there), and refilling all U slots
   // only once all U were used left a DRAM round trip exposed per pass; at one block per SM nothing hides either.
-  // (Only at fp16 / int8 and where the inputs' registers stay few, <= 8 words a lane: more spilled at 64 rows,
-  // and at int4 — whose word takes 4 input words a column — the registers cost its multi-wave products (gate/up)
-  // their second block per SM: batch 8 0.775 -> 0.945 ms a step. There the inputs are read at the chunk's use.)
+  // (Only at fp16 / int8, from 9 rows (two 8-column tiles) and where the inputs' registers stay few, <= 8 words a
+  // lane: more spilled at 64 rows; at int4 — whose word takes 4 input words a column — the registers cost its
+  // multi-wave products (gate/up) their second block per SM (batch 8 0.775 -> 0.945 ms a step); with one tile
+  // the fp16 step did not gain at 8 rows and lost 1-6% at 1 (docs/perf/batch.md). Elsewhere the inputs are read
+  // at the chunk's use.)
   constexpr int XW = E / 8;  // 16-byte input words a column per weight word
-  constexpr bool PX = WF != WFormat::I4 && MT == 1 && U * NT * XW <= 8;
+  constexpr bool PX = WF != WFormat::I4 && MT == 1 && NT >= 2 && U * NT * XW <= 8;
   uint4 va[MT][U], vb[MT][U], xv[PX ? U : 1][NT][XW];
   float2 sa[MT][U], sb[MT][U];
   auto load_weights = [&](int u, int c) {  // chunk c (of this warp) into slot u: 2 MT words a lane

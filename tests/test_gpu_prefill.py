@@ -4,8 +4,6 @@ unchunked, after earlier context, and generation after a long prompt. Skipped wi
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 
@@ -361,35 +359,19 @@ def test_tactics_save_and_load_round_trip():
     assert b.load_tactics(damaged + "\n") == 0  # the checksum no longer matches: never parsed
 
 
-@pytest.mark.parametrize("field", ["gemm_tune_cold", "gemm_split_k_small_n"])
-def test_tactics_of_a_tuner_run_otherwise_are_neither_saved_nor_loaded(field):
-    """gemm_tune_cold=False (A/B runs) times with the weights in the L2, gemm_split_k_small_n=False leaves out the
-    split-K tactics at small N: their tactics do not belong in the default's file (fingerprint "timed from DRAM"),
-    and they take none from there."""
+def test_tactics_of_a_warm_l2_tuner_are_neither_saved_nor_loaded():
+    """gemm_tune_cold=False (A/B runs) times with the weights in the L2: its tactics do not belong in the file
+    whose fingerprint says "timed from DRAM", and it takes none from there."""
     a = _core.CudaEngine.random(_small_config(), 512, 1)
     a.time_prefill(100, 1)
     text = a.save_tactics()
     assert "timed from DRAM" in text.splitlines()[0]
     opts = _core.CudaOptions()
-    setattr(opts, field, False)
+    opts.gemm_tune_cold = False
     warm = _core.CudaEngine.random(_small_config(), 512, 2, opts)
     assert warm.load_tactics(text) == 0
     warm.time_prefill(100, 1)
     assert warm.tuned_gemms >= 4 and warm.save_tactics() == ""
-
-
-def test_no_split_k_tactic_at_small_n_when_asked():
-    """gemm_split_k_small_n=False: shapes tuned at N <= 16 (a 10-token prompt's bucket) take no split-K tactic;
-    larger buckets still may."""
-    opts = _core.CudaOptions()
-    opts.gemm_split_k_small_n = False
-    eng = _core.CudaEngine.random(_small_config(), 512, 1, opts)
-    eng.time_prefill(10, 1)
-    table = [g for g in eng.gemm_table() if g["N"] <= 16]
-    assert table
-    for g in table:
-        k = int(re.search(r"splitK (\d+)", g["algo"]).group(1))
-        assert k <= 1, g
 
 
 def test_engine_keeps_tactics_in_the_cache_dir(tmp_path, monkeypatch):

@@ -147,7 +147,6 @@ void CudaEngine::allocate() {
   gemm_ = std::make_unique<cuda::Gemm>(kWorkspace);
   gemm_->autotune = opt_.gemm_autotune;
   gemm_->tune_cold = opt_.gemm_tune_cold;
-  gemm_->split_k_small_n = opt_.gemm_split_k_small_n;
   arena_.count(DeviceArena::Kind::Scratch, kWorkspace);
   allocate_batch();
 

@@ -53,7 +53,6 @@ struct CudaOptions {
   int prefill_chunk = 2048;            // tokens per prefill pass (activation buffers are sized for this at load)
   bool gemm_autotune = true;           // false: cuBLASLt's default algorithm for every GEMM
   bool gemm_tune_cold = true;          // the tuner times each GEMM with its weights out of the L2 (false: A/B runs)
-  bool gemm_split_k_small_n = true;    // false: GEMMs of <= 16 rows take no split-K tactic (A/B runs)
   WFormat weights = WFormat::F16;      // the matrices' format on the device (cpp/core/quant.h), quantized at load
   // Sequence slots (seq_open ..., batch_step.h): the most sequences one seq_step runs; graphs are captured per
   // bucket 1, 2, 4, ... up to max_batch, on first use.
@@ -213,8 +212,8 @@ class CudaEngine {
   // The GEMM tactics across runs (cuda::Gemm::save / load; the Python Engine keeps the file).
   // (an engine tuning with a warm L2, gemm_tune_cold false, neither takes nor gives the saved tactics, which the
   // file's fingerprint says were timed from DRAM: "" / 0)
-  std::string save_tactics() const { return gemm_ && tactics_shared() ? gemm_->save() : std::string(); }
-  int load_tactics(const std::string& text) { return gemm_ && tactics_shared() ? gemm_->load(text) : 0; }
+  std::string save_tactics() const { return gemm_ && opt_.gemm_tune_cold ? gemm_->save() : std::string(); }
+  int load_tactics(const std::string& text) { return gemm_ && opt_.gemm_tune_cold ? gemm_->load(text) : 0; }
   int tuned_gemms() const { return gemm_ ? gemm_->tuned_count() : 0; }
   size_t weight_bytes() const { return arena_.weight_bytes(); }  // every matrix + norms as stored on the device
   size_t kv_cache_bytes() const { return arena_.kv_bytes(); }  // the page pool
@@ -246,7 +245,6 @@ class CudaEngine {
   std::pair<std::vector<uint8_t>, std::vector<uint8_t>> matrix_bytes(int64_t layer, MatrixRole role) const;
 
  private:
-  bool tactics_shared() const { return opt_.gemm_tune_cold && opt_.gemm_split_k_small_n; }  // (the file's kind)
   void build(const std::function<void()>& fill_weights);
   void init_device();
   void allocate();

@@ -125,17 +125,14 @@ __global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 :
 #pragma unroll
     for (int j = 0; j < NT; j++) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
 
-  // A ring of U register slots a lane: slot u holds the weights and the inputs of the warp's chunks u, u + U,
-  // u + 2 U, ... (each kMmWarps apart), and a slot is refilled with its next chunk as soon as the current one is
-  // consumed, so U chunks stay in flight while the warp computes. The inputs (L2 hits) travel with their
-  // weights: read at the chunk's use, each cost the warp a dependent L2 round trip per chunk (~0.7 µs under load,
-  // 22 of them a warp at down's fp16 K = 5,632: the kernel ran at 1.4 TB/s there), and refilling all U slots
-  // only once all U were used left a DRAM round trip exposed per pass; at one block per SM nothing hides either.
-  // (Only at fp16 / int8, from 9 rows (two 8-column tiles) and where the inputs' registers stay few, <= 8 words a
-  // lane: more spilled at 64 rows; at int4 — whose word takes 4 input words a column — the registers cost its
-  // multi-wave products (gate/up) their second block per SM (batch 8 0.775 -> 0.945 ms a step); with one tile
-  // the fp16 step did not gain at 8 rows and lost 1-6% at 1 (docs/perf/batch.md). Elsewhere the inputs are read
-  // at the chunk's use.)
+  // A ring of U register slots a lane: slot u holds the weights (and, see PX, the inputs) of the warp's chunks u,
+  // u + U, u + 2 U, ... (each kMmWarps apart), and a slot is refilled with its next chunk as soon as it is
+  // consumed, so U chunks stay in flight while the warp computes; refilling all U only once all U were used left a
+  // DRAM round trip exposed per pass, and at one block per SM nothing else hides it. Inputs read at a chunk's use
+  // cost the warp a dependent L2 round trip per chunk; PX loads them with their weights instead — only at fp16 /
+  // int8 from two 8-column tiles and while they fit in 8 words a lane: at int4 (4 input words a column per weight
+  // word) the registers cost multi-wave grids their second block per SM, at one tile the step did not gain
+  // (docs/perf/batch.md).
   constexpr int XW = E / 8;  // 16-byte input words a column per weight word
   constexpr bool PX = WF != WFormat::I4 && MT == 1 && NT >= 2 && U * NT * XW <= 8;
   uint4 va[MT][U], vb[MT][U], xv[PX ? U : 1][NT][XW];

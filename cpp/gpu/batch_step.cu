@@ -39,7 +39,7 @@ void BatchStep::record(int n, cudaStream_t s, bool pdl) {
     normed(L.gate_up, L.mlp_norm, b_.h, w_.ld_i, GemvOut::Swiglu, n, s, Product::GateUp);  // h = silu(gate) * up
     residual(L.down, b_.h, w_.ld_i, n, s, Product::Down);             // x += h @ Wd.T
   }
-  normed(w_.lm_head, w_.final_norm, b_.logits, b_.ld_v, GemvOut::F32, n, s, Product::Head);  // logits = rmsnorm(x) @ head.T
+  normed(w_.lm_head, w_.final_norm, b_.logits, b_.ld_v, GemvOut::F32, n, s, Product::Head);  // rmsnorm(x) @ head.T
 }
 
 // The products, the first path that takes them: the tensor-core small-N kernel up to mma_max (int8 / int4) or
@@ -52,7 +52,9 @@ void BatchStep::record(int n, cudaStream_t s, bool pdl) {
 // it before the next dequantization, stream order), so the step reads int8/int4 bytes + writes and re-reads
 // fp16 ones, most of the latter from L2 for all but the largest matrices (docs/perf/batch.md).
 bool BatchStep::mma(const cuda::QMat& W, int n, Product p) const {
-  const int own = p == Product::Qkv || p == Product::O ? o_.mma_f16_qkvo_max : p == Product::Down ? o_.mma_f16_down_max : 0;
+  const int own = p == Product::Qkv || p == Product::O ? o_.mma_f16_qkvo_max
+                  : p == Product::Down                    ? o_.mma_f16_down_max
+                                                          : 0;
   const int most = W.fmt != WFormat::F16 ? o_.mma_max : std::max(o_.mma_f16_max, own);
   return n <= most && cuda::mma_small_n_fits(W, n);
 }

@@ -149,15 +149,16 @@ __global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 :
     }
   };
   auto load_inputs = [&](int u, int c) {  // its inputs, where the word lies wholly below K (else mm_inputs reads)
-    if constexpr (!PX) return;
-    const int k = c * 4 + t;
-    const bool full = c < chunks && (k + 1) * E <= K;
+    if constexpr (PX) {
+      const int k = c * 4 + t;
+      const bool full = c < chunks && (k + 1) * E <= K;
 #pragma unroll
-    for (int j = 0; j < NT; j++)
+      for (int j = 0; j < NT; j++)
 #pragma unroll
-      for (int q = 0; q < XW; q++)
-        xv[u][j][q] = full && live[j] ? __ldg(reinterpret_cast<const uint4*>(xcol[j] + (size_t)k * E) + q)
-                                      : make_uint4(0, 0, 0, 0);
+        for (int q = 0; q < XW; q++)
+          xv[u][j][q] = full && live[j] ? __ldg(reinterpret_cast<const uint4*>(xcol[j] + (size_t)k * E) + q)
+                                        : make_uint4(0, 0, 0, 0);
+    }
   };
   // PDL (common.cuh): the first chunks' weights (and scales) are requested before the wait — weights never
   // depend on the previous kernel, so their latency hides behind its tail (at K = 2048 int4 that is all of a

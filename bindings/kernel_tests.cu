@@ -497,7 +497,7 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
 
 std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, const float* X, int n,
                                   const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out,
-                                  bool mma, int m_tiles) {
+                                  bool mma, int m_tiles, bool smem_ring) {
   if (fmt != WFormat::F16) check_quant_shape(K, fmt);
   const int ldx = (int)pad8(K), n_out = out == GemvOut::Swiglu ? rows / 2 : rows, ldy = n_out + 3;  // (ldy: odd on purpose)
   std::unique_ptr<DeviceQuant> dq;
@@ -549,6 +549,7 @@ std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, 
   a.ldy = ldy;
   a.n = n;
   a.m_tiles = m_tiles;
+  a.smem_ring = smem_ring;
   Buf xn((size_t)n * ldx * 2);
   if (!mma) {
     gemv_batch(a, in, out, 0);

@@ -86,10 +86,10 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
 // fp16; F32Norm: RMS-normed by the kernel with norm_w); Y_init (n, rows) for AddF32. Returns (n, rows) floats, or
 // (n, rows / 2) for Swiglu (widened from fp16). mma: the tensor-core kernel (cuda/mma_small_n.cu) instead, its
 // F32Norm input RMS-normed first by rmsnorm_rows (prefill.cuh) as the batched step does; m_tiles its 16-row
-// tiles per block (GemvBatchArgs::m_tiles).
+// tiles per block (GemvBatchArgs::m_tiles), smem_ring its fp16 path (GemvBatchArgs::smem_ring).
 std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, const float* X, int n,
                                   const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out,
-                                  bool mma = false, int m_tiles = 0);
+                                  bool mma = false, int m_tiles = 0, bool smem_ring = true);
 
 // The device's SM count (the kernels' one-wave rules depend on it: tests size their shapes by it).
 int device_sm_count();

@@ -90,13 +90,57 @@ __device__ __forceinline__ void mm_inputs(const __half* x, int k, int K, bool li
   }
 }
 
+// The epilogue of both kernels: the 8 warps' sums (acc[m][j] = (row 16 m + g, cols 2t, 2t + 1), (row 16 m + g +
+// 8, ...)) meet in shared memory `red` (kMmWarps x BR x NC floats) in warp order, then the output.
+template <int NT, int MT, GemvOut OUT>
+__device__ __forceinline__ void mm_epilogue(const float (&acc)[MT][NT][4], float* red, const GemvBatchArgs& a,
+                                            int row0) {
+  constexpr int NC = NT * 8, BR = kMmRows * MT;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const QMat& W = a.W;
+  float* mine = red + (size_t)warp * BR * NC;
+#pragma unroll
+  for (int m = 0; m < MT; m++)
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+      const int col = j * 8 + 2 * t, r = kMmRows * m + g;
+      mine[r * NC + col] = acc[m][j][0];
+      mine[r * NC + col + 1] = acc[m][j][1];
+      mine[(r + 8) * NC + col] = acc[m][j][2];
+      mine[(r + 8) * NC + col + 1] = acc[m][j][3];
+    }
+  __syncthreads();
+  auto total = [&](int r, int col) {
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMmWarps; w++) s += red[((size_t)w * BR + r) * NC + col];
+    return s;
+  };
+  if constexpr (OUT == GemvOut::Swiglu) {  // rows 2i (gate), 2i + 1 (up): BR / 2 pairs per block
+    for (int i = threadIdx.x; i < (BR / 2) * NC; i += kMmThreads) {
+      const int p = i % (BR / 2), col = i / (BR / 2), row = row0 + 2 * p;
+      if (col >= a.n || row + 1 >= W.rows) continue;
+      const float gt = total(2 * p, col), up = total(2 * p + 1, col);
+      static_cast<__half*>(a.y)[(size_t)col * a.ldy + row / 2] = __float2half(gt / (1.0f + __expf(-gt)) * up);
+    }
+  } else {
+    for (int i = threadIdx.x; i < BR * NC; i += kMmThreads) {
+      const int r = i % BR, col = i / BR, row = row0 + r;
+      if (col >= a.n || row >= W.rows) continue;
+      float* y = static_cast<float*>(a.y) + (size_t)col * a.ldy + row;
+      const float v = total(r, col);
+      *y = OUT == GemvOut::AddF32 ? *y + v : v;
+    }
+  }
+}
+
 // MT 16-row M tiles per block (1 or 2; mma_small_n picks): with 2, each input fragment, read once per chunk from
 // L1 / L2, meets two tiles' weights — at int4 a 16-byte word of 32 weights meets 64 bytes of inputs per column, so
 // the inputs' traffic, not the weights', sets the pace of a one-tile block; two tiles halve it.
 template <WFormat WF, int NT, int MT, GemvOut OUT, int U>
 __global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 : 1) mma_small_n_kernel(GemvBatchArgs a) {
-  constexpr int E = kWordElems<WF>, NC = NT * 8, BR = kMmRows * MT;
-  extern __shared__ __align__(16) float red[];  // (kMmWarps, BR, NC) the warps' partial sums
+  constexpr int E = kWordElems<WF>, BR = kMmRows * MT;
+  extern __shared__ __align__(16) float red[];  // (kMmWarps, BR, NT x 8) the warps' partial sums
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const QMat& W = a.W;
   const int row0 = blockIdx.x * BR, K = W.K;
@@ -199,41 +243,165 @@ __global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 :
     }
   }
 
-  // ---- the warps' sums in shared memory: acc[m][j] = (row 16 m + g, cols 2t, 2t + 1), (row 16 m + g + 8, ...) ----
-  float* mine = red + (size_t)warp * BR * NC;
+  mm_epilogue<NT, MT, OUT>(acc, red, a, row0);
+}
+
+// ---- fp16: the weights and inputs through a ring in shared memory (cp.async) ----
+// The register ring above holds what it has in flight in registers: U = 4 chunks a warp (32 KB a block), 8 where
+// one wave of blocks can afford 103 registers. cp.async copies global -> shared memory with no register held
+// while in flight, so a warp keeps D chunks (weights and the inputs of its column tiles) requested at once, D
+// from a shared-memory budget: two blocks per SM where the grid has several waves, one deep block per SM where
+// the tiles fit one wave (the residual products). Each lane copies exactly the words it later reads (word t of
+// rows g and g + 8 per tile, input word t of column g per column tile), so its own cp.async.wait_group makes
+// them visible: no barrier inside the loop. One commit group per chunk (an empty one past the warp's last), so
+// "all but the newest D - 1 groups complete" is always the chunk about to be used.
+// 16-byte words a lane per chunk: a weight word of rows g and g + 8 per tile, an input word per column tile
+__host__ __device__ constexpr int mm_ring_words(int NT, int MT) { return 2 * MT + NT; }
+// 4 KB a block per word of a chunk: 24 words (96 KB, two blocks per SM) or, deep, 48 (192 KB, one).
+constexpr int mm_ring_depth(int NT, int MT, bool deep) {
+  const int d = (deep ? 48 : 24) / mm_ring_words(NT, MT);
+  return d < 2 ? 2 : d > 16 ? 16 : d;
+}
+constexpr size_t mm_ring_smem(int NT, int MT, bool deep) {
+  return (size_t)kMmThreads * 16 * mm_ring_depth(NT, MT, deep) * mm_ring_words(NT, MT);
+}
+
+__device__ __forceinline__ uint64_t mm_evict_first() {
+  uint64_t p = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+#endif
+  return p;
+}
+// 16 bytes global -> shared, in flight without registers; weights with the L2 evict-first hint (read once a step,
+// like load_stream's), inputs without.
+__device__ __forceinline__ void mm_cp16(uint4* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src)
+               : "memory");
+#else
+  *dst = *reinterpret_cast<const uint4*>(src);
+#endif
+}
+__device__ __forceinline__ void mm_cp16_stream(uint4* dst, const void* src, uint64_t policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(
+                   (uint32_t)__cvta_generic_to_shared(dst)),
+               "l"(src), "l"(policy)
+               : "memory");
+#else
+  *dst = *reinterpret_cast<const uint4*>(src);
+#endif
+}
+__device__ __forceinline__ void mm_cp_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void mm_cp_wait() {  // all but the newest N commit groups of this thread complete
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// The same product and the same arithmetic in the same order as mma_small_n_kernel<F16, NT, MT, OUT, *> (the same
+// bits); only the path of the words differs.
+template <int NT, int MT, GemvOut OUT, int D>
+__global__ void __launch_bounds__(kMmThreads) mma_small_n_ring_kernel(GemvBatchArgs a) {
+  constexpr int E = kWordElems<WFormat::F16>, BR = kMmRows * MT, S = mm_ring_words(NT, MT);
+  extern __shared__ __align__(16) uint4 ring[];  // (kMmWarps, D, S, 32); after the loop the warps' partial sums
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const QMat& W = a.W;
+  const int row0 = blockIdx.x * BR, K = W.K;
+  const uint4* wa[MT];
+  const uint4* wb[MT];
+#pragma unroll
+  for (int m = 0; m < MT; m++) {
+    wa[m] = gb_row<WFormat::F16>(W, min(row0 + kMmRows * m + g, W.rows - 1));  // past the end: stored nowhere
+    wb[m] = gb_row<WFormat::F16>(W, min(row0 + kMmRows * m + g + 8, W.rows - 1));
+  }
+  const int words = gb_words(W, E), chunks = (words + 3) / 4;
+  const __half* xcol[NT];
+  bool live[NT];
+#pragma unroll
+  for (int j = 0; j < NT; j++) {
+    const int col = j * 8 + g;
+    live[j] = col < a.n;
+    xcol[j] = static_cast<const __half*>(a.x) + (size_t)(live[j] ? col : 0) * a.ldx;
+  }
+  uint4* mine = ring + (size_t)warp * D * S * 32 + lane;  // slot u, word w: mine[(u * S + w) * 32]
+  const uint64_t policy = mm_evict_first();
+  // A lane past the row's last word (k >= words) copies nothing: its fragments are zeroed at use instead.
+  auto copy_weights = [&](int u, int c) {
+    const int k = c * 4 + t;
+    if (c < chunks && k < words)
+#pragma unroll
+      for (int m = 0; m < MT; m++) {
+        mm_cp16_stream(mine + (u * S + 2 * m) * 32, wa[m] + k, policy);
+        mm_cp16_stream(mine + (u * S + 2 * m + 1) * 32, wb[m] + k, policy);
+      }
+  };
+  auto copy_inputs = [&](int u, int c) {
+    const int k = c * 4 + t;
+    if (c < chunks && k < words)
+#pragma unroll
+      for (int j = 0; j < NT; j++)
+        if (live[j]) mm_cp16(mine + (u * S + 2 * MT + j) * 32, xcol[j] + (size_t)k * E);
+  };
+  // PDL: the first D chunks' weights before the wait (a group each), their inputs after it (a group each).
+#pragma unroll
+  for (int u = 0; u < D; u++) {
+    copy_weights(u, warp + u * kMmWarps);
+    mm_cp_commit();
+  }
+  pdl_wait();
+  pdl_launch_dependents();
+#pragma unroll
+  for (int u = 0; u < D; u++) {
+    copy_inputs(u, warp + u * kMmWarps);
+    mm_cp_commit();
+  }
+  float acc[MT][NT][4];
 #pragma unroll
   for (int m = 0; m < MT; m++)
 #pragma unroll
-    for (int j = 0; j < NT; j++) {
-      const int col = j * 8 + 2 * t, r = kMmRows * m + g;
-      mine[r * NC + col] = acc[m][j][0];
-      mine[r * NC + col + 1] = acc[m][j][1];
-      mine[(r + 8) * NC + col] = acc[m][j][2];
-      mine[(r + 8) * NC + col + 1] = acc[m][j][3];
-    }
-  __syncthreads();
-  auto total = [&](int r, int col) {
-    float s = 0.0f;
+    for (int j = 0; j < NT; j++) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
+
+  for (int c0 = warp; c0 < chunks; c0 += kMmWarps * D) {
 #pragma unroll
-    for (int w = 0; w < kMmWarps; w++) s += red[((size_t)w * BR + r) * NC + col];
-    return s;
-  };
-  if constexpr (OUT == GemvOut::Swiglu) {  // rows 2i (gate), 2i + 1 (up): BR / 2 pairs per block
-    for (int i = threadIdx.x; i < (BR / 2) * NC; i += kMmThreads) {
-      const int p = i % (BR / 2), col = i / (BR / 2), row = row0 + 2 * p;
-      if (col >= a.n || row + 1 >= W.rows) continue;
-      const float gt = total(2 * p, col), up = total(2 * p + 1, col);
-      static_cast<__half*>(a.y)[(size_t)col * a.ldy + row / 2] = __float2half(gt / (1.0f + __expf(-gt)) * up);
-    }
-  } else {
-    for (int i = threadIdx.x; i < BR * NC; i += kMmThreads) {
-      const int r = i % BR, col = i / BR, row = row0 + r;
-      if (col >= a.n || row >= W.rows) continue;
-      float* y = static_cast<float*>(a.y) + (size_t)col * a.ldy + row;
-      const float v = total(r, col);
-      *y = OUT == GemvOut::AddF32 ? *y + v : v;
+    for (int u = 0; u < D; u++) {
+      const int c = c0 + u * kMmWarps;
+      if (c >= chunks) break;
+      mm_cp_wait<D - 1>();
+      const int k = c * 4 + t;
+      const bool ok = k < words;
+      __half2 x2[NT][E / 2];
+#pragma unroll
+      for (int j = 0; j < NT; j++) {
+        const uint4 v = mine[(u * S + 2 * MT + j) * 32];  // (not read below unless live and ok)
+        mm_inputs<E, true>(xcol[j], k, K, live[j] && ok, &v, x2[j]);
+      }
+#pragma unroll
+      for (int m = 0; m < MT; m++) {
+        __half2 wa2[E / 2], wb2[E / 2];
+        mm_weights<WFormat::F16>(mine[(u * S + 2 * m) * 32], float2{}, k, K, ok, wa2);
+        mm_weights<WFormat::F16>(mine[(u * S + 2 * m + 1) * 32], float2{}, k, K, ok, wb2);
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+          for (int s = 0; s < E / 4; s++)
+            mm_mma(acc[m][j], mm_u32(wa2[2 * s]), mm_u32(wb2[2 * s]), mm_u32(wa2[2 * s + 1]),
+                   mm_u32(wb2[2 * s + 1]), mm_u32(x2[j][2 * s]), mm_u32(x2[j][2 * s + 1]));
+      }
+      copy_weights(u, c + kMmWarps * D);  // the slot's next chunk (nothing past the warp's last: an empty group)
+      copy_inputs(u, c + kMmWarps * D);
+      mm_cp_commit();
     }
   }
+  mm_cp_wait<0>();
+  __syncthreads();  // every warp is done with the ring: the partial sums lie over it
+  mm_epilogue<NT, MT, OUT>(acc, reinterpret_cast<float*>(ring), a, row0);
 }
 
 static bool mm_arch_ok() {
@@ -260,8 +428,35 @@ static void launch_mm(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
 // Two M tiles a block for int4 products of 9..16 inputs where the matrix still gives every SM two blocks (gate/up,
 // the LM head at TinyLlama's shape), or as a.m_tiles says (tests, A/B): only there did halving the inputs' traffic
 // pay; at 8 inputs it did not, and int8's two-tile block (166 registers, one block per SM) lost (docs/perf/batch.md).
+template <int NT, int MT, GemvOut OUT, bool DEEP>
+static void launch_ring(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
+  constexpr int D = mm_ring_depth(NT, MT, DEEP);
+  constexpr size_t smem = mm_ring_smem(NT, MT, DEEP);
+  auto kernel = mma_small_n_ring_kernel<NT, MT, OUT, D>;
+  // (idempotent: set at every launch, graph capture included, rather than behind a once-flag)
+  if (smem > 48 * 1024)
+    TI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  launch(kernel, dim3((a.W.rows + kMmRows * MT - 1) / (kMmRows * MT)), dim3(kMmThreads), smem, s, pdl, a);
+}
+
+// fp16 through the shared-memory ring: one 16-row tile a block unless a.m_tiles says 2; deep where the tiles fit
+// one wave of one block per SM.
+template <int NT, GemvOut OUT>
+static void mm_ring_rows(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
+  if constexpr (NT <= 2) {
+    if (a.m_tiles == 2) {
+      if ((a.W.rows + 2 * kMmRows - 1) / (2 * kMmRows) <= sm_count()) return launch_ring<NT, 2, OUT, true>(a, s, pdl);
+      return launch_ring<NT, 2, OUT, false>(a, s, pdl);
+    }
+  }
+  if ((a.W.rows + kMmRows - 1) / kMmRows <= sm_count()) return launch_ring<NT, 1, OUT, true>(a, s, pdl);
+  launch_ring<NT, 1, OUT, false>(a, s, pdl);
+}
+
 template <WFormat WF, int NT, GemvOut OUT>
 static void mm_rows(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
+  if constexpr (WF == WFormat::F16)
+    if (a.smem_ring) return mm_ring_rows<NT, OUT>(a, s, pdl);
   if constexpr (NT <= 2) {
     const bool two = WF == WFormat::I4 && NT == 2 && a.W.rows / (2 * kMmRows) >= 2 * sm_count();
     const int mt = a.m_tiles > 0 ? a.m_tiles : two ? 2 : 1;

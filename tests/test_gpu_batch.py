@@ -130,6 +130,31 @@ def test_mma_small_n_residual_past_one_wave(fmt, K, n):
     check_small_n_product(True, fmt, K, (_core.ops.sm_count() + 6) * 16 - 5, "f16-add", n)
 
 
+# fp16 on the tensor-core kernel goes through its shared-memory ring (cp.async) unless told not to: the same
+# arithmetic in the same order as the register ring, so the same bits, at partial words and chunks (1000, 1004), a
+# deep one-wave ring over several passes (5,632, 6,196 at 333 rows: 21 tiles) and the multi-wave ring (past one
+# wave of tiles), every column-tile count and both tile counts a block.
+@pytest.mark.parametrize("K, rows", [(1000, 333), (1004, 333), (5632, 333), (6196, 333), (1004, None)])
+@pytest.mark.parametrize("mode", ["f32norm-f32", "f32norm-swiglu", "f16-add"])
+@pytest.mark.parametrize("n, m_tiles", [(1, 0), (7, 0), (9, 0), (16, 2), (17, 0), (33, 0), (64, 0)])
+def test_mma_small_n_ring_matches_register_ring(K, rows, mode, n, m_tiles):
+    ops = _core.ops
+    rows = rows or (ops.sm_count() + 6) * 16 - 5  # past one wave
+    rows += rows % 2 if mode.endswith("swiglu") else 0  # (swiglu: gate / up pairs)
+    rng = np.random.default_rng(n + K)
+    W = rng.standard_normal((rows, K), dtype=np.float32) * 0.1
+    X = rng.standard_normal((n, K), dtype=np.float32)
+    norm_w = (1 + 0.2 * rng.standard_normal(K)).astype(np.float32)
+    Y0 = rng.standard_normal((n, rows), dtype=np.float32)
+    inp, out = mode.split("-")
+    gin = {"f16": ops.GemvIn.F16, "f32norm": ops.GemvIn.F32Norm}[inp]
+    gout = {"f32": ops.GemvOut.F32, "add": ops.GemvOut.AddF32, "swiglu": ops.GemvOut.Swiglu}[out]
+    ring = ops.gemv_batch(W, "fp16", X, norm_w, 1e-5, Y0, gin, gout, mma=True, m_tiles=m_tiles)
+    regs = ops.gemv_batch(W, "fp16", X, norm_w, 1e-5, Y0, gin, gout, mma=True, m_tiles=m_tiles, smem_ring=False)
+    assert np.isfinite(ring).all()
+    np.testing.assert_array_equal(ring, regs)
+
+
 @pytest.mark.parametrize("H", [62, 1000, 1024, 2048, 3000, 4096, 8192, 8200])
 def test_rmsnorm_rows_registers_match_the_grid_stride_kernel(H):
     """The norm that holds a row in registers (H <= 8,192, 16-byte rows; its weight read before the PDL wait) gives
@@ -220,7 +245,8 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
 # The batched products' paths (BatchStep::mma, small_n): every product on the small-N GEMV; every product of two
 # rows or more on cuBLASLt (int8 / int4: dequantized into the fp16 staging first); the defaults (fp16: qkv and o
 # on the tensor-core kernel up to 16 rows, the others on cuBLASLt); down on that kernel too; every product on the
-# tensor-core small-N kernel (mma_two_tiles: two 16-row tiles a block up to 16 rows); the default products with
+# tensor-core small-N kernel (mma_two_tiles: two 16-row tiles a block up to 16 rows; mma_register_ring: fp16 through
+# its register ring rather than its shared-memory ring); the default products with
 # the attention in blocks of 64 positions (rows past 64 split and merged in the kernel).
 NO_MMA = dict(batch_mma_max=0, batch_mma_f16_qkvo_max=0, batch_mma_f16_down_max=0)
 PATHS = {"small_n": dict(NO_MMA, batch_gemv_f16_max=64, batch_gemv_quant_max=64),
@@ -229,6 +255,7 @@ PATHS = {"small_n": dict(NO_MMA, batch_gemv_f16_max=64, batch_gemv_quant_max=64)
          "mma_down": dict(batch_mma_f16_down_max=16),
          "mma": dict(batch_mma_max=64, batch_mma_f16_max=64),
          "mma_two_tiles": dict(batch_mma_max=64, batch_mma_f16_max=64, batch_mma_m_tiles=2),
+         "mma_register_ring": dict(batch_mma_max=64, batch_mma_f16_max=64, batch_mma_ring=False),
          "span64": dict(batch_attn_span=64),
          "heads8": dict(batch_attn_heads=8)}
 

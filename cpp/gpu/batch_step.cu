@@ -71,6 +71,7 @@ void BatchStep::mma_product(const cuda::QMat& W, const __half* X, int ldx, void*
   a.ldy = ldy;
   a.n = n;
   a.m_tiles = o_.mma_m_tiles == 2 && n > 16 ? 1 : o_.mma_m_tiles;  // (2 serves up to 16 rows)
+  a.smem_ring = o_.mma_ring;
   cuda::mma_small_n(a, out, s, pdl_);
 }
 

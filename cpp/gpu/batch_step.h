@@ -62,6 +62,7 @@ struct BatchStepOptions {
   int mma_m_tiles = 0;  // the tensor-core kernel's 16-row tiles per block (CudaOptions::batch_mma_m_tiles; 0: auto)
   int mma_f16_qkvo_max = 16;  // fp16 qkv and o products: mma_f16_max for those two (CudaOptions::batch_mma_f16_qkvo_max)
   int mma_f16_down_max = 0;  // fp16 down likewise (CudaOptions::batch_mma_f16_down_max)
+  bool mma_ring = true;  // fp16 on that kernel: its shared-memory ring (CudaOptions::batch_mma_ring)
 };
 
 // The products of a layer (and the LM head): which kernel takes one may depend on which it is.

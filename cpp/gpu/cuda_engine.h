@@ -83,6 +83,9 @@ struct CudaOptions {
   // fp16 down products of <= this many rows take that kernel too (0: cuBLASLt; for A/B runs: at TinyLlama's
   // shape a block of 16 rows per SM streams K = 5,632 slower than cuBLASLt, docs/perf/batch.md).
   int batch_mma_f16_down_max = 0;
+  // fp16 products on that kernel take their weights and inputs through a cp.async ring in shared memory (D chunks
+  // a warp in flight, no registers held: cuda/mma_small_n.cu); false: the register ring (A/B runs).
+  bool batch_mma_ring = true;
   // 16-row tiles per block of that kernel: 0 (default) two for int4 products of 9..16 rows whose matrix still
   // gives every SM two blocks (each input fragment then meets two tiles' weights: docs/perf/batch.md), else one;
   // 1 or 2 force it (2: products of up to 16 rows) for A/B runs.

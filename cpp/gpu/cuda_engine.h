@@ -81,7 +81,7 @@ struct CudaOptions {
   // kernel) and gives o too few tiles, and after our qkv the attention starts early under PDL (docs/perf/batch.md).
   int batch_mma_f16_qkvo_max = 16;
   // fp16 down products of <= this many rows take that kernel too (0: cuBLASLt; for A/B runs: at TinyLlama's
-  // shape a block of 16 rows per SM streams K = 5,632 slower than cuBLASLt, docs/perf/batch.md).
+  // shape the step was slower with it, even where its kernel beat cuBLASLt's split-K pair: docs/perf/batch.md).
   int batch_mma_f16_down_max = 0;
   // fp16 products on that kernel take their weights and inputs through a cp.async ring in shared memory (D chunks
   // a warp in flight, no registers held: cuda/mma_small_n.cu); false: the register ring (A/B runs).

@@ -90,6 +90,19 @@ __device__ __forceinline__ void mm_inputs(const __half* x, int k, int K, bool li
   }
 }
 
+// One weight word of a 16-row tile (rows g / g + 8: wa2 / wb2, E / 2 fp16 pairs each) against the NT column tiles'
+// inputs at that word: acc[j] += A B_j, E / 4 k-steps each (both kernels: the same operations in the same order).
+template <int E, int NT>
+__device__ __forceinline__ void mm_word(float (&acc)[NT][4], const __half2 (&wa2)[E / 2],
+                                        const __half2 (&wb2)[E / 2], const __half2 (&x2)[NT][E / 2]) {
+#pragma unroll
+  for (int j = 0; j < NT; j++)
+#pragma unroll
+    for (int s = 0; s < E / 4; s++)
+      mm_mma(acc[j], mm_u32(wa2[2 * s]), mm_u32(wb2[2 * s]), mm_u32(wa2[2 * s + 1]), mm_u32(wb2[2 * s + 1]),
+             mm_u32(x2[j][2 * s]), mm_u32(x2[j][2 * s + 1]));
+}
+
 // The epilogue of both kernels: the 8 warps' sums (acc[m][j] = (row 16 m + g, cols 2t, 2t + 1), (row 16 m + g +
 // 8, ...)) meet in shared memory `red` (kMmWarps x BR x NC floats) in warp order, then the output.
 template <int NT, int MT, GemvOut OUT>
@@ -229,12 +242,7 @@ __global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 :
         __half2 wa2[E / 2], wb2[E / 2];
         mm_weights<WF>(va[m][u], sa[m][u], k, K, ok, wa2);
         mm_weights<WF>(vb[m][u], sb[m][u], k, K, ok, wb2);
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-          for (int s = 0; s < E / 4; s++)
-            mm_mma(acc[m][j], mm_u32(wa2[2 * s]), mm_u32(wb2[2 * s]), mm_u32(wa2[2 * s + 1]),
-                   mm_u32(wb2[2 * s + 1]), mm_u32(x2[j][2 * s]), mm_u32(x2[j][2 * s + 1]));
+        mm_word<E, NT>(acc[m], wa2, wb2, x2);
       }
       if (c + kMmWarps * U < chunks) {  // the slot's next chunk
         load_weights(u, c + kMmWarps * U);
@@ -387,12 +395,7 @@ __global__ void __launch_bounds__(kMmThreads) mma_small_n_ring_kernel(GemvBatchA
         __half2 wa2[E / 2], wb2[E / 2];
         mm_weights<WFormat::F16>(mine[(u * S + 2 * m) * 32], float2{}, k, K, ok, wa2);
         mm_weights<WFormat::F16>(mine[(u * S + 2 * m + 1) * 32], float2{}, k, K, ok, wb2);
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-          for (int s = 0; s < E / 4; s++)
-            mm_mma(acc[m][j], mm_u32(wa2[2 * s]), mm_u32(wb2[2 * s]), mm_u32(wa2[2 * s + 1]),
-                   mm_u32(wb2[2 * s + 1]), mm_u32(x2[j][2 * s]), mm_u32(x2[j][2 * s + 1]));
+        mm_word<E, NT>(acc[m], wa2, wb2, x2);
       }
       copy_weights(u, c + kMmWarps * D);  // the slot's next chunk (nothing past the warp's last: an empty group)
       copy_inputs(u, c + kMmWarps * D);

@@ -4,7 +4,8 @@
 // per 8 inputs does that (the CUDA-core gemv_batch.cu spends ~13 instructions per weight pair per 8 inputs).
 //
 // A block of 8 warps owns 16 weight rows (M; or 32, two tiles, see mm_rows) and splits K over its warps; each warp covers the block's n inputs
-// (NT tiles of 8: the mma's N). Weights go straight from global memory into A fragments, no shared memory:
+// (NT tiles of 8: the mma's N). Weights go from global memory into A fragments (int8 / int4: straight into
+// registers; fp16: through a per-lane ring in shared memory, mma_small_n_ring_kernel below):
 // lane (g = lane / 4, t = lane % 4) loads the 16-byte word t of a "chunk" (4 words: 32 fp16, 64 I8 or 128 I4
 // weights) of rows g and g + 8, dequantizes it to fp16 pairs (quant_words.cuh), and that word feeds E / 4
 // mma k-steps. The k order inside a k-step is permuted: in step s the lane's A halves (2t, 2t + 1) and

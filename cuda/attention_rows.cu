@@ -52,24 +52,6 @@ constexpr int kPad = 8;        // halves of padding per shared K / V row: 16-byt
 constexpr int kMaxWords = 8;   // 16-byte K words per lane: words / lanes per position <= 8 for every span
 constexpr int kMaxDpl = 8;     // V dims per lane: hd <= 256
 
-// A 16-byte copy global -> shared that holds no registers while in flight (cp.async, sm_80+; a plain load and
-// store below): the split's K and V tiles, every word of them requested before any is waited for. Registers
-// staging them (16 words a thread) set the kernel's register peak, and so its blocks per SM.
-__device__ __forceinline__ void copy16_async(__half* dst, const __half* src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
-               "l"(src) : "memory");
-#else
-  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-#endif
-}
-
-__device__ __forceinline__ void copy16_wait_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
-#endif
-}
-
 // dot of 8 fp16 keys with 8 fp32 query values from shared memory (two 16-byte reads).
 __device__ __forceinline__ float dot8_shared(const uint4& k, const float* q) {
   float kf[8];
@@ -130,10 +112,11 @@ __global__ void __launch_bounds__(kThreads, HD == 64 ? 2 : 1) decode_attn_rows_k
     for (int i = threadIdx.x; i < total; i += kThreads) {
       const int r = i / words, w = i - r * words;
       const size_t at = kv_row(table, c0 + r, kvh, p.n_kv_heads, p.page_shift, hd) + w * 8;
-      copy16_async(k_s + (size_t)r * row + w * 8, p.k_pages + at);
-      copy16_async(v_s + (size_t)r * row + w * 8, p.v_pages + at);
+      cp_async16(k_s + (size_t)r * row + w * 8, p.k_pages + at);  // (staged in registers, they set the peak)
+      cp_async16(v_s + (size_t)r * row + w * 8, p.v_pages + at);
     }
-    copy16_wait_all();
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();  // (cs, sn, the tiles)
     pdl_wait();
     pdl_launch_dependents();  // the O product after this kernel reads only weights before its own wait

@@ -275,45 +275,6 @@ constexpr size_t mm_ring_smem(int NT, int MT, bool deep) {
   return (size_t)kMmThreads * 16 * mm_ring_depth(NT, MT, deep) * mm_ring_words(NT, MT);
 }
 
-__device__ __forceinline__ uint64_t mm_evict_first() {
-  uint64_t p = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-#endif
-  return p;
-}
-// 16 bytes global -> shared, in flight without registers; weights with the L2 evict-first hint (read once a step,
-// like load_stream's), inputs without.
-__device__ __forceinline__ void mm_cp16(uint4* dst, const void* src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src)
-               : "memory");
-#else
-  *dst = *reinterpret_cast<const uint4*>(src);
-#endif
-}
-__device__ __forceinline__ void mm_cp16_stream(uint4* dst, const void* src, uint64_t policy) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(
-                   (uint32_t)__cvta_generic_to_shared(dst)),
-               "l"(src), "l"(policy)
-               : "memory");
-#else
-  *dst = *reinterpret_cast<const uint4*>(src);
-#endif
-}
-__device__ __forceinline__ void mm_cp_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void mm_cp_wait() {  // all but the newest N commit groups of this thread complete
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-
 // The same product and the same arithmetic in the same order as mma_small_n_kernel<F16, NT, MT, OUT, *> (the same
 // bits); only the path of the words differs.
 template <int NT, int MT, GemvOut OUT, int D>
@@ -340,15 +301,15 @@ __global__ void __launch_bounds__(kMmThreads) mma_small_n_ring_kernel(GemvBatchA
     xcol[j] = static_cast<const __half*>(a.x) + (size_t)(live[j] ? col : 0) * a.ldx;
   }
   uint4* mine = ring + (size_t)warp * D * S * 32 + lane;  // slot u, word w: mine[(u * S + w) * 32]
-  const uint64_t policy = mm_evict_first();
+  const uint64_t policy = l2_evict_first();
   // A lane past the row's last word (k >= words) copies nothing: its fragments are zeroed at use instead.
   auto copy_weights = [&](int u, int c) {
     const int k = c * 4 + t;
     if (c < chunks && k < words)
 #pragma unroll
       for (int m = 0; m < MT; m++) {
-        mm_cp16_stream(mine + (u * S + 2 * m) * 32, wa[m] + k, policy);
-        mm_cp16_stream(mine + (u * S + 2 * m + 1) * 32, wb[m] + k, policy);
+        cp_async16(mine + (u * S + 2 * m) * 32, wa[m] + k, policy);
+        cp_async16(mine + (u * S + 2 * m + 1) * 32, wb[m] + k, policy);
       }
   };
   auto copy_inputs = [&](int u, int c) {
@@ -356,20 +317,20 @@ __global__ void __launch_bounds__(kMmThreads) mma_small_n_ring_kernel(GemvBatchA
     if (c < chunks && k < words)
 #pragma unroll
       for (int j = 0; j < NT; j++)
-        if (live[j]) mm_cp16(mine + (u * S + 2 * MT + j) * 32, xcol[j] + (size_t)k * E);
+        if (live[j]) cp_async16(mine + (u * S + 2 * MT + j) * 32, xcol[j] + (size_t)k * E);
   };
   // PDL: the first D chunks' weights before the wait (a group each), their inputs after it (a group each).
 #pragma unroll
   for (int u = 0; u < D; u++) {
     copy_weights(u, warp + u * kMmWarps);
-    mm_cp_commit();
+    cp_async_commit();
   }
   pdl_wait();
   pdl_launch_dependents();
 #pragma unroll
   for (int u = 0; u < D; u++) {
     copy_inputs(u, warp + u * kMmWarps);
-    mm_cp_commit();
+    cp_async_commit();
   }
   float acc[MT][NT][4];
 #pragma unroll
@@ -382,7 +343,7 @@ __global__ void __launch_bounds__(kMmThreads) mma_small_n_ring_kernel(GemvBatchA
     for (int u = 0; u < D; u++) {
       const int c = c0 + u * kMmWarps;
       if (c >= chunks) break;
-      mm_cp_wait<D - 1>();
+      cp_async_wait<D - 1>();
       const int k = c * 4 + t;
       const bool ok = k < words;
       __half2 x2[NT][E / 2];
@@ -400,10 +361,10 @@ __global__ void __launch_bounds__(kMmThreads) mma_small_n_ring_kernel(GemvBatchA
       }
       copy_weights(u, c + kMmWarps * D);  // the slot's next chunk (nothing past the warp's last: an empty group)
       copy_inputs(u, c + kMmWarps * D);
-      mm_cp_commit();
+      cp_async_commit();
     }
   }
-  mm_cp_wait<0>();
+  cp_async_wait<0>();
   __syncthreads();  // every warp is done with the ring: the partial sums lie over it
   mm_epilogue<NT, MT, OUT>(acc, reinterpret_cast<float*>(ring), a, row0);
 }

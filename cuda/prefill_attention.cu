@@ -67,28 +67,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const __half* p) 
                : "r"(addr));
 }
 
-// 16 bytes global -> shared, asynchronously where the GPU can (sm_80+: cp.async, L1 bypassed; `valid` false
-// fills zeros); below sm_80 an ordinary load and store. cp_async_wait<N>: all but the N most recent groups done.
-__device__ __forceinline__ void cp_async16(__half* dst, const __half* src, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
-#else
-  *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
-#endif
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-
 __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const __half* p) {
   const unsigned addr = (unsigned)__cvta_generic_to_shared(p);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -183,8 +161,8 @@ __global__ void __launch_bounds__(kThreads) prefill_attn_kernel(PrefillAttnParam
       const int r = i / words, w = i % words;
       const bool ok = kv0 + r < kv_len;
       const size_t at = base + (size_t)(ok ? r : 0) * hd + w * 8;
-      cp_async16(Kd + r * LD + w * 8, p.k_pages + at, ok);
-      cp_async16(Vd + r * LD + w * 8, p.v_pages + at, ok);
+      cp_async16_or_zero(Kd + r * LD + w * 8, p.k_pages + at, ok);
+      cp_async16_or_zero(Vd + r * LD + w * 8, p.v_pages + at, ok);
     }
     cp_async_commit();
   };

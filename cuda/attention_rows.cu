@@ -304,8 +304,10 @@ int resident(size_t smem) {
 }
 
 // G (p.rows_heads, or auto: the fewest heads per block — the shortest serial work per block, the most blocks —
-// while the busy blocks, n_rows x KV heads x slices, fit in one wave at the kernel's residency), then the launch.
-// Past one wave the slices cost more than their shorter blocks save (the A/B: docs/perf/batch.md).
+// while the busy blocks, n_rows x KV heads x slices, fit in one wave at the kernel's residency; at least two from
+// two rows where the group has two), then the launch. Past one wave the slices cost more than their shorter
+// blocks save; one head a block re-reads each K / V tile from L2 once per query head, which lost to two a block
+// at 2-8 rows and won only at one (the A/B: docs/perf/batch.md).
 template <int HD, int SPAN>
 void launch_rows(const DecodeAttnParams& p, int n_rows, int span, cudaStream_t s, bool pdl) {
   const int group = p.n_heads / p.n_kv_heads, hd = p.head_dim;
@@ -313,7 +315,7 @@ void launch_rows(const DecodeAttnParams& p, int n_rows, int span, cudaStream_t s
   auto busy = [&](int G) { return (int64_t)n_rows * p.n_kv_heads * ((group + G - 1) / G); };
   int G = p.rows_heads;
   if (G == 0)
-    G = busy(1) <= sms * resident<HD, SPAN, 1>(rows_smem(hd, span, 1))   ? 1
+    G = (n_rows == 1 || group == 1) && busy(1) <= sms * resident<HD, SPAN, 1>(rows_smem(hd, span, 1)) ? 1
         : busy(2) <= sms * resident<HD, SPAN, 2>(rows_smem(hd, span, 2)) ? 2
         : busy(4) <= sms * resident<HD, SPAN, 4>(rows_smem(hd, span, 4)) ? 4
                                                                           : 8;

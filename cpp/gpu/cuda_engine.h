@@ -95,8 +95,9 @@ struct CudaOptions {
   // and an in-kernel merge (smaller spans did not pay on the H200: docs/perf/batch.md).
   int batch_attn_span = 0;
   // Query heads per block of that attention: 1, 2, 4 or 8 (a KV head's group split into slices of that many, each
-  // its own block re-reading the K / V tile from L2), 0 (default): the fewest while the busy blocks fit in one
-  // wave (cuda/attention_rows.cu). All 8 of a group in one block was latency-bound (docs/perf/batch.md).
+  // its own block re-reading the K / V tile from L2), 0 (default): the fewest (at least two from two rows) while
+  // the busy blocks fit in one wave (cuda/attention_rows.cu). All 8 of a group in one block was latency-bound, one
+  // a block lost to two at 2-8 rows (docs/perf/batch.md).
   int batch_attn_heads = 0;
   // The paged KV cache (kv_pages.h), shared by the single sequence and the slots:
   int kv_page_size = 64;               // positions per page: a power of two, >= 64 and >= attn_chunk

@@ -135,4 +135,34 @@ __device__ __forceinline__ bool block_wait_timed(const uint32_t* counter, uint32
   return !__syncthreads_or(failed);
 }
 
+// ---- a grid-wide barrier for an ordinary (non-persistent) kernel whose grid is one wave ----
+// For a kernel launched with no more blocks than can be resident at once (the caller checks: one block per SM
+// at most, grid <= SMs), so every block reaches the barrier. Two words kCounterStride apart, zeroed once at
+// allocation: arrivals, then a generation. Self-resetting, so no epoch needs to reach the kernel: thread 0 reads
+// the generation before it arrives (it cannot change before this grid's last arrival), the last arrival zeroes
+// the arrivals and publishes generation + 1 with a release, the others spin on ld.acquire until it changes. The
+// arrivals' acq_rel atomics form one release sequence, so the last block's release covers every block's writes
+// before its arrival. The next kernel to use the words starts after this one completed (stream order; under PDL
+// after its griddepcontrol.wait), so uses never overlap. A grid that is not co-resident would spin forever: after
+// timeout_ns the kernel traps (a CUDA error on the host) instead of hanging the GPU.
+__device__ __forceinline__ void grid_barrier(uint32_t* words, unsigned long long timeout_ns = 2000000000ull) {
+  __syncthreads();  // the block's writes precede thread 0's arrival
+  if (threadIdx.x == 0) {
+    uint32_t* arrived = words;
+    uint32_t* generation = words + kCounterStride;
+    const uint32_t gen = load_acquire(generation);
+    uint32_t before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(arrived) : "memory");
+    if (before == gridDim.x * gridDim.y * gridDim.z - 1) {
+      *reinterpret_cast<volatile uint32_t*>(arrived) = 0;
+      asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(generation), "r"(gen + 1) : "memory");
+    } else {
+      const unsigned long long t0 = global_ns();
+      while (load_acquire(generation) == gen)
+        if (global_ns() - t0 > timeout_ns) __trap();
+    }
+  }
+  __syncthreads();  // thread 0's acquire extends to the block
+}
+
 }  // namespace ti::cuda::sync

@@ -116,6 +116,15 @@ template <int BR, int NC>
 __device__ __forceinline__ void mm_norm_epilogue(const float* xs, const GemvBatchArgs& a, int row0) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, H = a.W.rows;
   float* inv = const_cast<float*>(xs) + BR * NC;  // (NC) the columns' inverse RMS
+  // Requested now, used after the barrier: the barrier's base and this thread's norm weights (a DRAM read).
+  const uint32_t base = threadIdx.x == 0 ? sync::grid_barrier_base(a.norm_bar) : 0u;
+  constexpr int kPer = (BR * NC + kMmThreads - 1) / kMmThreads;
+  float nw[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; j++) {
+    const int i = threadIdx.x + j * kMmThreads, row = row0 + i % BR;
+    nw[j] = i < BR * NC && row < H ? __ldg(a.norm_w + row) : 0.0f;
+  }
   __syncthreads();
   for (int col = threadIdx.x; col < a.n; col += kMmThreads) {
     float s = 0.0f;
@@ -123,7 +132,7 @@ __device__ __forceinline__ void mm_norm_epilogue(const float* xs, const GemvBatc
     for (int r = 0; r < BR; r++) s = fmaf(xs[col * BR + r], xs[col * BR + r], s);
     a.norm_parts[(size_t)blockIdx.x * kMmaMaxN + col] = s;
   }
-  sync::grid_barrier(a.norm_bar);
+  sync::grid_barrier(a.norm_bar, base);
   for (int col = warp; col < a.n; col += kMmWarps) {
     float s = 0.0f;
     for (int b = lane; b < (int)gridDim.x; b += 32) s += __ldcg(a.norm_parts + (size_t)b * kMmaMaxN + col);
@@ -132,10 +141,11 @@ __device__ __forceinline__ void mm_norm_epilogue(const float* xs, const GemvBatc
     if (lane == 0) inv[col] = rsqrtf(s / (float)H + a.eps);
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < BR * NC; i += kMmThreads) {
-    const int r = i % BR, col = i / BR, row = row0 + r;
-    if (col >= a.n || row >= H) continue;
-    a.xn[(size_t)col * a.ldxn + row] = __float2half(xs[i] * inv[col] * __ldg(a.norm_w + row));
+#pragma unroll
+  for (int j = 0; j < kPer; j++) {
+    const int i = threadIdx.x + j * kMmThreads, r = i % BR, col = i / BR, row = row0 + r;
+    if (i >= BR * NC || col >= a.n || row >= H) continue;
+    a.xn[(size_t)col * a.ldxn + row] = __float2half(xs[i] * inv[col] * nw[j]);
   }
 }
 

@@ -10,7 +10,6 @@
 #include "../cuda/prefill.cuh"
 #include "../cuda/prefill_attention.cuh"
 #include "../cuda/sampling.cuh"
-#include "../cuda/sync.cuh"
 
 namespace ti::cuda {
 
@@ -496,40 +495,29 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
   return io.run(p, K, ld, eps, R, in, blocks_per_sm);
 }
 
-namespace {
-// W (rows, K) fp32 on the device as the batched products take it: fp16 rows of pad8(K), or quantized there.
-struct DeviceBatchMat {
+std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, const float* X, int n,
+                                  const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out,
+                                  bool mma, int m_tiles, bool smem_ring) {
+  if (fmt != WFormat::F16) check_quant_shape(K, fmt);
+  const int ldx = (int)pad8(K), n_out = out == GemvOut::Swiglu ? rows / 2 : rows, ldy = n_out + 3;  // (ldy: odd on purpose)
   std::unique_ptr<DeviceQuant> dq;
   std::unique_ptr<Buf> w16;
   QMat m;
-  DeviceBatchMat(const float* W, int rows, int K, WFormat fmt) {
-    if (fmt != WFormat::F16) {
-      check_quant_shape(K, fmt);
-      dq = std::make_unique<DeviceQuant>(W, rows, K, fmt);
-      m = dq->m;
-      return;
-    }
-    const int ld = (int)pad8(K);
-    w16 = std::make_unique<Buf>((size_t)rows * ld * 2);
-    std::vector<__half> h((size_t)rows * ld, __float2half(0.0f));
+  if (fmt == WFormat::F16) {
+    w16 = std::make_unique<Buf>((size_t)rows * ldx * 2);
+    std::vector<__half> h((size_t)rows * ldx, __float2half(0.0f));
     for (int r = 0; r < rows; r++)
-      for (int k = 0; k < K; k++) h[(size_t)r * ld + k] = __float2half(W[(size_t)r * K + k]);
+      for (int k = 0; k < K; k++) h[(size_t)r * ldx + k] = __float2half(W[(size_t)r * K + k]);
     put(w16->p, h.data(), h.size() * 2);
     m.fmt = WFormat::F16;
     m.q = w16->p;
     m.rows = rows;
     m.K = K;
-    m.ld = ld;
+    m.ld = ldx;
+  } else {
+    dq = std::make_unique<DeviceQuant>(W, rows, K, fmt);
+    m = dq->m;
   }
-};
-}  // namespace
-
-std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, const float* X, int n,
-                                  const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out,
-                                  bool mma, int m_tiles, bool smem_ring) {
-  const int ldx = (int)pad8(K), n_out = out == GemvOut::Swiglu ? rows / 2 : rows, ldy = n_out + 3;  // (ldy: odd on purpose)
-  const DeviceBatchMat dm(W, rows, K, fmt);
-  const QMat& m = dm.m;
   Buf dx((size_t)n * ldx * 4), dn((size_t)K * 4), dy((size_t)n * ldy * 4);
   if (in == GemvIn::F16) {  // padding columns NaN: the kernel must never read past K
     std::vector<__half> xh((size_t)n * ldx, __float2half(std::numeric_limits<float>::quiet_NaN()));
@@ -583,51 +571,6 @@ std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, 
       for (int i = 0; i < n_out; i++) res[(size_t)j * n_out + i] = yf[(size_t)j * ldy + i];
   }
   return res;
-}
-
-std::pair<std::vector<float>, std::vector<float>> run_mma_residual_norm(const float* W, int rows, int K, WFormat fmt,
-                                                                        const float* X, int n, const float* norm_w,
-                                                                        float eps, const float* Y_init, int m_tiles,
-                                                                        bool smem_ring, int repeats) {
-  const int ldx = (int)pad8(K), ldy = rows + 3, ldxn = (int)pad8(rows + 5);  // (strides past the width on purpose)
-  const DeviceBatchMat dm(W, rows, K, fmt);
-  std::vector<__half> xh((size_t)n * ldx, __float2half(std::numeric_limits<float>::quiet_NaN()));
-  for (int j = 0; j < n; j++)
-    for (int k = 0; k < K; k++) xh[(size_t)j * ldx + k] = __float2half(X[(size_t)j * K + k]);
-  std::vector<float> yf((size_t)n * ldy, 0.0f);
-  for (int j = 0; j < n; j++)
-    for (int r = 0; r < rows; r++) yf[(size_t)j * ldy + r] = Y_init[(size_t)j * rows + r];
-  Buf dx(xh.size() * 2), dy(yf.size() * 4), dn((size_t)rows * 4), dxn((size_t)n * ldxn * 2),
-      parts((size_t)sm_count() * kMmaMaxN * 4), bar(2 * sync::kCounterStride * 4);
-  put(dx.p, xh.data(), xh.size() * 2);
-  put(dn.p, norm_w, (size_t)rows * 4);
-  TI_CUDA_CHECK(cudaMemset(bar.p, 0, 2 * sync::kCounterStride * 4));
-  GemvBatchArgs a;
-  a.W = dm.m;
-  a.x = dx.p;
-  a.ldx = ldx;
-  a.y = dy.p;
-  a.ldy = ldy;
-  a.n = n;
-  a.m_tiles = m_tiles;
-  a.smem_ring = smem_ring;
-  a.xn = dxn.as<__half>();
-  a.ldxn = ldxn;
-  a.norm_w = dn.as<float>();
-  a.eps = eps;
-  a.norm_parts = parts.as<float>();
-  a.norm_bar = static_cast<uint32_t*>(bar.p);
-  for (int i = 0; i < repeats; i++) {  // the same barrier words each time: it must reset itself
-    put(dy.p, yf.data(), yf.size() * 4);
-    TI_CUDA_CHECK(cudaMemset(dxn.p, 0xFF, (size_t)n * ldxn * 2));  // NaN: every element written
-    mma_small_n(a, GemvOut::AddF32, 0);
-  }
-  TI_CUDA_CHECK(cudaDeviceSynchronize());
-  get(yf.data(), dy.p, yf.size() * 4);
-  std::vector<float> y((size_t)n * rows);
-  for (int j = 0; j < n; j++)
-    for (int r = 0; r < rows; r++) y[(size_t)j * rows + r] = yf[(size_t)j * ldy + r];
-  return {y, get_half_rows(dxn.p, n, rows, ldxn)};
 }
 
 std::vector<float> run_rmsnorm_rows(const float* X, int T, int H, const float* w, float eps, bool in_registers) {

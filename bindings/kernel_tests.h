@@ -3,7 +3,6 @@
 // an element the kernel failed to write shows.
 #pragma once
 #include <cstdint>
-#include <utility>
 #include <vector>
 
 #include "../cuda/gemm.cuh"
@@ -91,14 +90,6 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
 std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, const float* X, int n,
                                   const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out,
                                   bool mma = false, int m_tiles = 0, bool smem_ring = true);
-
-// mma_small_n's residual product with the next RMSNorm (GemvBatchArgs::xn): y = Y_init + W X as run_gemv_batch's
-// AddF32, and xn = rmsnorm(y) * norm_w (norm_w: rows floats) as fp16, widened; run `repeats` times from Y_init on
-// the same grid-barrier words (it resets itself), the last run returned.
-std::pair<std::vector<float>, std::vector<float>> run_mma_residual_norm(const float* W, int rows, int K, WFormat fmt,
-                                                                        const float* X, int n, const float* norm_w,
-                                                                        float eps, const float* Y_init, int m_tiles,
-                                                                        bool smem_ring, int repeats);
 
 // The device's SM count (the kernels' one-wave rules depend on it: tests size their shapes by it).
 int device_sm_count();

@@ -375,30 +375,6 @@ void bind_ops(nb::module_& m) {
       "its shared-memory ring, else its register ring); "
       "W quantized on the device unless fp16: "
       "(n, rows) floats, (n, rows / 2) for swiglu.");
-  ops.def(
-      "mma_residual_norm",
-      [](F32In2 W, const FormatArg& f, F32In2 X, F32In1 norm_w, float eps, F32In2 Y_init, int m_tiles,
-         bool smem_ring, int repeats) {
-        const int rows = (int)W.shape(0), K = (int)W.shape(1), n = (int)X.shape(0);
-        if ((int)X.shape(1) != K) ti::fail(ti::ErrorKind::Request, "mma_residual_norm: X.shape[1] != W.shape[1]");
-        if ((int)norm_w.shape(0) != rows) ti::fail(ti::ErrorKind::Request, "mma_residual_norm: len(norm_w) != rows");
-        if ((int)Y_init.shape(0) != n || (int)Y_init.shape(1) != rows)
-          ti::fail(ti::ErrorKind::Request, "mma_residual_norm: Y_init must be (n, rows)");
-        if (repeats < 1) ti::fail(ti::ErrorKind::Request, "mma_residual_norm: repeats must be >= 1");
-        const ti::WFormat fmt = to_format(f);
-        std::pair<std::vector<float>, std::vector<float>> r;
-        {
-          nb::gil_scoped_release release;
-          r = ti::cuda::run_mma_residual_norm(W.data(), rows, K, fmt, X.data(), n, norm_w.data(), eps, Y_init.data(),
-                                              m_tiles, smem_ring, repeats);
-        }
-        return nb::make_tuple(numpy_copy(r.first, (size_t)n, (size_t)rows), numpy_copy(r.second, (size_t)n, (size_t)rows));
-      },
-      "W"_a, "format"_a, "X"_a, "norm_w"_a, "eps"_a, "Y_init"_a, "m_tiles"_a = 0, "smem_ring"_a = true,
-      "repeats"_a = 2,
-      "The tensor-core residual product with the next RMSNorm fused (cuda/mma_small_n.cu, GemvBatchArgs::xn): "
-      "(y, xn) with y = Y_init + X W.T and xn = rmsnorm(y) * norm_w rounded to fp16; W at most one 16-row tile "
-      "per SM; run `repeats` times on the same grid-barrier words.");
   ops.def("sm_count", [] { return ti::cuda::device_sm_count(); }, "The CUDA device's streaming multiprocessors.");
   ops.def(
       "rmsnorm_rows",

@@ -14,21 +14,13 @@ struct GemvBatchArgs {
   QMat W;                          // (rows, K) in its format
   const void* x = nullptr;         // n rows: F16 half (n, ldx) (columns K.. never read); F32Norm float (n, ldx)
   int ldx = 0;                     // a multiple of 8
-  const float* norm_w = nullptr;   // F32Norm: the RMSNorm weight (K); mma_small_n's xn below: (rows)
+  const float* norm_w = nullptr;   // F32Norm: the RMSNorm weight (K)
   float eps = 1e-5f;
   void* y = nullptr;               // n rows, stride ldy: F32 / AddF32 float (rows); Swiglu half (rows / 2)
   int ldy = 0;
   int n = 0;
   int m_tiles = 0;  // mma_small_n only: 16-row tiles per block, 0 (auto), 1 or 2 (n <= 16)
   bool smem_ring = true;  // mma_small_n only, fp16: words through the shared-memory ring (false: registers)
-  // mma_small_n only, AddF32 where mma_small_n_norm_fits: also the RMSNorm of the updated rows, the next normed
-  // product's input, xn = fp16(rmsnorm(y) * norm_w) (n rows, stride ldxn; norm_w: rows floats), through a barrier
-  // across the grid (one wave). norm_parts: sm_count() x kMmaMaxN floats of scratch; norm_bar: 2 x
-  // sync::kCounterStride words, zeroed once (cuda/sync.cuh grid_barrier). nullptr: no norm.
-  __half* xn = nullptr;
-  int ldxn = 0;
-  float* norm_parts = nullptr;
-  uint32_t* norm_bar = nullptr;
 };
 
 // in: F16 (fp16 rows) or F32Norm (fp32 rows RMS-normed in the prologue, as the decode GEMV does); out: F32,

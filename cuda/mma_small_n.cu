@@ -19,7 +19,6 @@
 #include "common.cuh"
 #include "mma_small_n.cuh"
 #include "quant_words.cuh"
-#include "sync.cuh"
 
 namespace ti::cuda {
 
@@ -105,50 +104,6 @@ __device__ __forceinline__ void mm_word(float (&acc)[NT][4], const __half2 (&wa2
              mm_u32(x2[j][2 * s]), mm_u32(x2[j][2 * s + 1]));
 }
 
-// The residual product's epilogue with the next RMSNorm (a.xn set; the grid one wave, mma_small_n_norm_fits):
-// xs (NC x BR floats, shared) holds the tile's updated rows of y (0 past n or the matrix). Each block adds its
-// rows' squares per column (in row order) into a.norm_parts, meets the others at a grid barrier, sums every
-// block's part in a fixed order (lane l: blocks l, l + 32, ..., then a shuffle tree; read by lane 0) and writes
-// its own rows of xn = fp16(y * inv * norm_w) — rmsnorm_rows' formula; only the order of the sum of squares
-// differs from it (the last bits of inv). A column's result depends on its own values only: the same bits at any
-// n. This replaces a dependent RMSNorm launch per product (docs/perf/batch.md).
-template <int BR, int NC>
-__device__ __forceinline__ void mm_norm_epilogue(const float* xs, const GemvBatchArgs& a, int row0) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, H = a.W.rows;
-  float* inv = const_cast<float*>(xs) + BR * NC;  // (NC) the columns' inverse RMS
-  // Requested now, used after the barrier: the barrier's base and this thread's norm weights (a DRAM read).
-  const uint32_t base = threadIdx.x == 0 ? sync::grid_barrier_base(a.norm_bar) : 0u;
-  constexpr int kPer = (BR * NC + kMmThreads - 1) / kMmThreads;
-  float nw[kPer];
-#pragma unroll
-  for (int j = 0; j < kPer; j++) {
-    const int i = threadIdx.x + j * kMmThreads, row = row0 + i % BR;
-    nw[j] = i < BR * NC && row < H ? __ldg(a.norm_w + row) : 0.0f;
-  }
-  __syncthreads();
-  for (int col = threadIdx.x; col < a.n; col += kMmThreads) {
-    float s = 0.0f;
-#pragma unroll
-    for (int r = 0; r < BR; r++) s = fmaf(xs[col * BR + r], xs[col * BR + r], s);
-    a.norm_parts[(size_t)blockIdx.x * kMmaMaxN + col] = s;
-  }
-  sync::grid_barrier(a.norm_bar, base);
-  for (int col = warp; col < a.n; col += kMmWarps) {
-    float s = 0.0f;
-    for (int b = lane; b < (int)gridDim.x; b += 32) s += __ldcg(a.norm_parts + (size_t)b * kMmaMaxN + col);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) inv[col] = rsqrtf(s / (float)H + a.eps);
-  }
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < kPer; j++) {
-    const int i = threadIdx.x + j * kMmThreads, r = i % BR, col = i / BR, row = row0 + r;
-    if (i >= BR * NC || col >= a.n || row >= H) continue;
-    a.xn[(size_t)col * a.ldxn + row] = __float2half(xs[i] * inv[col] * nw[j]);
-  }
-}
-
 // The epilogue of both kernels: the 8 warps' sums (acc[m][j] = (row 16 m + g, cols 2t, 2t + 1), (row 16 m + g +
 // 8, ...)) meet in shared memory `red` (kMmWarps x BR x NC floats) in warp order, then the output.
 template <int NT, int MT, GemvOut OUT>
@@ -183,22 +138,13 @@ __device__ __forceinline__ void mm_epilogue(const float (&acc)[MT][NT][4], float
       static_cast<__half*>(a.y)[(size_t)col * a.ldy + row / 2] = __float2half(gt / (1.0f + __expf(-gt)) * up);
     }
   } else {
-    float* xs = red + (size_t)kMmWarps * BR * NC;  // (NC, BR) AddF32 with the norm: the tile's updated rows
-    const bool norm = OUT == GemvOut::AddF32 && a.xn != nullptr;
     for (int i = threadIdx.x; i < BR * NC; i += kMmThreads) {
       const int r = i % BR, col = i / BR, row = row0 + r;
-      if (col >= a.n || row >= W.rows) {
-        if (norm) xs[i] = 0.0f;
-        continue;
-      }
+      if (col >= a.n || row >= W.rows) continue;
       float* y = static_cast<float*>(a.y) + (size_t)col * a.ldy + row;
       const float v = total(r, col);
-      const float out = OUT == GemvOut::AddF32 ? *y + v : v;
-      *y = out;
-      if (norm) xs[i] = out;
+      *y = OUT == GemvOut::AddF32 ? *y + v : v;
     }
-    if constexpr (OUT == GemvOut::AddF32)
-      if (norm) mm_norm_epilogue<BR, NC>(xs, a, row0);
   }
 }
 
@@ -437,17 +383,9 @@ bool mma_small_n_fits(const QMat& W, int n) {
   return n >= 1 && n <= kMmaMaxN && (W.fmt != WFormat::I4 || W.K % kI4Group == 0) && mm_arch_ok();
 }
 
-// One wave: at most one block per SM (auto picks two tiles a block only for grids of more than two blocks per SM).
-bool mma_small_n_norm_fits(const QMat& W, int n, int m_tiles) {
-  const int br = kMmRows * (m_tiles == 2 ? 2 : 1);
-  return mma_small_n_fits(W, n) && (W.rows + br - 1) / br <= sm_count();
-}
-
 template <WFormat WF, int NT, int MT, GemvOut OUT, int U = kMmUnroll<WF>>
 static void launch_mm(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
-  // the warps' sums (<= 32 KB), with the norm also the tile's rows and the columns' inverse RMS: no opt-in
-  const size_t smem = ((size_t)kMmWarps * kMmRows * MT * NT * 8 +
-                       (a.xn ? (size_t)kMmRows * MT * NT * 8 + NT * 8 : 0)) * sizeof(float);
+  const size_t smem = (size_t)kMmWarps * kMmRows * MT * NT * 8 * sizeof(float);  // <= 32 KB: no opt-in
   launch(mma_small_n_kernel<WF, NT, MT, OUT, U>, dim3((a.W.rows + kMmRows * MT - 1) / (kMmRows * MT)), dim3(kMmThreads),
          smem, s, pdl, a);
 }
@@ -459,8 +397,6 @@ template <int NT, int MT, GemvOut OUT, bool DEEP>
 static void launch_ring(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
   constexpr int D = mm_ring_depth(NT, MT, DEEP);
   constexpr size_t smem = mm_ring_smem(NT, MT, DEEP);
-  static_assert(smem >= ((kMmWarps + 1) * kMmRows * MT * NT * 8 + NT * 8) * sizeof(float),
-                "the epilogue's sums, rows and inverse RMS lie over the ring");
   auto kernel = mma_small_n_ring_kernel<NT, MT, OUT, D>;
   // (idempotent: set at every launch, graph capture included, rather than behind a once-flag)
   if (smem > 48 * 1024)
@@ -525,11 +461,6 @@ void mma_small_n(const GemvBatchArgs& a, GemvOut out, cudaStream_t s, bool pdl) 
     fail(ErrorKind::Request, "mma_small_n: m_tiles " + std::to_string(a.m_tiles) + " must be 0 (auto), 1 or 2 (2: n <= 16)");
   if (!mma_small_n_fits(W, a.n))
     fail(ErrorKind::Request, "mma_small_n: needs sm_80+ and (int4) K % 32 == 0");
-  if (a.xn && (out != GemvOut::AddF32 || !a.norm_w || !a.norm_parts || !a.norm_bar || a.ldxn < W.rows ||
-               !mma_small_n_norm_fits(W, a.n, a.m_tiles)))
-    fail(ErrorKind::Request, "mma_small_n: the fused RMSNorm needs out=add, its buffers, ldxn >= rows and a grid "
-                             "of one wave (" + std::to_string(W.rows) + " rows: more 16-row tiles than " +
-                             std::to_string(sm_count()) + " SMs)");
   if (W.fmt == WFormat::F16) mm_tiles<WFormat::F16>(a, out, s, pdl);
   else if (W.fmt == WFormat::I8) mm_tiles<WFormat::I8>(a, out, s, pdl);
   else mm_tiles<WFormat::I4>(a, out, s, pdl);

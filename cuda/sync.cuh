@@ -135,35 +135,4 @@ __device__ __forceinline__ bool block_wait_timed(const uint32_t* counter, uint32
   return !__syncthreads_or(failed);
 }
 
-// ---- a grid-wide barrier for an ordinary (non-persistent) kernel whose grid is one wave ----
-// For a kernel launched with no more blocks than can be resident at once (the caller checks: one block per SM
-// at most, grid <= SMs), so every block reaches the barrier. Two words kCounterStride apart, zeroed once at
-// allocation: the arrivals (they only grow, wrap-safe) and `base`, their value when the grid that used them last
-// had passed. Each block's thread 0 reads base (grid_barrier_base) before it arrives; arriving is a release add,
-// and the block waits (ld.acquire) until the arrivals reach base + blocks: one atomic and one poll after the last
-// block's arrival, no reset. Block 0 then writes the next base; the next kernel to use the words starts after
-// this one completed (stream order; under PDL after its griddepcontrol.wait), so uses never overlap and grids of
-// different sizes may share them. A grid that is not co-resident would spin forever: after timeout_ns the kernel
-// traps (a CUDA error on the host) instead of hanging the GPU.
-__device__ __forceinline__ uint32_t grid_barrier_base(const uint32_t* words) {
-  return __ldcg(words + kCounterStride);
-}
-
-__device__ __forceinline__ void grid_barrier(uint32_t* words, uint32_t base,
-                                             unsigned long long timeout_ns = 2000000000ull) {
-  const uint32_t blocks = gridDim.x * gridDim.y * gridDim.z;
-  __syncthreads();  // the block's writes precede thread 0's release
-  if (threadIdx.x == 0) {
-    release_add(words, 1);
-    const uint32_t target = base + blocks;
-    if (!reached(load_acquire(words), target)) {
-      const unsigned long long t0 = global_ns();
-      while (!reached(load_acquire(words), target))
-        if (global_ns() - t0 > timeout_ns) __trap();
-    }
-    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) words[kCounterStride] = target;
-  }
-  __syncthreads();  // thread 0's acquire extends to the block
-}
-
 }  // namespace ti::cuda::sync

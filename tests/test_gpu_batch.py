@@ -155,46 +155,6 @@ def test_mma_small_n_ring_matches_register_ring(K, rows, mode, n, m_tiles):
     np.testing.assert_array_equal(ring, regs)
 
 
-# A residual product whose blocks fit one wave also writes the next product's RMSNorm (GemvBatchArgs::xn: its
-# blocks' sums of squares met at a grid barrier): y as the plain product's, bit for bit; xn as rmsnorm_rows(y) up
-# to the last bits of the inverse RMS (another order of the same sum) and as numpy's norm; a column's xn the same
-# bits whatever the other columns; the barrier's words reused by a second run. Widths: partial words and chunks
-# (1,004), down's (5,632: several passes of the ring), int8 / int4; 333 rows (a partial tile) and exactly one wave.
-@pytest.mark.parametrize("fmt, K", [("fp16", 1004), ("fp16", 5632), ("int8", 1000), ("int4", 992)])
-@pytest.mark.parametrize("rows", [333, None])
-@pytest.mark.parametrize("n, m_tiles", [(1, 0), (7, 0), (9, 0), (16, 2), (17, 0), (33, 0), (64, 0)])
-def test_mma_residual_product_writes_the_next_norm(fmt, K, rows, n, m_tiles):
-    ops = _core.ops
-    rows = rows or ops.sm_count() * 16 - 5  # one wave of 16-row tiles, the last partial
-    rng = np.random.default_rng(n + K + rows)
-    W = rng.standard_normal((rows, K), dtype=np.float32) * 0.05
-    X = rng.standard_normal((n, K), dtype=np.float32)
-    Y0 = rng.standard_normal((n, rows), dtype=np.float32) * 3
-    norm_w = (1 + 0.2 * rng.standard_normal(rows)).astype(np.float32)
-    y, xn = ops.mma_residual_norm(W, fmt, X, norm_w, 1e-5, Y0, m_tiles=m_tiles)
-    plain = ops.gemv_batch(W, fmt, X, norm_w, 1e-5, Y0, ops.GemvIn.F16, ops.GemvOut.AddF32, mma=True,
-                           m_tiles=m_tiles)
-    np.testing.assert_array_equal(y, plain)
-    assert np.isfinite(xn).all()
-    np.testing.assert_allclose(xn, ops.rmsnorm_rows(y, norm_w, 1e-5), rtol=2e-3, atol=1e-4)
-    want = y / np.sqrt((y.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-5) * norm_w
-    np.testing.assert_allclose(xn, want, rtol=2e-3, atol=1e-3)
-    _, xn1 = ops.mma_residual_norm(W, fmt, X[:1], norm_w, 1e-5, Y0[:1], m_tiles=m_tiles, repeats=1)
-    np.testing.assert_array_equal(xn1[0], xn[0])
-    if fmt == "fp16":  # the register ring: the same epilogue after the same sums
-        y_r, xn_r = ops.mma_residual_norm(W, fmt, X, norm_w, 1e-5, Y0, m_tiles=m_tiles, smem_ring=False)
-        np.testing.assert_array_equal(y_r, y)
-        np.testing.assert_array_equal(xn_r, xn)
-
-
-def test_mma_residual_norm_refuses_more_than_one_wave():
-    ops = _core.ops
-    rows = (ops.sm_count() + 1) * 16
-    W, X = np.zeros((rows, 64), np.float32), np.zeros((2, 64), np.float32)
-    with pytest.raises(InvalidRequestError, match="a grid of one wave"):
-        ops.mma_residual_norm(W, "fp16", X, np.ones(rows, np.float32), 1e-5, np.zeros((2, rows), np.float32))
-
-
 @pytest.mark.parametrize("H", [62, 1000, 1024, 2048, 3000, 4096, 8192, 8200])
 def test_rmsnorm_rows_registers_match_the_grid_stride_kernel(H):
     """The norm that holds a row in registers (H <= 8,192, 16-byte rows; its weight read before the PDL wait) gives
@@ -286,8 +246,7 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
 # rows or more on cuBLASLt (int8 / int4: dequantized into the fp16 staging first); the defaults (fp16: qkv and o
 # on the tensor-core kernel up to 16 rows, the others on cuBLASLt); down on that kernel too; every product on the
 # tensor-core small-N kernel (mma_two_tiles: two 16-row tiles a block up to 16 rows; mma_register_ring: fp16 through
-# its register ring rather than its shared-memory ring; mma_unfused_norm: every RMSNorm its own kernel, where the
-# other paths have the residual products on that kernel write the next norm); the default products with
+# its register ring rather than its shared-memory ring); the default products with
 # the attention in blocks of 64 positions (rows past 64 split and merged in the kernel).
 NO_MMA = dict(batch_mma_max=0, batch_mma_f16_qkvo_max=0, batch_mma_f16_down_max=0)
 PATHS = {"small_n": dict(NO_MMA, batch_gemv_f16_max=64, batch_gemv_quant_max=64),
@@ -297,7 +256,6 @@ PATHS = {"small_n": dict(NO_MMA, batch_gemv_f16_max=64, batch_gemv_quant_max=64)
          "mma": dict(batch_mma_max=64, batch_mma_f16_max=64),
          "mma_two_tiles": dict(batch_mma_max=64, batch_mma_f16_max=64, batch_mma_m_tiles=2),
          "mma_register_ring": dict(batch_mma_max=64, batch_mma_f16_max=64, batch_mma_ring=False),
-         "mma_unfused_norm": dict(batch_mma_max=64, batch_mma_f16_max=64, batch_fused_norm=False),
          "span64": dict(batch_attn_span=64),
          "heads8": dict(batch_attn_heads=8)}
 

@@ -20,7 +20,6 @@
 #include "../../cuda/gemv_batch.cuh"
 #include "../../cuda/mma_small_n.cuh"
 #include "../../cuda/prefill.cuh"
-#include "../../cuda/sync.cuh"
 
 namespace ti {
 
@@ -30,20 +29,15 @@ using cuda::GemvOut;
 
 void BatchStep::record(int n, cudaStream_t s, bool pdl) {
   pdl_ = pdl;
-  xn_norm_ = nullptr;
   const ModelConfig& c = c_;
   cuda::embed_tokens(w_.embedding, w_.ld_h, (int)c.hidden, b_.tokens, n, b_.x, w_.ld_h, s);  // x = embed[tokens]
   for (int64_t l = 0; l < c.n_layers; l++) {
     const DeviceLayer& L = w_.layers[(size_t)l];
-    const bool last = l + 1 == c.n_layers;
-    const cuda::QMat& next_qkv = last ? w_.lm_head : w_.layers[(size_t)l + 1].qkv;
-    const float* next_norm = last ? w_.final_norm : w_.layers[(size_t)l + 1].attn_norm;
     normed(L.qkv, L.attn_norm, b_.qkv, b_.ld_qkv, GemvOut::F32, n, s, Product::Qkv);  // qkv = rmsnorm(x) @ Wqkv.T
     cuda::decode_attention_rows(attn_params(l), n, s, pdl_);          // att[r] over slot[r]'s cache
-    residual(L.o, b_.att, w_.ld_q, n, s, Product::O, L.gate_up, Product::GateUp, L.mlp_norm);  // x += att @ Wo.T
+    residual(L.o, b_.att, w_.ld_q, n, s, Product::O);                 // x += att @ Wo.T
     normed(L.gate_up, L.mlp_norm, b_.h, w_.ld_i, GemvOut::Swiglu, n, s, Product::GateUp);  // h = silu(gate) * up
-    residual(L.down, b_.h, w_.ld_i, n, s, Product::Down, next_qkv, last ? Product::Head : Product::Qkv,
-             next_norm);                                              // x += h @ Wd.T
+    residual(L.down, b_.h, w_.ld_i, n, s, Product::Down);             // x += h @ Wd.T
   }
   normed(w_.lm_head, w_.final_norm, b_.logits, b_.ld_v, GemvOut::F32, n, s, Product::Head);  // rmsnorm(x) @ head.T
 }
@@ -69,11 +63,6 @@ bool BatchStep::mma(const cuda::QMat& W, int n, Product p) const {
 // fp16 inputs; the RMSNorm before it as its own kernel).
 void BatchStep::mma_product(const cuda::QMat& W, const __half* X, int ldx, void* y, int ldy, GemvOut out, int n,
                             cudaStream_t s) {
-  cuda::mma_small_n(mma_args(W, X, ldx, y, ldy, n), out, s, pdl_);
-}
-
-cuda::GemvBatchArgs BatchStep::mma_args(const cuda::QMat& W, const __half* X, int ldx, void* y, int ldy,
-                                        int n) const {
   cuda::GemvBatchArgs a;
   a.W = W;
   a.x = X;
@@ -83,7 +72,7 @@ cuda::GemvBatchArgs BatchStep::mma_args(const cuda::QMat& W, const __half* X, in
   a.n = n;
   a.m_tiles = o_.mma_m_tiles == 2 && n > 16 ? 1 : o_.mma_m_tiles;  // (2 serves up to 16 rows)
   a.smem_ring = o_.mma_ring;
-  return a;
+  cuda::mma_small_n(a, out, s, pdl_);
 }
 
 bool BatchStep::small_n(const cuda::QMat& W, int n, GemvIn in) const {
@@ -107,9 +96,7 @@ void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ld
     cuda::gemv_batch(a, GemvIn::F32Norm, out, s, pdl_);
     return;
   }
-  if (xn_norm_ != norm_w)  // (else the residual product before wrote it)
-    cuda::rmsnorm_rows(b_.x, w_.ld_h, norm_w, eps, (int)c_.hidden, n, b_.xn, w_.ld_h, s, pdl_);
-  xn_norm_ = nullptr;
+  cuda::rmsnorm_rows(b_.x, w_.ld_h, norm_w, eps, (int)c_.hidden, n, b_.xn, w_.ld_h, s, pdl_);
   if (mma(W, n, p)) return mma_product(W, b_.xn, w_.ld_h, y, ldy, out, n, s);
   if (out == GemvOut::Swiglu) {
     gemm(W, b_.xn, w_.ld_h, b_.gu, b_.ld_gu, n, GemmOut::F16, s);
@@ -119,28 +106,9 @@ void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ld
   }
 }
 
-// x += X @ W.T (the residual adds of the O and down projections); on the tensor-core kernel also the next
-// product's RMSNorm where it can (fused_norm: its grid one wave) and that product reads b_.xn (not the small-N
-// GEMV, which norms x itself): one dependent launch fewer, the norm's sums met at a grid barrier instead.
-void BatchStep::residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s, Product p,
-                         const cuda::QMat& next, Product next_p, const float* next_norm) {
-  xn_norm_ = nullptr;
-  if (mma(W, n, p)) {
-    const int m_tiles = o_.mma_m_tiles == 2 && n > 16 ? 1 : o_.mma_m_tiles;
-    const bool reads_xn = mma(next, n, next_p) || !small_n(next, n, GemvIn::F32Norm);
-    if (!o_.fused_norm || !reads_xn || !cuda::mma_small_n_norm_fits(W, n, m_tiles))
-      return mma_product(W, X, ldx, b_.x, w_.ld_h, GemvOut::AddF32, n, s);
-    cuda::GemvBatchArgs a = mma_args(W, X, ldx, b_.x, w_.ld_h, n);
-    a.xn = b_.xn;
-    a.ldxn = w_.ld_h;
-    a.norm_w = next_norm;
-    a.eps = (float)c_.rms_eps;
-    a.norm_parts = b_.norm_parts;
-    a.norm_bar = b_.norm_bar;
-    cuda::mma_small_n(a, GemvOut::AddF32, s, pdl_);
-    xn_norm_ = next_norm;
-    return;
-  }
+// x += X @ W.T (the residual adds of the O and down projections).
+void BatchStep::residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s, Product p) {
+  if (mma(W, n, p)) return mma_product(W, X, ldx, b_.x, w_.ld_h, GemvOut::AddF32, n, s);
   if (small_n(W, n, GemvIn::F16)) {
     cuda::GemvBatchArgs a;
     a.W = W;
@@ -234,8 +202,6 @@ BatchBuffers BatchBuffers::allocate(const ModelConfig& c, const DeviceWeights& w
   b.logits = static_cast<float*>(zeroed(2 * R * b.ld_v * sizeof(float)));
   b.part_o = arena.alloc_n<float>(R * c.n_heads * splits * c.head_dim, Kind::Scratch);
   b.part_ml = arena.alloc_n<float>(R * c.n_heads * splits * 2, Kind::Scratch);
-  b.norm_parts = arena.alloc_n<float>((size_t)cuda::sm_count() * cuda::kMmaMaxN, Kind::Scratch);
-  b.norm_bar = static_cast<uint32_t*>(zeroed(2 * cuda::sync::kCounterStride * sizeof(uint32_t)));
   b.attn_tickets = static_cast<unsigned*>(
       zeroed(cuda::attn_rows_tickets(max_rows, (int)c.n_heads, (int)c.n_kv_heads) * sizeof(unsigned)));
   b.tables = arena.alloc_n<int>(R * b.table_stride, Kind::Scratch);

@@ -13,7 +13,6 @@
 #include "../../cuda/attention.cuh"
 #include "../../cuda/gemm.cuh"
 #include "../../cuda/gemv.cuh"
-#include "../../cuda/gemv_batch.cuh"
 #include "../core/config.h"
 #include "decode_step.h"
 #include "device_weights.h"
@@ -44,8 +43,6 @@ struct BatchBuffers {
   float* part_o = nullptr;     // (max_rows, n_heads, attn_rows_max_splits, head_dim) split-K attention partials
   float* part_ml = nullptr;    // (max_rows, n_heads, attn_rows_max_splits, 2)
   unsigned* attn_tickets = nullptr;  // attn_rows_tickets(max_rows, ...) zeroed: the attention's merge tickets
-  float* norm_parts = nullptr;  // (sm_count, kMmaMaxN) a residual product's per-block sums of squares (fused norm)
-  uint32_t* norm_bar = nullptr;  // that product's grid barrier (cuda/sync.cuh grid_barrier), zeroed once
   int* tables = nullptr;       // (max_rows slots, table_stride) every slot's page table (-1: unassigned)
   int table_stride = 0;        // pages_for(max_seq)
   float* slot_row(int64_t slot) const { return logits + (size_t)(max_rows + slot) * ld_v; }
@@ -66,7 +63,6 @@ struct BatchStepOptions {
   int mma_f16_qkvo_max = 16;  // fp16 qkv and o products: mma_f16_max for those two (CudaOptions::batch_mma_f16_qkvo_max)
   int mma_f16_down_max = 0;  // fp16 down likewise (CudaOptions::batch_mma_f16_down_max)
   bool mma_ring = true;  // fp16 on that kernel: its shared-memory ring (CudaOptions::batch_mma_ring)
-  bool fused_norm = true;  // a residual product on that kernel writes the next RMSNorm (CudaOptions::batch_fused_norm)
 };
 
 // The products of a layer (and the LM head): which kernel takes one may depend on which it is.
@@ -92,17 +88,13 @@ class BatchStep {
   // mma_f16_qkvo_max, mma_f16_down_max).
   void normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, cuda::GemvOut out, int n, cudaStream_t s,
               Product p);
-  // next: the normed product after it (its norm weight next_norm): where both sit on the tensor-core kernel's
-  // path and this one's grid is one wave, the residual product also writes xn = rmsnorm(x) for it (fused_norm).
-  void residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s, Product p,
-                const cuda::QMat& next, Product next_p, const float* next_norm);
+  void residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s, Product p);
   void gemm(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, cuda::GemmOut out,
             cudaStream_t s);
   bool small_n(const cuda::QMat& W, int n, cuda::GemvIn in) const;
   bool mma(const cuda::QMat& W, int n, Product p) const;
   void mma_product(const cuda::QMat& W, const __half* X, int ldx, void* y, int ldy, cuda::GemvOut out, int n,
                    cudaStream_t s);
-  cuda::GemvBatchArgs mma_args(const cuda::QMat& W, const __half* X, int ldx, void* y, int ldy, int n) const;
   cuda::DecodeAttnParams attn_params(int64_t layer) const;
   const ModelConfig& c_;
   DeviceWeights& w_;
@@ -111,7 +103,6 @@ class BatchStep {
   cuda::Gemm& gemm_;
   BatchStepOptions o_;
   bool pdl_ = false;  // (this record's)
-  const float* xn_norm_ = nullptr;  // the norm weight b_.xn already holds rmsnorm(x) for (a fused residual's), or null
 };
 
 }  // namespace ti

@@ -86,10 +86,6 @@ struct CudaOptions {
   // fp16 products on that kernel take their weights and inputs through a cp.async ring in shared memory (D chunks
   // a warp in flight, no registers held: cuda/mma_small_n.cu); false: the register ring (A/B runs).
   bool batch_mma_ring = true;
-  // A residual product (o, down) on that kernel whose grid is one wave (16-row tiles <= SMs) also writes the next
-  // product's RMSNorm (its blocks' sums of squares met at a grid barrier, cuda/mma_small_n.cu) instead of a
-  // dependent RMSNorm launch after it; false: the RMSNorm kernel (A/B runs).
-  bool batch_fused_norm = true;
   // 16-row tiles per block of that kernel: 0 (default) two for int4 products of 9..16 rows whose matrix still
   // gives every SM two blocks (each input fragment then meets two tiles' weights: docs/perf/batch.md), else one;
   // 1 or 2 force it (2: products of up to 16 rows) for A/B runs.

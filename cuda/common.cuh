@@ -173,19 +173,10 @@ __device__ __forceinline__ void unpack8(const uint4& v, float* out) {
   }
 }
 
-// The L1 / shared-memory split our kernels ask for (cudaFuncAttributePreferredSharedMemoryCarveout: percent of
-// the largest shared memory, -1 the driver's choice). Process-wide: it is a kernel attribute (CudaOptions).
-inline int& smem_carveout() {
-  static int v = -1;
-  return v;
-}
-
 // Launch `kernel` on `stream`, with programmatic dependent launch when `pdl` (the device is sm_90+).
 template <typename... KArgs, typename... Args>
 void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
             Args&&... args) {
-  if (smem_carveout() >= 0)
-    TI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, smem_carveout()));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;

@@ -86,9 +86,6 @@ struct CudaOptions {
   // fp16 products on that kernel take their weights and inputs through a cp.async ring in shared memory (D chunks
   // a warp in flight, no registers held: cuda/mma_small_n.cu); false: the register ring (A/B runs).
   bool batch_mma_ring = true;
-  // The shared-memory carveout our kernels prefer (percent of the largest; -1: the driver's choice per kernel).
-  // Process-wide while an engine with it lives (a kernel attribute).
-  int smem_carveout = -1;
   // 16-row tiles per block of that kernel: 0 (default) two for int4 products of 9..16 rows whose matrix still
   // gives every SM two blocks (each input fragment then meets two tiles' weights: docs/perf/batch.md), else one;
   // 1 or 2 force it (2: products of up to 16 rows) for A/B runs.

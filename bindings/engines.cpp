@@ -393,8 +393,6 @@ void bind_engines(nb::module_& m) {
       .def_rw("batch_mma_f16_qkvo_max", &ti::CudaOptions::batch_mma_f16_qkvo_max)
       .def_rw("batch_mma_f16_down_max", &ti::CudaOptions::batch_mma_f16_down_max)
       .def_rw("batch_mma_ring", &ti::CudaOptions::batch_mma_ring)
-      .def_rw("batch_mma_ring_loop", &ti::CudaOptions::batch_mma_ring_loop)
-      .def_rw("batch_mma_f16_gate_up_max", &ti::CudaOptions::batch_mma_f16_gate_up_max)
       .def_rw("batch_mma_m_tiles", &ti::CudaOptions::batch_mma_m_tiles)
       .def_rw("batch_attn_span", &ti::CudaOptions::batch_attn_span)
       .def_rw("batch_attn_heads", &ti::CudaOptions::batch_attn_heads)

@@ -21,7 +21,6 @@ struct GemvBatchArgs {
   int n = 0;
   int m_tiles = 0;  // mma_small_n only: 16-row tiles per block, 0 (auto), 1 or 2 (n <= 16)
   bool smem_ring = true;  // mma_small_n only, fp16: words through the shared-memory ring (false: registers)
-  bool ring_loop = true;  // that ring: no more blocks than fit at once, each looping over tiles (false: one a tile)
 };
 
 // in: F16 (fp16 rows) or F32Norm (fp32 rows RMS-normed in the prologue, as the decode GEMV does); out: F32,

@@ -264,9 +264,6 @@ __global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 :
 // rows g and g + 8 per tile, input word t of column g per column tile), so its own cp.async.wait_group makes
 // them visible: no barrier inside the loop. One commit group per chunk (an empty one past the warp's last), so
 // "all but the newest D - 1 groups complete" is always the chunk about to be used.
-// A block loops over tiles (blockIdx.x, + gridDim.x, ...; the grid at most the blocks that fit at once), and its
-// warps' rings run on across a tile's end: the next tile's first chunks are in flight while this one's sums meet
-// in the epilogue. (A block per tile started each of gate/up's 704 tiles with an empty ring: docs/perf/batch.md.)
 // 16-byte words a lane per chunk: a weight word of rows g and g + 8 per tile, an input word per column tile
 __host__ __device__ constexpr int mm_ring_words(int NT, int MT) { return 2 * MT + NT; }
 // 4 KB a block per word of a chunk: 24 words (96 KB, two blocks per SM) or, deep, 48 (192 KB, one).
@@ -274,10 +271,8 @@ constexpr int mm_ring_depth(int NT, int MT, bool deep) {
   const int d = (deep ? 48 : 24) / mm_ring_words(NT, MT);
   return d < 2 ? 2 : d > 16 ? 16 : d;
 }
-// the ring, then the warps' partial sums (the epilogue's, apart from the ring: it is still in use)
 constexpr size_t mm_ring_smem(int NT, int MT, bool deep) {
-  return (size_t)kMmThreads * 16 * mm_ring_depth(NT, MT, deep) * mm_ring_words(NT, MT) +
-         (size_t)kMmWarps * kMmRows * MT * NT * 8 * sizeof(float);
+  return (size_t)kMmThreads * 16 * mm_ring_depth(NT, MT, deep) * mm_ring_words(NT, MT);
 }
 
 // The same product and the same arithmetic in the same order as mma_small_n_kernel<F16, NT, MT, OUT, *> (the same
@@ -285,16 +280,18 @@ constexpr size_t mm_ring_smem(int NT, int MT, bool deep) {
 template <int NT, int MT, GemvOut OUT, int D>
 __global__ void __launch_bounds__(kMmThreads) mma_small_n_ring_kernel(GemvBatchArgs a) {
   constexpr int E = kWordElems<WFormat::F16>, BR = kMmRows * MT, S = mm_ring_words(NT, MT);
-  extern __shared__ __align__(16) uint4 ring[];  // (kMmWarps, D, S, 32), then (kMmWarps, BR, NT x 8) floats
-  float* red = reinterpret_cast<float*>(ring + (size_t)kMmWarps * D * S * 32);
+  extern __shared__ __align__(16) uint4 ring[];  // (kMmWarps, D, S, 32); after the loop the warps' partial sums
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const QMat& W = a.W;
-  const int K = W.K, tiles = (W.rows + BR - 1) / BR;
+  const int row0 = blockIdx.x * BR, K = W.K;
+  const uint4* wa[MT];
+  const uint4* wb[MT];
+#pragma unroll
+  for (int m = 0; m < MT; m++) {
+    wa[m] = gb_row<WFormat::F16>(W, min(row0 + kMmRows * m + g, W.rows - 1));  // past the end: stored nowhere
+    wb[m] = gb_row<WFormat::F16>(W, min(row0 + kMmRows * m + g + 8, W.rows - 1));
+  }
   const int words = gb_words(W, E), chunks = (words + 3) / 4;
-  // This warp's chunks of a tile (warp, warp + 8, ...) and its items: (tile, chunk) in the order it uses them.
-  const int per_tile = chunks > warp ? (chunks - warp + kMmWarps - 1) / kMmWarps : 0;
-  const int my_tiles = ((int)blockIdx.x < tiles) ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
-  const int items = my_tiles * per_tile;
   const __half* xcol[NT];
   bool live[NT];
 #pragma unroll
@@ -305,83 +302,71 @@ __global__ void __launch_bounds__(kMmThreads) mma_small_n_ring_kernel(GemvBatchA
   }
   uint4* mine = ring + (size_t)warp * D * S * 32 + lane;  // slot u, word w: mine[(u * S + w) * 32]
   const uint64_t policy = l2_evict_first();
-  // The item a copy fills: its tile (the k-th of this block's) and chunk; advanced one item per copy.
-  int copy_tile = 0, copy_q = 0;
-  auto next_item = [&] {
-    if (++copy_q == per_tile) copy_q = 0, copy_tile++;
-  };
   // A lane past the row's last word (k >= words) copies nothing: its fragments are zeroed at use instead.
-  auto copy_weights = [&](int u, bool ok) {
-    const int c = warp + copy_q * kMmWarps, k = c * 4 + t;
-    if (ok && k < words) {
-      const int row0 = (blockIdx.x + copy_tile * gridDim.x) * BR;
+  auto copy_weights = [&](int u, int c) {
+    const int k = c * 4 + t;
+    if (c < chunks && k < words)
 #pragma unroll
       for (int m = 0; m < MT; m++) {
-        const uint4* wa = gb_row<WFormat::F16>(W, min(row0 + kMmRows * m + g, W.rows - 1));  // past the end:
-        const uint4* wb = gb_row<WFormat::F16>(W, min(row0 + kMmRows * m + g + 8, W.rows - 1));  // stored nowhere
-        cp_async16(mine + (u * S + 2 * m) * 32, wa + k, policy);
-        cp_async16(mine + (u * S + 2 * m + 1) * 32, wb + k, policy);
+        cp_async16(mine + (u * S + 2 * m) * 32, wa[m] + k, policy);
+        cp_async16(mine + (u * S + 2 * m + 1) * 32, wb[m] + k, policy);
       }
-    }
   };
-  auto copy_inputs = [&](int u, bool ok) {
-    const int c = warp + copy_q * kMmWarps, k = c * 4 + t;
-    if (ok && k < words)
+  auto copy_inputs = [&](int u, int c) {
+    const int k = c * 4 + t;
+    if (c < chunks && k < words)
 #pragma unroll
       for (int j = 0; j < NT; j++)
         if (live[j]) cp_async16(mine + (u * S + 2 * MT + j) * 32, xcol[j] + (size_t)k * E);
   };
-  // PDL: the first D items' weights before the wait (a group each), their inputs after it (a group each).
+  // PDL: the first D chunks' weights before the wait (a group each), their inputs after it (a group each).
 #pragma unroll
   for (int u = 0; u < D; u++) {
-    copy_weights(u, u < items);
+    copy_weights(u, warp + u * kMmWarps);
     cp_async_commit();
-    if (u < items) next_item();
   }
   pdl_wait();
   pdl_launch_dependents();
-  copy_tile = copy_q = 0;
 #pragma unroll
   for (int u = 0; u < D; u++) {
-    copy_inputs(u, u < items);
+    copy_inputs(u, warp + u * kMmWarps);
     cp_async_commit();
-    if (u < items) next_item();
   }
-  int slot = 0, item = 0;
-  for (int kt = 0; kt < my_tiles; kt++) {
-    float acc[MT][NT][4];
+  float acc[MT][NT][4];
 #pragma unroll
-    for (int m = 0; m < MT; m++)
+  for (int m = 0; m < MT; m++)
 #pragma unroll
-      for (int j = 0; j < NT; j++) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
-    for (int q = 0; q < per_tile; q++, item++) {
+    for (int j = 0; j < NT; j++) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
+
+  for (int c0 = warp; c0 < chunks; c0 += kMmWarps * D) {
+#pragma unroll
+    for (int u = 0; u < D; u++) {
+      const int c = c0 + u * kMmWarps;
+      if (c >= chunks) break;
       cp_async_wait<D - 1>();
-      const int k = (warp + q * kMmWarps) * 4 + t;
+      const int k = c * 4 + t;
       const bool ok = k < words;
       __half2 x2[NT][E / 2];
 #pragma unroll
       for (int j = 0; j < NT; j++) {
-        const uint4 v = mine[(slot * S + 2 * MT + j) * 32];  // (not read below unless live and ok)
+        const uint4 v = mine[(u * S + 2 * MT + j) * 32];  // (not read below unless live and ok)
         mm_inputs<E, true>(xcol[j], k, K, live[j] && ok, &v, x2[j]);
       }
 #pragma unroll
       for (int m = 0; m < MT; m++) {
         __half2 wa2[E / 2], wb2[E / 2];
-        mm_weights<WFormat::F16>(mine[(slot * S + 2 * m) * 32], float2{}, k, K, ok, wa2);
-        mm_weights<WFormat::F16>(mine[(slot * S + 2 * m + 1) * 32], float2{}, k, K, ok, wb2);
+        mm_weights<WFormat::F16>(mine[(u * S + 2 * m) * 32], float2{}, k, K, ok, wa2);
+        mm_weights<WFormat::F16>(mine[(u * S + 2 * m + 1) * 32], float2{}, k, K, ok, wb2);
         mm_word<E, NT>(acc[m], wa2, wb2, x2);
       }
-      const bool more = item + D < items;  // the slot's next item (nothing past the last: an empty group)
-      copy_weights(slot, more);
-      copy_inputs(slot, more);
+      copy_weights(u, c + kMmWarps * D);  // the slot's next chunk (nothing past the warp's last: an empty group)
+      copy_inputs(u, c + kMmWarps * D);
       cp_async_commit();
-      if (more) next_item();
-      slot = slot + 1 == D ? 0 : slot + 1;
     }
-    mm_epilogue<NT, MT, OUT>(acc, red, a, (blockIdx.x + kt * gridDim.x) * BR);
-    __syncthreads();  // every thread is done reading `red` before the next tile's sums go there
   }
   cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the ring: the partial sums lie over it
+  mm_epilogue<NT, MT, OUT>(acc, reinterpret_cast<float*>(ring), a, row0);
 }
 
 static bool mm_arch_ok() {
@@ -408,8 +393,6 @@ static void launch_mm(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
 // Two M tiles a block for int4 products of 9..16 inputs where the matrix still gives every SM two blocks (gate/up,
 // the LM head at TinyLlama's shape), or as a.m_tiles says (tests, A/B): only there did halving the inputs' traffic
 // pay; at 8 inputs it did not, and int8's two-tile block (166 registers, one block per SM) lost (docs/perf/batch.md).
-// The grid: a block per tile up to the blocks that fit on the device at once (occupancy API), beyond that each
-// block loops over tiles.
 template <int NT, int MT, GemvOut OUT, bool DEEP>
 static void launch_ring(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
   constexpr int D = mm_ring_depth(NT, MT, DEEP);
@@ -418,14 +401,7 @@ static void launch_ring(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
   // (idempotent: set at every launch, graph capture included, rather than behind a once-flag)
   if (smem > 48 * 1024)
     TI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  static const int per_sm = [&] {
-    int b = 0;
-    TI_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, kMmThreads, smem));
-    return std::max(b, 1);
-  }();
-  const int tiles = (a.W.rows + kMmRows * MT - 1) / (kMmRows * MT);
-  const int grid = a.ring_loop ? std::min(tiles, per_sm * sm_count()) : tiles;
-  launch(kernel, dim3(grid), dim3(kMmThreads), smem, s, pdl, a);
+  launch(kernel, dim3((a.W.rows + kMmRows * MT - 1) / (kMmRows * MT)), dim3(kMmThreads), smem, s, pdl, a);
 }
 
 // fp16 through the shared-memory ring: one 16-row tile a block unless a.m_tiles says 2; deep where the tiles fit

@@ -132,18 +132,14 @@ def test_mma_small_n_residual_past_one_wave(fmt, K, n):
 
 # fp16 on the tensor-core kernel goes through its shared-memory ring (cp.async) unless told not to: the same
 # arithmetic in the same order as the register ring, so the same bits, at partial words and chunks (1000, 1004), a
-# deep one-wave ring over several passes (5,632, 6,196 at 333 rows: 21 tiles), the ring of two blocks an SM (past
-# one wave of tiles) and its blocks looping over tiles (past what fits at once: each block's ring runs on across
-# 3-4 tiles, the last partial), a width of fewer chunks than warps (100: some warps have none), every column-tile
-# count and both tile counts a block.
-@pytest.mark.parametrize("K, rows", [(100, 333), (1000, 333), (1004, 333), (5632, 333), (6196, 333),
-                                     (1004, "past one wave"), (1004, "looping"), (2048, "looping")])
+# deep one-wave ring over several passes (5,632, 6,196 at 333 rows: 21 tiles) and the multi-wave ring (past one
+# wave of tiles), every column-tile count and both tile counts a block.
+@pytest.mark.parametrize("K, rows", [(1000, 333), (1004, 333), (5632, 333), (6196, 333), (1004, None)])
 @pytest.mark.parametrize("mode", ["f32norm-f32", "f32norm-swiglu", "f16-add"])
 @pytest.mark.parametrize("n, m_tiles", [(1, 0), (7, 0), (9, 0), (16, 2), (17, 0), (33, 0), (64, 0)])
 def test_mma_small_n_ring_matches_register_ring(K, rows, mode, n, m_tiles):
     ops = _core.ops
-    sms = ops.sm_count()
-    rows = {"past one wave": (sms + 6) * 16 - 5, "looping": (3 * 2 * sms + 37) * 16 - 5}.get(rows, rows)
+    rows = rows or (ops.sm_count() + 6) * 16 - 5  # past one wave
     rows += rows % 2 if mode.endswith("swiglu") else 0  # (swiglu: gate / up pairs)
     rng = np.random.default_rng(n + K)
     W = rng.standard_normal((rows, K), dtype=np.float32) * 0.1

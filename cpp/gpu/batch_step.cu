@@ -54,7 +54,6 @@ void BatchStep::record(int n, cudaStream_t s, bool pdl) {
 bool BatchStep::mma(const cuda::QMat& W, int n, Product p) const {
   const int own = p == Product::Qkv || p == Product::O ? o_.mma_f16_qkvo_max
                   : p == Product::Down                    ? o_.mma_f16_down_max
-                  : p == Product::GateUp                  ? o_.mma_f16_gate_up_max
                                                           : 0;
   const int most = W.fmt != WFormat::F16 ? o_.mma_max : std::max(o_.mma_f16_max, own);
   return n <= most && cuda::mma_small_n_fits(W, n);
@@ -73,7 +72,6 @@ void BatchStep::mma_product(const cuda::QMat& W, const __half* X, int ldx, void*
   a.n = n;
   a.m_tiles = o_.mma_m_tiles == 2 && n > 16 ? 1 : o_.mma_m_tiles;  // (2 serves up to 16 rows)
   a.smem_ring = o_.mma_ring;
-  a.ring_loop = o_.mma_ring_loop;
   cuda::mma_small_n(a, out, s, pdl_);
 }
 

@@ -63,8 +63,6 @@ struct BatchStepOptions {
   int mma_f16_qkvo_max = 16;  // fp16 qkv and o products: mma_f16_max for those two (CudaOptions::batch_mma_f16_qkvo_max)
   int mma_f16_down_max = 0;  // fp16 down likewise (CudaOptions::batch_mma_f16_down_max)
   bool mma_ring = true;  // fp16 on that kernel: its shared-memory ring (CudaOptions::batch_mma_ring)
-  bool mma_ring_loop = true;  // that ring's blocks loop over tiles (CudaOptions::batch_mma_ring_loop)
-  int mma_f16_gate_up_max = 0;  // fp16 gate/up likewise (CudaOptions::batch_mma_f16_gate_up_max)
 };
 
 // The products of a layer (and the LM head): which kernel takes one may depend on which it is.

@@ -86,12 +86,6 @@ struct CudaOptions {
   // fp16 products on that kernel take their weights and inputs through a cp.async ring in shared memory (D chunks
   // a warp in flight, no registers held: cuda/mma_small_n.cu); false: the register ring (A/B runs).
   bool batch_mma_ring = true;
-  // That ring's grid: no more blocks than fit on the device at once, each looping over tiles with its ring running
-  // on across them; false: a block per tile, each starting with an empty ring (A/B runs).
-  bool batch_mma_ring_loop = true;
-  // fp16 gate/up products of <= this many rows take that kernel too, SwiGLU in its epilogue (0: cuBLASLt and a
-  // SwiGLU kernel).
-  int batch_mma_f16_gate_up_max = 0;
   // 16-row tiles per block of that kernel: 0 (default) two for int4 products of 9..16 rows whose matrix still
   // gives every SM two blocks (each input fragment then meets two tiles' weights: docs/perf/batch.md), else one;
   // 1 or 2 force it (2: products of up to 16 rows) for A/B runs.

@@ -393,6 +393,7 @@ void bind_engines(nb::module_& m) {
       .def_rw("batch_mma_f16_qkvo_max", &ti::CudaOptions::batch_mma_f16_qkvo_max)
       .def_rw("batch_mma_f16_down_max", &ti::CudaOptions::batch_mma_f16_down_max)
       .def_rw("batch_mma_ring", &ti::CudaOptions::batch_mma_ring)
+      .def_rw("batch_down_k_slices", &ti::CudaOptions::batch_down_k_slices)
       .def_rw("batch_mma_m_tiles", &ti::CudaOptions::batch_mma_m_tiles)
       .def_rw("batch_attn_span", &ti::CudaOptions::batch_attn_span)
       .def_rw("batch_attn_heads", &ti::CudaOptions::batch_attn_heads)
@@ -528,7 +529,8 @@ void bind_engines(nb::module_& m) {
                d["M"] = t.M;
                d["N"] = t.N;
                d["K"] = t.K;
-               d["out"] = t.out == ti::cuda::GemmOut::F16 ? "f16" : t.out == ti::cuda::GemmOut::AddF32 ? "add_f32" : "f32";
+               d["out"] = t.out == ti::cuda::GemmOut::F16 ? "f16" : t.out == ti::cuda::GemmOut::AddF32 ? "add_f32"
+                          : t.k_slices > 1 ? "f32/" + std::to_string(t.k_slices) + "k" : "f32";
                d["candidates"] = t.candidates;
                d["default_us"] = t.default_us;
                d["tuned_us"] = t.tuned_us;

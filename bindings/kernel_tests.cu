@@ -3,6 +3,7 @@
 #include <limits>
 
 #include "../cuda/attention.cuh"
+#include "../cuda/batch_rows.cuh"
 #include "../cuda/common.cuh"
 #include "../cuda/gemv_batch.cuh"
 #include "../cuda/mma_small_n.cuh"
@@ -355,6 +356,56 @@ std::vector<float> run_gemm(const uint16_t* W, const float* X, const float* Y_in
       for (int m = 0; m < M; m++) y[(size_t)n * M + m] = yf[(size_t)n * ldy + m];
   }
   return y;
+}
+
+std::pair<std::vector<float>, std::vector<float>> run_sliced_residual_norm(const uint16_t* W, const float* X,
+                                                                           const float* x_init, const float* norm_w,
+                                                                           float eps, int M, int N, int K, int slices,
+                                                                           bool autotune) {
+  const int ldk = (int)pad8(K), ld = (int)pad8(M + 4);  // (rows wider than the width on purpose)
+  const int64_t stride = (int64_t)N * ld + 8;
+  std::vector<uint16_t> wp((size_t)M * ldk, 0x7E00), xp((size_t)N * ldk, 0x7E00);  // NaN padding: never read
+  for (int m = 0; m < M; m++)
+    for (int k = 0; k < K; k++) wp[(size_t)m * ldk + k] = W[(size_t)m * K + k];
+  for (int n = 0; n < N; n++)
+    for (int k = 0; k < K; k++) {
+      const __half h = __float2half(X[(size_t)n * K + k]);
+      xp[(size_t)n * ldk + k] = *reinterpret_cast<const uint16_t*>(&h);
+    }
+  std::vector<float> xr((size_t)N * ld, 0.0f);
+  for (int n = 0; n < N; n++)
+    for (int m = 0; m < M; m++) xr[(size_t)n * ld + m] = x_init[(size_t)n * M + m];
+  Buf dW(wp.size() * 2), dX(xp.size() * 2), dP((size_t)slices * stride * 4), dx(xr.size() * 4), dn((size_t)M * 4),
+      dy((size_t)N * ld * 2);
+  put(dW.p, wp.data(), wp.size() * 2);
+  put(dX.p, xp.data(), xp.size() * 2);
+  put(dx.p, xr.data(), xr.size() * 4);
+  put(dn.p, norm_w, (size_t)M * 4);
+  TI_CUDA_CHECK(cudaMemset(dP.p, 0xFF, (size_t)slices * stride * 4));  // NaN: every part written
+  TI_CUDA_CHECK(cudaMemset(dy.p, 0xFF, (size_t)N * ld * 2));
+  Gemm gemm;
+  gemm.autotune = autotune;
+  GemmArgs a;
+  a.W = dW.as<__half>();
+  a.X = dX.as<__half>();
+  a.Y = dP.p;
+  a.M = M;
+  a.N = N;
+  a.K = K;
+  a.ldw = a.ldx = ldk;
+  a.ldy = ld;
+  a.out = GemmOut::F32;
+  a.k_slices = slices;
+  a.slice_stride = stride;
+  gemm.run(a, 0);
+  residual_norm_rows(dP.as<float>(), slices, stride, ld, dx.as<float>(), ld, dn.as<float>(), eps, M, N,
+                     dy.as<__half>(), ld, 0, false);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  get(xr.data(), dx.p, xr.size() * 4);
+  std::vector<float> x((size_t)N * M);
+  for (int n = 0; n < N; n++)
+    for (int m = 0; m < M; m++) x[(size_t)n * M + m] = xr[(size_t)n * ld + m];
+  return {x, get_half_rows(dy.p, N, M, ld)};
 }
 
 // One prefill_attention launch over T query rows; `set` fills in where the rows sit (one sequence or many).

@@ -3,6 +3,7 @@
 // an element the kernel failed to write shows.
 #pragma once
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "../cuda/gemm.cuh"
@@ -90,6 +91,13 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
 std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, const float* X, int n,
                                   const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out,
                                   bool mma = false, int m_tiles = 0, bool smem_ring = true);
+
+// A down product as the batched step takes it in K slices (GemmArgs::k_slices, cuBLASLt, W fp16 bits (M, K)),
+// then residual_norm_rows: x = x_init + X @ W.T and xn = fp16(rmsnorm(x) * norm_w). Returns (x, xn widened).
+std::pair<std::vector<float>, std::vector<float>> run_sliced_residual_norm(const uint16_t* W, const float* X,
+                                                                           const float* x_init, const float* norm_w,
+                                                                           float eps, int M, int N, int K, int slices,
+                                                                           bool autotune);
 
 // The device's SM count (the kernels' one-wave rules depend on it: tests size their shapes by it).
 int device_sm_count();

@@ -413,6 +413,25 @@ void bind_ops(nb::module_& m) {
       "W_f16_bits"_a, "X"_a, "y_init"_a, "output"_a, "autotune"_a = true,
       "One cuBLASLt GEMM (cuda/gemm.cu): X @ W.T (+ y_init for output GemmOut.AddF32).");
   ops.def(
+      "sliced_residual_norm",
+      [](nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> W, F32In2 X, F32In2 x_init,
+         F32In1 norm_w, float eps, int slices, bool autotune) {
+        const int M = (int)W.shape(0), K = (int)W.shape(1), N = (int)X.shape(0);
+        if ((int)X.shape(1) != K) ti::fail(ti::ErrorKind::Request, "sliced_residual_norm: X.shape[1] != W.shape[1]");
+        if ((int)x_init.shape(0) != N || (int)x_init.shape(1) != M || (int)norm_w.shape(0) != M)
+          ti::fail(ti::ErrorKind::Request, "sliced_residual_norm: x_init must be (N, M), norm_w (M)");
+        std::pair<std::vector<float>, std::vector<float>> r;
+        {
+          nb::gil_scoped_release release;
+          r = ti::cuda::run_sliced_residual_norm(W.data(), X.data(), x_init.data(), norm_w.data(), eps, M, N, K,
+                                                 slices, autotune);
+        }
+        return nb::make_tuple(numpy_copy(r.first, (size_t)N, (size_t)M), numpy_copy(r.second, (size_t)N, (size_t)M));
+      },
+      "W_f16_bits"_a, "X"_a, "x_init"_a, "norm_w"_a, "eps"_a, "slices"_a, "autotune"_a = true,
+      "The batched step's down product in K slices (cuBLASLt, GemmArgs::k_slices) and residual_norm_rows after it "
+      "(cuda/batch_rows.cuh): (x_init + X @ W.T, fp16(rmsnorm(that) * norm_w)).");
+  ops.def(
       "prefill_attention",
       [](F32In2 q, U16Pages k_pages, U16Pages v_pages, I32In1 page_table, int pos0, int n_heads, int stages) {
         const int T = (int)q.shape(0);

@@ -14,4 +14,76 @@ void mark_tokens(unsigned char* seen, const int* tokens, int n, cudaStream_t s) 
   launch(mark_tokens_kernel, dim3((n + 255) / 256), dim3(256), 0, s, false, seen, tokens, n);
 }
 
+constexpr int kMaxSlices = 8;
+
+// 256 threads a row, V float4 each (H <= 1,024 V). After the PDL wait one round trip: x and every slice's part are
+// requested together. The sum of squares as rmsnorm_rows_reg_kernel's (prefill.cu), so a row's norm is that
+// kernel's bits on the same x.
+template <int V>
+__global__ void __launch_bounds__(256) residual_norm_rows_kernel(const float* parts, int slices, int64_t slice_stride,
+                                                                 int ldp, float* x, int ldx, const float* w, float eps,
+                                                                 int H, __half* y, int ldy) {
+  __shared__ float red[33];
+  float4 g[V], v[V];
+#pragma unroll
+  for (int j = 0; j < V; j++) {
+    const int i = (threadIdx.x + j * 256) * 4;
+    if (i < H) g[j] = __ldg(reinterpret_cast<const float4*>(w + i));
+  }
+  pdl_wait();
+  pdl_launch_dependents();
+  const int r = blockIdx.x;
+  float* xr = x + (size_t)r * ldx;
+#pragma unroll
+  for (int j = 0; j < V; j++) {
+    const int i = (threadIdx.x + j * 256) * 4;
+    if (i >= H) continue;
+    float4 q[kMaxSlices];  // every slice requested before the first add
+#pragma unroll
+    for (int s = 0; s < kMaxSlices; s++)
+      if (s < slices) q[s] = *reinterpret_cast<const float4*>(parts + s * slice_stride + (size_t)r * ldp + i);
+    float4 p = q[0];
+#pragma unroll
+    for (int s = 1; s < kMaxSlices; s++)
+      if (s < slices) p.x += q[s].x, p.y += q[s].y, p.z += q[s].z, p.w += q[s].w;
+    const float4 o = *reinterpret_cast<const float4*>(xr + i);
+    v[j] = make_float4(o.x + p.x, o.y + p.y, o.z + p.z, o.w + p.w);
+    *reinterpret_cast<float4*>(xr + i) = v[j];
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < V; j++)
+    if ((threadIdx.x + j * 256) * 4 < H)
+      ss = fmaf(v[j].x, v[j].x, fmaf(v[j].y, v[j].y, fmaf(v[j].z, v[j].z, fmaf(v[j].w, v[j].w, ss))));
+  const float inv = rsqrtf(block_sum(ss, red) / (float)H + eps);
+  __half* yr = y + (size_t)r * ldy;
+#pragma unroll
+  for (int j = 0; j < V; j++) {
+    const int i = (threadIdx.x + j * 256) * 4;
+    if (i >= H) continue;
+    __align__(8) __half2 o[2] = {__floats2half2_rn(v[j].x * inv * g[j].x, v[j].y * inv * g[j].y),
+                                 __floats2half2_rn(v[j].z * inv * g[j].z, v[j].w * inv * g[j].w)};
+    *reinterpret_cast<uint2*>(yr + i) = *reinterpret_cast<const uint2*>(o);
+  }
+}
+
+bool residual_norm_rows_fits(int H, int slices, int64_t slice_stride, int ldp, int ldx, int ldy) {
+  return slices >= 1 && slices <= kMaxSlices && H >= 4 && H % 4 == 0 && H <= 8192 && slice_stride % 4 == 0 && ldp % 4 == 0 &&
+         ldx % 4 == 0 && ldy % 4 == 0;
+}
+
+void residual_norm_rows(const float* parts, int slices, int64_t slice_stride, int ldp, float* x, int ldx,
+                        const float* w, float eps, int H, int T, __half* y, int ldy, cudaStream_t s, bool pdl) {
+  if (T < 1 || !residual_norm_rows_fits(H, slices, slice_stride, ldp, ldx, ldy) || ldp < H || ldx < H || ldy < H ||
+      (slices > 1 && slice_stride < (int64_t)T * ldp))
+    fail(ErrorKind::Request, "residual_norm_rows: bad shape H=" + std::to_string(H) + " slices=" +
+                                 std::to_string(slices) + " T=" + std::to_string(T));
+  const int V = (H + 1023) / 1024;
+  auto go = [&](auto kernel) { launch(kernel, dim3(T), dim3(256), 0, s, pdl, parts, slices, slice_stride, ldp, x, ldx, w, eps, H, y, ldy); };
+  if (V <= 1) return go(residual_norm_rows_kernel<1>);
+  if (V <= 2) return go(residual_norm_rows_kernel<2>);
+  if (V <= 4) return go(residual_norm_rows_kernel<4>);
+  go(residual_norm_rows_kernel<8>);
+}
+
 }  // namespace ti::cuda

@@ -55,10 +55,23 @@ struct Desc {
     const cublasOperation_t t = CUBLAS_OP_T, nt = CUBLAS_OP_N;
     TI_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
     TI_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &nt, sizeof(nt)));
-    TI_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_16F, g.K, g.M, g.ldw));
-    TI_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b, CUDA_R_16F, g.K, n, g.ldx));
+    const int k = g.K / g.k_slices;  // (k_slices 1: all of K)
+    TI_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_16F, k, g.M, g.ldw));
+    TI_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&b, CUDA_R_16F, k, n, g.ldx));
     const cudaDataType_t yt = g.out == GemmOut::F16 ? CUDA_R_16F : CUDA_R_32F;
     TI_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&c, yt, g.M, n, g.ldy));
+    if (g.k_slices > 1) {  // slice s: W's and X's columns s k.., Y + s slice_stride
+      const int32_t count = g.k_slices;
+      const int64_t along_k = k, along_y = g.slice_stride;
+      for (cublasLtMatrixLayout_t l : {a, b, c})
+        TI_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+      TI_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(a, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &along_k,
+                                                       sizeof(along_k)));
+      TI_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(b, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &along_k,
+                                                       sizeof(along_k)));
+      TI_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(c, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &along_y,
+                                                       sizeof(along_y)));
+    }
     beta = g.out == GemmOut::AddF32 ? 1.0f : 0.0f;
   }
   ~Desc() {
@@ -212,7 +225,7 @@ std::string Gemm::save() const {
                     "): M N K out offered candidates chosen default_us tuned_us algo-hex checksum\n";
   for (const auto& kv : cache_) {
     const Entry& e = *kv.second;
-    if (!e.tuned) continue;
+    if (!e.tuned || e.info.k_slices > 1) continue;
     const GemmTuning& t = e.info;
     char buf[160];
     std::snprintf(buf, sizeof(buf), "%d %d %d %d %d %d %d %.3f %.3f ", t.M, t.N, t.K, (int)t.out, t.offered,
@@ -270,7 +283,7 @@ int Gemm::load(const std::string& text) {
     if (!ok || cublasLtMatmulAlgoCheck(as_handle(handle_), d.op, d.a, d.b, d.c, d.c, &algo, &check) !=
                    CUBLAS_STATUS_SUCCESS || check.workspaceSize > workspace_bytes_)
       continue;
-    Entry*& e = cache_[Key{t.M, t.N, t.K, out}];
+    Entry*& e = cache_[Key{t.M, t.N, t.K, out, 1}];
     if (!e) e = new Entry();
     t.algo = describe(algo);
     t.from_file = true;
@@ -287,14 +300,15 @@ const GemmTuning& Gemm::tune(const GemmArgs& a, cudaStream_t s) { return lookup(
 // The cached entry of a's shape bucket, tuning it first if it is new (and we are not inside a capture).
 Gemm::Entry& Gemm::lookup(const GemmArgs& a, cudaStream_t s) {
   const int nb = bucket(a.N);
-  const Key key{a.M, nb, a.K, (int)a.out};
+  const Key key{a.M, nb, a.K, (int)a.out, a.k_slices};
   auto it = cache_.find(key);
   if (it != cache_.end() && (it->second->tuned || capturing(s))) return *it->second;
   Entry* e = it != cache_.end() ? it->second : (cache_[key] = new Entry());
-  e->info = GemmTuning{a.M, nb, a.K, a.out};
+  e->info = GemmTuning{a.M, nb, a.K, a.out, a.k_slices};
 
   GemmArgs t = a;  // time at the bucket's N on scratch X and Y (zeros): the caller's buffers stay untouched
   t.N = nb;
+  if (a.k_slices > 1) t.slice_stride = (int64_t)nb * a.ldy;  // (the scratch Y's slices)
   Desc d(t, nb);
   cublasLtMatmulPreference_t pref = nullptr;
   TI_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -312,7 +326,7 @@ Gemm::Entry& Gemm::lookup(const GemmArgs& a, cudaStream_t s) {
   std::vector<cublasLtMatmulAlgo_t> cands;
   for (int i = 0; i < found; i++)
     if (res[(size_t)i].state == CUBLAS_STATUS_SUCCESS) cands.push_back(res[(size_t)i].algo);
-  if (autotune && !capturing(s)) add_split_k(as_handle(handle_), d, a.K, workspace_bytes_, cands);
+  if (autotune && !capturing(s) && a.k_slices == 1) add_split_k(as_handle(handle_), d, a.K, workspace_bytes_, cands);
   if (capturing(s) || !autotune) {  // no timing inside a capture; or the default on purpose
     e->info.candidates = 1;
     e->info.offered = found;
@@ -334,9 +348,10 @@ Gemm::Entry& Gemm::lookup(const GemmArgs& a, cudaStream_t s) {
   };
   try {
     TI_CUDA_CHECK(cudaMalloc(&x, (size_t)nb * a.ldx * 2));
-    TI_CUDA_CHECK(cudaMalloc(&y, (size_t)nb * a.ldy * y_elt));
+    const size_t y_bytes = (size_t)a.k_slices * nb * a.ldy * y_elt;
+    TI_CUDA_CHECK(cudaMalloc(&y, y_bytes));
     TI_CUDA_CHECK(cudaMemsetAsync(x, 0, (size_t)nb * a.ldx * 2, s));
-    TI_CUDA_CHECK(cudaMemsetAsync(y, 0, (size_t)nb * a.ldy * y_elt, s));
+    TI_CUDA_CHECK(cudaMemsetAsync(y, 0, y_bytes, s));
     TI_CUDA_CHECK(cudaEventCreate(&e0));
     TI_CUDA_CHECK(cudaEventCreate(&e1));
     if (tune_cold) {
@@ -402,6 +417,10 @@ void Gemm::run(const GemmArgs& a, cudaStream_t s) {
       a.ldy % 8)
     fail(ErrorKind::Request, "gemm: bad shape M=" + std::to_string(a.M) + " N=" + std::to_string(a.N) +
                                  " K=" + std::to_string(a.K));
+  if (a.k_slices < 1 || (a.k_slices > 1 && (a.out != GemmOut::F32 || a.K % (8 * a.k_slices) != 0 ||
+                                            a.slice_stride < (int64_t)a.N * a.ldy)))
+    fail(ErrorKind::Request, "gemm: k_slices " + std::to_string(a.k_slices) + " needs out f32, K % (8 k_slices) == 0 "
+                             "and slice_stride >= N ldy (K=" + std::to_string(a.K) + ")");
   Entry& e = lookup(a, s);
   Desc d(a, a.N);
   cublasLtMatmulHeuristicResult_t check{};

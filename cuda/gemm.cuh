@@ -19,6 +19,9 @@ enum class GemmOut { F32, AddF32, F16 };  // fp32; fp32 accumulated into D (the 
 // torch: Y = X @ W.T (+ Y). W: (M, ldw) fp16 row-major (a weight matrix: M output features of K inputs);
 // X: (N, ldx) fp16 row-major (N tokens); Y: (N, ldy) fp32 or fp16. fp32 accumulation. Leading dimensions are
 // multiples of 8 (16-byte rows); columns K.. of W and X are never read.
+// k_slices > 1 (F32 only): K is cut into k_slices equal slices (K % (8 k_slices) == 0) and slice s's product goes
+// to Y + s * slice_stride floats — one strided-batched launch, the partial sums left to the caller to add (a
+// split-K whose reduce is the caller's kernel, which can do more on the way: batch_step.cu's down product).
 struct GemmArgs {
   const __half* W = nullptr;
   const __half* X = nullptr;
@@ -26,12 +29,15 @@ struct GemmArgs {
   int M = 0, N = 0, K = 0;
   int ldw = 0, ldx = 0, ldy = 0;
   GemmOut out = GemmOut::F32;
+  int k_slices = 1;
+  int64_t slice_stride = 0;  // elements of Y between two slices' outputs (>= N ldy)
 };
 
 // One tuned shape: what the autotuner timed and chose (`tinyinfer bench` prints these).
 struct GemmTuning {
   int M = 0, N = 0, K = 0;   // N: the token bucket it was timed at
   GemmOut out = GemmOut::F32;
+  int k_slices = 1;          // GemmArgs::k_slices (not saved by save(): such shapes are tuned in each process)
   int offered = 0;           // algorithms the heuristic offered
   int candidates = 0;        // algorithms timed: the heuristic's plus split-K variants of its first four
   double default_us = 0;     // cuBLASLt's first heuristic choice
@@ -78,7 +84,7 @@ class Gemm {
 
  private:
   struct Entry;
-  using Key = std::tuple<int, int, int, int>;  // M, bucket(N), K, out
+  using Key = std::tuple<int, int, int, int, int>;  // M, bucket(N), K, out, k_slices
   Entry& lookup(const GemmArgs& a, cudaStream_t stream);
 
   cublasLtContext* handle_ = nullptr;

@@ -155,6 +155,39 @@ def test_mma_small_n_ring_matches_register_ring(K, rows, mode, n, m_tiles):
     np.testing.assert_array_equal(ring, regs)
 
 
+# The down product in K slices (one strided-batched cuBLASLt launch, GemmArgs::k_slices) and the kernel that adds
+# the slices into the residual and writes the next RMSNorm (batch_rows.cuh residual_norm_rows): against numpy in
+# float64 and against rmsnorm_rows on the same x (the same sum of squares: equal up to the fp16 rounding of a value
+# a last bit of x apart). Widths: TinyLlama's down (2,048 x 5,632), a row that needs one (1,000) and eight (8,192)
+# float4s a thread; every slice count the option takes; rows 1..16 (the option's range).
+@pytest.mark.parametrize("M, K", [(2048, 5632), (1000, 512), (8192, 256)])
+@pytest.mark.parametrize("slices", [2, 4, 8])
+@pytest.mark.parametrize("N", [1, 5, 16])
+@pytest.mark.parametrize("autotune", [True, False])
+def test_down_in_k_slices_with_the_next_norm(M, K, slices, N, autotune):
+    ops = _core.ops
+    rng = np.random.default_rng(M + K + slices + N)
+    W = (rng.standard_normal((M, K)) * 0.05).astype(np.float16)
+    X = rng.standard_normal((N, K)).astype(np.float16)
+    x0 = rng.standard_normal((N, M)).astype(np.float32) * 3
+    norm_w = (1 + 0.2 * rng.standard_normal(M)).astype(np.float32)
+    x, xn = ops.sliced_residual_norm(W.view(np.uint16), X.astype(np.float32), x0, norm_w, 1e-5, slices, autotune)
+    want = x0 + X.astype(np.float64) @ W.astype(np.float64).T
+    np.testing.assert_allclose(x, want, rtol=1e-4, atol=1e-3 * np.sqrt(K) * 0.05)
+    assert np.isfinite(xn).all()
+    np.testing.assert_allclose(xn, ops.rmsnorm_rows(x, norm_w, 1e-5), rtol=2e-3, atol=1e-4)
+    ref = x / np.sqrt((x.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-5) * norm_w
+    np.testing.assert_allclose(xn, ref, rtol=2e-3, atol=1e-3)
+
+
+def test_down_in_k_slices_refuses_a_k_it_cannot_cut():
+    ops = _core.ops
+    W, X = np.zeros((64, 100), np.float16), np.zeros((2, 100), np.float32)
+    with pytest.raises(InvalidRequestError, match="k_slices 2 needs"):
+        ops.sliced_residual_norm(W.view(np.uint16), X, np.zeros((2, 64), np.float32), np.ones(64, np.float32),
+                                 1e-5, 2)
+
+
 @pytest.mark.parametrize("H", [62, 1000, 1024, 2048, 3000, 4096, 8192, 8200])
 def test_rmsnorm_rows_registers_match_the_grid_stride_kernel(H):
     """The norm that holds a row in registers (H <= 8,192, 16-byte rows; its weight read before the PDL wait) gives
@@ -246,7 +279,9 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
 # rows or more on cuBLASLt (int8 / int4: dequantized into the fp16 staging first); the defaults (fp16: qkv and o
 # on the tensor-core kernel up to 16 rows, the others on cuBLASLt); down on that kernel too; every product on the
 # tensor-core small-N kernel (mma_two_tiles: two 16-row tiles a block up to 16 rows; mma_register_ring: fp16 through
-# its register ring rather than its shared-memory ring); the default products with
+# its register ring rather than its shared-memory ring); down in K slices on cuBLASLt with its reduce, the residual
+# add and the next RMSNorm in one kernel of ours (down_k_slices: fp16 only, the formats' down being on the tensor-core
+# kernel; _cublaslt: every format, int8 / int4 dequantized first); the default products with
 # the attention in blocks of 64 positions (rows past 64 split and merged in the kernel).
 NO_MMA = dict(batch_mma_max=0, batch_mma_f16_qkvo_max=0, batch_mma_f16_down_max=0)
 PATHS = {"small_n": dict(NO_MMA, batch_gemv_f16_max=64, batch_gemv_quant_max=64),
@@ -256,6 +291,8 @@ PATHS = {"small_n": dict(NO_MMA, batch_gemv_f16_max=64, batch_gemv_quant_max=64)
          "mma": dict(batch_mma_max=64, batch_mma_f16_max=64),
          "mma_two_tiles": dict(batch_mma_max=64, batch_mma_f16_max=64, batch_mma_m_tiles=2),
          "mma_register_ring": dict(batch_mma_max=64, batch_mma_f16_max=64, batch_mma_ring=False),
+         "down_k_slices": dict(batch_down_k_slices=4),
+         "down_k_slices_cublaslt": dict(NO_MMA, batch_gemv_f16_max=1, batch_gemv_quant_max=1, batch_down_k_slices=8),
          "span64": dict(batch_attn_span=64),
          "heads8": dict(batch_attn_heads=8)}
 
@@ -531,6 +568,7 @@ def test_sampling_a_slot_alone_or_in_a_batch(model):
     ("batch_mma_f16_qkvo_max", 65, "batch_mma_f16_qkvo_max must be in 0..64, got 65"),
     ("batch_mma_f16_max", 65, "batch_mma_f16_max must be in 0..64, got 65"),
     ("batch_mma_f16_down_max", -1, "batch_mma_f16_down_max must be in 0..64, got -1"),
+    ("batch_down_k_slices", 9, "batch_down_k_slices must be in 0..8, got 9"),
     ("batch_mma_m_tiles", 3, r"batch_mma_m_tiles must be 0 \(auto\), 1 or 2, got 3"),
     ("batch_attn_span", 96, "batch_attn_span 96 must be 64, 128 or 256 and at most 256 at head dim 64"),
     ("batch_attn_span", 512, "batch_attn_span 512 must be"),

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "../../cuda/batch_rows.cuh"
 #include "../../cuda/common.cuh"
 #include "../../cuda/gemv_batch.cuh"
 #include "../../cuda/mma_small_n.cuh"
@@ -29,15 +30,17 @@ using cuda::GemvOut;
 
 void BatchStep::record(int n, cudaStream_t s, bool pdl) {
   pdl_ = pdl;
+  xn_norm_ = nullptr;
   const ModelConfig& c = c_;
   cuda::embed_tokens(w_.embedding, w_.ld_h, (int)c.hidden, b_.tokens, n, b_.x, w_.ld_h, s);  // x = embed[tokens]
   for (int64_t l = 0; l < c.n_layers; l++) {
     const DeviceLayer& L = w_.layers[(size_t)l];
+    const float* next_norm = l + 1 < c.n_layers ? w_.layers[(size_t)l + 1].attn_norm : w_.final_norm;
     normed(L.qkv, L.attn_norm, b_.qkv, b_.ld_qkv, GemvOut::F32, n, s, Product::Qkv);  // qkv = rmsnorm(x) @ Wqkv.T
     cuda::decode_attention_rows(attn_params(l), n, s, pdl_);          // att[r] over slot[r]'s cache
-    residual(L.o, b_.att, w_.ld_q, n, s, Product::O);                 // x += att @ Wo.T
+    residual(L.o, b_.att, w_.ld_q, n, s, Product::O, L.mlp_norm);     // x += att @ Wo.T
     normed(L.gate_up, L.mlp_norm, b_.h, w_.ld_i, GemvOut::Swiglu, n, s, Product::GateUp);  // h = silu(gate) * up
-    residual(L.down, b_.h, w_.ld_i, n, s, Product::Down);             // x += h @ Wd.T
+    residual(L.down, b_.h, w_.ld_i, n, s, Product::Down, next_norm);  // x += h @ Wd.T
   }
   normed(w_.lm_head, w_.final_norm, b_.logits, b_.ld_v, GemvOut::F32, n, s, Product::Head);  // rmsnorm(x) @ head.T
 }
@@ -96,7 +99,9 @@ void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ld
     cuda::gemv_batch(a, GemvIn::F32Norm, out, s, pdl_);
     return;
   }
-  cuda::rmsnorm_rows(b_.x, w_.ld_h, norm_w, eps, (int)c_.hidden, n, b_.xn, w_.ld_h, s, pdl_);
+  if (xn_norm_ != norm_w)  // (else the down product before wrote it)
+    cuda::rmsnorm_rows(b_.x, w_.ld_h, norm_w, eps, (int)c_.hidden, n, b_.xn, w_.ld_h, s, pdl_);
+  xn_norm_ = nullptr;
   if (mma(W, n, p)) return mma_product(W, b_.xn, w_.ld_h, y, ldy, out, n, s);
   if (out == GemvOut::Swiglu) {
     gemm(W, b_.xn, w_.ld_h, b_.gu, b_.ld_gu, n, GemmOut::F16, s);
@@ -106,9 +111,28 @@ void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ld
   }
 }
 
-// x += X @ W.T (the residual adds of the O and down projections).
-void BatchStep::residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s, Product p) {
+// x += X @ W.T (the residual adds of the O and down projections). A down product on cuBLASLt of few rows
+// (down_k_slices): its K in slices, one strided-batched launch (cuBLASLt's own split-K reduces in a kernel of
+// its own), then one kernel adds the slices into x and writes the next RMSNorm (next_norm) into b_.xn: the
+// reduce and the norm's dependent launch become one.
+void BatchStep::residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s, Product p,
+                         const float* next_norm) {
+  xn_norm_ = nullptr;
   if (mma(W, n, p)) return mma_product(W, X, ldx, b_.x, w_.ld_h, GemvOut::AddF32, n, s);
+  const int S = o_.down_k_slices;
+  const int64_t stride = (int64_t)kDownSlicesRows * w_.ld_h;
+  if (p == Product::Down && S > 1 && S <= kDownSlicesMax && n <= kDownSlicesRows && W.K % (8 * S) == 0 &&
+      !small_n(W, n, GemvIn::F16) &&
+      cuda::residual_norm_rows_fits((int)c_.hidden, S, stride, w_.ld_h, w_.ld_h, w_.ld_h)) {
+    cuda::GemmArgs a = gemm_args(W, X, ldx, b_.down_parts, w_.ld_h, n, GemmOut::F32);
+    a.k_slices = S;
+    a.slice_stride = stride;
+    gemm_.run(a, s);
+    cuda::residual_norm_rows(b_.down_parts, S, stride, w_.ld_h, b_.x, w_.ld_h, next_norm, (float)c_.rms_eps,
+                             (int)c_.hidden, n, b_.xn, w_.ld_h, s, pdl_);
+    xn_norm_ = next_norm;
+    return;
+  }
   if (small_n(W, n, GemvIn::F16)) {
     cuda::GemvBatchArgs a;
     a.W = W;
@@ -125,6 +149,11 @@ void BatchStep::residual(const cuda::QMat& W, const __half* X, int ldx, int n, c
 
 void BatchStep::gemm(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, GemmOut out,
                      cudaStream_t s) {
+  gemm_.run(gemm_args(W, X, ldx, Y, ldy, n, out), s);
+}
+
+cuda::GemmArgs BatchStep::gemm_args(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n,
+                                    GemmOut out) const {
   cuda::GemmArgs a;
   a.W = w_.fp16_of(W);  // (quantized: dequantized into the shared staging first; only where small_n refuses)
   a.X = X;
@@ -136,7 +165,7 @@ void BatchStep::gemm(const cuda::QMat& W, const __half* X, int ldx, void* Y, int
   a.ldx = ldx;
   a.ldy = ldy;
   a.out = out;
-  gemm_.run(a, s);
+  return a;
 }
 
 cuda::DecodeAttnParams BatchStep::attn_params(int64_t layer) const {
@@ -202,6 +231,7 @@ BatchBuffers BatchBuffers::allocate(const ModelConfig& c, const DeviceWeights& w
   b.logits = static_cast<float*>(zeroed(2 * R * b.ld_v * sizeof(float)));
   b.part_o = arena.alloc_n<float>(R * c.n_heads * splits * c.head_dim, Kind::Scratch);
   b.part_ml = arena.alloc_n<float>(R * c.n_heads * splits * 2, Kind::Scratch);
+  b.down_parts = arena.alloc_n<float>((size_t)kDownSlicesMax * kDownSlicesRows * w.ld_h, Kind::Scratch);
   b.attn_tickets = static_cast<unsigned*>(
       zeroed(cuda::attn_rows_tickets(max_rows, (int)c.n_heads, (int)c.n_kv_heads) * sizeof(unsigned)));
   b.tables = arena.alloc_n<int>(R * b.table_stride, Kind::Scratch);

@@ -43,6 +43,8 @@ struct BatchBuffers {
   float* part_o = nullptr;     // (max_rows, n_heads, attn_rows_max_splits, head_dim) split-K attention partials
   float* part_ml = nullptr;    // (max_rows, n_heads, attn_rows_max_splits, 2)
   unsigned* attn_tickets = nullptr;  // attn_rows_tickets(max_rows, ...) zeroed: the attention's merge tickets
+  // (kDownSlicesMax, min(max_rows, kDownSlicesRows), ld_h) the K slices of a down product (down_k_slices)
+  float* down_parts = nullptr;
   int* tables = nullptr;       // (max_rows slots, table_stride) every slot's page table (-1: unassigned)
   int table_stride = 0;        // pages_for(max_seq)
   float* slot_row(int64_t slot) const { return logits + (size_t)(max_rows + slot) * ld_v; }
@@ -63,7 +65,10 @@ struct BatchStepOptions {
   int mma_f16_qkvo_max = 16;  // fp16 qkv and o products: mma_f16_max for those two (CudaOptions::batch_mma_f16_qkvo_max)
   int mma_f16_down_max = 0;  // fp16 down likewise (CudaOptions::batch_mma_f16_down_max)
   bool mma_ring = true;  // fp16 on that kernel: its shared-memory ring (CudaOptions::batch_mma_ring)
+  int down_k_slices = 0;  // a down product on cuBLASLt of <= kDownSlicesRows rows: K slices (CudaOptions::batch_down_k_slices)
 };
+
+constexpr int kDownSlicesMax = 8, kDownSlicesRows = 16;
 
 // The products of a layer (and the LM head): which kernel takes one may depend on which it is.
 enum class Product { Qkv, O, GateUp, Down, Head };
@@ -88,13 +93,17 @@ class BatchStep {
   // mma_f16_qkvo_max, mma_f16_down_max).
   void normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, cuda::GemvOut out, int n, cudaStream_t s,
               Product p);
-  void residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s, Product p);
+  // next_norm: the norm weight of the normed product after it (a down product in K slices writes that norm too).
+  void residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s, Product p,
+                const float* next_norm);
   void gemm(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, cuda::GemmOut out,
             cudaStream_t s);
   bool small_n(const cuda::QMat& W, int n, cuda::GemvIn in) const;
   bool mma(const cuda::QMat& W, int n, Product p) const;
   void mma_product(const cuda::QMat& W, const __half* X, int ldx, void* y, int ldy, cuda::GemvOut out, int n,
                    cudaStream_t s);
+  cuda::GemmArgs gemm_args(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n,
+                           cuda::GemmOut out) const;
   cuda::DecodeAttnParams attn_params(int64_t layer) const;
   const ModelConfig& c_;
   DeviceWeights& w_;
@@ -103,6 +112,7 @@ class BatchStep {
   cuda::Gemm& gemm_;
   BatchStepOptions o_;
   bool pdl_ = false;  // (this record's)
+  const float* xn_norm_ = nullptr;  // b_.xn already holds rmsnorm(x) with this norm weight (a sliced down wrote it)
 };
 
 }  // namespace ti

@@ -45,7 +45,8 @@ void CudaEngine::allocate_batch() {
       BatchStepOptions{opt_.batch_mma_max, opt_.batch_mma_f16_max, opt_.batch_gemv_f16_max,
                        opt_.batch_gemv_quant_max, opt_.batch_attn_span,
                        opt_.batch_attn_heads, opt_.batch_mma_m_tiles, opt_.batch_mma_f16_qkvo_max,
-                       opt_.batch_mma_f16_down_max, opt_.batch_mma_ring});
+                       opt_.batch_mma_f16_down_max, opt_.batch_mma_ring,
+                       opt_.batch_down_k_slices});
   for (int b = 1; b < B; b *= 2) buckets_.push_back(b);
   buckets_.push_back(B);
   g_batch_.assign(buckets_.size(), nullptr);

@@ -279,9 +279,10 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
 # rows or more on cuBLASLt (int8 / int4: dequantized into the fp16 staging first); the defaults (fp16: qkv and o
 # on the tensor-core kernel up to 16 rows, the others on cuBLASLt); down on that kernel too; every product on the
 # tensor-core small-N kernel (mma_two_tiles: two 16-row tiles a block up to 16 rows; mma_register_ring: fp16 through
-# its register ring rather than its shared-memory ring); down in K slices on cuBLASLt with its reduce, the residual
-# add and the next RMSNorm in one kernel of ours (down_k_slices: fp16 only, the formats' down being on the tensor-core
-# kernel; _cublaslt: every format, int8 / int4 dequantized first); the default products with
+# its register ring rather than its shared-memory ring); fp16 down on cuBLASLt with its own split-K and the RMSNorm
+# kernel after it (down_unsliced: the default slices K in 4, one kernel of ours adding the slices, the residual and
+# the next norm); every product on cuBLASLt with down in 8 K slices (every format, int8 / int4 dequantized first);
+# the default products with
 # the attention in blocks of 64 positions (rows past 64 split and merged in the kernel).
 NO_MMA = dict(batch_mma_max=0, batch_mma_f16_qkvo_max=0, batch_mma_f16_down_max=0)
 PATHS = {"small_n": dict(NO_MMA, batch_gemv_f16_max=64, batch_gemv_quant_max=64),
@@ -291,7 +292,7 @@ PATHS = {"small_n": dict(NO_MMA, batch_gemv_f16_max=64, batch_gemv_quant_max=64)
          "mma": dict(batch_mma_max=64, batch_mma_f16_max=64),
          "mma_two_tiles": dict(batch_mma_max=64, batch_mma_f16_max=64, batch_mma_m_tiles=2),
          "mma_register_ring": dict(batch_mma_max=64, batch_mma_f16_max=64, batch_mma_ring=False),
-         "down_k_slices": dict(batch_down_k_slices=4),
+         "down_unsliced": dict(batch_down_k_slices=0),
          "down_k_slices_cublaslt": dict(NO_MMA, batch_gemv_f16_max=1, batch_gemv_quant_max=1, batch_down_k_slices=8),
          "span64": dict(batch_attn_span=64),
          "heads8": dict(batch_attn_heads=8)}

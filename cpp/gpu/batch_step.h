@@ -65,7 +65,7 @@ struct BatchStepOptions {
   int mma_f16_qkvo_max = 16;  // fp16 qkv and o products: mma_f16_max for those two (CudaOptions::batch_mma_f16_qkvo_max)
   int mma_f16_down_max = 0;  // fp16 down likewise (CudaOptions::batch_mma_f16_down_max)
   bool mma_ring = true;  // fp16 on that kernel: its shared-memory ring (CudaOptions::batch_mma_ring)
-  int down_k_slices = 0;  // a down product on cuBLASLt of <= kDownSlicesRows rows: K slices (CudaOptions::batch_down_k_slices)
+  int down_k_slices = 4;  // a down product on cuBLASLt of <= kDownSlicesRows rows: K slices (CudaOptions::batch_down_k_slices)
 };
 
 constexpr int kDownSlicesMax = 8, kDownSlicesRows = 16;

@@ -305,22 +305,41 @@ SampleRowsOut run_sample_rows(const float* logits, int64_t ld, int n_rows, int v
   return o;
 }
 
+namespace {
+// A GEMM's fp16 inputs on the device at row stride pad8(K), the padding columns NaN (the product must never read
+// past K), and the arguments pointing at them (Y, its stride and the output left to the caller).
+struct GemmInputs {
+  Buf W, X;
+  GemmArgs a;
+  GemmInputs(const uint16_t* w, const float* x, int M, int N, int K)
+      : W((size_t)M * pad8(K) * 2), X((size_t)N * pad8(K) * 2) {
+    const int ldk = (int)pad8(K);
+    std::vector<uint16_t> wp((size_t)M * ldk, 0x7E00), xp((size_t)N * ldk, 0x7E00);
+    for (int m = 0; m < M; m++)
+      for (int k = 0; k < K; k++) wp[(size_t)m * ldk + k] = w[(size_t)m * K + k];
+    for (int n = 0; n < N; n++)
+      for (int k = 0; k < K; k++) {
+        const __half h = __float2half(x[(size_t)n * K + k]);
+        xp[(size_t)n * ldk + k] = *reinterpret_cast<const uint16_t*>(&h);
+      }
+    put(W.p, wp.data(), wp.size() * 2);
+    put(X.p, xp.data(), xp.size() * 2);
+    a.W = W.as<__half>();
+    a.X = X.as<__half>();
+    a.M = M;
+    a.N = N;
+    a.K = K;
+    a.ldw = a.ldx = ldk;
+  }
+};
+}  // namespace
+
 std::vector<float> run_gemm(const uint16_t* W, const float* X, const float* Y_init, int M, int N, int K, GemmOut out,
                             bool autotune) {
-  const int ldk = (int)pad8(K), ldy = (int)pad8(M);
-  // Padding columns hold NaN: the product must never read past K (nor write past M).
-  std::vector<uint16_t> wp((size_t)M * ldk, 0x7E00), xp((size_t)N * ldk, 0x7E00);
-  for (int m = 0; m < M; m++)
-    for (int k = 0; k < K; k++) wp[(size_t)m * ldk + k] = W[(size_t)m * K + k];
-  for (int n = 0; n < N; n++)
-    for (int k = 0; k < K; k++) {
-      const __half h = __float2half(X[(size_t)n * K + k]);
-      xp[(size_t)n * ldk + k] = *reinterpret_cast<const uint16_t*>(&h);
-    }
+  const int ldy = (int)pad8(M);  // (nothing past M may be written)
+  GemmInputs in(W, X, M, N, K);
   const size_t y_elt = out == GemmOut::F16 ? 2 : 4;
-  Buf dW(wp.size() * 2), dX(xp.size() * 2), dY((size_t)N * ldy * y_elt);
-  put(dW.p, wp.data(), wp.size() * 2);
-  put(dX.p, xp.data(), xp.size() * 2);
+  Buf dY((size_t)N * ldy * y_elt);
   if (out == GemmOut::AddF32) {
     std::vector<float> yp((size_t)N * ldy, 0.0f);
     for (int n = 0; n < N; n++)
@@ -331,14 +350,8 @@ std::vector<float> run_gemm(const uint16_t* W, const float* X, const float* Y_in
   }
   Gemm gemm;
   gemm.autotune = autotune;
-  GemmArgs a;
-  a.W = dW.as<__half>();
-  a.X = dX.as<__half>();
+  GemmArgs a = in.a;
   a.Y = dY.p;
-  a.M = M;
-  a.N = N;
-  a.K = K;
-  a.ldw = a.ldx = ldk;
   a.ldy = ldy;
   a.out = out;
   gemm.run(a, 0);
@@ -362,37 +375,21 @@ std::pair<std::vector<float>, std::vector<float>> run_sliced_residual_norm(const
                                                                            const float* x_init, const float* norm_w,
                                                                            float eps, int M, int N, int K, int slices,
                                                                            bool autotune) {
-  const int ldk = (int)pad8(K), ld = (int)pad8(M + 4);  // (rows wider than the width on purpose)
+  const int ld = (int)pad8(M + 4);  // (rows wider than the width on purpose)
   const int64_t stride = (int64_t)N * ld + 8;
-  std::vector<uint16_t> wp((size_t)M * ldk, 0x7E00), xp((size_t)N * ldk, 0x7E00);  // NaN padding: never read
-  for (int m = 0; m < M; m++)
-    for (int k = 0; k < K; k++) wp[(size_t)m * ldk + k] = W[(size_t)m * K + k];
-  for (int n = 0; n < N; n++)
-    for (int k = 0; k < K; k++) {
-      const __half h = __float2half(X[(size_t)n * K + k]);
-      xp[(size_t)n * ldk + k] = *reinterpret_cast<const uint16_t*>(&h);
-    }
+  GemmInputs in(W, X, M, N, K);
   std::vector<float> xr((size_t)N * ld, 0.0f);
   for (int n = 0; n < N; n++)
     for (int m = 0; m < M; m++) xr[(size_t)n * ld + m] = x_init[(size_t)n * M + m];
-  Buf dW(wp.size() * 2), dX(xp.size() * 2), dP((size_t)slices * stride * 4), dx(xr.size() * 4), dn((size_t)M * 4),
-      dy((size_t)N * ld * 2);
-  put(dW.p, wp.data(), wp.size() * 2);
-  put(dX.p, xp.data(), xp.size() * 2);
+  Buf dP((size_t)slices * stride * 4), dx(xr.size() * 4), dn((size_t)M * 4), dy((size_t)N * ld * 2);
   put(dx.p, xr.data(), xr.size() * 4);
   put(dn.p, norm_w, (size_t)M * 4);
   TI_CUDA_CHECK(cudaMemset(dP.p, 0xFF, (size_t)slices * stride * 4));  // NaN: every part written
   TI_CUDA_CHECK(cudaMemset(dy.p, 0xFF, (size_t)N * ld * 2));
   Gemm gemm;
   gemm.autotune = autotune;
-  GemmArgs a;
-  a.W = dW.as<__half>();
-  a.X = dX.as<__half>();
+  GemmArgs a = in.a;
   a.Y = dP.p;
-  a.M = M;
-  a.N = N;
-  a.K = K;
-  a.ldw = a.ldx = ldk;
   a.ldy = ld;
   a.out = GemmOut::F32;
   a.k_slices = slices;

@@ -1,6 +1,7 @@
 // batch_rows.cu — per-slot row work of the batched decode path (see batch_rows.cuh).
 #include "batch_rows.cuh"
 #include "common.cuh"
+#include "rms_row.cuh"
 
 namespace ti::cuda {
 
@@ -17,19 +18,14 @@ void mark_tokens(unsigned char* seen, const int* tokens, int n, cudaStream_t s) 
 constexpr int kMaxSlices = 8;
 
 // 256 threads a row, V float4 each (H <= 1,024 V). After the PDL wait one round trip: x and every slice's part are
-// requested together. The sum of squares as rmsnorm_rows_reg_kernel's (prefill.cu), so a row's norm is that
-// kernel's bits on the same x.
+// requested together. The norm is rms_row.cuh's, as rmsnorm_rows' register kernel: that kernel's bits on the same x.
 template <int V>
 __global__ void __launch_bounds__(256) residual_norm_rows_kernel(const float* parts, int slices, int64_t slice_stride,
                                                                  int ldp, float* x, int ldx, const float* w, float eps,
                                                                  int H, __half* y, int ldy) {
   __shared__ float red[33];
   float4 g[V], v[V];
-#pragma unroll
-  for (int j = 0; j < V; j++) {
-    const int i = (threadIdx.x + j * 256) * 4;
-    if (i < H) g[j] = __ldg(reinterpret_cast<const float4*>(w + i));
-  }
+  rms_row_weights<V>(w, H, g);
   pdl_wait();
   pdl_launch_dependents();
   const int r = blockIdx.x;
@@ -50,21 +46,7 @@ __global__ void __launch_bounds__(256) residual_norm_rows_kernel(const float* pa
     v[j] = make_float4(o.x + p.x, o.y + p.y, o.z + p.z, o.w + p.w);
     *reinterpret_cast<float4*>(xr + i) = v[j];
   }
-  float ss = 0.0f;
-#pragma unroll
-  for (int j = 0; j < V; j++)
-    if ((threadIdx.x + j * 256) * 4 < H)
-      ss = fmaf(v[j].x, v[j].x, fmaf(v[j].y, v[j].y, fmaf(v[j].z, v[j].z, fmaf(v[j].w, v[j].w, ss))));
-  const float inv = rsqrtf(block_sum(ss, red) / (float)H + eps);
-  __half* yr = y + (size_t)r * ldy;
-#pragma unroll
-  for (int j = 0; j < V; j++) {
-    const int i = (threadIdx.x + j * 256) * 4;
-    if (i >= H) continue;
-    __align__(8) __half2 o[2] = {__floats2half2_rn(v[j].x * inv * g[j].x, v[j].y * inv * g[j].y),
-                                 __floats2half2_rn(v[j].z * inv * g[j].z, v[j].w * inv * g[j].w)};
-    *reinterpret_cast<uint2*>(yr + i) = *reinterpret_cast<const uint2*>(o);
-  }
+  rms_row_write<V>(v, g, H, eps, red, y + (size_t)r * ldy);
 }
 
 bool residual_norm_rows_fits(int H, int slices, int64_t slice_stride, int ldp, int ldx, int ldy) {

@@ -5,6 +5,7 @@
 #include "common.cuh"
 #include "kv_layout.cuh"
 #include "prefill.cuh"
+#include "rms_row.cuh"
 
 namespace ti::cuda {
 
@@ -63,34 +64,16 @@ __global__ void __launch_bounds__(256) rmsnorm_rows_reg_kernel(const float* x, i
                                                                int H, __half* y, int ldy, const int* row_of) {
   __shared__ float red[33];
   float4 g[V], v[V];
-#pragma unroll
-  for (int j = 0; j < V; j++) {
-    const int i = (threadIdx.x + j * 256) * 4;
-    if (i < H) g[j] = __ldg(reinterpret_cast<const float4*>(w + i));
-  }
+  rms_row_weights<V>(w, H, g);
   pdl_wait();
   pdl_launch_dependents();
   const float* xr = x + (size_t)(row_of ? row_of[blockIdx.x] : (int)blockIdx.x) * ldx;
-  __half* yr = y + (size_t)blockIdx.x * ldy;
 #pragma unroll
   for (int j = 0; j < V; j++) {
     const int i = (threadIdx.x + j * 256) * 4;
     if (i < H) v[j] = *reinterpret_cast<const float4*>(xr + i);
   }
-  float ss = 0.0f;
-#pragma unroll
-  for (int j = 0; j < V; j++)
-    if ((threadIdx.x + j * 256) * 4 < H)
-      ss = fmaf(v[j].x, v[j].x, fmaf(v[j].y, v[j].y, fmaf(v[j].z, v[j].z, fmaf(v[j].w, v[j].w, ss))));
-  const float inv = rsqrtf(block_sum(ss, red) / (float)H + eps);
-#pragma unroll
-  for (int j = 0; j < V; j++) {
-    const int i = (threadIdx.x + j * 256) * 4;
-    if (i >= H) continue;
-    __align__(8) __half2 o[2] = {__floats2half2_rn(v[j].x * inv * g[j].x, v[j].y * inv * g[j].y),
-                                 __floats2half2_rn(v[j].z * inv * g[j].z, v[j].w * inv * g[j].w)};
-    *reinterpret_cast<uint2*>(yr + i) = *reinterpret_cast<const uint2*>(o);
-  }
+  rms_row_write<V>(v, g, H, eps, red, y + (size_t)blockIdx.x * ldy);
 }
 
 void rmsnorm_rows(const float* x, int ldx, const float* w, float eps, int H, int T, __half* y, int ldy,

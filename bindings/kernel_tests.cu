@@ -399,9 +399,15 @@ std::pair<std::vector<float>, std::vector<float>> run_sliced_residual_norm(const
                      dy.as<__half>(), ld, 0, false);
   TI_CUDA_CHECK(cudaDeviceSynchronize());
   get(xr.data(), dx.p, xr.size() * 4);
+  std::vector<uint16_t> yb((size_t)N * ld);
+  get(yb.data(), dy.p, yb.size() * 2);
   std::vector<float> x((size_t)N * M);
-  for (int n = 0; n < N; n++)
+  for (int n = 0; n < N; n++) {
     for (int m = 0; m < M; m++) x[(size_t)n * M + m] = xr[(size_t)n * ld + m];
+    for (int m = M; m < ld; m++)  // past the width: x as it was (0), xn the poison
+      if (xr[(size_t)n * ld + m] != 0.0f || yb[(size_t)n * ld + m] != 0xFFFF)
+        fail(ErrorKind::Device, "residual_norm_rows wrote past the row's width at column " + std::to_string(m));
+  }
   return {x, get_half_rows(dy.p, N, M, ld)};
 }
 

@@ -41,6 +41,7 @@ struct Gemm::Entry {
   GemmTuning info;
   cublasLtMatmulAlgo_t algo{};
   bool tuned = false;
+  int64_t slice_stride = 0;  // k_slices > 1: the output stride it was timed at (another one is checked first)
 };
 
 namespace {
@@ -309,6 +310,7 @@ Gemm::Entry& Gemm::lookup(const GemmArgs& a, cudaStream_t s) {
   GemmArgs t = a;  // time at the bucket's N on scratch X and Y (zeros): the caller's buffers stay untouched
   t.N = nb;
   if (a.k_slices > 1) t.slice_stride = (int64_t)nb * a.ldy;  // (the scratch Y's slices)
+  e->slice_stride = t.slice_stride;
   Desc d(t, nb);
   cublasLtMatmulPreference_t pref = nullptr;
   TI_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -418,16 +420,16 @@ void Gemm::run(const GemmArgs& a, cudaStream_t s) {
     fail(ErrorKind::Request, "gemm: bad shape M=" + std::to_string(a.M) + " N=" + std::to_string(a.N) +
                                  " K=" + std::to_string(a.K));
   if (a.k_slices < 1 || (a.k_slices > 1 && (a.out != GemmOut::F32 || a.K % (8 * a.k_slices) != 0 ||
-                                            a.slice_stride < (int64_t)a.N * a.ldy)))
+                                            a.slice_stride < (int64_t)a.N * a.ldy || a.slice_stride % 4 != 0)))
     fail(ErrorKind::Request, "gemm: k_slices " + std::to_string(a.k_slices) + " needs out f32, K % (8 k_slices) == 0 "
-                             "and slice_stride >= N ldy (K=" + std::to_string(a.K) + ")");
+                             "and slice_stride >= N ldy, a multiple of 4 (K=" + std::to_string(a.K) + ")");
   Entry& e = lookup(a, s);
   Desc d(a, a.N);
   cublasLtMatmulHeuristicResult_t check{};
   const cublasLtMatmulAlgo_t* algo = &e.algo;
-  if (a.N != e.info.N &&
+  if ((a.N != e.info.N || (a.k_slices > 1 && a.slice_stride != e.slice_stride)) &&
       cublasLtMatmulAlgoCheck(as_handle(handle_), d.op, d.a, d.b, d.c, d.c, &e.algo, &check) != CUBLAS_STATUS_SUCCESS) {
-    algo = nullptr;  // the bucket's algorithm does not fit this N: let cuBLASLt choose
+    algo = nullptr;  // the bucket's algorithm does not fit this N (or slices' stride): let cuBLASLt choose
   }
   const float alpha = 1.0f;
   TI_CUBLAS_CHECK(cublasLtMatmul(as_handle(handle_), d.op, &alpha, a.W, d.a, a.X, d.b, &d.beta, a.Y, d.c, a.Y, d.c,

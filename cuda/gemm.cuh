@@ -30,7 +30,8 @@ struct GemmArgs {
   int ldw = 0, ldx = 0, ldy = 0;
   GemmOut out = GemmOut::F32;
   int k_slices = 1;
-  int64_t slice_stride = 0;  // elements of Y between two slices' outputs (>= N ldy)
+  int64_t slice_stride = 0;  // elements of Y between two slices' outputs (>= N ldy, a multiple of 4; a stride
+                             // other than the tuned one is checked against the tuned algorithm before use)
 };
 
 // One tuned shape: what the autotuner timed and chose (`tinyinfer bench` prints these).

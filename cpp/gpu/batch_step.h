@@ -43,7 +43,7 @@ struct BatchBuffers {
   float* part_o = nullptr;     // (max_rows, n_heads, attn_rows_max_splits, head_dim) split-K attention partials
   float* part_ml = nullptr;    // (max_rows, n_heads, attn_rows_max_splits, 2)
   unsigned* attn_tickets = nullptr;  // attn_rows_tickets(max_rows, ...) zeroed: the attention's merge tickets
-  // (kDownSlicesMax, min(max_rows, kDownSlicesRows), ld_h) the K slices of a down product (down_k_slices)
+  // (kDownSlicesMax, kDownSlicesRows, ld_h) the K slices of a down product (down_k_slices)
   float* down_parts = nullptr;
   int* tables = nullptr;       // (max_rows slots, table_stride) every slot's page table (-1: unassigned)
   int table_stride = 0;        // pages_for(max_seq)

@@ -95,8 +95,10 @@ void CudaEngine::init_device() {
   if (opt_.batch_mma_f16_down_max < 0 || opt_.batch_mma_f16_down_max > 64)
     fail(ErrorKind::Request,
          "batch_mma_f16_down_max must be in 0..64, got " + std::to_string(opt_.batch_mma_f16_down_max));
-  if (opt_.batch_down_k_slices < 0 || opt_.batch_down_k_slices > 8)
-    fail(ErrorKind::Request, "batch_down_k_slices must be in 0..8, got " + std::to_string(opt_.batch_down_k_slices));
+  if (opt_.batch_down_k_slices < 0 || opt_.batch_down_k_slices > 8 ||
+      (opt_.batch_down_k_slices > 1 && (opt_.batch_down_k_slices & (opt_.batch_down_k_slices - 1)) != 0))
+    fail(ErrorKind::Request,
+         "batch_down_k_slices must be 0, 1, 2, 4 or 8, got " + std::to_string(opt_.batch_down_k_slices));
   if (opt_.batch_mma_m_tiles < 0 || opt_.batch_mma_m_tiles > 2)
     fail(ErrorKind::Request, "batch_mma_m_tiles must be 0 (auto), 1 or 2, got " + std::to_string(opt_.batch_mma_m_tiles));
   {

@@ -89,6 +89,7 @@ struct CudaOptions {
   // A down product on cuBLASLt of <= 16 rows (fp16 at 2-16 rows: where cuBLASLt splits K and reduces in a kernel
   // of its own) in this many K slices (2..8: one strided-batched launch), then one kernel of ours that adds the
   // slices into the residual and writes the next RMSNorm (cuda/batch_rows.cuh); 0 or 1: cuBLASLt's own choice.
+  // 2, 4 or 8 (powers of two divide the K of the models we take; a K that S x 8 does not divide is not sliced).
   // 4 measured best on the H200 (TinyLlama fp16 batch 8: 1.023-1.028 ms against 1.045-1.052; docs/perf/batch.md).
   int batch_down_k_slices = 4;
   // 16-row tiles per block of that kernel: 0 (default) two for int4 products of 9..16 rows whose matrix still

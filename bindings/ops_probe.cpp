@@ -41,8 +41,8 @@ void bind_persistent_probe(nb::module_& ops) {
       "groups = blocks one producer per consumer.");
   ops.def(
       "ring_bandwidth",
-      [](ti::cuda::RingCopy copy, int stages, int slot_kib, size_t bytes, int reps, int blocks_per_sm) {
-        ti::cuda::RingConfig c{copy, stages, slot_kib, bytes, reps, blocks_per_sm};
+      [](ti::cuda::RingCopy copy, int stages, int slot_kib, size_t bytes, int reps, int blocks_per_sm, int issuer_warp) {
+        ti::cuda::RingConfig c{copy, stages, slot_kib, bytes, reps, blocks_per_sm, issuer_warp};
         ti::cuda::RingResult r;
         {
           nb::gil_scoped_release release;
@@ -58,12 +58,14 @@ void bind_persistent_probe(nb::module_& ops) {
         return d;
       },
       "copy"_a, "stages"_a, "slot_kib"_a, "bytes"_a = (size_t)1 << 31, "reps"_a = 10, "blocks_per_sm"_a = 1,
-      "Steady-state bandwidth of the weight ring (cuda/ring.cuh) streaming `bytes` on blocks_per_sm blocks per SM.");
+      "issuer_warp"_a = 0,
+      "Steady-state bandwidth of the weight ring (cuda/ring.cuh) streaming `bytes` on blocks_per_sm blocks per SM "
+      "(Bulk: lane 0 of issuer_warp issues the copies).");
   ops.def(
       "stream_handoff",
       [](ti::cuda::RingCopy copy, int stages, int slot_kib, size_t bytes, double bytes_per_handoff, int n_words,
-         uint32_t max_sleep_ns, int reps, int blocks_per_sm) {
-        ti::cuda::StreamHandoffConfig c{{copy, stages, slot_kib, bytes, reps, blocks_per_sm}, bytes_per_handoff, n_words,
+         uint32_t max_sleep_ns, int reps, int blocks_per_sm, int issuer_warp) {
+        ti::cuda::StreamHandoffConfig c{{copy, stages, slot_kib, bytes, reps, blocks_per_sm, issuer_warp}, bytes_per_handoff, n_words,
                                         max_sleep_ns};
         ti::cuda::StreamHandoffResult r;
         {
@@ -82,8 +84,8 @@ void bind_persistent_probe(nb::module_& ops) {
         return d;
       },
       "copy"_a, "stages"_a, "slot_kib"_a, "bytes"_a = (size_t)1 << 31, "bytes_per_handoff"_a = 4e6,
-      "n_words"_a = 2048, "max_sleep_ns"_a = 0, "reps"_a = 5, "blocks_per_sm"_a = 1,
-      "The ring streaming while an all-to-all hand-off happens every ~bytes_per_handoff bytes: GB/s with and "
+      "n_words"_a = 2048, "max_sleep_ns"_a = 0, "reps"_a = 5, "blocks_per_sm"_a = 1, "issuer_warp"_a = 0,
+      "(Bulk: lane 0 of issuer_warp issues the copies; thread 0 waits and signals.) The ring streaming while an all-to-all hand-off happens every ~bytes_per_handoff bytes: GB/s with and "
       "without the hand-offs, and the ns per hand-off the stream did not hide.");
   ops.def(
       "handoff_chain",

@@ -12,7 +12,9 @@
 namespace ti::cuda {
 
 constexpr int kPersistentThreads = 256;
-constexpr int kTaskStamps = 3;  // per task in a trace: start, after the wait, end (bench/tools/trace_persistent.py)
+// per task in a trace: start, after the wait, end, and (GEMV tasks) after the input's staging
+// (bench/tools/trace_persistent.py)
+constexpr int kTaskStamps = 4;
 
 struct PLayer {  // one layer's matrices (quant.cuh: fp16, or I8 / I4 with their scales)
   QMat qkv;      // (q_dim + 2 kv_dim, hidden)
@@ -46,7 +48,8 @@ struct PersistentParams {
   unsigned long long timeout_ns = 2000000000ull;
   bool prefetch = true;  // each task's first weights (or KV rows) asked into L2 before its wait
   // TINYINFER_TRACE builds (common.cuh): kTaskStamps global-timer ns per task of the flattened schedule (task i
-  // at trace[kTaskStamps * i]): its start (before its prefetch), after its wait, after its signal. nullptr: off.
+  // at trace[kTaskStamps * i]): its start (before its prefetch), after its wait, after its signal, and for a GEMV
+  // task after its input is staged (else 0). nullptr: off.
   unsigned long long* trace = nullptr;
   // ScheduleShape::fused_merge: no merge tasks; arrivals (n_layers x n_kv_heads words, zero between steps) count a
   // KV head's finished attention chunks, and the last one merges them.

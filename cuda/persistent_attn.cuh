@@ -92,7 +92,8 @@ struct AttnSmem {
   }
 };
 
-// Before the task's wait: the chunk's cache rows, and (kv_stage) the keys and values of its positions before pos
+// Before the task's wait: the chunk's cache rows, RoPE's cos / sin row of pos, and (kv_stage) the keys and values of its
+// positions before pos
 // — written by earlier steps, final — copied into shared memory with cp.async, so that after the wait only the
 // new token's q / k / v are on the critical path. The copies complete in attn_partial (wait_all + a barrier).
 __device__ inline void attn_preload(const PersistentParams& p, int l, int kvh, int c, int pos, unsigned char* work) {
@@ -101,6 +102,10 @@ __device__ inline void attn_preload(const PersistentParams& p, int l, int kvh, i
   const AttnSmem a(work, g, hd, CH);
   for (int t = threadIdx.x; t < n; t += kPersistentThreads)
     a.rows[t] = (int)kv_row(p.page_table, c0 + t, kvh, p.n_kv_heads, p.page_shift, hd);
+  for (int i = threadIdx.x; i < hd / 2; i += kPersistentThreads) {  // RoPE's row of pos (a table: not produced here)
+    a.cs[i] = p.rope_cos[(size_t)pos * (hd / 2) + i];
+    a.sn[i] = p.rope_sin[(size_t)pos * (hd / 2) + i];
+  }
   if (!p.kv_stage) return;
   const int n_old = min(CH, pos - c0), pieces = hd / 8;  // 16-byte pieces per row
   const size_t layer = (size_t)l * p.kv_layer_elems;
@@ -133,11 +138,7 @@ __device__ inline void attn_partial(const PersistentParams& p, int l, int kvh, i
   const __half* kb = st ? a.ks : kp;
   const __half* vb = st ? a.vs : vp;
   auto off = [&](int t) { return st ? t * hd : rows[t]; };
-  for (int i = threadIdx.x; i < half_d; i += kPersistentThreads) {
-    cs[i] = p.rope_cos[(size_t)pos * half_d + i];
-    sn[i] = p.rope_sin[(size_t)pos * half_d + i];
-  }
-  __syncthreads();
+  __syncthreads();  // (attn_preload wrote rows, cs, sn before the wait; its barrier orders them already)
   for (int t = threadIdx.x; t < g * half_d; t += kPersistentThreads) {
     const int hh = t / half_d, i = t % half_d;
     const float* q = p.qkv + (size_t)(hq0 + hh) * hd;

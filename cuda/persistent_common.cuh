@@ -6,6 +6,7 @@
 #include "common.cuh"
 #include "gemv_dot.cuh"
 #include "persistent.cuh"
+#include "sync.cuh"
 
 namespace ti::cuda::persistent {
 
@@ -17,7 +18,17 @@ struct Smem {
   unsigned char* work;  // the task's own area (the staged input, or the attention's tiles)
   float* xsum;          // I4: the staged input's group sums (after the widest staged input)
   float4* keep;         // the RMSNorm's input as read by its first pass (hidden floats, after xsum)
+  unsigned long long* staged = nullptr;  // TI_TRACE: the task's "after staging" stamp (persistent.cu, task_stamp)
 };
+
+// Thread 0 stamps the global timer at *at (TI_TRACE builds, at != nullptr; else nothing).
+__device__ __forceinline__ void stamp_at(unsigned long long* at) {
+#ifdef TI_TRACE
+  if (at != nullptr && threadIdx.x == 0) *at = sync::global_ns();
+#else
+  (void)at;
+#endif
+}
 
 // Bytes of the GEMV tasks' area before `keep`: the widest staged input, then (I4) its group sums; 16-aligned.
 __host__ __device__ inline size_t gemv_stage_bytes(int stage_max) {

@@ -40,6 +40,8 @@ __device__ inline void stage_norm_vec(const QMat& m, const float* x, const float
   float ss = 0.0f;
   for (int i = threadIdx.x; i < nv; i += kPersistentThreads) {
     const float4 v = __ldcg(x4 + i);
+    // the norm's weights into L1 while x is in flight: the second pass's loads of them then miss no further
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(reinterpret_cast<const float4*>(w) + i));
     keep[i] = v;
     ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
   }
@@ -53,6 +55,30 @@ __device__ inline void stage_norm_vec(const QMat& m, const float* x, const float
     xs[xs_index<WF>(4 * i + 3, nw)] = __float2half(wv.w * (v.w * inv));
   }
   for (int i = K + threadIdx.x; i < width; i += kPersistentThreads) xs[xs_index<WF>(i, nw)] = __float2half(0.0f);
+  __syncthreads();
+}
+
+// The unnormed staging with 16-byte loads (K % 8 == 0, width % 8 == 0): 8 halves of x per load, up to 4 loads a
+// thread issued before any is stored, so the input arrives in one round trip (a 2-byte load per element in a loop
+// that stores each took several). 8 consecutive elements stay consecutive in every format's layout (xs_index).
+template <WFormat WF>
+__device__ inline void stage_copy_vec(const QMat& m, const __half* x, __half* xs) {
+  constexpr int kU = 4;
+  const int K = m.K, width = staged_width(m), nw = width / (8 * kXChunks<WF>), n8 = width / 8;
+  const uint4* x8 = reinterpret_cast<const uint4*>(x);
+  for (int v0 = threadIdx.x; v0 < n8; v0 += kU * kPersistentThreads) {
+    uint4 val[kU];
+#pragma unroll
+    for (int u = 0; u < kU; u++) {
+      const int v = v0 + u * kPersistentThreads;
+      val[u] = v < n8 && 8 * v < K ? __ldcg(x8 + v) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int u = 0; u < kU; u++) {
+      const int v = v0 + u * kPersistentThreads;
+      if (v < n8) *reinterpret_cast<uint4*>(xs + xs_index<WF>(8 * v, nw)) = val[u];
+    }
+  }
   __syncthreads();
 }
 
@@ -77,6 +103,10 @@ __device__ inline void stage(const QMat& m, const void* x, const float* w, float
     }
     ss = block_sum(ss, red);
     inv = rsqrtf(ss / (float)K + eps);
+  } else if (K % 8 == 0 && staged_width(m) % 8 == 0) {  // (uniform)
+    stage_copy_vec<WF>(m, static_cast<const __half*>(x), xs);
+    stage_sums<WF>(K, nw, xs, xsum);
+    return;
   }
   for (int i = threadIdx.x; i < width; i += kPersistentThreads) {
     __half v = __float2half(0.0f);
@@ -335,6 +365,7 @@ __device__ inline void gemv_task_fmt(const QMat& m, const void* x, const float* 
   float o = 0.0f;
   if (add_ring && (int)threadIdx.x < nr) o = ldcg(static_cast<float*>(y) + r0 + threadIdx.x);
   stage<WF, NORM>(m, x, w, eps, xs, sm.xsum, sm.red, sm.keep);
+  stamp_at(sm.staged);
   if (per <= 0) {
     gemv_rows<WF, O>(m, r0, r1, xs, sm.xsum, y);
     return;

@@ -178,6 +178,7 @@ struct StreamArgs {
   uint32_t* sink;  // per block: XOR of its chunks
   uint32_t epoch;
   sync::WaitPolicy policy;
+  uint32_t issuer = 0;  // Bulk: the thread that issues the copies (thread 0 also waits and signals)
 };
 
 template <RingCopy C, int S>
@@ -185,6 +186,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(StreamArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ uint32_t red[kThreads / 32];
   WeightRing<C, S> ring(smem, a.chunk_bytes);
+  ring.issuer = a.issuer;
   const int G = gridDim.x, b = blockIdx.x, n4 = a.n_words / 4;
   const size_t per_block = (size_t)a.stages * a.chunks_per_stage;
   auto src = [&](size_t j) -> const uint8_t* {  // this block's j-th chunk, nullptr past its last
@@ -520,6 +522,12 @@ uint32_t ring_xor(const void* host, size_t bytes, RingCopy copy, int stages, int
   return xor_of(sink, st.blocks);
 }
 
+uint32_t issuer_thread(const RingConfig& c) {
+  if (c.issuer_warp < 0 || c.issuer_warp >= kThreads / 32)
+    fail(ErrorKind::Request, "issuer_warp must be 0 to " + std::to_string(kThreads / 32 - 1));
+  return (uint32_t)c.issuer_warp * 32;
+}
+
 RingResult measure_ring(const RingConfig& c) {
   if (c.blocks_per_sm < 1) fail(ErrorKind::Request, "measure_ring: blocks_per_sm must be >= 1");
   Stream st(c.copy, c.stages, c.slot_kib, -c.blocks_per_sm, "measure_ring");
@@ -530,7 +538,7 @@ RingResult measure_ring(const RingConfig& c) {
   DeviceArray<unsigned long long> waited((size_t)st.blocks);
   StreamArgs a{reinterpret_cast<const uint8_t*>(buf.w.p), n_chunks, st.chunk_bytes, 1,
                (int)((n_chunks + st.blocks - 1) / st.blocks), 0, nullptr, 0, counters.p, error.p, waited.p, sink.p,
-               1, sync::WaitPolicy{}};
+               1, sync::WaitPolicy{}, issuer_thread(c)};
   Events ev;
   st.run(a);  // warm-up
   float best = 1e30f;
@@ -563,7 +571,7 @@ StreamHandoffResult measure_stream_handoff(const StreamHandoffConfig& c) {
   uint32_t epoch = 0;
   auto args = [&](int handoffs) {
     return StreamArgs{reinterpret_cast<const uint8_t*>(buf.w.p), n_chunks, st.chunk_bytes, K, m, handoffs, act.p,
-                      c.n_words, counters.p, error.p, waited.p, sink.p, handoffs ? ++epoch : 1u, policy};
+                      c.n_words, counters.p, error.p, waited.p, sink.p, handoffs ? ++epoch : 1u, policy, issuer_thread(c.ring)};
   };
   Events ev;
   float alone = 1e30f, with = 1e30f;

@@ -42,6 +42,7 @@ struct RingConfig {
   size_t bytes = (size_t)2 << 30;
   int reps = 10;
   int blocks_per_sm = 1;  // the persistent kernel's grid: one (or two) blocks per SM, each with its own ring
+  int issuer_warp = 0;    // Bulk: the warp whose lane 0 issues the copies (stream_handoff: warp 0 waits and signals)
 };
 struct RingResult {
   double gb_per_s = 0, best_ms = 0, bytes = 0;

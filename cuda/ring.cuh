@@ -46,6 +46,7 @@ struct WeightRing {
   uint64_t* full;  // Bulk: one mbarrier per slot
   uint32_t slot_bytes;
   uint32_t issued = 0, consumed = 0;
+  uint32_t issuer = 0;  // Bulk: the thread that issues the copies
 
   // smem: ring_smem_bytes(S, slot_bytes) bytes, 128-byte aligned. Contains a barrier: call it uniformly.
   __device__ WeightRing(uint8_t* smem, uint32_t bytes)
@@ -80,7 +81,7 @@ struct WeightRing {
 #endif
     } else {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      if (src != nullptr && threadIdx.x == 0) {
+      if (src != nullptr && threadIdx.x == issuer) {
         const uint32_t bar = smem_addr(full + slot);
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(slot_bytes) : "memory");
         asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"

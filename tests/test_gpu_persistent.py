@@ -103,7 +103,8 @@ def model(request, tmp_path_factory):
 RING = {  # the weight ring and the attention's key / value staging (docs/perf/persistent.md §7), on and off
     "ring": dict(persistent_ring=True, persistent_kv_stage=True),
     "noring": dict(persistent_ring=False, persistent_kv_stage=False),
-    "ring_small": dict(persistent_ring_slots=2, persistent_ring_slot_kib=1),  # rows wider than a slot: global
+    "ring_small": dict(persistent_ring=True, persistent_ring_slots=2, persistent_ring_slot_kib=1),  # rows wider
+    # than a slot: global
 }
 
 
@@ -291,7 +292,7 @@ def test_one_block_per_sm(tmp_path):
 def test_persistent_trace_step(tmp_path):
     """CudaEngine.persistent_trace_step (bench/tools/trace_persistent.py): refused without a traced persistent
     step or at a context past max_seq_len - 4; in a -DTINYINFER_TRACE=ON build one row per task of the schedule,
-    each with its three stamps in order."""
+    each with its stamps in order (a GEMV task's staging between its wait and its end)."""
     from tinyinfer import InvalidRequestError
 
     m = make_llama(tmp_path, hidden=256, intermediate=500, layers=2, heads=4, kv_heads=2, vocab=512)
@@ -306,8 +307,11 @@ def test_persistent_trace_step(tmp_path):
         core.persistent_trace_step(125)
     rows = core.persistent_trace_step(20)
     grid = core.persistent_grid[0]
-    assert rows.shape[1] == 8 and set(rows[:, 0]) <= set(range(grid))
+    assert rows.shape[1] == 9 and set(rows[:, 0]) <= set(range(grid))
     assert (rows[:, 5] > 0).all() and (rows[:, 5] <= rows[:, 6]).all() and (rows[:, 6] <= rows[:, 7]).all()
+    gemv = np.isin(rows[:, 1], [1, 4, 5, 6, 7])  # qkv, o, gate_up, down, lm_head: staged between wait and end
+    assert (rows[gemv, 6] <= rows[gemv, 8]).all() and (rows[gemv, 8] <= rows[gemv, 7]).all()
+    assert (rows[~gemv, 8] == 0).all()
 
 
 def test_prefetch_changes_no_number(model):

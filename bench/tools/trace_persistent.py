@@ -1,6 +1,7 @@
 """Where the time of a persistent decode step goes (issue 16's "measured per-task breakdown"): per task of the
 schedule, global-timer stamps at its start (before its L2 prefetch), after its counter wait, and after its signal
-(cuda/persistent.cu, task_stamp; a -DTINYINFER_TRACE=ON build), for one step after three warm-up steps.
+and after its input's staging (GEMV tasks) (cuda/persistent.cu, task_stamp; a -DTINYINFER_TRACE=ON build), for one
+step after three warm-up steps.
     python3 bench/tools/trace_persistent.py tinyllama-1.1b fp16 [context] [--opts=...] [--reps=3] [--out=FILE.json]
 Per task type, summed over the layers and averaged over the traced steps (µs):
   tasks      tasks per step (idle: attention chunks past the context, which only signal)
@@ -8,6 +9,8 @@ Per task type, summed over the layers and averaged over the traced steps (µs):
              phase's (sums to the step, from the embedding's end to the LM head's)
   handoff    previous phase's last end -> this phase's first task past its wait (the counter hand-off)
   work/task  mean and max of a task's end - its wait's end (max > mean: imbalance, the phase waits for it)
+  stage      GEMV tasks: mean of a task's staging (its input read, RMSNorm'd, into shared memory) after its wait;
+             the rest of work/task is its dot products
   tail       median task end -> last task end (stragglers)
   wait, work block-µs summed over the tasks: time blocks spent waiting on counters vs running tasks
 and the step's span, the blocks' mean busy fraction, the share of the span where fewer than 10% of the blocks
@@ -53,6 +56,9 @@ def analyse(rows: np.ndarray) -> dict:
         d["idle"] += int(idle.sum())
         d["wait"] += float((w - s)[busy].sum())
         d["work"] += float((e - w)[busy].sum())
+        staged = r[:, 8] > 0
+        if staged.any():
+            d["stage_sum"] += float(((r[staged, 8] - t0) / 1e3 - w[staged]).mean())
         if busy.any():
             work = (e - w)[busy]
             d["work_max"] = max(d["work_max"], float(work.max()))
@@ -97,7 +103,7 @@ def main() -> None:
     print(f"span {mean(lambda r: r['span']):.1f} µs; blocks busy {100 * mean(lambda r: r['busy']):.0f}% of it; "
           f"< 10% of blocks working {100 * mean(lambda r: r['serial']):.0f}% of it")
     print(f"{'type':>12} {'tasks':>6} {'idle':>5} {'incr':>8} {'handoff':>8} {'work/task':>9} {'max':>7} "
-          f"{'tail':>7} {'wait blk-µs':>11} {'work blk-µs':>11}")
+          f"{'stage':>6} {'tail':>7} {'wait blk-µs':>11} {'work blk-µs':>11}")
     table = {}
     for name in TYPES:
         if name not in results[0]["types"]:
@@ -107,11 +113,14 @@ def main() -> None:
         row = {k: g(k) for k in ("tasks", "idle", "incr", "handoff", "tail", "wait", "work", "work_max")}
         row["work_per_task"] = g("work_mean_sum") / n_ph
         row["work_max_mean"] = g("work_max_sum") / n_ph
+        row["stage_per_task"] = g("stage_sum") / n_ph
         table[name] = row
         print(f"{name:>12} {row['tasks']:>6.0f} {row['idle']:>5.0f} {row['incr']:>8.1f} {row['handoff']:>8.1f} "
-              f"{row['work_per_task']:>9.2f} {row['work_max_mean']:>7.2f} {row['tail']:>7.1f} {row['wait']:>11.0f} "
+              f"{row['work_per_task']:>9.2f} {row['work_max_mean']:>7.2f} {row['stage_per_task']:>6.2f} "
+              f"{row['tail']:>7.1f} {row['wait']:>11.0f} "
               f"{row['work']:>11.0f}")
-    print("(incr, handoff, tail: µs summed over the layers; work/task, max: µs per task, mean over the layers)")
+    print("(incr, handoff, tail: µs summed over the layers; work/task, max, stage: µs per task, mean over the "
+          "layers)")
     print("one layer of the last traced step (µs from the step's start): tasks working, first past its wait, "
           "median past its wait, median end, last end")
     for name, n, w0, wm, em, e1 in results[-1]["timeline"]:

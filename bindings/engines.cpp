@@ -586,7 +586,7 @@ void bind_engines(nb::module_& m) {
           "CudaOptions.trace engines with the persistent step: one step at `context` (after 3 warm-up steps); int64 "
           "(tasks, 9): block, task type (0 embed, 1 qkv, 2 attn_partial, 3 attn_merge, 4 o, 5 gate_up, 6 down, "
           "7 lm_head), layer, a, b, global-timer ns at the task's start, after its wait, at its end, after its input's "
-          "staging (GEMV tasks; else 0) (0: not reached; all 0 in a build without -DTINYINFER_TRACE=ON).")
+          "staging (GEMV and attention tasks; else 0) (0: not reached; all 0 in a build without -DTINYINFER_TRACE=ON).")
       .def("time_attention", &ti::CudaEngine::time_attention, "context"_a, "reps"_a,
            nb::call_guard<nb::gil_scoped_release>(), "GPU µs of one layer's decode attention at this context.");
   bind_engine_common<ti::CudaEngine>(gpu);

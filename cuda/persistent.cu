@@ -103,7 +103,7 @@ __device__ __forceinline__ void run_task(const PersistentParams& p, const PTask&
       gemv_task<true, Out::Store>(L->qkv, p.x, L->attn_norm, p.eps, t.a, t.b, p.qkv, sm, per, pr);
       break;
     case TaskType::AttnPartial:
-      attn_partial(p, t.layer, t.a, t.b, pos, sm.work);
+      attn_partial(p, t.layer, t.a, t.b, pos, sm.work, sm.staged);
       break;
     case TaskType::AttnMerge:
       attn_merge(p, t.a, pos);

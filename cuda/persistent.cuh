@@ -12,7 +12,7 @@
 namespace ti::cuda {
 
 constexpr int kPersistentThreads = 256;
-// per task in a trace: start, after the wait, end, and (GEMV tasks) after the input's staging
+// per task in a trace: start, after the wait, end, and (GEMV and attention tasks) after the input's staging
 // (bench/tools/trace_persistent.py)
 constexpr int kTaskStamps = 4;
 
@@ -48,8 +48,8 @@ struct PersistentParams {
   unsigned long long timeout_ns = 2000000000ull;
   bool prefetch = true;  // each task's first weights (or KV rows) asked into L2 before its wait
   // TINYINFER_TRACE builds (common.cuh): kTaskStamps global-timer ns per task of the flattened schedule (task i
-  // at trace[kTaskStamps * i]): its start (before its prefetch), after its wait, after its signal, and for a GEMV
-  // task after its input is staged (else 0). nullptr: off.
+  // at trace[kTaskStamps * i]): its start (before its prefetch), after its wait, after its signal, and after its
+  // input is staged (GEMV: in shared memory; attention: q rotated, the new key / value written; else 0). nullptr: off.
   unsigned long long* trace = nullptr;
   // ScheduleShape::fused_merge: no merge tasks; arrivals (n_layers x n_kv_heads words, zero between steps) count a
   // KV head's finished attention chunks, and the last one merges them.

@@ -124,7 +124,49 @@ __device__ inline void attn_preload(const PersistentParams& p, int l, int kvh, i
 #endif
 }
 
-__device__ inline void attn_partial(const PersistentParams& p, int l, int kvh, int c, int pos, unsigned char* work) {
+// The chunk's scores s_s[h * CH + t] = q_h . k_t: a warp per position t, all g heads; lane `lane` holds the key's
+// dimension pairs 2 lane + 64 j. The heads go HA at a time so that their warp sums' shuffle chains overlap (one
+// head after the other, the chains' latency was most of the task: docs/perf/persistent.md §8.5); each head's sum
+// in warp_sum's order.
+template <int HA, typename Off>
+__device__ __forceinline__ void attn_scores(const float* q_s, const __half* kb, Off off, float* s_s, int n, int g,
+                                            int hd, int CH) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  constexpr int kPairs = 4;  // head_dim <= 256 (PersistentDecode::unsupported)
+  for (int t = warp; t < n; t += kWarps) {
+    const __half2* kr = reinterpret_cast<const __half2*>(kb + off(t));
+    float2 kf[kPairs];
+#pragma unroll
+    for (int j = 0; j < kPairs; j++)
+      kf[j] = 2 * lane + 64 * j < hd ? __half22float2(kr[lane + 32 * j]) : make_float2(0.0f, 0.0f);
+    for (int h0 = 0; h0 < g; h0 += HA) {
+      float s[HA];
+#pragma unroll
+      for (int u = 0; u < HA; u++) {
+        const float* q = q_s + min(h0 + u, g - 1) * hd;  // (heads past g: computed, not written)
+        s[u] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kPairs; j++) {
+          const int d = 2 * lane + 64 * j;
+          if (d < hd) s[u] += q[d] * kf[j].x + q[d + 1] * kf[j].y;
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int u = 0; u < HA; u++) s[u] += __shfl_xor_sync(0xffffffffu, s[u], o);
+      }
+      if (lane == 0) {
+#pragma unroll
+        for (int u = 0; u < HA; u++)
+          if (h0 + u < g) s_s[(h0 + u) * CH + t] = s[u];
+      }
+    }
+  }
+}
+
+__device__ inline void attn_partial(const PersistentParams& p, int l, int kvh, int c, int pos, unsigned char* work,
+                                    unsigned long long* staged) {
   const int hd = p.head_dim, half_d = hd / 2, CH = p.chunk, c0 = c * CH;
   if (c0 > pos) return;
   const int n = min(CH, pos + 1 - c0), g = p.n_heads / p.n_kv_heads, hq0 = kvh * g;
@@ -174,27 +216,11 @@ __device__ inline void attn_partial(const PersistentParams& p, int l, int kvh, i
   if (st) asm volatile("cp.async.wait_all;" ::: "memory");  // attn_preload's copies (this thread's)
 #endif
   __syncthreads();
-  // scores: a warp per position, all g heads; lane `lane` holds the key's dimension pairs 2 lane + 64 j
+  stamp_at(staged);  // (TI_TRACE) q rotated, the new key / value written, the chunk's keys / values in place
+  // scores: a warp per position, all g heads (attn_scores)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  constexpr int kPairs = 4;  // head_dim <= 256 (PersistentDecode::unsupported)
-  for (int t = warp; t < n; t += kWarps) {
-    const __half2* kr = reinterpret_cast<const __half2*>(kb + off(t));
-    float2 kf[kPairs];
-#pragma unroll
-    for (int j = 0; j < kPairs; j++)
-      kf[j] = 2 * lane + 64 * j < hd ? __half22float2(kr[lane + 32 * j]) : make_float2(0.0f, 0.0f);
-    for (int hh = 0; hh < g; hh++) {
-      const float* q = q_s + hh * hd;
-      float s = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kPairs; j++) {
-        const int d = 2 * lane + 64 * j;
-        if (d < hd) s += q[d] * kf[j].x + q[d + 1] * kf[j].y;
-      }
-      s = warp_sum(s);
-      if (lane == 0) s_s[hh * CH + t] = s;
-    }
-  }
+  if (g <= 4) attn_scores<4>(q_s, kb, off, s_s, n, g, hd, CH);
+  else attn_scores<8>(q_s, kb, off, s_s, n, g, hd, CH);
   __syncthreads();
   // softmax per head (a warp per head): probabilities in place, (max, sum) to the partial buffer
   for (int hh = warp; hh < g; hh += kWarps) {

@@ -311,7 +311,9 @@ def test_persistent_trace_step(tmp_path):
     assert (rows[:, 5] > 0).all() and (rows[:, 5] <= rows[:, 6]).all() and (rows[:, 6] <= rows[:, 7]).all()
     gemv = np.isin(rows[:, 1], [1, 4, 5, 6, 7])  # qkv, o, gate_up, down, lm_head: staged between wait and end
     assert (rows[gemv, 6] <= rows[gemv, 8]).all() and (rows[gemv, 8] <= rows[gemv, 7]).all()
-    assert (rows[~gemv, 8] == 0).all()
+    attn = (rows[:, 1] == 2) & (rows[:, 8] > 0)  # attention chunks up to pos (those past it do nothing)
+    assert attn.any() and (rows[attn, 6] <= rows[attn, 8]).all() and (rows[attn, 8] <= rows[attn, 7]).all()
+    assert (rows[rows[:, 1] == 0, 8] == 0).all()
 
 
 def test_prefetch_changes_no_number(model):

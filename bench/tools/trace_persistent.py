@@ -1,6 +1,6 @@
 """Where the time of a persistent decode step goes (issue 16's "measured per-task breakdown"): per task of the
 schedule, global-timer stamps at its start (before its L2 prefetch), after its counter wait, and after its signal
-and after its input's staging (GEMV tasks) (cuda/persistent.cu, task_stamp; a -DTINYINFER_TRACE=ON build), for one
+and after its input's staging (GEMV and attention tasks) (cuda/persistent.cu, task_stamp; a -DTINYINFER_TRACE=ON build), for one
 step after three warm-up steps.
     python3 bench/tools/trace_persistent.py tinyllama-1.1b fp16 [context] [--opts=...] [--reps=3] [--out=FILE.json]
 Per task type, summed over the layers and averaged over the traced steps (µs):
@@ -9,8 +9,9 @@ Per task type, summed over the layers and averaged over the traced steps (µs):
              phase's (sums to the step, from the embedding's end to the LM head's)
   handoff    previous phase's last end -> this phase's first task past its wait (the counter hand-off)
   work/task  mean and max of a task's end - its wait's end (max > mean: imbalance, the phase waits for it)
-  stage      GEMV tasks: mean of a task's staging (its input read, RMSNorm'd, into shared memory) after its wait;
-             the rest of work/task is its dot products
+  stage      mean of a task's staging after its wait: GEMV, its input read (RMSNorm'd) into shared memory, the
+             rest of work/task its dot products; attention, q rotated and the new key / value written, the rest
+             its scores, softmax and P V
   tail       median task end -> last task end (stragglers)
   wait, work block-µs summed over the tasks: time blocks spent waiting on counters vs running tasks
 and the step's span, the blocks' mean busy fraction, the share of the span where fewer than 10% of the blocks

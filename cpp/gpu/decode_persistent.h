@@ -51,8 +51,8 @@ class PersistentDecode {
   void skew_epoch(int by, cudaStream_t s) const;  // tests: the next step's waits can never succeed
   // Tracing (DecodeBuffers::trace set, a TINYINFER_TRACE build): the stamps zeroed; then, after steps, per task
   // of the schedule (blocks in order, each block's list in order) kTraceColumns values: block, task type, layer,
-  // a, b, and the global-timer ns at its start, after its wait, at its end, after its input's staging (GEMV tasks;
-  // 0: not reached, or not a GEMV task).
+  // a, b, and the global-timer ns at its start, after its wait, at its end, after its input's staging (GEMV and
+  // attention tasks; 0: not reached, or another task).
   static constexpr int kTraceColumns = 9;
   bool traced() const { return p_.trace != nullptr; }
   void clear_trace(cudaStream_t s) const;

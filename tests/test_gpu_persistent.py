@@ -103,8 +103,8 @@ def model(request, tmp_path_factory):
 RING = {  # the weight ring and the attention's key / value staging (docs/perf/persistent.md §7), on and off
     "ring": dict(persistent_ring=True, persistent_kv_stage=True),
     "noring": dict(persistent_ring=False, persistent_kv_stage=False),
-    "ring_small": dict(persistent_ring=True, persistent_ring_slots=2, persistent_ring_slot_kib=1),  # rows wider
-    # than a slot: global
+    # rows wider than a slot: from global memory
+    "ring_small": dict(persistent_ring=True, persistent_ring_slots=2, persistent_ring_slot_kib=1),
 }
 
 

@@ -260,6 +260,8 @@ void PersistentDecode::clear_trace(cudaStream_t s) const {
     TI_CUDA_CHECK(cudaMemsetAsync(p_.trace, 0, sched_.n_tasks() * cuda::kTaskStamps * sizeof(*p_.trace), s));
 }
 
+static_assert(PersistentDecode::kTraceColumns == 5 + cuda::kTaskStamps, "read_trace's row: 5 values, then the stamps");
+
 std::vector<int64_t> PersistentDecode::read_trace(cudaStream_t s) const {
   if (!p_.trace) fail(ErrorKind::Request, "persistent trace: the engine was built without CudaOptions.trace");
   std::vector<unsigned long long> t(sched_.n_tasks() * cuda::kTaskStamps);

@@ -41,7 +41,8 @@ void bind_persistent_probe(nb::module_& ops) {
       "groups = blocks one producer per consumer.");
   ops.def(
       "ring_bandwidth",
-      [](ti::cuda::RingCopy copy, int stages, int slot_kib, size_t bytes, int reps, int blocks_per_sm, int issuer_warp) {
+      [](ti::cuda::RingCopy copy, int stages, int slot_kib, size_t bytes, int reps, int blocks_per_sm,
+         int issuer_warp) {
         ti::cuda::RingConfig c{copy, stages, slot_kib, bytes, reps, blocks_per_sm, issuer_warp};
         ti::cuda::RingResult r;
         {
@@ -65,8 +66,8 @@ void bind_persistent_probe(nb::module_& ops) {
       "stream_handoff",
       [](ti::cuda::RingCopy copy, int stages, int slot_kib, size_t bytes, double bytes_per_handoff, int n_words,
          uint32_t max_sleep_ns, int reps, int blocks_per_sm, int issuer_warp) {
-        ti::cuda::StreamHandoffConfig c{{copy, stages, slot_kib, bytes, reps, blocks_per_sm, issuer_warp}, bytes_per_handoff, n_words,
-                                        max_sleep_ns};
+        ti::cuda::StreamHandoffConfig c{{copy, stages, slot_kib, bytes, reps, blocks_per_sm, issuer_warp},
+                                        bytes_per_handoff, n_words, max_sleep_ns};
         ti::cuda::StreamHandoffResult r;
         {
           nb::gil_scoped_release release;

@@ -91,8 +91,8 @@ __device__ __forceinline__ void task_stamp(unsigned long long* trace, int i, int
 // Task t (index i of the flattened schedule); per: its ring tiles' rows (0: its weights from global memory).
 // Forced inline: when nvcc outlined it, the call copied the kernel's parameters (~0.5 KB) to the stack and every
 // task read them from there, a much slower step (docs/perf/persistent.md §8.4).
-__device__ __forceinline__ void run_task(const PersistentParams& p, const PTask& t, int token, int pos, const Smem& sm, int per,
-                         PlanRing* pr) {
+__device__ __forceinline__ void run_task(const PersistentParams& p, const PTask& t, int token, int pos, const Smem& sm,
+                                         int per, PlanRing* pr) {
   const PLayer* L = p.layers + t.layer;
   switch (t.type) {
     case TaskType::Embed:

@@ -92,10 +92,10 @@ struct AttnSmem {
   }
 };
 
-// Before the task's wait: the chunk's cache rows, RoPE's cos / sin row of pos, and (kv_stage) the keys and values of its
-// positions before pos
-// — written by earlier steps, final — copied into shared memory with cp.async, so that after the wait only the
-// new token's q / k / v are on the critical path. The copies complete in attn_partial (wait_all + a barrier).
+// Before the task's wait: the chunk's cache rows, RoPE's cos / sin row of pos, and (kv_stage) the keys and values
+// of its positions before pos — written by earlier steps, final — copied into shared memory with cp.async, so that
+// after the wait only the new token's q / k / v are on the critical path. The copies complete in attn_partial
+// (wait_all + a barrier).
 __device__ inline void attn_preload(const PersistentParams& p, int l, int kvh, int c, int pos, unsigned char* work) {
   const int hd = p.head_dim, CH = p.chunk, c0 = c * CH, g = p.n_heads / p.n_kv_heads;
   const int n = min(CH, pos + 1 - c0);

@@ -40,8 +40,6 @@ __device__ inline void stage_norm_vec(const QMat& m, const float* x, const float
   float ss = 0.0f;
   for (int i = threadIdx.x; i < nv; i += kPersistentThreads) {
     const float4 v = __ldcg(x4 + i);
-    // the norm's weights into L1 while x is in flight: the second pass's loads of them then miss no further
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(reinterpret_cast<const float4*>(w) + i));
     keep[i] = v;
     ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
   }

@@ -571,7 +571,8 @@ StreamHandoffResult measure_stream_handoff(const StreamHandoffConfig& c) {
   uint32_t epoch = 0;
   auto args = [&](int handoffs) {
     return StreamArgs{reinterpret_cast<const uint8_t*>(buf.w.p), n_chunks, st.chunk_bytes, K, m, handoffs, act.p,
-                      c.n_words, counters.p, error.p, waited.p, sink.p, handoffs ? ++epoch : 1u, policy, issuer_thread(c.ring)};
+                      c.n_words, counters.p, error.p, waited.p, sink.p, handoffs ? ++epoch : 1u, policy,
+                      issuer_thread(c.ring)};
   };
   Events ev;
   float alone = 1e30f, with = 1e30f;

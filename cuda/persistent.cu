@@ -81,11 +81,7 @@ __device__ void prefetch_task(const PersistentParams& p, const PTask& t, int pos
 
 // Thread 0 stamps the global timer for task `i` at `point` (TI_TRACE builds with a trace buffer; else nothing).
 __device__ __forceinline__ void task_stamp(unsigned long long* trace, int i, int point) {
-#ifdef TI_TRACE
-  if (trace != nullptr && threadIdx.x == 0) trace[(size_t)i * kTaskStamps + point] = sync::global_ns();
-#else
-  (void)trace, (void)i, (void)point;
-#endif
+  stamp_at(trace != nullptr ? trace + (size_t)i * kTaskStamps + point : nullptr);
 }
 
 // Task t (index i of the flattened schedule); per: its ring tiles' rows (0: its weights from global memory).
@@ -123,7 +119,14 @@ __device__ __forceinline__ void run_task(const PersistentParams& p, const PTask&
   }
 }
 
-__global__ void __launch_bounds__(kPersistentThreads) persistent_kernel(const __grid_constant__ PersistentParams p) {
+// A trace build asks for 2 blocks per SM explicitly: left to itself, ptxas gave it 80 registers and spills (the
+// stamps would then time a different kernel). The default build's 128 registers are ptxas's own choice.
+#ifdef TI_TRACE
+#define TI_PERSISTENT_BOUNDS __launch_bounds__(kPersistentThreads, 2)
+#else
+#define TI_PERSISTENT_BOUNDS __launch_bounds__(kPersistentThreads)
+#endif
+__global__ void TI_PERSISTENT_BOUNDS persistent_kernel(const __grid_constant__ PersistentParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* work = smem_raw + kRedFloats * sizeof(float);
   const Smem sm{reinterpret_cast<float*>(smem_raw), work,

@@ -530,6 +530,7 @@ uint32_t issuer_thread(const RingConfig& c) {
 
 RingResult measure_ring(const RingConfig& c) {
   if (c.blocks_per_sm < 1) fail(ErrorKind::Request, "measure_ring: blocks_per_sm must be >= 1");
+  const uint32_t issuer = issuer_thread(c);  // (checked before any allocation)
   Stream st(c.copy, c.stages, c.slot_kib, -c.blocks_per_sm, "measure_ring");
   const size_t n_chunks = c.bytes / st.chunk_bytes;
   if (n_chunks < (size_t)st.blocks) fail(ErrorKind::Request, "measure_ring: bytes must give every block a chunk");
@@ -538,7 +539,7 @@ RingResult measure_ring(const RingConfig& c) {
   DeviceArray<unsigned long long> waited((size_t)st.blocks);
   StreamArgs a{reinterpret_cast<const uint8_t*>(buf.w.p), n_chunks, st.chunk_bytes, 1,
                (int)((n_chunks + st.blocks - 1) / st.blocks), 0, nullptr, 0, counters.p, error.p, waited.p, sink.p,
-               1, sync::WaitPolicy{}, issuer_thread(c)};
+               1, sync::WaitPolicy{}, issuer};
   Events ev;
   st.run(a);  // warm-up
   float best = 1e30f;
@@ -556,6 +557,7 @@ RingResult measure_ring(const RingConfig& c) {
 StreamHandoffResult measure_stream_handoff(const StreamHandoffConfig& c) {
   check_chain_args(c.n_words, 1, 1, "measure_stream_handoff");
   if (c.ring.blocks_per_sm < 1) fail(ErrorKind::Request, "measure_stream_handoff: blocks_per_sm must be >= 1");
+  const uint32_t issuer = issuer_thread(c.ring);
   Stream st(c.ring.copy, c.ring.stages, c.ring.slot_kib, -c.ring.blocks_per_sm, "measure_stream_handoff");
   const double per_stage_all = (double)st.blocks * st.chunk_bytes;  // one chunk per block
   const int m = std::max(1, (int)std::lround(c.bytes_per_handoff / per_stage_all));
@@ -572,7 +574,7 @@ StreamHandoffResult measure_stream_handoff(const StreamHandoffConfig& c) {
   auto args = [&](int handoffs) {
     return StreamArgs{reinterpret_cast<const uint8_t*>(buf.w.p), n_chunks, st.chunk_bytes, K, m, handoffs, act.p,
                       c.n_words, counters.p, error.p, waited.p, sink.p, handoffs ? ++epoch : 1u, policy,
-                      issuer_thread(c.ring)};
+                      issuer};
   };
   Events ev;
   float alone = 1e30f, with = 1e30f;

@@ -144,6 +144,11 @@ def test_bad_arguments_are_request_errors():
         ops.ring_bandwidth(ops.RingCopy.CpAsync, 8, 64, 1 << 28, 1)
     with pytest.raises(InvalidRequestError, match="epochs"):
         ops.reduction_chain(np.ones((2, 2), np.uint32), 1, 0)
+    for w in (-1, 8):
+        with pytest.raises(InvalidRequestError, match="issuer_warp must be 0 to 7"):
+            ops.ring_bandwidth(ops.RingCopy.Bulk, 4, 16, 1 << 24, 1, 1, w)
+        with pytest.raises(InvalidRequestError, match="issuer_warp must be 0 to 7"):
+            ops.stream_handoff(ops.RingCopy.Bulk, 4, 16, 1 << 26, 4e6, 2048, 0, 1, 1, w)
 
 
 @gpu

@@ -45,8 +45,7 @@ if many:
             if mixed:
                 eng.seq_step(running, [1] * mixed)
             eng.seq_prefill_many(slots, prompts)
-        if mixed:
-            eng.seq_logits(running[0])  # (a copy to the host: waits for the queued passes)
+        eng.seq_logits(slots[-1])  # (a copy to the host: waits for the queued passes; both calls return once launched)
         dt = time.perf_counter() - t
         for s in slots:
             eng.seq_close(s)

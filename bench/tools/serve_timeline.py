@@ -19,8 +19,8 @@ Per round:
               it) shows as a long launch or sample, not as host time;
   no core call  time with no core call running (the device possibly idle), split by whether any request of
               the level was in flight (submitted, not ended) — the latter is what the scheduler could have used;
-  TTFT        per request, p50 / p99: submit -> admit (queue), admit -> prefilled (its prompt's last chunk ran),
-              prefilled -> first token sampled (with overlap, after the next step's launch: on the CPU that
+  TTFT        per request, p50 / p99: submit -> admit (queue), admit -> prefilled (the call with its prompt's last
+              chunk returned: on the GPU once launched), prefilled -> first token sampled (with overlap, after the next step's launch: on the CPU that
               is the whole step); HTTP: handler start -> submit, and first token -> the event loop
               has it (http_first);
   turnaround  the last end of round r -> the first submit of round r+1; and per request, the k-th end of round

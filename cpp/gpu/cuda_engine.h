@@ -180,7 +180,7 @@ class CudaEngine {
   // seq_prefill of n sequences at once: tokens[i] (lens[i] of them) in slots[i] (distinct, open). Their tokens
   // share batched passes (PrefillStep::run_many: one weight read per pass of up to prefill_chunk tokens; a
   // prompt may span two passes). The same checks as seq_prefill for the whole call before anything runs
-  // (pages: the sum of what every slot needs).
+  // (pages: the sum of what every slot needs). Returns once launched (the next syncing call waits).
   void seq_prefill_many(const int64_t* slots, const int32_t* const* tokens, const int64_t* lens, int64_t n);
   // tokens[i] at seq_length(slots[i]) in slots[i] (distinct, open), all in one batched step (a graph of the
   // bucket of n, padded); each slot's logits become the new ones.

@@ -191,7 +191,12 @@ void CudaEngine::require_pages(int64_t need, const char* what) const {
 }
 
 // Every prompt's tokens one after the other, cut into passes of prefill_->rows() tokens (a prompt that does not
-// fit the rest of a pass continues at the start of the next: a chunk continuation, like a long prompt's).
+// fit the rest of a pass continues at the start of the next: a chunk continuation, like a long prompt's). Returns
+// once launched, like seq_step (rule 4 of docs/BATCH_CONTRACT.md): the scheduler's next call, the sample, is
+// queued behind the passes and launches the next step the moment they end, with no host round trip between.
+// The prompts that finish in a pass get their logits from one LM-head GEMM over their last rows (into the
+// pass's logits scratch, then each row to its slot's own row), not a GEMV each: one head read per pass. They
+// join the penalty sets from the pass's own device tokens (no copy from the caller's memory).
 void CudaEngine::seq_prefill_many(const int64_t* slots, const int32_t* const* tokens, const int64_t* lens,
                                   int64_t n) {
   check_prefill_many(
@@ -201,8 +206,22 @@ void CudaEngine::seq_prefill_many(const int64_t* slots, const int32_t* const* to
   for (int64_t i = 0; i < n; i++) slot_reserve(slots[i], slots_[(size_t)slots[i]].length + lens[i]);
   if (prefill_) {
     const int rows = prefill_->rows();
+    const size_t V = (size_t)cfg_.vocab, ld = (size_t)pbuf_.ld_v;
     std::vector<PrefillSegment> pass;
-    int used = 0;
+    std::vector<int64_t> pass_slots;  // per segment
+    int used = 0, finished = 0;
+    auto run = [&] {
+      prefill_->run_many(pass.data(), (int)pass.size(), bbuf_.tables, pbuf_.logits);
+      for (size_t j = 0, row = 0; j < pass.size(); row += (size_t)pass[j].T, j++) {
+        cuda::mark_tokens(seen_ + (size_t)pass_slots[j] * V, pbuf_.tokens + row, pass[j].T, stream_);
+        if (pass[j].logits_row >= 0)  // its row of the gathered GEMM -> the slot's own row
+          TI_CUDA_CHECK(cudaMemcpyAsync(bbuf_.slot_row(pass_slots[j]), pbuf_.logits + (size_t)pass[j].logits_row * ld,
+                                        V * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+      }
+      pass.clear();
+      pass_slots.clear();
+      used = finished = 0;
+    };
     for (int64_t i = 0; i < n; i++) {
       const int64_t slot = slots[i], length = slots_[(size_t)slot].length;
       for (int64_t off = 0; off < lens[i];) {
@@ -213,25 +232,26 @@ void CudaEngine::seq_prefill_many(const int64_t* slots, const int32_t* const* to
         sg.table_offset = slot * bbuf_.table_stride;
         off += sg.T;
         if (off == lens[i]) {  // the prompt's last row: its logits become the slot's
-          sg.x = bbuf_.x;
-          sg.logits = bbuf_.slot_row(slot);
+          if (finished < pbuf_.logit_rows) {
+            sg.logits_row = finished++;
+          } else {  // (more finished prompts than the scratch has rows: the GEMV of the decode, as one alone)
+            sg.x = bbuf_.x;
+            sg.logits = bbuf_.slot_row(slot);
+          }
         }
         pass.push_back(sg);
+        pass_slots.push_back(slot);
         used += sg.T;
-        if (used == rows) {
-          prefill_->run_many(pass.data(), (int)pass.size(), bbuf_.tables);
-          pass.clear();
-          used = 0;
-        }
+        if (used == rows) run();
       }
     }
-    if (!pass.empty()) prefill_->run_many(pass.data(), (int)pass.size(), bbuf_.tables);
+    if (!pass.empty()) run();
     for (int64_t i = 0; i < n; i++) slots_[(size_t)slots[i]].logits_row = bbuf_.max_rows + (int)slots[i];
   } else {
     for (int64_t i = 0; i < n; i++) prefill_by_token(slots[i], tokens[i], lens[i]);
+    for (int64_t i = 0; i < n; i++) mark_prompt(slots[i], tokens[i], lens[i]);
+    TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // (d_prompt_ and the caller's tokens are free again)
   }
-  for (int64_t i = 0; i < n; i++) mark_prompt(slots[i], tokens[i], lens[i]);
-  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // (d_prompt_ and the caller's tokens are free again)
   for (int64_t i = 0; i < n; i++) {
     Slot& sl = slots_[(size_t)slots[i]];
     sl.length += lens[i];

@@ -56,6 +56,16 @@ PrefillBuffers PrefillBuffers::allocate(const ModelConfig& c, const DeviceWeight
   return b;
 }
 
+PrefillStep::PrefillStep(const ModelConfig& c, DeviceWeights& w, const DecodeBuffers& d, const PrefillBuffers& b,
+                         const GemvPlan& plan, cuda::Gemm& gemm, cudaStream_t s)
+    : c_(c), w_(w), d_(d), b_(b), plan_(plan), gemm_(gemm), s_(s) {
+  TI_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
+}
+
+PrefillStep::~PrefillStep() {
+  if (staged_) cudaEventDestroy(staged_);
+}
+
 static GemmArgs gemm_args(const __half* W, int M, int ldw, const __half* X, int ldx, void* Y, int ldy, int N, int K,
                           GemmOut out) {
   GemmArgs a;
@@ -158,6 +168,7 @@ void PrefillStep::run_chunk(const int32_t* tokens, int T, int pos0, float* host_
   TI_CUDA_CHECK(cudaStreamSynchronize(s_));  // b_.h_tokens may still be read by the previous chunk's copy
   std::memcpy(b_.h_tokens, tokens, (size_t)T * sizeof(int32_t));
   TI_CUDA_CHECK(cudaMemcpyAsync(b_.tokens, b_.h_tokens, (size_t)T * sizeof(int), cudaMemcpyHostToDevice, s_));
+  TI_CUDA_CHECK(cudaEventRecord(staged_, s_));
 
   cuda::embed_tokens(w_.embedding, w_.ld_h, H, b_.tokens, T, b_.x, w_.ld_h, s_);  // x = embed[tokens]
   PrefillRows rows;
@@ -191,7 +202,9 @@ void PrefillStep::run_many(const PrefillSegment* segs, int n, const int* tables,
     fail(ErrorKind::Request, "prefill: " + std::to_string(n) + " sequences of " + std::to_string(T) +
                                  " tokens in all do not fit one pass of " + std::to_string(b_.rows) + " rows");
   const int group = (int)(c.n_heads / c.n_kv_heads);
-  TI_CUDA_CHECK(cudaStreamSynchronize(s_));  // the pinned staging may still be read by the previous pass's copy
+  // The pinned staging may still be read by the previous pass's upload (queued behind a step launched ahead):
+  // wait for that upload alone, so this pass is queued while the step runs, not after it (no idle device between).
+  TI_CUDA_CHECK(cudaEventSynchronize(staged_));
   int4* seqs = reinterpret_cast<int4*>(b_.h_varlen);
   int2* tiles = reinterpret_cast<int2*>(b_.h_varlen + b_.tiles_at());
   int* tok_pos = b_.h_varlen + b_.tok_pos_at();
@@ -223,6 +236,7 @@ void PrefillStep::run_many(const PrefillSegment* segs, int n, const int* tables,
   TI_CUDA_CHECK(cudaMemcpyAsync(b_.tokens, b_.h_tokens, (size_t)T * sizeof(int), cudaMemcpyHostToDevice, s_));
   TI_CUDA_CHECK(cudaMemcpyAsync(b_.varlen, b_.h_varlen, (size_t)b_.varlen_ints() * sizeof(int),
                                 cudaMemcpyHostToDevice, s_));
+  TI_CUDA_CHECK(cudaEventRecord(staged_, s_));
 
   cuda::embed_tokens(w_.embedding, w_.ld_h, (int)c.hidden, b_.tokens, T, b_.x, w_.ld_h, s_);  // x = embed[tokens]
   PrefillRows rows;

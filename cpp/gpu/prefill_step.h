@@ -85,8 +85,10 @@ struct PrefillRows {
 class PrefillStep {
  public:
   PrefillStep(const ModelConfig& c, DeviceWeights& w, const DecodeBuffers& d, const PrefillBuffers& b,
-              const GemvPlan& plan, cuda::Gemm& gemm, cudaStream_t s)
-      : c_(c), w_(w), d_(d), b_(b), plan_(plan), gemm_(gemm), s_(s) {}
+              const GemvPlan& plan, cuda::Gemm& gemm, cudaStream_t s);
+  ~PrefillStep();
+  PrefillStep(const PrefillStep&) = delete;
+  PrefillStep& operator=(const PrefillStep&) = delete;
   int rows() const { return b_.rows; }
   // T <= rows() tokens at positions pos0..: fills the cache, leaves the last row's residual in the decode
   // buffers' x and its logits in their logits (what decode() samples from first). host_logits (may be null):
@@ -101,6 +103,9 @@ class PrefillStep {
   // products over all their rows at once (every weight read once), each token's RoPE at its own position, the
   // attention of each sequence over its own pages (varlen), the cache written through each one's table.
   // gathered (ld_v floats a row): where the segments with a logits_row put their logits (may be null if none).
+  // Returns once launched: it waits only until the pinned staging's previous upload has run (not for the
+  // stream, where a decode step launched ahead may still be running). The pass's tokens stay in b.tokens (row
+  // order) until the next pass or chunk uploads its own.
   void run_many(const PrefillSegment* segs, int n, const int* tables, float* gathered = nullptr);
 
  private:
@@ -114,6 +119,7 @@ class PrefillStep {
   const GemvPlan& plan_;
   cuda::Gemm& gemm_;
   cudaStream_t s_;
+  cudaEvent_t staged_ = nullptr;  // recorded after each upload from the pinned staging (b_.h_tokens, h_varlen)
 };
 
 // Every GEMM shape tuned so far, named by its role (qkv | o | gate_up | down | lm_head), by N.

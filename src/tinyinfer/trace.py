@@ -12,7 +12,8 @@ and the server's event loop share them without a lock; the cost is a perf_counte
           (whose decode rows its seq_sample counts), else 0; a seq_sample_step is recorded as its seq_sample and
           the seq_step it launched (split at the launch's own host time, which the core reports);
   events: (kind, t, request id, a, b). From the scheduler: "submit" (a = prompt tokens), "admit" (a slot
-          opened), "prefilled" (the prompt's last chunk ran), "first" (the first token sampled), "end" (a = tokens
+          opened), "prefilled" (the call with the prompt's last chunk
+          returned: on the GPU, once launched), "first" (the first token sampled), "end" (a = tokens
           generated, b = the finish reason). From the server, under the HTTP call's id (its choices' scheduler
           ids are "<id>-<k>"): "http_start" (the handler began), "http_first" (the event loop has the first
           token), "http_end" (the last chunk handed over to be written; a = tokens, b = the outcome).

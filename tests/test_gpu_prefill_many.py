@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from test_gpu_batch import LOGIT_TOL, MAX_SEQ, VOCAB, gpu_engine, greedy, model, options  # noqa: F401 (fixture)
-from tinyinfer import Engine, InvalidRequestError
+from tinyinfer import Engine, InvalidRequestError, _core
 
 pytestmark = pytest.mark.gpu
 
@@ -115,3 +115,36 @@ def test_scheduler_batched_prefill_matches_one_call_each(model):
         sched.close()
         eng.close()
     assert out[0] == out[1]
+
+
+@pytest.mark.parametrize("call", ["seq_prefill", "seq_prefill_many", "seq_mixed"])
+@pytest.mark.parametrize("chunk", [0, 100])
+def test_prompt_tokens_join_the_penalty_history(model, call, chunk):
+    """The prompt's tokens are in the repetition-penalty history however it was prefilled (one call or many, one
+    pass or several: prefill_chunk 100 cuts these 300-token prompts into passes): with a penalty of 1e6 greedy
+    never picks a prompt token (nor one picked before). The prompts cover ~25% of the vocabulary, so 12 picks
+    that ignored the prompt would land in it with probability 1 - 0.75^12 ~ 97% each."""
+    core = gpu_engine(model, "fp16", **({"prefill_chunk": chunk} if chunk else {}))._core
+    rng = np.random.default_rng(21)
+    ps = [rng.integers(3, VOCAB, 300).tolist() for _ in range(2)]
+    slots = [core.seq_open() for _ in ps]
+    other = core.seq_open()
+    core.seq_prefill(other, ps[0][:7])
+    if call == "seq_prefill":
+        for s, p in zip(slots, ps):
+            core.seq_prefill(s, p)
+    elif call == "seq_prefill_many":
+        core.seq_prefill_many(slots, ps)
+    else:
+        core.seq_mixed([other], [5], slots, ps)
+    pen = _core.SamplingConfig()
+    pen.repetition_penalty = 1e6
+    seen = [set(p) for p in ps]
+    for k in range(12):
+        toks, _, _, _ = core.seq_sample(slots, [pen] * len(slots), [k] * len(slots), 0)
+        for i, t in enumerate(toks.tolist()):
+            assert t not in seen[i], f"step {k}: slot {i} picked {t}, a token of its history"
+            seen[i].add(t)
+        core.seq_step(slots, toks.tolist())
+    for s in slots + [other]:
+        core.seq_close(s)

@@ -175,7 +175,7 @@ class CudaEngine {
   int64_t seq_length(int64_t slot) const;  // positions in its cache
   // Prompt tokens at seq_length(slot)..: the batched prefill through the slot's page table; the last token's
   // logits become the slot's; the tokens join its history as prompt. Request error, nothing changed, when the
-  // pages run out or max_seq_len would be passed.
+  // pages run out or max_seq_len would be passed. Returns once launched (the next syncing call waits).
   void seq_prefill(int64_t slot, const int32_t* tokens, int64_t n);
   // seq_prefill of n sequences at once: tokens[i] (lens[i] of them) in slots[i] (distinct, open). Their tokens
   // share batched passes (PrefillStep::run_many: one weight read per pass of up to prefill_chunk tokens; a

@@ -130,18 +130,19 @@ void CudaEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
   Slot& sl = slots_[(size_t)slot];
   check_room(sl.length, n, max_seq_);
   slot_reserve(slot, sl.length + n);  // (throws before anything is launched)
-  if (prefill_) {
+  if (prefill_) {  // returns once launched, as seq_prefill_many; the marks from each chunk's device tokens
     const PrefillTarget to{bbuf_.tables + (size_t)slot * bbuf_.table_stride, bbuf_.x, bbuf_.slot_row(slot)};
     for (int64_t c0 = 0; c0 < n; c0 += prefill_->rows()) {
       const int T = (int)std::min<int64_t>(prefill_->rows(), n - c0);
       prefill_->run_chunk(tokens + c0, T, (int)(sl.length + c0), nullptr, 0, to);
+      cuda::mark_tokens(seen_ + (size_t)slot * cfg_.vocab, pbuf_.tokens, T, stream_);
     }
     sl.logits_row = bbuf_.max_rows + (int)slot;
   } else {
     prefill_by_token(slot, tokens, n);
+    mark_prompt(slot, tokens, n);
+    TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // (d_prompt_ and the caller's tokens are free again)
   }
-  mark_prompt(slot, tokens, n);
-  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // (d_prompt_ and the caller's tokens are free again)
   sl.length += n;
   sl.has_logits = true;
 }

@@ -165,7 +165,7 @@ void PrefillStep::run_chunk(const int32_t* tokens, int T, int pos0, float* host_
                             const PrefillTarget& to) {
   const ModelConfig& c = c_;
   const int H = (int)c.hidden;
-  TI_CUDA_CHECK(cudaStreamSynchronize(s_));  // b_.h_tokens may still be read by the previous chunk's copy
+  TI_CUDA_CHECK(cudaEventSynchronize(staged_));  // b_.h_tokens may still be read by the previous upload
   std::memcpy(b_.h_tokens, tokens, (size_t)T * sizeof(int32_t));
   TI_CUDA_CHECK(cudaMemcpyAsync(b_.tokens, b_.h_tokens, (size_t)T * sizeof(int), cudaMemcpyHostToDevice, s_));
   TI_CUDA_CHECK(cudaEventRecord(staged_, s_));

@@ -93,6 +93,7 @@ class PrefillStep {
   // T <= rows() tokens at positions pos0..: fills the cache, leaves the last row's residual in the decode
   // buffers' x and its logits in their logits (what decode() samples from first). host_logits (may be null):
   // every row's logits as well, row r at host_logits row host_row0 + r (rows with host_row0 + r < 0 skipped).
+  // Without host_logits it returns once launched (as run_many); the chunk's tokens stay in b.tokens.
   void run_chunk(const int32_t* tokens, int T, int pos0, float* host_logits, int64_t host_row0) {
     run_chunk(tokens, T, pos0, host_logits, host_row0, PrefillTarget{d_.page_table, d_.x, d_.logits});
   }

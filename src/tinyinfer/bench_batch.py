@@ -58,8 +58,8 @@ def time_batch(core, batch: int, prompt: int, gen: int, vocab: int, seed: int = 
 def time_prefill(core, batch: int, prompt: int, vocab: int, seed: int = 0, reps: int = 3) -> dict:
     """Wall ms to prefill B prompts of `prompt` tokens into B fresh slots: one seq_prefill each (what the
     scheduler did before seq_prefill_many) against one seq_prefill_many for all (one pass over B * prompt
-    tokens, each weight read once per pass). Both are timed until the GPU finished (seq_prefill syncs; after
-    seq_prefill_many, which returns once launched, a copy of the last slot's logits waits for it). Best of `reps` after one untimed round of each (GEMM tactics)."""
+    tokens, each weight read once per pass). Both are timed until the GPU finished (both return once launched: a copy of
+    the last slot's logits waits for them). Best of `reps` after one untimed round of each (GEMM tactics)."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, vocab, prompt).tolist() for _ in range(batch)]
 
@@ -69,10 +69,10 @@ def time_prefill(core, batch: int, prompt: int, vocab: int, seed: int = 0, reps:
             t = time.perf_counter()
             if many:
                 core.seq_prefill_many(slots, prompts)
-                core.seq_logits(slots[-1])  # (seq_prefill_many returns once launched: a copy back waits for it)
             else:
                 for s, p in zip(slots, prompts):
                     core.seq_prefill(s, p)
+            core.seq_logits(slots[-1])  # (both return once launched: a copy back waits for the passes)
             return time.perf_counter() - t
         finally:
             for s in slots:

@@ -10,9 +10,12 @@
 // Why tune. cuBLASLt's heuristic picks an algorithm (kernel, tile, stages, split-K, swizzle) from a model of the
 // GPU; for skinny or unusual shapes it can be several times off. Like TensorRT's tactics, the first time a shape
 // is seen we ask the heuristic for up to `max_candidates` algorithms, time each on scratch buffers (median of
-// `timing_reps` runs after a warm-up) and keep the fastest. Prompt lengths are bucketed to powers of two: a
-// shape is tuned once per bucket (at the bucket's N) and its algorithm reused for every N in the bucket after
-// cublasLtMatmulAlgoCheck says it applies (else the heuristic's default for that exact N).
+// `timing_reps` runs after a warm-up) and keep the fastest. Prompt lengths are bucketed to powers of two, and
+// past 128 rows to half octaves too (192, 384, 768, 1536, ...): a shape is tuned once per bucket (at the bucket's
+// N) and its algorithm reused for every N in the bucket after cublasLtMatmulAlgoCheck says it applies (else the
+// heuristic's default for that exact N). Why the half octaves: the tile grid of an algorithm tuned at 1,024
+// rows leaves a quarter of the SMs idle at 768 (H200: o and down at 500 TFLOP/s there against 690 at 2,048),
+// and a server's passes take any number of rows.
 //
 // Timed from DRAM. A timed run follows a read over twice the L2's size (tune_cold), so the weights come from
 // DRAM as in a model's pass (each matrix read once per step, the model far larger than the L2). Timed back to
@@ -149,7 +152,10 @@ void add_split_k(cublasLtHandle_t h, const Desc& d, int K, size_t workspace, std
 
 int Gemm::bucket(int n) {
   int b = 16;
-  while (b < n) b *= 2;
+  while (b < n) {
+    if (b >= 128 && b + b / 2 >= n) return b + b / 2;  // (past 128 rows also 192, 384, 768, 1536, ...)
+    b *= 2;
+  }
   return b;
 }
 

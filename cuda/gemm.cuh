@@ -81,7 +81,8 @@ class Gemm {
   int max_candidates = 32;   // heuristic results asked for
   int timing_reps = 5;
 
-  static int bucket(int n);  // tokens -> the N a shape is tuned at: 16, 32, 64, ... (powers of two)
+  // tokens -> the N a shape is tuned at: 16, 32, 64, 128, then 192, 256, 384, 512, 768, ... (half octaves)
+  static int bucket(int n);
 
  private:
   struct Entry;

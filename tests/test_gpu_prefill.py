@@ -384,3 +384,15 @@ def test_engine_keeps_tactics_in_the_cache_dir(tmp_path, monkeypatch):
     assert again._core.tuned_gemms >= 4 and all(t["from_file"] for t in again._core.gemm_table())
     monkeypatch.setenv("TINYINFER_TACTICS", "0")
     assert Engine(d, device="cuda", max_seq_len=256)._core.tuned_gemms == 0
+
+
+@pytest.mark.parametrize("n, bucket", [(100, 128), (129, 192), (200, 256), (700, 768), (769, 1024)])
+def test_gemms_are_tuned_per_half_octave_past_128_rows(n, bucket):
+    """cuda::Gemm::bucket: a prompt of n tokens runs its GEMMs with the algorithm tuned at `bucket` rows (powers of
+    two, and past 128 the half octaves between them), and the scheduler's warm-up prefills exactly those."""
+    from tinyinfer.scheduler import _token_buckets
+
+    a = _core.CudaEngine.random(_small_config(), 1024, 1)
+    a.time_prefill(n, 1)
+    assert {t["N"] for t in a.gemm_table()} == {bucket}
+    assert bucket in list(_token_buckets(1024))

@@ -668,3 +668,13 @@ def test_overlap_on_and_off_give_the_same_tokens(eng, logprobs):
         if sp.temperature == 0.0 and logprobs is None:  # greedy: what the single path gives
             alone = _alone_real(eng, p, sp)
             assert (text, ids, finish) == (alone.text, alone.token_ids, alone.finish_reason)
+
+
+def test_warm_up_token_buckets_follow_the_gemm_buckets():
+    """The prompt lengths warm_up prefills: cuda::Gemm::bucket's values (powers of two from 16, and past 128 the
+    half octaves between them), up to the limit."""
+    from tinyinfer.scheduler import _token_buckets
+
+    assert list(_token_buckets(100)) == [16, 32, 64]
+    assert list(_token_buckets(800)) == [16, 32, 64, 128, 192, 256, 384, 512, 768]
+    assert list(_token_buckets(2048)) == [16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]

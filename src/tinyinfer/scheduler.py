@@ -133,6 +133,17 @@ CHUNK_TOKENS = {"cuda": 2048, "cpu": 512}
 STREAM_ROWS = 16
 
 
+def _token_buckets(top: int):
+    """The row counts the GPU engine tunes its prefill GEMMs at (cuda::Gemm::bucket), up to top: powers of two
+    from 16, and past 128 the half octaves between them (192, 384, 768, ...)."""
+    n = 16
+    while n <= top:
+        yield n
+        if n >= 128 and n + n // 2 <= top:
+            yield n + n // 2
+        n *= 2
+
+
 def _pages(positions: int, page_size: int) -> int:
     return -(-positions // page_size)
 
@@ -331,7 +342,8 @@ class Scheduler:
 
     def warm_up(self, prompt_tokens: Optional[int] = None, max_batch: Optional[int] = None) -> float:
         """Do now, before any request, what the GPU engine otherwise does on the first use of each shape: tune the
-        prefill GEMMs of every token bucket (16, 32, ... up to prompt_tokens, default chunk_tokens, and
+        prefill GEMMs of every token bucket (16, 32, 64, 128, 192, 256, 384, ... as cuda::Gemm::bucket, up to
+        prompt_tokens, default chunk_tokens, and
         max_seq_len: cuBLASLt tactics, kept in the tactics file) and tune + capture the batched decode step of
         every bucket up to max_batch (default the scheduler's), so no request waits for them (docs/perf/serve.md).
         Prompts of token 0 in slots opened and closed
@@ -350,14 +362,12 @@ class Scheduler:
             free = int(core.kv_pages_free)  # a small pool bounds what can run: warm what fits
             top_prompt = min(top_prompt, free * self._page_size - 1)
             top_batch = min(top_batch, free)
-            n = 16
-            while n <= top_prompt:
+            for n in _token_buckets(top_prompt):
                 slot = int(core.seq_open())
                 try:
                     core.seq_prefill(slot, [0] * n)
                 finally:
                     core.seq_close(slot)
-                n *= 2
             for b in sorted({min(1 << i, top_batch) for i in range(top_batch.bit_length() + 1)}):  # the buckets
                 slots = [int(core.seq_open()) for _ in range(b)]
                 try:

@@ -14,7 +14,8 @@ of several when the server streams at an interval: `tok/chunk`); throughput: all
 wall time (from the first request sent, the server already up and warm, to the last stream's end). The clients
 of a level run in --client-procs processes (default one per 16 clients, so that at 64 clients the clients' own
 Python does not set the pace); client cpu: the busiest client process's CPU time / wall (near 100%: the clients,
-not the server, set the pace). --shape writes a random-weight HF model at a real
+not the server, set the pace); turn: a client's own time from one stream's end to its next request's send (p50;
+the rest of the gap between a request's last token and the next one's arrival is the server's). --shape writes a random-weight HF model at a real
 shape first (bench/tools/make_random_model.py, needs torch).
 """
 
@@ -95,7 +96,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     if not stamps:
         return {"error": "no token chunks"}
     return {"ttft": stamps[0] - t0, "itl": list(np.diff(stamps)), "tokens": tokens, "prompt": len(prompt),
-            "chunks": len(stamps)}
+            "chunks": len(stamps), "t_sent": t0, "t_done": time.perf_counter()}
 
 
 def _prompts(concurrency: int, rounds: int, lens: list[int], seed: int) -> list[list[int]]:
@@ -111,7 +112,11 @@ async def _drive(url: str, model: str, prompts: list[list[int]], rounds: int, ma
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=60), limits=limits) as client:
         async def worker(w: int) -> list[dict]:
-            return [await one_request(client, url, model, prompts[w * rounds + i], max_tokens) for i in range(rounds)]
+            out = [await one_request(client, url, model, prompts[w * rounds + i], max_tokens) for i in range(rounds)]
+            for prev, nxt in zip(out, out[1:]):  # this client's own time between a stream's end and its next send
+                if "t_done" in prev and "t_sent" in nxt:
+                    nxt["turnaround"] = nxt["t_sent"] - prev["t_done"]
+            return out
 
         # Every client's connection opened before the timed window (one concurrent GET /health each: the pool
         # keeps them alive for the requests), so that a level measures serving, not TCP and HTTP connection
@@ -131,6 +136,7 @@ def _drive_in_process(args: tuple) -> tuple[list[dict], float, float, float]:
 def _summary(concurrency: int, results: list[dict], wall: float, client_cpu: float) -> dict:
     ok = [r for r in results if "error" not in r]
     ttft = np.array([r["ttft"] for r in ok]) * 1e3
+    turn = np.array([r["turnaround"] for r in ok if "turnaround" in r]) * 1e3
     itl = np.array([x for r in ok for x in r["itl"]]) * 1e3
     tokens = sum(r["tokens"] for r in ok)
 
@@ -145,6 +151,7 @@ def _summary(concurrency: int, results: list[dict], wall: float, client_cpu: flo
             "prompt_tokens": sum(r["prompt"] for r in ok), "output_tok_s": tokens / wall,
             "requests_s": len(ok) / wall, "ttft_ms": pct(ttft), "itl_ms": pct(itl),
             "tokens_per_chunk": tokens / max(sum(r["chunks"] for r in ok), 1),
+            "client_turnaround_ms": pct(turn),  # a client's own time from a stream's end to its next send
             "client_cpu": client_cpu}  # near 1.0: the (busiest) client process, not the server, set the pace
 
 
@@ -240,7 +247,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for c in sorted({1, *levels}):
             asyncio.run(run_level(url, model, c, 1, lens, 4, a.seed - 1))
         print(f"{'clients':>7} {'reqs':>5} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} "
-              f"{'p99':>8} {'tok/chunk':>9} {'client cpu':>10}  (ms)")
+              f"{'p99':>8} {'tok/chunk':>9} {'client cpu':>10} {'turn p50':>8}  (ms)")
         rows, marks = [], []
         for c in levels:
             # the server's trace is in time.perf_counter() = CLOCK_MONOTONIC on Linux, the same clock in every
@@ -252,7 +259,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             f = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
             print(f"{c:>7} {r['requests']:>5} {r['output_tok_s']:>9.1f} {r['requests_s']:>7.2f} "
                   f"{f(r['ttft_ms']['p50']):>9} {f(r['ttft_ms']['p99']):>8} {f(r['itl_ms']['p50']):>8} "
-                  f"{f(r['itl_ms']['p99']):>8} {r['tokens_per_chunk']:>9.2f} {r['client_cpu']:>9.0%}"
+                  f"{f(r['itl_ms']['p99']):>8} {r['tokens_per_chunk']:>9.2f} {r['client_cpu']:>9.0%} "
+                  f"{f(r['client_turnaround_ms']['p50']):>8}"
                   + (f"  {r['failed']} failed: {r['errors'][0]}" if r["failed"] else ""))
         out = {"model": label, "device": a.device, "dtype": a.dtype, "max_batch": a.max_batch,
                "prompt_lens": lens, "max_tokens": a.max_tokens, "rounds": a.rounds,

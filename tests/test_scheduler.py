@@ -678,3 +678,12 @@ def test_warm_up_token_buckets_follow_the_gemm_buckets():
     assert list(_token_buckets(100)) == [16, 32, 64]
     assert list(_token_buckets(800)) == [16, 32, 64, 128, 192, 256, 384, 512, 768]
     assert list(_token_buckets(2048)) == [16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+
+
+def test_warm_up_covers_the_half_octave_batch_sizes_past_128():
+    """Past 128 rows the GEMM buckets fall between the batch buckets (192 between 128 and 256): warm_up prefills and
+    steps those counts too, so the LM-head GEMM over that many finished prompts is tuned before serving."""
+    core, eng = _fake(max_batch=200, pages=512)
+    Scheduler(eng).warm_up(prompt_tokens=16)
+    assert [len(e[1]) for e in core.log if e[0] == "step"] == [1, 2, 4, 8, 16, 32, 64, 128, 192, 200]
+    assert core.cache == {} and core.kv_pages_free == core.kv_pages_total

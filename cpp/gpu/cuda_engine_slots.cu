@@ -196,7 +196,8 @@ void CudaEngine::require_pages(int64_t need, const char* what) const {
 // once launched, like seq_step (rule 4 of docs/BATCH_CONTRACT.md): the scheduler's next call, the sample, is
 // queued behind the passes and launches the next step the moment they end, with no host round trip between.
 // The prompts that finish in a pass get their logits from one LM-head GEMM over their last rows (into the
-// pass's logits scratch, then each row to its slot's own row), not a GEMV each: one head read per pass. They
+// pass's logits scratch, then each row to its slot's own row), not a GEMV each: one head read per pass (an fp16
+// head; a quantized one keeps the GEMV). They
 // join the penalty sets from the pass's own device tokens (no copy from the caller's memory).
 void CudaEngine::seq_prefill_many(const int64_t* slots, const int32_t* const* tokens, const int64_t* lens,
                                   int64_t n) {
@@ -211,6 +212,9 @@ void CudaEngine::seq_prefill_many(const int64_t* slots, const int32_t* const* to
     std::vector<PrefillSegment> pass;
     std::vector<int64_t> pass_slots;  // per segment
     int used = 0, finished = 0;
+    // A quantized head would be dequantized whole for the GEMM on every pass that finishes a prompt: more bytes
+    // than a GEMV each for the few prompts a serving pass finishes. fp16: one GEMM.
+    const bool gather = weights_->lm_head.fmt == WFormat::F16;
     auto run = [&] {
       prefill_->run_many(pass.data(), (int)pass.size(), bbuf_.tables, pbuf_.logits);
       for (size_t j = 0, row = 0; j < pass.size(); row += (size_t)pass[j].T, j++) {
@@ -233,9 +237,9 @@ void CudaEngine::seq_prefill_many(const int64_t* slots, const int32_t* const* to
         sg.table_offset = slot * bbuf_.table_stride;
         off += sg.T;
         if (off == lens[i]) {  // the prompt's last row: its logits become the slot's
-          if (finished < pbuf_.logit_rows) {
+          if (gather && finished < pbuf_.logit_rows) {
             sg.logits_row = finished++;
-          } else {  // (more finished prompts than the scratch has rows: the GEMV of the decode, as one alone)
+          } else {  // the GEMV of the decode, as one alone (a quantized head; more than the scratch's rows)
             sg.x = bbuf_.x;
             sg.logits = bbuf_.slot_row(slot);
           }

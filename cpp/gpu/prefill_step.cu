@@ -181,7 +181,8 @@ void PrefillStep::run_chunk(const int32_t* tokens, int T, int pos0, float* host_
 }
 
 // logits of a sequence's last position = lm_head @ rmsnorm(x[row]): the decode GEMV, as a decode step would
-// (so a prompt's first sampled token comes from the same arithmetic however it was prefilled).
+// (seq_prefill and the single sequence; seq_prefill_many and seq_mixed gather their finished rows into one GEMM
+// instead, which agrees within the batched path's tolerance).
 void PrefillStep::last_row_logits(int row, float* x, float* logits) {
   TI_CUDA_CHECK(cudaMemcpyAsync(x, b_.x + (size_t)row * w_.ld_h, (size_t)c_.hidden * sizeof(float),
                                 cudaMemcpyDeviceToDevice, s_));

@@ -110,7 +110,7 @@ class _Seq:
     logprobs: Optional[list[TokenLogprob]] = None
     t_submit: float = 0.0
     t_admit: float = 0.0
-    t_first: float = 0.0  # when the prompt's last chunk ran
+    t_first: float = 0.0  # when its first token was sampled (so its prompt has run, though the GPU's calls return early)
     stop_list: list[int] = field(init=False)  # stop_ids as seq_sample_step takes them
 
     def __post_init__(self) -> None:
@@ -368,7 +368,10 @@ class Scheduler:
                     core.seq_prefill(slot, [0] * n)
                 finally:
                     core.seq_close(slot)
-            for b in sorted({min(1 << i, top_batch) for i in range(top_batch.bit_length() + 1)}):  # the buckets
+            # the batch buckets, and past 128 the GEMM buckets between them (the LM-head GEMM over that many
+            # finished prompts or mixed rows)
+            buckets = {min(1 << i, top_batch) for i in range(top_batch.bit_length() + 1)}
+            for b in sorted(buckets | {n for n in _token_buckets(top_batch) if n > 128}):
                 slots = [int(core.seq_open()) for _ in range(b)]
                 try:
                     core.seq_prefill_many(slots, [[0]] * b)
@@ -635,11 +638,11 @@ class Scheduler:
         self._prefilled(done)
 
     def _prefilled(self, done: list[tuple[_Seq, list[int]]]) -> None:
-        now = time.perf_counter()
+        now = time.perf_counter() if self.trace is not None else 0.0
         for seq, chunk in done:
             seq.length += len(chunk)
             if seq.length == len(seq.prompt):
-                seq.fresh, seq.t_first = True, now
+                seq.fresh = True
                 if self.trace is not None:
                     self.trace.event("prefilled", seq.request.id, t=now)
 
@@ -754,8 +757,10 @@ class Scheduler:
         """One generated token: the checks Engine.generate makes, a Delta, and the end when it is the last.
         stepped: its next step is launched already (the token is in flight, not pending)."""
         seq.generated.append(tok)
-        if self.trace is not None and len(seq.generated) == 1:
-            self.trace.event("first", seq.request.id)
+        if len(seq.generated) == 1:
+            seq.t_first = time.perf_counter()
+            if self.trace is not None:
+                self.trace.event("first", seq.request.id, t=seq.t_first)
         if lp is not None:
             seq.logprobs.append(lp)
         finish = "stop" if tok in seq.stop_ids else None

@@ -80,7 +80,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
             "temperature": 0, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps: list[float] = []
-    tokens = 0
+    tokens, rid = 0, None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         if r.status_code != 200:
             return {"error": f"{r.status_code}: {(await r.aread())[:200]!r}"}
@@ -88,6 +88,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            rid = rid or chunk.get("id")
             if chunk.get("choices"):
                 if chunk["choices"][0].get("finish_reason") is None:
                     stamps.append(time.perf_counter())
@@ -96,7 +97,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     if not stamps:
         return {"error": "no token chunks"}
     return {"ttft": stamps[0] - t0, "itl": list(np.diff(stamps)), "tokens": tokens, "prompt": len(prompt),
-            "chunks": len(stamps), "t_sent": t0, "t_done": time.perf_counter()}
+            "chunks": len(stamps), "id": rid, "t_sent": t0, "t_done": time.perf_counter()}
 
 
 def _prompts(concurrency: int, rounds: int, lens: list[int], seed: int) -> list[list[int]]:
@@ -152,6 +153,8 @@ def _summary(concurrency: int, results: list[dict], wall: float, client_cpu: flo
             "requests_s": len(ok) / wall, "ttft_ms": pct(ttft), "itl_ms": pct(itl),
             "tokens_per_chunk": tokens / max(sum(r["chunks"] for r in ok), 1),
             "client_turnaround_ms": pct(turn),  # a client's own time from a stream's end to its next send
+            # (popped by main: into levels.json with --trace-dir, where serve_timeline joins them with the server's)
+            "_stamps": [[r["id"], r["t_sent"], r["t_done"], r.get("turnaround")] for r in ok],
             "client_cpu": client_cpu}  # near 1.0: the (busiest) client process, not the server, set the pace
 
 
@@ -254,7 +257,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             # process of the machine: these marks cut it into levels
             t0 = time.perf_counter()
             r = measure_level(url, model, c, a.rounds, lens, a.max_tokens, a.seed, a.client_procs)
-            marks.append({"concurrency": c, "rounds": a.rounds, "t_start": t0, "t_end": time.perf_counter()})
+            # each request as its client saw it: (HTTP call id, sent, stream done, the client's own turnaround)
+            marks.append({"concurrency": c, "rounds": a.rounds, "t_start": t0, "t_end": time.perf_counter(),
+                          "requests": r.pop("_stamps")})
             rows.append(r)
             f = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
             print(f"{c:>7} {r['requests']:>5} {r['output_tok_s']:>9.1f} {r['requests_s']:>7.2f} "

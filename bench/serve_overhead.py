@@ -333,6 +333,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for _ in range(a.repeat):
                 cpu = cpu_seconds(proc.pid)
                 r = asyncio.run(serve_bench.run_level(url, "bench", c, a.rounds, a.lens, a.max_tokens, a.seed))
+                r.pop("_stamps", None)  # (the per-request client stamps: serve_bench's --trace-dir only)
                 r["server_cpu_s"] = cpu_seconds(proc.pid) - cpu
                 r["server_cpu_us_per_token"] = r["server_cpu_s"] * 1e6 / max(r["completion_tokens"], 1)
                 if best is None or r["output_tok_s"] > best["output_tok_s"]:

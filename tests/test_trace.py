@@ -147,3 +147,25 @@ def test_serve_timeline_tells_mixed_steps_from_plain_ones(eng, tmp_path):
     text = out.getvalue()
     for want in ("seq_mixed", "period, mixed", "period, plain"):
         assert want in text, (want, text)
+
+
+def test_serve_timeline_joins_the_clients_stamps(tmp_path):
+    """serve_bench's per-request client stamps in levels.json (call id, sent, stream done, the client's own
+    turnaround before the send) are joined with the server's events of the same HTTP call."""
+    events = []
+    for i, (sent, done) in enumerate([(10.000, 10.050), (10.060, 10.110)]):
+        call = f"cmpl-{i}"
+        events += [("http_start", sent + 0.003, call, None, None), ("submit", sent + 0.004, f"{call}-0", 8, None),
+                   ("admit", sent + 0.005, f"{call}-0", None, None), ("first", sent + 0.010, f"{call}-0", None, None),
+                   ("end", done - 0.004, f"{call}-0", 4, "length"), ("http_end", done - 0.001, call, 4, "length")]
+    trace = {"clock": "time.perf_counter", "calls": [], "events": [list(e) for e in events]}
+    levels = [{"concurrency": 1, "rounds": 2, "t_start": 9.0, "t_end": 11.0,
+               "requests": [["cmpl-0", 10.000, 10.050, None], ["cmpl-1", 10.060, 10.110, 0.010]]}]
+    tool = _tool()
+    client = tool.analyze(trace, levels)[0]["level"]["client_ms"]
+    assert client["client sent -> handler start"]["p50"] == pytest.approx(3.0)
+    assert client["last chunk written -> client done"]["p50"] == pytest.approx(1.0)
+    assert client["client done -> its next send"]["p50"] == pytest.approx(10.0)
+    out = io.StringIO()
+    tool.report(tool.analyze(trace, levels), out)
+    assert "client sent -> handler start" in out.getvalue()

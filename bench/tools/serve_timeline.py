@@ -20,11 +20,15 @@ Per round:
   no core call  time with no core call running (the device possibly idle), split by whether any request of
               the level was in flight (submitted, not ended) — the latter is what the scheduler could have used;
   TTFT        per request, p50 / p99: submit -> admit (queue), admit -> prefilled (the call with its prompt's last
-              chunk returned: on the GPU once launched), prefilled -> first token sampled (with overlap, after the next step's launch: on the CPU that
-              is the whole step); HTTP: handler start -> submit, and first token -> the event loop
-              has it (http_first);
+              chunk returned: on the GPU once launched), prefilled -> first token sampled (with overlap, after the
+              next step's launch: on the CPU that is the whole step); HTTP: handler start -> submit, and first
+              token -> the event loop has it (http_first);
   turnaround  the last end of round r -> the first submit of round r+1; and per request, the k-th end of round
-              r -> the k-th submit of round r+1 (a client's own turnaround: HTTP out, the client, HTTP in).
+              r -> the k-th submit of round r+1 (a client's own turnaround: HTTP out, the client, HTTP in);
+  client      where serve_bench's levels.json has its clients' stamps (every HTTP call's id, sent, stream done,
+              and that client's time from its previous stream's end to this send): sent -> the handler's start
+              (the request on the wire, uvicorn and FastAPI before the handler, and the event loop's queue), the
+              last chunk written -> the client done with the stream, and the client's own turnaround.
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ def _requests(events: list) -> dict[str, dict]:
         elif kind == "end":
             r["tokens"], r["finish"] = a, b
     for rid, r in reqs.items():
-        r.update(http.get(rid.rpartition("-")[0], {}))  # "<call id>-<k>"
+        r["call"] = rid.rpartition("-")[0]  # "<call id>-<k>"
+        r.update(http.get(r["call"], {}))
     return {rid: r for rid, r in reqs.items() if "submit" in r}
 
 
@@ -179,9 +184,30 @@ def analyze(trace: dict, levels: Optional[list[dict]], only: Optional[int] = Non
             # k-th end with the k-th next submit
             res[i]["turnaround_each_ms"] = _stats([s - e for s, e in zip(submits, ends)])
         lo, hi = mine[0]["submit"], max(r["end"] for r in mine)
-        out.append({"concurrency": lv["concurrency"], "level": analyze_window(calls, mine, in_flight, lo, hi),
-                    "rounds": res})
+        level = analyze_window(calls, mine, in_flight, lo, hi)
+        if lv.get("requests"):
+            level["client_ms"] = _client_side(lv["requests"], {r["call"]: r for r in mine if "call" in r})
+        out.append({"concurrency": lv["concurrency"], "level": level, "rounds": res})
     return out
+
+
+def _client_side(stamps: list, by_call: dict[str, dict]) -> dict:
+    """serve_bench's per-request client stamps (call id, sent, stream done, the client's own turnaround before
+    this send) joined with the server's events of the same HTTP call: where a request's turnaround goes."""
+    sent_to_handler, end_to_done, turn = [], [], []
+    for rid, sent, done, before in stamps:
+        r = by_call.get(rid)
+        if r is None:
+            continue
+        if "http_start" in r:
+            sent_to_handler.append(r["http_start"] - sent)
+        if "http_end" in r:
+            end_to_done.append(done - r["http_end"])
+        if before is not None:
+            turn.append(before)
+    return {"client sent -> handler start": _stats(sent_to_handler),
+            "last chunk written -> client done": _stats(end_to_done),
+            "client done -> its next send": _stats(turn)}
 
 
 def _f(v) -> str:
@@ -216,9 +242,9 @@ def report(levels: list[dict], file=sys.stdout) -> None:
             p(f"  no core call running   {n['total']:8.1f} ms: requests in flight {n['requests in flight']:.1f}, "
               f"none in flight {n['none in flight']:.1f}")
             p(f"  per request            {'p50':>7} {'p99':>7} ms")
-            for k, s in w["ttft_ms"].items():
+            for k, s in list(w["ttft_ms"].items()) + list(w.get("client_ms", {}).items()):
                 if s["n"]:
-                    p(f"    {k:28s} {_f(s['p50']):>7} {_f(s['p99']):>7}")
+                    p(f"    {k:33s} {_f(s['p50']):>7} {_f(s['p99']):>7}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

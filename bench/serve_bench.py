@@ -15,8 +15,8 @@ wall time (from the first request sent, the server already up and warm, to the l
 of a level run in --client-procs processes (default one per 16 clients, so that at 64 clients the clients' own
 Python does not set the pace); client cpu: the busiest client process's CPU time / wall (near 100%: the clients,
 not the server, set the pace); turn: a client's own time from one stream's end to its next request's send (p50;
-the rest of the gap between a request's last token and the next one's arrival is the server's). --shape writes a random-weight HF model at a real
-shape first (bench/tools/make_random_model.py, needs torch).
+the rest of the gap between a request's last token and the next one's arrival is the server's). --shape writes
+a random-weight HF model at a real shape first (bench/tools/make_random_model.py, needs torch).
 """
 
 from __future__ import annotations

@@ -197,8 +197,8 @@ void CudaEngine::require_pages(int64_t need, const char* what) const {
 // queued behind the passes and launches the next step the moment they end, with no host round trip between.
 // The prompts that finish in a pass get their logits from one LM-head GEMM over their last rows (into the
 // pass's logits scratch, then each row to its slot's own row), not a GEMV each: one head read per pass (an fp16
-// head; a quantized one keeps the GEMV). They
-// join the penalty sets from the pass's own device tokens (no copy from the caller's memory).
+// head; a quantized one keeps the GEMV). They join the penalty sets from the pass's own device tokens (no copy
+// from the caller's memory).
 void CudaEngine::seq_prefill_many(const int64_t* slots, const int32_t* const* tokens, const int64_t* lens,
                                   int64_t n) {
   check_prefill_many(
@@ -220,8 +220,9 @@ void CudaEngine::seq_prefill_many(const int64_t* slots, const int32_t* const* to
       for (size_t j = 0, row = 0; j < pass.size(); row += (size_t)pass[j].T, j++) {
         cuda::mark_tokens(seen_ + (size_t)pass_slots[j] * V, pbuf_.tokens + row, pass[j].T, stream_);
         if (pass[j].logits_row >= 0)  // its row of the gathered GEMM -> the slot's own row
-          TI_CUDA_CHECK(cudaMemcpyAsync(bbuf_.slot_row(pass_slots[j]), pbuf_.logits + (size_t)pass[j].logits_row * ld,
-                                        V * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+          TI_CUDA_CHECK(cudaMemcpyAsync(bbuf_.slot_row(pass_slots[j]),
+                                        pbuf_.logits + (size_t)pass[j].logits_row * ld, V * sizeof(float),
+                                        cudaMemcpyDeviceToDevice, stream_));
       }
       pass.clear();
       pass_slots.clear();

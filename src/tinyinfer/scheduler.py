@@ -110,7 +110,7 @@ class _Seq:
     logprobs: Optional[list[TokenLogprob]] = None
     t_submit: float = 0.0
     t_admit: float = 0.0
-    t_first: float = 0.0  # when its first token was sampled (so its prompt has run, though the GPU's calls return early)
+    t_first: float = 0.0  # its first token sampled (its prompt has run: the GPU's prefill calls return early)
     stop_list: list[int] = field(init=False)  # stop_ids as seq_sample_step takes them
 
     def __post_init__(self) -> None:

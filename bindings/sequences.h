@@ -166,7 +166,42 @@ inline void bind_sequences(Cls& cls) {
           "with an engine error (a request error: pages, length) leaves every row un-stepped; the sample stands. "
           "Stop ids outside int32 match no token. Returns seq_sample's "
           "four arrays, stepped (uint8[n], 1: the row's token ran in the launched step) and the launch's host "
-          "seconds.");
+          "seconds.")
+      .def(
+          "seq_sample_mixed",
+          [](E& e, const std::vector<int64_t>& slots, const std::vector<ti::SamplingConfig>& cfgs,
+             const std::vector<int64_t>& steps, int64_t top_logprobs, const std::vector<bool>& go_on,
+             const std::vector<int64_t>& prompt_slots, const std::vector<std::vector<int64_t>>& prompts) {
+            const size_t n = slots.size();
+            if (cfgs.size() != n || steps.size() != n || go_on.size() != n || prompt_slots.size() != prompts.size())
+              ti::fail(ti::ErrorKind::Request, "seq_sample_mixed: " + std::to_string(n) + " slots, " +
+                                                   std::to_string(cfgs.size()) + " configs, " +
+                                                   std::to_string(steps.size()) + " steps, " +
+                                                   std::to_string(go_on.size()) + " go_on, " +
+                                                   std::to_string(prompt_slots.size()) + " prompt slots and " +
+                                                   std::to_string(prompts.size()) + " prompts");
+            ti::check_top_logprobs(top_logprobs);
+            const std::vector<uint64_t> counters = to_steps(steps);
+            const std::vector<uint8_t> go(go_on.begin(), go_on.end());
+            const PromptIds p(prompts);
+            ti::SampleStep r;
+            {
+              nb::gil_scoped_release release;
+              r = ti::seq_sample_mixed(e, slots.data(), cfgs.data(), counters.data(), (int64_t)n, (int)top_logprobs,
+                                       go.data(), prompt_slots.data(), p.ptrs.data(), p.lens.data(),
+                                       (int64_t)prompt_slots.size());
+            }
+            const size_t k = (size_t)r.sample.k;
+            return std::make_tuple(numpy_copy(r.sample.tokens, n), numpy_copy(r.sample.logprobs, n),
+                                   numpy_copy(r.sample.top_ids, n, k), numpy_copy(r.sample.top_logprobs, n, k),
+                                   numpy_copy(r.stepped, n), r.launch_s, r.prefilled);
+          },
+          "slots"_a, "cfgs"_a, "steps"_a, "top_logprobs"_a, "go_on"_a, "prompt_slots"_a, "prompts"_a,
+          "seq_sample, then seq_mixed of the rows i with go_on[i] (their sampled tokens) and prompts[j] in "
+          "prompt_slots[j] (the scheduler's launch ahead while prompts wait). Every row with go_on steps, whatever "
+          "its token: on the GPU the pass is queued behind the sampler before the tokens reach the host. A launch "
+          "the engine refuses (a request error) launches nothing and the sample stands. Returns seq_sample's four "
+          "arrays, stepped (uint8[n]), the launch's host seconds and prefilled (the prompts ran).");
 }
 
 }  // namespace tinyinfer_bindings

@@ -82,3 +82,69 @@ def test_a_refused_step_launches_nothing_on_the_gpu(model):
     assert got[4].tolist() == [1] and core.seq_length(a) == 4
     core.seq_close(a), core.seq_close(full)
     assert core.kv_pages_free == free
+
+
+def _run_mixed(core, fused: bool):
+    """Three slots decoding and two prompts (one longer than a serving prompt) that ride in the first round's
+    launch ahead: seq_sample_mixed (rows 0 and 2 go on; their tokens read on the device), or seq_sample then
+    seq_mixed of the same rows; two more rounds of plain sample + step. Returns every round's sample, the
+    slots' final logits and lengths."""
+    rng = np.random.default_rng(8)
+    slots = [core.seq_open() for _ in range(3)]
+    core.seq_prefill_many(slots, [rng.integers(3, VOCAB, n).tolist() for n in (5, 33, 70)])
+    fresh = [core.seq_open() for _ in range(2)]
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (9, 200)]
+    cfgs = [greedy(), _seeded(), _seeded()]
+    out = []
+    if fused:
+        got = core.seq_sample_mixed(slots, cfgs, [0] * 3, 3, [True, False, True], fresh, prompts)
+        assert got[4].tolist() == [1, 0, 1] and got[6] is True
+    else:
+        got = core.seq_sample(slots, cfgs, [0] * 3, 3)
+        toks = got[0].tolist()
+        core.seq_mixed([slots[0], slots[2]], [toks[0], toks[2]], fresh, prompts)
+    out.append([a.copy() for a in got[:4]])
+    core.seq_step([slots[1]], [got[0].tolist()[1]])
+    every = slots + fresh
+    for r in range(1, 3):
+        got = core.seq_sample(every, cfgs + [greedy()] * 2, [r] * 5, 3)
+        out.append([a.copy() for a in got[:4]])
+        core.seq_step(every, got[0].tolist())
+    logits = [core.seq_logits(s).copy() for s in every]
+    lengths = [core.seq_length(s) for s in every]
+    for s in every:
+        core.seq_close(s)
+    return out, logits, lengths
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "int4"])
+def test_sample_mixed_equals_sample_then_mixed(model, fmt):
+    """The pass queued before the tokens reach the host reads them from the sampler's output: the same
+    tokens, logprobs, logits and lengths as the host's seq_mixed with those tokens."""
+    core = gpu_engine(model, fmt)._core
+    free = core.kv_pages_free
+    want, got = _run_mixed(core, False), _run_mixed(core, True)
+    for wa, ga in zip(want[0], got[0]):
+        for x, y in zip(wa, ga):
+            np.testing.assert_array_equal(y, x)
+    for x, y in zip(want[1], got[1]):
+        np.testing.assert_array_equal(y, x)
+    assert got[2] == want[2] == [9, 35, 73, 11, 202]
+    assert core.kv_pages_free == free
+
+
+def test_a_refused_mixed_launch_runs_nothing_on_the_gpu(model):
+    core = gpu_engine(model, "fp16")._core
+    free = core.kv_pages_free
+    a, full, fresh = core.seq_open(), core.seq_open(), core.seq_open()
+    core.seq_prefill(a, [5, 6, 7])
+    core.seq_prefill(full, [9] * MAX_SEQ)
+    got = core.seq_sample_mixed([a, full], [greedy()] * 2, [0, 0], 0, [True, True], [fresh], [[4, 5]])
+    assert got[4].tolist() == [0, 0] and got[6] is False
+    assert [core.seq_length(a), core.seq_length(full), core.seq_length(fresh)] == [3, MAX_SEQ, 0]
+    got = core.seq_sample_mixed([a], [greedy()], [1], 0, [True], [fresh], [[4, 5]])  # the engine goes on
+    assert got[4].tolist() == [1] and got[6] is True
+    assert [core.seq_length(a), core.seq_length(fresh)] == [4, 2]
+    for s in (a, full, fresh):
+        core.seq_close(s)
+    assert core.kv_pages_free == free

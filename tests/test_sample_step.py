@@ -196,3 +196,110 @@ def test_stop_ids_outside_int32_are_left_out_of_the_call():
         outs.append(req.result().token_ids)
         assert any(c[0] == "seq_step" for c in trace.calls)
     assert outs[0] == outs[1] and len(outs[0]) == 6
+
+
+# ---- seq_sample_mixed: the launch ahead with the waiting prompts (mixed steps) ----
+
+
+def _mixed_twins(n=3, fmt="fp32"):
+    """_twins with two more slots open and empty: the prompts the launch carries."""
+    a, b, slots = _twins(n, fmt)
+    fresh = [[e.seq_open() for _ in range(2)] for e in (a, b)]
+    assert fresh[0] == fresh[1]
+    return a, b, slots, fresh[0]
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int4"])
+def test_sample_mixed_is_sample_then_mixed_of_the_rows_that_go_on(fmt):
+    """Every row with go_on steps with its sampled token, whatever that token is (there are no stop ids: the
+    launch may be queued before the tokens are known); the prompts ride in the same call."""
+    a, b, slots, fresh = _mixed_twins(fmt=fmt)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, VOCAB, 7).tolist(), rng.integers(0, VOCAB, 19).tolist()]
+    cfgs = [GREEDY, SEEDED, GREEDY]
+    go_on = [True, False, True]
+    got = a.seq_sample_mixed(slots, cfgs, [0] * 3, 2, go_on, fresh, prompts)
+    want = b.seq_sample(slots, cfgs, [0] * 3, 2)
+    for w, g in zip(want, got[:4]):
+        np.testing.assert_array_equal(g, w)
+    assert got[4].tolist() == [1, 0, 1] and got[5] > 0 and got[6] is True
+    toks = want[0].tolist()
+    b.seq_mixed([slots[0], slots[2]], [toks[0], toks[2]], fresh, prompts)
+    a.seq_step([slots[1]], [toks[1]])  # the row that did not go on: its step is the caller's
+    b.seq_step([slots[1]], [toks[1]])
+    every = slots + fresh
+    assert_same_slots(b, a, every, [b.seq_length(s) for s in every])
+
+
+def test_a_refused_mixed_launch_runs_nothing_and_the_sample_stands():
+    """A launch the engine refuses (a prompt token out of the vocabulary, a row at max_seq_len) launches
+    nothing: no row stepped, the prompts not prefilled, the sample as seq_sample's; the engine goes on."""
+    a, b, slots, fresh = _mixed_twins(2)
+    for e in (a, b):
+        e.seq_prefill(fresh[1], [5] * MAX_SEQ)  # full: sampling it works, stepping it cannot
+    for step, (rows, go_on, prompt) in enumerate((
+            (slots, [True, True], [VOCAB]),  # a bad prompt token
+            (slots + [fresh[1]], [True, True, True], [1, 2]))):  # a row that cannot step
+        before = _snapshot(a, slots + fresh)
+        n = len(rows)
+        got = a.seq_sample_mixed(rows, [GREEDY] * n, [step] * n, 0, go_on, [fresh[0]], [prompt])
+        want = b.seq_sample(rows, [GREEDY] * n, [step] * n, 0)
+        np.testing.assert_array_equal(got[0], want[0])
+        assert got[4].tolist() == [0] * n and got[5] == 0 and got[6] is False
+        after = _snapshot(a, slots + fresh)
+        assert after[0] == before[0] and after[2] == before[2]
+        toks = want[0].tolist()[:2]
+        a.seq_step(slots, toks)  # the engine goes on: the caller steps them itself
+        b.seq_step(slots, toks)
+    assert_same_slots(b, a, slots, [b.seq_length(s) for s in slots])
+
+
+def test_bad_mixed_arguments_are_a_request_error_that_changes_nothing():
+    a, _, slots, fresh = _mixed_twins(2)
+    before = _snapshot(a, slots + fresh)
+    cases = [
+        (lambda: a.seq_sample_mixed(slots, [GREEDY] * 2, [0, 0], 0, [True], [fresh[0]], [[1]]), "1 go_on"),
+        (lambda: a.seq_sample_mixed(slots, [GREEDY] * 2, [0, 0], 0, [True] * 2, fresh, [[1]]), "2 prompt slots"),
+        (lambda: a.seq_sample_mixed(slots, [GREEDY], [0, 0], 0, [True] * 2, [fresh[0]], [[1]]), "1 configs"),
+        (lambda: a.seq_sample_mixed(slots, [GREEDY] * 2, [0, 0], 21, [True] * 2, [fresh[0]], [[1]]), "top_logprobs"),
+        (lambda: a.seq_sample_mixed([slots[0]] * 2, [GREEDY] * 2, [0, 0], 0, [True] * 2, [fresh[0]], [[1]]),
+         "listed twice"),
+    ]
+    for call, msg in cases:
+        with pytest.raises(InvalidRequestError, match=msg):
+            call()
+        after = _snapshot(a, slots + fresh)
+        assert after[0] == before[0] and after[2] == before[2]
+
+
+def test_the_scheduler_carries_waiting_prompts_in_the_sample_and_a_stopped_row_ends():
+    """Mixed steps on the real CPU engine: prompts that arrive while others decode ride in seq_sample_mixed
+    (recorded as a seq_sample and a seq_mixed that starts at its end); a row that draws one of its stop ids in
+    such a call was stepped for nothing and still ends there, with the tokens it has without mixed steps; the
+    pool ends empty."""
+    store = _store("fp32")
+    rng = np.random.default_rng(21)
+    prompts = [rng.integers(0, VOCAB, 5 + 7 * i).tolist() for i in range(6)]
+    params = [SamplingParams(max_tokens=6 + i, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True,
+                             stop_token_ids=list(range(i % 3, VOCAB, 5)) if i in (0, 3) else [])
+              for i in range(6)]
+    outs, traces = {}, {}
+    for mixed in (False, True):
+        core = _core.CpuEngine(store, MAX_SEQ, 2, 6)
+        eng = Engine.from_core(core, SimpleNamespace(vocab=VOCAB, eos_token_ids=[]), max_seq_len=MAX_SEQ)
+        sched = Scheduler(eng, max_batch=6, mixed_steps=mixed, trace=(trace := Trace()))
+        reqs = [sched.submit(prompts[0], params[0])]
+        sched.step()
+        for p, sp in zip(prompts[1:], params[1:]):
+            reqs.append(sched.submit(p, sp))
+            sched.step()
+        while not sched.idle:
+            sched.step()
+        outs[mixed], traces[mixed] = [r.result() for r in reqs], trace
+        assert core.kv_pages_free == core.kv_pages_total
+    assert [c.token_ids for c in outs[True]] == [c.token_ids for c in outs[False]]
+    assert [c.finish_reason for c in outs[True]] == [c.finish_reason for c in outs[False]]
+    assert "stop" in [c.finish_reason for c in outs[True]]  # (a stop id bit)
+    ends = {c[2] for c in traces[True].calls if c[0] == "seq_sample"}
+    carried = [c for c in traces[True].calls if c[0] == "seq_mixed" and c[1] in ends]
+    assert len(carried) >= 3 and not any(c[0] == "seq_mixed" for c in traces[False].calls)

@@ -323,8 +323,10 @@ void CudaEngine::release() {
   batch_.reset();
   slots_.clear();
   h_sample_in_ = h_sample_out_ = nullptr;
-  if (sample_in_read_) cudaEventDestroy(sample_in_read_);
-  sample_in_read_ = nullptr;
+  for (cudaEvent_t* e : {&sample_in_read_, &sampled_}) {
+    if (*e) cudaEventDestroy(*e);
+    *e = nullptr;
+  }
   prefill_.reset();
   step_.reset();
   weights_.reset();

@@ -22,6 +22,7 @@
 #include "../../cuda/gemm.cuh"
 #include "../core/batch_sample.h"
 #include "../core/config.h"
+#include "../core/sample_step.h"
 #include "../core/sampling.h"
 #include "../core/weights.h"
 #include "decode_persistent.h"
@@ -197,6 +198,11 @@ class CudaEngine {
   // The next token of each slot from its logits (adds it to the slot's history as generated); steps[i]: the
   // RNG counter. k: top logprobs per row, 0..20.
   BatchSample seq_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps, int64_t n, int k);
+  // seq_sample, then seq_mixed of the rows with go_on[i] (their sampled tokens) and the prompts p_*, that pass
+  // queued behind the sampler before the tokens reach the host (cpp/core/sample_step.h, seq_sample_mixed).
+  SampleStep seq_sample_mixed(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps, int64_t n,
+                              int k, const uint8_t* go_on, const int64_t* p_slots, const int32_t* const* p_tokens,
+                              const int64_t* p_lens, int64_t n_p);
   int64_t kv_pages_free() const { return pool_->free_pages(); }
   int64_t kv_pages_total() const { return pool_->n_pages(); }
   int64_t kv_page_size() const { return pool_->page_size(); }
@@ -280,6 +286,14 @@ class CudaEngine {
   // Slots other than slots[0..n) whose logits lie in bbuf_.logits rows 0..rows-1: copied to their own rows
   // (work about to write those rows).
   void move_logits_out(int rows, const int64_t* slots, int64_t n);
+  void check_mixed(const int64_t* step_slots, const int32_t* step_tokens, int64_t n_step, const int64_t* slots,
+                   const int32_t* const* tokens, const int64_t* lens, int64_t n) const;
+  void launch_mixed(const int64_t* step_slots, const int32_t* step_tokens, const int* dev_tokens, const int* dev_src,
+                    int64_t n_step, const int64_t* slots, const int32_t* const* tokens, const int64_t* lens,
+                    int64_t n);
+  void check_sample(const int64_t* slots, const SamplingConfig* cfgs, int64_t n, int k) const;
+  void queue_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps, int64_t n, int k);
+  BatchSample read_sample(int64_t n, int k) const;
   int64_t step_pages(const int64_t* slots, int64_t n) const;  // (check_room each)
   int64_t prompt_pages(const int64_t* slots, const int64_t* lens, int64_t n) const;
   void require_pages(int64_t need, const char* what) const;  // "KV cache pool exhausted: ..." when short
@@ -335,6 +349,7 @@ class CudaEngine {
   void* d_sample_in_ = nullptr;                 // RowSampling (max_batch)
   void* h_sample_in_ = nullptr;                 // pinned, the same
   cudaEvent_t sample_in_read_ = nullptr;        // recorded once the sampler's rows left h_sample_in_
+  cudaEvent_t sampled_ = nullptr;               // seq_sample_mixed: recorded once h_sample_out_ is written
   int* d_prompt_ = nullptr;                     // (max_seq) a prompt's tokens (its history marks)
   void* d_sample_out_ = nullptr;                // tokens | logprobs | top ids (max_batch, 20) | top lps
   void* h_sample_out_ = nullptr;                // pinned, the same

@@ -13,6 +13,7 @@
 // a slot whose logits lie in one of them and which is not in that step gets them copied to its own row first
 // (run_rows; a scheduler that steps the same slots each time never pays it).
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "../../cuda/batch_rows.cuh"
@@ -61,6 +62,7 @@ void CudaEngine::allocate_batch() {
   d_sample_in_ = arena_.alloc(in_bytes, Kind::Scratch);
   h_sample_in_ = arena_.alloc_pinned(in_bytes);
   TI_CUDA_CHECK(cudaEventCreateWithFlags(&sample_in_read_, cudaEventDisableTiming));
+  TI_CUDA_CHECK(cudaEventCreateWithFlags(&sampled_, cudaEventDisableTiming));
   const size_t out_bytes = (size_t)B * (1 + cuda::kMaxTopK) * (sizeof(int) + sizeof(float));
   d_sample_out_ = arena_.alloc(out_bytes, Kind::Scratch);
   h_sample_out_ = arena_.alloc_pinned(out_bytes);
@@ -295,59 +297,83 @@ void CudaEngine::move_logits_out(int rows, const int64_t* slots, int64_t n) {
   }
 }
 
-void CudaEngine::seq_mixed(const int64_t* step_slots, const int32_t* step_tokens, int64_t n_step,
-                           const int64_t* slots, const int32_t* const* tokens, const int64_t* lens, int64_t n) {
+// Everything seq_mixed checks before it launches anything (step_tokens null: they are the sampler's, on the device).
+void CudaEngine::check_mixed(const int64_t* step_slots, const int32_t* step_tokens, int64_t n_step,
+                             const int64_t* slots, const int32_t* const* tokens, const int64_t* lens, int64_t n) const {
   const auto open = [&](int64_t i) { return slots_[(size_t)i].open; };
   check_batch_slots("seq_mixed", step_slots, n_step, (int64_t)slots_.size(), open,
                     [&](int64_t i) { return slots_[(size_t)i].has_logits; });
-  check_tokens(step_tokens, n_step, cfg_.vocab);
+  if (step_tokens) check_tokens(step_tokens, n_step, cfg_.vocab);
   check_prefill_many(slots, tokens, lens, n, (int64_t)slots_.size(), cfg_.vocab, max_seq_, open,
                      [&](int64_t i) { return slots_[(size_t)i].length; });
   check_mixed_disjoint(step_slots, n_step, slots, n);
   // all slots grow, or none
   require_pages(step_pages(step_slots, n_step) + prompt_pages(slots, lens, n), "this step and these prompts need");
+}
+
+void CudaEngine::seq_mixed(const int64_t* step_slots, const int32_t* step_tokens, int64_t n_step,
+                           const int64_t* slots, const int32_t* const* tokens, const int64_t* lens, int64_t n) {
+  check_mixed(step_slots, step_tokens, n_step, slots, tokens, lens, n);
   if (!prefill_) {
     seq_step(step_slots, step_tokens, n_step);
     seq_prefill_many(slots, tokens, lens, n);
     return;
   }
+  launch_mixed(step_slots, step_tokens, nullptr, nullptr, n_step, slots, tokens, lens, n);
+}
+
+// The mixed pass, checked already (check_mixed). The decode rows' tokens: step_tokens (host), or when it is null
+// dev_tokens[dev_src[i]] for step row i (device: the sampler's output, queued ahead in stream order).
+void CudaEngine::launch_mixed(const int64_t* step_slots, const int32_t* step_tokens, const int* dev_tokens,
+                              const int* dev_src, int64_t n_step, const int64_t* slots, const int32_t* const* tokens, const int64_t* lens,
+                              int64_t n) {
   std::vector<int64_t> all(step_slots, step_slots + n_step);
   all.insert(all.end(), slots, slots + n);
   move_logits_out((int)all.size(), all.data(), (int64_t)all.size());  // (<= max_rows: distinct slots)
   for (int64_t i = 0; i < n_step; i++) slot_reserve(step_slots[i], slots_[(size_t)step_slots[i]].length + 1);
   for (int64_t i = 0; i < n; i++) slot_reserve(slots[i], slots_[(size_t)slots[i]].length + lens[i]);
-  // The prompts join the penalty sets first (the pass never reads them; the sampler, later, does): the copies
-  // from pageable memory here and in slot_reserve may make the driver wait for the stream, which is idle now,
-  // not behind the queued passes (after them, they would hold this call until the passes ran).
-  for (int64_t i = 0; i < n; i++) mark_prompt(slots[i], tokens[i], lens[i]);
   const int rows = prefill_->rows();
+  const size_t V = (size_t)cfg_.vocab;
   std::vector<PrefillSegment> pass;
+  std::vector<int64_t> pass_slots;  // per segment: a prompt's slot, -1 for a decode row
   int used = 0;
-  auto add = [&](int64_t slot, const int32_t* toks, int64_t len, int logits_row) {
+  const int32_t placeholder = 0;  // (the upload's value of a device token's row, overwritten before the pass)
+  // The prompts join the penalty sets from each pass's own device tokens (no copy from the caller's memory,
+  // which could make the driver wait for the stream: this call is meant to queue its pass behind running work).
+  auto run = [&] {
+    prefill_->run_many(pass.data(), (int)pass.size(), bbuf_.tables, bbuf_.logits, dev_tokens);
+    for (size_t j = 0, row = 0; j < pass.size(); row += (size_t)pass[j].T, j++)
+      if (pass_slots[j] >= 0) cuda::mark_tokens(seen_ + (size_t)pass_slots[j] * V, pbuf_.tokens + row, pass[j].T, stream_);
+    pass.clear();
+    pass_slots.clear();
+    used = 0;
+  };
+  auto add = [&](int64_t slot, const int32_t* toks, int64_t len, int logits_row, int token_src, bool prompt) {
     const int64_t length = slots_[(size_t)slot].length;
     for (int64_t off = 0; off < len;) {
       PrefillSegment sg;
       sg.T = (int)std::min<int64_t>(len - off, rows - used);
       sg.tokens = toks + off;
+      sg.token_src = token_src;
       sg.pos0 = (int)(length + off);
       sg.table_offset = slot * bbuf_.table_stride;
       off += sg.T;
       if (off == len) sg.logits_row = logits_row;
       pass.push_back(sg);
+      pass_slots.push_back(prompt ? slot : -1);
       used += sg.T;
-      if (used == rows) {
-        prefill_->run_many(pass.data(), (int)pass.size(), bbuf_.tables, bbuf_.logits);
-        pass.clear();
-        used = 0;
-      }
+      if (used == rows) run();
     }
   };
-  for (int64_t i = 0; i < n_step; i++) add(step_slots[i], step_tokens + i, 1, (int)i);
-  for (int64_t i = 0; i < n; i++) add(slots[i], tokens[i], lens[i], (int)(n_step + i));
-  if (!pass.empty()) prefill_->run_many(pass.data(), (int)pass.size(), bbuf_.tables, bbuf_.logits);
+  for (int64_t i = 0; i < n_step; i++) {
+    if (step_tokens) add(step_slots[i], step_tokens + i, 1, (int)i, -1, false);
+    else add(step_slots[i], &placeholder, 1, (int)i, dev_src[i], false);
+  }
+  for (int64_t i = 0; i < n; i++) add(slots[i], tokens[i], lens[i], (int)(n_step + i), -1, true);
+  if (!pass.empty()) run();
   // No sync: like seq_step it returns once launched (the scheduler does a step's per-token work meanwhile). The
   // caller's tokens are free already (run_many copies them to pinned staging, which the next pass or step
-  // waits for before reusing; mark_prompt's copies from pageable memory are staged before they return).
+  // waits for before reusing).
   for (size_t r = 0; r < all.size(); r++) {
     Slot& sl = slots_[(size_t)all[r]];
     sl.length += r < (size_t)n_step ? 1 : lens[r - (size_t)n_step];
@@ -405,10 +431,22 @@ void CudaEngine::run_rows(const int32_t* tokens, const int64_t* pos, const int64
 
 BatchSample CudaEngine::seq_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps, int64_t n,
                                    int k) {
+  check_sample(slots, cfgs, n, k);
+  queue_sample(slots, cfgs, steps, n, k);
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return read_sample(n, k);
+}
+
+void CudaEngine::check_sample(const int64_t* slots, const SamplingConfig* cfgs, int64_t n, int k) const {
   check_batch_slots("seq_sample", slots, n, (int64_t)slots_.size(), [&](int64_t i) { return slots_[(size_t)i].open; },
                     [&](int64_t i) { return slots_[(size_t)i].has_logits; });
   check_top_logprobs(k);
   for (int64_t i = 0; i < n; i++) validate(cfgs[i]);
+}
+
+// The sampler and the copy of its output to h_sample_out_, queued (checked already: check_sample).
+void CudaEngine::queue_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps, int64_t n,
+                              int k) {
   const int B = (int)opt_.max_batch, V = (int)cfg_.vocab;
   // Queued behind the step it samples (no sync on the stream: the sampler starts when the step ends, not a host
   // round trip later). Only the staging must be free: its last copy has normally run long ago.
@@ -428,7 +466,11 @@ BatchSample CudaEngine::seq_sample(const int64_t* slots, const SamplingConfig* c
                     k ? top_ids_d : nullptr, k ? top_lp_d : nullptr, stream_);
   const size_t out_bytes = (size_t)B * (1 + cuda::kMaxTopK) * (sizeof(int) + sizeof(float));
   TI_CUDA_CHECK(cudaMemcpyAsync(h_sample_out_, d_sample_out_, out_bytes, cudaMemcpyDeviceToHost, stream_));
-  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+// What the last queued sample wrote to h_sample_out_ (the caller has waited for its copy).
+BatchSample CudaEngine::read_sample(int64_t n, int k) const {
+  const int B = (int)opt_.max_batch;
   const int* tok_h = static_cast<const int*>(h_sample_out_);
   const float* lp_h = reinterpret_cast<const float*>(tok_h + B);
   const int* top_ids_h = reinterpret_cast<const int*>(lp_h + B);
@@ -439,6 +481,46 @@ BatchSample CudaEngine::seq_sample(const int64_t* slots, const SamplingConfig* c
   out.logprobs.assign(lp_h, lp_h + n);
   out.top_ids.assign(top_ids_h, top_ids_h + n * k);
   out.top_logprobs.assign(top_lp_h, top_lp_h + n * k);
+  return out;
+}
+
+// The sample, and behind it on the stream (before the tokens reach the host) the mixed pass of the rows that go
+// on, their tokens read from the sampler's output on the device, with the prompts: the pass is queued while the
+// step being sampled still runs, so neither the host's round trip nor the pass's ~250 launches leave the device
+// idle. A row goes on whatever its token (the launch cannot wait to see it): one that drew a stop id has its
+// next position computed for nothing, and the caller ends it. A launch refused by check_mixed (a request error:
+// pages, length, a bad prompt) launches nothing; the sample stands.
+SampleStep CudaEngine::seq_sample_mixed(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps,
+                                        int64_t n, int k, const uint8_t* go_on, const int64_t* p_slots,
+                                        const int32_t* const* p_tokens, const int64_t* p_lens, int64_t n_p) {
+  check_sample(slots, cfgs, n, k);
+  SampleStep out;
+  out.stepped.assign((size_t)n, 0);
+  std::vector<int64_t> step_slots;
+  for (int64_t i = 0; i < n; i++)
+    if (go_on[i]) step_slots.push_back(slots[i]);
+  bool launch = prefill_ != nullptr;  // (without the batched prefill: the generic path, tokens through the host)
+  if (!launch) return sample_then_mixed(*this, slots, cfgs, steps, n, k, go_on, p_slots, p_tokens, p_lens, n_p);
+  try {
+    check_mixed(step_slots.data(), nullptr, (int64_t)step_slots.size(), p_slots, p_tokens, p_lens, n_p);
+  } catch (const Error&) {
+    launch = false;
+  }
+  queue_sample(slots, cfgs, steps, n, k);
+  TI_CUDA_CHECK(cudaEventRecord(sampled_, stream_));  // the tokens are on the host once this has run
+  if (launch) {
+    std::vector<int> src;  // the rows that go on read the sampler's output at their own sampled row
+    for (int64_t i = 0; i < n; i++)
+      if (go_on[i]) src.push_back((int)i);
+    const auto t0 = std::chrono::steady_clock::now();
+    launch_mixed(step_slots.data(), nullptr, static_cast<const int*>(d_sample_out_), src.data(),
+                 (int64_t)step_slots.size(), p_slots, p_tokens, p_lens, n_p);
+    out.launch_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    for (int64_t i = 0; i < n; i++) out.stepped[(size_t)i] = go_on[i];
+    out.prefilled = true;
+  }
+  TI_CUDA_CHECK(cudaEventSynchronize(sampled_));
+  out.sample = read_sample(n, k);
   return out;
 }
 

@@ -195,7 +195,8 @@ void PrefillStep::last_row_logits(int row, float* x, float* logits) {
 // Each finished prompt's logits come from its own LM-head GEMV (K reads of the head; see docs/perf/serve.md), or,
 // for segments with a logits_row (the mixed step's decode rows and prompts), from one GEMM over their gathered
 // last rows.
-void PrefillStep::run_many(const PrefillSegment* segs, int n, const int* tables, float* gathered) {
+void PrefillStep::run_many(const PrefillSegment* segs, int n, const int* tables, float* gathered,
+                           const int* dev_tokens) {
   const ModelConfig& c = c_;
   int T = 0;
   for (int i = 0; i < n; i++) T += segs[i].T;
@@ -238,6 +239,22 @@ void PrefillStep::run_many(const PrefillSegment* segs, int n, const int* tables,
   TI_CUDA_CHECK(cudaMemcpyAsync(b_.varlen, b_.h_varlen, (size_t)b_.varlen_ints() * sizeof(int),
                                 cudaMemcpyHostToDevice, s_));
   TI_CUDA_CHECK(cudaEventRecord(staged_, s_));
+  // Tokens that live on the device (a sampler's output): over the uploaded placeholders, one copy per run of
+  // consecutive sources (the rows that go on are most often all of the sampled ones: one copy).
+  for (int i = 0, row = 0; i < n;) {
+    if (segs[i].token_src < 0) {
+      row += segs[i].T;
+      i++;
+      continue;
+    }
+    if (!dev_tokens || segs[i].T != 1) fail(ErrorKind::Request, "prefill: a device token needs dev_tokens and T = 1");
+    int j = i + 1;
+    while (j < n && segs[j].T == 1 && segs[j].token_src == segs[i].token_src + (j - i)) j++;
+    TI_CUDA_CHECK(cudaMemcpyAsync(b_.tokens + row, dev_tokens + segs[i].token_src, (size_t)(j - i) * sizeof(int),
+                                  cudaMemcpyDeviceToDevice, s_));
+    row += j - i;
+    i = j;
+  }
 
   cuda::embed_tokens(w_.embedding, w_.ld_h, (int)c.hidden, b_.tokens, T, b_.x, w_.ld_h, s_);  // x = embed[tokens]
   PrefillRows rows;

@@ -61,10 +61,12 @@ struct PrefillTarget {
 // at tables + table_offset. x / logits: where its last row's residual and logits go (its own LM-head GEMV);
 // null when the prompt goes on in a later pass (nothing is computed for it). logits_row >= 0 instead: its last
 // row's logits are row logits_row of run_many's `gathered` (one LM-head GEMM for all such segments of the pass;
-// their logits_rows ascend by one in segment order).
+// their logits_rows ascend by one in segment order). token_src >= 0 (a one-token segment): its token is
+// run_many's dev_tokens[token_src], on the device (a sampler's output the host has not seen yet), not tokens[0].
 struct PrefillSegment {
   const int32_t* tokens = nullptr;  // (T) host
   int T = 0, pos0 = 0;
+  int token_src = -1;
   int64_t table_offset = 0;
   float* x = nullptr;
   float* logits = nullptr;
@@ -106,8 +108,10 @@ class PrefillStep {
   // gathered (ld_v floats a row): where the segments with a logits_row put their logits (may be null if none).
   // Returns once launched: it waits only until the pinned staging's previous upload has run (not for the
   // stream, where a decode step launched ahead may still be running). The pass's tokens stay in b.tokens (row
-  // order) until the next pass or chunk uploads its own.
-  void run_many(const PrefillSegment* segs, int n, const int* tables, float* gathered = nullptr);
+  // order) until the next pass or chunk uploads its own. dev_tokens: where segments with a token_src read
+  // their token (device memory, written ahead of the pass in stream order).
+  void run_many(const PrefillSegment* segs, int n, const int* tables, float* gathered = nullptr,
+                const int* dev_tokens = nullptr);
 
  private:
   void layer(const DeviceLayer& L, int64_t l, const PrefillRows& rows);

@@ -649,9 +649,14 @@ class Scheduler:
     def _sample(self, core, seqs: list[_Seq]) -> None:
         k = max((s.params.logprobs or 0) for s in seqs)
         args = ([s.slot for s in seqs], [s.sampling for s in seqs], [len(s.generated) for s in seqs], k)
-        go_on = self._go_on(core, seqs) if self.overlap else None
+        mixed = self._mixed_ahead(core, seqs) if self.overlap else None
+        go_on = self._go_on(core, seqs) if self.overlap and mixed is None else None
         out = []
-        if go_on is not None:  # the launch ahead inside the core's call (seq_sample_step)
+        if mixed is not None:  # the launch ahead, with the waiting prompts, inside the core's call
+            go, chunks = mixed
+            ok = self._core_call(core, seqs + [s for s, _ in chunks], lambda: out.append(core.seq_sample_mixed(
+                *args, go, [s.slot for s, _ in chunks], [c for _, c in chunks])))
+        elif go_on is not None:  # the launch ahead inside the core's call (seq_sample_step)
             ok = self._core_call(core, seqs, lambda: out.append(core.seq_sample_step(
                 *args, go_on, [s.stop_list for s in seqs])))
         else:
@@ -662,13 +667,15 @@ class Scheduler:
         toks = tokens.tolist()
         for seq in seqs:
             seq.fresh = False
-        if go_on is not None:
+        if mixed is not None or go_on is not None:
             ahead, failed = set(), None
             for seq, stepped in zip(seqs, out[0][4].tolist()):
                 if stepped:
                     seq.length += 1
                     seq.fresh = True
                     ahead.add(id(seq))
+            if mixed is not None and out[0][6]:
+                self._prefilled(mixed[1])
         else:
             ahead, failed = self._step_ahead(core, seqs, toks) if self.overlap else ((), None)
         for i, seq in enumerate(seqs):
@@ -682,6 +689,25 @@ class Scheduler:
             self._take(core, seq, toks[i], lp, id(seq) in ahead)
         if failed is not None:
             raise failed
+
+    def _mixed_ahead(self, core, seqs: list[_Seq]) -> Optional[tuple[list[bool], list[tuple[_Seq, list[int]]]]]:
+        """For the launch ahead inside seq_sample_mixed (mixed steps, prompts waiting or being prefilled): the
+        rows that go on (not being cancelled, a token left after this one; a row that draws a stop id steps too,
+        for nothing, and ends) and the prompt chunks that ride with them, admitted as step 2 would. None: no
+        such launch (not mixed, the core has no seq_sample_mixed, no prompt or no row to carry, short of pages)."""
+        if not (self.mixed_steps and self.sample_launch and hasattr(core, "seq_sample_mixed")):
+            return None
+        if not (self._waiting or any(s.prefilling for s in self._running)):
+            return None
+        with self._state:
+            cancels = self._cancels
+            go = [self._goes_on(s, cancels) for s in seqs]
+        needy = self._pages_opened([s for s, g in zip(seqs, go) if g])
+        if not any(go) or self._short_of_pages(core, needy):
+            return None
+        self._admit(core, decode_pages=needy)
+        chunks = self._chunks(sum(go))
+        return (go, chunks) if chunks else None
 
     def _go_on(self, core, seqs: list[_Seq]) -> Optional[list[bool]]:
         """For the launch ahead inside seq_sample_step: per sequence, whether it goes on unless its token is a

@@ -9,8 +9,9 @@ Two lists of tuples, appended as things happen (a list append is atomic under th
 and the server's event loop share them without a lock; the cost is a perf_counter() and an append, ~0.2 us):
   calls:  (name, t_start, t_end, n) for each core call the scheduler makes through the wrapper (CORE_CALLS);
           n is the rows of a seq_step / seq_sample, the prompt tokens of a seq_prefill(_many) or a seq_mixed
-          (whose decode rows its seq_sample counts), else 0; a seq_sample_step is recorded as its seq_sample and
-          the seq_step it launched (split at the launch's own host time, which the core reports);
+          (whose decode rows its seq_sample counts), else 0; a seq_sample_step (seq_sample_mixed) is recorded as its
+          seq_sample and the seq_step (seq_mixed) it launched, split at the launch's own host time, which the
+          core reports;
   events: (kind, t, request id, a, b). From the scheduler: "submit" (a = prompt tokens), "admit" (a slot
           opened), "prefilled" (the call with the prompt's last chunk
           returned: on the GPU, once launched), "first" (the first token sampled), "end" (a = tokens
@@ -61,6 +62,8 @@ class TracedCore:
         self._core, self._calls = core, calls
         if hasattr(core, "seq_sample_step"):  # (only then: the scheduler asks hasattr(core, "seq_sample_step"))
             self.seq_sample_step = self._sample_step
+        if hasattr(core, "seq_sample_mixed"):
+            self.seq_sample_mixed = self._sample_mixed
 
     def __getattr__(self, name):
         return getattr(self._core, name)
@@ -111,4 +114,19 @@ class TracedCore:
         self._calls.append(("seq_sample", t, t1 - launch, len(slots)))
         if n:
             self._calls.append(("seq_step", t1 - launch, t1, n))
+        return r
+
+    def _sample_mixed(self, slots, cfgs, steps, k, go_on, prompt_slots, prompts):
+        """seq_sample_mixed, recorded as the seq_sample, then the seq_mixed it launched (when it did)."""
+        t = time.perf_counter()
+        try:
+            r = self._core.seq_sample_mixed(slots, cfgs, steps, k, go_on, prompt_slots, prompts)
+        except BaseException:
+            self._calls.append(("seq_sample", t, time.perf_counter(), len(slots)))
+            raise
+        t1 = time.perf_counter()
+        launch = float(r[5])
+        self._calls.append(("seq_sample", t, t1 - launch, len(slots)))
+        if r[6]:
+            self._calls.append(("seq_mixed", t1 - launch, t1, sum(len(c) for c in prompts)))
         return r

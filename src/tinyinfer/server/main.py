@@ -40,9 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sample-launch", dest="sample_launch", action="store_false",
                    help="launch each next decode step from Python after its tokens are sampled (default: inside the "
                         "sampling call, seq_sample_step; the A/B reference)")
-    p.add_argument("--mixed-steps", action="store_true",
-                   help="launch waiting prompts with the running sequences' next step in one mixed pass (every "
-                        "weight read once for both; default: a prefill pass of their own)")
+    p.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,
+                   help="carry waiting prompts in the running sequences' next step, one mixed pass launched with "
+                        "the sample (every weight read once for both; default). --no-mixed-steps: a prefill pass "
+                        "of their own (the A/B reference; a request's tokens then never depend on other arrivals)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests allowed to wait for a slot; beyond it: 503 with Retry-After (default 1024)")
     p.add_argument("--switch-interval-ms", type=float, default=0.2,

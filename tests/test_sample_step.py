@@ -303,3 +303,21 @@ def test_the_scheduler_carries_waiting_prompts_in_the_sample_and_a_stopped_row_e
     ends = {c[2] for c in traces[True].calls if c[0] == "seq_sample"}
     carried = [c for c in traces[True].calls if c[0] == "seq_mixed" and c[1] in ends]
     assert len(carried) >= 3 and not any(c[0] == "seq_mixed" for c in traces[False].calls)
+
+
+def test_a_request_waiting_for_a_slot_does_not_take_the_launch_out_of_the_sample():
+    """Mixed steps, every slot taken and a request waiting: no prompt can ride, so the running rows' next step
+    is still launched inside the sampling call (seq_sample_step), not from Python after it."""
+    store = _store("fp32")
+    core = _core.CpuEngine(store, MAX_SEQ, 2, 2)
+    eng = Engine.from_core(core, SimpleNamespace(vocab=VOCAB, eos_token_ids=[]), max_seq_len=MAX_SEQ)
+    sched = Scheduler(eng, max_batch=2, mixed_steps=True, trace=(trace := Trace()))
+    sps = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (8, 8, 3)]
+    reqs = [sched.submit([3 + i, 4, 5], sp) for i, sp in enumerate(sps)]
+    while not sched.idle:
+        sched.step()
+    assert [len(r.result().token_ids) for r in reqs] == [8, 8, 3]
+    ends = {c[2] for c in trace.calls if c[0] == "seq_sample"}
+    first_end = min(t for kind, t, *_ in trace.events if kind == "end")
+    steps = [c for c in trace.calls if c[0] == "seq_step" and c[1] < first_end]  # while the third one waits
+    assert len(steps) >= 5 and all(c[1] in ends for c in steps)

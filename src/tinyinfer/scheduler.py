@@ -714,12 +714,13 @@ class Scheduler:
         stop id (not being cancelled, a token left after this one; and the pool has the pages those next
         positions open, after what the admitted prompts are owed: else none goes on, as _step_ahead decides).
         None: the launch ahead is _step_ahead's, after the sample — sample_launch off, the core has no
-        seq_sample_step, or with mixed steps prompts wait or are being prefilled (they ride in that launch: a
-        seq_mixed)."""
+        seq_sample_step, or with mixed steps on a core without seq_sample_mixed prompts wait or are being
+        prefilled (they ride in that launch: a seq_mixed)."""
         if not (self.sample_launch and hasattr(core, "seq_sample_step")):
             return None
-        if self.mixed_steps and (self._waiting or any(s.prefilling for s in self._running)):
-            return None
+        if self.mixed_steps and not hasattr(core, "seq_sample_mixed") and (
+                self._waiting or any(s.prefilling for s in self._running)):
+            return None  # (with seq_sample_mixed, _mixed_ahead has found no prompt that could ride now)
         with self._state:
             cancels = self._cancels
             go = [self._goes_on(s, cancels) for s in seqs]

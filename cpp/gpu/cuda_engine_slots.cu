@@ -325,7 +325,8 @@ void CudaEngine::seq_mixed(const int64_t* step_slots, const int32_t* step_tokens
 // The mixed pass, checked already (check_mixed). The decode rows' tokens: step_tokens (host), or when it is null
 // dev_tokens[dev_src[i]] for step row i (device: the sampler's output, queued ahead in stream order).
 void CudaEngine::launch_mixed(const int64_t* step_slots, const int32_t* step_tokens, const int* dev_tokens,
-                              const int* dev_src, int64_t n_step, const int64_t* slots, const int32_t* const* tokens, const int64_t* lens,
+                              const int* dev_src, int64_t n_step, const int64_t* slots,
+                              const int32_t* const* tokens, const int64_t* lens,
                               int64_t n) {
   std::vector<int64_t> all(step_slots, step_slots + n_step);
   all.insert(all.end(), slots, slots + n);
@@ -343,7 +344,8 @@ void CudaEngine::launch_mixed(const int64_t* step_slots, const int32_t* step_tok
   auto run = [&] {
     prefill_->run_many(pass.data(), (int)pass.size(), bbuf_.tables, bbuf_.logits, dev_tokens);
     for (size_t j = 0, row = 0; j < pass.size(); row += (size_t)pass[j].T, j++)
-      if (pass_slots[j] >= 0) cuda::mark_tokens(seen_ + (size_t)pass_slots[j] * V, pbuf_.tokens + row, pass[j].T, stream_);
+      if (pass_slots[j] >= 0)
+        cuda::mark_tokens(seen_ + (size_t)pass_slots[j] * V, pbuf_.tokens + row, pass[j].T, stream_);
     pass.clear();
     pass_slots.clear();
     used = 0;

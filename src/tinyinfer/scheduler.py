@@ -48,11 +48,12 @@ The launch itself happens inside the sampling call where it can (seq_sample_step
 says beforehand which sequences go on unless their token is a stop id (the same conditions, less the token), and
 the core launches their step the moment it has the tokens, with no return to Python between — the device would
 otherwise idle while the tokens come back, the interpreter gets the GIL (behind a busy event loop in a server)
-and builds the rows (docs/perf/serve.md). With mixed steps, a step while prompts wait or are being prefilled
-launches from Python after the sample as before, so that they ride in it (a seq_mixed).
-With mixed steps the launch ahead carries the prompts too: between 5 and 6 the waiting requests are admitted
-(as 2 does, after the pages the launched rows open) and their chunks go with those rows in ONE seq_mixed, which
-returns once launched like seq_step, so 6 still overlaps the pass. Prompts that arrive after that launch are
+and builds the rows (docs/perf/serve.md).
+With mixed steps the launch ahead carries the prompts too: before the sample the waiting requests are admitted
+(as 2 does, after the pages the launched rows open) and their chunks go with the rows that go on in the same
+sampling call (seq_sample_mixed: on the GPU the mixed pass is queued behind the sampler before the tokens reach
+the host, so a row that draws a stop id steps for nothing and ends here as usual); 6 still overlaps the pass. A
+core without seq_sample_mixed gets the seq_mixed from Python after the sample. Prompts that arrive after that launch are
 admitted by the next step's 2 but not prefilled by its 4 while its sequences' step is in flight: they ride in
 the next launch ahead (up to a step of first-token latency, against a pass of their own).
 
@@ -161,13 +162,14 @@ class Scheduler:
         step's per-token work, which then runs while the device computes (see the module's docstring); False:
         every step in turn (the A/B reference). sample_launch: with overlap, that launch inside the sampling call
         (seq_sample_step) where the core has it; False: from Python after the sample (the A/B reference).
-        mixed_steps: a step's decode rows and prompt chunks in one seq_mixed, and with overlap the waiting prompts launched with the next step (needs batched_prefill; see
-        the module's docstring; on the H200 they gave the same throughput at 64 streams and a lower TTFT p50:
-        docs/perf/serve.md). The rows of a mixed pass take the prefill's arithmetic (cuBLASLt over the pass, the
-        LM head as a GEMM), so on the GPU a request's tokens may then depend on when others arrive, at near-ties
-        of its logits. False (the default): seq_step, then the prefill. trace: record into it every core call the steps make and each
-        request's submit / admit / prefilled / first token / end (trace.py; None: nothing recorded, the core
-        called directly)."""
+        mixed_steps: a step's decode rows and prompt chunks in one seq_mixed, and with overlap the waiting
+        prompts launched with the next step (needs batched_prefill; see the module's docstring; on the H200,
+        through seq_sample_mixed, +1.4% throughput at 64 streams and a lower TTFT p50: docs/perf/serve.md;
+        `tinyinfer serve` turns them on). The rows of a mixed pass take the prefill's arithmetic (cuBLASLt over
+        the pass, the LM head as a GEMM), so on the GPU a request's tokens may then depend on when others arrive,
+        at near-ties of its logits. False (the default): seq_step, then the prefill. trace: record into it every
+        core call the steps make and each request's submit / admit / prefilled / first token / end (trace.py;
+        None: nothing recorded, the core called directly)."""
         core = engine._core
         if core is None:
             raise InvalidRequestError(f"{engine!r} is closed")

@@ -88,11 +88,17 @@ class Server:
         return self.proc.returncode
 
 
-@pytest.fixture(scope="module")
-def server(smollm_gguf, tmp_path_factory):
-    srv = Server(smollm_gguf, tmp_path_factory.mktemp("serve"))
+WORKERS = {"in-process": (), "2-workers": ("--api-workers", "2")}  # the HTTP app beside the engine, or not
+
+
+@pytest.fixture(scope="module", params=list(WORKERS))
+def server(request, smollm_gguf, tmp_path_factory):
+    """Every test on the module's server runs against both: the app in the engine's process, and two API worker
+    processes linked to it (server/workers.py)."""
+    srv = Server(smollm_gguf, tmp_path_factory.mktemp("serve"), *WORKERS[request.param])
     yield srv
-    srv.stop()
+    assert srv.stop() == 0, srv.log()
+    assert "Traceback" not in srv.log(), srv.log()
 
 
 @pytest.fixture(scope="module")
@@ -449,8 +455,9 @@ def test_still_serving_after_errors(client, ref, server):
 # ---- more servers: the queue full, and Ctrl-C ----
 
 
-def test_queue_full_is_503(smollm_gguf, tmp_path):
-    srv = Server(smollm_gguf, tmp_path, "--max-waiting", "0")
+@pytest.mark.parametrize("workers", list(WORKERS))
+def test_queue_full_is_503(smollm_gguf, tmp_path, workers):
+    srv = Server(smollm_gguf, tmp_path, "--max-waiting", "0", *WORKERS[workers])
     try:
         with openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0) as c:
             with pytest.raises(openai.InternalServerError) as e:
@@ -462,8 +469,9 @@ def test_queue_full_is_503(smollm_gguf, tmp_path):
         assert srv.stop(signal.SIGINT) == 0, srv.log()
 
 
-def test_ctrl_c_ends_open_streams_and_exits_cleanly(smollm_gguf, tmp_path):
-    srv = Server(smollm_gguf, tmp_path)
+@pytest.mark.parametrize("workers", list(WORKERS))
+def test_ctrl_c_ends_open_streams_and_exits_cleanly(smollm_gguf, tmp_path, workers):
+    srv = Server(smollm_gguf, tmp_path, *WORKERS[workers])
     try:
         with openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0) as c:
             stream = c.completions.create(model=NAME, prompt="Once", max_tokens=MAX_SEQ - 8, stream=True,

@@ -166,18 +166,10 @@ class Request:
         if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
             raise InvalidRequestError(f"every must be an integer >= 1 or None (got {every!r})")
         event = asyncio.Event()
-        with self._waker_lock:
-            self._every = every
-            self._waker = (asyncio.get_running_loop(), event)
-        self._sched.start()
+        self.attach(asyncio.get_running_loop(), event, every)
         try:
             while True:
-                batch: list = []
-                try:
-                    while True:
-                        batch.append(self._items.get_nowait())
-                except queue.Empty:
-                    pass
+                batch = self.pending()
                 if not batch:
                     await event.wait()
                     event.clear()  # then look again: a set that came before the clear left its item queued
@@ -192,6 +184,25 @@ class Request:
         finally:
             with self._waker_lock:
                 self._waker = None
+
+    def attach(self, loop, event, every: Optional[int] = 1) -> None:
+        """Have the scheduler's steps wake this consumer: event.set() run through loop.call_soon_threadsafe once
+        per `every` Deltas (see batches). loop: an asyncio loop, or any object with that method (the engine
+        side of a server's frontend process: server/engine_link.py). Items queued before the call are not
+        signalled: the consumer looks at the queue after attaching. Starts the scheduler's thread."""
+        with self._waker_lock:
+            self._every = every
+            self._waker = (loop, event)
+        self._sched.start()
+
+    def pending(self) -> list:
+        """Every item queued now (Deltas, then possibly the exception that failed the request), without waiting."""
+        out: list = []
+        try:
+            while True:
+                out.append(self._items.get_nowait())
+        except queue.Empty:
+            return out
 
     def result(self, timeout: Optional[float] = None) -> Completion:
         """The Completion (waits for it; TimeoutError after `timeout` seconds); a failed request raises its error."""

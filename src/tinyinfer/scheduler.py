@@ -241,6 +241,11 @@ class Scheduler:
         core = self._engine._core
         return 0 if core is None else self._pages_total - int(core.kv_pages_free)
 
+    def stats(self) -> dict:
+        """running, waiting, kv_pages_used, kv_pages_total (a server's /health)."""
+        return {"running": self.running, "waiting": self.waiting, "kv_pages_used": self.kv_pages_used,
+                "kv_pages_total": self.kv_pages_total}
+
     def _has_work_locked(self) -> bool:
         return bool(self._waiting or self._running or self._cancels)
 

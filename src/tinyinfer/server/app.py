@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import json
 import logging
 import secrets
@@ -244,10 +245,11 @@ class Service:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tinyinfer",
                 "max_model_len": self.engine.max_seq_len}
 
-    def health(self) -> dict:
-        s = self.scheduler
-        return {"status": "ok", "model": self.model_name, "running": s.running, "waiting": s.waiting,
-                "kv_pages_used": s.kv_pages_used, "kv_pages_total": s.kv_pages_total}
+    async def health(self) -> dict:
+        stats = self.scheduler.stats()
+        if inspect.isawaitable(stats):  # (a frontend process asks the engine's)
+            stats = await stats
+        return {"status": "ok", "model": self.model_name, **stats}
 
     # ---- prompts -> scheduler requests ----
 
@@ -285,8 +287,9 @@ class Service:
                         f"asked (max_tokens)", param, "context_length_exceeded")
         return want
 
-    def submit(self, g: P.GenerationRequest, prompts: list[list[int]], rid: str) -> _Call:
-        """One scheduler Request per (prompt, choice); all or none (a refusal cancels those already queued)."""
+    async def submit(self, g: P.GenerationRequest, prompts: list[list[int]], rid: str) -> _Call:
+        """One scheduler Request per (prompt, choice); all or none (a refusal cancels those already queued). The
+        scheduler is the engine's, or in a frontend process a RemoteScheduler, whose submit is awaited."""
         choices: list[_Choice] = []
         try:
             for pi, ids in enumerate(prompts):
@@ -295,7 +298,10 @@ class Service:
                 for j in range(g.n):
                     sp = base if base.seed is None else dataclasses.replace(base, seed=base.seed + j)
                     k = pi * g.n + j
-                    choices.append(_Choice(k, self.scheduler.submit(ids, sp, request_id=f"{rid}-{k}"), len(ids)))
+                    req = self.scheduler.submit(ids, sp, request_id=f"{rid}-{k}")
+                    if inspect.isawaitable(req):
+                        req = await req
+                    choices.append(_Choice(k, req, len(ids)))
         except BaseException as e:
             for c in choices:
                 c.req.cancel()
@@ -318,7 +324,7 @@ class Service:
             prompts = self.prompt_ids(g)  # token ids: only checked, no worker-thread hop (~0.5 ms a request)
         else:
             prompts = await run_in_threadpool(self.prompt_ids, g)
-        call = self.submit(g, prompts, f"{'chatcmpl' if g.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}")
+        call = await self.submit(g, prompts, f"{'chatcmpl' if g.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}")
         trace = getattr(self.scheduler, "trace", None)
         if trace is not None:  # the handler's start; its scheduler requests are "<call.id>-<k>"
             trace.event("http_start", call.id, t=t_start)
@@ -469,7 +475,7 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
 
     @app.get("/health")
     async def health():
-        return svc.health()
+        return await svc.health()
 
     @app.get("/v1/models")
     async def models(request: Request):

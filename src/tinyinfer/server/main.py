@@ -2,6 +2,7 @@
 
     tinyinfer serve                                  # the default model on http://127.0.0.1:8000/v1
     tinyinfer serve --model path/to/model --port 9000 --api-key secret --max-batch 32
+    tinyinfer serve --api-workers 4                  # the HTTP side in 4 processes of its own (server/workers.py)
     tinyinfer serve --trace serve.json               # a timeline, written at shutdown (bench/tools/serve_timeline.py)
 
 Binds 127.0.0.1 unless --host says otherwise. Ctrl-C: uvicorn stops taking connections, gives open streams a few
@@ -44,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="carry waiting prompts in the running sequences' next step, one mixed pass launched with "
                         "the sample (every weight read once for both; default). --no-mixed-steps: a prefill pass "
                         "of their own (the A/B reference; a request's tokens then never depend on other arrivals)")
+    p.add_argument("--api-workers", type=int, default=1,
+                   help="processes running the HTTP side (parsing, templates, tokenizing, streaming), each linked "
+                        "to the one engine process by a pipe (default 1: the HTTP app in the engine's process)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests allowed to wait for a slot; beyond it: 503 with Retry-After (default 1024)")
     p.add_argument("--switch-interval-ms", type=float, default=0.2,
@@ -69,6 +73,10 @@ def check_arguments(args) -> None:
             raise InvalidRequestError(f"{flag} must be >= 1 (got {v})")
     if not 0.01 <= args.switch_interval_ms <= 100:
         raise InvalidRequestError(f"--switch-interval-ms must be in 0.01..100 (got {args.switch_interval_ms})")
+    if not 1 <= args.api_workers <= 64:
+        raise InvalidRequestError(f"--api-workers must be in 1..64 (got {args.api_workers})")
+    if args.api_workers > 1 and os.name != "posix":
+        raise InvalidRequestError("--api-workers > 1 needs a POSIX system (the workers inherit the socket)")
     if args.max_waiting < 0:
         raise InvalidRequestError(f"--max-waiting must be >= 0 (got {args.max_waiting})")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -77,6 +85,17 @@ def check_arguments(args) -> None:
         raise InvalidRequestError("--api-key is empty")
     if args.trace is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
         raise InvalidRequestError(f"--trace: the folder of {args.trace!r} does not exist")
+
+
+def request_log(level: str) -> None:
+    """One line per request on stderr, beside uvicorn's own log (the engine process or an API worker)."""
+    logger = logging.getLogger("tinyinfer.server")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s tinyinfer: %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
 
 
 def serve(args, engine_factory) -> int:
@@ -107,18 +126,27 @@ def serve(args, engine_factory) -> int:
     if engine.device == "cuda":  # (the CPU engine has no tactics or graphs to make on first use)
         print(f"tinyinfer: warmed up (prefill GEMMs, batch graphs) in {scheduler.warm_up():.2f} s",
               file=sys.stderr, flush=True)
-    app = create_app(engine, scheduler, model_name=name, api_key=api_key, stream_interval=args.stream_interval)
-
-    logger = logging.getLogger("tinyinfer.server")
-    if not logger.handlers:  # one line per request, beside uvicorn's own log
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s tinyinfer: %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-    logger.setLevel(args.log_level.upper())
-    logger.propagate = False
-    print(f"tinyinfer: serving {name} [{engine.device} {engine.dtype}, max_seq_len {engine.max_seq_len}] "
+    request_log(args.log_level)
+    workers = f", {args.api_workers} API workers" if args.api_workers > 1 else ""
+    print(f"tinyinfer: serving {name} [{engine.device} {engine.dtype}, max_seq_len {engine.max_seq_len}{workers}] "
           f"at http://{args.host}:{args.port}/v1{' (API key required)' if api_key else ''}", file=sys.stderr,
           flush=True)
+
+    def save_trace() -> None:
+        if trace is not None:
+            trace.save(args.trace)
+            print(f"tinyinfer: wrote the trace to {args.trace} ({len(trace.calls)} core calls, "
+                  f"{len(trace.events)} events)", file=sys.stderr, flush=True)
+
+    if args.api_workers > 1:
+        from .workers import run_workers
+
+        try:
+            return run_workers(args, engine, scheduler, model_name=name, api_key=api_key, on_stopped=save_trace)
+        finally:
+            engine.close()
+    app = create_app(engine, scheduler, model_name=name, api_key=api_key, stream_interval=args.stream_interval)
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             # first stop generating (open streams end at once with a shutdown error, rather than after the
@@ -128,10 +156,7 @@ def serve(args, engine_factory) -> int:
 
         async def shutdown(self, sockets=None) -> None:
             await super().shutdown(sockets)  # (the app's lifespan has closed the scheduler: its thread has ended)
-            if trace is not None:  # here, not after run(): uvicorn then raises a SIGTERM again, which kills
-                trace.save(args.trace)
-                print(f"tinyinfer: wrote the trace to {args.trace} ({len(trace.calls)} core calls, "
-                      f"{len(trace.events)} events)", file=sys.stderr, flush=True)
+            save_trace()  # here, not after run(): uvicorn then raises a SIGTERM again, which kills
 
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                                    timeout_graceful_shutdown=5))

@@ -1,0 +1,187 @@
+"""The link between an API worker process and the engine process (`tinyinfer serve --api-workers N`):
+server/engine_link.py (engine side) and server/remote.py (the worker's RemoteScheduler), run here over a real
+pipe in one process, on the real CPU engine. The server tests run the whole thing as processes."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import pickle
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")  # (server/__init__ imports nothing, but the serve extra is what uses the link)
+
+from conftest import make_chat_llama
+from tinyinfer import Engine, InvalidRequestError, QueueFullError, SamplingParams, Scheduler
+from tinyinfer.errors import DeviceError, TinyInferError
+from tinyinfer.server.engine_link import EngineLink, portable
+from tinyinfer.server.remote import RemoteScheduler, TextSide
+
+
+@pytest.fixture(scope="module")
+def eng(tmp_path_factory):
+    d = make_chat_llama(tmp_path_factory.mktemp("link") / "m", init_std=0.3)
+    with Engine(d, device="cpu", max_seq_len=256, threads=2) as e:
+        yield e
+
+
+def _pair(sched):
+    mine, theirs = multiprocessing.Pipe(duplex=True)
+    link = EngineLink(sched, mine, "test")
+    link.start()
+    return link, theirs
+
+
+def _idle(sched, eng, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not sched.idle and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return sched.idle and eng._core.kv_pages_free == eng._core.kv_pages_total
+
+
+async def _collect(req, every=1):
+    text, ids, n = "", [], 0
+    async for batch in req.batches(every):
+        n += 1
+        for d in batch:
+            text += d.text
+            ids += d.token_ids
+    return text, ids, batch[-1].completion, n
+
+
+def test_remote_requests_equal_local_ones(eng):
+    prompts = ["Once upon a time", "The", "abc abc abc"]
+    sps = [SamplingParams(max_tokens=n, ignore_eos=True, logprobs=1) for n in (7, 19, 12)]
+    want = [eng.generate(p, SamplingParams(max_tokens=sp.max_tokens, ignore_eos=True)) for p, sp in zip(prompts, sps)]
+    sched = Scheduler(eng)
+    link, conn = _pair(sched)
+    try:
+        async def main():
+            remote = RemoteScheduler(conn)
+            remote.start()
+            reqs = [await remote.submit(eng.tokenize(p), sp, request_id=f"r{i}")
+                    for i, (p, sp) in enumerate(zip(prompts, sps))]
+            got = await asyncio.gather(*(_collect(r, every) for r, every in zip(reqs, (1, 4, None))))
+            return got, await remote.stats()
+
+        got, stats = asyncio.run(main())
+        for (text, ids, done, _), w in zip(got, want):
+            assert (text, ids, done.token_ids, done.finish_reason) == (w.text, w.token_ids, w.token_ids, "length")
+            assert len(done.logprobs) == len(ids)
+        assert stats == {"running": 0, "waiting": 0, "kv_pages_used": 0, "kv_pages_total": sched.kv_pages_total}
+    finally:
+        sched.close()
+        link.close()
+    assert _idle(sched, eng)
+
+
+def test_a_refused_submit_raises_in_the_worker(eng):
+    sched = Scheduler(eng, max_waiting=0)
+    link, conn = _pair(sched)
+    try:
+        async def main():
+            remote = RemoteScheduler(conn)
+            remote.start()
+            with pytest.raises(QueueFullError, match="max_waiting=0"):
+                await remote.submit([5, 6, 7], SamplingParams(max_tokens=2), request_id="a")
+            with pytest.raises(InvalidRequestError, match="max_seq_len"):
+                await remote.submit([5, 6, 7], SamplingParams(max_tokens=1000), request_id="b")
+            return await remote.stats()  # still answering
+
+        assert asyncio.run(main())["running"] == 0
+    finally:
+        sched.close()
+        link.close()
+
+
+def test_a_worker_that_goes_away_frees_its_requests_pages(eng):
+    sched = Scheduler(eng)
+    link, conn = _pair(sched)
+    try:
+        async def main():
+            remote = RemoteScheduler(conn)
+            remote.start()
+            req = await remote.submit([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True), request_id="x")
+            async for _ in req.batches():
+                break  # generating: it holds pages now
+            return await remote.stats()
+
+        assert asyncio.run(main())["kv_pages_used"] > 0
+        conn.close()  # the worker process is gone: EOF at the link
+        assert _idle(sched, eng)
+    finally:
+        sched.close()
+        link.close()
+
+
+def test_cancel_and_shutdown_reach_the_worker(eng):
+    sched = Scheduler(eng)
+    link, conn = _pair(sched)
+    ended = []
+    try:
+        async def main():
+            remote = RemoteScheduler(conn, on_end=lambda: ended.append(True))
+            remote.start()
+            a = await remote.submit([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True), request_id="a")
+            b = await remote.submit([8, 9], SamplingParams(max_tokens=200, ignore_eos=True), request_id="b")
+            async for _ in a.batches():
+                break
+            a.cancel()
+            text_a, ids_a, done_a, _ = await _collect(a)
+            await asyncio.to_thread(sched.close)  # the engine process shuts down: b ends "cancelled" too
+            await asyncio.to_thread(link.shutdown)
+            _, _, done_b, _ = await _collect(b)
+            for _ in range(100):
+                if ended:
+                    break
+                await asyncio.sleep(0.01)
+            with pytest.raises(InvalidRequestError, match="closed"):
+                await remote.submit([1], SamplingParams(max_tokens=1), request_id="c")
+            return done_a, done_b
+
+        done_a, done_b = asyncio.run(main())
+        assert done_a.finish_reason == done_b.finish_reason == "cancelled" and ended == [True]
+    finally:
+        link.close()
+    assert _idle(sched, eng)
+
+
+def test_the_engine_process_gone_fails_what_is_in_flight(eng):
+    sched = Scheduler(eng)
+    mine, theirs = multiprocessing.Pipe(duplex=True)
+    ended = []
+    try:
+        async def main():
+            remote = RemoteScheduler(theirs, on_end=lambda: ended.append(True))
+            remote.start()
+            mine.close()  # (no link answers: the engine process died)
+            with pytest.raises(DeviceError, match="engine process"):
+                await remote.submit([1, 2], SamplingParams(max_tokens=1), request_id="a")
+            with pytest.raises(DeviceError):
+                await remote.stats()
+
+        asyncio.run(main())
+        assert ended == [True]
+    finally:
+        sched.close()
+
+
+def test_text_side_tokenizes_as_the_engine_and_pickles(eng):
+    side = pickle.loads(pickle.dumps(TextSide.of(eng)))
+    msgs = [{"role": "user", "content": "hi there"}]
+    assert side.tokenize("Once upon a time") == eng.tokenize("Once upon a time")
+    assert side.apply_chat_template(msgs) == eng.apply_chat_template(msgs)
+    assert (side.config.vocab, side.max_seq_len) == (eng.config.vocab, eng.max_seq_len)
+
+
+def test_an_exception_that_does_not_pickle_arrives_as_its_text():
+    class Odd(Exception):
+        def __init__(self, a, b):  # (pickling calls Odd(msg): too few arguments)
+            super().__init__(f"{a}/{b}")
+
+    e = portable(Odd(1, 2))
+    assert type(e) is TinyInferError and str(e) == "Odd: 1/2"
+    q = portable(QueueFullError("full"))
+    assert type(q) is QueueFullError and str(q) == "full"

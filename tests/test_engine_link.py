@@ -16,7 +16,7 @@ pytest.importorskip("fastapi")  # (server/__init__ imports nothing, but the serv
 from conftest import make_chat_llama
 from tinyinfer import Engine, InvalidRequestError, QueueFullError, SamplingParams, Scheduler
 from tinyinfer.errors import DeviceError, TinyInferError
-from tinyinfer.server.engine_link import EngineLink, portable
+from tinyinfer.server.engine_link import EngineHub, portable
 from tinyinfer.server.remote import RemoteScheduler, TextSide
 
 
@@ -29,9 +29,9 @@ def eng(tmp_path_factory):
 
 def _pair(sched):
     mine, theirs = multiprocessing.Pipe(duplex=True)
-    link = EngineLink(sched, mine, "test")
-    link.start()
-    return link, theirs
+    hub = EngineHub(sched, [mine])
+    hub.start()
+    return hub, theirs
 
 
 def _idle(sched, eng, timeout=30.0):
@@ -131,7 +131,7 @@ def test_cancel_and_shutdown_reach_the_worker(eng):
             a.cancel()
             text_a, ids_a, done_a, _ = await _collect(a)
             await asyncio.to_thread(sched.close)  # the engine process shuts down: b ends "cancelled" too
-            await asyncio.to_thread(link.shutdown)
+            await asyncio.to_thread(link.shutdown)  # (what the scheduler ended goes out first)
             _, _, done_b, _ = await _collect(b)
             for _ in range(100):
                 if ended:

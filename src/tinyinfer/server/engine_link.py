@@ -1,35 +1,37 @@
-"""The engine side of a frontend process's link (`tinyinfer serve --api-workers N`, N > 1).
+"""The engine side of the API workers' links (`tinyinfer serve --api-workers N`, N > 1).
 
 With several API workers the HTTP side (parsing, templates, tokenizing, JSON, SSE, sockets) runs in processes of
-its own and the engine process keeps the scheduler and nothing else that wants the GIL. Each frontend process
-talks to the engine over one duplex pipe (multiprocessing.connection, pickled tuples):
+its own and the engine process keeps the scheduler and nothing else that wants the GIL. Each worker talks to the
+engine over one duplex pipe (multiprocessing.connection, pickled tuples):
 
-    frontend -> engine   ("submit", call_id, request_id, prompt_ids, SamplingParams)
-                         ("watch", request_id, every)        # Request.batches(every) of the consumer
-                         ("cancel", request_id)
-                         ("stats", call_id)                  # /health
-    engine -> frontend   ("reply", call_id, error or None, value)
-                         ("items", [(request_id, [Delta..., maybe the exception that failed it]), ...])
-                         ("shutdown",)                       # the scheduler has closed: stop serving
+    worker -> engine   ("submit", call_id, request_id, prompt_ids, SamplingParams)
+                       ("watch", request_id, every)        # Request.batches(every) of the consumer
+                       ("cancel", request_id)
+                       ("stats", call_id)                  # /health
+    engine -> worker   ("reply", call_id, error or None, value)
+                       ("items", [(request_id, [Delta..., maybe the exception that failed it]), ...])
+                       ("shutdown",)                       # the scheduler has closed: stop serving
 
-The scheduler's step wakes a request's consumer through its "loop" (request.wake: call_soon_threadsafe): here
-that loop is the link, which only notes the request as ready, so the step's thread never touches the pipe. A
-sender thread then ships everything the step made for this frontend in one message; a reader thread submits,
-watches, cancels and answers. When the frontend goes away (EOF), its requests are cancelled and their KV pages
-return to the pool at the next step.
+The scheduler's step wakes a request's consumer through its "loop" (request.wake: call_soon_threadsafe): here a
+worker's link, which only notes the request as ready, so the step's thread never touches a pipe. Two threads
+serve all the links, however many workers there are (each thread more is one more taker of the GIL the
+scheduler's thread needs after every device call): a sender that ships what a step made, one message per worker,
+and a reader that submits, watches, cancels and answers. When a worker goes away (EOF) its requests are
+cancelled and their KV pages return to the pool at the next step.
 """
 
 from __future__ import annotations
 
 import pickle
 import threading
+from multiprocessing.connection import wait
 from typing import Optional
 
 from ..errors import TinyInferError
 
 
 def portable(e: BaseException) -> BaseException:
-    """e if it survives pickling, else a TinyInferError saying what it was (the frontend must get something)."""
+    """e if it survives pickling, else a TinyInferError saying what it was (the worker must get something)."""
     try:
         pickle.loads(pickle.dumps(e))
         return e
@@ -46,61 +48,75 @@ class _Mark:
 
     __slots__ = ("link", "req")
 
-    def __init__(self, link: "EngineLink", req):
+    def __init__(self, link: "Link", req):
         self.link, self.req = link, req
 
     def set(self) -> None:
-        self.link._ready.append(self.req)  # (under the link's lock: call_soon_threadsafe holds it)
+        self.link.hub._ready.append((self.link, self.req))  # (under the hub's lock: call_soon_threadsafe holds it)
 
 
-class EngineLink:
-    """One frontend process's pipe, engine side: its requests on the scheduler, their items shipped back."""
+class Link:
+    """One worker's pipe: its live requests. The scheduler's step sees it as the event loop of those requests."""
 
-    def __init__(self, scheduler, conn, name: str = "frontend"):
-        self._sched = scheduler
-        self._conn = conn
-        self.name = name
+    def __init__(self, hub: "EngineHub", conn, name: str):
+        self.hub, self.conn, self.name = hub, conn, name
+        self.live: dict = {}  # request id -> Request, until its last item is shipped (guarded by hub._cv)
+        self.closed = False
         self._send_lock = threading.Lock()
+
+    def call_soon_threadsafe(self, callback, *args) -> None:
+        with self.hub._cv:
+            callback(*args)  # request._set_all(marks): each _Mark.set() notes its request
+            self.hub._cv.notify()
+
+    def send(self, msg) -> bool:
+        try:
+            with self._send_lock:
+                self.conn.send(msg)
+            return True
+        except (OSError, EOFError, ValueError):  # the worker is gone (ValueError: the pipe is closed)
+            self.hub._lost(self)
+            return False
+
+
+class EngineHub:
+    """Every worker's link to one scheduler: a reader thread and a sender thread for all of them."""
+
+    def __init__(self, scheduler, conns: list, names: Optional[list] = None):
+        self._sched = scheduler
         self._cv = threading.Condition()
-        self._ready: list = []  # requests with new items (guarded by _cv)
-        self._live: dict = {}  # request id -> Request, until its last item is shipped (guarded by _cv)
-        self._closed = False
-        self._threads = [threading.Thread(target=self._read, name=f"tinyinfer-{name}-in", daemon=True),
-                         threading.Thread(target=self._ship, name=f"tinyinfer-{name}-out", daemon=True)]
+        self._ready: list = []  # (link, request) with new items (guarded by _cv)
+        self.links = [Link(self, c, n) for c, n in zip(conns, names or [f"api-{i}" for i in range(len(conns))])]
+        self._stopped = False
+        self._shipping = False  # the sender holds items it took from _ready and has not sent yet
+        self._threads = [threading.Thread(target=self._read, name="tinyinfer-links-in", daemon=True),
+                         threading.Thread(target=self._ship, name="tinyinfer-links-out", daemon=True)]
 
     def start(self) -> None:
         for t in self._threads:
             t.start()
 
-    def join(self, timeout: Optional[float] = None) -> None:
-        for t in self._threads:
-            t.join(timeout)
-
     @property
     def live(self) -> int:
+        """Requests of the workers not yet ended and shipped."""
         with self._cv:
-            return len(self._live)
-
-    # ---- the scheduler's step (its thread): the link is the "event loop" of this frontend's requests ----
-
-    def call_soon_threadsafe(self, callback, *args) -> None:
-        with self._cv:
-            callback(*args)  # request._set_all(marks): each _Mark.set() notes its request
-            self._cv.notify()
+            return sum(len(link.live) for link in self.links)
 
     # ---- the sender thread ----
 
     def _ship(self) -> None:
         while True:
             with self._cv:
-                while not self._ready and not self._closed:
+                while not self._ready and not self._stopped:
                     self._cv.wait()
-                if self._closed:
+                if self._stopped:
                     return
                 ready, self._ready = self._ready, []
-            out, seen = [], set()
-            for req in ready:
-                if req.id in seen:
+                self._shipping = True
+            out: dict = {}
+            seen = set()
+            for link, req in ready:
+                if req.id in seen or link.closed:
                     continue
                 seen.add(req.id)
                 items = req.pending()
@@ -110,80 +126,94 @@ class EngineLink:
                     items[-1] = portable(items[-1])
                 if _final(items[-1]):
                     with self._cv:
-                        self._live.pop(req.id, None)
-                out.append((req.id, items))
-            if out and not self._send(("items", out)):
-                return
-
-    def _send(self, msg) -> bool:
-        try:
-            with self._send_lock:
-                self._conn.send(msg)
-            return True
-        except (OSError, EOFError, ValueError):  # the frontend is gone (ValueError: the pipe is closed)
-            self._lost()
-            return False
+                        link.live.pop(req.id, None)
+                out.setdefault(link, []).append((req.id, items))
+            for link, batch in out.items():
+                link.send(("items", batch))
+            with self._cv:
+                self._shipping = False
+                self._cv.notify_all()  # (shutdown() waits for all to be shipped)
 
     # ---- the reader thread ----
 
     def _read(self) -> None:
-        while True:
+        by_conn = {link.conn: link for link in self.links}
+        while by_conn and not self._stopped:
             try:
-                msg = self._conn.recv()
-            except (EOFError, OSError, TypeError, ValueError):  # (TypeError: closed under the read in this process)
-                break
-            kind = msg[0]
-            if kind == "submit":
-                self._submit(*msg[1:])
-            elif kind == "watch":
-                with self._cv:
-                    req = self._live.get(msg[1])
-                if req is not None:
-                    self._attach(req, msg[2])
-            elif kind == "cancel":
-                self._sched.cancel(msg[1])
-            elif kind == "stats":
-                self._send(("reply", msg[1], None, self._sched.stats()))
-        self._lost()
+                ready = wait(list(by_conn), timeout=0.5)
+            except (OSError, ValueError):  # a pipe closed under the wait (close())
+                ready = [c for c in by_conn if by_conn[c].closed]
+            for conn in ready:
+                link = by_conn[conn]
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError, TypeError, ValueError):  # (TypeError: closed under the read)
+                    del by_conn[conn]
+                    self._lost(link)
+                    continue
+                self._handle(link, msg)
 
-    def _submit(self, call_id: int, request_id: str, prompt_ids: list, params) -> None:
+    def _handle(self, link: Link, msg) -> None:
+        kind = msg[0]
+        if kind == "submit":
+            self._submit(link, *msg[1:])
+        elif kind == "watch":
+            with self._cv:
+                req = link.live.get(msg[1])
+            if req is not None:
+                self._attach(link, req, msg[2])
+        elif kind == "cancel":
+            self._sched.cancel(msg[1])
+        elif kind == "stats":
+            link.send(("reply", msg[1], None, self._sched.stats()))
+
+    def _submit(self, link: Link, call_id: int, request_id: str, prompt_ids: list, params) -> None:
         try:
             req = self._sched.submit(prompt_ids, params, request_id=request_id)
-        except Exception as e:  # noqa: BLE001 (refused: the frontend raises it in the handler)
-            self._send(("reply", call_id, portable(e), None))
+        except Exception as e:  # noqa: BLE001 (refused: the worker raises it in the handler)
+            link.send(("reply", call_id, portable(e), None))
             return
         with self._cv:
-            self._live[request_id] = req
-        self._attach(req, 1)
-        self._send(("reply", call_id, None, None))
+            link.live[request_id] = req
+        self._attach(link, req, 1)
+        link.send(("reply", call_id, None, None))
 
-    def _attach(self, req, every: Optional[int]) -> None:
-        req.attach(self, _Mark(self, req), every)
+    def _attach(self, link: Link, req, every: Optional[int]) -> None:
+        req.attach(link, _Mark(link, req), every)
         with self._cv:  # what it queued before: shipped now
-            self._ready.append(req)
+            self._ready.append((link, req))
             self._cv.notify()
 
-    def _lost(self) -> None:
-        """The frontend is gone (or the link closes): its requests end, their pages free at the next step."""
+    def _lost(self, link: Link) -> None:
+        """A worker is gone: its requests end, their pages free at the next step."""
         with self._cv:
-            if self._closed:
+            if link.closed:
                 return
-            self._closed = True
-            live, self._live = list(self._live), {}
-            self._cv.notify_all()
+            link.closed = True
+            live, link.live = list(link.live), {}
         for rid in live:
             self._sched.cancel(rid)
 
-    def shutdown(self) -> None:
-        """Tell the frontend to stop serving, once what the closed scheduler ended has been shipped."""
+    # ---- the engine process's shutdown ----
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Tell every worker to stop serving, once what the (closed) scheduler ended has been shipped."""
         with self._cv:
-            while self._ready and not self._closed:
-                self._cv.wait(0.05)
-        self._send(("shutdown",))
+            self._cv.wait_for(lambda: not (self._ready or self._shipping) or self._stopped, timeout)
+        for link in self.links:
+            if not link.closed:
+                link.send(("shutdown",))
 
     def close(self) -> None:
-        self._lost()
-        try:
-            self._conn.close()
-        except OSError:
-            pass
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        for link in self.links:
+            self._lost(link)
+            try:
+                link.conn.close()
+            except OSError:
+                pass
+        for t in self._threads:
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(2.0)

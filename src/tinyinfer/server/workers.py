@@ -1,7 +1,7 @@
 """`tinyinfer serve --api-workers N` (N > 1): the engine process and N API worker processes.
 
 The engine process (this one) binds the listening socket, starts N processes of server/frontend.py that accept
-on it and run the HTTP app, and links each to the scheduler through a pipe (server/engine_link.py). It then only
+on it and run the HTTP app, and links each to the scheduler through a pipe (server/engine_link.py: one EngineHub). It then only
 schedules: a wave of requests ending in one step is parsed, tokenized and answered by N event loops at once, and
 none of that waits for the scheduler's GIL or makes the scheduler wait for it (docs/perf/serve.md: vLLM's API
 server / engine core split).
@@ -23,7 +23,7 @@ import sys
 import threading
 
 from .app import MAX_BODY_BYTES
-from .engine_link import EngineLink
+from .engine_link import EngineHub
 from .remote import TextSide
 
 log = logging.getLogger("tinyinfer.server")
@@ -43,11 +43,12 @@ def run_workers(args, engine, scheduler, *, model_name: str, api_key, on_stopped
     setup = {"text": TextSide.of(engine), "model_name": model_name, "api_key": api_key,
              "stream_interval": args.stream_interval, "max_body_bytes": MAX_BODY_BYTES}
     procs: list[subprocess.Popen] = []
-    links: list[EngineLink] = []
+    hub = None
     scheduler.start()
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        conns = []
         for i in range(args.api_workers):
             mine, theirs = multiprocessing.Pipe(duplex=True)
             procs.append(subprocess.Popen(
@@ -56,9 +57,9 @@ def run_workers(args, engine, scheduler, *, model_name: str, api_key, on_stopped
                 pass_fds=(sock.fileno(), theirs.fileno())))
             theirs.close()
             mine.send(setup)
-            link = EngineLink(scheduler, mine, f"api-{i}")
-            link.start()
-            links.append(link)
+            conns.append(mine)
+        hub = EngineHub(scheduler, conns)
+        hub.start()
         sock.close()  # (the workers hold it)
         while not stop.wait(0.25):
             ended = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() is not None]
@@ -70,16 +71,16 @@ def run_workers(args, engine, scheduler, *, model_name: str, api_key, on_stopped
         for s, h in previous.items():
             signal.signal(s, h)
         scheduler.close()
-        for link in links:
-            link.shutdown()
+        if hub is not None:
+            hub.shutdown()
         for p in procs:
             try:
                 p.wait(WORKER_EXIT_S)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        for link in links:
-            link.close()
+        if hub is not None:
+            hub.close()
         sock.close()
         if on_stopped is not None:
             on_stopped()

@@ -88,7 +88,7 @@ class Server:
         return self.proc.returncode
 
 
-WORKERS = {"in-process": (), "2-workers": ("--api-workers", "2")}  # the HTTP app beside the engine, or not
+WORKERS = {"in-process": ("--api-workers", "1"), "2-workers": ("--api-workers", "2")}  # the HTTP app beside the engine, or not
 
 
 @pytest.fixture(scope="module", params=list(WORKERS))
@@ -563,7 +563,9 @@ def test_serve_without_fastapi_says_how_to_install():
                                       (["--served-model-name", " "], "--served-model-name"),
                                       (["--chunk-tokens", "0"], "--chunk-tokens"),
                                       (["--stream-interval", "0"], "--stream-interval"),
-                                      (["--switch-interval-ms", "0"], "--switch-interval-ms")])
+                                      (["--switch-interval-ms", "0"], "--switch-interval-ms"),
+                                      (["--api-workers", "0"], "--api-workers"),
+                                      (["--api-workers", "65"], "--api-workers")])
 def test_serve_bad_arguments_refused_before_loading(args, msg):
     p = subprocess.run([sys.executable, "-m", "tinyinfer", "serve", "--model", "/nonexistent", *args],
                        capture_output=True, text=True, timeout=120)

@@ -194,18 +194,23 @@ def analyze(trace: dict, levels: Optional[list[dict]], only: Optional[int] = Non
 def _client_side(stamps: list, by_call: dict[str, dict]) -> dict:
     """serve_bench's per-request client stamps (call id, sent, stream done, the client's own turnaround before
     this send) joined with the server's events of the same HTTP call: where a request's turnaround goes."""
-    sent_to_handler, end_to_done, turn = [], [], []
+    sent_to_handler, end_to_done, turn, sent_to_submit, last_to_done = [], [], [], [], []
     for rid, sent, done, before in stamps:
         r = by_call.get(rid)
         if r is None:
             continue
+        # (these two need no HTTP events: they hold with --api-workers too, whose workers record none)
+        sent_to_submit.append(r["submit"] - sent)
+        last_to_done.append(done - r["end"])
         if "http_start" in r:
             sent_to_handler.append(r["http_start"] - sent)
         if "http_end" in r:
             end_to_done.append(done - r["http_end"])
         if before is not None:
             turn.append(before)
-    return {"client sent -> handler start": _stats(sent_to_handler),
+    return {"client sent -> submitted": _stats(sent_to_submit),
+            "request ended -> client done": _stats(last_to_done),
+            "client sent -> handler start": _stats(sent_to_handler),
             "last chunk written -> client done": _stats(end_to_done),
             "client done -> its next send": _stats(turn)}
 

@@ -19,6 +19,10 @@ import sys
 from ..errors import InvalidRequestError
 
 MISSING = "tinyinfer serve needs fastapi and uvicorn: pip install 'tinyinfer[serve]'"
+# --api-workers' default on the GPU: at 64 streams on the H200 (16 CPUs) 4 workers gave +2.7% tok/s and a TTFT p50
+# of 16-18 ms against 20-31 with the app in the engine's process (docs/perf/serve.md); a CPU engine needs the
+# cores itself
+AUTO_WORKERS, AUTO_WORKERS_MIN_CPUS = 4, 8
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,9 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="carry waiting prompts in the running sequences' next step, one mixed pass launched with "
                         "the sample (every weight read once for both; default). --no-mixed-steps: a prefill pass "
                         "of their own (the A/B reference; a request's tokens then never depend on other arrivals)")
-    p.add_argument("--api-workers", type=int, default=1,
+    p.add_argument("--api-workers", type=int, default=None,
                    help="processes running the HTTP side (parsing, templates, tokenizing, streaming), each linked "
-                        "to the one engine process by a pipe (default 1: the HTTP app in the engine's process)")
+                        f"to the one engine process by a pipe; 1: the HTTP app in the engine's process (default: "
+                        f"{AUTO_WORKERS} on cuda with >= {AUTO_WORKERS_MIN_CPUS} CPUs, else 1)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests allowed to wait for a slot; beyond it: 503 with Retry-After (default 1024)")
     p.add_argument("--switch-interval-ms", type=float, default=0.2,
@@ -58,8 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="record a timeline (every core call of the scheduler, every request's submit / first token / "
-                        "end, each HTTP call's start and end) and write it as JSON to FILE at shutdown; read it with "
-                        "bench/tools/serve_timeline.py")
+                        "end, each HTTP call's start and end: with API workers, in their processes, not recorded) and "
+                        "write it as JSON to FILE at shutdown; read it with bench/tools/serve_timeline.py")
 
 
 def check_arguments(args) -> None:
@@ -73,9 +78,9 @@ def check_arguments(args) -> None:
             raise InvalidRequestError(f"{flag} must be >= 1 (got {v})")
     if not 0.01 <= args.switch_interval_ms <= 100:
         raise InvalidRequestError(f"--switch-interval-ms must be in 0.01..100 (got {args.switch_interval_ms})")
-    if not 1 <= args.api_workers <= 64:
+    if args.api_workers is not None and not 1 <= args.api_workers <= 64:
         raise InvalidRequestError(f"--api-workers must be in 1..64 (got {args.api_workers})")
-    if args.api_workers > 1 and os.name != "posix":
+    if (args.api_workers or 1) > 1 and os.name != "posix":
         raise InvalidRequestError("--api-workers > 1 needs a POSIX system (the workers inherit the socket)")
     if args.max_waiting < 0:
         raise InvalidRequestError(f"--max-waiting must be >= 0 (got {args.max_waiting})")
@@ -126,6 +131,9 @@ def serve(args, engine_factory) -> int:
     if engine.device == "cuda":  # (the CPU engine has no tactics or graphs to make on first use)
         print(f"tinyinfer: warmed up (prefill GEMMs, batch graphs) in {scheduler.warm_up():.2f} s",
               file=sys.stderr, flush=True)
+    if args.api_workers is None:
+        many = engine.device == "cuda" and (os.cpu_count() or 1) >= AUTO_WORKERS_MIN_CPUS and os.name == "posix"
+        args.api_workers = AUTO_WORKERS if many else 1
     request_log(args.log_level)
     workers = f", {args.api_workers} API workers" if args.api_workers > 1 else ""
     print(f"tinyinfer: serving {name} [{engine.device} {engine.dtype}, max_seq_len {engine.max_seq_len}{workers}] "

@@ -56,7 +56,7 @@ def test_remote_requests_equal_local_ones(eng):
     sps = [SamplingParams(max_tokens=n, ignore_eos=True, logprobs=1) for n in (7, 19, 12)]
     want = [eng.generate(p, SamplingParams(max_tokens=sp.max_tokens, ignore_eos=True)) for p, sp in zip(prompts, sps)]
     sched = Scheduler(eng)
-    link, conn = _pair(sched)
+    hub, conn = _pair(sched)
     try:
         async def main():
             remote = RemoteScheduler(conn)
@@ -67,19 +67,20 @@ def test_remote_requests_equal_local_ones(eng):
             return got, await remote.stats()
 
         got, stats = asyncio.run(main())
+        assert got[1][3] <= 9  # every=4: a wake-up per 4 tokens of 19 (and its first, its last), not one per token
         for (text, ids, done, _), w in zip(got, want):
             assert (text, ids, done.token_ids, done.finish_reason) == (w.text, w.token_ids, w.token_ids, "length")
             assert len(done.logprobs) == len(ids)
         assert stats == {"running": 0, "waiting": 0, "kv_pages_used": 0, "kv_pages_total": sched.kv_pages_total}
     finally:
         sched.close()
-        link.close()
+        hub.close()
     assert _idle(sched, eng)
 
 
 def test_a_refused_submit_raises_in_the_worker(eng):
     sched = Scheduler(eng, max_waiting=0)
-    link, conn = _pair(sched)
+    hub, conn = _pair(sched)
     try:
         async def main():
             remote = RemoteScheduler(conn)
@@ -93,12 +94,12 @@ def test_a_refused_submit_raises_in_the_worker(eng):
         assert asyncio.run(main())["running"] == 0
     finally:
         sched.close()
-        link.close()
+        hub.close()
 
 
 def test_a_worker_that_goes_away_frees_its_requests_pages(eng):
     sched = Scheduler(eng)
-    link, conn = _pair(sched)
+    hub, conn = _pair(sched)
     try:
         async def main():
             remote = RemoteScheduler(conn)
@@ -109,16 +110,57 @@ def test_a_worker_that_goes_away_frees_its_requests_pages(eng):
             return await remote.stats()
 
         assert asyncio.run(main())["kv_pages_used"] > 0
-        conn.close()  # the worker process is gone: EOF at the link
+        theirs = sched._live["x"].request  # (the engine side's Request)
+        with eng._exclusive():  # no step runs meanwhile: the request cannot end on its own before the cancel
+            conn.close()  # the worker process is gone: EOF at the hub
+            deadline = time.monotonic() + 30
+            while hub.live and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert hub.live == 0 and not theirs.finished
+        assert theirs.result(timeout=30).finish_reason == "cancelled"
         assert _idle(sched, eng)
     finally:
         sched.close()
-        link.close()
+        hub.close()
+
+
+def test_a_worker_that_dies_before_its_setup_is_named():
+    """run_workers' setup send: a worker gone before reading it (an import error, say) is found, not waited on."""
+    import subprocess
+    import sys
+
+    from tinyinfer.server.workers import _send_setup
+
+    conns, procs = [], []
+    for code in ("import sys; sys.stdin.read()", "raise SystemExit(3)"):  # the first reads nothing until killed
+        mine, theirs = multiprocessing.Pipe(duplex=True)
+        procs.append(subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),),
+                                      stdin=subprocess.PIPE))
+        theirs.close()
+        conns.append(mine)
+    try:
+        procs[1].wait(30)
+        import tinyinfer.server.workers as w
+
+        w_setup_s, w.SETUP_S = w.SETUP_S, 3.0
+        try:
+            t0 = time.monotonic()
+            assert _send_setup(conns, procs, {"blob": b"x" * (4 << 20)}) == 0  # worker 0 never reads: timed out
+            assert time.monotonic() - t0 < 20
+            assert _send_setup(conns[1:], procs[1:], {"blob": b"x" * (4 << 20)}) == 0  # worker 1 died: found
+        finally:
+            w.SETUP_S = w_setup_s
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        for c in conns:
+            c.close()
 
 
 def test_cancel_and_shutdown_reach_the_worker(eng):
     sched = Scheduler(eng)
-    link, conn = _pair(sched)
+    hub, conn = _pair(sched)
     ended = []
     try:
         async def main():
@@ -131,7 +173,7 @@ def test_cancel_and_shutdown_reach_the_worker(eng):
             a.cancel()
             text_a, ids_a, done_a, _ = await _collect(a)
             await asyncio.to_thread(sched.close)  # the engine process shuts down: b ends "cancelled" too
-            await asyncio.to_thread(link.shutdown)  # (what the scheduler ended goes out first)
+            await asyncio.to_thread(hub.shutdown)  # (b's end still reaches it after)
             _, _, done_b, _ = await _collect(b)
             for _ in range(100):
                 if ended:
@@ -144,7 +186,7 @@ def test_cancel_and_shutdown_reach_the_worker(eng):
         done_a, done_b = asyncio.run(main())
         assert done_a.finish_reason == done_b.finish_reason == "cancelled" and ended == [True]
     finally:
-        link.close()
+        hub.close()
     assert _idle(sched, eng)
 
 

@@ -38,7 +38,8 @@ def _free_port() -> int:
 class Server:
     """A `tinyinfer serve` process; its stderr goes to a file (the per-request log lines are read from it)."""
 
-    def __init__(self, model: Path, tmp: Path, *extra: str, device: str = "cpu"):
+    def __init__(self, model: Path, tmp: Path, *extra: str, device: str = "cpu", session: bool = False):
+        """session: in a process group of its own (a test may signal the whole group)."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"serve-{self.port}.log"
@@ -46,7 +47,8 @@ class Server:
                "--port", str(self.port), "--served-model-name", NAME, "--max-seq-len", str(MAX_SEQ), *extra]
         env = {**os.environ, "TINYINFER_API_KEY": KEY, "PYTHONUNBUFFERED": "1"}
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=session)
         deadline = time.monotonic() + STARTUP_S
         while True:
             if self.proc.poll() is not None:
@@ -88,7 +90,8 @@ class Server:
         return self.proc.returncode
 
 
-WORKERS = {"in-process": ("--api-workers", "1"), "2-workers": ("--api-workers", "2")}  # the HTTP app beside the engine, or not
+# the HTTP app in the engine's process, or in two API worker processes of its own
+WORKERS = {"in-process": ("--api-workers", "1"), "2-workers": ("--api-workers", "2")}
 
 
 @pytest.fixture(scope="module", params=list(WORKERS))
@@ -486,6 +489,37 @@ def test_ctrl_c_ends_open_streams_and_exits_cleanly(smollm_gguf, tmp_path, worke
         rc = srv.stop(signal.SIGINT)
     assert rc == 0, srv.log()
     assert "Traceback" not in srv.log() and "server shutdown" in srv.log()
+
+
+def test_sigterm_to_the_process_group_shuts_the_workers_down_cleanly(smollm_gguf, tmp_path):
+    """A service manager stops a service with SIGTERM to its whole process group: the API workers ignore it and
+    the engine process stops them, so an open stream still gets the shutdown error and everything exits 0."""
+    srv = Server(smollm_gguf, tmp_path, *WORKERS["2-workers"], session=True)
+    try:
+        with openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0) as c:
+            stream = c.completions.create(model=NAME, prompt="Once", max_tokens=MAX_SEQ - 8, stream=True,
+                                          extra_body={"ignore_eos": True})
+            next(stream), next(stream)  # generating
+            os.killpg(srv.proc.pid, signal.SIGTERM)
+            with pytest.raises(openai.APIError, match="shutting down"):
+                for _ in stream:
+                    pass
+        srv.proc.wait(60)
+    finally:
+        rc = srv.stop(signal.SIGINT)
+    assert rc == 0, srv.log()
+    assert "Traceback" not in srv.log() and "server shutdown" in srv.log()
+
+
+def test_workers_on_a_port_in_use_is_a_clear_error(smollm_gguf, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "tinyinfer", "serve", "--model", str(smollm_gguf), "--device",
+                            "cpu", "--port", str(port), "--max-seq-len", str(MAX_SEQ), "--api-workers", "2"],
+                           capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in p.stderr, p.stderr
 
 
 def test_trace_is_written_at_shutdown(smollm_gguf, tmp_path):

@@ -30,7 +30,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import ChatTemplateError, InvalidRequestError, KvCacheFullError, QueueFullError, TokenizerError
+from ..errors import (ChatTemplateError, DeviceError, InvalidRequestError, KvCacheFullError, QueueFullError,
+                      TokenizerError)
 from ..scheduler import Delta, merge_deltas
 from . import protocol as P
 
@@ -247,8 +248,11 @@ class Service:
 
     async def health(self) -> dict:
         stats = self.scheduler.stats()
-        if inspect.isawaitable(stats):  # (a frontend process asks the engine's)
-            stats = await stats
+        if inspect.isawaitable(stats):  # (an API worker asks the engine process)
+            try:
+                stats = await stats
+            except DeviceError as e:  # the engine process has ended
+                raise P.APIError(503, str(e), code="engine_gone") from None
         return {"status": "ok", "model": self.model_name, **stats}
 
     # ---- prompts -> scheduler requests ----

@@ -22,12 +22,15 @@ cancelled and their KV pages return to the pool at the next step.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import threading
 from multiprocessing.connection import wait
 from typing import Optional
 
 from ..errors import TinyInferError
+
+log = logging.getLogger("tinyinfer.server")
 
 
 def portable(e: BaseException) -> BaseException:
@@ -88,7 +91,6 @@ class EngineHub:
         self._ready: list = []  # (link, request) with new items (guarded by _cv)
         self.links = [Link(self, c, n) for c, n in zip(conns, names or [f"api-{i}" for i in range(len(conns))])]
         self._stopped = False
-        self._shipping = False  # the sender holds items it took from _ready and has not sent yet
         self._threads = [threading.Thread(target=self._read, name="tinyinfer-links-in", daemon=True),
                          threading.Thread(target=self._ship, name="tinyinfer-links-out", daemon=True)]
 
@@ -106,33 +108,38 @@ class EngineHub:
 
     def _ship(self) -> None:
         while True:
-            with self._cv:
-                while not self._ready and not self._stopped:
-                    self._cv.wait()
-                if self._stopped:
+            try:
+                if not self._ship_once():
                     return
-                ready, self._ready = self._ready, []
-                self._shipping = True
-            out: dict = {}
-            seen = set()
-            for link, req in ready:
-                if req.id in seen or link.closed:
-                    continue
-                seen.add(req.id)
-                items = req.pending()
-                if not items:
-                    continue
-                if isinstance(items[-1], BaseException):
-                    items[-1] = portable(items[-1])
-                if _final(items[-1]):
-                    with self._cv:
-                        link.live.pop(req.id, None)
-                out.setdefault(link, []).append((req.id, items))
-            for link, batch in out.items():
-                link.send(("items", batch))
-            with self._cv:
-                self._shipping = False
-                self._cv.notify_all()  # (shutdown() waits for all to be shipped)
+            except Exception:  # noqa: BLE001 (a bug here must not stop every stream: logged, on to the next step)
+                log.exception("the API workers' sender failed")
+
+    def _ship_once(self) -> bool:
+        """Ship what the steps made since the last time, one message per worker (False: the hub has stopped)."""
+        with self._cv:
+            while not self._ready and not self._stopped:
+                self._cv.wait()
+            if self._stopped:
+                return False
+            ready, self._ready = self._ready, []
+        out: dict = {}
+        seen = set()
+        for link, req in ready:
+            if req.id in seen or link.closed:
+                continue
+            seen.add(req.id)
+            items = req.pending()
+            if not items:
+                continue
+            if isinstance(items[-1], BaseException):
+                items[-1] = portable(items[-1])
+            if _final(items[-1]):
+                with self._cv:
+                    link.live.pop(req.id, None)
+            out.setdefault(link, []).append((req.id, items))
+        for link, batch in out.items():
+            link.send(("items", batch))
+        return True
 
     # ---- the reader thread ----
 
@@ -151,7 +158,12 @@ class EngineHub:
                     del by_conn[conn]
                     self._lost(link)
                     continue
-                self._handle(link, msg)
+                try:
+                    self._handle(link, msg)
+                except Exception as e:  # noqa: BLE001 (a bug here must not stop every worker's submits)
+                    log.exception("the API workers' reader failed on a %r message", msg[0] if msg else msg)
+                    if msg and msg[0] in ("submit", "stats"):  # (the worker awaits an answer to these)
+                        link.send(("reply", msg[1], portable(TinyInferError(f"{type(e).__name__}: {e}")), None))
 
     def _handle(self, link: Link, msg) -> None:
         kind = msg[0]
@@ -174,7 +186,12 @@ class EngineHub:
             link.send(("reply", call_id, portable(e), None))
             return
         with self._cv:
-            link.live[request_id] = req
+            gone = link.closed
+            if not gone:
+                link.live[request_id] = req
+        if gone:  # (the worker went away while this submit was read: nobody will read its answer)
+            self._sched.cancel(request_id)
+            return
         self._attach(link, req, 1)
         link.send(("reply", call_id, None, None))
 
@@ -196,10 +213,8 @@ class EngineHub:
 
     # ---- the engine process's shutdown ----
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Tell every worker to stop serving, once what the (closed) scheduler ended has been shipped."""
-        with self._cv:
-            self._cv.wait_for(lambda: not (self._ready or self._shipping) or self._stopped, timeout)
+    def shutdown(self) -> None:
+        """Tell every worker to stop serving (new requests: 503); the streams open then still get their ends."""
         for link in self.links:
             if not link.closed:
                 link.send(("shutdown",))

@@ -5,8 +5,9 @@
 Started by server/workers.py, never by hand: S is the listening socket the engine process bound (every worker
 accepts on it), L its end of a duplex pipe to the engine process. The first message on L is the setup (a
 TextSide, the model's name, the API key, the stream interval, the body limit); then the app serves through a
-RemoteScheduler (server/remote.py). SIGINT is ignored: the engine process decides when the workers stop (a "shutdown" message: stop taking
-connections, give open streams a few seconds) and stops them when its link ends.
+RemoteScheduler (server/remote.py). SIGINT and SIGTERM are ignored: the engine process decides when the workers
+stop (a "shutdown" message: stop taking connections, give open streams a few seconds), and a worker whose link
+ends (the engine process gone) stops too.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--name", default="api")
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a terminal's Ctrl-C reaches the whole process group)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # (a terminal's Ctrl-C, a service manager's SIGTERM: the whole
+        signal.signal(sig, signal.SIG_IGN)         # process group; the engine process handles them)
     conn = Connection(args.link_fd)
     setup = conn.recv()
     sock = socket.socket(fileno=args.socket_fd)
@@ -46,11 +48,11 @@ def main(argv=None) -> int:
     remote = RemoteScheduler(conn, on_end=end)
     app = create_app(setup["text"], remote, model_name=setup["model_name"], api_key=setup["api_key"],
                      stream_interval=setup["stream_interval"], max_body_bytes=setup["max_body_bytes"])
-    request_log(args.log_level)
+    request_log(args.log_level, args.name)
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
-        def capture_signals(self):  # signals are the engine process's to handle (SIGTERM still kills)
+        def capture_signals(self):  # signals are the engine process's to handle
             yield
 
     server = Server(uvicorn.Config(app, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5))

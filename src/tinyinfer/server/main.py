@@ -15,6 +15,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Optional
 
 from ..errors import InvalidRequestError
 
@@ -52,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-workers", type=int, default=None,
                    help="processes running the HTTP side (parsing, templates, tokenizing, streaming), each linked "
                         f"to the one engine process by a pipe; 1: the HTTP app in the engine's process (default: "
-                        f"{AUTO_WORKERS} on cuda with >= {AUTO_WORKERS_MIN_CPUS} CPUs, else 1)")
+                        f"{AUTO_WORKERS} on cuda with >= {AUTO_WORKERS_MIN_CPUS} CPUs, else 1; 1 with --trace)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests allowed to wait for a slot; beyond it: 503 with Retry-After (default 1024)")
     p.add_argument("--switch-interval-ms", type=float, default=0.2,
@@ -63,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="record a timeline (every core call of the scheduler, every request's submit / first token / "
-                        "end, each HTTP call's start and end: with API workers, in their processes, not recorded) and "
+                        "end, each HTTP call's start and end; with --api-workers > 1 not the HTTP events) and "
                         "write it as JSON to FILE at shutdown; read it with bench/tools/serve_timeline.py")
 
 
@@ -92,12 +93,13 @@ def check_arguments(args) -> None:
         raise InvalidRequestError(f"--trace: the folder of {args.trace!r} does not exist")
 
 
-def request_log(level: str) -> None:
-    """One line per request on stderr, beside uvicorn's own log (the engine process or an API worker)."""
+def request_log(level: str, worker: Optional[str] = None) -> None:
+    """One line per request on stderr, beside uvicorn's own log (the engine process, or API worker `worker`)."""
     logger = logging.getLogger("tinyinfer.server")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s tinyinfer: %(message)s", "%H:%M:%S"))
+        who = f"tinyinfer[{worker}]" if worker else "tinyinfer"
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {who}: %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
     logger.setLevel(level.upper())
     logger.propagate = False
@@ -131,6 +133,8 @@ def serve(args, engine_factory) -> int:
     if engine.device == "cuda":  # (the CPU engine has no tactics or graphs to make on first use)
         print(f"tinyinfer: warmed up (prefill GEMMs, batch graphs) in {scheduler.warm_up():.2f} s",
               file=sys.stderr, flush=True)
+    if args.api_workers is None and args.trace:  # (the HTTP events are recorded in the engine's process only)
+        args.api_workers = 1
     if args.api_workers is None:
         many = engine.device == "cuda" and (os.cpu_count() or 1) >= AUTO_WORKERS_MIN_CPUS and os.name == "posix"
         args.api_workers = AUTO_WORKERS if many else 1

@@ -131,6 +131,10 @@ class RemoteScheduler:
         self._requests[request_id] = req  # (before the message: the first items may come before the reply)
         try:
             await self._call("submit", request_id, prompt_ids, params)
+        except asyncio.CancelledError:  # (the handler was cancelled: the engine may have queued it already)
+            self._requests.pop(request_id, None)
+            self._send(("cancel", request_id))
+            raise
         except BaseException:
             self._requests.pop(request_id, None)
             raise

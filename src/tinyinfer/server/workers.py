@@ -1,39 +1,61 @@
 """`tinyinfer serve --api-workers N` (N > 1): the engine process and N API worker processes.
 
 The engine process (this one) binds the listening socket, starts N processes of server/frontend.py that accept
-on it and run the HTTP app, and links each to the scheduler through a pipe (server/engine_link.py: one EngineHub). It then only
-schedules: a wave of requests ending in one step is parsed, tokenized and answered by N event loops at once, and
-none of that waits for the scheduler's GIL or makes the scheduler wait for it (docs/perf/serve.md: vLLM's API
-server / engine core split).
+on it and run the HTTP app, and links each to the scheduler through a pipe (server/engine_link.py: one EngineHub
+for all). It then only schedules: a wave of requests ending in one step is parsed, tokenized and answered by N
+event loops at once, and none of that waits for the scheduler's GIL or makes the scheduler wait for it
+(docs/perf/serve.md: vLLM's API server / engine core split).
 
-Shutdown (SIGINT or SIGTERM here, or any worker exiting): the scheduler closes first (open streams end with a
-shutdown error, waiting requests with 503), then each worker is told to stop through its link (uvicorn's
-graceful shutdown; the workers ignore SIGINT, so a Ctrl-C in the terminal, which reaches the whole process
-group, is handled here once), then the links close.
+Shutdown (SIGINT or SIGTERM here, or any worker exiting): each worker is told to stop through its link (new
+requests get 503; uvicorn's graceful shutdown waits for the open streams), then the scheduler closes (what is in
+flight ends with a shutdown error), then the links close. The workers ignore SIGINT and SIGTERM: a Ctrl-C in a
+terminal or a service manager's SIGTERM reaches the whole process group, and is handled here once.
 """
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
+from typing import Optional
 
 from .app import MAX_BODY_BYTES
 from .engine_link import EngineHub
 from .remote import TextSide
 
-log = logging.getLogger("tinyinfer.server")
-
 WORKER_EXIT_S = 10.0  # a worker's graceful shutdown is 5 s (uvicorn's timeout_graceful_shutdown)
+SETUP_S = 120.0  # a worker's imports before it reads its setup
+
+
+def _send_setup(conns: list, procs: list, setup: dict) -> Optional[int]:
+    """The setup to every worker at once (its tokenizer is ~1.5 MB, more than a pipe holds: each send waits for
+    its worker to have imported everything and read it). The first worker that did not take it, or None."""
+    errors: list = [None] * len(conns)
+
+    def send(i: int) -> None:
+        try:
+            conns[i].send(setup)
+        except Exception as e:  # noqa: BLE001 (the worker died before reading it; or the pipe closed under the send)
+            errors[i] = e
+
+    threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(conns))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + SETUP_S
+    for i, t in enumerate(threads):
+        t.join(max(deadline - time.monotonic(), 0))
+        if t.is_alive() or errors[i] is not None:
+            return i
+    return None
 
 
 def run_workers(args, engine, scheduler, *, model_name: str, api_key, on_stopped=None) -> int:
     """Serve until SIGINT / SIGTERM with args.api_workers frontend processes. on_stopped(): after the workers
-    ended (the trace is written there)."""
+    ended (the trace is written there). 1 when a worker failed to start or exited on its own."""
     try:
         sock = socket.create_server((args.host, args.port), backlog=4096)
     except OSError as e:
@@ -43,12 +65,12 @@ def run_workers(args, engine, scheduler, *, model_name: str, api_key, on_stopped
     setup = {"text": TextSide.of(engine), "model_name": model_name, "api_key": api_key,
              "stream_interval": args.stream_interval, "max_body_bytes": MAX_BODY_BYTES}
     procs: list[subprocess.Popen] = []
-    hub = None
-    scheduler.start()
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    conns: list = []
+    hub: Optional[EngineHub] = None
+    stopping = []  # (a flag a signal handler may set: no lock taken in the handler)
+    previous = {s: signal.signal(s, lambda *_: stopping.append(True)) for s in (signal.SIGINT, signal.SIGTERM)}
+    failed = False
     try:
-        conns = []
         for i in range(args.api_workers):
             mine, theirs = multiprocessing.Pipe(duplex=True)
             procs.append(subprocess.Popen(
@@ -56,23 +78,35 @@ def run_workers(args, engine, scheduler, *, model_name: str, api_key, on_stopped
                  "--link-fd", str(theirs.fileno()), "--log-level", args.log_level, "--name", f"api-{i}"],
                 pass_fds=(sock.fileno(), theirs.fileno())))
             theirs.close()
-            mine.send(setup)
             conns.append(mine)
-        hub = EngineHub(scheduler, conns)
-        hub.start()
         sock.close()  # (the workers hold it)
-        while not stop.wait(0.25):
+        bad = _send_setup(conns, procs, setup)
+        if bad is not None:
+            failed = True
+            rc = procs[bad].poll()
+            print(f"tinyinfer: error: API worker {bad} did not start "
+                  f"({'exit status ' + str(rc) if rc is not None else f'no answer in {SETUP_S:.0f} s'})",
+                  file=sys.stderr, flush=True)
+        else:
+            hub = EngineHub(scheduler, conns)
+            hub.start()
+            scheduler.start()
+        while not failed and not stopping:
+            time.sleep(0.25)
             ended = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() is not None]
             if ended:
+                failed = True
                 print(f"tinyinfer: API worker {ended[0][0]} exited (rc {ended[0][1]}); shutting down",
                       file=sys.stderr, flush=True)
-                break
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-        scheduler.close()
+        # the workers first (new requests get 503 from then on; from a thread: a wedged worker must not hold this
+        # one), then the scheduler (what is in flight ends with a shutdown error, shipped by the hub meanwhile)
         if hub is not None:
-            hub.shutdown()
+            threading.Thread(target=hub.shutdown, name="tinyinfer-shutdown", daemon=True).start()
+        else:
+            for c in conns:  # (EOF: a worker that got its setup stops)
+                c.close()
+        scheduler.close()
         for p in procs:
             try:
                 p.wait(WORKER_EXIT_S)
@@ -84,4 +118,6 @@ def run_workers(args, engine, scheduler, *, model_name: str, api_key, on_stopped
         sock.close()
         if on_stopped is not None:
             on_stopped()
-    return 0 if all(p.returncode == 0 for p in procs) else 1
+        for s, h in previous.items():  # last: a second Ctrl-C during all this changes nothing
+            signal.signal(s, h)
+    return 1 if failed or any(p.returncode != 0 for p in procs) else 0

@@ -193,7 +193,7 @@ class RemoteScheduler:
                 req._feed(items)
                 if req.finished:
                     del self._requests[rid]
-        elif msg[0] == "shutdown":  # the engine process has ended every request of ours: stop serving
+        elif msg[0] == "shutdown":  # the engine process is stopping: new requests 503, stop once the streams end
             self._closed = True
             if self._on_end is not None:
                 self._on_end()

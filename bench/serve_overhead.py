@@ -4,6 +4,7 @@ real Scheduler over a fake core whose calls only sleep, driven by serve_bench's 
     python bench/serve_overhead.py                                  # 64 clients, 128-token prompts, 128 out
     python bench/serve_overhead.py --concurrency 8,64 --step-ms 1.0 --json out.json
     python bench/serve_overhead.py --profile /tmp/serve.prof        # cProfile of the server's event loop thread
+    python bench/serve_overhead.py --api-workers 4                  # the HTTP side in 4 processes of its own
 
 The fake core (SleepCore) implements the slot API of the CPU / CUDA engines (seq_open / close / length /
 prefill / step / sample, kv_pages_*, max_batch) and models the device's time as the CUDA engine spends it, GIL
@@ -212,6 +213,17 @@ def serve(a) -> None:
 
     eng = make_engine(a)
     core = eng._core
+    if a.api_workers > 1:  # the HTTP side in processes of its own, as `tinyinfer serve --api-workers N`
+        from tinyinfer.server.workers import run_workers
+
+        args = SimpleNamespace(host="127.0.0.1", port=a.port, api_workers=a.api_workers,
+                               stream_interval=a.stream_interval, log_level="warning")
+        try:
+            run_workers(args, eng, make_scheduler(a, eng), model_name="bench", api_key=None)
+        finally:
+            if a.trace:
+                Path(a.trace).write_text(json.dumps(core.trace))
+        return
     kw = {} if a.stream_interval is None else {"stream_interval": a.stream_interval}
     app = create_app(eng, make_scheduler(a, eng), model_name="bench", **kw)
     logging.getLogger("tinyinfer.server").setLevel(logging.WARNING)
@@ -236,12 +248,20 @@ def serve(a) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time the process has used (Linux /proc; 0.0 elsewhere)."""
+    """User + system CPU time the process and its live children (the API workers) have used (Linux /proc; 0.0
+    elsewhere)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    children = set()
+    for f in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children.update(int(c) for c in f.read_text().split())
+        except OSError:
+            pass
+    return own + sum(cpu_seconds(c) for c in children)
 
 
 def start(a, argv: list[str]) -> tuple[subprocess.Popen, str]:
@@ -288,6 +308,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
                     help="uvicorn's event loop (auto: uvloop when installed, as tinyinfer serve)")
     ap.add_argument("--text", action="store_true", help="give the engine a one-character-per-token tokenizer")
+    ap.add_argument("--api-workers", type=int, default=1,
+                    help="the server's HTTP side in N processes of its own (tinyinfer serve --api-workers N; the "
+                         "server CPU column then sums them); not with --text or --profile")
     ap.add_argument("--no-overlap", action="store_true",
                     help="Scheduler(overlap=False): no decode step launched before a step's per-token work (A/B)")
     ap.add_argument("--ceiling-only", action="store_true",
@@ -301,6 +324,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.lens = serve_bench._ints(a.prompt_lens, "--prompt-lens")
+    if a.api_workers > 1 and (a.text or a.profile):  # (the workers could not unpickle this script's tokenizer)
+        raise SystemExit("serve_overhead: --api-workers > 1 works without --text and --profile")
+    if a.api_workers < 1:
+        raise SystemExit("serve_overhead: --api-workers must be >= 1")
     if a.serve:
         serve(a)
         return 0

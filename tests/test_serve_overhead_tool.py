@@ -25,3 +25,21 @@ def test_ceiling_runs_every_request_to_its_max_tokens():
     assert calls["seq_step"] >= 8 and calls["seq_sample"] >= 9  # 9 tokens each: a prefill sample + 8 steps
     assert calls["seq_prefill"] >= 1
     assert abs(r["ceiling_tok_s"] * r["ceiling_s"] - 6 * 9) < 1e-6  # every request got its 9 tokens
+
+
+def test_the_server_with_api_workers_serves_every_request(tmp_path):
+    """--api-workers 2: the fake core behind two worker processes (tinyinfer serve's split) answers every request
+    of every client to its max_tokens (main returns 1 when any failed)."""
+    import json
+
+    import pytest
+
+    pytest.importorskip("fastapi")
+    so = _serve_overhead()
+    out = tmp_path / "o.json"
+    rc = so.main(["--api-workers", "2", "--concurrency", "4", "--rounds", "2", "--max-tokens", "5", "--repeat", "1",
+                  "--step-ms", "0.2", "--sample-ms", "0.05", "--prefill-ms", "0.05", "--json", str(out)])
+    assert rc == 0
+    (level,) = json.loads(out.read_text())["levels"]
+    assert level["failed"] == 0 and level["completion_tokens"] == 4 * 2 * 5
+    assert level["server_cpu_s"] > 0  # (the engine process and its workers)

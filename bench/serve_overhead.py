@@ -203,7 +203,7 @@ def raw_loop(a, rows: int) -> float:
     return (time.perf_counter() - t - (core.busy_s - busy)) * 1e3 / a.max_tokens
 
 
-def serve(a) -> None:
+def serve(a) -> int:
     """The server process: the real app over the fake core on 127.0.0.1:--port."""
     import logging
 
@@ -219,11 +219,10 @@ def serve(a) -> None:
         args = SimpleNamespace(host="127.0.0.1", port=a.port, api_workers=a.api_workers,
                                stream_interval=a.stream_interval, log_level="warning")
         try:
-            run_workers(args, eng, make_scheduler(a, eng), model_name="bench", api_key=None)
+            return run_workers(args, eng, make_scheduler(a, eng), model_name="bench", api_key=None)
         finally:
             if a.trace:
                 Path(a.trace).write_text(json.dumps(core.trace))
-        return
     kw = {} if a.stream_interval is None else {"stream_interval": a.stream_interval}
     app = create_app(eng, make_scheduler(a, eng), model_name="bench", **kw)
     logging.getLogger("tinyinfer.server").setLevel(logging.WARNING)
@@ -245,6 +244,7 @@ def serve(a) -> None:
             prof.dump_stats(a.profile)
         if a.trace:
             Path(a.trace).write_text(json.dumps(core.trace))
+    return 0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -329,8 +329,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.api_workers < 1:
         raise SystemExit("serve_overhead: --api-workers must be >= 1")
     if a.serve:
-        serve(a)
-        return 0
+        return serve(a)
     levels = serve_bench._ints(a.concurrency, "--concurrency")
     rows = []
     if a.ceiling_only:

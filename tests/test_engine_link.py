@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import pickle
+import socket
 import time
 
 import pytest
@@ -32,6 +34,14 @@ def _pair(sched):
     hub = EngineHub(sched, [mine])
     hub.start()
     return hub, theirs
+
+
+def _hang_up(conn) -> None:
+    """As a worker process's exit: EOF at the other end now (a close() alone waits for a read blocked on it)."""
+    s = socket.socket(fileno=os.dup(conn.fileno()))
+    s.shutdown(socket.SHUT_RDWR)
+    s.close()
+    conn.close()
 
 
 def _idle(sched, eng, timeout=30.0):
@@ -112,7 +122,7 @@ def test_a_worker_that_goes_away_frees_its_requests_pages(eng):
         assert asyncio.run(main())["kv_pages_used"] > 0
         theirs = sched._live["x"].request  # (the engine side's Request)
         with eng._exclusive():  # no step runs meanwhile: the request cannot end on its own before the cancel
-            conn.close()  # the worker process is gone: EOF at the hub
+            _hang_up(conn)  # the worker process is gone: EOF at the hub
             deadline = time.monotonic() + 30
             while hub.live and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -145,9 +155,11 @@ def test_a_worker_that_dies_before_its_setup_is_named():
         w_setup_s, w.SETUP_S = w.SETUP_S, 3.0
         try:
             t0 = time.monotonic()
-            assert _send_setup(conns, procs, {"blob": b"x" * (4 << 20)}) == 0  # worker 0 never reads: timed out
+            assert _send_setup(conns, {"blob": b"x" * (4 << 20)}, []) == 0  # worker 0 never reads: timed out
             assert time.monotonic() - t0 < 20
-            assert _send_setup(conns[1:], procs[1:], {"blob": b"x" * (4 << 20)}) == 0  # worker 1 died: found
+            t0 = time.monotonic()
+            assert _send_setup(conns[1:], {"blob": b"x" * (4 << 20)}, []) == 0  # worker 1 died: found at once
+            assert time.monotonic() - t0 < 2.0
         finally:
             w.SETUP_S = w_setup_s
     finally:
@@ -172,8 +184,8 @@ def test_cancel_and_shutdown_reach_the_worker(eng):
                 break
             a.cancel()
             text_a, ids_a, done_a, _ = await _collect(a)
-            await asyncio.to_thread(sched.close)  # the engine process shuts down: b ends "cancelled" too
-            await asyncio.to_thread(hub.shutdown)  # (b's end still reaches it after)
+            await asyncio.to_thread(hub.shutdown)  # the engine process shuts down: the workers are told first,
+            await asyncio.to_thread(sched.close)  # then b ends "cancelled" (its end still reaches the worker)
             _, _, done_b, _ = await _collect(b)
             for _ in range(100):
                 if ended:
@@ -188,6 +200,53 @@ def test_cancel_and_shutdown_reach_the_worker(eng):
     finally:
         hub.close()
     assert _idle(sched, eng)
+
+
+def test_a_submit_refused_as_the_engine_stops_comes_after_the_shutdown_message(eng):
+    """A submit read after shutdown() began and refused by the closing scheduler: the worker has the "shutdown"
+    message first (its app then answers 503, not the refusal's 400)."""
+    sched = Scheduler(eng)
+    mine, theirs = multiprocessing.Pipe(duplex=True)
+    hub = EngineHub(sched, [mine])
+    hub.start()
+    seen = []
+    try:
+        async def main():
+            remote = RemoteScheduler(theirs, on_end=lambda: seen.append("shutdown"))
+            remote.start()
+            hub._stopping = True  # (shutdown() began; its message not sent yet: the race the order guards)
+            sched.close()
+            try:
+                await remote.submit([1, 2], SamplingParams(max_tokens=1), request_id="late")
+            except InvalidRequestError:
+                seen.append("refused")
+
+        asyncio.run(main())
+        assert seen == ["shutdown", "refused"]
+    finally:
+        hub.close()
+
+
+def test_a_failure_in_the_reader_after_a_submit_cancels_it(eng, monkeypatch):
+    sched = Scheduler(eng)
+    hub, conn = _pair(sched)
+
+    def broken(link, req, every):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(hub, "_attach", broken)
+    try:
+        async def main():
+            remote = RemoteScheduler(conn)
+            remote.start()
+            with pytest.raises(TinyInferError, match="RuntimeError: boom"):
+                await remote.submit([5, 6], SamplingParams(max_tokens=200, ignore_eos=True), request_id="z")
+
+        asyncio.run(main())
+        assert _idle(sched, eng) and hub.live == 0  # queued by the scheduler, then cancelled: nobody reads it
+    finally:
+        sched.close()
+        hub.close()
 
 
 def test_the_engine_process_gone_fails_what_is_in_flight(eng):

@@ -91,6 +91,7 @@ class EngineHub:
         self._ready: list = []  # (link, request) with new items (guarded by _cv)
         self.links = [Link(self, c, n) for c, n in zip(conns, names or [f"api-{i}" for i in range(len(conns))])]
         self._stopped = False
+        self._stopping = False  # shutdown() began: a refused submit is preceded by ("shutdown",) on its link
         self._threads = [threading.Thread(target=self._read, name="tinyinfer-links-in", daemon=True),
                          threading.Thread(target=self._ship, name="tinyinfer-links-out", daemon=True)]
 
@@ -138,7 +139,17 @@ class EngineHub:
                     link.live.pop(req.id, None)
             out.setdefault(link, []).append((req.id, items))
         for link, batch in out.items():
-            link.send(("items", batch))
+            try:
+                link.send(("items", batch))
+            except Exception:  # noqa: BLE001 (not a closed pipe: something in the batch did not pickle)
+                log.exception("the output of %d requests could not be sent to API worker %s", len(batch), link.name)
+                failed = TinyInferError("the engine process could not send this request's output")
+                link.send(("items", [(rid, [failed]) for rid, _ in batch]))
+                with self._cv:
+                    for rid, _ in batch:
+                        link.live.pop(rid, None)
+                for rid, _ in batch:
+                    self._sched.cancel(rid)
         return True
 
     # ---- the reader thread ----
@@ -162,6 +173,10 @@ class EngineHub:
                     self._handle(link, msg)
                 except Exception as e:  # noqa: BLE001 (a bug here must not stop every worker's submits)
                     log.exception("the API workers' reader failed on a %r message", msg[0] if msg else msg)
+                    if msg and msg[0] == "submit":  # (it may have been queued: nobody would read it)
+                        with self._cv:
+                            link.live.pop(msg[2], None)
+                        self._sched.cancel(msg[2])
                     if msg and msg[0] in ("submit", "stats"):  # (the worker awaits an answer to these)
                         link.send(("reply", msg[1], portable(TinyInferError(f"{type(e).__name__}: {e}")), None))
 
@@ -183,6 +198,8 @@ class EngineHub:
         try:
             req = self._sched.submit(prompt_ids, params, request_id=request_id)
         except Exception as e:  # noqa: BLE001 (refused: the worker raises it in the handler)
+            if self._stopping:  # (refused as the scheduler closes: the worker must know why first, to answer 503)
+                link.send(("shutdown",))
             link.send(("reply", call_id, portable(e), None))
             return
         with self._cv:
@@ -214,10 +231,14 @@ class EngineHub:
     # ---- the engine process's shutdown ----
 
     def shutdown(self) -> None:
-        """Tell every worker to stop serving (new requests: 503); the streams open then still get their ends."""
+        """Tell every worker to stop serving (new requests: 503); the streams open then still get their ends.
+        Returns at once: each message goes from a thread of its own (a worker that does not read must not delay
+        the others). Call it before closing the scheduler: a submit it refuses is then preceded by the message."""
+        self._stopping = True
         for link in self.links:
             if not link.closed:
-                link.send(("shutdown",))
+                threading.Thread(target=link.send, args=(("shutdown",),), name=f"tinyinfer-stop-{link.name}",
+                                 daemon=True).start()
 
     def close(self) -> None:
         with self._cv:

@@ -31,9 +31,10 @@ WORKER_EXIT_S = 10.0  # a worker's graceful shutdown is 5 s (uvicorn's timeout_g
 SETUP_S = 120.0  # a worker's imports before it reads its setup
 
 
-def _send_setup(conns: list, procs: list, setup: dict) -> Optional[int]:
+def _send_setup(conns: list, setup: dict, stopping: list) -> Optional[int]:
     """The setup to every worker at once (its tokenizer is ~1.5 MB, more than a pipe holds: each send waits for
-    its worker to have imported everything and read it). The first worker that did not take it, or None."""
+    its worker to have imported everything and read it). The first worker that did not take it, or None; -1 when
+    a signal came meanwhile."""
     errors: list = [None] * len(conns)
 
     def send(i: int) -> None:
@@ -46,8 +47,11 @@ def _send_setup(conns: list, procs: list, setup: dict) -> Optional[int]:
     for t in threads:
         t.start()
     deadline = time.monotonic() + SETUP_S
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline and not stopping:
+        time.sleep(0.05)
+    if stopping:
+        return -1
     for i, t in enumerate(threads):
-        t.join(max(deadline - time.monotonic(), 0))
         if t.is_alive() or errors[i] is not None:
             return i
     return None
@@ -67,21 +71,30 @@ def run_workers(args, engine, scheduler, *, model_name: str, api_key, on_stopped
     procs: list[subprocess.Popen] = []
     conns: list = []
     hub: Optional[EngineHub] = None
-    stopping = []  # (a flag a signal handler may set: no lock taken in the handler)
-    previous = {s: signal.signal(s, lambda *_: stopping.append(True)) for s in (signal.SIGINT, signal.SIGTERM)}
+    stopping: list = []  # one entry per SIGINT / SIGTERM (a list append: no lock taken in the handler)
+    signals = (signal.SIGINT, signal.SIGTERM)
+    # the workers are started with both signals ignored (kept across exec), so that one reaching the process group
+    # while they import is not their death; they never take them back (the engine process handles them)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
     failed = False
     try:
-        for i in range(args.api_workers):
-            mine, theirs = multiprocessing.Pipe(duplex=True)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tinyinfer.server.frontend", "--socket-fd", str(sock.fileno()),
-                 "--link-fd", str(theirs.fileno()), "--log-level", args.log_level, "--name", f"api-{i}"],
-                pass_fds=(sock.fileno(), theirs.fileno())))
-            theirs.close()
-            conns.append(mine)
+        try:
+            for i in range(args.api_workers):
+                mine, theirs = multiprocessing.Pipe(duplex=True)
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "tinyinfer.server.frontend", "--socket-fd", str(sock.fileno()),
+                     "--link-fd", str(theirs.fileno()), "--log-level", args.log_level, "--name", f"api-{i}"],
+                    pass_fds=(sock.fileno(), theirs.fileno())))
+                theirs.close()
+                conns.append(mine)
+        finally:
+            for s in signals:
+                signal.signal(s, lambda *_: stopping.append(True))
         sock.close()  # (the workers hold it)
-        bad = _send_setup(conns, procs, setup)
-        if bad is not None:
+        bad = _send_setup(conns, setup, stopping)
+        if bad == -1:
+            pass  # stopped while the workers started
+        elif bad is not None:
             failed = True
             rc = procs[bad].poll()
             print(f"tinyinfer: error: API worker {bad} did not start "
@@ -99,20 +112,22 @@ def run_workers(args, engine, scheduler, *, model_name: str, api_key, on_stopped
                 print(f"tinyinfer: API worker {ended[0][0]} exited (rc {ended[0][1]}); shutting down",
                       file=sys.stderr, flush=True)
     finally:
-        # the workers first (new requests get 503 from then on; from a thread: a wedged worker must not hold this
-        # one), then the scheduler (what is in flight ends with a shutdown error, shipped by the hub meanwhile)
+        # the workers first (new requests get 503 from then on; hub.shutdown returns at once, whatever a worker
+        # does), then the scheduler (what is in flight ends with a shutdown error, shipped by the hub meanwhile)
         if hub is not None:
-            threading.Thread(target=hub.shutdown, name="tinyinfer-shutdown", daemon=True).start()
+            hub.shutdown()
         else:
             for c in conns:  # (EOF: a worker that got its setup stops)
                 c.close()
         scheduler.close()
+        # the workers' graceful shutdown, up to WORKER_EXIT_S in all; a second signal: at once
+        seen, deadline = len(stopping), time.monotonic() + WORKER_EXIT_S
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline and len(stopping) <= max(seen, 1):
+            time.sleep(0.05)
         for p in procs:
-            try:
-                p.wait(WORKER_EXIT_S)
-            except subprocess.TimeoutExpired:
+            if p.poll() is None:
                 p.kill()
-                p.wait()
+            p.wait()
         if hub is not None:
             hub.close()
         sock.close()

@@ -10,7 +10,7 @@ engine over one duplex pipe (multiprocessing.connection, pickled tuples):
                        ("stats", call_id)                  # /health
     engine -> worker   ("reply", call_id, error or None, value)
                        ("items", [(request_id, [Delta..., maybe the exception that failed it]), ...])
-                       ("shutdown",)                       # the scheduler has closed: stop serving
+                       ("shutdown",)                       # stopping: new requests 503, stop when streams end
 
 The scheduler's step wakes a request's consumer through its "loop" (request.wake: call_soon_threadsafe): here a
 worker's link, which only notes the request as ready, so the step's thread never touches a pipe. Two threads

@@ -20,9 +20,8 @@ from typing import Optional
 from ..errors import InvalidRequestError
 
 MISSING = "tinyinfer serve needs fastapi and uvicorn: pip install 'tinyinfer[serve]'"
-# --api-workers' default on the GPU: at 64 streams on the H200 (16 CPUs) 4 workers gave +2.7% tok/s and a TTFT p50
-# of 16-18 ms against 20-31 with the app in the engine's process (docs/perf/serve.md); a CPU engine needs the
-# cores itself
+# --api-workers' default: on the GPU, where the host has the cores, the HTTP side in 4 processes of its own (the
+# measurements behind it: docs/perf/serve.md); a CPU engine needs the cores itself
 AUTO_WORKERS, AUTO_WORKERS_MIN_CPUS = 4, 8
 
 

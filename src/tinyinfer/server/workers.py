@@ -133,6 +133,6 @@ def run_workers(args, engine, scheduler, *, model_name: str, api_key, on_stopped
         sock.close()
         if on_stopped is not None:
             on_stopped()
-        for s, h in previous.items():  # last: a second Ctrl-C during all this changes nothing
+        for s, h in previous.items():  # last: until here a signal is counted (a second one ends the wait above)
             signal.signal(s, h)
     return 1 if failed or any(p.returncode != 0 for p in procs) else 0

@@ -64,6 +64,26 @@ def wake(loop: asyncio.AbstractEventLoop, events: list) -> None:
         pass
 
 
+async def drain(take, event: asyncio.Event) -> AsyncIterator[list[Delta]]:
+    """One consumer's batches of a request's items: take() returns every item queued now (Deltas, then possibly
+    the exception that failed the request), event is set when more come. Ends after the Delta holding the
+    completion; raises the exception after the Deltas before it. (Request.batches, and an API worker's
+    RemoteRequest.batches in server/remote.py.)"""
+    while True:
+        batch = take()
+        if not batch:
+            await event.wait()
+            event.clear()  # then look again: a set that came before the clear left its item queued
+            continue
+        error = batch.pop() if isinstance(batch[-1], BaseException) else None  # nothing comes after it
+        if batch:
+            yield batch
+        if error is not None:
+            raise error
+        if batch[-1].completion is not None:
+            return
+
+
 def _set_all(events: list) -> None:
     for e in events:
         e.set()
@@ -168,19 +188,8 @@ class Request:
         event = asyncio.Event()
         self.attach(asyncio.get_running_loop(), event, every)
         try:
-            while True:
-                batch = self.pending()
-                if not batch:
-                    await event.wait()
-                    event.clear()  # then look again: a set that came before the clear left its item queued
-                    continue
-                error = batch.pop() if isinstance(batch[-1], BaseException) else None  # nothing comes after it
-                if batch:
-                    yield batch
-                if error is not None:
-                    raise error
-                if batch[-1].completion is not None:
-                    return
+            async for batch in drain(self.pending, event):
+                yield batch
         finally:
             with self._waker_lock:
                 self._waker = None
@@ -225,4 +234,4 @@ class Request:
         self._sched.cancel(self.id)
 
 
-__all__ = ["Request", "Delta", "TokenLogprob", "merge_deltas", "wake"]
+__all__ = ["Request", "Delta", "TokenLogprob", "merge_deltas", "wake", "drain"]

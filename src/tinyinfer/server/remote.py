@@ -16,7 +16,7 @@ import threading
 from typing import AsyncIterator, Optional, Sequence
 
 from ..errors import DeviceError, InvalidRequestError, TokenizerError
-from ..request import Delta
+from ..request import Delta, drain
 
 
 class TextSide:
@@ -76,20 +76,13 @@ class RemoteRequest:
             raise InvalidRequestError(f"every must be an integer >= 1 or None (got {every!r})")
         if every != 1 and not self.finished:  # (submitted with 1)
             self._owner._send(("watch", self.id, every))
-        while True:
-            if not self._items:
-                await self._event.wait()
-                self._event.clear()
-                continue
-            batch = list(self._items)
-            self._items.clear()
-            error = batch.pop() if isinstance(batch[-1], BaseException) else None
-            if batch:
-                yield batch
-            if error is not None:
-                raise error
-            if batch[-1].completion is not None:
-                return
+        async for batch in drain(self._take, self._event):
+            yield batch
+
+    def _take(self) -> list:
+        out = list(self._items)
+        self._items.clear()
+        return out
 
     def cancel(self) -> None:
         if not self.finished:

@@ -347,3 +347,21 @@ def test_ring_runs_are_bitwise_equal(tmp_path, ring):
     first = greedy_run(per, prompt, 100)
     again = greedy_run(per, prompt, 100)
     assert first[0] == again[0] and np.array_equal(first[1], again[1])
+
+
+def test_sanitizer_driver_runs_without_the_sanitizer(tmp_path):
+    """bench/tools/sanitize_persistent.py, the compute-sanitizer runs' driver: prep saves a plan the runs take (no
+    tuning under the sanitizer), and both modes give the graph path's tokens; a bad mode is refused."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "bench" / "tools" / "sanitize_persistent.py"
+    for args in (["prep", "--steps=4"], ["run", "noring"], ["run", "ring"]):
+        r = subprocess.run([sys.executable, str(tool), *args], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        if args[0] == "run":
+            assert "plan from the saved one: True; tokens equal to the graph path's: True" in r.stdout
+    r = subprocess.run([sys.executable, str(tool), "run", "fast"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode != 0 and "compute-sanitizer" in r.stdout + r.stderr

@@ -5,6 +5,7 @@ pipe in one process, on the real CPU engine. The server tests run the whole thin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -34,6 +35,23 @@ def _pair(sched):
     hub = EngineHub(sched, [mine])
     hub.start()
     return hub, theirs
+
+
+@contextlib.contextmanager
+def _linked(sched):
+    """(hub, the worker's end of its link) for sched; on the way out the scheduler closes first, then the hub."""
+    hub, conn = _pair(sched)
+    try:
+        yield hub, conn
+    finally:
+        sched.close()
+        hub.close()
+
+
+def _started(conn) -> "RemoteScheduler":
+    remote = RemoteScheduler(conn)
+    remote.start()
+    return remote
 
 
 def _hang_up(conn) -> None:
@@ -66,11 +84,9 @@ def test_remote_requests_equal_local_ones(eng):
     sps = [SamplingParams(max_tokens=n, ignore_eos=True, logprobs=1) for n in (7, 19, 12)]
     want = [eng.generate(p, SamplingParams(max_tokens=sp.max_tokens, ignore_eos=True)) for p, sp in zip(prompts, sps)]
     sched = Scheduler(eng)
-    hub, conn = _pair(sched)
-    try:
+    with _linked(sched) as (hub, conn):
         async def main():
-            remote = RemoteScheduler(conn)
-            remote.start()
+            remote = _started(conn)
             reqs = [await remote.submit(eng.tokenize(p), sp, request_id=f"r{i}")
                     for i, (p, sp) in enumerate(zip(prompts, sps))]
             got = await asyncio.gather(*(_collect(r, every) for r, every in zip(reqs, (1, 4, None))))
@@ -82,19 +98,14 @@ def test_remote_requests_equal_local_ones(eng):
             assert (text, ids, done.token_ids, done.finish_reason) == (w.text, w.token_ids, w.token_ids, "length")
             assert len(done.logprobs) == len(ids)
         assert stats == {"running": 0, "waiting": 0, "kv_pages_used": 0, "kv_pages_total": sched.kv_pages_total}
-    finally:
-        sched.close()
-        hub.close()
     assert _idle(sched, eng)
 
 
 def test_a_refused_submit_raises_in_the_worker(eng):
     sched = Scheduler(eng, max_waiting=0)
-    hub, conn = _pair(sched)
-    try:
+    with _linked(sched) as (hub, conn):
         async def main():
-            remote = RemoteScheduler(conn)
-            remote.start()
+            remote = _started(conn)
             with pytest.raises(QueueFullError, match="max_waiting=0"):
                 await remote.submit([5, 6, 7], SamplingParams(max_tokens=2), request_id="a")
             with pytest.raises(InvalidRequestError, match="max_seq_len"):
@@ -102,18 +113,13 @@ def test_a_refused_submit_raises_in_the_worker(eng):
             return await remote.stats()  # still answering
 
         assert asyncio.run(main())["running"] == 0
-    finally:
-        sched.close()
-        hub.close()
 
 
 def test_a_worker_that_goes_away_frees_its_requests_pages(eng):
     sched = Scheduler(eng)
-    hub, conn = _pair(sched)
-    try:
+    with _linked(sched) as (hub, conn):
         async def main():
-            remote = RemoteScheduler(conn)
-            remote.start()
+            remote = _started(conn)
             req = await remote.submit([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True), request_id="x")
             async for _ in req.batches():
                 break  # generating: it holds pages now
@@ -129,9 +135,6 @@ def test_a_worker_that_goes_away_frees_its_requests_pages(eng):
             assert hub.live == 0 and not theirs.finished
         assert theirs.result(timeout=30).finish_reason == "cancelled"
         assert _idle(sched, eng)
-    finally:
-        sched.close()
-        hub.close()
 
 
 def test_a_worker_that_dies_before_its_setup_is_named():
@@ -229,24 +232,19 @@ def test_a_submit_refused_as_the_engine_stops_comes_after_the_shutdown_message(e
 
 def test_a_failure_in_the_reader_after_a_submit_cancels_it(eng, monkeypatch):
     sched = Scheduler(eng)
-    hub, conn = _pair(sched)
+    with _linked(sched) as (hub, conn):
+        def broken(link, req, every):
+            raise RuntimeError("boom")
 
-    def broken(link, req, every):
-        raise RuntimeError("boom")
+        monkeypatch.setattr(hub, "_attach", broken)
 
-    monkeypatch.setattr(hub, "_attach", broken)
-    try:
         async def main():
-            remote = RemoteScheduler(conn)
-            remote.start()
+            remote = _started(conn)
             with pytest.raises(TinyInferError, match="RuntimeError: boom"):
                 await remote.submit([5, 6], SamplingParams(max_tokens=200, ignore_eos=True), request_id="z")
 
         asyncio.run(main())
         assert _idle(sched, eng) and hub.live == 0  # queued by the scheduler, then cancelled: nobody reads it
-    finally:
-        sched.close()
-        hub.close()
 
 
 def test_the_engine_process_gone_fails_what_is_in_flight(eng):

@@ -3,10 +3,20 @@ save_pretrained; the real default model (SmolLM2-135M-Instruct GGUF) and engines
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+
+def load_script(relpath: str):
+    """A script of the repository (bench/..., run as `python FILE`, not a package) imported as a module."""
+    path = Path(__file__).resolve().parents[1] / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _has_cuda() -> bool:

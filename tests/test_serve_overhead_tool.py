@@ -2,17 +2,13 @@
 ceiling runs to the end with every request's tokens (a scheduler change that calls a new core method must
 give the fake core that method too, or the overhead benchmark breaks unnoticed)."""
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
+
+from conftest import load_script
 
 
 def _serve_overhead():
-    path = Path(__file__).resolve().parents[1] / "bench" / "serve_overhead.py"
-    spec = importlib.util.spec_from_file_location("serve_overhead", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/serve_overhead.py")
 
 
 def test_ceiling_runs_every_request_to_its_max_tokens():

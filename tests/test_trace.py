@@ -3,25 +3,18 @@ on what it records. Names and order only: nothing timed."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
-from pathlib import Path
 
 import pytest
 
-from conftest import make_chat_llama
+from conftest import load_script, make_chat_llama
 from tinyinfer import Engine, InvalidRequestError, SamplingParams, Scheduler
 from tinyinfer.trace import CORE_CALLS, Trace
 
-TOOL = Path(__file__).resolve().parents[1] / "bench" / "tools" / "serve_timeline.py"
-
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("serve_timeline", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench/tools/serve_timeline.py")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import numpy as np
 
 
 def _profiler(on: bool) -> None:
-    import torch  # (its cudart; the engine shares the primary context)
+    import torch  # its cudart (the engine shares the primary context), as profile_decode.py uses its profiler
 
     torch.cuda.init()
     torch.cuda.synchronize()
@@ -30,7 +30,7 @@ def run() -> None:
     from common import engine_from_argv
 
     eng, shape, dtype, ctx, spec = engine_from_argv()
-    ms = eng.time_decode_step(ctx, 50)  # tunes nothing more, warms the graph
+    ms = eng.time_decode_step(ctx, 50)  # (warm: the graph captured, the clocks up)
     print(f"{shape} {dtype} ctx {ctx} {spec}: {ms * 1e3:.1f} us/step before profiling", file=sys.stderr)
     _profiler(True)
     eng.time_decode_step(ctx, 2)

@@ -109,12 +109,17 @@ def _series(entry: dict, want: str):
     return None, None, None
 
 
+def _fold(t: np.ndarray, v: np.ndarray, P: float, nb: int):
+    """(each sample's phase bin, the mean of each of nb bins) with the series folded at period P."""
+    bins = np.minimum(((t % P) / P * nb).astype(int), nb - 1)
+    return bins, np.bincount(bins, v, nb) / np.maximum(np.bincount(bins, None, nb), 1)
+
+
 def _period(t: np.ndarray, v: np.ndarray, guess: float) -> float:
     """The layer's period: the fold over candidate periods near `guess` with the least within-phase variance."""
     best = (np.inf, guess)
     for P in np.arange(0.6 * guess, 1.4 * guess, 0.01):
-        bins = np.minimum(((t % P) / P * 16).astype(int), 15)
-        mean = np.bincount(bins, v, 16) / np.maximum(np.bincount(bins, None, 16), 1)
+        bins, mean = _fold(t, v, P, 16)
         var = np.mean((v - mean[bins]) ** 2)
         if var < best[0]:
             best = (var, P)
@@ -138,9 +143,7 @@ def analyze(entry: dict, layers: int = 22, head_us: float = 36.0):
     span = float(t[-1] + dt)
     body = t < span - head_us
     P = _period(t[body], v[body], (span - head_us) / layers)
-    nb = 24
-    bins = np.minimum(((t[body] % P) / P * nb).astype(int), nb - 1)
-    fold = np.bincount(bins, v[body], nb) / np.maximum(np.bincount(bins, None, nb), 1)
+    _, fold = _fold(t[body], v[body], P, 24)
     return {
         "series": name, "samples": len(v), "spacing_us": dt, "span_us": span, "mean_pct": float(v.mean()),
         "layers_mean_pct": float(v[body].mean()), "head_mean_pct": float(v[~body].mean()) if (~body).any() else 0.0,

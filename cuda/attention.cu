@@ -278,7 +278,7 @@ void check_decode_attn(const DecodeAttnParams& p) {
     fail(ErrorKind::Request, "decode_attention: page size 2^" + std::to_string(p.page_shift) + " out of range");
 }
 
-void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl) {
+void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl, bool merge) {
   check_decode_attn(p);
   if (p.chunk < 1 || p.chunk > 128) fail(ErrorKind::Request, "decode_attention: chunk must be 1..128");
   if ((1 << p.page_shift) < p.chunk)
@@ -291,6 +291,7 @@ void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl) {
   if (p.head_dim == 64) launch_attention<decode_attn_kernel<64>>(p, grid, block, smem, s, pdl);
   else if (p.head_dim == 128) launch_attention<decode_attn_kernel<128>>(p, grid, block, smem, s, pdl);
   else launch_attention<decode_attn_kernel<0>>(p, grid, block, smem, s, pdl);
+  if (!merge) return;
   launch(decode_attn_merge, dim3(p.n_heads), dim3(p.head_dim <= 128 ? 128 : 256),
          sizeof(float) * (size_t)attn_max_chunks(p), s, pdl, p);
 }

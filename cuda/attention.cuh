@@ -46,7 +46,8 @@ inline int attn_chunk_for(int head_dim) { return head_dim > 128 ? 32 : 64; }
 size_t decode_attention_smem(const DecodeAttnParams& p);
 
 // RoPE + KV-cache write + split-K attention over chunks of `chunk` positions, then the log-sum-exp merge.
-void decode_attention(const DecodeAttnParams& p, cudaStream_t stream, bool pdl);
+// merge = false: no merge kernel, for launches at pos < chunk only (one chunk: the chunk kernel writes the output).
+void decode_attention(const DecodeAttnParams& p, cudaStream_t stream, bool pdl, bool merge = true);
 
 // The batched form: positions per block (a split; a row no longer than this is one block, no merge), by
 // default and at most: a block's work (span x head_dim multiply-adds per query head) the same at every head dim,

@@ -148,6 +148,27 @@ def test_long_context_graph_changes_nothing_but_speed(tmp_path):
         prompt, max_tokens=8, ignore_eos=True).token_ids
 
 
+def test_one_chunk_graph_changes_nothing_but_speed(tmp_path):
+    """CudaOptions.one_chunk_graph: steps at positions below one attention chunk replay a graph without the merge
+    kernel (which does nothing there). Tokens and logits across the switch at the chunk (64) are bitwise those of
+    an engine without it, with graphs and without."""
+    from tinyinfer import _core
+
+    d = make_llama(tmp_path / "m", vocab=1000, **CONFIGS["gqa3_hd64"])
+    greedy = _core.SamplingConfig()
+    runs = []
+    for one, graphs in ((False, True), (True, True), (True, False)):
+        o = _core.CudaOptions()
+        o.one_chunk_graph, o.graphs = one, graphs
+        o.gemv_rows, o.gemv_grid, o.decode_long_from = 2, 0, 0  # one GEMV variant each: the same sums in all three
+        core = Engine(d, device="cuda", max_seq_len=300, cuda_options=o)._core
+        core.forward([5, 17, 400, 23, 99, 7], False)
+        runs.append((list(core.decode(90, greedy, [], 0)), core.last_logits()))
+    for toks, logits in runs[1:]:
+        assert toks == runs[0][0]
+        assert np.array_equal(logits, runs[0][1])
+
+
 def test_out_of_gpu_memory_is_a_clear_error_and_frees_what_it_took():
     from tinyinfer import DeviceError, _core
     from tinyinfer.bench import shape_config

@@ -162,25 +162,32 @@ void CudaEngine::allocate() {
   prefill_ = std::make_unique<PrefillStep>(cfg_, *weights_, dbuf_, pbuf_, plan_, *gemm_, stream_);
 }
 
-// Two graphs of the decode pass: a prompt token (logits only) and a decode step (+ sampling).
+// The graphs of the decode pass: a prompt token (logits only), a decode step (+ sampling), and (one_chunk_graph)
+// the decode step of contexts below one attention chunk, without the merge kernel.
 void CudaEngine::build_graphs() {
   if (!opt_.graphs) return;
-  auto capture = [&](bool sample, cudaGraphExec_t* out) {
-    TI_CUDA_CHECK(capture_graph(
-        stream_, [&] { sample ? step_->record(stream_, pdl_) : step_->record_token_logits(stream_, pdl_); }, out));
+  auto capture = [&](bool sample, bool one_chunk, cudaGraphExec_t* out) {
+    TI_CUDA_CHECK(capture_graph(stream_, [&] {
+      sample ? step_->record(stream_, pdl_, one_chunk) : step_->record_token_logits(stream_, pdl_);
+    }, out));
+  };
+  auto capture_all = [&] {
+    capture(false, false, &g_prompt_token_);
+    if (opt_.one_chunk_graph) capture(true, true, &g_decode_one_);
+    capture(true, false, &g_decode_);
   };
   try {
-    capture(false, &g_prompt_token_);
-    capture(true, &g_decode_);
+    capture_all();
   } catch (const Error&) {
     if (!pdl_) throw;
     // A driver that cannot capture programmatic launches: capture plain ones instead.
     cudaGetLastError();
-    if (g_prompt_token_) cudaGraphExecDestroy(g_prompt_token_);
-    g_prompt_token_ = nullptr;
+    for (cudaGraphExec_t* g : {&g_prompt_token_, &g_decode_one_}) {
+      if (*g) cudaGraphExecDestroy(*g);
+      *g = nullptr;
+    }
     pdl_ = false;
-    capture(false, &g_prompt_token_);
-    capture(true, &g_decode_);
+    capture_all();
   }
   graphs_ok_ = true;
 }
@@ -313,9 +320,9 @@ void CudaEngine::persistent_graph() {
 
 void CudaEngine::release() {
   if (stream_) cudaStreamSynchronize(stream_);
-  for (cudaGraphExec_t g : {g_prompt_token_, g_decode_, g_decode_long_, persistent_graph_})
+  for (cudaGraphExec_t g : {g_prompt_token_, g_decode_, g_decode_long_, g_decode_one_, persistent_graph_})
     if (g) cudaGraphExecDestroy(g);
-  g_prompt_token_ = g_decode_ = g_decode_long_ = persistent_graph_ = nullptr;
+  g_prompt_token_ = g_decode_ = g_decode_long_ = g_decode_one_ = persistent_graph_ = nullptr;
   persistent_.reset();
   for (cudaGraphExec_t& g : g_batch_)
     if (g) cudaGraphExecDestroy(g);
@@ -390,10 +397,11 @@ void CudaEngine::run_prompt_token() {
 }
 
 void CudaEngine::run_decode_step(int64_t pos, DecodePath path) {
+  const bool one_chunk = opt_.one_chunk_graph && pos < dbuf_.attn_chunk;
   if (persistent_graph_ && path != DecodePath::Graph) TI_CUDA_CHECK(cudaGraphLaunch(persistent_graph_, stream_));
-  else if (graphs_ok_)
-    TI_CUDA_CHECK(cudaGraphLaunch(g_decode_long_ && pos >= plan_.long_from ? g_decode_long_ : g_decode_, stream_));
-  else step_->record(stream_, pdl_);
+  else if (!graphs_ok_) step_->record(stream_, pdl_, one_chunk);
+  else if (one_chunk) TI_CUDA_CHECK(cudaGraphLaunch(g_decode_one_, stream_));
+  else TI_CUDA_CHECK(cudaGraphLaunch(g_decode_long_ && pos >= plan_.long_from ? g_decode_long_ : g_decode_, stream_));
 }
 
 // Pages for positions [0, positions) from the pool, their table entries copied ahead of the work that reads them

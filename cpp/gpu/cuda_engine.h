@@ -50,6 +50,7 @@ struct CudaOptions {
   bool gemv_small_tiles = true;        // among those, the smallest tiles (qkv, before the attention: the largest)
   std::vector<GemvPin> gemv_pins;      // variants forced after tuning (A/B runs: bench/tools/ab_decode.py)
   int64_t decode_long_from = -1;       // long-context decode graph: -1 tuned, 0 none, n > 0 from context n
+  bool one_chunk_graph = true;         // steps at pos < attn_chunk: a decode graph without the merge kernel
   bool batched_prefill = true;         // false: feed prompts one token at a time through the decode graph
   int prefill_chunk = 2048;            // tokens per prefill pass (activation buffers are sized for this at load)
   bool gemm_autotune = true;           // false: cuBLASLt's default algorithm for every GEMM
@@ -320,6 +321,7 @@ class CudaEngine {
   std::unique_ptr<DecodeStep> step_;
   cudaGraphExec_t g_prompt_token_ = nullptr, g_decode_ = nullptr;
   cudaGraphExec_t g_decode_long_ = nullptr;  // contexts >= plan_.long_from
+  cudaGraphExec_t g_decode_one_ = nullptr;   // contexts < attn_chunk (CudaOptions::one_chunk_graph)
   std::unique_ptr<PersistentDecode> persistent_;
   cudaGraphExec_t persistent_graph_ = nullptr;  // the persistent step + the sampler: decode()'s graph when set
   std::string persistent_problem_;

@@ -1,7 +1,7 @@
 // decode_step.cu — THE decode pass (see decode_step.h), PyTorch in the comments:
 //   x = embed[token]
 //   per layer: qkv = [Wq; Wk; Wv] @ rmsnorm(x)          GEMV, RMSNorm in its prologue
-//              att = attention(rope(q), cache)           RoPE + cache write + split-K flash decoding
+//              att = attention(rope(q), cache)           RoPE + cache write + split-K flash decoding (+ merge)
 //              x += Wo @ att                             GEMV, residual add in its epilogue
 //              h = silu(Wg @ rmsnorm(x)) * (Wu @ ...)    GEMV, SwiGLU in its epilogue
 //              x += Wd @ h                               GEMV, residual add
@@ -20,7 +20,7 @@ namespace ti {
 using cuda::GemvIn;
 using cuda::GemvOut;
 
-void DecodeStep::record_token_logits(cudaStream_t s, bool pdl) {
+void DecodeStep::record_token_logits(cudaStream_t s, bool pdl, bool one_chunk) {
   const float eps = (float)c_.rms_eps;
   trace_names_.clear();
   auto gemv = [&](MatrixRole role, cuda::GemvParams p, GemvIn in, GemvOut out) {
@@ -36,7 +36,7 @@ void DecodeStep::record_token_logits(cudaStream_t s, bool pdl) {
     gemv(MatrixRole::Qkv, gemv_args(L.qkv, b_.x, b_.qkv, L.attn_norm, eps, false), GemvIn::F32Norm, GemvOut::F32);
     cuda::DecodeAttnParams a = attn_params(l);
     a.trace = next_trace("attention");
-    cuda::decode_attention(a, s, pdl);
+    cuda::decode_attention(a, s, pdl, !one_chunk);
     gemv(MatrixRole::O, gemv_args(L.o, b_.att, b_.x, nullptr, eps, early), GemvIn::F16, GemvOut::AddF32);
     gemv(MatrixRole::GateUp, gemv_args(L.gate_up, b_.x, b_.h, L.mlp_norm, eps, early), GemvIn::F32Norm,
          GemvOut::Swiglu);
@@ -46,8 +46,8 @@ void DecodeStep::record_token_logits(cudaStream_t s, bool pdl) {
        GemvOut::F32);
 }
 
-void DecodeStep::record(cudaStream_t s, bool pdl) {
-  record_token_logits(s, pdl);
+void DecodeStep::record(cudaStream_t s, bool pdl, bool one_chunk) {
+  record_token_logits(s, pdl, one_chunk);
   cuda::sample_token(b_.logits, (int)c_.vocab, b_.sampling, b_.seen, b_.counts, b_.probs, b_.state, b_.out, s,
                      pdl);
 }

@@ -57,10 +57,11 @@ class DecodeStep {
   DecodeStep(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b, const GemvPlan& plan,
              bool early_trigger)
       : c_(c), w_(w), b_(b), plan_(plan), early_trigger_(early_trigger) {}
-  // state.token at state.pos -> logits (the cache gets the token's keys and values).
-  void record_token_logits(cudaStream_t s, bool pdl);
+  // state.token at state.pos -> logits (the cache gets the token's keys and values). one_chunk: for steps at
+  // pos < attn_chunk only, without the attention's merge kernel (nothing to merge there).
+  void record_token_logits(cudaStream_t s, bool pdl, bool one_chunk = false);
   // record_token_logits, then sample the next token into state.token and out[state.step].
-  void record(cudaStream_t s, bool pdl);
+  void record(cudaStream_t s, bool pdl, bool one_chunk = false);
   // One layer's attention parameters (also timed alone: CudaEngine::time_attention).
   cuda::DecodeAttnParams attn_params(int64_t layer) const;
   const std::vector<std::string>& trace_names() const { return trace_names_; }

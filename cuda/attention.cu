@@ -16,7 +16,8 @@
 //      its own tile.
 //   3. Scores S[h][p], softmax, O[h][d] = sum_p P[h][p] V[p][d] with no block barrier: a warp per (head,
 //      slice of the positions), lanes over positions for the scores and over dims for P V (details there).
-//   4. While pos < chunk the single block writes the output directly. Otherwise the chunk's unnormalised O and
+//   4. While pos < chunk the single block writes the output directly (the decode graph for those positions
+//      launches no merge kernel at all: decode_attention's `merge`). Otherwise the chunk's unnormalised O and
 //      (max, sum) go to a partial buffer and kernel 2 (decode_attn_merge, a block per query head, launched with
 //      PDL) merges chunks 0..pos/chunk with log-sum-exp. (An earlier version merged in the last chunk block to
 //      finish, saving a launch; ncu showed that serial tail leaving half the SMs idle at long contexts.)

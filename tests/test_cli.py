@@ -206,3 +206,18 @@ def test_bench_cpu_random_weights_at_a_shape():
     core = random_cpu_engine(c, 32)
     logits = core.forward([1, 2, 3], all_logits=True)
     assert logits.shape == (3, 100) and np.isfinite(logits).all() and logits.std() > 0
+
+
+def test_bench_json_writes_enums_by_name(tmp_path):
+    """`tinyinfer bench --json`: the GPU's GEMV table rows carry the bindings' MatrixRole enum, written by name
+    (json.dump alone raised TypeError after the decode and prefill tables had been printed)."""
+    import enum
+    import json
+
+    from tinyinfer.bench import write_json
+
+    class Role(enum.Enum):
+        Qkv = 0
+
+    write_json({"gemv": [{"role": Role.Qkv, "R": 2}]}, str(tmp_path / "b.json"))
+    assert json.loads((tmp_path / "b.json").read_text()) == {"gemv": [{"role": "Qkv", "R": 2}]}

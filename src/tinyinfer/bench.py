@@ -43,6 +43,18 @@ def shape_config(name: str) -> _core.ModelConfig:
     return c
 
 
+def write_json(res: dict, path: str) -> None:
+    """The results as JSON; the bindings' enums (e.g. the GEMV table's MatrixRole) by name."""
+
+    def by_name(o):
+        if hasattr(o, "name"):
+            return o.name
+        raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=by_name)
+
+
 def _pad8(n: int) -> int:
     return (n + 7) // 8 * 8
 
@@ -196,8 +208,7 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
     if prefill:
         res.update(run_prefill(core, cfg, prefill, out=out))
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(res, json_path)
     return res
 
 
@@ -295,6 +306,5 @@ def run_cpu(shape: Optional[str] = None, model: Optional[str] = None, contexts=(
         res["prefill"].append({"tokens": n, "ms": ms, "tok_s": n / (ms * 1e-3)})
         out(f"{n:>8} {ms:>9.1f} {n / (ms * 1e-3):>9.1f}")
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(res, json_path)
     return res

@@ -6,7 +6,8 @@
         "decode_path=persistent,persistent_ring=0"              (its weight ring on / off: docs/perf/persistent.md §7)
 Each variant is one engine (its own load-time autotune); the variants' timings are interleaved over `--rounds`
 rounds (default 3) so that drift hits all alike, and each row reports the best and the median round. A round
-times `--steps` consecutive steps (default 200) from the context on. `--gemv`
+times `--steps` consecutive steps (default 200) from the context on; `--max-seq=N` sizes the engines (default
+max(context + 300, 512)). `--gemv`
 also prints each variant's GEMV picks (R, grid) and their GB/s timed alone."""
 
 import statistics
@@ -22,12 +23,13 @@ def main() -> None:
     rounds = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--rounds=")), 3)
     steps = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--steps=")), 200)
     shape, dtype, ctx, specs = args[0], args[1], int(args[2]), args[3:] or [""]
-    engines = [_core.CudaEngine.random(shape_config(shape), max(ctx + 300, 512), 1, options(s, dtype)) for s in specs]
+    max_seq = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--max-seq=")), max(ctx + 300, 512))
+    engines = [_core.CudaEngine.random(shape_config(shape), max_seq, 1, options(s, dtype)) for s in specs]
     times = {s: [] for s in specs}
     for _ in range(rounds):
         for s, e in zip(specs, engines):
             times[s].append(e.time_decode_step(ctx, steps) * 1e3)
-    print(f"{shape} {dtype} ctx {ctx}..{ctx + steps - 1}: µs per decode step over {rounds} rounds")
+    print(f"{shape} {dtype} ctx {ctx}..{ctx + steps - 1}, max_seq {max_seq}: µs per decode step over {rounds} rounds")
     base = min(times[specs[0]])
     for s in specs:
         t = times[s]

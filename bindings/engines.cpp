@@ -381,6 +381,7 @@ void bind_engines(nb::module_& m) {
       .def_rw("gemv_pins", &ti::CudaOptions::gemv_pins, "A list of GemvPin (assign a new list; it is copied).")
       .def_rw("decode_long_from", &ti::CudaOptions::decode_long_from)
       .def_rw("one_chunk_graph", &ti::CudaOptions::one_chunk_graph)
+      .def_rw("attn_tensor_cores", &ti::CudaOptions::attn_tensor_cores)
       .def_rw("batched_prefill", &ti::CudaOptions::batched_prefill)
       .def_rw("prefill_chunk", &ti::CudaOptions::prefill_chunk)
       .def_rw("gemm_autotune", &ti::CudaOptions::gemm_autotune)

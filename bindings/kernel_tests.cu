@@ -174,7 +174,7 @@ struct AttnCall {
 }  // namespace
 
 std::vector<float> run_decode_attention(const float* qkv, HostPages cache, const float* cos, const float* sin,
-                                        int pos, int n_heads, int max_seq, int chunk) {
+                                        int pos, int n_heads, int max_seq, int chunk, bool tensor_cores) {
   const int hd = cache.head_dim, q_dim = n_heads * hd, kv_dim = cache.n_kv_heads * hd;
   const int max_chunks = (max_seq + chunk - 1) / chunk;
   AttnCall c(qkv, (size_t)(q_dim + 2 * kv_dim), cache, cos, sin, (size_t)n_heads * max_chunks, (size_t)q_dim, n_heads,
@@ -183,6 +183,7 @@ std::vector<float> run_decode_attention(const float* qkv, HostPages cache, const
   put(dpos.p, &pos, 4);
   c.a.pos = dpos.as<int>();
   c.a.chunk = chunk;
+  c.a.tensor_cores = tensor_cores;
   decode_attention(c.a, 0, false);
   // Twice, the output poisoned in between: a second call must work from the state the first one left
   // (the second call rewrites the same rope(k), v at pos).

@@ -32,9 +32,10 @@ struct HostPages {
 };
 
 // One decode-attention call. qkv: float[q_dim + 2 kv_dim]; the cache is updated in place (the kernel writes
-// rope(k), v at pos); cos/sin: (max_seq, head_dim / 2). Returns float[q_dim].
+// rope(k), v at pos); cos/sin: (max_seq, head_dim / 2); tensor_cores: DecodeAttnParams::tensor_cores. Returns
+// float[q_dim].
 std::vector<float> run_decode_attention(const float* qkv, HostPages cache, const float* cos, const float* sin,
-                                        int pos, int n_heads, int max_seq, int chunk);
+                                        int pos, int n_heads, int max_seq, int chunk, bool tensor_cores);
 
 // One decode_attention_rows call (cuda/attention_rows.cu), twice (the output poisoned in between: the second
 // launch must find the merge tickets as the first left them, zero). qkv: (n_rows, q_dim + 2 kv_dim) floats;

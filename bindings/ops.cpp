@@ -225,7 +225,7 @@ void bind_ops(nb::module_& m) {
   ops.def(
       "decode_attention",
       [](F32In1 qkv, U16Pages k_pages, U16Pages v_pages, I32In1 page_table, F32In2 cos, F32In2 sin, int pos,
-         int n_heads, int chunk) {
+         int n_heads, int chunk, bool tensor_cores) {
         const int max_seq = (int)cos.shape(0);
         if (pos < 0 || pos >= max_seq) ti::fail(ti::ErrorKind::Request, "attention: pos out of range");
         const ti::cuda::HostPages h =
@@ -237,11 +237,13 @@ void bind_ops(nb::module_& m) {
         std::vector<float> o;
         {
           nb::gil_scoped_release release;
-          o = ti::cuda::run_decode_attention(qkv.data(), h, cos.data(), sin.data(), pos, n_heads, max_seq, chunk);
+          o = ti::cuda::run_decode_attention(qkv.data(), h, cos.data(), sin.data(), pos, n_heads, max_seq, chunk,
+                                             tensor_cores);
         }
         return o;
       },
       "qkv"_a, "k_pages"_a, "v_pages"_a, "page_table"_a, "cos"_a, "sin"_a, "pos"_a, "n_heads"_a, "chunk"_a,
+      "tensor_cores"_a = true,
       "One decode-attention call (cuda/attention.cu) over a paged cache: pages (n_pages, n_kv_heads, page_size, "
       "head_dim) of fp16 bits, updated in place; the table covers max_seq = len(cos) positions.");
   ops.def(

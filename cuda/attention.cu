@@ -14,8 +14,10 @@
 //   2. RoPE fused: the block rotates its query heads (pre-scaled by 1/sqrt(d)) into shared memory; the block
 //      whose chunk holds `pos` also rotates the new key and writes key and value into the cache (fp16) and into
 //      its own tile.
-//   3. Scores S[h][p], softmax, O[h][d] = sum_p P[h][p] V[p][d] with no block barrier: a warp per (head,
-//      slice of the positions), lanes over positions for the scores and over dims for P V (details there).
+//   3. Scores S[h][p], softmax, O[h][d] = sum_p P[h][p] V[p][d]. At head dims 64 / 128 with chunks of 64 (the
+//      Llama family's; DecodeAttnParams::tensor_cores) on the tensor cores (chunk_attention_mma: mma.sync, two
+//      barriers, fp16 queries and probabilities); otherwise with no block barrier: a warp per (head, slice of the
+//      positions), lanes over positions for the scores and over dims for P V (details there).
 //   4. While pos < chunk the single block writes the output directly (the decode graph for those positions
 //      launches no merge kernel at all: decode_attention's `merge`). Otherwise the chunk's unnormalised O and
 //      (max, sum) go to a partial buffer and kernel 2 (decode_attn_merge, a block per query head, launched with
@@ -28,10 +30,109 @@
 #include "attention_common.cuh"
 #include "common.cuh"
 #include "kv_layout.cuh"
+#include "mma_frag.cuh"
 
 namespace ti::cuda {
 
 constexpr int kAttnThreads = 256, kMaxGroup = 8, kPad = 8;  // kPad: halves of padding per shared K/V row
+constexpr int kQPad = 8;  // floats of padding per query row in shared memory (the mma tile's fp32 pair reads)
+
+// Step 3 on the tensor cores, for a chunk of 64 positions at head dim HD = 64 / 128 (mma.sync m16n8k16, fp16
+// in, fp32 sums; the A operand's 16 rows are the block's <= 8 query heads and 8 zero rows). Each step is a few
+// instructions deep, where the lane-per-position form (below) is a chain of hundreds:
+//   S: warp w takes positions 8w .. 8w + 7: HD / 16 mma k-steps (two chains of alternate steps), the queries
+//      rounded to fp16 from q_s, the keys by ldmatrix from the K tile (its row = a position's dims, the B layout).
+//   softmax: a head's row max over the warp's 8 positions by two quad shuffles, over the chunk through `red`
+//      (one barrier); P = exp(S - max) rounded to fp16 into p_s (8 heads x 64 positions) and the row sums (fp32)
+//      into `red` (a second barrier).
+//   O = P V: warp w takes dims 8w (HD 64) or 16w (HD 128) .. over the chunk's positions in k-steps of 16, P by
+//      32-bit loads from p_s, V by ldmatrix.trans; positions past n carry P = 0 and zero V rows (the kernel zeroes
+//      the tile's rows n .. 63 before its wait: 0 x stale shared memory could be NaN).
+// emit(h, d, O[d], O[d + 1], max, sum) gets each live head's unnormalised output, two dims at a time.
+template <int HD, typename Emit>
+__device__ __forceinline__ void chunk_attention_mma(const float* q_s, int q_ld, const __half* k_s, const __half* v_s,
+                                                    int ld, int n, int g, float* red, __half* p_s, Emit emit) {
+  constexpr int kPLd = 64 + 8;  // p_s row: 64 positions + 8 halves of padding (conflict-free 32-bit reads)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
+  const bool live = r < g;
+  // ---- S = Q K^T for positions 8 warp .. + 7 ----
+  float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const float* qr = q_s + r * q_ld + 2 * c;
+  const __half* krow = k_s + (warp * 8 + (lane & 7)) * ld + (lane >> 3) * 8;
+  auto qpair = [&](int d) {
+    const float2 x = *reinterpret_cast<const float2*>(qr + d);
+    return live ? pack_half2(x.x, x.y) : 0u;
+  };
+#pragma unroll
+  for (int kk = 0; kk < HD / 32; kk++) {  // dims 32 kk .. + 31: two k-steps, one ldmatrix.x4 of keys
+    uint32_t b[4];
+    ldmatrix_x4(b, krow + kk * 32);
+    const uint32_t a0[4] = {qpair(kk * 32), 0u, qpair(kk * 32 + 8), 0u};
+    const uint32_t a1[4] = {qpair(kk * 32 + 16), 0u, qpair(kk * 32 + 24), 0u};
+    mma_16816(sa, a0, b[0], b[1]);
+    mma_16816(sb, a1, b[2], b[3]);
+  }
+  // ---- softmax over the chunk: this thread holds head r at positions t, t + 1 ----
+  const int t = warp * 8 + 2 * c;
+  const float s0 = t < n ? sa[0] + sb[0] : -INFINITY, s1 = t + 1 < n ? sa[1] + sb[1] : -INFINITY;
+  float mx = fmaxf(s0, s1);
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  float* red_m = red;       // (8 warps, 8 heads)
+  float* red_l = red + 64;  // (8 warps, 8 heads)
+  if (c == 0) red_m[warp * 8 + r] = mx;
+  __syncthreads();
+  float M = red_m[r];
+#pragma unroll
+  for (int w = 1; w < 8; w++) M = fmaxf(M, red_m[w * 8 + r]);  // finite: position 0 of the chunk is live
+  const float p0 = t < n ? __expf(s0 - M) : 0.0f, p1 = t + 1 < n ? __expf(s1 - M) : 0.0f;
+  *reinterpret_cast<__half2*>(p_s + r * kPLd + t) = __floats2half2_rn(p0, p1);
+  float l = p0 + p1;
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (c == 0) red_l[warp * 8 + r] = l;
+  __syncthreads();
+  // ---- O = P V for dims d0 .. d0 + 8 NT - 1 ----
+  constexpr int NT = HD / 64;  // n-tiles of 8 dims per warp
+  const int d0 = warp * 8 * NT, ksteps = (n + 15) / 16;
+  float o[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  const __half* prow = p_s + r * kPLd + 2 * c;
+  if constexpr (NT == 1) {
+#pragma unroll
+    for (int kk = 0; kk < 4; kk += 2) {  // an ldmatrix.x4.trans of 32 positions (two k-steps) x the 8 dims
+      if (kk < ksteps) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, v_s + (kk * 16 + lane) * ld + d0);
+        const uint32_t a0[4] = {lds32(prow + kk * 16), 0u, lds32(prow + kk * 16 + 8), 0u};
+        mma_16816(o[0], a0, b[0], b[1]);
+        if (kk + 1 < ksteps) {
+          const uint32_t a1[4] = {lds32(prow + kk * 16 + 16), 0u, lds32(prow + kk * 16 + 24), 0u};
+          mma_16816(o[0], a1, b[2], b[3]);
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {  // an ldmatrix.x4.trans of 16 positions x 16 dims (two n-tiles)
+      if (kk < ksteps) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, v_s + (kk * 16 + (lane & 15)) * ld + d0 + (lane >> 4) * 8);
+        const uint32_t a[4] = {lds32(prow + kk * 16), 0u, lds32(prow + kk * 16 + 8), 0u};
+        mma_16816(o[0], a, b[0], b[1]);
+        mma_16816(o[1], a, b[2], b[3]);
+      }
+    }
+  }
+  float L = 0.0f;
+#pragma unroll
+  for (int w = 0; w < 8; w++) L += red_l[w * 8 + r];
+  if (live) {
+#pragma unroll
+    for (int j = 0; j < NT; j++) emit(r, d0 + 8 * j + 2 * c, o[j][0], o[j][1], M, L);
+  }
+}
 
 // HD: the head dim as a compile-time constant (64, 128: the Llama family's), or 0: p.head_dim at run time. A
 // constant turns the index arithmetic's divisions (~20 dependent instructions each at run time) into shifts and
@@ -41,8 +142,9 @@ template <int HD>
 __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int hd = HD ? HD : p.head_dim, half_d = hd / 2, CH = p.chunk, row = hd + kPad;
-  float* q_s = reinterpret_cast<float*>(smem_raw);              // (kMaxGroup, hd)
-  float* s_s = q_s + kMaxGroup * hd;                            // (8 warps, hd + 2) slices' partials
+  const int q_ld = hd + kQPad;
+  float* q_s = reinterpret_cast<float*>(smem_raw);              // (kMaxGroup, q_ld)
+  float* s_s = q_s + kMaxGroup * q_ld;                          // (8 warps, hd + 2) slices' partials
   __half* k_s = reinterpret_cast<__half*>(s_s + (kAttnThreads / 32) * (hd + 2));  // (CH, row)
   __half* v_s = k_s + (size_t)CH * row;                         // (CH, row)
 
@@ -83,7 +185,12 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
     *reinterpret_cast<uint4*>(k_s + (size_t)r * row + w * 8) = *reinterpret_cast<const uint4*>(p.k_pages + at);
     *reinterpret_cast<uint4*>(v_s + (size_t)r * row + w * 8) = *reinterpret_cast<const uint4*>(p.v_pages + at);
   }
-  __syncthreads();  // (cs, sn)
+  const bool use_mma = (HD == 64 || HD == 128) && CH == 64 && p.tensor_cores;  // (block-uniform)
+  if (use_mma) {  // V rows n .. 63: zero (the tile's P V reads whole k-steps of 16 or 32 positions)
+    for (int i = threadIdx.x; i < (CH - n) * words; i += kAttnThreads)
+      *reinterpret_cast<uint4*>(v_s + (size_t)(n + i / words) * row + (i % words) * 8) = make_uint4(0, 0, 0, 0);
+  }
+  __syncthreads();  // (cs, sn, the zeroed rows)
 
   pdl_wait();
   pdl_launch_dependents();
@@ -91,10 +198,33 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
 
   // ---- 2. rotate the query heads; the owner of pos writes rope(k) and v into the cache and its tile ----
   const bool owner = pos < c0 + CH;  // every z-slice of this chunk writes the same values: harmless
-  rope_new_token<HD>(p.qkv, p.n_heads, p.n_kv_heads, hd, kvh, hq0, g, cs, sn, p.scale, q_s, owner, p.k_pages,
+  rope_new_token<HD>(p.qkv, p.n_heads, p.n_kv_heads, hd, kvh, hq0, g, cs, sn, p.scale, q_s, q_ld, owner, p.k_pages,
                      p.v_pages, row_off(pos - c0), k_s + (size_t)(pos - c0) * row, v_s + (size_t)(pos - c0) * row);
   __syncthreads();
   trace_point(p.trace, 2);
+
+  const int max_chunks = (p.max_seq + CH - 1) / CH;
+  const int n_chunks = pos / CH + 1;
+  if constexpr (HD == 64 || HD == 128) {
+    if (use_mma) {  // ---- 3-4 on the tensor cores: the output, or the chunk's partial ----
+      chunk_attention_mma<HD>(q_s, q_ld, k_s, v_s, row, n, g, s_s, reinterpret_cast<__half*>(s_s + 128),
+                              [&](int hh, int d, float O0, float O1, float M, float L) {
+        if (n_chunks == 1) {
+          const float inv = 1.0f / L;
+          *reinterpret_cast<__half2*>(p.out + (size_t)(hq0 + hh) * hd + d) = __floats2half2_rn(O0 * inv, O1 * inv);
+          return;
+        }
+        const size_t slot = (size_t)(hq0 + hh) * max_chunks + chunk;
+        *reinterpret_cast<float2*>(p.part_o + slot * hd + d) = make_float2(O0, O1);
+        if (d == 0) {
+          p.part_ml[slot * 2] = M;
+          p.part_ml[slot * 2 + 1] = L;
+        }
+      });
+      trace_point(p.trace, 3);
+      return;
+    }
+  }
 
   // ---- 3. the chunk's attention, without block barriers: a warp per (head h, slice ps of the chunk's
   //      positions) — with g heads the 8 warps make nps = 8 / g slices per head. Scores: a lane per position
@@ -112,13 +242,11 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   constexpr int kMaxJ = 4;            // positions per lane: CH <= 128
   constexpr int kMaxDpl = 8;          // dims per lane: hd <= 256
   const int dpl = (hd + 31) / 32;
-  const int max_chunks = (p.max_seq + CH - 1) / CH;
-  const int n_chunks = pos / CH + 1;
   float m = -FLT_MAX, l = 0.0f, o[kMaxDpl];
 #pragma unroll
   for (int u = 0; u < kMaxDpl; u++) o[u] = 0.0f;
   if (h < g) {
-    const float* qh = q_s + h * hd;
+    const float* qh = q_s + h * q_ld;
     float pr[kMaxJ];
 #pragma unroll
     for (int j = 0; j < kMaxJ; j++) {
@@ -268,7 +396,7 @@ __global__ void decode_attn_merge(DecodeAttnParams p) {
 }
 
 size_t decode_attention_smem(const DecodeAttnParams& p) {
-  return sizeof(float) * ((size_t)kMaxGroup * p.head_dim + (size_t)(kAttnThreads / 32) * (p.head_dim + 2)) +
+  return sizeof(float) * ((size_t)kMaxGroup * (p.head_dim + kQPad) + (size_t)(kAttnThreads / 32) * (p.head_dim + 2)) +
          2 * sizeof(__half) * (size_t)p.chunk * (p.head_dim + kPad) + sizeof(float) * p.head_dim;  // + RoPE row
 }
 

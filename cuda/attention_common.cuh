@@ -12,16 +12,16 @@
 
 namespace ti::cuda {
 
-// qkv: this token's q | k | v (fp32, before RoPE). The g query heads hq0.. of KV head kvh go to q_s (g, hd),
-// rotated and times `scale`; with `owner` the key and value of kvh go, rotated / as is, in fp16 to the cache at
+// qkv: this token's q | k | v (fp32, before RoPE). The g query heads hq0.. of KV head kvh go to q_s (g rows of
+// q_ld >= hd floats), rotated and times `scale`; with `owner` the key and value of kvh go, rotated / as is, in fp16 to the cache at
 // element offset `at` of k_cache / v_cache and to the tile rows kr / vr. cs / sn: the position's RoPE row
 // (hd / 2) in shared memory. hd / 2 <= blockDim.x (a thread per (i, i + hd / 2) pair of the key). The new key
 // and value are read first, so that their reads and the queries' are one round trip, not three.
 template <int HD>
 __device__ __forceinline__ void rope_new_token(const float* qkv, int n_heads, int n_kv_heads, int hd, int kvh,
                                                int hq0, int g, const float* cs, const float* sn, float scale,
-                                               float* q_s, bool owner, __half* k_cache, __half* v_cache, size_t at,
-                                               __half* kr, __half* vr) {
+                                               float* q_s, int q_ld, bool owner, __half* k_cache, __half* v_cache,
+                                               size_t at, __half* kr, __half* vr) {
   if constexpr (HD != 0) hd = HD;
   const int half_d = hd / 2, q_dim = n_heads * hd, kv_dim = n_kv_heads * hd;
   float k1 = 0.0f, k2 = 0.0f, v1 = 0.0f, v2 = 0.0f;
@@ -38,8 +38,8 @@ __device__ __forceinline__ void rope_new_token(const float* qkv, int n_heads, in
     const int h = t / half_d, i = t % half_d;
     const float* q = qkv + (size_t)(hq0 + h) * hd;
     const float x1 = q[i], x2 = q[i + half_d];
-    q_s[h * hd + i] = (x1 * cs[i] - x2 * sn[i]) * scale;
-    q_s[h * hd + i + half_d] = (x2 * cs[i] + x1 * sn[i]) * scale;
+    q_s[h * q_ld + i] = (x1 * cs[i] - x2 * sn[i]) * scale;
+    q_s[h * q_ld + i + half_d] = (x2 * cs[i] + x1 * sn[i]) * scale;
   }
   if (owner && i_kv < half_d) {
     const int i = i_kv;

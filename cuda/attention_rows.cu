@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kThreads, HD == 64 ? 2 : 1) decode_attn_rows_k
     pdl_launch_dependents();  // the O product after this kernel reads only weights before its own wait
 
     // ---- 2. RoPE; the owner of pos writes rope(k) and v into the cache and its tile ----
-    rope_new_token<HD>(qkv, p.n_heads, p.n_kv_heads, hd, kvh, hq0, g, cs, sn, p.scale, q_s, owner, p.k_pages,
+    rope_new_token<HD>(qkv, p.n_heads, p.n_kv_heads, hd, kvh, hq0, g, cs, sn, p.scale, q_s, hd, owner, p.k_pages,
                        p.v_pages, at_new, k_s + (size_t)(pos - c0) * row, v_s + (size_t)(pos - c0) * row);
     __syncthreads();
 

@@ -169,6 +169,29 @@ def test_one_chunk_graph_changes_nothing_but_speed(tmp_path):
         assert np.array_equal(logits, runs[0][1])
 
 
+@pytest.mark.parametrize("name", ["gqa3_hd64", "gqa4_hd128_tied"])
+def test_attention_tensor_cores_against_the_lane_form(tmp_path, name):
+    """CudaOptions.attn_tensor_cores: the decode attention's chunk on mma.sync (head dims 64 / 128) and the
+    lane-per-position form both give the CPU engine's logits within fp16 noise, through 150 decode steps (three
+    chunks: the merge too); the two differ (fp16 queries and probabilities), so the option reaches the kernel."""
+    from tinyinfer import _core
+
+    d = make_llama(tmp_path / "m", vocab=1000, **CONFIGS[name])
+    ids = np.random.default_rng(1).integers(3, 1000, 150).tolist()
+    ref = Engine(d, device="cpu", max_seq_len=300).logits(ids)[-1]
+    scale = np.abs(ref).max()
+    out = {}
+    for tc in (True, False):
+        o = _core.CudaOptions()
+        o.attn_tensor_cores, o.batched_prefill = tc, False  # every token through the decode step
+        core = Engine(d, device="cuda", max_seq_len=300, cuda_options=o)._core
+        core.forward(ids, False)
+        out[tc] = np.array(core.last_logits())
+        assert np.abs(out[tc] - ref).max() < 2e-2 * scale, tc
+    assert np.abs(out[True] - out[False]).max() < 1e-2 * scale
+    assert not np.array_equal(out[True], out[False])
+
+
 def test_out_of_gpu_memory_is_a_clear_error_and_frees_what_it_took():
     from tinyinfer import DeviceError, _core
     from tinyinfer.bench import shape_config

@@ -53,7 +53,7 @@ def _gemv_ref(W16, x, norm_w, eps, y_init, mode_in, mode_out):
     return y, bound
 
 
-@pytest.mark.parametrize("rows, K", [(333, 1000), (2048, 5632), (64, 300), (2, 8), (1000, 2048), (6, 4104)])
+@pytest.mark.parametrize("rows, K", [(333, 1000), (2048, 5632), (64, 300), (2, 8), (1000, 2048), (6, 4104), (40, 11008)])
 @pytest.mark.parametrize("R", [1, 2, 4, 8])  # 8: the split-K variant
 @pytest.mark.parametrize("mode_in, mode_out", [("f16", "f32"), ("f32norm", "f32"), ("f16", "add"),
                                                ("f32norm", "swiglu")])
@@ -96,11 +96,14 @@ def _rot(x, c, s):
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+# tensor_cores: head dims 64 / 128 at chunk 64 take the mma.sync tile (fp16 queries and probabilities); False
+# keeps the lane-per-position form, which every other head dim and chunk size takes anyway
 @pytest.mark.parametrize("group", [1, 3, 4, 7, 8, 16])
 @pytest.mark.parametrize("hd", [64, 96, 128, 256])
-@pytest.mark.parametrize("pos", [0, 63, 64, 200, 511])
-def test_decode_attention_matches_numpy(group, hd, pos):
-    _check_attention(group, hd, pos, 64)
+@pytest.mark.parametrize("pos", [0, 1, 15, 16, 17, 31, 40, 63, 64, 200, 511])
+@pytest.mark.parametrize("tensor_cores", [True, False])
+def test_decode_attention_matches_numpy(group, hd, pos, tensor_cores):
+    _check_attention(group, hd, pos, 64, tensor_cores=tensor_cores)
 
 
 # chunks of other sizes (CudaOptions.attn_chunk): up to 4 positions per lane (128), several chunks per head; 40:
@@ -157,7 +160,7 @@ def _attention_twin(qkv, kc, vc, kb, vb, pos, n_heads, cos, sin):
     return ref
 
 
-def _check_attention(group, hd, pos, chunk, page_size=64, max_seq=512):
+def _check_attention(group, hd, pos, chunk, page_size=64, max_seq=512, tensor_cores=True):
     n_kv = 2
     n_heads = n_kv * group
     rng = np.random.default_rng(group * 1000 + hd + pos)
@@ -171,7 +174,7 @@ def _check_attention(group, hd, pos, chunk, page_size=64, max_seq=512):
     kp, table = to_pages(kc.view(np.uint16), page_size, seed=pos + hd)
     vp, _ = to_pages(vc.view(np.uint16), page_size, seed=pos + hd)
     spare_k, spare_v = unused_pages(kp, table).copy(), unused_pages(vp, table).copy()
-    out = np.array(_core.ops.decode_attention(qkv, kp, vp, table, cos, sin, pos, n_heads, chunk))
+    out = np.array(_core.ops.decode_attention(qkv, kp, vp, table, cos, sin, pos, n_heads, chunk, tensor_cores))
     kb, vb = from_pages(kp, table, max_seq), from_pages(vp, table, max_seq)
 
     np.testing.assert_array_equal(unused_pages(kp, table), spare_k)

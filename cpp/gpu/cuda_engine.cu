@@ -136,7 +136,7 @@ void CudaEngine::allocate() {
                                        opt_.kv_page_shuffle);
   seq_ = std::make_unique<KvSequence>(*pool_, max_seq_);
   dbuf_ = DecodeBuffers::allocate(cfg_, *weights_, max_seq_, opt_.attn_chunk, *pool_, opt_.trace, arena_, stream_);
-  step_ = std::make_unique<DecodeStep>(cfg_, *weights_, dbuf_, plan_, opt_.early_trigger);
+  step_ = std::make_unique<DecodeStep>(cfg_, *weights_, dbuf_, plan_, opt_.early_trigger, opt_.attn_tensor_cores);
   h_state_ = arena_.alloc_pinned_n<cuda::DecodeState>(1);
   h_sampling_ = arena_.alloc_pinned_n<cuda::DeviceSampling>(1);
   h_out_ = arena_.alloc_pinned_n<int>((size_t)max_seq_);

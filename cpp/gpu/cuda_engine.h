@@ -51,6 +51,7 @@ struct CudaOptions {
   std::vector<GemvPin> gemv_pins;      // variants forced after tuning (A/B runs: bench/tools/ab_decode.py)
   int64_t decode_long_from = -1;       // long-context decode graph: -1 tuned, 0 none, n > 0 from context n
   bool one_chunk_graph = true;         // steps at pos < attn_chunk: a decode graph without the merge kernel
+  bool attn_tensor_cores = true;       // decode attention's chunk (head dim 64 / 128) on mma.sync
   bool batched_prefill = true;         // false: feed prompts one token at a time through the decode graph
   int prefill_chunk = 2048;            // tokens per prefill pass (activation buffers are sized for this at load)
   bool gemm_autotune = true;           // false: cuBLASLt's default algorithm for every GEMM

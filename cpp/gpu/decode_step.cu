@@ -71,6 +71,7 @@ cuda::DecodeAttnParams DecodeStep::attn_params(int64_t layer) const {
   a.max_seq = (int)b_.max_seq;
   a.chunk = b_.attn_chunk;
   a.scale = 1.0f / std::sqrt((float)c_.head_dim);
+  a.tensor_cores = attn_tensor_cores_;
   return a;
 }
 

@@ -1,5 +1,5 @@
 // mma_frag.cuh — the tensor-core pieces both attention kernels on mma.sync share (prefill_attention.cu, and
-// attention.cu's one-chunk tile): the m16n8k16 product, ldmatrix loads of 8x8 fp16 tiles, fp16 packing, exp2.
+// attention.cu's chunk tile): the m16n8k16 product, ldmatrix loads of 8x8 fp16 tiles, fp16 packing, exp2.
 #pragma once
 #include <cuda_fp16.h>
 

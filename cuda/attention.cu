@@ -49,10 +49,15 @@ constexpr int kQPad = 8;  // floats of padding per query row in shared memory (t
 //      32-bit loads from p_s, V by ldmatrix.trans; positions past n carry P = 0 and zero V rows (the kernel zeroes
 //      the tile's rows n .. 63 before its wait: 0 x stale shared memory could be NaN).
 // emit(h, d, O[d], O[d + 1], max, sum) gets each live head's unnormalised output, two dims at a time.
+// scratch: the kernel's (8 warps, HD + 2) floats of slice partials, which this form does not otherwise use:
+// red (2 x 64 floats), then p_s (8 heads x kPLd halves).
 template <int HD, typename Emit>
 __device__ __forceinline__ void chunk_attention_mma(const float* q_s, int q_ld, const __half* k_s, const __half* v_s,
-                                                    int ld, int n, int g, float* red, __half* p_s, Emit emit) {
+                                                    int ld, int n, int g, float* scratch, Emit emit) {
   constexpr int kPLd = 64 + 8;  // p_s row: 64 positions + 8 halves of padding (conflict-free 32-bit reads)
+  static_assert(128 * sizeof(float) + 8 * kPLd * sizeof(__half) <= 8 * (HD + 2) * sizeof(float), "scratch");
+  float* red = scratch;
+  __half* p_s = reinterpret_cast<__half*>(scratch + 128);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
   const bool live = r < g;
   // ---- S = Q K^T for positions 8 warp .. + 7 ----
@@ -207,7 +212,7 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   const int n_chunks = pos / CH + 1;
   if constexpr (HD == 64 || HD == 128) {
     if (use_mma) {  // ---- 3-4 on the tensor cores: the output, or the chunk's partial ----
-      chunk_attention_mma<HD>(q_s, q_ld, k_s, v_s, row, n, g, s_s, reinterpret_cast<__half*>(s_s + 128),
+      chunk_attention_mma<HD>(q_s, q_ld, k_s, v_s, row, n, g, s_s,
                               [&](int hh, int d, float O0, float O1, float M, float L) {
         if (n_chunks == 1) {
           const float inv = 1.0f / L;
@@ -396,7 +401,8 @@ __global__ void decode_attn_merge(DecodeAttnParams p) {
 }
 
 size_t decode_attention_smem(const DecodeAttnParams& p) {
-  return sizeof(float) * ((size_t)kMaxGroup * (p.head_dim + kQPad) + (size_t)(kAttnThreads / 32) * (p.head_dim + 2)) +
+  return sizeof(float) *
+             ((size_t)kMaxGroup * (p.head_dim + kQPad) + (size_t)(kAttnThreads / 32) * (p.head_dim + 2)) +
          2 * sizeof(__half) * (size_t)p.chunk * (p.head_dim + kPad) + sizeof(float) * p.head_dim;  // + RoPE row
 }
 

@@ -36,6 +36,9 @@ namespace ti::cuda {
 
 constexpr int kAttnThreads = 256, kMaxGroup = 8, kPad = 8;  // kPad: halves of padding per shared K/V row
 constexpr int kQPad = 8;  // floats of padding per query row in shared memory (the mma tile's fp32 pair reads)
+// The merge kernel's threads per head dim (a power of two: a dim's threads are adjacent lanes of one warp), so
+// that a block has 128-288 threads at the head dims we take (64-256; check_decode_attn).
+__host__ __device__ constexpr int merge_threads_per_dim(int hd) { return hd <= 64 ? 4 : hd <= 128 ? 2 : 1; }
 
 // Step 3 on the tensor cores, for a chunk of 64 positions at head dim HD = 64 / 128 (mma.sync m16n8k16, fp16
 // in, fp32 sums; the A operand's 16 rows are the block's <= 8 query heads and 8 zero rows). Each step is a few
@@ -344,60 +347,59 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   trace_point(p.trace, 3);
 }
 
-__device__ __forceinline__ float block_max(float v, float* red) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-  v = warp_max(v);
-  __syncthreads();
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    float s = lane < nw ? red[lane] : -FLT_MAX;
-    s = warp_max(s);
-    if (lane == 0) red[32] = s;
-  }
-  __syncthreads();
-  return red[32];
-}
-
-// Kernel 2: one block per query head, a thread per dim: out = sum_c w_c O_c / sum_c w_c l_c with
-// w_c = exp(m_c - max m). Does nothing while pos < chunk (the chunk kernel wrote the output itself). Many
-// blocks at once, launched with PDL behind the chunk kernel: no serial tail on one SM.
+// Kernel 2: one block per query head; T = merge_threads_per_dim(head_dim) threads per dim, thread (d, j) takes
+// the chunks c = j, j + T, ... Each thread folds its chunks' (max m_c, sum l_c, O_c[d]) online — 8 chunks'
+// loads in flight before their math — and the T threads of a dim (adjacent lanes) meet by xor shuffles:
+// out[d] = sum_c e^(m_c - M) O_c[d] / sum_c e^(m_c - M) l_c. No barrier and no shared memory: after the wait
+// the merge is one round trip of loads (8T chunks: 2,048 positions at head dim 64) and a few dozen
+// instructions. Does nothing while pos < chunk (the chunk kernel wrote the output itself). Launched with PDL
+// behind the chunk kernel, a block per query head: no serial tail on one SM.
 __global__ void decode_attn_merge(DecodeAttnParams p) {
-  extern __shared__ float w_s[];  // (max_chunks)
-  __shared__ float red[33];
   pdl_launch_dependents();  // the O GEMV after it reads only weights before its wait
   const int CH = p.chunk, hd = p.head_dim, h = blockIdx.x;
+  const int T = merge_threads_per_dim(hd), d = threadIdx.x / T, j = threadIdx.x % T;
+  const bool live = d < hd;  // (the block is rounded up to whole warps for the shuffles)
   const int max_chunks = (p.max_seq + CH - 1) / CH;
   const int pos = *p.pos;  // final: the two-back rule
   pdl_wait();  // (also when there is nothing to merge: the O GEMV's wait must cover the attention kernel)
   const int n_chunks = pos / CH + 1;
   if (n_chunks == 1) return;
   const float2* ml = reinterpret_cast<const float2*>(p.part_ml) + (size_t)h * max_chunks;
-  float m = -FLT_MAX;
-  for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) m = fmaxf(m, ml[c].x);
-  const float M = block_max(m, red);
-  float l = 0.0f;
-  for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) {
-    const float2 v = ml[c];
-    const float w = __expf(v.x - M);
-    w_s[c] = w;
-    l += v.y * w;
-  }
-  const float L = block_sum(l, red);  // (its barriers also publish w_s)
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-    const float* po = p.part_o + (size_t)h * max_chunks * hd + d;
-    float O = 0.0f;
-    int c = 0;
-    for (; c + 16 <= n_chunks; c += 16) {  // 16 independent loads in flight before their FMAs
-      float v[16];
+  const float* po = p.part_o + (size_t)h * max_chunks * hd + (live ? d : 0);
+  float m = -FLT_MAX, L = 0.0f, O = 0.0f;  // a thread without chunks keeps these: weight e^(-FLT_MAX - M) = 0
+  for (int c0 = j; c0 < n_chunks; c0 += 8 * T) {
+    float2 v[8];
+    float o[8];
 #pragma unroll
-      for (int u = 0; u < 16; u++) v[u] = po[(size_t)(c + u) * hd];
-#pragma unroll
-      for (int u = 0; u < 16; u++) O = fmaf(w_s[c + u], v[u], O);
+    for (int u = 0; u < 8; u++) {
+      const int c = c0 + u * T;
+      const bool in = live && c < n_chunks;
+      v[u] = in ? ml[c] : make_float2(-FLT_MAX, 0.0f);
+      o[u] = in ? po[(size_t)c * hd] : 0.0f;
     }
-    for (; c < n_chunks; c++) O = fmaf(w_s[c], po[(size_t)c * hd], O);
-    p.out[(size_t)h * hd + d] = __float2half(O / L);
+    float mb = m;
+#pragma unroll
+    for (int u = 0; u < 8; u++) mb = fmaxf(mb, v[u].x);
+    const float r = __expf(m - mb);
+    O *= r;
+    L *= r;
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+      const float w = __expf(v[u].x - mb);
+      O = fmaf(w, o[u], O);
+      L = fmaf(w, v[u].y, L);
+    }
+    m = mb;
   }
+  for (int x = 1; x < T; x <<= 1) {  // both lanes of a pair compute the same sums (commutative adds)
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, x), O2 = __shfl_xor_sync(0xffffffffu, O, x),
+                L2 = __shfl_xor_sync(0xffffffffu, L, x);
+    const float M = fmaxf(m, m2), a = __expf(m - M), b = __expf(m2 - M);
+    O = O * a + O2 * b;
+    L = L * a + L2 * b;
+    m = M;
+  }
+  if (live && j == 0) p.out[(size_t)h * hd + d] = __float2half(O / L);
 }
 
 size_t decode_attention_smem(const DecodeAttnParams& p) {
@@ -427,8 +429,8 @@ void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl, bool 
   else if (p.head_dim == 128) launch_attention<decode_attn_kernel<128>>(p, grid, block, smem, s, pdl);
   else launch_attention<decode_attn_kernel<0>>(p, grid, block, smem, s, pdl);
   if (!merge) return;
-  launch(decode_attn_merge, dim3(p.n_heads), dim3(p.head_dim <= 128 ? 128 : 256),
-         sizeof(float) * (size_t)attn_max_chunks(p), s, pdl, p);
+  const int merge_threads = (p.head_dim * merge_threads_per_dim(p.head_dim) + 31) / 32 * 32;
+  launch(decode_attn_merge, dim3(p.n_heads), dim3(merge_threads), 0, s, pdl, p);
 }
 
 }  // namespace ti::cuda

@@ -126,6 +126,15 @@ def test_decode_attention_paged(group, hd, pos, page_size):
     _check_attention(group, hd, pos, 64 if hd <= 128 else 32, page_size=page_size, max_seq=1024 + 37)
 
 
+# The merge kernel over many chunks: more than one round of 8 chunks per thread (head dim 64 at chunk 16: 63
+# chunks over 4 threads a dim), a head dim whose block is rounded up to whole warps (72: 2 x 72 threads -> 160),
+# and one thread a dim (256).
+@pytest.mark.parametrize("hd, chunk, pos", [(64, 16, 999), (72, 64, 700), (72, 16, 1000), (128, 16, 1000),
+                                            (256, 32, 1023)])
+def test_decode_attention_merge_many_chunks(hd, chunk, pos):
+    _check_attention(4, hd, pos, chunk, page_size=64, max_seq=1024 + 37)
+
+
 @pytest.mark.parametrize("pos", [0, 15, 16, 17, 100])
 def test_decode_attention_small_pages(pos):
     """Pages as small as the chunk (16): every chunk its own page."""

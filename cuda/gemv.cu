@@ -69,6 +69,19 @@ __device__ __forceinline__ float sum4(__half2 a, __half2 b) {
   return (fa.x + fa.y) + (fb.x + fb.y);
 }
 
+// The block's sum of v on the fast path's one use of `red` (nothing wrote it before): one barrier, after which every
+// thread adds the 8 warps' sums itself, in the order common.cuh's block_sum adds them (its warp 0 lanes 0-7 by xor
+// shuffles 4, 2, 1; the shuffles 16 and 8 add zeros), so the result is the same to the bit; block_sum would spend
+// two more barriers and warp 0's shuffle chain on the prologue's critical path.
+__device__ __forceinline__ float block_sum_once(float v, float* red) {
+  static_assert(kGemvWarps == 8, "the sum order below is that of 8 warps");
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  const float4 a = reinterpret_cast<const float4*>(red)[0], b = reinterpret_cast<const float4*>(red)[1];
+  return ((a.x + b.x) + (a.z + b.z)) + ((a.y + b.y) + (a.w + b.w));
+}
+
 // Returns whether the I4 group sums were computed along (else stage_xsum does it).
 template <WFormat WF, GemvIn IN>
 __device__ __forceinline__ bool stage_x(const GemvParams& p, int nw, const float* nws, __half* xs, float* red,
@@ -86,7 +99,7 @@ __device__ __forceinline__ bool stage_x(const GemvParams& p, int nw, const float
         xr[u] = i < nv ? reinterpret_cast<const float4*>(x)[i] : make_float4(0, 0, 0, 0);
         ss += xr[u].x * xr[u].x + xr[u].y * xr[u].y + xr[u].z * xr[u].z + xr[u].w * xr[u].w;
       }
-      ss = block_sum(ss, red);
+      ss = block_sum_once(ss, red);
       const float inv = rsqrtf(ss / (float)p.K + p.eps);
 #pragma unroll
       for (int u = 0; u < kMaxVec; u++) {
@@ -238,7 +251,7 @@ __device__ __forceinline__ void round4(const TileHead<WF, R, P>& h, const __half
 // block, not once per tile, the next tile's first words are in flight while a tile is reduced and stored, and
 // the kernel leaves room on each SM for the next kernel's blocks to start (PDL) and fetch their weights.
 // I8 at R=1 is held to 80 registers (3 blocks per SM, as the per-channel int8 kernel had by itself): left alone
-// ptxas gives its F32Norm variant 96; held, it spills 16 bytes once per block in the RMSNorm staging, not in the
+// ptxas gives its F32Norm variant 96; held, it spills 32 bytes once per block in the RMSNorm staging, not in the
 // loop. (Minimum 0 elsewhere = no hint: an explicit 1 changes ptxas' choices for every variant.)
 template <WFormat WF, int R, GemvIn IN, GemvOut OUT>
 __global__ void __launch_bounds__(kGemvThreads, WF == WFormat::I8 && R == 1 ? 3 : 0) gemv_kernel(GemvParams p) {
@@ -246,7 +259,7 @@ __global__ void __launch_bounds__(kGemvThreads, WF == WFormat::I8 && R == 1 ? 3 
   __half* xs = reinterpret_cast<__half*>(smem_raw);  // the staged input (ld halves)
   float* nws = reinterpret_cast<float*>(xs + p.ld);    // F32Norm: the RMSNorm weight (K floats)
   float* xsum = nws + (IN == GemvIn::F32Norm ? p.K : 0);  // I4 only: (K / 32)
-  __shared__ float red[33];
+  __shared__ __align__(16) float red[33];
   trace_point(p.trace, 0);
   if (p.early_trigger) pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
@@ -346,7 +359,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p)
   __half* xs = reinterpret_cast<__half*>(smem_raw);  // the staged input (ld halves)
   float* nws = reinterpret_cast<float*>(xs + p.ld);    // F32Norm: the RMSNorm weight (K floats)
   float* xsum = nws + (IN == GemvIn::F32Norm ? p.K : 0);  // I4 only: (K / 32)
-  __shared__ float red[33];
+  __shared__ __align__(16) float red[33];
   __shared__ float part[kGemvWarps][RB];
   trace_point(p.trace, 0);
   if (p.early_trigger) pdl_launch_dependents();

@@ -347,12 +347,42 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   trace_point(p.trace, 3);
 }
 
-// Kernel 2: one block per query head; T = merge_threads_per_dim(head_dim) threads per dim, thread (d, j) takes
-// the chunks c = j, j + T, ... Each thread folds its chunks' (max m_c, sum l_c, O_c[d]) online — 8 chunks'
-// loads in flight before their math — and the T threads of a dim (adjacent lanes) meet by xor shuffles:
-// out[d] = sum_c e^(m_c - M) O_c[d] / sum_c e^(m_c - M) l_c. No barrier and no shared memory: after the wait
-// the merge is one round trip of loads (8T chunks: 2,048 positions at head dim 64) and a few dozen
-// instructions. Does nothing while pos < chunk (the chunk kernel wrote the output itself). Launched with PDL
+// Kernel 2's fold: thread j of a dim takes the chunks c = j, j + T, ..., U chunks' loads in flight before their
+// math, keeping the running (max m, sum L, output O[d]) rescaled to its max.
+template <int U>
+__device__ __forceinline__ void merge_fold(const float2* ml, const float* po, int hd, int n_chunks, int j, int T,
+                                           bool live, float& m, float& L, float& O) {
+  for (int c0 = j; c0 < n_chunks; c0 += U * T) {
+    float2 v[U];
+    float o[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int c = c0 + u * T;
+      const bool in = live && c < n_chunks;
+      v[u] = in ? ml[c] : make_float2(-FLT_MAX, 0.0f);
+      o[u] = in ? po[(size_t)c * hd] : 0.0f;
+    }
+    float mb = m;
+#pragma unroll
+    for (int u = 0; u < U; u++) mb = fmaxf(mb, v[u].x);
+    const float r = __expf(m - mb);
+    O *= r;
+    L *= r;
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const float w = __expf(v[u].x - mb);
+      O = fmaf(w, o[u], O);
+      L = fmaf(w, v[u].y, L);
+    }
+    m = mb;
+  }
+}
+
+// Kernel 2: one block per query head; T = merge_threads_per_dim(head_dim) threads per dim, thread (d, j) folds
+// the chunks j, j + T, ... (merge_fold: 8 chunks' loads in flight, 16 past 8T chunks — 2,048 positions at head
+// dim 64 — so that the fold stays one round trip of loads up to 4,096) and the T threads of a dim (adjacent
+// lanes) meet by xor shuffles: out[d] = sum_c e^(m_c - M) O_c[d] / sum_c e^(m_c - M) l_c. No barrier and no
+// shared memory. Does nothing while pos < chunk (the chunk kernel wrote the output itself). Launched with PDL
 // behind the chunk kernel, a block per query head: no serial tail on one SM.
 __global__ void decode_attn_merge(DecodeAttnParams p) {
   pdl_launch_dependents();  // the O GEMV after it reads only weights before its wait
@@ -367,30 +397,8 @@ __global__ void decode_attn_merge(DecodeAttnParams p) {
   const float2* ml = reinterpret_cast<const float2*>(p.part_ml) + (size_t)h * max_chunks;
   const float* po = p.part_o + (size_t)h * max_chunks * hd + (live ? d : 0);
   float m = -FLT_MAX, L = 0.0f, O = 0.0f;  // a thread without chunks keeps these: weight e^(-FLT_MAX - M) = 0
-  for (int c0 = j; c0 < n_chunks; c0 += 8 * T) {
-    float2 v[8];
-    float o[8];
-#pragma unroll
-    for (int u = 0; u < 8; u++) {
-      const int c = c0 + u * T;
-      const bool in = live && c < n_chunks;
-      v[u] = in ? ml[c] : make_float2(-FLT_MAX, 0.0f);
-      o[u] = in ? po[(size_t)c * hd] : 0.0f;
-    }
-    float mb = m;
-#pragma unroll
-    for (int u = 0; u < 8; u++) mb = fmaxf(mb, v[u].x);
-    const float r = __expf(m - mb);
-    O *= r;
-    L *= r;
-#pragma unroll
-    for (int u = 0; u < 8; u++) {
-      const float w = __expf(v[u].x - mb);
-      O = fmaf(w, o[u], O);
-      L = fmaf(w, v[u].y, L);
-    }
-    m = mb;
-  }
+  if (n_chunks > 8 * T) merge_fold<16>(ml, po, hd, n_chunks, j, T, live, m, L, O);  // (block-uniform)
+  else merge_fold<8>(ml, po, hd, n_chunks, j, T, live, m, L, O);
   for (int x = 1; x < T; x <<= 1) {  // both lanes of a pair compute the same sums (commutative adds)
     const float m2 = __shfl_xor_sync(0xffffffffu, m, x), O2 = __shfl_xor_sync(0xffffffffu, O, x),
                 L2 = __shfl_xor_sync(0xffffffffu, L, x);

@@ -378,6 +378,7 @@ void bind_engines(nb::module_& m) {
       .def_rw("gemv_grid", &ti::CudaOptions::gemv_grid)
       .def_rw("gemv_resident_margin", &ti::CudaOptions::gemv_resident_margin)
       .def_rw("gemv_small_tiles", &ti::CudaOptions::gemv_small_tiles)
+      .def_rw("gemv_step_check", &ti::CudaOptions::gemv_step_check)
       .def_rw("gemv_pins", &ti::CudaOptions::gemv_pins, "A list of GemvPin (assign a new list; it is copied).")
       .def_rw("decode_long_from", &ti::CudaOptions::decode_long_from)
       .def_rw("one_chunk_graph", &ti::CudaOptions::one_chunk_graph)
@@ -505,6 +506,33 @@ void bind_engines(nb::module_& m) {
           "text"_a, "key"_a,
           "Check a saved plan as the constructor does (no GPU needed): (gemv_table, decode_long, '') or "
           "(None, None, problem) with problem 'stale: ...' or 'corrupt: ...'.")
+      .def_static(
+          "plan_by_steps",
+          [](const std::vector<std::tuple<int, int, std::vector<std::tuple<int, int, double>>>>& roles,
+             nb::callable step_us, double gain) {
+            ti::GemvPlan plan;
+            for (const auto& [R, bps, tried] : roles) {
+              ti::GemvShapePlan g;
+              g.role = (ti::MatrixRole)plan.shapes.size();
+              g.chosen = ti::GemvVariant{R, bps};
+              g.bytes = 1e6;
+              for (const auto& [tR, tb, us] : tried) g.tried.push_back({ti::GemvVariant{tR, tb}, us});
+              plan.shapes.push_back(g);
+            }
+            const int flipped = ti::tune_plan_by_steps(plan, [&](const ti::GemvPlan& p) {
+              nb::list chosen;
+              for (const ti::GemvShapePlan& g : p.shapes)
+                chosen.append(nb::make_tuple(g.chosen.rows_per_warp, g.chosen.blocks_per_sm));
+              return nb::cast<double>(step_us(chosen));
+            }, gain);
+            nb::list out;
+            for (const ti::GemvShapePlan& g : plan.shapes)
+              out.append(nb::make_tuple(g.chosen.rows_per_warp, g.chosen.blocks_per_sm));
+            return nb::make_tuple(out, flipped);
+          },
+          "roles"_a, "step_us"_a, "gain"_a = 0.01,
+          "tune_plan_by_steps (gemv_plan.h) on a plan given as [(R, blocks_per_sm, [(R, bps, us) tried])] with "
+          "step_us([(R, bps)] chosen) -> µs: ([(R, bps)] kept, roles flipped). For tests.")
       .def_prop_ro("plan_text", &ti::CudaEngine::plan_text,
                    "This engine's GEMV plan as text to save ('' where gemv_pins changed it).")
       .def_prop_ro("plan_from_cache", &ti::CudaEngine::plan_from_cache)

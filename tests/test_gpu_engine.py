@@ -207,6 +207,56 @@ def test_out_of_gpu_memory_is_a_clear_error_and_frees_what_it_took():
     assert eng.time_decode_step(16, 4) > 0
 
 
+def test_plan_by_steps_flips_a_role_only_where_the_whole_step_gains():
+    """tune_plan_by_steps: each role whose pick is not its fastest variant alone is tried on that variant, one at
+    a time, and kept there only where the step gets faster by more than `gain`; a role already on its fastest is
+    not timed."""
+    from tinyinfer import _core
+
+    roles = [
+        (8, 2, [(8, 2, 10.0), (2, 2, 9.9)]),   # rules' pick; the step gains 5% on R2: flipped
+        (1, 2, [(1, 2, 5.0), (4, 0, 4.8)]),    # the step gains 0.5% (< 1%): kept
+        (2, 2, [(2, 2, 3.0), (1, 0, 3.5)]),    # already the fastest: never timed
+    ]
+    calls = []
+
+    def step_us(chosen):
+        calls.append(chosen)
+        t = 1000.0
+        t -= 50.0 if chosen[0] == (2, 2) else 0.0
+        t -= 4.0 if chosen[1] == (4, 0) else 0.0
+        return t
+
+    kept, flipped = _core.CudaEngine.plan_by_steps(roles, step_us, 0.01)
+    assert kept == [(2, 2), (1, 2), (2, 2)] and flipped == 1
+    assert calls == [[(8, 2), (1, 2), (2, 2)], [(2, 2), (1, 2), (2, 2)], [(2, 2), (4, 0), (2, 2)]]
+    assert _core.CudaEngine.plan_by_steps(roles, step_us, 0.1)[0] == [(8, 2), (1, 2), (2, 2)]
+
+
+def test_step_check_keeps_each_pick_to_the_rules_or_the_fastest():
+    """CudaOptions.gemv_step_check (the default): every role ends on the rules' pick (recomputed from its own
+    timings, as in the test below) or on its fastest variant alone, and the option is part of the saved plan's
+    key."""
+    from tinyinfer import _core
+    from tinyinfer.bench import shape_config
+
+    cfg = shape_config("smollm2-135m")
+    o = _core.CudaOptions()
+    o.gemv_resident_margin = 1.0  # the rules then often pick far from the fastest: flips to try
+    off = _core.CudaOptions()
+    off.gemv_step_check = False
+    assert _core.CudaEngine.plan_key(cfg, 256, o) != _core.CudaEngine.plan_key(cfg, 256, off)
+    eng = _core.CudaEngine.random(cfg, 256, 1, o)
+    for g in eng.gemv_table():
+        tried = list(zip(g["tried_R"], g["tried_blocks_per_sm"], g["us"]))
+        fastest = min(tried, key=lambda t: t[2])[:2]
+        cands = [(R, us) for R, b, us in tried if b == 2 and us <= 2.0 * min(t[2] for t in tried)]
+        sign = -1 if g["name"] == "qkv" else 1
+        rule = (min(cands, key=lambda c: (sign * (8 if c[0] == 8 else 8 * c[0]), c[1]))[0], 2)
+        assert (g["R"], g["blocks_per_sm"]) in (fastest, rule), g
+    assert eng.time_decode_step(16, 8) > 0
+
+
 def test_trace_step_stamps_every_kernel_in_order_and_options_are_checked():
     from tinyinfer import InvalidRequestError, _core
     from tinyinfer.bench import shape_config
@@ -242,6 +292,7 @@ def test_trace_step_stamps_every_kernel_in_order_and_options_are_checked():
     assert (table["qkv"]["R"], table["qkv"]["blocks_per_sm"], table["down"]["R"], table["down"]["blocks_per_sm"]) == (1, 0, 8, 1)
     resident = _core.CudaOptions()
     resident.gemv_resident_margin = 1.0  # any 2-per-SM variant within 2x of the fastest: all of them here
+    resident.gemv_step_check = False  # the rules alone (the whole-step check may overrule them: tested below)
     for small in (True, False):
         resident.gemv_small_tiles = small
         for g in _core.CudaEngine.random(cfg, 256, 1, resident).gemv_table():

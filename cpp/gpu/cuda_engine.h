@@ -48,6 +48,7 @@ struct CudaOptions {
   int gemv_grid = -1;                  // -1: time blocks_per_sm 0 / 1 / 2 per shape; else only this one
   double gemv_resident_margin = 0.05;  // prefer a 2-blocks-per-SM variant within this fraction of the fastest
   bool gemv_small_tiles = true;        // among those, the smallest tiles (qkv, before the attention: the largest)
+  bool gemv_step_check = true;         // then whole steps decide, role by role, against the fastest alone
   std::vector<GemvPin> gemv_pins;      // variants forced after tuning (A/B runs: bench/tools/ab_decode.py)
   int64_t decode_long_from = -1;       // long-context decode graph: -1 tuned, 0 none, n > 0 from context n
   bool one_chunk_graph = true;         // steps at pos < attn_chunk: a decode graph without the merge kernel
@@ -269,6 +270,7 @@ class CudaEngine {
   void tune();
   void build_graphs();
   cudaGraphExec_t capture_decode(GemvVariant qkv);  // a decode-step graph with qkv at that variant
+  void check_plan_by_steps();  // CudaOptions::gemv_step_check (tune_plan_by_steps)
   void decode_long_graph();
   void persistent_graph();  // CudaOptions::decode_path: the persistent step and its graph
   void release();

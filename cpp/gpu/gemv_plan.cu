@@ -210,6 +210,33 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
 // (min(1,024, max_seq_len - 64)); a candidate faster than the short graph by > 2% gets a graph, used from the
 // first context in {64, 128, 256, 512} where it is faster by > 1% (bisected; else from the long context itself).
 // The long graph differs from the short one in qkv's grid or tile height only.
+int tune_plan_by_steps(GemvPlan& plan, const std::function<double(const GemvPlan&)>& step_us, double gain) {
+  int flipped = 0;
+  double t_plan = -1;
+  for (GemvShapePlan& g : plan.shapes) {
+    const GemvTrial* fastest = nullptr;
+    for (const GemvTrial& t : g.tried)
+      if (!fastest || t.us < fastest->us) fastest = &t;
+    if (!fastest || (fastest->variant.rows_per_warp == g.chosen.rows_per_warp &&
+                     fastest->variant.blocks_per_sm == g.chosen.blocks_per_sm))
+      continue;
+    if (t_plan < 0) t_plan = step_us(plan);
+    const GemvVariant keep = g.chosen;
+    const double keep_gb = g.gb_per_s;
+    g.chosen = fastest->variant;
+    g.gb_per_s = g.bytes / (fastest->us * 1e-6) / 1e9;
+    const double t = step_us(plan);
+    if (t < (1 - gain) * t_plan) {
+      t_plan = t;
+      flipped++;
+    } else {
+      g.chosen = keep;
+      g.gb_per_s = keep_gb;
+    }
+  }
+  return flipped;
+}
+
 cudaGraphExec_t tune_decode_long(GemvPlan& plan, cudaGraphExec_t short_graph, int64_t max_seq, int64_t forced_from,
                                  const DecodeGraphProbe& probe) {
   const GemvShapePlan* q = plan.find(MatrixRole::Qkv);

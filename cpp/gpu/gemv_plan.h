@@ -93,6 +93,14 @@ GemvShapePlan tune_gemv_shape(const GemvShapeSpec& s, const GemvTuneOptions& o,
 GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b, const GemvTuneOptions& o,
                         bool early_trigger, bool pdl, StreamClock& clock);
 
+// The picking rules (resident margin, tile sizes) are judged one matrix at a time; their interplay in the step is
+// not (docs/perf/decode-options.md: Llama-2-7B int8's gate/up on the split-K variant the rules preferred within
+// 1.5% of the fastest alone made the step 9% slower). So at load, for each role whose pick is not its fastest
+// variant alone, the step is timed with that role on the fastest (step_us(plan): µs per decode step with the
+// plan's variants), one role at a time, and the flip is kept where it is faster by more than `gain`. Returns the
+// roles flipped.
+int tune_plan_by_steps(GemvPlan& plan, const std::function<double(const GemvPlan&)>& step_us, double gain = 0.01);
+
 // The long-context decision. capture(v): a decode-step graph with qkv at v; step_ms(g, ctx): GPU ms per step
 // of graph g at context ctx (mean of `steps`). forced_from > 0: qkv at 1 block per SM from that context (tests); else timed.
 // Returns the long graph (nullptr: none) and records the decision in plan.long_from / plan.qkv_long.

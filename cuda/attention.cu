@@ -37,7 +37,7 @@ namespace ti::cuda {
 constexpr int kAttnThreads = 256, kMaxGroup = 8, kPad = 8;  // kPad: halves of padding per shared K/V row
 constexpr int kQPad = 8;  // floats of padding per query row in shared memory (the mma tile's fp32 pair reads)
 // The merge kernel's threads per head dim (a power of two: a dim's threads are adjacent lanes of one warp), so
-// that a block has 128-288 threads at the head dims we take (64-256; check_decode_attn).
+// that a block has 160-256 threads at the head dims we take (64-256; check_decode_attn).
 __host__ __device__ constexpr int merge_threads_per_dim(int hd) { return hd <= 64 ? 4 : hd <= 128 ? 2 : 1; }
 
 // Step 3 on the tensor cores, for a chunk of 64 positions at head dim HD = 64 / 128 (mma.sync m16n8k16, fp16
@@ -399,7 +399,7 @@ __global__ void decode_attn_merge(DecodeAttnParams p) {
   float m = -FLT_MAX, L = 0.0f, O = 0.0f;  // a thread without chunks keeps these: weight e^(-FLT_MAX - M) = 0
   if (n_chunks > 8 * T) merge_fold<16>(ml, po, hd, n_chunks, j, T, live, m, L, O);  // (block-uniform)
   else merge_fold<8>(ml, po, hd, n_chunks, j, T, live, m, L, O);
-  for (int x = 1; x < T; x <<= 1) {  // both lanes of a pair compute the same sums (commutative adds)
+  for (int x = 1; x < T; x <<= 1) {  // (lane j == 0's sums are written; its partner's may differ in the last bits)
     const float m2 = __shfl_xor_sync(0xffffffffu, m, x), O2 = __shfl_xor_sync(0xffffffffu, O, x),
                 L2 = __shfl_xor_sync(0xffffffffu, L, x);
     const float M = fmaxf(m, m2), a = __expf(m - M), b = __expf(m2 - M);

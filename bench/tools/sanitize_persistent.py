@@ -30,6 +30,7 @@ def config() -> "_core.ModelConfig":
 def options(mode: str, plan: str = "") -> "_core.CudaOptions":
     o = _core.CudaOptions()
     o.gemv_rows, o.gemv_grid, o.decode_long_from, o.gemm_autotune = 2, 2, 0, False  # one variant each: quick
+    o.attn_tensor_cores = False  # the graph path in fp32, as the persistent step (tokens compared exactly)
     o.plan_text = plan
     if mode != "graph":
         o.decode_path = _core.DecodePath.Persistent

@@ -256,24 +256,27 @@ void CudaEngine::tune() {
 void CudaEngine::check_plan_by_steps() {
   constexpr int64_t kContext = 64;
   constexpr int kSteps = 24;
-  if (max_seq_ < kContext + kSteps + 1) return;
-  auto step_us = [&](const GemvPlan& p) {
-    const GemvPlan keep = plan_;  // step_ reads plan_ while recording
-    plan_ = p;
+  const int64_t room = std::min<int64_t>(max_seq_, pool_->n_pages() * pool_->page_size());
+  if (room < kContext + kSteps + 1) return;
+  // step_us(p): p is plan_ itself (tune_plan_by_steps edits it in place), which step_ records from.
+  auto step_us = [&](const GemvPlan&) {
     cudaGraphExec_t g = nullptr;
-    const cudaError_t err = capture_graph(stream_, [&] { step_->record(stream_, pdl_); }, &g);
-    plan_ = keep;
-    TI_CUDA_CHECK(err);
+    TI_CUDA_CHECK(capture_graph(stream_, [&] { step_->record(stream_, pdl_); }, &g));
+    struct Destroy {
+      cudaGraphExec_t g;
+      ~Destroy() { cudaGraphExecDestroy(g); }
+    } destroy{g};
     auto launch = [&](int64_t) { TI_CUDA_CHECK(cudaGraphLaunch(g, stream_)); };
     double us = 1e30;
     for (int r = 0; r < 2; r++) us = std::min(us, 1e3 * time_steps(kContext, kSteps, launch));
-    cudaGraphExecDestroy(g);
     return us;
   };
+  const GemvPlan picks = plan_;
   try {
     tune_plan_by_steps(plan_, step_us);
   } catch (const Error&) {
-    cudaGetLastError();  // (a capture this driver refuses: the per-matrix picks stand)
+    cudaGetLastError();  // (a capture this driver refuses, say): the per-matrix picks stand, none half-tried
+    plan_ = picks;
   }
   reset();  // the cache holds benchmark tokens
 }

@@ -205,11 +205,7 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
   return plan;
 }
 
-// qkv's candidates for long contexts: the short graph's R at 1 block per SM, and the largest tiles among the
-// 2-per-SM variants within 25% of the fastest alone. Each is timed as whole decode steps at a long context
-// (min(1,024, max_seq_len - 64)); a candidate faster than the short graph by > 2% gets a graph, used from the
-// first context in {64, 128, 256, 512} where it is faster by > 1% (bisected; else from the long context itself).
-// The long graph differs from the short one in qkv's grid or tile height only.
+// Role by role, against the plan's own step time (gemv_plan.h).
 int tune_plan_by_steps(GemvPlan& plan, const std::function<double(const GemvPlan&)>& step_us, double gain) {
   int flipped = 0;
   double t_plan = -1;
@@ -237,6 +233,11 @@ int tune_plan_by_steps(GemvPlan& plan, const std::function<double(const GemvPlan
   return flipped;
 }
 
+// qkv's candidates for long contexts: the short graph's R at 1 block per SM, and the largest tiles among the
+// 2-per-SM variants within 25% of the fastest alone. Each is timed as whole decode steps at a long context
+// (min(1,024, max_seq_len - 64)); a candidate faster than the short graph by > 2% gets a graph, used from the
+// first context in {64, 128, 256, 512} where it is faster by > 1% (bisected; else from the long context itself).
+// The long graph differs from the short one in qkv's grid or tile height only.
 cudaGraphExec_t tune_decode_long(GemvPlan& plan, cudaGraphExec_t short_graph, int64_t max_seq, int64_t forced_from,
                                  const DecodeGraphProbe& probe) {
   const GemvShapePlan* q = plan.find(MatrixRole::Qkv);

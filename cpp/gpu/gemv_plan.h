@@ -93,9 +93,8 @@ GemvShapePlan tune_gemv_shape(const GemvShapeSpec& s, const GemvTuneOptions& o,
 GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b, const GemvTuneOptions& o,
                         bool early_trigger, bool pdl, StreamClock& clock);
 
-// The picking rules (resident margin, tile sizes) are judged one matrix at a time; their interplay in the step is
-// not (docs/perf/decode-options.md: Llama-2-7B int8's gate/up on the split-K variant the rules preferred within
-// 1.5% of the fastest alone made the step 9% slower). So at load, for each role whose pick is not its fastest
+// The picking rules (resident margin, tile sizes) are judged one matrix at a time; how a variant's grid meets its
+// neighbours under PDL is not (why: docs/perf/decode-options.md, gemv_step_check). So at load, for each role whose pick is not its fastest
 // variant alone, the step is timed with that role on the fastest (step_us(plan): µs per decode step with the
 // plan's variants), one role at a time, and the flip is kept where it is faster by more than `gain`. Returns the
 // roles flipped.

@@ -537,7 +537,7 @@ std::vector<float> run_dequantize(const float* W, int rows, int K, WFormat fmt) 
 
 std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, const float* x, const float* norm_w,
                                   float eps, const float* y_init, int R, GemvIn in, GemvOut out,
-                                  int blocks_per_sm) {
+                                  int blocks_per_sm, bool act8) {
   check_quant_shape(K, fmt);
   DeviceQuant d(W, rows, K, fmt);
   const int ld = fmt == WFormat::I8 ? (int)i8_ld(K) : K;  // the staged input width
@@ -547,6 +547,7 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
   p.q = static_cast<const uint8_t*>(d.m.q);
   p.scales = d.m.scales;
   p.ldq = d.m.ld;
+  p.act8 = act8;
   return io.run(p, K, ld, eps, R, in, blocks_per_sm);
 }
 

@@ -81,7 +81,7 @@ std::vector<float> run_dequantize(const float* W, int rows, int K, WFormat fmt);
 // One GEMV over W quantized on the device (as run_gemv otherwise; in/out: the pairs quantized GEMVs have).
 std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, const float* x, const float* norm_w,
                                   float eps, const float* y_init, int R, GemvIn in, GemvOut out,
-                                  int blocks_per_sm = 0);
+                                  int blocks_per_sm = 0, bool act8 = false);
 
 // One small-N GEMV (cuda/gemv_batch.cu, the batched decode step's products) over n input rows: W (rows, K) fp32
 // (rounded to fp16, then quantized on the device unless fmt is F16); X (n, K) floats (F16 input: rounded to

@@ -336,20 +336,23 @@ void bind_ops(nb::module_& m) {
   ops.def(
       "gemv_quant",
       [](F32In2 W, const FormatArg& f, F32In1 x, F32In1 norm_w, float eps, F32In1 y_init, int R,
-         ti::cuda::GemvIn in, ti::cuda::GemvOut out, int grid) {
+         ti::cuda::GemvIn in, ti::cuda::GemvOut out, int grid, bool act8) {
         const int rows = (int)W.shape(0), K = (int)W.shape(1);
         const ti::WFormat fmt = to_format(f);
         check_gemv_args("gemv_quant", in, out, rows, K, x, norm_w, y_init);
+        if (act8 && fmt != ti::WFormat::I4) ti::fail(ti::ErrorKind::Request, "gemv_quant: act8 is for int4 weights");
         std::vector<float> y;
         {
           nb::gil_scoped_release release;
           y = ti::cuda::run_gemv_quant(W.data(), rows, K, fmt, x.data(), norm_w.data(), eps, y_init.data(), R, in,
-                                       out, grid);
+                                       out, grid, act8);
         }
         return y;
       },
       "W"_a, "format"_a, "x"_a, "norm_w"_a, "eps"_a, "y_init"_a, "R"_a, "input"_a, "output"_a, "grid"_a = 0,
-      "One quantized GEMV (cuda/gemv.cu) over W quantized on the device; grid as in gemv.");
+      "act8"_a = false,
+      "One quantized GEMV (cuda/gemv.cu) over W quantized on the device; grid as in gemv; act8 (int4): the input "
+      "quantized to int8 per group of 32 (cuda/gemv_dot.cuh, kI4A8).");
   ops.def(
       "gemv_batch",
       [](F32In2 W, const FormatArg& f, F32In2 X, F32In1 norm_w, float eps, F32In2 Y_init, ti::cuda::GemvIn in,

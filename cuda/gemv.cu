@@ -82,25 +82,105 @@ __device__ __forceinline__ float block_sum_once(float v, float* red) {
   return ((a.x + b.x) + (a.z + b.z)) + ((a.y + b.y) + (a.w + b.w));
 }
 
+// F32Norm's fast path: this thread's float4s of the residual stream into xr, and the block's 1 / rms.
+__device__ __forceinline__ float load_rms(const GemvParams& p, float4 (&xr)[kMaxVec], float* red) {
+  const float* x = static_cast<const float*>(p.x);
+  const int nv = p.K / 4;
+  float ss = 0.0f;
+#pragma unroll
+  for (int u = 0; u < kMaxVec; u++) {
+    const int i = threadIdx.x + u * kGemvThreads;
+    xr[u] = i < nv ? reinterpret_cast<const float4*>(x)[i] : make_float4(0, 0, 0, 0);
+    ss += xr[u].x * xr[u].x + xr[u].y * xr[u].y + xr[u].z * xr[u].z + xr[u].w * xr[u].w;
+  }
+  ss = block_sum_once(ss, red);
+  return rsqrtf(ss / (float)p.K + p.eps);
+}
+
+// kI4A8 (gemv_dot.cuh): the input quantized to int8 per group of 32 while it is staged — from the fp16-rounded
+// value the fp16 paths stage — in dp4a's byte order, each group's (d, sum(xq)) beside it. LANES consecutive lanes
+// hold one group, E = 32 / LANES consecutive elements each (F32Norm: 8 lanes of 4; F16: 4 lanes of 8). A group
+// past the input (in == false for all its lanes) joins the shuffles and stores nothing.
+__device__ __forceinline__ uint32_t pack4(const int* q) {
+  return (uint32_t)(q[0] & 0xff) | (uint32_t)(q[1] & 0xff) << 8 | (uint32_t)(q[2] & 0xff) << 16 | (uint32_t)q[3] << 24;
+}
+template <int LANES>
+__device__ __forceinline__ void quantize_group(const float* f, int i, bool in, int nw, uint32_t* xs32, float2* dq) {
+  constexpr int E = 32 / LANES;
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < E; j++) amax = fmaxf(amax, fabsf(f[j]));
+#pragma unroll
+  for (int o = 1; o < LANES; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+  int q[E], sum = 0;
+#pragma unroll
+  for (int j = 0; j < E; j++) sum += q[j] = (int)roundf(f[j] * id);
+#pragma unroll
+  for (int o = 1; o < LANES; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const int g = i / LANES, e0 = (i % LANES) * E;  // the group, and this lane's first element in it
+  const int s = e0 / 8;                            // its 8-element sub-word (one 32-bit weight word)
+  uint32_t* dst = xs32 + ((s / 2) * nw + g) * 4 + (s % 2) * 2;  // chunk s / 2 of the group, words (xa, xb)
+  if constexpr (E == 8) {  // the whole sub-word: xa = (x0, x4, x1, x5), xb = (x2, x6, x3, x7)
+    const int a[4] = {q[0], q[4], q[1], q[5]}, b[4] = {q[2], q[6], q[3], q[7]};
+    if (in) *reinterpret_cast<uint2*>(dst) = make_uint2(pack4(a), pack4(b));
+  } else {  // half a sub-word (E == 4): the other half from the neighbouring lane
+    const uint32_t mine = pack4(q), theirs = __shfl_xor_sync(0xffffffffu, mine, 1);
+    const bool first = e0 % 8 == 0;  // x0..x3 (writes xa) or x4..x7 (writes xb)
+    if (in) dst[first ? 0 : 1] = first ? __byte_perm(mine, theirs, 0x5140) : __byte_perm(mine, theirs, 0x3726);
+  }
+  if (in && i % LANES == 0) dq[g] = make_float2(d, (float)sum);
+}
+
+template <GemvIn IN>
+__device__ __forceinline__ void stage_x_a8(const GemvParams& p, int nw, const float* nws, unsigned char* xs, float* red,
+                                           float* xsum) {
+  uint32_t* xs32 = reinterpret_cast<uint32_t*>(xs);
+  float2* dq = reinterpret_cast<float2*>(xsum);
+  if constexpr (IN == GemvIn::F32Norm) {  // the fast path only (the launcher checks K)
+    const int nv = p.K / 4;
+    float4 xr[kMaxVec];
+    const float inv = load_rms(p, xr, red);
+#pragma unroll
+    for (int u = 0; u < kMaxVec; u++) {
+      if (u * kGemvThreads >= nv) break;  // uniform
+      const int i = threadIdx.x + u * kGemvThreads;
+      float f[4] = {0, 0, 0, 0};
+      if (i < nv) {
+        const float4 w = reinterpret_cast<const float4*>(nws)[i];
+        const float2 a = __half22float2(__floats2half2_rn(w.x * (xr[u].x * inv), w.y * (xr[u].y * inv)));
+        const float2 b = __half22float2(__floats2half2_rn(w.z * (xr[u].z * inv), w.w * (xr[u].w * inv)));
+        f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
+      }
+      quantize_group<8>(f, i, i < nv, nw, xs32, dq);
+    }
+  } else {
+    const __half* x = static_cast<const __half*>(p.x);
+    for (int i0 = 0; i0 < p.K / 8; i0 += kGemvThreads) {  // uniform trip count (the shuffles)
+      const int i = i0 + threadIdx.x;
+      const bool in = i < p.K / 8;
+      const uint4 v = in ? reinterpret_cast<const uint4*>(x)[i] : make_uint4(0, 0, 0, 0);
+      float f[8];
+      unpack8(v, f);
+      quantize_group<4>(f, i, in, nw, xs32, dq);
+    }
+  }
+}
+
 // Returns whether the I4 group sums were computed along (else stage_xsum does it).
 template <WFormat WF, GemvIn IN>
 __device__ __forceinline__ bool stage_x(const GemvParams& p, int nw, const float* nws, __half* xs, float* red,
                                         float* xsum) {
   constexpr bool kSums = WF == WFormat::I4;
-  if constexpr (IN == GemvIn::F32Norm) {
+  if constexpr (WF == kI4A8) {
+    stage_x_a8<IN>(p, nw, nws, reinterpret_cast<unsigned char*>(xs), red, xsum);
+    return true;
+  } else if constexpr (IN == GemvIn::F32Norm) {
     const float* x = static_cast<const float*>(p.x);
     if (norm_fast_path(p)) {
       const int nv = p.K / 4;
       float4 xr[kMaxVec];
-      float ss = 0.0f;
-#pragma unroll
-      for (int u = 0; u < kMaxVec; u++) {
-        const int i = threadIdx.x + u * kGemvThreads;
-        xr[u] = i < nv ? reinterpret_cast<const float4*>(x)[i] : make_float4(0, 0, 0, 0);
-        ss += xr[u].x * xr[u].x + xr[u].y * xr[u].y + xr[u].z * xr[u].z + xr[u].w * xr[u].w;
-      }
-      ss = block_sum_once(ss, red);
-      const float inv = rsqrtf(ss / (float)p.K + p.eps);
+      const float inv = load_rms(p, xr, red);
 #pragma unroll
       for (int u = 0; u < kMaxVec; u++) {
         if (u * kGemvThreads >= nv) break;  // uniform: the group sums' shuffles need every lane
@@ -464,7 +544,7 @@ bool gemv_variant_ok(int R, GemvOut out) {
 // Shared memory: the staged input (ld halves), for F32Norm the RMSNorm weight, for I4 the per-group input sums.
 static size_t gemv_smem(const GemvParams& p, GemvIn in) {
   return (size_t)p.ld * sizeof(__half) + (in == GemvIn::F32Norm ? (size_t)p.K * sizeof(float) : 0) +
-         (p.fmt == WFormat::I4 ? (size_t)(p.K / kI4Group) * sizeof(float) : 0);
+         (p.fmt == WFormat::I4 ? (size_t)(p.K / kI4Group) * sizeof(float) * (p.act8 ? 2 : 1) : 0);
 }
 
 template <typename Kernel>
@@ -537,6 +617,11 @@ void gemv(const GemvParams& p, int R, GemvIn in, GemvOut out, cudaStream_t s, bo
   if (p.fmt == WFormat::I4) {
     if (p.K % kI4Group != 0 || p.ldq != i4_ld(p.K) || p.ld != p.K || !p.q || !p.scales)
       fail(ErrorKind::Request, "gemv: int4 weights need K % 32 == 0, ldq = K / 2, ld = K, q and scales");
+    if (p.act8) {
+      if (in == GemvIn::F32Norm && p.K > kMaxVec * 4 * kGemvThreads)
+        fail(ErrorKind::Unsupported, "gemv: int8 activations need K <= " + std::to_string(kMaxVec * 4 * kGemvThreads));
+      return dispatch_quantized<kI4A8>(p, R, in, out, s, pdl);
+    }
     return dispatch_quantized<WFormat::I4>(p, R, in, out, s, pdl);
   }
   if (in == GemvIn::F32Norm) {

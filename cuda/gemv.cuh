@@ -22,6 +22,7 @@ struct GemvParams {
   const uint8_t* q = nullptr;
   const void* scales = nullptr;
   int ldq = 0;
+  bool act8 = false;  // I4: the input quantized to int8 per group of 32, dot products by dp4a (gemv_dot.cuh, kI4A8)
   const void* x = nullptr;    // F16: half[K]; F32Norm: float[K]
   const float* norm_w = nullptr;  // F32Norm: the RMSNorm weight, float[K]
   float eps = 1e-5f;

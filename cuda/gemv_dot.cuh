@@ -27,12 +27,21 @@
 
 namespace ti::cuda {
 
+// kI4A8: the int4 weights (WFormat::I4's words and scales) met by the input quantized to int8 per group of 32
+// (a pseudo-format for the GEMV kernels' template parameter; never a weight format). Per group g: d_g = amax /
+// 127, xq = round(x / d_g) (llama.cpp's Q8 rounding), staged with the group's d_g and sum(xq); a word's dot is
+// d_g (s sum(q xq) + m sum(xq)), sum(q xq) by dp4a (u8 x s8) straight from the nibbles: v & 0x0F0F0F0F holds
+// weights 0, 4, 1, 5 of the word's 8 as bytes, v & 0xF0F0F0F0 16 times 2, 6, 3, 7 (i4_nibble_pos), so the
+// input is staged in that order and a 32-bit word costs two LOP3 and two IDP4A (the fp16 path: 13 instructions).
+constexpr WFormat kI4A8 = WFormat::I4A8;
+template <WFormat WF> constexpr bool kIsI4 = WF == WFormat::I4 || WF == kI4A8;
+
 // The staged input's layout (shared by gemv.cu and the persistent step, persistent.cu). A 16-byte weight word
 // meets C = 1 (F16), 2 (I8) or 4 (I4) 16-byte chunks of the fp16 input. Stored in natural order, the chunks lane
 // l reads (its word k = l + 32u) would be C x 16 bytes apart from lane l+1's: C-way bank conflicts (ncu: 73%
 // excess shared wavefronts at I4). So chunk i of word k lives at chunk slot i * nw + k (nw: words per row): for
 // each i, a warp reads 32 consecutive 16-byte chunks.
-template <WFormat WF> constexpr int kXChunks = WF == WFormat::F16 ? 1 : WF == WFormat::I8 ? 2 : 4;
+template <WFormat WF> constexpr int kXChunks = WF == WFormat::F16 ? 1 : WF == WFormat::I8 || WF == kI4A8 ? 2 : 4;
 template <WFormat WF>
 __device__ __forceinline__ int xs_index(int e, int nw) {  // element e of the input -> its half in xs
   constexpr int C = kXChunks<WF>;
@@ -45,6 +54,7 @@ template <WFormat WF> struct XFrag;  // the staged input a 16-byte weight word m
 template <> struct XFrag<WFormat::F16> { float v[8]; };
 template <> struct XFrag<WFormat::I8> { float v[16]; };
 template <> struct XFrag<WFormat::I4> { __half2 v[16]; };
+template <> struct XFrag<kI4A8> { uint32_t v[8]; };  // (xa, xb) per 32-bit weight word: the dp4a byte order
 
 template <WFormat WF>
 __device__ __forceinline__ void load_x(const __half* xs, int nw, int k, XFrag<WF>& x) {
@@ -54,6 +64,9 @@ __device__ __forceinline__ void load_x(const __half* xs, int nw, int k, XFrag<WF
   } else if constexpr (WF == WFormat::I8) {
     unpack8(xv[k], x.v);
     unpack8(xv[nw + k], x.v + 8);
+  } else if constexpr (WF == kI4A8) {
+    *reinterpret_cast<uint4*>(&x.v[0]) = xv[k];
+    *reinterpret_cast<uint4*>(&x.v[4]) = xv[nw + k];
   } else {
 #pragma unroll
     for (int i = 0; i < 4; i++) *reinterpret_cast<uint4*>(&x.v[4 * i]) = xv[i * nw + k];
@@ -66,7 +79,7 @@ struct QCtx {
   const __half* d = nullptr;    // I8: all rows' d (one pointer for all rows: fewer registers than one per row)
   int drow = 0;                 // I8: this row's first d in d (rows x blocks per row < 2^31)
   const __half2* sm = nullptr;  // I4: this row's (scale, min) pairs
-  const float* xsum = nullptr;  // I4: per-group sums of the staged input
+  const float* xsum = nullptr;  // I4: per-group sums of the staged input (kI4A8: (d, sum(xq)) pairs)
 };
 // What a 16-byte weight word k needs besides the input: I8 its block's d (word k is half of block k / 2), I4 its
 // group's (scale, min); nothing for F16. Loaded together with the word (and, for the prefetched words, before
@@ -75,11 +88,14 @@ struct QCtx {
 template <WFormat WF> struct WScale {};
 template <> struct WScale<WFormat::I8> { __half d; };
 template <> struct WScale<WFormat::I4> { __half2 sm; };
+template <> struct WScale<kI4A8> { __half2 sm; };
 template <WFormat WF>
 __device__ __forceinline__ WScale<WF> load_scale(const QCtx& c, int k) {
   WScale<WF> s;
   if constexpr (WF == WFormat::I8) s.d = c.d[c.drow + (k >> 1)];
-  if constexpr (WF == WFormat::I4) s.sm = c.sm[k];
+  // kI4A8 streams its scales past L1 like the words (__ldcs): the configuration measured (persistent.md §18)
+  if constexpr (WF == kI4A8) s.sm = __ldcs(c.sm + k);
+  else if constexpr (kIsI4<WF>) s.sm = c.sm[k];
   return s;
 }
 
@@ -93,6 +109,7 @@ __device__ __forceinline__ WScale<WF> load_scale(const QCtx& c, int k) {
 template <WFormat WF, int N> struct ScaleRun {};
 template <int N> struct ScaleRun<WFormat::I8, N> { __half2 d[(N + 3) / 4]; };
 template <int N> struct ScaleRun<WFormat::I4, N> { WScale<WFormat::I4> s[N]; };
+template <int N> struct ScaleRun<kI4A8, N> { WScale<kI4A8> s[N]; };
 // Loads what step u of a run starting at word kb (uniform, a multiple of 32) needs, for a lane word k = kb +
 // lane + 32 u (called for u = 0..N-1 in order, each with that step's word). GUARD: words at or past nw (words
 // per row) read scale 0 / word 0's instead; without GUARD the caller knows the run is inside the row.
@@ -106,7 +123,7 @@ __device__ __forceinline__ void load_run_step(const QCtx& c, int kb, int u, int 
       run.d[u / 4] = __halves2half2(!GUARD || 2 * b < nw ? c.d[c.drow + b] : zero,
                                     hi && (!GUARD || 2 * (b + 32) < nw) ? c.d[c.drow + b + 32] : zero);
     }
-  } else if constexpr (WF == WFormat::I4) {
+  } else if constexpr (kIsI4<WF>) {
     const int k = kb + (threadIdx.x & 31) + 32 * u;
     run.s[u] = load_scale<WF>(c, !GUARD || k < nw ? k : 0);
   }
@@ -118,7 +135,7 @@ __device__ __forceinline__ WScale<WF> run_scale(const ScaleRun<WF, N>& run, int 
     const int lane = threadIdx.x & 31;
     const __half2 v = __shfl_sync(0xffffffffu, run.d[u / 4], (lane >> 1) + 16 * (u & 1));
     s.d = u & 2 ? __high2half(v) : __low2half(v);
-  } else if constexpr (WF == WFormat::I4) {
+  } else if constexpr (kIsI4<WF>) {
     s = run.s[u];
   }
   return s;
@@ -151,6 +168,16 @@ __device__ __forceinline__ float dot_word(const uint4& w, const WScale<WF>& sc, 
       }
     }
     return __half2float(sc.d) * (s0 + s1);
+  } else if constexpr (WF == kI4A8) {
+    const uint32_t v[4] = {w.x, w.y, w.z, w.w};
+    int lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(lo) : "r"(v[i] & 0x0F0F0F0Fu), "r"(x.v[2 * i]));
+      asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(hi) : "r"(v[i] & 0xF0F0F0F0u), "r"(x.v[2 * i + 1]));
+    }
+    const float2 sm = __half22float2(sc.sm), dq = reinterpret_cast<const float2*>(c.xsum)[k];  // (d, sum xq)
+    return dq.x * fmaf(sm.x, (float)(lo + (hi >> 4)), sm.y * dq.y);  // hi: 16 sum(q xq) exactly
   } else {
     const uint32_t v[4] = {w.x, w.y, w.z, w.w};
     const __half2 off = __float2half2_rn(1032.0f), sixteenth = __float2half2_rn(0.0625f),
@@ -189,7 +216,7 @@ __device__ __forceinline__ QCtx row_ctx(const GemvParams& p, int row, const floa
     c.d = static_cast<const __half*>(p.scales);
     c.drow = row * (p.ldq / kI8Block);
   }
-  if constexpr (WF == WFormat::I4) {
+  if constexpr (kIsI4<WF>) {
     c.sm = static_cast<const __half2*>(p.scales) + (size_t)row * (p.K / kI4Group);
     c.xsum = xsum;
   }

@@ -45,10 +45,21 @@ def test_device_quantizer_matches_reference_bit_for_bit(fmt, rows, K):
     np.testing.assert_allclose(deq, want, rtol=1e-3, atol=1e-6)
 
 
-def gemv_ref(Wd, x, norm_w, eps, y0, inp, out):
+def quantize_act8(x):
+    """The int4 GEMV's int8 input (act8): per group of 32, d = amax / 127, xq = round half away (x / d); d xq."""
+    g = x.reshape(-1, 32).astype(np.float32)
+    d = np.abs(g).max(1, keepdims=True) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    v = g * inv
+    return (d.astype(np.float64) * (np.sign(v) * np.floor(np.abs(v) + 0.5))).reshape(-1)
+
+
+def gemv_ref(Wd, x, norm_w, eps, y0, inp, out, act8=False):
     if inp == "f32norm":
         x = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps) * norm_w
     x = x.astype(np.float16).astype(np.float64)  # the kernel stages its input as fp16
+    if act8:
+        x = quantize_act8(x)
     y = Wd.astype(np.float64) @ x
     if out == "add":
         return y0 + y
@@ -86,11 +97,45 @@ def test_quantized_gemv_matches_reference(fmt, rows, K, R, inp, out, grid):
     assert (np.abs(got - ref) <= tol).all(), f"worst {np.max(np.abs(got - ref) / tol):.2f} x tolerance"
 
 
+# act8: int4 weights against the input quantized to int8 per group of 32 (dp4a), the same shapes and modes.
+@pytest.mark.parametrize("rows,K", [(111, 96), (500, 1024), (34, 4096), (40, 5632), (6, 8192)])
+@pytest.mark.parametrize("R", [1, 2, 4, 8])
+@pytest.mark.parametrize("inp,out", [("f32norm", "f32"), ("f16", "add"), ("f32norm", "swiglu")])
+@pytest.mark.parametrize("grid", [0, -3])
+def test_int4_act8_gemv_matches_reference(rows, K, R, inp, out, grid):
+    if out == "swiglu" and (R == 1 or rows % 2):
+        pytest.skip("swiglu needs R >= 2 and an even row count")
+    rng = np.random.default_rng(rows * K + R + 1)
+    W = weights(rows, K, rows * 5 + K)
+    x = rng.standard_normal(K).astype(np.float32)
+    x[:32] = 0.0  # a group of zeros (d = 0)
+    norm_w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
+    y0 = rng.standard_normal(rows).astype(np.float32)
+    got = np.array(_core.ops.gemv_quant(W, "int4", x, norm_w, 1e-5, y0, R, *gemv_modes(inp, out), grid, act8=True))
+    Wd = _core.ops.dequantize_ref(W, "int4")
+    ref = gemv_ref(Wd, x, norm_w, 1e-5, y0, inp, out, act8=True)
+    scale = np.abs(Wd).max(1) * np.abs(x).max() * np.sqrt(K)
+    if out == "swiglu":
+        scale = np.ones_like(ref) * scale.max()
+    tol = 2e-3 * scale[: len(ref)] + 1e-5  # integer dot products; an fp16 ulp in the staging can move an xq by 1
+    assert np.isfinite(got).all()
+    assert (np.abs(got - ref) <= tol).all(), f"worst {np.max(np.abs(got - ref) / tol):.2f} x tolerance"
+    # and the quantization's own error against the fp16 input stays at the int8 level
+    ref16 = gemv_ref(Wd, x, norm_w, 1e-5, y0, inp, out)
+    assert (np.abs(got - ref16) <= 2e-2 * scale[: len(ref)] + 1e-5).all()
+
+
 def test_quantized_gemv_refuses_other_modes():
     W = weights(4, 64, 0)
     z = np.zeros(64, np.float32)
     with pytest.raises(InvalidRequestError, match="quantized weights come with"):
         _core.ops.gemv_quant(W, "int8", z, z, 1e-5, np.zeros(4, np.float32), 2, *gemv_modes("f16", "f32"))
+    with pytest.raises(InvalidRequestError, match="act8 is for int4"):
+        _core.ops.gemv_quant(W, "int8", z, z, 1e-5, np.zeros(4, np.float32), 2, *gemv_modes("f32norm", "f32"), 0, True)
+    with pytest.raises(UnsupportedModelError, match="int8 activations need K <= 8192"):
+        big = np.zeros(8224, np.float32)
+        _core.ops.gemv_quant(weights(2, 8224, 0), "int4", big, big, 1e-5, np.zeros(2, np.float32), 2,
+                             *gemv_modes("f32norm", "f32"), 0, True)
     with pytest.raises(UnsupportedModelError, match="multiple of 32"):
         _core.ops.gemv_quant(weights(4, 40, 0), "int4", z[:40], z[:40], 1e-5, np.zeros(4, np.float32), 2,
                              *gemv_modes("f32norm", "f32"))
@@ -102,13 +147,18 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=[(c, f) for c in sorted(CONFIGS) for f in ("int8", "int4")],
+# int4-act8: CudaOptions.int4_act8, the decode GEMVs' input quantized to int8 (the CPU engine keeps fp32: the
+# tolerances below hold the activations' rounding as they hold the fp16 accumulation's).
+@pytest.fixture(scope="module", params=[(c, f) for c in sorted(CONFIGS) for f in ("int8", "int4", "int4-act8")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def engines(request, tmp_path_factory):
     name, fmt = request.param
     d = make_llama(tmp_path_factory.mktemp(name), vocab=700, **CONFIGS[name])
-    gpu = Engine(d, device="cuda", dtype=fmt, max_seq_len=400)
-    cpu = Engine(d, device="cpu", dtype=fmt, max_seq_len=400)
+    opts = _core.CudaOptions()
+    opts.int4_act8 = fmt == "int4-act8"
+    dtype = fmt.split("-")[0]
+    gpu = Engine(d, device="cuda", dtype=dtype, max_seq_len=400, cuda_options=opts)
+    cpu = Engine(d, device="cpu", dtype=dtype, max_seq_len=400)
     return f"{name}-{fmt}", gpu, cpu
 
 

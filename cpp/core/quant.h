@@ -27,7 +27,8 @@
 
 namespace ti {
 
-enum class WFormat { F16, I8, I4 };
+// I4A8 is no stored format: the GEMV kernels' name for I4 weights met by an int8-quantized input (cuda/gemv_dot.cuh).
+enum class WFormat { F16, I8, I4, I4A8 };
 WFormat wformat_from_string(const std::string& s);  // "fp16" | "int8" | "int4"
 std::string to_string(WFormat f);
 

@@ -206,11 +206,11 @@ std::string CudaEngine::plan_key(const ModelConfig& c, int64_t max_seq_len, cons
   char buf[512];
   std::snprintf(buf, sizeof(buf),
                 " | model h%lld i%lld l%lld q%lld kv%lld d%lld v%lld tie%d %s | rows %d grid %d margin %.4g small %d "
-                "steps %d long %lld ctx %lld pdl %d graphs %d early %d chunk %d page %d trace %d",
+                "steps %d act8 %d long %lld ctx %lld pdl %d graphs %d early %d chunk %d page %d trace %d",
                 (long long)c.hidden, (long long)c.intermediate, (long long)c.n_layers, (long long)c.n_heads,
                 (long long)c.n_kv_heads, (long long)c.head_dim, (long long)c.vocab, (int)c.tie_word_embeddings,
                 to_string(o.weights).c_str(), o.gemv_rows, o.gemv_grid, o.gemv_resident_margin, (int)o.gemv_small_tiles,
-                (int)(o.gemv_step_check && o.graphs),
+                (int)(o.gemv_step_check && o.graphs), (int)(o.int4_act8 && o.weights == WFormat::I4),
                 (long long)o.decode_long_from, (long long)std::min<int64_t>(1024, longest - 64),
                 (int)(o.pdl && prop.major >= 9), (int)o.graphs, (int)o.early_trigger, chunk, o.kv_page_size,
                 (int)o.trace);
@@ -235,9 +235,11 @@ void CudaEngine::tune() {
   }
   if (!plan_cached_) {
     GemvTuneOptions t{opt_.gemv_rows, opt_.gemv_grid, opt_.gemv_resident_margin, opt_.gemv_small_tiles, {}};
+    t.int4_act8 = opt_.int4_act8;
     plan_ = tune_gemv_plan(cfg_, *weights_, dbuf_, t, opt_.early_trigger, pdl_, *clock_);
     if (opt_.gemv_step_check && opt_.graphs) check_plan_by_steps();
   }
+  plan_.int4_act8 = opt_.int4_act8;  // (a cached plan's key holds it)
   for (const GemvPin& pin : opt_.gemv_pins)
     if (GemvShapePlan* g = plan_.find(pin.role)) apply_pin(*g, pin);
   const clock::time_point t1 = clock::now();

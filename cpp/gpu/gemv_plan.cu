@@ -82,6 +82,7 @@ void launch_gemv(const GemvPlan& plan, MatrixRole role, cuda::GemvParams p, cuda
                  cudaStream_t s, bool pdl) {
   const GemvVariant v = plan.variant(role);
   p.blocks_per_sm = v.blocks_per_sm;
+  p.act8 = plan.int4_act8 && p.fmt == WFormat::I4;
   cuda::gemv(p, v.rows_per_warp, in, out, s, pdl);
 }
 
@@ -183,6 +184,7 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
   TI_CUDA_CHECK(cudaMemsetAsync(b.att, 0, w.ld_q * sizeof(__half), s));
   TI_CUDA_CHECK(cudaMemsetAsync(b.h, 0, w.ld_i * sizeof(__half), s));
   GemvPlan plan;
+  plan.int4_act8 = o.int4_act8;
   for (Shape& sh : shapes) {
     sh.spec.copies = (int)sh.copies.size();
     sh.spec.bytes = (double)quant_bytes(sh.copies[0].fmt, sh.spec.rows, sh.spec.K);  // as stored, scales included
@@ -196,6 +198,7 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
           for (const cuda::QMat& W : sh.copies) {
             cuda::GemvParams p = gemv_args(W, sh.x, sh.y, sh.norm, (float)c.rms_eps, sh.early && early_trigger);
             p.blocks_per_sm = v.blocks_per_sm;
+            p.act8 = o.int4_act8 && p.fmt == WFormat::I4;
             cuda::gemv(p, v.rows_per_warp, sh.in, sh.spec.out, s, pdl);
           }
       });

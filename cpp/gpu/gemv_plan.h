@@ -62,6 +62,9 @@ struct GemvPlan {
   // The long-context decode graph: from this context on, qkv runs at qkv_long (-1: one graph for all contexts).
   int64_t long_from = -1;
   GemvVariant qkv_long{0, 0};
+  // int4 matrices with the input quantized to int8 per group of 32 (CudaOptions::int4_act8): part of how every
+  // GEMV of the plan runs, so launch_gemv sets it; not in the plan's text (the plan key holds the option).
+  bool int4_act8 = false;
   const GemvShapePlan* find(MatrixRole r) const;
   GemvShapePlan* find(MatrixRole r);
   GemvVariant variant(MatrixRole r) const;  // the chosen variant; {2, 0} for a role not tuned
@@ -73,6 +76,7 @@ struct GemvTuneOptions {
   double resident_margin = 0.05;
   bool small_tiles = true;
   std::vector<GemvPin> pins;
+  bool int4_act8 = false;        // the int4 GEMVs timed as they will run (GemvPlan::int4_act8)
 };
 
 // One role as the tuner sees it.

@@ -41,10 +41,12 @@ nb::list plan_table(const ti::GemvPlan& plan) {
   nb::list out;
   for (const ti::GemvShapePlan& g : plan.shapes) {
     std::vector<int> tried_R, tried_bps;
+    std::vector<int> tried_act8;  // 0 or 1
     std::vector<double> us;
     for (const ti::GemvTrial& t : g.tried) {
       tried_R.push_back(t.variant.rows_per_warp);
       tried_bps.push_back(t.variant.blocks_per_sm);
+      tried_act8.push_back(t.variant.act8);
       us.push_back(t.us);
     }
     nb::dict d;
@@ -55,8 +57,10 @@ nb::list plan_table(const ti::GemvPlan& plan) {
     d["copies"] = g.copies;
     d["R"] = g.chosen.rows_per_warp;
     d["blocks_per_sm"] = g.chosen.blocks_per_sm;
+    d["act8"] = g.chosen.act8;
     d["tried_R"] = tried_R;
     d["tried_blocks_per_sm"] = tried_bps;
+    d["tried_act8"] = tried_act8;
     d["us"] = us;
     d["gb_per_s"] = g.gb_per_s;
     out.append(d);
@@ -379,7 +383,7 @@ void bind_engines(nb::module_& m) {
       .def_rw("gemv_resident_margin", &ti::CudaOptions::gemv_resident_margin)
       .def_rw("gemv_small_tiles", &ti::CudaOptions::gemv_small_tiles)
       .def_rw("gemv_step_check", &ti::CudaOptions::gemv_step_check)
-      .def_rw("int4_act8", &ti::CudaOptions::int4_act8)
+      .def_rw("act8", &ti::CudaOptions::act8)
       .def_rw("gemv_pins", &ti::CudaOptions::gemv_pins, "A list of GemvPin (assign a new list; it is copied).")
       .def_rw("decode_long_from", &ti::CudaOptions::decode_long_from)
       .def_rw("one_chunk_graph", &ti::CudaOptions::one_chunk_graph)
@@ -492,7 +496,8 @@ void bind_engines(nb::module_& m) {
           "A weight matrix's device bytes as stored: (q, scales) (tests; scales empty for fp16). MatrixRole "
           "qkv / o / gate_up / down, or lm_head (layer ignored).")
       .def("gemv_table", [](const ti::CudaEngine& e) { return plan_table(e.gemv_plan()); },
-           "The load-time GEMV plan, one dict per role: the chosen variant (R, blocks_per_sm) and every one timed.")
+           "The load-time GEMV plan, one dict per role: the chosen variant (R, blocks_per_sm, act8) and every one "
+           "timed.")
       .def_static("plan_key", &ti::CudaEngine::plan_key, "config"_a, "max_seq_len"_a, "options"_a,
                   "What a saved GEMV plan must have been made for (GPU, driver, build, model shape, options).")
       .def_static(

@@ -340,7 +340,8 @@ void bind_ops(nb::module_& m) {
         const int rows = (int)W.shape(0), K = (int)W.shape(1);
         const ti::WFormat fmt = to_format(f);
         check_gemv_args("gemv_quant", in, out, rows, K, x, norm_w, y_init);
-        if (act8 && fmt != ti::WFormat::I4) ti::fail(ti::ErrorKind::Request, "gemv_quant: act8 is for int4 weights");
+        if (act8 && fmt == ti::WFormat::F16)
+          ti::fail(ti::ErrorKind::Request, "gemv_quant: act8 is for int8 and int4 weights");
         std::vector<float> y;
         {
           nb::gil_scoped_release release;
@@ -351,8 +352,8 @@ void bind_ops(nb::module_& m) {
       },
       "W"_a, "format"_a, "x"_a, "norm_w"_a, "eps"_a, "y_init"_a, "R"_a, "input"_a, "output"_a, "grid"_a = 0,
       "act8"_a = false,
-      "One quantized GEMV (cuda/gemv.cu) over W quantized on the device; grid as in gemv; act8 (int4): the input "
-      "quantized to int8 per group of 32 (cuda/gemv_dot.cuh, kI4A8).");
+      "One quantized GEMV (cuda/gemv.cu) over W quantized on the device; grid as in gemv; act8: the input "
+      "quantized to int8 per group of 32 (cuda/gemv_dot.cuh, kI8A8 / kI4A8).");
   ops.def(
       "gemv_batch",
       [](F32In2 W, const FormatArg& f, F32In2 X, F32In1 norm_w, float eps, F32In2 Y_init, ti::cuda::GemvIn in,

@@ -97,14 +97,15 @@ __device__ __forceinline__ float load_rms(const GemvParams& p, float4 (&xr)[kMax
   return rsqrtf(ss / (float)p.K + p.eps);
 }
 
-// kI4A8 (gemv_dot.cuh): the input quantized to int8 per group of 32 while it is staged — from the fp16-rounded
-// value the fp16 paths stage — in dp4a's byte order, each group's (d, sum(xq)) beside it. LANES consecutive lanes
-// hold one group, E = 32 / LANES consecutive elements each (F32Norm: 8 lanes of 4; F16: 4 lanes of 8). A group
-// past the input (in == false for all its lanes) joins the shuffles and stores nothing.
+// kI4A8, kI8A8 (gemv_dot.cuh): the input quantized to int8 per group of 32 while it is staged — from the
+// fp16-rounded value the fp16 paths stage — each group's (d, sum(xq)) beside it; kI4A8 in dp4a's byte order for
+// the nibbles (NATURAL false), kI8A8 in natural order. LANES consecutive lanes hold one group, E = 32 / LANES
+// consecutive elements each (F32Norm: 8 lanes of 4; F16: 4 lanes of 8). A group past the input (in == false for
+// all its lanes) joins the shuffles and stores nothing.
 __device__ __forceinline__ uint32_t pack4(const int* q) {
   return (uint32_t)(q[0] & 0xff) | (uint32_t)(q[1] & 0xff) << 8 | (uint32_t)(q[2] & 0xff) << 16 | (uint32_t)q[3] << 24;
 }
-template <int LANES>
+template <int LANES, bool NATURAL>
 __device__ __forceinline__ void quantize_group(const float* f, int i, bool in, int nw, uint32_t* xs32, float2* dq) {
   constexpr int E = 32 / LANES;
   float amax = 0.0f;
@@ -121,7 +122,14 @@ __device__ __forceinline__ void quantize_group(const float* f, int i, bool in, i
   const int g = i / LANES, e0 = (i % LANES) * E;  // the group, and this lane's first element in it
   const int s = e0 / 8;                            // its 8-element sub-word (one 32-bit weight word)
   uint32_t* dst = xs32 + ((s / 2) * nw + g) * 4 + (s % 2) * 2;  // chunk s / 2 of the group, words (xa, xb)
-  if constexpr (E == 8) {  // the whole sub-word: xa = (x0, x4, x1, x5), xb = (x2, x6, x3, x7)
+  if constexpr (NATURAL) {
+    uint32_t* nat = xs32 + (g * 32 + e0) / 4;
+    if constexpr (E == 8) {
+      if (in) *reinterpret_cast<uint2*>(nat) = make_uint2(pack4(q), pack4(q + 4));
+    } else {
+      if (in) *nat = pack4(q);
+    }
+  } else if constexpr (E == 8) {  // the whole sub-word: xa = (x0, x4, x1, x5), xb = (x2, x6, x3, x7)
     const int a[4] = {q[0], q[4], q[1], q[5]}, b[4] = {q[2], q[6], q[3], q[7]};
     if (in) *reinterpret_cast<uint2*>(dst) = make_uint2(pack4(a), pack4(b));
   } else {  // half a sub-word (E == 4): the other half from the neighbouring lane
@@ -132,7 +140,7 @@ __device__ __forceinline__ void quantize_group(const float* f, int i, bool in, i
   if (in && i % LANES == 0) dq[g] = make_float2(d, (float)sum);
 }
 
-template <GemvIn IN>
+template <bool NATURAL, GemvIn IN>
 __device__ __forceinline__ void stage_x_a8(const GemvParams& p, int nw, const float* nws, unsigned char* xs, float* red,
                                            float* xsum) {
   uint32_t* xs32 = reinterpret_cast<uint32_t*>(xs);
@@ -152,7 +160,7 @@ __device__ __forceinline__ void stage_x_a8(const GemvParams& p, int nw, const fl
         const float2 b = __half22float2(__floats2half2_rn(w.z * (xr[u].z * inv), w.w * (xr[u].w * inv)));
         f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
       }
-      quantize_group<8>(f, i, i < nv, nw, xs32, dq);
+      quantize_group<8, NATURAL>(f, i, i < nv, nw, xs32, dq);
     }
   } else {
     const __half* x = static_cast<const __half*>(p.x);
@@ -162,7 +170,7 @@ __device__ __forceinline__ void stage_x_a8(const GemvParams& p, int nw, const fl
       const uint4 v = in ? reinterpret_cast<const uint4*>(x)[i] : make_uint4(0, 0, 0, 0);
       float f[8];
       unpack8(v, f);
-      quantize_group<4>(f, i, in, nw, xs32, dq);
+      quantize_group<4, NATURAL>(f, i, in, nw, xs32, dq);
     }
   }
 }
@@ -172,8 +180,8 @@ template <WFormat WF, GemvIn IN>
 __device__ __forceinline__ bool stage_x(const GemvParams& p, int nw, const float* nws, __half* xs, float* red,
                                         float* xsum) {
   constexpr bool kSums = WF == WFormat::I4;
-  if constexpr (WF == kI4A8) {
-    stage_x_a8<IN>(p, nw, nws, reinterpret_cast<unsigned char*>(xs), red, xsum);
+  if constexpr (kIsA8<WF>) {
+    stage_x_a8<WF == kI8A8, IN>(p, nw, nws, reinterpret_cast<unsigned char*>(xs), red, xsum);
     return true;
   } else if constexpr (IN == GemvIn::F32Norm) {
     const float* x = static_cast<const float*>(p.x);
@@ -332,9 +340,11 @@ __device__ __forceinline__ void round4(const TileHead<WF, R, P>& h, const __half
 // the kernel leaves room on each SM for the next kernel's blocks to start (PDL) and fetch their weights.
 // I8 at R=1 is held to 80 registers (3 blocks per SM, as the per-channel int8 kernel had by itself): left alone
 // ptxas gives its F32Norm variant 96; held, it spills 32 bytes once per block in the RMSNorm staging, not in the
-// loop. (Minimum 0 elsewhere = no hint: an explicit 1 changes ptxas' choices for every variant.)
+// loop. kI8A8 is held to 2 blocks per SM (128 registers: left alone its R = 4 took 132, one block per SM).
+// (Minimum 0 elsewhere = no hint: an explicit 1 changes ptxas' choices for every variant.)
 template <WFormat WF, int R, GemvIn IN, GemvOut OUT>
-__global__ void __launch_bounds__(kGemvThreads, WF == WFormat::I8 && R == 1 ? 3 : 0) gemv_kernel(GemvParams p) {
+__global__ void __launch_bounds__(kGemvThreads, WF == WFormat::I8 && R == 1 ? 3 : WF == kI8A8 ? 2 : 0)
+    gemv_kernel(GemvParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __half* xs = reinterpret_cast<__half*>(smem_raw);  // the staged input (ld halves)
   float* nws = reinterpret_cast<float*>(xs + p.ld);    // F32Norm: the RMSNorm weight (K floats)
@@ -380,7 +390,7 @@ __global__ void __launch_bounds__(kGemvThreads, WF == WFormat::I8 && R == 1 ? 3 
     // (its scales are shuffled across the warp) warp-uniformly, whole rounds only. Either way each lane sums
     // its words in the same order.
     int k = lane + P * 32;  // in 16-byte words
-    if constexpr (WF == WFormat::I8) {
+    if constexpr (kIsI8<WF>) {
       for (int kb = P * 32; kb + 4 * 32 <= ld8; kb += 4 * 32, k += 4 * 32)
         round4<WF, R>(h, xs, ld8, kb, k, xf, acc);
     } else {
@@ -535,16 +545,22 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p)
   trace_point(p.trace, 3);
 }
 
+bool gemv_act8_ok(int K, GemvIn in) {
+  return K % 32 == 0 && (in != GemvIn::F32Norm || K <= kMaxVec * 4 * kGemvThreads);
+}
+
 bool gemv_variant_ok(int R, GemvOut out) {
   if (R == kGemvSplitK) return true;
   if (R != 1 && R != 2 && R != 4) return false;
   return out != GemvOut::Swiglu || R >= 2;
 }
 
-// Shared memory: the staged input (ld halves), for F32Norm the RMSNorm weight, for I4 the per-group input sums.
+// Shared memory: the staged input (ld halves), for F32Norm the RMSNorm weight, for I4 the per-group input sums,
+// for an int8 input (act8) each group's (d, sum(xq)).
 static size_t gemv_smem(const GemvParams& p, GemvIn in) {
+  const size_t groups = (size_t)p.ld / 32;
   return (size_t)p.ld * sizeof(__half) + (in == GemvIn::F32Norm ? (size_t)p.K * sizeof(float) : 0) +
-         (p.fmt == WFormat::I4 ? (size_t)(p.K / kI4Group) * sizeof(float) * (p.act8 ? 2 : 1) : 0);
+         (p.act8 ? groups * sizeof(float2) : p.fmt == WFormat::I4 ? groups * sizeof(float) : 0);
 }
 
 template <typename Kernel>
@@ -612,14 +628,21 @@ void gemv(const GemvParams& p, int R, GemvIn in, GemvOut out, cudaStream_t s, bo
   if (p.fmt == WFormat::I8) {
     if (p.ldq != i8_ld(p.K) || p.ld != p.ldq || !p.q || !p.scales)
       fail(ErrorKind::Request, "gemv: int8 weights need ldq = ld = K rounded up to 32, q and scales");
+    if (p.act8) {
+      if (!gemv_act8_ok(p.K, in))
+        fail(ErrorKind::Unsupported, "gemv: int8 activations need K % 32 == 0 and, normed, K <= " +
+                                         std::to_string(kMaxVec * 4 * kGemvThreads) + " (K=" + std::to_string(p.K) + ")");
+      return dispatch_quantized<kI8A8>(p, R, in, out, s, pdl);
+    }
     return dispatch_quantized<WFormat::I8>(p, R, in, out, s, pdl);
   }
   if (p.fmt == WFormat::I4) {
     if (p.K % kI4Group != 0 || p.ldq != i4_ld(p.K) || p.ld != p.K || !p.q || !p.scales)
       fail(ErrorKind::Request, "gemv: int4 weights need K % 32 == 0, ldq = K / 2, ld = K, q and scales");
     if (p.act8) {
-      if (in == GemvIn::F32Norm && p.K > kMaxVec * 4 * kGemvThreads)
-        fail(ErrorKind::Unsupported, "gemv: int8 activations need K <= " + std::to_string(kMaxVec * 4 * kGemvThreads));
+      if (!gemv_act8_ok(p.K, in))
+        fail(ErrorKind::Unsupported, "gemv: int8 activations need K % 32 == 0 and, normed, K <= " +
+                                         std::to_string(kMaxVec * 4 * kGemvThreads) + " (K=" + std::to_string(p.K) + ")");
       return dispatch_quantized<kI4A8>(p, R, in, out, s, pdl);
     }
     return dispatch_quantized<WFormat::I4>(p, R, in, out, s, pdl);

@@ -22,7 +22,9 @@ struct GemvParams {
   const uint8_t* q = nullptr;
   const void* scales = nullptr;
   int ldq = 0;
-  bool act8 = false;  // I4: the input quantized to int8 per group of 32, dot products by dp4a (gemv_dot.cuh, kI4A8)
+  // I8 / I4: the input quantized to int8 per group of 32, dot products by dp4a (gemv_dot.cuh, kI8A8 / kI4A8);
+  // needs gemv_act8_ok.
+  bool act8 = false;
   const void* x = nullptr;    // F16: half[K]; F32Norm: float[K]
   const float* norm_w = nullptr;  // F32Norm: the RMSNorm weight, float[K]
   float eps = 1e-5f;
@@ -42,6 +44,9 @@ constexpr int kGemvSplitK = 8;
 // Quantized weights: the (in, out) pairs a decode step uses — (F32Norm, F32), (F16, AddF32), (F32Norm, Swiglu).
 void gemv(const GemvParams& p, int R, GemvIn in, GemvOut out, cudaStream_t stream, bool pdl);
 bool gemv_variant_ok(int R, GemvOut out);
+// Whether a quantized GEMV of width K with input mode `in` can take its input as int8 (GemvParams::act8): K a
+// multiple of the group of 32, and the normed staging's registers hold the row (K <= 8192).
+bool gemv_act8_ok(int K, GemvIn in);
 // Rows per tile of variant R (a block's work unit): 8R, or 8 for split-K.
 constexpr int gemv_tile_rows(int R) { return R == kGemvSplitK ? 8 : 8 * R; }
 

@@ -35,13 +35,21 @@ namespace ti::cuda {
 // input is staged in that order and a 32-bit word costs two LOP3 and two IDP4A (the fp16 path: 13 instructions).
 constexpr WFormat kI4A8 = WFormat::I4A8;
 template <WFormat WF> constexpr bool kIsI4 = WF == WFormat::I4 || WF == kI4A8;
+// kI8A8: the int8 weights (WFormat::I8's words and block d) met by the input quantized the same way, staged in
+// natural order (a word's 16 weights meet 16 bytes of xq: half a group) with each group's (d, sum(xq)). A byte u
+// = q + 128 becomes the signed q by one xor with 0x80, so a word's dot is d_w d_x sum(q xq): four LOP3 and four
+// IDP4A (the fp16-input path: ~50 instructions a word). Needs K % 32 == 0 (no padded block: the launcher checks).
+constexpr WFormat kI8A8 = WFormat::I8A8;
+template <WFormat WF> constexpr bool kIsI8 = WF == WFormat::I8 || WF == kI8A8;
+template <WFormat WF> constexpr bool kIsA8 = WF == kI4A8 || WF == kI8A8;
 
 // The staged input's layout (shared by gemv.cu and the persistent step, persistent.cu). A 16-byte weight word
 // meets C = 1 (F16), 2 (I8) or 4 (I4) 16-byte chunks of the fp16 input. Stored in natural order, the chunks lane
 // l reads (its word k = l + 32u) would be C x 16 bytes apart from lane l+1's: C-way bank conflicts (ncu: 73%
 // excess shared wavefronts at I4). So chunk i of word k lives at chunk slot i * nw + k (nw: words per row): for
 // each i, a warp reads 32 consecutive 16-byte chunks.
-template <WFormat WF> constexpr int kXChunks = WF == WFormat::F16 ? 1 : WF == WFormat::I8 || WF == kI4A8 ? 2 : 4;
+template <WFormat WF>
+constexpr int kXChunks = WF == WFormat::F16 || WF == kI8A8 ? 1 : WF == WFormat::I8 || WF == kI4A8 ? 2 : 4;
 template <WFormat WF>
 __device__ __forceinline__ int xs_index(int e, int nw) {  // element e of the input -> its half in xs
   constexpr int C = kXChunks<WF>;
@@ -55,12 +63,15 @@ template <> struct XFrag<WFormat::F16> { float v[8]; };
 template <> struct XFrag<WFormat::I8> { float v[16]; };
 template <> struct XFrag<WFormat::I4> { __half2 v[16]; };
 template <> struct XFrag<kI4A8> { uint32_t v[8]; };  // (xa, xb) per 32-bit weight word: the dp4a byte order
+template <> struct XFrag<kI8A8> { uint32_t v[4]; };  // 16 xq in natural order
 
 template <WFormat WF>
 __device__ __forceinline__ void load_x(const __half* xs, int nw, int k, XFrag<WF>& x) {
   const uint4* xv = reinterpret_cast<const uint4*>(xs);
   if constexpr (WF == WFormat::F16) {
     unpack8(xv[k], x.v);
+  } else if constexpr (WF == kI8A8) {
+    *reinterpret_cast<uint4*>(&x.v[0]) = xv[k];
   } else if constexpr (WF == WFormat::I8) {
     unpack8(xv[k], x.v);
     unpack8(xv[nw + k], x.v + 8);
@@ -79,7 +90,7 @@ struct QCtx {
   const __half* d = nullptr;    // I8: all rows' d (one pointer for all rows: fewer registers than one per row)
   int drow = 0;                 // I8: this row's first d in d (rows x blocks per row < 2^31)
   const __half2* sm = nullptr;  // I4: this row's (scale, min) pairs
-  const float* xsum = nullptr;  // I4: per-group sums of the staged input (kI4A8: (d, sum(xq)) pairs)
+  const float* xsum = nullptr;  // I4: per-group sums of the staged input (kI4A8, kI8A8: (d, sum(xq)) pairs)
 };
 // What a 16-byte weight word k needs besides the input: I8 its block's d (word k is half of block k / 2), I4 its
 // group's (scale, min); nothing for F16. Loaded together with the word (and, for the prefetched words, before
@@ -89,10 +100,11 @@ template <WFormat WF> struct WScale {};
 template <> struct WScale<WFormat::I8> { __half d; };
 template <> struct WScale<WFormat::I4> { __half2 sm; };
 template <> struct WScale<kI4A8> { __half2 sm; };
+template <> struct WScale<kI8A8> { __half d; };
 template <WFormat WF>
 __device__ __forceinline__ WScale<WF> load_scale(const QCtx& c, int k) {
   WScale<WF> s;
-  if constexpr (WF == WFormat::I8) s.d = c.d[c.drow + (k >> 1)];
+  if constexpr (kIsI8<WF>) s.d = c.d[c.drow + (k >> 1)];
   // kI4A8 streams its scales past L1 like the words (__ldcs): the configuration measured (persistent.md §18)
   if constexpr (WF == kI4A8) s.sm = __ldcs(c.sm + k);
   else if constexpr (kIsI4<WF>) s.sm = c.sm[k];
@@ -108,6 +120,7 @@ __device__ __forceinline__ WScale<WF> load_scale(const QCtx& c, int k) {
 // 16 (u & 1), half u >> 1. The shuffles need the whole warp: I8's runs are used in warp-uniform code only.
 template <WFormat WF, int N> struct ScaleRun {};
 template <int N> struct ScaleRun<WFormat::I8, N> { __half2 d[(N + 3) / 4]; };
+template <int N> struct ScaleRun<kI8A8, N> { __half2 d[(N + 3) / 4]; };
 template <int N> struct ScaleRun<WFormat::I4, N> { WScale<WFormat::I4> s[N]; };
 template <int N> struct ScaleRun<kI4A8, N> { WScale<kI4A8> s[N]; };
 // Loads what step u of a run starting at word kb (uniform, a multiple of 32) needs, for a lane word k = kb +
@@ -115,7 +128,7 @@ template <int N> struct ScaleRun<kI4A8, N> { WScale<kI4A8> s[N]; };
 // per row) read scale 0 / word 0's instead; without GUARD the caller knows the run is inside the row.
 template <WFormat WF, int N, bool GUARD>
 __device__ __forceinline__ void load_run_step(const QCtx& c, int kb, int u, int nw, ScaleRun<WF, N>& run) {
-  if constexpr (WF == WFormat::I8) {
+  if constexpr (kIsI8<WF>) {
     if (u % 4 == 0) {
       const __half zero = __ushort_as_half(0);
       const int b = kb / 2 + 16 * u + (threadIdx.x & 31);  // and b + 32 (only where the run has step u + 2)
@@ -131,7 +144,7 @@ __device__ __forceinline__ void load_run_step(const QCtx& c, int kb, int u, int 
 template <WFormat WF, int N>
 __device__ __forceinline__ WScale<WF> run_scale(const ScaleRun<WF, N>& run, int u) {
   WScale<WF> s;
-  if constexpr (WF == WFormat::I8) {
+  if constexpr (kIsI8<WF>) {
     const int lane = threadIdx.x & 31;
     const __half2 v = __shfl_sync(0xffffffffu, run.d[u / 4], (lane >> 1) + 16 * (u & 1));
     s.d = u & 2 ? __high2half(v) : __low2half(v);
@@ -168,6 +181,14 @@ __device__ __forceinline__ float dot_word(const uint4& w, const WScale<WF>& sc, 
       }
     }
     return __half2float(sc.d) * (s0 + s1);
+  } else if constexpr (WF == kI8A8) {
+    int acc = 0;
+    acc = __dp4a((int)(w.x ^ 0x80808080u), (int)x.v[0], acc);
+    acc = __dp4a((int)(w.y ^ 0x80808080u), (int)x.v[1], acc);
+    acc = __dp4a((int)(w.z ^ 0x80808080u), (int)x.v[2], acc);
+    acc = __dp4a((int)(w.w ^ 0x80808080u), (int)x.v[3], acc);
+    const float dx = reinterpret_cast<const float2*>(c.xsum)[k >> 1].x;  // word k is half of group k / 2
+    return __half2float(sc.d) * dx * (float)acc;
   } else if constexpr (WF == kI4A8) {
     const uint32_t v[4] = {w.x, w.y, w.z, w.w};
     int lo = 0, hi = 0;
@@ -212,10 +233,11 @@ __device__ __forceinline__ int words_per_row(const GemvParams& p) {
 template <WFormat WF>
 __device__ __forceinline__ QCtx row_ctx(const GemvParams& p, int row, const float* xsum) {
   QCtx c;
-  if constexpr (WF == WFormat::I8) {
+  if constexpr (kIsI8<WF>) {
     c.d = static_cast<const __half*>(p.scales);
     c.drow = row * (p.ldq / kI8Block);
   }
+  if constexpr (WF == kI8A8) c.xsum = xsum;
   if constexpr (kIsI4<WF>) {
     c.sm = static_cast<const __half2*>(p.scales) + (size_t)row * (p.K / kI4Group);
     c.xsum = xsum;

@@ -385,7 +385,8 @@ __device__ inline void gemv_task(const QMat& m, const void* x, const float* w, f
     case WFormat::F16: gemv_task_fmt<WFormat::F16, NORM, O>(m, x, w, eps, r0, r1, y, sm, per, pr); break;
     case WFormat::I8: gemv_task_fmt<WFormat::I8, NORM, O>(m, x, w, eps, r0, r1, y, sm, per, pr); break;
     case WFormat::I4: gemv_task_fmt<WFormat::I4, NORM, O>(m, x, w, eps, r0, r1, y, sm, per, pr); break;
-    case WFormat::I4A8: break;  // a GEMV kernel's name only (gemv_dot.cuh), never a matrix's format
+    case WFormat::I4A8:
+    case WFormat::I8A8: break;  // GEMV kernels' names only (gemv_dot.cuh), never a matrix's format
   }
 }
 

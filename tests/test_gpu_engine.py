@@ -208,15 +208,18 @@ def test_out_of_gpu_memory_is_a_clear_error_and_frees_what_it_took():
 
 
 def test_plan_by_steps_flips_a_role_only_where_the_whole_step_gains():
-    """tune_plan_by_steps: each role whose pick is not its fastest variant alone is tried on that variant, one at
-    a time, and kept there only where the step gets faster by more than `gain`; a role already on its fastest is
-    not timed."""
+    """tune_plan_by_steps: each role is tried, one at a time, on its fastest variant alone and on the fastest of
+    the other kernel (split-K against rows per warp), and kept on the one that makes the step faster by more
+    than `gain` (the faster of the two where both do); a role already on its fastest with no other kernel timed
+    is not timed."""
     from tinyinfer import _core
 
     roles = [
-        (8, 2, [(8, 2, 10.0), (2, 2, 9.9)]),   # rules' pick; the step gains 5% on R2: flipped
-        (1, 2, [(1, 2, 5.0), (4, 0, 4.8)]),    # the step gains 0.5% (< 1%): kept
-        (2, 2, [(2, 2, 3.0), (1, 0, 3.5)]),    # already the fastest: never timed
+        (8, 2, [(8, 2, 10.0), (2, 2, 9.9)]),                # rules' pick; the step gains 5% on R2: flipped
+        (1, 2, [(1, 2, 5.0), (4, 0, 4.8)]),                 # the step gains 0.4% (< 1%): kept
+        (2, 2, [(2, 2, 3.0), (1, 0, 3.5)]),                 # already the fastest, no split-K: never timed
+        (8, 2, [(8, 2, 2.0), (4, 2, 2.1), (2, 2, 2.2)]),    # split-K fastest alone; the step gains 3% on R4
+        (1, 2, [(1, 2, 1.0), (2, 2, 0.9), (8, 2, 1.2)]),    # both timed: R2 gains 2%, split-K 4%: split-K
     ]
     calls = []
 
@@ -225,18 +228,26 @@ def test_plan_by_steps_flips_a_role_only_where_the_whole_step_gains():
         t = 1000.0
         t -= 50.0 if chosen[0] == (2, 2) else 0.0
         t -= 4.0 if chosen[1] == (4, 0) else 0.0
+        t -= 30.0 if chosen[3] == (4, 2) else 0.0
+        t -= {(2, 2): 20.0, (8, 2): 40.0}.get(chosen[4], 0.0)
         return t
 
     kept, flipped = _core.CudaEngine.plan_by_steps(roles, step_us, 0.01)
-    assert kept == [(2, 2), (1, 2), (2, 2)] and flipped == 1
-    assert calls == [[(8, 2), (1, 2), (2, 2)], [(2, 2), (1, 2), (2, 2)], [(2, 2), (4, 0), (2, 2)]]
-    assert _core.CudaEngine.plan_by_steps(roles, step_us, 0.1)[0] == [(8, 2), (1, 2), (2, 2)]
+    assert kept == [(2, 2), (1, 2), (2, 2), (4, 2), (8, 2)] and flipped == 3
+    base = [(8, 2), (1, 2), (2, 2), (8, 2), (1, 2)]
+    assert calls == [base,
+                     [(2, 2), (1, 2), (2, 2), (8, 2), (1, 2)],
+                     [(2, 2), (4, 0), (2, 2), (8, 2), (1, 2)],
+                     [(2, 2), (1, 2), (2, 2), (4, 2), (1, 2)],
+                     [(2, 2), (1, 2), (2, 2), (4, 2), (2, 2)],
+                     [(2, 2), (1, 2), (2, 2), (4, 2), (8, 2)]]
+    assert _core.CudaEngine.plan_by_steps(roles, step_us, 0.1)[0] == base
 
 
 def test_step_check_keeps_each_pick_to_the_rules_or_the_fastest():
     """CudaOptions.gemv_step_check (the default): every role ends on the rules' pick (recomputed from its own
-    timings, as in the test below) or on its fastest variant alone, and the option is part of the saved plan's
-    key."""
+    timings, as in the test below), on its fastest variant alone or on the fastest of the other kernel than the
+    rules' pick (split-K / rows per warp), and the option is part of the saved plan's key."""
     from tinyinfer import _core
     from tinyinfer.bench import shape_config
 
@@ -253,7 +264,9 @@ def test_step_check_keeps_each_pick_to_the_rules_or_the_fastest():
         cands = [(R, us) for R, b, us in tried if b == 2 and us <= 2.0 * min(t[2] for t in tried)]
         sign = -1 if g["name"] == "qkv" else 1
         rule = (min(cands, key=lambda c: (sign * (8 if c[0] == 8 else 8 * c[0]), c[1]))[0], 2)
-        assert (g["R"], g["blocks_per_sm"]) in (fastest, rule), g
+        others = [t for t in tried if (t[0] == 8) != (rule[0] == 8)]
+        other = min(others, key=lambda t: t[2])[:2] if others else None
+        assert (g["R"], g["blocks_per_sm"]) in (fastest, rule, other), g
     assert eng.time_decode_step(16, 8) > 0
 
 

@@ -46,7 +46,7 @@ def test_device_quantizer_matches_reference_bit_for_bit(fmt, rows, K):
 
 
 def quantize_act8(x):
-    """The int4 GEMV's int8 input (act8): per group of 32, d = amax / 127, xq = round half away (x / d); d xq."""
+    """The quantized GEMVs' int8 input (act8): per group of 32, d = amax / 127, xq = round half away (x / d); d xq."""
     g = x.reshape(-1, 32).astype(np.float32)
     d = np.abs(g).max(1, keepdims=True) / np.float32(127)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
@@ -97,12 +97,13 @@ def test_quantized_gemv_matches_reference(fmt, rows, K, R, inp, out, grid):
     assert (np.abs(got - ref) <= tol).all(), f"worst {np.max(np.abs(got - ref) / tol):.2f} x tolerance"
 
 
-# act8: int4 weights against the input quantized to int8 per group of 32 (dp4a), the same shapes and modes.
+# act8: int8 / int4 weights against the input quantized to int8 per group of 32 (dp4a), the same modes.
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("rows,K", [(111, 96), (500, 1024), (34, 4096), (40, 5632), (6, 8192)])
 @pytest.mark.parametrize("R", [1, 2, 4, 8])
 @pytest.mark.parametrize("inp,out", [("f32norm", "f32"), ("f16", "add"), ("f32norm", "swiglu")])
 @pytest.mark.parametrize("grid", [0, -3])
-def test_int4_act8_gemv_matches_reference(rows, K, R, inp, out, grid):
+def test_act8_gemv_matches_reference(fmt, rows, K, R, inp, out, grid):
     if out == "swiglu" and (R == 1 or rows % 2):
         pytest.skip("swiglu needs R >= 2 and an even row count")
     rng = np.random.default_rng(rows * K + R + 1)
@@ -111,8 +112,8 @@ def test_int4_act8_gemv_matches_reference(rows, K, R, inp, out, grid):
     x[:32] = 0.0  # a group of zeros (d = 0)
     norm_w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)
     y0 = rng.standard_normal(rows).astype(np.float32)
-    got = np.array(_core.ops.gemv_quant(W, "int4", x, norm_w, 1e-5, y0, R, *gemv_modes(inp, out), grid, act8=True))
-    Wd = _core.ops.dequantize_ref(W, "int4")
+    got = np.array(_core.ops.gemv_quant(W, fmt, x, norm_w, 1e-5, y0, R, *gemv_modes(inp, out), grid, act8=True))
+    Wd = _core.ops.dequantize_ref(W, fmt)
     ref = gemv_ref(Wd, x, norm_w, 1e-5, y0, inp, out, act8=True)
     scale = np.abs(Wd).max(1) * np.abs(x).max() * np.sqrt(K)
     if out == "swiglu":
@@ -130,12 +131,19 @@ def test_quantized_gemv_refuses_other_modes():
     z = np.zeros(64, np.float32)
     with pytest.raises(InvalidRequestError, match="quantized weights come with"):
         _core.ops.gemv_quant(W, "int8", z, z, 1e-5, np.zeros(4, np.float32), 2, *gemv_modes("f16", "f32"))
-    with pytest.raises(InvalidRequestError, match="act8 is for int4"):
-        _core.ops.gemv_quant(W, "int8", z, z, 1e-5, np.zeros(4, np.float32), 2, *gemv_modes("f32norm", "f32"), 0, True)
-    with pytest.raises(UnsupportedModelError, match="int8 activations need K <= 8192"):
-        big = np.zeros(8224, np.float32)
-        _core.ops.gemv_quant(weights(2, 8224, 0), "int4", big, big, 1e-5, np.zeros(2, np.float32), 2,
-                             *gemv_modes("f32norm", "f32"), 0, True)
+    with pytest.raises(InvalidRequestError, match="act8 is for int8 and int4"):
+        _core.ops.gemv_quant(W, "fp16", z, z, 1e-5, np.zeros(4, np.float32), 2, *gemv_modes("f32norm", "f32"), 0, True)
+    big = np.zeros(8224, np.float32)
+    for fmt in ("int8", "int4"):
+        with pytest.raises(UnsupportedModelError, match="int8 activations need K % 32 == 0 and, normed, K <= 8192"):
+            _core.ops.gemv_quant(weights(2, 8224, 0), fmt, big, big, 1e-5, np.zeros(2, np.float32), 2,
+                                 *gemv_modes("f32norm", "f32"), 0, True)
+    with pytest.raises(UnsupportedModelError, match="int8 activations need K % 32 == 0"):  # int8 takes any K
+        _core.ops.gemv_quant(weights(4, 40, 0), "int8", z[:40], z[:40], 1e-5, np.zeros(4, np.float32), 2,
+                             *gemv_modes("f16", "add"), 0, True)
+    y = _core.ops.gemv_quant(weights(4, 40, 0), "int8", z[:40], z[:40], 1e-5, np.zeros(4, np.float32), 2,
+                             *gemv_modes("f16", "add"))  # and the next call runs
+    assert np.array_equal(y, np.zeros(4, np.float32))
     with pytest.raises(UnsupportedModelError, match="multiple of 32"):
         _core.ops.gemv_quant(weights(4, 40, 0), "int4", z[:40], z[:40], 1e-5, np.zeros(4, np.float32), 2,
                              *gemv_modes("f32norm", "f32"))
@@ -147,15 +155,16 @@ CONFIGS = {
 }
 
 
-# int4-act8: CudaOptions.int4_act8, the decode GEMVs' input quantized to int8 (the CPU engine keeps fp32: the
-# tolerances below hold the activations' rounding as they hold the fp16 accumulation's).
-@pytest.fixture(scope="module", params=[(c, f) for c in sorted(CONFIGS) for f in ("int8", "int4", "int4-act8")],
+# -act8: CudaOptions.act8 = 2, every decode GEMV's input quantized to int8 (the CPU engine keeps fp32: the
+# tolerances below hold the activations' rounding as they hold the fp16 accumulation's); the others act8 = 0.
+@pytest.fixture(scope="module",
+                params=[(c, f) for c in sorted(CONFIGS) for f in ("int8", "int4", "int8-act8", "int4-act8")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def engines(request, tmp_path_factory):
     name, fmt = request.param
     d = make_llama(tmp_path_factory.mktemp(name), vocab=700, **CONFIGS[name])
     opts = _core.CudaOptions()
-    opts.int4_act8 = fmt == "int4-act8"
+    opts.act8 = 2 if fmt.endswith("-act8") else 0  # int8 inputs wherever the kernel can / never
     dtype = fmt.split("-")[0]
     gpu = Engine(d, device="cuda", dtype=dtype, max_seq_len=400, cuda_options=opts)
     cpu = Engine(d, device="cpu", dtype=dtype, max_seq_len=400)
@@ -182,6 +191,33 @@ def test_quantized_decode_matches_cpu(engines):
     assert np.all(ref[np.arange(24), out] >= ref.max(-1) - 2e-2 * scale), name
     same = int(np.argmax(np.r_[np.array(out) != ref.argmax(-1), True]))
     print(f"{name}: greedy identical to the CPU argmax for {same}/24")
+
+
+def test_act8_is_a_per_role_choice_of_the_tuner(tmp_path):
+    """CudaOptions.act8: 0 (the default) times and runs every GEMV on fp16 inputs, 2 every quantized one on int8
+    inputs, 1 times each quantized role both ways and keeps what it timed (its pick among its trials); fp16
+    weights never take int8 inputs; a value past 2 is refused and the engine is not built."""
+    d = make_llama(tmp_path / "m", hidden=256, intermediate=512, layers=2, vocab=600)
+
+    def table(dtype, act8):
+        o = _core.CudaOptions()
+        o.act8 = act8
+        return Engine(d, device="cuda", dtype=dtype, max_seq_len=64, plan_cache=False, cuda_options=o)._core.gemv_table()
+
+    assert _core.CudaOptions().act8 == 0
+    for g in table("int4", 0) + table("fp16", 1):
+        assert not g["act8"] and not any(g["tried_act8"]), g
+    for g in table("int8", 2):
+        assert g["act8"] and all(g["tried_act8"]), g
+    for g in table("int4", 1):
+        tried = list(zip(g["tried_R"], g["tried_blocks_per_sm"], map(bool, g["tried_act8"])))
+        assert set(a for _, _, a in tried) == {False, True}, g
+        assert len(tried) == 2 * len(set((R, b) for R, b, _ in tried))  # every (R, grid) both ways
+        assert (g["R"], g["blocks_per_sm"], g["act8"]) in tried
+    o = _core.CudaOptions()
+    o.act8 = 3
+    with pytest.raises(InvalidRequestError, match="act8 must be 0"):
+        Engine(d, device="cuda", dtype="int4", max_seq_len=64, cuda_options=o)
 
 
 def test_quantized_weights_take_fewer_bytes(tmp_path):

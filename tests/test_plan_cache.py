@@ -33,15 +33,15 @@ def seal(body: str) -> str:
     return body + f"checksum {fnv1a64(body):016x}\n"
 
 
-def plan_body(key: str = KEY, version: int = 1, long: str = "long -1 0 0", picks=None, skip=(), extra=()) -> str:
+def plan_body(key: str = KEY, version: int = 2, long: str = "long -1 0 0 0", picks=None, skip=(), extra=()) -> str:
     picks = picks or {}
     lines = [f"tinyinfer-gemv-plan {version}", f"key {key}"]
     for i, role in enumerate(ROLES):
         if role in skip:
             continue
-        R, bps = picks.get(role, (2, 2))
-        tried = f"3 2 0 10.5 {R} {bps} 9.25 8 1 11.0"
-        lines.append(f"shape {role} {512 + i} 256 256 2 {(512 + i) * 512} {R} {bps} 123.456 {tried}")
+        R, bps, a8 = (picks.get(role, (2, 2)) + (0,))[:3]
+        tried = f"3 2 0 0 10.5 {R} {bps} {a8} 9.25 8 1 1 11.0"
+        lines.append(f"shape {role} {512 + i} 256 256 2 {(512 + i) * 512} {R} {bps} {a8} 123.456 {tried}")
     lines += list(extra) + [long]
     return "\n".join(lines) + "\n"
 
@@ -54,14 +54,15 @@ def read(text: str, key: str = KEY):
 
 @needs_cuda_build
 def test_a_whole_plan_for_this_key_is_taken():
-    picks = {"qkv": (4, 2), "o": (1, 1), "gate_up": (8, 0), "down": (2, 2), "lm_head": (1, 2)}
-    table, long, problem = read(seal(plan_body(picks=picks, long="long 256 4 1")))
+    picks = {"qkv": (4, 2, 1), "o": (1, 1, 0), "gate_up": (8, 0, 1), "down": (2, 2, 0), "lm_head": (1, 2, 0)}
+    table, long, problem = read(seal(plan_body(picks=picks, long="long 256 4 1 1")))
     assert problem == ""
-    assert {g["name"]: (g["R"], g["blocks_per_sm"]) for g in table} == picks
+    assert {g["name"]: (g["R"], g["blocks_per_sm"], int(g["act8"])) for g in table} == picks
     assert long == (256, 4, 1)
     qkv = table[0]
     assert (qkv["rows"], qkv["K"], qkv["copies"]) == (512, 256, 2)
     assert qkv["tried_R"] == [2, 4, 8] and qkv["tried_blocks_per_sm"] == [0, 2, 1] and qkv["us"] == [10.5, 9.25, 11.0]
+    assert qkv["tried_act8"] == [False, True, True]
     assert qkv["gb_per_s"] == pytest.approx(123.456)
 
 
@@ -69,8 +70,8 @@ def test_a_whole_plan_for_this_key_is_taken():
 def test_a_plan_for_another_key_or_format_is_stale():
     _, _, problem = read(seal(plan_body(key="another GPU | model h4096")))
     assert problem.startswith("stale:") and "another GPU" in problem
-    _, _, problem = read(seal(plan_body(version=2)))
-    assert problem.startswith("stale:") and "format 2" in problem
+    _, _, problem = read(seal(plan_body(version=1)))  # the format before act8
+    assert problem.startswith("stale:") and "format 1" in problem
 
 
 @pytest.mark.parametrize("damage", ["digit", "truncated", "no_checksum", "garbage", "empty", "trailing"])
@@ -83,7 +84,7 @@ def test_a_damaged_plan_is_corrupt(damage):
         "no_checksum": plan_body(),
         "garbage": "\x00\xff not a plan \n" * 3,
         "empty": "",
-        "trailing": good + "shape qkv 1 1 1 1 1 1 1 1 0\n",  # lines after the checksum
+        "trailing": good + "shape qkv 1 1 1 1 1 1 1 0 1 0\n",  # lines after the checksum
     }[damage]
     table, long, problem = read(text)
     assert table is None and long is None and problem.startswith("corrupt:"), problem
@@ -95,9 +96,11 @@ def test_a_damaged_plan_is_corrupt(damage):
     plan_body(picks={"down": (2, 3)}),                    # blocks per SM 0..2
     plan_body(skip=("lm_head",)),                         # a role missing
     plan_body(extra=(plan_body().splitlines()[2],)),      # a role twice
-    plan_body(long="long 0 2 1"),                         # from: -1 or > 0
-    plan_body(long="long 128 3 1"),                       # the long qkv variant out of range
-    plan_body(long="long -1 0"),                          # a field missing
+    plan_body(long="long 0 2 1 0"),                       # from: -1 or > 0
+    plan_body(long="long 128 3 1 0"),                     # the long qkv variant out of range
+    plan_body(long="long -1 0 0"),                        # a field missing
+    plan_body(long="long 128 2 1 2"),                     # act8: 0 or 1
+    plan_body(picks={"o": (2, 2, 2)}),                    # act8: 0 or 1
     plan_body(extra=("hello",)),                          # not a plan line
     plan_body().replace("123.456", "12x", 1),             # not a number
     plan_body().replace("123.456", "-5", 1),              # negative

@@ -38,7 +38,8 @@ def main() -> None:
     if "--gemv" in sys.argv:
         for s, e in zip(specs, engines):
             print(f"  {s or '(defaults)'}: " + "  ".join(
-                f"{g['name']} R{g['R']}/{g['blocks_per_sm']} {g['gb_per_s']:.0f}" for g in e.gemv_table()) + " GB/s"
+                f"{g['name']} R{g['R']}/{g['blocks_per_sm']}{'a8' if g['act8'] else ''} {g['gb_per_s']:.0f}"
+                for g in e.gemv_table()) + " GB/s"
                 + "; long-context graph (from, qkv R, qkv per SM): " + str(e.decode_long))
 
 

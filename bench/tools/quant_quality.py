@@ -2,8 +2,8 @@
 the dequantized numbers the GPU uses): perplexity on tests/data/eval.txt, top-1 agreement with the fp32
 engine at every position, and how many greedy tokens stay identical. Also int4 variants that were candidates
 for the format (group size 64 / 128, symmetric groups) and the per-channel int8 the Q8_0 blocks replaced,
-simulated by dequantizing in numpy. With --cuda, also the GPU engine's int4 decode with fp16 and with int8
-inputs (CudaOptions.int4_act8), every position fed through the decode graph (batched_prefill off).
+simulated by dequantizing in numpy. With --cuda, also the GPU engine's int8 and int4 decode with fp16 and with
+int8 inputs (CudaOptions.act8 = 0 / 2), every position fed through the decode graph (batched_prefill off).
     python bench/tools/quant_quality.py [model.gguf] [--tokens N] [--cuda] > bench/results/quant-quality-smollm2-135m.txt"""
 
 from __future__ import annotations
@@ -102,14 +102,16 @@ def main() -> None:
             ("int4 g32 symmetric", 0.5625, lambda w: int4_variant(w, 32, True), None),
             ("int4 g32 asym, int8 head", 0.625, "int4+int8head", None)]
     if "--cuda" in sys.argv:
-        rows += [("int4, GPU decode, fp16 in", 0.625, None, ("int4", False)),
+        rows += [("int8, GPU decode, fp16 in", 1.0625, None, ("int8", False)),
+                 ("int8, GPU decode, int8 in", 1.0625, None, ("int8", True)),
+                 ("int4, GPU decode, fp16 in", 0.625, None, ("int4", False)),
                  ("int4, GPU decode, int8 in", 0.625, None, ("int4", True))]
     model = load_model(path)
     for name, bpw, transform, dtype in rows:
         t0 = time.time()
-        if isinstance(dtype, tuple):  # the GPU engine's decode steps, with or without int4_act8
+        if isinstance(dtype, tuple):  # the GPU engine's decode steps, with or without act8
             opts = _core.CudaOptions()
-            opts.batched_prefill, opts.int4_act8 = False, dtype[1]
+            opts.batched_prefill, opts.act8 = False, 2 if dtype[1] else 0
             eng = Engine(path, device="cuda", dtype=dtype[0], max_seq_len=n + 64, cuda_options=opts)
             lg = eng.logits(ids)
             greedy = eng.generate(prompt, max_tokens=64, ignore_eos=True).token_ids

@@ -27,8 +27,9 @@
 
 namespace ti {
 
-// I4A8 is no stored format: the GEMV kernels' name for I4 weights met by an int8-quantized input (cuda/gemv_dot.cuh).
-enum class WFormat { F16, I8, I4, I4A8 };
+// I4A8 and I8A8 are no stored formats: the GEMV kernels' names for I4 / I8 weights met by an input quantized to
+// int8 (cuda/gemv_dot.cuh).
+enum class WFormat { F16, I8, I4, I4A8, I8A8 };
 WFormat wformat_from_string(const std::string& s);  // "fp16" | "int8" | "int4"
 std::string to_string(WFormat f);
 

@@ -110,6 +110,7 @@ void CudaEngine::init_device() {
     cuda::check_attn_rows_heads(a);
   }
   if (opt_.gemv_grid < -1 || opt_.gemv_grid > 2) fail(ErrorKind::Request, "gemv_grid must be -1 (tuned), 0, 1 or 2");
+  if (opt_.act8 < 0 || opt_.act8 > 2) fail(ErrorKind::Request, "act8 must be 0 (off), 1 (tuned per role) or 2 (on)");
   if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))
     fail(ErrorKind::Request, "gemv_resident_margin must be in [0, 1]");
   for (const GemvPin& pin : opt_.gemv_pins) check_pin(pin);
@@ -210,7 +211,7 @@ std::string CudaEngine::plan_key(const ModelConfig& c, int64_t max_seq_len, cons
                 (long long)c.hidden, (long long)c.intermediate, (long long)c.n_layers, (long long)c.n_heads,
                 (long long)c.n_kv_heads, (long long)c.head_dim, (long long)c.vocab, (int)c.tie_word_embeddings,
                 to_string(o.weights).c_str(), o.gemv_rows, o.gemv_grid, o.gemv_resident_margin, (int)o.gemv_small_tiles,
-                (int)(o.gemv_step_check && o.graphs), (int)(o.int4_act8 && o.weights == WFormat::I4),
+                (int)(o.gemv_step_check && o.graphs), o.weights != WFormat::F16 ? o.act8 : 0,
                 (long long)o.decode_long_from, (long long)std::min<int64_t>(1024, longest - 64),
                 (int)(o.pdl && prop.major >= 9), (int)o.graphs, (int)o.early_trigger, chunk, o.kv_page_size,
                 (int)o.trace);
@@ -235,11 +236,10 @@ void CudaEngine::tune() {
   }
   if (!plan_cached_) {
     GemvTuneOptions t{opt_.gemv_rows, opt_.gemv_grid, opt_.gemv_resident_margin, opt_.gemv_small_tiles, {}};
-    t.int4_act8 = opt_.int4_act8;
+    t.act8 = opt_.act8;
     plan_ = tune_gemv_plan(cfg_, *weights_, dbuf_, t, opt_.early_trigger, pdl_, *clock_);
     if (opt_.gemv_step_check && opt_.graphs) check_plan_by_steps();
   }
-  plan_.int4_act8 = opt_.int4_act8;  // (a cached plan's key holds it)
   for (const GemvPin& pin : opt_.gemv_pins)
     if (GemvShapePlan* g = plan_.find(pin.role)) apply_pin(*g, pin);
   const clock::time_point t1 = clock::now();

@@ -49,7 +49,10 @@ struct CudaOptions {
   double gemv_resident_margin = 0.05;  // prefer a 2-blocks-per-SM variant within this fraction of the fastest
   bool gemv_small_tiles = true;        // among those, the smallest tiles (qkv, before the attention: the largest)
   bool gemv_step_check = true;         // then whole steps decide, role by role, against the fastest alone
-  bool int4_act8 = false;              // int4 GEMVs (graph path) with the input quantized to int8 per group (dp4a)
+  // int8 / int4 GEMVs of the graph path on the input quantized to int8 per group (dp4a; docs/perf/decode-options.md):
+  // 0 never (default: weights-only quantization, DESIGN.md §3); 1 each role timed with and without at load; 2
+  // wherever the kernel can (tests, A/B).
+  int act8 = 0;
   std::vector<GemvPin> gemv_pins;      // variants forced after tuning (A/B runs: bench/tools/ab_decode.py)
   int64_t decode_long_from = -1;       // long-context decode graph: -1 tuned, 0 none, n > 0 from context n
   bool one_chunk_graph = true;         // steps at pos < attn_chunk: a decode graph without the merge kernel

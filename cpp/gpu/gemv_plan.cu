@@ -78,11 +78,15 @@ cuda::GemvParams gemv_args(const cuda::QMat& m, const void* x, void* y, const fl
   return p;
 }
 
+bool act8_applies(const cuda::GemvParams& p, cuda::GemvIn in) {
+  return p.fmt != WFormat::F16 && cuda::gemv_act8_ok(p.K, in);
+}
+
 void launch_gemv(const GemvPlan& plan, MatrixRole role, cuda::GemvParams p, cuda::GemvIn in, cuda::GemvOut out,
                  cudaStream_t s, bool pdl) {
   const GemvVariant v = plan.variant(role);
   p.blocks_per_sm = v.blocks_per_sm;
-  p.act8 = plan.int4_act8 && p.fmt == WFormat::I4;
+  p.act8 = v.act8 && act8_applies(p, in);
   cuda::gemv(p, v.rows_per_warp, in, out, s, pdl);
 }
 
@@ -90,11 +94,10 @@ void apply_pin(GemvShapePlan& g, const GemvPin& f) {
   if (!cuda::gemv_variant_ok(f.rows_per_warp, role_out(g.role)))
     fail(ErrorKind::Request, "gemv_pins: no variant rows_per_warp=" + std::to_string(f.rows_per_warp) + " for " +
                                  role_name(f.role));
-  g.chosen = GemvVariant{f.rows_per_warp, f.blocks_per_sm};
+  g.chosen = GemvVariant{f.rows_per_warp, f.blocks_per_sm, g.chosen.act8};
   g.gb_per_s = 0;
   for (const GemvTrial& t : g.tried)
-    if (t.variant.rows_per_warp == f.rows_per_warp && t.variant.blocks_per_sm == f.blocks_per_sm)
-      g.gb_per_s = g.bytes / (t.us * 1e-6) / 1e9;
+    if (t.variant == g.chosen) g.gb_per_s = g.bytes / (t.us * 1e-6) / 1e9;
 }
 
 // ---- the tuner ----
@@ -116,13 +119,15 @@ GemvShapePlan tune_gemv_shape(const GemvShapeSpec& s, const GemvTuneOptions& o,
     if (!cuda::gemv_variant_ok(R, s.out)) continue;
     for (int bps : {0, 1, 2}) {  // grid: a block per tile, or 1 / 2 blocks per SM looping over tiles
       if (o.grid >= 0 && bps != o.grid) continue;
-      const GemvVariant v{R, bps};
-      const double us = us_per_matrix(v);
-      g.tried.push_back({v, us});
-      if (us < best) {
-        best = us;
-        g.chosen = v;
-        g.gb_per_s = gb_per_s(us);
+      for (int a8 = s.act8_lo; a8 <= s.act8_hi; a8++) {
+        const GemvVariant v{R, bps, a8 == 1};
+        const double us = us_per_matrix(v);
+        g.tried.push_back({v, us});
+        if (us < best) {
+          best = us;
+          g.chosen = v;
+          g.gb_per_s = gb_per_s(us);
+        }
       }
     }
   }
@@ -142,7 +147,7 @@ GemvShapePlan tune_gemv_shape(const GemvShapeSpec& s, const GemvTuneOptions& o,
       if (g.tried[i].variant.blocks_per_sm == 2 && g.tried[i].us <= best * (1 + o.resident_margin) && better(i, pick))
         pick = (int)i;
     if (pick >= 0) {
-      g.chosen = GemvVariant{g.tried[(size_t)pick].variant.rows_per_warp, 2};
+      g.chosen = g.tried[(size_t)pick].variant;
       g.gb_per_s = gb_per_s(g.tried[(size_t)pick].us);
     }
   }
@@ -184,9 +189,10 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
   TI_CUDA_CHECK(cudaMemsetAsync(b.att, 0, w.ld_q * sizeof(__half), s));
   TI_CUDA_CHECK(cudaMemsetAsync(b.h, 0, w.ld_i * sizeof(__half), s));
   GemvPlan plan;
-  plan.int4_act8 = o.int4_act8;
   for (Shape& sh : shapes) {
     sh.spec.copies = (int)sh.copies.size();
+    if (o.act8 > 0 && sh.copies[0].fmt != WFormat::F16 && cuda::gemv_act8_ok(sh.spec.K, sh.in))
+      sh.spec.act8_lo = o.act8 == 2, sh.spec.act8_hi = 1;
     sh.spec.bytes = (double)quant_bytes(sh.copies[0].fmt, sh.spec.rows, sh.spec.K);  // as stored, scales included
     // Cycle through every layer's copy (and at least ~256 MB of weights, several times the L2) so that the
     // timing is of memory, not of the cache. One pass where the copies already hold that much (a pass of 22
@@ -198,7 +204,7 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
           for (const cuda::QMat& W : sh.copies) {
             cuda::GemvParams p = gemv_args(W, sh.x, sh.y, sh.norm, (float)c.rms_eps, sh.early && early_trigger);
             p.blocks_per_sm = v.blocks_per_sm;
-            p.act8 = o.int4_act8 && p.fmt == WFormat::I4;
+            p.act8 = v.act8 && act8_applies(p, sh.in);
             cuda::gemv(p, v.rows_per_warp, sh.in, sh.spec.out, s, pdl);
           }
       });
@@ -212,21 +218,28 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
 int tune_plan_by_steps(GemvPlan& plan, const std::function<double(const GemvPlan&)>& step_us, double gain) {
   int flipped = 0;
   double t_plan = -1;
+  auto split = [](const GemvVariant& v) { return v.rows_per_warp == cuda::kGemvSplitK; };
   for (GemvShapePlan& g : plan.shapes) {
-    const GemvTrial* fastest = nullptr;
-    for (const GemvTrial& t : g.tried)
+    const GemvTrial *fastest = nullptr, *other = nullptr;  // other: the fastest of the kernel g.chosen is not
+    for (const GemvTrial& t : g.tried) {
       if (!fastest || t.us < fastest->us) fastest = &t;
-    if (!fastest || (fastest->variant.rows_per_warp == g.chosen.rows_per_warp &&
-                     fastest->variant.blocks_per_sm == g.chosen.blocks_per_sm))
-      continue;
-    if (t_plan < 0) t_plan = step_us(plan);
+      if (split(t.variant) != split(g.chosen) && (!other || t.us < other->us)) other = &t;
+    }
     const GemvVariant keep = g.chosen;
     const double keep_gb = g.gb_per_s;
-    g.chosen = fastest->variant;
-    g.gb_per_s = g.bytes / (fastest->us * 1e-6) / 1e9;
-    const double t = step_us(plan);
-    if (t < (1 - gain) * t_plan) {
-      t_plan = t;
+    const GemvTrial* best = nullptr;
+    double t_best = 0;
+    for (const GemvTrial* c : {fastest, other}) {
+      if (!c || c->variant == keep || (best && c->variant == best->variant)) continue;
+      if (t_plan < 0) t_plan = step_us(plan);
+      g.chosen = c->variant;
+      const double t = step_us(plan);
+      if (t < (1 - gain) * t_plan && (!best || t < t_best)) best = c, t_best = t;
+    }
+    if (best) {
+      g.chosen = best->variant;
+      g.gb_per_s = g.bytes / (best->us * 1e-6) / 1e9;
+      t_plan = t_best;
       flipped++;
     } else {
       g.chosen = keep;
@@ -248,22 +261,22 @@ cudaGraphExec_t tune_decode_long(GemvPlan& plan, cudaGraphExec_t short_graph, in
   if (!q || (forced_from < 0 && ctx_long < 256)) return nullptr;
   const GemvVariant v0 = q->chosen;
   if (forced_from > 0) {  // forced (tests): qkv at 1 block per SM from that context on
-    plan.qkv_long = GemvVariant{v0.rows_per_warp, 1};
+    plan.qkv_long = GemvVariant{v0.rows_per_warp, 1, v0.act8};
     plan.long_from = forced_from;
     return probe.capture(plan.qkv_long);
   }
   std::vector<GemvVariant> cands;
-  if (v0.blocks_per_sm != 1) cands.push_back({v0.rows_per_warp, 1});
+  if (v0.blocks_per_sm != 1) cands.push_back({v0.rows_per_warp, 1, v0.act8});
   double best = 1e30;
   for (const GemvTrial& t : q->tried) best = std::min(best, t.us);
   int big = 0;
   for (const GemvTrial& t : q->tried) {
     const int R = t.variant.rows_per_warp;
-    if (t.variant.blocks_per_sm == 2 && t.us <= 1.25 * best &&
+    if (t.variant.blocks_per_sm == 2 && t.variant.act8 == v0.act8 && t.us <= 1.25 * best &&
         (!big || cuda::gemv_tile_rows(R) > cuda::gemv_tile_rows(big)))
       big = R;
   }
-  if (big && !(big == v0.rows_per_warp && v0.blocks_per_sm == 2)) cands.push_back({big, 2});
+  if (big && !(big == v0.rows_per_warp && v0.blocks_per_sm == 2)) cands.push_back({big, 2, v0.act8});
   const int steps = 30;
   const double t_short = probe.step_ms(short_graph, ctx_long, steps);
   double t_best = t_short;

@@ -1,7 +1,8 @@
 // gemv_plan.h — the load-time GEMV tuner's result as plain typed data, and the tuner.
 //
 // The decode step runs five GEMV shapes (MatrixRole). For each, a variant of cuda/gemv.cu — rows per warp R
-// (1, 2, 4, or the split-K kernel) and the grid (blocks per SM) — is timed at load and the pick is kept here;
+// (1, 2, 4, or the split-K kernel), the grid (blocks per SM) and, for quantized weights with CudaOptions::act8,
+// whether the input is quantized to int8 — is timed at load and the pick is kept here;
 // the decode step only reads the plan. The plan is plain data (enums and numbers, no pointers) so that it can
 // be stored and restored as it is. Why the picking rules look the way they do: docs/perf/decode-options.md.
 #pragma once
@@ -29,6 +30,10 @@ cuda::GemvOut role_out(MatrixRole r);  // the output mode the decode step runs t
 struct GemvVariant {
   int rows_per_warp = 2;  // R: 1, 2, 4, or cuda::kGemvSplitK (8 rows per block, K split over its warps)
   int blocks_per_sm = 0;  // grid: 0 = a block per tile; 1 or 2 = that many blocks per SM looping over tiles
+  bool act8 = false;      // the input quantized to int8 per group (GemvParams::act8; only where act8_applies)
+  bool operator==(const GemvVariant& o) const {
+    return rows_per_warp == o.rows_per_warp && blocks_per_sm == o.blocks_per_sm && act8 == o.act8;
+  }
 };
 
 struct GemvTrial {
@@ -47,7 +52,7 @@ struct GemvShapePlan {
   double bytes = 0;             // one matrix as stored, scales included (gb_per_s = bytes / us)
 };
 
-// A variant forced for one role after tuning (CudaOptions::gemv_pins, A/B runs).
+// A variant forced for one role after tuning (CudaOptions::gemv_pins, A/B runs); the role keeps its tuned act8.
 struct GemvPin {
   MatrixRole role = MatrixRole::Qkv;
   int rows_per_warp = 2;
@@ -62,9 +67,6 @@ struct GemvPlan {
   // The long-context decode graph: from this context on, qkv runs at qkv_long (-1: one graph for all contexts).
   int64_t long_from = -1;
   GemvVariant qkv_long{0, 0};
-  // int4 matrices with the input quantized to int8 per group of 32 (CudaOptions::int4_act8): part of how every
-  // GEMV of the plan runs, so launch_gemv sets it; not in the plan's text (the plan key holds the option).
-  bool int4_act8 = false;
   const GemvShapePlan* find(MatrixRole r) const;
   GemvShapePlan* find(MatrixRole r);
   GemvVariant variant(MatrixRole r) const;  // the chosen variant; {2, 0} for a role not tuned
@@ -76,7 +78,7 @@ struct GemvTuneOptions {
   double resident_margin = 0.05;
   bool small_tiles = true;
   std::vector<GemvPin> pins;
-  bool int4_act8 = false;        // the int4 GEMVs timed as they will run (GemvPlan::int4_act8)
+  int act8 = 0;                  // quantized roles where act8_applies: 0 fp16 inputs, 1 timed both ways, 2 int8
 };
 
 // One role as the tuner sees it.
@@ -86,6 +88,7 @@ struct GemvShapeSpec {
   double bytes;          // one matrix as stored, scales included
   cuda::GemvOut out;     // which R the kernel offers depends on it
   bool before_attention; // the decode attention follows it (qkv)
+  int act8_lo = 0, act8_hi = 0;  // the act8 values timed with every (R, grid): 0..0, 0..1 or 1..1
 };
 
 // Times every allowed variant (us_per_matrix) and picks one by the options' rules; pins applied last.
@@ -98,10 +101,11 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
                         bool early_trigger, bool pdl, StreamClock& clock);
 
 // The picking rules (resident margin, tile sizes) are judged one matrix at a time; how a variant's grid meets its
-// neighbours under PDL is not (why: docs/perf/decode-options.md, gemv_step_check). So at load, for each role whose pick is not its fastest
-// variant alone, the step is timed with that role on the fastest (step_us(plan): µs per decode step with the
-// plan's variants), one role at a time, and the flip is kept where it is faster by more than `gain`. Returns the
-// roles flipped.
+// neighbours under PDL is not (why: docs/perf/decode-options.md, gemv_step_check). So at load each role's pick is
+// judged by whole steps (step_us(plan): µs per decode step with the plan's variants) against up to two others:
+// its fastest variant alone, and the fastest of the other kernel (split-K against rows per warp: the split-K
+// gate/up of Llama-2-7B int8, fastest alone, made the step 5-9% slower). One role at a time; a flip is kept
+// where the step is faster by more than `gain`. Returns the roles flipped.
 int tune_plan_by_steps(GemvPlan& plan, const std::function<double(const GemvPlan&)>& step_us, double gain = 0.01);
 
 // The long-context decision. capture(v): a decode-step graph with qkv at v; step_ms(g, ctx): GPU ms per step
@@ -117,6 +121,9 @@ cudaGraphExec_t tune_decode_long(GemvPlan& plan, cudaGraphExec_t short_graph, in
 // The kernel's parameters for matrix m (x, y, norm_w as GemvParams documents them).
 cuda::GemvParams gemv_args(const cuda::QMat& m, const void* x, void* y, const float* norm_w, float eps,
                            bool early_trigger);
+// Whether GemvPlan::act8 takes this GEMV's input as int8: quantized weights and cuda::gemv_act8_ok (K % 32 == 0;
+// normed inputs up to K = 8192). Elsewhere the GEMV keeps its fp16 input.
+bool act8_applies(const cuda::GemvParams& p, cuda::GemvIn in);
 // One GEMV of `role` with the plan's variant.
 void launch_gemv(const GemvPlan& plan, MatrixRole role, cuda::GemvParams p, cuda::GemvIn in, cuda::GemvOut out,
                  cudaStream_t s, bool pdl);

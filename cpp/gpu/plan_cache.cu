@@ -25,17 +25,19 @@ std::string gemv_plan_to_text(const GemvPlan& plan, const std::string& key) {
   char buf[256];
   std::string body = std::string(kMagic) + " " + std::to_string(kPlanFormatVersion) + "\nkey " + key + "\n";
   for (const GemvShapePlan& g : plan.shapes) {
-    std::snprintf(buf, sizeof(buf), "shape %s %d %d %d %d %.0f %d %d %.3f %zu", role_name(g.role), g.rows, g.K, g.ld,
-                  g.copies, g.bytes, g.chosen.rows_per_warp, g.chosen.blocks_per_sm, g.gb_per_s, g.tried.size());
+    std::snprintf(buf, sizeof(buf), "shape %s %d %d %d %d %.0f %d %d %d %.3f %zu", role_name(g.role), g.rows, g.K,
+                  g.ld, g.copies, g.bytes, g.chosen.rows_per_warp, g.chosen.blocks_per_sm, (int)g.chosen.act8,
+                  g.gb_per_s, g.tried.size());
     body += buf;
     for (const GemvTrial& t : g.tried) {
-      std::snprintf(buf, sizeof(buf), " %d %d %.4f", t.variant.rows_per_warp, t.variant.blocks_per_sm, t.us);
+      std::snprintf(buf, sizeof(buf), " %d %d %d %.4f", t.variant.rows_per_warp, t.variant.blocks_per_sm,
+                    (int)t.variant.act8, t.us);
       body += buf;
     }
     body += "\n";
   }
-  std::snprintf(buf, sizeof(buf), "long %lld %d %d\n", (long long)plan.long_from, plan.qkv_long.rows_per_warp,
-                plan.qkv_long.blocks_per_sm);
+  std::snprintf(buf, sizeof(buf), "long %lld %d %d %d\n", (long long)plan.long_from, plan.qkv_long.rows_per_warp,
+                plan.qkv_long.blocks_per_sm, (int)plan.qkv_long.act8);
   body += buf;
   std::snprintf(buf, sizeof(buf), "checksum %016llx\n", (unsigned long long)fnv1a64(body));
   return body + buf;
@@ -75,29 +77,34 @@ bool to_double(const std::string& s, double& v) {
   return *end == '\0' && v >= 0 && v < 1e30;
 }
 
+bool to_flag(const std::string& s, bool& v) {
+  if (s != "0" && s != "1") return false;
+  v = s == "1";
+  return true;
+}
 bool variant_ok(const GemvVariant& v, MatrixRole r) {
   return v.blocks_per_sm >= 0 && v.blocks_per_sm <= 2 && cuda::gemv_variant_ok(v.rows_per_warp, role_out(r));
 }
 
 // One "shape ..." line (words w) into g; false: malformed or out of range.
 bool parse_shape(const std::vector<std::string>& w, GemvShapePlan& g) {
-  if (w.size() < 11) return false;
+  if (w.size() < 12) return false;
   bool found = false;
   for (MatrixRole r : kRoles)
     if (w[1] == role_name(r)) g.role = r, found = true;
   int n = 0;
   if (!found || !to_int(w[2], g.rows) || !to_int(w[3], g.K) || !to_int(w[4], g.ld) || !to_int(w[5], g.copies) ||
       !to_double(w[6], g.bytes) || !to_int(w[7], g.chosen.rows_per_warp) || !to_int(w[8], g.chosen.blocks_per_sm) ||
-      !to_double(w[9], g.gb_per_s) || !to_int(w[10], n))
+      !to_flag(w[9], g.chosen.act8) || !to_double(w[10], g.gb_per_s) || !to_int(w[11], n))
     return false;
-  if (g.rows < 1 || g.K < 1 || g.ld < g.K || g.copies < 1 || n < 0 || w.size() != 11 + 3 * (size_t)n ||
+  if (g.rows < 1 || g.K < 1 || g.ld < g.K || g.copies < 1 || n < 0 || w.size() != 12 + 4 * (size_t)n ||
       !variant_ok(g.chosen, g.role))
     return false;
   for (int i = 0; i < n; i++) {
     GemvTrial t;
-    const size_t at = 11 + 3 * (size_t)i;
+    const size_t at = 12 + 4 * (size_t)i;
     if (!to_int(w[at], t.variant.rows_per_warp) || !to_int(w[at + 1], t.variant.blocks_per_sm) ||
-        !to_double(w[at + 2], t.us) || !variant_ok(t.variant, g.role))
+        !to_flag(w[at + 2], t.variant.act8) || !to_double(w[at + 3], t.us) || !variant_ok(t.variant, g.role))
       return false;
     g.tried.push_back(t);
   }
@@ -114,10 +121,10 @@ std::string parse_body(const std::vector<std::string>& lines, GemvPlan& plan) {
       if (!parse_shape(w, g)) return "line " + std::to_string(i + 1) + " is malformed";
       if (plan.find(g.role)) return std::string("role ") + role_name(g.role) + " appears twice";
       plan.shapes.push_back(g);
-    } else if (w.size() == 4 && w[0] == "long" && !has_long) {
+    } else if (w.size() == 5 && w[0] == "long" && !has_long) {
       long long from = 0;
       if (!to_ll(w[1], from) || !to_int(w[2], plan.qkv_long.rows_per_warp) ||
-          !to_int(w[3], plan.qkv_long.blocks_per_sm) || (from < 1 && from != -1) ||
+          !to_int(w[3], plan.qkv_long.blocks_per_sm) || !to_flag(w[4], plan.qkv_long.act8) || (from < 1 && from != -1) ||
           (from > 0 && !variant_ok(plan.qkv_long, MatrixRole::Qkv)))
         return "line " + std::to_string(i + 1) + " is malformed";
       plan.long_from = from;

@@ -6,11 +6,12 @@
 // of everything above it, so that a damaged file is never half-read and a file for another GPU, build or shape
 // is never used: either is refused as a whole (PlanRead.problem says why) and the engine tunes instead.
 //
-//   tinyinfer-gemv-plan 1
+//   tinyinfer-gemv-plan 2
 //   key <the key: one line>
-//   shape <role> <rows> <K> <ld> <copies> <bytes> <chosen R> <chosen blocks/SM> <GB/s> <n tried> (<R> <bps> <us>)*
-//   ...                                                                              (one line per role)
-//   long <long_from> <R> <bps>
+//   shape <role> <rows> <K> <ld> <copies> <bytes> <chosen R> <chosen blocks/SM> <chosen act8> <GB/s> <n tried>
+//         (<R> <bps> <act8> <us>)*                                       (one line per role; act8: 0 or 1)
+//   ...
+//   long <long_from> <R> <bps> <act8>
 //   checksum <FNV-1a 64 of the lines above, 16 hex digits>
 #pragma once
 #include <cstdint>
@@ -21,7 +22,7 @@
 
 namespace ti {
 
-constexpr int kPlanFormatVersion = 1;
+constexpr int kPlanFormatVersion = 2;
 
 std::string gemv_plan_to_text(const GemvPlan& plan, const std::string& key);
 

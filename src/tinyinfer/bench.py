@@ -188,7 +188,7 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
         us = "/".join(f"{u:.1f}" for u in best.values())
         row = dict(g, pct_peak=100 * g["gb_per_s"] / gbs)
         res["gemv"].append(row)
-        grid = f"{g['blocks_per_sm']}/SM" if g["blocks_per_sm"] else "tile"
+        grid = (f"{g['blocks_per_sm']}/SM" if g["blocks_per_sm"] else "tile") + (" a8" if g["act8"] else "")
         out(f"{g['name']:>8} {g['rows']:>6}x{g['K']:<6} {g['copies']:>6} {g['R']:>2} {grid:>4} {us:>32} "
             f"{g['gb_per_s']:>7.0f} {row['pct_peak']:>6.1f}%")
     frm, long_r, long_bps = core.decode_long

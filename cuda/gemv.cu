@@ -549,6 +549,12 @@ bool gemv_act8_ok(int K, GemvIn in) {
   return K % 32 == 0 && (in != GemvIn::F32Norm || K <= kMaxVec * 4 * kGemvThreads);
 }
 
+static void require_act8(int K, GemvIn in) {
+  if (!gemv_act8_ok(K, in))
+    fail(ErrorKind::Unsupported, "gemv: int8 activations need K % 32 == 0 and, normed, K <= " +
+                                     std::to_string(kMaxVec * 4 * kGemvThreads) + " (K=" + std::to_string(K) + ")");
+}
+
 bool gemv_variant_ok(int R, GemvOut out) {
   if (R == kGemvSplitK) return true;
   if (R != 1 && R != 2 && R != 4) return false;
@@ -629,9 +635,7 @@ void gemv(const GemvParams& p, int R, GemvIn in, GemvOut out, cudaStream_t s, bo
     if (p.ldq != i8_ld(p.K) || p.ld != p.ldq || !p.q || !p.scales)
       fail(ErrorKind::Request, "gemv: int8 weights need ldq = ld = K rounded up to 32, q and scales");
     if (p.act8) {
-      if (!gemv_act8_ok(p.K, in))
-        fail(ErrorKind::Unsupported, "gemv: int8 activations need K % 32 == 0 and, normed, K <= " +
-                                         std::to_string(kMaxVec * 4 * kGemvThreads) + " (K=" + std::to_string(p.K) + ")");
+      require_act8(p.K, in);
       return dispatch_quantized<kI8A8>(p, R, in, out, s, pdl);
     }
     return dispatch_quantized<WFormat::I8>(p, R, in, out, s, pdl);
@@ -640,9 +644,7 @@ void gemv(const GemvParams& p, int R, GemvIn in, GemvOut out, cudaStream_t s, bo
     if (p.K % kI4Group != 0 || p.ldq != i4_ld(p.K) || p.ld != p.K || !p.q || !p.scales)
       fail(ErrorKind::Request, "gemv: int4 weights need K % 32 == 0, ldq = K / 2, ld = K, q and scales");
     if (p.act8) {
-      if (!gemv_act8_ok(p.K, in))
-        fail(ErrorKind::Unsupported, "gemv: int8 activations need K % 32 == 0 and, normed, K <= " +
-                                         std::to_string(kMaxVec * 4 * kGemvThreads) + " (K=" + std::to_string(p.K) + ")");
+      require_act8(p.K, in);
       return dispatch_quantized<kI4A8>(p, R, in, out, s, pdl);
     }
     return dispatch_quantized<WFormat::I4>(p, R, in, out, s, pdl);

@@ -507,38 +507,37 @@ void bind_engines(nb::module_& m) {
             if (!r.plan) return nb::make_tuple(nb::none(), nb::none(), r.problem);
             const ti::GemvPlan& p = *r.plan;
             return nb::make_tuple(plan_table(p), nb::make_tuple(p.long_from, p.qkv_long.rows_per_warp,
-                                                                p.qkv_long.blocks_per_sm), "");
+                                                                p.qkv_long.blocks_per_sm, p.qkv_long.act8), "");
           },
           "text"_a, "key"_a,
-          "Check a saved plan as the constructor does (no GPU needed): (gemv_table, decode_long, '') or "
-          "(None, None, problem) with problem 'stale: ...' or 'corrupt: ...'.")
+          "Check a saved plan as the constructor does (no GPU needed): (gemv_table, (from, qkv R, qkv blocks per SM, "
+          "qkv act8), '') or (None, None, problem) with problem 'stale: ...' or 'corrupt: ...'.")
       .def_static(
           "plan_by_steps",
-          [](const std::vector<std::tuple<int, int, std::vector<std::tuple<int, int, double>>>>& roles,
+          [](const std::vector<std::tuple<int, int, bool, std::vector<std::tuple<int, int, bool, double>>>>& roles,
              nb::callable step_us, double gain) {
             ti::GemvPlan plan;
-            for (const auto& [R, bps, tried] : roles) {
+            for (const auto& [R, bps, a8, tried] : roles) {
               ti::GemvShapePlan g;
               g.role = (ti::MatrixRole)plan.shapes.size();
-              g.chosen = ti::GemvVariant{R, bps};
+              g.chosen = ti::GemvVariant{R, bps, a8};
               g.bytes = 1e6;
-              for (const auto& [tR, tb, us] : tried) g.tried.push_back({ti::GemvVariant{tR, tb}, us});
+              for (const auto& [tR, tb, ta, us] : tried) g.tried.push_back({ti::GemvVariant{tR, tb, ta}, us});
               plan.shapes.push_back(g);
             }
-            const int flipped = ti::tune_plan_by_steps(plan, [&](const ti::GemvPlan& p) {
-              nb::list chosen;
+            auto picks = [](const ti::GemvPlan& p) {
+              nb::list out;
               for (const ti::GemvShapePlan& g : p.shapes)
-                chosen.append(nb::make_tuple(g.chosen.rows_per_warp, g.chosen.blocks_per_sm));
-              return nb::cast<double>(step_us(chosen));
-            }, gain);
-            nb::list out;
-            for (const ti::GemvShapePlan& g : plan.shapes)
-              out.append(nb::make_tuple(g.chosen.rows_per_warp, g.chosen.blocks_per_sm));
-            return nb::make_tuple(out, flipped);
+                out.append(nb::make_tuple(g.chosen.rows_per_warp, g.chosen.blocks_per_sm, g.chosen.act8));
+              return out;
+            };
+            const int flipped = ti::tune_plan_by_steps(
+                plan, [&](const ti::GemvPlan& p) { return nb::cast<double>(step_us(picks(p))); }, gain);
+            return nb::make_tuple(picks(plan), flipped);
           },
           "roles"_a, "step_us"_a, "gain"_a = 0.01,
-          "tune_plan_by_steps (gemv_plan.h) on a plan given as [(R, blocks_per_sm, [(R, bps, us) tried])] with "
-          "step_us([(R, bps)] chosen) -> µs: ([(R, bps)] kept, roles flipped). For tests.")
+          "tune_plan_by_steps (gemv_plan.h) on a plan given as [(R, blocks_per_sm, act8, [(R, bps, act8, us) "
+          "tried])] with step_us([(R, bps, act8)] chosen) -> µs: ([(R, bps, act8)] kept, roles flipped). For tests.")
       .def_prop_ro("plan_text", &ti::CudaEngine::plan_text,
                    "This engine's GEMV plan as text to save ('' where gemv_pins changed it).")
       .def_prop_ro("plan_from_cache", &ti::CudaEngine::plan_from_cache)

@@ -209,39 +209,48 @@ def test_out_of_gpu_memory_is_a_clear_error_and_frees_what_it_took():
 
 def test_plan_by_steps_flips_a_role_only_where_the_whole_step_gains():
     """tune_plan_by_steps: each role is tried, one at a time, on its fastest variant alone and on the fastest of
-    the other kernel (split-K against rows per warp), and kept on the one that makes the step faster by more
-    than `gain` (the faster of the two where both do); a role already on its fastest with no other kernel timed
-    is not timed."""
+    the other kernel (split-K against rows per warp), each variant once, and kept on the one that makes the step
+    faster by more than `gain` (the faster of the two where both do); a role already on its fastest with no other
+    kernel timed is not timed. A variant is (R, blocks per SM, act8): one differing in act8 alone is another."""
     from tinyinfer import _core
 
+    F, T = False, True
     roles = [
-        (8, 2, [(8, 2, 10.0), (2, 2, 9.9)]),                # rules' pick; the step gains 5% on R2: flipped
-        (1, 2, [(1, 2, 5.0), (4, 0, 4.8)]),                 # the step gains 0.4% (< 1%): kept
-        (2, 2, [(2, 2, 3.0), (1, 0, 3.5)]),                 # already the fastest, no split-K: never timed
-        (8, 2, [(8, 2, 2.0), (4, 2, 2.1), (2, 2, 2.2)]),    # split-K fastest alone; the step gains 3% on R4
-        (1, 2, [(1, 2, 1.0), (2, 2, 0.9), (8, 2, 1.2)]),    # both timed: R2 gains 2%, split-K 4%: split-K
+        (8, 2, F, [(8, 2, F, 10.0), (2, 2, F, 9.9)]),                   # the step gains 5% on R2: flipped
+        (1, 2, F, [(1, 2, F, 5.0), (1, 2, T, 4.8)]),                    # on int8 inputs it gains 0.4%: kept
+        (2, 2, F, [(2, 2, F, 3.0), (1, 0, F, 3.5)]),                    # the fastest, no split-K: never timed
+        (8, 2, F, [(8, 2, F, 2.0), (4, 2, F, 2.1), (2, 2, F, 2.2)]),    # split-K fastest; R4 gains 3%
+        (1, 2, F, [(1, 2, F, 1.0), (2, 2, F, 0.9), (8, 2, F, 1.2)]),    # R2 gains 2%, split-K 4%: split-K
     ]
     calls = []
 
     def step_us(chosen):
         calls.append(chosen)
         t = 1000.0
-        t -= 50.0 if chosen[0] == (2, 2) else 0.0
-        t -= 4.0 if chosen[1] == (4, 0) else 0.0
-        t -= 30.0 if chosen[3] == (4, 2) else 0.0
-        t -= {(2, 2): 20.0, (8, 2): 40.0}.get(chosen[4], 0.0)
+        t -= 50.0 if chosen[0] == (2, 2, F) else 0.0
+        t -= 4.0 if chosen[1] == (1, 2, T) else 0.0
+        t -= 30.0 if chosen[3] == (4, 2, F) else 0.0
+        t -= {(2, 2, F): 20.0, (8, 2, F): 40.0}.get(chosen[4], 0.0)
         return t
 
     kept, flipped = _core.CudaEngine.plan_by_steps(roles, step_us, 0.01)
-    assert kept == [(2, 2), (1, 2), (2, 2), (4, 2), (8, 2)] and flipped == 3
-    base = [(8, 2), (1, 2), (2, 2), (8, 2), (1, 2)]
+    assert kept == [(2, 2, F), (1, 2, F), (2, 2, F), (4, 2, F), (8, 2, F)] and flipped == 3
+    base = [(8, 2, F), (1, 2, F), (2, 2, F), (8, 2, F), (1, 2, F)]
     assert calls == [base,
-                     [(2, 2), (1, 2), (2, 2), (8, 2), (1, 2)],
-                     [(2, 2), (4, 0), (2, 2), (8, 2), (1, 2)],
-                     [(2, 2), (1, 2), (2, 2), (4, 2), (1, 2)],
-                     [(2, 2), (1, 2), (2, 2), (4, 2), (2, 2)],
-                     [(2, 2), (1, 2), (2, 2), (4, 2), (8, 2)]]
-    assert _core.CudaEngine.plan_by_steps(roles, step_us, 0.1)[0] == base
+                     [(2, 2, F), (1, 2, F), (2, 2, F), (8, 2, F), (1, 2, F)],
+                     [(2, 2, F), (1, 2, T), (2, 2, F), (8, 2, F), (1, 2, F)],
+                     [(2, 2, F), (1, 2, F), (2, 2, F), (4, 2, F), (1, 2, F)],
+                     [(2, 2, F), (1, 2, F), (2, 2, F), (4, 2, F), (2, 2, F)],
+                     [(2, 2, F), (1, 2, F), (2, 2, F), (4, 2, F), (8, 2, F)]]
+    calls.clear()
+    assert _core.CudaEngine.plan_by_steps(roles, step_us, 0.1) == (base, 0)
+    # nothing flips: role 0's fastest, also the other kernel's fastest, timed once; the rest as above
+    assert calls == [base,
+                     [(2, 2, F), (1, 2, F), (2, 2, F), (8, 2, F), (1, 2, F)],
+                     [(8, 2, F), (1, 2, T), (2, 2, F), (8, 2, F), (1, 2, F)],
+                     [(8, 2, F), (1, 2, F), (2, 2, F), (4, 2, F), (1, 2, F)],
+                     [(8, 2, F), (1, 2, F), (2, 2, F), (4, 2, F), (2, 2, F)],
+                     [(8, 2, F), (1, 2, F), (2, 2, F), (4, 2, F), (8, 2, F)]]
 
 
 def test_step_check_keeps_each_pick_to_the_rules_or_the_fastest():

@@ -58,7 +58,7 @@ def test_a_whole_plan_for_this_key_is_taken():
     table, long, problem = read(seal(plan_body(picks=picks, long="long 256 4 1 1")))
     assert problem == ""
     assert {g["name"]: (g["R"], g["blocks_per_sm"], int(g["act8"])) for g in table} == picks
-    assert long == (256, 4, 1)
+    assert long == (256, 4, 1, True)
     qkv = table[0]
     assert (qkv["rows"], qkv["K"], qkv["copies"]) == (512, 256, 2)
     assert qkv["tried_R"] == [2, 4, 8] and qkv["tried_blocks_per_sm"] == [0, 2, 1] and qkv["us"] == [10.5, 9.25, 11.0]

@@ -225,6 +225,7 @@ int tune_plan_by_steps(GemvPlan& plan, const std::function<double(const GemvPlan
       if (!fastest || t.us < fastest->us) fastest = &t;
       if (split(t.variant) != split(g.chosen) && (!other || t.us < other->us)) other = &t;
     }
+    if (other == fastest) other = nullptr;  // (timed once)
     const GemvVariant keep = g.chosen;
     const double keep_gb = g.gb_per_s;
     const GemvTrial* best = nullptr;

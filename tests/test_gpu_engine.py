@@ -233,24 +233,24 @@ def test_plan_by_steps_flips_a_role_only_where_the_whole_step_gains():
         t -= {(2, 2, F): 20.0, (8, 2, F): 40.0}.get(chosen[4], 0.0)
         return t
 
+    base = [(8, 2, F), (1, 2, F), (2, 2, F), (8, 2, F), (1, 2, F)]
+
+    def at(plan, role, v):
+        return plan[:role] + [v] + plan[role + 1:]
+
+    def expected_calls(flips):  # role 0, then role 1 (act8), role 3, role 4 twice; a flip kept where `flips`
+        s1 = at(base, 0, (2, 2, F) if flips else (8, 2, F))
+        s3 = at(s1, 3, (4, 2, F) if flips else (8, 2, F))
+        return [base, at(base, 0, (2, 2, F)), at(s1, 1, (1, 2, T)), at(s1, 3, (4, 2, F)), at(s3, 4, (2, 2, F)),
+                at(s3, 4, (8, 2, F))]
+
     kept, flipped = _core.CudaEngine.plan_by_steps(roles, step_us, 0.01)
     assert kept == [(2, 2, F), (1, 2, F), (2, 2, F), (4, 2, F), (8, 2, F)] and flipped == 3
-    base = [(8, 2, F), (1, 2, F), (2, 2, F), (8, 2, F), (1, 2, F)]
-    assert calls == [base,
-                     [(2, 2, F), (1, 2, F), (2, 2, F), (8, 2, F), (1, 2, F)],
-                     [(2, 2, F), (1, 2, T), (2, 2, F), (8, 2, F), (1, 2, F)],
-                     [(2, 2, F), (1, 2, F), (2, 2, F), (4, 2, F), (1, 2, F)],
-                     [(2, 2, F), (1, 2, F), (2, 2, F), (4, 2, F), (2, 2, F)],
-                     [(2, 2, F), (1, 2, F), (2, 2, F), (4, 2, F), (8, 2, F)]]
+    assert calls == expected_calls(True)
     calls.clear()
+    # nothing flips; role 0's fastest is also the other kernel's fastest: timed once
     assert _core.CudaEngine.plan_by_steps(roles, step_us, 0.1) == (base, 0)
-    # nothing flips: role 0's fastest, also the other kernel's fastest, timed once; the rest as above
-    assert calls == [base,
-                     [(2, 2, F), (1, 2, F), (2, 2, F), (8, 2, F), (1, 2, F)],
-                     [(8, 2, F), (1, 2, T), (2, 2, F), (8, 2, F), (1, 2, F)],
-                     [(8, 2, F), (1, 2, F), (2, 2, F), (4, 2, F), (1, 2, F)],
-                     [(8, 2, F), (1, 2, F), (2, 2, F), (4, 2, F), (2, 2, F)],
-                     [(8, 2, F), (1, 2, F), (2, 2, F), (4, 2, F), (8, 2, F)]]
+    assert calls == expected_calls(False)
 
 
 def test_step_check_keeps_each_pick_to_the_rules_or_the_fastest():

@@ -104,8 +104,8 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
 // neighbours under PDL is not (why: docs/perf/decode-options.md, gemv_step_check). So at load each role's pick is
 // judged by whole steps (step_us(plan): µs per decode step with the plan's variants) against up to two others:
 // its fastest variant alone, and the fastest of the other kernel (split-K against rows per warp: the split-K
-// gate/up of Llama-2-7B int8 with int8 inputs, fastest alone, made the step 6.5% slower). One role at a time; a flip is kept
-// where the step is faster by more than `gain`. Returns the roles flipped.
+// gate/up of Llama-2-7B int8 with int8 inputs, fastest alone, made the step 6.5% slower). One role at a time; a
+// flip is kept where the step is faster by more than `gain`. Returns the roles flipped.
 int tune_plan_by_steps(GemvPlan& plan, const std::function<double(const GemvPlan&)>& step_us, double gain = 0.01);
 
 // The long-context decision. capture(v): a decode-step graph with qkv at v; step_ms(g, ctx): GPU ms per step

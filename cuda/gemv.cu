@@ -4,10 +4,11 @@
 // are zero. A block of 8 warps; a tile is 8 warps x R consecutive rows (R = 1, 2, 4: more rows per warp = more
 // independent 16-byte loads in flight per lane but fewer warps). The grid is one block per tile or 1-2 blocks
 // per SM looping over tiles (GemvParams::blocks_per_sm); R and the grid are timed per shape at load, from graph
-// replays. Each lane reads 16 bytes (8 weights) per row per step, 4 steps unrolled, so 4R loads are in flight
-// per lane; the input vector is staged once per block in shared memory as fp16 (16-byte reads laid out so that
-// a warp's reads are contiguous: no bank conflicts), then each row's dot is reduced across the warp with
-// shuffles.
+// replays. Each lane reads 16 bytes (8 weights) per row per step: the quantized kernel (gemv_kernel) in rounds
+// of 4 steps (4R loads in flight per lane, issued before the round's dot products), fp16's (gemv_pipe_kernel)
+// in chunks of 8 / R steps with the next chunk's loads issued before this chunk's dot products; the input
+// vector is staged once per block in shared memory as fp16 (16-byte reads laid out so that a warp's reads are
+// contiguous: no bank conflicts), then each row's dot is reduced across the warp with shuffles.
 //
 // Fusions (chosen by the launcher's in/out modes, never in the forward pass):
 //   in  F32Norm: RMSNorm of the fp32 residual stream in the prologue (every block recomputes the sum of
@@ -279,6 +280,29 @@ __device__ __forceinline__ void load_y(const GemvParams& p, int row0, float* yol
     yold[r] = OUT == GemvOut::AddF32 ? static_cast<const float*>(p.y)[min(row0 + r, p.rows - 1)] : 0.0f;
 }
 
+// The epilogue of a warp's R rows (lane 0, the sums reduced): Swiglu pairs (g, u) -> silu(g) u as fp16, else
+// fp32 stored or added to the old y (yo).
+template <GemvOut OUT, int R>
+__device__ __forceinline__ void store_rows(const GemvParams& p, int row0, const float* acc, const float* yo) {
+  if constexpr (OUT == GemvOut::Swiglu) {
+#pragma unroll
+    for (int r = 0; r + 1 < R; r += 2) {
+      const int i = (row0 + r) / 2;
+      if (row0 + r + 1 < p.rows) {
+        const float g = acc[r], u = acc[r + 1];
+        static_cast<__half*>(p.y)[i] = __float2half(g / (1.0f + __expf(-g)) * u);
+      }
+    }
+  } else {
+    float* y = static_cast<float*>(p.y);
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      if (row0 + r >= p.rows) break;
+      y[row0 + r] = OUT == GemvOut::AddF32 ? yo[r] + acc[r] : acc[r];
+    }
+  }
+}
+
 // A warp's R rows of one tile, and the first P 16-byte words of each per lane (with their I4 scales), loaded
 // ahead: before the dependency wait for a block's first tile, during the previous tile's reduction for the rest.
 template <WFormat WF, int R, int P>
@@ -414,25 +438,135 @@ __global__ void __launch_bounds__(kGemvThreads, WF == WFormat::I8 && R == 1 ? 3 
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
 
-    if (lane == 0) {  // ---- epilogue ----
-      if constexpr (OUT == GemvOut::Swiglu) {
+    if (lane == 0) store_rows<OUT, R>(p, row0, acc, yo);
+    if (tile >= n_tiles) break;
+  }
+  trace_point(p.trace, 3);
+}
+
+// fp16's kernel, software-pipelined: the same tiles, grid and order of sums as gemv_kernel, but a row is
+// streamed in chunks of P = 8 / R steps (8 words a lane, as gemv_kernel's head) and chunk i + 1's loads — or,
+// after a tile's last chunk, the next tile's first chunk — are issued before chunk i's dot products, so a lane
+// keeps 8 words in flight while it computes (gemv_kernel: 4R at a round's start, none while it computes).
+// Measured on the H200 (docs/perf/persistent.md §20): the fp16 decode step 2.2-3.9% faster on TinyLlama,
+// SmolLM2-135M / 360M and Llama-2-7B; for int8 / int4 weights the same kernel made the step up to 16% slower
+// (their dot products are ~4x longer: no latency left to hide), so they keep gemv_kernel.
+template <WFormat WF, int R, int P>
+struct Chunk {
+  uint4 w[P][R];
+  ScaleRun<WF, P> s[R];
+};
+template <WFormat WF, int R>
+struct TileRows {
+  int row0 = 0;
+  const uint4* wrow[R];
+  QCtx ctx[R];
+};
+template <WFormat WF, int R>
+__device__ __forceinline__ void tile_rows(const GemvParams& p, int tile, const float* xsum, TileRows<WF, R>& t) {
+  t.row0 = (tile * kGemvWarps + (threadIdx.x >> 5)) * R;
 #pragma unroll
-        for (int r = 0; r + 1 < R; r += 2) {
-          const int i = (row0 + r) / 2;
-          if (row0 + r + 1 < p.rows) {
-            const float g = acc[r], u = acc[r + 1];
-            static_cast<__half*>(p.y)[i] = __float2half(g / (1.0f + __expf(-g)) * u);
-          }
-        }
-      } else {
-        float* y = static_cast<float*>(p.y);
+  for (int r = 0; r < R; r++) {
+    const int row = min(t.row0 + r, p.rows - 1);  // rows past the end re-read the last row; never stored
+    t.wrow[r] = row_words<WF>(p, row);
+    t.ctx[r] = row_ctx<WF>(p, row, xsum);
+  }
+}
+// The chunk at word base kb (uniform): lane word k = kb + lane + 32 u at step u; words past the row read as zero.
+template <WFormat WF, int R, int P>
+__device__ __forceinline__ void load_chunk(const TileRows<WF, R>& t, int kb, int ld8, Chunk<WF, R, P>& c) {
+  const int lane = threadIdx.x & 31;
 #pragma unroll
-        for (int r = 0; r < R; r++) {
-          if (row0 + r >= p.rows) break;
-          y[row0 + r] = OUT == GemvOut::AddF32 ? yo[r] + acc[r] : acc[r];
-        }
-      }
+  for (int u = 0; u < P; u++)
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      const bool in = kb + lane + u * 32 < ld8;
+      c.w[u][r] = in ? load_stream(t.wrow[r] + kb + lane + u * 32) : make_uint4(0, 0, 0, 0);
+      load_run_step<WF, P, true>(t.ctx[r], kb, u, ld8, c.s[r]);
     }
+}
+template <WFormat WF, int R, int P>
+__device__ __forceinline__ void dot_chunk(const TileRows<WF, R>& t, const Chunk<WF, R, P>& c, const __half* xs,
+                                          int kb, int ld8, float* acc) {
+  const int lane = threadIdx.x & 31;
+  XFrag<WF> xf;
+#pragma unroll
+  for (int u = 0; u < P; u++) {
+    WScale<WF> s[R];  // (I8: a shuffle, so outside the branch)
+#pragma unroll
+    for (int r = 0; r < R; r++) s[r] = run_scale<WF, P>(c.s[r], u);
+    const int k = kb + lane + u * 32;
+    if (k < ld8) {
+      load_x<WF>(xs, ld8, k, xf);
+#pragma unroll
+      for (int r = 0; r < R; r++) acc[r] += dot_word<WF>(c.w[u][r], s[r], xf, t.ctx[r], k);
+    }
+  }
+}
+
+template <WFormat WF, int R, GemvIn IN, GemvOut OUT>
+__global__ void __launch_bounds__(kGemvThreads, 2) gemv_pipe_kernel(GemvParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __half* xs = reinterpret_cast<__half*>(smem_raw);
+  float* nws = reinterpret_cast<float*>(xs + p.ld);
+  float* xsum = nws + (IN == GemvIn::F32Norm ? p.K : 0);
+  __shared__ __align__(16) float red[33];
+  trace_point(p.trace, 0);
+  if (p.early_trigger) pdl_launch_dependents();
+  const int lane = threadIdx.x & 31;
+  const int n_tiles = (p.rows + kGemvWarps * R - 1) / (kGemvWarps * R);
+  const int ld8 = words_per_row<WF>(p);
+  constexpr int P = 8 / R;  // steps a chunk: 8 words per lane
+  int tile = blockIdx.x;
+  TileRows<WF, R> t;
+  tile_rows<WF, R>(p, tile, xsum, t);
+  Chunk<WF, R, P> cur;
+  load_chunk<WF, R, P>(t, 0, ld8, cur);
+  prefetch_norm<IN>(p, nws);
+
+  pdl_wait();
+  if (!p.early_trigger) pdl_launch_dependents();
+  trace_point(p.trace, 1);
+  float yold[R];
+  load_y<OUT, R>(p, t.row0, yold);
+  stage_input<WF, IN>(p, ld8, nws, xs, xsum, red);
+  trace_point(p.trace, 2);
+
+  for (;;) {
+    const int next = tile + gridDim.x;
+    TileRows<WF, R> tn;
+    float yn[R];
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.0f;
+    for (int kb = 0;; kb += P * 32) {  // uniform
+      const bool more = kb + P * 32 < ld8;
+      Chunk<WF, R, P> nxt;  // this row's next chunk, else the next tile's first
+      if (more) {
+        load_chunk<WF, R, P>(t, kb + P * 32, ld8, nxt);
+      } else if (next < n_tiles) {
+        tile_rows<WF, R>(p, next, xsum, tn);
+        load_chunk<WF, R, P>(tn, 0, ld8, nxt);
+        load_y<OUT, R>(p, tn.row0, yn);
+      }
+      dot_chunk<WF, R, P>(t, cur, xs, kb, ld8, acc);
+      cur = nxt;
+      if (!more) break;
+    }
+    const int row0 = t.row0;
+    float yo[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) yo[r] = yold[r];
+    tile = next;
+    if (tile < n_tiles) {
+      t = tn;
+#pragma unroll
+      for (int r = 0; r < R; r++) yold[r] = yn[r];
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
+
+    if (lane == 0) store_rows<OUT, R>(p, row0, acc, yo);
     if (tile >= n_tiles) break;
   }
   trace_point(p.trace, 3);
@@ -589,10 +723,15 @@ static int gemv_grid(int tiles, int blocks_per_sm) {
 template <WFormat WF, int R, GemvIn IN, GemvOut OUT>
 static void launch_gemv(const GemvParams& p, cudaStream_t stream, bool pdl) {
   const size_t smem = gemv_smem(p, IN);
-  raise_smem(gemv_kernel<WF, R, IN, OUT>, smem);
   const int rows_per_tile = kGemvWarps * R;
-  launch(gemv_kernel<WF, R, IN, OUT>, dim3(gemv_grid((p.rows + rows_per_tile - 1) / rows_per_tile, p.blocks_per_sm)),
-         dim3(kGemvThreads), smem, stream, pdl, p);
+  const dim3 grid(gemv_grid((p.rows + rows_per_tile - 1) / rows_per_tile, p.blocks_per_sm));
+  if constexpr (WF == WFormat::F16) {
+    raise_smem(gemv_pipe_kernel<WF, R, IN, OUT>, smem);
+    launch(gemv_pipe_kernel<WF, R, IN, OUT>, grid, dim3(kGemvThreads), smem, stream, pdl, p);
+  } else {
+    raise_smem(gemv_kernel<WF, R, IN, OUT>, smem);
+    launch(gemv_kernel<WF, R, IN, OUT>, grid, dim3(kGemvThreads), smem, stream, pdl, p);
+  }
 }
 
 template <WFormat WF, GemvIn IN, GemvOut OUT>

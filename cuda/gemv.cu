@@ -4,11 +4,12 @@
 // are zero. A block of 8 warps; a tile is 8 warps x R consecutive rows (R = 1, 2, 4: more rows per warp = more
 // independent 16-byte loads in flight per lane but fewer warps). The grid is one block per tile or 1-2 blocks
 // per SM looping over tiles (GemvParams::blocks_per_sm); R and the grid are timed per shape at load, from graph
-// replays. Each lane reads 16 bytes (8 weights) per row per step: the quantized kernel (gemv_kernel) in rounds
-// of 4 steps (4R loads in flight per lane, issued before the round's dot products), fp16's (gemv_pipe_kernel)
-// in chunks of 8 / R steps with the next chunk's loads issued before this chunk's dot products; the input
-// vector is staged once per block in shared memory as fp16 (16-byte reads laid out so that a warp's reads are
-// contiguous: no bank conflicts), then each row's dot is reduced across the warp with shuffles.
+// replays. Each lane reads 16 bytes (a word: 8 fp16 weights) per row per step: fp16 and int8 weights
+// (gemv_pipe_kernel) in chunks of 8 / R steps, the next chunk's loads issued before this chunk's dot products;
+// int4 and the int8-input kernels (gemv_kernel) in rounds of 4 steps (4R loads in flight per lane, issued
+// before the round's dot products, none while they are computed); the input vector is staged once per block
+// in shared memory as fp16 (16-byte reads laid out so that a warp's reads are contiguous: no bank conflicts),
+// then each row's dot is reduced across the warp with shuffles.
 //
 // Fusions (chosen by the launcher's in/out modes, never in the forward pass):
 //   in  F32Norm: RMSNorm of the fp32 residual stream in the prologue (every block recomputes the sum of
@@ -362,12 +363,11 @@ __device__ __forceinline__ void round4(const TileHead<WF, R, P>& h, const __half
 // either one block per tile, or a few blocks per SM that loop over tiles — then the input is staged once per
 // block, not once per tile, the next tile's first words are in flight while a tile is reduced and stored, and
 // the kernel leaves room on each SM for the next kernel's blocks to start (PDL) and fetch their weights.
-// I8 at R=1 is held to 80 registers (3 blocks per SM, as the per-channel int8 kernel had by itself): left alone
-// ptxas gives its F32Norm variant 96; held, it spills 32 bytes once per block in the RMSNorm staging, not in the
-// loop. kI8A8 is held to 2 blocks per SM (128 registers: left alone its R = 4 took 132, one block per SM).
-// (Minimum 0 elsewhere = no hint: an explicit 1 changes ptxas' choices for every variant.)
+// kI8A8 is held to 2 blocks per SM (128 registers: left alone its R = 4 took 132, one block per SM). (Minimum 0
+// elsewhere = no hint: an explicit 1 changes ptxas' choices for every variant.) fp16 and int8 weights take
+// gemv_pipe_kernel below instead (kGemvPipelined).
 template <WFormat WF, int R, GemvIn IN, GemvOut OUT>
-__global__ void __launch_bounds__(kGemvThreads, WF == WFormat::I8 && R == 1 ? 3 : WF == kI8A8 ? 2 : 0)
+__global__ void __launch_bounds__(kGemvThreads, WF == kI8A8 ? 2 : 0)
     gemv_kernel(GemvParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __half* xs = reinterpret_cast<__half*>(smem_raw);  // the staged input (ld halves)
@@ -444,13 +444,19 @@ __global__ void __launch_bounds__(kGemvThreads, WF == WFormat::I8 && R == 1 ? 3 
   trace_point(p.trace, 3);
 }
 
-// fp16's kernel, software-pipelined: the same tiles, grid and order of sums as gemv_kernel, but a row is
-// streamed in chunks of P = 8 / R steps (8 words a lane, as gemv_kernel's head) and chunk i + 1's loads — or,
-// after a tile's last chunk, the next tile's first chunk — are issued before chunk i's dot products, so a lane
-// keeps 8 words in flight while it computes (gemv_kernel: 4R at a round's start, none while it computes).
-// Measured on the H200 (docs/perf/persistent.md §20): the fp16 decode step 2.2-3.9% faster on TinyLlama,
-// SmolLM2-135M / 360M and Llama-2-7B; for int8 / int4 weights the same kernel made the step up to 16% slower
-// (their dot products are ~4x longer: no latency left to hide), so they keep gemv_kernel.
+// The software-pipelined kernel (fp16 and int8 weights): the same tiles, grid and order of sums as gemv_kernel,
+// but a row is streamed in chunks of P = 8 / R steps (8 words a lane, as gemv_kernel's head) and chunk i + 1's
+// loads — or, after a tile's last chunk, the next tile's first chunk — are issued before chunk i's dot products,
+// so a lane keeps 8 words in flight while it computes (gemv_kernel: 4R at a round's start, none while it
+// computes). Measured on the H200 (docs/perf/persistent.md §20), the decode step against gemv_kernel: fp16 2.2-3.9%
+// faster (TinyLlama, SmolLM2-135M / 360M, Llama-2-7B), int8 2.2-4.0%; int4 6-19% slower (ncu: 14-36% more
+// instructions executed — the chunk's copies and guards on top of a word loop that is issue-bound — and spills
+// at R = 2), so int4 and the int8-input kernels (act8) keep gemv_kernel.
+template <WFormat WF> constexpr bool kGemvPipelined = WF == WFormat::F16 || WF == WFormat::I8;
+// Whether a chunk's steps past the row are skipped warp-uniformly (else each lane's guard predicates them): on
+// for int8, measured so (without it the compiler predicated the dot products of the steps past a short row);
+// fp16 was measured without it.
+template <WFormat WF> constexpr bool kStopAtRowEnd = WF != WFormat::F16;
 template <WFormat WF, int R, int P>
 struct Chunk {
   uint4 w[P][R];
@@ -477,13 +483,15 @@ template <WFormat WF, int R, int P>
 __device__ __forceinline__ void load_chunk(const TileRows<WF, R>& t, int kb, int ld8, Chunk<WF, R, P>& c) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
-  for (int u = 0; u < P; u++)
+  for (int u = 0; u < P; u++) {
+    if (kStopAtRowEnd<WF> && kb + u * 32 >= ld8) break;  // uniform (dot_chunk stops at the same step)
 #pragma unroll
     for (int r = 0; r < R; r++) {
       const bool in = kb + lane + u * 32 < ld8;
       c.w[u][r] = in ? load_stream(t.wrow[r] + kb + lane + u * 32) : make_uint4(0, 0, 0, 0);
       load_run_step<WF, P, true>(t.ctx[r], kb, u, ld8, c.s[r]);
     }
+  }
 }
 template <WFormat WF, int R, int P>
 __device__ __forceinline__ void dot_chunk(const TileRows<WF, R>& t, const Chunk<WF, R, P>& c, const __half* xs,
@@ -492,6 +500,7 @@ __device__ __forceinline__ void dot_chunk(const TileRows<WF, R>& t, const Chunk<
   XFrag<WF> xf;
 #pragma unroll
   for (int u = 0; u < P; u++) {
+    if (kStopAtRowEnd<WF> && kb + u * 32 >= ld8) break;  // uniform: no lane has a word in the row from here
     WScale<WF> s[R];  // (I8: a shuffle, so outside the branch)
 #pragma unroll
     for (int r = 0; r < R; r++) s[r] = run_scale<WF, P>(c.s[r], u);
@@ -725,7 +734,7 @@ static void launch_gemv(const GemvParams& p, cudaStream_t stream, bool pdl) {
   const size_t smem = gemv_smem(p, IN);
   const int rows_per_tile = kGemvWarps * R;
   const dim3 grid(gemv_grid((p.rows + rows_per_tile - 1) / rows_per_tile, p.blocks_per_sm));
-  if constexpr (WF == WFormat::F16) {
+  if constexpr (kGemvPipelined<WF>) {
     raise_smem(gemv_pipe_kernel<WF, R, IN, OUT>, smem);
     launch(gemv_pipe_kernel<WF, R, IN, OUT>, grid, dim3(kGemvThreads), smem, stream, pdl, p);
   } else {

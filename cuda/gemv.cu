@@ -21,8 +21,9 @@
 // the memory pipe is busy while the previous kernel drains; after the wait come the input (and, for AddF32, the
 // old y, read at once so that its latency hides behind the staging).
 //
-// Quantized weights (cpp/quant.h; template parameter WF): the same kernels, a 16-byte word now holding 16 (I8)
-// or 32 (I4) weights, dequantized in registers (gemv_dot.cuh: the per-format word, its scales and dot product).
+// Quantized weights (cpp/quant.h; template parameter WF): the same kernel templates (int8 on gemv_pipe_kernel,
+// int4 on gemv_kernel), a 16-byte word now holding 16 (I8) or 32 (I4) weights, dequantized in registers
+// (gemv_dot.cuh: the per-format word, its scales and dot product).
 #include <algorithm>
 
 #include "common.cuh"
@@ -478,7 +479,9 @@ __device__ __forceinline__ void tile_rows(const GemvParams& p, int tile, const f
     t.ctx[r] = row_ctx<WF>(p, row, xsum);
   }
 }
-// The chunk at word base kb (uniform): lane word k = kb + lane + 32 u at step u; words past the row read as zero.
+// The chunk at word base kb (uniform): lane word k = kb + lane + 32 u at step u; words past the row read as zero,
+// except that with kStopAtRowEnd the steps wholly past the row are not loaded at all (dot_chunk stops at the
+// same step, so nothing unloaded is read).
 template <WFormat WF, int R, int P>
 __device__ __forceinline__ void load_chunk(const TileRows<WF, R>& t, int kb, int ld8, Chunk<WF, R, P>& c) {
   const int lane = threadIdx.x & 31;
@@ -513,6 +516,9 @@ __device__ __forceinline__ void dot_chunk(const TileRows<WF, R>& t, const Chunk<
   }
 }
 
+// Held to 2 blocks per SM (128 registers): two chunks of registers a lane. fp16 fits at every R (94-128) and int8
+// at R <= 2 (112-126: R = 1 loses the third block per SM the round kernel had at 80); int8 at R = 4 spills 36-172
+// bytes (ptxas, CUDA 13), which the tuner weighs like any other cost of a variant.
 template <WFormat WF, int R, GemvIn IN, GemvOut OUT>
 __global__ void __launch_bounds__(kGemvThreads, 2) gemv_pipe_kernel(GemvParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];

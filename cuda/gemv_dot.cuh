@@ -124,8 +124,9 @@ template <int N> struct ScaleRun<kI8A8, N> { __half2 d[(N + 3) / 4]; };
 template <int N> struct ScaleRun<WFormat::I4, N> { WScale<WFormat::I4> s[N]; };
 template <int N> struct ScaleRun<kI4A8, N> { WScale<kI4A8> s[N]; };
 // Loads what step u of a run starting at word kb (uniform, a multiple of 32) needs, for a lane word k = kb +
-// lane + 32 u (called for u = 0..N-1 in order, each with that step's word). GUARD: words at or past nw (words
-// per row) read scale 0 / word 0's instead; without GUARD the caller knows the run is inside the row.
+// lane + 32 u (called for u = 0..N-1 in order, each with that step's word; a caller may stop early if it reads
+// no later step's scale either — gemv.cu's load_chunk / dot_chunk). GUARD: words at or past nw (words per row)
+// read scale 0 / word 0's instead; without GUARD the caller knows the run is inside the row.
 template <WFormat WF, int N, bool GUARD>
 __device__ __forceinline__ void load_run_step(const QCtx& c, int kb, int u, int nw, ScaleRun<WF, N>& run) {
   if constexpr (kIsI8<WF>) {

@@ -449,10 +449,9 @@ __global__ void __launch_bounds__(kGemvThreads, WF == kI8A8 ? 2 : 0)
 // but a row is streamed in chunks of P = 8 / R steps (8 words a lane, as gemv_kernel's head) and chunk i + 1's
 // loads — or, after a tile's last chunk, the next tile's first chunk — are issued before chunk i's dot products,
 // so a lane keeps 8 words in flight while it computes (gemv_kernel: 4R at a round's start, none while it
-// computes). Measured on the H200 (docs/perf/persistent.md §20), the decode step against gemv_kernel: fp16 2.2-3.9%
-// faster (TinyLlama, SmolLM2-135M / 360M, Llama-2-7B), int8 2.2-4.0%; int4 6-19% slower (ncu: 14-36% more
-// instructions executed — the chunk's copies and guards on top of a word loop that is issue-bound — and spills
-// at R = 2), so int4 and the int8-input kernels (act8) keep gemv_kernel.
+// computes). Why only fp16 and int8: int4's word loop is bound by its instruction issue, not by loads in
+// flight, and the chunk's copies and guards made its step slower, even without copies (docs/perf/persistent.md
+// §20); the int8-input kernels (act8) were not tried. Those keep gemv_kernel.
 template <WFormat WF> constexpr bool kGemvPipelined = WF == WFormat::F16 || WF == WFormat::I8;
 // Whether a chunk's steps past the row are skipped warp-uniformly (else each lane's guard predicates them): on
 // for int8, measured so (without it the compiler predicated the dot products of the steps past a short row);

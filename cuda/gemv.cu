@@ -450,8 +450,8 @@ __global__ void __launch_bounds__(kGemvThreads, WF == kI8A8 ? 2 : 0)
 // loads — or, after a tile's last chunk, the next tile's first chunk — are issued before chunk i's dot products,
 // so a lane keeps 8 words in flight while it computes (gemv_kernel: 4R at a round's start, none while it
 // computes). Why only fp16 and int8: int4's word loop is bound by its instruction issue, not by loads in
-// flight, and the chunk's copies and guards made its step slower, even without copies (docs/perf/persistent.md
-// §20); the int8-input kernels (act8) were not tried. Those keep gemv_kernel.
+// flight, and the chunk's copies and guards made its step slower, on int8 inputs (act8) too, and even without
+// the copies (docs/perf/persistent.md §20); int8 weights on int8 inputs were not tried. Those keep gemv_kernel.
 template <WFormat WF> constexpr bool kGemvPipelined = WF == WFormat::F16 || WF == WFormat::I8;
 // Whether a chunk's steps past the row are skipped warp-uniformly (else each lane's guard predicates them): on
 // for int8, measured so (without it the compiler predicated the dot products of the steps past a short row);

@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "../cuda/cluster_probe.cuh"
 #include "../cuda/persistent_probe.cuh"
 #include "common.h"
 
@@ -117,6 +118,36 @@ void bind_persistent_probe(nb::module_& ops) {
       "x"_a, "blocks"_a, "epochs"_a,
       "A 64-bit sum of x (stages, n) carried through an all-to-all hand-off per stage, `epochs` times on counters "
       "never reset: each epoch's total (sum(x) + epoch * x.size).");
+  ops.def(
+      "cluster_handoff_latency",
+      [](int n_words, int cluster, bool dsmem, int stages, int reps, bool relaxed_barrier) {
+        ti::cuda::ClusterHandoffConfig c{n_words, cluster, dsmem, stages, reps, relaxed_barrier};
+        ti::cuda::ClusterHandoffResult r;
+        {
+          nb::gil_scoped_release release;
+          r = ti::cuda::measure_cluster_handoff(c);
+        }
+        nb::dict d;
+        d["ns_per_handoff"] = r.ns_per_handoff;
+        d["clusters"] = r.clusters;
+        d["blocks"] = r.blocks;
+        d["checksum_ok"] = r.checksum_ok;
+        return d;
+      },
+      "n_words"_a = 2048, "cluster"_a = 8, "dsmem"_a = true, "stages"_a = 256, "reps"_a = 10,
+      "relaxed_barrier"_a = false,
+      "ns per hand-off of a chain inside thread-block clusters (cuda/cluster_probe.cu): the vector in distributed "
+      "shared memory (dsmem) or in global memory, the cluster's barrier between stages; n_words 0: the barrier "
+      "(relaxed_barrier: without its memory ordering).");
+  ops.def(
+      "cluster_chain",
+      [](int n_words, int cluster, bool dsmem, int stages) {
+        nb::gil_scoped_release release;
+        return ti::cuda::run_cluster_chain(n_words, cluster, dsmem, stages);
+      },
+      "n_words"_a, "cluster"_a, "dsmem"_a, "stages"_a, "The cluster chain's last vector (one cluster; uint32 words).");
+  ops.def("cluster_chain_reference", &ti::cuda::cluster_chain_reference, "n_words"_a, "stages"_a,
+          "The host's replica of cluster_chain's last vector.");
 }
 
 }  // namespace tinyinfer_bindings

@@ -23,46 +23,25 @@
 #include "bandwidth.cuh"
 #include "common.cuh"
 #include "persistent_probe.cuh"
+#include "probe_common.cuh"
 #include "sync.cuh"
 
 namespace ti::cuda {
 
+using namespace probe;  // kThreads, mix, span, block_xor, DeviceArray, Events
+
 namespace {
 
-constexpr int kThreads = 256;
-
-__host__ __device__ inline uint32_t mix(uint32_t x, uint32_t i, uint32_t k, uint32_t epoch) {
-  uint32_t h = x ^ (i * 0x9E3779B1u) ^ (k * 0x85EBCA77u) ^ (epoch * 0xC2B2AE3Du);
-  h ^= h >> 16;
-  h *= 0x7FEB352Du;
-  h ^= h >> 15;
-  h *= 0x846CA68Bu;
-  h ^= h >> 16;
-  return h;
-}
 __host__ __device__ inline uint32_t seed(uint32_t epoch) { return mix(0x5EEDu, 0, 0, epoch); }
 
-// Part p of n items split into `parts`: [span(p), span(p + 1)). Blocks into groups the other way round: group of
-// block b = b * groups / blocks, its first block = ceil(g * blocks / groups) (consistent with it).
-__host__ __device__ inline int span(int p, int n, int parts) { return (int)((int64_t)p * n / parts); }
+// Blocks into groups, the other way round from span: group of block b = b * groups / blocks, its first block =
+// ceil(g * blocks / groups) (consistent with it).
 __host__ __device__ inline int group_of(int b, int blocks, int groups) { return (int)((int64_t)b * groups / blocks); }
 __host__ __device__ inline int first_block(int g, int blocks, int groups) {
   return (int)(((int64_t)g * blocks + groups - 1) / groups);
 }
 
 __device__ __forceinline__ uint32_t xor4(const uint4& v) { return v.x ^ v.y ^ v.z ^ v.w; }
-
-// XOR over the block; every thread gets it. red: kThreads / 32 words.
-__device__ __forceinline__ uint32_t block_xor(uint32_t v, uint32_t* red) {
-  for (int o = 16; o > 0; o >>= 1) v ^= __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();  // red may still be read by a previous call
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  uint32_t r = 0;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; w++) r ^= red[w];
-  return r;
-}
 
 // XOR of vec[q0, q1) (uint4 units), produced by other blocks during this kernel.
 __device__ __forceinline__ uint32_t read_produced_xor(const uint4* vec, int q0, int q1, uint32_t* red) {
@@ -231,47 +210,7 @@ __global__ void fill_kernel(uint32_t* w, size_t n) {
 
 // ---- host helpers ----
 
-template <typename T>
-struct DeviceArray {
-  T* p = nullptr;
-  explicit DeviceArray(size_t n, int fill_byte = 0) {
-    TI_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
-    const cudaError_t err = cudaMemset(p, fill_byte, std::max<size_t>(n, 1) * sizeof(T));
-    if (err != cudaSuccess) {
-      cudaFree(p);
-      TI_CUDA_CHECK(err);
-    }
-  }
-  ~DeviceArray() { cudaFree(p); }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-};
 
-struct Events {
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  Events() {
-    TI_CUDA_CHECK(cudaEventCreate(&e0));
-    const cudaError_t err = cudaEventCreate(&e1);
-    if (err != cudaSuccess) {
-      cudaEventDestroy(e0);
-      TI_CUDA_CHECK(err);
-    }
-  }
-  ~Events() {
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-  }
-  template <typename F>
-  float ms(F&& launch) {
-    TI_CUDA_CHECK(cudaEventRecord(e0, 0));
-    launch();
-    TI_CUDA_CHECK(cudaEventRecord(e1, 0));
-    TI_CUDA_CHECK(cudaEventSynchronize(e1));
-    float t = 0;
-    TI_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-    return t;
-  }
-};
 
 struct DeviceInfo {
   int sms = 0, cc_major = 0, max_smem = 0;
@@ -462,20 +401,13 @@ HandoffResult measure_handoff(const HandoffConfig& cfg) {
   sync::WaitPolicy policy;
   policy.max_sleep_ns = cfg.max_sleep_ns;
   Chain one(cfg.n_words, cfg.groups, cfg.stages, blocks, policy), two(cfg.n_words, cfg.groups, 2 * cfg.stages, blocks, policy);
-  Events ev;
-  one.run();  // warm-up
-  two.run();
-  float best1 = 1e30f, best2 = 1e30f;
-  for (int r = 0; r < std::max(cfg.reps, 1); r++) {
-    best1 = std::min(best1, ev.ms([&] { one.run(); }));
-    best2 = std::min(best2, ev.ms([&] { two.run(); }));
-  }
+  const double ns = ns_per_stage(one, two, cfg.stages, cfg.reps);
   check_waits(one.error.p, "measure_handoff");
   check_waits(two.error.p, "measure_handoff");
   HandoffResult res;
   res.blocks = blocks;
   res.stages = cfg.stages;
-  res.ns_per_handoff = (double)(best2 - best1) * 1e6 / cfg.stages;
+  res.ns_per_handoff = ns;
   res.wait_ns = two.mean_wait_ns();
   res.checksum_ok = two.last_vector() == handoff_chain_reference(cfg.n_words, cfg.groups, 2 * cfg.stages, two.epoch) &&
                     one.last_vector() == handoff_chain_reference(cfg.n_words, cfg.groups, cfg.stages, one.epoch);

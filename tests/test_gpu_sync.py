@@ -1,6 +1,7 @@
 """The persistent kernel's synchronisation (cuda/sync.cuh) and weight ring (cuda/ring.cuh), through the probe
-kernels of cuda/persistent_probe.cu: exact integer results against the CPU, epochs on counters never reset, and
-the probes' own checksums (skipped without a usable CUDA device)."""
+kernels of cuda/persistent_probe.cu, and the hand-off inside a thread-block cluster (cuda/cluster_probe.cu):
+exact integer results against the CPU, epochs on counters never reset, and the probes' own checksums (skipped
+without a usable CUDA device)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,55 @@ def test_host_replica_matches_numpy(n_words, groups, stages):
 def test_handoff_chain_equals_the_host_replica(n_words, groups, blocks, epochs):
     got = np.array(ops.handoff_chain(n_words, groups, 24, blocks, epochs), np.uint32)
     assert np.array_equal(got, _chain_numpy(n_words, groups, 24, epochs))
+
+
+# ---- the hand-off inside a thread-block cluster (sm_90) ----
+
+def _cluster_chain_numpy(n_words, stages):
+    i = np.arange(n_words, dtype=np.uint32)
+    v = _mix(0x5EED, i, 0, 0)
+    for s in range(1, stages + 1):
+        v = _mix(int(np.bitwise_xor.reduce(v)) if n_words else 0, i, s, 0)
+    return v
+
+
+@cuda_build
+@pytest.mark.parametrize("n_words, stages", [(0, 1), (1, 3), (2051, 7)])
+def test_cluster_host_replica_matches_numpy(n_words, stages):
+    want = _cluster_chain_numpy(n_words, stages)
+    assert np.array_equal(np.array(ops.cluster_chain_reference(n_words, stages), np.uint32), want)
+
+
+@gpu
+@pytest.mark.parametrize("n_words", [1, 7, 300, 2051, 5632])  # fewer words than blocks; slices of unequal size
+@pytest.mark.parametrize("cluster", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("dsmem", [True, False])
+def test_cluster_chain_equals_the_host_replica(n_words, cluster, dsmem):
+    if _sm() < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    got = np.array(ops.cluster_chain(n_words, cluster, dsmem, 9), np.uint32)
+    assert np.array_equal(got, _cluster_chain_numpy(n_words, 9))
+
+
+@gpu
+def test_cluster_probe_checksum_and_bad_arguments():
+    if _sm() < 9:
+        with pytest.raises(DeviceError, match="sm_90"):
+            ops.cluster_handoff_latency(2048, 2, True, 4, 1)
+        return
+    r = ops.cluster_handoff_latency(2048, 4, True, 16, 2)
+    assert r["checksum_ok"] and r["clusters"] >= 1 and r["blocks"] == 4 * r["clusters"]
+    assert ops.cluster_handoff_latency(0, 8, True, 16, 2, True)["checksum_ok"]
+    with pytest.raises(InvalidRequestError, match="relaxed_barrier needs n_words = 0"):
+        ops.cluster_handoff_latency(64, 2, True, 4, 1, True)
+    for bad in (0, 17):
+        with pytest.raises(InvalidRequestError, match="cluster must be 1 to 16"):
+            ops.cluster_chain(64, bad, True, 2)
+    with pytest.raises(InvalidRequestError, match="stages"):
+        ops.cluster_chain(64, 2, False, 0)
+    with pytest.raises(InvalidRequestError, match="shared memory"):
+        ops.cluster_chain(1 << 20, 2, True, 1)
+    assert ops.cluster_chain(64, 2, True, 2) == ops.cluster_chain_reference(64, 2)  # still usable
 
 
 # ---- the weight ring ----

@@ -1,6 +1,6 @@
 """The persistent decode step's micro-benchmarks (issue 16; cuda/persistent_probe.cu, docs/perf/persistent.md):
-    python3 bench/tools/persistent_probe.py [--json=PATH] [--quick]
-prints four tables and writes every number (and the device) to PATH as JSON:
+    python3 bench/tools/persistent_probe.py [--json=PATH] [--quick] [--only=handoff,ring,stream,cluster]
+prints five tables (--only: those named) and writes every number (and the device) to PATH as JSON:
   1. hand-off latency: ns per hand-off of a chain across a persistent grid, all-to-all (every block reads the
      whole activation vector: the input of a GEMV), per KV head (4 groups) and one producer per consumer, for
      2,048 and 5,632 words, 1 and 2 blocks per SM, and the wait backoff ceiling; beside it the kernel boundary
@@ -9,7 +9,10 @@ prints four tables and writes every number (and the device) to PATH as JSON:
      cuda/bandwidth.cu's read bandwidth;
   3. the stream with hand-offs every N bytes (the persistent step): GB/s with and without them, and the ns per
      hand-off the stream did not hide;
-  4. the numbers docs/perf/persistent.md's time model takes.
+  4. the numbers docs/perf/persistent.md's time model takes (with 1-3);
+  5. the hand-off inside a thread-block cluster (sm_90; cuda/cluster_probe.cu): ns per hand-off of a chain whose
+     producers and consumers are one cluster's 2-16 blocks, the vector in distributed shared memory or in global
+     memory, against 1.'s kernel boundary and counter hand-off (docs/perf/persistent.md §22).
 Every kernel checks its result against the host (column `ok`); a configuration that cannot run on this GPU is
 listed with the reason, and the run goes on."""
 
@@ -23,6 +26,8 @@ from tinyinfer import TinyInferError, _core
 
 ops = _core.ops
 QUICK = "--quick" in sys.argv
+ONLY = set(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--only=")),
+                "handoff,ring,stream,cluster").split(","))
 REPS = 3 if QUICK else 10
 
 
@@ -112,6 +117,25 @@ def stream_with_handoffs(out: dict, configs: list, bw: float) -> None:
                   f"{r['ns_lost_per_handoff']:>8.0f} {r['wait_ns']:>8.0f} {'yes' if r['checksum_ok'] else 'NO':>3}")
 
 
+def clusters(out: dict) -> None:
+    print("\n5. hand-off inside a thread-block cluster (ns per hand-off; every block reads the whole vector)")
+    print(f"{'words':>6} {'where':>7} {'cluster':>7} {'clusters':>8} {'ns/hand-off':>12} {'ok':>3}")
+    rows = out["cluster_handoff"] = []
+    stages = 64 if QUICK else 256
+    # (words, where): the barrier alone with its release / acquire and without it, then the vector in
+    # distributed shared memory or in global memory
+    cases = [(0, "barrier"), (0, "relaxed")] + [(n, w) for n in (2048, 5632) for w in ("dsmem", "global")]
+    for n_words, where in cases:
+        for size in (2, 4, 8, 16):
+            r = _try(ops.cluster_handoff_latency, n_words, size, where != "global", stages, REPS, where == "relaxed")
+            rows.append(dict(r, n_words=n_words, where=where, cluster=size))
+            if "error" in r:
+                print(f"{n_words:>6} {where:>7} {size:>7}  -- {r['error'].split(': ', 1)[-1]}")
+                continue
+            print(f"{n_words:>6} {where:>7} {size:>7} {r['clusters']:>8} {r['ns_per_handoff']:>12.0f} "
+                  f"{'yes' if r['checksum_ok'] else 'NO':>3}")
+
+
 def model_inputs(out: dict, bw: float) -> None:
     """The numbers docs/perf/persistent.md's time model takes, picked from the tables above."""
     h = [r for r in out["handoff"] if "error" not in r and r["max_sleep_ns"] == 0 and r["blocks_per_sm"] == 1]
@@ -147,17 +171,23 @@ def main() -> None:
     out["read_bandwidth_gb_s"] = bw
     print(f"{status['name']} (sm_{status['compute_capability'].replace('.', '')}): read bandwidth {bw:.0f} GB/s")
     try:
-        handoffs(out)
-        best = ring(out, bw)
-        out["ring_best"] = best
-        # the default ring, its cp.async twin, and small slots (a hand-off moves >= one slot per block: 2 KiB
-        # slots reach the SmolLM2 phases' 0.3-1 MB)
-        configs = [("Bulk", 4, 16, 1), ("CpAsync", 4, 16, 1), ("Bulk", 8, 2, 1)]
-        if best:
-            b = (best["copy"], best["stages"], best["slot_kib"], best["blocks_per_sm_asked"])
-            configs = [b] + [c for c in configs if c != b]
-        stream_with_handoffs(out, configs, bw)
-        model_inputs(out, bw)
+        if "handoff" in ONLY:
+            handoffs(out)
+        if "ring" in ONLY:
+            out["ring_best"] = ring(out, bw)
+        if "stream" in ONLY:
+            # the default ring, its cp.async twin, and small slots (a hand-off moves >= one slot per block: 2 KiB
+            # slots reach the SmolLM2 phases' 0.3-1 MB)
+            configs = [("Bulk", 4, 16, 1), ("CpAsync", 4, 16, 1), ("Bulk", 8, 2, 1)]
+            best = out.get("ring_best")
+            if best:
+                b = (best["copy"], best["stages"], best["slot_kib"], best["blocks_per_sm_asked"])
+                configs = [b] + [c for c in configs if c != b]
+            stream_with_handoffs(out, configs, bw)
+        if {"handoff", "ring", "stream"} <= ONLY:
+            model_inputs(out, bw)
+        if "cluster" in ONLY:
+            clusters(out)
     finally:
         with open(path, "w") as f:
             json.dump(out, f, indent=1)

@@ -1,0 +1,201 @@
+// cluster_probe.cu — the hand-off inside a thread-block cluster (cluster_probe.cuh): what one dependent step costs
+// when its producers and consumers are the blocks of one cluster, which the hardware co-schedules on one GPC and
+// lets meet at a barrier and share shared memory (sm_90).
+//
+// Computes (cluster_chain_kernel, 256-thread blocks, 1-D clusters): stage 0 writes v_0[j] = mix(seed, j, 0); stage
+// s (1..stages) reads all of v_{s-1}, XORs it (x) and writes its slice of v_s[j] = mix(x, j, s), then the cluster
+// meets at its barrier. The vectors alternate between two buffers: a block writes buffer s & 1 while its peers may
+// still read buffer (s - 1) & 1, and every peer finished reading buffer s & 1 (in stage s - 1) before it arrived
+// at the barrier that let the writer into stage s. Timing as in persistent_probe.cu: CUDA events, best of `reps`,
+// the per-hand-off time a difference of two chain lengths.
+#include <algorithm>
+#include <string>
+
+#include "cluster_probe.cuh"
+#include "common.cuh"
+#include "probe_common.cuh"
+
+namespace ti::cuda {
+
+using namespace probe;  // kThreads, mix, span, block_xor, DeviceArray, Events
+
+namespace {
+
+constexpr int kMaxCluster = 16;
+constexpr uint32_t kSeed = 0x5EEDu;
+
+// The cluster primitives, as PTX (sm_90; the host refuses older GPUs before any launch).
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return r;
+}
+__device__ __forceinline__ uint32_t cluster_blocks() {
+  uint32_t n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+  return n;
+}
+// Every thread of every block of the cluster arrives (release: its earlier writes, shared and global, are
+// visible to the cluster) and waits for all (acquire).
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+// The barrier without memory ordering (n_words = 0 only: nothing to hand over): its latency alone.
+__device__ __forceinline__ void cluster_sync_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+// A 32-bit store into block `rank`'s copy of the shared variable at `local` (distributed shared memory).
+__device__ __forceinline__ void store_peer(uint32_t* local, uint32_t rank, uint32_t v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t remote = 0;
+  const uint32_t addr = (uint32_t)__cvta_generic_to_shared(local);
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(remote), "r"(v) : "memory");
+#endif
+}
+
+struct ChainArgs {
+  uint32_t* gvec;  // !DSMEM: 2 x n words per cluster
+  uint32_t* out;   // n words: the first cluster's last vector
+  int n, stages;
+  bool relaxed;  // n == 0 only
+};
+
+template <bool DSMEM>
+__global__ void __launch_bounds__(kThreads) cluster_chain_kernel(ChainArgs a) {
+  extern __shared__ __align__(16) uint32_t sv[];  // DSMEM: the two vectors (2 x n words)
+  __shared__ uint32_t red[kThreads / 32];
+  const int C = (int)cluster_blocks(), b = (int)cluster_rank(), cid = (int)blockIdx.x / C;
+  uint32_t* gv = a.gvec + (size_t)cid * 2 * a.n;
+  const int lo = span(b, a.n, C), hi = span(b + 1, a.n, C);
+  auto put = [&](int at, uint32_t v) {  // word `at` of both buffers' 2n, into every block of the cluster
+    if constexpr (DSMEM) {
+      for (int r = 0; r < C; r++) store_peer(sv + at, (uint32_t)r, v);
+    } else {
+      gv[at] = v;
+    }
+  };
+  cluster_sync();  // every block of the cluster has started (its shared memory exists) before any store into it
+  for (int j = lo + (int)threadIdx.x; j < hi; j += kThreads) put(j, mix(kSeed, (uint32_t)j, 0, 0));
+  cluster_sync();
+  for (int s = 1; s <= a.stages; s++) {
+    const uint32_t* src = (DSMEM ? sv : gv) + ((s - 1) & 1) * a.n;
+    uint32_t acc = 0;
+    for (int j = (int)threadIdx.x; j < a.n; j += kThreads) acc ^= DSMEM ? src[j] : __ldcg(src + j);
+    const uint32_t x = block_xor(acc, red);
+    for (int j = lo + (int)threadIdx.x; j < hi; j += kThreads)
+      put((s & 1) * a.n + j, mix(x, (uint32_t)j, (uint32_t)s, 0));
+    if (a.relaxed) cluster_sync_relaxed();
+    else cluster_sync();
+  }
+  // (No block touches another's shared memory after the last barrier, so none may exit too early for a peer.)
+  if (cid == 0 && b == 0) {
+    const uint32_t* last = (DSMEM ? sv : gv) + (a.stages & 1) * a.n;
+    for (int j = (int)threadIdx.x; j < a.n; j += kThreads) a.out[j] = DSMEM ? last[j] : __ldcg(last + j);
+  }
+}
+
+// One chain length on one grid: the launch configuration and its buffers.
+struct Chain {
+  void (*kernel)(ChainArgs) = nullptr;
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  int clusters = 0;
+  ChainArgs args{};
+  Chain(int n, int cluster, bool dsmem, int stages, int clusters_wanted, const char* who, bool relaxed = false) {
+    int dev = 0, major = 0, max_smem = 0;
+    TI_CUDA_CHECK(cudaGetDevice(&dev));
+    TI_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    TI_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    if (major < 9) fail(ErrorKind::Device, std::string(who) + ": thread-block clusters need sm_90+");
+    if (cluster < 1 || cluster > kMaxCluster)
+      fail(ErrorKind::Request, std::string(who) + ": cluster must be 1 to " + std::to_string(kMaxCluster));
+    if (n < 0 || stages < 1) fail(ErrorKind::Request, std::string(who) + ": n_words >= 0 and stages >= 1");
+    if (relaxed && n != 0) fail(ErrorKind::Request, std::string(who) + ": relaxed_barrier needs n_words = 0");
+    kernel = dsmem ? cluster_chain_kernel<true> : cluster_chain_kernel<false>;
+    const size_t smem = dsmem ? (size_t)2 * n * sizeof(uint32_t) : 0;
+    if (smem + 1024 > (size_t)max_smem)
+      fail(ErrorKind::Request, std::string(who) + ": n_words=" + std::to_string(n) + " in shared memory needs " +
+                                   std::to_string(smem) + " bytes a block, more than the " + std::to_string(max_smem) +
+                                   " this GPU allows");
+    if (smem > 48 * 1024)
+      TI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (cluster > 8) TI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = (unsigned)cluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    cfg.gridDim = dim3((unsigned)cluster);
+    int fit = 0;
+    TI_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&fit, kernel, &cfg));
+    if (fit < 1)
+      fail(ErrorKind::Request, std::string(who) + ": no cluster of " + std::to_string(cluster) + " blocks with " +
+                                   std::to_string(smem) + " bytes of shared memory each fits on this GPU");
+    clusters = clusters_wanted > 0 ? std::min(fit, clusters_wanted) : fit;
+    cfg.gridDim = dim3((unsigned)(clusters * cluster));
+    args.n = n;
+    args.stages = stages;
+    args.relaxed = relaxed;
+  }
+  void run() { TI_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args)); }
+};
+
+std::vector<uint32_t> read_back(const DeviceArray<uint32_t>& out, int n) {
+  std::vector<uint32_t> v((size_t)n);
+  if (n > 0) TI_CUDA_CHECK(cudaMemcpy(v.data(), out.p, (size_t)n * sizeof(uint32_t), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+}  // namespace
+
+std::vector<uint32_t> cluster_chain_reference(int n_words, int stages) {
+  std::vector<uint32_t> v((size_t)std::max(n_words, 0));
+  for (int j = 0; j < n_words; j++) v[j] = mix(kSeed, (uint32_t)j, 0, 0);
+  for (int s = 1; s <= stages; s++) {
+    uint32_t x = 0;
+    for (uint32_t w : v) x ^= w;
+    for (int j = 0; j < n_words; j++) v[j] = mix(x, (uint32_t)j, (uint32_t)s, 0);
+  }
+  return v;
+}
+
+std::vector<uint32_t> run_cluster_chain(int n_words, int cluster, bool dsmem, int stages) {
+  Chain c(n_words, cluster, dsmem, stages, 1, "cluster_chain");
+  DeviceArray<uint32_t> gvec((size_t)2 * std::max(n_words, 1) * c.clusters), out((size_t)std::max(n_words, 1));
+  c.args.gvec = gvec.p;
+  c.args.out = out.p;
+  c.run();
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  return read_back(out, n_words);
+}
+
+ClusterHandoffResult measure_cluster_handoff(const ClusterHandoffConfig& cfg) {
+  Chain one(cfg.n_words, cfg.cluster, cfg.dsmem, cfg.stages, 0, "measure_cluster_handoff", cfg.relaxed_barrier),
+      two(cfg.n_words, cfg.cluster, cfg.dsmem, 2 * cfg.stages, 0, "measure_cluster_handoff", cfg.relaxed_barrier);
+  const size_t words = (size_t)2 * std::max(cfg.n_words, 1) * one.clusters;
+  DeviceArray<uint32_t> gvec(words), out1((size_t)std::max(cfg.n_words, 1)), out2((size_t)std::max(cfg.n_words, 1));
+  one.args.gvec = two.args.gvec = gvec.p;  // the two chains never run at once (one stream)
+  one.args.out = out1.p;
+  two.args.out = out2.p;
+  ClusterHandoffResult res;
+  res.ns_per_handoff = ns_per_stage(one, two, cfg.stages, cfg.reps);
+  res.clusters = one.clusters;
+  res.blocks = one.clusters * cfg.cluster;
+  res.checksum_ok = read_back(out1, cfg.n_words) == cluster_chain_reference(cfg.n_words, cfg.stages) &&
+                    read_back(out2, cfg.n_words) == cluster_chain_reference(cfg.n_words, 2 * cfg.stages);
+  return res;
+}
+
+}  // namespace ti::cuda

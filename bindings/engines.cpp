@@ -608,8 +608,8 @@ void bind_engines(nb::module_& m) {
             return out;
           },
           "context"_a,
-          "CudaOptions.trace engines: one decode step; per kernel (name, kTraceBlocks x 4 global-timer ns: start, "
-          "after the PDL wait, after the prologue, end; 0 = block absent).")
+          "CudaOptions.trace engines: one decode step; per kernel (name, kTraceBlocks x 5: global-timer ns at the "
+          "start, after the PDL wait, after the prologue and at the end (0 = block absent), then the block's SM).")
       .def(
           "persistent_trace_step",
           [](ti::CudaEngine& e, int64_t context) {

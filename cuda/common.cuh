@@ -110,9 +110,10 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // Decode-step tracing (built with -DTINYINFER_TRACE=ON, which defines TI_TRACE; CudaOptions::trace,
 // bench/tools/trace_decode.py): kernels given a trace buffer have thread 0 of each of their first kTraceBlocks blocks
 // write the global timer (ns) at kTracePoints points: start, after the PDL wait, after the prologue (input
-// staged / new token read), end. Without TI_TRACE the calls compile to nothing (the stores and the branch cost
-// ~1% of a TinyLlama int4 step: measured).
-constexpr int kTraceBlocks = 1024, kTracePoints = 4;
+// staged / new token read), end; with the start, the SM the block runs on (which blocks end late, and where:
+// trace_decode.py --sm). kTraceWords words a block. Without TI_TRACE the calls compile to nothing (the stores and
+// the branch cost ~1% of a TinyLlama int4 step: measured).
+constexpr int kTraceBlocks = 1024, kTracePoints = 4, kTraceWords = kTracePoints + 1;
 __device__ __forceinline__ void trace_point(unsigned long long* trace, int point) {
 #ifdef TI_TRACE
   if (trace == nullptr || threadIdx.x != 0) return;
@@ -120,7 +121,12 @@ __device__ __forceinline__ void trace_point(unsigned long long* trace, int point
   if (block >= (unsigned)kTraceBlocks) return;
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  trace[block * kTracePoints + point] = t;
+  trace[block * kTraceWords + point] = t;
+  if (point == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    trace[block * kTraceWords + kTracePoints] = sm;
+  }
 #endif
 }
 

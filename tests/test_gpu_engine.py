@@ -349,10 +349,11 @@ def test_trace_step_stamps_every_kernel_in_order_and_options_are_checked():
     assert all(g["blocks_per_sm"] == 1 for g in eng.gemv_table())
     prev_end = 0.0
     for name, flat in tr:
-        a = np.array(flat, dtype=np.float64).reshape(-1, 4)
+        a = np.array(flat, dtype=np.float64).reshape(-1, 5)  # 4 stamps, then the SM
         ran = a[a[:, 3] > 0]  # blocks that ran to the end (attention chunks past pos exit at once)
         assert len(ran) > 0, name
-        assert (np.diff(ran, axis=1) >= 0).all(), name  # start <= wait <= prologue <= end in every block
+        assert (np.diff(ran[:, :4], axis=1) >= 0).all(), name  # start <= wait <= prologue <= end in every block
+        assert (ran[:, 4] < _core.ops.sm_count()).all(), name
         assert ran[:, 1].min() >= prev_end, name  # no block passes its wait before the previous kernel ended
         prev_end = ran[:, 3].max()
     assert eng.time_decode_step(16, 4) > 0  # still usable

@@ -1,13 +1,17 @@
 """Where the time of a decode step goes inside each kernel: per-block global-timer stamps (CudaOptions.trace;
 common.cuh, trace_point) at a kernel's start, after its PDL wait, after its prologue (GEMV: input staged;
 attention: new token read and written), and at its end, for one graph-replayed step.
-    python3 bench/tools/trace_decode.py tinyllama-1.1b int4 [context] [--opts=...] [--timeline]
+    python3 bench/tools/trace_decode.py tinyllama-1.1b int4 [context] [--opts=...] [--timeline] [--sm]
 Per kernel kind (averaged over the layers), in µs:
   gap      previous kernel's last block end -> this kernel's median block passing its wait (the boundary)
   prologue median wait -> median prologue end
   body     median prologue end -> median block end
   tail     median block end -> last block end (load imbalance / stragglers)
-  incr     last block end - previous kernel's last block end (the step's critical path; sums to the step)"""
+  incr     last block end - previous kernel's last block end (the step's critical path; sums to the step)
+--sm: where the late blocks ran. Per kernel kind, each block's lateness (its end - the kernel's median end), by the
+SM it ran on (the trace's fifth word), over the layers and traced steps: whether the same SMs end late every time
+(a place: SMs that share their GPC or TPC with more blocks) or the late ones move (the DRAM's spread), and whether
+blocks sharing an SM with another of the same kernel end later than those alone."""
 
 import sys
 from collections import defaultdict
@@ -24,13 +28,13 @@ def main() -> None:
     for trace in reps:
         kernels = []
         for name, flat in trace:
-            a = np.array(flat, dtype=np.float64).reshape(-1, 4)
+            a = np.array(flat, dtype=np.float64).reshape(-1, 5)  # 4 stamps (ns), then the block's SM
             a = a[(a[:, 0] > 0) & (a[:, 3] > 0)]  # blocks that ran to the end (early exits leave zeros)
-            kernels.append((name, a))
-        t0 = min(a[:, 0].min() for _, a in kernels)
+            kernels.append((name, a[:, :4], a[:, 4].astype(int)))
+        t0 = min(a[:, 0].min() for _, a, _ in kernels)
         prev_end = None
         timeline = []
-        for name, a in kernels:
+        for name, a, sm in kernels:
             s = (a - t0) / 1e3  # µs from the step's first traced block
             med = np.median(s, axis=0)
             end = s[:, 3].max()
@@ -44,6 +48,9 @@ def main() -> None:
                 st["blocks"].append(len(a))
                 st["wait_spread"].append(s[:, 1].max() - s[:, 1].min())
             timeline.append((name, s[:, 0].min(), med[1], med[2], med[3], end, len(a)))
+            late = s[:, 3] - med[3]
+            shared = np.bincount(sm)[sm] > 1  # another block of this kernel on the same SM
+            stats[name]["by_sm"].append((sm, late, shared))
             prev_end = end
     print(f"{shape} {dtype} ctx {ctx} {spec}: per kernel kind, mean over layers and {len(reps)} traced steps (µs)")
     print(f"{'kernel':>10} {'n':>3} {'blocks':>6} {'gap':>6} {'prologue':>8} {'body':>6} {'tail':>6} {'incr':>6} "
@@ -56,12 +63,44 @@ def main() -> None:
               f"{np.mean(st['body']):>6.2f} {np.mean(st['tail']):>6.2f} {np.mean(st['incr']):>6.2f} "
               f"{np.mean(st['wait_spread']):>11.2f}")
     print(f"sum of increments (first kernel excluded): {total:.1f} µs")
+    if "--sm" in sys.argv:
+        print_by_sm(stats)
     if "--timeline" in sys.argv:
         print("timeline of the last traced step, first 12 kernels (µs): first start, median wait, median prologue end, "
               "median end, last end, blocks")
         for row in timeline[:12]:
             print(f"  {row[0]:>10} " + " ".join(f"{v:8.2f}" for v in row[1:6]) + f" {row[6]:6d}")
 
+
+def _per_sm_mean(launches: list, n_sm: int) -> np.ndarray:
+    """Mean lateness per SM over `launches` [(sm, late, shared), ...]; NaN where no block ran."""
+    total, count = np.zeros(n_sm), np.zeros(n_sm)
+    for sm, late, _ in launches:
+        np.add.at(total, sm, late)
+        np.add.at(count, sm, 1)
+    return np.divide(total, count, out=np.full(n_sm, np.nan), where=count > 0)
+
+
+def print_by_sm(stats) -> None:
+    print("where the late blocks ran (lateness = block end - the kernel's median end, µs; over layers and steps)")
+    print(f"{'kernel':>10} {'p90 late':>8} {'max':>6} {'same SMs late':>13} {'shared SM / alone':>18}  "
+          "latest SMs (mean)")
+    for name, st in stats.items():
+        launches = st["by_sm"]
+        sm = np.concatenate([x[0] for x in launches])
+        late = np.concatenate([x[1] for x in launches])
+        shared = np.concatenate([x[2] for x in launches])
+        n_sm = int(sm.max()) + 1
+        mean = _per_sm_mean(launches, n_sm)
+        # the correlation of each SM's mean lateness in the even launches with that in the odd ones: near 1, the
+        # same SMs end late every time (a place); near 0, the late ones move (the DRAM's spread)
+        even, odd = _per_sm_mean(launches[0::2], n_sm), _per_sm_mean(launches[1::2], n_sm)
+        ok = ~np.isnan(even) & ~np.isnan(odd)
+        repeat = np.corrcoef(even[ok], odd[ok])[0, 1] if ok.sum() > 2 else float("nan")
+        sh = f"{late[shared].mean():.2f} / {late[~shared].mean():.2f}" if shared.any() and (~shared).any() else "-"
+        top = np.argsort(np.nan_to_num(mean, nan=-np.inf))[::-1][:6]
+        print(f"{name:>10} {np.percentile(late, 90):>8.2f} {late.max():>6.2f} {repeat:>13.2f} {sh:>18}  "
+              + " ".join(f"{i}:{mean[i]:.1f}" for i in top))
 
 if __name__ == "__main__":
     main()

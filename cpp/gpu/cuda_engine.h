@@ -221,7 +221,8 @@ class CudaEngine {
   // not built), so that one engine loaded with DecodePath::Auto times both (tinyinfer bench).
   double time_decode_step(int64_t context, int steps, DecodePath path = DecodePath::Auto);
   // CudaOptions::trace: one decode step at `context`; per traced kernel in launch order its name and
-  // kTraceBlocks x kTracePoints global-timer stamps (ns; 0: block absent or exited early). common.cuh, trace_point.
+  // kTraceBlocks x kTraceWords: kTracePoints global-timer stamps (ns; 0: block absent or exited early), then the
+  // block's SM. common.cuh, trace_point.
   std::pair<std::vector<std::string>, std::vector<uint64_t>> trace_step(int64_t context);
   // CudaOptions::trace with the persistent step built: one persistent step at `context` (after 3 warm-up steps);
   // PersistentDecode::kTraceColumns values per task (PersistentDecode::read_trace). The graph path: trace_step.

@@ -78,7 +78,7 @@ cuda::DecodeAttnParams DecodeStep::attn_params(int64_t layer) const {
 unsigned long long* DecodeStep::next_trace(const char* name) {
   if (!b_.trace) return nullptr;
   trace_names_.push_back(name);
-  return b_.trace + (trace_names_.size() - 1) * cuda::kTraceBlocks * cuda::kTracePoints;
+  return b_.trace + (trace_names_.size() - 1) * cuda::kTraceBlocks * cuda::kTraceWords;
 }
 
 // ---- the buffers ----
@@ -122,7 +122,7 @@ DecodeBuffers DecodeBuffers::allocate(const ModelConfig& c, const DeviceWeights&
   b.probs = arena.alloc_n<float>((size_t)c.vocab, Kind::Scratch);
   b.out = arena.alloc_n<int>((size_t)max_seq, Kind::Scratch);
   if (trace) {  // 5 kernels per layer + the head
-    b.trace_words = (size_t)(5 * c.n_layers + 1) * cuda::kTraceBlocks * cuda::kTracePoints;
+    b.trace_words = (size_t)(5 * c.n_layers + 1) * cuda::kTraceBlocks * cuda::kTraceWords;
     b.trace = arena.alloc_n<unsigned long long>(b.trace_words, Kind::Scratch);
   }
   TI_CUDA_CHECK(cudaMemsetAsync(b.seen, 0, c.vocab, s));

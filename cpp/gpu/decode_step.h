@@ -43,7 +43,7 @@ struct DecodeBuffers {
   int* counts = nullptr;                     // (vocab) generated counts (presence / frequency penalties)
   float* probs = nullptr;                    // (vocab) sampler scratch
   int* out = nullptr;                        // (max_seq) sampled tokens of one decode() call
-  unsigned long long* trace = nullptr;       // CudaOptions::trace: kTraceBlocks x kTracePoints per traced kernel
+  unsigned long long* trace = nullptr;       // CudaOptions::trace: kTraceBlocks x kTraceWords per traced kernel
   int64_t max_seq = 0;
   int attn_chunk = 0;                        // positions per split-K attention block
   size_t trace_words = 0;                    // the length of trace (0: tracing off)

@@ -138,7 +138,7 @@ void bind_persistent_probe(nb::module_& ops) {
       "relaxed_barrier"_a = false,
       "ns per hand-off of a chain inside thread-block clusters (cuda/cluster_probe.cu): the vector in distributed "
       "shared memory (dsmem) or in global memory, the cluster's barrier between stages; n_words 0: the barrier "
-      "(relaxed_barrier: without its memory ordering).");
+      "(relaxed_barrier: its arrive without the release).");
   ops.def(
       "cluster_chain",
       [](int n_words, int cluster, bool dsmem, int stages) {

@@ -46,7 +46,8 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
 }
-// The barrier without memory ordering (n_words = 0 only: nothing to hand over): its latency alone.
+// The barrier without the release (n_words = 0 only: nothing to hand over; the wait still acquires, as it has no
+// relaxed form).
 __device__ __forceinline__ void cluster_sync_relaxed() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
@@ -118,9 +119,14 @@ struct Chain {
     if (major < 9) fail(ErrorKind::Device, std::string(who) + ": thread-block clusters need sm_90+");
     if (cluster < 1 || cluster > kMaxCluster)
       fail(ErrorKind::Request, std::string(who) + ": cluster must be 1 to " + std::to_string(kMaxCluster));
-    if (n < 0 || stages < 1) fail(ErrorKind::Request, std::string(who) + ": n_words >= 0 and stages >= 1");
+    if (n < 0 || stages < 1 || stages > (1 << 24))
+      fail(ErrorKind::Request, std::string(who) + ": n_words >= 0 and stages in 1..2^24");
     if (relaxed && n != 0) fail(ErrorKind::Request, std::string(who) + ": relaxed_barrier needs n_words = 0");
     kernel = dsmem ? cluster_chain_kernel<true> : cluster_chain_kernel<false>;
+    cudaFuncAttributes fa{};
+    TI_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+    if (fa.binaryVersion < 90)  // (a build without sm_90 code: the cluster instructions would be compiled away)
+      fail(ErrorKind::Device, std::string(who) + ": this build has no sm_90 code for the cluster kernel");
     const size_t smem = dsmem ? (size_t)2 * n * sizeof(uint32_t) : 0;
     if (smem + 1024 > (size_t)max_smem)
       fail(ErrorKind::Request, std::string(who) + ": n_words=" + std::to_string(n) + " in shared memory needs " +
@@ -128,7 +134,10 @@ struct Chain {
                                    " this GPU allows");
     if (smem > 48 * 1024)
       TI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    if (cluster > 8) TI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    if (cluster > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+      cudaGetLastError();  // (cleared: a refused size is the request's problem, not the context's)
+      fail(ErrorKind::Request, std::string(who) + ": this GPU does not allow clusters of " + std::to_string(cluster));
+    }
     cfg.blockDim = dim3(kThreads);
     cfg.dynamicSmemBytes = smem;
     attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -139,7 +148,10 @@ struct Chain {
     cfg.numAttrs = 1;
     cfg.gridDim = dim3((unsigned)cluster);
     int fit = 0;
-    TI_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&fit, kernel, &cfg));
+    if (cudaOccupancyMaxActiveClusters(&fit, kernel, &cfg) != cudaSuccess) {
+      cudaGetLastError();
+      fit = 0;
+    }
     if (fit < 1)
       fail(ErrorKind::Request, std::string(who) + ": no cluster of " + std::to_string(cluster) + " blocks with " +
                                    std::to_string(smem) + " bytes of shared memory each fits on this GPU");

@@ -20,7 +20,7 @@ struct ClusterHandoffConfig {
   bool dsmem = true;
   int stages = 256;
   int reps = 10;
-  bool relaxed_barrier = false;  // n_words = 0 only: the barrier without its release / acquire ordering
+  bool relaxed_barrier = false;  // n_words = 0 only: the barrier's arrive without its release
 };
 struct ClusterHandoffResult {
   double ns_per_handoff = 0;  // (time of 2 x stages - time of stages) / stages: launch and ramp-up cancel out

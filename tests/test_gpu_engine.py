@@ -353,7 +353,7 @@ def test_trace_step_stamps_every_kernel_in_order_and_options_are_checked():
         ran = a[a[:, 3] > 0]  # blocks that ran to the end (attention chunks past pos exit at once)
         assert len(ran) > 0, name
         assert (np.diff(ran[:, :4], axis=1) >= 0).all(), name  # start <= wait <= prologue <= end in every block
-        assert (ran[:, 4] < _core.ops.sm_count()).all(), name
+        assert len(ran) == 1 or len(np.unique(ran[:, 4])) > 1, name  # the SM column is written (ids need not be dense)
         assert ran[:, 1].min() >= prev_end, name  # no block passes its wait before the previous kernel ended
         prev_end = ran[:, 3].max()
     assert eng.time_decode_step(16, 4) > 0  # still usable

@@ -133,8 +133,9 @@ def test_cluster_probe_checksum_and_bad_arguments():
     for bad in (0, 17):
         with pytest.raises(InvalidRequestError, match="cluster must be 1 to 16"):
             ops.cluster_chain(64, bad, True, 2)
-    with pytest.raises(InvalidRequestError, match="stages"):
-        ops.cluster_chain(64, 2, False, 0)
+    for stages in (0, 1 << 25):
+        with pytest.raises(InvalidRequestError, match="stages"):
+            ops.cluster_chain(64, 2, False, stages)
     with pytest.raises(InvalidRequestError, match="shared memory"):
         ops.cluster_chain(1 << 20, 2, True, 1)
     assert ops.cluster_chain(64, 2, True, 2) == ops.cluster_chain_reference(64, 2)  # still usable

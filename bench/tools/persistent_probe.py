@@ -122,7 +122,7 @@ def clusters(out: dict) -> None:
     print(f"{'words':>6} {'where':>7} {'cluster':>7} {'clusters':>8} {'ns/hand-off':>12} {'ok':>3}")
     rows = out["cluster_handoff"] = []
     stages = 64 if QUICK else 256
-    # (words, where): the barrier alone with its release / acquire and without it, then the vector in
+    # (words, where): the barrier alone with its release / acquire and with a relaxed arrive, then the vector in
     # distributed shared memory or in global memory
     cases = [(0, "barrier"), (0, "relaxed")] + [(n, w) for n in (2048, 5632) for w in ("dsmem", "global")]
     for n_words, where in cases:

@@ -40,7 +40,8 @@ def options(spec: str, dtype: str) -> "_core.CudaOptions":
 
 
 def engine_from_argv(**extra) -> tuple:
-    """The profiling tools' command line: SHAPE DTYPE [CONTEXT] [--opts=k=v,...]; `extra` sets further options.
+    """The profiling tools' command line: SHAPE DTYPE [CONTEXT] [--opts=k=v,...] [--layers=N]; `extra` sets further
+    options; --layers keeps the shape's matrices but not its depth (a smaller footprint for the same kernels).
     Returns (engine, shape, dtype, context, spec)."""
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     shape = args[0] if args else "tinyllama-1.1b"
@@ -50,5 +51,9 @@ def engine_from_argv(**extra) -> tuple:
     opts = options(spec, dtype)
     for k, v in extra.items():
         setattr(opts, k, v)
-    eng = _core.CudaEngine.random(shape_config(shape), max(ctx + 64, 256), 1, opts)
+    cfg = shape_config(shape)
+    layers = next((int(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--layers=")), 0)
+    if layers:
+        cfg.n_layers = layers
+    eng = _core.CudaEngine.random(cfg, max(ctx + 64, 256), 1, opts)
     return eng, shape, dtype, ctx, spec

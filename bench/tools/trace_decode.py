@@ -29,12 +29,12 @@ def main() -> None:
         kernels = []
         for name, flat in trace:
             a = np.array(flat, dtype=np.float64).reshape(-1, 5)  # 4 stamps (ns), then the block's SM
-            a = a[(a[:, 0] > 0) & (a[:, 3] > 0)]  # blocks that ran to the end (early exits leave zeros)
-            kernels.append((name, a[:, :4], a[:, 4].astype(int)))
-        t0 = min(a[:, 0].min() for _, a, _ in kernels)
+            ran = (a[:, 0] > 0) & (a[:, 3] > 0)  # blocks that ran to the end (early exits leave zeros)
+            kernels.append((name, a[ran, :4], a[ran, 4].astype(int), np.flatnonzero(ran)))
+        t0 = min(a[:, 0].min() for _, a, _, _ in kernels)
         prev_end = None
         timeline = []
-        for name, a, sm in kernels:
+        for i, (name, a, sm, block) in enumerate(kernels):
             s = (a - t0) / 1e3  # µs from the step's first traced block
             med = np.median(s, axis=0)
             end = s[:, 3].max()
@@ -51,6 +51,12 @@ def main() -> None:
             late = s[:, 3] - med[3]
             shared = np.bincount(sm)[sm] > 1  # another block of this kernel on the same SM
             stats[name]["by_sm"].append((sm, late, shared))
+            stats[name]["by_start"].append((s[:, 0] - med[1], s[:, 1] - med[1], late))
+            stats[name]["launches"].append((block, sm, shared, s - med[1], late))
+            if i + 1 < len(kernels):  # the next kernel's blocks already on this block's SM before it ended (PDL)
+                _, a2, sm2, _ = kernels[i + 1]
+                early = np.array([np.sum((sm2 == sm[j]) & (a2[:, 0] < a[j, 3])) for j in range(len(a))])
+                stats[name]["next_on_sm"].append((early, late))
             prev_end = end
     print(f"{shape} {dtype} ctx {ctx} {spec}: per kernel kind, mean over layers and {len(reps)} traced steps (µs)")
     print(f"{'kernel':>10} {'n':>3} {'blocks':>6} {'gap':>6} {'prologue':>8} {'body':>6} {'tail':>6} {'incr':>6} "
@@ -63,8 +69,12 @@ def main() -> None:
               f"{np.mean(st['body']):>6.2f} {np.mean(st['tail']):>6.2f} {np.mean(st['incr']):>6.2f} "
               f"{np.mean(st['wait_spread']):>11.2f}")
     print(f"sum of increments (first kernel excluded): {total:.1f} µs")
+    print("GEMV picks (rows a warp / blocks a SM, 0 = a block per tile; GB/s as tuned alone): " + "  ".join(
+        f"{g['name']} R{g['R']}/{g['blocks_per_sm']} {g['gb_per_s']:.0f}" for g in eng.gemv_table()))
     if "--sm" in sys.argv:
         print_by_sm(stats)
+    if "--late" in sys.argv:
+        print_late(stats)
     if "--timeline" in sys.argv:
         print("timeline of the last traced step, first 12 kernels (µs): first start, median wait, median prologue end, "
               "median end, last end, blocks")
@@ -83,8 +93,8 @@ def _per_sm_mean(launches: list, n_sm: int) -> np.ndarray:
 
 def print_by_sm(stats) -> None:
     print("where the late blocks ran (lateness = block end - the kernel's median end, µs; over layers and steps)")
-    print(f"{'kernel':>10} {'p90 late':>8} {'max':>6} {'same SMs late':>13} {'shared SM / alone':>18}  "
-          "latest SMs (mean)")
+    print(f"{'kernel':>10} {'p90 late':>8} {'max':>6} {'same SMs late':>13} {'shared SM / alone':>18} "
+          f"{'late~start':>10} {'late~wait':>9} {'started late / in time':>22}  latest SMs (mean)")
     for name, st in stats.items():
         launches = st["by_sm"]
         sm = np.concatenate([x[0] for x in launches])
@@ -98,9 +108,51 @@ def print_by_sm(stats) -> None:
         ok = ~np.isnan(even) & ~np.isnan(odd)
         repeat = np.corrcoef(even[ok], odd[ok])[0, 1] if ok.sum() > 2 else float("nan")
         sh = f"{late[shared].mean():.2f} / {late[~shared].mean():.2f}" if shared.any() and (~shared).any() else "-"
+        # whether a late end is a late start: blocks made resident only as the previous kernel's blocks left
+        start = np.concatenate([x[0] for x in st["by_start"]])
+        wait = np.concatenate([x[1] for x in st["by_start"]])
+        c_start = np.corrcoef(start, late)[0, 1] if start.std() > 0 else float("nan")
+        c_wait = np.corrcoef(wait, late)[0, 1] if wait.std() > 0 else float("nan")
+        after = start > 0  # started after the median block passed its wait
+        sl = f"{late[after].mean():.2f} / {late[~after].mean():.2f}" if after.any() and (~after).any() else "-"
         top = np.argsort(np.nan_to_num(mean, nan=-np.inf))[::-1][:6]
-        print(f"{name:>10} {np.percentile(late, 90):>8.2f} {late.max():>6.2f} {repeat:>13.2f} {sh:>18}  "
+        print(f"{name:>10} {np.percentile(late, 90):>8.2f} {late.max():>6.2f} {repeat:>13.2f} {sh:>18} "
+              f"{c_start:>10.2f} {c_wait:>9.2f} {sl:>22}  "
               + " ".join(f"{i}:{mean[i]:.1f}" for i in top))
+
+def print_late(stats) -> None:
+    """Who the stragglers are: per kernel kind, the lateness of each launch's 1st, 2nd, 5th and 10th latest block
+    (one straggler or many), and the latest blocks of the first launches: block index, SM, whether another block
+    of the kernel shares its SM, and its stamps (start, wait, prologue end, end) from the median wait."""
+    print("the stragglers (µs; stamps from the kernel's median wait)")
+    for name, st in stats.items():
+        ranks = np.array([np.sort(x[4])[::-1][[0, 1, 4, 9]] for x in st["launches"] if len(x[4]) >= 10])
+        if not len(ranks):
+            continue
+        print(f"{name:>10}: latest 1st / 2nd / 5th / 10th, mean over launches: "
+              + " / ".join(f"{v:.2f}" for v in ranks.mean(axis=0)))
+        # how many of the kernel's blocks each SM held, and how late the blocks were by that count
+        hist, by_n = defaultdict(list), defaultdict(list)
+        for block, sm, shared, rel, late in st["launches"]:
+            n_on = np.bincount(sm)[sm]
+            for n in range(1, n_on.max() + 1):
+                hist[n].append((np.bincount(sm) == n).sum())
+                by_n[n].extend(late[n_on == n])
+        print("            SMs holding n blocks (mean a launch) and their blocks' mean lateness: " + "  ".join(
+            f"n={n}: {np.mean(hist[n]):.1f} SMs {np.mean(by_n[n]) if by_n[n] else float('nan'):+.2f}" for n in sorted(hist)))
+        if st["next_on_sm"]:
+            early = np.concatenate([x[0] for x in st["next_on_sm"]])
+            late = np.concatenate([x[1] for x in st["next_on_sm"]])
+            print("            by the next kernel's blocks resident on the SM before the block ended: " + "  ".join(
+                f"{n}: {np.mean(early == n) * 100:.0f}% of blocks, late {late[early == n].mean():+.2f}"
+                for n in range(early.max() + 1) if (early == n).any()))
+        for block, sm, shared, rel, late in st["launches"][1:4]:
+            top = np.argsort(late)[::-1][:3]
+            n_on = np.bincount(sm)[sm]
+            print("            " + "   ".join(
+                f"b{block[i]} sm{sm[i]}x{n_on[i]} late {late[i]:.2f} [" +
+                " ".join(f"{v:.2f}" for v in rel[i]) + "]" for i in top))
+
 
 if __name__ == "__main__":
     main()

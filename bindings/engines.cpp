@@ -386,6 +386,7 @@ void bind_engines(nb::module_& m) {
       .def_rw("act8", &ti::CudaOptions::act8)
       .def_rw("gemv_pins", &ti::CudaOptions::gemv_pins, "A list of GemvPin (assign a new list; it is copied).")
       .def_rw("decode_long_from", &ti::CudaOptions::decode_long_from)
+      .def_rw("smem_carveout", &ti::CudaOptions::smem_carveout)
       .def_rw("one_chunk_graph", &ti::CudaOptions::one_chunk_graph)
       .def_rw("attn_tensor_cores", &ti::CudaOptions::attn_tensor_cores)
       .def_rw("batched_prefill", &ti::CudaOptions::batched_prefill)
@@ -474,6 +475,8 @@ void bind_engines(nb::module_& m) {
                      return nb::make_tuple(p.long_from, p.qkv_long.rows_per_warp, p.qkv_long.blocks_per_sm);
                    },
                    "The long-context decode graph: (from context, qkv R, qkv blocks per SM); from = -1: none.")
+      .def_prop_ro("smem_carveout", [](const ti::CudaEngine& e) { return e.gemv_plan().carveout; },
+                   "The shared-memory carveout (percent) the decode step's kernels ask for; -1: the driver's choice.")
       .def_prop_ro("device_name", &ti::CudaEngine::device_name)
       .def_prop_ro("load_times",
                    [](const ti::CudaEngine& e) {
@@ -504,14 +507,15 @@ void bind_engines(nb::module_& m) {
           "read_plan",
           [](const std::string& text, const std::string& key) {
             const ti::PlanRead r = ti::gemv_plan_from_text(text, key);
-            if (!r.plan) return nb::make_tuple(nb::none(), nb::none(), r.problem);
+            if (!r.plan) return nb::make_tuple(nb::none(), nb::none(), nb::none(), r.problem);
             const ti::GemvPlan& p = *r.plan;
             return nb::make_tuple(plan_table(p), nb::make_tuple(p.long_from, p.qkv_long.rows_per_warp,
-                                                                p.qkv_long.blocks_per_sm, p.qkv_long.act8), "");
+                                                                p.qkv_long.blocks_per_sm, p.qkv_long.act8),
+                                  p.carveout, "");
           },
           "text"_a, "key"_a,
           "Check a saved plan as the constructor does (no GPU needed): (gemv_table, (from, qkv R, qkv blocks per SM, "
-          "qkv act8), '') or (None, None, problem) with problem 'stale: ...' or 'corrupt: ...'.")
+          "qkv act8), carveout, '') or (None, None, None, problem) with problem 'stale: ...' or 'corrupt: ...'.")
       .def_static(
           "plan_by_steps",
           [](const std::vector<std::tuple<int, int, bool, std::vector<std::tuple<int, int, bool, double>>>>& roles,

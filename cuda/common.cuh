@@ -179,7 +179,28 @@ __device__ __forceinline__ void unpack8(const uint4& v, float* out) {
   }
 }
 
-// Launch `kernel` on `stream`, with programmatic dependent launch when `pdl` (the device is sm_90+).
+// The shared-memory carveout (percent of the SM's unified L1 / shared memory given to shared memory) that launch()
+// asks for on this thread; -1: none asked, the driver picks per kernel. An SM holds blocks of one configuration at a
+// time, and under PDL a decode step's kernels overlap on the SMs, so kernels left to the driver's choice can run
+// on SMs configured for another kernel: at Llama-2-7B's shapes a few SMs per GEMV then streamed 20-30% slower
+// and their blocks ended up to 13 µs after the rest (docs/perf/persistent.md §23). One preference for every
+// kernel of a step avoids it; the decode step sets it for its launches (GemvPlan::carveout) with CarveoutScope.
+inline int& launch_carveout() {
+  thread_local int carveout = -1;
+  return carveout;
+}
+struct CarveoutScope {
+  explicit CarveoutScope(int carveout) : saved_(launch_carveout()) { launch_carveout() = carveout; }
+  ~CarveoutScope() { launch_carveout() = saved_; }
+  CarveoutScope(const CarveoutScope&) = delete;
+  CarveoutScope& operator=(const CarveoutScope&) = delete;
+
+ private:
+  int saved_;
+};
+
+// Launch `kernel` on `stream`, with programmatic dependent launch when `pdl` (the device is sm_90+) and the
+// thread's launch_carveout() where one is set (a launch attribute: graph capture keeps it per kernel node).
 template <typename... KArgs, typename... Args>
 void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
             Args&&... args) {
@@ -188,11 +209,18 @@ void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaSt
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (launch_carveout() >= 0) {
+    attr[n].id = cudaLaunchAttributePreferredSharedMemoryCarveout;
+    attr[n++].val.sharedMemCarveout = (unsigned)launch_carveout();
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.numAttrs = n;
   TI_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 

@@ -169,6 +169,36 @@ def test_one_chunk_graph_changes_nothing_but_speed(tmp_path):
         assert np.array_equal(logits, runs[0][1])
 
 
+def test_smem_carveout_changes_nothing_but_speed_and_bad_values_are_refused(tmp_path):
+    """CudaOptions.smem_carveout: the decode step's kernels all ask for one shared-memory carveout (a launch
+    attribute kept in the graphs) or leave it to the driver. Tokens and logits are bitwise the same either way, with
+    graphs and without; the timed default settles on the driver's choice or 50; a value outside -2..100 is a clear
+    error."""
+    from tinyinfer import _core
+    from tinyinfer.errors import InvalidRequestError
+
+    d = make_llama(tmp_path / "m", vocab=1000, **CONFIGS["gqa4_hd128_tied"])
+    greedy = _core.SamplingConfig()
+    runs = []
+    for carveout, graphs in ((-1, True), (50, True), (0, True), (100, False), (-2, True)):
+        o = _core.CudaOptions()
+        o.smem_carveout, o.graphs = carveout, graphs
+        o.gemv_rows, o.gemv_grid, o.decode_long_from = 2, 0, 0  # one GEMV variant each: the same sums in all
+        core = Engine(d, device="cuda", max_seq_len=300, cuda_options=o)._core
+        assert core.smem_carveout == carveout if carveout != -2 else core.smem_carveout in (-1, 50)
+        assert ("carveout %d" % core.smem_carveout) in core.plan_text
+        core.forward([5, 17, 400, 23, 99, 7], False)
+        runs.append((list(core.decode(80, greedy, [], 0)), core.last_logits()))
+    for toks, logits in runs[1:]:
+        assert toks == runs[0][0]
+        assert np.array_equal(logits, runs[0][1])
+    for bad in (-3, 101):
+        o = _core.CudaOptions()
+        o.smem_carveout = bad
+        with pytest.raises(InvalidRequestError, match="smem_carveout must be -2"):
+            Engine(d, device="cuda", max_seq_len=300, cuda_options=o)
+
+
 @pytest.mark.parametrize("name", ["gqa3_hd64", "gqa4_hd128_tied"])
 def test_attention_tensor_cores_against_the_lane_form(tmp_path, name):
     """CudaOptions.attn_tensor_cores: the decode attention's chunk on mma.sync (head dims 64 / 128) and the

@@ -33,7 +33,8 @@ def seal(body: str) -> str:
     return body + f"checksum {fnv1a64(body):016x}\n"
 
 
-def plan_body(key: str = KEY, version: int = 2, long: str = "long -1 0 0 0", picks=None, skip=(), extra=()) -> str:
+def plan_body(key: str = KEY, version: int = 3, long: str = "long -1 0 0 0", picks=None, skip=(), extra=(),
+              carveout: str = "carveout 50") -> str:
     picks = picks or {}
     lines = [f"tinyinfer-gemv-plan {version}", f"key {key}"]
     for i, role in enumerate(ROLES):
@@ -42,7 +43,7 @@ def plan_body(key: str = KEY, version: int = 2, long: str = "long -1 0 0 0", pic
         R, bps, a8 = (picks.get(role, (2, 2)) + (0,))[:3]
         tried = f"3 2 0 0 10.5 {R} {bps} {a8} 9.25 8 1 1 11.0"
         lines.append(f"shape {role} {512 + i} 256 256 2 {(512 + i) * 512} {R} {bps} {a8} 123.456 {tried}")
-    lines += list(extra) + [long]
+    lines += list(extra) + [long] + ([carveout] if carveout else [])
     return "\n".join(lines) + "\n"
 
 
@@ -55,8 +56,9 @@ def read(text: str, key: str = KEY):
 @needs_cuda_build
 def test_a_whole_plan_for_this_key_is_taken():
     picks = {"qkv": (4, 2, 1), "o": (1, 1, 0), "gate_up": (8, 0, 1), "down": (2, 2, 0), "lm_head": (1, 2, 0)}
-    table, long, problem = read(seal(plan_body(picks=picks, long="long 256 4 1 1")))
+    table, long, carveout, problem = read(seal(plan_body(picks=picks, long="long 256 4 1 1")))
     assert problem == ""
+    assert carveout == 50
     assert {g["name"]: (g["R"], g["blocks_per_sm"], int(g["act8"])) for g in table} == picks
     assert long == (256, 4, 1, True)
     qkv = table[0]
@@ -68,10 +70,18 @@ def test_a_whole_plan_for_this_key_is_taken():
 
 @needs_cuda_build
 def test_a_plan_for_another_key_or_format_is_stale():
-    _, _, problem = read(seal(plan_body(key="another GPU | model h4096")))
+    _, _, _, problem = read(seal(plan_body(key="another GPU | model h4096")))
     assert problem.startswith("stale:") and "another GPU" in problem
-    _, _, problem = read(seal(plan_body(version=1)))  # the format before act8
+    _, _, _, problem = read(seal(plan_body(version=1)))  # the format before act8
     assert problem.startswith("stale:") and "format 1" in problem
+    _, _, _, problem = read(seal(plan_body(version=2, carveout="")))  # the format before the carveout
+    assert problem.startswith("stale:") and "format 2" in problem
+
+
+@needs_cuda_build
+def test_a_plan_keeps_the_driver_choice_of_carveout():
+    _, _, carveout, problem = read(seal(plan_body(carveout="carveout -1")))
+    assert (carveout, problem) == (-1, "")
 
 
 @pytest.mark.parametrize("damage", ["digit", "truncated", "no_checksum", "garbage", "empty", "trailing"])
@@ -86,8 +96,8 @@ def test_a_damaged_plan_is_corrupt(damage):
         "empty": "",
         "trailing": good + "shape qkv 1 1 1 1 1 1 1 0 1 0\n",  # lines after the checksum
     }[damage]
-    table, long, problem = read(text)
-    assert table is None and long is None and problem.startswith("corrupt:"), problem
+    table, long, carveout, problem = read(text)
+    assert table is None and long is None and carveout is None and problem.startswith("corrupt:"), problem
 
 
 @pytest.mark.parametrize("body", [
@@ -102,13 +112,18 @@ def test_a_damaged_plan_is_corrupt(damage):
     plan_body(long="long 128 2 1 2"),                     # act8: 0 or 1
     plan_body(picks={"o": (2, 2, 2)}),                    # act8: 0 or 1
     plan_body(extra=("hello",)),                          # not a plan line
+    plan_body(carveout=""),                               # no carveout line
+    plan_body(carveout="carveout 101"),                   # a percent, or -1
+    plan_body(carveout="carveout -2"),
+    plan_body(carveout="carveout 5 0"),                   # one field
+    plan_body(extra=("carveout 50",)),                    # twice
     plan_body().replace("123.456", "12x", 1),             # not a number
     plan_body().replace("123.456", "-5", 1),              # negative
     "not a plan\nkey x\n",
 ])
 @needs_cuda_build
 def test_a_sealed_plan_with_bad_fields_is_corrupt(body):
-    table, _, problem = read(seal(body))  # the checksum matches: the fields themselves are checked
+    table, _, _, problem = read(seal(body))  # the checksum matches: the fields themselves are checked
     assert table is None and problem.startswith("corrupt:"), problem
 
 
@@ -119,7 +134,7 @@ class FakeCore:
 
     def __init__(self, opts, tuned_text: str):
         self.given = opts.plan_text
-        _, _, problem = read(opts.plan_text) if opts.plan_text else (None, None, "")
+        _, _, _, problem = read(opts.plan_text) if opts.plan_text else (None, None, None, "")
         self.plan_from_cache = bool(opts.plan_text) and problem == ""
         self.plan_problem = problem
         self.plan_text = self.given if self.plan_from_cache else tuned_text
@@ -203,7 +218,7 @@ def _config():
 def _picks(eng):
     """The picks and the timings behind them (as saved: µs to 4 decimals)."""
     table = [(g["name"], g["R"], g["blocks_per_sm"], [round(u, 4) for u in g["us"]]) for g in eng.gemv_table()]
-    return table, eng.decode_long
+    return table, eng.decode_long, eng.smem_carveout
 
 
 @pytest.mark.gpu

@@ -55,6 +55,10 @@ struct CudaOptions {
   int act8 = 0;
   std::vector<GemvPin> gemv_pins;      // variants forced after tuning (A/B runs: bench/tools/ab_decode.py)
   int64_t decode_long_from = -1;       // long-context decode graph: -1 tuned, 0 none, n > 0 from context n
+  // The shared-memory carveout of the decode step's kernels (GemvPlan::carveout, cuda/common.cuh): -2 timed at load
+  // (whole steps with the driver's choice per kernel against kStepCarveout for every kernel); -1 the driver's
+  // choice; 0..100 this percent for every kernel (docs/perf/persistent.md §23).
+  int smem_carveout = -2;
   bool one_chunk_graph = true;         // steps at pos < attn_chunk: a decode graph without the merge kernel
   bool attn_tensor_cores = true;       // decode attention's chunk (head dim 64 / 128) on mma.sync
   bool batched_prefill = true;         // false: feed prompts one token at a time through the decode graph
@@ -276,6 +280,9 @@ class CudaEngine {
   void build_graphs();
   cudaGraphExec_t capture_decode(GemvVariant qkv);  // a decode-step graph with qkv at that variant
   void check_plan_by_steps();  // CudaOptions::gemv_step_check (tune_plan_by_steps)
+  void choose_carveout();      // CudaOptions::smem_carveout -> plan_.carveout
+  bool can_time_steps() const;  // the sequence holds plan_step_us's steps
+  double plan_step_us();         // µs per decode step with plan_ as it is (graph-replayed)
   void decode_long_graph();
   void persistent_graph();  // CudaOptions::decode_path: the persistent step and its graph
   void release();

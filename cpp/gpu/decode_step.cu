@@ -21,6 +21,7 @@ using cuda::GemvIn;
 using cuda::GemvOut;
 
 void DecodeStep::record_token_logits(cudaStream_t s, bool pdl, bool one_chunk) {
+  const cuda::CarveoutScope carveout(plan_.carveout);  // one SM configuration for the step's kernels (common.cuh)
   const float eps = (float)c_.rms_eps;
   trace_names_.clear();
   auto gemv = [&](MatrixRole role, cuda::GemvParams p, GemvIn in, GemvOut out) {
@@ -47,6 +48,7 @@ void DecodeStep::record_token_logits(cudaStream_t s, bool pdl, bool one_chunk) {
 }
 
 void DecodeStep::record(cudaStream_t s, bool pdl, bool one_chunk) {
+  const cuda::CarveoutScope carveout(plan_.carveout);
   record_token_logits(s, pdl, one_chunk);
   cuda::sample_token(b_.logits, (int)c_.vocab, b_.sampling, b_.seen, b_.counts, b_.probs, b_.state, b_.out, s,
                      pdl);

@@ -67,6 +67,9 @@ struct GemvPlan {
   // The long-context decode graph: from this context on, qkv runs at qkv_long (-1: one graph for all contexts).
   int64_t long_from = -1;
   GemvVariant qkv_long{0, 0};
+  // The shared-memory carveout every kernel of the decode step asks for (cuda::launch_carveout, percent); -1: none,
+  // the driver's choice per kernel. Timed at load (CudaOptions::smem_carveout).
+  int carveout = -1;
   const GemvShapePlan* find(MatrixRole r) const;
   GemvShapePlan* find(MatrixRole r);
   GemvVariant variant(MatrixRole r) const;  // the chosen variant; {2, 0} for a role not tuned

@@ -12,6 +12,7 @@
 //         (<R> <bps> <act8> <us>)*                                       (one line per role; act8: 0 or 1)
 //   ...
 //   long <long_from> <R> <bps> <act8>
+//   carveout <percent, or -1: the driver's choice>
 //   checksum <FNV-1a 64 of the lines above, 16 hex digits>
 #pragma once
 #include <cstdint>
@@ -22,7 +23,7 @@
 
 namespace ti {
 
-constexpr int kPlanFormatVersion = 2;
+constexpr int kPlanFormatVersion = 3;
 
 std::string gemv_plan_to_text(const GemvPlan& plan, const std::string& key);
 

@@ -195,6 +195,9 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
     res["decode_long"] = {"from_context": frm, "qkv_R": long_r, "qkv_blocks_per_sm": long_bps}
     out("long-context decode graph: " + (f"from context {frm}, qkv R {long_r} at {long_bps}/SM" if frm >= 0
                                           else "none (one graph for every context)"))
+    res["smem_carveout"] = core.smem_carveout
+    out("decode kernels' shared-memory carveout: " + (f"{core.smem_carveout}% each" if core.smem_carveout >= 0
+                                                      else "the driver's choice per kernel"))
     chain = {"pdl": _core.ops.kernel_chain_us(200, 132, True, False),
              "no_pdl": _core.ops.kernel_chain_us(200, 132, False, False)}
     res["kernel_chain_us"] = chain

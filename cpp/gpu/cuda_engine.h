@@ -56,8 +56,9 @@ struct CudaOptions {
   std::vector<GemvPin> gemv_pins;      // variants forced after tuning (A/B runs: bench/tools/ab_decode.py)
   int64_t decode_long_from = -1;       // long-context decode graph: -1 tuned, 0 none, n > 0 from context n
   // The shared-memory carveout of the decode step's kernels (GemvPlan::carveout, cuda/common.cuh): -2 timed at load
-  // (whole steps with the driver's choice per kernel against kStepCarveout for every kernel); -1 the driver's
-  // choice; 0..100 this percent for every kernel (docs/perf/persistent.md §23).
+  // (whole steps with the driver's choice per kernel against kStepCarveout for every kernel; the driver's choice
+  // without graphs, below max_seq_len 89 or with a CUDA toolkit before 12.5); -1 the driver's choice; 0..100 this
+  // percent of the SM's maximum shared memory for every kernel (docs/perf/persistent.md §23).
   int smem_carveout = -2;
   bool one_chunk_graph = true;         // steps at pos < attn_chunk: a decode graph without the merge kernel
   bool attn_tensor_cores = true;       // decode attention's chunk (head dim 64 / 128) on mma.sync

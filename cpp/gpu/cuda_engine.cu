@@ -280,9 +280,9 @@ double CudaEngine::plan_step_us() {
 
 // The carveout every kernel of the decode step asks for. Timed: one preference for all of them (kStepCarveout)
 // against the driver's choice per kernel, kept where the step is faster by > 1% (the GEMV variants themselves were
-// timed alone under the driver's choice; the step check that follows judges them under this one). Measured on the H200 (§23):
-// Llama-2-7B -11% a step (fp16 and int4), the small models within -0.5..+1.2% (the driver's choice kept there).
-// 50% (132 KiB of shared memory, 124 KiB of L1) measured best of 0 / 13 / 25 / 44 / 50 / 72 / 100 at 7B (72 tied).
+// timed alone under the driver's choice; the step check that follows judges them under this one). Timed rather
+// than always on because it pays at large matrices and costs a little at small ones; why 50%:
+// docs/perf/decode-options.md (smem_carveout).
 void CudaEngine::choose_carveout() {
   constexpr int kStepCarveout = 50;
   constexpr double kGain = 0.01;

@@ -181,11 +181,11 @@ __device__ __forceinline__ void unpack8(const uint4& v, float* out) {
 
 // The shared-memory carveout (percent of the SM's maximum shared memory, rounded up by the driver to a size the SM
 // offers: 50% of the H200's 228 KiB is 132 KiB, the rest of the 256 KiB staying L1) that launch() asks for on this
-// thread; -1: none asked, the driver picks per kernel. An SM holds blocks of one configuration at a
-// time, and under PDL a decode step's kernels overlap on the SMs, so kernels left to the driver's choice can run
-// on SMs configured for another kernel: at Llama-2-7B's shapes a few SMs per GEMV then streamed 20-30% slower
-// and their blocks ended up to 13 µs after the rest (docs/perf/persistent.md §23). One preference for every
-// kernel of a step avoids it; the decode step sets it for its launches (GemvPlan::carveout) with CarveoutScope.
+// thread; -1: none asked, the driver picks per kernel. An SM holds blocks of one configuration at a time, and
+// under PDL a decode step's kernels overlap on the SMs, so kernels left to the driver's choice can run on SMs
+// configured for another kernel; at Llama-2-7B's shapes a few SMs per GEMV then stream slower and end late
+// (docs/perf/persistent.md §23). One preference for every kernel of a step avoids it; the decode step sets it for
+// its launches (GemvPlan::carveout) with CarveoutScope.
 // The launch attribute came with CUDA 12.5; older toolkits build without it (the driver's choice always).
 constexpr bool kLaunchCarveout = CUDART_VERSION >= 12050;
 inline int& launch_carveout() {

@@ -2,9 +2,10 @@
 //
 // A tuned GemvPlan (every role's pick and timings, the long-context graph decision, the decode step's shared-memory
 // carveout) is saved as text, so that a later load on the same GPU, driver, build and model shape takes it instead
-// of tuning again (the Python Engine keeps the file: $TINYINFER_CACHE/plans/). The text names its format version and key and ends with a checksum
-// of everything above it, so that a damaged file is never half-read and a file for another GPU, build or shape
-// is never used: either is refused as a whole (PlanRead.problem says why) and the engine tunes instead.
+// of tuning again (the Python Engine keeps the file: $TINYINFER_CACHE/plans/). The text names its format version
+// and key and ends with a checksum of everything above it, so that a damaged file is never half-read and a file
+// for another GPU, build or shape is never used: either is refused as a whole (PlanRead.problem says why) and the
+// engine tunes instead.
 //
 //   tinyinfer-gemv-plan 3
 //   key <the key: one line>

@@ -8,8 +8,11 @@ Each variant is one engine (its own load-time autotune); the variants' timings a
 rounds (default 3) so that drift hits all alike, and each row reports the best and the median round. A round
 times `--steps` consecutive steps (default 200) from the context on; `--max-seq=N` sizes the engines (default
 max(context + 300, 512)). `--gemv`
-also prints each variant's GEMV picks (R, grid) and their GB/s timed alone."""
+also prints each variant's GEMV picks (R, grid) and their GB/s timed alone. A spec's `env.NAME=V` items are set in
+the environment while that engine loads (its graphs are captured then): an experiment build's switches, side by side
+in one process."""
 
+import os
 import statistics
 import sys
 
@@ -18,13 +21,31 @@ from tinyinfer import _core
 from tinyinfer.bench import shape_config
 
 
+def make(shape: str, max_seq: int, spec: str, dtype: str):
+    """An engine for one spec; its `env.NAME=V` items are set in the environment while it loads (its graphs are
+    captured then): an experiment build's switches, A/B'd in one process."""
+    items = [kv for kv in spec.split(",") if kv]
+    env = dict(kv[4:].split("=", 1) for kv in items if kv.startswith("env."))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return _core.CudaEngine.random(shape_config(shape), max_seq, 1,
+                                       options(",".join(kv for kv in items if not kv.startswith("env.")), dtype))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     rounds = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--rounds=")), 3)
     steps = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--steps=")), 200)
     shape, dtype, ctx, specs = args[0], args[1], int(args[2]), args[3:] or [""]
     max_seq = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--max-seq=")), max(ctx + 300, 512))
-    engines = [_core.CudaEngine.random(shape_config(shape), max_seq, 1, options(s, dtype)) for s in specs]
+    engines = [make(shape, max_seq, s, dtype) for s in specs]
     times = {s: [] for s in specs}
     for _ in range(rounds):
         for s, e in zip(specs, engines):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_gpu_batch import MAX_SEQ, VOCAB, gpu_engine, greedy, model, options  # noqa: F401 (fixture)
+from test_gpu_batch import MAX_SEQ, VOCAB, drop_engines, gpu_engine, greedy, model, options  # noqa: F401 (fixture)
 from test_gpu_prefill_many import _check, _chunks
 from tinyinfer import Engine, InvalidRequestError
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_gpu_batch import LOGIT_TOL, MAX_SEQ, VOCAB, gpu_engine, greedy, model, options  # noqa: F401 (fixture)
+from test_gpu_batch import LOGIT_TOL, MAX_SEQ, VOCAB, gpu_engine, greedy, options
+from test_gpu_batch import drop_engines, model  # noqa: F401 (fixtures)
 from tinyinfer import Engine, InvalidRequestError, _core
 
 pytestmark = pytest.mark.gpu

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_gpu_batch import MAX_SEQ, VOCAB, gpu_engine, greedy, model  # noqa: F401 (fixture)
+from test_gpu_batch import MAX_SEQ, VOCAB, drop_engines, gpu_engine, greedy, model  # noqa: F401 (fixture)
 from tinyinfer import _core
 
 pytestmark = pytest.mark.gpu

@@ -612,8 +612,9 @@ void bind_engines(nb::module_& m) {
             return out;
           },
           "context"_a,
-          "CudaOptions.trace engines: one decode step; per kernel (name, kTraceBlocks x 5: global-timer ns at the "
-          "start, after the PDL wait, after the prologue and at the end (0 = block absent), then the block's SM).")
+          "CudaOptions.trace engines: one decode step; per kernel (name, kTraceBlocks x 6: global-timer ns at the "
+          "start, after the PDL wait, after the prologue, at the end (0 = block absent) and, GEMVs only, after the "
+          "first tile's first dot products, then the block's SM).")
       .def(
           "persistent_trace_step",
           [](ti::CudaEngine& e, int64_t context) {

@@ -110,10 +110,11 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // Decode-step tracing (built with -DTINYINFER_TRACE=ON, which defines TI_TRACE; CudaOptions::trace,
 // bench/tools/trace_decode.py): kernels given a trace buffer have thread 0 of each of their first kTraceBlocks blocks
 // write the global timer (ns) at kTracePoints points: start, after the PDL wait, after the prologue (input
-// staged / new token read), end; with the start, the SM the block runs on (which blocks end late, and where:
-// trace_decode.py --sm). kTraceWords words a block. Without TI_TRACE the calls compile to nothing (the stores and
-// the branch cost ~1% of a TinyLlama int4 step: measured).
-constexpr int kTraceBlocks = 1024, kTracePoints = 4, kTraceWords = kTracePoints + 1;
+// staged / new token read), end, and (GEMVs; 0 elsewhere) once the first tile's first words have been multiplied,
+// i.e. when its first weights were there; with the start, the SM the block runs on (which blocks end late, and
+// where: trace_decode.py --sm). kTraceWords words a block. Without TI_TRACE the calls compile to nothing (the
+// stores and the branch cost ~1% of a TinyLlama int4 step: measured).
+constexpr int kTraceBlocks = 1024, kTracePoints = 5, kTraceWords = kTracePoints + 1;
 __device__ __forceinline__ void trace_point(unsigned long long* trace, int point) {
 #ifdef TI_TRACE
   if (trace == nullptr || threadIdx.x != 0) return;
@@ -127,6 +128,15 @@ __device__ __forceinline__ void trace_point(unsigned long long* trace, int point
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     trace[block * kTraceWords + kTracePoints] = sm;
   }
+#endif
+}
+
+// trace_point once v has been computed: the empty asm takes v, so the timer (asm volatile, kept in order) is read
+// after the loads v waited for had returned.
+__device__ __forceinline__ void trace_point_after(unsigned long long* trace, int point, float v) {
+#ifdef TI_TRACE
+  asm volatile("" ::"f"(v));
+  trace_point(trace, point);
 #endif
 }
 

@@ -411,6 +411,7 @@ __global__ void __launch_bounds__(kGemvThreads, WF == kI8A8 ? 2 : 0)
         for (int r = 0; r < R; r++) acc[r] += dot_word<WF>(h.pre[u][r], s[r], xf, h.ctx[r], lane + u * 32);
       }
     }
+    if (tile == (int)blockIdx.x) trace_point_after(p.trace, 4, acc[0]);
     // 4 steps at a time: per lane (a lane does one more round when its last word is in the row), or for I8
     // (its scales are shuffled across the warp) warp-uniformly, whole rounds only. Either way each lane sums
     // its words in the same order.
@@ -564,6 +565,7 @@ __global__ void __launch_bounds__(kGemvThreads, 2) gemv_pipe_kernel(GemvParams p
         load_y<OUT, R>(p, tn.row0, yn);
       }
       dot_chunk<WF, R, P>(t, cur, xs, kb, ld8, acc);
+      if (kb == 0 && tile == (int)blockIdx.x) trace_point_after(p.trace, 4, acc[0]);
       cur = nxt;
       if (!more) break;
     }
@@ -642,6 +644,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p)
 #pragma unroll
       for (int r = 0; r < RB; r++) acc[r] += dot_word<WF>(pre[r], pre_s[r], xf, ctx[r], k_begin + lane);
     }
+    if (tile == (int)blockIdx.x) trace_point_after(p.trace, 4, acc[0]);
     for (int k = k_begin + lane + 32; k < k_end; k += 32) {
       uint4 w[RB];
       WScale<WF> ws[RB];

@@ -381,11 +381,15 @@ def test_trace_step_stamps_every_kernel_in_order_and_options_are_checked():
     assert all(g["blocks_per_sm"] == 1 for g in eng.gemv_table())
     prev_end = 0.0
     for name, flat in tr:
-        a = np.array(flat, dtype=np.float64).reshape(-1, 5)  # 4 stamps, then the SM
+        a = np.array(flat, dtype=np.float64).reshape(-1, 6)  # 5 stamps, then the SM
         ran = a[a[:, 3] > 0]  # blocks that ran to the end (attention chunks past pos exit at once)
         assert len(ran) > 0, name
         assert (np.diff(ran[:, :4], axis=1) >= 0).all(), name  # start <= wait <= prologue <= end in every block
-        assert len(ran) == 1 or len(np.unique(ran[:, 4])) > 1, name  # the SM column is written (ids need not be dense)
+        if name == "attention":
+            assert (ran[:, 4] == 0).all()
+        else:  # a GEMV: its first dot products after the prologue, before the end
+            assert ((ran[:, 2] <= ran[:, 4]) & (ran[:, 4] <= ran[:, 3])).all(), name
+        assert len(ran) == 1 or len(np.unique(ran[:, 5])) > 1, name  # the SM column is written (ids need not be dense)
         assert ran[:, 1].min() >= prev_end, name  # no block passes its wait before the previous kernel ended
         prev_end = ran[:, 3].max()
     assert eng.time_decode_step(16, 4) > 0  # still usable

@@ -8,6 +8,8 @@ Per kernel kind (averaged over the layers), in µs:
   body     median prologue end -> median block end
   tail     median block end -> last block end (load imbalance / stragglers)
   incr     last block end - previous kernel's last block end (the step's critical path; sums to the step)
+  first    GEMVs: median prologue end -> median end of the first tile's first dot products (thread 0's: how long
+           after its input was staged a block still waited for the weights it had asked for first)
 --sm: where the late blocks ran. Per kernel kind, each block's lateness (its end - the kernel's median end), by the
 SM it ran on (the trace's fifth word), over the layers and traced steps: whether the same SMs end late every time
 (a place: SMs that share their GPC or TPC with more blocks) or the late ones move (the DRAM's spread), and whether
@@ -28,9 +30,9 @@ def main() -> None:
     for trace in reps:
         kernels = []
         for name, flat in trace:
-            a = np.array(flat, dtype=np.float64).reshape(-1, 5)  # 4 stamps (ns), then the block's SM
+            a = np.array(flat, dtype=np.float64).reshape(-1, 6)  # 5 stamps (ns), then the block's SM
             ran = (a[:, 0] > 0) & (a[:, 3] > 0)  # blocks that ran to the end (early exits leave zeros)
-            kernels.append((name, a[ran, :4], a[ran, 4].astype(int), np.flatnonzero(ran)))
+            kernels.append((name, a[ran, :5], a[ran, 5].astype(int), np.flatnonzero(ran)))
         t0 = min(a[:, 0].min() for _, a, _, _ in kernels)
         prev_end = None
         timeline = []
@@ -47,6 +49,8 @@ def main() -> None:
                 st["incr"].append(end - prev_end)
                 st["blocks"].append(len(a))
                 st["wait_spread"].append(s[:, 1].max() - s[:, 1].min())
+                if (a[:, 4] > 0).all():  # GEMVs: the first tile's first dot products (its first weights there)
+                    st["first"].append(np.median(s[:, 4] - s[:, 2]))
             timeline.append((name, s[:, 0].min(), med[1], med[2], med[3], end, len(a)))
             late = s[:, 3] - med[3]
             shared = np.bincount(sm)[sm] > 1  # another block of this kernel on the same SM
@@ -60,14 +64,14 @@ def main() -> None:
             prev_end = end
     print(f"{shape} {dtype} ctx {ctx} {spec}: per kernel kind, mean over layers and {len(reps)} traced steps (µs)")
     print(f"{'kernel':>10} {'n':>3} {'blocks':>6} {'gap':>6} {'prologue':>8} {'body':>6} {'tail':>6} {'incr':>6} "
-          f"{'wait spread':>11}")
+          f"{'wait spread':>11} {'first':>6}")
     total = 0.0
     for name, st in stats.items():
         n = len(st["incr"]) // len(reps)
         total += np.mean(st["incr"]) * n
         print(f"{name:>10} {n:>3} {np.mean(st['blocks']):>6.0f} {np.mean(st['gap']):>6.2f} {np.mean(st['prologue']):>8.2f} "
               f"{np.mean(st['body']):>6.2f} {np.mean(st['tail']):>6.2f} {np.mean(st['incr']):>6.2f} "
-              f"{np.mean(st['wait_spread']):>11.2f}")
+              f"{np.mean(st['wait_spread']):>11.2f} " + (f"{np.mean(st['first']):>6.2f}" if st["first"] else f"{'-':>6}"))
     print(f"sum of increments (first kernel excluded): {total:.1f} µs")
     print("GEMV picks (rows a warp / blocks a SM, 0 = a block per tile; GB/s as tuned alone): " + "  ".join(
         f"{g['name']} R{g['R']}/{g['blocks_per_sm']} {g['gb_per_s']:.0f}" for g in eng.gemv_table()))
@@ -151,7 +155,7 @@ def print_late(stats) -> None:
             n_on = np.bincount(sm)[sm]
             print("            " + "   ".join(
                 f"b{block[i]} sm{sm[i]}x{n_on[i]} late {late[i]:.2f} [" +
-                " ".join(f"{v:.2f}" for v in rel[i]) + "]" for i in top))
+                " ".join(f"{v:.2f}" for v in rel[i][:4]) + "]" for i in top))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,8 @@ def main() -> None:
                 st["wait_spread"].append(s[:, 1].max() - s[:, 1].min())
                 if (a[:, 4] > 0).all():  # GEMVs: the first tile's first dot products (its first weights there)
                     st["first"].append(np.median(s[:, 4] - s[:, 2]))
+                    early = s[:, 0] < prev_end  # resident before the previous kernel ended: asked for weights early
+                    st["first_split"].append((early.mean(), s[early, 4] - s[early, 2], s[~early, 4] - s[~early, 2]))
             timeline.append((name, s[:, 0].min(), med[1], med[2], med[3], end, len(a)))
             late = s[:, 3] - med[3]
             shared = np.bincount(sm)[sm] > 1  # another block of this kernel on the same SM
@@ -73,6 +75,14 @@ def main() -> None:
               f"{np.mean(st['body']):>6.2f} {np.mean(st['tail']):>6.2f} {np.mean(st['incr']):>6.2f} "
               f"{np.mean(st['wait_spread']):>11.2f} " + (f"{np.mean(st['first']):>6.2f}" if st["first"] else f"{'-':>6}"))
     print(f"sum of increments (first kernel excluded): {total:.1f} µs")
+    print("first, by when the block started (median µs; early = before the previous kernel's last block ended):")
+    for name, st in stats.items():
+        if st["first_split"]:
+            frac = np.mean([f for f, _, _ in st["first_split"]])
+            e = np.concatenate([x for _, x, _ in st["first_split"]])
+            lt = np.concatenate([x for _, _, x in st["first_split"]])
+            print(f"{name:>10}: {100 * frac:3.0f}% early, first {np.median(e) if len(e) else float('nan'):.2f}; "
+                  f"late {np.median(lt) if len(lt) else float('nan'):.2f}")
     print("GEMV picks (rows a warp / blocks a SM, 0 = a block per tile; GB/s as tuned alone): " + "  ".join(
         f"{g['name']} R{g['R']}/{g['blocks_per_sm']} {g['gb_per_s']:.0f}" for g in eng.gemv_table()))
     if "--sm" in sys.argv:

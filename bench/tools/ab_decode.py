@@ -46,14 +46,13 @@ def main() -> None:
     shape, dtype, ctx, specs = args[0], args[1], int(args[2]), args[3:] or [""]
     max_seq = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--max-seq=")), max(ctx + 300, 512))
     engines = [make(shape, max_seq, s, dtype) for s in specs]
-    times = {s: [] for s in specs}
+    times = [[] for _ in specs]  # by position: a spec may be given twice (two engines, two tunings)
     for _ in range(rounds):
-        for s, e in zip(specs, engines):
-            times[s].append(e.time_decode_step(ctx, steps) * 1e3)
+        for i, e in enumerate(engines):
+            times[i].append(e.time_decode_step(ctx, steps) * 1e3)
     print(f"{shape} {dtype} ctx {ctx}..{ctx + steps - 1}, max_seq {max_seq}: µs per decode step over {rounds} rounds")
-    base = min(times[specs[0]])
-    for s in specs:
-        t = times[s]
+    base = min(times[0])
+    for s, t in zip(specs, times):
         print(f"  {s or '(defaults)':40s} best {min(t):7.1f}  median {statistics.median(t):7.1f}  "
               f"{1e6 / min(t):7,.0f} tok/s  {100 * (min(t) / base - 1):+5.1f}%")
     if "--gemv" in sys.argv:

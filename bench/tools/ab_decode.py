@@ -5,7 +5,8 @@
     python3 bench/tools/ab_decode.py tinyllama-1.1b fp16 16 "decode_path=persistent" \
         "decode_path=persistent,persistent_ring=0"              (its weight ring on / off: docs/perf/persistent.md §7)
 Each variant is one engine (its own load-time autotune); the variants' timings are interleaved over `--rounds`
-rounds (default 3) so that drift hits all alike, and each row reports the best and the median round. A round
+rounds (default 3) so that drift hits all alike, and each row reports the best and the median round. `--same-plan`
+gives every engine the first one's GEMV plan where their plan keys agree (env items and options outside the key). A round
 times `--steps` consecutive steps (default 200) from the context on; `--max-seq=N` sizes the engines (default
 max(context + 300, 512)). `--gemv`
 also prints each variant's GEMV picks (R, grid) and their GB/s timed alone. A spec's `env.NAME=V` items are set in
@@ -21,16 +22,18 @@ from tinyinfer import _core
 from tinyinfer.bench import shape_config
 
 
-def make(shape: str, max_seq: int, spec: str, dtype: str):
+def make(shape: str, max_seq: int, spec: str, dtype: str, plan_text: str = ""):
     """An engine for one spec; its `env.NAME=V` items are set in the environment while it loads (its graphs are
-    captured then): an experiment build's switches, A/B'd in one process."""
+    captured then): an experiment build's switches, A/B'd in one process. plan_text: a GEMV plan to take instead
+    of tuning where it was made for this spec's key (CudaOptions.plan_text)."""
     items = [kv for kv in spec.split(",") if kv]
     env = dict(kv[4:].split("=", 1) for kv in items if kv.startswith("env."))
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return _core.CudaEngine.random(shape_config(shape), max_seq, 1,
-                                       options(",".join(kv for kv in items if not kv.startswith("env.")), dtype))
+        o = options(",".join(kv for kv in items if not kv.startswith("env.")), dtype)
+        o.plan_text = plan_text
+        return _core.CudaEngine.random(shape_config(shape), max_seq, 1, o)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -45,7 +48,19 @@ def main() -> None:
     steps = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--steps=")), 200)
     shape, dtype, ctx, specs = args[0], args[1], int(args[2]), args[3:] or [""]
     max_seq = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--max-seq=")), max(ctx + 300, 512))
-    engines = [make(shape, max_seq, s, dtype) for s in specs]
+    engines = [make(shape, max_seq, specs[0], dtype)]
+    # --same-plan: the first engine's GEMV plan for the others (where their options give the same plan key), so
+    # that two tunings' differences (up to ~2% a step) do not hide an experiment's
+    # (elsewhere — options inside the key, e.g. early_trigger — each role pinned to the first engine's pick)
+    same = engines[0].plan_text if "--same-plan" in sys.argv else ""
+    pins = "gemv_pins=" + ";".join(f"{g['name']}:{g['R']}/{g['blocks_per_sm']}" for g in engines[0].gemv_table())
+    for s in specs[1:]:
+        e = make(shape, max_seq, s, dtype, same)
+        if same and not e.plan_from_cache:
+            del e
+            e = make(shape, max_seq, ",".join(filter(None, [s, pins])), dtype)
+            print(f"  {s}: another plan key; pinned to the first engine's picks")
+        engines.append(e)
     times = [[] for _ in specs]  # by position: a spec may be given twice (two engines, two tunings)
     for _ in range(rounds):
         for i, e in enumerate(engines):

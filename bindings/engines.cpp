@@ -475,6 +475,8 @@ void bind_engines(nb::module_& m) {
                      return nb::make_tuple(p.long_from, p.qkv_long.rows_per_warp, p.qkv_long.blocks_per_sm);
                    },
                    "The long-context decode graph: (from context, qkv R, qkv blocks per SM); from = -1: none.")
+      .def_prop_ro("early_trigger", [](const ti::CudaEngine& e) { return e.gemv_plan().early_trigger; },
+                   "Whether the decode step's GEMVs let their successor launch at their start (PDL; timed at load).")
       .def_prop_ro("smem_carveout", [](const ti::CudaEngine& e) { return e.gemv_plan().carveout; },
                    "The shared-memory carveout (percent) the decode step's kernels ask for; -1: the driver's choice.")
       .def_prop_ro("device_name", &ti::CudaEngine::device_name)
@@ -509,13 +511,17 @@ void bind_engines(nb::module_& m) {
             const ti::PlanRead r = ti::gemv_plan_from_text(text, key);
             if (!r.plan) return nb::make_tuple(nb::none(), nb::none(), nb::none(), r.problem);
             const ti::GemvPlan& p = *r.plan;
+            nb::dict step;
+            step["carveout"] = p.carveout;
+            step["early_trigger"] = p.early_trigger;
             return nb::make_tuple(plan_table(p), nb::make_tuple(p.long_from, p.qkv_long.rows_per_warp,
                                                                 p.qkv_long.blocks_per_sm, p.qkv_long.act8),
-                                  p.carveout, "");
+                                  step, "");
           },
           "text"_a, "key"_a,
           "Check a saved plan as the constructor does (no GPU needed): (gemv_table, (from, qkv R, qkv blocks per SM, "
-          "qkv act8), carveout, '') or (None, None, None, problem) with problem 'stale: ...' or 'corrupt: ...'.")
+          "qkv act8), {'carveout': percent or -1, 'early_trigger': bool}, '') or (None, None, None, problem) with "
+          "problem 'stale: ...' or 'corrupt: ...'.")
       .def_static(
           "plan_by_steps",
           [](const std::vector<std::tuple<int, int, bool, std::vector<std::tuple<int, int, bool, double>>>>& roles,

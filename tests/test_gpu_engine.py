@@ -169,35 +169,49 @@ def test_one_chunk_graph_changes_nothing_but_speed(tmp_path):
         assert np.array_equal(logits, runs[0][1])
 
 
-def test_smem_carveout_changes_nothing_but_speed_and_bad_values_are_refused(tmp_path):
-    """CudaOptions.smem_carveout: the decode step's kernels all ask for one shared-memory carveout (a launch
-    attribute kept in the graphs) or leave it to the driver. Tokens and logits are bitwise the same either way, with
-    graphs and without (what the carveout does to speed is the bench's: docs/perf/decode-options.md); the plan says
-    which was used and the timed default settles on the driver's choice or 50; a value outside -2..100 is a clear
-    error."""
+# Step options that change only speed: (option, settings as (value, graphs), the timed default's value, the values
+# a plan may settle on, the plan's line for a value, values refused).
+_SPEED_ONLY = {
+    "smem_carveout": (((-1, True), (50, True), (0, True), (100, False), (-2, True)), -2, (-1, 50),
+                      "carveout %d", (-3, 101)),
+    "early_trigger": (((0, True), (1, True), (1, False), (-1, True)), -1, (0, 1), "early %d", (-2, 2)),
+}
+
+
+@pytest.mark.parametrize("option", sorted(_SPEED_ONLY))
+def test_step_option_changes_nothing_but_speed_and_bad_values_are_refused(tmp_path, option):
+    """CudaOptions.smem_carveout (the decode step's kernels all ask for one shared-memory carveout, a launch
+    attribute kept in the graphs, or leave it to the driver) and CudaOptions.early_trigger (its GEMVs but qkv let
+    their successor launch at their start, or after their wait): tokens and logits are bitwise the same under every
+    setting, with graphs and without (what they do to speed is the bench's: docs/perf/decode-options.md); the plan
+    says what was used, and the timed default settles on one of the fixed settings; a value outside the range is a
+    clear error naming it."""
     from tinyinfer import _core
     from tinyinfer.errors import InvalidRequestError
 
+    settings, timed, settles, line, bad_values = _SPEED_ONLY[option]
     d = make_llama(tmp_path / "m", vocab=1000, **CONFIGS["gqa4_hd128_tied"])
     greedy = _core.SamplingConfig()
     runs = []
-    for carveout, graphs in ((-1, True), (50, True), (0, True), (100, False), (-2, True)):
+    for value, graphs in settings:
         o = _core.CudaOptions()
-        o.smem_carveout, o.graphs = carveout, graphs
+        setattr(o, option, value)
+        o.graphs = graphs
         o.gemv_rows, o.gemv_grid, o.decode_long_from = 2, 0, 0  # one GEMV variant each: the same sums in all
         # (no plan cache: the timed default must time, not read an earlier run's plan)
         core = Engine(d, device="cuda", max_seq_len=300, cuda_options=o, plan_cache=False)._core
-        assert core.smem_carveout == carveout if carveout != -2 else core.smem_carveout in (-1, 50)
-        assert core.plan_text.splitlines()[-2] == "carveout %d" % core.smem_carveout  # the line before the checksum
+        used = int(getattr(core, option))
+        assert used == value if value != timed else used in settles
+        assert line % used in core.plan_text.splitlines()
         core.forward([5, 17, 400, 23, 99, 7], False)
         runs.append((list(core.decode(80, greedy, [], 0)), core.last_logits()))
     for toks, logits in runs[1:]:
         assert toks == runs[0][0]
         assert np.array_equal(logits, runs[0][1])
-    for bad in (-3, 101):
+    for bad in bad_values:
         o = _core.CudaOptions()
-        o.smem_carveout = bad
-        with pytest.raises(InvalidRequestError, match="smem_carveout must be -2"):
+        setattr(o, option, bad)
+        with pytest.raises(InvalidRequestError, match=f"{option} must be {timed}"):
             Engine(d, device="cuda", max_seq_len=300, cuda_options=o, plan_cache=False)
 
 

@@ -33,8 +33,8 @@ def seal(body: str) -> str:
     return body + f"checksum {fnv1a64(body):016x}\n"
 
 
-def plan_body(key: str = KEY, version: int = 3, long: str = "long -1 0 0 0", picks=None, skip=(), extra=(),
-              carveout: str = "carveout 50") -> str:
+def plan_body(key: str = KEY, version: int = 4, long: str = "long -1 0 0 0", picks=None, skip=(), extra=(),
+              carveout: str = "carveout 50", early: str = "early 1") -> str:
     picks = picks or {}
     lines = [f"tinyinfer-gemv-plan {version}", f"key {key}"]
     for i, role in enumerate(ROLES):
@@ -43,7 +43,7 @@ def plan_body(key: str = KEY, version: int = 3, long: str = "long -1 0 0 0", pic
         R, bps, a8 = (picks.get(role, (2, 2)) + (0,))[:3]
         tried = f"3 2 0 0 10.5 {R} {bps} {a8} 9.25 8 1 1 11.0"
         lines.append(f"shape {role} {512 + i} 256 256 2 {(512 + i) * 512} {R} {bps} {a8} 123.456 {tried}")
-    lines += list(extra) + [long] + ([carveout] if carveout else [])
+    lines += list(extra) + [long] + ([early] if early else []) + ([carveout] if carveout else [])
     return "\n".join(lines) + "\n"
 
 
@@ -56,9 +56,9 @@ def read(text: str, key: str = KEY):
 @needs_cuda_build
 def test_a_whole_plan_for_this_key_is_taken():
     picks = {"qkv": (4, 2, 1), "o": (1, 1, 0), "gate_up": (8, 0, 1), "down": (2, 2, 0), "lm_head": (1, 2, 0)}
-    table, long, carveout, problem = read(seal(plan_body(picks=picks, long="long 256 4 1 1")))
+    table, long, step, problem = read(seal(plan_body(picks=picks, long="long 256 4 1 1")))
     assert problem == ""
-    assert carveout == 50
+    assert step == {"carveout": 50, "early_trigger": True}
     assert {g["name"]: (g["R"], g["blocks_per_sm"], int(g["act8"])) for g in table} == picks
     assert long == (256, 4, 1, True)
     qkv = table[0]
@@ -74,14 +74,16 @@ def test_a_plan_for_another_key_or_format_is_stale():
     assert problem.startswith("stale:") and "another GPU" in problem
     _, _, _, problem = read(seal(plan_body(version=1)))  # the format before act8
     assert problem.startswith("stale:") and "format 1" in problem
-    _, _, _, problem = read(seal(plan_body(version=2, carveout="")))  # the format before the carveout
+    _, _, _, problem = read(seal(plan_body(version=2, carveout="", early="")))  # the format before the carveout
     assert problem.startswith("stale:") and "format 2" in problem
+    _, _, _, problem = read(seal(plan_body(version=3, early="")))  # the format before the early-trigger line
+    assert problem.startswith("stale:") and "format 3" in problem
 
 
 @needs_cuda_build
-def test_a_plan_keeps_the_driver_choice_of_carveout():
-    _, _, carveout, problem = read(seal(plan_body(carveout="carveout -1")))
-    assert (carveout, problem) == (-1, "")
+def test_a_plan_keeps_the_driver_choice_of_carveout_and_late_triggers():
+    _, _, step, problem = read(seal(plan_body(carveout="carveout -1", early="early 0")))
+    assert (step, problem) == ({"carveout": -1, "early_trigger": False}, "")
 
 
 @pytest.mark.parametrize("damage", ["digit", "truncated", "no_checksum", "garbage", "empty", "trailing"])
@@ -96,8 +98,8 @@ def test_a_damaged_plan_is_corrupt(damage):
         "empty": "",
         "trailing": good + "shape qkv 1 1 1 1 1 1 1 0 1 0\n",  # lines after the checksum
     }[damage]
-    table, long, carveout, problem = read(text)
-    assert table is None and long is None and carveout is None and problem.startswith("corrupt:"), problem
+    table, long, step, problem = read(text)
+    assert table is None and long is None and step is None and problem.startswith("corrupt:"), problem
 
 
 @pytest.mark.parametrize("body", [
@@ -117,6 +119,11 @@ def test_a_damaged_plan_is_corrupt(damage):
     plan_body(carveout="carveout -2"),
     plan_body(carveout="carveout 5 0"),                   # one field
     plan_body(extra=("carveout 50",)),                    # twice
+    plan_body(early=""),                                  # no early-trigger line
+    plan_body(early="early 2"),                           # 0 or 1
+    plan_body(early="early -1"),                          # (-1 is the option's "timed", never a plan's)
+    plan_body(early="early"),                             # one field
+    plan_body(extra=("early 0",)),                        # twice
     plan_body().replace("123.456", "12x", 1),             # not a number
     plan_body().replace("123.456", "-5", 1),              # negative
     "not a plan\nkey x\n",
@@ -218,7 +225,7 @@ def _config():
 def _picks(eng):
     """The picks and the timings behind them (as saved: µs to 4 decimals)."""
     table = [(g["name"], g["R"], g["blocks_per_sm"], [round(u, 4) for u in g["us"]]) for g in eng.gemv_table()]
-    return table, eng.decode_long, eng.smem_carveout
+    return table, eng.decode_long, eng.smem_carveout, eng.early_trigger
 
 
 @pytest.mark.gpu

@@ -75,7 +75,8 @@ def main() -> None:
             print(f"  {s or '(defaults)'}: " + "  ".join(
                 f"{g['name']} R{g['R']}/{g['blocks_per_sm']}{'a8' if g['act8'] else ''} {g['gb_per_s']:.0f}"
                 for g in e.gemv_table()) + " GB/s"
-                + "; long-context graph (from, qkv R, qkv per SM): " + str(e.decode_long))
+                + "; long-context graph (from, qkv R, qkv per SM): " + str(e.decode_long)
+                + f"; carveout {e.smem_carveout}, early triggers {int(e.early_trigger)}")
 
 
 if __name__ == "__main__":

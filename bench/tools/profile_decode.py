@@ -3,7 +3,7 @@ inside a CUDA graph). With PDL, kernels overlap, so a kernel's own duration incl
 one; the table therefore charges each kernel its *critical-path increment*: how far its end moves the step's
 end past every earlier kernel's end. The increments of one step sum to the step's GPU time.
     python3 bench/tools/profile_decode.py tinyllama-1.1b int4 [context] [--early] [--opts=l2_own_mb=16,l2_ahead=1]
-(--early: early PDL triggers; --opts: other CudaOptions, as bench/tools/ab_decode.py takes them)"""
+(--early: the GEMVs' early PDL triggers forced on, else timed at load as by default; --opts: other CudaOptions, as bench/tools/ab_decode.py takes them)"""
 
 import re
 import sys
@@ -21,7 +21,7 @@ def short(name: str) -> str:
 
 
 def main() -> None:
-    eng, shape, dtype, ctx, spec = engine_from_argv(early_trigger="--early" in sys.argv)
+    eng, shape, dtype, ctx, spec = engine_from_argv(**({"early_trigger": 1} if "--early" in sys.argv else {}))
     steps = 20
     ms = eng.time_decode_step(ctx, 200)
     print(f"{shape} {dtype} ctx {ctx}{' (early triggers)' if '--early' in sys.argv else ''} {spec}: {ms * 1e3:.1f} us/step = {1e3 / ms:,.0f} tok/s (graph replay, CUDA events)")

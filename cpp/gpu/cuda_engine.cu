@@ -122,6 +122,9 @@ void CudaEngine::init_device() {
   if (opt_.persistent_ring_slot_kib < 1 || opt_.persistent_ring_slot_kib > 128)
     fail(ErrorKind::Request, "persistent_ring_slot_kib must be 1 to 128");
   if (opt_.decode_long_from < -1) fail(ErrorKind::Request, "decode_long_from must be -1 (tuned), 0 (off) or a context");
+  if (opt_.early_trigger < -1 || opt_.early_trigger > 1)
+    fail(ErrorKind::Request,
+         "early_trigger must be -1 (timed), 0 (off) or 1 (on), got " + std::to_string(opt_.early_trigger));
   if (opt_.smem_carveout < -2 || opt_.smem_carveout > 100)
     fail(ErrorKind::Request, "smem_carveout must be -2 (timed), -1 (the driver's choice) or a percent 0..100, got " +
                                  std::to_string(opt_.smem_carveout));
@@ -142,7 +145,7 @@ void CudaEngine::allocate() {
                                        opt_.kv_page_shuffle);
   seq_ = std::make_unique<KvSequence>(*pool_, max_seq_);
   dbuf_ = DecodeBuffers::allocate(cfg_, *weights_, max_seq_, opt_.attn_chunk, *pool_, opt_.trace, arena_, stream_);
-  step_ = std::make_unique<DecodeStep>(cfg_, *weights_, dbuf_, plan_, opt_.early_trigger, opt_.attn_tensor_cores);
+  step_ = std::make_unique<DecodeStep>(cfg_, *weights_, dbuf_, plan_, opt_.attn_tensor_cores);
   h_state_ = arena_.alloc_pinned_n<cuda::DecodeState>(1);
   h_sampling_ = arena_.alloc_pinned_n<cuda::DeviceSampling>(1);
   h_out_ = arena_.alloc_pinned_n<int>((size_t)max_seq_);
@@ -242,8 +245,9 @@ void CudaEngine::tune() {
   if (!plan_cached_) {
     GemvTuneOptions t{opt_.gemv_rows, opt_.gemv_grid, opt_.gemv_resident_margin, opt_.gemv_small_tiles, {}};
     t.act8 = opt_.act8;
-    plan_ = tune_gemv_plan(cfg_, *weights_, dbuf_, t, opt_.early_trigger, pdl_, *clock_);
-    choose_carveout();  // first: the step check then judges the roles with the step's own carveout
+    plan_ = tune_gemv_plan(cfg_, *weights_, dbuf_, t, opt_.early_trigger == 1, pdl_, *clock_);
+    choose_carveout();  // first: the step check then judges the roles with the step's own carveout and triggers
+    choose_early_trigger();
     if (opt_.gemv_step_check && opt_.graphs) check_plan_by_steps();
   }
   for (const GemvPin& pin : opt_.gemv_pins)
@@ -296,6 +300,26 @@ void CudaEngine::choose_carveout() {
   } catch (const Error&) {
     cudaGetLastError();  // (a capture this driver refuses, say): the driver's choice
     plan_.carveout = -1;
+  }
+  reset();  // the cache holds benchmark tokens
+}
+
+// Whether the decode step's GEMVs trigger their successor at their start (its blocks then become resident and ask
+// for their first weights while this GEMV runs) or after their dependency wait. Timed as whole steps, kept where
+// the step is faster by > 1%: it pays where a successor's early loads fill the DRAM's idle time and costs where they
+// slow a latency-bound neighbour (docs/perf/decode-options.md, early_trigger). The GEMV picks were timed without.
+void CudaEngine::choose_early_trigger() {
+  constexpr double kGain = 0.01;
+  plan_.early_trigger = opt_.early_trigger == 1;
+  if (opt_.early_trigger != -1 || !pdl_ || !opt_.graphs || !can_time_steps()) return;
+  try {
+    const double t_late = plan_step_us();
+    plan_.early_trigger = true;
+    const double t_early = plan_step_us();
+    if (!(t_early < (1 - kGain) * t_late)) plan_.early_trigger = false;
+  } catch (const Error&) {
+    cudaGetLastError();  // (a capture this driver refuses, say): after the wait, as without PDL's early launch
+    plan_.early_trigger = false;
   }
   reset();  // the cache holds benchmark tokens
 }

@@ -40,7 +40,9 @@ namespace ti {
 // One line per option; why the defaults are what they are: docs/perf/decode-options.md.
 struct CudaOptions {
   bool pdl = true;                     // programmatic dependent launch where the GPU has it (sm_90+)
-  bool early_trigger = false;          // GEMVs let their successor launch at their start (measured slower)
+  // The decode step's GEMVs let their successor launch at their start (PDL) rather than after their wait: -1 timed
+  // at load (kept where whole steps are > 1% faster), 0 off, 1 on.
+  int early_trigger = -1;
   bool trace = false;                  // per-block timestamps of the decode kernels (-DTINYINFER_TRACE=ON build)
   bool graphs = true;                  // replay captured graphs (false: launch kernel by kernel, for debugging)
   int attn_chunk = 0;                  // positions per split-K attention block; 0: the kernel's choice
@@ -282,6 +284,7 @@ class CudaEngine {
   cudaGraphExec_t capture_decode(GemvVariant qkv);  // a decode-step graph with qkv at that variant
   void check_plan_by_steps();  // CudaOptions::gemv_step_check (tune_plan_by_steps)
   void choose_carveout();      // CudaOptions::smem_carveout -> plan_.carveout
+  void choose_early_trigger(); // CudaOptions::early_trigger -> plan_.early_trigger
   bool can_time_steps() const;  // the sequence holds plan_step_us's steps
   double plan_step_us();         // µs per decode step with plan_ as it is (graph-replayed)
   void decode_long_graph();

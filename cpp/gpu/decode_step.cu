@@ -29,8 +29,8 @@ void DecodeStep::record_token_logits(cudaStream_t s, bool pdl, bool one_chunk) {
     launch_gemv(plan_, role, p, in, out, s, pdl);
   };
   // Only qkv triggers late (after its wait): the attention after it reads pos and the cache before its own wait
-  // (common.cuh, the two-back rule). The others may trigger at their start (CudaOptions::early_trigger).
-  const bool early = early_trigger_;
+  // (common.cuh, the two-back rule). The others may trigger at their start (GemvPlan::early_trigger).
+  const bool early = plan_.early_trigger;
   cuda::embed_token(w_.embedding, w_.ld_h, (int)c_.hidden, b_.state, b_.x, s, pdl);  // x = embed[token]
   for (int64_t l = 0; l < c_.n_layers; l++) {
     const DeviceLayer& L = w_.layers[(size_t)l];

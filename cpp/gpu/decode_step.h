@@ -55,8 +55,8 @@ struct DecodeBuffers {
 class DecodeStep {
  public:
   DecodeStep(const ModelConfig& c, const DeviceWeights& w, const DecodeBuffers& b, const GemvPlan& plan,
-             bool early_trigger, bool attn_tensor_cores)
-      : c_(c), w_(w), b_(b), plan_(plan), early_trigger_(early_trigger), attn_tensor_cores_(attn_tensor_cores) {}
+             bool attn_tensor_cores)
+      : c_(c), w_(w), b_(b), plan_(plan), attn_tensor_cores_(attn_tensor_cores) {}
   // state.token at state.pos -> logits (the cache gets the token's keys and values). one_chunk: for steps at
   // pos < attn_chunk only, without the attention's merge kernel (nothing to merge there).
   void record_token_logits(cudaStream_t s, bool pdl, bool one_chunk = false);
@@ -72,7 +72,6 @@ class DecodeStep {
   const DeviceWeights& w_;
   const DecodeBuffers& b_;
   const GemvPlan& plan_;
-  bool early_trigger_;
   bool attn_tensor_cores_;  // CudaOptions::attn_tensor_cores
   std::vector<std::string> trace_names_;  // the traced kernels, in launch order
 };

@@ -70,6 +70,9 @@ struct GemvPlan {
   // The shared-memory carveout every kernel of the decode step asks for (cuda::launch_carveout, percent); -1: none,
   // the driver's choice per kernel. Timed at load (CudaOptions::smem_carveout).
   int carveout = -1;
+  // Whether the GEMVs other than qkv trigger their successor at their start (PDL). Timed at load
+  // (CudaOptions::early_trigger).
+  bool early_trigger = false;
   const GemvShapePlan* find(MatrixRole r) const;
   GemvShapePlan* find(MatrixRole r);
   GemvVariant variant(MatrixRole r) const;  // the chosen variant; {2, 0} for a role not tuned

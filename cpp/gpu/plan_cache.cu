@@ -39,6 +39,7 @@ std::string gemv_plan_to_text(const GemvPlan& plan, const std::string& key) {
   std::snprintf(buf, sizeof(buf), "long %lld %d %d %d\n", (long long)plan.long_from, plan.qkv_long.rows_per_warp,
                 plan.qkv_long.blocks_per_sm, (int)plan.qkv_long.act8);
   body += buf;
+  body += std::string("early ") + (plan.early_trigger ? "1" : "0") + "\n";
   body += "carveout " + std::to_string(plan.carveout) + "\n";
   std::snprintf(buf, sizeof(buf), "checksum %016llx\n", (unsigned long long)fnv1a64(body));
   return body + buf;
@@ -114,7 +115,7 @@ bool parse_shape(const std::vector<std::string>& w, GemvShapePlan& g) {
 
 // The checked lines (no "checksum") into a plan; "" or what is wrong.
 std::string parse_body(const std::vector<std::string>& lines, GemvPlan& plan) {
-  bool has_long = false, has_carveout = false;
+  bool has_long = false, has_carveout = false, has_early = false;
   for (size_t i = 2; i < lines.size(); i++) {
     const std::vector<std::string> w = split_words(lines[i]);
     if (!w.empty() && w[0] == "shape") {
@@ -130,6 +131,9 @@ std::string parse_body(const std::vector<std::string>& lines, GemvPlan& plan) {
         return "line " + std::to_string(i + 1) + " is malformed";
       plan.long_from = from;
       has_long = true;
+    } else if (w.size() == 2 && w[0] == "early" && !has_early) {
+      if (!to_flag(w[1], plan.early_trigger)) return "line " + std::to_string(i + 1) + " is malformed";
+      has_early = true;
     } else if (w.size() == 2 && w[0] == "carveout" && !has_carveout) {
       if (!to_int(w[1], plan.carveout) || plan.carveout < -1 || plan.carveout > 100)
         return "line " + std::to_string(i + 1) + " is malformed";
@@ -140,6 +144,7 @@ std::string parse_body(const std::vector<std::string>& lines, GemvPlan& plan) {
   }
   if (!has_long) return "no long-context line";
   if (!has_carveout) return "no carveout line";
+  if (!has_early) return "no early-trigger line";
   if (plan.shapes.size() != sizeof(kRoles) / sizeof(kRoles[0])) return "not every role has a shape line";
   return "";
 }

@@ -1,18 +1,19 @@
 // plan_cache.h — the GEMV plan across runs: its text form and the key it is valid for.
 //
 // A tuned GemvPlan (every role's pick and timings, the long-context graph decision, the decode step's shared-memory
-// carveout) is saved as text, so that a later load on the same GPU, driver, build and model shape takes it instead
-// of tuning again (the Python Engine keeps the file: $TINYINFER_CACHE/plans/). The text names its format version
-// and key and ends with a checksum of everything above it, so that a damaged file is never half-read and a file
-// for another GPU, build or shape is never used: either is refused as a whole (PlanRead.problem says why) and the
-// engine tunes instead.
+// carveout and trigger points) is saved as text, so that a later load on the same GPU, driver, build and model
+// shape takes it instead of tuning again (the Python Engine keeps the file: $TINYINFER_CACHE/plans/). The text
+// names its format version and key and ends with a checksum of everything above it, so that a damaged file is never
+// half-read and a file for another GPU, build or shape is never used: either is refused as a whole
+// (PlanRead.problem says why) and the engine tunes instead.
 //
-//   tinyinfer-gemv-plan 3
+//   tinyinfer-gemv-plan 4
 //   key <the key: one line>
 //   shape <role> <rows> <K> <ld> <copies> <bytes> <chosen R> <chosen blocks/SM> <chosen act8> <GB/s> <n tried>
 //         (<R> <bps> <act8> <us>)*                                       (one line per role; act8: 0 or 1)
 //   ...
 //   long <long_from> <R> <bps> <act8>
+//   early <1: the GEMVs trigger their successor at their start, 0: after their wait>
 //   carveout <percent, or -1: the driver's choice>
 //   checksum <FNV-1a 64 of the lines above, 16 hex digits>
 #pragma once
@@ -24,7 +25,7 @@
 
 namespace ti {
 
-constexpr int kPlanFormatVersion = 3;
+constexpr int kPlanFormatVersion = 4;
 
 std::string gemv_plan_to_text(const GemvPlan& plan, const std::string& key);
 

@@ -246,6 +246,7 @@ void CudaEngine::tune() {
     GemvTuneOptions t{opt_.gemv_rows, opt_.gemv_grid, opt_.gemv_resident_margin, opt_.gemv_small_tiles, {}};
     t.act8 = opt_.act8;
     plan_ = tune_gemv_plan(cfg_, *weights_, dbuf_, t, opt_.early_trigger == 1, pdl_, *clock_);
+    plan_.early_trigger = opt_.early_trigger == 1;  // (the carveout is timed under a forced setting)
     choose_carveout();  // first: the step check then judges the roles with the step's own carveout and triggers
     choose_early_trigger();
     if (opt_.gemv_step_check && opt_.graphs) check_plan_by_steps();

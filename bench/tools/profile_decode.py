@@ -2,7 +2,7 @@
 inside a CUDA graph). With PDL, kernels overlap, so a kernel's own duration includes its wait for the previous
 one; the table therefore charges each kernel its *critical-path increment*: how far its end moves the step's
 end past every earlier kernel's end. The increments of one step sum to the step's GPU time.
-    python3 bench/tools/profile_decode.py tinyllama-1.1b int4 [context] [--early] [--opts=l2_own_mb=16,l2_ahead=1]
+    python3 bench/tools/profile_decode.py tinyllama-1.1b int4 [context] [--early] [--opts=act8=1,smem_carveout=50]
 (--early: the GEMVs' early PDL triggers forced on, else timed at load as by default; --opts: other CudaOptions, as bench/tools/ab_decode.py takes them)"""
 
 import re

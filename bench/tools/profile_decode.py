@@ -24,7 +24,7 @@ def main() -> None:
     eng, shape, dtype, ctx, spec = engine_from_argv(**({"early_trigger": 1} if "--early" in sys.argv else {}))
     steps = 20
     ms = eng.time_decode_step(ctx, 200)
-    print(f"{shape} {dtype} ctx {ctx}{' (early triggers)' if '--early' in sys.argv else ''} {spec}: {ms * 1e3:.1f} us/step = {1e3 / ms:,.0f} tok/s (graph replay, CUDA events)")
+    print(f"{shape} {dtype} ctx {ctx}{' (early triggers)' if eng.early_trigger else ''} {spec}: {ms * 1e3:.1f} us/step = {1e3 / ms:,.0f} tok/s (graph replay, CUDA events)")
     import torch
     from torch.profiler import ProfilerActivity, profile
 

@@ -198,6 +198,8 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
     res["smem_carveout"] = core.smem_carveout
     out("decode kernels' shared-memory carveout: " + (f"{core.smem_carveout}% each" if core.smem_carveout >= 0
                                                       else "the driver's choice per kernel"))
+    res["early_trigger"] = bool(core.early_trigger)
+    out("decode GEMVs trigger their successor " + ("at their start" if core.early_trigger else "after their wait"))
     chain = {"pdl": _core.ops.kernel_chain_us(200, 132, True, False),
              "no_pdl": _core.ops.kernel_chain_us(200, 132, False, False)}
     res["kernel_chain_us"] = chain

@@ -246,7 +246,7 @@ void CudaEngine::tune() {
     GemvTuneOptions t{opt_.gemv_rows, opt_.gemv_grid, opt_.gemv_resident_margin, opt_.gemv_small_tiles, {}};
     t.act8 = opt_.act8;
     plan_ = tune_gemv_plan(cfg_, *weights_, dbuf_, t, opt_.early_trigger == 1, pdl_, *clock_);
-    plan_.early_trigger = opt_.early_trigger == 1 && pdl_;  // (the carveout is timed under a forced setting)
+    plan_.early_trigger = opt_.early_trigger == 1 && pdl_;  // set before the carveout is timed (no PDL: never early)
     choose_carveout();  // first: the step check then judges the roles with the step's own carveout and triggers
     choose_early_trigger();
     if (opt_.gemv_step_check && opt_.graphs) check_plan_by_steps();
@@ -310,8 +310,7 @@ void CudaEngine::choose_carveout() {
 // the step is faster by > 1%: it pays where a successor's early loads fill the DRAM's idle time and costs where they
 // slow a latency-bound neighbour (docs/perf/decode-options.md, early_trigger). The GEMV picks were timed without.
 void CudaEngine::choose_early_trigger() {
-  constexpr double kGain = 0.01;
-  plan_.early_trigger = opt_.early_trigger == 1 && pdl_;  // (without PDL nothing launches early)
+  constexpr double kGain = 0.01;  // (a forced setting is already in plan_: tune())
   if (opt_.early_trigger != -1 || !pdl_ || !opt_.graphs || !can_time_steps()) return;
   try {
     const double t_late = plan_step_us();

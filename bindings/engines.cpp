@@ -476,7 +476,8 @@ void bind_engines(nb::module_& m) {
                    },
                    "The long-context decode graph: (from context, qkv R, qkv blocks per SM); from = -1: none.")
       .def_prop_ro("early_trigger", [](const ti::CudaEngine& e) { return e.gemv_plan().early_trigger; },
-                   "Whether the decode step's GEMVs let their successor launch at their start (PDL; timed at load).")
+                   "Which decode-step kernels let their successor launch at their start (PDL; timed at load): 0 none, "
+                   "1 the GEMVs but qkv, 2 those and the attention.")
       .def_prop_ro("smem_carveout", [](const ti::CudaEngine& e) { return e.gemv_plan().carveout; },
                    "The shared-memory carveout (percent) the decode step's kernels ask for; -1: the driver's choice.")
       .def_prop_ro("device_name", &ti::CudaEngine::device_name)
@@ -520,7 +521,7 @@ void bind_engines(nb::module_& m) {
           },
           "text"_a, "key"_a,
           "Check a saved plan as the constructor does (no GPU needed): (gemv_table, (from, qkv R, qkv blocks per SM, "
-          "qkv act8), {'carveout': percent or -1, 'early_trigger': bool}, '') or (None, None, None, problem) with "
+          "qkv act8), {'carveout': percent or -1, 'early_trigger': 0 / 1 / 2}, '') or (None, None, None, problem) with "
           "problem 'stale: ...' or 'corrupt: ...'.")
       .def_static(
           "plan_by_steps",

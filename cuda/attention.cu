@@ -157,6 +157,7 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   __half* v_s = k_s + (size_t)CH * row;                         // (CH, row)
 
   trace_point(p.trace, 0);
+  if (p.early_trigger) pdl_launch_dependents();  // (DecodeAttnParams::early_trigger)
   // The chunk's pages: a chunk of CH <= page_size positions spans at most two, the page of c0 and the page of its
   // last position (clamped to max_seq - 1). Their ids depend on the block alone, so they are loaded beside pos,
   // not after it: paging adds no link to the chain of dependent loads before the K/V fetch. (A block past the
@@ -201,7 +202,7 @@ __global__ void __launch_bounds__(kAttnThreads) decode_attn_kernel(DecodeAttnPar
   __syncthreads();  // (cs, sn, the zeroed rows)
 
   pdl_wait();
-  pdl_launch_dependents();
+  if (!p.early_trigger) pdl_launch_dependents();
   trace_point(p.trace, 1);
 
   // ---- 2. rotate the query heads; the owner of pos writes rope(k) and v into the cache and its tile ----

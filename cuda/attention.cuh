@@ -24,6 +24,9 @@ struct DecodeAttnParams {
   int n_heads = 0, n_kv_heads = 0, head_dim = 0, max_seq = 0, chunk = 64;  // max_seq: sizes the grid
   float scale = 1.0f;           // 1 / sqrt(head_dim)
   bool tensor_cores = true;     // decode_attention: a chunk's scores and P V on mma.sync (head dim 64 / 128, chunk 64)
+  // decode_attention: the chunk kernel triggers its successor (the merge, or the O GEMV) at its start rather than
+  // after its wait; both read only weights and data three or more kernels back (pos) before their own wait.
+  bool early_trigger = false;
   unsigned long long* trace = nullptr;  // debug timestamps of the chunk kernel (common.cuh, trace_point)
   // Many rows (decode_attention_rows, the batched decode step): row r reads its q | k | v at qkv + r * ld_qkv,
   // attends at position row_pos[r] (< 0: an inert padding row, which reads and writes nothing) through the page

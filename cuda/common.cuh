@@ -8,10 +8,11 @@
 // waits, so completion stays ordered transitively. Before its wait a kernel may read:
 //   - weights (nobody writes them during a step), always;
 //   - data written two or more kernels earlier (the two-back rule), if the kernel before it triggers only
-//     after its own wait: then that kernel had passed its wait, so everything before it had completed.
-// A kernel triggers at its start only where the next kernel reads nothing but weights before its wait
-// (GemvParams::early_trigger, the attention merge). Below sm_90 both are no-ops and launches are ordinary
-// stream-ordered ones.
+//     after its own wait: then that kernel had passed its wait, so everything before it had completed. In
+//     general: data written before the nearest earlier kernel that triggers only after its wait.
+// A kernel triggers at its start only where the next kernel reads nothing but weights, or data that old, before
+// its wait (GemvParams::early_trigger, DecodeAttnParams::early_trigger, the attention merge). Below sm_90 both are
+// no-ops and launches are ordinary stream-ordered ones.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

@@ -174,15 +174,16 @@ def test_one_chunk_graph_changes_nothing_but_speed(tmp_path):
 _SPEED_ONLY = {
     "smem_carveout": (((-1, True), (50, True), (0, True), (100, False), (-2, True)), -2, (-1, 50),
                       "carveout %d", (-3, 101)),
-    "early_trigger": (((0, True), (1, True), (1, False), (-1, True)), -1, (0, 1), "early %d", (-2, 2)),
+    "early_trigger": (((0, True), (1, True), (2, True), (2, False), (-1, True)), -1, (0, 1, 2), "early %d", (-2, 3)),
 }
 
 
 @pytest.mark.parametrize("option", sorted(_SPEED_ONLY))
 def test_step_option_changes_nothing_but_speed_and_bad_values_are_refused(tmp_path, option):
     """CudaOptions.smem_carveout (the decode step's kernels all ask for one shared-memory carveout, a launch
-    attribute kept in the graphs, or leave it to the driver) and CudaOptions.early_trigger (its GEMVs but qkv let
-    their successor launch at their start, or after their wait): tokens and logits are bitwise the same under every
+    attribute kept in the graphs, or leave it to the driver) and CudaOptions.early_trigger (its GEMVs but qkv, and
+    at 2 its attention too, let their successor launch at their start, or after their wait; 80 steps cross the
+    attention's first chunk, so both graphs, with and without the merge kernel, run): tokens and logits are bitwise the same under every
     setting, with graphs and without (what they do to speed is the bench's: docs/perf/decode-options.md); the plan
     says what was used, and the timed default settles on one of the fixed settings; a value outside the range is a
     clear error naming it."""

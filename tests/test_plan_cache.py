@@ -58,7 +58,7 @@ def test_a_whole_plan_for_this_key_is_taken():
     picks = {"qkv": (4, 2, 1), "o": (1, 1, 0), "gate_up": (8, 0, 1), "down": (2, 2, 0), "lm_head": (1, 2, 0)}
     table, long, step, problem = read(seal(plan_body(picks=picks, long="long 256 4 1 1")))
     assert problem == ""
-    assert step == {"carveout": 50, "early_trigger": True}
+    assert step == {"carveout": 50, "early_trigger": 1}
     assert {g["name"]: (g["R"], g["blocks_per_sm"], int(g["act8"])) for g in table} == picks
     assert long == (256, 4, 1, True)
     qkv = table[0]
@@ -81,9 +81,11 @@ def test_a_plan_for_another_key_or_format_is_stale():
 
 
 @needs_cuda_build
-def test_a_plan_keeps_the_driver_choice_of_carveout_and_late_triggers():
+def test_a_plan_keeps_the_driver_choice_of_carveout_and_each_trigger_level():
     _, _, step, problem = read(seal(plan_body(carveout="carveout -1", early="early 0")))
-    assert (step, problem) == ({"carveout": -1, "early_trigger": False}, "")
+    assert (step, problem) == ({"carveout": -1, "early_trigger": 0}, "")
+    _, _, step, problem = read(seal(plan_body(early="early 2")))  # the attention triggers early too
+    assert (step, problem) == ({"carveout": 50, "early_trigger": 2}, "")
 
 
 @pytest.mark.parametrize("damage", ["digit", "truncated", "no_checksum", "garbage", "empty", "trailing"])
@@ -120,7 +122,8 @@ def test_a_damaged_plan_is_corrupt(damage):
     plan_body(carveout="carveout 5 0"),                   # one field
     plan_body(extra=("carveout 50",)),                    # twice
     plan_body(early=""),                                  # no early-trigger line
-    plan_body(early="early 2"),                           # 0 or 1
+    plan_body(early="early 3"),                           # 0, 1 or 2
+    plan_body(early="early 1.0"),
     plan_body(early="early -1"),                          # (-1 is the option's "timed", never a plan's)
     plan_body(early="early"),                             # one field
     plan_body(extra=("early 0",)),                        # twice

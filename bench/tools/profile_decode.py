@@ -2,8 +2,9 @@
 inside a CUDA graph). With PDL, kernels overlap, so a kernel's own duration includes its wait for the previous
 one; the table therefore charges each kernel its *critical-path increment*: how far its end moves the step's
 end past every earlier kernel's end. The increments of one step sum to the step's GPU time.
-    python3 bench/tools/profile_decode.py tinyllama-1.1b int4 [context] [--early] [--opts=act8=1,smem_carveout=50]
-(--early: the GEMVs' early PDL triggers forced on, else timed at load as by default; --opts: other CudaOptions, as bench/tools/ab_decode.py takes them)"""
+    python3 bench/tools/profile_decode.py tinyllama-1.1b int4 [context] [--opts=act8=1,early_trigger=2]
+(--opts: CudaOptions, as bench/tools/ab_decode.py takes them; early_trigger, the PDL trigger points, is timed at
+load unless given)"""
 
 import re
 import sys
@@ -21,10 +22,10 @@ def short(name: str) -> str:
 
 
 def main() -> None:
-    eng, shape, dtype, ctx, spec = engine_from_argv(**({"early_trigger": 1} if "--early" in sys.argv else {}))
+    eng, shape, dtype, ctx, spec = engine_from_argv()
     steps = 20
     ms = eng.time_decode_step(ctx, 200)
-    print(f"{shape} {dtype} ctx {ctx}{' (early triggers)' if eng.early_trigger else ''} {spec}: {ms * 1e3:.1f} us/step = {1e3 / ms:,.0f} tok/s (graph replay, CUDA events)")
+    print(f"{shape} {dtype} ctx {ctx} (early triggers {eng.early_trigger}) {spec}: {ms * 1e3:.1f} us/step = {1e3 / ms:,.0f} tok/s (graph replay, CUDA events)")
     import torch
     from torch.profiler import ProfilerActivity, profile
 

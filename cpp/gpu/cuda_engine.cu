@@ -122,9 +122,9 @@ void CudaEngine::init_device() {
   if (opt_.persistent_ring_slot_kib < 1 || opt_.persistent_ring_slot_kib > 128)
     fail(ErrorKind::Request, "persistent_ring_slot_kib must be 1 to 128");
   if (opt_.decode_long_from < -1) fail(ErrorKind::Request, "decode_long_from must be -1 (tuned), 0 (off) or a context");
-  if (opt_.early_trigger < -1 || opt_.early_trigger > 1)
-    fail(ErrorKind::Request,
-         "early_trigger must be -1 (timed), 0 (off) or 1 (on), got " + std::to_string(opt_.early_trigger));
+  if (opt_.early_trigger < -1 || opt_.early_trigger > 2)
+    fail(ErrorKind::Request, "early_trigger must be -1 (timed), 0 (off), 1 (the GEMVs) or 2 (the GEMVs and the "
+                             "attention), got " + std::to_string(opt_.early_trigger));
   if (opt_.smem_carveout < -2 || opt_.smem_carveout > 100)
     fail(ErrorKind::Request, "smem_carveout must be -2 (timed), -1 (the driver's choice) or a percent 0..100, got " +
                                  std::to_string(opt_.smem_carveout));
@@ -245,8 +245,9 @@ void CudaEngine::tune() {
   if (!plan_cached_) {
     GemvTuneOptions t{opt_.gemv_rows, opt_.gemv_grid, opt_.gemv_resident_margin, opt_.gemv_small_tiles, {}};
     t.act8 = opt_.act8;
-    plan_ = tune_gemv_plan(cfg_, *weights_, dbuf_, t, opt_.early_trigger == 1, pdl_, *clock_);
-    plan_.early_trigger = opt_.early_trigger == 1 && pdl_;  // set before the carveout is timed (no PDL: never early)
+    plan_ = tune_gemv_plan(cfg_, *weights_, dbuf_, t, opt_.early_trigger >= 1, pdl_, *clock_);
+    // set before the carveout is timed (no PDL: never early)
+    plan_.early_trigger = opt_.early_trigger >= 1 && pdl_ ? opt_.early_trigger : 0;
     choose_carveout();  // first: the step check then judges the roles with the step's own carveout and triggers
     choose_early_trigger();
     if (opt_.gemv_step_check && opt_.graphs) check_plan_by_steps();
@@ -305,21 +306,28 @@ void CudaEngine::choose_carveout() {
   reset();  // the cache holds benchmark tokens
 }
 
-// Whether the decode step's GEMVs trigger their successor at their start (its blocks then become resident and ask
-// for their first weights while this GEMV runs) or after their dependency wait. Timed as whole steps, kept where
-// the step is faster by > 1%: it pays where a successor's early loads fill the DRAM's idle time and costs where they
-// slow a latency-bound neighbour (docs/perf/decode-options.md, early_trigger). The GEMV picks were timed without.
+// Which of the decode step's kernels trigger their successor at their start (its blocks then become resident and
+// ask for their first weights while this kernel runs) rather than after their dependency wait: none, the GEMVs but
+// qkv, or those and the attention. Timed as whole steps, each level against the best so far and kept where the step
+// is faster by > 1%: early launches pay where the successor's loads fill the DRAM's idle time and cost where they
+// slow a latency-bound neighbour, by model (docs/perf/decode-options.md, early_trigger). The GEMV picks were timed
+// without.
 void CudaEngine::choose_early_trigger() {
   constexpr double kGain = 0.01;  // (a forced setting is already in plan_: tune())
   if (opt_.early_trigger != -1 || !pdl_ || !opt_.graphs || !can_time_steps()) return;
   try {
-    const double t_late = plan_step_us();
-    plan_.early_trigger = true;
-    const double t_early = plan_step_us();
-    if (!(t_early < (1 - kGain) * t_late)) plan_.early_trigger = false;
+    plan_.early_trigger = 0;
+    double best = plan_step_us();
+    int pick = 0;
+    for (int level = 1; level <= 2; level++) {
+      plan_.early_trigger = level;
+      const double t = plan_step_us();
+      if (t < (1 - kGain) * best) best = t, pick = level;
+    }
+    plan_.early_trigger = pick;
   } catch (const Error&) {
     cudaGetLastError();  // (a capture this driver refuses, say): after the wait, as without PDL's early launch
-    plan_.early_trigger = false;
+    plan_.early_trigger = 0;
   }
   reset();  // the cache holds benchmark tokens
 }

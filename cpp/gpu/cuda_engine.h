@@ -40,8 +40,9 @@ namespace ti {
 // One line per option; why the defaults are what they are: docs/perf/decode-options.md.
 struct CudaOptions {
   bool pdl = true;                     // programmatic dependent launch where the GPU has it (sm_90+)
-  // The decode step's GEMVs let their successor launch at their start (PDL) rather than after their wait: -1 timed
-  // at load (kept where whole steps are > 1% faster), 0 off, 1 on.
+  // Which of the decode step's kernels let their successor launch at their start (PDL) rather than after their wait:
+  // -1 timed at load (each level kept where whole steps are > 1% faster), 0 none, 1 the GEMVs but qkv, 2 those and
+  // the attention.
   int early_trigger = -1;
   bool trace = false;                  // per-block timestamps of the decode kernels (-DTINYINFER_TRACE=ON build)
   bool graphs = true;                  // replay captured graphs (false: launch kernel by kernel, for debugging)

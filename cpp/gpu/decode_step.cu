@@ -28,9 +28,9 @@ void DecodeStep::record_token_logits(cudaStream_t s, bool pdl, bool one_chunk) {
     p.trace = next_trace(role_name(role));
     launch_gemv(plan_, role, p, in, out, s, pdl);
   };
-  // Only qkv triggers late (after its wait): the attention after it reads pos and the cache before its own wait
-  // (common.cuh, the two-back rule). The others may trigger at their start (GemvPlan::early_trigger).
-  const bool early = plan_.early_trigger;
+  // Only qkv always triggers late (after its wait): the attention after it reads pos and the cache before its own
+  // wait (common.cuh, the two-back rule). The others may trigger at their start (GemvPlan::early_trigger).
+  const bool early = plan_.early_trigger >= 1;
   cuda::embed_token(w_.embedding, w_.ld_h, (int)c_.hidden, b_.state, b_.x, s, pdl);  // x = embed[token]
   for (int64_t l = 0; l < c_.n_layers; l++) {
     const DeviceLayer& L = w_.layers[(size_t)l];
@@ -74,6 +74,7 @@ cuda::DecodeAttnParams DecodeStep::attn_params(int64_t layer) const {
   a.chunk = b_.attn_chunk;
   a.scale = 1.0f / std::sqrt((float)c_.head_dim);
   a.tensor_cores = attn_tensor_cores_;
+  a.early_trigger = plan_.early_trigger >= 2;
   return a;
 }
 

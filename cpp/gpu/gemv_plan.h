@@ -70,9 +70,9 @@ struct GemvPlan {
   // The shared-memory carveout every kernel of the decode step asks for (cuda::launch_carveout, percent); -1: none,
   // the driver's choice per kernel. Timed at load (CudaOptions::smem_carveout).
   int carveout = -1;
-  // Whether the GEMVs other than qkv trigger their successor at their start (PDL). Timed at load
-  // (CudaOptions::early_trigger).
-  bool early_trigger = false;
+  // Which kernels trigger their successor at their start (PDL) rather than after their wait: 0 none, 1 the GEMVs
+  // other than qkv, 2 those and the attention's chunk kernel. Timed at load (CudaOptions::early_trigger).
+  int early_trigger = 0;
   const GemvShapePlan* find(MatrixRole r) const;
   GemvShapePlan* find(MatrixRole r);
   GemvVariant variant(MatrixRole r) const;  // the chosen variant; {2, 0} for a role not tuned

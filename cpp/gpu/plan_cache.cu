@@ -39,7 +39,7 @@ std::string gemv_plan_to_text(const GemvPlan& plan, const std::string& key) {
   std::snprintf(buf, sizeof(buf), "long %lld %d %d %d\n", (long long)plan.long_from, plan.qkv_long.rows_per_warp,
                 plan.qkv_long.blocks_per_sm, (int)plan.qkv_long.act8);
   body += buf;
-  body += std::string("early ") + (plan.early_trigger ? "1" : "0") + "\n";
+  body += "early " + std::to_string(plan.early_trigger) + "\n";
   body += "carveout " + std::to_string(plan.carveout) + "\n";
   std::snprintf(buf, sizeof(buf), "checksum %016llx\n", (unsigned long long)fnv1a64(body));
   return body + buf;
@@ -132,7 +132,8 @@ std::string parse_body(const std::vector<std::string>& lines, GemvPlan& plan) {
       plan.long_from = from;
       has_long = true;
     } else if (w.size() == 2 && w[0] == "early" && !has_early) {
-      if (!to_flag(w[1], plan.early_trigger)) return "line " + std::to_string(i + 1) + " is malformed";
+      if (!to_int(w[1], plan.early_trigger) || plan.early_trigger < 0 || plan.early_trigger > 2)
+        return "line " + std::to_string(i + 1) + " is malformed";
       has_early = true;
     } else if (w.size() == 2 && w[0] == "carveout" && !has_carveout) {
       if (!to_int(w[1], plan.carveout) || plan.carveout < -1 || plan.carveout > 100)

@@ -13,7 +13,7 @@
 //         (<R> <bps> <act8> <us>)*                                       (one line per role; act8: 0 or 1)
 //   ...
 //   long <long_from> <R> <bps> <act8>
-//   early <1: the GEMVs trigger their successor at their start, 0: after their wait>
+//   early <which kernels trigger their successor at their start: 0 none, 1 the GEMVs but qkv, 2 also the attention>
 //   carveout <percent, or -1: the driver's choice>
 //   checksum <FNV-1a 64 of the lines above, 16 hex digits>
 #pragma once

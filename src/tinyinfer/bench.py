@@ -198,8 +198,9 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
     res["smem_carveout"] = core.smem_carveout
     out("decode kernels' shared-memory carveout: " + (f"{core.smem_carveout}% each" if core.smem_carveout >= 0
                                                       else "the driver's choice per kernel"))
-    res["early_trigger"] = bool(core.early_trigger)
-    out("decode GEMVs trigger their successor " + ("at their start" if core.early_trigger else "after their wait"))
+    res["early_trigger"] = int(core.early_trigger)
+    out("decode kernels that trigger their successor at their start: "
+        + ("none", "the GEMVs but qkv", "the GEMVs but qkv, and the attention")[core.early_trigger])
     chain = {"pdl": _core.ops.kernel_chain_us(200, 132, True, False),
              "no_pdl": _core.ops.kernel_chain_us(200, 132, False, False)}
     res["kernel_chain_us"] = chain

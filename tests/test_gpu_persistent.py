@@ -159,24 +159,26 @@ def sampled_run(core, prompt, steps, s):
 
 def check_sampled_divergence_is_a_boundary_draw(per, graph, prompt, out_p, out_g, s):
     """Where two sampled runs part (index j), tell a draw on a boundary from a wrong token. Both paths re-run to step
-    j on the same prefix: the same tokens again (else a race), logits within rel 1e-3 (else a wrong step), and the
-    draw u (step j's) must lie between the two paths' cumulative kept mass through the lower of the two tokens, up
-    to fp32 rounding (gpu_draw.py): only there can logits this close pick different tokens. Returns j (None: equal)."""
+    j on the same prefix: the same tokens again (else a race), logits within rel 1e-3 (else a wrong step), and each
+    path's token is the one the GPU's rule draws from that path's own logits (gpu_draw.py): the draw u (step j's)
+    within that token's interval of the cumulative kept mass, up to fp32 rounding. So the tokens part only because
+    logits this close put a boundary on either side of u. Returns j (None: equal)."""
     j = first_difference(out_p, out_g)
     if j is None:
         return None
     rp, lp = sampled_run(per, prompt, j + 1, s)
     rg, lg = sampled_run(graph, prompt, j + 1, s)
     assert rp == out_p[: j + 1] and rg == out_g[: j + 1], f"step {j}: a re-run drew other tokens: a race"
-    a, b = out_p[j], out_g[j]
     u = _core.ops.uniform_from_counter(s.seed, j)
-    cp, cg = gpu_draw.cdf_through(lp, s, min(a, b)), gpu_draw.cdf_through(lg, s, min(a, b))
-    print(f"sampled tokens part at step {j}: persistent {a} vs graph {b}; u {u:.7f}, the kept mass through "
-          f"{min(a, b)}: persistent {cp:.7f}, graph {cg:.7f}; logits {rel_err(lp, lg):.2e} apart")
+    print(f"sampled tokens part at step {j}: persistent {out_p[j]} vs graph {out_g[j]}; u {u:.7f}; logits "
+          f"{rel_err(lp, lg):.2e} apart")
     assert rel_err(lp, lg) < 1e-3, f"step {j}: the paths' logits differ by {rel_err(lp, lg):.2e}: a bug"
     slack = 2e-5  # the GPU sums fp32 masses (__expf), the twin float64
-    assert min(cp, cg) - slack <= u <= max(cp, cg) + slack, (
-        f"step {j}: u = {u:.7f} is not between the paths' boundaries {cp:.7f} / {cg:.7f}: not a boundary draw")
+    for name, tok, logits in (("persistent", out_p[j], lp), ("graph", out_g[j], lg)):
+        lo = gpu_draw.cdf_through(logits, s, tok - 1) if tok > 0 else 0.0
+        hi = gpu_draw.cdf_through(logits, s, tok)
+        print(f"  {name}: token {tok} holds [{lo:.7f}, {hi:.7f}) of the kept mass")
+        assert lo - slack <= u < hi + slack, f"step {j}: u = {u:.7f} is outside {name}'s token {tok}: a wrong draw"
     return j
 
 

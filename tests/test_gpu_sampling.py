@@ -226,7 +226,8 @@ def test_seeded_rows_match_the_single_sequence_sampler():
 @pytest.mark.parametrize("vocab", [1000, 32000])
 def test_the_numpy_twin_of_the_draw_picks_the_gpus_token(vocab):
     """tests/gpu_draw.py (the persistent tests' judge of a parted sampled run) against the GPU: 6 rules x 40 rows,
-    the same token wherever the draw is not within 1e-5 of a boundary of the kept mass (fp32 against float64)."""
+    the same token, or (fp32 sums against float64, at most 5% of the rows) the next or previous kept token with the
+    draw within 2e-5 of the boundary between the two."""
     rng = np.random.default_rng(vocab + 1)
     n = 40
     logits = (rng.standard_normal((n, vocab)) * 3).astype(np.float32)
@@ -234,21 +235,24 @@ def test_the_numpy_twin_of_the_draw_picks_the_gpus_token(vocab):
     rules = [cfg(temperature=1.0), cfg(temperature=0.8, top_k=40), cfg(temperature=1.2, top_p=0.9),
              cfg(temperature=1.0, min_p=0.05), cfg(temperature=0.5, top_k=5, top_p=0.8),
              cfg(temperature=2.0, top_k=vocab - 1)]
-    compared = 0
+    rounded = 0
     for i, rule in enumerate(rules):
         cfgs = [cfg(**{k: getattr(rule, k) for k in ("temperature", "top_k", "top_p", "min_p")}, seed=17 * i + r)
                 for r in range(n)]
         steps = [int(x) for x in rng.integers(0, 10_000, n)]
         out = gpu_rows(logits, cfgs, steps, list(range(n)), hist, 0)
         for r in range(n):
-            m = gpu_draw.kept_masses(logits[r], cfgs[r])
-            c = np.cumsum(m) / m.sum()
-            u = _core.ops.uniform_from_counter(cfgs[r].seed, steps[r])
-            if np.abs(c - u).min() < 1e-5:
+            got, twin = int(out["tokens"][r]), gpu_draw.draw(logits[r], cfgs[r], steps[r])
+            if got == twin:
                 continue
-            assert int(out["tokens"][r]) == gpu_draw.draw(logits[r], cfgs[r], steps[r]), (i, r)
-            compared += 1
-    assert compared >= 0.95 * len(rules) * n
+            kept = np.flatnonzero(gpu_draw.kept_masses(logits[r], cfgs[r]))
+            k = int(np.searchsorted(kept, twin))
+            assert got in kept[max(k - 1, 0): k + 2], (i, r, got, twin)  # a neighbour in the kept set
+            u = _core.ops.uniform_from_counter(cfgs[r].seed, steps[r])
+            edge = gpu_draw.cdf_through(logits[r], cfgs[r], min(got, twin))  # between the two tokens
+            assert abs(u - edge) < 2e-5, (i, r, u, edge)
+            rounded += 1
+    assert rounded <= 0.05 * len(rules) * n
 
 
 def test_sampled_tokens_follow_the_penalised_distribution():

@@ -196,6 +196,7 @@ void CudaEngine::build_graphs() {
       *g = nullptr;
     }
     pdl_ = false;
+    plan_.early_trigger = 0;  // (nothing triggers without PDL: the plan says so)
     capture_all();
   }
   graphs_ok_ = true;
@@ -315,10 +316,10 @@ void CudaEngine::choose_carveout() {
 void CudaEngine::choose_early_trigger() {
   constexpr double kGain = 0.01;  // (a forced setting is already in plan_: tune())
   if (opt_.early_trigger != -1 || !pdl_ || !opt_.graphs || !can_time_steps()) return;
+  int pick = 0;
   try {
     plan_.early_trigger = 0;
     double best = plan_step_us();
-    int pick = 0;
     for (int level = 1; level <= 2; level++) {
       plan_.early_trigger = level;
       const double t = plan_step_us();
@@ -326,8 +327,8 @@ void CudaEngine::choose_early_trigger() {
     }
     plan_.early_trigger = pick;
   } catch (const Error&) {
-    cudaGetLastError();  // (a capture this driver refuses, say): after the wait, as without PDL's early launch
-    plan_.early_trigger = 0;
+    cudaGetLastError();  // (a capture this driver refuses, say): the level kept so far
+    plan_.early_trigger = pick;
   }
   reset();  // the cache holds benchmark tokens
 }

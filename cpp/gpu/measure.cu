@@ -140,8 +140,11 @@ double CudaEngine::time_attention(int64_t context, int reps) {
   kv_reserve(context + 1);
   set_state(1, (int)context, 0);
   auto run = [&] {
-    for (int64_t l = 0; l < cfg_.n_layers; l++)  // every layer's cache: L2-cold like the real step
-      cuda::decode_attention(step_->attn_params(l), stream_, pdl_);
+    for (int64_t l = 0; l < cfg_.n_layers; l++) {  // every layer's cache: L2-cold like the real step
+      cuda::DecodeAttnParams a = step_->attn_params(l);
+      a.early_trigger = false;  // (back to back, early triggers would overlap the layers: not one kernel's time)
+      cuda::decode_attention(a, stream_, pdl_);
+    }
   };
   const float ms = clock_->replay_ms([&] {
     for (int i = 0; i < reps; i++) run();

@@ -326,6 +326,40 @@ def test_step_check_keeps_each_pick_to_the_rules_or_the_fastest():
     assert eng.time_decode_step(16, 8) > 0
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "int8", "int4"])
+def test_tensor_core_product_for_o_and_down_matches_cpu(tmp_path, dtype):
+    """gemv_pins o:16/0 and down:16/0 (kGemvMmaOneRow: the batched step's tensor-core product on the decode step's
+    one row): greedy tokens within the tolerance of the CPU engine's argmax through 80 steps (past the attention's
+    first chunk: the merge runs too), the last step's logits within 2e-2 of the CPU's on the same tokens, the pick
+    in the plan table; qkv, gate_up and the LM head (normed inputs) refuse 16."""
+    from tinyinfer import InvalidRequestError, _core
+
+    d = make_llama(tmp_path / "m", vocab=1000, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
+                   layers=2)
+    Role = _core.MatrixRole
+    o = _core.CudaOptions()
+    o.gemv_pins = [_core.GemvPin(Role.O, 16, 0), _core.GemvPin(Role.Down, 16, 0)]
+    gpu = Engine(d, device="cuda", dtype=dtype, max_seq_len=300, cuda_options=o, plan_cache=False)
+    table = {g["name"]: g for g in gpu._core.gemv_table()}
+    assert (table["o"]["R"], table["down"]["R"], table["qkv"]["R"] != 16) == (16, 16, True)
+    cpu = Engine(d, device="cpu", dtype=dtype, max_seq_len=300)
+    prompt = [5, 17, 400, 23, 99, 7]
+    out = gpu.generate(prompt, max_tokens=80, ignore_eos=True).token_ids
+    ref = cpu.logits(prompt + out[:-1])[len(prompt) - 1:]
+    scale = np.abs(ref).max()
+    assert np.all(ref[np.arange(80), out] >= ref.max(-1) - 2e-2 * scale)
+    core = gpu._core
+    core.reset()
+    core.forward(prompt, False)
+    assert list(core.decode(80, _core.SamplingConfig(), [], 0)) == out
+    assert np.abs(np.array(core.last_logits()) - ref[-1]).max() < 2e-2 * scale
+    for role in (Role.Qkv, Role.GateUp, Role.LmHead):
+        bad = _core.CudaOptions()
+        bad.gemv_pins = [_core.GemvPin(role, 16, 0)]
+        with pytest.raises(InvalidRequestError, match="no variant rows_per_warp=16"):
+            Engine(d, device="cuda", dtype=dtype, max_seq_len=300, cuda_options=bad, plan_cache=False)
+
+
 def test_trace_step_stamps_every_kernel_in_order_and_options_are_checked():
     from tinyinfer import InvalidRequestError, _core
     from tinyinfer.bench import shape_config

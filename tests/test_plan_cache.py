@@ -69,6 +69,13 @@ def test_a_whole_plan_for_this_key_is_taken():
 
 
 @needs_cuda_build
+def test_a_plan_may_put_o_and_down_on_the_tensor_core_product():
+    table, _, _, problem = read(seal(plan_body(picks={"o": (16, 0, 0), "down": (16, 0, 0)})))
+    assert problem == ""
+    assert {g["name"]: g["R"] for g in table}["o"] == 16 and {g["name"]: g["R"] for g in table}["down"] == 16
+
+
+@needs_cuda_build
 def test_a_plan_for_another_key_or_format_is_stale():
     _, _, _, problem = read(seal(plan_body(key="another GPU | model h4096")))
     assert problem.startswith("stale:") and "another GPU" in problem
@@ -108,6 +115,7 @@ def test_a_damaged_plan_is_corrupt(damage):
     plan_body(picks={"gate_up": (1, 0)}),                 # swiglu has no R = 1
     plan_body(picks={"o": (3, 0)}),                       # no such R
     plan_body(picks={"down": (2, 3)}),                    # blocks per SM 0..2
+    plan_body(picks={"qkv": (16, 0)}),                    # the tensor-core product: o and down only
     plan_body(skip=("lm_head",)),                         # a role missing
     plan_body(extra=(plan_body().splitlines()[2],)),      # a role twice
     plan_body(long="long 0 2 1 0"),                       # from: -1 or > 0

@@ -56,8 +56,12 @@ def test_gemv_pins_are_typed_and_checked():
     assert o.gemv_pins == []
     o.gemv_pins = [_core.GemvPin(Role.Qkv, 4, 2), _core.GemvPin(Role.Down, 8, 0)]
     assert [(p.role, p.rows_per_warp, p.blocks_per_sm) for p in o.gemv_pins] == [(Role.Qkv, 4, 2), (Role.Down, 8, 0)]
-    with pytest.raises(InvalidRequestError, match="qkv: rows_per_warp must be 1, 2, 4 or 8 \\(split-K\\), not 3"):
+    with pytest.raises(InvalidRequestError, match="qkv: rows_per_warp must be 1, 2, 4, 8 \\(split-K\\) or 16 "
+                       "\\(tensor cores\\), not 3"):
         _core.GemvPin(Role.Qkv, 3, 2)
+    assert _core.GemvPin(Role.O, 16, 0).rows_per_warp == 16  # the tensor-core product on the one row
+    with pytest.raises(InvalidRequestError, match="down: the tensor-core product \\(16\\) sizes its own grid"):
+        _core.GemvPin(Role.Down, 16, 2)
     with pytest.raises(InvalidRequestError, match="lm_head: blocks_per_sm must be 0, 1 or 2, not 5"):
         _core.GemvPin(Role.LmHead, 2, 5)
     with pytest.raises(InvalidRequestError, match="blocks_per_sm must be 0, 1 or 2, not -1"):

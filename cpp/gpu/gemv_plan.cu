@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "../../cuda/common.cuh"
+#include "../../cuda/mma_small_n.cuh"
 #include "../core/config.h"
 #include "../core/errors.h"
 #include "decode_step.h"
@@ -34,12 +35,21 @@ cuda::GemvOut role_out(MatrixRole r) {
   return cuda::GemvOut::F32;
 }
 
+bool plan_variant_ok(int R, MatrixRole role) {
+  if (R == kGemvMmaOneRow) return role == MatrixRole::O || role == MatrixRole::Down;
+  return cuda::gemv_variant_ok(R, role_out(role));
+}
+
 void check_pin(const GemvPin& f) {
   const std::string where = std::string("gemv_pins: ") + role_name(f.role) + ": ";
-  if (f.rows_per_warp != 1 && f.rows_per_warp != 2 && f.rows_per_warp != 4 && f.rows_per_warp != cuda::kGemvSplitK)
-    fail(ErrorKind::Request, where + "rows_per_warp must be 1, 2, 4 or 8 (split-K), not " + std::to_string(f.rows_per_warp));
+  const int R = f.rows_per_warp;
+  if (R != 1 && R != 2 && R != 4 && R != cuda::kGemvSplitK && R != kGemvMmaOneRow)
+    fail(ErrorKind::Request, where + "rows_per_warp must be 1, 2, 4, 8 (split-K) or 16 (tensor cores), not " +
+                                 std::to_string(R));
   if (f.blocks_per_sm < 0 || f.blocks_per_sm > 2)
     fail(ErrorKind::Request, where + "blocks_per_sm must be 0, 1 or 2, not " + std::to_string(f.blocks_per_sm));
+  if (R == kGemvMmaOneRow && f.blocks_per_sm != 0)
+    fail(ErrorKind::Request, where + "the tensor-core product (16) sizes its own grid: blocks_per_sm must be 0");
 }
 
 const GemvShapePlan* GemvPlan::find(MatrixRole r) const {
@@ -82,16 +92,35 @@ bool act8_applies(const cuda::GemvParams& p, cuda::GemvIn in) {
   return p.fmt != WFormat::F16 && cuda::gemv_act8_ok(p.K, in);
 }
 
+// kGemvMmaOneRow: the GEMV's arguments as the small-N product's, n = 1 (its trigger follows its wait: the
+// plan's early triggers do not apply).
+static void launch_mma_one_row(const cuda::GemvParams& p, cuda::GemvIn in, cuda::GemvOut out, cudaStream_t s,
+                               bool pdl) {
+  cuda::GemvBatchArgs a;
+  a.W = cuda::QMat{p.fmt, p.fmt == WFormat::F16 ? static_cast<const void*>(p.W) : p.q, p.scales, p.rows, p.K,
+                   p.fmt == WFormat::F16 ? p.ld : p.ldq};
+  if (in != cuda::GemvIn::F16 || out != cuda::GemvOut::AddF32 || !cuda::mma_small_n_fits(a.W, 1))
+    fail(ErrorKind::Request, "gemv_pins: the tensor-core product (16) takes an fp16 input and a residual add (o, "
+                             "down), and at int4 K % 32 == 0");
+  a.x = p.x;
+  a.ldx = (int)cuda::pad8(p.K);
+  a.y = p.y;
+  a.ldy = p.rows;
+  a.n = 1;
+  cuda::mma_small_n(a, out, s, pdl);
+}
+
 void launch_gemv(const GemvPlan& plan, MatrixRole role, cuda::GemvParams p, cuda::GemvIn in, cuda::GemvOut out,
                  cudaStream_t s, bool pdl) {
   const GemvVariant v = plan.variant(role);
+  if (v.rows_per_warp == kGemvMmaOneRow) return launch_mma_one_row(p, in, out, s, pdl);
   p.blocks_per_sm = v.blocks_per_sm;
   p.act8 = v.act8 && act8_applies(p, in);
   cuda::gemv(p, v.rows_per_warp, in, out, s, pdl);
 }
 
 void apply_pin(GemvShapePlan& g, const GemvPin& f) {
-  if (!cuda::gemv_variant_ok(f.rows_per_warp, role_out(g.role)))
+  if (!plan_variant_ok(f.rows_per_warp, g.role))
     fail(ErrorKind::Request, "gemv_pins: no variant rows_per_warp=" + std::to_string(f.rows_per_warp) + " for " +
                                  role_name(f.role));
   g.chosen = GemvVariant{f.rows_per_warp, f.blocks_per_sm, g.chosen.act8};

@@ -27,8 +27,15 @@ enum class MatrixRole { Qkv, O, GateUp, Down, LmHead };
 const char* role_name(MatrixRole r);  // "qkv" | "o" | "gate_up" | "down" | "lm_head"
 cuda::GemvOut role_out(MatrixRole r);  // the output mode the decode step runs the role with
 
+// R of the variant that runs the batched step's tensor-core product (cuda/mma_small_n.cuh) on the one input row:
+// the roles with an fp16 input (o, down), any weight format. Not timed by the tuner: forced through gemv_pins, to
+// measure whether mma.sync's fewer instructions a weight shorten the decode GEMVs (docs/perf/persistent.md §26).
+constexpr int kGemvMmaOneRow = 16;
+// Whether the decode step can run variant R for `role`: cuda::gemv_variant_ok, or kGemvMmaOneRow for o / down.
+bool plan_variant_ok(int R, MatrixRole role);
+
 struct GemvVariant {
-  int rows_per_warp = 2;  // R: 1, 2, 4, or cuda::kGemvSplitK (8 rows per block, K split over its warps)
+  int rows_per_warp = 2;  // R: 1, 2, 4, cuda::kGemvSplitK (8 rows per block, K split over its warps) or kGemvMmaOneRow
   int blocks_per_sm = 0;  // grid: 0 = a block per tile; 1 or 2 = that many blocks per SM looping over tiles
   bool act8 = false;      // the input quantized to int8 per group (GemvParams::act8; only where act8_applies)
   bool operator==(const GemvVariant& o) const {

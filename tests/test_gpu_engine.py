@@ -342,7 +342,7 @@ def test_tensor_core_product_for_o_and_down_matches_cpu(tmp_path, dtype):
     gpu = Engine(d, device="cuda", dtype=dtype, max_seq_len=300, cuda_options=o, plan_cache=False)
     table = {g["name"]: g for g in gpu._core.gemv_table()}
     assert (table["o"]["R"], table["down"]["R"], table["qkv"]["R"] != 16) == (16, 16, True)
-    cpu = Engine(d, device="cpu", dtype=dtype, max_seq_len=300)
+    cpu = Engine(d, device="cpu", dtype={"fp16": "fp32"}.get(dtype, dtype), max_seq_len=300)
     prompt = [5, 17, 400, 23, 99, 7]
     out = gpu.generate(prompt, max_tokens=80, ignore_eos=True).token_ids
     ref = cpu.logits(prompt + out[:-1])[len(prompt) - 1:]
@@ -352,7 +352,17 @@ def test_tensor_core_product_for_o_and_down_matches_cpu(tmp_path, dtype):
     core.reset()
     core.forward(prompt, False)
     assert list(core.decode(80, _core.SamplingConfig(), [], 0)) == out
-    assert np.abs(np.array(core.last_logits()) - ref[-1]).max() < 2e-2 * scale
+    pinned = np.array(core.last_logits())
+    assert np.abs(pinned - ref[-1]).max() < 2e-2 * scale
+    plain = Engine(d, device="cuda", dtype=dtype, max_seq_len=300, plan_cache=False)._core
+    plain.reset()
+    plain.forward(prompt, False)
+    plain.decode(80, _core.SamplingConfig(), [], 0)
+    assert not np.array_equal(pinned, np.array(plain.last_logits()))  # another kernel's sums: R = 16 ran
+    traced = _core.CudaOptions()
+    traced.trace, traced.gemv_pins = True, o.gemv_pins
+    with pytest.raises(InvalidRequestError, match="no trace stamps"):
+        Engine(d, device="cuda", dtype=dtype, max_seq_len=300, cuda_options=traced, plan_cache=False)
     for role in (Role.Qkv, Role.GateUp, Role.LmHead):
         bad = _core.CudaOptions()
         bad.gemv_pins = [_core.GemvPin(role, 16, 0)]

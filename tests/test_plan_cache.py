@@ -115,7 +115,9 @@ def test_a_damaged_plan_is_corrupt(damage):
     plan_body(picks={"gate_up": (1, 0)}),                 # swiglu has no R = 1
     plan_body(picks={"o": (3, 0)}),                       # no such R
     plan_body(picks={"down": (2, 3)}),                    # blocks per SM 0..2
-    plan_body(picks={"qkv": (16, 0)}),                    # the tensor-core product: o and down only
+    plan_body(picks={"qkv": (16, 0)}),                    # the tensor-core product: o and down only,
+    plan_body(picks={"o": (16, 2)}),                      # its own grid,
+    plan_body(picks={"down": (16, 0, 1)}),                # fp16 inputs
     plan_body(skip=("lm_head",)),                         # a role missing
     plan_body(extra=(plan_body().splitlines()[2],)),      # a role twice
     plan_body(long="long 0 2 1 0"),                       # from: -1 or > 0

@@ -9,6 +9,7 @@
 #include "../../cuda/attention.cuh"
 #include "../../cuda/batch_rows.cuh"
 #include "../../cuda/common.cuh"
+#include "../../cuda/mma_small_n.cuh"
 #include "../../cuda/prefill_attention.cuh"
 #include "../core/engine_checks.h"
 #include "../core/errors.h"
@@ -113,7 +114,12 @@ void CudaEngine::init_device() {
   if (opt_.act8 < 0 || opt_.act8 > 2) fail(ErrorKind::Request, "act8 must be 0 (off), 1 (tuned per role) or 2 (on)");
   if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))
     fail(ErrorKind::Request, "gemv_resident_margin must be in [0, 1]");
-  for (const GemvPin& pin : opt_.gemv_pins) check_pin(pin);
+  for (const GemvPin& pin : opt_.gemv_pins) {
+    check_pin(pin);
+    if (pin.rows_per_warp == kGemvMmaOneRow && opt_.trace)
+      fail(ErrorKind::Request,
+           "gemv_pins: the tensor-core product (16) has no trace stamps: not with CudaOptions.trace");
+  }
   if (opt_.persistent_timeout_ms < 1) fail(ErrorKind::Request, "persistent_timeout_ms must be >= 1");
   if (opt_.persistent_blocks_per_sm < 1 || opt_.persistent_blocks_per_sm > 4)
     fail(ErrorKind::Request, "persistent_blocks_per_sm must be 1 to 4");
@@ -253,8 +259,18 @@ void CudaEngine::tune() {
     choose_early_trigger();
     if (opt_.gemv_step_check && opt_.graphs) check_plan_by_steps();
   }
-  for (const GemvPin& pin : opt_.gemv_pins)
-    if (GemvShapePlan* g = plan_.find(pin.role)) apply_pin(*g, pin);
+  for (const GemvPin& pin : opt_.gemv_pins) {
+    GemvShapePlan* g = plan_.find(pin.role);
+    if (!g) continue;
+    apply_pin(*g, pin);
+    // (checked here, not where the graphs are captured, so that the error names its cause)
+    if (pin.rows_per_warp == kGemvMmaOneRow && !weights_->layers.empty()) {
+      const DeviceLayer& L = weights_->layers[0];
+      if (!cuda::mma_small_n_fits(pin.role == MatrixRole::O ? L.o : L.down, 1))
+        fail(ErrorKind::Unsupported, "gemv_pins: the tensor-core product (16) needs sm_80 or newer (and at int4 "
+                                     "K % 32 == 0)");
+    }
+  }
   const clock::time_point t1 = clock::now();
   build_graphs();
   const clock::time_point t2 = clock::now();

@@ -93,9 +93,11 @@ bool act8_applies(const cuda::GemvParams& p, cuda::GemvIn in) {
 }
 
 // kGemvMmaOneRow: the GEMV's arguments as the small-N product's, n = 1 (its trigger follows its wait: the
-// plan's early triggers do not apply).
-static void launch_mma_one_row(const cuda::GemvParams& p, cuda::GemvIn in, cuda::GemvOut out, cudaStream_t s,
-                               bool pdl) {
+// plan's early triggers do not apply). fp16 weights go through its shared-memory ring (up to 192 KB a block at
+// one row) only where the step leaves the carveout to the driver; under the step's one carveout (50%) the
+// register ring, so that no kernel of the step asks for another shared-memory configuration (persistent.md §23).
+static void launch_mma_one_row(const cuda::GemvParams& p, cuda::GemvIn in, cuda::GemvOut out, int carveout,
+                               cudaStream_t s, bool pdl) {
   cuda::GemvBatchArgs a;
   a.W = cuda::QMat{p.fmt, p.fmt == WFormat::F16 ? static_cast<const void*>(p.W) : p.q, p.scales, p.rows, p.K,
                    p.fmt == WFormat::F16 ? p.ld : p.ldq};
@@ -107,13 +109,14 @@ static void launch_mma_one_row(const cuda::GemvParams& p, cuda::GemvIn in, cuda:
   a.y = p.y;
   a.ldy = p.rows;
   a.n = 1;
+  a.smem_ring = carveout < 0;
   cuda::mma_small_n(a, out, s, pdl);
 }
 
 void launch_gemv(const GemvPlan& plan, MatrixRole role, cuda::GemvParams p, cuda::GemvIn in, cuda::GemvOut out,
                  cudaStream_t s, bool pdl) {
   const GemvVariant v = plan.variant(role);
-  if (v.rows_per_warp == kGemvMmaOneRow) return launch_mma_one_row(p, in, out, s, pdl);
+  if (v.rows_per_warp == kGemvMmaOneRow) return launch_mma_one_row(p, in, out, plan.carveout, s, pdl);
   p.blocks_per_sm = v.blocks_per_sm;
   p.act8 = v.act8 && act8_applies(p, in);
   cuda::gemv(p, v.rows_per_warp, in, out, s, pdl);
@@ -123,7 +126,8 @@ void apply_pin(GemvShapePlan& g, const GemvPin& f) {
   if (!plan_variant_ok(f.rows_per_warp, g.role))
     fail(ErrorKind::Request, "gemv_pins: no variant rows_per_warp=" + std::to_string(f.rows_per_warp) + " for " +
                                  role_name(f.role));
-  g.chosen = GemvVariant{f.rows_per_warp, f.blocks_per_sm, g.chosen.act8};
+  // (the tensor-core product takes the fp16 input: no act8)
+  g.chosen = GemvVariant{f.rows_per_warp, f.blocks_per_sm, f.rows_per_warp != kGemvMmaOneRow && g.chosen.act8};
   g.gb_per_s = 0;
   for (const GemvTrial& t : g.tried)
     if (t.variant == g.chosen) g.gb_per_s = g.bytes / (t.us * 1e-6) / 1e9;

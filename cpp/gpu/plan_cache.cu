@@ -85,7 +85,8 @@ bool to_flag(const std::string& s, bool& v) {
   return true;
 }
 bool variant_ok(const GemvVariant& v, MatrixRole r) {
-  return v.blocks_per_sm >= 0 && v.blocks_per_sm <= 2 && plan_variant_ok(v.rows_per_warp, r);
+  return v.blocks_per_sm >= 0 && v.blocks_per_sm <= 2 && plan_variant_ok(v.rows_per_warp, r) &&
+         (v.rows_per_warp != kGemvMmaOneRow || (v.blocks_per_sm == 0 && !v.act8));
 }
 
 // One "shape ..." line (words w) into g; false: malformed or out of range.

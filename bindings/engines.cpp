@@ -359,8 +359,8 @@ void bind_engines(nb::module_& m) {
             new (p) ti::GemvPin(pin);
           },
           "role"_a, "rows_per_warp"_a, "blocks_per_sm"_a,
-          "rows_per_warp: 1, 2, 4, 8 (split-K) or 16 (o / down only: the tensor-core product on the one row, "
-          "blocks_per_sm 0); blocks_per_sm: 0 (a block per tile), 1 or 2.")
+          "rows_per_warp: 1, 2, 4, 8 (split-K) or 16 (the tensor-core product on the one row, blocks_per_sm 0); "
+          "blocks_per_sm: 0 (a block per tile), 1 or 2.")
       .def_rw("role", &ti::GemvPin::role)
       .def_rw("rows_per_warp", &ti::GemvPin::rows_per_warp)
       .def_rw("blocks_per_sm", &ti::GemvPin::blocks_per_sm)

@@ -553,7 +553,7 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
 
 std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, const float* X, int n,
                                   const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out,
-                                  bool mma, int m_tiles, bool smem_ring) {
+                                  bool mma, int m_tiles, bool smem_ring, bool fused_norm) {
   if (fmt != WFormat::F16) check_quant_shape(K, fmt);
   const int ldx = (int)pad8(K), n_out = out == GemvOut::Swiglu ? rows / 2 : rows, ldy = n_out + 3;  // (ldy: odd on purpose)
   std::unique_ptr<DeviceQuant> dq;
@@ -609,6 +609,8 @@ std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, 
   Buf xn((size_t)n * ldx * 2);
   if (!mma) {
     gemv_batch(a, in, out, 0);
+  } else if (in == GemvIn::F32Norm && fused_norm) {
+    mma_one_row_normed(a, out, 0);  // (a.x: the fp32 rows; n must be 1)
   } else {
     if (in == GemvIn::F32Norm) {  // padding columns NaN, as the F16 input's
       TI_CUDA_CHECK(cudaMemset(xn.p, 0xFF, (size_t)n * ldx * 2));

@@ -147,6 +147,23 @@ def test_mma_small_n_residual_past_one_wave(fmt, K, n):
     check_small_n_product(True, fmt, K, (_core.ops.sm_count() + 6) * 16 - 5, "f16-add", n)
 
 
+# One fp32 row normed in the tensor-core kernel's own prologue (mma_one_row_normed: the decode step's qkv, gate/up
+# and LM head under gemv_pins R = 16): K with a partial word or chunk (fp16 1,004; int8 1,000; int4 992), not a
+# multiple of 4 (fp16 1,001: the scalar sum of squares), down-sized and long rows (5,632; int4 6,272).
+@pytest.mark.parametrize("fmt, K", [("fp16", 1004), ("fp16", 1001), ("fp16", 5632), ("int8", 1000),
+                                    ("int8", 5632), ("int4", 992), ("int4", 6272)])
+@pytest.mark.parametrize("mode", ["f32norm-f32", "f32norm-swiglu"])
+def test_mma_one_row_normed_in_its_prologue(fmt, K, mode):
+    check_small_n_product(True, fmt, K, 334 if mode.endswith("swiglu") else 333, mode, 1, fused_norm=True)
+
+
+def test_mma_one_row_normed_refuses_more_rows():
+    W, X = np.zeros((32, 64), np.float32), np.zeros((2, 64), np.float32)
+    with pytest.raises(InvalidRequestError, match="one input row"):
+        _core.ops.gemv_batch(W, "fp16", X, np.ones(64, np.float32), 1e-5, np.zeros((2, 32), np.float32),
+                             _core.ops.GemvIn.F32Norm, _core.ops.GemvOut.F32, mma=True, fused_norm=True)
+
+
 # fp16 on the tensor-core kernel goes through its shared-memory ring (cp.async) unless told not to: the same
 # arithmetic in the same order as the register ring, so the same bits, at partial words and chunks (1000, 1004), a
 # deep one-wave ring over several passes (5,632, 6,196 at 333 rows: 21 tiles) and the multi-wave ring (past one
@@ -234,7 +251,7 @@ def test_mma_small_n_refuses_more_than_64_rows():
                        ops.GemvIn.F16, ops.GemvOut.F32, mma=True)
 
 
-def check_small_n_product(mma, fmt, K, rows, mode, n, m_tiles=0):
+def check_small_n_product(mma, fmt, K, rows, mode, n, m_tiles=0, fused_norm=False):
     rng = np.random.default_rng(n * 7 + K + rows)
     W = rng.standard_normal((rows, K), dtype=np.float32) * 0.1
     X = rng.standard_normal((n, K), dtype=np.float32)
@@ -244,7 +261,7 @@ def check_small_n_product(mma, fmt, K, rows, mode, n, m_tiles=0):
     inp, out = mode.split("-")
     gin = {"f16": ops.GemvIn.F16, "f32norm": ops.GemvIn.F32Norm}[inp]
     gout = {"f32": ops.GemvOut.F32, "add": ops.GemvOut.AddF32, "swiglu": ops.GemvOut.Swiglu}[out]
-    got = ops.gemv_batch(W, fmt, X, norm_w, 1e-5, Y0, gin, gout, mma=mma, m_tiles=m_tiles)
+    got = ops.gemv_batch(W, fmt, X, norm_w, 1e-5, Y0, gin, gout, mma=mma, m_tiles=m_tiles, fused_norm=fused_norm)
 
     Wq = W.astype(np.float16).astype(np.float64) if fmt == "fp16" else ops.dequantize_ref(W, fmt).astype(np.float64)
     if inp == "f16":

@@ -69,10 +69,11 @@ def test_a_whole_plan_for_this_key_is_taken():
 
 
 @needs_cuda_build
-def test_a_plan_may_put_o_and_down_on_the_tensor_core_product():
-    table, _, _, problem = read(seal(plan_body(picks={"o": (16, 0, 0), "down": (16, 0, 0)})))
+def test_a_plan_may_put_any_role_on_the_tensor_core_product():
+    picks = {r: (16, 0, 0) for r in ("qkv", "o", "gate_up", "down", "lm_head")}
+    table, _, _, problem = read(seal(plan_body(picks=picks)))
     assert problem == ""
-    assert {g["name"]: g["R"] for g in table}["o"] == 16 and {g["name"]: g["R"] for g in table}["down"] == 16
+    assert {g["name"]: g["R"] for g in table} == {r: 16 for r in picks}
 
 
 @needs_cuda_build
@@ -115,8 +116,7 @@ def test_a_damaged_plan_is_corrupt(damage):
     plan_body(picks={"gate_up": (1, 0)}),                 # swiglu has no R = 1
     plan_body(picks={"o": (3, 0)}),                       # no such R
     plan_body(picks={"down": (2, 3)}),                    # blocks per SM 0..2
-    plan_body(picks={"qkv": (16, 0)}),                    # the tensor-core product: o and down only,
-    plan_body(picks={"o": (16, 2)}),                      # its own grid,
+    plan_body(picks={"o": (16, 2)}),                      # the tensor-core product: its own grid,
     plan_body(picks={"down": (16, 0, 1)}),                # fp16 inputs
     plan_body(skip=("lm_head",)),                         # a role missing
     plan_body(extra=(plan_body().splitlines()[2],)),      # a role twice

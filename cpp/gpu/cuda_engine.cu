@@ -9,7 +9,6 @@
 #include "../../cuda/attention.cuh"
 #include "../../cuda/batch_rows.cuh"
 #include "../../cuda/common.cuh"
-#include "../../cuda/mma_small_n.cuh"
 #include "../../cuda/prefill_attention.cuh"
 #include "../core/engine_checks.h"
 #include "../core/errors.h"
@@ -266,9 +265,15 @@ void CudaEngine::tune() {
     // (checked here, not where the graphs are captured, so that the error names its cause)
     if (pin.rows_per_warp == kGemvMmaOneRow && !weights_->layers.empty()) {
       const DeviceLayer& L = weights_->layers[0];
-      if (!cuda::mma_small_n_fits(pin.role == MatrixRole::O ? L.o : L.down, 1))
-        fail(ErrorKind::Unsupported, "gemv_pins: the tensor-core product (16) needs sm_80 or newer (and at int4 "
-                                     "K % 32 == 0)");
+      const cuda::QMat& W = pin.role == MatrixRole::Qkv      ? L.qkv
+                            : pin.role == MatrixRole::O      ? L.o
+                            : pin.role == MatrixRole::GateUp ? L.gate_up
+                            : pin.role == MatrixRole::Down   ? L.down
+                                                             : weights_->lm_head;
+      if (!mma_one_row_fits(W, pin.role))
+        fail(ErrorKind::Unsupported, std::string("gemv_pins: the tensor-core product (16) for ") +
+                                         role_name(pin.role) + " needs sm_80 or newer (int4: K % 32 == 0; normed "
+                                         "inputs: K <= 16384)");
     }
   }
   const clock::time_point t1 = clock::now();

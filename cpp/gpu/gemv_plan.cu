@@ -36,11 +36,18 @@ cuda::GemvOut role_out(MatrixRole r) {
 }
 
 bool plan_variant_ok(int R, MatrixRole role) {
-  if (R == kGemvMmaOneRow) return role == MatrixRole::O || role == MatrixRole::Down;
-  return cuda::gemv_variant_ok(R, role_out(role));
+  return R == kGemvMmaOneRow || cuda::gemv_variant_ok(R, role_out(role));
 }
 
-void check_pin(const GemvPin& f) {
+static bool normed_role(MatrixRole r) {
+  return r == MatrixRole::Qkv || r == MatrixRole::GateUp || r == MatrixRole::LmHead;
+}
+
+bool mma_one_row_fits(const cuda::QMat& W, MatrixRole role) {
+  return normed_role(role) ? cuda::mma_one_row_normed_fits(W) : cuda::mma_small_n_fits(W, 1);
+}
+
+void check_pin(const GemvPin& f) {  // (whether R = 16 fits the GPU and matrix: CudaEngine::tune)
   const std::string where = std::string("gemv_pins: ") + role_name(f.role) + ": ";
   const int R = f.rows_per_warp;
   if (R != 1 && R != 2 && R != 4 && R != cuda::kGemvSplitK && R != kGemvMmaOneRow)
@@ -93,23 +100,24 @@ bool act8_applies(const cuda::GemvParams& p, cuda::GemvIn in) {
 }
 
 // kGemvMmaOneRow: the GEMV's arguments as the small-N product's, n = 1 (its trigger follows its wait: the
-// plan's early triggers do not apply). fp16 weights go through its shared-memory ring (up to 192 KB a block at
-// one row) only where the step leaves the carveout to the driver; under the step's one carveout (50%) the
-// register ring, so that no kernel of the step asks for another shared-memory configuration (persistent.md §23).
+// plan's early triggers do not apply). fp16 input (o, down): mma_small_n, whose fp16 weights go through its
+// shared-memory ring (up to 192 KB a block at one row) only where the step leaves the carveout to the driver; under
+// the step's one carveout (50%) its register ring, so that no kernel of the step asks for another shared-memory
+// configuration (persistent.md §23). Normed input (qkv, gate/up, the LM head): mma_one_row_normed (register ring).
 static void launch_mma_one_row(const cuda::GemvParams& p, cuda::GemvIn in, cuda::GemvOut out, int carveout,
                                cudaStream_t s, bool pdl) {
   cuda::GemvBatchArgs a;
   a.W = cuda::QMat{p.fmt, p.fmt == WFormat::F16 ? static_cast<const void*>(p.W) : p.q, p.scales, p.rows, p.K,
                    p.fmt == WFormat::F16 ? p.ld : p.ldq};
-  if (in != cuda::GemvIn::F16 || out != cuda::GemvOut::AddF32 || !cuda::mma_small_n_fits(a.W, 1))
-    fail(ErrorKind::Request, "gemv_pins: the tensor-core product (16) takes an fp16 input and a residual add (o, "
-                             "down), and at int4 K % 32 == 0");
   a.x = p.x;
   a.ldx = (int)cuda::pad8(p.K);
+  a.norm_w = p.norm_w;
+  a.eps = p.eps;
   a.y = p.y;
-  a.ldy = p.rows;
+  a.ldy = out == cuda::GemvOut::Swiglu ? p.rows / 2 : p.rows;
   a.n = 1;
   a.smem_ring = carveout < 0;
+  if (in == cuda::GemvIn::F32Norm) return cuda::mma_one_row_normed(a, out, s, pdl);
   cuda::mma_small_n(a, out, s, pdl);
 }
 

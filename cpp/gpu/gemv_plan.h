@@ -27,12 +27,16 @@ enum class MatrixRole { Qkv, O, GateUp, Down, LmHead };
 const char* role_name(MatrixRole r);  // "qkv" | "o" | "gate_up" | "down" | "lm_head"
 cuda::GemvOut role_out(MatrixRole r);  // the output mode the decode step runs the role with
 
-// R of the variant that runs the batched step's tensor-core product (cuda/mma_small_n.cuh) on the one input row:
-// the roles with an fp16 input (o, down), any weight format. Not timed by the tuner: forced through gemv_pins, to
-// measure whether mma.sync's fewer instructions a weight shorten the decode GEMVs (docs/perf/persistent.md §26).
+// R of the variant that runs the batched step's tensor-core product (cuda/mma_small_n.cuh) on the one input row,
+// every role and weight format (the normed roles' RMSNorm in its prologue: mma_one_row_normed). Not timed by the
+// tuner: forced through gemv_pins, to measure whether mma.sync's fewer instructions a weight shorten the decode
+// GEMVs (docs/perf/persistent.md §26).
 constexpr int kGemvMmaOneRow = 16;
-// Whether the decode step can run variant R for `role`: cuda::gemv_variant_ok, or kGemvMmaOneRow for o / down.
+// Whether the decode step can run variant R for `role` (cuda::gemv_variant_ok, or kGemvMmaOneRow).
 bool plan_variant_ok(int R, MatrixRole role);
+// Whether the one-row tensor-core product takes matrix W of `role` on this GPU (sm_80+; int4: K % 32 == 0; the
+// normed roles: K within the kernel's shared-memory row).
+bool mma_one_row_fits(const cuda::QMat& W, MatrixRole role);
 
 struct GemvVariant {
   int rows_per_warp = 2;  // R: 1, 2, 4, cuda::kGemvSplitK (8 rows per block, K split over its warps) or kGemvMmaOneRow

@@ -555,6 +555,8 @@ std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, 
                                   const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out,
                                   bool mma, int m_tiles, bool smem_ring, bool fused_norm) {
   if (fmt != WFormat::F16) check_quant_shape(K, fmt);
+  if (fused_norm && (!mma || in != GemvIn::F32Norm))
+    fail(ErrorKind::Request, "gemv_batch: fused_norm is the tensor-core kernel's (mma) f32norm input");
   const int ldx = (int)pad8(K), n_out = out == GemvOut::Swiglu ? rows / 2 : rows, ldy = n_out + 3;  // (ldy: odd on purpose)
   std::unique_ptr<DeviceQuant> dq;
   std::unique_ptr<Buf> w16;

@@ -150,18 +150,35 @@ def test_mma_small_n_residual_past_one_wave(fmt, K, n):
 # One fp32 row normed in the tensor-core kernel's own prologue (mma_one_row_normed: the decode step's qkv, gate/up
 # and LM head under gemv_pins R = 16): K with a partial word or chunk (fp16 1,004; int8 1,000; int4 992), not a
 # multiple of 4 (fp16 1,001: the scalar sum of squares), down-sized and long rows (5,632; int4 6,272).
-@pytest.mark.parametrize("fmt, K", [("fp16", 1004), ("fp16", 1001), ("fp16", 5632), ("int8", 1000),
-                                    ("int8", 5632), ("int4", 992), ("int4", 6272)])
+@pytest.mark.parametrize("fmt, K", [("fp16", 1004), ("fp16", 1001), ("fp16", 5632), ("fp16", 16384),
+                                    ("int8", 1000), ("int8", 5632), ("int4", 992), ("int4", 6272)])
 @pytest.mark.parametrize("mode", ["f32norm-f32", "f32norm-swiglu"])
 def test_mma_one_row_normed_in_its_prologue(fmt, K, mode):
-    check_small_n_product(True, fmt, K, 334 if mode.endswith("swiglu") else 333, mode, 1, fused_norm=True)
+    """Against numpy; and bitwise the batched step's two kernels (rmsnorm_rows, then mma_small_n on its register
+    ring): the same sum of squares in the same order, the same kernel after it (so the norm ran in the prologue)."""
+    rows = 334 if mode.endswith("swiglu") else 333
+    check_small_n_product(True, fmt, K, rows, mode, 1, fused_norm=True)
+    ops = _core.ops
+    rng = np.random.default_rng(K)
+    W = rng.standard_normal((rows, K), dtype=np.float32) * 0.1
+    X = rng.standard_normal((1, K), dtype=np.float32)
+    norm_w = (1 + 0.2 * rng.standard_normal(K)).astype(np.float32)
+    out = ops.GemvOut.Swiglu if mode.endswith("swiglu") else ops.GemvOut.F32
+    args = (W, fmt, X, norm_w, 1e-5, np.zeros((1, rows), np.float32), ops.GemvIn.F32Norm, out)
+    fused = ops.gemv_batch(*args, mma=True, fused_norm=True)
+    apart = ops.gemv_batch(*args, mma=True, smem_ring=False)
+    np.testing.assert_array_equal(fused, apart)
 
 
 def test_mma_one_row_normed_refuses_more_rows():
     W, X = np.zeros((32, 64), np.float32), np.zeros((2, 64), np.float32)
+    ops = _core.ops
     with pytest.raises(InvalidRequestError, match="one input row"):
-        _core.ops.gemv_batch(W, "fp16", X, np.ones(64, np.float32), 1e-5, np.zeros((2, 32), np.float32),
-                             _core.ops.GemvIn.F32Norm, _core.ops.GemvOut.F32, mma=True, fused_norm=True)
+        ops.gemv_batch(W, "fp16", X, np.ones(64, np.float32), 1e-5, np.zeros((2, 32), np.float32),
+                       ops.GemvIn.F32Norm, ops.GemvOut.F32, mma=True, fused_norm=True)
+    with pytest.raises(InvalidRequestError, match="fused_norm is the tensor-core kernel's"):
+        ops.gemv_batch(W, "fp16", X[:1], np.ones(64, np.float32), 1e-5, np.zeros((1, 32), np.float32),
+                       ops.GemvIn.F16, ops.GemvOut.F32, mma=True, fused_norm=True)
 
 
 # fp16 on the tensor-core kernel goes through its shared-memory ring (cp.async) unless told not to: the same

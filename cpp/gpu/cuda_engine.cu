@@ -258,23 +258,21 @@ void CudaEngine::tune() {
     choose_early_trigger();
     if (opt_.gemv_step_check && opt_.graphs) check_plan_by_steps();
   }
-  for (const GemvPin& pin : opt_.gemv_pins) {
-    GemvShapePlan* g = plan_.find(pin.role);
-    if (!g) continue;
-    apply_pin(*g, pin);
-    // (checked here, not where the graphs are captured, so that the error names its cause)
-    if (pin.rows_per_warp == kGemvMmaOneRow && !weights_->layers.empty()) {
-      const DeviceLayer& L = weights_->layers[0];
-      const cuda::QMat& W = pin.role == MatrixRole::Qkv      ? L.qkv
-                            : pin.role == MatrixRole::O      ? L.o
-                            : pin.role == MatrixRole::GateUp ? L.gate_up
-                            : pin.role == MatrixRole::Down   ? L.down
-                                                             : weights_->lm_head;
-      if (!mma_one_row_fits(W, pin.role))
-        fail(ErrorKind::Unsupported, std::string("gemv_pins: the tensor-core product (16) for ") +
-                                         role_name(pin.role) + " needs sm_80 or newer (int4: K % 32 == 0; normed "
-                                         "inputs: K <= 16384)");
-    }
+  for (const GemvPin& pin : opt_.gemv_pins)
+    if (GemvShapePlan* g = plan_.find(pin.role)) apply_pin(*g, pin);
+  // R = 16 (pinned, or from a saved plan) checked here, not where the graphs are captured, so that the error names
+  // its cause
+  for (const GemvShapePlan& g : plan_.shapes) {
+    if (g.chosen.rows_per_warp != kGemvMmaOneRow || weights_->layers.empty()) continue;
+    const DeviceLayer& L = weights_->layers[0];
+    const cuda::QMat& W = g.role == MatrixRole::Qkv      ? L.qkv
+                          : g.role == MatrixRole::O      ? L.o
+                          : g.role == MatrixRole::GateUp ? L.gate_up
+                          : g.role == MatrixRole::Down   ? L.down
+                                                         : weights_->lm_head;
+    if (!mma_one_row_fits(W, g.role))
+      fail(ErrorKind::Unsupported, std::string("the tensor-core product (R = 16) for ") + role_name(g.role) +
+                                       " needs sm_80 or newer (int4: K % 32 == 0; normed inputs: K <= 16384)");
   }
   const clock::time_point t1 = clock::now();
   build_graphs();

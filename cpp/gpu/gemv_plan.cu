@@ -301,6 +301,10 @@ cudaGraphExec_t tune_decode_long(GemvPlan& plan, cudaGraphExec_t short_graph, in
   const GemvShapePlan* q = plan.find(MatrixRole::Qkv);
   const int64_t ctx_long = std::min<int64_t>(1024, max_seq - 64);
   if (!q || (forced_from < 0 && ctx_long < 256)) return nullptr;
+  if (q->chosen.rows_per_warp == kGemvMmaOneRow) {  // (pinned to the tensor-core product: no GEMV at any context)
+    plan.long_from = -1;
+    return nullptr;
+  }
   const GemvVariant v0 = q->chosen;
   if (forced_from > 0) {  // forced (tests): qkv at 1 block per SM from that context on
     plan.qkv_long = GemvVariant{v0.rows_per_warp, 1, v0.act8};

@@ -384,6 +384,7 @@ void bind_engines(nb::module_& m) {
       .def_rw("gemv_resident_margin", &ti::CudaOptions::gemv_resident_margin)
       .def_rw("gemv_small_tiles", &ti::CudaOptions::gemv_small_tiles)
       .def_rw("gemv_step_check", &ti::CudaOptions::gemv_step_check)
+      .def_rw("gemv_mma", &ti::CudaOptions::gemv_mma)
       .def_rw("act8", &ti::CudaOptions::act8)
       .def_rw("gemv_pins", &ti::CudaOptions::gemv_pins, "A list of GemvPin (assign a new list; it is copied).")
       .def_rw("decode_long_from", &ti::CudaOptions::decode_long_from)

@@ -369,6 +369,43 @@ def test_tensor_core_product_matches_cpu(tmp_path, dtype, roles):
         Engine(d, device="cuda", dtype=dtype, max_seq_len=300, cuda_options=traced, plan_cache=False)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "int4"])
+def test_gemv_mma_makes_the_tensor_core_product_a_candidate(tmp_path, dtype):
+    """CudaOptions.gemv_mma: the tuner also times R = 16 (its own grid, fp16 inputs) for every role; with the rules
+    and the step check off the fastest trial is kept, R = 16 included; off (the default) it is never timed; a
+    narrowed search (gemv_rows / gemv_grid) leaves it out; the plan's key tells the two apart."""
+    from tinyinfer import _core
+
+    d = make_llama(tmp_path / "m", vocab=1000, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
+                   layers=2)
+
+    def engine(**kw):
+        o = _core.CudaOptions()
+        o.gemv_resident_margin, o.gemv_step_check = 0.0, False
+        for k, v in kw.items():
+            setattr(o, k, v)
+        return Engine(d, device="cuda", dtype=dtype, max_seq_len=300, cuda_options=o, plan_cache=False)._core
+
+    assert not _core.CudaOptions().gemv_mma
+    for g in engine().gemv_table():
+        assert 16 not in g["tried_R"], g
+    on = engine(gemv_mma=True)
+    for g in on.gemv_table():
+        assert g["tried_R"].count(16) == 1, g
+        i = g["tried_R"].index(16)
+        assert (g["tried_blocks_per_sm"][i], bool(g["tried_act8"][i])) == (0, False)
+        fastest = min(range(len(g["us"])), key=lambda j: g["us"][j])
+        assert (g["R"], g["blocks_per_sm"]) == (g["tried_R"][fastest], g["tried_blocks_per_sm"][fastest]), g
+    for g in engine(gemv_mma=True, gemv_grid=2).gemv_table():
+        assert 16 not in g["tried_R"], g
+    assert on.time_decode_step(16, 8) > 0
+    key = _core.CudaEngine.plan_key
+    cfg = on.config
+    a, b = _core.CudaOptions(), _core.CudaOptions()
+    b.gemv_mma = True
+    assert key(cfg, 300, a) != key(cfg, 300, b)
+
+
 def test_trace_step_stamps_every_kernel_in_order_and_options_are_checked():
     from tinyinfer import InvalidRequestError, _core
     from tinyinfer.bench import shape_config

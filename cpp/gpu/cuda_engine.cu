@@ -221,14 +221,14 @@ std::string CudaEngine::plan_key(const ModelConfig& c, int64_t max_seq_len, cons
   char buf[512];
   std::snprintf(buf, sizeof(buf),
                 " | model h%lld i%lld l%lld q%lld kv%lld d%lld v%lld tie%d %s | rows %d grid %d margin %.4g small %d "
-                "steps %d act8 %d long %lld ctx %lld pdl %d graphs %d early %d chunk %d page %d trace %d carveout %d",
+                "steps %d act8 %d long %lld ctx %lld pdl %d graphs %d early %d chunk %d page %d trace %d carveout %d mma %d",
                 (long long)c.hidden, (long long)c.intermediate, (long long)c.n_layers, (long long)c.n_heads,
                 (long long)c.n_kv_heads, (long long)c.head_dim, (long long)c.vocab, (int)c.tie_word_embeddings,
                 to_string(o.weights).c_str(), o.gemv_rows, o.gemv_grid, o.gemv_resident_margin, (int)o.gemv_small_tiles,
                 (int)(o.gemv_step_check && o.graphs), o.weights != WFormat::F16 ? o.act8 : 0,
                 (long long)o.decode_long_from, (long long)std::min<int64_t>(1024, longest - 64),
                 (int)(o.pdl && prop.major >= 9), (int)o.graphs, (int)o.early_trigger, chunk, o.kv_page_size,
-                (int)o.trace, o.smem_carveout);
+                (int)o.trace, o.smem_carveout, (int)o.gemv_mma);
   return plan_device_id() + " | " + plan_build_id() + buf;
 }
 
@@ -251,6 +251,7 @@ void CudaEngine::tune() {
   if (!plan_cached_) {
     GemvTuneOptions t{opt_.gemv_rows, opt_.gemv_grid, opt_.gemv_resident_margin, opt_.gemv_small_tiles, {}};
     t.act8 = opt_.act8;
+    t.mma = opt_.gemv_mma;
     plan_ = tune_gemv_plan(cfg_, *weights_, dbuf_, t, opt_.early_trigger >= 1, pdl_, *clock_);
     // set before the carveout is timed (no PDL: never early)
     plan_.early_trigger = opt_.early_trigger >= 1 && pdl_ ? opt_.early_trigger : 0;

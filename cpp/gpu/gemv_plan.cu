@@ -121,13 +121,18 @@ static void launch_mma_one_row(const cuda::GemvParams& p, cuda::GemvIn in, cuda:
   cuda::mma_small_n(a, out, s, pdl);
 }
 
-void launch_gemv(const GemvPlan& plan, MatrixRole role, cuda::GemvParams p, cuda::GemvIn in, cuda::GemvOut out,
-                 cudaStream_t s, bool pdl) {
-  const GemvVariant v = plan.variant(role);
-  if (v.rows_per_warp == kGemvMmaOneRow) return launch_mma_one_row(p, in, out, plan.carveout, s, pdl);
+// Variant v of one GEMV (the decode step's launch and the tuner's timing).
+static void run_variant(cuda::GemvParams p, const GemvVariant& v, cuda::GemvIn in, cuda::GemvOut out, int carveout,
+                        cudaStream_t s, bool pdl) {
+  if (v.rows_per_warp == kGemvMmaOneRow) return launch_mma_one_row(p, in, out, carveout, s, pdl);
   p.blocks_per_sm = v.blocks_per_sm;
   p.act8 = v.act8 && act8_applies(p, in);
   cuda::gemv(p, v.rows_per_warp, in, out, s, pdl);
+}
+
+void launch_gemv(const GemvPlan& plan, MatrixRole role, cuda::GemvParams p, cuda::GemvIn in, cuda::GemvOut out,
+                 cudaStream_t s, bool pdl) {
+  run_variant(p, plan.variant(role), in, out, plan.carveout, s, pdl);
 }
 
 void apply_pin(GemvShapePlan& g, const GemvPin& f) {
@@ -155,23 +160,25 @@ GemvShapePlan tune_gemv_shape(const GemvShapeSpec& s, const GemvTuneOptions& o,
   g.chosen = GemvVariant{1, 0};
   auto gb_per_s = [&](double us) { return s.bytes / (us * 1e-6) / 1e9; };
   double best = 1e30;
+  auto time = [&](const GemvVariant& v) {
+    const double us = us_per_matrix(v);
+    g.tried.push_back({v, us});
+    if (us < best) {
+      best = us;
+      g.chosen = v;
+      g.gb_per_s = gb_per_s(us);
+    }
+  };
   for (int R : {1, 2, 4, cuda::kGemvSplitK}) {
     if (o.rows && R != o.rows && cuda::gemv_variant_ok(o.rows, s.out)) continue;
     if (!cuda::gemv_variant_ok(R, s.out)) continue;
     for (int bps : {0, 1, 2}) {  // grid: a block per tile, or 1 / 2 blocks per SM looping over tiles
       if (o.grid >= 0 && bps != o.grid) continue;
-      for (int a8 = s.act8_lo; a8 <= s.act8_hi; a8++) {
-        const GemvVariant v{R, bps, a8 == 1};
-        const double us = us_per_matrix(v);
-        g.tried.push_back({v, us});
-        if (us < best) {
-          best = us;
-          g.chosen = v;
-          g.gb_per_s = gb_per_s(us);
-        }
-      }
+      for (int a8 = s.act8_lo; a8 <= s.act8_hi; a8++) time(GemvVariant{R, bps, a8 == 1});
     }
   }
+  // The tensor-core product on the one row (its own grid, fp16 inputs): where it fits and nothing narrows the search.
+  if (o.mma && s.mma_fits && o.rows == 0 && o.grid < 0 && s.act8_lo == 0) time(GemvVariant{kGemvMmaOneRow, 0, false});
   if (o.resident_margin > 0) {
     // Among the 2-blocks-per-SM variants within the margin of the fastest: the smallest tiles (the most blocks),
     // except before the attention: there the largest (the fewest blocks), which leaves SMs free for the
@@ -235,6 +242,7 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
     if (o.act8 > 0 && sh.copies[0].fmt != WFormat::F16 && cuda::gemv_act8_ok(sh.spec.K, sh.in))
       sh.spec.act8_lo = o.act8 == 2, sh.spec.act8_hi = 1;
     sh.spec.bytes = (double)quant_bytes(sh.copies[0].fmt, sh.spec.rows, sh.spec.K);  // as stored, scales included
+    sh.spec.mma_fits = o.mma && mma_one_row_fits(sh.copies[0], sh.spec.role);
     // Cycle through every layer's copy (and at least ~256 MB of weights, several times the L2) so that the
     // timing is of memory, not of the cache. One pass where the copies already hold that much (a pass of 22
     // gate_up copies of TinyLlama is 1 GB: a second one only doubled the time spent; docs/perf/load.md).
@@ -243,10 +251,9 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
       const float ms = clock.replay_ms([&] {
         for (int i = 0; i < passes; i++)
           for (const cuda::QMat& W : sh.copies) {
-            cuda::GemvParams p = gemv_args(W, sh.x, sh.y, sh.norm, (float)c.rms_eps, sh.early && early_trigger);
-            p.blocks_per_sm = v.blocks_per_sm;
-            p.act8 = v.act8 && act8_applies(p, sh.in);
-            cuda::gemv(p, v.rows_per_warp, sh.in, sh.spec.out, s, pdl);
+            // (R = 16 timed under the driver's carveout: the step's is chosen after the plan)
+            run_variant(gemv_args(W, sh.x, sh.y, sh.norm, (float)c.rms_eps, sh.early && early_trigger), v, sh.in,
+                        sh.spec.out, -1, s, pdl);
           }
       });
       return ms * 1e3 / (passes * sh.spec.copies);

@@ -28,9 +28,9 @@ const char* role_name(MatrixRole r);  // "qkv" | "o" | "gate_up" | "down" | "lm_
 cuda::GemvOut role_out(MatrixRole r);  // the output mode the decode step runs the role with
 
 // R of the variant that runs the batched step's tensor-core product (cuda/mma_small_n.cuh) on the one input row,
-// every role and weight format (the normed roles' RMSNorm in its prologue: mma_one_row_normed). Not timed by the
-// tuner: forced through gemv_pins, to measure whether mma.sync's fewer instructions a weight shorten the decode
-// GEMVs (docs/perf/persistent.md §26).
+// every role and weight format (the normed roles' RMSNorm in its prologue: mma_one_row_normed). Timed by the
+// tuner only with CudaOptions::gemv_mma (off until measured), else forced through gemv_pins: whether mma.sync's
+// fewer instructions a weight shorten the decode GEMVs (docs/perf/persistent.md §26).
 constexpr int kGemvMmaOneRow = 16;
 // Whether the decode step can run variant R for `role` (cuda::gemv_variant_ok, or kGemvMmaOneRow).
 bool plan_variant_ok(int R, MatrixRole role);
@@ -96,6 +96,7 @@ struct GemvTuneOptions {
   bool small_tiles = true;
   std::vector<GemvPin> pins;
   int act8 = 0;                  // quantized roles where act8_applies: 0 fp16 inputs, 1 timed both ways, 2 int8
+  bool mma = false;              // also time kGemvMmaOneRow where it fits (only with rows 0, grid -1, act8 < 2)
 };
 
 // One role as the tuner sees it.
@@ -106,6 +107,7 @@ struct GemvShapeSpec {
   cuda::GemvOut out;     // which R the kernel offers depends on it
   bool before_attention; // the decode attention follows it (qkv)
   int act8_lo = 0, act8_hi = 0;  // the act8 values timed with every (R, grid): 0..0, 0..1 or 1..1
+  bool mma_fits = false;         // kGemvMmaOneRow takes this role's matrix on this GPU (mma_one_row_fits)
 };
 
 // Times every allowed variant (us_per_matrix) and picks one by the options' rules; pins applied last.

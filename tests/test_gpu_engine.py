@@ -256,9 +256,10 @@ def test_out_of_gpu_memory_is_a_clear_error_and_frees_what_it_took():
 
 def test_plan_by_steps_flips_a_role_only_where_the_whole_step_gains():
     """tune_plan_by_steps: each role is tried, one at a time, on its fastest variant alone and on the fastest of
-    the other kernel (split-K against rows per warp), each variant once, and kept on the one that makes the step
-    faster by more than `gain` (the faster of the two where both do); a role already on its fastest with no other
-    kernel timed is not timed. A variant is (R, blocks per SM, act8): one differing in act8 alone is another."""
+    each other kernel (rows per warp, split-K, the tensor-core product R = 16), each variant once, and kept on the
+    one that makes the step faster by more than `gain` (the fastest where several do); a role already on its
+    fastest with no other kernel timed is not timed. A variant is (R, blocks per SM, act8): one differing in act8
+    alone is another."""
     from tinyinfer import _core
 
     F, T = False, True
@@ -298,6 +299,16 @@ def test_plan_by_steps_flips_a_role_only_where_the_whole_step_gains():
     # nothing flips; role 0's fastest is also the other kernel's fastest: timed once
     assert _core.CudaEngine.plan_by_steps(roles, step_us, 0.1) == (base, 0)
     assert calls == expected_calls(False)
+    # on the tensor-core product (R = 16), the fastest alone: the fastest of rows per warp and of split-K are timed
+    calls.clear()
+
+    def step16(chosen):
+        calls.append(chosen)
+        return 1000.0 - (30.0 if chosen[0] == (8, 2, F) else 0.0)
+
+    one = [(16, 0, F, [(16, 0, F, 1.0), (2, 2, F, 1.1), (4, 2, F, 1.3), (8, 2, F, 1.2)])]
+    assert _core.CudaEngine.plan_by_steps(one, step16, 0.01) == ([(8, 2, F)], 1)
+    assert calls == [[(16, 0, F)], [(2, 2, F)], [(8, 2, F)]]
 
 
 def test_step_check_keeps_each_pick_to_the_rules_or_the_fastest():

@@ -251,7 +251,7 @@ void CudaEngine::tune() {
   if (!plan_cached_) {
     GemvTuneOptions t{opt_.gemv_rows, opt_.gemv_grid, opt_.gemv_resident_margin, opt_.gemv_small_tiles, {}};
     t.act8 = opt_.act8;
-    t.mma = opt_.gemv_mma;
+    t.mma = opt_.gemv_mma && !opt_.trace;  // (the tensor-core product has no trace stamps)
     plan_ = tune_gemv_plan(cfg_, *weights_, dbuf_, t, opt_.early_trigger >= 1, pdl_, *clock_);
     // set before the carveout is timed (no PDL: never early)
     plan_.early_trigger = opt_.early_trigger >= 1 && pdl_ ? opt_.early_trigger : 0;

@@ -266,20 +266,26 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
 int tune_plan_by_steps(GemvPlan& plan, const std::function<double(const GemvPlan&)>& step_us, double gain) {
   int flipped = 0;
   double t_plan = -1;
-  auto split = [](const GemvVariant& v) { return v.rows_per_warp == cuda::kGemvSplitK; };
+  // the kernel a variant runs: rows per warp, split-K, the tensor-core product
+  auto kernel = [](const GemvVariant& v) {
+    return v.rows_per_warp == cuda::kGemvSplitK ? 1 : v.rows_per_warp == kGemvMmaOneRow ? 2 : 0;
+  };
   for (GemvShapePlan& g : plan.shapes) {
-    const GemvTrial *fastest = nullptr, *other = nullptr;  // other: the fastest of the kernel g.chosen is not
+    const GemvTrial* fastest = nullptr;
+    const GemvTrial* other[3] = {nullptr, nullptr, nullptr};  // the fastest of each kernel g.chosen is not
     for (const GemvTrial& t : g.tried) {
       if (!fastest || t.us < fastest->us) fastest = &t;
-      if (split(t.variant) != split(g.chosen) && (!other || t.us < other->us)) other = &t;
+      const int k = kernel(t.variant);
+      if (k != kernel(g.chosen) && (!other[k] || t.us < other[k]->us)) other[k] = &t;
     }
-    if (other == fastest) other = nullptr;  // (timed once)
     const GemvVariant keep = g.chosen;
     const double keep_gb = g.gb_per_s;
     const GemvTrial* best = nullptr;
     double t_best = 0;
-    for (const GemvTrial* c : {fastest, other}) {
-      if (!c || c->variant == keep || (best && c->variant == best->variant)) continue;
+    const GemvTrial* cands[4] = {fastest, other[0], other[1], other[2]};
+    for (int i = 0; i < 4; i++) {
+      const GemvTrial* c = cands[i];
+      if (!c || c->variant == keep || std::find(cands, cands + i, c) != cands + i) continue;  // (each timed once)
       if (t_plan < 0) t_plan = step_us(plan);
       g.chosen = c->variant;
       const double t = step_us(plan);
@@ -308,7 +314,7 @@ cudaGraphExec_t tune_decode_long(GemvPlan& plan, cudaGraphExec_t short_graph, in
   const GemvShapePlan* q = plan.find(MatrixRole::Qkv);
   const int64_t ctx_long = std::min<int64_t>(1024, max_seq - 64);
   if (!q || (forced_from < 0 && ctx_long < 256)) return nullptr;
-  if (q->chosen.rows_per_warp == kGemvMmaOneRow) {  // (pinned to the tensor-core product: no GEMV at any context)
+  if (q->chosen.rows_per_warp == kGemvMmaOneRow) {  // (on the tensor-core product, pinned or picked: one graph)
     plan.long_from = -1;
     return nullptr;
   }

@@ -96,7 +96,8 @@ struct GemvTuneOptions {
   bool small_tiles = true;
   std::vector<GemvPin> pins;
   int act8 = 0;                  // quantized roles where act8_applies: 0 fp16 inputs, 1 timed both ways, 2 int8
-  bool mma = false;              // also time kGemvMmaOneRow where it fits (only with rows 0, grid -1, act8 < 2)
+  bool mma = false;              // also time kGemvMmaOneRow where it fits, unless rows / grid narrow the search or
+                                 // act8 = 2 puts the role on int8 inputs
 };
 
 // One role as the tuner sees it.
@@ -121,10 +122,10 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
 
 // The picking rules (resident margin, tile sizes) are judged one matrix at a time; how a variant's grid meets its
 // neighbours under PDL is not (why: docs/perf/decode-options.md, gemv_step_check). So at load each role's pick is
-// judged by whole steps (step_us(plan): µs per decode step with the plan's variants) against up to two others:
-// its fastest variant alone, and the fastest of the other kernel (split-K against rows per warp: the split-K
-// gate/up of Llama-2-7B int8 with int8 inputs, fastest alone, made the step 6.5% slower). One role at a time; a
-// flip is kept where the step is faster by more than `gain`. Returns the roles flipped.
+// judged by whole steps (step_us(plan): µs per decode step with the plan's variants) against up to three others:
+// its fastest variant alone, and the fastest of each other kernel (rows per warp, split-K, the tensor-core product
+// where timed: the split-K gate/up of Llama-2-7B int8 with int8 inputs, fastest alone, made the step 6.5% slower).
+// One role at a time; a flip is kept where the step is faster by more than `gain`. Returns the roles flipped.
 int tune_plan_by_steps(GemvPlan& plan, const std::function<double(const GemvPlan&)>& step_us, double gain = 0.01);
 
 // The long-context decision. capture(v): a decode-step graph with qkv at v; step_ms(g, ctx): GPU ms per step

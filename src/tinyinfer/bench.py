@@ -179,7 +179,7 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
         res["decode"].append(row)
         p_col = f"{row['persistent_tok_s']:>17.0f}" if ms_p else f"{'-':>17}"
         out(f"{ctx:>8} {row['tok_s']:>9.0f} {ms:>9.3f} {b / 1e6:>9.1f} {roof:>15.0f} {row['pct_roofline']:>10.1f}% {p_col}")
-    out(f"\n{'matrix':>8} {'rows x K':>13} {'copies':>6} {'R':>2} {'grid':>4} {'best µs per R (1/2/4/8=split-K)':>32} "
+    out(f"\n{'matrix':>8} {'rows x K':>13} {'copies':>6} {'R':>2} {'grid':>4} {'best µs per R (1/2/4/8=split-K/16=mma)':>38} "
         f"{'GB/s':>7} {'% peak':>7}")
     for g in core.gemv_table():
         best = {}

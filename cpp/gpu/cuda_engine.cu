@@ -265,13 +265,7 @@ void CudaEngine::tune() {
   // its cause
   for (const GemvShapePlan& g : plan_.shapes) {
     if (g.chosen.rows_per_warp != kGemvMmaOneRow || weights_->layers.empty()) continue;
-    const DeviceLayer& L = weights_->layers[0];
-    const cuda::QMat& W = g.role == MatrixRole::Qkv      ? L.qkv
-                          : g.role == MatrixRole::O      ? L.o
-                          : g.role == MatrixRole::GateUp ? L.gate_up
-                          : g.role == MatrixRole::Down   ? L.down
-                                                         : weights_->lm_head;
-    if (!mma_one_row_fits(W, g.role))
+    if (!mma_one_row_fits(role_matrix(*weights_, g.role, 0), g.role))
       fail(ErrorKind::Unsupported, std::string("the tensor-core product (R = 16) for ") + role_name(g.role) +
                                        " needs sm_80 or newer (int4: K % 32 == 0; normed inputs: K <= 16384)");
   }
@@ -475,10 +469,7 @@ CudaEngine::~CudaEngine() { release(); }
 std::pair<std::vector<uint8_t>, std::vector<uint8_t>> CudaEngine::matrix_bytes(int64_t layer, MatrixRole role) const {
   if (role != MatrixRole::LmHead && (layer < 0 || layer >= cfg_.n_layers))
     fail(ErrorKind::Request, "matrix_bytes: layer " + std::to_string(layer) + " out of range");
-  const DeviceLayer* L = role == MatrixRole::LmHead ? nullptr : &weights_->layers[(size_t)layer];
-  const cuda::QMat& m = role == MatrixRole::Qkv ? L->qkv : role == MatrixRole::O ? L->o
-                        : role == MatrixRole::GateUp ? L->gate_up : role == MatrixRole::Down ? L->down
-                                                                                             : weights_->lm_head;
+  const cuda::QMat& m = role_matrix(*weights_, role, layer);
   const size_t row_q = m.fmt == WFormat::F16 ? (size_t)m.ld * 2 : (size_t)m.ld;
   std::vector<uint8_t> q((size_t)m.rows * row_q), sc((size_t)(m.rows * WeightStream::scale_row_bytes(m.fmt, m.K)));
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));

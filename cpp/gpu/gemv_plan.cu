@@ -35,6 +35,12 @@ cuda::GemvOut role_out(MatrixRole r) {
   return cuda::GemvOut::F32;
 }
 
+const cuda::QMat& role_matrix(const DeviceWeights& w, MatrixRole r, int64_t layer) {
+  if (r == MatrixRole::LmHead) return w.lm_head;
+  const DeviceLayer& L = w.layers[(size_t)layer];
+  return r == MatrixRole::Qkv ? L.qkv : r == MatrixRole::O ? L.o : r == MatrixRole::GateUp ? L.gate_up : L.down;
+}
+
 bool plan_variant_ok(int R, MatrixRole role) {
   return R == kGemvMmaOneRow || cuda::gemv_variant_ok(R, role_out(role));
 }

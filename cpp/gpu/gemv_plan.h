@@ -26,6 +26,8 @@ struct ModelConfig;
 enum class MatrixRole { Qkv, O, GateUp, Down, LmHead };
 const char* role_name(MatrixRole r);  // "qkv" | "o" | "gate_up" | "down" | "lm_head"
 cuda::GemvOut role_out(MatrixRole r);  // the output mode the decode step runs the role with
+// The role's matrix of `layer` (the LM head: layer ignored); layer in range.
+const cuda::QMat& role_matrix(const DeviceWeights& w, MatrixRole r, int64_t layer);
 
 // R of the variant that runs the batched step's tensor-core product (cuda/mma_small_n.cuh) on the one input row,
 // every role and weight format (the normed roles' RMSNorm in its prologue: mma_one_row_normed). Timed by the

@@ -483,15 +483,16 @@ static void launch_one_row_normed(const GemvBatchArgs& a, cudaStream_t s, bool p
          dim3(kMmThreads), smem, s, pdl, a);
 }
 
-template <WFormat WF>
+template <WFormat WF>  // (the decode step's normed roles: F32 and Swiglu out)
 static void one_row_normed_modes(const GemvBatchArgs& a, GemvOut out, cudaStream_t s, bool pdl) {
   if (out == GemvOut::F32) return launch_one_row_normed<WF, GemvOut::F32>(a, s, pdl);
-  if (out == GemvOut::AddF32) return launch_one_row_normed<WF, GemvOut::AddF32>(a, s, pdl);
   launch_one_row_normed<WF, GemvOut::Swiglu>(a, s, pdl);
 }
 
 void mma_one_row_normed(const GemvBatchArgs& a, GemvOut out, cudaStream_t s, bool pdl) {
   const QMat& W = a.W;
+  if (out != GemvOut::F32 && out != GemvOut::Swiglu)
+    fail(ErrorKind::Request, "mma_one_row_normed: out must be f32 or swiglu");
   if (a.n != 1 || !a.norm_w || W.rows < 1 || W.K < 1 ||
       a.ldy < (out == GemvOut::Swiglu ? W.rows / 2 : W.rows) || (out == GemvOut::Swiglu && W.rows % 2 != 0))
     fail(ErrorKind::Request, "mma_one_row_normed: one input row, a norm weight and an output row of the matrix's "

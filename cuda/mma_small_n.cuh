@@ -19,7 +19,7 @@ bool mma_small_n_fits(const QMat& W, int n);
 
 // The same product for one fp32 input row a.x (n = 1) RMS-normed in the kernel's prologue, after its PDL wait, with
 // a.norm_w and a.eps (fp16(x inv w), as the decode GEMV stages it): the decode step's normed roles (qkv, gate/up,
-// the LM head) on the tensor cores without a kernel of their own for the norm (gemv_pins R = 16).
+// the LM head) on the tensor cores without a kernel of their own for the norm (gemv_pins R = 16). out: F32 or Swiglu.
 constexpr int kMmaNormMaxK = 16384;  // the normed row in shared memory
 void mma_one_row_normed(const GemvBatchArgs& a, GemvOut out, cudaStream_t stream, bool pdl = false);
 bool mma_one_row_normed_fits(const QMat& W);  // mma_small_n_fits(W, 1) and K <= kMmaNormMaxK

@@ -221,7 +221,8 @@ std::string CudaEngine::plan_key(const ModelConfig& c, int64_t max_seq_len, cons
   char buf[512];
   std::snprintf(buf, sizeof(buf),
                 " | model h%lld i%lld l%lld q%lld kv%lld d%lld v%lld tie%d %s | rows %d grid %d margin %.4g small %d "
-                "steps %d act8 %d long %lld ctx %lld pdl %d graphs %d early %d chunk %d page %d trace %d carveout %d mma %d",
+                "steps %d act8 %d long %lld ctx %lld pdl %d graphs %d early %d chunk %d page %d trace %d carveout %d "
+                "mma %d",
                 (long long)c.hidden, (long long)c.intermediate, (long long)c.n_layers, (long long)c.n_heads,
                 (long long)c.n_kv_heads, (long long)c.head_dim, (long long)c.vocab, (int)c.tie_word_embeddings,
                 to_string(o.weights).c_str(), o.gemv_rows, o.gemv_grid, o.gemv_resident_margin, (int)o.gemv_small_tiles,

@@ -7,7 +7,6 @@ end past every earlier kernel's end. The increments of one step sum to the step'
 load unless given)"""
 
 import re
-import sys
 from collections import defaultdict
 
 from common import engine_from_argv

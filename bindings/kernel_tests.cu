@@ -6,6 +6,7 @@
 #include "../cuda/batch_rows.cuh"
 #include "../cuda/common.cuh"
 #include "../cuda/gemv_batch.cuh"
+#include "../cuda/mma_one_row.cuh"
 #include "../cuda/mma_small_n.cuh"
 #include "kernel_tests.h"
 #include "../cuda/prefill.cuh"
@@ -553,10 +554,10 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
 
 std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, const float* X, int n,
                                   const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out,
-                                  bool mma, int m_tiles, bool smem_ring, bool fused_norm) {
+                                  bool mma, int m_tiles, bool smem_ring, bool one_row) {
   if (fmt != WFormat::F16) check_quant_shape(K, fmt);
-  if (fused_norm && (!mma || in != GemvIn::F32Norm))
-    fail(ErrorKind::Request, "gemv_batch: fused_norm is the tensor-core kernel's (mma) f32norm input");
+  if (one_row && !mma) fail(ErrorKind::Request, "gemv_batch: one_row is a tensor-core kernel (mma)");
+  if (one_row && m_tiles != 0) fail(ErrorKind::Request, "gemv_batch: one_row takes no m_tiles (one 16-row tile a block)");
   const int ldx = (int)pad8(K), n_out = out == GemvOut::Swiglu ? rows / 2 : rows, ldy = n_out + 3;  // (ldy: odd on purpose)
   std::unique_ptr<DeviceQuant> dq;
   std::unique_ptr<Buf> w16;
@@ -611,8 +612,8 @@ std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, 
   Buf xn((size_t)n * ldx * 2);
   if (!mma) {
     gemv_batch(a, in, out, 0);
-  } else if (in == GemvIn::F32Norm && fused_norm) {
-    mma_one_row_normed(a, out, 0);  // (a.x: the fp32 rows; n must be 1)
+  } else if (one_row) {
+    mma_one_row(a, in, out, 0);  // (F32Norm: a.x the fp32 row, normed in the kernel; n must be 1)
   } else {
     if (in == GemvIn::F32Norm) {  // padding columns NaN, as the F16 input's
       TI_CUDA_CHECK(cudaMemset(xn.p, 0xFF, (size_t)n * ldx * 2));

@@ -88,11 +88,11 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
 // fp16; F32Norm: RMS-normed by the kernel with norm_w); Y_init (n, rows) for AddF32. Returns (n, rows) floats, or
 // (n, rows / 2) for Swiglu (widened from fp16). mma: the tensor-core kernel (cuda/mma_small_n.cu) instead, its
 // F32Norm input RMS-normed first by rmsnorm_rows (prefill.cuh) as the batched step does; m_tiles its 16-row
-// tiles per block (GemvBatchArgs::m_tiles), smem_ring its fp16 path (GemvBatchArgs::smem_ring); fused_norm (mma,
-// F32Norm, n = 1): mma_one_row_normed, the row normed in the kernel's own prologue.
+// tiles per block (GemvBatchArgs::m_tiles), smem_ring its fp16 path (GemvBatchArgs::smem_ring); one_row (mma,
+// n = 1): the decode step's one-row kernel (cuda/mma_one_row.cu), an F32Norm row normed in its own prologue.
 std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, const float* X, int n,
                                   const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out,
-                                  bool mma = false, int m_tiles = 0, bool smem_ring = true, bool fused_norm = false);
+                                  bool mma = false, int m_tiles = 0, bool smem_ring = true, bool one_row = false);
 
 // A down product as the batched step takes it in K slices (GemmArgs::k_slices, cuBLASLt, W fp16 bits (M, K)),
 // then residual_norm_rows: x = x_init + X @ W.T and xn = fp16(rmsnorm(x) * norm_w). Returns (x, xn widened).

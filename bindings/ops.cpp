@@ -357,7 +357,7 @@ void bind_ops(nb::module_& m) {
   ops.def(
       "gemv_batch",
       [](F32In2 W, const FormatArg& f, F32In2 X, F32In1 norm_w, float eps, F32In2 Y_init, ti::cuda::GemvIn in,
-         ti::cuda::GemvOut out, bool mma, int m_tiles, bool smem_ring, bool fused_norm) {
+         ti::cuda::GemvOut out, bool mma, int m_tiles, bool smem_ring, bool one_row) {
         const int rows = (int)W.shape(0), K = (int)W.shape(1), n = (int)X.shape(0);
         if ((int)X.shape(1) != K) ti::fail(ti::ErrorKind::Request, "gemv_batch: X.shape[1] != W.shape[1]");
         if (in == ti::cuda::GemvIn::F32Norm && (int)norm_w.shape(0) != K)
@@ -369,17 +369,17 @@ void bind_ops(nb::module_& m) {
         {
           nb::gil_scoped_release release;
           y = ti::cuda::run_gemv_batch(W.data(), rows, K, fmt, X.data(), n, norm_w.data(), eps, Y_init.data(), in,
-                                       out, mma, m_tiles, smem_ring, fused_norm);
+                                       out, mma, m_tiles, smem_ring, one_row);
         }
         return numpy_copy(y, (size_t)n, y.size() / (size_t)n);
       },
       "W"_a, "format"_a, "X"_a, "norm_w"_a, "eps"_a, "Y_init"_a, "input"_a, "output"_a, "mma"_a = false,
-      "m_tiles"_a = 0, "smem_ring"_a = true, "fused_norm"_a = false,
+      "m_tiles"_a = 0, "smem_ring"_a = true, "one_row"_a = false,
       "One small-N product over the rows of X: the CUDA-core cuda/gemv_batch.cu, or with mma the tensor-core "
       "cuda/mma_small_n.cu (n <= 64; f32norm: rmsnorm_rows first; m_tiles: its 16-row tiles per block, 0 auto; "
       "smem_ring: fp16 through "
-      "its shared-memory ring, else its register ring; fused_norm: f32norm with one row normed inside the "
-      "tensor-core kernel, mma_one_row_normed); "
+      "its shared-memory ring, else its register ring; one_row: the decode step's one-row tensor-core kernel, "
+      "cuda/mma_one_row.cu, n = 1, an f32norm row normed inside it); "
       "W quantized on the device unless fp16: "
       "(n, rows) floats, (n, rows / 2) for swiglu.");
   ops.def("sm_count", [] { return ti::cuda::device_sm_count(); }, "The CUDA device's streaming multiprocessors.");

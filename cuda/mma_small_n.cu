@@ -50,37 +50,15 @@ __device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint3
 #endif
 }
 
-// The word (16 bytes) of one row as E / 2 fp16 pairs; columns at or past K zeroed (k: the word's index).
-template <WFormat WF>
-__device__ __forceinline__ void mm_weights(const uint4& v, float2 sc, int k, int K, bool valid, __half2* w) {
-  constexpr int E = kWordElems<WF>;
-  if constexpr (WF == WFormat::F16) {
-    w[0] = gb_h2(v.x), w[1] = gb_h2(v.y), w[2] = gb_h2(v.z), w[3] = gb_h2(v.w);
-  } else {
-    gb_dequant_h2<WF>(v, sc, w);
-  }
-  if (!valid || (k + 1) * E > K) {
-    const __half z = __float2half(0.0f);
-#pragma unroll
-    for (int i = 0; i < E / 2; i++) {
-      const int c = k * E + 2 * i;
-      if (!valid || c >= K) w[i] = __halves2half2(z, z);
-      else if (c + 1 >= K) w[i] = __halves2half2(__low2half(w[i]), z);
-    }
-  }
-}
-
 // The E inputs of column row x (fp16) at the word k as E / 2 pairs; zero past K or for a column past n. PRE: the
 // word's E / 8 16-byte input words are already loaded into pre (the ring below) where it lies wholly below K.
-// SH: x is the row staged in shared memory (mm_stage_normed), read with plain loads.
-template <int E, bool PRE, bool SH = false>
+template <int E, bool PRE>
 __device__ __forceinline__ void mm_inputs(const __half* x, int k, int K, bool live, const uint4* pre, __half2* b) {
   const __half z = __float2half(0.0f);
   if (live && (k + 1) * E <= K) {
 #pragma unroll
     for (int c = 0; c < E / 8; c++) {
-      const uint4* at = reinterpret_cast<const uint4*>(x + (size_t)k * E) + c;
-      const uint4 v = PRE ? pre[c] : SH ? *at : __ldg(at);
+      const uint4 v = PRE ? pre[c] : __ldg(reinterpret_cast<const uint4*>(x + (size_t)k * E) + c);
       b[4 * c] = gb_h2(v.x), b[4 * c + 1] = gb_h2(v.y), b[4 * c + 2] = gb_h2(v.z), b[4 * c + 3] = gb_h2(v.w);
     }
   } else {
@@ -150,34 +128,13 @@ __device__ __forceinline__ void mm_epilogue(const float (&acc)[MT][NT][4], float
   }
 }
 
-// The decode step's normed input in shared memory (mma_one_row_normed): xs = fp16(x inv w), inv = rsqrt(mean(x^2)
-// + eps), the sum of squares in rmsnorm_rows' order where K % 4 == 0 (the fp32 row x is 16-byte aligned there).
-__device__ void mm_stage_normed(const float* x, const float* w, float eps, int K, __half* xs) {
-  __shared__ float nred[33];
-  float ss = 0.0f;
-  if (K % 4 == 0) {
-    for (int i = threadIdx.x * 4; i < K; i += kMmThreads * 4) {
-      const float4 v = *reinterpret_cast<const float4*>(x + i);
-      ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
-    }
-  } else {
-    for (int i = threadIdx.x; i < K; i += kMmThreads) ss = fmaf(x[i], x[i], ss);
-  }
-  const float inv = rsqrtf(block_sum(ss, nred) / (float)K + eps);
-  for (int i = threadIdx.x; i < K; i += kMmThreads) xs[i] = __float2half(x[i] * inv * w[i]);
-  __syncthreads();
-}
-
 // MT 16-row M tiles per block (1 or 2; mma_small_n picks): with 2, each input fragment, read once per chunk from
 // L1 / L2, meets two tiles' weights — at int4 a 16-byte word of 32 weights meets 64 bytes of inputs per column, so
 // the inputs' traffic, not the weights', sets the pace of a one-tile block; two tiles halve it.
-// NORM (mma_one_row_normed: NT = MT = 1, n = 1): a.x is the fp32 row, RMS-normed into shared memory after the wait.
-template <WFormat WF, int NT, int MT, GemvOut OUT, int U, bool NORM = false>
+template <WFormat WF, int NT, int MT, GemvOut OUT, int U>
 __global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 : 1) mma_small_n_kernel(GemvBatchArgs a) {
   constexpr int E = kWordElems<WF>, BR = kMmRows * MT;
-  static_assert(!NORM || (NT == 1 && MT == 1), "the normed row: one input, one tile");
-  extern __shared__ __align__(16) float red[];  // (kMmWarps, BR, NT x 8) the warps' partial sums; NORM: then xs
-  __half* xs = reinterpret_cast<__half*>(red + kMmWarps * BR * NT * 8);
+  extern __shared__ __align__(16) float red[];  // (kMmWarps, BR, NT x 8) the warps' partial sums
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const QMat& W = a.W;
   const int row0 = blockIdx.x * BR, K = W.K;
@@ -198,7 +155,7 @@ __global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 :
   for (int j = 0; j < NT; j++) {
     const int col = j * 8 + g;
     live[j] = col < a.n;
-    xcol[j] = NORM ? xs : static_cast<const __half*>(a.x) + (size_t)(live[j] ? col : 0) * a.ldx;
+    xcol[j] = static_cast<const __half*>(a.x) + (size_t)(live[j] ? col : 0) * a.ldx;
   }
   float acc[MT][NT][4];
 #pragma unroll
@@ -215,7 +172,7 @@ __global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 :
   // word) the registers cost multi-wave grids their second block per SM, at one tile the step did not gain
   // (docs/perf/batch.md).
   constexpr int XW = E / 8;  // 16-byte input words a column per weight word
-  constexpr bool PX = WF != WFormat::I4 && MT == 1 && NT >= 2 && U * NT * XW <= 8;  // (never with NORM: NT = 1)
+  constexpr bool PX = WF != WFormat::I4 && MT == 1 && NT >= 2 && U * NT * XW <= 8;
   uint4 va[MT][U], vb[MT][U], xv[PX ? U : 1][NT][XW];
   float2 sa[MT][U], sb[MT][U];
   auto load_weights = [&](int u, int c) {  // chunk c (of this warp) into slot u: 2 MT words a lane
@@ -248,7 +205,6 @@ __global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 :
   for (int u = 0; u < U; u++) load_weights(u, warp + u * kMmWarps);
   pdl_wait();
   pdl_launch_dependents();
-  if constexpr (NORM) mm_stage_normed(static_cast<const float*>(a.x), a.norm_w, a.eps, K, xs);
 #pragma unroll
   for (int u = 0; u < U; u++) load_inputs(u, warp + u * kMmWarps);
 
@@ -261,12 +217,12 @@ __global__ void __launch_bounds__(kMmThreads, MT == 2 && WF == WFormat::I4 ? 2 :
       const bool ok = k < words;
       __half2 x2[NT][E / 2];
 #pragma unroll
-      for (int j = 0; j < NT; j++) mm_inputs<E, PX, NORM>(xcol[j], k, K, live[j] && ok, xv[PX ? u : 0][j], x2[j]);
+      for (int j = 0; j < NT; j++) mm_inputs<E, PX>(xcol[j], k, K, live[j] && ok, xv[PX ? u : 0][j], x2[j]);
 #pragma unroll
       for (int m = 0; m < MT; m++) {
         __half2 wa2[E / 2], wb2[E / 2];
-        mm_weights<WF>(va[m][u], sa[m][u], k, K, ok, wa2);
-        mm_weights<WF>(vb[m][u], sb[m][u], k, K, ok, wb2);
+        gb_word_h2<WF>(va[m][u], sa[m][u], k, K, ok, wa2);
+        gb_word_h2<WF>(vb[m][u], sb[m][u], k, K, ok, wb2);
         mm_word<E, NT>(acc[m], wa2, wb2, x2);
       }
       if (c + kMmWarps * U < chunks) {  // the slot's next chunk
@@ -379,8 +335,8 @@ __global__ void __launch_bounds__(kMmThreads) mma_small_n_ring_kernel(GemvBatchA
 #pragma unroll
       for (int m = 0; m < MT; m++) {
         __half2 wa2[E / 2], wb2[E / 2];
-        mm_weights<WFormat::F16>(mine[(u * S + 2 * m) * 32], float2{}, k, K, ok, wa2);
-        mm_weights<WFormat::F16>(mine[(u * S + 2 * m + 1) * 32], float2{}, k, K, ok, wb2);
+        gb_word_h2<WFormat::F16>(mine[(u * S + 2 * m) * 32], float2{}, k, K, ok, wa2);
+        gb_word_h2<WFormat::F16>(mine[(u * S + 2 * m + 1) * 32], float2{}, k, K, ok, wb2);
         mm_word<E, NT>(acc[m], wa2, wb2, x2);
       }
       copy_weights(u, c + kMmWarps * D);  // the slot's next chunk (nothing past the warp's last: an empty group)
@@ -470,40 +426,6 @@ static void mm_tiles(const GemvBatchArgs& a, GemvOut out, cudaStream_t s, bool p
   if (nt <= 2) return mm_modes<WF, 2>(a, out, s, pdl);
   if (nt <= 4) return mm_modes<WF, 4>(a, out, s, pdl);
   return mm_modes<WF, 8>(a, out, s, pdl);
-}
-
-bool mma_one_row_normed_fits(const QMat& W) { return mma_small_n_fits(W, 1) && W.K <= kMmaNormMaxK; }
-
-// The register ring (every format) with one 16-row tile a block; its shared memory: the epilogue's partial sums
-// (4 KB) and the normed row (up to 32 KB: no opt-in).
-template <WFormat WF, GemvOut OUT>
-static void launch_one_row_normed(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
-  const size_t smem = (size_t)kMmWarps * kMmRows * 8 * sizeof(float) + (size_t)pad8(a.W.K) * sizeof(__half);
-  launch(mma_small_n_kernel<WF, 1, 1, OUT, kMmUnroll<WF>, true>, dim3((a.W.rows + kMmRows - 1) / kMmRows),
-         dim3(kMmThreads), smem, s, pdl, a);
-}
-
-template <WFormat WF>  // (the decode step's normed roles: F32 and Swiglu out)
-static void one_row_normed_modes(const GemvBatchArgs& a, GemvOut out, cudaStream_t s, bool pdl) {
-  if (out == GemvOut::F32) return launch_one_row_normed<WF, GemvOut::F32>(a, s, pdl);
-  launch_one_row_normed<WF, GemvOut::Swiglu>(a, s, pdl);
-}
-
-void mma_one_row_normed(const GemvBatchArgs& a, GemvOut out, cudaStream_t s, bool pdl) {
-  const QMat& W = a.W;
-  if (out != GemvOut::F32 && out != GemvOut::Swiglu)
-    fail(ErrorKind::Request, "mma_one_row_normed: out must be f32 or swiglu");
-  if (a.n != 1 || !a.norm_w || W.rows < 1 || W.K < 1 ||
-      a.ldy < (out == GemvOut::Swiglu ? W.rows / 2 : W.rows) || (out == GemvOut::Swiglu && W.rows % 2 != 0))
-    fail(ErrorKind::Request, "mma_one_row_normed: one input row, a norm weight and an output row of the matrix's "
-                             "rows (n=" + std::to_string(a.n) + " rows=" + std::to_string(W.rows) + " ldy=" +
-                                 std::to_string(a.ldy) + ")");
-  if (!mma_one_row_normed_fits(W))
-    fail(ErrorKind::Request, "mma_one_row_normed: needs sm_80+, K <= " + std::to_string(kMmaNormMaxK) +
-                                 " and (int4) K % 32 == 0");
-  if (W.fmt == WFormat::F16) one_row_normed_modes<WFormat::F16>(a, out, s, pdl);
-  else if (W.fmt == WFormat::I8) one_row_normed_modes<WFormat::I8>(a, out, s, pdl);
-  else one_row_normed_modes<WFormat::I4>(a, out, s, pdl);
 }
 
 void mma_small_n(const GemvBatchArgs& a, GemvOut out, cudaStream_t s, bool pdl) {

@@ -1,5 +1,6 @@
 // quant_words.cuh — 16-byte words of a weight row (8 fp16, 16 I8 or 32 I4 weights, cpp/core/quant.h) and their
-// dequantization to fp16 pairs in registers: what the small-N products (gemv_batch.cu, mma_small_n.cu) share.
+// dequantization to fp16 pairs in registers: what the small-N products (gemv_batch.cu, mma_small_n.cu, mma_one_row.cu)
+// share.
 // I8: byte u = q + 128 as the fp16 1024 + u, minus 1152, times d (no int->float conversion); I4: gemv_dot.cuh's
 // LOP3 trick, (q - 8) s + (m + 8 s). The weights are then the fp16 numbers the prefill's dequantization makes.
 #pragma once
@@ -60,6 +61,28 @@ __device__ __forceinline__ void gb_dequant_h2(const uint4& v, float2 sc, __half2
       w[4 * i + 1] = __hfma2(q1, s2, c2);
       w[4 * i + 2] = __hfma2(q2, s2, c2);
       w[4 * i + 3] = __hfma2(q3, s2, c2);
+    }
+  }
+}
+
+// The word k (16 bytes) of one row as E / 2 fp16 pairs (gb_dequant_h2; fp16 as is), its columns at or past K
+// zeroed, all of it where !valid (a word past the row's last): the tensor-core products' A fragments. CHECK false:
+// the caller knows the word valid and wholly below K.
+template <WFormat WF, bool CHECK = true>
+__device__ __forceinline__ void gb_word_h2(const uint4& v, float2 sc, int k, int K, bool valid, __half2* w) {
+  constexpr int E = kWordElems<WF>;
+  if constexpr (WF == WFormat::F16) {
+    w[0] = gb_h2(v.x), w[1] = gb_h2(v.y), w[2] = gb_h2(v.z), w[3] = gb_h2(v.w);
+  } else {
+    gb_dequant_h2<WF>(v, sc, w);
+  }
+  if (CHECK && (!valid || (k + 1) * E > K)) {
+    const __half z = __float2half(0.0f);
+#pragma unroll
+    for (int i = 0; i < E / 2; i++) {
+      const int c = k * E + 2 * i;
+      if (!valid || c >= K) w[i] = __halves2half2(z, z);
+      else if (c + 1 >= K) w[i] = __halves2half2(__low2half(w[i]), z);
     }
   }
 }

@@ -147,38 +147,60 @@ def test_mma_small_n_residual_past_one_wave(fmt, K, n):
     check_small_n_product(True, fmt, K, (_core.ops.sm_count() + 6) * 16 - 5, "f16-add", n)
 
 
-# One fp32 row normed in the tensor-core kernel's own prologue (mma_one_row_normed: the decode step's qkv, gate/up
-# and LM head under gemv_pins R = 16): K with a partial word or chunk (fp16 1,004; int8 1,000; int4 992), not a
-# multiple of 4 (fp16 1,001: the scalar sum of squares), down-sized and long rows (5,632; int4 6,272).
-@pytest.mark.parametrize("fmt, K", [("fp16", 1004), ("fp16", 1001), ("fp16", 5632), ("fp16", 16384),
-                                    ("int8", 1000), ("int8", 5632), ("int4", 992), ("int4", 6272)])
-@pytest.mark.parametrize("mode", ["f32norm-f32", "f32norm-swiglu"])
-def test_mma_one_row_normed_in_its_prologue(fmt, K, mode):
-    """Against numpy; and bitwise the batched step's two kernels (rmsnorm_rows, then mma_small_n on its register
-    ring): the same sum of squares in the same order, the same kernel after it (so the norm ran in the prologue)."""
-    rows = 334 if mode.endswith("swiglu") else 333
-    check_small_n_product(True, fmt, K, rows, mode, 1, fused_norm=True)
+# The decode step's one-row tensor-core kernel (cuda/mma_one_row.cu, gemv_pins R = 16): against numpy, and bit for
+# bit what the batched step's kernel gives for the same row on its register ring (mma_small_n at n = 1; f32norm after
+# rmsnorm_rows), so neither the norm in its prologue nor its staged, zero-padded input changes a bit. K: a partial
+# word or chunk (fp16 1,004; 1,001, not a multiple of 4: the scalar sum of squares; int8 1,000; int4 992), a partial
+# last chunk refilled into a used register slot (65 chunks a row against 64 in flight: fp16 2,052, int8 4,104; int4
+# 6,176: 49 against 48), fewer chunks than warps (fp16 40), down-sized and long rows (5,632; int4 6,272; fp16 16,384,
+# the most a normed row takes; fp16 16,392, an f16 row past it: the batched kernel runs it). Rows: a partial 16-row
+# tile within one wave of blocks, and for the residual product (whose ring is deep in one wave) past one wave.
+@pytest.mark.parametrize("fmt, K", [("fp16", 1004), ("fp16", 1001), ("fp16", 2052), ("fp16", 40), ("fp16", 5632),
+                                    ("fp16", 16384), ("fp16", 16392), ("int8", 1000), ("int8", 4104), ("int8", 5632),
+                                    ("int4", 992), ("int4", 6176), ("int4", 6272)])
+@pytest.mark.parametrize("mode, wave", [("f32norm-f32", "one"), ("f32norm-swiglu", "one"), ("f16-f32", "one"),
+                                        ("f16-add", "one"), ("f16-add", "past")])
+def test_mma_one_row_matches_numpy_and_the_batched_kernel(fmt, K, mode, wave):
     ops = _core.ops
-    rng = np.random.default_rng(K)
+    rows = 333 if wave == "one" else (ops.sm_count() + 6) * 16 - 5
+    rows += rows % 2 if mode.endswith("swiglu") else 0  # (swiglu: gate / up pairs)
+    if not (mode.startswith("f32norm") and K > 16384):
+        check_small_n_product(True, fmt, K, rows, mode, 1, one_row=True)
+    rng = np.random.default_rng(K + rows)
     W = rng.standard_normal((rows, K), dtype=np.float32) * 0.1
     X = rng.standard_normal((1, K), dtype=np.float32)
     norm_w = (1 + 0.2 * rng.standard_normal(K)).astype(np.float32)
-    out = ops.GemvOut.Swiglu if mode.endswith("swiglu") else ops.GemvOut.F32
-    args = (W, fmt, X, norm_w, 1e-5, np.zeros((1, rows), np.float32), ops.GemvIn.F32Norm, out)
-    fused = ops.gemv_batch(*args, mma=True, fused_norm=True)
-    apart = ops.gemv_batch(*args, mma=True, smem_ring=False)
-    np.testing.assert_array_equal(fused, apart)
+    Y0 = rng.standard_normal((1, rows), dtype=np.float32)
+    inp, out = mode.split("-")
+    gin = {"f16": ops.GemvIn.F16, "f32norm": ops.GemvIn.F32Norm}[inp]
+    gout = {"f32": ops.GemvOut.F32, "add": ops.GemvOut.AddF32, "swiglu": ops.GemvOut.Swiglu}[out]
+    args = (W, fmt, X, norm_w, 1e-5, Y0, gin, gout)
+    if inp == "f32norm" and K > 16384:
+        with pytest.raises(InvalidRequestError, match=r"\(f32norm\) K <= 16384"):
+            ops.gemv_batch(*args, mma=True, one_row=True)
+        return
+    one = ops.gemv_batch(*args, mma=True, one_row=True)
+    batched = ops.gemv_batch(*args, mma=True, smem_ring=False)
+    np.testing.assert_array_equal(one, batched)
 
 
-def test_mma_one_row_normed_refuses_more_rows():
+def test_mma_one_row_refuses_what_it_does_not_run():
     W, X = np.zeros((32, 64), np.float32), np.zeros((2, 64), np.float32)
     ops = _core.ops
+    norm, y = np.ones(64, np.float32), np.zeros((1, 32), np.float32)
     with pytest.raises(InvalidRequestError, match="one input row"):
-        ops.gemv_batch(W, "fp16", X, np.ones(64, np.float32), 1e-5, np.zeros((2, 32), np.float32),
-                       ops.GemvIn.F32Norm, ops.GemvOut.F32, mma=True, fused_norm=True)
-    with pytest.raises(InvalidRequestError, match="fused_norm is the tensor-core kernel's"):
-        ops.gemv_batch(W, "fp16", X[:1], np.ones(64, np.float32), 1e-5, np.zeros((1, 32), np.float32),
-                       ops.GemvIn.F16, ops.GemvOut.F32, mma=True, fused_norm=True)
+        ops.gemv_batch(W, "fp16", X, norm, 1e-5, np.zeros((2, 32), np.float32), ops.GemvIn.F32Norm,
+                       ops.GemvOut.F32, mma=True, one_row=True)
+    with pytest.raises(InvalidRequestError, match="an f16 input's out must be f32 or add"):
+        ops.gemv_batch(W, "fp16", X[:1], norm, 1e-5, y, ops.GemvIn.F16, ops.GemvOut.Swiglu, mma=True, one_row=True)
+    with pytest.raises(InvalidRequestError, match="a normed input's out must be f32 or swiglu"):
+        ops.gemv_batch(W, "fp16", X[:1], norm, 1e-5, y, ops.GemvIn.F32Norm, ops.GemvOut.AddF32, mma=True,
+                       one_row=True)
+    with pytest.raises(InvalidRequestError, match="one_row is a tensor-core kernel"):
+        ops.gemv_batch(W, "fp16", X[:1], norm, 1e-5, y, ops.GemvIn.F16, ops.GemvOut.F32, one_row=True)
+    with pytest.raises(InvalidRequestError, match="one_row takes no m_tiles"):
+        ops.gemv_batch(W, "fp16", X[:1], norm, 1e-5, y, ops.GemvIn.F16, ops.GemvOut.F32, mma=True, m_tiles=2,
+                       one_row=True)
 
 
 # fp16 on the tensor-core kernel goes through its shared-memory ring (cp.async) unless told not to: the same
@@ -268,7 +290,7 @@ def test_mma_small_n_refuses_more_than_64_rows():
                        ops.GemvIn.F16, ops.GemvOut.F32, mma=True)
 
 
-def check_small_n_product(mma, fmt, K, rows, mode, n, m_tiles=0, fused_norm=False):
+def check_small_n_product(mma, fmt, K, rows, mode, n, m_tiles=0, one_row=False):
     rng = np.random.default_rng(n * 7 + K + rows)
     W = rng.standard_normal((rows, K), dtype=np.float32) * 0.1
     X = rng.standard_normal((n, K), dtype=np.float32)
@@ -278,7 +300,7 @@ def check_small_n_product(mma, fmt, K, rows, mode, n, m_tiles=0, fused_norm=Fals
     inp, out = mode.split("-")
     gin = {"f16": ops.GemvIn.F16, "f32norm": ops.GemvIn.F32Norm}[inp]
     gout = {"f32": ops.GemvOut.F32, "add": ops.GemvOut.AddF32, "swiglu": ops.GemvOut.Swiglu}[out]
-    got = ops.gemv_batch(W, fmt, X, norm_w, 1e-5, Y0, gin, gout, mma=mma, m_tiles=m_tiles, fused_norm=fused_norm)
+    got = ops.gemv_batch(W, fmt, X, norm_w, 1e-5, Y0, gin, gout, mma=mma, m_tiles=m_tiles, one_row=one_row)
 
     Wq = W.astype(np.float16).astype(np.float64) if fmt == "fp16" else ops.dequantize_ref(W, fmt).astype(np.float64)
     if inp == "f16":

@@ -9,6 +9,7 @@
 #include "../../cuda/attention.cuh"
 #include "../../cuda/batch_rows.cuh"
 #include "../../cuda/common.cuh"
+#include "../../cuda/mma_one_row.cuh"
 #include "../../cuda/prefill_attention.cuh"
 #include "../core/engine_checks.h"
 #include "../core/errors.h"
@@ -266,9 +267,10 @@ void CudaEngine::tune() {
   // its cause
   for (const GemvShapePlan& g : plan_.shapes) {
     if (g.chosen.rows_per_warp != kGemvMmaOneRow || weights_->layers.empty()) continue;
-    if (!mma_one_row_fits(role_matrix(*weights_, g.role, 0), g.role))
+    if (!cuda::mma_one_row_fits(role_matrix(*weights_, g.role, 0), role_in(g.role)))
       fail(ErrorKind::Unsupported, std::string("the tensor-core product (R = 16) for ") + role_name(g.role) +
-                                       " needs sm_80 or newer (int4: K % 32 == 0; normed inputs: K <= 16384)");
+                                       " needs sm_80 or newer, (normed inputs) K <= " +
+                                       std::to_string(cuda::kMmaOneRowMaxK) + " and (int4) K % 32 == 0");
   }
   const clock::time_point t1 = clock::now();
   build_graphs();

@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "../../cuda/common.cuh"
-#include "../../cuda/mma_small_n.cuh"
+#include "../../cuda/mma_one_row.cuh"
 #include "../core/config.h"
 #include "../core/errors.h"
 #include "decode_step.h"
@@ -35,6 +35,10 @@ cuda::GemvOut role_out(MatrixRole r) {
   return cuda::GemvOut::F32;
 }
 
+cuda::GemvIn role_in(MatrixRole r) {
+  return r == MatrixRole::O || r == MatrixRole::Down ? cuda::GemvIn::F16 : cuda::GemvIn::F32Norm;
+}
+
 const cuda::QMat& role_matrix(const DeviceWeights& w, MatrixRole r, int64_t layer) {
   if (r == MatrixRole::LmHead) return w.lm_head;
   const DeviceLayer& L = w.layers[(size_t)layer];
@@ -43,14 +47,6 @@ const cuda::QMat& role_matrix(const DeviceWeights& w, MatrixRole r, int64_t laye
 
 bool plan_variant_ok(int R, MatrixRole role) {
   return R == kGemvMmaOneRow || cuda::gemv_variant_ok(R, role_out(role));
-}
-
-static bool normed_role(MatrixRole r) {
-  return r == MatrixRole::Qkv || r == MatrixRole::GateUp || r == MatrixRole::LmHead;
-}
-
-bool mma_one_row_fits(const cuda::QMat& W, MatrixRole role) {
-  return normed_role(role) ? cuda::mma_one_row_normed_fits(W) : cuda::mma_small_n_fits(W, 1);
 }
 
 void check_pin(const GemvPin& f) {  // (whether R = 16 fits the GPU and matrix: CudaEngine::tune)
@@ -105,13 +101,11 @@ bool act8_applies(const cuda::GemvParams& p, cuda::GemvIn in) {
   return p.fmt != WFormat::F16 && cuda::gemv_act8_ok(p.K, in);
 }
 
-// kGemvMmaOneRow: the GEMV's arguments as the small-N product's, n = 1 (its trigger follows its wait: the
-// plan's early triggers do not apply). fp16 input (o, down): mma_small_n, whose fp16 weights go through its
-// shared-memory ring (up to 192 KB a block at one row) only where the step leaves the carveout to the driver; under
-// the step's one carveout (50%) its register ring, so that no kernel of the step asks for another shared-memory
-// configuration (persistent.md §23). Normed input (qkv, gate/up, the LM head): mma_one_row_normed (register ring).
-static void launch_mma_one_row(const cuda::GemvParams& p, cuda::GemvIn in, cuda::GemvOut out, int carveout,
-                               cudaStream_t s, bool pdl) {
+// kGemvMmaOneRow: the GEMV's arguments as the one-row tensor-core product's (cuda/mma_one_row.cuh; its trigger
+// follows its wait: the plan's early triggers do not apply). Its shared memory (the staged row, <= 32 KB) fits the
+// step's one carveout (persistent.md §23).
+static void launch_mma_one_row(const cuda::GemvParams& p, cuda::GemvIn in, cuda::GemvOut out, cudaStream_t s,
+                               bool pdl) {
   cuda::GemvBatchArgs a;
   a.W = cuda::QMat{p.fmt, p.fmt == WFormat::F16 ? static_cast<const void*>(p.W) : p.q, p.scales, p.rows, p.K,
                    p.fmt == WFormat::F16 ? p.ld : p.ldq};
@@ -122,15 +116,13 @@ static void launch_mma_one_row(const cuda::GemvParams& p, cuda::GemvIn in, cuda:
   a.y = p.y;
   a.ldy = out == cuda::GemvOut::Swiglu ? p.rows / 2 : p.rows;
   a.n = 1;
-  a.smem_ring = carveout < 0;
-  if (in == cuda::GemvIn::F32Norm) return cuda::mma_one_row_normed(a, out, s, pdl);
-  cuda::mma_small_n(a, out, s, pdl);
+  cuda::mma_one_row(a, in, out, s, pdl);
 }
 
 // Variant v of one GEMV (the decode step's launch and the tuner's timing).
-static void run_variant(cuda::GemvParams p, const GemvVariant& v, cuda::GemvIn in, cuda::GemvOut out, int carveout,
-                        cudaStream_t s, bool pdl) {
-  if (v.rows_per_warp == kGemvMmaOneRow) return launch_mma_one_row(p, in, out, carveout, s, pdl);
+static void run_variant(cuda::GemvParams p, const GemvVariant& v, cuda::GemvIn in, cuda::GemvOut out, cudaStream_t s,
+                        bool pdl) {
+  if (v.rows_per_warp == kGemvMmaOneRow) return launch_mma_one_row(p, in, out, s, pdl);
   p.blocks_per_sm = v.blocks_per_sm;
   p.act8 = v.act8 && act8_applies(p, in);
   cuda::gemv(p, v.rows_per_warp, in, out, s, pdl);
@@ -138,7 +130,7 @@ static void run_variant(cuda::GemvParams p, const GemvVariant& v, cuda::GemvIn i
 
 void launch_gemv(const GemvPlan& plan, MatrixRole role, cuda::GemvParams p, cuda::GemvIn in, cuda::GemvOut out,
                  cudaStream_t s, bool pdl) {
-  run_variant(p, plan.variant(role), in, out, plan.carveout, s, pdl);
+  run_variant(p, plan.variant(role), in, out, s, pdl);
 }
 
 void apply_pin(GemvShapePlan& g, const GemvPin& f) {
@@ -248,7 +240,7 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
     if (o.act8 > 0 && sh.copies[0].fmt != WFormat::F16 && cuda::gemv_act8_ok(sh.spec.K, sh.in))
       sh.spec.act8_lo = o.act8 == 2, sh.spec.act8_hi = 1;
     sh.spec.bytes = (double)quant_bytes(sh.copies[0].fmt, sh.spec.rows, sh.spec.K);  // as stored, scales included
-    sh.spec.mma_fits = o.mma && mma_one_row_fits(sh.copies[0], sh.spec.role);
+    sh.spec.mma_fits = o.mma && cuda::mma_one_row_fits(sh.copies[0], sh.in);
     // Cycle through every layer's copy (and at least ~256 MB of weights, several times the L2) so that the
     // timing is of memory, not of the cache. One pass where the copies already hold that much (a pass of 22
     // gate_up copies of TinyLlama is 1 GB: a second one only doubled the time spent; docs/perf/load.md).
@@ -257,9 +249,8 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
       const float ms = clock.replay_ms([&] {
         for (int i = 0; i < passes; i++)
           for (const cuda::QMat& W : sh.copies) {
-            // (R = 16 timed under the driver's carveout: the step's is chosen after the plan)
             run_variant(gemv_args(W, sh.x, sh.y, sh.norm, (float)c.rms_eps, sh.early && early_trigger), v, sh.in,
-                        sh.spec.out, -1, s, pdl);
+                        sh.spec.out, s, pdl);
           }
       });
       return ms * 1e3 / (passes * sh.spec.copies);

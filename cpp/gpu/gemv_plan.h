@@ -26,19 +26,17 @@ struct ModelConfig;
 enum class MatrixRole { Qkv, O, GateUp, Down, LmHead };
 const char* role_name(MatrixRole r);  // "qkv" | "o" | "gate_up" | "down" | "lm_head"
 cuda::GemvOut role_out(MatrixRole r);  // the output mode the decode step runs the role with
+cuda::GemvIn role_in(MatrixRole r);    // and its input: the normed fp32 row (qkv, gate/up, LM head) or fp16
 // The role's matrix of `layer` (the LM head: layer ignored); layer in range.
 const cuda::QMat& role_matrix(const DeviceWeights& w, MatrixRole r, int64_t layer);
 
-// R of the variant that runs the batched step's tensor-core product (cuda/mma_small_n.cuh) on the one input row,
-// every role and weight format (the normed roles' RMSNorm in its prologue: mma_one_row_normed). Timed by the
-// tuner only with CudaOptions::gemv_mma (off until measured), else forced through gemv_pins: whether mma.sync's
-// fewer instructions a weight shorten the decode GEMVs (docs/perf/persistent.md §26).
+// R of the variant that runs the one-row tensor-core product (cuda/mma_one_row.cuh) instead of a GEMV, every role
+// and weight format (the normed roles' RMSNorm in its prologue). Timed by the tuner only with CudaOptions::gemv_mma
+// (off until measured), else forced through gemv_pins: whether mma.sync's fewer instructions a weight shorten the
+// decode GEMVs (docs/perf/persistent.md §26-27: at fp16; not at int8 / int4, whose dequantization dominates).
 constexpr int kGemvMmaOneRow = 16;
 // Whether the decode step can run variant R for `role` (cuda::gemv_variant_ok, or kGemvMmaOneRow).
 bool plan_variant_ok(int R, MatrixRole role);
-// Whether the one-row tensor-core product takes matrix W of `role` on this GPU (sm_80+; int4: K % 32 == 0; the
-// normed roles: K within the kernel's shared-memory row).
-bool mma_one_row_fits(const cuda::QMat& W, MatrixRole role);
 
 struct GemvVariant {
   int rows_per_warp = 2;  // R: 1, 2, 4, cuda::kGemvSplitK (8 rows per block, K split over its warps) or kGemvMmaOneRow
@@ -110,7 +108,7 @@ struct GemvShapeSpec {
   cuda::GemvOut out;     // which R the kernel offers depends on it
   bool before_attention; // the decode attention follows it (qkv)
   int act8_lo = 0, act8_hi = 0;  // the act8 values timed with every (R, grid): 0..0, 0..1 or 1..1
-  bool mma_fits = false;         // kGemvMmaOneRow takes this role's matrix on this GPU (mma_one_row_fits)
+  bool mma_fits = false;         // kGemvMmaOneRow takes this role's matrix on this GPU (cuda::mma_one_row_fits)
 };
 
 // Times every allowed variant (us_per_matrix) and picks one by the options' rules; pins applied last.

@@ -51,7 +51,11 @@ __device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint3
 }
 
 // The E inputs of column row x (fp16) at the word k as E / 2 pairs; zero past K or for a column past n. PRE: the
-// word's E / 8 16-byte input words are already loaded into pre (the ring below) where it lies wholly below K.
+// word's E / 8 16-byte input words are already loaded into pre (the rings below; used only where the word lies wholly
+// below K). A dead lane (live false: a column past n, or a word past the row's last) takes a branch of zeros of its
+// own: a partial column tile (every n but 8, 16, 32, 64) has dead lanes in every warp, and when they shared the row's
+// last word's per-element path (E / 2 compare-select-load steps), each warp ran that path beside the live lanes'
+// loads for every word (persistent.md §27).
 template <int E, bool PRE>
 __device__ __forceinline__ void mm_inputs(const __half* x, int k, int K, bool live, const uint4* pre, __half2* b) {
   const __half z = __float2half(0.0f);
@@ -61,13 +65,16 @@ __device__ __forceinline__ void mm_inputs(const __half* x, int k, int K, bool li
       const uint4 v = PRE ? pre[c] : __ldg(reinterpret_cast<const uint4*>(x + (size_t)k * E) + c);
       b[4 * c] = gb_h2(v.x), b[4 * c + 1] = gb_h2(v.y), b[4 * c + 2] = gb_h2(v.z), b[4 * c + 3] = gb_h2(v.w);
     }
-  } else {
+  } else if (live) {
 #pragma unroll
     for (int i = 0; i < E / 2; i++) {
       const int c = k * E + 2 * i;
-      const __half lo = live && c < K ? x[c] : z, hi = live && c + 1 < K ? x[c + 1] : z;
+      const __half lo = c < K ? x[c] : z, hi = c + 1 < K ? x[c + 1] : z;
       b[i] = __halves2half2(lo, hi);
     }
+  } else {
+#pragma unroll
+    for (int i = 0; i < E / 2; i++) b[i] = __halves2half2(z, z);
   }
 }
 
@@ -329,7 +336,7 @@ __global__ void __launch_bounds__(kMmThreads) mma_small_n_ring_kernel(GemvBatchA
       __half2 x2[NT][E / 2];
 #pragma unroll
       for (int j = 0; j < NT; j++) {
-        const uint4 v = mine[(u * S + 2 * MT + j) * 32];  // (not read below unless live and ok)
+        const uint4 v = mine[(u * S + 2 * MT + j) * 32];  // (used only where live and wholly below K)
         mm_inputs<E, true>(xcol[j], k, K, live[j] && ok, &v, x2[j]);
       }
 #pragma unroll

@@ -167,6 +167,19 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return red[32];
 }
 
+// The block's sum of v (8 warps: 256 threads) where `red` (8 floats) is used for nothing else in flight: one barrier,
+// after which every thread adds the 8 warps' sums itself, in the order block_sum above adds them (its warp 0 lanes
+// 0-7 by xor shuffles 4, 2, 1; the shuffles 16 and 8 add zeros), so the result is the same to the bit; block_sum
+// would spend two more barriers and warp 0's shuffle chain on a prologue's critical path (the decode GEMVs' and the
+// one-row tensor-core product's RMSNorm).
+__device__ __forceinline__ float block_sum_once(float v, float* red) {
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  const float4 a = reinterpret_cast<const float4*>(red)[0], b = reinterpret_cast<const float4*>(red)[1];
+  return ((a.x + b.x) + (a.z + b.z)) + ((a.y + b.y) + (a.w + b.w));
+}
+
 // dot of 8 fp16 weights with 8 fp32 inputs, accumulated in fp32.
 __device__ __forceinline__ float dot8(const uint4& w, const float* x) {
   const __half2* h = reinterpret_cast<const __half2*>(&w);

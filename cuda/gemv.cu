@@ -33,6 +33,7 @@
 namespace ti::cuda {
 
 constexpr int kGemvWarps = 8, kGemvThreads = kGemvWarps * 32;
+static_assert(kGemvWarps == 8, "block_sum_once (common.cuh) sums 8 warps");
 
 // The staged input's layout (kXChunks, xs_index): gemv_dot.cuh.
 
@@ -70,19 +71,6 @@ __device__ __forceinline__ void group_sum(float part, int i, bool in, float* xsu
 __device__ __forceinline__ float sum4(__half2 a, __half2 b) {
   const float2 fa = __half22float2(a), fb = __half22float2(b);
   return (fa.x + fa.y) + (fb.x + fb.y);
-}
-
-// The block's sum of v on the fast path's one use of `red` (nothing wrote it before): one barrier, after which every
-// thread adds the 8 warps' sums itself, in the order common.cuh's block_sum adds them (its warp 0 lanes 0-7 by xor
-// shuffles 4, 2, 1; the shuffles 16 and 8 add zeros), so the result is the same to the bit; block_sum would spend
-// two more barriers and warp 0's shuffle chain on the prologue's critical path.
-__device__ __forceinline__ float block_sum_once(float v, float* red) {
-  static_assert(kGemvWarps == 8, "the sum order below is that of 8 warps");
-  v = warp_sum(v);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  const float4 a = reinterpret_cast<const float4*>(red)[0], b = reinterpret_cast<const float4*>(red)[1];
-  return ((a.x + b.x) + (a.z + b.z)) + ((a.y + b.y) + (a.w + b.w));
 }
 
 // F32Norm's fast path: this thread's float4s of the residual stream into xr, and the block's 1 / rms.

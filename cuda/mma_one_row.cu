@@ -12,7 +12,8 @@
 // chunks of 4 words a row (lane t of group g: word t of rows g and g + 8); the k order inside a k-step permuted so
 // that each lane reads E contiguous inputs per word. Different here:
 //   - the input is staged once in shared memory, as fp16, zero at and past K up to the last chunk's end, so no
-//     chunk checks an input's bounds; the lanes with g == 0 read it (predicated loads), the others hold zeros;
+//     chunk checks an input's bounds; the lanes with g == 0 read it (predicated loads), the others hold zeros; a
+//     normed row is staged as the decode GEMV stages it (its norm weight fetched before the PDL wait, one barrier);
 //   - only a row's last chunk (warp-uniform) checks the weights' bounds (gb_word_h2); a slot past the row's words
 //     is left as it was, never zeroed, as that chunk zeroes such words at use;
 //   - the epilogue sums column 0 only (lanes t == 0: rows g and g + 8).
@@ -52,7 +53,8 @@ __device__ void stage_f16(const __half* x, int K, int P, __half* xs) {
 }
 
 // xs[0, P) = fp16(x inv w), zero at and past K; inv = rsqrt(mean(x^2) + eps), the sum of squares in rmsnorm_rows'
-// order where K % 4 == 0 (the fp32 row is 16-byte aligned there): the batched step's two kernels' bits.
+// order where K % 4 == 0 (the fp32 row is 16-byte aligned there): the batched step's two kernels' bits. The general
+// path (K % 4 != 0, or K past the fast path's registers); stage_normed_fast below otherwise.
 __device__ void stage_normed(const float* x, const float* w, float eps, int K, int P, __half* xs) {
   __shared__ float nred[33];
   float ss = 0.0f;
@@ -69,6 +71,49 @@ __device__ void stage_normed(const float* x, const float* w, float eps, int K, i
     xs[i] = i < K ? __float2half(x[i] * inv * w[i]) : __float2half(0.0f);
 }
 
+// The normed row's fast path, staged as the decode GEMV stages it (gemv.cu) and with stage_normed's bits: the RMSNorm
+// weight, itself a weight, prefetched before the PDL wait into shared memory (each thread the float4s it reads later:
+// no barrier); after the wait the row's float4s held in registers from the sum of squares (stage_normed's order) to
+// the write, and the block's sum with one barrier (block_sum_once). stage_normed spent two round trips to L2 after
+// the wait (the row, then the weight after the sum) and three barriers in the sum: on the normed roles' critical path
+// (qkv, gate/up, the LM head), where the GEMV it stands in for spends one and one.
+constexpr int kOrNormVec = 8;  // float4s of the row a thread holds: K <= 8,192
+__host__ __device__ constexpr bool or_norm_fast(int K) { return K % 4 == 0 && K <= kOrNormVec * 4 * kOrThreads; }
+
+__device__ __forceinline__ void prefetch_norm_w(const float* w, int K, float* nws) {
+#pragma unroll
+  for (int u = 0; u < kOrNormVec; u++) {
+    const int i = threadIdx.x + u * kOrThreads;
+    if (i < K / 4) reinterpret_cast<float4*>(nws)[i] = reinterpret_cast<const float4*>(w)[i];
+  }
+}
+
+__device__ __forceinline__ void stage_normed_fast(const float* x, const float* nws, float eps, int K, int P,
+                                                  __half* xs) {
+  __shared__ __align__(16) float nred[kOrWarps];
+  const int nv = K / 4;
+  float4 xr[kOrNormVec];
+  float ss = 0.0f;
+#pragma unroll
+  for (int u = 0; u < kOrNormVec; u++) {
+    const int i = threadIdx.x + u * kOrThreads;
+    xr[u] = i < nv ? reinterpret_cast<const float4*>(x)[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (i < nv) ss = fmaf(xr[u].x, xr[u].x, fmaf(xr[u].y, xr[u].y, fmaf(xr[u].z, xr[u].z, fmaf(xr[u].w, xr[u].w, ss))));
+  }
+  const float inv = rsqrtf(block_sum_once(ss, nred) / (float)K + eps);
+#pragma unroll
+  for (int u = 0; u < kOrNormVec; u++) {
+    const int i = threadIdx.x + u * kOrThreads;
+    if (i < nv) {
+      const float4 w = reinterpret_cast<const float4*>(nws)[i];  // (this thread's own prefetch)
+      __half2* dst = reinterpret_cast<__half2*>(xs + 4 * i);
+      dst[0] = __floats2half2_rn(xr[u].x * inv * w.x, xr[u].y * inv * w.y);
+      dst[1] = __floats2half2_rn(xr[u].z * inv * w.z, xr[u].w * inv * w.w);
+    }
+  }
+  for (int i = K + threadIdx.x; i < P; i += kOrThreads) xs[i] = __float2half(0.0f);
+}
+
 // p, as a value the compiler cannot recompute from what made it (so it keeps it in registers instead).
 template <typename T>
 __device__ __forceinline__ const T* or_opaque(const T* p) {
@@ -81,12 +126,14 @@ __device__ __forceinline__ uint32_t or_u32(__half2 h) { return *reinterpret_cast
 template <WFormat WF, GemvIn IN, GemvOut OUT, int U>
 __global__ void __launch_bounds__(kOrThreads) mma_one_row_kernel(GemvBatchArgs a) {
   constexpr int E = kWordElems<WF>, XW = E / 8;
-  extern __shared__ __align__(16) float red[];  // (kOrWarps, kOrRows) the warps' sums; then the staged input
+  // (kOrWarps, kOrRows) the warps' sums; then the staged input (P halves); then, F32Norm's fast path, the norm weight
+  extern __shared__ __align__(16) float red[];
   __half* xs = reinterpret_cast<__half*>(red + kOrWarps * kOrRows);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const QMat& W = a.W;
   const int K = W.K, row0 = blockIdx.x * kOrRows;
-  const int words = gb_words(W, E), chunks = (words + 3) / 4, full_chunks = K / (4 * E);
+  const int words = gb_words(W, E), chunks = (words + 3) / 4, full_chunks = K / (4 * E), P = or_padded(K, E);
+  float* nws = reinterpret_cast<float*>(xs + P);
   const int ra = min(row0 + g, W.rows - 1), rb = min(row0 + g + 8, W.rows - 1);  // past the end: stored nowhere
   // The lane's word of chunk c: wa + 4 c. Held (or_opaque): left to itself the compiler rebuilt both row pointers
   // from ra / rb at every refill at U = 4 (~18 instructions a chunk).
@@ -109,11 +156,13 @@ __global__ void __launch_bounds__(kOrThreads) mma_one_row_kernel(GemvBatchArgs a
   // PDL (common.cuh): the first chunks' weights before the wait, the input after it; the trigger follows it.
 #pragma unroll
   for (int u = 0; u < U; u++) load(u, warp + u * kOrWarps);
+  if constexpr (IN == GemvIn::F32Norm)
+    if (or_norm_fast(K)) prefetch_norm_w(a.norm_w, K, nws);
   pdl_wait();
   pdl_launch_dependents();
-  const int P = or_padded(K, E);
   if constexpr (IN == GemvIn::F32Norm) {
-    stage_normed(static_cast<const float*>(a.x), a.norm_w, a.eps, K, P, xs);
+    if (or_norm_fast(K)) stage_normed_fast(static_cast<const float*>(a.x), nws, a.eps, K, P, xs);
+    else stage_normed(static_cast<const float*>(a.x), a.norm_w, a.eps, K, P, xs);
   } else {
     stage_f16(static_cast<const __half*>(a.x), K, P, xs);
   }
@@ -179,9 +228,13 @@ __global__ void __launch_bounds__(kOrThreads) mma_one_row_kernel(GemvBatchArgs a
 
 template <WFormat WF, GemvIn IN, GemvOut OUT, int U>
 void launch_one_row(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
-  const size_t smem = (size_t)kOrWarps * kOrRows * sizeof(float) + (size_t)or_padded(a.W.K, kWordElems<WF>) * 2;
-  launch(mma_one_row_kernel<WF, IN, OUT, U>, dim3((a.W.rows + kOrRows - 1) / kOrRows), dim3(kOrThreads), smem, s,
-         pdl, a);
+  const int K = a.W.K;
+  const size_t smem = (size_t)kOrWarps * kOrRows * sizeof(float) + (size_t)or_padded(K, kWordElems<WF>) * 2 +
+                      (IN == GemvIn::F32Norm && or_norm_fast(K) ? (size_t)K * sizeof(float) : 0);
+  auto kernel = mma_one_row_kernel<WF, IN, OUT, U>;
+  if (smem > 48 * 1024)  // (K > ~7,900 on the fast path; idempotent, so set at every launch, graph capture included)
+    TI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  launch(kernel, dim3((a.W.rows + kOrRows - 1) / kOrRows), dim3(kOrThreads), smem, s, pdl, a);
 }
 
 template <WFormat WF>

@@ -9,7 +9,7 @@
 
 namespace ti::cuda {
 
-constexpr int kMmaOneRowMaxK = 16384;  // the staged row in shared memory (with the warps' sums ~33 KB: no opt-in)
+constexpr int kMmaOneRowMaxK = 16384;  // the staged row in shared memory (fp16: 32 KB)
 
 // a.n must be 1; a.x (16-byte aligned): the fp16 row (F16) or the fp32 row (F32Norm, with a.norm_w and a.eps);
 // columns K.. never read. out: F32 or AddF32 (F16 input), F32 or Swiglu (F32Norm input; W's rows interleaved

@@ -253,6 +253,19 @@ void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaSt
   TI_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
+// Opts `kernel` into `smem` bytes of dynamic shared memory where it needs that: past the default limit, 48 KB minus
+// the kernel's static shared memory (a kernel with static arrays reaches it below 48 KB of dynamic memory: the
+// F32Norm GEMV at K = 8,192, whose 48 KB of staging with its 132 static bytes would not launch). Idempotent, so
+// called at every launch, graph captures included, rather than behind a once-flag.
+template <typename Kernel>
+inline void allow_dynamic_smem(Kernel kernel, size_t smem) {
+  if (smem == 0) return;
+  cudaFuncAttributes fa{};
+  TI_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+  if (smem + fa.sharedSizeBytes > 48 * 1024)
+    TI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+}
+
 inline int64_t pad8(int64_t n) { return (n + 7) / 8 * 8; }
 
 }  // namespace ti::cuda

@@ -710,9 +710,7 @@ static size_t gemv_smem(const GemvParams& p, GemvIn in) {
 
 template <typename Kernel>
 static void raise_smem(Kernel kernel, size_t smem) {
-  if (smem > 48 * 1024) {  // idempotent, so no once-flag (a once-flag with the first size was a bug elsewhere)
-    TI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  }
+  allow_dynamic_smem(kernel, smem);  // (no once-flag: a once-flag with the first size was a bug elsewhere)
 }
 
 // Blocks for `tiles` tiles: one per tile (blocks_per_sm == 0), or at most blocks_per_sm per SM, spread so that

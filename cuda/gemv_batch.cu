@@ -222,9 +222,7 @@ template <WFormat WF, int NB, GemvIn IN, GemvOut OUT>
 static void launch_gb(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
   constexpr int R = gb_rows_per_warp<WF, NB, OUT>();
   const size_t smem = gb_smem(a.W, NB, IN);
-  if (smem > 48 * 1024)  // idempotent
-    TI_CUDA_CHECK(cudaFuncSetAttribute(gemv_batch_kernel<R, WF, NB, IN, OUT>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  allow_dynamic_smem(gemv_batch_kernel<R, WF, NB, IN, OUT>, smem);
   const int groups = (a.n + NB - 1) / NB, tiles = (a.W.rows + kGbWarps * R - 1) / (kGbWarps * R);
   const int per_group = std::max(1, (2 * sm_count() + groups - 1) / groups);  // ~2 blocks per SM in all
   launch(gemv_batch_kernel<R, WF, NB, IN, OUT>, dim3(groups, std::min(tiles, per_group)), dim3(kGbThreads), smem, s,

@@ -29,6 +29,7 @@ namespace ti::cuda {
 namespace {
 
 constexpr int kOrWarps = 8, kOrThreads = kOrWarps * 32, kOrRows = 16;
+static_assert(kOrWarps == 8, "block_sum_once (common.cuh) sums 8 warps");
 // Chunks in flight per warp (register slots of 2 words a lane): as mma_small_n's ring, deeper where the grid is
 // one wave of one block per SM (there nothing else on the SM hides a round trip to DRAM).
 template <WFormat WF> constexpr int kOrUnroll = WF == WFormat::I4 ? 2 : 4;
@@ -72,37 +73,42 @@ __device__ void stage_normed(const float* x, const float* w, float eps, int K, i
 }
 
 // The normed row's fast path, staged as the decode GEMV stages it (gemv.cu) and with stage_normed's bits: the RMSNorm
-// weight, itself a weight, prefetched before the PDL wait into shared memory (each thread the float4s it reads later:
-// no barrier); after the wait the row's float4s held in registers from the sum of squares (stage_normed's order) to
-// the write, and the block's sum with one barrier (block_sum_once). stage_normed spent two round trips to L2 after
-// the wait (the row, then the weight after the sum) and three barriers in the sum: on the normed roles' critical path
-// (qkv, gate/up, the LM head), where the GEMV it stands in for spends one and one.
-constexpr int kOrNormVec = 8;  // float4s of the row a thread holds: K <= 8,192
-__host__ __device__ constexpr bool or_norm_fast(int K) { return K % 4 == 0 && K <= kOrNormVec * 4 * kOrThreads; }
+// weight, itself a weight, copied before the PDL wait into shared memory (cp.async: no register and no stall; each
+// thread the float4s it reads later, so no barrier); after the wait the row's NV float4s a thread held in registers
+// from the sum of squares (stage_normed's order) to the write, and the block's sum with one barrier (block_sum_once).
+// stage_normed spends two round trips to L2 after the wait (the row, then the weight after the sum) and three
+// barriers in the sum, on the normed roles' critical path (qkv, gate/up, the LM head), where the GEMV it stands in for
+// spends one and one. NV = 2 up to K = 2,048 (TinyLlama, SmolLM2: 8 registers), else 8 (K <= 8,192: 32 registers).
+__host__ __device__ constexpr bool or_norm_fast(int K, int NV) { return K % 4 == 0 && K <= NV * 4 * kOrThreads; }
+__host__ __device__ constexpr int or_norm_vec(int K) { return K <= 2 * 4 * kOrThreads ? 2 : 8; }
 
+template <int NV>
 __device__ __forceinline__ void prefetch_norm_w(const float* w, int K, float* nws) {
 #pragma unroll
-  for (int u = 0; u < kOrNormVec; u++) {
+  for (int u = 0; u < NV; u++) {
     const int i = threadIdx.x + u * kOrThreads;
-    if (i < K / 4) reinterpret_cast<float4*>(nws)[i] = reinterpret_cast<const float4*>(w)[i];
+    if (i < K / 4) cp_async16(nws + 4 * i, w + 4 * i);
   }
+  cp_async_commit();
 }
 
+template <int NV>
 __device__ __forceinline__ void stage_normed_fast(const float* x, const float* nws, float eps, int K, int P,
                                                   __half* xs) {
   __shared__ __align__(16) float nred[kOrWarps];
   const int nv = K / 4;
-  float4 xr[kOrNormVec];
+  float4 xr[NV];
   float ss = 0.0f;
 #pragma unroll
-  for (int u = 0; u < kOrNormVec; u++) {
+  for (int u = 0; u < NV; u++) {
     const int i = threadIdx.x + u * kOrThreads;
     xr[u] = i < nv ? reinterpret_cast<const float4*>(x)[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (i < nv) ss = fmaf(xr[u].x, xr[u].x, fmaf(xr[u].y, xr[u].y, fmaf(xr[u].z, xr[u].z, fmaf(xr[u].w, xr[u].w, ss))));
   }
   const float inv = rsqrtf(block_sum_once(ss, nred) / (float)K + eps);
+  cp_async_wait<0>();  // this thread's copies of the norm weight (prefetch_norm_w)
 #pragma unroll
-  for (int u = 0; u < kOrNormVec; u++) {
+  for (int u = 0; u < NV; u++) {
     const int i = threadIdx.x + u * kOrThreads;
     if (i < nv) {
       const float4 w = reinterpret_cast<const float4*>(nws)[i];  // (this thread's own prefetch)
@@ -123,7 +129,8 @@ __device__ __forceinline__ const T* or_opaque(const T* p) {
 
 __device__ __forceinline__ uint32_t or_u32(__half2 h) { return *reinterpret_cast<const uint32_t*>(&h); }
 
-template <WFormat WF, GemvIn IN, GemvOut OUT, int U>
+// NV: F32Norm's fast-path float4s a thread (or_norm_vec; 0 for F16 inputs).
+template <WFormat WF, GemvIn IN, GemvOut OUT, int U, int NV>
 __global__ void __launch_bounds__(kOrThreads) mma_one_row_kernel(GemvBatchArgs a) {
   constexpr int E = kWordElems<WF>, XW = E / 8;
   // (kOrWarps, kOrRows) the warps' sums; then the staged input (P halves); then, F32Norm's fast path, the norm weight
@@ -157,11 +164,11 @@ __global__ void __launch_bounds__(kOrThreads) mma_one_row_kernel(GemvBatchArgs a
 #pragma unroll
   for (int u = 0; u < U; u++) load(u, warp + u * kOrWarps);
   if constexpr (IN == GemvIn::F32Norm)
-    if (or_norm_fast(K)) prefetch_norm_w(a.norm_w, K, nws);
+    if (or_norm_fast(K, NV)) prefetch_norm_w<NV>(a.norm_w, K, nws);
   pdl_wait();
   pdl_launch_dependents();
   if constexpr (IN == GemvIn::F32Norm) {
-    if (or_norm_fast(K)) stage_normed_fast(static_cast<const float*>(a.x), nws, a.eps, K, P, xs);
+    if (or_norm_fast(K, NV)) stage_normed_fast<NV>(static_cast<const float*>(a.x), nws, a.eps, K, P, xs);
     else stage_normed(static_cast<const float*>(a.x), a.norm_w, a.eps, K, P, xs);
   } else {
     stage_f16(static_cast<const __half*>(a.x), K, P, xs);
@@ -226,22 +233,27 @@ __global__ void __launch_bounds__(kOrThreads) mma_one_row_kernel(GemvBatchArgs a
   }
 }
 
-template <WFormat WF, GemvIn IN, GemvOut OUT, int U>
+template <WFormat WF, GemvIn IN, GemvOut OUT, int U, int NV = 0>
 void launch_one_row(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
   const int K = a.W.K;
   const size_t smem = (size_t)kOrWarps * kOrRows * sizeof(float) + (size_t)or_padded(K, kWordElems<WF>) * 2 +
-                      (IN == GemvIn::F32Norm && or_norm_fast(K) ? (size_t)K * sizeof(float) : 0);
-  auto kernel = mma_one_row_kernel<WF, IN, OUT, U>;
-  if (smem > 48 * 1024)  // (K > ~7,900 on the fast path; idempotent, so set at every launch, graph capture included)
-    TI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+                      (IN == GemvIn::F32Norm && or_norm_fast(K, NV) ? (size_t)K * sizeof(float) : 0);
+  auto kernel = mma_one_row_kernel<WF, IN, OUT, U, NV>;
+  allow_dynamic_smem(kernel, smem);  // (F32Norm's fast path past K ~ 8,050)
   launch(kernel, dim3((a.W.rows + kOrRows - 1) / kOrRows), dim3(kOrThreads), smem, s, pdl, a);
+}
+
+template <WFormat WF, GemvOut OUT>
+void launch_normed(const GemvBatchArgs& a, cudaStream_t s, bool pdl) {
+  if (or_norm_vec(a.W.K) == 2) return launch_one_row<WF, GemvIn::F32Norm, OUT, kOrUnroll<WF>, 2>(a, s, pdl);
+  launch_one_row<WF, GemvIn::F32Norm, OUT, kOrUnroll<WF>, 8>(a, s, pdl);
 }
 
 template <WFormat WF>
 void one_row_modes(const GemvBatchArgs& a, GemvIn in, GemvOut out, cudaStream_t s, bool pdl) {
   if (in == GemvIn::F32Norm) {
-    if (out == GemvOut::F32) return launch_one_row<WF, GemvIn::F32Norm, GemvOut::F32, kOrUnroll<WF>>(a, s, pdl);
-    return launch_one_row<WF, GemvIn::F32Norm, GemvOut::Swiglu, kOrUnroll<WF>>(a, s, pdl);
+    if (out == GemvOut::F32) return launch_normed<WF, GemvOut::F32>(a, s, pdl);
+    return launch_normed<WF, GemvOut::Swiglu>(a, s, pdl);
   }
   if (out == GemvOut::F32) return launch_one_row<WF, GemvIn::F16, GemvOut::F32, kOrUnroll<WF>>(a, s, pdl);
   // the residual products (o, down): at a 2,048-wide model one wave of 16-row blocks

@@ -102,8 +102,8 @@ bool act8_applies(const cuda::GemvParams& p, cuda::GemvIn in) {
 }
 
 // kGemvMmaOneRow: the GEMV's arguments as the one-row tensor-core product's (cuda/mma_one_row.cuh; its trigger
-// follows its wait: the plan's early triggers do not apply). Its shared memory (the staged row, <= 32 KB) fits the
-// step's one carveout (persistent.md §23).
+// follows its wait: the plan's early triggers do not apply). Its shared memory (the staged row; a normed one with its
+// norm weight, <= ~50 KB) fits two blocks per SM under the step's one carveout (persistent.md §23).
 static void launch_mma_one_row(const cuda::GemvParams& p, cuda::GemvIn in, cuda::GemvOut out, cudaStream_t s,
                                bool pdl) {
   cuda::GemvBatchArgs a;

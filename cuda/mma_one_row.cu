@@ -17,7 +17,12 @@
 //   - only a row's last chunk (warp-uniform) checks the weights' bounds (gb_word_h2); a slot past the row's words
 //     is left as it was, never zeroed, as that chunk zeroes such words at use;
 //   - the epilogue sums column 0 only (lanes t == 0: rows g and g + 8).
-// The same values meet in the same mma order as in mma_small_n's register ring at n = 1, so the same bits.
+//   - int8: the weights meet the mma as q = u - 128, exact, and each block's d scales its sum after the product in
+//     fp32: a chunk's two blocks (words 4c, 4c + 1 and 4c + 2, 4c + 3) are kept apart in D's columns 0 and 1 (lanes
+//     t = 0, 1 hold the input in B's column 0, lanes t = 2, 3 in column 1: at n = 1 the other columns are free), so a
+//     word costs 2 operations a weight pair instead of 3 (SASS: ~40 instructions a word against the GEMV's 46-58).
+// fp16 and int4: the same values meet in the same mma order as in mma_small_n's register ring at n = 1, so the same
+// bits; int8 differs from it by mma_small_n's fp16 rounding of d q (here d q x is summed in fp32, as the GEMV does).
 #include "common.cuh"
 #include "mma_frag.cuh"
 #include "mma_one_row.cuh"
@@ -147,6 +152,16 @@ __global__ void __launch_bounds__(kOrThreads) mma_one_row_kernel(GemvBatchArgs a
   const uint4* wa = or_opaque(gb_row<WF>(W, ra) + t);
   const uint4* wb = or_opaque(gb_row<WF>(W, rb) + t);
 
+  // I8 (kBlocks): the chunk's two blocks' d of rows g and g + 8 (every lane of the quad the same pair), for after the
+  // product; I4: the word's (s, m); fp16 nothing.
+  constexpr bool kBlocks = WF == WFormat::I8;
+  const int nb = W.ld / kI8Block;  // I8: blocks per row
+  const __half* da = nullptr;
+  const __half* db = nullptr;
+  if constexpr (kBlocks) {
+    da = or_opaque(static_cast<const __half*>(W.scales) + (size_t)ra * nb);
+    db = or_opaque(static_cast<const __half*>(W.scales) + (size_t)rb * nb);
+  }
   uint4 va[U], vb[U];  // (zeroed once, so that no slot is ever read undefined; never again: see above)
   float2 sa[U], sb[U];
 #pragma unroll
@@ -156,8 +171,17 @@ __global__ void __launch_bounds__(kOrThreads) mma_one_row_kernel(GemvBatchArgs a
     if (c < chunks && k < words) {
       va[u] = load_stream(wa + 4 * c);
       vb[u] = load_stream(wb + 4 * c);
-      sa[u] = gb_scale<WF>(W, ra, k);
-      sb[u] = gb_scale<WF>(W, rb, k);
+      if constexpr (!kBlocks) {
+        sa[u] = gb_scale<WF>(W, ra, k);
+        sb[u] = gb_scale<WF>(W, rb, k);
+      }
+    }
+    if constexpr (kBlocks) {
+      if (c < chunks) {  // (block 2c exists wherever chunk c does; 2c + 1 not past the row's last block)
+        const bool two = 2 * c + 1 < nb;
+        sa[u] = make_float2(__half2float(da[2 * c]), two ? __half2float(da[2 * c + 1]) : 0.0f);
+        sb[u] = make_float2(__half2float(db[2 * c]), two ? __half2float(db[2 * c + 1]) : 0.0f);
+      }
     }
   };
   // PDL (common.cuh): the first chunks' weights before the wait, the input after it; the trigger follows it.
@@ -176,7 +200,9 @@ __global__ void __launch_bounds__(kOrThreads) mma_one_row_kernel(GemvBatchArgs a
   __syncthreads();
 
   const uint4* xl = reinterpret_cast<const uint4*>(xs) + t * XW;  // the lane's inputs of chunk c: xl + 4 XW c
-  const bool feed = g == 0;                                         // B's column 0: the one input
+  // The lanes that hold the input in B: column 0 (g == 0); I8: column 0 the first block of the chunk (lanes t = 0, 1:
+  // words 4c, 4c + 1), column 1 the second (t = 2, 3), so that D's columns 0 and 1 are the two blocks' sums apart.
+  const bool feed = kBlocks ? g == (t >> 1) : g == 0;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int c0 = warp; c0 < chunks; c0 += kOrWarps * U) {
 #pragma unroll
@@ -191,7 +217,16 @@ __global__ void __launch_bounds__(kOrThreads) mma_one_row_kernel(GemvBatchArgs a
         x2[4 * q] = gb_h2(v.x), x2[4 * q + 1] = gb_h2(v.y), x2[4 * q + 2] = gb_h2(v.z), x2[4 * q + 3] = gb_h2(v.w);
       }
       __half2 wa2[E / 2], wb2[E / 2];
-      if (c < full_chunks) {  // (warp-uniform) every word wholly below K
+      if constexpr (kBlocks) {  // q exact; d after the product
+        if (c < full_chunks) {
+          gb_word_q8_h2<false>(va[u], 0, K, true, wa2);
+          gb_word_q8_h2<false>(vb[u], 0, K, true, wb2);
+        } else {
+          const int k = 4 * c + t;
+          gb_word_q8_h2(va[u], k, K, k < words, wa2);
+          gb_word_q8_h2(vb[u], k, K, k < words, wb2);
+        }
+      } else if (c < full_chunks) {  // (warp-uniform) every word wholly below K
         gb_word_h2<WF, false>(va[u], sa[u], 0, K, true, wa2);
         gb_word_h2<WF, false>(vb[u], sb[u], 0, K, true, wb2);
       } else {
@@ -199,10 +234,16 @@ __global__ void __launch_bounds__(kOrThreads) mma_one_row_kernel(GemvBatchArgs a
         gb_word_h2<WF>(va[u], sa[u], k, K, k < words, wa2);
         gb_word_h2<WF>(vb[u], sb[u], k, K, k < words, wb2);
       }
+      float dq[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // I8: the chunk's sums of q x, (row g, block 2c / 2c + 1), (g + 8, ...)
+      float* d = kBlocks ? dq : acc;
 #pragma unroll
       for (int s = 0; s < E / 4; s++) {  // mma_small_n's k-steps (mm_word), in its order
         const uint32_t af[4] = {or_u32(wa2[2 * s]), or_u32(wb2[2 * s]), or_u32(wa2[2 * s + 1]), or_u32(wb2[2 * s + 1])};
-        mma_16816(acc, af, or_u32(x2[2 * s]), or_u32(x2[2 * s + 1]));
+        mma_16816(d, af, or_u32(x2[2 * s]), or_u32(x2[2 * s + 1]));
+      }
+      if constexpr (kBlocks) {  // (lanes t != 0 hold columns 2-7: zeros; their acc is never read)
+        acc[0] = fmaf(sa[u].y, dq[1], fmaf(sa[u].x, dq[0], acc[0]));
+        acc[2] = fmaf(sb[u].y, dq[3], fmaf(sb[u].x, dq[2], acc[2]));
       }
       load(u, c + kOrWarps * U);  // the slot's next chunk (none past the warp's last)
     }

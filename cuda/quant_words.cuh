@@ -65,6 +65,18 @@ __device__ __forceinline__ void gb_dequant_h2(const uint4& v, float2 sc, __half2
   }
 }
 
+// Zero the pairs of word k (E weights) at or past column K, all of them where !valid (a word past the row's last).
+template <int E>
+__device__ __forceinline__ void gb_zero_past(int k, int K, bool valid, __half2* w) {
+  const __half z = __float2half(0.0f);
+#pragma unroll
+  for (int i = 0; i < E / 2; i++) {
+    const int c = k * E + 2 * i;
+    if (!valid || c >= K) w[i] = __halves2half2(z, z);
+    else if (c + 1 >= K) w[i] = __halves2half2(__low2half(w[i]), z);
+  }
+}
+
 // The word k (16 bytes) of one row as E / 2 fp16 pairs (gb_dequant_h2; fp16 as is), its columns at or past K
 // zeroed, all of it where !valid (a word past the row's last): the tensor-core products' A fragments. CHECK false:
 // the caller knows the word valid and wholly below K.
@@ -76,15 +88,21 @@ __device__ __forceinline__ void gb_word_h2(const uint4& v, float2 sc, int k, int
   } else {
     gb_dequant_h2<WF>(v, sc, w);
   }
-  if (CHECK && (!valid || (k + 1) * E > K)) {
-    const __half z = __float2half(0.0f);
+  if (CHECK && (!valid || (k + 1) * E > K)) gb_zero_past<E>(k, K, valid, w);
+}
+
+// An I8 word's 16 weights as fp16 pairs of q = u - 128, exact (1024 + u, minus 1152), the block's d left for after the
+// product (cuda/mma_one_row.cu scales each block's sum in fp32); zeroed past K as gb_word_h2.
+template <bool CHECK = true>
+__device__ __forceinline__ void gb_word_q8_h2(const uint4& v, int k, int K, bool valid, __half2* w) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+  const __half2 off = __float2half2_rn(1152.0f);
 #pragma unroll
-    for (int i = 0; i < E / 2; i++) {
-      const int c = k * E + 2 * i;
-      if (!valid || c >= K) w[i] = __halves2half2(z, z);
-      else if (c + 1 >= K) w[i] = __halves2half2(__low2half(w[i]), z);
-    }
+  for (int i = 0; i < 4; i++) {
+    w[2 * i] = __hsub2(gb_h2(__byte_perm(u[i], 0x64646464u, 0x4140u)), off);
+    w[2 * i + 1] = __hsub2(gb_h2(__byte_perm(u[i], 0x64646464u, 0x4342u)), off);
   }
+  if (CHECK && (!valid || (k + 1) * 16 > K)) gb_zero_past<16>(k, K, valid, w);
 }
 
 }  // namespace ti::cuda

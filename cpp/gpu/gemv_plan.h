@@ -33,7 +33,7 @@ const cuda::QMat& role_matrix(const DeviceWeights& w, MatrixRole r, int64_t laye
 // R of the variant that runs the one-row tensor-core product (cuda/mma_one_row.cuh) instead of a GEMV, every role
 // and weight format (the normed roles' RMSNorm in its prologue). Timed by the tuner only with CudaOptions::gemv_mma
 // (off until measured), else forced through gemv_pins: whether mma.sync's fewer instructions a weight shorten the
-// decode GEMVs (docs/perf/persistent.md §26-27: at fp16; not at int8 / int4, whose dequantization dominates).
+// decode GEMVs (docs/perf/persistent.md §26-27: at fp16 and int8; not at int4, whose unpacking dominates).
 constexpr int kGemvMmaOneRow = 16;
 // Whether the decode step can run variant R for `role` (cuda::gemv_variant_ok, or kGemvMmaOneRow).
 bool plan_variant_ok(int R, MatrixRole role);

@@ -12,8 +12,9 @@
 // chunks of 4 words a row (lane t of group g: word t of rows g and g + 8); the k order inside a k-step permuted so
 // that each lane reads E contiguous inputs per word. Different here:
 //   - the input is staged once in shared memory, as fp16, zero at and past K up to the last chunk's end, so no
-//     chunk checks an input's bounds; the lanes with g == 0 read it (predicated loads), the others hold zeros; a
-//     normed row is staged as the decode GEMV stages it (its norm weight fetched before the PDL wait, one barrier);
+//     chunk checks an input's bounds; the lanes that hold B's input column read it (predicated loads: g == 0, int8
+//     below g == t / 2), the others hold zeros; a normed row is staged as the decode GEMV stages it (its norm weight
+//     fetched before the PDL wait, one barrier);
 //   - only a row's last chunk (warp-uniform) checks the weights' bounds (gb_word_h2); a slot past the row's words
 //     is left as it was, never zeroed, as that chunk zeroes such words at use;
 //   - the epilogue sums column 0 only (lanes t == 0: rows g and g + 8).
@@ -21,6 +22,8 @@
 //     fp32: a chunk's two blocks (words 4c, 4c + 1 and 4c + 2, 4c + 3) are kept apart in D's columns 0 and 1 (lanes
 //     t = 0, 1 hold the input in B's column 0, lanes t = 2, 3 in column 1: at n = 1 the other columns are free), so a
 //     word costs 2 operations a weight pair instead of 3 (SASS: ~40 instructions a word against the GEMV's 46-58).
+//     No bounds anywhere: every byte is a finite q and the staged input is zero past K, so a weight past K (or a
+//     stale slot past the row) adds q 0 = 0.
 // fp16 and int4: the same values meet in the same mma order as in mma_small_n's register ring at n = 1, so the same
 // bits; int8 differs from it by mma_small_n's fp16 rounding of d q (here d q x is summed in fp32, as the GEMV does).
 #include "common.cuh"
@@ -164,8 +167,11 @@ __global__ void __launch_bounds__(kOrThreads) mma_one_row_kernel(GemvBatchArgs a
   }
   uint4 va[U], vb[U];  // (zeroed once, so that no slot is ever read undefined; never again: see above)
   float2 sa[U], sb[U];
+  __half2 ha[kBlocks ? U : 1], hb[kBlocks ? U : 1];  // I8: (d of block 2c, of 2c + 1), rows g / g + 8: a register
 #pragma unroll
   for (int u = 0; u < U; u++) va[u] = vb[u] = make_uint4(0, 0, 0, 0), sa[u] = sb[u] = make_float2(0.0f, 0.0f);
+#pragma unroll
+  for (int u = 0; u < (kBlocks ? U : 1); u++) ha[u] = hb[u] = __float2half2_rn(0.0f);
   auto load = [&](int u, int c) {  // chunk c (of this warp) into slot u
     const int k = 4 * c + t;
     if (c < chunks && k < words) {
@@ -179,8 +185,9 @@ __global__ void __launch_bounds__(kOrThreads) mma_one_row_kernel(GemvBatchArgs a
     if constexpr (kBlocks) {
       if (c < chunks) {  // (block 2c exists wherever chunk c does; 2c + 1 not past the row's last block)
         const bool two = 2 * c + 1 < nb;
-        sa[u] = make_float2(__half2float(da[2 * c]), two ? __half2float(da[2 * c + 1]) : 0.0f);
-        sb[u] = make_float2(__half2float(db[2 * c]), two ? __half2float(db[2 * c + 1]) : 0.0f);
+        const __half z = __float2half(0.0f);
+        ha[u] = __halves2half2(da[2 * c], two ? da[2 * c + 1] : z);
+        hb[u] = __halves2half2(db[2 * c], two ? db[2 * c + 1] : z);
       }
     }
   };
@@ -217,15 +224,9 @@ __global__ void __launch_bounds__(kOrThreads) mma_one_row_kernel(GemvBatchArgs a
         x2[4 * q] = gb_h2(v.x), x2[4 * q + 1] = gb_h2(v.y), x2[4 * q + 2] = gb_h2(v.z), x2[4 * q + 3] = gb_h2(v.w);
       }
       __half2 wa2[E / 2], wb2[E / 2];
-      if constexpr (kBlocks) {  // q exact; d after the product
-        if (c < full_chunks) {
-          gb_word_q8_h2<false>(va[u], 0, K, true, wa2);
-          gb_word_q8_h2<false>(vb[u], 0, K, true, wb2);
-        } else {
-          const int k = 4 * c + t;
-          gb_word_q8_h2(va[u], k, K, k < words, wa2);
-          gb_word_q8_h2(vb[u], k, K, k < words, wb2);
-        }
+      if constexpr (kBlocks) {  // q exact (no bounds: see the file comment); d after the product
+        gb_word_q8_h2<false>(va[u], 0, K, true, wa2);
+        gb_word_q8_h2<false>(vb[u], 0, K, true, wb2);
       } else if (c < full_chunks) {  // (warp-uniform) every word wholly below K
         gb_word_h2<WF, false>(va[u], sa[u], 0, K, true, wa2);
         gb_word_h2<WF, false>(vb[u], sb[u], 0, K, true, wb2);
@@ -242,8 +243,9 @@ __global__ void __launch_bounds__(kOrThreads) mma_one_row_kernel(GemvBatchArgs a
         mma_16816(d, af, or_u32(x2[2 * s]), or_u32(x2[2 * s + 1]));
       }
       if constexpr (kBlocks) {  // (lanes t != 0 hold columns 2-7: zeros; their acc is never read)
-        acc[0] = fmaf(sa[u].y, dq[1], fmaf(sa[u].x, dq[0], acc[0]));
-        acc[2] = fmaf(sb[u].y, dq[3], fmaf(sb[u].x, dq[2], acc[2]));
+        const float2 fa = __half22float2(ha[u]), fb = __half22float2(hb[u]);
+        acc[0] = fmaf(fa.y, dq[1], fmaf(fa.x, dq[0], acc[0]));
+        acc[2] = fmaf(fb.y, dq[3], fmaf(fb.x, dq[2], acc[2]));
       }
       load(u, c + kOrWarps * U);  // the slot's next chunk (none past the warp's last)
     }

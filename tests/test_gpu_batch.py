@@ -147,10 +147,38 @@ def test_mma_small_n_residual_past_one_wave(fmt, K, n):
     check_small_n_product(True, fmt, K, (_core.ops.sm_count() + 6) * 16 - 5, "f16-add", n)
 
 
+
+@pytest.mark.parametrize("fmt, K", [("fp16", 1004), ("int8", 1000), ("int4", 992)])
+@pytest.mark.parametrize("mode", ["f32norm-f32", "f32norm-swiglu", "f16-add"])
+@pytest.mark.parametrize("n", [1, 8, 9, 16])
+def test_mma_small_n_two_tiles_a_block(fmt, K, mode, n):
+    """The tensor-core kernel with two 16-row tiles a block (each input fragment meeting both tiles' weights): 333
+    / 334 rows make 11 blocks of 32, the last one partial."""
+    check_small_n_product(True, fmt, K, 334 if mode.endswith("swiglu") else 333, mode, n, m_tiles=2)
+
+
+# A residual (add) product of up to 16 rows whose 16-row tiles fit one wave (one per SM) asks for up to 6 (int4) / 8
+# chunks a warp at once (mma_small_n.cu's deep unroll); past one wave it keeps the shallow unroll. Widths where a
+# warp's chunks take more than one pass of the deep unroll (fp16 5,632: down's, 3 passes; fp16 6,196: a partial
+# word and chunk in the last pass; int8 5,632: 2 passes; int4 6,272: 49 chunks against 48 a pass) and below one.
+@pytest.mark.parametrize("fmt, K", [("fp16", 5632), ("fp16", 6196), ("int8", 5632), ("int4", 6272), ("int4", 992)])
+@pytest.mark.parametrize("n", [1, 9, 16])
+def test_mma_small_n_residual_deep_unroll(fmt, K, n):
+    check_small_n_product(True, fmt, K, 333, "f16-add", n)
+
+
+@pytest.mark.parametrize("fmt, K", [("fp16", 1004), ("fp16", 5632), ("int8", 1000), ("int4", 6272)])
+@pytest.mark.parametrize("n", [1, 9])
+def test_mma_small_n_residual_past_one_wave(fmt, K, n):
+    """Past one wave (six 16-row tiles more than the device's SMs, the last one partial) the shallow unroll."""
+    check_small_n_product(True, fmt, K, (_core.ops.sm_count() + 6) * 16 - 5, "f16-add", n)
+
+
 # The decode step's one-row tensor-core kernel (cuda/mma_one_row.cu, gemv_pins R = 16): against numpy, and at fp16 /
 # int4 bit for bit what the batched step's kernel gives for the same row on its register ring (mma_small_n at n = 1;
 # f32norm after rmsnorm_rows), so neither the norm in its prologue nor its staged, zero-padded input changes a bit
-# (int8 scales each block's sum after the product instead: numpy's tolerance, and not the batched bits). K: a partial
+# (int8 scales each block's sum after the product instead: nearer numpy's exact product than the batched kernel). K: a
+# partial
 # word or chunk (fp16 1,004; 1,001, not a multiple of 4: the scalar sum of squares; int8 1,000; int4 992), a partial
 # last chunk refilled into a used register slot (65 chunks a row against 64 in flight: fp16 2,052, int8 4,104; int4
 # 6,176: 49 against 48), fewer chunks than warps (fp16 40), down-sized and long rows (5,632; int4 6,272; fp16 16,384,
@@ -185,8 +213,10 @@ def test_mma_one_row_matches_numpy_and_the_batched_kernel(fmt, K, mode, wave):
         return
     one = ops.gemv_batch(*args, mma=True, one_row=True)
     batched = ops.gemv_batch(*args, mma=True, smem_ring=False)
-    if fmt == "int8" and not (inp == "f16" and K > 16384):  # (d applied after the product: numpy's check above)
-        assert not np.array_equal(one, batched), "int8 should not take the batched kernel's fp16-rounded weights"
+    if fmt == "int8":  # d applied after the product, to exact q: nearer the exact product than fp16(d q) weights
+        if out != "swiglu":  # (whose fp16 outputs round the difference away)
+            y = small_n_reference(W, fmt, X, norm_w, Y0, mode)[2]
+            assert np.abs(one - y).max() < np.abs(batched - y).max()
     else:
         np.testing.assert_array_equal(one, batched)
 
@@ -297,6 +327,24 @@ def test_mma_small_n_refuses_more_than_64_rows():
                        ops.GemvIn.F16, ops.GemvOut.F32, mma=True)
 
 
+def small_n_reference(W, fmt, X, norm_w, Y0, mode):
+    """The product in float64 from the dequantized weights and the fp16-rounded (normed) inputs: (Wq, xin, y)."""
+    inp, out = mode.split("-")
+    Wq = (W.astype(np.float16) if fmt == "fp16" else _core.ops.dequantize_ref(W, fmt)).astype(np.float64)
+    if inp == "f16":
+        xin = X.astype(np.float16).astype(np.float64)
+    else:  # the decode GEMV's rounding: fp16(w * (x * inv))
+        inv = 1.0 / np.sqrt((X.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-5)
+        xin = (norm_w * (X * inv)).astype(np.float16).astype(np.float64)
+    y = xin @ Wq.T
+    if out == "add":
+        y = y + Y0
+    elif out == "swiglu":
+        g, u = y[:, 0::2], y[:, 1::2]
+        y = g / (1 + np.exp(-g)) * u
+    return Wq, xin, y
+
+
 def check_small_n_product(mma, fmt, K, rows, mode, n, m_tiles=0, one_row=False):
     rng = np.random.default_rng(n * 7 + K + rows)
     W = rng.standard_normal((rows, K), dtype=np.float32) * 0.1
@@ -309,18 +357,7 @@ def check_small_n_product(mma, fmt, K, rows, mode, n, m_tiles=0, one_row=False):
     gout = {"f32": ops.GemvOut.F32, "add": ops.GemvOut.AddF32, "swiglu": ops.GemvOut.Swiglu}[out]
     got = ops.gemv_batch(W, fmt, X, norm_w, 1e-5, Y0, gin, gout, mma=mma, m_tiles=m_tiles, one_row=one_row)
 
-    Wq = W.astype(np.float16).astype(np.float64) if fmt == "fp16" else ops.dequantize_ref(W, fmt).astype(np.float64)
-    if inp == "f16":
-        xin = X.astype(np.float16).astype(np.float64)
-    else:  # the decode GEMV's rounding: fp16(w * (x * inv))
-        inv = 1.0 / np.sqrt((X.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-5)
-        xin = (norm_w * (X * inv)).astype(np.float16).astype(np.float64)
-    y = xin @ Wq.T
-    if out == "add":
-        y = y + Y0
-    elif out == "swiglu":
-        g, u = y[:, 0::2], y[:, 1::2]
-        y = g / (1 + np.exp(-g)) * u
+    Wq, xin, y = small_n_reference(W, fmt, X, norm_w, Y0, mode)
     assert got.shape == y.shape and np.isfinite(got).all()
     # Tolerance, on the scale of a dot product (as test_gpu_quant.py): fp16 sums in fp32 (f32norm: an input may
     # round to the other fp16 neighbour, the rsqrt differing in its last bits); int8 / int4 dequantize to fp16

@@ -148,45 +148,18 @@ def test_mma_small_n_residual_past_one_wave(fmt, K, n):
 
 
 
-@pytest.mark.parametrize("fmt, K", [("fp16", 1004), ("int8", 1000), ("int4", 992)])
-@pytest.mark.parametrize("mode", ["f32norm-f32", "f32norm-swiglu", "f16-add"])
-@pytest.mark.parametrize("n", [1, 8, 9, 16])
-def test_mma_small_n_two_tiles_a_block(fmt, K, mode, n):
-    """The tensor-core kernel with two 16-row tiles a block (each input fragment meeting both tiles' weights): 333
-    / 334 rows make 11 blocks of 32, the last one partial."""
-    check_small_n_product(True, fmt, K, 334 if mode.endswith("swiglu") else 333, mode, n, m_tiles=2)
-
-
-# A residual (add) product of up to 16 rows whose 16-row tiles fit one wave (one per SM) asks for up to 6 (int4) / 8
-# chunks a warp at once (mma_small_n.cu's deep unroll); past one wave it keeps the shallow unroll. Widths where a
-# warp's chunks take more than one pass of the deep unroll (fp16 5,632: down's, 3 passes; fp16 6,196: a partial
-# word and chunk in the last pass; int8 5,632: 2 passes; int4 6,272: 49 chunks against 48 a pass) and below one.
-@pytest.mark.parametrize("fmt, K", [("fp16", 5632), ("fp16", 6196), ("int8", 5632), ("int4", 6272), ("int4", 992)])
-@pytest.mark.parametrize("n", [1, 9, 16])
-def test_mma_small_n_residual_deep_unroll(fmt, K, n):
-    check_small_n_product(True, fmt, K, 333, "f16-add", n)
-
-
-@pytest.mark.parametrize("fmt, K", [("fp16", 1004), ("fp16", 5632), ("int8", 1000), ("int4", 6272)])
-@pytest.mark.parametrize("n", [1, 9])
-def test_mma_small_n_residual_past_one_wave(fmt, K, n):
-    """Past one wave (six 16-row tiles more than the device's SMs, the last one partial) the shallow unroll."""
-    check_small_n_product(True, fmt, K, (_core.ops.sm_count() + 6) * 16 - 5, "f16-add", n)
-
-
 # The decode step's one-row tensor-core kernel (cuda/mma_one_row.cu, gemv_pins R = 16): against numpy, and at fp16 /
 # int4 bit for bit what the batched step's kernel gives for the same row on its register ring (mma_small_n at n = 1;
 # f32norm after rmsnorm_rows), so neither the norm in its prologue nor its staged, zero-padded input changes a bit
 # (int8 scales each block's sum after the product instead: nearer numpy's exact product than the batched kernel). K: a
-# partial
-# word or chunk (fp16 1,004; 1,001, not a multiple of 4: the scalar sum of squares; int8 1,000; int4 992), a partial
-# last chunk refilled into a used register slot (65 chunks a row against 64 in flight: fp16 2,052, int8 4,104; int4
-# 6,176: 49 against 48), fewer chunks than warps (fp16 40), down-sized and long rows (5,632; int4 6,272; fp16 16,384,
-# the most a normed row takes; fp16 16,392, an f16 row past it: the batched kernel runs it). A normed row's staging:
-# up to 2,048 (1,004) and up to 8,192 (2,052; 8,096, where its shared memory passes the default limit only with the
-# static arrays counted; 8,192) held in registers, the general path past that and where K % 4 != 0 (1,001). Rows: a
-# partial 16-row tile within one wave of blocks, and for the residual product (whose ring is deep in one wave) past
-# one wave.
+# partial word or chunk (fp16 1,004; 1,001, not a multiple of 4: the scalar sum of squares; int8 1,000; int4 992), a
+# partial last chunk refilled into a used register slot (65 chunks a row against 64 in flight: fp16 2,052, int8 4,104;
+# int4 6,176: 49 against 48), fewer chunks than warps (fp16 40), down-sized and long rows (5,632; int4 6,272; fp16
+# 16,384, the most a normed row takes; fp16 16,392, an f16 row past it: the batched kernel runs it). A normed row's
+# staging: up to 2,048 (1,004) and up to 8,192 (2,052; 8,096, where its shared memory passes the default limit only
+# with the static arrays counted; 8,192) held in registers, the general path past that and where K % 4 != 0 (1,001).
+# Rows: a partial 16-row tile within one wave of blocks, and for the residual product (whose ring is deep in one wave)
+# past one wave.
 @pytest.mark.parametrize("fmt, K", [("fp16", 1004), ("fp16", 1001), ("fp16", 2052), ("fp16", 40), ("fp16", 5632),
                                     ("fp16", 8096), ("fp16", 8192), ("fp16", 16384), ("fp16", 16392), ("int8", 1000),
                                     ("int8", 4104), ("int8", 5632), ("int4", 992), ("int4", 6176), ("int4", 6272)])

@@ -5,8 +5,8 @@
 // 28 (a column past n: the per-element path) made every warp run both sides for every word; past that, the bounds
 // checks of a row's last word in every chunk, the slots zeroed at every refill, the input's address rebuilt per
 // chunk. SASS (sm_90, CUDA 13), main loop at fp16 on the normed input: 709 instructions for 4 chunks (two 16-byte
-// words a lane each) with both sides of that branch on every word's path; here ~30 a chunk on a whole chunk's path,
-// against 40-50 for the CUDA-core GEMV's two words. docs/perf/persistent.md §27.
+// words a lane each) with both sides of that branch on every word's path; here ~30-40 a chunk on a whole chunk's
+// path, against ~65-90 for the CUDA-core GEMV's two words. docs/perf/persistent.md §27.
 //
 // The layout is mma_small_n's (its file comment): a block of 8 warps owns 16 rows and splits K over its warps in
 // chunks of 4 words a row (lane t of group g: word t of rows g and g + 8); the k order inside a k-step permuted so
@@ -21,7 +21,7 @@
 //   - int8: the weights meet the mma as q = u - 128, exact, and each block's d scales its sum after the product in
 //     fp32: a chunk's two blocks (words 4c, 4c + 1 and 4c + 2, 4c + 3) are kept apart in D's columns 0 and 1 (lanes
 //     t = 0, 1 hold the input in B's column 0, lanes t = 2, 3 in column 1: at n = 1 the other columns are free), so a
-//     word costs 2 operations a weight pair instead of 3 (SASS: ~40 instructions a word against the GEMV's 46-58).
+//     word costs 2 operations a weight pair instead of 3 (SASS: ~41 instructions a word against the GEMV's 77-98).
 //     No bounds anywhere: every byte is a finite q and the staged input is zero past K, so a weight past K (or a
 //     stale slot past the row) adds q 0 = 0.
 // fp16 and int4: the same values meet in the same mma order as in mma_small_n's register ring at n = 1, so the same
@@ -325,7 +325,7 @@ void mma_one_row(const GemvBatchArgs& a, GemvIn in, GemvOut out, cudaStream_t s,
   if (!mma_one_row_fits(W, in))
     fail(ErrorKind::Request, "mma_one_row: needs sm_80+, (f32norm) K <= " + std::to_string(kMmaOneRowMaxK) +
                                  " and (int4) K % 32 == 0");
-  if (in == GemvIn::F16 && W.K > kMmaOneRowMaxK) {  // (a row longer than the staging: the batched kernel, same bits)
+  if (in == GemvIn::F16 && W.K > kMmaOneRowMaxK) {  // (past the staging: the batched kernel; int8: its fp16(d q))
     GemvBatchArgs b = a;
     b.m_tiles = 0;
     b.smem_ring = false;

@@ -340,8 +340,8 @@ def test_step_check_keeps_each_pick_to_the_rules_or_the_fastest():
 @pytest.mark.parametrize("roles", ["o_down", "all"])
 @pytest.mark.parametrize("dtype", ["fp16", "int8", "int4"])
 def test_tensor_core_product_matches_cpu(tmp_path, dtype, roles):
-    """gemv_pins R = 16 (kGemvMmaOneRow: the batched step's tensor-core product on the decode step's one row; the
-    normed roles' RMSNorm in its prologue) for o and down, or for every role: greedy tokens within the tolerance
+    """gemv_pins R = 16 (kGemvMmaOneRow: the one-row tensor-core product, cuda/mma_one_row.cu; the normed roles'
+    RMSNorm in its prologue) for o and down, or for every role: greedy tokens within the tolerance
     of the CPU engine's argmax through 80 steps (past the attention's first chunk: the merge runs too), the last
     step's logits within 2e-2 of the CPU's on the same tokens and not bitwise an unpinned engine's (the product
     ran), the picks in the plan table; refused with trace (no stamps)."""

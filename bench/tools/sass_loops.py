@@ -1,6 +1,6 @@
-"""The loops of each kernel's SASS and their instruction mix: a CPU-side count of what a kernel's main loop issues.
+r"""The loops of each kernel's SASS and their instruction mix: a CPU-side count of what a kernel's main loop issues.
 
-    python3 bench/tools/sass_loops.py cuda/mma_one_row.cu --kernel 'mma_one_row_kernel<.WFormat.0' --min 40
+    python3 bench/tools/sass_loops.py cuda/mma_one_row.cu --kernel 'mma_one_row_kernel<\(ti::WFormat\)0' --min 40
     python3 bench/tools/sass_loops.py cuda/mma_one_row.cu --sub 'if (c < full_chunks) {=if (true) {'
 
 A .cu file is compiled for sm_90 the way the build compiles it (nvcc -cubin, -O3, the repository's includes); a
@@ -8,8 +8,9 @@ A .cu file is compiled for sm_90 the way the build compiles it (nvcc -cubin, -O3
 "cuda-toolkit[cuobjdump]"`). Each loop is a backward branch: its instructions, its opcodes (most frequent first,
 predicates stripped) and its global / shared loads by width. --sub OLD=NEW compiles a copy of the source with OLD
 replaced (once or more) by NEW: how to count one path of a loop, e.g. a kernel's whole-chunk path without the row's
-last chunk (docs/perf/persistent.md §27). Where a loop's body is bound by instruction issue, time follows its count;
-where it waits for bytes it does not."""
+last chunk (docs/perf/persistent.md §27; the copy, cuda/_sass_loops_*.cu beside the original so that its includes
+resolve, is removed after the compile and git-ignored). Removing a branch changes the code around it a little. Where
+a loop's body is bound by instruction issue, time follows its count; where it waits for bytes it does not."""
 
 from __future__ import annotations
 

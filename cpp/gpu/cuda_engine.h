@@ -53,7 +53,7 @@ struct CudaOptions {
   bool gemv_small_tiles = true;        // among those, the smallest tiles (qkv, before the attention: the largest)
   bool gemv_step_check = true;         // then whole steps decide, role by role, against the fastest alone
   // The tuner also times R = 16 (kGemvMmaOneRow: the tensor-core product on the one row) for every role where it
-  // fits (sm_80+); off until measured (docs/perf/persistent.md §26).
+  // fits (sm_80+; normed inputs K <= 16,384); off until measured (docs/perf/persistent.md §26-27).
   bool gemv_mma = false;
   // int8 / int4 GEMVs of the graph path on the input quantized to int8 per group (dp4a; docs/perf/decode-options.md):
   // 0 never (default: weights-only quantization, DESIGN.md §3); 1 each role timed with and without at load; 2

@@ -135,7 +135,6 @@ __device__ __forceinline__ const T* or_opaque(const T* p) {
   return p;
 }
 
-__device__ __forceinline__ uint32_t or_u32(__half2 h) { return *reinterpret_cast<const uint32_t*>(&h); }
 
 // NV: F32Norm's fast-path float4s a thread (or_norm_vec; 0 for F16 inputs).
 template <WFormat WF, GemvIn IN, GemvOut OUT, int U, int NV>
@@ -239,8 +238,8 @@ __global__ void __launch_bounds__(kOrThreads) mma_one_row_kernel(GemvBatchArgs a
       float* d = kBlocks ? dq : acc;
 #pragma unroll
       for (int s = 0; s < E / 4; s++) {  // mma_small_n's k-steps (mm_word), in its order
-        const uint32_t af[4] = {or_u32(wa2[2 * s]), or_u32(wb2[2 * s]), or_u32(wa2[2 * s + 1]), or_u32(wb2[2 * s + 1])};
-        mma_16816(d, af, or_u32(x2[2 * s]), or_u32(x2[2 * s + 1]));
+        const uint32_t af[4] = {gb_u32(wa2[2 * s]), gb_u32(wb2[2 * s]), gb_u32(wa2[2 * s + 1]), gb_u32(wb2[2 * s + 1])};
+        mma_16816(d, af, gb_u32(x2[2 * s]), gb_u32(x2[2 * s + 1]));
       }
       if constexpr (kBlocks) {  // (lanes t != 0 hold columns 2-7: zeros; their acc is never read)
         const float2 fa = __half22float2(ha[u]), fb = __half22float2(hb[u]);

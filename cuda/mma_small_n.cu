@@ -34,7 +34,6 @@ template <WFormat WF> constexpr int kMmUnroll = WF == WFormat::I4 ? 2 : 4;
 // one wave anyway: a grid of two waves at that residency lost more than it gained (docs/perf/batch.md).
 template <WFormat WF> constexpr int kMmUnrollDeep = WF == WFormat::I4 ? 6 : 8;
 
-__device__ __forceinline__ uint32_t mm_u32(__half2 h) { return *reinterpret_cast<const uint32_t*>(&h); }
 
 // d += A (16 x 16, rows g / g + 8, halves as above) * B (16 x 8)
 __device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
@@ -87,8 +86,8 @@ __device__ __forceinline__ void mm_word(float (&acc)[NT][4], const __half2 (&wa2
   for (int j = 0; j < NT; j++)
 #pragma unroll
     for (int s = 0; s < E / 4; s++)
-      mm_mma(acc[j], mm_u32(wa2[2 * s]), mm_u32(wb2[2 * s]), mm_u32(wa2[2 * s + 1]), mm_u32(wb2[2 * s + 1]),
-             mm_u32(x2[j][2 * s]), mm_u32(x2[j][2 * s + 1]));
+      mm_mma(acc[j], gb_u32(wa2[2 * s]), gb_u32(wb2[2 * s]), gb_u32(wa2[2 * s + 1]), gb_u32(wb2[2 * s + 1]),
+             gb_u32(x2[j][2 * s]), gb_u32(x2[j][2 * s + 1]));
 }
 
 // The epilogue of both kernels: the 8 warps' sums (acc[m][j] = (row 16 m + g, cols 2t, 2t + 1), (row 16 m + g +

@@ -31,6 +31,7 @@ __device__ __forceinline__ float2 gb_scale(const QMat& W, int row, int k) {
   else return make_float2(0.0f, 0.0f);
 }
 __device__ __forceinline__ __half2 gb_h2(uint32_t u) { return *reinterpret_cast<const __half2*>(&u); }
+__device__ __forceinline__ uint32_t gb_u32(__half2 h) { return *reinterpret_cast<const uint32_t*>(&h); }
 __device__ __forceinline__ uint32_t gb_lop3(uint32_t a, uint32_t b, uint32_t c) {  // (a & b) | c
   uint32_t d;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));

@@ -35,6 +35,8 @@ def options(**kw):
     o = _core.CudaOptions()
     o.gemv_rows, o.gemv_grid, o.gemm_autotune, o.decode_long_from = 2, 0, False, 0
     for k, v in kw.items():
+        if k == "gemv_pins":  # ((role, R, blocks_per_sm), ...): hashable, for gpu_engine's key
+            v = [_core.GemvPin(getattr(_core.MatrixRole, role), R, bps) for role, R, bps in v]
         setattr(o, k, v)
     return o
 
@@ -419,14 +421,55 @@ def test_step_logits_match_cpu_engine(model, fmt, path):
         core.seq_close(s)
 
 
+# Bucket 1 on the decode plan's GEMVs (CudaOptions::batch_one_row_plan, batch_step.cu's record_one_row): the fixed
+# R = 2 of these tests' engines, split-K, and the one-row tensor-core product pinned on every role.
+ONE_ROW_PLANS = {"R2": {}, "split_k": dict(gemv_rows=8),
+                 "mma_one_row": dict(gemv_pins=tuple((r, 16, 0) for r in ("Qkv", "O", "GateUp", "Down", "LmHead")))}
+
+
+@pytest.mark.parametrize("plan", sorted(ONE_ROW_PLANS))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_one_row_bucket_on_the_decode_plan(model, fmt, plan):
+    """A lone slot's steps (bucket 1) on the decode GEMVs: each step's logits against the CPU engine and the single
+    path on the same tokens, over steps that cross a page; and not the small-N kernels' bits (the same engine with
+    batch_one_row_plan off), so the option does switch the products."""
+    kw = ONE_ROW_PLANS[plan]
+    eng = gpu_engine(model, fmt, **kw)
+    off = gpu_engine(model, fmt, **kw, batch_one_row_plan=False)
+    cpu = Engine(model[1], device="cpu", dtype=fmt if fmt != "fp16" else "fp32", max_seq_len=MAX_SEQ)
+    p = prompts(3, seed=21)[2][:60]  # 60 tokens: the steps below cross the first 64-position page
+    toks = [11 + 17 * k for k in range(8)]
+    runs = {}
+    for name, e in (("plan", eng), ("small_n", off)):
+        core = e._core
+        s = core.seq_open()
+        core.seq_prefill(s, p)
+        runs[name] = []
+        for t in toks:
+            core.seq_step([s], [t])
+            runs[name].append(core.seq_logits(s).copy())
+        core.seq_close(s)
+        assert core.kv_pages_free == core.kv_pages_total
+    for k in (0, 3, 4, 7):
+        seq = p + toks[:k + 1]
+        want, single = cpu.logits(seq)[-1], eng.logits(seq)[-1]
+        for name, got in runs.items():
+            rel_cpu = np.abs(got[k] - want).max() / np.abs(want).max()
+            rel_single = np.abs(got[k] - single).max() / np.abs(single).max()
+            print(f"{model[0]} {fmt} {plan} {name} step {k}: rel err vs CPU {rel_cpu:.2e}, single {rel_single:.2e}")
+            assert np.isfinite(got[k]).all() and rel_cpu < LOGIT_TOL[fmt] and rel_single < LOGIT_TOL[fmt]
+    assert any(not np.array_equal(a, b) for a, b in zip(runs["plan"], runs["small_n"]))
+
+
 @pytest.mark.parametrize("path", ["small_n", "mma"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_padded_bucket_is_exact(model, fmt, path):
     """3 sequences run in bucket 4 with one padding row; the same 3 with a real 4th sequence in that row; each of
-    the 3 alone (bucket 1). The small-N kernels (CUDA-core or tensor-core, every format) compute every row the
-    same way whatever its neighbours, so all three give the same logits bit for bit: the padding row writes no KV
-    page (else the next steps would differ), reads nothing that leaks into a real row, and scatters no logits."""
-    eng = gpu_engine(model, fmt, **PATHS[path])
+    the 3 alone (bucket 1, here on the small-N kernels too: batch_one_row_plan off). The small-N kernels (CUDA-core
+    or tensor-core, every format) compute every row the same way whatever its neighbours, so all three give the same
+    logits bit for bit: the padding row writes no KV page (else the next steps would differ), reads nothing that
+    leaks into a real row, and scatters no logits."""
+    eng = gpu_engine(model, fmt, **PATHS[path], batch_one_row_plan=False)
     core = eng._core
     batch = prompts(4, seed=5)
 
@@ -620,8 +663,9 @@ def test_single_sequence_is_independent_of_the_slots(model):
 
 def test_sampling_a_slot_alone_or_in_a_batch(model):
     """seq_sample (cuda::sample_rows) with temperature, top-p and penalties: a slot's token depends on its own
-    logits, config, step counter and history only, so three slots sampled together pick what each picks alone."""
-    eng = gpu_engine(model, "fp16")
+    logits, config, step counter and history only, so three slots sampled together pick what each picks alone
+    (alone on the same small-N products, batch_one_row_plan off: the logits the same bit for bit)."""
+    eng = gpu_engine(model, "fp16", batch_one_row_plan=False)
     core = eng._core
     batch = prompts(4, seed=12)[1:]
 

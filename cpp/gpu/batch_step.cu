@@ -31,6 +31,7 @@ using cuda::GemvOut;
 void BatchStep::record(int n, cudaStream_t s, bool pdl) {
   pdl_ = pdl;
   xn_norm_ = nullptr;
+  if (n == 1 && o_.one_row_plan) return record_one_row(s);
   const ModelConfig& c = c_;
   cuda::embed_tokens(w_.embedding, w_.ld_h, (int)c.hidden, b_.tokens, n, b_.x, w_.ld_h, s);  // x = embed[tokens]
   for (int64_t l = 0; l < c.n_layers; l++) {
@@ -43,6 +44,32 @@ void BatchStep::record(int n, cudaStream_t s, bool pdl) {
     residual(L.down, b_.h, w_.ld_i, n, s, Product::Down, next_norm);  // x += h @ Wd.T
   }
   normed(w_.lm_head, w_.final_norm, b_.logits, b_.ld_v, GemvOut::F32, n, s, Product::Head);  // rmsnorm(x) @ head.T
+}
+
+// Bucket 1: one row, a lone sequence (a server's light load). There the small-N kernels' column tiles hold one
+// live column of eight (the other seven paid for nothing; on the tensor-core kernel an RMSNorm kernel before each
+// normed product too), while the decode GEMVs were timed at load for exactly this shape, RMSNorm, SwiGLU and the
+// residual in their prologues and epilogues. So the products are decode_step.cu's, under its carveout and with its
+// triggers: qkv's late (the attention after it reads the rows' positions before its wait), the others' at the
+// plan's level (their successors read only weights before their waits). The attention stays this step's, each row
+// through its slot's page table. docs/perf/batch.md ("Bucket 1 on the decode plan").
+void BatchStep::record_one_row(cudaStream_t s) {
+  const cuda::CarveoutScope carveout(plan_.carveout);
+  const float eps = (float)c_.rms_eps;
+  const bool early = plan_.early_trigger >= 1;
+  auto gemv = [&](MatrixRole role, const cuda::QMat& W, const void* x, void* y, const float* norm_w, bool trig) {
+    launch_gemv(plan_, role, gemv_args(W, x, y, norm_w, eps, trig), role_in(role), role_out(role), s, pdl_);
+  };
+  cuda::embed_tokens(w_.embedding, w_.ld_h, (int)c_.hidden, b_.tokens, 1, b_.x, w_.ld_h, s);
+  for (int64_t l = 0; l < c_.n_layers; l++) {
+    const DeviceLayer& L = w_.layers[(size_t)l];
+    gemv(MatrixRole::Qkv, L.qkv, b_.x, b_.qkv, L.attn_norm, false);
+    cuda::decode_attention_rows(attn_params(l), 1, s, pdl_);
+    gemv(MatrixRole::O, L.o, b_.att, b_.x, nullptr, early);
+    gemv(MatrixRole::GateUp, L.gate_up, b_.x, b_.h, L.mlp_norm, early);
+    gemv(MatrixRole::Down, L.down, b_.h, b_.x, nullptr, early);
+  }
+  gemv(MatrixRole::LmHead, w_.lm_head, b_.x, b_.logits, w_.final_norm, early);
 }
 
 // The products, the first path that takes them: the tensor-core small-N kernel up to mma_max (int8 / int4) or

@@ -15,6 +15,7 @@
 #include "../../cuda/gemv.cuh"
 #include "../core/config.h"
 #include "decode_step.h"
+#include "gemv_plan.h"
 #include "device_weights.h"
 #include "kv_pages.h"
 
@@ -66,6 +67,7 @@ struct BatchStepOptions {
   int mma_f16_down_max = 0;  // fp16 down likewise (CudaOptions::batch_mma_f16_down_max)
   bool mma_ring = true;  // fp16 on that kernel: its shared-memory ring (CudaOptions::batch_mma_ring)
   int down_k_slices = 4;  // a down product on cuBLASLt of <= kDownSlicesRows rows: K slices (CudaOptions::batch_down_k_slices)
+  bool one_row_plan = true;  // bucket 1 on the decode plan's GEMVs (CudaOptions::batch_one_row_plan)
 };
 
 constexpr int kDownSlicesMax = 8, kDownSlicesRows = 16;
@@ -76,9 +78,10 @@ enum class Product { Qkv, O, GateUp, Down, Head };
 class BatchStep {
  public:
   // d: the decode buffers, for what the rows share with the single sequence (the KV pages, the RoPE table).
+  // plan: the single sequence's GEMV plan (gemv_plan.h), which bucket 1 runs (one_row_plan).
   BatchStep(const ModelConfig& c, DeviceWeights& w, const DecodeBuffers& d, const BatchBuffers& b, cuda::Gemm& gemm,
-            BatchStepOptions o)
-      : c_(c), w_(w), d_(d), b_(b), gemm_(gemm), o_(o) {}
+            const GemvPlan& plan, BatchStepOptions o)
+      : c_(c), w_(w), d_(d), b_(b), gemm_(gemm), plan_(plan), o_(o) {}
   // rows 0..n-1 of b.rows (n: a bucket, <= max_rows): each row's token at its position in its slot ->
   // logits row r (every row of the bucket, padding rows too, is written). Launches only (graph-capturable once
   // the GEMMs are tuned).
@@ -87,6 +90,8 @@ class BatchStep {
   void record(int n, cudaStream_t s, bool pdl);
 
  private:
+  // Bucket 1 (one_row_plan): the products on the decode GEMVs of the plan, as decode_step.cu runs them.
+  void record_one_row(cudaStream_t s);
   // The products over n rows, every weight read once per step (batch_step.cu): y = rmsnorm(x) @ W.T (or its
   // SwiGLU), x += X @ W.T; small_n: whether the small-N GEMV takes W (else cuBLASLt).
   // p: which product (at fp16 qkv, o and down may take the tensor-core kernel where the others do not:
@@ -110,6 +115,7 @@ class BatchStep {
   const DecodeBuffers& d_;
   const BatchBuffers& b_;
   cuda::Gemm& gemm_;
+  const GemvPlan& plan_;
   BatchStepOptions o_;
   bool pdl_ = false;  // (this record's)
   const float* xn_norm_ = nullptr;  // b_.xn already holds rmsnorm(x) with this norm weight (a sliced down wrote it)

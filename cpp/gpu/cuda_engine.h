@@ -111,6 +111,11 @@ struct CudaOptions {
   // 2, 4 or 8 (powers of two divide the K of the models we take; a K that S x 8 does not divide is not sliced).
   // 4 measured best on the H200 (TinyLlama fp16 batch 8: 1.023-1.028 ms against 1.045-1.052; docs/perf/batch.md).
   int batch_down_k_slices = 4;
+  // Bucket 1 (a lone sequence) runs its products on the single-sequence decode GEMVs of the load-time plan
+  // (batch_step.cu, record_one_row) instead of the small-N kernels, whose tiles are mostly dead columns at one row.
+  // Its logits then differ from the same sequence's in a larger bucket by the kernels' rounding (not bit for bit);
+  // false: every bucket on the small-N kernels (a row's logits the same whatever its neighbours).
+  bool batch_one_row_plan = true;
   // 16-row tiles per block of that kernel: 0 (default) two for int4 products of 9..16 rows whose matrix still
   // gives every SM two blocks (each input fragment then meets two tiles' weights: docs/perf/batch.md), else one;
   // 1 or 2 force it (2: products of up to 16 rows) for A/B runs.

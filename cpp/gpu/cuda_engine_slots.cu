@@ -42,12 +42,12 @@ void CudaEngine::allocate_batch() {
   using Kind = DeviceArena::Kind;
   bbuf_ = BatchBuffers::allocate(cfg_, *weights_, B, max_seq_, *pool_, arena_, stream_);
   batch_ = std::make_unique<BatchStep>(
-      cfg_, *weights_, dbuf_, bbuf_, *gemm_,
+      cfg_, *weights_, dbuf_, bbuf_, *gemm_, plan_,
       BatchStepOptions{opt_.batch_mma_max, opt_.batch_mma_f16_max, opt_.batch_gemv_f16_max,
                        opt_.batch_gemv_quant_max, opt_.batch_attn_span,
                        opt_.batch_attn_heads, opt_.batch_mma_m_tiles, opt_.batch_mma_f16_qkvo_max,
                        opt_.batch_mma_f16_down_max, opt_.batch_mma_ring,
-                       opt_.batch_down_k_slices});
+                       opt_.batch_down_k_slices, opt_.batch_one_row_plan});
   for (int b = 1; b < B; b *= 2) buckets_.push_back(b);
   buckets_.push_back(B);
   g_batch_.assign(buckets_.size(), nullptr);

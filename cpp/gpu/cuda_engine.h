@@ -114,7 +114,9 @@ struct CudaOptions {
   // Bucket 1 (a lone sequence) runs its products on the single-sequence decode GEMVs of the load-time plan
   // (batch_step.cu, record_one_row) instead of the small-N kernels, whose tiles are mostly dead columns at one row.
   // Its logits then differ from the same sequence's in a larger bucket by the kernels' rounding (not bit for bit);
-  // false: every bucket on the small-N kernels (a row's logits the same whatever its neighbours).
+  // false: bucket 1 on the batched products too (A/B runs; a row bit for bit a larger bucket's where both take the
+  // same small-N kernel). On the H200 (TinyLlama) batch 1's step: int4 0.67 -> 0.50 ms, fp16 1.07 -> 0.73.
+  // docs/perf/batch.md ("Bucket 1 on the decode plan").
   bool batch_one_row_plan = true;
   // 16-row tiles per block of that kernel: 0 (default) two for int4 products of 9..16 rows whose matrix still
   // gives every SM two blocks (each input fragment then meets two tiles' weights: docs/perf/batch.md), else one;

@@ -15,8 +15,8 @@
 #include "../../cuda/gemv.cuh"
 #include "../core/config.h"
 #include "decode_step.h"
-#include "gemv_plan.h"
 #include "device_weights.h"
+#include "gemv_plan.h"
 #include "kv_pages.h"
 
 namespace ti {

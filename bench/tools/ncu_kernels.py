@@ -1,7 +1,12 @@
 """One launch of each decode kernel of interest, at real shapes, for Nsight Compute to look at in isolation:
     ncu --clock-control none -k regex:"gemv|decode_attn_kernel" --section SpeedOfLight --section WarpStateStats \
-        python3 bench/tools/ncu_kernels.py
-(each GEMV runs once on a freshly quantized matrix: DRAM-cold, as in a decode step)."""
+        python3 bench/tools/ncu_kernels.py [--tinyllama-fp16]
+(each GEMV runs once on a freshly quantized matrix: DRAM-cold, as in a decode step). `--tinyllama-fp16`: that
+step's four GEMVs as its plan picks them (bench/results/h200-tinyllama-1.1b-fp16.json) and, beside them, the
+streaming-read kernel (cuda/bandwidth.cu) over the same bytes on the same grid, so the GEMV's shortfall against a
+plain stream shows kernel by kernel (add `-k regex:"gemv|stream_read"`)."""
+
+import sys
 
 import numpy as np
 
@@ -22,6 +27,20 @@ def gemv(fmt, rows, K, R, grid, inp=ops.GemvIn.F32Norm, out=ops.GemvOut.Swiglu):
         ops.gemv_quant(W, fmt, x, nw, 1e-5, y0, R, inp, out, grid)
     print(f"gemv {fmt} {rows}x{K} R={R} grid={grid} {inp.name}/{out.name}")
 
+
+if "--tinyllama-fp16" in sys.argv[1:]:
+    sms = ops.sm_count()
+    for rows, K, R, inp, out in [(2560, 2048, 2, ops.GemvIn.F32Norm, ops.GemvOut.F32),
+                                 (2048, 2048, 8, ops.GemvIn.F16, ops.GemvOut.AddF32),
+                                 (11264, 2048, 2, ops.GemvIn.F32Norm, ops.GemvOut.Swiglu),
+                                 (11264, 2048, 8, ops.GemvIn.F32Norm, ops.GemvOut.Swiglu),
+                                 (2048, 5632, 1, ops.GemvIn.F16, ops.GemvOut.AddF32)]:
+        gemv("fp16", rows, K, R, 2, inp, out)
+        data = rng.integers(0, 256, rows * K * 2, dtype=np.uint8)
+        for blocks in (2 * sms, 8 * sms):
+            ops.stream_read_xor(data, blocks)
+            print(f"stream_read {rows * K * 2 / 1e6:.1f} MB blocks={blocks}")
+    sys.exit(0)
 
 gemv("int4", 11264, 2048, 2, 2)   # TinyLlama gate_up, as tuned
 gemv("int8", 11264, 2048, 2, 2)

@@ -22,14 +22,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CK(x)                                                                            \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      std::printf("CUDA %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__);     \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
+#include "ck.cuh"
 
 constexpr int NB = 8;  // inputs
 constexpr int XPAD = 32;  // halfs of padding per staged input row: lane (g, t)'s 16-byte reads hit distinct banks

@@ -28,6 +28,7 @@
 //          RMSNorm's statistic: a second barrier)
 //   dep 3  dep 2 with the next round of weights issued right after the wait, before the staging (so the block has
 //          loads in flight while it waits for its input)
+//   dep 4  dep 2 with that round's lines asked into the L2 instead (prefetch.global.L2: no registers held)
 //   room   0: the driver's carveout; 1: no room on an SM for the next kernel's blocks; 2: 1's control (see
 //          fill_smem)
 // and the grid: 1, 2 or 4 blocks per SM. Printed: µs a layer (the best of 20 replays), against the layer's bytes
@@ -64,7 +65,7 @@ __device__ __forceinline__ void load_round(const uint4* w, size_t i, size_t end,
   }
 }
 
-template <int U, int DEP>  // 0: dep 0; 1: dep 1 and 2; 3: dep 3 (the same code, its own registers)
+template <int U, int DEP>  // 0: dep 0; 1: dep 1 and 2; 3, 4: dep 3, 4 (the same code, their own registers)
 __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
   __shared__ uint4 xs[DEP ? kMaxIn : 1];
   __shared__ float red[kThreads / 32];
@@ -82,6 +83,12 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
   if (DEP == 3) {  // the next round in flight during the staging
     load_round<U>(a.w, i + kRound, end, nxt);
     issued = true;
+  } else if (DEP == 4) {  // its lines asked into the L2 instead (no registers held)
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const size_t j = i + kRound + (size_t)u * kThreads;
+      if (j < end) asm volatile("prefetch.global.L2 [%0];" ::"l"(a.w + j));
+    }
   }
   if (DEP) {
     // The input: read with L2 loads (produced data; not the read-only path) into shared memory, then, for the
@@ -126,7 +133,7 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
 using KernelFn = void (*)(Args);
 template <int U>
 KernelFn kernel_for_u(int dep) {
-  return dep == 0 ? chain_stream<U, 0> : dep == 3 ? chain_stream<U, 3> : chain_stream<U, 1>;
+  return dep == 0 ? chain_stream<U, 0> : dep == 3 ? chain_stream<U, 3> : dep == 4 ? chain_stream<U, 4> : chain_stream<U, 1>;
 }
 KernelFn kernel_for(int U, int dep) {
   return U == 4 ? kernel_for_u<4>(dep) : U == 8 ? kernel_for_u<8>(dep) : kernel_for_u<16>(dep);
@@ -237,13 +244,13 @@ int main() {
     double mb = 0;
     for (const Mat& x : layer) mb += x.n_vec * 16 / 1e6;
     for (int pdl : {0, 1, 2})
-      for (int dep : {0, 1, 2, 3})
+      for (int dep : {0, 1, 2, 3, 4})
         for (int bps : {1, 2, 4})
           for (int U : {4, 8, 16})
             for (int room : {0, 1, 2}) {
             if (pdl == 0 && dep > 0) continue;  // without PDL a dependency costs nothing extra to measure
             if (pdl == 2 && bps == 4) continue;  // early triggers need room on the SM for the next kernel's blocks
-            if (room && (pdl == 0 || bps != 2 || U == 4 || dep == 1 || dep == 3)) continue;
+            if (room && (pdl == 0 || bps != 2 || U == 4 || dep == 1 || dep >= 3)) continue;
             const int smem = room == 1 ? fill_smem(kernel_for(U, dep), bps) : 0;
             CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
             size_t off = 0;
@@ -278,13 +285,13 @@ int main() {
   }
   std::printf("read bandwidth (the best chain's rate) %.0f GB/s, %d SMs; registers a thread (U 4 / 8 / 16 at", best_gbs,
               sms);
-  for (int dep : {0, 1, 3})
+  for (int dep : {0, 1, 3, 4})
     for (int U : {4, 8, 16}) {
       cudaFuncAttributes fa;
       CK(cudaFuncGetAttributes(&fa, kernel_for(U, dep)));
       std::printf(" %d", fa.numRegs);
     }
-  std::printf(" (dep 0, dep 1-2, dep 3)\n");
+  std::printf(" (dep 0, dep 1-2, dep 3, dep 4)\n");
   std::printf("%-24s %6s %3s %3s %3s %3s %4s %9s %9s %7s\n", "model", "MB", "pdl", "dep", "bps", "U", "room", "us/layer",
               "bytes us", "x bytes");
   for (const Row& r : rows) {

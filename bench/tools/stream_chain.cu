@@ -3,7 +3,8 @@
 // matrix, chained as in the step.
 // A standalone micro-benchmark (not part of the engine):
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90 bench/tools/stream_chain.cu -o /tmp/chain && /tmp/chain
+//   nvcc -std=c++17 -O3 -arch=sm_90 bench/tools/stream_chain.cu -o /tmp/chain && /tmp/chain [NAME-PART]
+//   (NAME-PART: only the models whose name contains it, e.g. "tinyllama-1.1b"; ~20 s for all on the H200)
 //
 // Why: a TinyLlama fp16 layer's four GEMVs take ~27 µs in the step for ~19.5 µs of bytes at the read bandwidth,
 // and the fp16 target leaves the layer ~26 µs (docs/perf/persistent.md §21, §29). If four plain streams of the
@@ -39,6 +40,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "ck.cuh"
@@ -198,7 +200,8 @@ std::vector<Mat> layer_of(const Model& m) {
   return std::vector<Mat>(4, all[m.only]);
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const char* only = argc > 1 ? argv[1] : nullptr;  // run the models whose name contains this (all without)
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::vector<Model> models = {
@@ -240,6 +243,7 @@ int main() {
   std::vector<Row> rows;
   double best_gbs = 0;
   for (auto& m : models) {
+    if (only && !std::strstr(m.name, only)) continue;
     const std::vector<Mat> layer = layer_of(m);
     double mb = 0;
     for (const Mat& x : layer) mb += x.n_vec * 16 / 1e6;

@@ -69,7 +69,7 @@ SampleRowsOut run_sample_rows(const float* logits, int64_t ld, int n_rows, int v
                               unsigned char* seen, int* counts, int n_slots, int top_k);
 
 // The device quantizer on W (rows, K) fp32 (rounded to fp16 first, as in the engine): q bytes (rows, ld) and the
-// scales' fp16 bits (rows, scale_halves(fmt, K)), as the reference packer lays them out (cpp/quant.h).
+// scales' fp16 bits (rows, scale_halves(fmt, K)), as the reference packer lays them out (cpp/core/quant.h).
 struct QuantBytes {
   std::vector<uint8_t> q;
   std::vector<uint16_t> scales;

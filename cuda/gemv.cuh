@@ -15,7 +15,7 @@ enum class GemvOut { F32, AddF32, Swiglu };  // output: fp32, fp32 added in plac
 struct GemvParams {
   const __half* W = nullptr;  // (rows, ld) row-major fp16; columns K..ld-1 are zero padding
   int rows = 0, K = 0, ld = 0;  // ld: a multiple of 8 (16-byte rows), >= K
-  // Quantized weights (cpp/quant.h) instead of W: fmt I8 / I4, q (rows, ldq bytes), scales (I8: (rows, ldq / 32)
+  // Quantized weights (cpp/core/quant.h) instead of W: fmt I8 / I4, q (rows, ldq bytes), scales (I8: (rows, ldq / 32)
   // half, d per block of 32; I4: (rows, K / 32) half2 (scale, min)). ld stays the width the input vector is
   // staged at (elements).
   WFormat fmt = WFormat::F16;

@@ -1,4 +1,4 @@
-// quant.cu — quantize fp16 weights into the I8 / I4 formats of cpp/quant.h on the device (load time: a 7B
+// quant.cu — quantize fp16 weights into the I8 / I4 formats of cpp/core/quant.h on the device (load time: a 7B
 // model in well under a second of GPU time), and dequantize them back to fp16 rows for the prefill's GEMMs.
 // The arithmetic is the host reference's, operation for operation (IEEE division and reciprocal, roundf / rint,
 // fp16 rounding of the scales), so the GPU's quantized bytes are the CPU engine's, bit for bit. A thread per

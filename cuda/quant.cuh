@@ -1,5 +1,5 @@
 // quant.cuh — quantized weight matrices on the device: quantize at load (from fp16), dequantize to fp16 for
-// the prefill's GEMMs (see quant.cu; the formats are defined in cpp/quant.h).
+// the prefill's GEMMs (see quant.cu; the formats are defined in cpp/core/quant.h).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

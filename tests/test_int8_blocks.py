@@ -1,4 +1,4 @@
-"""int8 as blocks of 32 with an fp16 scale (cpp/quant.h: GGUF Q8_0's layout): the reference packer against
+"""int8 as blocks of 32 with an fp16 scale (cpp/core/quant.h: GGUF Q8_0's layout): the reference packer against
 llama.cpp's numbers (gguf.quants), and GGUF Q8_0 / Q4_0 / Q4_1 tensors imported bit for bit (against
 gguf.quants.dequantize), down to the CPU engine's logits. The GPU side is in test_gpu_quant.py."""
 

@@ -23,7 +23,7 @@ from .errors import DeviceError, InvalidRequestError, TinyInferError
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp16", "bf16", "fp32", "int8", "int4")
-QUANTIZED = ("int8", "int4")  # weight-only formats (cpp/quant.h): quantized at load, on either engine
+QUANTIZED = ("int8", "int4")  # weight-only formats (cpp/core/quant.h): quantized at load, on either engine
 # What each engine can honour. The CPU reference engine computes in fp32 with fp32 weights (int8 / int4: the
 # dequantized numbers the GPU's quantized kernels stand for); the GPU engine stores fp16, int8 or int4.
 DEVICE_DTYPES = {"cpu": ("fp32", "int8", "int4"), "cuda": ("fp16", "int8", "int4")}

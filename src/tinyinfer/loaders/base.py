@@ -18,7 +18,7 @@ TensorSource = Callable[..., Iterator[TensorItem]]
 
 class BlockMatrix(NamedTuple):
     """One weight matrix already in one of the engine's block formats, for the engine to import as it is (no
-    second rounding). The layouts are cpp/quant.h's; for int4: q (rows, K/2) uint8 and scales (rows, K/32 * 2)
+    second rounding). The layouts are cpp/core/quant.h's; for int4: q (rows, K/2) uint8 and scales (rows, K/32 * 2)
     fp16 bits, a (scale, min) pair per group of 32."""
 
     name: str  # HuggingFace name

@@ -166,7 +166,7 @@ def _open_reader(path: Path):
 
 # ---- int4 blocks ----
 
-_I4_POS = (0, 16, 4, 20, 8, 24, 12, 28)  # nibble offsets of weights 0..7 in a word (cpp/quant.h)
+_I4_POS = (0, 16, 4, 20, 8, 24, 12, 28)  # nibble offsets of weights 0..7 in a word (cpp/core/quant.h)
 
 
 def q4_blocks_to_int4(raw: np.ndarray, type_name: str, rows: int, K: int) -> tuple[np.ndarray, np.ndarray]:

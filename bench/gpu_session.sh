@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One whole GPU-machine session in one call (DESIGN.md §10): build for the native arch, run the GPU tests,
+# One whole GPU-machine session in one call (README.md, Benchmarks): build for the native arch, run the GPU tests,
 # run the benchmarks, write logs / JSON under $OUT (or bench/out), print a short table last.
 #   bash bench/gpu_session.sh            # everything
 #   TESTS="tests/test_gpu_kernels.py" bash bench/gpu_session.sh

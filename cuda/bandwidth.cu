@@ -1,4 +1,4 @@
-// bandwidth.cu — the streaming-read kernel: the measured memory roofline of this GPU (DESIGN.md §9).
+// bandwidth.cu — the streaming-read kernel: the measured memory roofline of this GPU (bench/results/README.md).
 //
 // Computes: XOR of every 32-bit word of a buffer, reduced per block into sink[block]. What matters is only
 // that every byte is read once with 16-byte loads, as the weight-streaming GEMVs read their matrices, so

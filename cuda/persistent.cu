@@ -1,4 +1,4 @@
-// persistent.cu — the persistent decode step (DESIGN.md §4, issue 16): one launch per token, a grid of
+// persistent.cu — the persistent decode step (docs/ARCHITECTURE.md, issue 16): one launch per token, a grid of
 // co-resident blocks, each an interpreter over its list of tasks (cpp/gpu/persistent_schedule.h), one device
 // function per task type, the order between blocks given by counters (sync.cuh), never by kernel boundaries.
 //

@@ -1,6 +1,6 @@
 // ring.cuh — the weight ring of the persistent kernel: a block streams global memory through S shared-memory
 // slots of B bytes, the copies of the next S-1 chunks in flight while it works on (or waits before) the current
-// one. This is what keeps the weight stream going while a block waits for its input (DESIGN.md §4): the chunks
+// one. This is what keeps the weight stream going while a block waits for its input (docs/ARCHITECTURE.md): the chunks
 // of its next task were issued before the wait.
 //
 // Use (every thread of the block, uniformly):

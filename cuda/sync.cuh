@@ -1,7 +1,7 @@
 // sync.cuh — how the blocks of a persistent kernel wait for each other: counters in global memory.
 //
-// The persistent decode step (DESIGN.md §4) is one grid of co-resident blocks running a schedule of tasks; a task
-// may need what other blocks' tasks wrote (the QKV rows of a head before its attention, every slice of the
+// The persistent decode step (docs/ARCHITECTURE.md) is one grid of co-resident blocks running a schedule of tasks; a
+// task may need what other blocks' tasks wrote (the QKV rows of a head before its attention, every slice of the
 // residual before the next RMSNorm). Kernel boundaries no longer order them: counters do.
 //
 // Protocol (the one CUTLASS's GenericBarrier and Hazy Research's megakernel use):

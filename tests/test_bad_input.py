@@ -1,5 +1,5 @@
-"""Bad input (DESIGN.md §11): each case raises the matching TinyInferError naming the culprit, and nothing
-crashes; an engine stays usable after a refused request."""
+"""Bad input (docs/ARCHITECTURE.md, Layers): each case raises the matching TinyInferError naming the culprit, and
+nothing crashes; an engine stays usable after a refused request."""
 
 from __future__ import annotations
 

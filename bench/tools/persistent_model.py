@@ -1,6 +1,6 @@
 """The persistent decode step's time model (docs/perf/persistent.md) as code: predicted tok/s per shape, format and
-schedule, from the hand-off latency and ring bandwidth — DESIGN.md's probe numbers by default, the micro-benchmark's
-own with --probe.
+schedule, from the hand-off latency and ring bandwidth — the throwaway probe's numbers by default (persistent.md
+§1), the micro-benchmark's own with --probe.
     python3 bench/tools/persistent_model.py [--probe=persistent_probe.json] [--ring=S,KiB,blocks_per_sm]
 A phase i of a layer streams b_i bytes and can start computing only after a dependency bubble d_i (hand-off
 latency + prologue / attention compute). During the bubble each block's ring holds up to H of stream time of the
@@ -19,8 +19,8 @@ from tinyinfer.bench import SHAPES, bytes_per_token, matrix_bytes, shape_config
 
 @dataclass(frozen=True)
 class Inputs:
-    """Every latency in µs. Defaults: DESIGN.md §4's throwaway probe and the decode traces (docs/perf/*) —
-    placeholders, to be replaced by bench/tools/persistent_probe.py's numbers (--probe)."""
+    """Every latency in µs. Defaults: the throwaway probe (docs/perf/persistent.md §1) and the decode traces
+    (docs/perf/*) — placeholders, to be replaced by bench/tools/persistent_probe.py's numbers (--probe)."""
     read_bw_gb_s: float = 4620.0      # cuda/bandwidth.cu on the H200
     ring_efficiency: float = 0.92     # ring GB/s / read GB/s (placeholder: the best GEMVs' 90-92%)
     handoff_2048: float = 1.26        # all-to-all hand-off, 2,048 floats, 16-byte loads

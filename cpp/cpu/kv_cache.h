@@ -1,5 +1,5 @@
 // kv_cache.h — the KV cache of one sequence, grown a page at a time.
-// A page holds kCpuKvPageSize positions in the layout [layer][kv_head][pos][head_dim] (DESIGN.md §3 with one
+// A page holds kCpuKvPageSize positions in the layout [layer][kv_head][pos][head_dim] (cuda/kv_layout.cuh with one
 // sequence): within a page one head's keys are contiguous, so attention streams them. Pages are allocated as
 // the sequence grows (reserve) rather than max_seq_len up front, so many sequences (the engine's slots) cost
 // only the positions they hold. The CPU engine keeps fp32; the GPU cache is fp16 in the same order.

@@ -56,7 +56,7 @@ struct CudaOptions {
   // fits (sm_80+; normed inputs K <= 16,384); off until measured (docs/perf/persistent.md §26-27).
   bool gemv_mma = false;
   // int8 / int4 GEMVs of the graph path on the input quantized to int8 per group (dp4a; docs/perf/decode-options.md):
-  // 0 never (default: weights-only quantization, DESIGN.md §3); 1 each role timed with and without at load; 2
+  // 0 never (default: weights-only quantization, docs/ARCHITECTURE.md); 1 each role timed with and without at load; 2
   // wherever the kernel can (tests, A/B).
   int act8 = 0;
   std::vector<GemvPin> gemv_pins;      // variants forced after tuning (A/B runs: bench/tools/ab_decode.py)

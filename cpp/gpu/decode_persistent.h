@@ -1,8 +1,8 @@
-// decode_persistent.h — the persistent decode step on the host (issue 16, DESIGN.md §4): the schedule built from
-// the config and the weights' format at load (persistent_schedule.h), checked against the co-residency the
+// decode_persistent.h — the persistent decode step on the host (issue 16, docs/ARCHITECTURE.md): the schedule built
+// from the config and the weights' format at load (persistent_schedule.h), checked against the co-residency the
 // occupancy API reports, uploaded with the kernel's parameters; then one launch per token (cuda/persistent.cu),
-// captured by the engine into a graph with the sampler. The graph path (decode_step.h) stays the reference and
-// the fallback.
+// captured by the engine into a graph with the sampler. The graph path (decode_step.h) stays the reference and the
+// fallback.
 #pragma once
 #include <cuda_runtime.h>
 

@@ -1,5 +1,5 @@
 // decode_step.h — THE decode pass: one token through the model on the GPU, as a flat list of launches
-// (decode_step.cu reads top to bottom, DESIGN.md §4). Token, position and step live in device memory
+// (decode_step.cu reads top to bottom, docs/ARCHITECTURE.md). Token, position and step live in device memory
 // (DecodeBuffers::state), so the recorded launches are captured once into a CUDA graph and replayed with no
 // host work between steps.
 #pragma once

@@ -1,7 +1,7 @@
 // device_weights.h — the model's weights on the GPU: allocation, random weights for benchmarks, fp16 views of
 // quantized matrices; and DeviceArena, the engine's device memory. The load (file -> device) is weight_stream.h.
 //
-// Layout (DESIGN.md §3): every matrix row-major [out, in] in the engine's format (cuda::QMat: fp16 rows padded
+// Layout (docs/ARCHITECTURE.md): every matrix row-major [out, in] in the engine's format (cuda::QMat: fp16 rows padded
 // to 8 halves, or the I8 / I4 layouts of cpp/core/quant.h with their scales); q | k | v fused into one matrix,
 // gate | up fused with rows interleaved (gate_0, up_0, gate_1, ...) so that one GEMV's epilogue sees both.
 #pragma once

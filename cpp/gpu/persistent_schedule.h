@@ -1,6 +1,6 @@
-// persistent_schedule.h — the persistent decode step's schedule as plain data (DESIGN.md §4, issue 16): per block
-// of the persistent kernel an ordered list of tasks, built at load from the model's shape and checked on the host
-// before the kernel may run it. Plain C++ (no CUDA): built everywhere, its checker tested without a GPU.
+// persistent_schedule.h — the persistent decode step's schedule as plain data (docs/ARCHITECTURE.md, issue 16): per
+// block of the persistent kernel an ordered list of tasks, built at load from the model's shape and checked on the
+// host before the kernel may run it. Plain C++ (no CUDA): built everywhere, its checker tested without a GPU.
 //
 // A task is one unit of one phase of the step (embedding rows, QKV rows, one (KV head, context chunk) attention
 // partial, one head's merge, O rows, gate/up rows, down rows, LM-head rows). It waits on at most one counter (the

@@ -1,4 +1,4 @@
-// weight_stream.h — WeightStream: the GPU engine's load, file to device once (DESIGN.md §2).
+// weight_stream.h — WeightStream: the GPU engine's load, file to device once (docs/ARCHITECTURE.md).
 //
 // The caller hands tensors over one at a time in their stored form, usually views over the memory-mapped file:
 // float rows (fp32 / fp16 / bf16, a whole tensor or a range of its rows) or rows already in one of the engine's

@@ -1,4 +1,4 @@
-"""`tinyinfer bench`: decode speed against the memory roofline measured on this GPU (DESIGN.md §9), and the
+"""`tinyinfer bench`: decode speed against the memory roofline measured on this GPU (bench/results/README.md), and the
 batched prefill: ms and tok/s per prompt length, with the cuBLASLt tactic table (default vs tuned algorithm).
 
 Bytes per token (batch 1) = every weight matrix as stored (fp16, rows padded to 16 bytes) + norm weights + the

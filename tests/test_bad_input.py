@@ -180,6 +180,8 @@ def test_refused_requests_leave_engine_usable(good_dir):
         (lambda: eng.generate([5], top_p=0.0), "top_p"),
         (lambda: eng.generate([5], min_p=2.0), "min_p"),
         (lambda: eng.generate([5], top_k=-5), "top_k"),
+        (lambda: eng.generate([5], top_k=2**63), "top_k"),
+        (lambda: eng.generate([5], seed=2**64), "seed"),
         (lambda: eng.generate([5], repetition_penalty=0.0), "repetition_penalty"),
         (lambda: eng.generate([5], temperature=float("nan")), "temperature"),
         (lambda: eng.generate([5], bogus=1), "bogus"),

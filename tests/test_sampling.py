@@ -97,11 +97,18 @@ def test_sampling_params_object_and_kwargs(eng):
 @pytest.mark.parametrize(
     "kw",
     [dict(temperature=-0.1), dict(top_p=1.5), dict(top_k=2.5), dict(min_p=-0.1), dict(seed=-1),
-     dict(max_tokens=-3), dict(stop=[""]), dict(stop_token_ids=["a"]), dict(repetition_penalty=-1.0)],
+     dict(max_tokens=-3), dict(stop=[""]), dict(stop_token_ids=["a"]), dict(repetition_penalty=-1.0),
+     dict(top_k=2**63), dict(seed=2**64)],
 )
 def test_invalid_sampling_params(kw):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kw)
+
+
+def test_integer_bounds_are_the_cores():
+    """The largest top_k and seed SamplingParams accepts still fit the core's int64 / uint64 fields."""
+    s = SamplingParams(top_k=2**63 - 1, seed=2**64 - 1).to_core(0)
+    assert (s.top_k, s.seed) == (2**63 - 1, 2**64 - 1)
 
 
 def test_core_sampler_validates_too():

@@ -358,6 +358,8 @@ BAD_CHAT = [  # (extra arguments, param named)
     (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
     (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
     (dict(seed=-1), "seed"),
+    (dict(seed=2**63), "seed"),
+    (dict(extra_body={"top_k": 2**63}), "top_k"),  # beyond the core's int64
     (dict(stream_options={"include_usage": True}), "stream_options"),  # without stream
     (dict(max_tokens=MAX_SEQ), "max_tokens"),  # prompt + max_tokens beyond the context
 ]

@@ -11,6 +11,7 @@ from . import _core
 from .errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # top entries per token a request may ask for (OpenAI's limit)
+INT64_MAX = 2**63 - 1  # the core's top_k is an int64 (its seed a uint64)
 
 
 @dataclass
@@ -48,8 +49,8 @@ class SamplingParams:
                 raise bad(f"{name} must be a finite number (got {v!r})")
         if self.temperature < 0:
             raise bad(f"temperature must be >= 0 (got {self.temperature})")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise bad(f"top_k must be an integer >= 0, or -1 / 0 for off (got {self.top_k!r})")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not -1 <= self.top_k <= INT64_MAX:
+            raise bad(f"top_k must be an integer in 0..2**63-1, or -1 / 0 for off (got {self.top_k!r})")
         if not 0.0 < self.top_p <= 1.0:
             raise bad(f"top_p must be in (0, 1] (got {self.top_p})")
         if not 0.0 <= self.min_p <= 1.0:
@@ -62,8 +63,9 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad(f"logprobs must be None or an integer in 0..{MAX_LOGPROBS} (got {self.logprobs!r})")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
-            raise bad(f"seed must be a non-negative integer or None (got {self.seed!r})")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**64):
+            raise bad(f"seed must be an integer in 0..2**64-1 or None (got {self.seed!r})")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad(f"stop must be a list of non-empty strings (got {list(self.stop)!r})")
         if any(not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..sampling import INT64_MAX, MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
@@ -141,8 +141,8 @@ def _sampling(body: dict, max_tokens: Optional[int]) -> SamplingParams:
         kw["top_p"] = p
     k = body.get("top_k")
     if k is not None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < -1:
-            raise bad(f"'top_k' must be an integer >= 0, or -1 / 0 for off (got {k!r})", "top_k")
+        if isinstance(k, bool) or not isinstance(k, int) or not -1 <= k <= INT64_MAX:
+            raise bad(f"'top_k' must be an integer in 0..2**63-1, or -1 / 0 for off (got {k!r})", "top_k")
         kw["top_k"] = k
     m = _num(body, "min_p", lambda x: 0 <= x <= 1, "a number in [0, 1]")
     if m is not None:

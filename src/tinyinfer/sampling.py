@@ -66,10 +66,11 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < 2**64):
             raise bad(f"seed must be an integer in 0..2**64-1 or None (got {self.seed!r})")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise bad(f"stop must be a list of non-empty strings (got {list(self.stop)!r})")
-        if any(not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):
-            raise bad(f"stop_token_ids must be integers (got {list(self.stop_token_ids)!r})")
+        if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise bad(f"stop must be a string or a list of non-empty strings (got {self.stop!r:.100})")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or any(
+                not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):
+            raise bad(f"stop_token_ids must be a list of integers (got {self.stop_token_ids!r:.100})")
 
     @classmethod
     def from_kwargs(cls, params: Optional["SamplingParams"], kwargs: dict) -> "SamplingParams":

@@ -184,6 +184,7 @@ def test_refused_requests_leave_engine_usable(good_dir):
         (lambda: eng.generate([5], seed=2**64), "seed"),
         (lambda: eng.generate([5], repetition_penalty=0.0), "repetition_penalty"),
         (lambda: eng.generate([5], temperature=float("nan")), "temperature"),
+        (lambda: eng.generate([5], temperature=1e39), "temperature"),  # infinite as a float32
         (lambda: eng.generate([5], bogus=1), "bogus"),
         (lambda: eng.generate("text", max_tokens=4), "tokenizer"),  # this model has no tokenizer.json
         (lambda: eng.logits([]), "empty prompt"),

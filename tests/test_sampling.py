@@ -99,7 +99,10 @@ def test_sampling_params_object_and_kwargs(eng):
     [dict(temperature=-0.1), dict(top_p=1.5), dict(top_k=2.5), dict(min_p=-0.1), dict(seed=-1),
      dict(max_tokens=-3), dict(stop=[""]), dict(stop_token_ids=["a"]), dict(repetition_penalty=-1.0),
      dict(top_k=2**63), dict(seed=2**64), dict(stop=None), dict(stop=5), dict(stop={"a": 1}),
-     dict(stop_token_ids=None), dict(stop_token_ids=5), dict(stop_token_ids=[True])],
+     dict(stop_token_ids=None), dict(stop_token_ids=5), dict(stop_token_ids=[True]),
+     # finite in Python, but infinite or 0 as the core's float32
+     dict(temperature=1e39), dict(temperature=10**400), dict(repetition_penalty=1e300),
+     dict(repetition_penalty=1e-50), dict(top_p=1e-50)],
 )
 def test_invalid_sampling_params(kw):
     with pytest.raises(InvalidRequestError, match=next(iter(kw))):  # the message names the field

@@ -352,6 +352,9 @@ BAD_CHAT = [  # (extra arguments, param named)
     (dict(temperature=3.5), "temperature"),
     (dict(top_p=0), "top_p"),
     (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(extra_body={"repetition_penalty": 1e300}), "repetition_penalty"),  # infinite as the core's float32
+    (dict(extra_body={"repetition_penalty": 1e-50}), "repetition_penalty"),  # 0 as a float32
+    (dict(extra_body={"repetition_penalty": 10**400}), "repetition_penalty"),  # beyond a double
     (dict(n=0), "n"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(top_logprobs=3), "top_logprobs"),  # without logprobs=true

@@ -4,6 +4,7 @@ detokenization that never emits half a UTF-8 character, and stop strings that ar
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
 
@@ -12,6 +13,15 @@ from .errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # top entries per token a request may ask for (OpenAI's limit)
 INT64_MAX = 2**63 - 1  # the core's top_k is an int64 (its seed a uint64)
+
+
+def as_float32(v: float) -> float:
+    """v as the core's float32 fields hold it: beyond float32's range it is infinite, a tiny value may be 0."""
+    try:
+        v = float(v)
+    except OverflowError:  # an int beyond a double
+        return math.inf if v > 0 else -math.inf
+    return struct.unpack("f", struct.pack("f", v))[0]
 
 
 @dataclass
@@ -45,8 +55,8 @@ class SamplingParams:
             raise bad(f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                raise bad(f"{name} must be a finite number (got {v!r})")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(as_float32(v)):
+                raise bad(f"{name} must be a finite number within float32's range (got {v!r})")
         if self.temperature < 0:
             raise bad(f"temperature must be >= 0 (got {self.temperature})")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not -1 <= self.top_k <= INT64_MAX:
@@ -57,6 +67,9 @@ class SamplingParams:
             raise bad(f"min_p must be in [0, 1] (got {self.min_p})")
         if self.repetition_penalty <= 0:
             raise bad(f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
+        for name in ("top_p", "repetition_penalty"):  # the core would see 0 and refuse it
+            if as_float32(getattr(self, name)) == 0:
+                raise bad(f"{name} must be > 0 as a float32 (got {getattr(self, name)!r}, which rounds to 0)")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(f"{name} must be in [-2, 2] (got {getattr(self, name)})")

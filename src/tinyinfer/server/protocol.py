@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ..sampling import INT64_MAX, MAX_LOGPROBS, SamplingParams
+from ..errors import InvalidRequestError
+from ..sampling import INT64_MAX, MAX_LOGPROBS, SamplingParams, as_float32
 
 
 class APIError(Exception):
@@ -79,8 +80,10 @@ def _num(body: dict, name: str, ok: Callable[[float], bool], what: str) -> Optio
     v = body.get(name)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
-        raise bad(f"'{name}' must be {what} (got {v!r})", name)
+    f = None if isinstance(v, bool) or not isinstance(v, (int, float)) else as_float32(v)
+    # the core holds these as float32: 1e300 (or 10**400) would be infinite there, 1e-50 zero
+    if f is None or not math.isfinite(f) or not ok(v) or not ok(f):
+        raise bad(f"'{name}' must be {what} as a float32 (got {v!r})", name)
     return float(v)
 
 
@@ -163,7 +166,10 @@ def _sampling(body: dict, max_tokens: Optional[int]) -> SamplingParams:
     kw["stop"] = _stop(body)
     if _bool(body, "ignore_eos"):
         kw["ignore_eos"] = True
-    return SamplingParams(max_tokens=max_tokens or 1, **kw)
+    try:
+        return SamplingParams(max_tokens=max_tokens or 1, **kw)
+    except InvalidRequestError as e:  # a check above should have named the field; a 400 all the same
+        raise bad(str(e)) from None
 
 
 def _stream(body: dict) -> tuple[bool, bool]:

@@ -102,7 +102,7 @@ def test_sampling_params_object_and_kwargs(eng):
      dict(stop_token_ids=None), dict(stop_token_ids=5), dict(stop_token_ids=[True]),
      # finite in Python, but infinite or 0 as the core's float32
      dict(temperature=1e39), dict(temperature=10**400), dict(repetition_penalty=1e300),
-     dict(repetition_penalty=1e-50), dict(top_p=1e-50)],
+     dict(repetition_penalty=1e-50), dict(top_p=1e-50), dict(stop=["ok", "x" * 1025])],
 )
 def test_invalid_sampling_params(kw):
     with pytest.raises(InvalidRequestError, match=next(iter(kw))):  # the message names the field
@@ -174,6 +174,24 @@ def test_stop_prefix_that_does_not_complete_is_released():
 def test_earliest_of_several_stop_strings_wins():
     _, asm = _pieces("one two three", stop=["three", "two"], step=4)
     assert asm.stopped and asm.text == "one "
+
+
+def test_held_tail_is_the_longest_that_could_become_a_stop_string():
+    """The assembler compares only the tails that start like a stop string; it holds back exactly what trying
+    every tail length would."""
+    def every_tail(full, stops):
+        for n in range(min(max(map(len, stops)) - 1, len(full)), 0, -1):
+            if any(s.startswith(full[-n:]) for s in stops):
+                return len(full) - n
+        return len(full)
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        stops = ["".join(rng.choice(list("ab\n"), rng.integers(1, 7))) for _ in range(rng.integers(1, 4))]
+        full = "".join(rng.choice(list("ab\n"), rng.integers(0, 12)))
+        if any(s in full for s in stops):  # add() has cut the text at the stop string by then
+            continue
+        assert TextAssembler(_decode, stops)._held_from(full) == every_tail(full, stops), (full, stops)
 
 
 def test_stream_without_tokenizer_still_sets_last_completion(eng):

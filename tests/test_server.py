@@ -360,6 +360,7 @@ BAD_CHAT = [  # (extra arguments, param named)
     (dict(top_logprobs=3), "top_logprobs"),  # without logprobs=true
     (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
     (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (dict(stop=["x" * 1025]), "stop"),  # longer than a stop string may be
     (dict(seed=-1), "seed"),
     (dict(seed=2**63), "seed"),
     (dict(extra_body={"top_k": 2**63}), "top_k"),  # beyond the core's int64

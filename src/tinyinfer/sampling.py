@@ -13,6 +13,7 @@ from .errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # top entries per token a request may ask for (OpenAI's limit)
 INT64_MAX = 2**63 - 1  # the core's top_k is an int64 (its seed a uint64)
+MAX_STOP_CHARS = 1024  # the longest stop string: each token's text is searched for every stop's prefixes
 
 
 def as_float32(v: float) -> float:
@@ -81,6 +82,9 @@ class SamplingParams:
             raise bad(f"seed must be an integer in 0..2**64-1 or None (got {self.seed!r})")
         if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad(f"stop must be a string or a list of non-empty strings (got {self.stop!r:.100})")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise bad(f"stop strings may be at most {MAX_STOP_CHARS} characters long (got one of "
+                      f"{max(len(s) for s in self.stop)})")
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
                 not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be a list of integers (got {self.stop_token_ids!r:.100})")
@@ -157,6 +161,20 @@ class TextAssembler:
             full = full.rstrip("\ufffd")
         return full
 
+    def _held_from(self, full: str) -> int:
+        """Where the longest tail of `full` that might grow into a stop string starts (len(full): none). Only
+        the tails that start with a stop string's first character are compared: trying every tail length was
+        O(len(stop)**2) a token (0.75 ms a token for 1,024-character stops)."""
+        safe = len(full)
+        for s in self._stop:
+            i = full.find(s[0], max(len(full) - len(s) + 1, 0))
+            while 0 <= i < safe:
+                if s.startswith(full[i:]):
+                    safe = i
+                    break
+                i = full.find(s[0], i + 1)
+        return safe
+
     def add(self, new_ids: Sequence[int], final: bool = False) -> str:
         """Adds tokens; returns the new piece of text that is safe to emit."""
         self.ids.extend(new_ids)
@@ -168,12 +186,7 @@ class TextAssembler:
                 full = full[: min(hits)]
                 self.stopped = True
                 final = True
-        safe = len(full)
-        if not final:  # hold back a tail that might grow into a stop string
-            for n in range(min(self._hold - 1, len(full)), 0, -1):
-                if any(s.startswith(full[-n:]) for s in self._stop):
-                    safe = len(full) - n
-                    break
+        safe = len(full) if final else self._held_from(full)
         safe = max(safe, self.emitted)
         piece = full[self.emitted : safe]
         self.emitted = safe

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 from ..errors import InvalidRequestError
-from ..sampling import INT64_MAX, MAX_LOGPROBS, SamplingParams, as_float32
+from ..sampling import INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams, as_float32
 
 
 class APIError(Exception):
@@ -104,6 +104,8 @@ def _stop(body: dict) -> list[str]:
         raise bad(f"'stop' must be a string or a list of strings (got {v!r:.100})", "stop")
     if len(v) > 4:  # OpenAI's limit
         raise bad(f"'stop' takes at most 4 sequences (got {len(v)})", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in v):
+        raise bad(f"'stop' sequences may be at most {MAX_STOP_CHARS} characters long", "stop")
     return [s for s in v if s]  # "" can never be found; OpenAI accepts and ignores it
 
 

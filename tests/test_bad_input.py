@@ -180,12 +180,17 @@ def test_refused_requests_leave_engine_usable(good_dir):
         (lambda: eng.generate([5], top_p=0.0), "top_p"),
         (lambda: eng.generate([5], min_p=2.0), "min_p"),
         (lambda: eng.generate([5], top_k=-5), "top_k"),
-        (lambda: eng.generate([5], top_k=2**63), "top_k"),
-        (lambda: eng.generate([5], seed=2**64), "seed"),
+        (lambda: eng.generate([5], max_tokens=4, top_k=2**63), "top_k"),
+        (lambda: eng.generate([5], max_tokens=4, seed=2**64), "seed"),
         (lambda: eng.generate([5], repetition_penalty=0.0), "repetition_penalty"),
         (lambda: eng.generate([5], temperature=float("nan")), "temperature"),
-        (lambda: eng.generate([5], temperature=1e39), "temperature"),  # infinite as a float32
+        (lambda: eng.generate([5], max_tokens=4, temperature=1e39), "temperature"),  # infinite as a float32
         (lambda: eng.generate([5], bogus=1), "bogus"),
+        (lambda: eng.generate([5], max_tokens=4, stop_token_ids=[-1]), "stop token id -1 is out of range"),
+        (lambda: eng.generate([5], max_tokens=4, stop_token_ids=[300]), "stop token id 300 is out of range"),
+        (lambda: eng.generate([5], max_tokens=4, stop_token_ids=[2**31]), "out of range"),
+        # the scheduler's path
+        (lambda: eng.generate([[5], [6]], max_tokens=4, stop_token_ids=[2**31]), "out of range"),
         (lambda: eng.generate("text", max_tokens=4), "tokenizer"),  # this model has no tokenizer.json
         (lambda: eng.logits([]), "empty prompt"),
         (lambda: eng.logits(list(range(65))), "max_seq_len"),

@@ -182,15 +182,19 @@ def test_a_cancel_before_the_sample_is_not_launched_ahead():
 
 
 def test_stop_ids_outside_int32_are_left_out_of_the_call():
-    """A request's stop id past int32 (or negative) matches no token: the launch ahead still runs (it would not
-    even convert to the core's int64 ids), and the request generates what it does without it."""
+    """A stop id past int32 (or negative) matches no token. A request's own is refused at submit, naming it; an
+    EOS id of a config the core never checked (Engine.from_core) is left out of the call: the launch ahead still
+    runs (the id would not even convert to the core's int64 ids), and the request generates what it does
+    without it."""
     store = _store("fp32")
     outs = []
-    for stops in ([], [2**64, 2**31, -3]):
+    for eos in ([], [2**64, 2**31, -3]):
         core = _core.CpuEngine(store, MAX_SEQ, 2, 2)
-        eng = Engine.from_core(core, SimpleNamespace(vocab=VOCAB, eos_token_ids=[]), max_seq_len=MAX_SEQ)
+        eng = Engine.from_core(core, SimpleNamespace(vocab=VOCAB, eos_token_ids=eos), max_seq_len=MAX_SEQ)
         sched = Scheduler(eng, trace=(trace := Trace()))
-        req = sched.submit([3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=stops))
+        with pytest.raises(InvalidRequestError, match="stop token id 2147483648 is out of range"):
+            sched.submit([3, 4, 5], SamplingParams(max_tokens=6, stop_token_ids=[2**31]))
+        req = sched.submit([3, 4, 5], SamplingParams(max_tokens=6))
         while not sched.idle:
             sched.step()
         outs.append(req.result().token_ids)

@@ -241,6 +241,14 @@ class Engine:
             raise InvalidRequestError(f"token id {bad[0]} is out of range for a vocabulary of {self.config.vocab}")
         return ids
 
+    def _stop_ids(self, sp: SamplingParams) -> list[int]:
+        """The ids that end a generation: sp's stop_token_ids, and the model's EOS ids unless ignore_eos."""
+        bad = [t for t in sp.stop_token_ids if not 0 <= t < self.config.vocab]
+        if bad:  # (never sampled; past int32 the core's paths would even disagree on them)
+            raise InvalidRequestError(f"stop token id {bad[0]} is out of range for a vocabulary of "
+                                      f"{self.config.vocab}")
+        return list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(self.config.eos_token_ids))
+
     # ---- scoring ----
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -398,9 +406,7 @@ class Engine:
     def _generate_single(self, prompt_ids: list[int], sp: SamplingParams,
                          t_start: float) -> Iterator[Union[str, Completion]]:
         """The single-sequence path; the caller holds the engine's lock."""
-        stop_ids = list(sp.stop_token_ids)
-        if not sp.ignore_eos:
-            stop_ids += list(self.config.eos_token_ids)
+        stop_ids = self._stop_ids(sp)
         seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(4), "little")
         sampling = sp.to_core(seed)
         sampling.validate()

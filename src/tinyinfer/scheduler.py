@@ -295,9 +295,7 @@ class Scheduler:
         seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(4), "little")
         sampling = sp.to_core(seed)
         sampling.validate()
-        stop_ids = set(sp.stop_token_ids)
-        if not sp.ignore_eos:
-            stop_ids.update(eng.config.eos_token_ids)
+        stop_ids = eng._stop_ids(sp)
         rid = request_id or uuid.uuid4().hex
         return _Seq(request=Request(self, rid, ids), prompt=ids, params=sp, sampling=sampling,
                     stop_ids=frozenset(stop_ids),

@@ -174,6 +174,13 @@ def test_refused_requests_leave_engine_usable(good_dir):
         (lambda: eng.generate([], max_tokens=4), "empty prompt"),
         (lambda: eng.generate([5, 10**6], max_tokens=4), "out of range"),
         (lambda: eng.generate([-1], max_tokens=4), "out of range"),
+        (lambda: eng.generate([5, 6.0], max_tokens=4), "token ids must be integers"),
+        (lambda: eng.generate([5, True], max_tokens=4), "token ids must be integers"),
+        (lambda: eng.generate([5, b"6"], max_tokens=4), "token ids must be integers"),
+        (lambda: eng.generate(np.array(["5", "6"]), max_tokens=4), "token ids must be integers"),
+        (lambda: eng.generate(np.array([5.0, 6.0]), max_tokens=4), "token ids must be integers"),
+        (lambda: eng.generate(b"\x05\x06", max_tokens=4), "not bytes"),
+        (lambda: eng.generate(5, max_tokens=4), "sequence of token ids"),
         (lambda: eng.generate([5] * 60, max_tokens=10), "max_seq_len"),
         (lambda: eng.generate([5], max_tokens=0), "max_tokens"),
         (lambda: eng.generate([5], temperature=-1.0), "temperature"),
@@ -199,6 +206,7 @@ def test_refused_requests_leave_engine_usable(good_dir):
         with pytest.raises(TinyInferError, match=needle):
             call()
     assert eng.generate([5, 6, 7], max_tokens=5, ignore_eos=True).token_ids == want
+    assert eng.generate(np.array([5, 6, 7]), max_tokens=5, ignore_eos=True).token_ids == want  # numpy ints are ids
 
 
 def test_tokenizer_error_type(good_dir):

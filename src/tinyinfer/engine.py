@@ -230,10 +230,18 @@ class Engine:
                 raise InvalidRequestError("empty prompt")
             ids = self.tokenize(prompt)
         else:
+            if isinstance(prompt, (bytes, bytearray)):  # (iterated, they would pass for token ids)
+                raise InvalidRequestError("prompt must be a str or a sequence of token ids, not bytes")
             try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError) as e:
+                ids = list(prompt)
+            except TypeError as e:
                 raise InvalidRequestError(f"prompt must be a str or a sequence of token ids: {e}") from e
+            # int() would take 2.7, True, b"5" and "5" as ids: only integers are
+            odd = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+            if odd:
+                raise InvalidRequestError(f"prompt token ids must be integers (got {odd[0]!r:.40}, a "
+                                          f"{type(odd[0]).__name__})")
+            ids = [int(t) for t in ids]
         if not ids:
             raise InvalidRequestError("empty prompt")
         bad = [t for t in ids if not 0 <= t < self.config.vocab]

@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 
-from conftest import edit_config, make_llama
+from conftest import edit_config, make_chat_llama, make_llama
 from tinyinfer import (
     ConfigError,
     Engine,
@@ -207,6 +207,18 @@ def test_refused_requests_leave_engine_usable(good_dir):
             call()
     assert eng.generate([5, 6, 7], max_tokens=5, ignore_eos=True).token_ids == want
     assert eng.generate(np.array([5, 6, 7]), max_tokens=5, ignore_eos=True).token_ids == want  # numpy ints are ids
+
+
+def test_text_that_is_not_unicode(tmp_path):
+    """A lone surrogate ("\\ud800" in JSON) cannot be UTF-8: refused, naming it, in a prompt and in a message."""
+    eng = Engine(make_chat_llama(tmp_path / "m"), device="cpu", max_seq_len=64)
+    for call in (lambda: eng.generate("a\ud800b", max_tokens=2), lambda: eng.tokenize("\udfff"),
+                 lambda: eng.chat([{"role": "user", "content": "hi \ud800"}], max_tokens=2)):
+        with pytest.raises(InvalidRequestError, match=r"not valid Unicode: '\\ud"):
+            call()
+    with pytest.raises(InvalidRequestError, match="must be a str"):
+        eng.tokenize(5)
+    assert eng.generate("ab", max_tokens=2).token_ids
 
 
 def test_tokenizer_error_type(good_dir):

@@ -411,6 +411,25 @@ def test_bad_messages_are_400(client):
         assert _error_of(e)["param"] == "messages"
 
 
+# Bodies the openai client cannot send (it cannot encode a lone surrogate), posted as JSON text: json.dumps writes
+# a lone surrogate as the escape "\ud800", which a server's JSON parser turns back into one.
+RAW_BAD = [  # (endpoint, body, status, param, a piece of the message)
+    ("completions", {"prompt": "a\ud800"}, 400, "prompt", "not valid Unicode"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "messages",
+     "not valid Unicode"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param,needle", RAW_BAD,
+                         ids=[f"{e}-{i}" for i, (e, *_) in enumerate(RAW_BAD)])
+def test_bad_raw_body_is_4xx_in_openai_shape(server, endpoint, body, status, param, needle):
+    r = httpx.post(f"{server.url}/v1/{endpoint}", content=json.dumps({"model": NAME, "max_tokens": 2, **body}),
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and needle in err["message"]
+
+
 def test_api_key_is_required(server):
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0) as c:
         with pytest.raises(openai.AuthenticationError) as e:

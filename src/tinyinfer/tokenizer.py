@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
-from .errors import ModelFormatError
+from .errors import InvalidRequestError, ModelFormatError
 
 
 class Tokenizer:
@@ -31,7 +31,17 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the library's one message for both: "TextInputSequence must be str"
+            if not isinstance(text, str):
+                raise InvalidRequestError(f"the text to tokenize must be a str (got {type(text).__name__})") from None
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate ("\ud800" in JSON)
+                raise InvalidRequestError(f"the text is not valid Unicode: {text[e.start]!r} (a lone surrogate) at "
+                                          f"character {e.start}") from None
+            raise
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -417,6 +417,8 @@ RAW_BAD = [  # (endpoint, body, status, param, a piece of the message)
     ("completions", {"prompt": "a\ud800"}, 400, "prompt", "not valid Unicode"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "messages",
      "not valid Unicode"),
+    ("chat/completions", {"messages": CHAT, "model": "\ud800"}, 404, "model", "the model '\\ud800' does not exist"),
+    ("chat/completions", {"messages": CHAT, "\ud800": 1}, 400, "\\ud800", "unknown parameter(s): '\\ud800'"),
 ]
 
 

@@ -239,7 +239,7 @@ class Service:
 
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.model_name:
-            raise P.APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+            raise P.APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                              param="model", code="model_not_found")
 
     def model_card(self) -> dict:

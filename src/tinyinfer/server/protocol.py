@@ -27,6 +27,9 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
                  type: Optional[str] = None, headers: Optional[dict] = None):
+        # what the client sent may hold a lone surrogate (JSON's "\ud800"), which the response could not encode
+        message = message.encode("utf-8", "backslashreplace").decode()
+        param = None if param is None else param.encode("utf-8", "backslashreplace").decode()
         super().__init__(message)
         self.status = status
         self.message = message
@@ -131,7 +134,7 @@ def _check_fields(body: dict, known: set) -> None:
         raise bad("'store' is not supported by this server (only false)", "store", "unsupported_parameter")
     unknown = sorted(set(body) - known - set(_OFF) - _IGNORED)
     if unknown:
-        raise bad(f"unknown parameter(s): {', '.join(unknown)}", unknown[0], "unknown_parameter")
+        raise bad(f"unknown parameter(s): {', '.join(map(repr, unknown))}", unknown[0], "unknown_parameter")
 
 
 def _sampling(body: dict, max_tokens: Optional[int]) -> SamplingParams:

@@ -190,6 +190,13 @@ def test_runtime_errors_in_template():
         render_chat("", SINGLE, bos_token=None, eos_token=None)
 
 
+def _deep(depth: int) -> list:
+    x: list = []
+    for _ in range(depth):
+        x = [x]
+    return x
+
+
 @pytest.mark.parametrize("messages,needle", [
     ("hello", "must be a list"),
     ([], "empty"),
@@ -198,6 +205,7 @@ def test_runtime_errors_in_template():
     ([{"role": "user"}], r"messages\[0\] has no 'content'"),
     ([{"role": "user", "content": "a"}, {"role": "user", "content": 5}], r"messages\[1\]\['content'\] must be a str"),
     ([{"role": None, "content": "hi"}], r"messages\[0\]\['role'\] must be a str"),
+    ([{"role": "user", "content": "hi", "extra": _deep(5000)}], "nested too deeply"),  # (past the recursion limit)
 ])
 def test_invalid_messages(messages, needle):
     with pytest.raises(InvalidRequestError, match=needle):

@@ -413,19 +413,32 @@ def test_bad_messages_are_400(client):
 
 # Bodies the openai client cannot send (it cannot encode a lone surrogate), posted as JSON text: json.dumps writes
 # a lone surrogate as the escape "\ud800", which a server's JSON parser turns back into one.
-RAW_BAD = [  # (endpoint, body, status, param, a piece of the message)
+def _nested(depth: int) -> list:
+    x: list = []
+    for _ in range(depth - 1):
+        x = [x]
+    return x
+
+
+RAW_BAD = [  # (endpoint, body: a dict or the JSON text, status, param, a piece of the message)
     ("completions", {"prompt": "a\ud800"}, 400, "prompt", "not valid Unicode"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "messages",
      "not valid Unicode"),
     ("chat/completions", {"messages": CHAT, "model": "\ud800"}, 404, "model", "the model '\\ud800' does not exist"),
     ("chat/completions", {"messages": CHAT, "\ud800": 1}, 400, "\\ud800", "unknown parameter(s): '\\ud800'"),
+    # nested deeper than a recursive parser or walk can follow
+    ("chat/completions", '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, None, "nested too deeply"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi", "x": _nested(600)}]}, 400, "messages",
+     "nested too deeply"),
 ]
 
 
 @pytest.mark.parametrize("endpoint,body,status,param,needle", RAW_BAD,
                          ids=[f"{e}-{i}" for i, (e, *_) in enumerate(RAW_BAD)])
 def test_bad_raw_body_is_4xx_in_openai_shape(server, endpoint, body, status, param, needle):
-    r = httpx.post(f"{server.url}/v1/{endpoint}", content=json.dumps({"model": NAME, "max_tokens": 2, **body}),
+    if isinstance(body, dict):
+        body = json.dumps({"model": NAME, "max_tokens": 2, **body})
+    r = httpx.post(f"{server.url}/v1/{endpoint}", content=body,
                    headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, timeout=60)
     assert r.status_code == status, r.text
     err = r.json()["error"]

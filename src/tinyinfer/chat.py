@@ -171,7 +171,10 @@ def render_chat(
     calls raise_exception(), fails while rendering, or tries to leave the sandbox."""
     if not isinstance(template, str) or not template:
         raise ChatTemplateError("the model has no chat template")
-    msgs = _alias_reasoning(_plain(validate_messages(messages)))
+    try:
+        msgs = _alias_reasoning(_plain(validate_messages(messages)))
+    except RecursionError:  # _plain recurses per level: a message's extra keys may nest without end
+        raise InvalidRequestError("messages are nested too deeply") from None
     import jinja2.exceptions
 
     try:

@@ -83,6 +83,8 @@ async def _read_json(request: Request, limit: int):
         return json.loads(b"".join(data))
     except (ValueError, UnicodeDecodeError) as e:
         raise P.bad(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # the parser recurses per level of arrays / objects
+        raise P.bad("the request body is nested too deeply") from None
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -4,6 +4,7 @@ nothing crashes; an engine stays usable after a refused request."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 
@@ -138,6 +139,45 @@ def test_unsupported_field(model_copy, changes, field):
     edit_config(model_copy, **changes)
     with pytest.raises(UnsupportedModelError, match=field):
         Engine(model_copy)
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"rope_scaling": "linear"}, "'rope_scaling' must be an object"),
+        ({"rope_scaling": ["linear"]}, "'rope_scaling' must be an object"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": None}}, "'rope_scaling.factor' must be a number"),
+        ({"rope_scaling": {**LLAMA3, "low_freq_factor": "1"}}, "'rope_scaling.low_freq_factor' must be a number"),
+        ({"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 8192.5}},
+         "'rope_scaling.original_max_position_embeddings' must be an integer"),
+        ({"rope_theta": None}, "'rope_theta' must be a number"),
+        ({"rms_norm_eps": None}, "'rms_norm_eps' must be a number"),
+        ({"max_position_embeddings": None}, "'max_position_embeddings' must be an integer"),
+        ({"num_key_value_heads": "abc"}, "'num_key_value_heads' must be an integer"),
+        ({"num_key_value_heads": 1.7}, "'num_key_value_heads' must be an integer"),
+        ({"head_dim": "64"}, "'head_dim' must be an integer"),
+        ({"architectures": 5}, "'architectures' must be a list"),
+        ({"tie_word_embeddings": "false"}, "'tie_word_embeddings' must be true or false"),
+    ],
+)
+def test_config_field_of_the_wrong_type(model_copy, changes, field):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg.pop("rope_parameters")  # (it would take precedence over rope_scaling and rope_theta)
+    cfg.update(changes)  # (edit_config would drop the keys set to None: here they are written as null)
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        Engine(model_copy)
+
+
+def test_config_null_that_means_the_default(model_copy):
+    edit_config(model_copy, rope_parameters=None)
+    cfg = json.loads((model_copy / "config.json").read_text())
+    (model_copy / "config.json").write_text(json.dumps({**cfg, "head_dim": None, "rope_scaling": None}))
+    assert Engine(model_copy, device="cpu").config.head_dim == 64  # hidden / heads, as transformers takes it
 
 
 def test_bad_gqa_config(model_copy):

@@ -34,15 +34,29 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+_KINDS = {"an integer": int, "a number": (int, float), "true or false": bool}
+
+
+def _field(d: dict, key: str, kind: str, default: Any, where: str, *, within: str = "",
+           null_is_default: bool = False) -> Any:
+    """d[key] if it is of `kind` (a JSON true is no number, "false" no boolean, 1.7 no integer, null none of them
+    unless null_is_default); `default` when the key is absent. Else a ConfigError naming the field."""
+    v = d.get(key)
+    if key not in d or (v is None and null_is_default):
+        return default
+    if not isinstance(v, _KINDS[kind]) or isinstance(v, bool) != (kind == "true or false"):
+        raise ConfigError(f"{where}: '{within + '.' if within else ''}{key}' must be {kind}, got {v!r}")
+    return v
+
+
 def _rope_settings(cfg: dict, where: str) -> dict:
     """rope_theta and scaling from either transformers 5's `rope_parameters` or the older `rope_theta` +
     `rope_scaling`. Returns {"theta", "type", "factor", ...}."""
-    params = cfg.get("rope_parameters")
-    field = "rope_parameters"
+    params, field = cfg.get("rope_parameters"), "rope_parameters"
     if params is None:
-        params = dict(cfg.get("rope_scaling") or {})
-        field = "rope_scaling"
-        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        params, field = cfg.get("rope_scaling"), "rope_scaling"
+        if params is None:
+            params = {}
     if not isinstance(params, dict):
         raise ConfigError(f"{where}: '{field}' must be an object, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -52,18 +66,21 @@ def _rope_settings(cfg: dict, where: str) -> dict:
         raise UnsupportedModelError(
             f"{where}: {field}.rope_type = {rope_type!r} is not supported (supported: default, linear, llama3)"
         )
-    out = {"theta": float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))), "type": rope_type}
+    theta = (_field(params, "rope_theta", "a number", None, where, within=field) if "rope_theta" in params
+             else _field(cfg, "rope_theta", "a number", 10000.0, where))
+    out = {"theta": float(theta), "type": rope_type}
     if rope_type != "none":
         if "factor" not in params:
             raise ConfigError(f"{where}: {field}.factor is missing for rope_type {rope_type!r}")
-        out["factor"] = float(params["factor"])
+        out["factor"] = float(_field(params, "factor", "a number", None, where, within=field))
     if rope_type == "llama3":
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if key not in params:
                 raise ConfigError(f"{where}: {field}.{key} is missing for rope_type 'llama3'")
-        out["low"] = float(params["low_freq_factor"])
-        out["high"] = float(params["high_freq_factor"])
-        out["original_max_pos"] = int(params["original_max_position_embeddings"])
+        out["low"] = float(_field(params, "low_freq_factor", "a number", None, where, within=field))
+        out["high"] = float(_field(params, "high_freq_factor", "a number", None, where, within=field))
+        out["original_max_pos"] = _field(params, "original_max_position_embeddings", "an integer", None, where,
+                                         within=field)
     return out
 
 
@@ -73,6 +90,8 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> _core.Mod
     if model_type != "llama":
         raise UnsupportedModelError(f"{where}: model_type = {model_type!r} is not supported (only 'llama')")
     archs = cfg.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ConfigError(f"{where}: 'architectures' must be a list of names, got {archs!r}")
     if archs is not None and "LlamaForCausalLM" not in archs:
         raise UnsupportedModelError(f"{where}: architectures = {archs!r} (only LlamaForCausalLM is supported)")
     refused = {
@@ -87,12 +106,9 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> _core.Mod
             raise UnsupportedModelError(f"{where}: {key} = {cfg[key]!r} is not supported by this engine")
 
     def need(key: str) -> int:
-        if key not in cfg or cfg[key] is None:
+        if cfg.get(key) is None:
             raise ConfigError(f"{where}: required field '{key}' is missing")
-        v = cfg[key]
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise ConfigError(f"{where}: field '{key}' must be an integer, got {v!r}")
-        return v
+        return _field(cfg, key, "an integer", None, where)
 
     c = _core.ModelConfig()
     c.hidden = need("hidden_size")
@@ -100,10 +116,10 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> _core.Mod
     c.n_layers = need("num_hidden_layers")
     c.n_heads = need("num_attention_heads")
     c.vocab = need("vocab_size")
-    c.n_kv_heads = int(cfg.get("num_key_value_heads") or c.n_heads)
-    head_dim = cfg.get("head_dim")
-    c.head_dim = int(head_dim) if head_dim else c.hidden // max(c.n_heads, 1)
-    c.rms_eps = float(cfg.get("rms_norm_eps", 1e-6))
+    # (null: the default, as transformers' LlamaConfig has it for these two)
+    c.n_kv_heads = _field(cfg, "num_key_value_heads", "an integer", c.n_heads, where, null_is_default=True)
+    c.head_dim = _field(cfg, "head_dim", "an integer", c.hidden // max(c.n_heads, 1), where, null_is_default=True)
+    c.rms_eps = float(_field(cfg, "rms_norm_eps", "a number", 1e-6, where))
     rope = _rope_settings(cfg, where)
     c.rope_theta = rope["theta"]
     c.rope_scaling = rope["type"]
@@ -113,8 +129,8 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> _core.Mod
         c.rope_low_freq_factor = rope["low"]
         c.rope_high_freq_factor = rope["high"]
         c.rope_original_max_pos = rope["original_max_pos"]
-    c.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-    c.max_position_embeddings = int(cfg.get("max_position_embeddings", 2048))
+    c.tie_word_embeddings = _field(cfg, "tie_word_embeddings", "true or false", False, where)
+    c.max_position_embeddings = _field(cfg, "max_position_embeddings", "an integer", 2048, where)
     bos = cfg.get("bos_token_id")
     c.bos_token_id = int(bos) if isinstance(bos, int) else -1
     eos = cfg.get("eos_token_id")

@@ -11,8 +11,9 @@ import pytest
 from conftest import SMOLLM_GGUF_NAME
 from gguf_writer import spm_vocab, tiny_llama, write_llama_gguf
 from tinyinfer import _core
-from tinyinfer.errors import UnsupportedModelError
+from tinyinfer.errors import ConfigError, UnsupportedModelError
 from tinyinfer.loaders import load_model
+from tinyinfer.loaders.gguf_config import config_from_gguf
 
 
 def test_config_matches_transformers(smollm_gguf, smollm_dir):
@@ -80,3 +81,16 @@ def test_llama3_rope_from_rope_freqs_tensor(tmp_path):
                            extra_tensors={"rope_freqs.weight": np.linspace(1, 3, 32, dtype=np.float32)})
     with pytest.raises(UnsupportedModelError, match="rope_freqs.weight"):
         load_model(bad)
+
+
+@pytest.mark.parametrize("changes,err,key", [
+    ({"llama.attention.head_count_kv": 3}, ConfigError, "llama.attention.head_count_kv"),  # does not divide 4
+    ({"llama.embedding_length": 192}, UnsupportedModelError, "llama.embedding_length / llama.attention.head_count"),
+])
+def test_config_the_core_refuses_names_the_file_and_key(changes, err, key):
+    """What only the core's check refuses (GQA divisibility, head_dim 48) is named as the GGUF has it."""
+    meta = {"general.architecture": "llama", "llama.embedding_length": 256, "llama.feed_forward_length": 512,
+            "llama.block_count": 1, "llama.attention.head_count": 4, "llama.vocab_size": 100, **changes}
+    with pytest.raises(err) as e:
+        config_from_gguf(meta, {}, "/models/m.gguf")
+    assert str(e.value).startswith("/models/m.gguf: ") and key in str(e.value), str(e.value)

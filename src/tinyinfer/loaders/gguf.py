@@ -33,7 +33,7 @@ from .. import _core
 from ..errors import ModelFormatError, UnsupportedModelError
 from ..tokenizer import Tokenizer
 from .base import BlockMatrix, LoadedModel, StreamItem, TensorItem, rows_items
-from .gguf_config import config_from_gguf, read_metadata, rope_freqs_as_llama3
+from .gguf_config import config_from_gguf, read_metadata, rope_freqs_as_llama3, validate_config
 # quantized types dequantized to float32 at load
 _DEQUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 # types passed through: GGUF type name -> (numpy dtype to view the data as, core dtype)
@@ -245,7 +245,7 @@ def _config(meta: dict[str, Any], infos: dict[str, tuple[str, Any]], where: str)
         if type_name != "F32":
             raise UnsupportedModelError(f"{where}: tensor 'rope_freqs.weight' has type {type_name} (expected F32)")
         rope_freqs_as_llama3(config, np.asarray(rope_freqs.data, dtype=np.float32).reshape(-1), where)
-        config.validate()
+        validate_config(config, where)
 
     store_shapes = _core.WeightStore(config)
     for name, (type_name, t) in infos.items():

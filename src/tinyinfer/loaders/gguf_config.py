@@ -5,6 +5,7 @@ sees only metadata values and, for the rope factors, one small array.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -89,6 +90,30 @@ def rope_freqs_as_llama3(c: "_core.ModelConfig", factors: np.ndarray, where: str
                     return
     raise UnsupportedModelError(f"{where}: tensor 'rope_freqs.weight' holds rope frequency factors that match no "
                                 f"llama3 rope scaling this engine knows")
+
+
+# The core's config check names a field by its config.json name; a GGUF holds it under this key.
+_GGUF_KEYS = {
+    "hidden_size": "llama.embedding_length", "intermediate_size": "llama.feed_forward_length",
+    "num_hidden_layers": "llama.block_count", "num_attention_heads": "llama.attention.head_count",
+    "num_key_value_heads": "llama.attention.head_count_kv",
+    "head_dim": "llama.attention.key_length (else llama.embedding_length / llama.attention.head_count)",
+    "vocab_size": "token_embd.weight's rows (else llama.vocab_size)",
+    "rms_norm_eps": "llama.attention.layer_norm_rms_epsilon",
+    "rope_theta": "llama.rope.freq_base", "max_position_embeddings": "llama.context_length",
+    "rope_scaling.factor": "llama.rope.scaling.factor", "eos_token_id": "tokenizer.ggml.eos_token_id",
+}
+
+
+def validate_config(c: "_core.ModelConfig", where: str) -> None:
+    """c.validate(), its refusal naming the file and the GGUF key (as loaders/hf.py names config.json)."""
+    try:
+        c.validate()
+    except (UnsupportedModelError, ModelFormatError) as e:
+        m = re.search(r"config: ([\w.]+)", str(e))
+        key = _GGUF_KEYS.get(m.group(1)) if m else None
+        msg = f"{where}: {e}" + (f" (GGUF: {key})" if key else "")
+        raise (UnsupportedModelError(msg) if isinstance(e, UnsupportedModelError) else ConfigError(msg)) from None
 
 
 def config_from_gguf(meta: dict[str, Any], tensor_rows: dict[str, int], where: str) -> "_core.ModelConfig":
@@ -189,8 +214,8 @@ def config_from_gguf(meta: dict[str, Any], tensor_rows: dict[str, int], where: s
     # EOS, then llama.cpp's other end-of-generation ids (end of turn / end of message) where the file has them
     eos = [t for t in (token_id("eos_token_id"), token_id("eot_token_id"), token_id("eom_token_id")) if t is not None]
     c.eos_token_ids = list(dict.fromkeys(eos))
-    c.validate()  # raises naming the field (head_dim 64..256, GQA divisibility, ...)
+    validate_config(c, where)  # head_dim 64..256, GQA divisibility, ...
     return c
 
 
-__all__ = ["read_metadata", "config_from_gguf", "clone_config", "rope_freqs_as_llama3"]
+__all__ = ["read_metadata", "config_from_gguf", "clone_config", "rope_freqs_as_llama3", "validate_config"]

@@ -76,6 +76,9 @@ def test_closed_stdout_ends_quietly(tiny, args):
     (["run", "--max-seq-len", "64", "--max-tokens", "64", "hi"], "--max-seq-len 64"),
     (["run", "--device", "cpu", "--dtype", "fp16", "hi"], "valid: auto, fp32, int8, int4"),
     (["run", "--device", "cpu", "--dtype", "bf16", "hi"], "dtype='bf16'"),
+    (["bench", "--device", "cpu", "--steps", "-1"], "--steps must be >= 1"),  # (the rates would divide by 0)
+    (["bench", "--device", "cpu", "--steps", "0"], "--steps must be >= 1"),
+    (["verify", "0"], "steps must be >= 1"),
 ])
 def test_refused_before_the_model_loads(args, needle):
     r = cli(*args, input="")

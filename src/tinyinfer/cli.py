@@ -80,6 +80,11 @@ def _check_before_load(args) -> None:
         check_dtype(args.dtype, args.device)
 
 
+def _check_steps(steps: Optional[int], name: str) -> None:
+    if steps is not None and steps < 1:  # (0 would time nothing: the rates divide by it)
+        raise InvalidRequestError(f"{name} must be >= 1 (got {steps})")
+
+
 def _check_threads(args) -> None:
     if args.threads is not None and args.threads < 1:
         raise InvalidRequestError(f"--threads must be >= 1 (got {args.threads})")
@@ -229,6 +234,7 @@ def cmd_bench(args) -> int:
     contexts = _int_list(args.contexts or ("16,256" if cpu else "16,1024,4096"), "--contexts")
     prefill = _int_list(("16,128" if cpu else "16,256,512,2048") if args.prefill is None else args.prefill,
                         "--prefill")
+    _check_steps(args.steps, "--steps")
     steps = args.steps or (32 if cpu else 256)
     _check_threads(args)
     if not contexts:
@@ -291,6 +297,7 @@ def cmd_perplexity(args) -> int:
 def cmd_verify(args) -> int:
     from . import bench
 
+    _check_steps(args.steps, "verify's steps")
     model = args.model
     if model is None:
         from .models import default_model_path

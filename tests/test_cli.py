@@ -179,6 +179,18 @@ def test_perplexity_command_matches_the_logits(tiny, tmp_path):
     assert r.returncode == 1 and "missing.txt" in r.stderr
 
 
+def test_perplexity_tokens_0_scores_all_the_text(tiny, tmp_path):
+    f = tmp_path / "eval.txt"
+    f.write_text("The quick brown fox jumps over the lazy dog. " * 60)  # 2,700 characters: tokens past 2048
+    r = cli("perplexity", f, "-m", tiny, "--device", "cpu", "--tokens", "0", "--window", "1024")
+    assert r.returncode == 0, r.stderr
+    with Engine(tiny, device="cpu") as eng:
+        n = len(eng.tokenize(f.read_text()))
+    assert n > 2048 and f"{n - 3} tokens scored in 3 windows of 1024" in r.stdout  # (a window's first is not)
+    r = cli("perplexity", f, "-m", tiny, "--tokens", "1")
+    assert r.returncode == 1 and "--tokens must be >= 2, or 0 for all" in r.stderr
+
+
 def _nll(eng, ids):
     from tinyinfer.perplexity import token_nll
 

@@ -265,8 +265,8 @@ def cmd_perplexity(args) -> int:
     from .engine import Engine
     from .perplexity import perplexity
 
-    if args.tokens is not None and args.tokens < 2:
-        raise InvalidRequestError(f"--tokens must be >= 2 (got {args.tokens})")
+    if args.tokens < 0 or args.tokens == 1:
+        raise InvalidRequestError(f"--tokens must be >= 2, or 0 for all (got {args.tokens})")
     if args.window is not None and args.window < 2:
         raise InvalidRequestError(f"--window must be >= 2 (got {args.window})")
     _check_threads(args)
@@ -391,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=2048,
                    help="score the first N tokens of the text (default 2048, as bench/tools/quant_quality.py; 0 = all)")
     p.add_argument("--window", type=int, default=None,
-                   help="tokens per window, each scored from an empty cache (default: --tokens, one window)")
+                   help="tokens per window, each scored from an empty cache (default: --tokens, one window; "
+                   "with --tokens 0, the engine's context)")
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")

@@ -87,6 +87,17 @@ def test_refused_before_the_model_loads(args, needle):
     assert LOADED_DEFAULT not in r.stderr  # refused without loading (or fetching) the default model
 
 
+def test_chat_goes_on_after_a_template_error(tmp_path):
+    from conftest import CHAR_CHAT_TEMPLATE, make_llama, save_char_tokenizer
+
+    d = make_llama(tmp_path / "m", layers=1, heads=2, kv_heads=2, hidden=128, vocab=300)
+    save_char_tokenizer(d, "{% if messages[-1]['content'] == 'boom' %}{{ raise_exception('no boom here') }}"
+                           "{% endif %}" + CHAR_CHAT_TEMPLATE)
+    r = cli("chat", "-m", d, "--device", "cpu", "-n", "2", input="hi\nboom\nagain\n\n")
+    assert r.returncode == 0 and "no boom here" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("tok/s") == 2  # the turns before and after the refused one
+
+
 def test_dtype_the_device_cannot_honour_is_refused(tiny):
     with pytest.raises(InvalidRequestError, match=r"valid: auto, fp32, int8, int4"):
         Engine(tiny, device="cpu", dtype="bf16")

@@ -181,7 +181,7 @@ def _chat_turn(eng, args, messages: list[dict]) -> None:
         print(" [interrupted]")
         messages.pop()
         return
-    except InvalidRequestError as e:
+    except TinyInferError as e:  # a refused message, a template that raised, ...: the session goes on
         print(f"\ntinyinfer: {e}", file=sys.stderr)
         messages.pop()
         return

@@ -87,6 +87,22 @@ def test_refused_before_the_model_loads(args, needle):
     assert LOADED_DEFAULT not in r.stderr  # refused without loading (or fetching) the default model
 
 
+def test_input_that_is_not_utf8(tiny):
+    """Bytes that are not UTF-8 on stdin: `run -` refuses them in one line; at the chat prompt the line is refused
+    and the session goes on."""
+    def cli_bytes(*args, input: bytes):
+        return subprocess.run([sys.executable, "-m", "tinyinfer", *map(str, args)], input=input,
+                              capture_output=True, timeout=600, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+
+    r = cli_bytes("run", "-m", tiny, "--device", "cpu", "-n", "2", "-", input=b"hi \xff there\n")
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "not valid utf-8 text (byte 0xff)" in err.lower() and "Traceback" not in err, err
+    r = cli_bytes("chat", "-m", tiny, "--device", "cpu", "-n", "2", input=b"caf\xe9\nhello\n\n")
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "(byte 0xe9)" in err and "Traceback" not in err, err
+    assert err.count("tok/s") == 1  # the next line got its answer
+
+
 def test_chat_goes_on_after_a_template_error(tmp_path):
     from conftest import CHAR_CHAT_TEMPLATE, make_llama, save_char_tokenizer
 

@@ -14,6 +14,7 @@ the model loads. A closed stdout (`| head`) ends the command quietly.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 from typing import Optional
@@ -112,10 +113,25 @@ def stats_line(eng, out) -> str:
             f"{' (GPU time)' if s.decode_timer == 'GPU time' else ''} | {s.wall_s:.2f} s wall")
 
 
+def _from_stdin(read, *args) -> str:
+    """read(*args) (sys.stdin.read, input) with bytes that stdin's encoding cannot decode refused as an
+    InvalidRequestError: read with surrogateescape they arrive as lone surrogates, where strict decoding would
+    raise part-way through a read (and lose the rest of what it had buffered)."""
+    if isinstance(sys.stdin, io.TextIOWrapper) and sys.stdin.errors != "surrogateescape":
+        sys.stdin.reconfigure(errors="surrogateescape")  # (possible before the first read only)
+    text = read(*args)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(text[e.start]) - 0xDC00
+        raise InvalidRequestError(f"the input is not valid {sys.stdin.encoding} text (byte 0x{byte:02x})") from None
+    return text
+
+
 def _read_prompt(args) -> str:
     """The prompt: the arguments joined, or stdin for "-" or for no argument with stdin not a terminal."""
     if args.prompt == ["-"] or (not args.prompt and not sys.stdin.isatty()):
-        prompt = sys.stdin.read().rstrip("\n")
+        prompt = _from_stdin(sys.stdin.read).rstrip("\n")
     elif not args.prompt:
         raise InvalidRequestError("no prompt: give it as arguments, or \"-\" to read it from stdin")
     else:
@@ -202,10 +218,13 @@ def cmd_chat(args) -> int:
     print("tinyinfer chat — empty line or Ctrl-D to quit, /reset to start over", file=sys.stderr)
     while True:
         try:
-            line = input("> ")
+            line = _from_stdin(input, "> ")
         except EOFError:
             print()
             break
+        except InvalidRequestError as e:  # (the line is dropped; the conversation goes on)
+            print(f"tinyinfer: {e}", file=sys.stderr)
+            continue
         if not line.strip():
             break
         if line.strip() == "/reset":

@@ -352,11 +352,17 @@ BAD_CHAT = [  # (extra arguments, param named)
     (dict(temperature=3.5), "temperature"),
     (dict(top_p=0), "top_p"),
     (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-2.5), "frequency_penalty"),
+    (dict(extra_body={"top_k": -2}), "top_k"),
+    (dict(extra_body={"min_p": 1.5}), "min_p"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
     (dict(extra_body={"repetition_penalty": 1e300}), "repetition_penalty"),  # infinite as the core's float32
     (dict(extra_body={"repetition_penalty": 1e-50}), "repetition_penalty"),  # 0 as a float32
     (dict(extra_body={"repetition_penalty": 10**400}), "repetition_penalty"),  # beyond a double
     (dict(n=0), "n"),
+    (dict(n=129), "n"),
     (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=5, max_completion_tokens=6), "max_completion_tokens"),  # they disagree
     (dict(top_logprobs=3), "top_logprobs"),  # without logprobs=true
     (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
     (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
@@ -365,6 +371,11 @@ BAD_CHAT = [  # (extra arguments, param named)
     (dict(seed=2**63), "seed"),
     (dict(extra_body={"top_k": 2**63}), "top_k"),  # beyond the core's int64
     (dict(stream_options={"include_usage": True}), "stream_options"),  # without stream
+    (dict(stream=True, stream_options={"include_usage": True, "chunk": 1}), "stream_options"),  # an extra key
+    (dict(extra_body={"stream": "yes"}), "stream"),
+    (dict(extra_body={"ignore_eos": 1}), "ignore_eos"),
+    (dict(extra_body={"model": 5}), "model"),
+    (dict(store=True), "store"),
     (dict(max_tokens=MAX_SEQ), "max_tokens"),  # prompt + max_tokens beyond the context
 ]
 
@@ -405,14 +416,14 @@ def test_context_overflow_has_openai_code(client):
 
 
 def test_bad_messages_are_400(client):
-    for msgs in ([], [{"role": "wizard", "content": "hi"}], [{"role": "user"}]):
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    for msgs in ([], [{"role": "wizard", "content": "hi"}], [{"role": "user"}],
+                 [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=NAME, messages=msgs, max_tokens=2)
         assert _error_of(e)["param"] == "messages"
 
 
-# Bodies the openai client cannot send (it cannot encode a lone surrogate), posted as JSON text: json.dumps writes
-# a lone surrogate as the escape "\ud800", which a server's JSON parser turns back into one.
 def _nested(depth: int) -> list:
     x: list = []
     for _ in range(depth - 1):
@@ -420,12 +431,19 @@ def _nested(depth: int) -> list:
     return x
 
 
+# Bodies the openai client does not send (a lone surrogate, which it cannot encode; no messages or prompt; not an
+# object; nesting past a recursive parser), posted as JSON text: json.dumps writes a lone surrogate as the escape
+# "\ud800", which the server's JSON parser turns back into one.
 RAW_BAD = [  # (endpoint, body: a dict or the JSON text, status, param, a piece of the message)
     ("completions", {"prompt": "a\ud800"}, 400, "prompt", "not valid Unicode"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "messages",
      "not valid Unicode"),
     ("chat/completions", {"messages": CHAT, "model": "\ud800"}, 404, "model", "the model '\\ud800' does not exist"),
     ("chat/completions", {"messages": CHAT, "\ud800": 1}, 400, "\\ud800", "unknown parameter(s): '\\ud800'"),
+    ("chat/completions", {}, 400, "messages", "'messages' is required"),
+    ("completions", {}, 400, "prompt", "'prompt' is required"),
+    ("chat/completions", "[1, 2]", 400, None, "must be a JSON object"),
+    ("completions", '"hello"', 400, None, "must be a JSON object"),
     # nested deeper than a recursive parser or walk can follow
     ("chat/completions", '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, None, "nested too deeply"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi", "x": _nested(600)}]}, 400, "messages",

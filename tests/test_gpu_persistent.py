@@ -334,9 +334,9 @@ def test_persistent_trace_step(tmp_path):
         cuda(m, P.Persistent, max_seq_len=128).persistent_trace_step(8)
     try:
         core = cuda(m, P.Persistent, max_seq_len=128, trace=True)
-    except InvalidRequestError as e:  # a build without tracing says so
-        assert "TINYINFER_TRACE=ON" in str(e)
-        return
+    except InvalidRequestError as e:  # a build without tracing says so: the stamps cannot be checked in it
+        assert "this build has no tracing (rebuild with CMAKE_ARGS=-DTINYINFER_TRACE=ON)" in str(e)
+        pytest.skip("built without -DTINYINFER_TRACE=ON: the persistent step's stamps are not checked")
     with pytest.raises(InvalidRequestError, match="context must be <= max_seq_len - 4"):
         core.persistent_trace_step(125)
     rows = core.persistent_trace_step(20)

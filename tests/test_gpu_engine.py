@@ -417,7 +417,9 @@ def test_gemv_mma_makes_the_tensor_core_product_a_candidate(tmp_path, dtype):
     assert key(cfg, 300, a) != key(cfg, 300, b)
 
 
-def test_trace_step_stamps_every_kernel_in_order_and_options_are_checked():
+def test_gemv_and_trace_options_are_checked():
+    """The GEMV options (grid, resident margin, pins, decode_long_from) refused by name, pins and the resident rule
+    honoured, trace_step refused on an engine built without CudaOptions.trace; any build."""
     from tinyinfer import InvalidRequestError, _core
     from tinyinfer.bench import shape_config
 
@@ -467,17 +469,27 @@ def test_trace_step_stamps_every_kernel_in_order_and_options_are_checked():
     plain = _core.CudaEngine.random(cfg, 256, 1)
     with pytest.raises(InvalidRequestError, match="CudaOptions.trace"):
         plain.trace_step(16)
+    one = _core.CudaOptions()
+    one.weights, one.gemv_grid = "int4", 1
+    eng = _core.CudaEngine.random(cfg, 256, 1, one)
+    assert all(g["blocks_per_sm"] == 1 for g in eng.gemv_table())  # gemv_grid = 1: one block per SM everywhere
+    assert eng.time_decode_step(16, 4) > 0
+
+
+def test_trace_step_stamps_every_kernel_in_order():
+    """CudaEngine.trace_step in a -DTINYINFER_TRACE=ON build: every kernel of the step in order, each block's
+    stamps in order, no block past its wait before the previous kernel ended. Skipped in other builds."""
+    from tinyinfer import InvalidRequestError, _core
+    from tinyinfer.bench import shape_config
+
+    cfg = shape_config("smollm2-135m")
     o = _core.CudaOptions()
     o.trace, o.weights, o.gemv_grid = True, "int4", 1
     try:
         eng = _core.CudaEngine.random(cfg, 256, 1, o)
-    except InvalidRequestError as e:  # a build without -DTINYINFER_TRACE=ON says so, and stays usable
-        assert "TINYINFER_TRACE=ON" in str(e)
-        o.trace = False
-        eng = _core.CudaEngine.random(cfg, 256, 1, o)
-        assert all(g["blocks_per_sm"] == 1 for g in eng.gemv_table())
-        assert eng.time_decode_step(16, 4) > 0
-        pytest.skip("built without tracing: the trace itself is not checked")
+    except InvalidRequestError as e:  # a build without tracing says so (its options: the test above)
+        assert "this build has no tracing (rebuild with CMAKE_ARGS=-DTINYINFER_TRACE=ON)" in str(e)
+        pytest.skip("built without -DTINYINFER_TRACE=ON: the trace itself is not checked")
     with pytest.raises(InvalidRequestError, match="context"):
         eng.trace_step(10**6)
     tr = eng.trace_step(16)

@@ -37,6 +37,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# Device memory a test may find moved between two readings with nothing of its own left allocated: cudaMalloc
+# hands out 2 MiB pages and the driver's own bookkeeping moves the free count by a page or two.
+GPU_MEMORY_SLACK = 8 << 20
+
+
+def gpu_free_bytes() -> int:
+    """The device's free memory (torch.cuda.mem_get_info: the driver's count, which sees the engine's cudaMalloc
+    blocks as well as torch's own). The first call brings in torch's CUDA context: call it once before a baseline."""
+    import torch
+
+    free, _total = torch.cuda.mem_get_info()
+    return free
+
+
 def to_pages(cache, page_size: int, seed: int, spare: int = 3, fill=0x7E00):
     """A contiguous cache (n_kv_heads, n_pos, head_dim) -> the paged layout the kernels read (cuda/kv_layout.cuh):
     a pool (n_pages, n_kv_heads, page_size, head_dim) and a page table of ceil(n_pos / page_size) int32 entries,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import make_llama
+from conftest import GPU_MEMORY_SLACK, gpu_free_bytes, make_llama
 from tinyinfer import Engine
 
 pytestmark = pytest.mark.gpu
@@ -240,17 +240,25 @@ def test_attention_tensor_cores_against_the_lane_form(tmp_path, name):
 
 
 def test_out_of_gpu_memory_is_a_clear_error_and_frees_what_it_took():
+    """The KV cache cannot fit: refused by name after the 7B weights (12.5 GiB) were allocated, and every byte
+    of them given back (device free memory as before, within GPU_MEMORY_SLACK); a real engine fits afterwards."""
     from tinyinfer import DeviceError, _core
     from tinyinfer.bench import shape_config
 
     cfg = shape_config("llama2-7b")
     cfg.max_position_embeddings = 10**7
+    gpu_free_bytes()  # (torch's CUDA context in before any baseline)
     with pytest.raises(DeviceError, match="out of GPU memory.*MiB free"):
         _core.CudaEngine.random(cfg, 2_000_000, 1)  # a 1 TB KV cache
-    for _ in range(3):  # repeated failures leak nothing: a real 7B-shape engine still fits afterwards
-        with pytest.raises(DeviceError):
+    # the baseline after one failure: what the process keeps of a first engine (the runtime's state) is in
+    base = gpu_free_bytes()
+    for _ in range(3):  # repeated failures leak nothing
+        with pytest.raises(DeviceError, match="out of GPU memory"):
             _core.CudaEngine.random(cfg, 2_000_000, 1)
+        held = base - gpu_free_bytes()
+        assert held < GPU_MEMORY_SLACK, f"{held / 2**20:.1f} MiB still held after a failed load"
     eng = _core.CudaEngine.random(cfg, 256, 1)
+    assert base - gpu_free_bytes() > 12 << 30  # the measurement sees an engine at all (12.5 GiB of weights)
     assert eng.time_decode_step(16, 4) > 0
 
 

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import make_llama
+from conftest import GPU_MEMORY_SLACK, gpu_free_bytes, make_llama
 from tinyinfer import Engine, ModelFormatError, UnsupportedModelError, _core
 
 pytestmark = pytest.mark.gpu
@@ -209,9 +209,12 @@ def _drop_tensor(d, name, duplicate_in=None):
 
 @pytest.mark.parametrize("case", ["missing", "duplicate", "wrong_shape"])
 def test_bad_tensors_are_refused_and_leave_nothing_behind(tmp_path, case):
+    """Each refused load gives back what it took: the weights (all allocated before the stream: 33 MiB here, the
+    32,000-row embedding and head making a leak of them show past GPU_MEMORY_SLACK), the KV cache and the staging
+    buffers; device free memory stays where it was."""
     from safetensors.numpy import save_file
 
-    d = make_llama(tmp_path / "m", vocab=300, **SHAPE)
+    d = make_llama(tmp_path / "m", vocab=32000, **SHAPE)
     name = "model.layers.1.self_attn.k_proj.weight"
     if case == "missing":
         _drop_tensor(d, name)
@@ -224,12 +227,19 @@ def test_bad_tensors_are_refused_and_leave_nothing_behind(tmp_path, case):
         t[name] = t[name][:-1]
         save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
         match = rf"tensor '{name}' has shape \(127, 256\), expected \(128, 256\)"
+    good = make_llama(tmp_path / "good", vocab=32000, **SHAPE)
+    gpu_free_bytes()  # (torch's CUDA context in first)
+    with Engine(good, device="cuda", max_seq_len=64, progress=False) as eng:  # kernels and libraries loaded
+        eng.generate([1, 2], max_tokens=2, ignore_eos=True)
+    base = gpu_free_bytes()
     for _ in range(3):  # each failed load frees what it took: the engine object is never made
         with pytest.raises(ModelFormatError, match=match):
             Engine(d, device="cuda", max_seq_len=64, progress=False)
-    good = make_llama(tmp_path / "good", vocab=300, **SHAPE)
-    assert Engine(good, device="cuda", max_seq_len=64, progress=False).generate([1, 2], max_tokens=2,
-                                                                                ignore_eos=True).token_ids
+        held = base - gpu_free_bytes()
+        assert held < GPU_MEMORY_SLACK, f"{held / 2**20:.1f} MiB still held after a refused load"
+    with Engine(good, device="cuda", max_seq_len=64, progress=False) as eng:
+        assert eng.generate([1, 2], max_tokens=2, ignore_eos=True).token_ids
+        assert base - gpu_free_bytes() > 32 << 20  # the measurement sees a loaded engine (its weights) at all
 
 
 def test_unexpected_tensor_is_refused(tmp_path):

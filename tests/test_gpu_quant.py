@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import make_llama
+from conftest import GPU_MEMORY_SLACK, gpu_free_bytes, make_llama
 from tinyinfer import Engine, InvalidRequestError, UnsupportedModelError, _core
 
 pytestmark = pytest.mark.gpu
@@ -229,12 +229,20 @@ def test_quantized_weights_take_fewer_bytes(tmp_path):
     assert sizes["int4"] < sizes["int8"] < sizes["fp16"]
 
 
-def test_int4_refuses_a_model_it_cannot_take_and_frees_memory(tmp_path):
+def test_int4_refuses_a_model_it_cannot_take_before_allocating(tmp_path):
+    """The int4 widths are checked before any device allocation (DeviceWeights' constructor, the first thing
+    CudaEngine::allocate makes): device free memory is as it was, within GPU_MEMORY_SLACK; int8 takes the model."""
     d = make_llama(tmp_path / "m", hidden=256, intermediate=333, layers=1, vocab=300)
+    gpu_free_bytes()  # (torch's CUDA context in first)
+    with Engine(d, device="cuda", dtype="int8", max_seq_len=64) as eng:  # (and the kernels, before the baseline)
+        assert eng.generate([1, 2], max_tokens=2, ignore_eos=True).token_ids
+    base = gpu_free_bytes()
     with pytest.raises(UnsupportedModelError, match="multiples of 32"):
         Engine(d, device="cuda", dtype="int4", max_seq_len=64)
-    assert Engine(d, device="cuda", dtype="int8", max_seq_len=64).generate([1, 2], max_tokens=2,
-                                                                          ignore_eos=True).token_ids
+    held = base - gpu_free_bytes()
+    assert held < GPU_MEMORY_SLACK, f"{held / 2**20:.1f} MiB held after the refusal"
+    with Engine(d, device="cuda", dtype="int8", max_seq_len=64) as eng:  # and the next load runs
+        assert eng.generate([1, 2], max_tokens=2, ignore_eos=True).token_ids
 
 
 def test_gguf_q4_blocks_on_the_gpu_match_the_cpu(tmp_path):

@@ -47,9 +47,11 @@ def _gemv_ref(W16, x, norm_w, eps, y_init, mode_in, mode_out):
     if mode_out == "add":
         y = y + y_init
     if mode_out == "swiglu":
+        # each dot's error (at most 2e-5 of its bound, as the f32 modes') carried through silu(g) u to first
+        # order: silu' <= 1.1 and |silu(g)| <= |g|
         g, u = y[0::2], y[1::2]
         y = g / (1 + np.exp(-g)) * u
-        bound = np.maximum(bound[0::2], bound[1::2]) * (np.abs(u) + np.abs(g) + 1)
+        bound = 1.1 * bound[0::2] * np.abs(u) + bound[1::2] * np.abs(g)
     return y, bound
 
 
@@ -72,7 +74,9 @@ def test_gemv_matches_numpy(rows, K, R, mode_in, mode_out, grid):
     ref, bound = _gemv_ref(W16, x, norm_w, 1e-5, y_init, mode_in, mode_out)
     assert y.shape == ref.shape
     assert np.isfinite(y).all(), "an output was not written (poisoned NaN left)"
-    tol = (2e-3 if mode_out == "swiglu" else 2e-5) * bound + 1e-6
+    tol = 2e-5 * bound + 1e-6  # fp32 sums of fp16 products
+    if mode_out == "swiglu":  # its fp16 output: rounding is 2^-11 relative, twice that allowed
+        tol += 1e-3 * np.abs(ref)
     bad = np.abs(y - ref) > tol
     assert not bad.any(), f"{bad.sum()} of {bad.size} outside tolerance; worst {np.abs(y - ref).max():.3g}"
 

@@ -107,12 +107,16 @@ def test_extra_producer_is_refused():
 
 
 def test_self_wait_is_refused():
+    """A down task waiting on its own counter, for as many signals as that counter gets (so the producer-count
+    check passes): the self-wait check names it."""
     sched = _core.build_persistent_schedule(shape(grid=4))
     blocks = sched.blocks
     b, i = first_index(sched, T.Down)
-    blocks[b][i].wait = blocks[b][i].signal
+    t = blocks[b][i]
+    t.wait, t.wait_count = t.signal, sum(k.signal == t.signal for k in all_tasks(sched))
     sched.blocks = blocks
-    with pytest.raises(DeviceError, match="waits"):
+    with pytest.raises(DeviceError, match=f"^persistent schedule rejected: down task {i} of block {b} "
+                                          f"\\(layer 0\\) waits on the counter it signals itself$"):
         _core.check_persistent_schedule(sched, 4)
 
 

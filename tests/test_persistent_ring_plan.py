@@ -6,6 +6,8 @@ a DeviceError naming the problem. No GPU needed."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tinyinfer import DeviceError, InvalidRequestError, _core
@@ -22,22 +24,51 @@ def schedule(grid, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=500, voca
     return s, _core.build_persistent_schedule(s)
 
 
-def ring_shape(s, fmt="fp16", slots=4, slot_kib=32):
-    """The matrices as DeviceWeights lays them out: fp16 rows padded to 8 halves; int8 rows of K rounded up to
-    32 bytes with an fp16 d per 32; int4 rows of K / 2 bytes with a (scale, min) fp16 pair per 32."""
-    r = _core.RingPlanShape()
-    r.slots, r.slot_bytes = slots, slot_kib << 10
+def matrices(s, fmt="fp16"):
+    """The matrices as DeviceWeights lays them out, {type: (rows, row_bytes, scale_row_bytes, scale_alloc)}: fp16
+    rows padded to 8 halves; int8 rows of K rounded up to 32 bytes with an fp16 d per 32; int4 rows of K / 2 bytes
+    with a (scale, min) fp16 pair per 32."""
     dims = {T.Qkv: (s.q_dim + 2 * s.kv_dim, s.hidden), T.O: (s.hidden, s.q_dim),
             T.GateUp: (2 * s.intermediate, s.hidden), T.Down: (s.hidden, s.intermediate), T.LmHead: (s.vocab, s.hidden)}
+    out = {}
     for t, (rows, K) in dims.items():
         if fmt == "fp16":
-            r.set_matrix(t, rows, 2 * ((K + 7) // 8 * 8))
+            out[t] = (rows, 2 * ((K + 7) // 8 * 8), 0, 0)
         elif fmt == "int8":
             ld = (K + 31) // 32 * 32
-            r.set_matrix(t, rows, ld, ld // 32 * 2, rows * (ld // 32 * 2))
+            out[t] = (rows, ld, ld // 32 * 2, rows * (ld // 32 * 2))
         else:  # int4 (K a multiple of 32)
-            r.set_matrix(t, rows, K // 2, K // 32 * 4, rows * (K // 32 * 4))
+            out[t] = (rows, K // 2, K // 32 * 4, rows * (K // 32 * 4))
+    return out
+
+
+def ring_shape(s, fmt="fp16", slots=4, slot_kib=32):
+    r = _core.RingPlanShape()
+    r.slots, r.slot_bytes = slots, slot_kib << 10
+    for t, m in matrices(s, fmt).items():
+        r.set_matrix(t, *m)
     return r
+
+
+def ringable(t, m, slot_bytes):
+    """Whether build_ring_plan must ring task t of matrix m (persistent_ring_plan.h): its rows tile (the most rows
+    that fit a slot less the 16 bytes a scale copy may round up: a multiple of 8 where 8 fit, else of what keeps
+    each scale copy 16-byte aligned and of a gate/up pair) and no tile's scale copy, rounded up to 16 bytes, runs
+    past the scale array's allocation. Else the task reads its weights from global memory."""
+    _, row_bytes, srb, alloc = m
+    if row_bytes <= 0 or row_bytes % 16:
+        return False
+    f = 2 if t.type == T.GateUp else 1
+    per = (slot_bytes - 16) // (row_bytes + srb)
+    if per >= 8:
+        per = per // 8 * 8
+    else:
+        m16 = next(n for n in range(1, 17) if n * srb % 16 == 0)
+        per = per // math.lcm(m16, f) * math.lcm(m16, f)
+    if per < 1:
+        return False
+    return not any(srb and r * srb + -(-min(per, f * t.b - r) * srb // 16) * 16 > alloc
+                   for r in range(f * t.a, f * t.b, per))
 
 
 def covered_once(sched, plan, sh):
@@ -67,6 +98,8 @@ SHAPES = {
     "hd256_gqa3": dict(hidden=384, heads=6, kv_heads=2, head_dim=256, inter=900, vocab=1000),
     "hd128_gqa7": dict(hidden=448, heads=7, kv_heads=1, head_dim=128, inter=1000, vocab=1000),
     "hd64_mha": dict(hidden=256, heads=4, kv_heads=4, head_dim=64, inter=500, vocab=1000),
+    # an LM head of odd rows: at int8 a one-row tile's scale copy would run past the array (the task is not ringed)
+    "odd_vocab": dict(hidden=384, heads=6, kv_heads=2, head_dim=64, inter=512, vocab=1001),
 }
 
 
@@ -83,10 +116,25 @@ def test_plan_covers_every_row_once_in_task_order(name, fmt, grid, slots, slot_k
     _core.check_ring_plan(plan, sched, shape, 20 << 10, 227 << 10)
     assert plan.slots == slots and plan.slot_bytes == slot_kib << 10
     covered_once(sched, plan, s)
-    if slot_kib == 32:  # every row of these shapes fits a 32 KiB slot: every GEMV task is ringed
-        unringed = [(b, i) for b, tasks in enumerate(sched.blocks) for i, t in enumerate(tasks)
-                    if t.type in GEMV and plan.task_tiles[b][i] == 0]
-        assert fmt != "fp16" or not unringed, unringed
+    mats = matrices(s, fmt)
+    unringed = [(b, i) for b, tasks in enumerate(sched.blocks) for i, t in enumerate(tasks)
+                if t.type in GEMV and plan.task_tiles[b][i] == 0]
+    assert unringed == [(b, i) for b, tasks in enumerate(sched.blocks) for i, t in enumerate(tasks)
+                        if t.type in GEMV and not ringable(t, mats[t.type], slot_kib << 10)]
+    if slot_kib == 32:  # every row of these shapes fits a 32 KiB slot (and, but for odd_vocab, its scale copies)
+        assert plan.n_tiles > 0 and (name == "odd_vocab" and fmt == "int8" or not unringed), unringed
+
+
+def test_a_scale_copy_past_its_array_leaves_the_task_unringed():
+    """An int8 LM head of 1,001 rows (24 bytes of scales a row): the last task's one-row tile would copy 32 bytes of
+    scales from 24 before the array's end, so that task reads from global memory; every other task is ringed."""
+    s, sched = schedule(132, **SHAPES["odd_vocab"])
+    shape = ring_shape(s, "int8")
+    plan = _core.build_ring_plan(sched, shape)
+    _core.check_ring_plan(plan, sched, shape, 20 << 10, 227 << 10)
+    unringed = [(t.type, t.a, t.b) for b, tasks in enumerate(sched.blocks) for i, t in enumerate(tasks)
+                if t.type in GEMV and plan.task_tiles[b][i] == 0]
+    assert unringed == [(T.LmHead, 1000, 1001)]
 
 
 def test_tinyllama_plan_at_the_default_ring():

@@ -51,6 +51,16 @@ def gpu_free_bytes() -> int:
     return free
 
 
+def near_tie(eng, ids) -> bool:
+    """Whether the top two logits after `ids` (eng.logits', the single path's) are within the GPU paths' rounding:
+    where two paths' greedy tokens part, the pick may legitimately flip only there."""
+    import numpy as np
+
+    ref = eng.logits(ids)[-1]
+    top2 = np.sort(ref)[-2:]
+    return bool(top2[1] - top2[0] <= 3e-3 * np.abs(ref).max())
+
+
 def to_pages(cache, page_size: int, seed: int, spare: int = 3, fill=0x7E00):
     """A contiguous cache (n_kv_heads, n_pos, head_dim) -> the paged layout the kernels read (cuda/kv_layout.cuh):
     a pool (n_pages, n_kv_heads, page_size, head_dim) and a page table of ceil(n_pos / page_size) int32 entries,

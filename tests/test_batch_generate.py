@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import make_chat_llama
+from conftest import make_chat_llama, near_tie
 from tinyinfer import Engine, InvalidRequestError, SamplingParams, Scheduler
 from tinyinfer.scheduler import Request
 
@@ -311,13 +311,6 @@ def test_close_ends_requests_in_flight(tmp_path):
         e.scheduler.submit("a")
 
 
-def _near_tie(eng, ids) -> bool:
-    """Whether the top two logits after `ids` (the single path's) are within the GPU paths' rounding."""
-    ref = eng.logits(ids)[-1]
-    top2 = np.sort(ref)[-2:]
-    return bool(top2[1] - top2[0] <= 3e-3 * np.abs(ref).max())
-
-
 @pytest.mark.gpu
 def test_gpu_batch_through_the_scheduler(tmp_path):
     """On the GPU the batched step (small-N products) and the single path (tuned GEMV) may round differently:
@@ -334,7 +327,7 @@ def test_gpu_batch_through_the_scheduler(tmp_path):
         for g in got:
             alone = e.generate(g.prompt_token_ids, sp).token_ids
             j = next((i for i in range(24) if g.token_ids[i] != alone[i]), 24)
-            assert j == 24 or _near_tie(e, g.prompt_token_ids + alone[:j]), (j, g.token_ids, alone)
+            assert j == 24 or near_tie(e, g.prompt_token_ids + alone[:j]), (j, g.token_ids, alone)
         outs = e.generate(prompts[:3], SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3))
         for o in outs:
             logits = e.logits(o.prompt_token_ids + o.token_ids[:-1])[len(o.prompt_token_ids) - 1:].astype(np.float64)

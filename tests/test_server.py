@@ -609,35 +609,45 @@ def test_trace_is_written_at_shutdown(smollm_gguf, tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_server_batches_32_streams(smollm_gguf, tmp_path):
-    """The CUDA engine behind the server: 32 concurrent streams each get exactly their tokens, the greedy answer
-    alone equals Engine.chat's on the GPU, and the pool is empty afterwards."""
+    """The CUDA engine behind the server: 32 concurrent streams each get exactly their tokens (each prompt's greedy
+    tokens alone on a GPU engine, up to a near-tie where the batched step may round the other way), the greedy
+    answer alone equals Engine.chat's on the GPU, and the pool is empty afterwards."""
+    from conftest import near_tie
     from tinyinfer import Engine
 
     srv = Server(smollm_gguf, tmp_path, device="cuda")
     try:
         async def one(c, i):
-            n, text = 0, ""
+            n, text, tokens = 0, "", []  # (logprobs=0: each token's text, to find where a stream parts)
             async for ch in await c.completions.create(model=NAME, prompt=f"Story number {i}:", max_tokens=32,
                                                        stream=True, stream_options={"include_usage": True},
-                                                       extra_body={"ignore_eos": True}):
+                                                       logprobs=0, extra_body={"ignore_eos": True}):
                 if ch.choices:
                     text += ch.choices[0].text
+                    tokens += ch.choices[0].logprobs.tokens if ch.choices[0].logprobs else []
                 elif ch.usage:
                     n = ch.usage.completion_tokens
-            return n, text
+            return n, text, tokens
 
         async def main():
             async with openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0, timeout=600) as c:
                 return await asyncio.gather(*(one(c, i) for i in range(32)))
 
         got = asyncio.run(main())
-        assert [n for n, _ in got] == [32] * 32 and all(t for _, t in got)
+        assert [n for n, _, _ in got] == [32] * 32 and all(t for _, t, _ in got)
         h = srv.wait_idle()
         assert h["running"] == 0 and h["kv_pages_used"] == 0
         with openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0) as c:
             r = c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=16)
         with Engine(smollm_gguf, device="cuda", max_seq_len=MAX_SEQ, progress=False) as eng:
             assert r.choices[0].message.content == eng.chat(CHAT, max_tokens=16).text
+            for i, (_, text, tokens) in enumerate(got):
+                prompt = eng.tokenize(f"Story number {i}:")
+                alone = eng.generate(prompt, max_tokens=32, ignore_eos=True)
+                want = [eng.tokenizer.decode([t], skip_special_tokens=False) for t in alone.token_ids]
+                assert len(tokens) == 32, (i, text, tokens)
+                j = next((k for k in range(32) if tokens[k] != want[k]), 32)
+                assert j == 32 or near_tie(eng, prompt + alone.token_ids[:j]), (i, j, text, alone.text)
     finally:
         assert srv.stop(signal.SIGINT) == 0, srv.log()
 

@@ -96,11 +96,18 @@ def test_not_cached_offline_names_what_was_looked_for(hub_cache):
     assert str(hub_cache) in msg
 
 
-def test_local_path_wins_over_hub_name(tiny, hub_cache, tmp_path):
+def test_local_path_wins_over_hub_name(tiny, hub_cache, tmp_path, monkeypatch):
+    """"org/name" both in the hub cache (hidden 64) and as a relative directory (hidden 128): the directory wins;
+    from another working directory the cached model loads (so a hub-first loader would have been seen)."""
+    other = make_chat_llama(tmp_path / "other", hidden=64, heads=1, kv_heads=1)
+    put_in_cache(hub_cache, "org/name", _model_files(other))
     local = tmp_path / "org" / "name"
     shutil.copytree(tiny, local)  # relative "org/name" exists under the working directory
     with Engine("org/name", device="cpu") as eng:
         assert eng.config.hidden == 128
+    monkeypatch.chdir(hub_cache)  # no "org/name" here
+    with Engine("org/name", device="cpu") as eng:
+        assert eng.config.hidden == 64
 
 
 def test_not_a_path_nor_a_name_says_both(tmp_path):

@@ -137,11 +137,29 @@ def test_a_worker_that_goes_away_frees_its_requests_pages(eng):
         assert _idle(sched, eng)
 
 
-def test_a_worker_that_dies_before_its_setup_is_named():
-    """run_workers' setup send: a worker gone before reading it (an import error, say) is found, not waited on."""
+class _Clock:
+    """workers.time's stand-in: monotonic() reads a clock that only sleep() moves (by what it was asked), counting
+    the polls; each poll still yields 10 ms of real time, so the sending threads run meanwhile."""
+
+    def __init__(self):
+        self.now, self.polls = 0.0, 0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+        self.polls += 1
+        time.sleep(0.01)
+
+
+def test_a_worker_that_dies_before_its_setup_is_named(monkeypatch):
+    """run_workers' setup send: a worker gone before reading it (an import error, say) is found, not waited on;
+    one that never reads is given up at SETUP_S. On a stand-in clock: no wall-clock bound is asserted."""
     import subprocess
     import sys
 
+    import tinyinfer.server.workers as w
     from tinyinfer.server.workers import _send_setup
 
     conns, procs = [], []
@@ -153,18 +171,17 @@ def test_a_worker_that_dies_before_its_setup_is_named():
         conns.append(mine)
     try:
         procs[1].wait(30)
-        import tinyinfer.server.workers as w
 
-        w_setup_s, w.SETUP_S = w.SETUP_S, 3.0
-        try:
-            t0 = time.monotonic()
-            assert _send_setup(conns, {"blob": b"x" * (4 << 20)}, []) == 0  # worker 0 never reads: timed out
-            assert time.monotonic() - t0 < 20
-            t0 = time.monotonic()
-            assert _send_setup(conns[1:], {"blob": b"x" * (4 << 20)}, []) == 0  # worker 1 died: found at once
-            assert time.monotonic() - t0 < 2.0
-        finally:
-            w.SETUP_S = w_setup_s
+        def send(setup_s, who):  # the first worker that did not take the setup, and the stand-in clock
+            clock = _Clock()
+            monkeypatch.setattr(w, "SETUP_S", setup_s)
+            monkeypatch.setattr(w, "time", clock)
+            return _send_setup(who, {"blob": b"x" * (4 << 20)}, []), clock
+
+        bad, clock = send(3.0, conns)  # worker 0 never reads: given up at the deadline, not before
+        assert bad == 0 and 3.0 <= clock.now < 3.05 and clock.polls == round(clock.now / 0.05)  # polls of 50 ms
+        bad, clock = send(60.0, conns[1:])  # worker 1 died: found when its send failed (60: 12 s real at most)
+        assert bad == 0 and clock.now < 60.0, "the dead worker was only given up at the deadline"
     finally:
         for p in procs:
             p.kill()

@@ -27,10 +27,11 @@ def test_stream_read_kernel_reads_every_word(nbytes, blocks):
     assert _core.ops.stream_read_xor(data, blocks) == want
 
 
-def test_read_bandwidth_reports_a_plausible_number():
+def test_read_bandwidth_reports_its_bytes_and_rate():
+    """The bytes read and the rate they give over the best time (its speed is bench material, not asserted)."""
     r = _core.ops.read_bandwidth(1 << 28, 5)
-    assert r["bytes"] == 1 << 28 and r["best_ms"] > 0
-    assert 10 < r["gb_per_s"] < 20000  # GB/s: any real GPU is inside this range
+    assert r["bytes"] == 1 << 28 and r["best_ms"] > 0 and r["blocks"] >= 1
+    assert r["gb_per_s"] == pytest.approx(r["bytes"] / (r["best_ms"] * 1e-3) / 1e9, rel=1e-9)
 
 
 # ---- GEMV (cuda/gemv.cu) vs numpy ----

@@ -317,8 +317,13 @@ def test_prefill_timing_and_gemm_table(model):
     names = {t["name"] for t in table}
     assert {"qkv", "o", "gate_up", "down"} <= names
     for t in table:
-        assert t["N"] >= 16 and t["candidates"] >= 1 and t["tuned_us"] <= t["default_us"] + 1e-9
-    with pytest.raises(InvalidRequestError):
+        # timed: the heuristic's offers and up to 4 x 4 split-K variants of them (gemm.cu add_split_k); the pick is
+        # the fastest, the default (candidate 0) timed first and kept unless another is strictly faster, so a kept
+        # default's time is the default's (tuned <= default holds by construction: not asserted)
+        assert t["N"] >= 16 and 1 <= t["candidates"] <= t["offered"] + 16, t
+        assert 0 <= t["chosen"] < t["offered"] + 16, t
+        assert t["chosen"] != 0 or t["tuned_us"] == t["default_us"], t
+    with pytest.raises(InvalidRequestError, match="time_prefill: n_tokens must be in 1..max_seq_len=1100"):
         gpu._core.time_prefill(5000, 1)
 
 

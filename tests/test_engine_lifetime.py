@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import GPU_MEMORY_SLACK, gpu_free_bytes, make_chat_llama, make_llama
-from tinyinfer import Engine, InvalidRequestError
+from tinyinfer import Engine, InvalidRequestError, ModelNotFoundError
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_close_with_an_unfinished_stream_in_this_thread(small):
 
 
 def test_failed_load_then_close_and_repr(tmp_path):
-    with pytest.raises(Exception):
+    with pytest.raises(ModelNotFoundError, match="model path does not exist: .*nope"):
         Engine(tmp_path / "nope", device="cpu")
     eng = Engine.__new__(Engine)  # an engine whose __init__ never ran must not break repr / close
     eng._core = None

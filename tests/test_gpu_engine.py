@@ -77,9 +77,9 @@ def test_gpu_engine_refuses_bad_requests_and_stays_usable(engines):
 
     _, gpu, _ = engines
     want = gpu.generate([1, 2, 3], max_tokens=5, ignore_eos=True).token_ids
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(InvalidRequestError, match=r"max_tokens \(400\) exceeds max_seq_len=300"):
         gpu.generate([1, 2, 3], max_tokens=400)
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(InvalidRequestError, match="token id 1000000 is out of range for a vocabulary of 1000"):
         gpu.generate([10**6])
     assert gpu.generate([1, 2, 3], max_tokens=5, ignore_eos=True).token_ids == want
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyinfer import InvalidRequestError, UnsupportedModelError, _core
+from tinyinfer import DeviceError, InvalidRequestError, UnsupportedModelError, _core
 
 needs_cuda_build = pytest.mark.skipif(not _core.build_info["cuda"], reason="built without CUDA")
 
@@ -74,12 +74,28 @@ def test_gemv_pins_are_typed_and_checked():
 
 @needs_cuda_build
 def test_kernel_op_modes_are_enums():
+    """A mode string is refused before anything runs (no silent fallback): the same call with the enums gets past
+    the argument check (it runs, or without a GPU fails inside with a DeviceError), so the modes alone are wrong."""
     ops = _core.ops
     W = np.zeros((4, 8), np.uint16)
     x = np.zeros(8, np.float32)
-    with pytest.raises(TypeError):  # a mode string is refused before anything runs (no silent fallback)
-        ops.gemv(W, x, x, 1e-5, np.zeros(4, np.float32), 2, "f32norm", "add")
-    with pytest.raises(TypeError):
-        ops.gemm(W, np.ones((2, 8), np.float32), np.zeros((2, 4), np.float32), "add")
+
+    def gemv(mode_in, mode_out):
+        return ops.gemv(W, x, x, 1e-5, np.zeros(4, np.float32), 2, mode_in, mode_out)
+
+    def gemm(mode_out):
+        return ops.gemm(W, np.ones((2, 8), np.float32), np.zeros((2, 4), np.float32), mode_out)
+
+    for call in (lambda: gemv(ops.GemvIn.F32Norm, ops.GemvOut.AddF32), lambda: gemm(ops.GemmOut.AddF32)):
+        try:
+            call()
+        except DeviceError:
+            pass
+    with pytest.raises(TypeError, match=r"^gemv\(\): incompatible function arguments(?s:.*)"
+                                        r"Invoked with types: ndarray, ndarray, ndarray, float, ndarray, int, str, str$"):
+        gemv("f32norm", "add")
+    with pytest.raises(TypeError, match=r"^gemm\(\): incompatible function arguments(?s:.*)"
+                                        r"Invoked with types: ndarray, ndarray, ndarray, str$"):
+        gemm("add")
     assert {m.name for m in ops.GemvOut} == {"F32", "AddF32", "Swiglu"}
     assert {m.name for m in ops.GemmOut} == {"F32", "AddF32", "F16"}

@@ -98,8 +98,8 @@ def test_sampling_params_object_and_kwargs(eng):
     "kw",
     [dict(temperature=-0.1), dict(top_p=1.5), dict(top_k=2.5), dict(min_p=-0.1), dict(seed=-1),
      dict(max_tokens=-3), dict(stop=[""]), dict(stop_token_ids=["a"]), dict(repetition_penalty=-1.0),
-     dict(top_k=2**63), dict(seed=2**64), dict(stop=None), dict(stop=5), dict(stop={"a": 1}),
-     dict(stop_token_ids=None), dict(stop_token_ids=5), dict(stop_token_ids=[True]),
+     dict(top_k=2**63), dict(seed=2**64), dict(stop=5), dict(stop={"a": 1}),
+     dict(stop_token_ids=5), dict(stop_token_ids=[True]),
      # finite in Python, but infinite or 0 as the core's float32
      dict(temperature=1e39), dict(temperature=10**400), dict(repetition_penalty=1e300),
      dict(repetition_penalty=1e-50), dict(top_p=1e-50), dict(stop=["ok", "x" * 1025])],
@@ -107,6 +107,14 @@ def test_sampling_params_object_and_kwargs(eng):
 def test_invalid_sampling_params(kw):
     with pytest.raises(InvalidRequestError, match=next(iter(kw))):  # the message names the field
         SamplingParams(**kw)
+
+
+def test_none_means_no_stops():
+    """stop=None / stop_token_ids=None (OpenAI-style code passes them, and the server reads "stop": null so) are
+    no stops, not an error; a single string is a list of one."""
+    p = SamplingParams(stop=None, stop_token_ids=None)
+    assert list(p.stop) == [] and list(p.stop_token_ids) == []
+    assert list(SamplingParams(stop="END").stop) == ["END"]
 
 
 def test_integer_bounds_are_the_cores():

@@ -38,12 +38,17 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already generated
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence among the generated tokens
     seed: Optional[int] = None
-    stop: Sequence[str] = field(default_factory=list)  # strings that end generation (excluded from the text)
-    stop_token_ids: Sequence[int] = field(default_factory=list)  # in addition to the model's EOS ids
+    # strings that end generation (excluded from the text); None: none, as the server's null
+    stop: Optional[Sequence[str]] = field(default_factory=list)
+    stop_token_ids: Optional[Sequence[int]] = field(default_factory=list)  # in addition to the model's EOS ids
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # None: off; 0..20: the chosen token's logprob plus this many top entries
 
     def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.validate()

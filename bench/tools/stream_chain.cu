@@ -30,6 +30,11 @@
 //   dep 3  dep 2 with the next round of weights issued right after the wait, before the staging (so the block has
 //          loads in flight while it waits for its input)
 //   dep 4  dep 2 with that round's lines asked into the L2 instead (prefetch.global.L2: no registers held)
+//   dep 5  dep 2 with the input staged by one bulk copy (cp.async.bulk global -> shared, issued by one thread,
+//          completion on an mbarrier) instead of every thread's L2 loads and shared stores: the copy engine's
+//          path, not behind the weights the block's threads asked for before the wait (sm_90)
+//   dep 6  dep 1 with no staging at all: each round reads its input word from the L2 where it uses it (no
+//          barrier; the normed inputs' statistic is not computed: compare with dep 1)
 //   room   0: the driver's carveout; 1: no room on an SM for the next kernel's blocks; 2: 1's control (see
 //          fill_smem)
 // and the grid: 1, 2 or 4 blocks per SM. Printed: µs a layer (the best of 20 replays), against the layer's bytes
@@ -67,10 +72,15 @@ __device__ __forceinline__ void load_round(const uint4* w, size_t i, size_t end,
   }
 }
 
-template <int U, int DEP>  // 0: dep 0; 1: dep 1 and 2; 3, 4: dep 3, 4 (the same code, their own registers)
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+template <int U, int DEP>  // 0: dep 0; 1: dep 1 and 2; 3-6: dep 3-6 (the same code, their own registers)
 __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
-  __shared__ uint4 xs[DEP ? kMaxIn : 1];
+  __shared__ __align__(16) uint4 xs[DEP && DEP != 6 ? kMaxIn : 1];
   __shared__ float red[kThreads / 32];
+  __shared__ __align__(8) unsigned long long bar;  // dep 5: the bulk copy's completion
   if (a.pdl == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const size_t share = (a.n_vec + gridDim.x - 1) / gridDim.x;
   const size_t begin = min(a.n_vec, (size_t)blockIdx.x * share), end = min(a.n_vec, begin + share);
@@ -78,6 +88,15 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
   size_t i = begin + threadIdx.x;
   uint4 cur[U], nxt[U];
   load_round<U>(a.w, i, end, cur);  // before the wait: weights do not depend on the previous kernel
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (DEP == 5) {  // before the wait: the barrier does not depend on the previous kernel
+    if (threadIdx.x == 0) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bar)));
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+  }
+#endif
   if (a.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
   if (a.pdl == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   uint32_t acc = 0;
@@ -92,12 +111,29 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
       if (j < end) asm volatile("prefetch.global.L2 [%0];" ::"l"(a.w + j));
     }
   }
-  if (DEP) {
+  if (DEP && DEP != 6) {
     // The input: read with L2 loads (produced data; not the read-only path) into shared memory, then, for the
     // normed inputs at dep 2, the block's sum of squares, as the GEMV's prologue does before it consumes a weight.
+    if constexpr (DEP == 5) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      const uint32_t b = smem_u32(&bar), bytes = (uint32_t)a.in_vec * 16u;
+      if (threadIdx.x == 0) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(smem_u32(xs)), "l"(a.in), "r"(bytes), "r"(b) : "memory");
+      }
+      uint32_t done = 0;
+      do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+            : "=r"(done) : "r"(b), "r"(0u) : "memory");
+      } while (!done);
+#endif
+    } else {
 #pragma unroll 2
-    for (int k = threadIdx.x; k < a.in_vec; k += kThreads) xs[k] = __ldcg(a.in + k);
-    __syncthreads();
+      for (int k = threadIdx.x; k < a.in_vec; k += kThreads) xs[k] = __ldcg(a.in + k);
+      __syncthreads();
+    }
     if (a.dep >= 2 && a.norm) {
       float ss = 0.0f;
       for (int k = threadIdx.x; k < a.in_vec; k += kThreads) {
@@ -117,7 +153,8 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
   for (; i < end; i += kRound, r++) {
     if (!issued) load_round<U>(a.w, i + kRound, end, nxt);
     issued = false;
-    if (DEP) acc ^= xs[(threadIdx.x + r) % a.in_vec].x;
+    if (DEP == 6) acc ^= __ldcg(&a.in[(threadIdx.x + r) % a.in_vec].x);
+    else if (DEP) acc ^= xs[(threadIdx.x + r) % a.in_vec].x;
 #pragma unroll
     for (int u = 0; u < U; u++) acc ^= cur[u].x ^ cur[u].y ^ cur[u].z ^ cur[u].w;
 #pragma unroll
@@ -136,7 +173,8 @@ using KernelFn = void (*)(Args);
 template <int U>
 KernelFn kernel_for_u(int dep) {
   if (dep == 0) return chain_stream<U, 0>;
-  if (dep >= 3) return dep == 3 ? chain_stream<U, 3> : chain_stream<U, 4>;
+  if (dep >= 3)
+    return dep == 3 ? chain_stream<U, 3> : dep == 4 ? chain_stream<U, 4> : dep == 5 ? chain_stream<U, 5> : chain_stream<U, 6>;
   return chain_stream<U, 1>;  // dep 1 and 2: one kernel, the sum of squares chosen at run time
 }
 KernelFn kernel_for(int U, int dep) {
@@ -250,7 +288,7 @@ int main(int argc, char** argv) {
     double mb = 0;
     for (const Mat& x : layer) mb += x.n_vec * 16 / 1e6;
     for (int pdl : {0, 1, 2})
-      for (int dep : {0, 1, 2, 3, 4})
+      for (int dep : {0, 1, 2, 3, 4, 5, 6})
         for (int bps : {1, 2, 4})
           for (int U : {4, 8, 16})
             for (int room : {0, 1, 2}) {
@@ -291,13 +329,13 @@ int main(int argc, char** argv) {
   }
   std::printf("read bandwidth (the best chain's rate) %.0f GB/s, %d SMs; registers a thread (U 4 / 8 / 16 at", best_gbs,
               sms);
-  for (int dep : {0, 1, 3, 4})
+  for (int dep : {0, 1, 3, 4, 5, 6})
     for (int U : {4, 8, 16}) {
       cudaFuncAttributes fa;
       CK(cudaFuncGetAttributes(&fa, kernel_for(U, dep)));
       std::printf(" %d", fa.numRegs);
     }
-  std::printf(" (dep 0, dep 1-2, dep 3, dep 4)\n");
+  std::printf(" (dep 0, dep 1-2, dep 3, dep 4, dep 5, dep 6)\n");
   std::printf("%-24s %6s %3s %3s %3s %3s %4s %9s %9s %7s\n", "model", "MB", "pdl", "dep", "bps", "U", "room",
               "us/layer", "bytes us", "x bytes");
   for (const Row& r : rows) {

@@ -35,6 +35,10 @@
 //          path, not behind the weights the block's threads asked for before the wait (sm_90)
 //   dep 6  dep 1 with no staging at all: each round reads its input word from the L2 where it uses it (no
 //          barrier; the normed inputs' statistic is not computed: compare with dep 1)
+//   dep 7  dep 6 plus, for the normed inputs, each warp's own sum of squares over the whole input (read from the
+//          L2 by the warp, reduced by shuffles: no block barrier; compare with dep 2)
+//   dep 8  dep 7 with the input read at a GEMV's rate: U / 2 words a round through the L1 (a row-per-warp GEMV at
+//          R = 2 meets a 16-byte input word per two weight words)
 //   room   0: the driver's carveout; 1: no room on an SM for the next kernel's blocks; 2: 1's control (see
 //          fill_smem)
 // and the grid: 1, 2 or 4 blocks per SM. Printed: µs a layer (the best of 20 replays), against the layer's bytes
@@ -78,7 +82,7 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 
 template <int U, int DEP>  // 0: dep 0; 1: dep 1 and 2; 3-6: dep 3-6 (the same code, their own registers)
 __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
-  __shared__ __align__(16) uint4 xs[DEP && DEP != 6 ? kMaxIn : 1];
+  __shared__ __align__(16) uint4 xs[DEP && DEP < 6 ? kMaxIn : 1];
   __shared__ float red[kThreads / 32];
   __shared__ __align__(8) unsigned long long bar;  // dep 5: the bulk copy's completion
   if (a.pdl == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -111,7 +115,19 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
       if (j < end) asm volatile("prefetch.global.L2 [%0];" ::"l"(a.w + j));
     }
   }
-  if (DEP && DEP != 6) {
+  if constexpr (DEP >= 7) {  // the warp's own statistic of a normed input: no block barrier
+    if (a.norm) {
+      float ss = 0.0f;
+      for (int k = threadIdx.x & 31; k < a.in_vec; k += 32) {
+        const uint4 v = __ldcg(a.in + k);
+        const float4 f = *reinterpret_cast<const float4*>(&v);
+        ss += f.x * f.x + f.y * f.y + f.z * f.z + f.w * f.w;
+      }
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      acc ^= __float_as_uint(rsqrtf(ss + 1.0f));
+    }
+  }
+  if (DEP && DEP < 6) {
     // The input: read with L2 loads (produced data; not the read-only path) into shared memory, then, for the
     // normed inputs at dep 2, the block's sum of squares, as the GEMV's prologue does before it consumes a weight.
     if constexpr (DEP == 5) {
@@ -153,8 +169,17 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
   for (; i < end; i += kRound, r++) {
     if (!issued) load_round<U>(a.w, i + kRound, end, nxt);
     issued = false;
-    if (DEP == 6) acc ^= __ldcg(&a.in[(threadIdx.x + r) % a.in_vec].x);
-    else if (DEP) acc ^= xs[(threadIdx.x + r) % a.in_vec].x;
+    if (DEP == 6 || DEP == 7) {
+      acc ^= __ldcg(&a.in[(threadIdx.x + r) % a.in_vec].x);
+    } else if (DEP == 8) {
+#pragma unroll
+      for (int u = 0; u < U / 2; u++) {
+        const uint4 v = a.in[(threadIdx.x + (r * U / 2 + u) * kThreads) % a.in_vec];  // plain loads: the L1
+        acc ^= v.x ^ v.w;
+      }
+    } else if (DEP) {
+      acc ^= xs[(threadIdx.x + r) % a.in_vec].x;
+    }
 #pragma unroll
     for (int u = 0; u < U; u++) acc ^= cur[u].x ^ cur[u].y ^ cur[u].z ^ cur[u].w;
 #pragma unroll
@@ -174,7 +199,8 @@ template <int U>
 KernelFn kernel_for_u(int dep) {
   if (dep == 0) return chain_stream<U, 0>;
   if (dep >= 3)
-    return dep == 3 ? chain_stream<U, 3> : dep == 4 ? chain_stream<U, 4> : dep == 5 ? chain_stream<U, 5> : chain_stream<U, 6>;
+    return dep == 3 ? chain_stream<U, 3> : dep == 4 ? chain_stream<U, 4> : dep == 5 ? chain_stream<U, 5>
+         : dep == 6 ? chain_stream<U, 6> : dep == 7 ? chain_stream<U, 7> : chain_stream<U, 8>;
   return chain_stream<U, 1>;  // dep 1 and 2: one kernel, the sum of squares chosen at run time
 }
 KernelFn kernel_for(int U, int dep) {
@@ -288,7 +314,7 @@ int main(int argc, char** argv) {
     double mb = 0;
     for (const Mat& x : layer) mb += x.n_vec * 16 / 1e6;
     for (int pdl : {0, 1, 2})
-      for (int dep : {0, 1, 2, 3, 4, 5, 6})
+      for (int dep : {0, 1, 2, 3, 4, 5, 6, 7, 8})
         for (int bps : {1, 2, 4})
           for (int U : {4, 8, 16})
             for (int room : {0, 1, 2}) {
@@ -329,13 +355,13 @@ int main(int argc, char** argv) {
   }
   std::printf("read bandwidth (the best chain's rate) %.0f GB/s, %d SMs; registers a thread (U 4 / 8 / 16 at", best_gbs,
               sms);
-  for (int dep : {0, 1, 3, 4, 5, 6})
+  for (int dep : {0, 1, 3, 4, 5, 6, 7, 8})
     for (int U : {4, 8, 16}) {
       cudaFuncAttributes fa;
       CK(cudaFuncGetAttributes(&fa, kernel_for(U, dep)));
       std::printf(" %d", fa.numRegs);
     }
-  std::printf(" (dep 0, dep 1-2, dep 3, dep 4, dep 5, dep 6)\n");
+  std::printf(" (dep 0, dep 1-2, dep 3-8)\n");
   std::printf("%-24s %6s %3s %3s %3s %3s %4s %9s %9s %7s\n", "model", "MB", "pdl", "dep", "bps", "U", "room",
               "us/layer", "bytes us", "x bytes");
   for (const Row& r : rows) {

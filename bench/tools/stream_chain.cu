@@ -80,7 +80,7 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-template <int U, int DEP>  // 0: dep 0; 1: dep 1 and 2; 3-6: dep 3-6 (the same code, their own registers)
+template <int U, int DEP>  // 0: dep 0; 1: dep 1 and 2; 3-8: dep 3-8 (each its own instance: its own registers)
 __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
   __shared__ __align__(16) uint4 xs[DEP && DEP < 6 ? kMaxIn : 1];
   __shared__ float red[kThreads / 32];
@@ -198,9 +198,14 @@ using KernelFn = void (*)(Args);
 template <int U>
 KernelFn kernel_for_u(int dep) {
   if (dep == 0) return chain_stream<U, 0>;
-  if (dep >= 3)
-    return dep == 3 ? chain_stream<U, 3> : dep == 4 ? chain_stream<U, 4> : dep == 5 ? chain_stream<U, 5>
-         : dep == 6 ? chain_stream<U, 6> : dep == 7 ? chain_stream<U, 7> : chain_stream<U, 8>;
+  switch (dep) {
+    case 3: return chain_stream<U, 3>;
+    case 4: return chain_stream<U, 4>;
+    case 5: return chain_stream<U, 5>;
+    case 6: return chain_stream<U, 6>;
+    case 7: return chain_stream<U, 7>;
+    case 8: return chain_stream<U, 8>;
+  }
   return chain_stream<U, 1>;  // dep 1 and 2: one kernel, the sum of squares chosen at run time
 }
 KernelFn kernel_for(int U, int dep) {

@@ -39,6 +39,10 @@
 //          L2 by the warp, reduced by shuffles: no block barrier; compare with dep 2)
 //   dep 8  dep 7 with the input read at a GEMV's rate: U / 2 words a round through the L1 (a row-per-warp GEMV at
 //          R = 2 meets a 16-byte input word per two weight words)
+//   dep 9  dep 6 plus, for the normed inputs, the statistic from the producer: every block of the kernel before
+//          (o, down: the residual stream's writers) sums its share's squares (a block barrier at its end) and
+//          stores one partial; after the wait each warp of the consumer sums the producer's partials (one L2
+//          round trip, shuffles; no block barrier; compare with dep 2 and dep 7)
 //   room   0: the driver's carveout; 1: no room on an SM for the next kernel's blocks; 2: 1's control (see
 //          fill_smem)
 // and the grid: 1, 2 or 4 blocks per SM. Printed: µs a layer (the best of 20 replays), against the layer's bytes
@@ -65,6 +69,9 @@ struct Args {
   int in_vec, out_vec;
   int pdl, dep;      // see the header
   int norm;          // 1: the input is a normed one (dep >= 2 sums its squares after staging it)
+  float* part_out;        // dep 9: this kernel's per-block partial sums of squares (when the next input is normed)
+  const float* part_in;   // the previous kernel's
+  int part_n;             // how many it wrote (its grid)
 };
 
 template <int U>
@@ -80,7 +87,7 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-template <int U, int DEP>  // 0: dep 0; 1: dep 1 and 2; 3-8: dep 3-8 (each its own instance: its own registers)
+template <int U, int DEP>  // 0: dep 0; 1: dep 1 and 2; 3-9: dep 3-9 (each its own instance: its own registers)
 __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
   __shared__ __align__(16) uint4 xs[DEP && DEP < 6 ? kMaxIn : 1];
   __shared__ float red[kThreads / 32];
@@ -127,6 +134,14 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
       acc ^= __float_as_uint(rsqrtf(ss + 1.0f));
     }
   }
+  if constexpr (DEP == 9) {  // the producer's partials: one read a lane per 32 of them, summed by the warp
+    if (a.norm) {
+      float ss = 0.0f;
+      for (int k = threadIdx.x & 31; k < a.part_n; k += 32) ss += __ldcg(a.part_in + k);
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      acc ^= __float_as_uint(rsqrtf(ss + 1.0f));
+    }
+  }
   if (DEP && DEP < 6) {
     // The input: read with L2 loads (produced data; not the read-only path) into shared memory, then, for the
     // normed inputs at dep 2, the block's sum of squares, as the GEMV's prologue does before it consumes a weight.
@@ -169,7 +184,7 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
   for (; i < end; i += kRound, r++) {
     if (!issued) load_round<U>(a.w, i + kRound, end, nxt);
     issued = false;
-    if (DEP == 6 || DEP == 7) {
+    if (DEP == 6 || DEP == 7 || DEP == 9) {
       acc ^= __ldcg(&a.in[(threadIdx.x + r) % a.in_vec].x);
     } else if (DEP == 8) {
 #pragma unroll
@@ -189,6 +204,18 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
     const int os = (a.out_vec + gridDim.x - 1) / gridDim.x;
     for (int k = blockIdx.x * os + threadIdx.x; k < min(a.out_vec, (int)(blockIdx.x + 1) * os); k += kThreads)
       a.out[k] = make_uint4(acc & 0x3f800000u, 0x3f800000u, 0x3f800000u, 0x3f800000u);  // finite floats / halves
+    if (DEP == 9 && !a.norm) {  // o, down: the block's partial of the next (normed) input's statistic
+      float ss = __uint_as_float(acc & 0x3f800000u);
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        float tot = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kThreads / 32; w++) tot += red[w];
+        a.part_out[blockIdx.x] = tot;
+      }
+    }
   } else if (acc == 0x9e3779b9u) {
     a.out[blockIdx.x] = make_uint4(acc, 0, 0, 0);  // never in practice; keeps the loads
   }
@@ -205,6 +232,7 @@ KernelFn kernel_for_u(int dep) {
     case 6: return chain_stream<U, 6>;
     case 7: return chain_stream<U, 7>;
     case 8: return chain_stream<U, 8>;
+    case 9: return chain_stream<U, 9>;
   }
   return chain_stream<U, 1>;  // dep 1 and 2: one kernel, the sum of squares chosen at run time
 }
@@ -299,6 +327,10 @@ int main(int argc, char** argv) {
   CK(cudaMemset(buf, 1, max_total));
   CK(cudaMalloc(&vec, 2 * kMaxIn * 4 * 16));  // the ping-pong input / output vectors
   CK(cudaMemset(vec, 0, 2 * kMaxIn * 4 * 16));
+  constexpr int kMaxPart = 4 * 256;  // dep 9's partials: a grid's worth (<= 4 blocks a SM), ping-pong
+  float* part = nullptr;
+  CK(cudaMalloc(&part, 2 * kMaxPart * sizeof(float)));
+  CK(cudaMemset(part, 0, 2 * kMaxPart * sizeof(float)));
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaEvent_t e0, e1;
@@ -319,7 +351,7 @@ int main(int argc, char** argv) {
     double mb = 0;
     for (const Mat& x : layer) mb += x.n_vec * 16 / 1e6;
     for (int pdl : {0, 1, 2})
-      for (int dep : {0, 1, 2, 3, 4, 5, 6, 7, 8})
+      for (int dep : {0, 1, 2, 3, 4, 5, 6, 7, 8, 9})
         for (int bps : {1, 2, 4})
           for (int U : {4, 8, 16})
             for (int room : {0, 1, 2}) {
@@ -333,7 +365,8 @@ int main(int argc, char** argv) {
             for (int l = 0; l < m.layers; l++)
               for (const Mat& x : layer) {
                 Args a{buf + off, x.n_vec, vec + (k % 2) * kMaxIn * 4, vec + ((k + 1) % 2) * kMaxIn * 4,
-                       x.in_vec, x.out_vec, pdl, dep, x.norm};
+                       x.in_vec, x.out_vec, pdl, dep, x.norm, part + (k + 1) % 2 * kMaxPart,
+                       part + k % 2 * kMaxPart, sms * bps};
                 launch(kernel_for(U, dep), sms * bps, smem, room > 0, a, s);
                 off += x.n_vec;
                 k++;
@@ -360,13 +393,13 @@ int main(int argc, char** argv) {
   }
   std::printf("read bandwidth (the best chain's rate) %.0f GB/s, %d SMs; registers a thread (U 4 / 8 / 16 at", best_gbs,
               sms);
-  for (int dep : {0, 1, 3, 4, 5, 6, 7, 8})
+  for (int dep : {0, 1, 3, 4, 5, 6, 7, 8, 9})
     for (int U : {4, 8, 16}) {
       cudaFuncAttributes fa;
       CK(cudaFuncGetAttributes(&fa, kernel_for(U, dep)));
       std::printf(" %d", fa.numRegs);
     }
-  std::printf(" (dep 0, dep 1-2, dep 3-8)\n");
+  std::printf(" (dep 0, dep 1-2, dep 3-9)\n");
   std::printf("%-24s %6s %3s %3s %3s %3s %4s %9s %9s %7s\n", "model", "MB", "pdl", "dep", "bps", "U", "room",
               "us/layer", "bytes us", "x bytes");
   for (const Row& r : rows) {

@@ -41,8 +41,9 @@
 //          R = 2 meets a 16-byte input word per two weight words)
 //   dep 9  dep 6 plus, for the normed inputs, the statistic from the producer: every block of the kernel before
 //          (o, down: the residual stream's writers) sums its share's squares (a block barrier at its end) and
-//          stores one partial; after the wait each warp of the consumer sums the producer's partials (one L2
-//          round trip, shuffles; no block barrier; compare with dep 2 and dep 7)
+//          stores one partial; after the wait each warp of the consumer reads the producer's partials and sums
+//          them after its weights (a GEMV needs the statistic only to scale its row sums at the end; no block
+//          barrier; compare with dep 2 and dep 7)
 //   room   0: the driver's carveout; 1: no room on an SM for the next kernel's blocks; 2: 1's control (see
 //          fill_smem)
 // and the grid: 1, 2 or 4 blocks per SM. Printed: µs a layer (the best of 20 replays), against the layer's bytes
@@ -134,13 +135,10 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
       acc ^= __float_as_uint(rsqrtf(ss + 1.0f));
     }
   }
-  if constexpr (DEP == 9) {  // the producer's partials: one read a lane per 32 of them, summed by the warp
-    if (a.norm) {
-      float ss = 0.0f;
-      for (int k = threadIdx.x & 31; k < a.part_n; k += 32) ss += __ldcg(a.part_in + k);
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      acc ^= __float_as_uint(rsqrtf(ss + 1.0f));
-    }
+  float stat = 0.0f;  // dep 9: the statistic is used at the end (a GEMV scales its row sums by it), so its reads
+  if constexpr (DEP == 9) {  // are issued here and waited for only after the weights: one read a lane per 32
+    if (a.norm)
+      for (int k = threadIdx.x & 31; k < a.part_n; k += 32) stat += __ldcg(a.part_in + k);
   }
   if (DEP && DEP < 6) {
     // The input: read with L2 loads (produced data; not the read-only path) into shared memory, then, for the
@@ -199,6 +197,10 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
     for (int u = 0; u < U; u++) acc ^= cur[u].x ^ cur[u].y ^ cur[u].z ^ cur[u].w;
 #pragma unroll
     for (int u = 0; u < U; u++) cur[u] = nxt[u];
+  }
+  if (DEP == 9 && a.norm) {
+    for (int o = 16; o > 0; o >>= 1) stat += __shfl_xor_sync(0xffffffffu, stat, o);
+    acc ^= __float_as_uint(rsqrtf(stat + 1.0f));
   }
   if (DEP) {  // this block's share of the output vector (as a GEMV block stores its rows)
     const int os = (a.out_vec + gridDim.x - 1) / gridDim.x;

@@ -44,6 +44,8 @@
 //          stores one partial; after the wait each warp of the consumer reads the producer's partials and sums
 //          them after its weights (a GEMV needs the statistic only to scale its row sums at the end; no block
 //          barrier; compare with dep 2 and dep 7)
+//   dep 10 dep 1 (staged) with dep 9's partials for the normed inputs: the block still stages its input, but
+//          the statistic's reads go out with the staging's and no second barrier follows (compare with dep 2)
 //   room   0: the driver's carveout; 1: no room on an SM for the next kernel's blocks; 2: 1's control (see
 //          fill_smem)
 // and the grid: 1, 2 or 4 blocks per SM. Printed: µs a layer (the best of 20 replays), against the layer's bytes
@@ -88,9 +90,9 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-template <int U, int DEP>  // 0: dep 0; 1: dep 1 and 2; 3-9: dep 3-9 (each its own instance: its own registers)
+template <int U, int DEP>  // 0: dep 0; 1: dep 1 and 2; 3-10: dep 3-10 (each its own instance: its own registers)
 __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
-  __shared__ __align__(16) uint4 xs[DEP && DEP < 6 ? kMaxIn : 1];
+  __shared__ __align__(16) uint4 xs[DEP && (DEP < 6 || DEP == 10) ? kMaxIn : 1];
   __shared__ float red[kThreads / 32];
   __shared__ __align__(8) unsigned long long bar;  // dep 5: the bulk copy's completion
   if (a.pdl == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -136,9 +138,18 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
     }
   }
   float stat = 0.0f;  // dep 9: the statistic is used at the end (a GEMV scales its row sums by it), so its reads
-  if constexpr (DEP == 9) {  // are issued here and waited for only after the weights: one read a lane per 32
-    if (a.norm)
+  if constexpr (DEP == 9 || DEP == 10) {  // are issued here and waited for only after the weights (dep 10:
+    if (a.norm)                           // after the staging's loads): one read a lane per 32
       for (int k = threadIdx.x & 31; k < a.part_n; k += 32) stat += __ldcg(a.part_in + k);
+  }
+  if (DEP == 10) {  // staged as dep 1; the statistic from the partials before the one barrier
+#pragma unroll 2
+    for (int k = threadIdx.x; k < a.in_vec; k += kThreads) xs[k] = __ldcg(a.in + k);
+    if (a.norm) {
+      for (int o = 16; o > 0; o >>= 1) stat += __shfl_xor_sync(0xffffffffu, stat, o);
+      acc ^= __float_as_uint(rsqrtf(stat + 1.0f));
+    }
+    __syncthreads();
   }
   if (DEP && DEP < 6) {
     // The input: read with L2 loads (produced data; not the read-only path) into shared memory, then, for the
@@ -190,7 +201,7 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
         const uint4 v = a.in[(threadIdx.x + (r * U / 2 + u) * kThreads) % a.in_vec];  // plain loads: the L1
         acc ^= v.x ^ v.w;
       }
-    } else if (DEP) {
+    } else if (DEP) {  // dep 1-5, 10: the staged input
       acc ^= xs[(threadIdx.x + r) % a.in_vec].x;
     }
 #pragma unroll
@@ -206,7 +217,7 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
     const int os = (a.out_vec + gridDim.x - 1) / gridDim.x;
     for (int k = blockIdx.x * os + threadIdx.x; k < min(a.out_vec, (int)(blockIdx.x + 1) * os); k += kThreads)
       a.out[k] = make_uint4(acc & 0x3f800000u, 0x3f800000u, 0x3f800000u, 0x3f800000u);  // finite floats / halves
-    if (DEP == 9 && !a.norm) {  // o, down: the block's partial of the next (normed) input's statistic
+    if ((DEP == 9 || DEP == 10) && !a.norm) {  // o, down: the block's partial of the next (normed) input's statistic
       float ss = __uint_as_float(acc & 0x3f800000u);
       for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
       if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
@@ -235,6 +246,7 @@ KernelFn kernel_for_u(int dep) {
     case 7: return chain_stream<U, 7>;
     case 8: return chain_stream<U, 8>;
     case 9: return chain_stream<U, 9>;
+    case 10: return chain_stream<U, 10>;
   }
   return chain_stream<U, 1>;  // dep 1 and 2: one kernel, the sum of squares chosen at run time
 }
@@ -353,7 +365,7 @@ int main(int argc, char** argv) {
     double mb = 0;
     for (const Mat& x : layer) mb += x.n_vec * 16 / 1e6;
     for (int pdl : {0, 1, 2})
-      for (int dep : {0, 1, 2, 3, 4, 5, 6, 7, 8, 9})
+      for (int dep : {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10})
         for (int bps : {1, 2, 4})
           for (int U : {4, 8, 16})
             for (int room : {0, 1, 2}) {
@@ -395,13 +407,13 @@ int main(int argc, char** argv) {
   }
   std::printf("read bandwidth (the best chain's rate) %.0f GB/s, %d SMs; registers a thread (U 4 / 8 / 16 at", best_gbs,
               sms);
-  for (int dep : {0, 1, 3, 4, 5, 6, 7, 8, 9})
+  for (int dep : {0, 1, 3, 4, 5, 6, 7, 8, 9, 10})
     for (int U : {4, 8, 16}) {
       cudaFuncAttributes fa;
       CK(cudaFuncGetAttributes(&fa, kernel_for(U, dep)));
       std::printf(" %d", fa.numRegs);
     }
-  std::printf(" (dep 0, dep 1-2, dep 3-9)\n");
+  std::printf(" (dep 0, dep 1-2, dep 3-10)\n");
   std::printf("%-24s %6s %3s %3s %3s %3s %4s %9s %9s %7s\n", "model", "MB", "pdl", "dep", "bps", "U", "room",
               "us/layer", "bytes us", "x bytes");
   for (const Row& r : rows) {

@@ -139,8 +139,8 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
   }
   float stat = 0.0f;  // dep 9: the statistic is used at the end (a GEMV scales its row sums by it), so its reads
   if constexpr (DEP == 9 || DEP == 10) {  // are issued here and waited for only after the weights (dep 10:
-    if (a.norm)                           // after the staging's loads): one read a lane per 32
-      for (int k = threadIdx.x & 31; k < a.part_n; k += 32) stat += __ldcg(a.part_in + k);
+    if (a.norm)                           // after the staging's loads): one read a lane per 32, plain
+      for (int k = threadIdx.x & 31; k < a.part_n; k += 32) stat += a.part_in[k];  // (the L1 serves the warps)
   }
   if (DEP == 10) {  // staged as dep 1; the statistic from the partials before the one barrier
 #pragma unroll 2

@@ -9,7 +9,8 @@
 // int4 and the int8-input kernels (gemv_kernel) in rounds of 4 steps (4R loads in flight per lane, issued
 // before the round's dot products, none while they are computed); the input vector is staged once per block
 // in shared memory as fp16 (16-byte reads laid out so that a warp's reads are contiguous: no bank conflicts),
-// then each row's dot is reduced across the warp with shuffles.
+// then each row's dot is reduced across the warp with shuffles. (Not in split-K with fp16 weights and an fp16
+// input: there each warp reads its own eighth of the input straight from global memory.)
 //
 // Fusions (chosen by the launcher's in/out modes, never in the forward pass):
 //   in  F32Norm: RMSNorm of the fp32 residual stream in the prologue (every block recomputes the sum of
@@ -576,12 +577,23 @@ __global__ void __launch_bounds__(kGemvThreads, 2) gemv_pipe_kernel(GemvParams p
   trace_point(p.trace, 3);
 }
 
+// Split-K with fp16 weights and an fp16 input (o, down): input word k (8 elements) read from global memory where
+// it is used. Words past K read as zero (the launcher asks K % 8 == 0, so no word straddles K).
+__device__ __forceinline__ void load_x_global(const GemvParams& p, int k, XFrag<WFormat::F16>& x) {
+  unpack8(k < p.K / 8 ? reinterpret_cast<const uint4*>(p.x)[k] : make_uint4(0, 0, 0, 0), x.v);
+}
+
 // The split-K variant (R == kGemvSplitK): a tile is 8 rows and each warp owns one eighth of K for all 8 of them,
 // so a lane has one 16-byte load per row in flight per step (8 per step) and a long row is streamed by 8 warps
 // at once; the 8 partial sums of each row meet in shared memory. Wins where rows are few and K is long. Tiles
 // and grid as in gemv_kernel.
-template <WFormat WF, GemvIn IN, GemvOut OUT>
+// US (unstaged; fp16 weights and input only): each warp reads only its own eighth of the input, so staging it
+// for the block buys no reuse; reading it from global memory next to the weights drops the staging's round trip
+// and barrier from the critical path after the dependency wait (docs/perf/persistent.md §31-§33: o and down
+// 2-37% faster alone, -3 to -5% a step on the fp16 models). Same order of sums as staged: bit-identical.
+template <WFormat WF, GemvIn IN, GemvOut OUT, bool US = false>
 __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p) {
+  static_assert(!US || (WF == WFormat::F16 && IN == GemvIn::F16), "unstaged: fp16 weights and input only");
   constexpr int RB = 8;  // rows per tile
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __half* xs = reinterpret_cast<__half*>(smem_raw);  // the staged input (ld halves)
@@ -619,8 +631,12 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p)
   trace_point(p.trace, 1);
   float yold = 0.0f;  // AddF32: thread r < 8 holds row r's y before the add (read now, used in the epilogue)
   if (threadIdx.x < RB) load_y<OUT, 1>(p, tile * RB + threadIdx.x, &yold);
-  stage_input<WF, IN>(p, ld8, nws, xs, xsum, red);
+  if constexpr (!US) stage_input<WF, IN>(p, ld8, nws, xs, xsum, red);
   trace_point(p.trace, 2);
+  auto input_word = [&](int k, XFrag<WF>& xf) {
+    if constexpr (US) load_x_global(p, k, xf);
+    else load_x<WF>(xs, ld8, k, xf);
+  };
 
   for (;;) {
     float acc[RB];
@@ -628,7 +644,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p)
 #pragma unroll
     for (int r = 0; r < RB; r++) acc[r] = 0.0f;
     if (has_first) {
-      load_x<WF>(xs, ld8, k_begin + lane, xf);
+      input_word(k_begin + lane, xf);
 #pragma unroll
       for (int r = 0; r < RB; r++) acc[r] += dot_word<WF>(pre[r], pre_s[r], xf, ctx[r], k_begin + lane);
     }
@@ -641,7 +657,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p)
         w[r] = load_stream(wrow[r] + k);
         ws[r] = load_scale<WF>(ctx[r], k);
       }
-      load_x<WF>(xs, ld8, k, xf);
+      input_word(k, xf);
 #pragma unroll
       for (int r = 0; r < RB; r++) acc[r] += dot_word<WF>(w[r], ws[r], xf, ctx[r], k);
     }
@@ -739,10 +755,16 @@ static void launch_gemv(const GemvParams& p, cudaStream_t stream, bool pdl) {
 
 template <WFormat WF, GemvIn IN, GemvOut OUT>
 static void launch_splitk(const GemvParams& p, cudaStream_t stream, bool pdl) {
+  const dim3 grid(gemv_grid((p.rows + 7) / 8, p.blocks_per_sm));
+  if constexpr (WF == WFormat::F16 && IN == GemvIn::F16) {
+    if (p.K % 8 == 0) {  // unstaged: no shared input
+      launch(gemv_splitk_kernel<WF, IN, OUT, true>, grid, dim3(kGemvThreads), 0, stream, pdl, p);
+      return;
+    }
+  }
   const size_t smem = gemv_smem(p, IN);
   raise_smem(gemv_splitk_kernel<WF, IN, OUT>, smem);
-  launch(gemv_splitk_kernel<WF, IN, OUT>, dim3(gemv_grid((p.rows + 7) / 8, p.blocks_per_sm)), dim3(kGemvThreads),
-         smem, stream, pdl, p);
+  launch(gemv_splitk_kernel<WF, IN, OUT>, grid, dim3(kGemvThreads), smem, stream, pdl, p);
 }
 
 template <WFormat WF, GemvIn IN, GemvOut OUT>

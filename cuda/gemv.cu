@@ -589,8 +589,8 @@ __device__ __forceinline__ void load_x_global(const GemvParams& p, int k, XFrag<
 // and grid as in gemv_kernel.
 // US (unstaged; fp16 weights and input only): each warp reads only its own eighth of the input, so staging it
 // for the block buys no reuse; reading it from global memory next to the weights drops the staging's round trip
-// and barrier from the critical path after the dependency wait (docs/perf/persistent.md §31-§33: o and down
-// 2-37% faster alone, -3 to -5% a step on the fp16 models). Same order of sums as staged: bit-identical.
+// and barrier from the critical path after the dependency wait (measured: docs/perf/persistent.md §33). Same
+// order of sums as staged: bit-identical.
 template <WFormat WF, GemvIn IN, GemvOut OUT, bool US = false>
 __global__ void __launch_bounds__(kGemvThreads) gemv_splitk_kernel(GemvParams p) {
   static_assert(!US || (WF == WFormat::F16 && IN == GemvIn::F16), "unstaged: fp16 weights and input only");

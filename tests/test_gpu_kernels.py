@@ -82,6 +82,27 @@ def test_gemv_matches_numpy(rows, K, R, mode_in, mode_out, grid):
     assert not bad.any(), f"{bad.sum()} of {bad.size} outside tolerance; worst {np.abs(y - ref).max():.3g}"
 
 
+@pytest.mark.parametrize("R", [1, 2, 4, 8])
+@pytest.mark.parametrize("mode_out", ["f32", "swiglu"])
+def test_gemv_normed_input_past_fp16_range(R, mode_out):
+    """A residual stream whose values (times the norm weight) pass fp16's 65,504: the normed input is still
+    finite and right (a kernel that stages the input in fp16 must normalise it first)."""
+    if mode_out == "swiglu" and R == 1:
+        pytest.skip("swiglu needs R >= 2")
+    rows, K = 96, 2048
+    rng = np.random.default_rng(K + R)
+    W16 = (rng.standard_normal((rows, K)) / np.sqrt(K)).astype(np.float16)
+    x = rng.standard_normal(K).astype(np.float32) * 3e4
+    x[[5, 700]] = [2.5e5, -1e5]
+    norm_w = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    y_init = np.zeros(rows, np.float32)
+    y = np.array(_core.ops.gemv(W16.view(np.uint16), x, norm_w, 1e-5, y_init, R, *gemv_modes("f32norm", mode_out), 1))
+    ref, bound = _gemv_ref(W16, x, norm_w, 1e-5, y_init, "f32norm", mode_out)
+    assert np.isfinite(y).all()
+    tol = 2e-5 * bound + 1e-6 + (1e-3 * np.abs(ref) if mode_out == "swiglu" else 0)
+    assert (np.abs(y - ref) <= tol).all(), f"worst {np.abs(y - ref).max():.3g}"
+
+
 def test_gemv_refuses_bad_variant():
     W = np.zeros((4, 8), np.uint16)
     x = np.zeros(8, np.float32)

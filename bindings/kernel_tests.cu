@@ -554,9 +554,10 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
 
 std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, const float* X, int n,
                                   const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out,
-                                  bool mma, int m_tiles, bool smem_ring, bool one_row) {
+                                  bool mma, int m_tiles, bool smem_ring, bool one_row, bool act8) {
   if (fmt != WFormat::F16) check_quant_shape(K, fmt);
   if (one_row && !mma) fail(ErrorKind::Request, "gemv_batch: one_row is a tensor-core kernel (mma)");
+  if (one_row && act8) fail(ErrorKind::Request, "gemv_batch: act8 is the batched products' rounding, not one_row's");
   if (one_row && m_tiles != 0) fail(ErrorKind::Request, "gemv_batch: one_row takes no m_tiles (one 16-row tile a block)");
   const int ldx = (int)pad8(K), n_out = out == GemvOut::Swiglu ? rows / 2 : rows, ldy = n_out + 3;  // (ldy: odd on purpose)
   std::unique_ptr<DeviceQuant> dq;
@@ -609,6 +610,8 @@ std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, 
   a.n = n;
   a.m_tiles = m_tiles;
   a.smem_ring = smem_ring;
+  a.act8 = act8 && in == GemvIn::F32Norm && !mma;
+  if (act8 && in == GemvIn::F16) act8_round_rows(dx.as<__half>(), ldx, K, n, 0, false);
   Buf xn((size_t)n * ldx * 2);
   if (!mma) {
     gemv_batch(a, in, out, 0);
@@ -617,7 +620,7 @@ std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, 
   } else {
     if (in == GemvIn::F32Norm) {  // padding columns NaN, as the F16 input's
       TI_CUDA_CHECK(cudaMemset(xn.p, 0xFF, (size_t)n * ldx * 2));
-      rmsnorm_rows(dx.as<float>(), ldx, dn.as<float>(), eps, K, n, xn.as<__half>(), ldx, 0);
+      rmsnorm_rows(dx.as<float>(), ldx, dn.as<float>(), eps, K, n, xn.as<__half>(), ldx, 0, false, nullptr, true, act8);
       a.x = xn.p;
     }
     mma_small_n(a, out, 0);
@@ -634,7 +637,26 @@ std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, 
   return res;
 }
 
-std::vector<float> run_rmsnorm_rows(const float* X, int T, int H, const float* w, float eps, bool in_registers) {
+std::vector<float> run_act8_round_rows(const float* X, int T, int K) {
+  const int ldx = (int)pad8(K) + 8;  // (a stride past the row: the kernel must leave it alone)
+  std::vector<__half> xh((size_t)T * ldx, __float2half(7.0f));
+  for (int t = 0; t < T; t++)
+    for (int k = 0; k < K; k++) xh[(size_t)t * ldx + k] = __float2half(X[(size_t)t * K + k]);
+  Buf dx(xh.size() * 2);
+  put(dx.p, xh.data(), xh.size() * 2);
+  act8_round_rows(dx.as<__half>(), ldx, K, T, 0, false);
+  TI_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> all = get_half_rows(dx.p, T, ldx, ldx), out((size_t)T * K);
+  for (int t = 0; t < T; t++) {
+    for (int k = K; k < ldx; k++)
+      if (all[(size_t)t * ldx + k] != 7.0f) fail(ErrorKind::Device, "act8_round_rows wrote past K");
+    for (int k = 0; k < K; k++) out[(size_t)t * K + k] = all[(size_t)t * ldx + k];
+  }
+  return out;
+}
+
+std::vector<float> run_rmsnorm_rows(const float* X, int T, int H, const float* w, float eps, bool in_registers,
+                                    bool act8) {
   const int ldx = (H + 4 + 3) / 4 * 4, ldy = (H + 8 + 3) / 4 * 4;
   std::vector<float> xf((size_t)T * ldx, std::numeric_limits<float>::quiet_NaN());  // padding never read
   for (int t = 0; t < T; t++)
@@ -643,7 +665,8 @@ std::vector<float> run_rmsnorm_rows(const float* X, int T, int H, const float* w
   put(dx.p, xf.data(), xf.size() * 4);
   put(dw.p, w, (size_t)H * 4);
   TI_CUDA_CHECK(cudaMemset(dy.p, 0xFF, (size_t)T * ldy * 2));
-  rmsnorm_rows(dx.as<float>(), ldx, dw.as<float>(), eps, H, T, dy.as<__half>(), ldy, 0, false, nullptr, in_registers);
+  rmsnorm_rows(dx.as<float>(), ldx, dw.as<float>(), eps, H, T, dy.as<__half>(), ldy, 0, false, nullptr, in_registers,
+               act8);
   TI_CUDA_CHECK(cudaDeviceSynchronize());
   return get_half_rows(dy.p, T, H, ldy);
 }

@@ -90,9 +90,14 @@ std::vector<float> run_gemv_quant(const float* W, int rows, int K, WFormat fmt, 
 // F32Norm input RMS-normed first by rmsnorm_rows (prefill.cuh) as the batched step does; m_tiles its 16-row
 // tiles per block (GemvBatchArgs::m_tiles), smem_ring its fp16 path (GemvBatchArgs::smem_ring); one_row (mma,
 // n = 1): the decode step's one-row kernel (cuda/mma_one_row.cu), an F32Norm row normed in its own prologue.
+// act8: the inputs rounded to fp16(d xq) as the batched step rounds them for an act8 role (cuda/act8.cuh): F16 by
+// act8_round_rows first; F32Norm in gemv_batch's prologue, or by rmsnorm_rows before the tensor-core kernel.
 std::vector<float> run_gemv_batch(const float* W, int rows, int K, WFormat fmt, const float* X, int n,
                                   const float* norm_w, float eps, const float* Y_init, GemvIn in, GemvOut out,
-                                  bool mma = false, int m_tiles = 0, bool smem_ring = true, bool one_row = false);
+                                  bool mma = false, int m_tiles = 0, bool smem_ring = true, bool one_row = false,
+                                  bool act8 = false);
+// act8_round_rows (cuda/batch_rows.cuh) over X (T, K) rounded to fp16 first; returns (T, K) floats.
+std::vector<float> run_act8_round_rows(const float* X, int T, int K);
 
 // A down product as the batched step takes it in K slices (GemmArgs::k_slices, cuBLASLt, W fp16 bits (M, K)),
 // then residual_norm_rows: x = x_init + X @ W.T and xn = fp16(rmsnorm(x) * norm_w). Returns (x, xn widened).
@@ -106,7 +111,8 @@ int device_sm_count();
 
 // rmsnorm_rows (prefill.cu) over T rows of H floats X with weight w: (T, H) floats (widened from fp16); the rows'
 // strides are not packed (ldx = H + 4, ldy = H + 8 rounded to 4). in_registers as rmsnorm_rows'.
-std::vector<float> run_rmsnorm_rows(const float* X, int T, int H, const float* w, float eps, bool in_registers);
+std::vector<float> run_rmsnorm_rows(const float* X, int T, int H, const float* w, float eps, bool in_registers,
+                                    bool act8 = false);
 
 // One GEMM (cuBLASLt, gemm.cu) Y = X W^T (+ Y_init for AddF32). W: (M, K) fp16 bits; X: (N, K) floats (rounded
 // to fp16); Y_init: (N, M). Returns Y (N, M) floats (widened from fp16 for GemmOut::F16). autotune: time the

@@ -108,6 +108,15 @@ void bind_ops(nb::module_& m) {
       },
       "W"_a, "format"_a, "dequantize(quantize(fp16(W))): the numbers the CPU engine computes with.");
   ops.def(
+      "act8_ref",
+      [](F32In2 X) {
+        std::vector<float> x(X.data(), X.data() + X.size());
+        for (size_t r = 0; r < X.shape(0); r++) ti::act8_round(x.data() + r * X.shape(1), (int64_t)X.shape(1));
+        return numpy_copy(x, X.shape(0), X.shape(1));
+      },
+      "X"_a, "act8's rounding (cpp/core/quant.h act8_round) of each row of X: the CPU engine's twin of the GPU's "
+      "int8 inputs, d xq per group of 32 of the fp16-rounded values.");
+  ops.def(
       "matmul",
       [](F32In2 x, F32In2 w) {
         if (x.shape(1) != w.shape(1)) ti::fail(ti::ErrorKind::Request, "matmul: x and W have different widths");
@@ -357,7 +366,7 @@ void bind_ops(nb::module_& m) {
   ops.def(
       "gemv_batch",
       [](F32In2 W, const FormatArg& f, F32In2 X, F32In1 norm_w, float eps, F32In2 Y_init, ti::cuda::GemvIn in,
-         ti::cuda::GemvOut out, bool mma, int m_tiles, bool smem_ring, bool one_row) {
+         ti::cuda::GemvOut out, bool mma, int m_tiles, bool smem_ring, bool one_row, bool act8) {
         const int rows = (int)W.shape(0), K = (int)W.shape(1), n = (int)X.shape(0);
         if ((int)X.shape(1) != K) ti::fail(ti::ErrorKind::Request, "gemv_batch: X.shape[1] != W.shape[1]");
         if (in == ti::cuda::GemvIn::F32Norm && (int)norm_w.shape(0) != K)
@@ -369,36 +378,52 @@ void bind_ops(nb::module_& m) {
         {
           nb::gil_scoped_release release;
           y = ti::cuda::run_gemv_batch(W.data(), rows, K, fmt, X.data(), n, norm_w.data(), eps, Y_init.data(), in,
-                                       out, mma, m_tiles, smem_ring, one_row);
+                                       out, mma, m_tiles, smem_ring, one_row, act8);
         }
         return numpy_copy(y, (size_t)n, y.size() / (size_t)n);
       },
       "W"_a, "format"_a, "X"_a, "norm_w"_a, "eps"_a, "Y_init"_a, "input"_a, "output"_a, "mma"_a = false,
-      "m_tiles"_a = 0, "smem_ring"_a = true, "one_row"_a = false,
+      "m_tiles"_a = 0, "smem_ring"_a = true, "one_row"_a = false, "act8"_a = false,
       "One small-N product over the rows of X: the CUDA-core cuda/gemv_batch.cu, or with mma the tensor-core "
       "cuda/mma_small_n.cu (n <= 64; f32norm: rmsnorm_rows first; m_tiles: its 16-row tiles per block, 0 auto; "
       "smem_ring: fp16 through "
       "its shared-memory ring, else its register ring; one_row: the decode step's one-row tensor-core kernel, "
-      "cuda/mma_one_row.cu, n = 1, an f32norm row normed inside it); "
+      "cuda/mma_one_row.cu, n = 1, an f32norm row normed inside it); act8: the inputs rounded to fp16(d xq) per "
+      "group of 32 first, as the batched step does for a product whose decode GEMV takes int8 inputs; "
       "W quantized on the device unless fp16: "
       "(n, rows) floats, (n, rows / 2) for swiglu.");
   ops.def("sm_count", [] { return ti::cuda::device_sm_count(); }, "The CUDA device's streaming multiprocessors.");
   ops.def(
       "rmsnorm_rows",
-      [](F32In2 X, F32In1 w, float eps, bool in_registers) {
+      [](F32In2 X, F32In1 w, float eps, bool in_registers, bool act8) {
         const int T = (int)X.shape(0), H = (int)X.shape(1);
         if ((int)w.shape(0) != H) ti::fail(ti::ErrorKind::Request, "rmsnorm_rows: len(w) != X.shape[1]");
         if (T < 1 || H < 1) ti::fail(ti::ErrorKind::Request, "rmsnorm_rows: X must have rows and columns");
         std::vector<float> y;
         {
           nb::gil_scoped_release release;
-          y = ti::cuda::run_rmsnorm_rows(X.data(), T, H, w.data(), eps, in_registers);
+          y = ti::cuda::run_rmsnorm_rows(X.data(), T, H, w.data(), eps, in_registers, act8);
         }
         return numpy_copy(y, (size_t)T, (size_t)H);
       },
-      "X"_a, "w"_a, "eps"_a, "in_registers"_a = true,
+      "X"_a, "w"_a, "eps"_a, "in_registers"_a = true, "act8"_a = false,
       "cuda/prefill.cu's rmsnorm_rows over the rows of X: fp16(x / rms(x) * w) widened to floats; in_registers "
-      "false takes the grid-stride kernel.");
+      "false takes the grid-stride kernel; act8 rounds the fp16 values to fp16(d xq) per group of 32 "
+      "(cuda/act8.cuh).");
+  ops.def(
+      "act8_round_rows",
+      [](F32In2 X) {
+        const int T = (int)X.shape(0), K = (int)X.shape(1);
+        std::vector<float> y;
+        {
+          nb::gil_scoped_release release;
+          y = ti::cuda::run_act8_round_rows(X.data(), T, K);
+        }
+        return numpy_copy(y, (size_t)T, (size_t)K);
+      },
+      "X"_a,
+      "cuda/batch_rows.cu's act8_round_rows over the rows of X rounded to fp16: each group of 32 as fp16(d xq), "
+      "d = amax / 127, xq = round(x / d) (cuda/act8.cuh), widened to floats; K % 32 == 0.");
   ops.def(
       "gemm",
       [](nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> W, F32In2 X, F32In2 y_init,

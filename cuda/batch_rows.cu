@@ -1,4 +1,5 @@
 // batch_rows.cu — per-slot row work of the batched decode path (see batch_rows.cuh).
+#include "act8.cuh"
 #include "batch_rows.cuh"
 #include "common.cuh"
 #include "rms_row.cuh"
@@ -66,6 +67,28 @@ void residual_norm_rows(const float* parts, int slices, int64_t slice_stride, in
   if (V <= 2) return go(residual_norm_rows_kernel<2>);
   if (V <= 4) return go(residual_norm_rows_kernel<4>);
   go(residual_norm_rows_kernel<8>);
+}
+
+// A thread per 8 values (one 16-byte word), 4 lanes a group; grid (words / 256 rounded up, T). The trip is one
+// word a thread, so a warp's lanes past the row's last word still join the group's shuffles (whole groups: K % 32).
+__global__ void __launch_bounds__(256) act8_round_rows_kernel(__half* x, int ldx, int K) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int i = blockIdx.x * 256 + threadIdx.x;  // the word
+  const bool in = i < K / 8;
+  uint4* row = reinterpret_cast<uint4*>(x + (size_t)blockIdx.y * ldx);
+  float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  if (in) unpack8(row[i], f);
+  act8_round<4>(f);
+  if (in) row[i] = pack8(f);
+}
+
+void act8_round_rows(__half* x, int ldx, int K, int T, cudaStream_t s, bool pdl) {
+  if (K % kAct8Group != 0 || ldx % 8 != 0 || ldx < K || T < 0)
+    fail(ErrorKind::Request, "act8_round_rows: needs K % 32 == 0 and ldx >= K, a multiple of 8 (K=" +
+                                 std::to_string(K) + " ldx=" + std::to_string(ldx) + ")");
+  if (T == 0 || K == 0) return;
+  launch(act8_round_rows_kernel, dim3((K / 8 + 255) / 256, T), dim3(256), 0, s, pdl, x, ldx, K);
 }
 
 }  // namespace ti::cuda

@@ -20,4 +20,9 @@ void residual_norm_rows(const float* parts, int slices, int64_t slice_stride, in
 // 1 <= slices <= 8, H % 4 == 0 and H <= 8,192 (the row in registers), ldp / ldx / ldy / slice_stride multiples of 4.
 bool residual_norm_rows_fits(int H, int slices, int64_t slice_stride, int ldp, int ldx, int ldy);
 
+// x[r][0..K) = fp16(d xq) of its values per group of 32 (cuda/act8.cuh), in place, for r < T: the batched step's
+// fp16 input (attention output, SwiGLU output) to a product whose decode GEMV takes int8 inputs. K % 32 == 0,
+// ldx % 8 == 0 (else throws ti::Error(Request)). pdl: waits before it reads.
+void act8_round_rows(__half* x, int ldx, int K, int T, cudaStream_t stream, bool pdl);
+
 }  // namespace ti::cuda

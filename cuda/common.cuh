@@ -202,6 +202,13 @@ __device__ __forceinline__ void unpack8(const uint4& v, float* out) {
     out[2 * i + 1] = f.y;
   }
 }
+__device__ __forceinline__ uint4 pack8(const float* in) {  // unpack8's inverse, rounding to nearest
+  uint4 v;
+  __half2* h = reinterpret_cast<__half2*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; i++) h[i] = __floats2half2_rn(in[2 * i], in[2 * i + 1]);
+  return v;
+}
 
 // The shared-memory carveout (percent of the SM's maximum shared memory, rounded up by the driver to a size the SM
 // offers: 50% of the H200's 228 KiB is 132 KiB, the rest of the 256 KiB staying L1) that launch() asks for on this

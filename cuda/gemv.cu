@@ -27,6 +27,7 @@
 // (gemv_dot.cuh: the per-format word, its scales and dot product).
 #include <algorithm>
 
+#include "act8.cuh"
 #include "common.cuh"
 #include "gemv.cuh"
 #include "gemv_dot.cuh"
@@ -98,17 +99,14 @@ __device__ __forceinline__ uint32_t pack4(const int* q) {
   return (uint32_t)(q[0] & 0xff) | (uint32_t)(q[1] & 0xff) << 8 | (uint32_t)(q[2] & 0xff) << 16 | (uint32_t)q[3] << 24;
 }
 template <int LANES, bool NATURAL>
-__device__ __forceinline__ void quantize_group(const float* f, int i, bool in, int nw, uint32_t* xs32, float2* dq) {
+__device__ __forceinline__ void quantize_group(const float (&f)[32 / LANES], int i, bool in, int nw, uint32_t* xs32,
+                                               float2* dq) {
   constexpr int E = 32 / LANES;
-  float amax = 0.0f;
-#pragma unroll
-  for (int j = 0; j < E; j++) amax = fmaxf(amax, fabsf(f[j]));
-#pragma unroll
-  for (int o = 1; o < LANES; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+  float id;
+  const float d = act8_scale<LANES>(f, id);
   int q[E], sum = 0;
 #pragma unroll
-  for (int j = 0; j < E; j++) sum += q[j] = (int)roundf(f[j] * id);
+  for (int j = 0; j < E; j++) sum += q[j] = act8_q(f[j], id);
 #pragma unroll
   for (int o = 1; o < LANES; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   const int g = i / LANES, e0 = (i % LANES) * E;  // the group, and this lane's first element in it

@@ -14,10 +14,11 @@
 //   The weights are then the fp16 numbers the prefill's dequantization makes (quant.cu).
 // Inputs: F16 rows are read from global memory (small next to the weights: L1 / L2 hits after the first tile);
 // F32Norm rows are RMS-normed once per block into shared memory as fp16 (the decode GEMV's rounding:
-// fp16(w * (x * inv))), zero-padded to whole words. Swiglu: the gate and up rows of a pair are adjacent warps;
+// fp16(w * (x * inv))), zero-padded to whole words; with act8 then rounded to fp16(d xq) (cuda/act8.cuh). Swiglu: the gate and up rows of a pair are adjacent warps;
 // their sums meet in shared memory.
 #include <algorithm>
 
+#include "act8.cuh"
 #include "common.cuh"
 #include "gemv_batch.cuh"
 #include "quant_words.cuh"
@@ -61,6 +62,18 @@ __global__ void __launch_bounds__(kGbThreads) gemv_batch_kernel(GemvBatchArgs a)
       xs[i] = __float2half(v);
     }
     __syncthreads();
+    if (a.act8) {  // (uniform) a thread per 16-byte word of xs, 4 lanes a group; the trip count block-uniform
+      uint4* xw = reinterpret_cast<uint4*>(xs);
+      for (int i0 = 0; i0 < NB * kw / 8; i0 += kGbThreads) {
+        const int i = i0 + threadIdx.x;
+        const bool in = i < NB * kw / 8;
+        float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (in) unpack8(xw[i], f);
+        act8_round<4>(f);
+        if (in) xw[i] = pack8(f);
+      }
+      __syncthreads();
+    }
   }
 
   const int tiles = (a.W.rows + kGbWarps * R - 1) / (kGbWarps * R);
@@ -256,6 +269,8 @@ void gemv_batch(const GemvBatchArgs& a, GemvIn in, GemvOut out, cudaStream_t s, 
                                  " ldy=" + std::to_string(a.ldy));
   if (in == GemvIn::F32Norm && (!a.norm_w || !gemv_batch_fits(W, a.n, in)))
     fail(ErrorKind::Request, "gemv_batch: f32norm needs the norm weight and K within shared memory");
+  if (a.act8 && (in != GemvIn::F32Norm || W.K % kAct8Group != 0))
+    fail(ErrorKind::Request, "gemv_batch: act8 rounds an f32norm input with K % 32 == 0");
   if (W.fmt == WFormat::F16) dispatch_nb<WFormat::F16>(a, in, out, s, pdl);
   else if (W.fmt == WFormat::I8) dispatch_nb<WFormat::I8>(a, in, out, s, pdl);
   else {

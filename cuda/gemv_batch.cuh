@@ -21,6 +21,9 @@ struct GemvBatchArgs {
   int n = 0;
   int m_tiles = 0;  // mma_small_n only: 16-row tiles per block, 0 (auto), 1 or 2 (n <= 16)
   bool smem_ring = true;  // mma_small_n only, fp16: words through the shared-memory ring (false: registers)
+  // gemv_batch only, F32Norm: the normed inputs rounded to fp16(d xq) per group of 32 (cuda/act8.cuh: the decode
+  // GEMV's int8 inputs; K % 32 == 0). An F16 input the caller rounds beforehand (act8_round_rows).
+  bool act8 = false;
 };
 
 // in: F16 (fp16 rows) or F32Norm (fp32 rows RMS-normed in the prologue, as the decode GEMV does); out: F32,

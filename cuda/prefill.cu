@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(256) rmsnorm_rows_kernel(const float* x, int l
 // memory again. For the batched decode step, whose 45 norms a step are each a dependent launch of a few rows
 // (~3 us each at batch 8: two round trips to L2 after the wait before this). Same sums in the same order as
 // rmsnorm_rows_kernel, so the same bits.
-template <int V>
+template <int V, bool A8>
 __global__ void __launch_bounds__(256) rmsnorm_rows_reg_kernel(const float* x, int ldx, const float* w, float eps,
                                                                int H, __half* y, int ldy, const int* row_of) {
   __shared__ float red[33];
@@ -73,18 +73,26 @@ __global__ void __launch_bounds__(256) rmsnorm_rows_reg_kernel(const float* x, i
     const int i = (threadIdx.x + j * 256) * 4;
     if (i < H) v[j] = *reinterpret_cast<const float4*>(xr + i);
   }
-  rms_row_write<V>(v, g, H, eps, red, y + (size_t)blockIdx.x * ldy);
+  rms_row_write<V, A8>(v, g, H, eps, red, y + (size_t)blockIdx.x * ldy);
 }
 
 void rmsnorm_rows(const float* x, int ldx, const float* w, float eps, int H, int T, __half* y, int ldy,
-                  cudaStream_t s, bool pdl, const int* row_of, bool in_registers) {
+                  cudaStream_t s, bool pdl, const int* row_of, bool in_registers, bool act8) {
   // (x, y and w 16-byte aligned, as both kernels' vector paths assume: arena and cudaMalloc pointers)
   const bool vec = in_registers && H % 4 == 0 && ldx % 4 == 0 && ldy % 4 == 0;
   const int V = (H + 1023) / 1024;
-  if (vec && V <= 1) return launch(rmsnorm_rows_reg_kernel<1>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
-  if (vec && V <= 2) return launch(rmsnorm_rows_reg_kernel<2>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
-  if (vec && V <= 4) return launch(rmsnorm_rows_reg_kernel<4>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
-  if (vec && V <= 8) return launch(rmsnorm_rows_reg_kernel<8>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
+  if (act8) {  // (the register kernel only: the engine asks for it where the GEMV's act8 applies, K <= 8,192)
+    if (!vec || V > 8 || H % kAct8Group != 0)
+      fail(ErrorKind::Request, "rmsnorm_rows: act8 needs H % 32 == 0, H <= 8192 and 16-byte rows");
+    if (V <= 1) return launch(rmsnorm_rows_reg_kernel<1, true>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
+    if (V <= 2) return launch(rmsnorm_rows_reg_kernel<2, true>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
+    if (V <= 4) return launch(rmsnorm_rows_reg_kernel<4, true>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
+    return launch(rmsnorm_rows_reg_kernel<8, true>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
+  }
+  if (vec && V <= 1) return launch(rmsnorm_rows_reg_kernel<1, false>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
+  if (vec && V <= 2) return launch(rmsnorm_rows_reg_kernel<2, false>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
+  if (vec && V <= 4) return launch(rmsnorm_rows_reg_kernel<4, false>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
+  if (vec && V <= 8) return launch(rmsnorm_rows_reg_kernel<8, false>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
   launch(rmsnorm_rows_kernel, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
 }
 

@@ -13,8 +13,11 @@ void embed_tokens(const __half* E, int ldE, int H, const int* tokens, int T, flo
 // with programmatic dependent launch (common.cuh; the kernel waits before it reads). row_of (device, T ints;
 // may be null): y[t] normalizes x row row_of[t] instead (a gather: the mixed step's logits rows). in_registers:
 // false takes the grid-stride kernel even where the register one (H <= 8,192, 16-byte rows) would (tests: same bits).
+// act8: y = fp16(d xq) of those values per group of 32 (cuda/act8.cuh: the batched step's input to a product whose
+// decode GEMV takes int8 inputs); needs the register kernel and H % 32 == 0, else throws ti::Error(Request).
 void rmsnorm_rows(const float* x, int ldx, const float* w, float eps, int H, int T, __half* y, int ldy,
-                  cudaStream_t stream, bool pdl = false, const int* row_of = nullptr, bool in_registers = true);
+                  cudaStream_t stream, bool pdl = false, const int* row_of = nullptr, bool in_registers = true,
+                  bool act8 = false);
 
 // RoPE for T tokens at positions pos0..pos0+T-1 (or each at its own, tok_pos). qkv: (T, ldqkv) fp32 rows q | k | v, before RoPE. Writes rope(q)
 // to q (T, q_dim) fp16, rope(k) and v into this layer's pages of the paged cache (cuda/kv_layout.cuh; the pages

@@ -6,6 +6,7 @@
 #pragma once
 #include <cuda_fp16.h>
 
+#include "act8.cuh"
 #include "common.cuh"
 
 namespace ti::cuda {
@@ -20,7 +21,8 @@ __device__ __forceinline__ void rms_row_weights(const float* w, int H, float4 (&
 }
 
 // y = fp16(v * inv * g) with inv = rsqrt(mean(v^2) + eps); red: 33 floats of shared memory (block_sum).
-template <int V>
+// A8: y = fp16(d xq) of those fp16 values instead, per group of 32 (act8.cuh; H % 32 == 0: a group is 8 lanes).
+template <int V, bool A8 = false>
 __device__ __forceinline__ void rms_row_write(const float4 (&v)[V], const float4 (&g)[V], int H, float eps, float* red,
                                               __half* y) {
   float ss = 0.0f;
@@ -32,10 +34,23 @@ __device__ __forceinline__ void rms_row_write(const float4 (&v)[V], const float4
 #pragma unroll
   for (int j = 0; j < V; j++) {
     const int i = (threadIdx.x + j * 256) * 4;
-    if (i >= H) continue;
-    __align__(8) __half2 o[2] = {__floats2half2_rn(v[j].x * inv * g[j].x, v[j].y * inv * g[j].y),
-                                 __floats2half2_rn(v[j].z * inv * g[j].z, v[j].w * inv * g[j].w)};
-    *reinterpret_cast<uint2*>(y + i) = *reinterpret_cast<const uint2*>(o);
+    if constexpr (A8) {  // every lane through the group's shuffles; those past H (whole groups) store nothing
+      if (j * 1024 >= H) break;  // (uniform)
+      float f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (i < H) {
+        const float2 a = __half22float2(__floats2half2_rn(v[j].x * inv * g[j].x, v[j].y * inv * g[j].y));
+        const float2 b = __half22float2(__floats2half2_rn(v[j].z * inv * g[j].z, v[j].w * inv * g[j].w));
+        f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
+      }
+      act8_round<8>(f);
+      __align__(8) __half2 o[2] = {__floats2half2_rn(f[0], f[1]), __floats2half2_rn(f[2], f[3])};
+      if (i < H) *reinterpret_cast<uint2*>(y + i) = *reinterpret_cast<const uint2*>(o);
+    } else {
+      if (i >= H) continue;
+      __align__(8) __half2 o[2] = {__floats2half2_rn(v[j].x * inv * g[j].x, v[j].y * inv * g[j].y),
+                                   __floats2half2_rn(v[j].z * inv * g[j].z, v[j].w * inv * g[j].w)};
+      *reinterpret_cast<uint2*>(y + i) = *reinterpret_cast<const uint2*>(o);
+    }
   }
 }
 

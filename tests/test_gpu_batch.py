@@ -302,8 +302,20 @@ def test_mma_small_n_refuses_more_than_64_rows():
                        ops.GemvIn.F16, ops.GemvOut.F32, mma=True)
 
 
-def small_n_reference(W, fmt, X, norm_w, Y0, mode):
-    """The product in float64 from the dequantized weights and the fp16-rounded (normed) inputs: (Wq, xin, y)."""
+def act8_rule(x):
+    """cuda/act8.cuh in numpy, in fp32 as the kernels compute it: per group of 32 d = amax / 127, xq = round half
+    away from zero of x * (1 / d); the batched products' input fp16(d xq), widened to float32."""
+    g = np.asarray(x, np.float32).reshape(-1, 32)
+    d = (np.abs(g).max(1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    v = (g * inv).astype(np.float64)  # (the fp32 product, exactly)
+    q = np.trunc(v + np.copysign(0.5, v)).astype(np.float32)
+    return (d * q).astype(np.float16).astype(np.float32).reshape(np.shape(x))
+
+
+def small_n_reference(W, fmt, X, norm_w, Y0, mode, act8=False):
+    """The product in float64 from the dequantized weights and the fp16-rounded (normed) inputs, with act8 those
+    rounded by act8_rule: (Wq, xin, y)."""
     inp, out = mode.split("-")
     Wq = (W.astype(np.float16) if fmt == "fp16" else _core.ops.dequantize_ref(W, fmt)).astype(np.float64)
     if inp == "f16":
@@ -311,6 +323,8 @@ def small_n_reference(W, fmt, X, norm_w, Y0, mode):
     else:  # the decode GEMV's rounding: fp16(w * (x * inv))
         inv = 1.0 / np.sqrt((X.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-5)
         xin = (norm_w * (X * inv)).astype(np.float16).astype(np.float64)
+    if act8:
+        xin = act8_rule(xin).astype(np.float64)
     y = xin @ Wq.T
     if out == "add":
         y = y + Y0
@@ -320,7 +334,7 @@ def small_n_reference(W, fmt, X, norm_w, Y0, mode):
     return Wq, xin, y
 
 
-def check_small_n_product(mma, fmt, K, rows, mode, n, m_tiles=0, one_row=False):
+def check_small_n_product(mma, fmt, K, rows, mode, n, m_tiles=0, one_row=False, act8=False):
     rng = np.random.default_rng(n * 7 + K + rows)
     W = rng.standard_normal((rows, K), dtype=np.float32) * 0.1
     X = rng.standard_normal((n, K), dtype=np.float32)
@@ -330,9 +344,13 @@ def check_small_n_product(mma, fmt, K, rows, mode, n, m_tiles=0, one_row=False):
     inp, out = mode.split("-")
     gin = {"f16": ops.GemvIn.F16, "f32norm": ops.GemvIn.F32Norm}[inp]
     gout = {"f32": ops.GemvOut.F32, "add": ops.GemvOut.AddF32, "swiglu": ops.GemvOut.Swiglu}[out]
-    got = ops.gemv_batch(W, fmt, X, norm_w, 1e-5, Y0, gin, gout, mma=mma, m_tiles=m_tiles, one_row=one_row)
+    got = ops.gemv_batch(W, fmt, X, norm_w, 1e-5, Y0, gin, gout, mma=mma, m_tiles=m_tiles, one_row=one_row,
+                         act8=act8)
 
-    Wq, xin, y = small_n_reference(W, fmt, X, norm_w, Y0, mode)
+    Wq, xin, y = small_n_reference(W, fmt, X, norm_w, Y0, mode, act8)
+    if act8 and fmt == "fp16":  # (fp32 sums: the rounding's effect stands out of the kernel's own error)
+        plain = small_n_reference(W, fmt, X, norm_w, Y0, mode)[2]
+        assert np.abs(got - y).max() < 0.25 * np.abs(plain - y).max()
     assert got.shape == y.shape and np.isfinite(got).all()
     # Tolerance, on the scale of a dot product (as test_gpu_quant.py): fp16 sums in fp32 (f32norm: an input may
     # round to the other fp16 neighbour, the rsqrt differing in its last bits); int8 / int4 dequantize to fp16
@@ -343,7 +361,85 @@ def check_small_n_product(mma, fmt, K, rows, mode, n, m_tiles=0, one_row=False):
     np.testing.assert_allclose(got, y, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("path", ["default", "mma", "span64"])
+# act8: the batched step's inputs of a product whose decode GEMV takes int8 inputs, rounded to fp16(d xq) per group
+# of 32 (cuda/act8.cuh) — by gemv_batch's prologue (f32norm), by rmsnorm_rows before the tensor-core kernel, by
+# act8_round_rows before either (f16) — on both kernels, K whole groups (int4 992: a partial chunk).
+@pytest.mark.parametrize("mma", [False, True])
+@pytest.mark.parametrize("fmt, K", [("fp16", 96), ("int8", 1056), ("int4", 992)])
+@pytest.mark.parametrize("mode", ["f32norm-f32", "f32norm-swiglu", "f16-add"])
+@pytest.mark.parametrize("n", [1, 3, 9])
+def test_small_n_products_on_act8_inputs(mma, fmt, K, mode, n):
+    check_small_n_product(mma, fmt, K, 70, mode, n, act8=True)
+
+
+# The rounding itself, bit for bit against the rule: rmsnorm_rows' register kernel (H a whole number of warps' 128
+# columns or not: 2080 leaves lanes of a warp past H in the group shuffles) and act8_round_rows (which must leave
+# the row's columns past K alone: checked by its driver); an all-zero group (d = 0) and one dominated by a value.
+@pytest.mark.parametrize("H", [32, 96, 2048, 2080, 5632])
+def test_act8_rounding_is_the_rule_bit_for_bit(H):
+    ops = _core.ops
+    rng = np.random.default_rng(H)
+    X = rng.standard_normal((5, H), dtype=np.float32) * 3
+    X[1, :32] = 0
+    X[2, 5] = 300
+    w = (1 + 0.3 * rng.standard_normal(H)).astype(np.float32)
+    np.testing.assert_array_equal(ops.rmsnorm_rows(X, w, 1e-5, act8=True), act8_rule(ops.rmsnorm_rows(X, w, 1e-5)))
+    np.testing.assert_array_equal(ops.act8_round_rows(X), act8_rule(X.astype(np.float16)))
+
+
+def test_act8_rounding_refuses_what_it_cannot_round():
+    ops = _core.ops
+    with pytest.raises(InvalidRequestError, match="K % 32 == 0"):
+        ops.act8_round_rows(np.zeros((2, 40), np.float32))
+    with pytest.raises(InvalidRequestError, match="act8 needs H % 32 == 0"):
+        ops.rmsnorm_rows(np.zeros((2, 40), np.float32), np.ones(40, np.float32), 1e-5, act8=True)
+    with pytest.raises(InvalidRequestError, match="act8 needs"):  # (the register kernel only)
+        ops.rmsnorm_rows(np.zeros((2, 64), np.float32), np.ones(64, np.float32), 1e-5, in_registers=False, act8=True)
+    W, X = np.zeros((32, 40), np.float32), np.zeros((2, 40), np.float32)
+    norm, y = np.ones(40, np.float32), np.zeros((2, 32), np.float32)
+    with pytest.raises(InvalidRequestError, match="act8 rounds an f32norm input with K % 32 == 0"):
+        ops.gemv_batch(W, "fp16", X, norm, 1e-5, y, ops.GemvIn.F32Norm, ops.GemvOut.F32, act8=True)
+    with pytest.raises(InvalidRequestError, match="K % 32 == 0"):
+        ops.gemv_batch(W, "fp16", X, norm, 1e-5, y, ops.GemvIn.F16, ops.GemvOut.AddF32, act8=True)
+    with pytest.raises(InvalidRequestError, match="not one_row's"):
+        ops.gemv_batch(np.zeros((32, 32), np.float32), "fp16", np.zeros((1, 32), np.float32), np.ones(32, np.float32),
+                       1e-5, np.zeros((1, 32), np.float32), ops.GemvIn.F16, ops.GemvOut.F32, mma=True, one_row=True,
+                       act8=True)
+    check_small_n_product(False, "int4", 992, 70, "f16-add", 3, act8=True)  # and the kernels still run
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_act8_prefill_rounds_as_the_decode_step(model, fmt):
+    """With act8 = 2 the prefill's GEMMs take their inputs rounded as the decode GEMVs quantize theirs: a prompt's
+    last logits from Engine.logits (one prefill) and from a decode step over the same tokens agree within the
+    batched path's tolerance, closer than act8 = 0's prefill does (the rounding is what brings them together)."""
+    on, off = gpu_engine(model, fmt, act8=2), gpu_engine(model, fmt)
+    p = prompts(3, seed=5)[2]  # (75 tokens)
+    core = on._core
+    s = core.seq_open()
+    core.seq_prefill(s, p[:-1])
+    core.seq_step([s], [p[-1]])  # (bucket 1: the decode plan's GEMVs, on int8 inputs)
+    got = core.seq_logits(s).copy()
+    core.seq_close(s)
+
+    def rel(a, b):
+        return float(np.abs(a - b).max() / np.abs(b).max())
+
+    rounded, plain = rel(got, on.logits(p)[-1]), rel(got, off.logits(p)[-1])
+    print(f"{model[0]} {fmt}: decode vs prefill {rounded:.2e} (rounded), {plain:.2e} (fp16 inputs)")
+    assert rounded < LOGIT_TOL[fmt] and rounded < plain
+
+
+# act8 (every quantized product on int8 inputs, CudaOptions.act8 = 2): the single path's GEMVs quantize their inputs,
+# the batched products take them rounded to the same numbers (cuda/act8.cuh), on the default products and with every
+# product on the tensor-core small-N kernel, on the CUDA-core one or on cuBLASLt (PATHS' mma, small_n, cublaslt).
+NO_MMA = dict(batch_mma_max=0, batch_mma_f16_qkvo_max=0, batch_mma_f16_down_max=0)
+ACT8_PATHS = {"act8": dict(act8=2), "act8_mma": dict(batch_mma_max=64, batch_mma_f16_max=64, act8=2),
+              "act8_small_n": dict(NO_MMA, batch_gemv_f16_max=64, batch_gemv_quant_max=64, act8=2),
+              "act8_cublaslt": dict(NO_MMA, batch_gemv_f16_max=1, batch_gemv_quant_max=1, act8=2)}
+
+
+@pytest.mark.parametrize("path", ["default", "mma", "span64", *ACT8_PATHS])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n", [1, 3, 8, 17])
 def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
@@ -351,7 +447,10 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
     step where the two paths' arithmetic (batched products vs the tuned GEMV) may legitimately differ: a near-tie
     of the top two logits. A divergence anywhere else fails. Default options (fp16: small-N at 1 row, cuBLASLt
     above; int8 / int4: small-N up to 4 rows, dequantize + cuBLASLt above) and the tensor-core kernel."""
-    eng = gpu_engine(model, fmt, **PATHS.get(path, {}))
+    eng = gpu_engine(model, fmt, **{**PATHS, **ACT8_PATHS}.get(path, {}))
+    # A near-tie: within the two paths' rounding. With int8 inputs an input a rounding apart upstream can land on
+    # the next int8 step, so the paths part by whole steps of d (amax / 127) where they part: twice the bound.
+    tie = 2 * LOGIT_TOL[fmt] * (2 if path in ACT8_PATHS and fmt != "fp16" else 1)
     steps = 24
     batch = prompts(n, seed=n)
     got = generate_batch(eng._core, batch, steps)
@@ -361,7 +460,7 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
         if j < steps:  # only at a near-tie of the single path's own logits at that step
             ref = eng.logits(p + alone[:j])[-1]
             top2 = np.sort(ref)[-2:]
-            assert top2[1] - top2[0] <= 2 * LOGIT_TOL[fmt] * np.abs(ref).max(), (
+            assert top2[1] - top2[0] <= tie * np.abs(ref).max(), (
                 f"{model[0]} {fmt} batch {n}: prompt of {len(p)} diverges at step {j}: {g[:j + 1]} vs {alone[:j + 1]}")
 
 
@@ -374,7 +473,6 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
 # the next norm); every product on cuBLASLt with down in 8 K slices (every format, int8 / int4 dequantized first);
 # the default products with
 # the attention in blocks of 64 positions (rows past 64 split and merged in the kernel).
-NO_MMA = dict(batch_mma_max=0, batch_mma_f16_qkvo_max=0, batch_mma_f16_down_max=0)
 PATHS = {"small_n": dict(NO_MMA, batch_gemv_f16_max=64, batch_gemv_quant_max=64),
          "cublaslt": dict(NO_MMA, batch_gemv_f16_max=1, batch_gemv_quant_max=1),
          "default": {},

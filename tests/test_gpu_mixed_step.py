@@ -47,11 +47,12 @@ def _run(core, mixed: bool, steps=6):
     return logits, out
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["fp16", "int8", "int4", "int4-act8"])
 def test_mixed_matches_step_then_prefill_many(model, fmt):
-    core = gpu_engine(model, fmt)._core
+    """int4-act8 (CudaOptions.act8 = 2): the prefill pass rounds the products' inputs as the batched step does."""
+    core = gpu_engine(model, fmt.split("-")[0], **(dict(act8=2) if fmt.endswith("act8") else {}))._core
     free = core.kv_pages_free
-    _check(_run(core, mixed=False), _run(core, mixed=True), fmt)
+    _check(_run(core, mixed=False), _run(core, mixed=True), fmt.split("-")[0])
     assert core.kv_pages_free == free
 
 

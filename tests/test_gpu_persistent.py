@@ -40,6 +40,8 @@ def options(path, **kw):
     # for the persistent step (fp32 attention) against the graph path. (The tensor-core form is tested against
     # the CPU engine in test_gpu_engine.py / test_gpu_kernels.py.)
     o.attn_tensor_cores = False
+    # fp16 inputs on both paths: the persistent step's GEMVs stage fp16 (int8 inputs, act8, are the graph path's)
+    o.act8 = 0
     o.decode_path = path
     for k, v in kw.items():
         setattr(o, k, v)

@@ -177,19 +177,18 @@ CONFIGS = {
 }
 
 
-# -act8: CudaOptions.act8 = 2, every decode GEMV's input quantized to int8 (the CPU engine keeps fp32: the
-# tolerances below hold the activations' rounding as they hold the fp16 accumulation's); the others act8 = 0.
+# -act8: act8 = 2 on both engines: every quantized product's input quantized to int8 (the decode GEMVs) or rounded
+# to those numbers (the prefill), the CPU engine rounding its fp32 inputs the same way (its twin); the others 0.
 @pytest.fixture(scope="module",
                 params=[(c, f) for c in sorted(CONFIGS) for f in ("int8", "int4", "int8-act8", "int4-act8")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def engines(request, tmp_path_factory):
     name, fmt = request.param
     d = make_llama(tmp_path_factory.mktemp(name), vocab=700, **CONFIGS[name])
-    opts = _core.CudaOptions()
-    opts.act8 = 2 if fmt.endswith("-act8") else 0  # int8 inputs wherever the kernel can / never
+    act8 = 2 if fmt.endswith("-act8") else 0  # int8 inputs wherever the kernel can / never
     dtype = fmt.split("-")[0]
-    gpu = Engine(d, device="cuda", dtype=dtype, max_seq_len=400, cuda_options=opts)
-    cpu = Engine(d, device="cpu", dtype=dtype, max_seq_len=400)
+    gpu = Engine(d, device="cuda", dtype=dtype, max_seq_len=400, act8=act8)
+    cpu = Engine(d, device="cpu", dtype=dtype, max_seq_len=400, act8=act8)
     return f"{name}-{fmt}", gpu, cpu
 
 
@@ -216,9 +215,10 @@ def test_quantized_decode_matches_cpu(engines):
 
 
 def test_act8_is_a_per_role_choice_of_the_tuner(tmp_path):
-    """CudaOptions.act8: 0 (the default) times and runs every GEMV on fp16 inputs, 2 every quantized one on int8
-    inputs, 1 times each quantized role both ways and keeps the faster (with the picking rules and the step check
-    off: the fastest trial); fp16 weights never take int8 inputs; a value past 2 is refused."""
+    """CudaOptions.act8: 0 (the default) runs every GEMV on fp16 inputs, -1 every int4 one on int8 inputs and the
+    int8 ones (int4's LM head among them) on fp16 inputs, without timing the other way; 2 every quantized one on
+    int8 inputs, 1 times each quantized role both ways and keeps the faster (with the picking rules and the step
+    check off: the fastest trial); fp16 weights never take int8 inputs; a value outside -1..2 is refused."""
     d = make_llama(tmp_path / "m", hidden=256, intermediate=512, layers=2, vocab=600)
 
     def table(dtype, act8):
@@ -227,7 +227,10 @@ def test_act8_is_a_per_role_choice_of_the_tuner(tmp_path):
         return Engine(d, device="cuda", dtype=dtype, max_seq_len=64, plan_cache=False, cuda_options=o)._core.gemv_table()
 
     assert _core.CudaOptions().act8 == 0
-    for g in table("int4", 0) + table("fp16", 1):
+    for g in table("int4", -1):
+        on = g["name"] != "lm_head"  # (int8 under int4)
+        assert g["act8"] == on and all(bool(a) == on for a in g["tried_act8"]), g
+    for g in table("int4", 0) + table("fp16", 1) + table("int8", -1):
         assert not g["act8"] and not any(g["tried_act8"]), g
     for g in table("int8", 2):
         assert g["act8"] and all(g["tried_act8"]), g
@@ -237,10 +240,11 @@ def test_act8_is_a_per_role_choice_of_the_tuner(tmp_path):
         assert len(tried) == 2 * len(set((R, b) for R, b, _ in tried))  # every (R, grid) both ways
         fastest = min(range(len(tried)), key=lambda i: g["us"][i])
         assert (g["R"], g["blocks_per_sm"], g["act8"]) == tried[fastest], g
-    o = _core.CudaOptions()
-    o.act8 = 3
-    with pytest.raises(InvalidRequestError, match="act8 must be 0"):
-        Engine(d, device="cuda", dtype="int4", max_seq_len=64, cuda_options=o)
+    for bad in (3, -2):
+        o = _core.CudaOptions()
+        o.act8 = bad
+        with pytest.raises(InvalidRequestError, match="act8 must be -1"):
+            Engine(d, device="cuda", dtype="int4", max_seq_len=64, cuda_options=o)
 
 
 def test_quantized_weights_take_fewer_bytes(tmp_path):

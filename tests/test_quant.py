@@ -131,3 +131,55 @@ def test_gguf_q4_blocks_are_imported_without_a_second_rounding(tmp_path):
     want = _core.CpuEngine(store, 64).forward(ids, all_logits=True)
     got = Engine(path, device="cpu", dtype="int4", max_seq_len=64).logits(ids)
     np.testing.assert_array_equal(got, want)
+
+
+def act8_np(x):
+    """act8's rule in numpy (cpp/core/quant.h act8_round, the GPU's cuda/act8.cuh): per group of 32 of the
+    fp16-rounded values d = amax / 127 (fp32), xq = round half away from zero of x * (1 / d) (the fp32 product);
+    d xq in fp32."""
+    g = f16(x).reshape(-1, 32)
+    d = (np.abs(g).max(1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    v = (g * inv).astype(np.float64)  # (the fp32 product, exactly)
+    q = np.trunc(v + np.copysign(0.5, v)).astype(np.float32)
+    return (d * q).astype(np.float32).reshape(np.shape(x))
+
+
+def test_act8_rounding_is_the_rule():
+    """The CPU engine's int8-input rounding, bit for bit: an all-zero group (d = 0), a group dominated by one value,
+    exact halves (d = 1: ties away from zero), values off the fp16 grid (rounded to fp16 first); a partial last
+    group stays as it is."""
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((4, 256)).astype(np.float32) * np.float32(3.3)
+    X[1, :32] = 0
+    X[2, 40] = 1e3
+    X[3, 64:96] = np.r_[127, 0.5, 1.5, -2.5, -0.5, np.arange(27) - 13.5].astype(np.float32)
+    got = _core.ops.act8_ref(X)
+    np.testing.assert_array_equal(got, act8_np(X))
+    assert list(got[3, 64:69]) == [127, 1, 2, -3, -1]
+    Y = rng.standard_normal((2, 40)).astype(np.float32)
+    got = _core.ops.act8_ref(Y)
+    np.testing.assert_array_equal(got[:, :32], act8_np(Y[:, :32]))
+    np.testing.assert_array_equal(got[:, 32:], Y[:, 32:])
+
+
+def test_act8_twin_on_the_cpu(tmp_path):
+    """Engine(act8=...) on the CPU, the twin of the GPU's int8 inputs: -1 rounds the inputs of the int4 matrices'
+    products only (an int8 model is as act8 = 0), 2 every quantized matrix's (int4's int8 LM head too); an fp32
+    model never changes; the rounding moves the logits a little; values with no CPU twin are refused."""
+    d = make_llama(tmp_path / "m", hidden=128, intermediate=256, heads=2, kv_heads=1, vocab=300)
+    ids = list(range(3, 40))
+
+    def logits(dtype, act8):
+        return Engine(d, device="cpu", dtype=dtype, max_seq_len=64, act8=act8).logits(ids)
+
+    np.testing.assert_array_equal(logits("fp32", 2), logits("fp32", 0))
+    np.testing.assert_array_equal(logits("int8", -1), logits("int8", 0))
+    base4, auto4, all4, base8, all8 = (logits("int4", 0), logits("int4", -1), logits("int4", 2), logits("int8", 0),
+                                       logits("int8", 2))
+    for a, b in ((auto4, base4), (all4, auto4), (all8, base8)):
+        assert 0 < np.abs(a - b).max() / np.abs(b).max() < 0.1
+    assert Engine(d, device="cpu", dtype="int4", max_seq_len=64, act8=-1)._core.act8 == -1
+    for bad in (1, 3, -2):
+        with pytest.raises(InvalidRequestError, match="act8 must be 0 .off., -1 .int4 matrices. or 2"):
+            Engine(d, device="cpu", dtype="int4", max_seq_len=64, act8=bad)

@@ -152,4 +152,13 @@ void quantize_dequantize(WFormat f, float* w, int64_t rows, int64_t K) {
   std::copy(d.begin(), d.end(), w);
 }
 
+void act8_round(float* x, int64_t K) {
+  for (int64_t g = 0; g + 32 <= K; g += 32) {
+    float v[32], amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = std::max(amax, std::fabs(v[j] = round_half(x[g + j])));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int j = 0; j < 32; j++) x[g + j] = d * std::round(v[j] * id);
+  }
+}
+
 }  // namespace ti

@@ -76,4 +76,10 @@ void dequantize_row(const QuantMatrix& m, int64_t r, float* out);
 // In place: w := dequantize(quantize(w)) (F16: w := fp16(w)). The CPU engine's view of a quantized model.
 void quantize_dequantize(WFormat f, float* w, int64_t rows, int64_t K);
 
+// The int8 input of a quantized product (CudaOptions::act8; the GPU's rule is cuda/act8.cuh), in place on x[0..K):
+// per group of 32 of the fp16-rounded values (what the GPU stages), d = amax / 127 and xq = round(x * (1 / d)) half
+// away from zero; x := d xq in fp32 (the decode GEMV's dp4a arithmetic). A partial last group is left as it is
+// (the GPU takes int8 inputs only where K % 32 == 0).
+void act8_round(float* x, int64_t K);
+
 }  // namespace ti

@@ -7,6 +7,7 @@
 
 #include "../core/engine_checks.h"
 #include "../core/errors.h"
+#include "../core/quant.h"
 #include "row_dot.h"
 
 namespace ti {
@@ -97,9 +98,12 @@ static int checked_threads(int64_t threads) {
 }
 
 CpuEngine::CpuEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq_len, int64_t threads,
-                     int64_t max_batch)
-    : w_(std::move(weights)), cfg_(w_->config()), max_seq_(max_seq_len) {
+                     int64_t max_batch, int act8)
+    : w_(std::move(weights)), cfg_(w_->config()), max_seq_(max_seq_len), act8_(act8) {
   if (!w_->finished()) fail(ErrorKind::Request, "CpuEngine: the WeightStore is not finished");
+  if (act8 != 0 && act8 != -1 && act8 != 2)
+    fail(ErrorKind::Request, "act8 must be 0 (off), -1 (int4 matrices) or 2 (every quantized matrix) on the CPU (got " +
+                                 std::to_string(act8) + ")");
   if (max_seq_len < 1) fail(ErrorKind::Request, "max_seq_len must be >= 1 (got " + std::to_string(max_seq_len) + ")");
   check_max_batch(max_batch);
   pool_ = std::make_unique<ThreadPool>(checked_threads(threads));
@@ -141,6 +145,12 @@ void CpuEngine::attend(int64_t l, int64_t t, int64_t h, const RowSlot& row) {
   }
 }
 
+void CpuEngine::act8_inputs(float* x, int64_t n, int64_t K, WFormat f, bool normed) const {
+  const bool on = act8_ == 2 ? f != WFormat::F16 : act8_ == -1 && f == WFormat::I4;
+  if (!on || K % 32 != 0 || (normed && K > 8192)) return;  // (where the GPU's kernels keep fp16 inputs too)
+  for (int64_t t = 0; t < n; t++) act8_round(x + t * K, K);
+}
+
 void CpuEngine::run_layer(int64_t l, const RowSlot* rows, int64_t n) {
   const ModelConfig& c = cfg_;
   const LayerWeights L = w_->layer(l);
@@ -148,7 +158,9 @@ void CpuEngine::run_layer(int64_t l, const RowSlot* rows, int64_t n) {
   const float eps = (float)c.rms_eps;
 
   // ---- attention block: x += o_proj(attn(rope(q), rope(k), v)) ----
+  const WFormat f = w_->format();  // (the layers' matrices; the GPU fuses q | k | v, gate | up in it)
   rmsnorm(xn_.data(), x_.data(), L.attn_norm, n, H, eps);
+  act8_inputs(xn_.data(), n, H, f, true);
   matmul(q_.data(), xn_.data(), *L.wq, n, *pool_);
   matmul(k_.data(), xn_.data(), *L.wk, n, *pool_);
   matmul(v_.data(), xn_.data(), *L.wv, n, *pool_);
@@ -167,14 +179,17 @@ void CpuEngine::run_layer(int64_t l, const RowSlot* rows, int64_t n) {
   pool_->parallel_for(n * c.n_heads, 1, [&](int64_t th0, int64_t th1) {
     for (int64_t th = th0; th < th1; th++) attend(l, th / c.n_heads, th % c.n_heads, rows[th / c.n_heads]);
   });
+  act8_inputs(att_.data(), n, c.q_dim, f, false);
   matmul(tmp_.data(), att_.data(), *L.wo, n, *pool_);
   for (int64_t i = 0; i < n * H; i++) x_[i] += tmp_[i];
 
   // ---- MLP block: x += down(silu(gate(xn)) * up(xn)) ----
   rmsnorm(xn_.data(), x_.data(), L.mlp_norm, n, H, eps);
+  act8_inputs(xn_.data(), n, H, f, true);
   matmul(gate_.data(), xn_.data(), *L.w_gate, n, *pool_);
   matmul(up_.data(), xn_.data(), *L.w_up, n, *pool_);
   swiglu(gate_.data(), up_.data(), n * I);
+  act8_inputs(gate_.data(), n, I, f, false);
   matmul(tmp_.data(), gate_.data(), *L.w_down, n, *pool_);
   for (int64_t i = 0; i < n * H; i++) x_[i] += tmp_[i];
 }
@@ -194,6 +209,8 @@ void CpuEngine::run(const int32_t* tokens, const RowSlot* rows, int64_t m, int64
   // Final norm and LM head only for the rows whose logits are wanted; the last row always (for decode).
   const int64_t n_out = m - first_logit_row;
   rmsnorm(xn_.data(), &x_[first_logit_row * H], w_->final_norm(), n_out, H, (float)c.rms_eps);
+  const Held head = w_->lm_head().held;
+  act8_inputs(xn_.data(), n_out, H, head == Held::I8 ? WFormat::I8 : head == Held::I4 ? WFormat::I4 : WFormat::F16, true);
   std::vector<float>& out = logits_buf_;
   out.resize((size_t)(n_out * c.vocab));
   matmul(out.data(), xn_.data(), w_->lm_head(), n_out, *pool_);

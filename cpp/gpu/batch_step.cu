@@ -81,6 +81,9 @@ void BatchStep::record_one_row(cudaStream_t s) {
 // dequantized into the fp16 staging right before its product (the staging is one matrix: each product consumes
 // it before the next dequantization, stream order), so the step reads int8/int4 bytes + writes and re-reads
 // fp16 ones, most of the latter from L2 for all but the largest matrices (docs/perf/batch.md).
+// Where the decode GEMV of a product's role takes int8 inputs (act8, int4 weights by default), every path here takes
+// its input rounded to those numbers, fp16(d xq) per group of 32: the RMSNorm (rmsnorm_rows, gemv_batch's prologue)
+// writes it so, an fp16 input is rounded in place first (act8_round_rows: one small kernel before o and down).
 bool BatchStep::mma(const cuda::QMat& W, int n, Product p) const {
   const int own = p == Product::Qkv || p == Product::O ? o_.mma_f16_qkvo_max
                   : p == Product::Down                    ? o_.mma_f16_down_max
@@ -105,6 +108,15 @@ void BatchStep::mma_product(const cuda::QMat& W, const __half* X, int ldx, void*
   cuda::mma_small_n(a, out, s, pdl_);
 }
 
+bool BatchStep::act8(const cuda::QMat& W, Product p) const {
+  const MatrixRole r = p == Product::Qkv      ? MatrixRole::Qkv
+                       : p == Product::O      ? MatrixRole::O
+                       : p == Product::GateUp ? MatrixRole::GateUp
+                       : p == Product::Down   ? MatrixRole::Down
+                                              : MatrixRole::LmHead;
+  return plan_act8(plan_, r, W);
+}
+
 bool BatchStep::small_n(const cuda::QMat& W, int n, GemvIn in) const {
   return n <= (W.fmt == WFormat::F16 ? o_.f16_max : o_.quant_max) && cuda::gemv_batch_fits(W, n, in);
 }
@@ -113,6 +125,7 @@ bool BatchStep::small_n(const cuda::QMat& W, int n, GemvIn in) const {
 void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, GemvOut out, int n,
                        cudaStream_t s, Product p) {
   const float eps = (float)c_.rms_eps;
+  const bool a8 = act8(W, p);
   if (!mma(W, n, p) && small_n(W, n, GemvIn::F32Norm)) {
     cuda::GemvBatchArgs a;
     a.W = W;
@@ -123,11 +136,12 @@ void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ld
     a.y = y;
     a.ldy = ldy;
     a.n = n;
+    a.act8 = a8;
     cuda::gemv_batch(a, GemvIn::F32Norm, out, s, pdl_);
     return;
   }
-  if (xn_norm_ != norm_w)  // (else the down product before wrote it)
-    cuda::rmsnorm_rows(b_.x, w_.ld_h, norm_w, eps, (int)c_.hidden, n, b_.xn, w_.ld_h, s, pdl_);
+  if (xn_norm_ != norm_w || a8)  // (else the down product before wrote it, not rounded)
+    cuda::rmsnorm_rows(b_.x, w_.ld_h, norm_w, eps, (int)c_.hidden, n, b_.xn, w_.ld_h, s, pdl_, nullptr, true, a8);
   xn_norm_ = nullptr;
   if (mma(W, n, p)) return mma_product(W, b_.xn, w_.ld_h, y, ldy, out, n, s);
   if (out == GemvOut::Swiglu) {
@@ -142,9 +156,10 @@ void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ld
 // (down_k_slices): its K in slices, one strided-batched launch (cuBLASLt's own split-K reduces in a kernel of
 // its own), then one kernel adds the slices into x and writes the next RMSNorm (next_norm) into b_.xn: the
 // reduce and the norm's dependent launch become one.
-void BatchStep::residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s, Product p,
+void BatchStep::residual(const cuda::QMat& W, __half* X, int ldx, int n, cudaStream_t s, Product p,
                          const float* next_norm) {
   xn_norm_ = nullptr;
+  if (act8(W, p)) cuda::act8_round_rows(X, ldx, W.K, n, s, pdl_);
   if (mma(W, n, p)) return mma_product(W, X, ldx, b_.x, w_.ld_h, GemvOut::AddF32, n, s);
   const int S = o_.down_k_slices;
   const int64_t stride = (int64_t)kDownSlicesRows * w_.ld_h;

@@ -99,8 +99,13 @@ class BatchStep {
   void normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, cuda::GemvOut out, int n, cudaStream_t s,
               Product p);
   // next_norm: the norm weight of the normed product after it (a down product in K slices writes that norm too).
-  void residual(const cuda::QMat& W, const __half* X, int ldx, int n, cudaStream_t s, Product p,
+  // X is rounded in place where act8(W, p).
+  void residual(const cuda::QMat& W, __half* X, int ldx, int n, cudaStream_t s, Product p,
                 const float* next_norm);
+  // Whether product p's matrix meets int8 inputs on the decode GEMVs (the plan's act8 for its role, where it
+  // applies): then its input here is rounded to the same numbers on every path (cuda/act8.cuh), so that a sequence
+  // meets the same inputs in a batch as alone.
+  bool act8(const cuda::QMat& W, Product p) const;
   void gemm(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, cuda::GemmOut out,
             cudaStream_t s);
   bool small_n(const cuda::QMat& W, int n, cuda::GemvIn in) const;

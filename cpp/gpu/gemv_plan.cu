@@ -101,6 +101,10 @@ bool act8_applies(const cuda::GemvParams& p, cuda::GemvIn in) {
   return p.fmt != WFormat::F16 && cuda::gemv_act8_ok(p.K, in);
 }
 
+bool plan_act8(const GemvPlan& plan, MatrixRole role, const cuda::QMat& W) {
+  return W.fmt != WFormat::F16 && plan.variant(role).act8 && cuda::gemv_act8_ok(W.K, role_in(role));
+}
+
 // kGemvMmaOneRow: the GEMV's arguments as the one-row tensor-core product's (cuda/mma_one_row.cuh; its trigger
 // follows its wait: the plan's early triggers do not apply). Its shared memory (the staged row; a normed one with its
 // norm weight, <= ~50 KB) fits two blocks per SM under the step's one carveout (persistent.md §23).
@@ -237,8 +241,10 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
   GemvPlan plan;
   for (Shape& sh : shapes) {
     sh.spec.copies = (int)sh.copies.size();
-    if (o.act8 > 0 && sh.copies[0].fmt != WFormat::F16 && cuda::gemv_act8_ok(sh.spec.K, sh.in))
-      sh.spec.act8_lo = o.act8 == 2, sh.spec.act8_hi = 1;
+    const WFormat fmt = sh.copies[0].fmt;
+    const int a8 = o.act8 >= 0 ? o.act8 : fmt == WFormat::I4 ? 2 : 0;
+    if (a8 > 0 && fmt != WFormat::F16 && cuda::gemv_act8_ok(sh.spec.K, sh.in))
+      sh.spec.act8_lo = a8 == 2, sh.spec.act8_hi = 1;
     sh.spec.bytes = (double)quant_bytes(sh.copies[0].fmt, sh.spec.rows, sh.spec.K);  // as stored, scales included
     sh.spec.mma_fits = o.mma && cuda::mma_one_row_fits(sh.copies[0], sh.in);
     // Cycle through every layer's copy (and at least ~256 MB of weights, several times the L2) so that the

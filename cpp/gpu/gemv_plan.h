@@ -95,7 +95,8 @@ struct GemvTuneOptions {
   double resident_margin = 0.05;
   bool small_tiles = true;
   std::vector<GemvPin> pins;
-  int act8 = 0;                  // quantized roles where act8_applies: 0 fp16 inputs, 1 timed both ways, 2 int8
+  int act8 = 0;                  // quantized roles where act8_applies: 0 fp16 inputs, 1 timed both ways, 2 int8,
+                                 // -1 int8 for int4 matrices and fp16 for int8 ones
   bool mma = false;              // also time kGemvMmaOneRow where it fits, unless rows / grid narrow the search or
                                  // act8 = 2 puts the role on int8 inputs
 };
@@ -144,6 +145,10 @@ cuda::GemvParams gemv_args(const cuda::QMat& m, const void* x, void* y, const fl
 // Whether GemvPlan::act8 takes this GEMV's input as int8: quantized weights and cuda::gemv_act8_ok (K % 32 == 0;
 // normed inputs up to K = 8192). Elsewhere the GEMV keeps its fp16 input.
 bool act8_applies(const cuda::GemvParams& p, cuda::GemvIn in);
+// Whether the plan's GEMV of `role` takes matrix W's input as int8 (its act8, where act8_applies). Every other path
+// of that product (the batched step's kernels, the prefill's GEMMs) then takes its input rounded to the same numbers,
+// fp16(d xq) (cuda/act8.cuh), so that a token meets the same inputs whichever path computes it.
+bool plan_act8(const GemvPlan& plan, MatrixRole role, const cuda::QMat& W);
 // One GEMV of `role` with the plan's variant.
 void launch_gemv(const GemvPlan& plan, MatrixRole role, cuda::GemvParams p, cuda::GemvIn in, cuda::GemvOut out,
                  cudaStream_t s, bool pdl);

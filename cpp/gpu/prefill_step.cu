@@ -10,14 +10,17 @@
 // for every position's logits (Engine.logits) does the LM head run as a GEMM over the chunk's rows.
 // The five products go through cuda::Gemm (cuBLASLt, tuned per shape on first use); the residual adds ride in
 // the O and down GEMMs (beta = 1). Quantized weights are dequantized to fp16 rows (one scratch matrix, fp16_of)
-// right before each GEMM: ~2 bytes written per weight per chunk, small next to the GEMMs of a long prompt. No
-// graph: ~10 launches per layer are cheap next to GEMMs over many tokens.
+// right before each GEMM: ~2 bytes written per weight per chunk, small next to the GEMMs of a long prompt. Where the
+// decode GEMV of a product takes int8 inputs (act8: int4 weights by default), its input here is rounded to the same
+// numbers (rmsnorm_rows' act8, act8_round_rows before o and down), so a prompt's tokens meet what a decode step's
+// meet. No graph: ~10 launches per layer are cheap next to GEMMs over many tokens.
 #include "prefill_step.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
+#include "../../cuda/batch_rows.cuh"
 #include "../../cuda/common.cuh"
 #include "../../cuda/prefill.cuh"
 #include "../../cuda/prefill_attention.cuh"
@@ -91,7 +94,9 @@ void PrefillStep::layer(const DeviceLayer& L, int64_t layer, const PrefillRows& 
   cudaStream_t s = s_;
 
   // qkv = rmsnorm(x) @ [Wq; Wk; Wv].T
-  cuda::rmsnorm_rows(b_.x, w_.ld_h, L.attn_norm, eps, H, T, b_.xn, w_.ld_h, s);
+  // (act8: each product's input rounded as its decode GEMV's int8 input, plan_act8 in gemv_plan.h)
+  cuda::rmsnorm_rows(b_.x, w_.ld_h, L.attn_norm, eps, H, T, b_.xn, w_.ld_h, s, false, nullptr, true,
+                     plan_act8(plan_, MatrixRole::Qkv, L.qkv));
   gemm_.run(gemm_args(w_.fp16_of(L.qkv), qkv_rows, w_.ld_h, b_.xn, w_.ld_h, b_.qkv, b_.ld_qkv, T, H, GemmOut::F32), s);
   // q = rope(q); cache[pos0 + t] = rope(k), v
   cuda::RopeRowsParams r;
@@ -133,12 +138,15 @@ void PrefillStep::layer(const DeviceLayer& L, int64_t layer, const PrefillRows& 
   a.scale = 1.0f / std::sqrt((float)c.head_dim);
   cuda::prefill_attention(a, s);
   // x += att @ Wo.T
+  if (plan_act8(plan_, MatrixRole::O, L.o)) cuda::act8_round_rows(b_.att, w_.ld_q, q_dim, T, s, false);
   gemm_.run(gemm_args(w_.fp16_of(L.o), H, w_.ld_q, b_.att, w_.ld_q, b_.x, w_.ld_h, T, q_dim, GemmOut::AddF32), s);
   // h = silu(rmsnorm(x) @ Wg.T) * (rmsnorm(x) @ Wu.T)   (gate and up rows interleaved: one GEMM)
-  cuda::rmsnorm_rows(b_.x, w_.ld_h, L.mlp_norm, eps, H, T, b_.xn, w_.ld_h, s);
+  cuda::rmsnorm_rows(b_.x, w_.ld_h, L.mlp_norm, eps, H, T, b_.xn, w_.ld_h, s, false, nullptr, true,
+                     plan_act8(plan_, MatrixRole::GateUp, L.gate_up));
   gemm_.run(gemm_args(w_.fp16_of(L.gate_up), 2 * I, w_.ld_h, b_.xn, w_.ld_h, b_.gu, b_.ld_gu, T, H, GemmOut::F16), s);
   cuda::swiglu_rows(b_.gu, b_.ld_gu, I, T, b_.h, w_.ld_i, s);
   // x += h @ Wd.T
+  if (plan_act8(plan_, MatrixRole::Down, L.down)) cuda::act8_round_rows(b_.h, w_.ld_i, I, T, s, false);
   gemm_.run(gemm_args(w_.fp16_of(L.down), H, w_.ld_i, b_.h, w_.ld_i, b_.x, w_.ld_h, T, I, GemmOut::AddF32), s);
 }
 
@@ -150,7 +158,8 @@ void PrefillStep::chunk_logits(int T, float* host_logits, int64_t host_row0) {
   const __half* head = w_.fp16_of(w_.lm_head);  // (quantized: dequantized once for all slices)
   for (int r = (int)std::max<int64_t>(0, -host_row0); r < T; r += b_.logit_rows) {
     const int n = std::min(b_.logit_rows, T - r);
-    cuda::rmsnorm_rows(b_.x + (size_t)r * w_.ld_h, w_.ld_h, w_.final_norm, (float)c.rms_eps, H, n, b_.xn, w_.ld_h, s_);
+    cuda::rmsnorm_rows(b_.x + (size_t)r * w_.ld_h, w_.ld_h, w_.final_norm, (float)c.rms_eps, H, n, b_.xn, w_.ld_h, s_,
+                       false, nullptr, true, plan_act8(plan_, MatrixRole::LmHead, w_.lm_head));
     gemm_.run(gemm_args(head, V, w_.ld_h, b_.xn, w_.ld_h, b_.logits, b_.ld_v, n, H, GemmOut::F32), s_);
     TI_CUDA_CHECK(cudaMemcpy2DAsync(host_logits + (host_row0 + r) * V, (size_t)V * sizeof(float), b_.logits,
                                     (size_t)b_.ld_v * sizeof(float), (size_t)V * sizeof(float), (size_t)n,
@@ -273,7 +282,7 @@ void PrefillStep::run_many(const PrefillSegment* segs, int n, const int* tables,
   if (n_gathered > 0) {  // logits = rmsnorm(x[last rows]) @ lm_head.T, one weight read for all of them
     const int H = (int)c.hidden;
     cuda::rmsnorm_rows(b_.x, w_.ld_h, w_.final_norm, (float)c.rms_eps, H, n_gathered, b_.xn, w_.ld_h, s_, false,
-                       b_.varlen + b_.logit_src_at());
+                       b_.varlen + b_.logit_src_at(), true, plan_act8(plan_, MatrixRole::LmHead, w_.lm_head));
     gemm_.run(gemm_args(w_.fp16_of(w_.lm_head), (int)c.vocab, w_.ld_h, b_.xn, w_.ld_h,
                         gathered + (size_t)first_row * b_.ld_v, b_.ld_v, n_gathered, H, GemmOut::F32),
               s_);

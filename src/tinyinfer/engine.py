@@ -91,10 +91,14 @@ class Engine:
         plan_cache: bool = True,
         progress: Optional[bool] = None,
         threads: Optional[int] = None,
+        act8: Optional[int] = None,
     ):
         """progress: a bar over the bytes loaded and one line with the load's time split, on stderr (None: only
         when stderr is a terminal; False: silent). threads: the CPU engine's (default: the cores this process may
-        use; the thread count never changes a result)."""
+        use; the thread count never changes a result). act8: int8 inputs for the quantized matrices' products
+        (dtype int8 / int4; docs/perf/decode-options.md): 0 none (weight-only quantization), -1 the int4 matrices',
+        2 every quantized matrix's, 1 (cuda) chosen per role by timing at load; None: cuda_options.act8 on cuda
+        (default 0), 0 on the CPU, whose engine rounds the inputs as the GPU quantizes them."""
         self._core = None  # first: close() and repr must work on an engine whose loading failed
         t0 = time.perf_counter()
         if dtype not in DTYPES:
@@ -123,6 +127,8 @@ class Engine:
             opts = cuda_options or _core.CudaOptions()
             if dtype in QUANTIZED:
                 opts.weights = dtype
+            if act8 is not None:
+                opts.act8 = act8
             key = _core.CudaEngine.plan_key(self.config, max_seq_len, opts)
             self._core = with_plan_cache(opts, plan_file(key) if plan_cache else None,
                                          lambda o: load_cuda(model, max_seq_len, o, o.weights.name, show))
@@ -132,7 +138,7 @@ class Engine:
                                 f"(read+upload {t['weights']:.2f} s, tune {t['tune']:.2f} s, "
                                 f"graphs {t['graphs']:.2f} s)")
         else:
-            self._core = load_cpu(model, max_seq_len, self.dtype, show, self.threads)
+            self._core = load_cpu(model, max_seq_len, self.dtype, show, self.threads, 0 if act8 is None else act8)
             self.load_report = f"tinyinfer: loaded {self.model_name} in {time.perf_counter() - t0:.2f} s"
         if show:
             print(self.load_report, file=sys.stderr)

@@ -194,9 +194,9 @@ def load_cpu_store(model, config, dtype: str, show: bool = False) -> "_core.Weig
     return store
 
 
-def load_cpu(model, max_seq_len: int, dtype: str, show: bool, threads: int):
-    """The CPU reference engine over the store as held (weights in their stored precision)."""
-    return _core.CpuEngine(load_cpu_store(model, model.config, dtype, show), max_seq_len, threads)
+def load_cpu(model, max_seq_len: int, dtype: str, show: bool, threads: int, act8: int = 0):
+    """The CPU reference engine over the store as held (weights in their stored precision); act8: CpuEngine's."""
+    return _core.CpuEngine(load_cpu_store(model, model.config, dtype, show), max_seq_len, threads, act8=act8)
 
 
 def load_cuda(model, max_seq_len: int, opts: "_core.CudaOptions", dtype: str, show: bool):

@@ -27,6 +27,10 @@ FORMATS = ["fp16", "int8", "int4"]
 # (fp16); the batched int8 / int4 products also round the dequantized weights to fp16 and sum each 16-byte
 # word's products in fp16 (cuda/gemv_batch.cu), as the single path's int4 GEMV sums its groups.
 LOGIT_TOL = {"fp16": 3e-3, "int8": 1e-2, "int4": 1e-2}
+# With int8 inputs (act8): two paths whose inputs differ by an fp16 rounding can land a value a whole int8 step
+# (amax / 127 of its group) apart, which the logits carry; measured up to ~1.5% of the largest logit between the
+# batched step and the mixed / prefill pass on these models.
+ACT8_LOGIT_TOL = 3e-2
 VOCAB, MAX_SEQ = 1000, 400
 
 
@@ -411,8 +415,8 @@ def test_act8_rounding_refuses_what_it_cannot_round():
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_act8_prefill_rounds_as_the_decode_step(model, fmt):
     """With act8 = 2 the prefill's GEMMs take their inputs rounded as the decode GEMVs quantize theirs: a prompt's
-    last logits from Engine.logits (one prefill) and from a decode step over the same tokens agree within the
-    batched path's tolerance, closer than act8 = 0's prefill does (the rounding is what brings them together)."""
+    last logits from Engine.logits (one prefill) and from a decode step over the same tokens agree within
+    ACT8_LOGIT_TOL, and closer than act8 = 0's prefill does (the rounding is what brings them together)."""
     on, off = gpu_engine(model, fmt, act8=2), gpu_engine(model, fmt)
     p = prompts(3, seed=5)[2]  # (75 tokens)
     core = on._core
@@ -427,7 +431,7 @@ def test_act8_prefill_rounds_as_the_decode_step(model, fmt):
 
     rounded, plain = rel(got, on.logits(p)[-1]), rel(got, off.logits(p)[-1])
     print(f"{model[0]} {fmt}: decode vs prefill {rounded:.2e} (rounded), {plain:.2e} (fp16 inputs)")
-    assert rounded < LOGIT_TOL[fmt] and rounded < plain
+    assert rounded < ACT8_LOGIT_TOL and rounded < plain
 
 
 # act8 (every quantized product on int8 inputs, CudaOptions.act8 = 2): the single path's GEMVs quantize their inputs,
@@ -448,9 +452,8 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
     of the top two logits. A divergence anywhere else fails. Default options (fp16: small-N at 1 row, cuBLASLt
     above; int8 / int4: small-N up to 4 rows, dequantize + cuBLASLt above) and the tensor-core kernel."""
     eng = gpu_engine(model, fmt, **{**PATHS, **ACT8_PATHS}.get(path, {}))
-    # A near-tie: within the two paths' rounding. With int8 inputs an input a rounding apart upstream can land on
-    # the next int8 step, so the paths part by whole steps of d (amax / 127) where they part: twice the bound.
-    tie = 2 * LOGIT_TOL[fmt] * (2 if path in ACT8_PATHS and fmt != "fp16" else 1)
+    # A near-tie: within the two paths' rounding (with int8 inputs: ACT8_LOGIT_TOL's).
+    tie = 2 * (ACT8_LOGIT_TOL if path in ACT8_PATHS and fmt != "fp16" else LOGIT_TOL[fmt])
     steps = 24
     batch = prompts(n, seed=n)
     got = generate_batch(eng._core, batch, steps)

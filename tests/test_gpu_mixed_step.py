@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_gpu_batch import MAX_SEQ, VOCAB, drop_engines, gpu_engine, greedy, model, options  # noqa: F401 (fixture)
+from test_gpu_batch import (ACT8_LOGIT_TOL, MAX_SEQ, VOCAB, drop_engines, gpu_engine, greedy, model,  # noqa: F401
+                            options)
 from test_gpu_prefill_many import _check, _chunks
 from tinyinfer import Engine, InvalidRequestError
 
@@ -47,13 +48,23 @@ def _run(core, mixed: bool, steps=6):
     return logits, out
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "int8", "int4", "int4-act8"])
+@pytest.mark.parametrize("fmt", ["fp16", "int8", "int4"])
 def test_mixed_matches_step_then_prefill_many(model, fmt):
-    """int4-act8 (CudaOptions.act8 = 2): the prefill pass rounds the products' inputs as the batched step does."""
-    core = gpu_engine(model, fmt.split("-")[0], **(dict(act8=2) if fmt.endswith("act8") else {}))._core
+    core = gpu_engine(model, fmt)._core
     free = core.kv_pages_free
-    _check(_run(core, mixed=False), _run(core, mixed=True), fmt.split("-")[0])
+    _check(_run(core, mixed=False), _run(core, mixed=True), fmt)
     assert core.kv_pages_free == free
+
+
+def test_mixed_matches_step_then_prefill_many_on_act8_inputs(model):
+    """int4 with act8 = 2: the mixed pass's decode rows (the prefill's GEMMs) take their inputs rounded as the batched
+    step's do; every slot's logits within ACT8_LOGIT_TOL (the int8 steps carry the two passes' other differences;
+    without the rounding in the pass they differ by the whole rounding). The greedy tokens after it are not compared:
+    at that tolerance a near-tie may part them."""
+    core = gpu_engine(model, "int4", act8=2)._core
+    want, got = _run(core, mixed=False), _run(core, mixed=True)
+    for i, (a, b) in enumerate(zip(want[0], got[0])):
+        np.testing.assert_allclose(b, a, rtol=0, atol=ACT8_LOGIT_TOL * float(np.abs(a).max()), err_msg=f"slot {i}")
 
 
 @pytest.mark.parametrize("chunk", [100, 333])

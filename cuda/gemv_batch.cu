@@ -14,8 +14,8 @@
 //   The weights are then the fp16 numbers the prefill's dequantization makes (quant.cu).
 // Inputs: F16 rows are read from global memory (small next to the weights: L1 / L2 hits after the first tile);
 // F32Norm rows are RMS-normed once per block into shared memory as fp16 (the decode GEMV's rounding:
-// fp16(w * (x * inv))), zero-padded to whole words; with act8 then rounded to fp16(d xq) (cuda/act8.cuh). Swiglu: the gate and up rows of a pair are adjacent warps;
-// their sums meet in shared memory.
+// fp16(w * (x * inv))), zero-padded to whole words; with act8 then rounded to fp16(d xq) (cuda/act8.cuh).
+// Swiglu: the gate and up rows of a pair are adjacent warps; their sums meet in shared memory.
 #include <algorithm>
 
 #include "act8.cuh"

@@ -76,6 +76,17 @@ __global__ void __launch_bounds__(256) rmsnorm_rows_reg_kernel(const float* x, i
   rms_row_write<V, A8>(v, g, H, eps, red, y + (size_t)blockIdx.x * ldy);
 }
 
+// The register kernel at V float4s a thread (V <= 8: H <= 8,192).
+template <bool A8>
+static void rmsnorm_rows_reg(int V, const float* x, int ldx, const float* w, float eps, int H, int T, __half* y,
+                             int ldy, cudaStream_t s, bool pdl, const int* row_of) {
+  auto go = [&](auto kernel) { launch(kernel, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of); };
+  if (V <= 1) return go(rmsnorm_rows_reg_kernel<1, A8>);
+  if (V <= 2) return go(rmsnorm_rows_reg_kernel<2, A8>);
+  if (V <= 4) return go(rmsnorm_rows_reg_kernel<4, A8>);
+  go(rmsnorm_rows_reg_kernel<8, A8>);
+}
+
 void rmsnorm_rows(const float* x, int ldx, const float* w, float eps, int H, int T, __half* y, int ldy,
                   cudaStream_t s, bool pdl, const int* row_of, bool in_registers, bool act8) {
   // (x, y and w 16-byte aligned, as both kernels' vector paths assume: arena and cudaMalloc pointers)
@@ -84,15 +95,9 @@ void rmsnorm_rows(const float* x, int ldx, const float* w, float eps, int H, int
   if (act8) {  // (the register kernel only: the engine asks for it where the GEMV's act8 applies, K <= 8,192)
     if (!vec || V > 8 || H % kAct8Group != 0)
       fail(ErrorKind::Request, "rmsnorm_rows: act8 needs H % 32 == 0, H <= 8192 and 16-byte rows");
-    if (V <= 1) return launch(rmsnorm_rows_reg_kernel<1, true>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
-    if (V <= 2) return launch(rmsnorm_rows_reg_kernel<2, true>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
-    if (V <= 4) return launch(rmsnorm_rows_reg_kernel<4, true>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
-    return launch(rmsnorm_rows_reg_kernel<8, true>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
+    return rmsnorm_rows_reg<true>(V, x, ldx, w, eps, H, T, y, ldy, s, pdl, row_of);
   }
-  if (vec && V <= 1) return launch(rmsnorm_rows_reg_kernel<1, false>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
-  if (vec && V <= 2) return launch(rmsnorm_rows_reg_kernel<2, false>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
-  if (vec && V <= 4) return launch(rmsnorm_rows_reg_kernel<4, false>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
-  if (vec && V <= 8) return launch(rmsnorm_rows_reg_kernel<8, false>, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
+  if (vec && V <= 8) return rmsnorm_rows_reg<false>(V, x, ldx, w, eps, H, T, y, ldy, s, pdl, row_of);
   launch(rmsnorm_rows_kernel, dim3(T), dim3(256), 0, s, pdl, x, ldx, w, eps, H, y, ldy, row_of);
 }
 

@@ -57,10 +57,11 @@ def test_mixed_matches_step_then_prefill_many(model, fmt):
 
 
 def test_mixed_matches_step_then_prefill_many_on_act8_inputs(model):
-    """int4 with act8 = 2: the mixed pass's decode rows (the prefill's GEMMs) take their inputs rounded as the batched
-    step's do; every slot's logits within ACT8_LOGIT_TOL (the int8 steps carry the two passes' other differences;
-    without the rounding in the pass they differ by the whole rounding). The greedy tokens after it are not compared:
-    at that tolerance a near-tie may part them."""
+    """int4 with act8 = 2: the mixed pass (the prefill's layers, PrefillStep::layer) and seq_step then
+    seq_prefill_many agree on every slot's logits within ACT8_LOGIT_TOL, the int8 steps carrying the two passes'
+    other differences. That the pass rounds at all is shown by test_act8_prefill_rounds_as_the_decode_step (the same
+    layers; this bound alone would not tell). The greedy tokens after it are not compared: at this bound a near-tie
+    may part them."""
     core = gpu_engine(model, "int4", act8=2)._core
     want, got = _run(core, mixed=False), _run(core, mixed=True)
     for i, (a, b) in enumerate(zip(want[0], got[0])):

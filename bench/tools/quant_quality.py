@@ -2,8 +2,10 @@
 the dequantized numbers the GPU uses): perplexity on tests/data/eval.txt, top-1 agreement with the fp32
 engine at every position, and how many greedy tokens stay identical. Also int4 variants that were candidates
 for the format (group size 64 / 128, symmetric groups) and the per-channel int8 the Q8_0 blocks replaced,
-simulated by dequantizing in numpy. With --cuda, also the GPU engine's int8 and int4 decode with fp16 and with
-int8 inputs (CudaOptions.act8 = 0 / 2), every position fed through the decode graph (batched_prefill off).
+simulated by dequantizing in numpy. The formats with int8 inputs (act8, docs/perf/decode-options.md) on the CPU
+engine's twin of the GPU's rounding: int8 with act8 = 2, int4 with act8 = -1 (the int8 head on fp16 inputs) and 2.
+With --cuda, also the GPU engine's int8 and int4 decode with fp16 and with int8 inputs (CudaOptions.act8 = 0 / 2),
+every position fed through the decode graph (batched_prefill off).
     python bench/tools/quant_quality.py [model.gguf] [--tokens N] [--cuda] > bench/results/quant-quality-smollm2-135m.txt"""
 
 from __future__ import annotations
@@ -100,7 +102,10 @@ def main() -> None:
             ("int4 g32 asymmetric (ours)", 0.625, None, "int4"),
             ("int4 g64 asymmetric", 0.5625, lambda w: int4_variant(w, 64, False), None),
             ("int4 g32 symmetric", 0.5625, lambda w: int4_variant(w, 32, True), None),
-            ("int4 g32 asym, int8 head", 0.625, "int4+int8head", None)]
+            ("int4 g32 asym, int8 head", 0.625, "int4+int8head", None),
+            ("int8, int8 in (act8 2)", 1.0625, None, "int8@2"),
+            ("int4, int8 in (act8 -1)", 0.625, None, "int4@-1"),
+            ("int4, int8 in (act8 2)", 0.625, None, "int4@2")]
     if "--cuda" in sys.argv:
         rows += [("int8, GPU decode, fp16 in", 1.0625, None, ("int8", False)),
                  ("int8, GPU decode, int8 in", 1.0625, None, ("int8", True)),
@@ -116,7 +121,8 @@ def main() -> None:
             lg = eng.logits(ids)
             greedy = eng.generate(prompt, max_tokens=64, ignore_eos=True).token_ids
         elif dtype:
-            eng = Engine(path, device="cpu", dtype=dtype, max_seq_len=n + 64)
+            fmt, _, act8 = dtype.partition("@")  # "int4@-1": the CPU engine with act8 = -1
+            eng = Engine(path, device="cpu", dtype=fmt, max_seq_len=n + 64, act8=int(act8 or 0))
             lg = eng.logits(ids)
             greedy = eng.generate(prompt, max_tokens=64, ignore_eos=True).token_ids
         else:

@@ -210,7 +210,8 @@ void CpuEngine::run(const int32_t* tokens, const RowSlot* rows, int64_t m, int64
   const int64_t n_out = m - first_logit_row;
   rmsnorm(xn_.data(), &x_[first_logit_row * H], w_->final_norm(), n_out, H, (float)c.rms_eps);
   const Held head = w_->lm_head().held;
-  act8_inputs(xn_.data(), n_out, H, head == Held::I8 ? WFormat::I8 : head == Held::I4 ? WFormat::I4 : WFormat::F16, true);
+  const WFormat head_f = head == Held::I8 ? WFormat::I8 : head == Held::I4 ? WFormat::I4 : WFormat::F16;
+  act8_inputs(xn_.data(), n_out, H, head_f, true);
   std::vector<float>& out = logits_buf_;
   out.resize((size_t)(n_out * c.vocab));
   matmul(out.data(), xn_.data(), w_->lm_head(), n_out, *pool_);

@@ -81,9 +81,9 @@ void BatchStep::record_one_row(cudaStream_t s) {
 // dequantized into the fp16 staging right before its product (the staging is one matrix: each product consumes
 // it before the next dequantization, stream order), so the step reads int8/int4 bytes + writes and re-reads
 // fp16 ones, most of the latter from L2 for all but the largest matrices (docs/perf/batch.md).
-// Where the decode GEMV of a product's role takes int8 inputs (act8, int4 weights by default), every path here takes
-// its input rounded to those numbers, fp16(d xq) per group of 32: the RMSNorm (rmsnorm_rows, gemv_batch's prologue)
-// writes it so, an fp16 input is rounded in place first (act8_round_rows: one small kernel before o and down).
+// Where the decode GEMV of a product's role takes int8 inputs (CudaOptions::act8; off by default), every path here
+// takes its input rounded to those numbers, fp16(d xq) per group of 32: the RMSNorm (rmsnorm_rows, gemv_batch's
+// prologue) writes it so, an fp16 input is rounded in place first (act8_round_rows: a small kernel before o and down).
 bool BatchStep::mma(const cuda::QMat& W, int n, Product p) const {
   const int own = p == Product::Qkv || p == Product::O ? o_.mma_f16_qkvo_max
                   : p == Product::Down                    ? o_.mma_f16_down_max

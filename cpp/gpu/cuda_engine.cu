@@ -409,6 +409,12 @@ void CudaEngine::persistent_graph() {
   const bool forced = opt_.decode_path == DecodePath::Persistent;
   std::string why = PersistentDecode::unsupported(cfg_, *weights_, dbuf_);
   if (why.empty() && !opt_.graphs) why = "the persistent decode step is replayed as a graph (CudaOptions.graphs)";
+  // It stages fp16 inputs, where the prefill and the batched step round them as the plan's int8-input GEMVs take
+  // them: a sequence's decode steps would compute another function than its prompt.
+  for (const GemvShapePlan& g : plan_.shapes)
+    if (why.empty() && !weights_->layers.empty() && plan_act8(plan_, g.role, role_matrix(*weights_, g.role, 0)))
+      why = std::string("the persistent decode step takes fp16 inputs, and CudaOptions.act8 puts ") +
+            role_name(g.role) + " on int8 inputs (act8 = 0 for both)";
   if (why.empty()) {
     try {
       PersistentOptions po;

@@ -11,7 +11,7 @@
 // The five products go through cuda::Gemm (cuBLASLt, tuned per shape on first use); the residual adds ride in
 // the O and down GEMMs (beta = 1). Quantized weights are dequantized to fp16 rows (one scratch matrix, fp16_of)
 // right before each GEMM: ~2 bytes written per weight per chunk, small next to the GEMMs of a long prompt. Where the
-// decode GEMV of a product takes int8 inputs (act8: int4 weights by default), its input here is rounded to the same
+// decode GEMV of a product takes int8 inputs (CudaOptions::act8; off by default), its input here is rounded to the same
 // numbers (rmsnorm_rows' act8, act8_round_rows before o and down), so a prompt's tokens meet what a decode step's
 // meet. No graph: ~10 launches per layer are cheap next to GEMMs over many tokens.
 #include "prefill_step.h"

@@ -37,13 +37,13 @@ void BatchStep::record(int n, cudaStream_t s, bool pdl) {
   for (int64_t l = 0; l < c.n_layers; l++) {
     const DeviceLayer& L = w_.layers[(size_t)l];
     const float* next_norm = l + 1 < c.n_layers ? w_.layers[(size_t)l + 1].attn_norm : w_.final_norm;
-    normed(L.qkv, L.attn_norm, b_.qkv, b_.ld_qkv, GemvOut::F32, n, s, Product::Qkv);  // qkv = rmsnorm(x) @ Wqkv.T
+    normed(L.qkv, L.attn_norm, b_.qkv, b_.ld_qkv, GemvOut::F32, n, s, MatrixRole::Qkv);  // qkv = rmsnorm(x) @ Wqkv.T
     cuda::decode_attention_rows(attn_params(l), n, s, pdl_);          // att[r] over slot[r]'s cache
-    residual(L.o, b_.att, w_.ld_q, n, s, Product::O, L.mlp_norm);     // x += att @ Wo.T
-    normed(L.gate_up, L.mlp_norm, b_.h, w_.ld_i, GemvOut::Swiglu, n, s, Product::GateUp);  // h = silu(gate) * up
-    residual(L.down, b_.h, w_.ld_i, n, s, Product::Down, next_norm);  // x += h @ Wd.T
+    residual(L.o, b_.att, w_.ld_q, n, s, MatrixRole::O, L.mlp_norm);     // x += att @ Wo.T
+    normed(L.gate_up, L.mlp_norm, b_.h, w_.ld_i, GemvOut::Swiglu, n, s, MatrixRole::GateUp);  // h = silu(gate) * up
+    residual(L.down, b_.h, w_.ld_i, n, s, MatrixRole::Down, next_norm);  // x += h @ Wd.T
   }
-  normed(w_.lm_head, w_.final_norm, b_.logits, b_.ld_v, GemvOut::F32, n, s, Product::Head);  // rmsnorm(x) @ head.T
+  normed(w_.lm_head, w_.final_norm, b_.logits, b_.ld_v, GemvOut::F32, n, s, MatrixRole::LmHead);  // rmsnorm(x) @ head.T
 }
 
 // Bucket 1: one row, a lone sequence (a server's light load). There the small-N kernels' column tiles hold one
@@ -84,9 +84,9 @@ void BatchStep::record_one_row(cudaStream_t s) {
 // Where the decode GEMV of a product's role takes int8 inputs (CudaOptions::act8; off by default), every path here
 // takes its input rounded to those numbers, fp16(d xq) per group of 32: the RMSNorm (rmsnorm_rows, gemv_batch's
 // prologue) writes it so, an fp16 input is rounded in place first (act8_round_rows: a small kernel before o and down).
-bool BatchStep::mma(const cuda::QMat& W, int n, Product p) const {
-  const int own = p == Product::Qkv || p == Product::O ? o_.mma_f16_qkvo_max
-                  : p == Product::Down                    ? o_.mma_f16_down_max
+bool BatchStep::mma(const cuda::QMat& W, int n, MatrixRole p) const {
+  const int own = p == MatrixRole::Qkv || p == MatrixRole::O ? o_.mma_f16_qkvo_max
+                  : p == MatrixRole::Down                    ? o_.mma_f16_down_max
                                                           : 0;
   const int most = W.fmt != WFormat::F16 ? o_.mma_max : std::max(o_.mma_f16_max, own);
   return n <= most && cuda::mma_small_n_fits(W, n);
@@ -108,13 +108,8 @@ void BatchStep::mma_product(const cuda::QMat& W, const __half* X, int ldx, void*
   cuda::mma_small_n(a, out, s, pdl_);
 }
 
-bool BatchStep::act8(const cuda::QMat& W, Product p) const {
-  const MatrixRole r = p == Product::Qkv      ? MatrixRole::Qkv
-                       : p == Product::O      ? MatrixRole::O
-                       : p == Product::GateUp ? MatrixRole::GateUp
-                       : p == Product::Down   ? MatrixRole::Down
-                                              : MatrixRole::LmHead;
-  return plan_act8(plan_, r, W);
+bool BatchStep::act8(const cuda::QMat& W, MatrixRole p) const {
+  return plan_act8(plan_, p, W);
 }
 
 bool BatchStep::small_n(const cuda::QMat& W, int n, GemvIn in) const {
@@ -123,7 +118,7 @@ bool BatchStep::small_n(const cuda::QMat& W, int n, GemvIn in) const {
 
 // y = rmsnorm(x) @ W.T (out F32), or silu(gate) * up of it (out Swiglu: W's rows interleaved gate/up).
 void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, GemvOut out, int n,
-                       cudaStream_t s, Product p) {
+                       cudaStream_t s, MatrixRole p) {
   const float eps = (float)c_.rms_eps;
   const bool a8 = act8(W, p);
   if (!mma(W, n, p) && small_n(W, n, GemvIn::F32Norm)) {
@@ -156,14 +151,14 @@ void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ld
 // (down_k_slices): its K in slices, one strided-batched launch (cuBLASLt's own split-K reduces in a kernel of
 // its own), then one kernel adds the slices into x and writes the next RMSNorm (next_norm) into b_.xn: the
 // reduce and the norm's dependent launch become one.
-void BatchStep::residual(const cuda::QMat& W, __half* X, int ldx, int n, cudaStream_t s, Product p,
+void BatchStep::residual(const cuda::QMat& W, __half* X, int ldx, int n, cudaStream_t s, MatrixRole p,
                          const float* next_norm) {
   xn_norm_ = nullptr;
   if (act8(W, p)) cuda::act8_round_rows(X, ldx, W.K, n, s, pdl_);
   if (mma(W, n, p)) return mma_product(W, X, ldx, b_.x, w_.ld_h, GemvOut::AddF32, n, s);
   const int S = o_.down_k_slices;
   const int64_t stride = (int64_t)kDownSlicesRows * w_.ld_h;
-  if (p == Product::Down && S > 1 && S <= kDownSlicesMax && n <= kDownSlicesRows && W.K % (8 * S) == 0 &&
+  if (p == MatrixRole::Down && S > 1 && S <= kDownSlicesMax && n <= kDownSlicesRows && W.K % (8 * S) == 0 &&
       !small_n(W, n, GemvIn::F16) &&
       cuda::residual_norm_rows_fits((int)c_.hidden, S, stride, w_.ld_h, w_.ld_h, w_.ld_h)) {
     cuda::GemmArgs a = gemm_args(W, X, ldx, b_.down_parts, w_.ld_h, n, GemmOut::F32);

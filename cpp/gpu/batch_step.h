@@ -72,9 +72,6 @@ struct BatchStepOptions {
 
 constexpr int kDownSlicesMax = 8, kDownSlicesRows = 16;
 
-// The products of a layer (and the LM head): which kernel takes one may depend on which it is.
-enum class Product { Qkv, O, GateUp, Down, Head };
-
 class BatchStep {
  public:
   // d: the decode buffers, for what the rows share with the single sequence (the KV pages, the RoPE table).
@@ -94,22 +91,22 @@ class BatchStep {
   void record_one_row(cudaStream_t s);
   // The products over n rows, every weight read once per step (batch_step.cu): y = rmsnorm(x) @ W.T (or its
   // SwiGLU), x += X @ W.T; small_n: whether the small-N GEMV takes W (else cuBLASLt).
-  // p: which product (at fp16 qkv, o and down may take the tensor-core kernel where the others do not:
+  // p: which product, by its decode role (at fp16 qkv, o and down may take the tensor-core kernel where the others do not:
   // mma_f16_qkvo_max, mma_f16_down_max).
   void normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, cuda::GemvOut out, int n, cudaStream_t s,
-              Product p);
+              MatrixRole p);
   // next_norm: the norm weight of the normed product after it (a down product in K slices writes that norm too).
   // X is rounded in place where act8(W, p).
-  void residual(const cuda::QMat& W, __half* X, int ldx, int n, cudaStream_t s, Product p,
+  void residual(const cuda::QMat& W, __half* X, int ldx, int n, cudaStream_t s, MatrixRole p,
                 const float* next_norm);
   // Whether product p's matrix meets int8 inputs on the decode GEMVs (the plan's act8 for its role, where it
   // applies): then its input here is rounded to the same numbers on every path (cuda/act8.cuh), so that a sequence
   // meets the same inputs in a batch as alone.
-  bool act8(const cuda::QMat& W, Product p) const;
+  bool act8(const cuda::QMat& W, MatrixRole p) const;
   void gemm(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n, cuda::GemmOut out,
             cudaStream_t s);
   bool small_n(const cuda::QMat& W, int n, cuda::GemvIn in) const;
-  bool mma(const cuda::QMat& W, int n, Product p) const;
+  bool mma(const cuda::QMat& W, int n, MatrixRole p) const;
   void mma_product(const cuda::QMat& W, const __half* X, int ldx, void* y, int ldy, cuda::GemvOut out, int n,
                    cudaStream_t s);
   cuda::GemmArgs gemm_args(const cuda::QMat& W, const __half* X, int ldx, void* Y, int ldy, int n,

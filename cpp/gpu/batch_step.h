@@ -91,8 +91,8 @@ class BatchStep {
   void record_one_row(cudaStream_t s);
   // The products over n rows, every weight read once per step (batch_step.cu): y = rmsnorm(x) @ W.T (or its
   // SwiGLU), x += X @ W.T; small_n: whether the small-N GEMV takes W (else cuBLASLt).
-  // p: which product, by its decode role (at fp16 qkv, o and down may take the tensor-core kernel where the others do not:
-  // mma_f16_qkvo_max, mma_f16_down_max).
+  // p: which product, by its decode role (at fp16 qkv, o and down may take the tensor-core kernel where the others
+  // do not: mma_f16_qkvo_max, mma_f16_down_max).
   void normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, cuda::GemvOut out, int n, cudaStream_t s,
               MatrixRole p);
   // next_norm: the norm weight of the normed product after it (a down product in K slices writes that norm too).

@@ -377,6 +377,9 @@ void bind_engines(nb::module_& m) {
       .value("Auto", ti::DecodePath::Auto);
   nb::class_<ti::CudaOptions>(m, "CudaOptions", "The GPU engine's options (cpp/gpu/cuda_engine.h).")
       .def(nb::init<>())
+      // (Engine copies the caller's options before it sets weights / act8 on them: copy.copy works)
+      .def("__copy__", [](const ti::CudaOptions& o) { return o; })
+      .def("__deepcopy__", [](const ti::CudaOptions& o, nb::dict) { return o; }, nb::arg("memo"))
       .def_rw("pdl", &ti::CudaOptions::pdl)
       .def_rw("early_trigger", &ti::CudaOptions::early_trigger)
       .def_rw("trace", &ti::CudaOptions::trace)

@@ -216,6 +216,28 @@ def test_step_option_changes_nothing_but_speed_and_bad_values_are_refused(tmp_pa
             Engine(d, device="cuda", max_seq_len=300, cuda_options=o, plan_cache=False)
 
 
+def test_engine_leaves_the_callers_options_as_given(tmp_path):
+    """Engine(cuda_options=o, dtype=..., act8=...) applies dtype and act8 to its own copy: o is unchanged, so one
+    options object can make several engines (as the bench and the tests do) without the first one's dtype leaking
+    into the next."""
+    import copy
+
+    from tinyinfer import _core
+
+    d = make_llama(tmp_path / "m", hidden=256, intermediate=512, layers=2, vocab=600)  # (int4: multiples of 32)
+    o = _core.CudaOptions()
+    o.gemv_grid = 1
+    c = copy.copy(o)
+    c.act8 = 2
+    assert (o.act8, c.gemv_grid) == (0, 1)  # a copy, not the same object
+    eng = Engine(d, device="cuda", dtype="int4", max_seq_len=64, cuda_options=o, act8=-1, plan_cache=False)
+    int4_bytes = eng._core.weight_bytes
+    assert (o.weights, o.act8, o.gemv_grid) == (_core.WFormat.fp16, 0, 1)
+    eng.close()
+    fp16 = Engine(d, device="cuda", max_seq_len=64, cuda_options=o, plan_cache=False)
+    assert fp16._core.weight_bytes > 2 * int4_bytes  # the second engine is fp16: the first's int4 did not stay in o
+
+
 @pytest.mark.parametrize("name", ["gqa3_hd64", "gqa4_hd128_tied"])
 def test_attention_tensor_cores_against_the_lane_form(tmp_path, name):
     """CudaOptions.attn_tensor_cores: the decode attention's chunk on mma.sync (head dims 64 / 128) and the

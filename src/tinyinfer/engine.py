@@ -11,6 +11,7 @@ pass and then decodes tokens in chunks, back to back, without Python between the
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 import threading
@@ -124,7 +125,8 @@ class Engine:
         self._tactics = TacticsCache()
         show = progress is None and sys.stderr.isatty() or progress is True
         if self.device == "cuda":
-            opts = cuda_options or _core.CudaOptions()
+            # a copy: dtype and act8 below are this engine's, not the caller's options object's
+            opts = copy.copy(cuda_options) if cuda_options is not None else _core.CudaOptions()
             if dtype in QUANTIZED:
                 opts.weights = dtype
             if act8 is not None:

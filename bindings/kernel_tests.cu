@@ -195,7 +195,8 @@ std::vector<float> run_decode_attention(const float* qkv, HostPages cache, const
 
 std::vector<float> run_decode_attention_rows(const float* qkv, HostPages cache, int table_stride, const float* cos,
                                              const float* sin, const int* row_pos, const int* row_slot, int n_rows,
-                                             int n_heads, int max_seq, int grid_x, int span, int heads) {
+                                             int n_heads, int max_seq, int grid_x, int span, int heads,
+                                             bool act8_out) {
   const int hd = cache.head_dim, q_dim = n_heads * hd, ld = q_dim + 2 * cache.n_kv_heads * hd;
   const size_t parts = (size_t)n_rows * n_heads * attn_rows_max_splits(max_seq);
   const int n_tickets = attn_rows_tickets(n_rows, n_heads, cache.n_kv_heads);
@@ -213,6 +214,7 @@ std::vector<float> run_decode_attention_rows(const float* qkv, HostPages cache, 
   c.a.grid_x = grid_x;
   c.a.rows_span = span;
   c.a.rows_heads = heads;
+  c.a.act8_out = act8_out;
   decode_attention_rows(c.a, n_rows, 0, false);
   c.poison();  // (as above; and the second launch must find every merge ticket zero again)
   decode_attention_rows(c.a, n_rows, 0, false);

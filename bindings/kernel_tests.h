@@ -40,11 +40,12 @@ std::vector<float> run_decode_attention(const float* qkv, HostPages cache, const
 // One decode_attention_rows call (cuda/attention_rows.cu), twice (the output poisoned in between: the second
 // launch must find the merge tickets as the first left them, zero). qkv: (n_rows, q_dim + 2 kv_dim) floats;
 // cache.table: (n_slots, table_stride) page tables, row r using row_slot[r]'s at row_pos[r] (< 0: padding, its
-// output left NaN). grid_x, span, heads: DecodeAttnParams::grid_x, rows_span, rows_heads (0: the engine's).
-// Returns (n_rows, q_dim).
+// output left NaN). grid_x, span, heads, act8_out: DecodeAttnParams::grid_x, rows_span, rows_heads (0: the
+// engine's), act8_out. Returns (n_rows, q_dim).
 std::vector<float> run_decode_attention_rows(const float* qkv, HostPages cache, int table_stride, const float* cos,
                                              const float* sin, const int* row_pos, const int* row_slot, int n_rows,
-                                             int n_heads, int max_seq, int grid_x, int span, int heads);
+                                             int n_heads, int max_seq, int grid_x, int span, int heads,
+                                             bool act8_out = false);
 
 // One rope_rows call (cuda/prefill.cu, the prefill's cache write) for T tokens at pos0..: qkv (T, q_dim + 2 kv_dim)
 // floats; writes rope(k), v into the cache (updated in place); returns rope(q) (T, q_dim) floats (from fp16).

@@ -258,7 +258,7 @@ void bind_ops(nb::module_& m) {
   ops.def(
       "decode_attention_rows",
       [](F32In2 qkv, U16Pages k_pages, U16Pages v_pages, I32In2 tables, F32In2 cos, F32In2 sin, I32In1 row_pos,
-         I32In1 row_slot, int n_heads, int grid_x, int span, int heads) {
+         I32In1 row_slot, int n_heads, int grid_x, int span, int heads, bool act8_out) {
         const int max_seq = (int)cos.shape(0), n_rows = (int)qkv.shape(0), n_slots = (int)tables.shape(0);
         const int stride = (int)tables.shape(1);
         if (n_rows < 1 || (int)row_pos.shape(0) != n_rows || (int)row_slot.shape(0) != n_rows)
@@ -284,16 +284,16 @@ void bind_ops(nb::module_& m) {
           nb::gil_scoped_release release;
           o = ti::cuda::run_decode_attention_rows(qkv.data(), h, stride, cos.data(), sin.data(), row_pos.data(),
                                                   row_slot.data(), n_rows, n_heads, max_seq, grid_x, span,
-                                                  heads);
+                                                  heads, act8_out);
         }
         return numpy_copy(o, (size_t)n_rows, (size_t)(n_heads * hd));
       },
       "qkv"_a, "k_pages"_a, "v_pages"_a, "tables"_a, "cos"_a, "sin"_a, "row_pos"_a, "row_slot"_a, "n_heads"_a,
-      "grid_x"_a = 0, "span"_a = 0, "heads"_a = 0,
+      "grid_x"_a = 0, "span"_a = 0, "heads"_a = 0, "act8_out"_a = false,
       "One batched decode-attention call (cuda/attention_rows.cu): row r of qkv (n_rows, q_dim + 2 kv_dim) at "
       "position row_pos[r] (< 0: padding) through page table tables[row_slot[r]] (n_slots, pages) into the paged "
-      "pools (updated in place); run twice; grid_x / span: DecodeAttnParams' (0: the engine's). Returns (n_rows, "
-      "q_dim) float32 (padding rows NaN).");
+      "pools (updated in place); run twice; grid_x / span / heads / act8_out: DecodeAttnParams' (0: the engine's; "
+      "act8_out: the output as fp16(d xq) per group of 32). Returns (n_rows, q_dim) float32 (padding rows NaN).");
   ops.def(
       "rope_rows",
       [](F32In2 qkv, U16Pages k_pages, U16Pages v_pages, I32In1 page_table, F32In2 cos, F32In2 sin, int pos0,

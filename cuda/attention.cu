@@ -426,6 +426,7 @@ void check_decode_attn(const DecodeAttnParams& p) {
 
 void decode_attention(const DecodeAttnParams& p, cudaStream_t s, bool pdl, bool merge) {
   check_decode_attn(p);
+  if (p.act8_out) fail(ErrorKind::Request, "decode_attention: act8_out is decode_attention_rows' (the batched step's)");
   if (p.chunk < 1 || p.chunk > 128) fail(ErrorKind::Request, "decode_attention: chunk must be 1..128");
   if ((1 << p.page_shift) < p.chunk)
     fail(ErrorKind::Request, "decode_attention: page size " + std::to_string(1 << p.page_shift) +

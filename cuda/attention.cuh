@@ -41,6 +41,10 @@ struct DecodeAttnParams {
   int grid_x = 0;  // the rows grid's x (blocks per row and head, each looping over splits); 0: sized for n_rows
   int rows_span = 0;  // positions per block: 64, 128 or 256, at most attn_rows_span(head_dim); 0: that
   int rows_heads = 0;  // query heads per block: 1, 2, 4 or 8 (a KV head's group in slices of that); 0: by n_rows
+  // decode_attention_rows: the output written as the o product's int8 inputs, fp16(d xq) per group of 32
+  // (cuda/act8.cuh), where the batched step's o takes them (CudaOptions::act8): the same bits as act8_round_rows
+  // after it, one kernel fewer. Needs head_dim % 32 == 0 (a group is 32 dims of one head).
+  bool act8_out = false;
 };
 
 inline int attn_max_chunks(const DecodeAttnParams& p) { return (p.max_seq + p.chunk - 1) / p.chunk; }

@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <cfloat>
 
+#include "act8.cuh"
 #include "attention.cuh"
 #include "attention_common.cuh"
 #include "common.cuh"
@@ -51,6 +52,15 @@ constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kPad = 8;        // halves of padding per shared K / V row: 16-byte reads of consecutive rows
 constexpr int kMaxWords = 8;   // 16-byte K words per lane: words / lanes per position <= 8 for every span
 constexpr int kMaxDpl = 8;     // V dims per lane: hd <= 256
+
+// An output value as fp16, or (act8) as the o product's int8 input fp16(d xq) — the rule on the fp16 value, as
+// act8_round_rows applies it to the stored output. The callers' lanes hold consecutive dims of one head, a warp
+// one group of 32 (head_dim % 32 == 0, the launcher checks), and every lane of the warp calls it (the shuffles).
+__device__ __forceinline__ __half out_value(float v, bool act8) {
+  float f[1] = {__half2float(__float2half(v))};
+  if (act8) act8_round<32, 1>(f);
+  return __float2half(f[0]);
+}
 
 // dot of 8 fp16 keys with 8 fp32 query values from shared memory (two 16-byte reads).
 __device__ __forceinline__ float dot8_shared(const uint4& k, const float* q) {
@@ -248,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, HD == 64 ? 2 : 1) decode_attn_rows_k
         L = fmaf(e, ws[hd + 1], L);
       }
       if (n_splits == 1) {
-        out[(size_t)(hq0 + h) * hd + d] = __float2half(O / L);
+        out[(size_t)(hq0 + h) * hd + d] = out_value(O / L, p.act8_out);
       } else {
         const size_t slot = ((size_t)rr * p.n_heads + hq0 + h) * max_splits + sp;
         p.part_o[slot * hd + d] = O;
@@ -279,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, HD == 64 ? 2 : 1) decode_attn_rows_k
             O = fmaf(e, __ldcg(p.part_o + (base + s) * hd + d), O);
             L = fmaf(e, v.y, L);
           }
-          out[(size_t)(hq0 + h) * hd + d] = __float2half(O / L);
+          out[(size_t)(hq0 + h) * hd + d] = out_value(O / L, p.act8_out);
         }
       }
     }
@@ -353,6 +363,9 @@ void decode_attention_rows(const DecodeAttnParams& p, int n_rows, cudaStream_t s
   if (n_rows < 1 || nz > 65535 || !p.row_pos || !p.row_slot || !p.tickets || p.table_stride < 1)
     fail(ErrorKind::Request, "decode_attention_rows: needs 1.." + std::to_string(65535 / per_row) +
                                  " rows, row_pos, row_slot, tickets and table_stride");
+  if (p.act8_out && p.head_dim % kAct8Group != 0)
+    fail(ErrorKind::Request, "decode_attention_rows: act8_out needs head_dim % 32 == 0 (head_dim " +
+                                 std::to_string(p.head_dim) + ")");
   const int span = attn_rows_span_of(p), hd = p.head_dim;
   if (hd == 64 && span == 256) launch_rows<64, 256>(p, n_rows, span, s, pdl);
   else if (hd == 64 && span == 128) launch_rows<64, 128>(p, n_rows, span, s, pdl);

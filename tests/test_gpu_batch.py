@@ -467,6 +467,36 @@ def test_batch_greedy_equals_each_prompt_alone(model, fmt, n, path):
                 f"{model[0]} {fmt} batch {n}: prompt of {len(p)} diverges at step {j}: {g[:j + 1]} vs {alone[:j + 1]}")
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("path", ["act8", "act8_mma"])
+def test_act8_fused_rounding_changes_no_bit(model, fmt, path):
+    """CudaOptions.batch_act8_fused: o's int8-rounded input written by the attention, or by act8_round_rows after it
+    — the same numbers, so every slot's logits are bitwise equal both ways (5 and 20 rows: the tensor-core and, by
+    default at 20, the cuBLASLt products). At head dim 128 the longest prompts cross the attention's span: its
+    in-kernel merge writes the output."""
+    kw = ACT8_PATHS[path]
+    runs = {}
+    for fused in (True, False):
+        core = gpu_engine(model, fmt, **kw, batch_act8_fused=fused)._core
+        for n in (5, 20):
+            batch = prompts(n, seed=40 + n)
+            slots = [core.seq_open() for _ in batch]
+            for sl, pr in zip(slots, batch):
+                core.seq_prefill(sl, pr)
+            got = []
+            toks = [7 + 3 * i for i in range(n)]
+            for _ in range(3):
+                core.seq_step(slots, toks)
+                got.append(np.stack([core.seq_logits(sl).copy() for sl in slots]))
+                toks = [int(v) for v in got[-1].argmax(-1)]
+            for sl in slots:
+                core.seq_close(sl)
+            runs[(fused, n)] = got
+    for n in (5, 20):
+        for a, b in zip(runs[(True, n)], runs[(False, n)]):
+            np.testing.assert_array_equal(a, b)
+
+
 # The batched products' paths (BatchStep::mma, small_n): every product on the small-N GEMV; every product of two
 # rows or more on cuBLASLt (int8 / int4: dequantized into the fp16 staging first); the defaults (fp16: qkv and o
 # on the tensor-core kernel up to 16 rows, the others on cuBLASLt); down on that kernel too; every product on the

@@ -371,6 +371,20 @@ def test_decode_attention_rows_row_independent_of_the_batch(hd):
     np.testing.assert_array_equal(_attention_rows(c, rows=rev), together[rev])
 
 
+@pytest.mark.parametrize("hd, group, heads", [(64, 4, 0), (96, 3, 1), (128, 8, 2), (256, 2, 0)])
+def test_decode_attention_rows_act8_out_is_the_rounding_of_its_output(hd, group, heads):
+    """DecodeAttnParams::act8_out (the batched step's o on int8 inputs): the output, single splits and merged ones
+    alike, is bit for bit act8_round_rows of the plain output (fp16(d xq) per group of 32 dims)."""
+    c = _rows_case(group, hd, _rows_lengths(hd), 64, 1024 + 37)
+    plain = _attention_rows(c, heads=heads)
+    rows = np.asarray(c["row_pos"]) >= 0  # (padding rows: nothing written, NaN)
+    got = np.asarray(_core.ops.decode_attention_rows(
+        c["qkv"], c["kp"], c["vp"], c["tables"], c["cos"], c["sin"], c["row_pos"], c["row_slot"], c["n_heads"],
+        heads=heads, act8_out=True))
+    np.testing.assert_array_equal(got[rows], _core.ops.act8_round_rows(plain[rows]))
+    assert np.isnan(got[~rows]).all()
+
+
 def test_decode_attention_rows_bad_input_is_a_clear_error():
     c = _rows_case(4, 64, [10, 70], 64, 128)
     bad_pos = c["row_pos"].copy()
@@ -385,6 +399,10 @@ def test_decode_attention_rows_bad_input_is_a_clear_error():
         _attention_rows(c, span=96)
     with pytest.raises(InvalidRequestError, match=r"batch_attn_heads 3 must be 0 \(auto\), 1, 2, 4 or 8"):
         _attention_rows(c, heads=3)
+    with pytest.raises(InvalidRequestError, match="act8_out needs head_dim % 32 == 0"):
+        c72 = _rows_case(2, 72, [10, 3], 64, 128)
+        _core.ops.decode_attention_rows(c72["qkv"], c72["kp"], c72["vp"], c72["tables"], c72["cos"], c72["sin"],
+                                        c72["row_pos"], c72["row_slot"], c72["n_heads"], act8_out=True)
     with pytest.raises(InvalidRequestError, match="is not a page of a pool"):
         tables = c["tables"].copy()
         tables[c["row_slot"][1], 1] = -1

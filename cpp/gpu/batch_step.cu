@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "../../cuda/act8.cuh"
 #include "../../cuda/batch_rows.cuh"
 #include "../../cuda/common.cuh"
 #include "../../cuda/gemv_batch.cuh"
@@ -38,8 +39,10 @@ void BatchStep::record(int n, cudaStream_t s, bool pdl) {
     const DeviceLayer& L = w_.layers[(size_t)l];
     const float* next_norm = l + 1 < c.n_layers ? w_.layers[(size_t)l + 1].attn_norm : w_.final_norm;
     normed(L.qkv, L.attn_norm, b_.qkv, b_.ld_qkv, GemvOut::F32, n, s, MatrixRole::Qkv);  // qkv = rmsnorm(x) @ Wqkv.T
-    cuda::decode_attention_rows(attn_params(l), n, s, pdl_);          // att[r] over slot[r]'s cache
-    residual(L.o, b_.att, w_.ld_q, n, s, MatrixRole::O, L.mlp_norm);     // x += att @ Wo.T
+    cuda::DecodeAttnParams att = attn_params(l);                        // att[r] over slot[r]'s cache
+    att.act8_out = o_.act8_fused && act8(L.o, MatrixRole::O) && c.head_dim % cuda::kAct8Group == 0;
+    cuda::decode_attention_rows(att, n, s, pdl_);
+    residual(L.o, b_.att, w_.ld_q, n, s, MatrixRole::O, L.mlp_norm, att.act8_out);  // x += att @ Wo.T
     normed(L.gate_up, L.mlp_norm, b_.h, w_.ld_i, GemvOut::Swiglu, n, s, MatrixRole::GateUp);  // h = silu(gate) * up
     residual(L.down, b_.h, w_.ld_i, n, s, MatrixRole::Down, next_norm);  // x += h @ Wd.T
   }
@@ -83,7 +86,9 @@ void BatchStep::record_one_row(cudaStream_t s) {
 // fp16 ones, most of the latter from L2 for all but the largest matrices (docs/perf/batch.md).
 // Where the decode GEMV of a product's role takes int8 inputs (CudaOptions::act8; off by default), every path here
 // takes its input rounded to those numbers, fp16(d xq) per group of 32: the RMSNorm (rmsnorm_rows, gemv_batch's
-// prologue) writes it so, an fp16 input is rounded in place first (act8_round_rows: a small kernel before o and down).
+// prologue) writes it so; o's fp16 input is written so by the attention (DecodeAttnParams::act8_out, nearly free
+// there), down's is rounded in place first (act8_round_rows: a small kernel, ~2 µs a layer under PDL; written by
+// gate/up's epilogue instead, the last of a group's blocks rounding it, it cost twice that: persistent.md §38).
 bool BatchStep::mma(const cuda::QMat& W, int n, MatrixRole p) const {
   const int own = p == MatrixRole::Qkv || p == MatrixRole::O ? o_.mma_f16_qkvo_max
                   : p == MatrixRole::Down                    ? o_.mma_f16_down_max
@@ -152,9 +157,9 @@ void BatchStep::normed(const cuda::QMat& W, const float* norm_w, void* y, int ld
 // its own), then one kernel adds the slices into x and writes the next RMSNorm (next_norm) into b_.xn: the
 // reduce and the norm's dependent launch become one.
 void BatchStep::residual(const cuda::QMat& W, __half* X, int ldx, int n, cudaStream_t s, MatrixRole p,
-                         const float* next_norm) {
+                         const float* next_norm, bool rounded) {
   xn_norm_ = nullptr;
-  if (act8(W, p)) cuda::act8_round_rows(X, ldx, W.K, n, s, pdl_);
+  if (act8(W, p) && !rounded) cuda::act8_round_rows(X, ldx, W.K, n, s, pdl_);
   if (mma(W, n, p)) return mma_product(W, X, ldx, b_.x, w_.ld_h, GemvOut::AddF32, n, s);
   const int S = o_.down_k_slices;
   const int64_t stride = (int64_t)kDownSlicesRows * w_.ld_h;

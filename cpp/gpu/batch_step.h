@@ -68,6 +68,7 @@ struct BatchStepOptions {
   bool mma_ring = true;  // fp16 on that kernel: its shared-memory ring (CudaOptions::batch_mma_ring)
   int down_k_slices = 4;  // a down product on cuBLASLt of <= kDownSlicesRows rows: K slices (CudaOptions::batch_down_k_slices)
   bool one_row_plan = true;  // bucket 1 on the decode plan's GEMVs (CudaOptions::batch_one_row_plan)
+  bool act8_fused = true;  // o's int8-rounded input written by the attention (CudaOptions::batch_act8_fused)
 };
 
 constexpr int kDownSlicesMax = 8, kDownSlicesRows = 16;
@@ -96,9 +97,9 @@ class BatchStep {
   void normed(const cuda::QMat& W, const float* norm_w, void* y, int ldy, cuda::GemvOut out, int n, cudaStream_t s,
               MatrixRole p);
   // next_norm: the norm weight of the normed product after it (a down product in K slices writes that norm too).
-  // X is rounded in place where act8(W, p).
+  // X is rounded in place where act8(W, p), unless its producer wrote it rounded (rounded).
   void residual(const cuda::QMat& W, __half* X, int ldx, int n, cudaStream_t s, MatrixRole p,
-                const float* next_norm);
+                const float* next_norm, bool rounded = false);
   // Whether product p's matrix meets int8 inputs on the decode GEMVs (the plan's act8 for its role, where it
   // applies): then its input here is rounded to the same numbers on every path (cuda/act8.cuh), so that a sequence
   // meets the same inputs in a batch as alone.

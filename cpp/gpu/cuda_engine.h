@@ -121,6 +121,10 @@ struct CudaOptions {
   // same small-N kernel). On the H200 (TinyLlama) batch 1's step: int4 0.67 -> 0.50 ms, fp16 1.07 -> 0.73.
   // docs/perf/batch.md ("Bucket 1 on the decode plan").
   bool batch_one_row_plan = true;
+  // With act8, o's input in the batched step written rounded to int8 numbers by the attention that produces it
+  // rather than by act8_round_rows after it: the same bits, a kernel a layer fewer (batch_step.cu). false: the
+  // rounding kernel (A/B runs and the tests' reference).
+  bool batch_act8_fused = true;
   // 16-row tiles per block of that kernel: 0 (default) two for int4 products of 9..16 rows whose matrix still
   // gives every SM two blocks (each input fragment then meets two tiles' weights: docs/perf/batch.md), else one;
   // 1 or 2 force it (2: products of up to 16 rows) for A/B runs.

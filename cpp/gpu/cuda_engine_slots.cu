@@ -47,7 +47,7 @@ void CudaEngine::allocate_batch() {
                        opt_.batch_gemv_quant_max, opt_.batch_attn_span,
                        opt_.batch_attn_heads, opt_.batch_mma_m_tiles, opt_.batch_mma_f16_qkvo_max,
                        opt_.batch_mma_f16_down_max, opt_.batch_mma_ring,
-                       opt_.batch_down_k_slices, opt_.batch_one_row_plan});
+                       opt_.batch_down_k_slices, opt_.batch_one_row_plan, opt_.batch_act8_fused});
   for (int b = 1; b < B; b *= 2) buckets_.push_back(b);
   buckets_.push_back(B);
   g_batch_.assign(buckets_.size(), nullptr);

@@ -371,10 +371,11 @@ def test_decode_attention_rows_row_independent_of_the_batch(hd):
     np.testing.assert_array_equal(_attention_rows(c, rows=rev), together[rev])
 
 
-@pytest.mark.parametrize("hd, group, heads", [(64, 4, 0), (96, 3, 1), (128, 8, 2), (256, 2, 0)])
+@pytest.mark.parametrize("hd, group, heads", [(64, 4, 0), (96, 3, 1), (96, 3, 2), (128, 8, 2), (256, 2, 0)])
 def test_decode_attention_rows_act8_out_is_the_rounding_of_its_output(hd, group, heads):
     """DecodeAttnParams::act8_out (the batched step's o on int8 inputs): the output, single splits and merged ones
-    alike, is bit for bit act8_round_rows of the plain output (fp16(d xq) per group of 32 dims)."""
+    alike, whole slices of a group's heads and a partial one (group 3 in slices of 2), is bit for bit
+    act8_round_rows of the plain output (fp16(d xq) per group of 32 dims)."""
     c = _rows_case(group, hd, _rows_lengths(hd), 64, 1024 + 37)
     plain = _attention_rows(c, heads=heads)
     rows = np.asarray(c["row_pos"]) >= 0  # (padding rows: nothing written, NaN)

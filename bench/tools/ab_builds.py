@@ -7,8 +7,8 @@ first process tunes and leaves its GEMV plan (CudaEngine.plan_text) in a tempora
 (CudaOptions.plan_text), so that two tunings' differences (up to ~2% a step) do not hide the change's. A plan's key
 names the build (plan_build_id), so the other build cannot take the plan itself: it is given the first process's
 picks instead (each role's GEMV variant, the early triggers and the carveout), as ab_decode.py's --same-plan does
-for another key. Each process times `--reps` runs of `--steps` consecutive
-steps from CONTEXT on (default 16) and reports its best; the table gives each build's best and median over rounds.
+for another key. Each process times `--reps` runs of `--steps` consecutive steps from CONTEXT on (default 16) and
+reports its best; the table gives each build's best and median over rounds.
 SPEC: CudaOptions as ab_decode.py takes them (e.g. "act8=-1")."""
 
 import json

@@ -86,9 +86,9 @@ void BatchStep::record_one_row(cudaStream_t s) {
 // fp16 ones, most of the latter from L2 for all but the largest matrices (docs/perf/batch.md).
 // Where the decode GEMV of a product's role takes int8 inputs (CudaOptions::act8; off by default), every path here
 // takes its input rounded to those numbers, fp16(d xq) per group of 32: the RMSNorm (rmsnorm_rows, gemv_batch's
-// prologue) writes it so; o's fp16 input is written so by the attention (DecodeAttnParams::act8_out, nearly free
-// there), down's is rounded in place first (act8_round_rows: a small kernel, ~2 µs a layer under PDL; written by
-// gate/up's epilogue instead, the last of a group's blocks rounding it, it cost twice that: persistent.md §38).
+// prologue) writes it so; o's fp16 input is written so by the attention (DecodeAttnParams::act8_out: its warps hold
+// whole groups); down's is rounded in place first (act8_round_rows), since gate/up's blocks each hold a quarter of
+// a group and rounding it there through a counter cost more than the kernel (docs/perf/persistent.md §38).
 bool BatchStep::mma(const cuda::QMat& W, int n, MatrixRole p) const {
   const int own = p == MatrixRole::Qkv || p == MatrixRole::O ? o_.mma_f16_qkvo_max
                   : p == MatrixRole::Down                    ? o_.mma_f16_down_max

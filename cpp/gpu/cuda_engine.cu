@@ -258,9 +258,7 @@ void CudaEngine::tune() {
     plan_ = tune_gemv_plan(cfg_, *weights_, dbuf_, t, opt_.early_trigger >= 1, pdl_, *clock_);
     // set before the carveout is timed (no PDL: never early)
     plan_.early_trigger = opt_.early_trigger >= 1 && pdl_ ? opt_.early_trigger : 0;
-    choose_carveout();  // first: the step check then judges the roles with the step's own carveout and triggers
-    choose_early_trigger();
-    if (opt_.gemv_step_check && opt_.graphs) check_plan_by_steps();
+    choose_carveout();  // the early trigger and the step check inside, under each carveout tried
   }
   for (const GemvPin& pin : opt_.gemv_pins)
     if (GemvShapePlan* g = plan_.find(pin.role)) apply_pin(*g, pin);
@@ -303,26 +301,39 @@ double CudaEngine::plan_step_us() {
   return us;
 }
 
-// The carveout every kernel of the decode step asks for. Timed: one preference for all of them (kStepCarveout)
-// against the driver's choice per kernel, kept where the step is faster by > 1% (the GEMV variants themselves were
-// timed alone under the driver's choice; the step check that follows judges them under this one). Timed rather
-// than always on because it pays at large matrices and costs a little at small ones; why 50%:
+// The carveout every kernel of the decode step asks for, with the early trigger and the step check settled under
+// it (settle_plan). Timed: one preference for all of them (kStepCarveout) against the driver's choice per kernel,
+// each settled on its own from the per-matrix picks, the faster whole step kept (kStepCarveout where faster by
+// > 1%). Settled under each rather than chosen first on the per-matrix picks: the picks the step check makes depend
+// on the carveout, and the best pair was missed that way (Llama-2-7B fp16: docs/perf/persistent.md §39). Timed
+// rather than always on because it pays at large matrices and costs a little at small ones; why 50%:
 // docs/perf/decode-options.md (smem_carveout).
 void CudaEngine::choose_carveout() {
   constexpr int kStepCarveout = 50;
   constexpr double kGain = 0.01;
   plan_.carveout = opt_.smem_carveout == -2 ? -1 : opt_.smem_carveout;
-  if (opt_.smem_carveout != -2 || !opt_.graphs || !cuda::kLaunchCarveout || !can_time_steps()) return;
+  if (opt_.smem_carveout != -2 || !opt_.graphs || !cuda::kLaunchCarveout || !can_time_steps()) return settle_plan();
+  const GemvPlan picks = plan_;
+  settle_plan();
+  const GemvPlan driver = plan_;
   try {
     const double t_driver = plan_step_us();
+    plan_ = picks;
     plan_.carveout = kStepCarveout;
+    settle_plan();
     const double t_one = plan_step_us();
-    if (!(t_one < (1 - kGain) * t_driver)) plan_.carveout = -1;
+    if (!(t_one < (1 - kGain) * t_driver)) plan_ = driver;
   } catch (const Error&) {
     cudaGetLastError();  // (a capture this driver refuses, say): the driver's choice
-    plan_.carveout = -1;
+    plan_ = driver;
   }
   reset();  // the cache holds benchmark tokens
+}
+
+// The early trigger, then the step check, under plan_'s carveout.
+void CudaEngine::settle_plan() {
+  choose_early_trigger();
+  if (opt_.gemv_step_check && opt_.graphs) check_plan_by_steps();
 }
 
 // Which of the decode step's kernels trigger their successor at their start (its blocks then become resident and

@@ -65,7 +65,8 @@ struct CudaOptions {
   std::vector<GemvPin> gemv_pins;      // variants forced after tuning (A/B runs: bench/tools/ab_decode.py)
   int64_t decode_long_from = -1;       // long-context decode graph: -1 tuned, 0 none, n > 0 from context n
   // The shared-memory carveout of the decode step's kernels (GemvPlan::carveout, cuda/common.cuh): -2 timed at load
-  // (whole steps with the driver's choice per kernel against kStepCarveout for every kernel; the driver's choice
+  // (whole steps with the driver's choice per kernel against kStepCarveout for every kernel, each with its trigger
+  // level and step check settled under it; the driver's choice
   // without graphs, below max_seq_len 89 or with a CUDA toolkit before 12.5); -1 the driver's choice; 0..100 this
   // percent of the SM's maximum shared memory for every kernel (docs/perf/persistent.md §23).
   int smem_carveout = -2;
@@ -301,7 +302,8 @@ class CudaEngine {
   void build_graphs();
   cudaGraphExec_t capture_decode(GemvVariant qkv);  // a decode-step graph with qkv at that variant
   void check_plan_by_steps();  // CudaOptions::gemv_step_check (tune_plan_by_steps)
-  void choose_carveout();      // CudaOptions::smem_carveout -> plan_.carveout
+  void choose_carveout();      // CudaOptions::smem_carveout -> plan_.carveout, each tried with settle_plan
+  void settle_plan();          // choose_early_trigger, then check_plan_by_steps (gemv_step_check)
   void choose_early_trigger(); // CudaOptions::early_trigger -> plan_.early_trigger
   bool can_time_steps() const;  // the sequence holds plan_step_us's steps
   double plan_step_us();         // µs per decode step with plan_ as it is (graph-replayed)

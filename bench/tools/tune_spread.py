@@ -36,7 +36,10 @@ def main() -> None:
     spec = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--opts=")), "")
     cfg = shape_config(shape)
     max_seq = max(1024, ctx + steps + 64)
-    engines = [_core.CudaEngine.random(cfg, max_seq, 1, options(spec, dtype)) for _ in range(n)]
+    opt = options(spec, dtype)
+    if "max_batch=" not in spec:
+        opt.max_batch = 1  # the default's KV pool takes up to half the free memory: N engines would not fit
+    engines = [_core.CudaEngine.random(cfg, max_seq, 1, opt) for _ in range(n)]
     best = [float("inf")] * n
     for _ in range(rounds):
         for i, eng in enumerate(engines):

@@ -281,23 +281,43 @@ void CudaEngine::tune() {
   tune_s_[2] = secs(t2, clock::now());
 }
 
-// Whole decode steps (the graph of one step, at contexts 64-87: the merge kernel runs), the best of two runs, where
-// the sequence can hold them (can_time_steps). The caller resets the cache (it holds benchmark tokens).
+// Whole decode steps (the graph of one step, at contexts 64-87: the merge kernel runs), where the sequence can hold
+// them (can_time_steps). The caller resets the cache (it holds benchmark tokens).
 constexpr int64_t kStepContext = 64;
 constexpr int kTimedSteps = 24;
 bool CudaEngine::can_time_steps() const {
   return std::min<int64_t>(max_seq_, pool_->n_pages() * pool_->page_size()) >= kStepContext + kTimedSteps + 1;
 }
-double CudaEngine::plan_step_us() {
-  cudaGraphExec_t g = nullptr;
-  TI_CUDA_CHECK(capture_graph(stream_, [&] { step_->record(stream_, pdl_); }, &g));
+// (One plan: the best of two runs, as the step check compares one role's flip with the last step it timed.)
+double CudaEngine::plan_step_us() { return plan_steps_us({plan_}, 2)[0]; }
+
+// Each plan's step, timed in interleaved rounds (the best round of each kept), so that a slower moment hits every
+// candidate alike rather than whichever was timed then: the trigger levels differ by 1-3% a step, and timed one
+// after another they were picked differently from load to load (docs/perf/persistent.md §40). Not for candidates
+// that leave the SMs in another state (the carveout: choose_carveout).
+std::vector<double> CudaEngine::plan_steps_us(const std::vector<GemvPlan>& plans, int rounds) {
+  const GemvPlan keep = plan_;  // step_ records from plan_
+  std::vector<cudaGraphExec_t> graphs;
   struct Destroy {
-    cudaGraphExec_t g;
-    ~Destroy() { cudaGraphExecDestroy(g); }
-  } destroy{g};
-  auto launch = [&](int64_t) { TI_CUDA_CHECK(cudaGraphLaunch(g, stream_)); };
-  double us = 1e30;
-  for (int r = 0; r < 2; r++) us = std::min(us, 1e3 * time_steps(kStepContext, kTimedSteps, launch));
+    std::vector<cudaGraphExec_t>& g;
+    ~Destroy() {
+      for (cudaGraphExec_t x : g) cudaGraphExecDestroy(x);
+    }
+  } destroy{graphs};
+  for (const GemvPlan& p : plans) {
+    plan_ = p;
+    cudaGraphExec_t g = nullptr;
+    const cudaError_t err = capture_graph(stream_, [&] { step_->record(stream_, pdl_); }, &g);
+    plan_ = keep;
+    TI_CUDA_CHECK(err);
+    graphs.push_back(g);
+  }
+  std::vector<double> us(plans.size(), 1e30);
+  for (int r = 0; r < rounds; r++)
+    for (size_t i = 0; i < graphs.size(); i++) {
+      auto launch = [&](int64_t) { TI_CUDA_CHECK(cudaGraphLaunch(graphs[i], stream_)); };
+      us[i] = std::min(us[i], 1e3 * time_steps(kStepContext, kTimedSteps, launch));
+    }
   return us;
 }
 
@@ -317,6 +337,9 @@ void CudaEngine::choose_carveout() {
   settle_plan();
   const GemvPlan driver = plan_;
   try {
+    // Each timed right after it was settled, not in interleaved rounds: an SM keeps its shared-memory configuration
+    // from one kernel to the next where the next fits it, so the driver's choice per kernel, timed just after a
+    // step of kStepCarveout, can run on the SMs that step configured and look as fast (docs/perf/persistent.md §40).
     const double t_driver = plan_step_us();
     plan_ = picks;
     plan_.carveout = kStepCarveout;
@@ -338,22 +361,22 @@ void CudaEngine::settle_plan() {
 
 // Which of the decode step's kernels trigger their successor at their start (its blocks then become resident and
 // ask for their first weights while this kernel runs) rather than after their dependency wait: none, the GEMVs but
-// qkv, or those and the attention. Timed as whole steps, each level against the best so far and kept where the step
-// is faster by > 1%: early launches pay where the successor's loads fill the DRAM's idle time and cost where they
-// slow a latency-bound neighbour, by model (docs/perf/decode-options.md, early_trigger). The GEMV picks were timed
-// without.
+// qkv, or those and the attention. Timed as whole steps, the three in interleaved rounds, a level kept where its
+// step is faster than the best lower level's by > 0.3% (the rounds' spread; timed one after another with a 1%
+// margin, level 0 stayed on about half the loads where a level was 1-3% faster: docs/perf/persistent.md §40). Early
+// launches pay where the successor's loads fill the DRAM's idle time and cost where they slow a latency-bound
+// neighbour, by model (docs/perf/decode-options.md, early_trigger). The GEMV picks were timed without.
 void CudaEngine::choose_early_trigger() {
-  constexpr double kGain = 0.01;  // (a forced setting is already in plan_: tune())
+  constexpr double kGain = 0.003;  // (a forced setting is already in plan_: tune())
   if (opt_.early_trigger != -1 || !pdl_ || !opt_.graphs || !can_time_steps()) return;
   int pick = 0;
   try {
-    plan_.early_trigger = 0;
-    double best = plan_step_us();
-    for (int level = 1; level <= 2; level++) {
-      plan_.early_trigger = level;
-      const double t = plan_step_us();
-      if (t < (1 - kGain) * best) best = t, pick = level;
-    }
+    std::vector<GemvPlan> levels(3, plan_);
+    for (int level = 0; level <= 2; level++) levels[(size_t)level].early_trigger = level;
+    const std::vector<double> t = plan_steps_us(levels);
+    double best = t[0];
+    for (int level = 1; level <= 2; level++)
+      if (t[(size_t)level] < (1 - kGain) * best) best = t[(size_t)level], pick = level;
     plan_.early_trigger = pick;
   } catch (const Error&) {
     cudaGetLastError();  // (a capture this driver refuses, say): the level kept so far

@@ -307,6 +307,8 @@ class CudaEngine {
   void choose_early_trigger(); // CudaOptions::early_trigger -> plan_.early_trigger
   bool can_time_steps() const;  // the sequence holds plan_step_us's steps
   double plan_step_us();         // µs per decode step with plan_ as it is (graph-replayed)
+  // each plan's, in `rounds` interleaved rounds (the best of each kept)
+  std::vector<double> plan_steps_us(const std::vector<GemvPlan>& plans, int rounds = 3);
   void decode_long_graph();
   void persistent_graph();  // CudaOptions::decode_path: the persistent step and its graph
   void release();

@@ -288,37 +288,59 @@ constexpr int kTimedSteps = 24;
 bool CudaEngine::can_time_steps() const {
   return std::min<int64_t>(max_seq_, pool_->n_pages() * pool_->page_size()) >= kStepContext + kTimedSteps + 1;
 }
-// (One plan: the best of two runs, as the step check compares one role's flip with the last step it timed.)
-double CudaEngine::plan_step_us() { return plan_steps_us({plan_}, 2)[0]; }
 
-// Each plan's step, timed in interleaved rounds (the best round of each kept), so that a slower moment hits every
-// candidate alike rather than whichever was timed then: the trigger levels differ by 1-3% a step, and timed one
-// after another they were picked differently from load to load (docs/perf/persistent.md §40). Not for candidates
-// that leave the SMs in another state (the carveout: choose_carveout).
-std::vector<double> CudaEngine::plan_steps_us(const std::vector<GemvPlan>& plans, int rounds) {
-  const GemvPlan keep = plan_;  // step_ records from plan_
-  std::vector<cudaGraphExec_t> graphs;
-  struct Destroy {
-    std::vector<cudaGraphExec_t>& g;
-    ~Destroy() {
-      for (cudaGraphExec_t x : g) cudaGraphExecDestroy(x);
-    }
-  } destroy{graphs};
-  for (const GemvPlan& p : plans) {
-    plan_ = p;
-    cudaGraphExec_t g = nullptr;
-    const cudaError_t err = capture_graph(stream_, [&] { step_->record(stream_, pdl_); }, &g);
-    plan_ = keep;
-    TI_CUDA_CHECK(err);
-    graphs.push_back(g);
+namespace {
+struct StepGraphs {  // graphs of the decode step, destroyed with the holder
+  std::vector<cudaGraphExec_t> g;
+  ~StepGraphs() {
+    for (cudaGraphExec_t x : g) cudaGraphExecDestroy(x);
   }
-  std::vector<double> us(plans.size(), 1e30);
+};
+}  // namespace
+
+// The decode step's graph with plan_ as it is. (plan_ is not assigned: the step check holds references into it.)
+cudaGraphExec_t CudaEngine::capture_step() {
+  cudaGraphExec_t g = nullptr;
+  TI_CUDA_CHECK(capture_graph(stream_, [&] { step_->record(stream_, pdl_); }, &g));
+  return g;
+}
+
+// Each graph's step, timed in `rounds` interleaved rounds (the best round of each kept), so that a slower moment
+// hits every candidate alike rather than whichever was timed then: the trigger levels differ by 1-3% a step, and
+// timed one after another they were picked differently from load to load (docs/perf/persistent.md §40). Not for
+// candidates that leave the SMs in another state (the carveout: choose_carveout).
+std::vector<double> CudaEngine::time_step_graphs(const std::vector<cudaGraphExec_t>& graphs, int rounds) {
+  std::vector<double> us(graphs.size(), 1e30);
   for (int r = 0; r < rounds; r++)
     for (size_t i = 0; i < graphs.size(); i++) {
       auto launch = [&](int64_t) { TI_CUDA_CHECK(cudaGraphLaunch(graphs[i], stream_)); };
       us[i] = std::min(us[i], 1e3 * time_steps(kStepContext, kTimedSteps, launch));
     }
   return us;
+}
+
+// One plan (plan_): the best of two runs; the step check compares one role's flip with the last step it timed.
+double CudaEngine::plan_step_us() {
+  StepGraphs graphs;
+  graphs.g.push_back(capture_step());
+  return time_step_graphs(graphs.g, 2)[0];
+}
+
+// Several plans, in interleaved rounds.
+std::vector<double> CudaEngine::plan_steps_us(const std::vector<GemvPlan>& plans) {
+  const GemvPlan keep = plan_;  // step_ records from plan_
+  StepGraphs graphs;
+  try {
+    for (const GemvPlan& p : plans) {
+      plan_ = p;
+      graphs.g.push_back(capture_step());
+    }
+  } catch (...) {
+    plan_ = keep;
+    throw;
+  }
+  plan_ = keep;
+  return time_step_graphs(graphs.g, 3);
 }
 
 // The carveout every kernel of the decode step asks for, with the early trigger and the step check settled under

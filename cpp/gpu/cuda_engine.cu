@@ -298,7 +298,7 @@ struct StepGraphs {  // graphs of the decode step, destroyed with the holder
 };
 }  // namespace
 
-// The decode step's graph with plan_ as it is. (plan_ is not assigned: the step check holds references into it.)
+// The decode step's graph with plan_ as it is.
 cudaGraphExec_t CudaEngine::capture_step() {
   cudaGraphExec_t g = nullptr;
   TI_CUDA_CHECK(capture_graph(stream_, [&] { step_->record(stream_, pdl_); }, &g));
@@ -324,23 +324,6 @@ double CudaEngine::plan_step_us() {
   StepGraphs graphs;
   graphs.g.push_back(capture_step());
   return time_step_graphs(graphs.g, 2)[0];
-}
-
-// Several plans, in interleaved rounds.
-std::vector<double> CudaEngine::plan_steps_us(const std::vector<GemvPlan>& plans) {
-  const GemvPlan keep = plan_;  // step_ records from plan_
-  StepGraphs graphs;
-  try {
-    for (const GemvPlan& p : plans) {
-      plan_ = p;
-      graphs.g.push_back(capture_step());
-    }
-  } catch (...) {
-    plan_ = keep;
-    throw;
-  }
-  plan_ = keep;
-  return time_step_graphs(graphs.g, 3);
 }
 
 // The carveout every kernel of the decode step asks for, with the early trigger and the step check settled under
@@ -393,9 +376,12 @@ void CudaEngine::choose_early_trigger() {
   if (opt_.early_trigger != -1 || !pdl_ || !opt_.graphs || !can_time_steps()) return;
   int pick = 0;
   try {
-    std::vector<GemvPlan> levels(3, plan_);
-    for (int level = 0; level <= 2; level++) levels[(size_t)level].early_trigger = level;
-    const std::vector<double> t = plan_steps_us(levels);
+    StepGraphs levels;  // (the catch below leaves plan_ at the level kept so far)
+    for (int level = 0; level <= 2; level++) {
+      plan_.early_trigger = level;
+      levels.g.push_back(capture_step());
+    }
+    const std::vector<double> t = time_step_graphs(levels.g, 3);
     double best = t[0];
     for (int level = 1; level <= 2; level++)
       if (t[(size_t)level] < (1 - kGain) * best) best = t[(size_t)level], pick = level;

@@ -307,9 +307,8 @@ class CudaEngine {
   void choose_early_trigger(); // CudaOptions::early_trigger -> plan_.early_trigger
   bool can_time_steps() const;  // the sequence holds plan_step_us's steps
   double plan_step_us();         // µs per decode step with plan_ as it is (graph-replayed)
-  std::vector<double> plan_steps_us(const std::vector<GemvPlan>& plans);  // each plan's, in interleaved rounds
   cudaGraphExec_t capture_step();  // the decode step's graph with plan_ as it is
-  std::vector<double> time_step_graphs(const std::vector<cudaGraphExec_t>& graphs, int rounds);
+  std::vector<double> time_step_graphs(const std::vector<cudaGraphExec_t>& graphs, int rounds);  // interleaved
   void decode_long_graph();
   void persistent_graph();  // CudaOptions::decode_path: the persistent step and its graph
   void release();

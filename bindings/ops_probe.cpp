@@ -120,8 +120,8 @@ void bind_persistent_probe(nb::module_& ops) {
       "never reset: each epoch's total (sum(x) + epoch * x.size).");
   ops.def(
       "cluster_handoff_latency",
-      [](int n_words, int cluster, bool dsmem, int stages, int reps, bool relaxed_barrier) {
-        ti::cuda::ClusterHandoffConfig c{n_words, cluster, dsmem, stages, reps, relaxed_barrier};
+      [](int n_words, int cluster, bool dsmem, int stages, int reps, bool relaxed_barrier, bool one_way) {
+        ti::cuda::ClusterHandoffConfig c{n_words, cluster, dsmem, stages, reps, relaxed_barrier, one_way};
         ti::cuda::ClusterHandoffResult r;
         {
           nb::gil_scoped_release release;
@@ -135,17 +135,19 @@ void bind_persistent_probe(nb::module_& ops) {
         return d;
       },
       "n_words"_a = 2048, "cluster"_a = 8, "dsmem"_a = true, "stages"_a = 256, "reps"_a = 10,
-      "relaxed_barrier"_a = false,
+      "relaxed_barrier"_a = false, "one_way"_a = false,
       "ns per hand-off of a chain inside thread-block clusters (cuda/cluster_probe.cu): the vector in distributed "
       "shared memory (dsmem) or in global memory, the cluster's barrier between stages; n_words 0: the barrier "
-      "(relaxed_barrier: its arrive without the release).");
+      "(relaxed_barrier: its arrive without the release); one_way (dsmem): st.async stores counted on each "
+      "receiver's mbarrier, no cluster barrier.");
   ops.def(
       "cluster_chain",
-      [](int n_words, int cluster, bool dsmem, int stages) {
+      [](int n_words, int cluster, bool dsmem, int stages, bool one_way) {
         nb::gil_scoped_release release;
-        return ti::cuda::run_cluster_chain(n_words, cluster, dsmem, stages);
+        return ti::cuda::run_cluster_chain(n_words, cluster, dsmem, stages, one_way);
       },
-      "n_words"_a, "cluster"_a, "dsmem"_a, "stages"_a, "The cluster chain's last vector (one cluster; uint32 words).");
+      "n_words"_a, "cluster"_a, "dsmem"_a, "stages"_a, "one_way"_a = false,
+      "The cluster chain's last vector (one cluster; uint32 words).");
   ops.def("cluster_chain_reference", &ti::cuda::cluster_chain_reference, "n_words"_a, "stages"_a,
           "The host's replica of cluster_chain's last vector.");
 }

@@ -8,6 +8,13 @@
 // still read buffer (s - 1) & 1, and every peer finished reading buffer s & 1 (in stage s - 1) before it arrived
 // at the barrier that let the writer into stage s. Timing as in persistent_probe.cu: CUDA events, best of `reps`,
 // the per-hand-off time a difference of two chain lengths.
+//
+// The one-way form (cluster_oneway_kernel) runs the same chain with no cluster barrier between stages: a block
+// sends its slice of v_s as 16-byte st.async stores into buffer s & 1 of every block of the cluster, each store
+// completing its bytes on the receiver's mbarrier for that buffer, and a block waits only on its own mbarrier
+// (the whole vector's bytes arrived). Two buffers are enough without any signal back: a block's v_s reaches a peer
+// only after the block has read all of v_{s-1} (block_xor's barriers), so by the time any peer can send v_{s+1} into
+// the buffer v_{s-1} used, nobody reads it any more.
 #include <algorithm>
 #include <string>
 
@@ -63,6 +70,49 @@ __device__ __forceinline__ void store_peer(uint32_t* local, uint32_t rank, uint3
 #endif
 }
 
+// The one-way form's primitives (sm_90).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ uint32_t map_peer(uint32_t addr, uint32_t rank) {  // the same offset in block `rank`
+  uint32_t r = addr;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+#endif
+  return r;
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the peers' complete_tx
+#endif
+}
+// This phase's one arrival, and `bytes` more to come before the phase can complete (a store's complete_tx may
+// come first: the count goes below zero and the phase still waits for this arrival).
+__device__ __forceinline__ void mbar_arrive_expect(uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n\t.reg .pred done;\n"
+      "WAIT_%=:\n\t"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
+      "@!done bra WAIT_%=;\n}" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+#endif
+}
+// 16 bytes into another block's shared memory (remote: a mapa address), counted on its mbarrier (remote_bar).
+__device__ __forceinline__ void st_async16(uint32_t remote, const uint4& v, uint32_t remote_bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+                   remote),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(remote_bar)
+               : "memory");
+#endif
+}
+
 struct ChainArgs {
   uint32_t* gvec;  // !DSMEM: 2 x n words per cluster
   uint32_t* out;   // n words: the first cluster's last vector
@@ -104,6 +154,51 @@ __global__ void __launch_bounds__(kThreads) cluster_chain_kernel(ChainArgs a) {
   }
 }
 
+__global__ void __launch_bounds__(kThreads) cluster_oneway_kernel(ChainArgs a) {
+  extern __shared__ __align__(16) uint32_t sv[];  // the two vectors, each padded to whole 16-byte quads
+  __shared__ __align__(8) uint64_t bar[2];          // bar[i]: buffer i's bytes have arrived
+  __shared__ uint32_t red[kThreads / 32];
+  const int C = (int)cluster_blocks(), b = (int)cluster_rank(), cid = (int)blockIdx.x / C;
+  const int nq = (a.n + 3) / 4, n4 = 4 * nq;                   // the vector in quads; padding words are 0
+  const int lo = span(b, nq, C), hi = span(b + 1, nq, C);      // this block's quads
+  const uint32_t bytes = 16u * (uint32_t)nq;                   // what a block receives a stage
+  if (threadIdx.x == 0) {
+    mbar_init(&bar[0], 1);
+    mbar_init(&bar[1], 1);
+    mbar_arrive_expect(&bar[0], bytes);  // v_0's phase
+    mbar_arrive_expect(&bar[1], bytes);  // v_1's
+  }
+  cluster_sync();  // every block's barriers exist before any store counts on them
+  auto send = [&](int s, uint32_t x) {  // this block's slice of v_s into buffer s & 1 of every block
+    const uint32_t buf = smem_addr(sv + (s & 1) * n4), mb = smem_addr(&bar[s & 1]);
+    for (int i = lo + (int)threadIdx.x; i < hi; i += kThreads) {
+      uint32_t w[4];
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int j = 4 * i + e;
+        w[e] = j < a.n ? mix(x, (uint32_t)j, (uint32_t)s, 0) : 0u;
+      }
+      const uint4 v = make_uint4(w[0], w[1], w[2], w[3]);
+      for (int r = 0; r < C; r++) st_async16(map_peer(buf, (uint32_t)r) + 16u * (uint32_t)i, v, map_peer(mb, (uint32_t)r));
+    }
+  };
+  send(0, kSeed);  // v_0[j] = mix(kSeed, j, 0, 0)
+  for (int s = 1; s <= a.stages; s++) {
+    const int pb = (s - 1) & 1;
+    mbar_wait(&bar[pb], (uint32_t)((s - 1) >> 1) & 1u);  // v_{s-1} is here (its phase: (s - 1) / 2)
+    uint32_t acc = 0;
+    for (int j = (int)threadIdx.x; j < a.n; j += kThreads) acc ^= sv[pb * n4 + j];
+    const uint32_t x = block_xor(acc, red);  // every thread has read buffer pb
+    if (threadIdx.x == 0 && s + 1 <= a.stages) mbar_arrive_expect(&bar[pb], bytes);  // its next phase: v_{s+1}
+    send(s, x);
+  }
+  const int last = a.stages & 1;
+  mbar_wait(&bar[last], (uint32_t)(a.stages >> 1) & 1u);  // v_stages is here: no store into this block is left
+  if (cid == 0 && b == 0)
+    for (int j = (int)threadIdx.x; j < a.n; j += kThreads) a.out[j] = sv[last * n4 + j];
+  cluster_sync();  // (this block's own stores have completed on the peers before it exits)
+}
+
 // One chain length on one grid: the launch configuration and its buffers.
 struct Chain {
   void (*kernel)(ChainArgs) = nullptr;
@@ -111,7 +206,8 @@ struct Chain {
   cudaLaunchAttribute attr[1];
   int clusters = 0;
   ChainArgs args{};
-  Chain(int n, int cluster, bool dsmem, int stages, int clusters_wanted, const char* who, bool relaxed = false) {
+  Chain(int n, int cluster, bool dsmem, int stages, int clusters_wanted, const char* who, bool relaxed = false,
+        bool one_way = false) {
     int dev = 0, major = 0, max_smem = 0;
     TI_CUDA_CHECK(cudaGetDevice(&dev));
     TI_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
@@ -122,12 +218,14 @@ struct Chain {
     if (n < 0 || stages < 1 || stages > (1 << 24))
       fail(ErrorKind::Request, std::string(who) + ": n_words >= 0 and stages in 1..2^24");
     if (relaxed && n != 0) fail(ErrorKind::Request, std::string(who) + ": relaxed_barrier needs n_words = 0");
-    kernel = dsmem ? cluster_chain_kernel<true> : cluster_chain_kernel<false>;
+    if (one_way && (!dsmem || n < 1))
+      fail(ErrorKind::Request, std::string(who) + ": one_way needs dsmem and n_words >= 1");
+    kernel = one_way ? cluster_oneway_kernel : dsmem ? cluster_chain_kernel<true> : cluster_chain_kernel<false>;
     cudaFuncAttributes fa{};
     TI_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
     if (fa.binaryVersion < 90)  // (a build without sm_90 code: the cluster instructions would be compiled away)
       fail(ErrorKind::Device, std::string(who) + ": this build has no sm_90 code for the cluster kernel");
-    const size_t smem = dsmem ? (size_t)2 * n * sizeof(uint32_t) : 0;
+    const size_t smem = !dsmem ? 0 : (size_t)2 * (one_way ? 4 * ((n + 3) / 4) : n) * sizeof(uint32_t);
     if (smem + 1024 > (size_t)max_smem)
       fail(ErrorKind::Request, std::string(who) + ": n_words=" + std::to_string(n) + " in shared memory needs " +
                                    std::to_string(smem) + " bytes a block, more than the " + std::to_string(max_smem) +
@@ -183,8 +281,8 @@ std::vector<uint32_t> cluster_chain_reference(int n_words, int stages) {
   return v;
 }
 
-std::vector<uint32_t> run_cluster_chain(int n_words, int cluster, bool dsmem, int stages) {
-  Chain c(n_words, cluster, dsmem, stages, 1, "cluster_chain");
+std::vector<uint32_t> run_cluster_chain(int n_words, int cluster, bool dsmem, int stages, bool one_way) {
+  Chain c(n_words, cluster, dsmem, stages, 1, "cluster_chain", false, one_way);
   DeviceArray<uint32_t> gvec((size_t)2 * std::max(n_words, 1) * c.clusters), out((size_t)std::max(n_words, 1));
   c.args.gvec = gvec.p;
   c.args.out = out.p;
@@ -194,8 +292,10 @@ std::vector<uint32_t> run_cluster_chain(int n_words, int cluster, bool dsmem, in
 }
 
 ClusterHandoffResult measure_cluster_handoff(const ClusterHandoffConfig& cfg) {
-  Chain one(cfg.n_words, cfg.cluster, cfg.dsmem, cfg.stages, 0, "measure_cluster_handoff", cfg.relaxed_barrier),
-      two(cfg.n_words, cfg.cluster, cfg.dsmem, 2 * cfg.stages, 0, "measure_cluster_handoff", cfg.relaxed_barrier);
+  Chain one(cfg.n_words, cfg.cluster, cfg.dsmem, cfg.stages, 0, "measure_cluster_handoff", cfg.relaxed_barrier,
+            cfg.one_way),
+      two(cfg.n_words, cfg.cluster, cfg.dsmem, 2 * cfg.stages, 0, "measure_cluster_handoff", cfg.relaxed_barrier,
+          cfg.one_way);
   const size_t words = (size_t)2 * std::max(cfg.n_words, 1) * one.clusters;
   DeviceArray<uint32_t> gvec(words), out1((size_t)std::max(cfg.n_words, 1)), out2((size_t)std::max(cfg.n_words, 1));
   one.args.gvec = two.args.gvec = gvec.p;  // the two chains never run at once (one stream)

@@ -12,6 +12,9 @@ namespace ti::cuda {
 // cluster meets at its barrier (barrier.cluster arrive.release / wait.acquire). Where the vector lives:
 // dsmem = true: double-buffered in every block's shared memory, each slice stored into every block of the cluster
 // (distributed shared memory); false: in global memory, read back from the L2. n_words = 0: the barrier alone.
+// one_way (dsmem only): no cluster barrier between stages; each slice goes out as 16-byte st.async stores into
+// every block's buffer, completed on that block's mbarrier (the bytes it expects), and a block waits on its own
+// mbarrier alone — the producer-to-consumer hand-off of Hopper's pipelined kernels (§41).
 // The grid is as many clusters as can be resident at once (cudaOccupancyMaxActiveClusters), each running the same
 // chain on its own.
 struct ClusterHandoffConfig {
@@ -21,6 +24,7 @@ struct ClusterHandoffConfig {
   int stages = 256;
   int reps = 10;
   bool relaxed_barrier = false;  // n_words = 0 only: the barrier's arrive without its release
+  bool one_way = false;          // dsmem only, n_words >= 1
 };
 struct ClusterHandoffResult {
   double ns_per_handoff = 0;  // (time of 2 x stages - time of stages) / stages: launch and ramp-up cancel out
@@ -32,7 +36,7 @@ ClusterHandoffResult measure_cluster_handoff(const ClusterHandoffConfig& c);
 
 // The chain's last vector after `stages` stages (the kernel, one cluster of `cluster` blocks) and its host replica
 // (the CPU twin): the tests compare them on awkward sizes.
-std::vector<uint32_t> run_cluster_chain(int n_words, int cluster, bool dsmem, int stages);
+std::vector<uint32_t> run_cluster_chain(int n_words, int cluster, bool dsmem, int stages, bool one_way = false);
 std::vector<uint32_t> cluster_chain_reference(int n_words, int stages);
 
 }  // namespace ti::cuda

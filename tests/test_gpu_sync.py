@@ -111,12 +111,22 @@ def test_cluster_host_replica_matches_numpy(n_words, stages):
 @gpu
 @pytest.mark.parametrize("n_words", [1, 7, 300, 2051, 5632])  # fewer words than blocks; slices of unequal size
 @pytest.mark.parametrize("cluster", [1, 2, 3, 8, 16])
-@pytest.mark.parametrize("dsmem", [True, False])
-def test_cluster_chain_equals_the_host_replica(n_words, cluster, dsmem):
+@pytest.mark.parametrize("where", ["dsmem", "global", "one_way"])
+def test_cluster_chain_equals_the_host_replica(n_words, cluster, where):
     if _sm() < 9:
         pytest.skip("thread-block clusters need sm_90")
-    got = np.array(ops.cluster_chain(n_words, cluster, dsmem, 9), np.uint32)
+    got = np.array(ops.cluster_chain(n_words, cluster, where != "global", 9, where == "one_way"), np.uint32)
     assert np.array_equal(got, _cluster_chain_numpy(n_words, 9))
+
+
+@gpu
+@pytest.mark.parametrize("stages", [1, 2, 3, 200])  # both buffers' phases, an odd and an even last stage
+def test_cluster_one_way_chain_over_many_stages(stages):
+    if _sm() < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    for cluster in (2, 16):
+        got = np.array(ops.cluster_chain(2051, cluster, True, stages, True), np.uint32)
+        assert np.array_equal(got, _cluster_chain_numpy(2051, stages))
 
 
 @gpu
@@ -130,6 +140,11 @@ def test_cluster_probe_checksum_and_bad_arguments():
     assert ops.cluster_handoff_latency(0, 8, True, 16, 2, True)["checksum_ok"]
     with pytest.raises(InvalidRequestError, match="relaxed_barrier needs n_words = 0"):
         ops.cluster_handoff_latency(64, 2, True, 4, 1, True)
+    r = ops.cluster_handoff_latency(2048, 4, True, 16, 2, False, True)
+    assert r["checksum_ok"] and r["blocks"] == 4 * r["clusters"]
+    for n_words, dsmem in ((0, True), (64, False)):
+        with pytest.raises(InvalidRequestError, match="one_way needs dsmem and n_words >= 1"):
+            ops.cluster_chain(n_words, 2, dsmem, 2, True)
     for bad in (0, 17):
         with pytest.raises(InvalidRequestError, match="cluster must be 1 to 16"):
             ops.cluster_chain(64, bad, True, 2)

@@ -11,8 +11,9 @@ prints five tables (--only: those named) and writes every number (and the device
      hand-off the stream did not hide;
   4. the numbers docs/perf/persistent.md's time model takes (with 1-3);
   5. the hand-off inside a thread-block cluster (sm_90; cuda/cluster_probe.cu): ns per hand-off of a chain whose
-     producers and consumers are one cluster's 2-16 blocks, the vector in distributed shared memory or in global
-     memory, against 1.'s kernel boundary and counter hand-off (docs/perf/persistent.md §22).
+     producers and consumers are one cluster's 2-16 blocks, the vector in distributed shared memory (between
+     cluster barriers, or sent one way onto each receiver's mbarrier) or in global memory, against 1.'s kernel
+     boundary and counter hand-off (docs/perf/persistent.md §22, §42).
 Every kernel checks its result against the host (column `ok`); a configuration that cannot run on this GPU is
 listed with the reason, and the run goes on."""
 
@@ -123,11 +124,14 @@ def clusters(out: dict) -> None:
     rows = out["cluster_handoff"] = []
     stages = 64 if QUICK else 256
     # (words, where): the barrier alone with its release / acquire and with a relaxed arrive, then the vector in
-    # distributed shared memory or in global memory
-    cases = [(0, "barrier"), (0, "relaxed")] + [(n, w) for n in (2048, 5632) for w in ("dsmem", "global")]
+    # distributed shared memory or in global memory, between barriers, or one way (st.async onto each receiver's
+    # mbarrier, no barrier)
+    cases = [(0, "barrier"), (0, "relaxed")] + [(n, w) for n in (64, 576, 2048, 5632)
+                                                 for w in ("one-way", "dsmem", "global")]
     for n_words, where in cases:
         for size in (2, 4, 8, 16):
-            r = _try(ops.cluster_handoff_latency, n_words, size, where != "global", stages, REPS, where == "relaxed")
+            r = _try(ops.cluster_handoff_latency, n_words, size, where != "global", stages, REPS, where == "relaxed",
+                     where == "one-way")
             rows.append(dict(r, n_words=n_words, where=where, cluster=size))
             if "error" in r:
                 print(f"{n_words:>6} {where:>7} {size:>7}  -- {r['error'].split(': ', 1)[-1]}")

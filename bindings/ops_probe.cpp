@@ -120,8 +120,9 @@ void bind_persistent_probe(nb::module_& ops) {
       "never reset: each epoch's total (sum(x) + epoch * x.size).");
   ops.def(
       "cluster_handoff_latency",
-      [](int n_words, int cluster, bool dsmem, int stages, int reps, bool relaxed_barrier, bool one_way) {
-        ti::cuda::ClusterHandoffConfig c{n_words, cluster, dsmem, stages, reps, relaxed_barrier, one_way};
+      [](int n_words, int cluster, bool dsmem, int stages, int reps, bool relaxed_barrier, bool one_way,
+         int max_clusters) {
+        ti::cuda::ClusterHandoffConfig c{n_words, cluster, dsmem, stages, reps, relaxed_barrier, one_way, max_clusters};
         ti::cuda::ClusterHandoffResult r;
         {
           nb::gil_scoped_release release;
@@ -135,11 +136,11 @@ void bind_persistent_probe(nb::module_& ops) {
         return d;
       },
       "n_words"_a = 2048, "cluster"_a = 8, "dsmem"_a = true, "stages"_a = 256, "reps"_a = 10,
-      "relaxed_barrier"_a = false, "one_way"_a = false,
+      "relaxed_barrier"_a = false, "one_way"_a = false, "max_clusters"_a = 0,
       "ns per hand-off of a chain inside thread-block clusters (cuda/cluster_probe.cu): the vector in distributed "
       "shared memory (dsmem) or in global memory, the cluster's barrier between stages; n_words 0: the barrier "
       "(relaxed_barrier: its arrive without the release); one_way (dsmem): st.async stores counted on each "
-      "receiver's mbarrier, no cluster barrier.");
+      "receiver's mbarrier, no cluster barrier; max_clusters: at most that many clusters (0: as many as fit).");
   ops.def(
       "cluster_chain",
       [](int n_words, int cluster, bool dsmem, int stages, bool one_way) {

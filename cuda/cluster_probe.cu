@@ -292,10 +292,11 @@ std::vector<uint32_t> run_cluster_chain(int n_words, int cluster, bool dsmem, in
 }
 
 ClusterHandoffResult measure_cluster_handoff(const ClusterHandoffConfig& cfg) {
-  Chain one(cfg.n_words, cfg.cluster, cfg.dsmem, cfg.stages, 0, "measure_cluster_handoff", cfg.relaxed_barrier,
-            cfg.one_way),
-      two(cfg.n_words, cfg.cluster, cfg.dsmem, 2 * cfg.stages, 0, "measure_cluster_handoff", cfg.relaxed_barrier,
-          cfg.one_way);
+  if (cfg.max_clusters < 0) fail(ErrorKind::Request, "measure_cluster_handoff: max_clusters >= 0");
+  Chain one(cfg.n_words, cfg.cluster, cfg.dsmem, cfg.stages, cfg.max_clusters, "measure_cluster_handoff",
+            cfg.relaxed_barrier, cfg.one_way),
+      two(cfg.n_words, cfg.cluster, cfg.dsmem, 2 * cfg.stages, cfg.max_clusters, "measure_cluster_handoff",
+          cfg.relaxed_barrier, cfg.one_way);
   const size_t words = (size_t)2 * std::max(cfg.n_words, 1) * one.clusters;
   DeviceArray<uint32_t> gvec(words), out1((size_t)std::max(cfg.n_words, 1)), out2((size_t)std::max(cfg.n_words, 1));
   one.args.gvec = two.args.gvec = gvec.p;  // the two chains never run at once (one stream)

@@ -16,7 +16,8 @@ namespace ti::cuda {
 // every block's buffer, completed on that block's mbarrier (the bytes it expects), and a block waits on its own
 // mbarrier alone — the producer-to-consumer hand-off of Hopper's pipelined kernels (§41).
 // The grid is as many clusters as can be resident at once (cudaOccupancyMaxActiveClusters), each running the same
-// chain on its own.
+// chain on its own, or at most max_clusters of them (the SMs / cluster: about one block a SM, so that a stage's time
+// is its latency, not the co-resident blocks' shared issue slots).
 struct ClusterHandoffConfig {
   int n_words = 2048;
   int cluster = 8;  // blocks per cluster: 1 to 16 (above 8: the non-portable sizes)
@@ -25,6 +26,7 @@ struct ClusterHandoffConfig {
   int reps = 10;
   bool relaxed_barrier = false;  // n_words = 0 only: the barrier's arrive without its release
   bool one_way = false;          // dsmem only, n_words >= 1
+  int max_clusters = 0;          // 0: as many as fit
 };
 struct ClusterHandoffResult {
   double ns_per_handoff = 0;  // (time of 2 x stages - time of stages) / stages: launch and ramp-up cancel out

@@ -142,6 +142,10 @@ def test_cluster_probe_checksum_and_bad_arguments():
         ops.cluster_handoff_latency(64, 2, True, 4, 1, True)
     r = ops.cluster_handoff_latency(2048, 4, True, 16, 2, False, True)
     assert r["checksum_ok"] and r["blocks"] == 4 * r["clusters"]
+    r = ops.cluster_handoff_latency(2048, 4, True, 16, 2, False, True, 3)  # at most 3 clusters
+    assert r["checksum_ok"] and r["clusters"] == 3 and r["blocks"] == 12
+    with pytest.raises(InvalidRequestError, match="max_clusters"):
+        ops.cluster_handoff_latency(64, 2, True, 4, 1, False, False, -1)
     for n_words, dsmem in ((0, True), (64, False)):
         with pytest.raises(InvalidRequestError, match="one_way needs dsmem and n_words >= 1"):
             ops.cluster_chain(n_words, 2, dsmem, 2, True)

@@ -128,16 +128,19 @@ def clusters(out: dict) -> None:
     # mbarrier, no barrier)
     cases = [(0, "barrier"), (0, "relaxed")] + [(n, w) for n in (64, 576, 2048, 5632)
                                                  for w in ("one-way", "dsmem", "global")]
+    sms = ops.sm_count()
     for n_words, where in cases:
         for size in (2, 4, 8, 16):
-            r = _try(ops.cluster_handoff_latency, n_words, size, where != "global", stages, REPS, where == "relaxed",
-                     where == "one-way")
-            rows.append(dict(r, n_words=n_words, where=where, cluster=size))
-            if "error" in r:
-                print(f"{n_words:>6} {where:>7} {size:>7}  -- {r['error'].split(': ', 1)[-1]}")
-                continue
-            print(f"{n_words:>6} {where:>7} {size:>7} {r['clusters']:>8} {r['ns_per_handoff']:>12.0f} "
-                  f"{'yes' if r['checksum_ok'] else 'NO':>3}")
+            # as many clusters as fit (several blocks a SM), then about one block a SM (the latency alone)
+            for most in (0, sms // size):
+                r = _try(ops.cluster_handoff_latency, n_words, size, where != "global", stages, REPS,
+                         where == "relaxed", where == "one-way", most)
+                rows.append(dict(r, n_words=n_words, where=where, cluster=size, max_clusters=most))
+                if "error" in r:
+                    print(f"{n_words:>6} {where:>7} {size:>7}  -- {r['error'].split(': ', 1)[-1]}")
+                    continue
+                print(f"{n_words:>6} {where:>7} {size:>7} {r['clusters']:>8} {r['ns_per_handoff']:>12.0f} "
+                      f"{'yes' if r['checksum_ok'] else 'NO':>3}")
 
 
 def model_inputs(out: dict, bw: float) -> None:

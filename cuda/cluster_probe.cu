@@ -13,8 +13,10 @@
 // sends its slice of v_s as 16-byte st.async stores into buffer s & 1 of every block of the cluster, each store
 // completing its bytes on the receiver's mbarrier for that buffer, and a block waits only on its own mbarrier
 // (the whole vector's bytes arrived). Two buffers are enough without any signal back: a block's v_s reaches a peer
-// only after the block has read all of v_{s-1} (block_xor's barriers), so by the time any peer can send v_{s+1} into
-// the buffer v_{s-1} used, nobody reads it any more.
+// only after the block has read all of v_{s-1} (block_xor's barriers; st.async is a generic-proxy store whose
+// complete_tx releases at cluster scope), so by the time any peer can send v_{s+1} into the buffer v_{s-1} used,
+// nobody reads it any more — provided every block sends something each stage, hence the vector padded to at least
+// a 16-byte quad a block. st.async needs a cluster of two or more blocks (PTX ISA).
 #include <algorithm>
 #include <string>
 
@@ -159,7 +161,9 @@ __global__ void __launch_bounds__(kThreads) cluster_oneway_kernel(ChainArgs a) {
   __shared__ __align__(8) uint64_t bar[2];          // bar[i]: buffer i's bytes have arrived
   __shared__ uint32_t red[kThreads / 32];
   const int C = (int)cluster_blocks(), b = (int)cluster_rank(), cid = (int)blockIdx.x / C;
-  const int nq = (a.n + 3) / 4, n4 = 4 * nq;                   // the vector in quads; padding words are 0
+  // The vector in quads, at least one a block: a block that sent nothing would feed no peer's wait, and its peers
+  // could then run a stage ahead of it, into the buffer it still reads (padding words are 0 and never read).
+  const int nq = max((a.n + 3) / 4, C), n4 = 4 * nq;
   const int lo = span(b, nq, C), hi = span(b + 1, nq, C);      // this block's quads
   const uint32_t bytes = 16u * (uint32_t)nq;                   // what a block receives a stage
   if (threadIdx.x == 0) {
@@ -169,17 +173,29 @@ __global__ void __launch_bounds__(kThreads) cluster_oneway_kernel(ChainArgs a) {
     mbar_arrive_expect(&bar[1], bytes);  // v_1's
   }
   cluster_sync();  // every block's barriers exist before any store counts on them
-  auto send = [&](int s, uint32_t x) {  // this block's slice of v_s into buffer s & 1 of every block
+  auto send = [&](int s, uint32_t x) {  // this block's slice of v_s into buffer s & 1 of every block (itself too)
     const uint32_t buf = smem_addr(sv + (s & 1) * n4), mb = smem_addr(&bar[s & 1]);
-    for (int i = lo + (int)threadIdx.x; i < hi; i += kThreads) {
-      uint32_t w[4];
+    constexpr int kQ = 4;  // quads a thread holds at once: each peer's addresses mapped once per kQ stores
+    for (int i0 = lo + (int)threadIdx.x; i0 < hi; i0 += kQ * kThreads) {
+      uint4 v[kQ];
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int j = 4 * i + e;
-        w[e] = j < a.n ? mix(x, (uint32_t)j, (uint32_t)s, 0) : 0u;
+      for (int q = 0; q < kQ; q++) {
+        uint32_t w[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int j = 4 * (i0 + q * kThreads) + e;
+          w[e] = j < a.n ? mix(x, (uint32_t)j, (uint32_t)s, 0) : 0u;
+        }
+        v[q] = make_uint4(w[0], w[1], w[2], w[3]);
       }
-      const uint4 v = make_uint4(w[0], w[1], w[2], w[3]);
-      for (int r = 0; r < C; r++) st_async16(map_peer(buf, (uint32_t)r) + 16u * (uint32_t)i, v, map_peer(mb, (uint32_t)r));
+      for (int r = 0; r < C; r++) {
+        const uint32_t rbuf = map_peer(buf, (uint32_t)r), rbar = map_peer(mb, (uint32_t)r);
+#pragma unroll
+        for (int q = 0; q < kQ; q++) {
+          const int i = i0 + q * kThreads;
+          if (i < hi) st_async16(rbuf + 16u * (uint32_t)i, v[q], rbar);
+        }
+      }
     }
   };
   send(0, kSeed);  // v_0[j] = mix(kSeed, j, 0, 0)
@@ -218,14 +234,15 @@ struct Chain {
     if (n < 0 || stages < 1 || stages > (1 << 24))
       fail(ErrorKind::Request, std::string(who) + ": n_words >= 0 and stages in 1..2^24");
     if (relaxed && n != 0) fail(ErrorKind::Request, std::string(who) + ": relaxed_barrier needs n_words = 0");
-    if (one_way && (!dsmem || n < 1))
-      fail(ErrorKind::Request, std::string(who) + ": one_way needs dsmem and n_words >= 1");
+    if (one_way && (!dsmem || n < 1 || cluster < 2))  // (st.async needs a cluster of two or more: PTX ISA)
+      fail(ErrorKind::Request, std::string(who) + ": one_way needs dsmem, n_words >= 1 and cluster >= 2");
     kernel = one_way ? cluster_oneway_kernel : dsmem ? cluster_chain_kernel<true> : cluster_chain_kernel<false>;
     cudaFuncAttributes fa{};
     TI_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
     if (fa.binaryVersion < 90)  // (a build without sm_90 code: the cluster instructions would be compiled away)
       fail(ErrorKind::Device, std::string(who) + ": this build has no sm_90 code for the cluster kernel");
-    const size_t smem = !dsmem ? 0 : (size_t)2 * (one_way ? 4 * ((n + 3) / 4) : n) * sizeof(uint32_t);
+    const size_t smem =
+        !dsmem ? 0 : (size_t)2 * (one_way ? 4 * std::max((n + 3) / 4, cluster) : n) * sizeof(uint32_t);
     if (smem + 1024 > (size_t)max_smem)
       fail(ErrorKind::Request, std::string(who) + ": n_words=" + std::to_string(n) + " in shared memory needs " +
                                    std::to_string(smem) + " bytes a block, more than the " + std::to_string(max_smem) +

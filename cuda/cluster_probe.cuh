@@ -25,7 +25,7 @@ struct ClusterHandoffConfig {
   int stages = 256;
   int reps = 10;
   bool relaxed_barrier = false;  // n_words = 0 only: the barrier's arrive without its release
-  bool one_way = false;          // dsmem only, n_words >= 1
+  bool one_way = false;          // dsmem only, n_words >= 1, cluster >= 2
   int max_clusters = 0;          // 0: as many as fit
 };
 struct ClusterHandoffResult {

@@ -120,7 +120,7 @@ def stream_with_handoffs(out: dict, configs: list, bw: float) -> None:
 
 def clusters(out: dict) -> None:
     print("\n5. hand-off inside a thread-block cluster (ns per hand-off; every block reads the whole vector)")
-    print(f"{'words':>6} {'where':>7} {'cluster':>7} {'clusters':>8} {'ns/hand-off':>12} {'ok':>3}")
+    print(f"{'words':>6} {'where':>7} {'cluster':>7} {'grid':>5} {'clusters':>8} {'ns/hand-off':>12} {'ok':>3}")
     rows = out["cluster_handoff"] = []
     stages = 64 if QUICK else 256
     # (words, where): the barrier alone with its release / acquire and with a relaxed arrive, then the vector in
@@ -136,10 +136,11 @@ def clusters(out: dict) -> None:
                 r = _try(ops.cluster_handoff_latency, n_words, size, where != "global", stages, REPS,
                          where == "relaxed", where == "one-way", most)
                 rows.append(dict(r, n_words=n_words, where=where, cluster=size, max_clusters=most))
+                grid = "1/SM" if most else "fit"
                 if "error" in r:
-                    print(f"{n_words:>6} {where:>7} {size:>7}  -- {r['error'].split(': ', 1)[-1]}")
+                    print(f"{n_words:>6} {where:>7} {size:>7} {grid:>5}  -- {r['error'].split(': ', 1)[-1]}")
                     continue
-                print(f"{n_words:>6} {where:>7} {size:>7} {r['clusters']:>8} {r['ns_per_handoff']:>12.0f} "
+                print(f"{n_words:>6} {where:>7} {size:>7} {grid:>5} {r['clusters']:>8} {r['ns_per_handoff']:>12.0f} "
                       f"{'yes' if r['checksum_ok'] else 'NO':>3}")
 
 

@@ -62,18 +62,6 @@ __device__ __forceinline__ void cluster_sync_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 #endif
 }
-// A 32-bit store into block `rank`'s copy of the shared variable at `local` (distributed shared memory).
-__device__ __forceinline__ void store_peer(uint32_t* local, uint32_t rank, uint32_t v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t remote = 0;
-  const uint32_t addr = (uint32_t)__cvta_generic_to_shared(local);
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(remote), "r"(v) : "memory");
-#endif
-}
-
-// The one-way form's primitives (sm_90).
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ uint32_t map_peer(uint32_t addr, uint32_t rank) {  // the same offset in block `rank`
   uint32_t r = addr;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -81,6 +69,14 @@ __device__ __forceinline__ uint32_t map_peer(uint32_t addr, uint32_t rank) {  //
 #endif
   return r;
 }
+// A 32-bit store into block `rank`'s copy of the shared variable at `local` (distributed shared memory).
+__device__ __forceinline__ void store_peer(uint32_t* local, uint32_t rank, uint32_t v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(map_peer(smem_addr(local), rank)), "r"(v) : "memory");
+#endif
+}
+
+// The one-way form's primitives (sm_90).
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");

@@ -47,6 +47,9 @@ inline int sm_count() {
 // 16-byte load that skips L1 (streamed data is read once).
 __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p); }
 
+// A shared-memory pointer as the 32-bit address PTX's shared-memory operands take.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
 // cp.async (sm_80+): 16 bytes global -> shared memory, no register held while in flight (below sm_80: a plain
 // load and store, complete at once). A thread's copies complete in commit groups; each thread waits for its own.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {

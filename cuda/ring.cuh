@@ -25,6 +25,10 @@
 #include <cstddef>
 #include <cstdint>
 
+#ifdef __CUDACC__
+#include "common.cuh"  // smem_addr
+#endif
+
 namespace ti::cuda {
 
 enum class RingCopy : int { CpAsync = 0, Bulk = 1 };
@@ -34,10 +38,6 @@ constexpr size_t kRingHeader = 128;  // the Bulk variant's mbarriers, one per sl
 inline size_t ring_smem_bytes(int stages, size_t slot_bytes) { return kRingHeader + (size_t)stages * slot_bytes; }
 
 #ifdef __CUDACC__  // the device code (the bindings include this header for RingCopy)
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 template <RingCopy C, int S>
 struct WeightRing {

@@ -171,27 +171,18 @@ __global__ void __launch_bounds__(kThreads) cluster_oneway_kernel(ChainArgs a) {
   cluster_sync();  // every block's barriers exist before any store counts on them
   auto send = [&](int s, uint32_t x) {  // this block's slice of v_s into buffer s & 1 of every block (itself too)
     const uint32_t buf = smem_addr(sv + (s & 1) * n4), mb = smem_addr(&bar[s & 1]);
-    constexpr int kQ = 4;  // quads a thread holds at once: each peer's addresses mapped once per kQ stores
-    for (int i0 = lo + (int)threadIdx.x; i0 < hi; i0 += kQ * kThreads) {
-      uint4 v[kQ];
+    // One quad a thread at a time, its peers' addresses mapped at each store: the form §42 measured. Four quads a
+    // thread with each peer mapped once per four stores was slower, the more so the larger the cluster
+    // (docs/perf/persistent.md §45).
+    for (int i = lo + (int)threadIdx.x; i < hi; i += kThreads) {
+      uint32_t w[4];
 #pragma unroll
-      for (int q = 0; q < kQ; q++) {
-        uint32_t w[4];
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int j = 4 * (i0 + q * kThreads) + e;
-          w[e] = j < a.n ? mix(x, (uint32_t)j, (uint32_t)s, 0) : 0u;
-        }
-        v[q] = make_uint4(w[0], w[1], w[2], w[3]);
+      for (int e = 0; e < 4; e++) {
+        const int j = 4 * i + e;
+        w[e] = j < a.n ? mix(x, (uint32_t)j, (uint32_t)s, 0) : 0u;
       }
-      for (int r = 0; r < C; r++) {
-        const uint32_t rbuf = map_peer(buf, (uint32_t)r), rbar = map_peer(mb, (uint32_t)r);
-#pragma unroll
-        for (int q = 0; q < kQ; q++) {
-          const int i = i0 + q * kThreads;
-          if (i < hi) st_async16(rbuf + 16u * (uint32_t)i, v[q], rbar);
-        }
-      }
+      const uint4 v = make_uint4(w[0], w[1], w[2], w[3]);
+      for (int r = 0; r < C; r++) st_async16(map_peer(buf, (uint32_t)r) + 16u * (uint32_t)i, v, map_peer(mb, (uint32_t)r));
     }
   };
   send(0, kSeed);  // v_0[j] = mix(kSeed, j, 0, 0)

@@ -6,6 +6,7 @@
 // Variants: one grid-stride kernel, 4 independent 16-byte loads per thread per iteration in flight; the
 // grid is a few waves of the SM count (enough blocks to saturate HBM, no tail effects worth measuring).
 #include <algorithm>
+#include <chrono>
 #include <vector>
 
 #include "bandwidth.cuh"
@@ -89,6 +90,25 @@ BandwidthResult measure_read_bandwidth(size_t bytes, int iters) {
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   return r;
+}
+
+double warm_memory(double ms) {
+  using clock = std::chrono::steady_clock;
+  size_t free_b = 0, total_b = 0;
+  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  const size_t bytes = std::min<size_t>((size_t)1 << 30, free_b / 4);
+  if (bytes < ((size_t)64 << 20)) return 0;  // too little to make traffic of
+  double best = 0;
+  const clock::time_point t0 = clock::now();
+  try {
+    while (std::chrono::duration<double, std::milli>(clock::now() - t0).count() < ms)
+      best = std::max(best, measure_read_bandwidth(bytes, 4).gb_per_s);
+  } catch (const Error&) {  // (the memory taken meanwhile: the load goes on without the rest of the warm-up)
+  }
+  return best;
 }
 
 uint32_t stream_read_xor(const void* host, size_t bytes, int blocks) {

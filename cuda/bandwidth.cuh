@@ -21,6 +21,12 @@ struct BandwidthResult {
 // CUDA events, returns the best. Throws ti::Error(Device) without a usable GPU.
 BandwidthResult measure_read_bandwidth(size_t bytes, int iters);
 
+// Keeps the memory busy for `ms` milliseconds with the passes above (at most 1 GiB, and no more than a quarter of
+// the free memory; nothing where that cannot be had). Run before a load's tuning: the first load of a process, timed
+// right after the GPU's idle, kept slower picks than loads timed after ~1 s of such traffic (docs/perf/persistent.md
+// §45). Returns the passes' best bandwidth (0 where nothing ran).
+double warm_memory(double ms);
+
 // For the tests: uploads `bytes` of host data (zero-padded to 16), runs the kernel with `blocks` blocks and
 // returns the XOR of all sink words = the XOR of every 32-bit word of the data (the CPU twin is one line).
 uint32_t stream_read_xor(const void* host, size_t bytes, int blocks);

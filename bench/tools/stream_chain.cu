@@ -48,6 +48,12 @@
 //          the statistic's reads go out with the staging's and no second barrier follows (compare with dep 2)
 //   room   0: the driver's carveout; 1: no room on an SM for the next kernel's blocks; 2: 1's control (see
 //          fill_smem)
+//   mlp    (second argument `mlp`: only these) 0: the four kernels above; 1-3: three kernels a layer, gate_up and
+//          down as one kernel split over the intermediate dimension (each block streams its share of gate_up's
+//          rows and of down stored transposed, and adds a partial of the whole hidden vector into the next
+//          input): 1 by fp32 vector atomics (float4), 2 by 64-bit integer atomics on a fixed-point copy (the
+//          deterministic form: integer addition does not depend on the order; the next kernel stages twice the
+//          words), 3 no atomics (the block writes its share as a GEMV block does: the floor of the merge alone)
 // and the grid: 1, 2 or 4 blocks per SM. Printed: µs a layer (the best of 20 replays), against the layer's bytes
 // at the best rate any chain reached in this run (the read bandwidth).
 #include <cuda_runtime.h>
@@ -62,7 +68,7 @@
 #include "ck.cuh"
 
 constexpr int kThreads = 256;
-constexpr int kMaxIn = 1536;  // 16-byte words of a staged input (Llama-2-7B's down: 11,008 halves = 1,376)
+constexpr int kMaxIn = 2048;  // 16-byte words of a staged input (Llama-2-7B's fixed-point hidden: 2,048)
 
 struct Args {
   const uint4* w;
@@ -75,6 +81,8 @@ struct Args {
   float* part_out;        // dep 9: this kernel's per-block partial sums of squares (when the next input is normed)
   const float* part_in;   // the previous kernel's
   int part_n;             // how many it wrote (its grid)
+  int atomic;             // mlp 1 / 2: every block adds a whole vector of `red_n` values into `out`
+  int red_n;
 };
 
 template <int U>
@@ -213,7 +221,14 @@ __global__ void __launch_bounds__(kThreads) chain_stream(Args a) {
     for (int o = 16; o > 0; o >>= 1) stat += __shfl_xor_sync(0xffffffffu, stat, o);
     acc ^= __float_as_uint(rsqrtf(stat + 1.0f));
   }
-  if (DEP) {  // this block's share of the output vector (as a GEMV block stores its rows)
+  if (DEP && a.atomic == 1) {  // the split MLP: a partial of every hidden value, fp32 vector atomics
+    float4* o4 = reinterpret_cast<float4*>(a.out);
+    const float f = __uint_as_float(acc & 0x3f800000u);
+    for (int k = threadIdx.x; k < a.red_n / 4; k += kThreads) atomicAdd(o4 + k, make_float4(f, f, f, f));
+  } else if (DEP && a.atomic == 2) {  // the same on a fixed-point copy: deterministic
+    unsigned long long* o8 = reinterpret_cast<unsigned long long*>(a.out);
+    for (int k = threadIdx.x; k < a.red_n; k += kThreads) atomicAdd(o8 + k, (unsigned long long)(acc & 0xffffu));
+  } else if (DEP) {  // this block's share of the output vector (as a GEMV block stores its rows)
     const int os = (a.out_vec + gridDim.x - 1) / gridDim.x;
     for (int k = blockIdx.x * os + threadIdx.x; k < min(a.out_vec, (int)(blockIdx.x + 1) * os); k += kThreads)
       a.out[k] = make_uint4(acc & 0x3f800000u, 0x3f800000u, 0x3f800000u, 0x3f800000u);  // finite floats / halves
@@ -303,18 +318,25 @@ struct Mat {
   size_t n_vec;
   int in_vec, out_vec, norm;
 };
-std::vector<Mat> layer_of(const Model& m) {
+std::vector<Mat> layer_of(const Model& m, int mlp = 0) {
   auto words = [&](double rows, double k) { return ((size_t)(rows * k / 32 * m.per32) + 255) / 256 * 16; };
   std::vector<Mat> all = {{words(m.Q, m.H), m.H / 4, m.Q / 4, 1},
                           {words(m.H, m.H), m.H / 8, m.H / 4, 0},
                           {words(2 * m.I, m.H), m.H / 4, m.I / 8, 1},
                           {words(m.H, m.I), m.I / 8, m.H / 4, 0}};
+  if (mlp) {  // gate_up and down as one kernel; its output (and qkv's input) the hidden vector, fixed-point at 2
+    const int hid = mlp == 2 ? m.H / 2 : m.H / 4;
+    return {{words(m.Q, m.H), hid, m.Q / 4, 1},
+            {words(m.H, m.H), m.H / 8, m.H / 4, 0},
+            {words(2 * m.I, m.H) + words(m.H, m.I), m.H / 4, hid, 1}};
+  }
   if (m.only < 0) return all;
   return std::vector<Mat>(4, all[m.only]);
 }
 
 int main(int argc, char** argv) {
-  const char* only = argc > 1 ? argv[1] : nullptr;  // run the models whose name contains this (all without)
+  const char* only = argc > 1 && argv[1][0] ? argv[1] : nullptr;  // the models whose name contains this
+  const bool mlp_only = argc > 2 && !std::strcmp(argv[2], "mlp");      // the mlp comparison alone
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::vector<Model> models = {
@@ -354,22 +376,25 @@ int main(int argc, char** argv) {
   struct Row {
     const Model* m;
     double mb;
-    int pdl, dep, bps, U, room;
+    int pdl, dep, bps, U, room, mlp;
     double us;
   };
   std::vector<Row> rows;
   double best_gbs = 0;
   for (auto& m : models) {
     if (only && !std::strstr(m.name, only)) continue;
-    const std::vector<Mat> layer = layer_of(m);
-    double mb = 0;
-    for (const Mat& x : layer) mb += x.n_vec * 16 / 1e6;
+    for (int mlp : {0, 1, 2, 3})
     for (int pdl : {0, 1, 2})
       for (int dep : {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10})
         for (int bps : {1, 2, 4})
           for (int U : {4, 8, 16})
             for (int room : {0, 1, 2}) {
             if (pdl == 0 && dep > 0) continue;  // without PDL a dependency costs nothing extra to measure
+            if ((mlp || mlp_only) && (pdl == 0 || (dep != 2 && dep != 7) || room || U == 4)) continue;
+            if (mlp && (!mlp_only || m.only >= 0)) continue;
+            const std::vector<Mat> layer = layer_of(m, mlp);
+            double mb = 0;
+            for (const Mat& x : layer) mb += x.n_vec * 16 / 1e6;
             if (pdl == 2 && bps == 4) continue;  // early triggers need room on the SM for the next kernel's blocks
             if (room && (pdl == 0 || bps != 2 || U == 4 || dep == 1 || dep >= 3)) continue;
             const int smem = room == 1 ? fill_smem(kernel_for(U, dep), bps) : 0;
@@ -380,7 +405,11 @@ int main(int argc, char** argv) {
               for (const Mat& x : layer) {
                 Args a{buf + off, x.n_vec, vec + (k % 2) * kMaxIn * 4, vec + ((k + 1) % 2) * kMaxIn * 4,
                        x.in_vec, x.out_vec, pdl, dep, x.norm, part + (k + 1) % 2 * kMaxPart,
-                       part + k % 2 * kMaxPart, sms * bps};
+                       part + k % 2 * kMaxPart, sms * bps, 0, 0};
+                if (mlp && mlp < 3 && &x == &layer.back()) {  // the split MLP adds into the next input
+                  a.atomic = mlp;
+                  a.red_n = m.H;
+                }
                 launch(kernel_for(U, dep), sms * bps, smem, room > 0, a, s);
                 off += x.n_vec;
                 k++;
@@ -399,7 +428,7 @@ int main(int argc, char** argv) {
               CK(cudaEventElapsedTime(&ms, e0, e1));
               if (it >= 3) t = std::min(t, ms);
             }
-            rows.push_back({&m, mb, pdl, dep, bps, U, room, t * 1e3 / m.layers});
+            rows.push_back({&m, mb, pdl, dep, bps, U, room, mlp, t * 1e3 / m.layers});
             best_gbs = std::max(best_gbs, mb * 1e6 / (t * 1e3 / m.layers * 1e-6) / 1e9);
             CK(cudaGraphExecDestroy(ge));
             CK(cudaGraphDestroy(g));
@@ -414,12 +443,12 @@ int main(int argc, char** argv) {
       std::printf(" %d", fa.numRegs);
     }
   std::printf(" (dep 0, dep 1-2, dep 3-10)\n");
-  std::printf("%-24s %6s %3s %3s %3s %3s %4s %9s %9s %7s\n", "model", "MB", "pdl", "dep", "bps", "U", "room",
-              "us/layer", "bytes us", "x bytes");
+  std::printf("%-24s %6s %3s %3s %3s %3s %4s %3s %9s %9s %7s\n", "model", "MB", "pdl", "dep", "bps", "U", "room",
+              "mlp", "us/layer", "bytes us", "x bytes");
   for (const Row& r : rows) {
     const double bytes_us = r.mb * 1e6 / (best_gbs * 1e9) * 1e6;
-    std::printf("%-24s %6.1f %3d %3d %3d %3d %4d %9.2f %9.2f %7.3f\n", r.m->name, r.mb, r.pdl, r.dep, r.bps, r.U,
-                r.room, r.us, bytes_us, r.us / bytes_us);
+    std::printf("%-24s %6.1f %3d %3d %3d %3d %4d %3d %9.2f %9.2f %7.3f\n", r.m->name, r.mb, r.pdl, r.dep, r.bps, r.U,
+                r.room, r.mlp, r.us, bytes_us, r.us / bytes_us);
   }
   std::printf("(MB: a layer's four matrices; us/layer: the chain's replay / layers, best of 20)\n");
   return 0;

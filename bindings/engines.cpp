@@ -239,7 +239,7 @@ void bind_engines(nb::module_& m) {
           "max_seq_len"_a, "threads"_a = 0, "max_batch"_a = 64, "act8"_a = 0,
           "threads: 0 = the cores available, else 1..1024; max_batch: sequence slots, 1..1024; act8: the quantized "
           "products' inputs rounded as the GPU's int8 inputs (CudaOptions.act8's twin): 0 never, -1 int4 "
-          "matrices, 2 every quantized matrix.")
+          "matrices, -2 int4 matrices but down, 2 every quantized matrix.")
       .def_prop_ro("threads", &ti::CpuEngine::threads)
       .def_prop_ro("act8", &ti::CpuEngine::act8)
       .def_prop_ro("weight_bytes", &ti::CpuEngine::weight_bytes, "Host memory of the weights, as held.");

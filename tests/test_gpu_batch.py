@@ -438,7 +438,7 @@ def test_act8_prefill_rounds_as_the_decode_step(model, fmt):
 # the batched products take them rounded to the same numbers (cuda/act8.cuh), on the default products and with every
 # product on the tensor-core small-N kernel, on the CUDA-core one or on cuBLASLt (PATHS' mma, small_n, cublaslt).
 NO_MMA = dict(batch_mma_max=0, batch_mma_f16_qkvo_max=0, batch_mma_f16_down_max=0)
-ACT8_PATHS = {"act8": dict(act8=2), "act8_mma": dict(batch_mma_max=64, batch_mma_f16_max=64, act8=2),
+ACT8_PATHS = {"act8": dict(act8=2), "act8_nodown": dict(act8=-2), "act8_mma": dict(batch_mma_max=64, batch_mma_f16_max=64, act8=2),
               "act8_small_n": dict(NO_MMA, batch_gemv_f16_max=64, batch_gemv_quant_max=64, act8=2),
               "act8_cublaslt": dict(NO_MMA, batch_gemv_f16_max=1, batch_gemv_quant_max=1, act8=2)}
 

@@ -182,20 +182,22 @@ CONFIGS = {
 }
 
 
-# -act8: act8 = 2 on both engines: every quantized product's input quantized to int8 (the decode GEMVs) or rounded
-# to those numbers (the prefill), the CPU engine rounding its inputs the same way (its twin); the others 0. The
+# -act8: act8 = 2 on both engines (-act8nodown: -2, int4's products but down's): every quantized product's input
+# quantized to int8 (the decode GEMVs) or rounded to those numbers (the prefill), the CPU engine rounding its inputs the same way (its twin); the others 0. The
 # int8 steps amplify the two engines' other differences (an input an fp16 rounding apart lands a whole step d =
 # amax / 127 away, layer after layer): measured (H100), the GPU sits as far from its twin (1.5-2.8% of the largest
 # logit, top-1 agreement 0.94-1.0) as from the CPU engine without the rounding. So -act8 is held to that level
 # (ACT8_TOL, ACT8_AGREE); the rounding itself is checked bit for bit (test_gpu_batch.py, test_quant.py).
 ACT8_TOL, ACT8_AGREE = 4e-2, 0.9
 @pytest.fixture(scope="module",
-                params=[(c, f) for c in sorted(CONFIGS) for f in ("int8", "int4", "int8-act8", "int4-act8")],
+                params=[(c, f) for c in sorted(CONFIGS) for f in ("int8", "int4", "int8-act8", "int4-act8",
+                                                                      "int4-act8nodown")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def engines(request, tmp_path_factory):
     name, fmt = request.param
     d = make_llama(tmp_path_factory.mktemp(name), vocab=700, **CONFIGS[name])
-    act8 = 2 if fmt.endswith("-act8") else 0  # int8 inputs wherever the kernel can / never
+    # int8 inputs wherever the kernel can / for int4's matrices but down / never
+    act8 = 2 if fmt.endswith("-act8") else -2 if fmt.endswith("-act8nodown") else 0
     dtype = fmt.split("-")[0]
     gpu = Engine(d, device="cuda", dtype=dtype, max_seq_len=400, act8=act8)
     cpu = Engine(d, device="cpu", dtype=dtype, max_seq_len=400, act8=act8)
@@ -227,8 +229,9 @@ def test_quantized_decode_matches_cpu(engines):
 def test_act8_is_a_per_role_choice_of_the_tuner(tmp_path):
     """CudaOptions.act8: 0 (the default) runs every GEMV on fp16 inputs, -1 every int4 one on int8 inputs and the
     int8 ones (int4's LM head among them) on fp16 inputs, without timing the other way; 2 every quantized one on
-    int8 inputs, 1 times each quantized role both ways and keeps the faster (with the picking rules and the step
-    check off: the fastest trial); fp16 weights never take int8 inputs; a value outside -1..2 is refused."""
+    int8 inputs, -2 as -1 but down on fp16 inputs, 1 times each quantized role both ways and keeps the faster (with
+    the picking rules and the step check off: the fastest trial); fp16 weights never take int8 inputs; a value
+    outside -2..2 is refused."""
     d = make_llama(tmp_path / "m", hidden=256, intermediate=512, layers=2, vocab=600)
 
     def table(dtype, act8):
@@ -240,6 +243,9 @@ def test_act8_is_a_per_role_choice_of_the_tuner(tmp_path):
     for g in table("int4", -1):
         on = g["name"] != "lm_head"  # (int8 under int4)
         assert g["act8"] == on and all(bool(a) == on for a in g["tried_act8"]), g
+    for g in table("int4", -2):
+        on = g["name"] not in ("lm_head", "down")
+        assert g["act8"] == on and all(bool(a) == on for a in g["tried_act8"]), g
     for g in table("int4", 0) + table("fp16", 1) + table("int8", -1):
         assert not g["act8"] and not any(g["tried_act8"]), g
     for g in table("int8", 2):
@@ -250,10 +256,10 @@ def test_act8_is_a_per_role_choice_of_the_tuner(tmp_path):
         assert len(tried) == 2 * len(set((R, b) for R, b, _ in tried))  # every (R, grid) both ways
         fastest = min(range(len(tried)), key=lambda i: g["us"][i])
         assert (g["R"], g["blocks_per_sm"], g["act8"]) == tried[fastest], g
-    for bad in (3, -2):
+    for bad in (3, -3):
         o = _core.CudaOptions()
         o.act8 = bad
-        with pytest.raises(InvalidRequestError, match="act8 must be -1"):
+        with pytest.raises(InvalidRequestError, match="act8 must be -2"):
             Engine(d, device="cuda", dtype="int4", max_seq_len=64, cuda_options=o)
 
 

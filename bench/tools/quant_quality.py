@@ -3,7 +3,8 @@ the dequantized numbers the GPU uses): perplexity on tests/data/eval.txt, top-1 
 engine at every position, and how many greedy tokens stay identical. Also int4 variants that were candidates
 for the format (group size 64 / 128, symmetric groups) and the per-channel int8 the Q8_0 blocks replaced,
 simulated by dequantizing in numpy. The formats with int8 inputs (act8, docs/perf/decode-options.md) on the CPU
-engine's twin of the GPU's rounding: int8 with act8 = 2, int4 with act8 = -1 (the int8 head on fp16 inputs) and 2.
+engine's twin of the GPU's rounding: int8 with act8 = 2, int4 with act8 = -1 (the int8 head on fp16 inputs), -2
+(and down on fp16 inputs) and 2.
 With --cuda, also the GPU engine's int8 and int4 decode with fp16 and with int8 inputs (CudaOptions.act8 = 0 / 2),
 every position fed through the decode graph (batched_prefill off).
     python bench/tools/quant_quality.py [model.gguf] [--tokens N] [--cuda] > bench/results/quant-quality-smollm2-135m.txt"""
@@ -105,6 +106,7 @@ def main() -> None:
             ("int4 g32 asym, int8 head", 0.625, "int4+int8head", None),
             ("int8, int8 in (act8 2)", 1.0625, None, "int8@2"),
             ("int4, int8 in (act8 -1)", 0.625, None, "int4@-1"),
+            ("int4, int8 in (act8 -2)", 0.625, None, "int4@-2"),
             ("int4, int8 in (act8 2)", 0.625, None, "int4@2")]
     if "--cuda" in sys.argv:
         rows += [("int8, GPU decode, fp16 in", 1.0625, None, ("int8", False)),

@@ -101,9 +101,9 @@ CpuEngine::CpuEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq
                      int64_t max_batch, int act8)
     : w_(std::move(weights)), cfg_(w_->config()), max_seq_(max_seq_len), act8_(act8) {
   if (!w_->finished()) fail(ErrorKind::Request, "CpuEngine: the WeightStore is not finished");
-  if (act8 != 0 && act8 != -1 && act8 != 2)
-    fail(ErrorKind::Request, "act8 must be 0 (off), -1 (int4 matrices) or 2 (every quantized matrix) on the CPU (got " +
-                                 std::to_string(act8) + ")");
+  if (act8 != 0 && act8 != -1 && act8 != -2 && act8 != 2)
+    fail(ErrorKind::Request, "act8 must be 0 (off), -1 (int4 matrices), -2 (int4 matrices but down) or 2 (every "
+                             "quantized matrix) on the CPU (got " + std::to_string(act8) + ")");
   if (max_seq_len < 1) fail(ErrorKind::Request, "max_seq_len must be >= 1 (got " + std::to_string(max_seq_len) + ")");
   check_max_batch(max_batch);
   pool_ = std::make_unique<ThreadPool>(checked_threads(threads));
@@ -145,8 +145,8 @@ void CpuEngine::attend(int64_t l, int64_t t, int64_t h, const RowSlot& row) {
   }
 }
 
-void CpuEngine::act8_inputs(float* x, int64_t n, int64_t K, WFormat f, bool normed) const {
-  const bool on = act8_ == 2 ? f != WFormat::F16 : act8_ == -1 && f == WFormat::I4;
+void CpuEngine::act8_inputs(float* x, int64_t n, int64_t K, WFormat f, bool normed, bool down) const {
+  const bool on = act8_ == 2 ? f != WFormat::F16 : (act8_ == -1 || (act8_ == -2 && !down)) && f == WFormat::I4;
   if (!on || K % 32 != 0 || (normed && K > 8192)) return;  // (where the GPU's kernels keep fp16 inputs too)
   for (int64_t t = 0; t < n; t++) act8_round(x + t * K, K);
 }
@@ -189,7 +189,7 @@ void CpuEngine::run_layer(int64_t l, const RowSlot* rows, int64_t n) {
   matmul(gate_.data(), xn_.data(), *L.w_gate, n, *pool_);
   matmul(up_.data(), xn_.data(), *L.w_up, n, *pool_);
   swiglu(gate_.data(), up_.data(), n * I);
-  act8_inputs(gate_.data(), n, I, f, false);
+  act8_inputs(gate_.data(), n, I, f, false, true);
   matmul(tmp_.data(), gate_.data(), *L.w_down, n, *pool_);
   for (int64_t i = 0; i < n * H; i++) x_[i] += tmp_[i];
 }

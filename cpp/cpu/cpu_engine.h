@@ -33,8 +33,8 @@ class CpuEngine {
   // threads: 0 = the cores available (default_threads()), else 1..kMaxThreads; max_batch: 1..kMaxBatch
   // (else ti::Error naming it). act8: the GPU engine's CudaOptions::act8, its reference — the input of a quantized
   // product rounded as the GPU quantizes it to int8 (fp16, then d xq per group of 32: cuda/act8.cuh): 0 never,
-  // -1 for int4 matrices, 2 for every quantized matrix (1, the GPU's timed choice per role, has no twin here: a
-  // Request error like any other value).
+  // -1 for int4 matrices, -2 for int4 matrices but down, 2 for every quantized matrix (1, the GPU's timed choice
+  // per role, has no twin here: a Request error like any other value).
   CpuEngine(std::shared_ptr<const WeightStore> weights, int64_t max_seq_len, int64_t threads = 0,
             int64_t max_batch = 64, int act8 = 0);
   int act8() const { return act8_; }
@@ -107,8 +107,9 @@ class CpuEngine {
   void run_layer(int64_t layer, const RowSlot* rows, int64_t n);
   void attend(int64_t layer, int64_t t, int64_t head, const RowSlot& row);
   // x (n, K) rounded in place for a product with a matrix of format f (act8_ above; normed: an RMSNorm's output,
-  // which the GPU takes as int8 only up to K = 8,192). Each buffer rounded here feeds matrices of one format only.
-  void act8_inputs(float* x, int64_t n, int64_t K, WFormat f, bool normed) const;
+  // which the GPU takes as int8 only up to K = 8,192; down: the down projection's input, which -2 leaves alone).
+  // Each buffer rounded here feeds matrices of one format only.
+  void act8_inputs(float* x, int64_t n, int64_t K, WFormat f, bool normed, bool down = false) const;
   // The single sequence's tokens [pos0, pos0 + m) through run(); its last logits kept in last_logits_.
   void run_single(const int32_t* tokens, int64_t m, int64_t pos0, int64_t first_logit_row, float* logits);
 

@@ -113,8 +113,9 @@ void CudaEngine::init_device() {
     cuda::check_attn_rows_heads(a);
   }
   if (opt_.gemv_grid < -1 || opt_.gemv_grid > 2) fail(ErrorKind::Request, "gemv_grid must be -1 (tuned), 0, 1 or 2");
-  if (opt_.act8 < -1 || opt_.act8 > 2)
-    fail(ErrorKind::Request, "act8 must be -1 (int4 weights), 0 (off), 1 (tuned per role) or 2 (on)");
+  if (opt_.act8 < -2 || opt_.act8 > 2)
+    fail(ErrorKind::Request,
+         "act8 must be -2 (int4 weights but down), -1 (int4 weights), 0 (off), 1 (tuned per role) or 2 (on)");
   if (!(opt_.gemv_resident_margin >= 0 && opt_.gemv_resident_margin <= 1))
     fail(ErrorKind::Request, "gemv_resident_margin must be in [0, 1]");
   for (const GemvPin& pin : opt_.gemv_pins) {

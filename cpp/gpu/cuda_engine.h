@@ -59,8 +59,9 @@ struct CudaOptions {
   // the batched step and the prefill then round those products' inputs to the same numbers (cuda/act8.cuh); the
   // persistent step does not, so it is not built where a role takes int8 inputs. 0 never (default: weights-only
   // quantization, docs/ARCHITECTURE.md); -1 int4 matrices wherever the kernel can, int8 ones never (their fp16-input
-  // GEMV is as fast); 1 each quantized role timed with and without at load; 2 every quantized matrix wherever the
-  // kernel can.
+  // GEMV is as fast); -2 as -1 but down (its long input quantized again in every block, and its rounding a kernel a
+  // layer in the batched step); 1 each quantized role timed with and without at load; 2 every quantized matrix
+  // wherever the kernel can.
   int act8 = 0;
   std::vector<GemvPin> gemv_pins;      // variants forced after tuning (A/B runs: bench/tools/ab_decode.py)
   int64_t decode_long_from = -1;       // long-context decode graph: -1 tuned, 0 none, n > 0 from context n

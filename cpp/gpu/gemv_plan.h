@@ -96,7 +96,7 @@ struct GemvTuneOptions {
   bool small_tiles = true;
   std::vector<GemvPin> pins;
   int act8 = 0;                  // quantized roles where act8_applies: 0 fp16 inputs, 1 timed both ways, 2 int8,
-                                 // -1 int8 for int4 matrices and fp16 for int8 ones
+                                 // -1 int8 for int4 matrices and fp16 for int8 ones, -2 as -1 but down
   bool mma = false;              // also time kGemvMmaOneRow where it fits, unless rows / grid narrow the search or
                                  // act8 = 2 puts the role on int8 inputs
 };

@@ -98,6 +98,7 @@ class Engine:
         when stderr is a terminal; False: silent). threads: the CPU engine's (default: the cores this process may
         use; the thread count never changes a result). act8: int8 inputs for the quantized matrices' products
         (dtype int8 / int4; docs/perf/decode-options.md): 0 none (weight-only quantization), -1 the int4 matrices',
+        -2 the int4 matrices' but down's,
         2 every quantized matrix's, 1 (cuda) chosen per role by timing at load; None: cuda_options.act8 on cuda
         (default 0), 0 on the CPU, whose engine rounds the inputs as the GPU quantizes them."""
         self._core = None  # first: close() and repr must work on an engine whose loading failed

@@ -110,10 +110,9 @@ def test_sentencepiece_tokenizer_matches_transformers(tiny_gguf_dir):
         assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
     assert tok.encode("<tool>", add_special_tokens=False) == [len(spm_vocab()[0]) - 1]  # user-defined: whole
     msgs = [{"role": "user", "content": "hello world"}]
-    # transformers 5.17 (the GPU machine's) reads this file's EOS as id 1 ("<s>"; 5.25 reads the file's 2, "</s>"),
-    # so its render of the template's eos_token is wrong there; the tokens below pin ours either way
-    if ref.eos_token == tok.eos_token:
-        assert tok.render_chat(msgs) == ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    # (our special tokens passed in: transformers 5.17, the GPU machine's, reads this file's EOS as id 1, "<s>")
+    assert tok.render_chat(msgs) == ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
+                                                            bos_token=tok.bos_token, eos_token=tok.eos_token)
     # the rendered chat has <s> / </s> in the text: each following stretch gets the dummy prefix (llama.cpp), where
     # transformers' conversion gives none
     toks = spm_vocab()[0]

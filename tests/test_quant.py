@@ -165,9 +165,9 @@ def test_act8_rounding_is_the_rule():
 
 def test_act8_twin_on_the_cpu(tmp_path):
     """Engine(act8=...) on the CPU, the twin of the GPU's int8 inputs: -1 rounds the inputs of the int4 matrices'
-    products only (an int8 model is as act8 = 0), -2 those but down's, 2 every quantized matrix's (int4's int8 LM
-    head too); an fp32 model never changes; the rounding moves the logits a little; values with no CPU twin are
-    refused."""
+    products only (an int8 model is as act8 = 0), -2 those but down's (with the down matrices zero it is -1), 2 every
+    quantized matrix's (int4's int8 LM head too); an fp32 model never changes; the rounding moves the logits a
+    little; values with no CPU twin are refused."""
     d = make_llama(tmp_path / "m", hidden=128, intermediate=256, heads=2, kv_heads=1, vocab=300)
     ids = list(range(3, 40))
 
@@ -182,6 +182,16 @@ def test_act8_twin_on_the_cpu(tmp_path):
     for a, b in ((auto4, base4), (nodown4, base4), (auto4, nodown4), (all4, auto4), (all8, base8)):
         assert 0 < np.abs(a - b).max() / np.abs(b).max() < 0.1
     assert Engine(d, device="cpu", dtype="int4", max_seq_len=64, act8=-2)._core.act8 == -2
+    # -2 leaves exactly down's input alone: with every down matrix zero, that input meets nothing, and -2 is -1
+    from safetensors.numpy import load_file, save_file
+
+    w = load_file(d / "model.safetensors")
+    for k in w:
+        if k.endswith("mlp.down_proj.weight"):
+            w[k] = np.zeros_like(w[k])
+    save_file(w, d / "model.safetensors", metadata={"format": "pt"})
+    np.testing.assert_array_equal(logits("int4", -2), logits("int4", -1))
+    assert np.abs(logits("int4", -2) - logits("int4", 0)).max() > 0
     for bad in (1, 3, -3):
         with pytest.raises(InvalidRequestError, match="act8 must be 0 .off., -1 .int4 matrices., -2 .* or 2"):
             Engine(d, device="cpu", dtype="int4", max_seq_len=64, act8=bad)

@@ -412,12 +412,13 @@ def test_act8_rounding_refuses_what_it_cannot_round():
     check_small_n_product(False, "int4", 992, 70, "f16-add", 3, act8=True)  # and the kernels still run
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_act8_prefill_rounds_as_the_decode_step(model, fmt):
-    """With act8 = 2 the prefill's GEMMs take their inputs rounded as the decode GEMVs quantize theirs: a prompt's
-    last logits from Engine.logits (one prefill) and from a decode step over the same tokens agree within
-    ACT8_LOGIT_TOL, and closer than act8 = 0's prefill does (the rounding is what brings them together)."""
-    on, off = gpu_engine(model, fmt, act8=2), gpu_engine(model, fmt)
+@pytest.mark.parametrize("fmt,act8", [("int8", 2), ("int4", 2), ("int4", -2)])
+def test_act8_prefill_rounds_as_the_decode_step(model, fmt, act8):
+    """With act8 = 2 (int4: also -2, down's input left in fp16) the prefill's GEMMs take their inputs rounded as the
+    decode GEMVs quantize theirs: a prompt's last logits from Engine.logits (one prefill) and from a decode step over
+    the same tokens agree within ACT8_LOGIT_TOL, and closer than act8 = 0's prefill does (the rounding is what brings
+    them together)."""
+    on, off = gpu_engine(model, fmt, act8=act8), gpu_engine(model, fmt)
     p = prompts(3, seed=5)[2]  # (75 tokens)
     core = on._core
     s = core.seq_open()

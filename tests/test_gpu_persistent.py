@@ -248,15 +248,16 @@ def test_auto_falls_back_where_persistent_cannot_run(tmp_path):
     assert fp16.decode_path == P.Persistent and fp16.persistent_problem == ""
 
 
-def test_act8_keeps_the_graph_path(tmp_path):
+@pytest.mark.parametrize("act8", [-1, -2])
+def test_act8_keeps_the_graph_path(tmp_path, act8):
     """The persistent step stages fp16 inputs, where with act8 the prefill and the batched step round a role's inputs
-    as its int8-input GEMV takes them: int4 with act8 = -1 refuses the persistent path and names why, Auto takes the
-    graph path; int8 with act8 = -1 (no role on int8 inputs) keeps the persistent step."""
+    as its int8-input GEMV takes them: int4 with act8 = -1 or -2 refuses the persistent path and names why, Auto
+    takes the graph path; int8 with act8 = -1 / -2 (no role on int8 inputs) keeps the persistent step."""
     m = make_llama(tmp_path, hidden=256, intermediate=512, layers=1, heads=4, kv_heads=2, vocab=512)
 
     def core(path, dtype):
         return Engine(m, device="cuda", dtype=dtype, max_seq_len=128, plan_cache=False,
-                      cuda_options=options(path, act8=-1))._core
+                      cuda_options=options(path, act8=act8))._core
 
     with pytest.raises(UnsupportedModelError, match="decode_path = persistent: .*CudaOptions.act8 puts qkv"):
         core(P.Persistent, "int4")

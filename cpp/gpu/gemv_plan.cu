@@ -242,8 +242,9 @@ GemvPlan tune_gemv_plan(const ModelConfig& c, const DeviceWeights& w, const Deco
   for (Shape& sh : shapes) {
     sh.spec.copies = (int)sh.copies.size();
     const WFormat fmt = sh.copies[0].fmt;
-    const bool i4 = fmt == WFormat::I4 && !(o.act8 == -2 && sh.spec.role == MatrixRole::Down);
-    const int a8 = o.act8 >= 0 ? o.act8 : i4 ? 2 : 0;
+    // -1 / -2: int8 inputs for the int4 matrices, fp16 for the others (-2: and for down's)
+    const bool int4_on = fmt == WFormat::I4 && !(o.act8 == -2 && sh.spec.role == MatrixRole::Down);
+    const int a8 = o.act8 >= 0 ? o.act8 : int4_on ? 2 : 0;
     if (a8 > 0 && fmt != WFormat::F16 && cuda::gemv_act8_ok(sh.spec.K, sh.in))
       sh.spec.act8_lo = a8 == 2, sh.spec.act8_hi = 1;
     sh.spec.bytes = (double)quant_bytes(sh.copies[0].fmt, sh.spec.rows, sh.spec.K);  // as stored, scales included

@@ -6,8 +6,8 @@
 // per SM looping over tiles (GemvParams::blocks_per_sm); R and the grid are timed per shape at load, from graph
 // replays. Each lane reads 16 bytes (a word: 8 fp16 weights) per row per step: fp16 and int8 weights
 // (gemv_pipe_kernel) in chunks of 8 / R steps, the next chunk's loads issued before this chunk's dot products;
-// int4 and the int8-input kernels (gemv_kernel) in rounds of 4 steps (4R loads in flight per lane, issued
-// before the round's dot products, none while they are computed); the input vector is staged once per block
+// int4 weights (gemv_kernel) in rounds of 4 steps (4R loads in flight per lane, issued before the round's dot
+// products, none while they are computed); the input vector is staged once per block
 // in shared memory as fp16 (16-byte reads laid out so that a warp's reads are contiguous: no bank conflicts),
 // then each row's dot is reduced across the warp with shuffles. (Not in split-K with fp16 weights and an fp16
 // input: there each warp reads its own eighth of the input straight from global memory.)
@@ -351,12 +351,10 @@ __device__ __forceinline__ void round4(const TileHead<WF, R, P>& h, const __half
 // either one block per tile, or a few blocks per SM that loop over tiles — then the input is staged once per
 // block, not once per tile, the next tile's first words are in flight while a tile is reduced and stored, and
 // the kernel leaves room on each SM for the next kernel's blocks to start (PDL) and fetch their weights.
-// kI8A8 is held to 2 blocks per SM (128 registers: left alone its R = 4 took 132, one block per SM). (Minimum 0
-// elsewhere = no hint: an explicit 1 changes ptxas' choices for every variant.) fp16 and int8 weights take
-// gemv_pipe_kernel below instead (kGemvPipelined).
+// (No minimum of blocks per SM: an explicit 1 changes ptxas' choices for every variant.) fp16 and int8 weights,
+// on either input, take gemv_pipe_kernel below instead (kGemvPipelined).
 template <WFormat WF, int R, GemvIn IN, GemvOut OUT>
-__global__ void __launch_bounds__(kGemvThreads, WF == kI8A8 ? 2 : 0)
-    gemv_kernel(GemvParams p) {
+__global__ void __launch_bounds__(kGemvThreads) gemv_kernel(GemvParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __half* xs = reinterpret_cast<__half*>(smem_raw);  // the staged input (ld halves)
   float* nws = reinterpret_cast<float*>(xs + p.ld);    // F32Norm: the RMSNorm weight (K floats)
@@ -437,10 +435,11 @@ __global__ void __launch_bounds__(kGemvThreads, WF == kI8A8 ? 2 : 0)
 // but a row is streamed in chunks of P = 8 / R steps (8 words a lane, as gemv_kernel's head) and chunk i + 1's
 // loads — or, after a tile's last chunk, the next tile's first chunk — are issued before chunk i's dot products,
 // so a lane keeps 8 words in flight while it computes (gemv_kernel: 4R at a round's start, none while it
-// computes). Why only fp16 and int8: int4's word loop is bound by its instruction issue, not by loads in
-// flight, and the chunk's copies and guards made its step slower, on int8 inputs (act8) too, and even without
-// the copies (docs/perf/persistent.md §20); int8 weights on int8 inputs were not tried. Those keep gemv_kernel.
-template <WFormat WF> constexpr bool kGemvPipelined = WF == WFormat::F16 || WF == WFormat::I8;
+// computes). Why not int4: its word loop is bound by its instruction issue, not by loads in flight, and the
+// chunk's copies and guards made its step slower, on int8 inputs (act8) too, and even without the copies
+// (docs/perf/persistent.md §20, §49). int8 weights on int8 inputs (kI8A8) gain from it where rows are short
+// (§49); int4 keeps gemv_kernel.
+template <WFormat WF> constexpr bool kGemvPipelined = WF == WFormat::F16 || kIsI8<WF>;
 // Whether a chunk's steps past the row are skipped warp-uniformly (else each lane's guard predicates them): on
 // for int8, measured so (without it the compiler predicated the dot products of the steps past a short row);
 // fp16 was measured without it.
@@ -505,7 +504,7 @@ __device__ __forceinline__ void dot_chunk(const TileRows<WF, R>& t, const Chunk<
 
 // Held to 2 blocks per SM (128 registers): two chunks of registers a lane. fp16 fits at every R (94-128) and int8
 // at R <= 2 (112-126: R = 1 loses the third block per SM the round kernel had at 80); int8 at R = 4 spills 36-172
-// bytes (ptxas, CUDA 13), which the tuner weighs like any other cost of a variant.
+// bytes, kI8A8 at R = 4 0-64 (ptxas, CUDA 13), which the tuner weighs like any other cost of a variant.
 template <WFormat WF, int R, GemvIn IN, GemvOut OUT>
 __global__ void __launch_bounds__(kGemvThreads, 2) gemv_pipe_kernel(GemvParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -15,6 +15,7 @@
 #ifdef TINYINFER_WITH_CUDA
 #include "../cuda/bandwidth.cuh"
 #include "../cuda/device.cuh"
+#include "../cuda/sm_partition.cuh"
 #include "kernel_tests.h"
 #endif
 
@@ -170,6 +171,20 @@ void bind_ops(nb::module_& m) {
       .value("AddF32", ti::cuda::GemmOut::AddF32)
       .value("F16", ti::cuda::GemmOut::F16);
   ops.def("cuda_compiled", []() { return true; });
+  ops.def(
+      "restrict_to_sms",
+      [](int sms) {
+        const ti::cuda::SmPartition p = ti::cuda::restrict_to_sms(sms);
+        nb::dict d;
+        d["sms"] = p.sms;
+        d["device_sms"] = p.device_sms;
+        d["min_partition"] = p.min_partition;
+        d["alignment"] = p.alignment;
+        return d;
+      },
+      "sms"_a,
+      "Hold this thread's CUDA work (engines made after the call included) to a green context of at least `sms` "
+      "SMs of GPU 0 (cuda/sm_partition.cuh): benchmarks only. Call before anything else uses CUDA.");
   ops.def("device_status", []() {
     ti::cuda::DeviceStatus s = ti::cuda::device_status();
     nb::dict d;
@@ -578,6 +593,10 @@ void bind_ops(nb::module_& m) {
       "'top_lp', 'seen', 'counts' (the histories after the call)}.");
 #else
   ops.def("cuda_compiled", []() { return false; });
+  ops.def(
+      "restrict_to_sms",
+      [](int) -> nb::dict { ti::fail(ti::ErrorKind::Device, "restrict_to_sms: tinyinfer was built without CUDA"); },
+      "sms"_a);
   ops.def("device_status", []() {
     nb::dict d;
     d["usable"] = false;

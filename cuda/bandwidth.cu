@@ -49,9 +49,7 @@ void launch_stream_read(const uint4* data, size_t n_vec, uint32_t* sink, int blo
 }
 
 BandwidthResult measure_read_bandwidth(size_t bytes, int iters) {
-  int dev = 0, sms = 0;
-  TI_CUDA_CHECK(cudaGetDevice(&dev));
-  TI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int sms = sm_count();  // (held to part of the GPU: that part's SMs, sm_partition.cuh)
   const size_t n_vec = std::max<size_t>(bytes / 16, 1);
   BandwidthResult r;
   r.blocks = sms * 8;

@@ -34,7 +34,10 @@ namespace ti::cuda {
   } while (0)
 
 // Multiprocessors of the current device, asked once per process (the engine uses one device): grid sizing.
+// A benchmark that held the process to part of the GPU (sm_partition.cuh) sets the override first.
+extern int g_sm_count_override;
 inline int sm_count() {
+  if (g_sm_count_override > 0) return g_sm_count_override;
   static const int n = [] {
     int dev = 0, v = 0;
     TI_CUDA_CHECK(cudaGetDevice(&dev));

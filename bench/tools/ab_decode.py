@@ -9,7 +9,9 @@ rounds (default 3) so that drift hits all alike, and each row reports the best a
 gives every engine the first one's GEMV plan where their plan keys agree (env items and options outside the key). A round
 times `--steps` consecutive steps (default 200) from the context on; `--max-seq=N` sizes the engines (default
 max(context + 300, 512)). `--gemv`
-also prints each variant's GEMV picks (R, grid) and their GB/s timed alone. A spec's `env.NAME=V` items are set in
+also prints each variant's GEMV picks (R, grid) and their GB/s timed alone. `--sms=N` holds the whole process to N
+of the GPU's SMs (a green context, `_core.ops.restrict_to_sms`; it prints the read bandwidth there): an H100 at 88 of
+its 132 SMs asks each SM for an H200's bytes per second (docs/perf/persistent.md §49). A spec's `env.NAME=V` items are set in
 the environment while that engine loads (its graphs are captured then): an experiment build's switches, side by side
 in one process."""
 
@@ -48,6 +50,12 @@ def main() -> None:
     steps = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--steps=")), 200)
     shape, dtype, ctx, specs = args[0], args[1], int(args[2]), args[3:] or [""]
     max_seq = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--max-seq=")), max(ctx + 300, 512))
+    sms = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--sms=")), 0)
+    if sms:
+        part = _core.ops.restrict_to_sms(sms)
+        bw = _core.ops.read_bandwidth()["gb_per_s"]
+        print(f"held to {part['sms']} of {part['device_sms']} SMs: read bandwidth {bw:,.0f} GB/s "
+              f"({bw / part['sms']:.1f} a SM)")
     engines = [make(shape, max_seq, specs[0], dtype)]
     # --same-plan: the first engine's GEMV plan for the others (where their options give the same plan key), so
     # that two tunings' differences (up to ~2% a step) do not hide an experiment's

@@ -209,6 +209,7 @@ void bind_ops(nb::module_& m) {
         d["bytes"] = r.bytes;
         d["best_ms"] = r.best_ms;
         d["blocks"] = r.blocks;
+        d["sm_mhz"] = r.sm_mhz;
         return d;
       },
       "bytes"_a = (size_t)1 << 31, "iters"_a = 20,

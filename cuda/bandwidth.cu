@@ -17,7 +17,20 @@ namespace ti::cuda {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 
-__global__ void stream_read_kernel(const uint4* __restrict__ data, size_t n_vec, uint32_t* __restrict__ sink) {
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// clk (optional): block 0's SM cycles and nanoseconds over its whole pass, so (cycles / ns) is that SM's clock
+// while the memory streams at full rate (a GPU held by its power limit under memory traffic clocks down, and the
+// quantized GEMVs, bound partly by their instruction issue, slow with it: docs/perf/persistent.md §49).
+__global__ void stream_read_kernel(const uint4* __restrict__ data, size_t n_vec, uint32_t* __restrict__ sink,
+                                   unsigned long long* __restrict__ clk) {
+  const bool timer = clk && blockIdx.x == 0 && threadIdx.x == 0;
+  unsigned long long c0 = 0, t0 = 0;
+  if (timer) c0 = clock64(), t0 = global_ns();
   const size_t stride = (size_t)gridDim.x * blockDim.x;
   size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   uint32_t acc = 0;
@@ -41,10 +54,12 @@ __global__ void stream_read_kernel(const uint4* __restrict__ data, size_t n_vec,
     for (int w = 0; w < kThreads / 32; w++) r ^= warp_acc[w];
     sink[blockIdx.x] = r;
   }
+  if (timer) clk[0] = clock64() - c0, clk[1] = global_ns() - t0;
 }
 
-void launch_stream_read(const uint4* data, size_t n_vec, uint32_t* sink, int blocks, cudaStream_t stream) {
-  stream_read_kernel<<<blocks, kThreads, 0, stream>>>(data, n_vec, sink);
+void launch_stream_read(const uint4* data, size_t n_vec, uint32_t* sink, int blocks, cudaStream_t stream,
+                        unsigned long long* clk) {
+  stream_read_kernel<<<blocks, kThreads, 0, stream>>>(data, n_vec, sink, clk);
   TI_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -55,11 +70,13 @@ BandwidthResult measure_read_bandwidth(size_t bytes, int iters) {
   r.blocks = sms * 8;
   r.bytes = (double)n_vec * 16.0;
   uint4* data = nullptr;
-  uint32_t* sink = nullptr;
+  uint32_t* sink = nullptr;  // the blocks' words, then the clock's two counters (cycles, ns)
   cudaEvent_t start = nullptr, stop = nullptr;
   TI_CUDA_CHECK(cudaMalloc(&data, n_vec * 16));
   try {
-    TI_CUDA_CHECK(cudaMalloc(&sink, (size_t)r.blocks * sizeof(uint32_t)));
+    const size_t sink_words = ((size_t)r.blocks + 1) / 2 * 2;  // 8-byte aligned counters after the words
+    TI_CUDA_CHECK(cudaMalloc(&sink, sink_words * sizeof(uint32_t) + 2 * sizeof(unsigned long long)));
+    unsigned long long* clk = reinterpret_cast<unsigned long long*>(sink + sink_words);
     TI_CUDA_CHECK(cudaMemset(data, 1, n_vec * 16));
     TI_CUDA_CHECK(cudaEventCreate(&start));
     TI_CUDA_CHECK(cudaEventCreate(&stop));
@@ -67,11 +84,16 @@ BandwidthResult measure_read_bandwidth(size_t bytes, int iters) {
     float best = 1e30f;
     for (int it = 0; it < std::max(iters, 1); it++) {
       TI_CUDA_CHECK(cudaEventRecord(start, 0));
-      launch_stream_read(data, n_vec, sink, r.blocks, 0);
+      launch_stream_read(data, n_vec, sink, r.blocks, 0, clk);
       TI_CUDA_CHECK(cudaEventRecord(stop, 0));
       TI_CUDA_CHECK(cudaEventSynchronize(stop));
       float ms = 0;
       TI_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      if (ms < best) {
+        unsigned long long c[2] = {0, 0};
+        TI_CUDA_CHECK(cudaMemcpy(c, clk, sizeof(c), cudaMemcpyDeviceToHost));
+        r.sm_mhz = c[1] ? 1e3 * (double)c[0] / (double)c[1] : 0.0;
+      }
       best = std::min(best, ms);
     }
     r.best_ms = best;
@@ -120,7 +142,7 @@ uint32_t stream_read_xor(const void* host, size_t bytes, int blocks) {
   if (err == cudaSuccess) err = cudaMemcpy(data, host, bytes, cudaMemcpyHostToDevice);
   if (err == cudaSuccess) err = cudaMemset(sink, 0xAB, (size_t)blocks * sizeof(uint32_t));  // poison
   if (err == cudaSuccess) {
-    stream_read_kernel<<<blocks, kThreads>>>(data, n_vec, sink);
+    stream_read_kernel<<<blocks, kThreads>>>(data, n_vec, sink, nullptr);
     err = cudaGetLastError();
   }
   if (err == cudaSuccess) err = cudaMemcpy(out.data(), sink, out.size() * 4, cudaMemcpyDeviceToHost);

@@ -8,13 +8,16 @@
 namespace ti::cuda {
 
 // One pass over n_vec 16-byte words; each block writes one word of sink so the reads cannot be removed.
-void launch_stream_read(const uint4* data, size_t n_vec, uint32_t* sink, int blocks, cudaStream_t stream);
+// clk (optional, device): block 0's SM cycles and nanoseconds over the pass.
+void launch_stream_read(const uint4* data, size_t n_vec, uint32_t* sink, int blocks, cudaStream_t stream,
+                        unsigned long long* clk = nullptr);
 
 struct BandwidthResult {
   double gb_per_s = 0;   // 1e9 bytes per second, best of the timed passes
   double bytes = 0;      // bytes read per pass
   double best_ms = 0;
   int blocks = 0;
+  double sm_mhz = 0;     // one SM's clock during the best pass (cycles over the global timer's ns)
 };
 
 // Measures this GPU's read bandwidth: allocates `bytes` (rounded to 16), warms up, times `iters` passes with

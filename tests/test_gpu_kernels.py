@@ -32,6 +32,8 @@ def test_read_bandwidth_reports_its_bytes_and_rate():
     r = _core.ops.read_bandwidth(1 << 28, 5)
     assert r["bytes"] == 1 << 28 and r["best_ms"] > 0 and r["blocks"] >= 1
     assert r["gb_per_s"] == pytest.approx(r["bytes"] / (r["best_ms"] * 1e-3) / 1e9, rel=1e-9)
+    # One SM's clock over the best pass, cycles / global-timer ns: a GPU clock, not a count of another unit.
+    assert 200 < r["sm_mhz"] < 4000, r
 
 
 # ---- GEMV (cuda/gemv.cu) vs numpy ----

@@ -53,9 +53,9 @@ def main() -> None:
     sms = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--sms=")), 0)
     if sms:
         part = _core.ops.restrict_to_sms(sms)
-        bw = _core.ops.read_bandwidth()["gb_per_s"]
-        print(f"held to {part['sms']} of {part['device_sms']} SMs: read bandwidth {bw:,.0f} GB/s "
-              f"({bw / part['sms']:.1f} a SM)")
+        bw = _core.ops.read_bandwidth()
+        print(f"held to {part['sms']} of {part['device_sms']} SMs: read bandwidth {bw['gb_per_s']:,.0f} GB/s "
+              f"({bw['gb_per_s'] / part['sms']:.1f} a SM), SM clock {bw['sm_mhz']:,.0f} MHz")
     engines = [make(shape, max_seq, specs[0], dtype)]
     # --same-plan: the first engine's GEMV plan for the others (where their options give the same plan key), so
     # that two tunings' differences (up to ~2% a step) do not hide an experiment's

@@ -147,12 +147,13 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
         core = _core.CudaEngine.random(cfg, max_seq, 1, opts)
         name = shape or "tinyllama-1.1b"
     load_s = time.perf_counter() - t0
-    res = {"model": name, "dtype": dtype, "device": core.device_name, "read_bandwidth_gb_s": gbs, "load_s": load_s,
+    res = {"model": name, "dtype": dtype, "device": core.device_name, "read_bandwidth_gb_s": gbs,
+           "read_sm_mhz": bw["sm_mhz"], "load_s": load_s,
            "pdl": core.uses_pdl, "graphs": core.uses_graphs, "weight_bytes_on_device": core.weight_bytes,
            "scratch_bytes": core.scratch_bytes, "kv_cache_bytes": core.kv_cache_bytes, "decode": [], "gemv": [],
            "attention": [], "tune_s": core.tune_seconds, "tune_parts": core.tune_parts,
            "plan_from_cache": core.plan_from_cache}
-    out(f"tinyinfer bench: {name} ({dtype} weights, {core.weight_bytes / 1e6:,.0f} MB) on {core.device_name} | read bandwidth {gbs:,.0f} GB/s (cuda/bandwidth.cu) | "
+    out(f"tinyinfer bench: {name} ({dtype} weights, {core.weight_bytes / 1e6:,.0f} MB) on {core.device_name} | read bandwidth {gbs:,.0f} GB/s (cuda/bandwidth.cu; SM clock {bw['sm_mhz']:,.0f} MHz) | "
         f"PDL {'on' if core.uses_pdl else 'off'}, graphs {'on' if core.uses_graphs else 'off'} | "
         f"scratch {core.scratch_bytes / 2**20:.1f} MiB | load {load_s:.2f} s, tuning {core.tune_seconds:.2f} s"
         f"{' (a saved plan)' if core.plan_from_cache else ''}")

@@ -20,12 +20,14 @@ F entry(const char* name) {
   cudaDriverEntryPointQueryResult q{};
   TI_CUDA_CHECK(cudaGetDriverEntryPointByVersion(name, &fn, 12040, cudaEnableDefault, &q));
   if (q != cudaDriverEntryPointSuccess || !fn)
-    fail(ErrorKind::Device, std::string("restrict_to_sms: the driver has no ") + name + " (green contexts need CUDA 12.4+)");
+    fail(ErrorKind::Device,
+         std::string("restrict_to_sms: the driver has no ") + name + " (green contexts need CUDA 12.4+)");
   return reinterpret_cast<F>(fn);
 }
 
 void check(CUresult r, const char* what) {
-  if (r != CUDA_SUCCESS) fail(ErrorKind::Device, std::string("restrict_to_sms: ") + what + " failed (CUresult " + std::to_string((int)r) + ")");
+  if (r != CUDA_SUCCESS)
+    fail(ErrorKind::Device, std::string("restrict_to_sms: ") + what + " failed (CUresult " + std::to_string((int)r) + ")");
 }
 
 }  // namespace

@@ -375,7 +375,7 @@ void bind_engines(nb::module_& m) {
       .value("Graph", ti::DecodePath::Graph)
       .value("Persistent", ti::DecodePath::Persistent)
       .value("Auto", ti::DecodePath::Auto);
-  nb::class_<ti::CudaOptions>(m, "CudaOptions", "The GPU engine's options (cpp/gpu/cuda_engine.h).")
+  nb::class_<ti::CudaOptions>(m, "CudaOptions", "The GPU engine's options (cpp/gpu/cuda_options.h).")
       .def(nb::init<>())
       // (Engine copies the caller's options before it sets weights / act8 on them: copy.copy works)
       .def("__copy__", [](const ti::CudaOptions& o) { return o; })

@@ -80,7 +80,7 @@ __device__ void stage_normed(const float* x, const float* w, float eps, int K, i
     xs[i] = i < K ? __float2half(x[i] * inv * w[i]) : __float2half(0.0f);
 }
 
-// The normed row's fast path, staged as the decode GEMV stages it (gemv.cu) and with stage_normed's bits: the RMSNorm
+// The normed row's fast path, staged as the decode GEMV stages it (gemv_stage.cuh) and with stage_normed's bits: the RMSNorm
 // weight, itself a weight, copied before the PDL wait into shared memory (cp.async: no register and no stall; each
 // thread the float4s it reads later, so no barrier); after the wait the row's NV float4s a thread held in registers
 // from the sum of squares (stage_normed's order) to the write, and the block's sum with one barrier (block_sum_once).

@@ -478,6 +478,10 @@ def test_gemv_and_trace_options_are_checked():
     bad.decode_long_from = -2
     with pytest.raises(InvalidRequestError, match="decode_long_from"):
         _core.CudaEngine.random(cfg, 256, 1, bad)
+    bad = _core.CudaOptions()  # (checked before the build's own trace check: any build)
+    bad.gemv_pins, bad.trace = [_core.GemvPin(Role.O, 16, 0)], True
+    with pytest.raises(InvalidRequestError, match=r"tensor-core product \(16\) has no trace stamps"):
+        _core.CudaEngine.random(cfg, 256, 1, bad)
     forced = _core.CudaOptions()
     forced.gemv_pins = [_core.GemvPin(Role.Qkv, 1, 0), _core.GemvPin(Role.Down, 8, 1)]
     table = {g["name"]: g for g in _core.CudaEngine.random(cfg, 256, 1, forced).gemv_table()}

@@ -140,7 +140,7 @@ struct CudaOptions {
 };
 
 // Every option in its range (attn_chunk already resolved from 0 to the kernel's choice), else a Request error that
-// names it (or Unsupported where this build cannot do what it asks: a carveout, tracing).
+// names it (also where this build cannot do what it asks: a carveout before CUDA 12.5, tracing without TI_TRACE).
 void check_options(const CudaOptions& o, const ModelConfig& c);
 
 }  // namespace ti

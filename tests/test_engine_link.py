@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import multiprocessing
 import os
 import pickle
 import socket
+import threading
 import time
 
 import pytest
@@ -115,26 +117,46 @@ def test_a_refused_submit_raises_in_the_worker(eng):
         assert asyncio.run(main())["running"] == 0
 
 
+def _held_after(sched, n: int) -> threading.Event:
+    """The scheduler's driver runs its first n steps, then waits before each next one until the returned Event is
+    set: what a test does meanwhile cannot race the request's end. (Holding the engine's lock instead does not:
+    the driver takes it back at once after each step, and the lock is not fair.)"""
+    go, step, calls = threading.Event(), sched.step, itertools.count()
+
+    def held() -> bool:
+        if next(calls) >= n:
+            go.wait(60)
+        return step()
+
+    sched.step = held  # (the driver thread looks it up on each step)
+    return go
+
+
 def test_a_worker_that_goes_away_frees_its_requests_pages(eng):
     sched = Scheduler(eng)
-    with _linked(sched) as (hub, conn):
-        async def main():
-            remote = _started(conn)
-            req = await remote.submit([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True), request_id="x")
-            async for _ in req.batches():
-                break  # generating: it holds pages now
-            return await remote.stats()
+    go = _held_after(sched, 2)  # 2 tokens of 200 at most before the hang-up: the request cannot end on its own
+    try:
+        with _linked(sched) as (hub, conn):
+            async def main():
+                remote = _started(conn)
+                req = await remote.submit([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True),
+                                          request_id="x")
+                async for _ in req.batches():
+                    break  # generating: it holds pages now
+                return await remote.stats()
 
-        assert asyncio.run(main())["kv_pages_used"] > 0
-        theirs = sched._live["x"].request  # (the engine side's Request)
-        with eng._exclusive():  # no step runs meanwhile: the request cannot end on its own before the cancel
+            assert asyncio.run(main())["kv_pages_used"] > 0
+            theirs = sched._live["x"].request  # (the engine side's Request)
             _hang_up(conn)  # the worker process is gone: EOF at the hub
             deadline = time.monotonic() + 30
             while hub.live and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert hub.live == 0 and not theirs.finished
-        assert theirs.result(timeout=30).finish_reason == "cancelled"
-        assert _idle(sched, eng)
+            go.set()
+            assert theirs.result(timeout=30).finish_reason == "cancelled"
+            assert _idle(sched, eng)
+    finally:
+        go.set()
 
 
 class _Clock:

@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 
 #include "../../cuda/attention.cuh"
 #include "../../cuda/batch_rows.cuh"

@@ -4,8 +4,12 @@ save_pretrained; the real default model (SmolLM2-135M-Instruct GGUF) and engines
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
+import threading
+import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import pytest
 
@@ -35,6 +39,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def hold_steps(sched, n: int, until: Optional[Callable[[], bool]] = None, monkeypatch=None) -> threading.Event:
+    """The scheduler's driver thread runs sched's first n steps; each later step waits (60 s at most) until the
+    returned Event is set or until() holds: a test that acts on a running request (cancels it, closes the engine,
+    hangs up its worker) cannot race its end, however slowly the test's own thread runs. (Holding the engine's
+    lock does not do this: the driver takes it back at once after each step, and a Lock is not fair.)
+    until=sched_cancels_pending(sched) lets exactly one step apply each cancel; close() joins the driver, which
+    then still ends. With monkeypatch, the patch is undone after the test (a module's shared scheduler)."""
+    go, step, calls = threading.Event(), sched.step, itertools.count()
+
+    def held() -> bool:
+        if next(calls) >= n:
+            end = time.monotonic() + 60
+            while not go.wait(0.005 if until else 60) and not (until and until()) and time.monotonic() < end:
+                pass
+        return step()
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(sched, "step", held)
+    else:
+        sched.step = held  # (the driver thread looks it up on each step)
+    return go
+
+
+def sched_cancels_pending(sched) -> Callable[[], bool]:
+    """hold_steps' `until`: a cancel (Request.cancel, Scheduler.close) is waiting for a step to apply it."""
+    return lambda: bool(sched._cancels)
 
 
 # Device memory a test may find moved between two readings with nothing of its own left allocated: cudaMalloc

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import make_chat_llama, near_tie
+from conftest import hold_steps, make_chat_llama, near_tie, sched_cancels_pending
 from tinyinfer import Engine, InvalidRequestError, SamplingParams, Scheduler
 from tinyinfer.scheduler import Request
 
@@ -135,17 +135,22 @@ def test_chat_of_a_list_of_conversations(eng):
 def test_cancel_mid_batch_frees_its_pages_and_leaves_the_others_unchanged(eng):
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     want = [_alone(eng, t, sp) for t in TEXTS[:3]]
-    reqs = [eng.scheduler.submit(t, sp) for t in TEXTS[:3]]
-    it = iter(reqs[1])
-    next(it)
-    next(it)
-    reqs[1].cancel()
-    rest = list(it)
-    out = rest[-1].completion
-    assert out.finish_reason == "cancelled" and 2 <= len(out.token_ids) < 40
-    assert out.token_ids == want[1].token_ids[:len(out.token_ids)]
-    _same(reqs[0].result(), want[0])
-    _same(reqs[2].result(), want[2])
+    eng.scheduler.close()
+    sched = Scheduler(eng)  # no driver thread: the steps run in this thread's next() and result(), so the cancel
+    try:  # comes after exactly 2 of reqs[1]'s tokens, however slowly this thread runs
+        reqs = [sched.submit(t, sp) for t in TEXTS[:3]]
+        it = iter(reqs[1])
+        next(it)
+        next(it)
+        reqs[1].cancel()
+        rest = list(it)
+        out = rest[-1].completion
+        assert out.finish_reason == "cancelled" and len(out.token_ids) == 2
+        assert out.token_ids == want[1].token_ids[:2]
+        _same(reqs[0].result(), want[0])
+        _same(reqs[2].result(), want[2])
+    finally:
+        sched.close()  # the next use makes a default one again
 
 
 def test_abandoned_scheduled_stream_is_cancelled(eng):
@@ -300,7 +305,9 @@ def test_bad_batch_input(eng, call, msg):
 def test_close_ends_requests_in_flight(tmp_path):
     d = make_chat_llama(tmp_path / "m")
     e = Engine(d, device="cpu", max_seq_len=256)
-    req = e.scheduler.submit("Hello", SamplingParams(max_tokens=200, ignore_eos=True))
+    sched = e.scheduler
+    hold_steps(sched, 1, until=sched_cancels_pending(sched))  # it ends by the close, not by its length
+    req = sched.submit("Hello", SamplingParams(max_tokens=200, ignore_eos=True))
     it = iter(req)
     next(it)
     e.close()

@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import multiprocessing
 import os
 import pickle
 import socket
-import threading
 import time
 
 import pytest
 
 pytest.importorskip("fastapi")  # (server/__init__ imports nothing, but the serve extra is what uses the link)
 
-from conftest import make_chat_llama
+from conftest import hold_steps, make_chat_llama, sched_cancels_pending
 from tinyinfer import Engine, InvalidRequestError, QueueFullError, SamplingParams, Scheduler
 from tinyinfer.errors import DeviceError, TinyInferError
 from tinyinfer.server.engine_link import EngineHub, portable
@@ -117,24 +115,9 @@ def test_a_refused_submit_raises_in_the_worker(eng):
         assert asyncio.run(main())["running"] == 0
 
 
-def _held_after(sched, n: int) -> threading.Event:
-    """The scheduler's driver runs its first n steps, then waits before each next one until the returned Event is
-    set: what a test does meanwhile cannot race the request's end. (Holding the engine's lock instead does not:
-    the driver takes it back at once after each step, and the lock is not fair.)"""
-    go, step, calls = threading.Event(), sched.step, itertools.count()
-
-    def held() -> bool:
-        if next(calls) >= n:
-            go.wait(60)
-        return step()
-
-    sched.step = held  # (the driver thread looks it up on each step)
-    return go
-
-
 def test_a_worker_that_goes_away_frees_its_requests_pages(eng):
     sched = Scheduler(eng)
-    go = _held_after(sched, 2)  # 2 tokens of 200 at most before the hang-up: the request cannot end on its own
+    go = hold_steps(sched, 2)  # 2 tokens of 200 at most before the hang-up: the request cannot end on its own
     try:
         with _linked(sched) as (hub, conn):
             async def main():
@@ -214,6 +197,7 @@ def test_a_worker_that_dies_before_its_setup_is_named(monkeypatch):
 
 def test_cancel_and_shutdown_reach_the_worker(eng):
     sched = Scheduler(eng)
+    hold_steps(sched, 2, until=sched_cancels_pending(sched))  # a and b end only by their cancels, not by length
     hub, conn = _pair(sched)
     ended = []
     try:

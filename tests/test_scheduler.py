@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import make_chat_llama
+from conftest import hold_steps, make_chat_llama, sched_cancels_pending
 from tinyinfer import Engine, InvalidRequestError, KvCacheFullError, QueueFullError, SamplingParams, Scheduler
 from tinyinfer.errors import TinyInferError
 
@@ -636,11 +636,12 @@ def test_threads_submitting_at_once(eng):
     assert got == want
 
 
-def test_result_timeout_and_cancel_from_another_thread(eng):
-    req = eng.scheduler.submit(TEXTS[1], SamplingParams(max_tokens=400, ignore_eos=True))
+def test_result_timeout_and_cancel_from_another_thread(eng, monkeypatch):
+    sched = eng.scheduler
+    hold_steps(sched, 1, until=sched_cancels_pending(sched), monkeypatch=monkeypatch)  # running until the cancel
+    req = sched.submit(TEXTS[1], SamplingParams(max_tokens=400, ignore_eos=True))
     it = iter(req)
     next(it)  # running
-    sched = eng.scheduler
     assert sched.running == 1 and 0 < sched.kv_pages_used < sched.kv_pages_total == eng._core.kv_pages_total
     with pytest.raises(TimeoutError):
         req.result(timeout=0)

@@ -153,11 +153,20 @@ def test_cancel_mid_batch_frees_its_pages_and_leaves_the_others_unchanged(eng):
         sched.close()  # the next use makes a default one again
 
 
-def test_abandoned_scheduled_stream_is_cancelled(eng):
-    busy = eng.scheduler.submit(TEXTS[0], SamplingParams(max_tokens=60, ignore_eos=True))
+def test_abandoned_scheduled_stream_is_cancelled(eng, monkeypatch):
+    sched = eng.scheduler
+    # busy's first step, then none until s has joined: busy cannot end first, so s surely joins a busy scheduler
+    go = hold_steps(sched, 1, monkeypatch=monkeypatch, until=lambda: len(sched._live) > 1)
+
+    def single_path(*a):
+        raise AssertionError("stream() took the single path while the scheduler had work")
+
+    monkeypatch.setattr(eng, "_generate_single", single_path)
+    busy = sched.submit(TEXTS[0], SamplingParams(max_tokens=60, ignore_eos=True))
     s = eng.stream(TEXTS[1], max_tokens=200, ignore_eos=True)  # the scheduler is busy: s joins its batch
     next(s)
     s.close()
+    go.set()
     assert busy.result().finish_reason == "length"
     assert eng.scheduler.wait_idle()
 

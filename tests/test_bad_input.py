@@ -279,3 +279,134 @@ def test_core_rejects_bad_store_use(good_dir):
         store.add("model.norm.weight", np.zeros(eng.config.hidden, np.float32), "fp16")
     with pytest.raises(ModelFormatError, match="missing tensor"):
         store.finish()
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"rms_norm_eps": float("inf")}, "rms_norm_eps"),  # (loaded, it gave all-zero logits)
+        ({"rope_theta": float("inf")}, "rope_theta"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": float("inf")}}, "rope_scaling.factor"),
+        ({"rope_scaling": {**LLAMA3, "high_freq_factor": float("inf")}}, "high_freq_factor"),
+    ],
+)
+def test_config_number_that_is_not_finite(model_copy, changes, field):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg.pop("rope_parameters")
+    cfg.update(changes)
+    (model_copy / "config.json").write_text(json.dumps(cfg))  # (written as Infinity, which json reads back)
+    with pytest.raises(ConfigError, match=f"{re.escape(field)}.*finite"):
+        Engine(model_copy, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"hidden_size": 2**70}, "'hidden_size' is out of range"),  # (was nanobind's TypeError)
+        ({"max_position_embeddings": 2**64}, "'max_position_embeddings' is out of range"),
+        ({"eos_token_id": 2**70}, "'eos_token_id' must be a token id"),
+        ({"eos_token_id": True}, "'eos_token_id' must be a token id"),  # (was read as id 1)
+        ({"eos_token_id": [1, "2"]}, "'eos_token_id' must be a token id"),
+        ({"bos_token_id": 2**70}, "'bos_token_id' must be a token id"),
+    ],
+)
+def test_config_integer_out_of_range(model_copy, changes, needle):
+    edit_config(model_copy, **changes)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        Engine(model_copy, device="cpu")
+
+
+@pytest.mark.parametrize("value", [5, ["a.safetensors"]])
+def test_shard_index_whose_files_are_not_names(model_copy, value):
+    (model_copy / "model.safetensors").rename(model_copy / "a.safetensors")
+    (model_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": value}}))
+    with pytest.raises(ModelFormatError, match="'weight_map' values must be file names"):
+        Engine(model_copy, device="cpu")
+
+
+def test_model_path_of_the_wrong_kind(tmp_path):
+    for path in (None, 5, ["m"], b"m"):
+        with pytest.raises(InvalidRequestError, match="must be a path or a hub name"):
+            Engine(path, device="cpu")
+    for path in ("~no_such_user_tinyinfer/m", str(tmp_path / ("x" * 5000))):  # no such home; a name too long
+        with pytest.raises(ModelNotFoundError):
+            Engine(path, device="cpu")
+
+
+def test_engine_options_checked_before_the_load(good_dir, monkeypatch):
+    import tinyinfer.engine as engine_mod
+
+    def no_load(path):
+        raise AssertionError("the model was loaded before a bad option was refused")
+
+    for act8 in ("x", 1.5, True, 2**40):  # (was the bindings' TypeError after the load; 5: the engine's check)
+        monkeypatch.setattr(engine_mod, "load_model", no_load)
+        with pytest.raises(InvalidRequestError, match="act8 must be None or an integer"):
+            Engine(good_dir, device="cpu", act8=act8)
+    monkeypatch.undo()
+    with pytest.raises(InvalidRequestError, match="act8 must be 0"):
+        Engine(good_dir, device="cpu", act8=5)
+    with pytest.raises(InvalidRequestError, match="max_seq_len"):
+        Engine(good_dir, device="cpu", max_seq_len=True)  # (a bool is no length: it refused every request)
+
+
+def test_host_memory_exhausted_at_the_load_is_named(good_dir, monkeypatch):
+    import tinyinfer.engine as engine_mod
+
+    def bad_alloc(*a, **k):
+        raise MemoryError("std::bad_alloc")
+
+    monkeypatch.setattr(engine_mod, "load_cpu", bad_alloc)
+    with pytest.raises(InvalidRequestError, match=r"out of host memory .*max_seq_len=64"):
+        Engine(good_dir, device="cpu", max_seq_len=64)
+
+
+def test_bad_text_side_calls_leave_the_engine_usable(tmp_path):
+    eng = Engine(make_chat_llama(tmp_path / "m"), device="cpu", max_seq_len=64)
+    vocab = eng.config.vocab
+    want = (eng.detokenize([40, 41, 42]), eng.generate([5, 6, 7], max_tokens=3, ignore_eos=True).token_ids)
+    msgs = [{"role": "user", "content": "hi"}]
+    bad_calls = [
+        (lambda: eng.detokenize(None), "the ids to detokenize must be a sequence of token ids"),
+        (lambda: eng.detokenize(5), "must be a sequence of token ids"),
+        (lambda: eng.detokenize("abc"), "not a str"),
+        (lambda: eng.detokenize([5.5]), "token ids must be integers"),
+        (lambda: eng.detokenize([[5]]), "token ids must be integers"),
+        (lambda: eng.detokenize([-1]), "token id -1 is out of range"),
+        (lambda: eng.detokenize([vocab]), f"token id {vocab} is out of range"),  # (was decoded as '')
+        (lambda: eng.detokenize([2**70]), "out of range"),
+        (lambda: eng.detokenize([5], skip_special_tokens="no"), "skip_special_tokens"),
+        (lambda: eng.tokenize("ab", add_special_tokens="no"), "add_special_tokens"),
+        (lambda: eng.logits(None), "prompt must be a str or a sequence of token ids"),
+        (lambda: eng.logits(5), "prompt must be a str or a sequence of token ids"),
+        (lambda: eng.generate({5, 6}, max_tokens=2), "not a set"),  # (ids in no order)
+        (lambda: eng.apply_chat_template(None), "messages must be a list"),
+        (lambda: eng.apply_chat_template("hi"), "messages must be a list"),
+        (lambda: eng.apply_chat_template(msgs, add_generation_prompt="no"), "add_generation_prompt"),
+        (lambda: eng.chat(None, max_tokens=2), "messages must be a list"),
+        (lambda: eng.generate([5], max_tokens=2, ignore_eos="false"), "ignore_eos must be true or false"),
+        (lambda: eng.generate([5], max_tokens=2, stop=["a\ud800"]), "not valid Unicode"),
+    ]
+    for call, needle in bad_calls:
+        with pytest.raises(InvalidRequestError, match=re.escape(needle)):
+            call()
+    assert eng.detokenize([]) == "" and eng.detokenize(np.array([40, 41, 42])) == want[0]
+    assert (eng.detokenize([40, 41, 42]), eng.generate([5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == want
+
+
+def test_bad_scheduler_calls(tmp_path):
+    from tinyinfer import SamplingParams, Scheduler
+
+    eng = Engine(make_chat_llama(tmp_path / "m"), device="cpu", max_seq_len=64)
+    with pytest.raises(InvalidRequestError, match="engine must be a tinyinfer.Engine"):
+        Scheduler(None)
+    sched = Scheduler(eng)
+    for call, needle in [(lambda: sched.cancel([1]), "request_id must be a str"),
+                         (lambda: sched.wait_idle("x"), "timeout must be None or a number"),
+                         (lambda: sched.wait_idle(float("nan")), "timeout must be None or a number"),
+                         (lambda: sched.warm_up(prompt_tokens="x"), "prompt_tokens must be None or an integer"),
+                         (lambda: sched.warm_up(max_batch=-1), "max_batch must be None or an integer")]:
+        with pytest.raises(InvalidRequestError, match=re.escape(needle)):
+            call()
+    assert sched.submit([5, 6], SamplingParams(max_tokens=2)).result().token_ids
+    sched.close()

@@ -216,6 +216,12 @@ def test_perplexity_tokens_0_scores_all_the_text(tiny, tmp_path):
     assert n > 2048 and f"{n - 3} tokens scored in 3 windows of 1024" in r.stdout  # (a window's first is not)
     r = cli("perplexity", f, "-m", tiny, "--tokens", "1")
     assert r.returncode == 1 and "--tokens must be >= 2, or 0 for all" in r.stderr
+    r = cli("perplexity", f, "-m", tiny, "--device", "cpu", "--tokens", "0")  # no --window: the engine's context
+    assert r.returncode == 0, r.stderr
+    assert f"{n - 2} tokens scored in 2 windows of 2048" in r.stdout  # (the model's 2,048 positions)
+    r = cli("perplexity", f, "-m", tiny, "--device", "cpu", "--tokens", "2500")  # one window past the model's
+    assert r.returncode == 1 and "--tokens 2500: one window of 2500 tokens does not fit" in r.stderr
+    assert "--window" in r.stderr and "Traceback" not in r.stderr
 
 
 def _nll(eng, ids):
@@ -249,6 +255,17 @@ def test_bench_cpu_random_weights_at_a_shape():
     core = random_cpu_engine(c, 32)
     logits = core.forward([1, 2, 3], all_logits=True)
     assert logits.shape == (3, 100) and np.isfinite(logits).all() and logits.std() > 0
+
+
+def test_bench_refuses_before_running(tiny, tmp_path):
+    """What would fail only after the run (a --json folder that is not there) or size memory by an absurd
+    number (contexts past the shape's positions) is refused first, naming the flag."""
+    r = cli("bench", "--device", "cpu", "-m", tiny, "--contexts", "4", "--steps", "2", "--prefill", "",
+            "--json", tmp_path / "no" / "such" / "b.json")
+    assert r.returncode == 1 and "--json: the folder of" in r.stderr and "Traceback" not in r.stderr
+    assert "tok/s" not in r.stdout  # (refused before the run)
+    r = cli("bench", "--device", "cpu", "--contexts", "100000000000", "--steps", "2", "--prefill", "")
+    assert r.returncode == 1 and "needs 100000000003 positions" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_bench_json_writes_enums_by_name(tmp_path):

@@ -94,3 +94,18 @@ def test_config_the_core_refuses_names_the_file_and_key(changes, err, key):
     with pytest.raises(err) as e:
         config_from_gguf(meta, {}, "/models/m.gguf")
     assert str(e.value).startswith("/models/m.gguf: ") and key in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("changes,key", [
+    ({"llama.attention.layer_norm_rms_epsilon": float("inf")}, "llama.attention.layer_norm_rms_epsilon"),
+    ({"llama.rope.freq_base": float("inf")}, "llama.rope.freq_base"),
+    ({"llama.rope.freq_base": float("nan")}, "llama.rope.freq_base"),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": float("inf")}, "llama.rope.scaling.factor"),
+])
+def test_config_number_that_is_not_finite_names_the_key(changes, key):
+    """An infinite epsilon loaded and gave all-zero logits: every such number is refused, naming its key."""
+    meta = {"general.architecture": "llama", "llama.embedding_length": 256, "llama.feed_forward_length": 512,
+            "llama.block_count": 1, "llama.attention.head_count": 4, "llama.vocab_size": 100, **changes}
+    with pytest.raises(ConfigError, match="finite") as e:
+        config_from_gguf(meta, {}, "/models/m.gguf")
+    assert key in str(e.value), str(e.value)

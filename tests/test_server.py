@@ -436,6 +436,7 @@ def _nested(depth: int) -> list:
 # "\ud800", which the server's JSON parser turns back into one.
 RAW_BAD = [  # (endpoint, body: a dict or the JSON text, status, param, a piece of the message)
     ("completions", {"prompt": "a\ud800"}, 400, "prompt", "not valid Unicode"),
+    ("completions", {"prompt": "a", "stop": ["\ud800"]}, 400, "stop", "not valid Unicode"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "messages",
      "not valid Unicode"),
     ("chat/completions", {"messages": CHAT, "model": "\ud800"}, 404, "model", "the model '\\ud800' does not exist"),

@@ -1,5 +1,6 @@
 #include "config.h"
 
+#include <cmath>
 #include <sstream>
 
 #include "errors.h"
@@ -31,12 +32,15 @@ void ModelConfig::validate() {
     fail(ErrorKind::Unsupported, "unsupported model config: head_dim=" + std::to_string(head_dim) +
                                      " (the engine runs head dims 64..256 that are multiples of 8)");
   require(vocab > 0, "vocab_size", "must be > 0 (got " + std::to_string(vocab) + ")");
-  require(rms_eps > 0, "rms_norm_eps", "must be > 0");
-  require(rope_theta > 0, "rope_theta", "must be > 0");
+  // (isfinite: an infinite epsilon loads and gives all-zero logits; NaN fails every comparison anyway)
+  require(std::isfinite(rms_eps) && rms_eps > 0, "rms_norm_eps", "must be a finite number > 0");
+  require(std::isfinite(rope_theta) && rope_theta > 0, "rope_theta", "must be a finite number > 0");
   require(max_position_embeddings > 0, "max_position_embeddings", "must be > 0");
   if (rope_scaling != RopeScaling::None)
-    require(rope_factor > 0, "rope_scaling.factor", "must be > 0");
+    require(std::isfinite(rope_factor) && rope_factor > 0, "rope_scaling.factor", "must be a finite number > 0");
   if (rope_scaling == RopeScaling::Llama3) {
+    require(std::isfinite(rope_low_freq_factor) && std::isfinite(rope_high_freq_factor),
+            "rope_scaling.low_freq_factor / high_freq_factor", "must be finite numbers");
     require(rope_high_freq_factor > rope_low_freq_factor, "rope_scaling.high_freq_factor",
             "must be > low_freq_factor");
     require(rope_original_max_pos > 0, "rope_scaling.original_max_position_embeddings", "must be > 0");

@@ -27,10 +27,12 @@ SHAPES = {
 }
 
 
-def shape_config(name: str) -> _core.ModelConfig:
-    if name not in SHAPES:
-        from .errors import InvalidRequestError
+def shape_config(name: str, positions: int = 0) -> _core.ModelConfig:
+    """A named shape's config; `positions`: the most a run will hold (its contexts + steps, its longest prompt),
+    refused past the shape's max_position_embeddings before any memory is sized by it."""
+    from .errors import InvalidRequestError
 
+    if name not in SHAPES:
         raise InvalidRequestError(f"unknown shape {name!r} (known: {', '.join(SHAPES)})")
     s = SHAPES[name]
     c = _core.ModelConfig()
@@ -40,6 +42,9 @@ def shape_config(name: str) -> _core.ModelConfig:
     c.max_position_embeddings = 8192
     c.rms_eps = 1e-5
     c.validate()
+    if positions > c.max_position_embeddings:
+        raise InvalidRequestError(f"this run needs {positions} positions (its longest context + steps, or its "
+                                  f"longest prompt); the shape {name} has {c.max_position_embeddings}")
     return c
 
 
@@ -139,7 +144,7 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
         eng = Engine(model, device="cuda", max_seq_len=max_seq, dtype=dtype, cuda_options=opts)
         core, cfg, name = eng._core, eng.config, str(model)
     else:
-        cfg = shape_config(shape or "tinyllama-1.1b")
+        cfg = shape_config(shape or "tinyllama-1.1b", max_seq)
         opts = _core.CudaOptions()
         opts.weights = dtype
         opts.decode_path = _core.DecodePath.Auto if persistent else _core.DecodePath.Graph
@@ -285,7 +290,7 @@ def run_cpu(shape: Optional[str] = None, model: Optional[str] = None, contexts=(
             raise InvalidRequestError(f"--device cpu with --shape runs fp32 random weights (got --dtype {dtype}); "
                                       f"pass --model to time a quantized model")
         name = shape or "smollm2-135m"
-        cfg = shape_config(name)
+        cfg = shape_config(name, max_seq)
         core = random_cpu_engine(cfg, max_seq, threads=threads)
     res = {"model": name, "device": "cpu", "dtype": dtype, "threads": threads, "load_s": time.perf_counter() - t0,
            "decode": [], "prefill": []}

@@ -196,7 +196,7 @@ def open_engine(device: str, shape: Optional[str], model: Optional[str], dtype: 
         eng = Engine(model, device=device, dtype=dtype, max_seq_len=max_seq, cuda_options=opts, threads=threads)
         return eng._core, eng.config, str(model)
     name = shape or ("tinyllama-1.1b" if device == "cuda" else "smollm2-135m")
-    cfg = shape_config(name)
+    cfg = shape_config(name, max_seq)
     if device == "cuda":
         opts = _core.CudaOptions()
         opts.weights = dtype

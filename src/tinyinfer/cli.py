@@ -256,6 +256,8 @@ def cmd_bench(args) -> int:
     _check_steps(args.steps, "--steps")
     steps = args.steps or (32 if cpu else 256)
     _check_threads(args)
+    if args.json is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise InvalidRequestError(f"--json: the folder of {args.json!r} does not exist")  # (before the run)
     if not contexts:
         raise InvalidRequestError("--contexts is empty")
     if args.batch is not None:
@@ -300,9 +302,17 @@ def cmd_perplexity(args) -> int:
         from .engine import check_dtype
 
         check_dtype(args.dtype, args.device)
-    window = args.window or args.tokens
-    with Engine(_model_path(args.model), device=args.device, dtype=args.dtype,
-                max_seq_len=args.max_seq_len or window, threads=args.threads) as eng:
+    window = args.window or args.tokens or None  # None (--tokens 0, no --window): the engine's context
+    try:
+        eng = Engine(_model_path(args.model), device=args.device, dtype=args.dtype,
+                     max_seq_len=args.max_seq_len or window, threads=args.threads)
+    except InvalidRequestError as e:
+        if args.max_seq_len or window is None or "max_seq_len" not in str(e):
+            raise
+        flag = "--window" if args.window else "--tokens"  # (the context was sized by it: say so)
+        raise InvalidRequestError(f"{flag} {window}: one window of {window} tokens does not fit the model ({e}); "
+                                  f"give a smaller --window to score the text in several") from None
+    with eng:
         ids = eng.tokenize(text)
         if args.tokens:
             ids = ids[:args.tokens]

@@ -106,6 +106,10 @@ class Engine:
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
         self.threads = check_threads(threads)
+        # (its type before the load, rather than the bindings' TypeError after it; its values: the engine's check)
+        if act8 is not None and (isinstance(act8, bool) or not isinstance(act8, int) or not -2**31 <= act8 < 2**31):
+            raise InvalidRequestError(f"act8 must be None or an integer (docs/perf/decode-options.md), got "
+                                      f"{act8!r:.40}")
         self.device = pick_device(device)
         self.dtype = check_dtype(dtype, self.device)
         model = load_model(path)
@@ -117,7 +121,7 @@ class Engine:
         limit = self.config.max_position_embeddings
         if max_seq_len is None:
             max_seq_len = min(limit, _DEFAULT_MAX_SEQ)
-        if not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= limit:
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= limit:
             raise InvalidRequestError(
                 f"max_seq_len must be an integer in 1..{limit} (the model's max_position_embeddings), "
                 f"got {max_seq_len!r}"
@@ -141,7 +145,13 @@ class Engine:
                                 f"(read+upload {t['weights']:.2f} s, tune {t['tune']:.2f} s, "
                                 f"graphs {t['graphs']:.2f} s)")
         else:
-            self._core = load_cpu(model, max_seq_len, self.dtype, show, self.threads, 0 if act8 is None else act8)
+            try:
+                self._core = load_cpu(model, max_seq_len, self.dtype, show, self.threads,
+                                      0 if act8 is None else act8)
+            except MemoryError as e:  # (std::bad_alloc: the weights, or tables sized by max_seq_len)
+                raise InvalidRequestError(f"out of host memory building the CPU engine for {self.model_name} "
+                                          f"(dtype {self.dtype}, max_seq_len={max_seq_len}): {e or 'bad_alloc'}; "
+                                          f"a smaller max_seq_len or dtype needs less") from None
             self.load_report = f"tinyinfer: loaded {self.model_name} in {time.perf_counter() - t0:.2f} s"
         if show:
             print(self.load_report, file=sys.stderr)
@@ -228,36 +238,49 @@ class Engine:
         return self.tokenizer
 
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(add_special_tokens, bool):
+            raise InvalidRequestError(f"add_special_tokens must be true or false, got {add_special_tokens!r:.40}")
         return self._need_tokenizer().encode(text, add_special_tokens=add_special_tokens)
 
     def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return self._need_tokenizer().decode(ids, skip_special_tokens=skip_special_tokens)
+        if not isinstance(skip_special_tokens, bool):
+            raise InvalidRequestError(f"skip_special_tokens must be true or false, got {skip_special_tokens!r:.40}")
+        tok = self._need_tokenizer()
+        return tok.decode(self._token_ids(ids, "the ids to detokenize", "a sequence of token ids"),
+                          skip_special_tokens=skip_special_tokens)
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequestError("empty prompt")
-            ids = self.tokenize(prompt)
-        else:
-            if isinstance(prompt, (bytes, bytearray)):  # (iterated, they would pass for token ids)
-                raise InvalidRequestError("prompt must be a str or a sequence of token ids, not bytes")
-            try:
-                ids = list(prompt)
-            except TypeError as e:
-                raise InvalidRequestError(f"prompt must be a str or a sequence of token ids: {e}") from e
-            if not set(map(type, ids)) <= {int}:  # (plain ints, the usual case: one pass in C, no copy)
-                # int() would take 2.7, True, b"5" and "5" as ids: only integers are
-                odd = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
-                if odd:
-                    raise InvalidRequestError(f"prompt token ids must be integers (got {odd[0]!r:.40}, a "
-                                              f"{type(odd[0]).__name__})")
-                ids = [int(t) for t in ids]
+            prompt = self.tokenize(prompt)  # (its ids checked below too: a tokenizer may outgrow the model)
+        ids = self._token_ids(prompt, "prompt", "a str or a sequence of token ids")
         if not ids:
             raise InvalidRequestError("empty prompt")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab]
+        return ids
+
+    def _token_ids(self, ids: object, what: str, accepted: str) -> list[int]:
+        """`ids` as a list of plain ints, each in the vocabulary (an empty list stays empty); else
+        InvalidRequestError naming `what` and what it may be (`accepted`)."""
+        if isinstance(ids, (bytes, bytearray)):  # (iterated, they would pass for token ids)
+            raise InvalidRequestError(f"{what} must be {accepted}, not bytes")
+        if isinstance(ids, (str, set, frozenset, dict)):  # (iterated: characters, or ids in no order)
+            raise InvalidRequestError(f"{what} must be {accepted}, not a {type(ids).__name__}")
+        try:
+            out = list(ids)  # type: ignore[call-overload]
+        except TypeError as e:
+            raise InvalidRequestError(f"{what} must be {accepted}: {e}") from e
+        if not set(map(type, out)) <= {int}:  # (plain ints, the usual case: one pass in C, no copy)
+            # int() would take 2.7, True, b"5" and "5" as ids: only integers are
+            odd = [t for t in out if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+            if odd:
+                raise InvalidRequestError(f"{what} token ids must be integers (got {odd[0]!r:.40}, a "
+                                          f"{type(odd[0]).__name__})")
+            out = [int(t) for t in out]
+        bad = [t for t in out if not 0 <= t < self.config.vocab]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is out of range for a vocabulary of {self.config.vocab}")
-        return ids
+        return out
 
     def _stop_ids(self, sp: SamplingParams) -> list[int]:
         """The ids that end a generation: sp's stop_token_ids, and the model's EOS ids unless ignore_eos."""
@@ -271,7 +294,7 @@ class Engine:
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits at every position of one prefill: float32 array (len(token_ids), vocab)."""
-        ids = self._prompt_ids(list(token_ids))
+        ids = self._prompt_ids(token_ids)
         if len(ids) > self.max_seq_len:
             raise InvalidRequestError(f"{len(ids)} tokens exceed max_seq_len={self.max_seq_len}")
         with self._exclusive():
@@ -375,7 +398,17 @@ class Engine:
         tok = self._need_tokenizer()
         if not getattr(tok, "chat_template", None):
             raise TokenizerError(f"{self.path}: the model has no chat template")
-        return tok.encode_chat(list(messages), add_generation_prompt=add_generation_prompt)
+        if not isinstance(add_generation_prompt, bool):
+            raise InvalidRequestError(f"add_generation_prompt must be true or false, got "
+                                      f"{add_generation_prompt!r:.40}")
+        try:
+            if isinstance(messages, (str, bytes, dict)):
+                raise TypeError
+            msgs = list(messages)
+        except TypeError:
+            raise InvalidRequestError(f"messages must be a list of {{'role': ..., 'content': ...}} objects, got "
+                                      f"a {type(messages).__name__}") from None
+        return tok.encode_chat(msgs, add_generation_prompt=add_generation_prompt)
 
     @overload
     def chat(self, messages: Sequence[dict], params: Optional[SamplingParams] = None, **kwargs) -> Completion: ...

@@ -16,6 +16,16 @@ INT64_MAX = 2**63 - 1  # the core's top_k is an int64 (its seed a uint64)
 MAX_STOP_CHARS = 1024  # the longest stop string: each token's text is searched for every stop's prefixes
 
 
+def not_unicode(s: str) -> Optional[str]:
+    """Why `s` has no UTF-8 (a lone surrogate, "\\ud800" in JSON), or None: such a string can never match a
+    model's text."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"{s[e.start]!r} (a lone surrogate) at character {e.start}"
+    return None
+
+
 def as_float32(v: float) -> float:
     """v as the core's float32 fields hold it: beyond float32's range it is infinite, a tiny value may be 0."""
     try:
@@ -87,12 +97,17 @@ class SamplingParams:
             raise bad(f"seed must be an integer in 0..2**64-1 or None (got {self.seed!r})")
         if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad(f"stop must be a string or a list of non-empty strings (got {self.stop!r:.100})")
+        for s in self.stop:  # (as prompts and messages are)
+            if not_unicode(s):
+                raise bad(f"stop string {s!r:.60} is not valid Unicode: {not_unicode(s)}")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise bad(f"stop strings may be at most {MAX_STOP_CHARS} characters long (got one of "
                       f"{max(len(s) for s in self.stop)})")
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
                 not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be a list of integers (got {self.stop_token_ids!r:.100})")
+        if not isinstance(self.ignore_eos, bool):  # ("false" would be true)
+            raise bad(f"ignore_eos must be true or false (got {self.ignore_eos!r:.40})")
 
     @classmethod
     def from_kwargs(cls, params: Optional["SamplingParams"], kwargs: dict) -> "SamplingParams":

@@ -83,14 +83,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from .engine import Completion, Stats
+from .engine import Completion, Engine, Stats
 from .errors import InvalidRequestError, KvCacheFullError, QueueFullError, TinyInferError
 from .request import Delta, Request, TokenLogprob, merge_deltas, wake
 from .sampling import SamplingParams, TextAssembler
 from .trace import Trace
 
 if TYPE_CHECKING:
-    from .engine import Engine, Prompt
+    from .engine import Prompt
 
 
 @dataclass
@@ -170,6 +170,8 @@ class Scheduler:
         at near-ties of its logits. False (the default): seq_step, then the prefill. trace: record into it every
         core call the steps make and each request's submit / admit / prefilled / first token / end (trace.py;
         None: nothing recorded, the core called directly)."""
+        if not isinstance(engine, Engine):
+            raise InvalidRequestError(f"Scheduler: engine must be a tinyinfer.Engine (got {type(engine).__name__})")
         core = engine._core
         if core is None:
             raise InvalidRequestError(f"{engine!r} is closed")
@@ -323,6 +325,8 @@ class Scheduler:
     def cancel(self, request_id: str) -> None:
         """End a request (finish_reason "cancelled"). A waiting one ends now; a running one at the next step,
         which frees its pages. An unknown or already ended id is ignored (ending races with cancelling)."""
+        if not isinstance(request_id, str):
+            raise InvalidRequestError(f"Scheduler.cancel: request_id must be a str (got {type(request_id).__name__})")
         with self._state:
             seq = self._live.get(request_id)
             if seq is None:
@@ -353,6 +357,9 @@ class Scheduler:
         every bucket up to max_batch (default the scheduler's), so no request waits for them (docs/perf/serve.md).
         Prompts of token 0 in slots opened and closed
         here (the pool as it was); call it while no request runs. Returns the seconds it took."""
+        for name, v in (("prompt_tokens", prompt_tokens), ("max_batch", max_batch)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise InvalidRequestError(f"Scheduler.warm_up: {name} must be None or an integer >= 1 (got {v!r:.40})")
         t0 = time.perf_counter()
         eng = self._engine
         top_prompt = min(prompt_tokens or self.chunk_tokens, eng.max_seq_len - 1)
@@ -468,6 +475,9 @@ class Scheduler:
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
         """Wait until no request waits or runs (all slots closed); without a driver thread, drive the steps.
         False on timeout."""
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                    or not timeout >= 0):
+            raise InvalidRequestError(f"Scheduler.wait_idle: timeout must be None or a number >= 0 (got {timeout!r:.40})")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._state:

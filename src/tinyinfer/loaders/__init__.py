@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from ..errors import ModelNotFoundError, UnsupportedModelError
+from ..errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
 from .base import LoadedModel, TensorSource
 from .gguf import load_gguf
 from .hf import load_hf_dir
@@ -24,8 +25,15 @@ def _is_gguf_file(p: Path) -> bool:
 def load_model(path: str | Path) -> LoadedModel:
     """Load a model from a HuggingFace directory (config.json + safetensors) or a GGUF file (llama architecture),
     local or by hub name ("org/name", "org/name:file.gguf", "org/name@revision"; loaders/hub.py)."""
-    p = Path(path).expanduser()
-    if not p.exists():
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidRequestError(f"the model must be a path or a hub name (a str or os.PathLike), got a "
+                                  f"{type(path).__name__}")
+    try:
+        p = Path(path).expanduser()
+        found = p.exists()
+    except (TypeError, RuntimeError, OSError) as e:  # a bytes PathLike; "~nosuchuser/x"; a name too long
+        raise ModelNotFoundError(f"model path {str(path)!r:.200} cannot be used: {e}") from None
+    if not found:
         hub = parse_hub_name(str(path)) if isinstance(path, str) else None
         if hub is None:
             raise ModelNotFoundError(

@@ -5,6 +5,7 @@ sees only metadata values and, for the rope factors, one small array.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -159,12 +160,13 @@ def config_from_gguf(meta: dict[str, Any], tensor_rows: dict[str, int], where: s
         raise UnsupportedModelError(f"{where}: llama.rope.dimension_count = {rope_dims} (partial rotary) differs "
                                     f"from head_dim {c.head_dim}")
     eps = get("attention.layer_norm_rms_epsilon", 1e-5)
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
-        raise ConfigError(f"{where}: llama.attention.layer_norm_rms_epsilon must be a positive number, got {eps!r}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < math.inf:
+        raise ConfigError(f"{where}: llama.attention.layer_norm_rms_epsilon must be a finite number > 0, got "
+                          f"{eps!r}")
     c.rms_eps = float(eps)
     theta = get("rope.freq_base", 10000.0)
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise ConfigError(f"{where}: llama.rope.freq_base must be a positive number, got {theta!r}")
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not 0 < theta < math.inf:
+        raise ConfigError(f"{where}: llama.rope.freq_base must be a finite number > 0, got {theta!r}")
     c.rope_theta = float(theta)
 
     scaling = get("rope.scaling.type")
@@ -172,8 +174,8 @@ def config_from_gguf(meta: dict[str, Any], tensor_rows: dict[str, int], where: s
     if scaling in (None, "none") or (scaling == "linear" and factor in (None, 1.0)):
         c.rope_scaling = "none"
     elif scaling == "linear":
-        if not isinstance(factor, (int, float)) or factor <= 0:
-            raise ConfigError(f"{where}: llama.rope.scaling.factor must be a positive number, got {factor!r}")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor < math.inf:
+            raise ConfigError(f"{where}: llama.rope.scaling.factor must be a finite number > 0, got {factor!r}")
         c.rope_scaling = "linear"
         c.rope_factor = float(factor)
     else:

@@ -46,6 +46,19 @@ def _field(d: dict, key: str, kind: str, default: Any, where: str, *, within: st
         return default
     if not isinstance(v, _KINDS[kind]) or isinstance(v, bool) != (kind == "true or false"):
         raise ConfigError(f"{where}: '{within + '.' if within else ''}{key}' must be {kind}, got {v!r}")
+    if kind == "an integer" and not -_INT64 <= v < _INT64:  # (the core's fields are 64-bit)
+        raise ConfigError(f"{where}: '{within + '.' if within else ''}{key}' is out of range, got {v!r:.40}")
+    return v
+
+
+_INT64 = 2**63
+
+
+def _token_id(v: Any, key: str, where: str) -> int:
+    """A token id of the config (bos / eos): an integer in the 64-bit range (the vocabulary is checked by the
+    core); a JSON true is no id."""
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < _INT64:
+        raise ConfigError(f"{where}: '{key}' must be a token id (an integer >= 0) or a list of them, got {v!r:.60}")
     return v
 
 
@@ -132,16 +145,16 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> _core.Mod
     c.tie_word_embeddings = _field(cfg, "tie_word_embeddings", "true or false", False, where)
     c.max_position_embeddings = _field(cfg, "max_position_embeddings", "an integer", 2048, where)
     bos = cfg.get("bos_token_id")
-    c.bos_token_id = int(bos) if isinstance(bos, int) else -1
+    # (the engine itself never reads it: an id of another type stays ignored, -1)
+    c.bos_token_id = _token_id(bos, "bos_token_id", where) if isinstance(bos, int) and not isinstance(
+        bos, bool) else -1
     eos = cfg.get("eos_token_id")
     if eos is None:
         c.eos_token_ids = []
-    elif isinstance(eos, int):
-        c.eos_token_ids = [eos]
-    elif isinstance(eos, list) and all(isinstance(e, int) for e in eos):
-        c.eos_token_ids = list(eos)
+    elif isinstance(eos, list):
+        c.eos_token_ids = [_token_id(e, "eos_token_id", where) for e in eos]
     else:
-        raise ConfigError(f"{where}: eos_token_id must be an int or a list of ints, got {eos!r}")
+        c.eos_token_ids = [_token_id(eos, "eos_token_id", where)]
     try:  # the core checks ranges (head_dim 64..256, GQA divisibility, ...) and names the field
         c.validate()
     except UnsupportedModelError as e:
@@ -160,6 +173,9 @@ def _safetensors_files(d: Path) -> list[Path]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelFormatError(f"{index}: no 'weight_map' object")
+        if not all(isinstance(f, str) for f in weight_map.values()):
+            bad = next(f for f in weight_map.values() if not isinstance(f, str))
+            raise ModelFormatError(f"{index}: 'weight_map' values must be file names, got {bad!r:.60}")
         files = [d / f for f in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 from ..errors import InvalidRequestError
-from ..sampling import INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams, as_float32
+from ..sampling import INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams, as_float32, not_unicode
 
 
 class APIError(Exception):
@@ -109,6 +109,9 @@ def _stop(body: dict) -> list[str]:
         raise bad(f"'stop' takes at most 4 sequences (got {len(v)})", "stop")
     if any(len(s) > MAX_STOP_CHARS for s in v):
         raise bad(f"'stop' sequences may be at most {MAX_STOP_CHARS} characters long", "stop")
+    for s in v:
+        if not_unicode(s):
+            raise bad(f"'stop' sequence {s!r:.60} is not valid Unicode: {not_unicode(s)}", "stop")
     return [s for s in v if s]  # "" can never be found; OpenAI accepts and ignores it
 
 

@@ -461,7 +461,8 @@ class Engine:
         seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(4), "little")
         sampling = sp.to_core(seed)
         sampling.validate()
-        text = TextAssembler(self.detokenize, sp.stop) if self.tokenizer is not None else None
+        # (the tokenizer's decode, not detokenize: the sampled ids need no checks, at two decodes a token)
+        text = TextAssembler(self.tokenizer.decode, sp.stop) if self.tokenizer is not None else None
         stats = Stats(prompt_tokens=len(prompt_ids))
         out: list[int] = []
         finish = "length"

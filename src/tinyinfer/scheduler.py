@@ -301,7 +301,7 @@ class Scheduler:
         rid = request_id or uuid.uuid4().hex
         return _Seq(request=Request(self, rid, ids), prompt=ids, params=sp, sampling=sampling,
                     stop_ids=frozenset(stop_ids),
-                    text=TextAssembler(eng.detokenize, sp.stop) if eng.tokenizer is not None else None,
+                    text=TextAssembler(eng.tokenizer.decode, sp.stop) if eng.tokenizer is not None else None,
                     logprobs=[] if sp.logprobs is not None else None, t_submit=time.perf_counter())
 
     def _enqueue(self, seqs: list[_Seq], bounded: bool) -> None:
@@ -477,7 +477,8 @@ class Scheduler:
         False on timeout."""
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
                                     or not timeout >= 0):
-            raise InvalidRequestError(f"Scheduler.wait_idle: timeout must be None or a number >= 0 (got {timeout!r:.40})")
+            raise InvalidRequestError(f"Scheduler.wait_idle: timeout must be None or a number >= 0 "
+                                      f"(got {timeout!r:.40})")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._state:

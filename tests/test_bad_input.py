@@ -307,13 +307,19 @@ def test_config_number_that_is_not_finite(model_copy, changes, field):
         ({"eos_token_id": 2**70}, "'eos_token_id' must be a token id"),
         ({"eos_token_id": True}, "'eos_token_id' must be a token id"),  # (was read as id 1)
         ({"eos_token_id": [1, "2"]}, "'eos_token_id' must be a token id"),
-        ({"bos_token_id": 2**70}, "'bos_token_id' must be a token id"),
     ],
 )
 def test_config_integer_out_of_range(model_copy, changes, needle):
     edit_config(model_copy, **changes)
     with pytest.raises(ConfigError, match=re.escape(needle)):
         Engine(model_copy, device="cpu")
+
+
+@pytest.mark.parametrize("bos", [2**70, -1, True, [1]])
+def test_config_bos_that_is_no_id_is_none(model_copy, bos):
+    """The engine never reads bos_token_id: anything but an id is "none" (-1), as it always was, never a crash."""
+    edit_config(model_copy, bos_token_id=bos)
+    assert Engine(model_copy, device="cpu").config.bos_token_id == -1
 
 
 @pytest.mark.parametrize("value", [5, ["a.safetensors"]])
@@ -357,7 +363,7 @@ def test_host_memory_exhausted_at_the_load_is_named(good_dir, monkeypatch):
         raise MemoryError("std::bad_alloc")
 
     monkeypatch.setattr(engine_mod, "load_cpu", bad_alloc)
-    with pytest.raises(InvalidRequestError, match=r"out of host memory .*max_seq_len=64"):
+    with pytest.raises(DeviceError, match=r"out of host memory .*max_seq_len=64"):
         Engine(good_dir, device="cpu", max_seq_len=64)
 
 
@@ -370,7 +376,7 @@ def test_bad_text_side_calls_leave_the_engine_usable(tmp_path):
         (lambda: eng.detokenize(None), "the ids to detokenize must be a sequence of token ids"),
         (lambda: eng.detokenize(5), "must be a sequence of token ids"),
         (lambda: eng.detokenize("abc"), "not a str"),
-        (lambda: eng.detokenize([5.5]), "token ids must be integers"),
+        (lambda: eng.detokenize([5.5]), "the ids to detokenize: token ids must be integers"),
         (lambda: eng.detokenize([[5]]), "token ids must be integers"),
         (lambda: eng.detokenize([-1]), "token id -1 is out of range"),
         (lambda: eng.detokenize([vocab]), f"token id {vocab} is out of range"),  # (was decoded as '')
@@ -382,6 +388,7 @@ def test_bad_text_side_calls_leave_the_engine_usable(tmp_path):
         (lambda: eng.generate({5, 6}, max_tokens=2), "not a set"),  # (ids in no order)
         (lambda: eng.apply_chat_template(None), "messages must be a list"),
         (lambda: eng.apply_chat_template("hi"), "messages must be a list"),
+        (lambda: eng.apply_chat_template(msgs[0]), "messages must be a list"),  # (one message, not a list)
         (lambda: eng.apply_chat_template(msgs, add_generation_prompt="no"), "add_generation_prompt"),
         (lambda: eng.chat(None, max_tokens=2), "messages must be a list"),
         (lambda: eng.generate([5], max_tokens=2, ignore_eos="false"), "ignore_eos must be true or false"),

@@ -162,11 +162,13 @@ def test_abandoned_scheduled_stream_is_cancelled(eng, monkeypatch):
         raise AssertionError("stream() took the single path while the scheduler had work")
 
     monkeypatch.setattr(eng, "_generate_single", single_path)
-    busy = sched.submit(TEXTS[0], SamplingParams(max_tokens=60, ignore_eos=True))
-    s = eng.stream(TEXTS[1], max_tokens=200, ignore_eos=True)  # the scheduler is busy: s joins its batch
-    next(s)
-    s.close()
-    go.set()
+    try:
+        busy = sched.submit(TEXTS[0], SamplingParams(max_tokens=60, ignore_eos=True))
+        s = eng.stream(TEXTS[1], max_tokens=200, ignore_eos=True)  # the scheduler is busy: s joins its batch
+        next(s)
+        s.close()
+    finally:
+        go.set()  # (also on a failure: the module's engine goes on)
     assert busy.result().finish_reason == "length"
     assert eng.scheduler.wait_idle()
 

@@ -647,7 +647,7 @@ def test_result_timeout_and_cancel_from_another_thread(eng, monkeypatch):
         req.result(timeout=0)
     threading.Thread(target=req.cancel).start()
     out = req.result(timeout=600)
-    assert out.finish_reason == "cancelled" and 1 <= len(out.token_ids) < 400
+    assert out.finish_reason == "cancelled" and 1 <= len(out.token_ids) <= 2  # (1 step, then 1 for the cancel)
     assert [d.completion for d in it][-1] is out
     assert sched.kv_pages_used == 0
 

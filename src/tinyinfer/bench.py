@@ -13,6 +13,7 @@ import time
 from typing import Optional
 
 from . import _core
+from .errors import DeviceError, InvalidRequestError
 
 # Real shapes; random weights (speed does not depend on the values).
 SHAPES = {
@@ -28,10 +29,8 @@ SHAPES = {
 
 
 def shape_config(name: str, positions: int = 0) -> _core.ModelConfig:
-    """A named shape's config; `positions`: the most a run will hold (its contexts + steps, its longest prompt),
-    refused past the shape's max_position_embeddings before any memory is sized by it."""
-    from .errors import InvalidRequestError
-
+    """A named shape's config; `positions`: the most a run will hold, its max_position_embeddings if past 8,192
+    (random weights: the shapes hold no RoPE limit of their own)."""
     if name not in SHAPES:
         raise InvalidRequestError(f"unknown shape {name!r} (known: {', '.join(SHAPES)})")
     s = SHAPES[name]
@@ -39,12 +38,9 @@ def shape_config(name: str, positions: int = 0) -> _core.ModelConfig:
     c.hidden, c.intermediate, c.n_layers = s["hidden"], s["intermediate"], s["n_layers"]
     c.n_heads, c.n_kv_heads, c.head_dim, c.vocab = s["n_heads"], s["n_kv_heads"], s["head_dim"], s["vocab"]
     c.tie_word_embeddings = s["tie"]
-    c.max_position_embeddings = 8192
+    c.max_position_embeddings = max(8192, positions)
     c.rms_eps = 1e-5
     c.validate()
-    if positions > c.max_position_embeddings:
-        raise InvalidRequestError(f"this run needs {positions} positions (its longest context + steps, or its "
-                                  f"longest prompt); the shape {name} has {c.max_position_embeddings}")
     return c
 
 
@@ -125,7 +121,6 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
     opts_spec: CudaOptions fields as name=value,... (bench_batch.apply_options), e.g. persistent_ring=0."""
     from .bench_batch import apply_options
     from .engine import cuda_status
-    from .errors import DeviceError
 
     usable, reason = cuda_status()
     if not usable:
@@ -263,7 +258,11 @@ def random_cpu_engine(cfg: _core.ModelConfig, max_seq: int, seed: int = 0, threa
             w = (rng.standard_normal(shape, np.float32) * 0.02).astype(np.float16)
         store.add(name, w, "fp16")
     store.finish()
-    return _core.CpuEngine(store, max_seq, threads, max_batch)
+    try:
+        return _core.CpuEngine(store, max_seq, threads, max_batch)
+    except MemoryError as e:  # (std::bad_alloc: its tables are sized by max_seq)
+        raise DeviceError(f"out of host memory for a CPU engine of {max_seq} positions (the longest context + "
+                          f"steps + 1, or the longest prompt): {str(e) or 'bad_alloc'}") from None
 
 
 def run_cpu(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 256), steps: int = 32,
@@ -285,8 +284,6 @@ def run_cpu(shape: Optional[str] = None, model: Optional[str] = None, contexts=(
         core, cfg, name = eng._core, eng.config, str(model)
     else:
         if dtype != "fp32":
-            from .errors import InvalidRequestError
-
             raise InvalidRequestError(f"--device cpu with --shape runs fp32 random weights (got --dtype {dtype}); "
                                       f"pass --model to time a quantized model")
         name = shape or "smollm2-135m"

@@ -256,8 +256,10 @@ def cmd_bench(args) -> int:
     _check_steps(args.steps, "--steps")
     steps = args.steps or (32 if cpu else 256)
     _check_threads(args)
-    if args.json is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        raise InvalidRequestError(f"--json: the folder of {args.json!r} does not exist")  # (before the run)
+    if args.json is not None and (os.path.isdir(args.json)
+                                  or not os.path.isdir(os.path.dirname(os.path.abspath(args.json)))):
+        raise InvalidRequestError(f"--json {args.json!r}: a folder, or a file whose folder does not exist; "
+                                  f"give a file to write")  # (before the run, not after it)
     if not contexts:
         raise InvalidRequestError("--contexts is empty")
     if args.batch is not None:
@@ -307,7 +309,7 @@ def cmd_perplexity(args) -> int:
         eng = Engine(_model_path(args.model), device=args.device, dtype=args.dtype,
                      max_seq_len=args.max_seq_len or window, threads=args.threads)
     except InvalidRequestError as e:
-        if args.max_seq_len or window is None or "max_seq_len" not in str(e):
+        if args.max_seq_len or window is None or "max_seq_len must be" not in str(e):
             raise
         flag = "--window" if args.window else "--tokens"  # (the context was sized by it: say so)
         raise InvalidRequestError(f"{flag} {window}: one window of {window} tokens does not fit the model ({e}); "

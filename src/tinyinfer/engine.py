@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import sys
 import threading
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union, overload
 import numpy as np
 
 from . import _core
-from .errors import InvalidRequestError, TokenizerError
+from .errors import DeviceError, InvalidRequestError, TokenizerError
 from .loaders import load_model
 # the load's helpers live in loading.py; the public ones are re-exported here (cli, bench and tests import them
 # from tinyinfer.engine)
@@ -149,9 +150,9 @@ class Engine:
                 self._core = load_cpu(model, max_seq_len, self.dtype, show, self.threads,
                                       0 if act8 is None else act8)
             except MemoryError as e:  # (std::bad_alloc: the weights, or tables sized by max_seq_len)
-                raise InvalidRequestError(f"out of host memory building the CPU engine for {self.model_name} "
-                                          f"(dtype {self.dtype}, max_seq_len={max_seq_len}): {e or 'bad_alloc'}; "
-                                          f"a smaller max_seq_len or dtype needs less") from None
+                raise DeviceError(f"out of host memory building the CPU engine for {self.model_name} (dtype "
+                                  f"{self.dtype}, max_seq_len={max_seq_len}): {str(e) or 'bad_alloc'}; a smaller "
+                                  f"max_seq_len or dtype needs less") from None
             self.load_report = f"tinyinfer: loaded {self.model_name} in {time.perf_counter() - t0:.2f} s"
         if show:
             print(self.load_report, file=sys.stderr)
@@ -274,7 +275,7 @@ class Engine:
             # int() would take 2.7, True, b"5" and "5" as ids: only integers are
             odd = [t for t in out if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
             if odd:
-                raise InvalidRequestError(f"{what} token ids must be integers (got {odd[0]!r:.40}, a "
+                raise InvalidRequestError(f"{what}: token ids must be integers (got {odd[0]!r:.40}, a "
                                           f"{type(odd[0]).__name__})")
             out = [int(t) for t in out]
         bad = [t for t in out if not 0 <= t < self.config.vocab]
@@ -462,7 +463,8 @@ class Engine:
         sampling = sp.to_core(seed)
         sampling.validate()
         # (the tokenizer's decode, not detokenize: the sampled ids need no checks, at two decodes a token)
-        text = TextAssembler(self.tokenizer.decode, sp.stop) if self.tokenizer is not None else None
+        text = TextAssembler(functools.partial(self.tokenizer.decode, skip_special_tokens=True), sp.stop) \
+            if self.tokenizer is not None else None
         stats = Stats(prompt_tokens=len(prompt_ids))
         out: list[int] = []
         finish = "length"

@@ -34,7 +34,7 @@ class TokenizerError(TinyInferError):
 
 
 class DeviceError(TinyInferError, RuntimeError):
-    """No usable GPU, not enough GPU memory, or a CUDA error."""
+    """No usable GPU, not enough GPU memory (or host memory for the CPU engine), or a CUDA error."""
 
 
 class QueueFullError(TinyInferError, RuntimeError):

@@ -8,6 +8,8 @@ import struct
 from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
 
+import numpy as np
+
 from . import _core
 from .errors import InvalidRequestError
 
@@ -106,7 +108,7 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
                 not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be a list of integers (got {self.stop_token_ids!r:.100})")
-        if not isinstance(self.ignore_eos, bool):  # ("false" would be true)
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):  # ("false" would be true)
             raise bad(f"ignore_eos must be true or false (got {self.ignore_eos!r:.40})")
 
     @classmethod

@@ -75,6 +75,7 @@ The request side (Request, Delta, TokenLogprob, merge_deltas) lives in request.p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -301,7 +302,8 @@ class Scheduler:
         rid = request_id or uuid.uuid4().hex
         return _Seq(request=Request(self, rid, ids), prompt=ids, params=sp, sampling=sampling,
                     stop_ids=frozenset(stop_ids),
-                    text=TextAssembler(eng.tokenizer.decode, sp.stop) if eng.tokenizer is not None else None,
+                    text=None if eng.tokenizer is None else TextAssembler(
+                        functools.partial(eng.tokenizer.decode, skip_special_tokens=True), sp.stop),
                     logprobs=[] if sp.logprobs is not None else None, t_submit=time.perf_counter())
 
     def _enqueue(self, seqs: list[_Seq], bounded: bool) -> None:

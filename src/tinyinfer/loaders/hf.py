@@ -54,11 +54,12 @@ def _field(d: dict, key: str, kind: str, default: Any, where: str, *, within: st
 _INT64 = 2**63
 
 
-def _token_id(v: Any, key: str, where: str) -> int:
-    """A token id of the config (bos / eos): an integer in the 64-bit range (the vocabulary is checked by the
-    core); a JSON true is no id."""
+def _eos_id(v: Any, where: str) -> int:
+    """An EOS id of the config: an integer in the 64-bit range (the vocabulary is checked by the core); a JSON
+    true is no id."""
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < _INT64:
-        raise ConfigError(f"{where}: '{key}' must be a token id (an integer >= 0) or a list of them, got {v!r:.60}")
+        raise ConfigError(f"{where}: 'eos_token_id' must be a token id (an integer >= 0) or a list of them, got "
+                          f"{v!r:.60}")
     return v
 
 
@@ -145,16 +146,15 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> _core.Mod
     c.tie_word_embeddings = _field(cfg, "tie_word_embeddings", "true or false", False, where)
     c.max_position_embeddings = _field(cfg, "max_position_embeddings", "an integer", 2048, where)
     bos = cfg.get("bos_token_id")
-    # (the engine itself never reads it: an id of another type stays ignored, -1)
-    c.bos_token_id = _token_id(bos, "bos_token_id", where) if isinstance(bos, int) and not isinstance(
-        bos, bool) else -1
+    # (the engine itself never reads it: anything but an id in the 64-bit range is none, -1)
+    c.bos_token_id = bos if isinstance(bos, int) and not isinstance(bos, bool) and 0 <= bos < _INT64 else -1
     eos = cfg.get("eos_token_id")
     if eos is None:
         c.eos_token_ids = []
     elif isinstance(eos, list):
-        c.eos_token_ids = [_token_id(e, "eos_token_id", where) for e in eos]
+        c.eos_token_ids = [_eos_id(e, where) for e in eos]
     else:
-        c.eos_token_ids = [_token_id(eos, "eos_token_id", where)]
+        c.eos_token_ids = [_eos_id(eos, where)]
     try:  # the core checks ranges (head_dim 64..256, GQA divisibility, ...) and names the field
         c.validate()
     except UnsupportedModelError as e:

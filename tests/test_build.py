@@ -33,6 +33,19 @@ def test_cli_info_and_help():
         assert "--model" in h.stdout and "--temperature" in h.stdout
 
 
+def test_no_gpu_sentence_only_without_the_driver(monkeypatch):
+    """A CPU-only build on a machine with no NVIDIA driver is told so, not to rebuild (which would not help)."""
+    from tinyinfer import loading
+
+    monkeypatch.setattr(loading.sys, "platform", "linux")
+    monkeypatch.setattr(loading.os.path, "exists", lambda p: False)
+    assert "no NVIDIA GPU on this machine" in loading.no_gpu_sentence()
+    monkeypatch.setattr(loading.os.path, "exists", lambda p: p == "/dev/nvidiactl")
+    assert loading.no_gpu_sentence() is None
+    monkeypatch.setattr(loading.sys, "platform", "darwin")
+    assert loading.no_gpu_sentence() is None
+
+
 def test_bench_without_a_gpu_says_why():
     from tinyinfer.engine import cuda_status
 
@@ -48,6 +61,7 @@ def test_bench_without_a_gpu_says_why():
 
 def test_build_info_says_why_there_is_no_cuda_backend():
     from tinyinfer.engine import cuda_status, no_cuda_sentence
+    from tinyinfer.loading import no_gpu_sentence
 
     info = dict(_core.build_info)
     assert set(info) >= {"no_cuda_reason", "nvcc_version", "source_dir"}
@@ -56,7 +70,7 @@ def test_build_info_says_why_there_is_no_cuda_backend():
     if info["cuda"] or info["no_cuda_reason"] == "no-cublaslt":
         assert re.fullmatch(r"\d+\.\d+", info["nvcc_version"]), info
     if not info["cuda"]:
-        assert cuda_status() == (False, no_cuda_sentence(info))
+        assert cuda_status() == (False, no_gpu_sentence() or no_cuda_sentence(info))
         out = subprocess.run([sys.executable, "-m", "tinyinfer", "info"], capture_output=True, text=True, check=True)
         assert no_cuda_sentence(info) in out.stdout.splitlines()
 

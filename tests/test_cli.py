@@ -184,6 +184,30 @@ def test_chat_ctrl_c_keeps_the_history_consistent(tiny):
         assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
 
 
+def test_a_flag_typo_is_named_with_the_commands_usage(tiny):
+    r = cli("run", "-m", tiny, "--temprature", "0.5", "hi")
+    assert r.returncode == 2 and "usage: tinyinfer run" in r.stderr, r.stderr
+    assert "unrecognized arguments: --temprature" in r.stderr
+    r = cli("run", "-m", tiny, "--device", "cpu", "--max-token", "3", "hi")  # a prefix: refused, not --max-tokens
+    assert r.returncode == 2 and "unrecognized arguments: --max-token" in r.stderr, r.stderr
+
+
+def test_run_without_a_chat_template_says_so(tiny, tmp_path):
+    """A model with no chat template continues the prompt as plain text: said on stderr, and --system (which only a
+    template can place) refused rather than dropped; --system with --raw likewise, before the load."""
+    import shutil
+
+    m = tmp_path / "m"
+    shutil.copytree(tiny, m)
+    (m / "chat_template.jinja").unlink()
+    r = cli("run", "-m", m, "--device", "cpu", "--max-tokens", "2", "hi")
+    assert r.returncode == 0 and "no chat template: the prompt is continued as plain text" in r.stderr, r.stderr
+    r = cli("run", "-m", m, "--device", "cpu", "--max-tokens", "2", "--system", "be brief", "hi")
+    assert r.returncode == 1 and "--system needs a chat template" in r.stderr and "Traceback" not in r.stderr
+    r = cli("run", "-m", tmp_path / "nothing-here", "--raw", "--system", "be brief", "hi")
+    assert r.returncode == 1 and "--raw skips" in r.stderr  # (refused before the model is looked for)
+
+
 def test_perplexity_command_matches_the_logits(tiny, tmp_path):
     from tinyinfer.perplexity import perplexity
 

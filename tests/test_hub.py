@@ -96,6 +96,26 @@ def test_not_cached_offline_names_what_was_looked_for(hub_cache):
     assert str(hub_cache) in msg
 
 
+def test_no_network_looks_in_the_cache_at_once(tiny, hub_cache, monkeypatch):
+    """Online, but the hub's host name does not resolve: the cache is used at once (a cached model loads), and one
+    that is not cached is refused saying so, without huggingface_hub's retries."""
+    import socket
+
+    from tinyinfer.loaders import hub as hub_mod
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(hub_mod, "_offline", lambda: False)  # (huggingface_hub read the variable at its import)
+
+    def no_dns(*a, **k):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    put_in_cache(hub_cache, "org/tiny", _model_files(tiny))
+    assert Engine("org/tiny", device="cpu").config.vocab == 300
+    with pytest.raises(ModelNotFoundError, match="host name does not resolve"):
+        Engine("nobody/no-such-model", device="cpu")
+
+
 def test_local_path_wins_over_hub_name(tiny, hub_cache, tmp_path, monkeypatch):
     """"org/name" both in the hub cache (hidden 64) and as a relative directory (hidden 128): the directory wins;
     from another working directory the cached model loads (so a hub-first loader would have been seen)."""

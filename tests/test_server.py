@@ -570,15 +570,18 @@ def test_sigterm_to_the_process_group_shuts_the_workers_down_cleanly(smollm_gguf
     assert "Traceback" not in srv.log() and "server shutdown" in srv.log()
 
 
-def test_workers_on_a_port_in_use_is_a_clear_error(smollm_gguf, tmp_path):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_port_in_use_is_a_clear_error_before_loading(workers):
+    """Refused before the model is even looked for (it does not exist here), and never "serving ... at" first."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        p = subprocess.run([sys.executable, "-m", "tinyinfer", "serve", "--model", str(smollm_gguf), "--device",
-                            "cpu", "--port", str(port), "--max-seq-len", str(MAX_SEQ), "--api-workers", "2"],
+        p = subprocess.run([sys.executable, "-m", "tinyinfer", "serve", "--model", "/nonexistent", "--device",
+                            "cpu", "--port", str(port), "--api-workers", workers],
                            capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in p.stderr, p.stderr
+    assert "nonexistent" not in p.stderr and "serving" not in p.stderr
 
 
 def test_trace_is_written_at_shutdown(smollm_gguf, tmp_path):

@@ -124,7 +124,7 @@ def run(shape: Optional[str] = None, model: Optional[str] = None, contexts=(16, 
 
     usable, reason = cuda_status()
     if not usable:
-        raise DeviceError(f"tinyinfer bench needs a usable GPU: {reason}")
+        raise DeviceError(f"tinyinfer bench needs a usable GPU (--device cpu times the CPU reference engine): {reason}")
     bw = _core.ops.read_bandwidth(1 << 31, 20)
     gbs = bw["gb_per_s"]
     max_ctx = max(contexts)

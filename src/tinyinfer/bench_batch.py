@@ -218,7 +218,8 @@ def run(device: str, batches: Sequence[int], shape: Optional[str] = None, model:
 
         usable, reason = cuda_status()
         if not usable:
-            raise DeviceError(f"tinyinfer bench needs a usable GPU: {reason}")
+            raise DeviceError(f"tinyinfer bench needs a usable GPU (--device cpu times the CPU reference engine): "
+                              f"{reason}")
     t0 = time.perf_counter()
     core, cfg, name = open_engine(device, shape, model, dtype, prompt + gen + 16, max(batches), threads,
                                  opts_spec)

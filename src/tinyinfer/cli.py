@@ -14,6 +14,7 @@ the model loads. A closed stdout (`| head`) ends the command quietly.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import os
 import sys
@@ -74,6 +75,8 @@ def _check_before_load(args) -> None:
                                       f"--max-seq-len {args.max_seq_len}")
     if getattr(args, "system", None) is not None and not args.system.strip():
         raise InvalidRequestError("--system is empty")
+    if getattr(args, "raw", False) and getattr(args, "system", None) is not None:
+        raise InvalidRequestError("--system goes into the chat template, which --raw skips: give one of them")
     _check_threads(args)
     if args.dtype != "auto" and args.device != "auto":
         from .engine import check_dtype
@@ -145,7 +148,14 @@ def cmd_run(args) -> int:
     prompt = _read_prompt(args)
     _check_before_load(args)
     eng = _engine(args)
-    if args.raw or eng.tokenizer is None or not getattr(eng.tokenizer, "chat_template", None):
+    templated = eng.tokenizer is not None and bool(getattr(eng.tokenizer, "chat_template", None))
+    if not args.raw and not templated:  # (said, not done silently: the reply is then a plain continuation)
+        if args.system is not None:
+            raise InvalidRequestError(f"--system needs a chat template, and {eng.model_name} has none (it "
+                                      f"continues the prompt as plain text: drop --system)")
+        print("tinyinfer: the model has no chat template: the prompt is continued as plain text (as --raw)",
+              file=sys.stderr)
+    if args.raw or not templated:
         pieces = eng.stream(prompt, **_sampling(args)) if not args.no_stream else None
         out = _print_stream(eng, pieces, lambda: eng.generate(prompt, **_sampling(args)))
     else:
@@ -366,9 +376,12 @@ def cmd_info(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="tinyinfer", description="A small, fast LLM inference engine.")
+    # allow_abbrev=False: "--max-token" is a typo to report, not --max-tokens
+    parser = argparse.ArgumentParser(prog="tinyinfer", description="A small, fast LLM inference engine.",
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"tinyinfer {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
 
     p = sub.add_parser("run", help="answer one prompt (with the model's chat template) and print stats")
     _add_model_args(p)
@@ -439,7 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said with the command's usage, not the top level's (as parse_args would)
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         rc = args.func(args)
         sys.stdout.flush()  # here, so that a closed pipe is met inside the try and not at interpreter exit

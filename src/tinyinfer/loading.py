@@ -49,10 +49,19 @@ def no_cuda_sentence(info: dict) -> str:
             f"fix: pip install 'cuda-toolkit[nvcc,cudart,cccl]' && {reinstall}")
 
 
+def no_gpu_sentence() -> Optional[str]:
+    """Why there is no GPU to use whatever the build (Linux without the NVIDIA driver's device), or None: a
+    CPU-only build on such a machine is no fault to fix by rebuilding."""
+    if sys.platform.startswith("linux") and not any(os.path.exists(p) for p in ("/dev/nvidiactl",
+                                                                                "/proc/driver/nvidia")):
+        return "no NVIDIA GPU on this machine (no NVIDIA driver: /dev/nvidiactl is absent)"
+    return None
+
+
 def cuda_status() -> tuple[bool, str]:
     """(usable, reason): whether this build has the GPU engine and a usable GPU is present."""
     if not hasattr(_core, "CudaEngine"):
-        return False, no_cuda_sentence(dict(_core.build_info))
+        return False, no_gpu_sentence() or no_cuda_sentence(dict(_core.build_info))
     status = _core.ops.device_status()
     return bool(status["usable"]), str(status.get("reason") or "")
 
@@ -252,4 +261,5 @@ class TacticsCache:
 
 
 __all__ = ["DEVICE_DTYPES", "TacticsCache", "check_dtype", "check_threads", "cuda_status", "load_cpu",
-           "load_cpu_store", "load_cuda", "no_cuda_sentence", "pick_device", "plan_file", "with_plan_cache"]
+           "load_cpu_store", "load_cuda", "no_cuda_sentence", "no_gpu_sentence", "pick_device", "plan_file",
+           "with_plan_cache"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -66,6 +67,20 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE) or _truthy(os.environ.get("HF_HUB_OFFLINE"))
 
 
+def _hub_unresolvable() -> bool:
+    """Whether the hub's host name does not resolve (no network): then only the cache is looked in, at once,
+    rather than after huggingface_hub's retries (~20 s of "Retrying in 1s ... 8s" for a single file)."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    try:
+        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname or "", 443)
+    except OSError:
+        return True
+    return False
+
+
 def _cache_dir() -> Optional[str]:
     # Same reason as _offline: the cache location is frozen at huggingface_hub's import.
     if os.environ.get("HF_HUB_CACHE"):
@@ -81,17 +96,19 @@ def resolve_hub_name(hub: HubName) -> Path:
     from huggingface_hub import errors as hf_errors
 
     offline = _offline()
+    unreachable = not offline and _hub_unresolvable()
     what = f"{hub.filename} from {hub.repo_id}" if hub.filename else f"{hub.repo_id} (config, tokenizer, safetensors)"
     if hub.revision:
         what += f" at revision {hub.revision}"
-    common = dict(revision=hub.revision, cache_dir=_cache_dir(), local_files_only=offline)
+    common = dict(revision=hub.revision, cache_dir=_cache_dir(), local_files_only=offline or unreachable)
     try:
         if hub.filename:
             local = hf_hub_download(hub.repo_id, hub.filename, **common)
         else:
             local = snapshot_download(hub.repo_id, allow_patterns=HF_DIR_FILES, **common)
     except hf_errors.LocalEntryNotFoundError as e:  # offline, or the hub unreachable, and not in the cache
-        why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
+        why = ("HF_HUB_OFFLINE is set" if offline else "the hub's host name does not resolve (no network?)"
+               if unreachable else "the hub could not be reached")
         raise ModelNotFoundError(
             f"model {what}: not a local path, and not in the Hugging Face cache ({_cache_dir() or 'default location'}) "
             f"while {why}. Download it once with network access, or pass a local directory or .gguf file."

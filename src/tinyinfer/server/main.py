@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from typing import Optional
 
@@ -90,6 +91,21 @@ def check_arguments(args) -> None:
         raise InvalidRequestError("--api-key is empty")
     if args.trace is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
         raise InvalidRequestError(f"--trace: the folder of {args.trace!r} does not exist")
+    check_address(args.host, args.port)
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuse, before the model's load, an address this process cannot listen on (the port in use, a host that is
+    not this machine's): a trial bind, with the SO_REUSEADDR uvicorn binds with. (Another process may still take
+    the port in between: uvicorn then says so.)"""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+    except OSError as e:
+        raise InvalidRequestError(f"cannot listen on {host}:{port} (--host / --port): {e}") from None
 
 
 def request_log(level: str, worker: Optional[str] = None) -> None:

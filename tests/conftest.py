@@ -44,8 +44,8 @@ def pytest_collection_modifyitems(config, items):
 def hold_steps(sched, n: int, until: Optional[Callable[[], bool]] = None, monkeypatch=None) -> threading.Event:
     """The scheduler's driver thread runs sched's first n steps; each later step waits (60 s at most) until the
     returned Event is set or until() holds: a test that acts on a running request (cancels it, closes the engine,
-    hangs up its worker) cannot race its end, however slowly the test's own thread runs. (Holding the engine's
-    lock does not do this: the driver takes it back at once after each step, and a Lock is not fair.)
+    hangs up its worker) cannot race its end, however slowly the test's own thread runs. (Taking the engine's lock
+    does not do this: the driver goes on stepping until the test's thread has it, and a Lock promises no order.)
     until=sched_cancels_pending(sched) lets exactly one step apply each cancel; close() joins the driver, which
     then still ends. With monkeypatch, the patch is undone after the test (a module's shared scheduler)."""
     go, step, calls = threading.Event(), sched.step, itertools.count()

@@ -12,20 +12,11 @@ import numpy as np
 
 from . import _core
 from .errors import InvalidRequestError
+from .tokenizer import not_unicode
 
 MAX_LOGPROBS = 20  # top entries per token a request may ask for (OpenAI's limit)
 INT64_MAX = 2**63 - 1  # the core's top_k is an int64 (its seed a uint64)
 MAX_STOP_CHARS = 1024  # the longest stop string: each token's text is searched for every stop's prefixes
-
-
-def not_unicode(s: str) -> Optional[str]:
-    """Why `s` has no UTF-8 (a lone surrogate, "\\ud800" in JSON), or None: such a string can never match a
-    model's text."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return f"{s[e.start]!r} (a lone surrogate) at character {e.start}"
-    return None
 
 
 def as_float32(v: float) -> float:

@@ -8,6 +8,16 @@ from typing import Iterable, Optional, Union
 from .errors import InvalidRequestError, ModelFormatError
 
 
+def not_unicode(s: str) -> Optional[str]:
+    """Why `s` has no UTF-8 (a lone surrogate, "\\ud800" in JSON), or None: such a string cannot be tokenized,
+    nor match a model's text."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"{s[e.start]!r} (a lone surrogate) at character {e.start}"
+    return None
+
+
 class Tokenizer:
     def __init__(self, tok, *, bos_token: Optional[str] = None, eos_token: Optional[str] = None):
         self._tok = tok
@@ -36,11 +46,8 @@ class Tokenizer:
         except TypeError:  # the library's one message for both: "TextInputSequence must be str"
             if not isinstance(text, str):
                 raise InvalidRequestError(f"the text to tokenize must be a str (got {type(text).__name__})") from None
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:  # a lone surrogate ("\ud800" in JSON)
-                raise InvalidRequestError(f"the text is not valid Unicode: {text[e.start]!r} (a lone surrogate) at "
-                                          f"character {e.start}") from None
+            if not_unicode(text):
+                raise InvalidRequestError(f"the text is not valid Unicode: {not_unicode(text)}") from None
             raise
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:

@@ -34,6 +34,7 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+_INT64 = 2**63  # the core's integer fields are int64
 _KINDS = {"an integer": int, "a number": (int, float), "true or false": bool}
 
 
@@ -46,12 +47,9 @@ def _field(d: dict, key: str, kind: str, default: Any, where: str, *, within: st
         return default
     if not isinstance(v, _KINDS[kind]) or isinstance(v, bool) != (kind == "true or false"):
         raise ConfigError(f"{where}: '{within + '.' if within else ''}{key}' must be {kind}, got {v!r}")
-    if kind == "an integer" and not -_INT64 <= v < _INT64:  # (the core's fields are 64-bit)
+    if kind == "an integer" and not -_INT64 <= v < _INT64:
         raise ConfigError(f"{where}: '{within + '.' if within else ''}{key}' is out of range, got {v!r:.40}")
     return v
-
-
-_INT64 = 2**63
 
 
 def _eos_id(v: Any, where: str) -> int:

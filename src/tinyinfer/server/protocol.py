@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 from ..errors import InvalidRequestError
-from ..sampling import INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams, as_float32, not_unicode
+from ..sampling import INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams, as_float32
+from ..tokenizer import not_unicode
 
 
 class APIError(Exception):

@@ -353,9 +353,14 @@ def test_gpu_batch_through_the_scheduler(tmp_path):
             ls -= np.log(np.exp(ls).sum(axis=1, keepdims=True))
             for row, raw, lp in zip(ls, logits, o.logprobs):
                 assert abs(lp.logprob - row[lp.token_id]) <= 3e-3 * np.abs(raw).max() + 1e-3
-        reqs = [e.scheduler.submit(p, SamplingParams(max_tokens=200, ignore_eos=True)) for p in prompts]
-        next(iter(reqs[2]))
-        reqs[2].cancel()
-        assert reqs[2].result().finish_reason == "cancelled"
-        assert all(r.result().finish_reason == "length" for i, r in enumerate(reqs) if i != 2)
+        e.scheduler.close()
+        sched = Scheduler(e)  # no driver thread: the steps run in this thread's next() and result(), so reqs[2]
+        try:  # is surely running when it is cancelled (a driver could end its 200 tokens first on a fast GPU)
+            reqs = [sched.submit(p, SamplingParams(max_tokens=200, ignore_eos=True)) for p in prompts]
+            next(iter(reqs[2]))
+            reqs[2].cancel()
+            assert reqs[2].result().finish_reason == "cancelled"
+            assert all(r.result().finish_reason == "length" for i, r in enumerate(reqs) if i != 2)
+        finally:
+            sched.close()
         assert e._core.kv_pages_free == free

@@ -139,7 +139,7 @@ def test_ignore_eos(tiny, tmp_path):
     shutil.copytree(tiny, d)
     edit_config(d, eos_token_id=list(range(300)))  # every token ends the sequence
     base = ["run", "-m", d, "--device", "cpu", "-n", "7", "--raw", "hi"]
-    assert "| 1 tokens |" in cli(*base).stderr
+    assert "| 1 token |" in cli(*base).stderr
     r = cli(*base, "--ignore-eos")
     assert r.returncode == 0 and "| 7 tokens |" in r.stderr
 

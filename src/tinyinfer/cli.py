@@ -109,10 +109,14 @@ def _engine(args):
                   threads=args.threads)
 
 
+def _tokens(n: int) -> str:
+    return f"{n} token{'' if n == 1 else 's'}"
+
+
 def stats_line(eng, out) -> str:
     s = out.stats
-    return (f"[{eng.device} {eng.dtype}] prompt {s.prompt_tokens} tokens in {s.prefill_ms:.1f} ms | "
-            f"{s.decode_tokens} tokens | decode {s.decode_tok_s:.1f} tok/s"
+    return (f"[{eng.device} {eng.dtype}] prompt {_tokens(s.prompt_tokens)} in {s.prefill_ms:.1f} ms | "
+            f"{_tokens(s.decode_tokens)} | decode {s.decode_tok_s:.1f} tok/s"
             f"{' (GPU time)' if s.decode_timer == 'GPU time' else ''} | {s.wall_s:.2f} s wall")
 
 

@@ -526,6 +526,13 @@ def test_queue_full_is_503(smollm_gguf, tmp_path, workers):
                 c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=2)
             assert e.value.status_code == 503 and e.value.response.headers.get("retry-after")
             assert _error_of(e)["code"] == "queue_full"
+            # more choices than the queue holds at once: never queued, however long the client retries (400)
+            with pytest.raises(openai.BadRequestError, match="asks for 2 completions") as e:
+                c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=2, n=2)
+            assert _error_of(e)["param"] == "n"
+            with pytest.raises(openai.BadRequestError, match=r"2 prompt\(s\) x n=1") as e:
+                c.completions.create(model=NAME, prompt=["a", "b"], max_tokens=2)
+            assert _error_of(e)["param"] == "prompt"
         assert srv.health()["status"] == "ok"
     finally:
         assert srv.stop(signal.SIGINT) == 0, srv.log()

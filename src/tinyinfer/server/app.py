@@ -296,6 +296,14 @@ class Service:
     async def submit(self, g: P.GenerationRequest, prompts: list[list[int]], rid: str) -> _Call:
         """One scheduler Request per (prompt, choice); all or none (a refusal cancels those already queued). The
         scheduler is the engine's, or in a frontend process a RemoteScheduler, whose submit is awaited."""
+        # every choice waits in the scheduler's queue at first: a request of more choices than the queue holds
+        # would be answered 503 ("busy, retry") even on an idle server, and every retry too (a lone choice keeps
+        # the 503: --max-waiting 0 is a server that is always busy)
+        cap = getattr(self.scheduler, "max_waiting", None)
+        asked = len(prompts) * g.n
+        if cap is not None and asked > max(cap, 1):
+            raise P.bad(f"this request asks for {asked} completions ({len(prompts)} prompt(s) x n={g.n}); this "
+                        f"server queues at most {cap} at once (--max-waiting)", "n" if g.n > 1 else "prompt")
         choices: list[_Choice] = []
         try:
             for pi, ids in enumerate(prompts):

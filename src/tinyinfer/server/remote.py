@@ -94,8 +94,10 @@ class RemoteScheduler:
 
     trace = None  # (the engine process records the core calls; see `tinyinfer serve --trace`)
 
-    def __init__(self, conn, on_end=None):
-        """on_end(): called in the event loop when the engine process says to stop, or is gone."""
+    def __init__(self, conn, on_end=None, max_waiting: Optional[int] = None):
+        """on_end(): called in the event loop when the engine process says to stop, or is gone. max_waiting: the
+        engine's Scheduler's (the app refuses a request of more choices than that at once; None: unchecked)."""
+        self.max_waiting = max_waiting
         self._conn = conn
         self._on_end = on_end
         self._send_lock = threading.Lock()

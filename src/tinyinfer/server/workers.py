@@ -67,7 +67,8 @@ def run_workers(args, engine, scheduler, *, model_name: str, api_key, on_stopped
         return 1
     sock.set_inheritable(True)
     setup = {"text": TextSide.of(engine), "model_name": model_name, "api_key": api_key,
-             "stream_interval": args.stream_interval, "max_body_bytes": MAX_BODY_BYTES}
+             "stream_interval": args.stream_interval, "max_body_bytes": MAX_BODY_BYTES,
+             "max_waiting": scheduler.max_waiting}
     procs: list[subprocess.Popen] = []
     conns: list = []
     hub: Optional[EngineHub] = None

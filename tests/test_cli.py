@@ -124,12 +124,17 @@ def test_dtype_the_device_cannot_honour_is_refused(tiny):
 def test_chat_messages_refused(tiny):
     with Engine(tiny, device="cpu") as eng:
         for msgs, needle in (([{"role": "user", "content": ""}], r"messages\[0\] \(user\) has empty content"),
-                             ([{"role": "system", "content": " "}, {"role": "user", "content": "hi"}], "empty"),
                              ([{"role": "usr", "content": "hi"}], "unknown role 'usr'")):
             with pytest.raises(InvalidRequestError, match=needle):
                 eng.chat(msgs, max_tokens=2)
         assert eng.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
                          {"role": "user", "content": "again"}], max_tokens=2).token_ids  # an empty reply is kept
+        # an empty system message (what chat front-ends send when none is set) is rendered as it is; 'developer'
+        # (OpenAI's newer name for the system role) is the system role
+        user = {"role": "user", "content": "hi"}
+        assert (eng.apply_chat_template([{"role": "developer", "content": "Be brief."}, user])
+                == eng.apply_chat_template([{"role": "system", "content": "Be brief."}, user]))
+        assert eng.chat([{"role": "system", "content": " "}, user], max_tokens=2).token_ids
 
 
 def test_ignore_eos(tiny, tmp_path):

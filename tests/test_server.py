@@ -157,7 +157,7 @@ def test_chat_greedy_equals_engine_chat(client, ref, server):
 
 def test_max_completion_tokens_is_max_tokens(client, ref):
     want = ref.chat(CHAT, max_tokens=5)
-    r = client.chat.completions.create(model=NAME, messages=CHAT, max_completion_tokens=5)
+    r = client.chat.completions.create(model=NAME, temperature=0, messages=CHAT, max_completion_tokens=5)
     assert r.choices[0].message.content == want.text and r.usage.completion_tokens == len(want.token_ids)
 
 
@@ -168,7 +168,7 @@ def test_completion_greedy_equals_engine_generate(client, ref):
     assert r.choices[0].text == want.text and r.choices[0].finish_reason == want.finish_reason
     assert r.usage.prompt_tokens == len(ref.tokenize(prompt)) and r.usage.completion_tokens == len(want.token_ids)
     ids = ref.tokenize("Once upon a time")  # a prompt given as token ids
-    r = client.completions.create(model=NAME, prompt=ids, max_tokens=6)
+    r = client.completions.create(model=NAME, temperature=0, prompt=ids, max_tokens=6)
     assert r.choices[0].text == ref.generate(ids, max_tokens=6).text and r.usage.prompt_tokens == len(ids)
 
 
@@ -189,7 +189,7 @@ def test_several_prompts_each_their_choice(client, ref):
 
 def test_stream_joins_to_the_text(client, ref):
     want = ref.chat(CHAT, max_tokens=12)
-    chunks = list(client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=12, stream=True,
+    chunks = list(client.chat.completions.create(model=NAME, temperature=0, messages=CHAT, max_tokens=12, stream=True,
                                                  stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -202,8 +202,8 @@ def test_stream_joins_to_the_text(client, ref):
     assert len({c.id for c in chunks}) == 1
     # completions: pieces join to the non-streamed text
     prompt = "The capital of France is"
-    pieces = [c.choices[0].text for c in client.completions.create(model=NAME, prompt=prompt, max_tokens=10,
-                                                                   stream=True) if c.choices]
+    pieces = [c.choices[0].text for c in client.completions.create(model=NAME, temperature=0, prompt=prompt,
+                                                                   max_tokens=10, stream=True) if c.choices]
     assert "".join(pieces) == ref.generate(prompt, max_tokens=10).text
 
 
@@ -212,9 +212,9 @@ def test_stop_strings(client, ref):
     word = full.split()[2]  # a word in the middle of the greedy answer
     want = ref.chat(CHAT, max_tokens=16, stop=[word])
     assert want.finish_reason == "stop" and word not in want.text
-    r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=16, stop=word)
+    r = client.chat.completions.create(model=NAME, temperature=0, messages=CHAT, max_tokens=16, stop=word)
     assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == "stop"
-    chunks = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=16, stop=[word, "zzz"],
+    chunks = client.chat.completions.create(model=NAME, temperature=0, messages=CHAT, max_tokens=16, stop=[word, "zzz"],
                                             stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
 
@@ -235,6 +235,18 @@ def test_n_with_seed_gives_seed_plus_i(client, ref):
     assert [texts[0], texts[1]] == [c.message.content for c in r.choices]
 
 
+def test_unset_temperature_is_openais_and_seeds_are_signed(client, ref):
+    """A request without a temperature samples at OpenAI's default (1), not greedily; a negative seed (OpenAI's
+    seed is a signed 64-bit integer) is its two's complement, choice i its seed + i."""
+    r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=8, n=2, seed=7)
+    assert [c.message.content for c in r.choices] == [ref.chat(CHAT, max_tokens=8, seed=7 + i, temperature=1.0).text
+                                                       for i in range(2)]
+    r = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=8, seed=-1, n=2,
+                                  temperature=0.9)
+    assert [c.text for c in r.choices] == [ref.generate("Once upon a time", max_tokens=8, temperature=0.9,
+                                                        seed=s).text for s in (2**64 - 1, 0)]
+
+
 def test_extension_parameters_reach_the_sampler(client, ref):
     kw = dict(max_tokens=8, temperature=0.7, seed=5)
     ext = dict(top_k=20, min_p=0.05, repetition_penalty=1.3)
@@ -244,7 +256,8 @@ def test_extension_parameters_reach_the_sampler(client, ref):
 
 def test_chat_logprobs_agree_with_engine_logits(client, ref):
     want = ref.chat(CHAT, max_tokens=6)
-    r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=6, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(model=NAME, temperature=0, messages=CHAT, max_tokens=6, logprobs=True,
+                                       top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == len(want.token_ids)
     logits = ref.logits(want.prompt_token_ids + want.token_ids)
@@ -259,7 +272,7 @@ def test_chat_logprobs_agree_with_engine_logits(client, ref):
         assert item.top_logprobs[0].logprob == pytest.approx(item.logprob, abs=1e-6)  # greedy: the argmax
     # streamed logprobs: the same entries, in order
     streamed = []
-    for ch in client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=6, logprobs=True,
+    for ch in client.chat.completions.create(model=NAME, temperature=0, messages=CHAT, max_tokens=6, logprobs=True,
                                              top_logprobs=3, stream=True):
         if ch.choices and ch.choices[0].logprobs is not None:
             streamed += ch.choices[0].logprobs.content
@@ -269,7 +282,7 @@ def test_chat_logprobs_agree_with_engine_logits(client, ref):
 def test_completion_logprobs_legacy_format(client, ref):
     prompt = "The capital of France is"
     want = ref.generate(prompt, max_tokens=5)
-    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=5, logprobs=2)
+    r = client.completions.create(model=NAME, temperature=0, prompt=prompt, max_tokens=5, logprobs=2)
     lp = r.choices[0].logprobs
     ids = ref.tokenize(prompt)
     logits = ref.logits(ids + want.token_ids)
@@ -291,7 +304,7 @@ def test_concurrent_streams_equal_their_solo_text(server, ref):
 
     async def one(c, p):
         out = ""
-        async for ch in await c.completions.create(model=NAME, prompt=p, max_tokens=6, stream=True):
+        async for ch in await c.completions.create(model=NAME, temperature=0, prompt=p, max_tokens=6, stream=True):
             if ch.choices:
                 out += ch.choices[0].text
         return out
@@ -367,7 +380,7 @@ BAD_CHAT = [  # (extra arguments, param named)
     (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
     (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
     (dict(stop=["x" * 1025]), "stop"),  # longer than a stop string may be
-    (dict(seed=-1), "seed"),
+    (dict(seed=-2**63 - 1), "seed"),  # beyond OpenAI's signed 64 bits
     (dict(seed=2**63), "seed"),
     (dict(extra_body={"top_k": 2**63}), "top_k"),  # beyond the core's int64
     (dict(stream_options={"include_usage": True}), "stream_options"),  # without stream
@@ -508,7 +521,7 @@ def test_malformed_json_is_400(server):
 
 def test_still_serving_after_errors(client, ref, server):
     """Runs after the error rows (file order): the same answer as at the start, nothing left in the pool."""
-    r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=4)
+    r = client.chat.completions.create(model=NAME, temperature=0, messages=CHAT, max_tokens=4)
     assert r.choices[0].message.content == ref.chat(CHAT, max_tokens=4).text
     h = server.wait_idle()
     assert h["kv_pages_used"] == 0 and server.proc.poll() is None

@@ -126,11 +126,14 @@ def _alias_reasoning(messages: list[dict]) -> list[dict]:
 
 # The roles chat templates know (OpenAI's and transformers'); anything else is a typo the template would drop.
 ROLES = ("system", "user", "assistant", "tool")
+# OpenAI's newer name for the system role (its clients send it); no chat template of ours knows it
+ALIASES = {"developer": "system"}
 
 
 def validate_messages(messages: Any) -> list[dict]:
-    """A list of dicts, each with a known str 'role' and a str 'content' (not empty for system and user). Keys whose value is None are dropped (as
-    transformers does). Raises InvalidRequestError naming the bad message."""
+    """A list of dicts, each with a known str 'role' ('developer' read as 'system') and a str 'content' (not empty
+    for user). Keys whose value is None are dropped (as transformers does). Raises InvalidRequestError naming the
+    bad message."""
     if not isinstance(messages, (list, tuple)):
         raise InvalidRequestError(f"messages must be a list of dicts, got {type(messages).__name__}")
     if not messages:
@@ -146,11 +149,14 @@ def validate_messages(messages: Any) -> list[dict]:
                 raise InvalidRequestError(
                     f"messages[{i}][{key!r}] must be a str, got {type(m[key]).__name__}"
                 )
-        if m["role"] not in ROLES:
-            raise InvalidRequestError(f"messages[{i}] has an unknown role {m['role']!r} (known: {', '.join(ROLES)})")
-        if m["role"] in ("system", "user") and not m["content"].strip():
-            raise InvalidRequestError(f"messages[{i}] ({m['role']}) has empty content")
-        out.append({k: v for k, v in m.items() if v is not None})
+        role = ALIASES.get(m["role"], m["role"])
+        if role not in ROLES:
+            known = ", ".join(ROLES + tuple(ALIASES))
+            raise InvalidRequestError(f"messages[{i}] has an unknown role {m['role']!r} (known: {known})")
+        # (an empty system message is what chat front-ends send when the user set none: rendered as it is)
+        if role == "user" and not m["content"].strip():
+            raise InvalidRequestError(f"messages[{i}] (user) has empty content")
+        out.append({k: v for k, v in m.items() if v is not None} | {"role": role})
     return out
 
 

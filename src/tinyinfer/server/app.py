@@ -310,7 +310,7 @@ class Service:
                 base = dataclasses.replace(g.params, max_tokens=self.max_tokens_for(g, len(ids)),
                                            logprobs=g.logprobs)
                 for j in range(g.n):
-                    sp = base if base.seed is None else dataclasses.replace(base, seed=base.seed + j)
+                    sp = base if base.seed is None else dataclasses.replace(base, seed=(base.seed + j) % 2**64)
                     k = pi * g.n + j
                     req = self.scheduler.submit(ids, sp, request_id=f"{rid}-{k}")
                     if inspect.isawaitable(req):

@@ -55,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"to the one engine process by a pipe; 1: the HTTP app in the engine's process (default: "
                         f"{AUTO_WORKERS} on cuda with >= {AUTO_WORKERS_MIN_CPUS} CPUs, else 1; 1 with --trace)")
     p.add_argument("--max-waiting", type=int, default=1024,
-                   help="requests allowed to wait for a slot; beyond it: 503 with Retry-After (default 1024)")
+                   help="requests allowed to wait for a slot (every request waits first: 0 answers each one 503); "
+                        "beyond it: 503 with Retry-After (default 1024)")
     p.add_argument("--switch-interval-ms", type=float, default=0.2,
                    help="Python's thread switch interval (sys.setswitchinterval; default 0.2 ms, Python's own is 5): "
                         "how long the scheduler may wait for the GIL after a GPU call while the HTTP loop holds it")

@@ -123,6 +123,7 @@ _OFF = {
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "service_tier": (None, "auto", "default"),
 }
+OPENAI_TEMPERATURE = 1.0  # a request's temperature when it has none (OpenAI's API reference)
 _IGNORED = {"user", "metadata", "store", "parallel_tool_calls"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "logprobs"}
@@ -146,8 +147,9 @@ def _sampling(body: dict, max_tokens: Optional[int]) -> SamplingParams:
     the field named in the message)."""
     kw: dict[str, Any] = {}
     t = _num(body, "temperature", lambda x: 0 <= x <= 2, "a number in [0, 2]")
-    if t is not None:
-        kw["temperature"] = t
+    # unset: OpenAI's default (1, as vLLM's server without a generation config), not the library's greedy 0 — an
+    # OpenAI client that leaves it out asks for sampling, and n > 1 would otherwise give n equal choices
+    kw["temperature"] = OPENAI_TEMPERATURE if t is None else t
     p = _num(body, "top_p", lambda x: 0 < x <= 1, "a number in (0, 1]")
     if p is not None:
         kw["top_p"] = p
@@ -168,10 +170,11 @@ def _sampling(body: dict, max_tokens: Optional[int]) -> SamplingParams:
             kw[name] = v
     seed = body.get("seed")
     if seed is not None:
-        # OpenAI's seed is a signed 64-bit integer; the core's RNG takes a non-negative one
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-            raise bad(f"'seed' must be an integer in 0..2**63-1 (got {seed!r})", "seed")
-        kw["seed"] = seed
+        # OpenAI's seed is a signed 64-bit integer (vLLM takes negative ones too); the core's RNG takes an unsigned
+        # one: a negative seed is its two's complement, so every signed seed is its own stream
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63:
+            raise bad(f"'seed' must be an integer in -2**63..2**63-1 (got {seed!r})", "seed")
+        kw["seed"] = seed % 2**64
     kw["stop"] = _stop(body)
     if _bool(body, "ignore_eos"):
         kw["ignore_eos"] = True

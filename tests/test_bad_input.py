@@ -315,6 +315,34 @@ def test_config_integer_out_of_range(model_copy, changes, needle):
         Engine(model_copy, device="cpu")
 
 
+def test_generation_config_eos_ids_are_stop_ids_too(model_copy):
+    """generation_config.json's EOS ids end a generation as config.json's do (transformers' generate() and vLLM
+    read them; Llama-3's instruct models keep end-of-turn only there); a bad one is refused naming the file."""
+    edit_config(model_copy, eos_token_id=None)
+    prompt = [1, 5, 9]
+    with Engine(model_copy, device="cpu") as eng:
+        free = eng.generate(prompt, max_tokens=12).token_ids
+    k = next(i for i, t in enumerate(free) if i >= 2 and t not in free[:i])  # a token the greedy path first meets at k
+    gen = model_copy / "generation_config.json"
+    gen.write_text(json.dumps({"eos_token_id": [free[k], free[k]], "temperature": 0.6}))
+    with Engine(model_copy, device="cpu") as eng:
+        got = eng.generate(prompt, max_tokens=12)
+        assert got.finish_reason == "stop" and got.token_ids == free[:k + 1]
+    other = next(t for t in range(300) if t != free[k])
+    edit_config(model_copy, eos_token_id=[other, free[k]])
+    with Engine(model_copy, device="cpu") as eng:
+        assert list(eng.config.eos_token_ids) == [other, free[k]]  # config.json's first, each id once
+    for bad, needle in ((True, "generation_config.json: 'eos_token_id' must be a token id"),
+                        (["2"], "generation_config.json: 'eos_token_id' must be a token id"),
+                        (10**6, "eos_token_id.*out of range")):
+        gen.write_text(json.dumps({"eos_token_id": bad}))
+        with pytest.raises(ConfigError, match=needle):
+            Engine(model_copy, device="cpu")
+    gen.write_text("{not json")
+    with pytest.raises(ModelFormatError, match="generation_config.json: not valid JSON"):
+        Engine(model_copy, device="cpu")
+
+
 @pytest.mark.parametrize("bos", [2**70, -1, True, [1]])
 def test_config_bos_that_is_no_id_is_none(model_copy, bos):
     """The engine never reads bos_token_id: anything but an id is "none" (-1), as it always was, never a crash."""

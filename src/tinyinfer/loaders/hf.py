@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -61,6 +61,13 @@ def _eos_id(v: Any, where: str) -> int:
     return v
 
 
+def _eos_ids(v: Any, where: str) -> list[int]:
+    """'eos_token_id' as a list: absent / null none, an id, or a list of ids."""
+    if v is None:
+        return []
+    return [_eos_id(e, where) for e in v] if isinstance(v, list) else [_eos_id(v, where)]
+
+
 def _rope_settings(cfg: dict, where: str) -> dict:
     """rope_theta and scaling from either transformers 5's `rope_parameters` or the older `rope_theta` +
     `rope_scaling`. Returns {"theta", "type", "factor", ...}."""
@@ -96,8 +103,10 @@ def _rope_settings(cfg: dict, where: str) -> dict:
     return out
 
 
-def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> _core.ModelConfig:
-    """A validated ModelConfig from a parsed config.json; refuses what the engine can't honour, naming the field."""
+def config_from_hf(cfg: dict[str, Any], where: str = "config.json",
+                   generation: Optional[tuple[str, dict[str, Any]]] = None) -> _core.ModelConfig:
+    """A validated ModelConfig from a parsed config.json (and generation_config.json: (its path, its object), whose
+    EOS ids are added); refuses what the engine can't honour, naming the field."""
     model_type = cfg.get("model_type")
     if model_type != "llama":
         raise UnsupportedModelError(f"{where}: model_type = {model_type!r} is not supported (only 'llama')")
@@ -146,13 +155,12 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> _core.Mod
     bos = cfg.get("bos_token_id")
     # (the engine itself never reads it: anything but an id in the 64-bit range is none, -1)
     c.bos_token_id = bos if isinstance(bos, int) and not isinstance(bos, bool) and 0 <= bos < _INT64 else -1
-    eos = cfg.get("eos_token_id")
-    if eos is None:
-        c.eos_token_ids = []
-    elif isinstance(eos, list):
-        c.eos_token_ids = [_eos_id(e, where) for e in eos]
-    else:
-        c.eos_token_ids = [_eos_id(eos, where)]
+    c.eos_token_ids = _eos_ids(cfg.get("eos_token_id"), where)
+    if generation is not None:
+        # transformers' generate() and vLLM stop at the generation config's EOS ids too (Llama-3's instruct
+        # models: end of text and end of turn there, only one of them in config.json)
+        gen_where, gen = generation
+        c.eos_token_ids = list(dict.fromkeys(c.eos_token_ids + _eos_ids(gen.get("eos_token_id"), gen_where)))
     try:  # the core checks ranges (head_dim 64..256, GQA divisibility, ...) and names the field
         c.validate()
     except UnsupportedModelError as e:
@@ -235,7 +243,9 @@ def _apply_chat_template_file(tok: Tokenizer, path: Path) -> None:
 
 def load_hf_dir(d: Path) -> LoadedModel:
     config_path = d / "config.json"
-    config = config_from_hf(_read_json(config_path), where=str(config_path))
+    gen_path = d / "generation_config.json"
+    generation = (str(gen_path), _read_json(gen_path)) if gen_path.is_file() else None
+    config = config_from_hf(_read_json(config_path), where=str(config_path), generation=generation)
     files = _safetensors_files(d)
 
     def tensors() -> Iterator[TensorItem]:

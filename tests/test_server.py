@@ -527,7 +527,57 @@ def test_still_serving_after_errors(client, ref, server):
     assert h["kv_pages_used"] == 0 and server.proc.poll() is None
 
 
-# ---- more servers: the queue full, and Ctrl-C ----
+# ---- more servers: sampling defaults, the queue full, and Ctrl-C ----
+
+
+def test_sampling_defaults_are_checked_and_a_request_overrides_them():
+    from tinyinfer.server import protocol as P
+
+    ok, dropped = P.checked_defaults({"temperature": 0.6, "top_p": 0.0, "top_k": "x", "min_p": 0.05, "seed": 1,
+                                      "repetition_penalty": 1.2})
+    assert ok == {"temperature": 0.6, "min_p": 0.05, "repetition_penalty": 1.2}
+    assert [d.split("=")[0] for d in dropped] == ["top_p", "top_k", "seed"]
+    body = {"messages": CHAT}
+    assert P.parse_chat(body).params.temperature == 1.0  # none: OpenAI's
+    sp = P.parse_chat(body, ok).params
+    assert (sp.temperature, sp.min_p, sp.repetition_penalty, sp.top_p) == (0.6, 0.05, 1.2, 1.0)
+    sp = P.parse_completion({"prompt": "a", "temperature": 0, "min_p": 0.2}, ok).params
+    assert (sp.temperature, sp.min_p, sp.repetition_penalty) == (0.0, 0.2, 1.2)
+
+
+def test_generation_config_gives_the_servers_sampling_defaults(tmp_path):
+    """--generation-config auto (the default), as vLLM's server: a request's left-out sampling fields come from
+    the model's generation_config.json (its valid ones; a value equal to transformers' own default is none);
+    openai: OpenAI's defaults."""
+    from conftest import make_chat_llama
+    from tinyinfer import Engine
+
+    d = make_chat_llama(tmp_path / "m")
+    (d / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 2, "do_sample": True, "temperature": 0.5, "top_k": 50, "top_p": 0.0,
+         "repetition_penalty": 1.3}))
+    kw = dict(max_tokens=8, seed=3, ignore_eos=True)
+    with Engine(d, device="cpu", max_seq_len=MAX_SEQ, progress=False) as ref:
+        assert ref.sampling_defaults == {"temperature": 0.5, "top_p": 0.0, "repetition_penalty": 1.3}
+        want = ref.chat(CHAT, temperature=0.5, repetition_penalty=1.3, **kw).text
+        want_greedy = ref.chat(CHAT, temperature=0, repetition_penalty=1.3, **kw).text
+        want_openai = ref.chat(CHAT, temperature=1.0, **kw).text
+    for extra, expect in (((), want), (("--generation-config", "openai"), want_openai)):
+        srv = Server(d, tmp_path, "--api-workers", "1", *extra)
+        try:
+            with openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0) as c:
+                r = c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=8, seed=3,
+                                              extra_body={"ignore_eos": True})
+                assert r.choices[0].message.content == expect
+                if not extra:  # the request's own temperature wins; the file's other defaults stay
+                    r = c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=8, seed=3, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+                    assert r.choices[0].message.content == want_greedy
+        finally:
+            assert srv.stop() == 0, srv.log()
+        log = srv.log()
+        said = "sampling defaults from the model's generation_config.json: temperature=0.5, repetition_penalty=1.3"
+        assert (said in log and "top_p=0.0" in log) == (not extra), log
 
 
 @pytest.mark.parametrize("workers", list(WORKERS))

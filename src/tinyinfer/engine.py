@@ -119,6 +119,9 @@ class Engine:
         self.path = Path(path)
         self.model_name = str(path)  # as given: a local path or a hub name
         self.model_description = model.description
+        # the model's generation_config.json sampling fields, as given (the server's defaults; generate's are
+        # SamplingParams')
+        self.sampling_defaults: dict = dict(model.sampling_defaults)
         limit = self.config.max_position_embeddings
         if max_seq_len is None:
             max_seq_len = min(limit, _DEFAULT_MAX_SEQ)
@@ -178,6 +181,7 @@ class Engine:
         self.path, self.model_name, self.model_description = Path(name), name, name
         self.device = "cuda" if hasattr(core, "device_name") else "cpu"
         self.dtype, self.threads, self.load_report = "?", 1, ""
+        self.sampling_defaults = {}
         self._tactics = TacticsCache()
         self._init_state()
         return self

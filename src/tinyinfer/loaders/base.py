@@ -75,6 +75,9 @@ class LoadedModel:
     # (the tokenizer's big arrays left out).
     gguf_types: dict[str, str] = field(default_factory=dict)
     gguf_metadata: dict[str, Any] = field(default_factory=dict)
+    # generation_config.json's sampling fields (HF directories; checked by their user, the server: they are
+    # advice, not the model), e.g. {"temperature": 0.6, "top_p": 0.9}
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # The GPU engine's load: every tensor in its stored form (see StreamItem), and the bytes it will read.
     stream: Optional[StreamSource] = None
     stream_bytes: int = 0

@@ -68,6 +68,15 @@ def _eos_ids(v: Any, where: str) -> list[int]:
     return [_eos_id(e, where) for e in v] if isinstance(v, list) else [_eos_id(v, where)]
 
 
+# generation_config.json's sampling fields that vLLM's server takes as its defaults, each with transformers' own
+# default: a value equal to it is left out, as vLLM reads the file (GenerationConfig.to_diff_dict)
+_GENERATION_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+def _sampling_defaults(gen: dict[str, Any]) -> dict[str, Any]:
+    return {k: gen[k] for k, default in _GENERATION_SAMPLING.items() if gen.get(k) is not None and gen[k] != default}
+
+
 def _rope_settings(cfg: dict, where: str) -> dict:
     """rope_theta and scaling from either transformers 5's `rope_parameters` or the older `rope_theta` +
     `rope_scaling`. Returns {"theta", "type", "factor", ...}."""
@@ -266,5 +275,6 @@ def load_hf_dir(d: Path) -> LoadedModel:
         _apply_tokenizer_config(tokenizer, d / "tokenizer_config.json")
         _apply_chat_template_file(tokenizer, d / "chat_template.jinja")
     return LoadedModel(config=config, tensors=tensors, tokenizer=tokenizer, path=d,
+                       sampling_defaults=_sampling_defaults(generation[1]) if generation else {},
                        description=f"HF safetensors ({len(files)} file{'s' if len(files) > 1 else ''})",
                        stream=stream, stream_bytes=sum(f.stat().st_size for f in files))

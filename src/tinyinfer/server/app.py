@@ -22,7 +22,8 @@ import secrets
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional
+from types import MappingProxyType
+from typing import Any, AsyncIterator, Mapping, Optional
 
 import anyio
 from fastapi import FastAPI, Request
@@ -208,8 +209,9 @@ class Service:
     """What the routes do: check, tokenize, submit one scheduler Request per choice, answer or stream."""
 
     def __init__(self, engine, scheduler, model_name: str, api_key: Optional[str], max_body_bytes: int,
-                 stream_interval: Optional[int] = None):
+                 stream_interval: Optional[int] = None, sampling_defaults: Mapping[str, Any] = MappingProxyType({})):
         self.engine = engine
+        self.sampling_defaults = sampling_defaults
         self.stream_interval = stream_interval
         self.scheduler = scheduler
         self.model_name = model_name
@@ -332,7 +334,7 @@ class Service:
     async def generate(self, request: Request, parse):
         t_start = time.perf_counter()
         self.check_auth(request)
-        g = parse(await _read_json(request, self.max_body_bytes))
+        g = parse(await _read_json(request, self.max_body_bytes), self.sampling_defaults)
         self.check_model(g.model)
         if g.kind == "completion" and not any(isinstance(p, str) for p in g.prompts):
             prompts = self.prompt_ids(g)  # token ids: only checked, no worker-thread hop (~0.5 ms a request)
@@ -452,16 +454,20 @@ class Service:
 
 
 def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = None,
-               max_body_bytes: int = MAX_BODY_BYTES, stream_interval: Optional[int] = None) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, stream_interval: Optional[int] = None,
+               sampling_defaults: Optional[dict] = None) -> FastAPI:
     """The app serving `engine` through `scheduler` (started and closed by the app's lifespan) as `model_name`.
     api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (/health stays open for load balancers).
     stream_interval: a stream's chunk goes out once per this many tokens (its first token and its end at once);
     None: adaptive (Scheduler.adaptive_interval: 1 while few sequences run, every 4th token at 64).
+    sampling_defaults: what a request leaves out of protocol.DEFAULTABLE (protocol.checked_defaults' valid ones;
+    None: OpenAI's defaults)
     app.state.begin_shutdown(): stop generating now (tinyinfer serve calls it on Ctrl-C)."""
     if stream_interval is not None and (not isinstance(stream_interval, int) or isinstance(stream_interval, bool)
                                         or stream_interval < 1):
         raise InvalidRequestError(f"stream_interval must be an integer >= 1 or None (got {stream_interval!r})")
-    svc = Service(engine, scheduler, model_name, api_key, max_body_bytes, stream_interval)
+    svc = Service(engine, scheduler, model_name, api_key, max_body_bytes, stream_interval,
+                  MappingProxyType(dict(sampling_defaults or {})))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -4,10 +4,10 @@
 
 Started by server/workers.py, never by hand: S is the listening socket the engine process bound (every worker
 accepts on it), L its end of a duplex pipe to the engine process. The first message on L is the setup (a
-TextSide, the model's name, the API key, the stream interval, the body limit, the scheduler's max_waiting); then
-the app serves through a RemoteScheduler (server/remote.py). SIGINT and SIGTERM are ignored: the engine process
-decides when the workers stop (a "shutdown" message: stop taking connections, give open streams a few seconds),
-and a worker whose link ends (the engine process gone) stops too.
+TextSide, the model's name, the API key, the stream interval, the body limit, the scheduler's max_waiting, the
+sampling defaults); then the app serves through a RemoteScheduler (server/remote.py). SIGINT and SIGTERM are
+ignored: the engine process decides when the workers stop (a "shutdown" message: stop taking connections, give
+open streams a few seconds), and a worker whose link ends (the engine process gone) stops too.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def main(argv=None) -> int:
 
     remote = RemoteScheduler(conn, on_end=end, max_waiting=setup["max_waiting"])
     app = create_app(setup["text"], remote, model_name=setup["model_name"], api_key=setup["api_key"],
-                     stream_interval=setup["stream_interval"], max_body_bytes=setup["max_body_bytes"])
+                     stream_interval=setup["stream_interval"], max_body_bytes=setup["max_body_bytes"],
+                     sampling_defaults=setup["sampling_defaults"])
     request_log(args.log_level, args.name)
 
     class Server(uvicorn.Server):

@@ -60,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-interval-ms", type=float, default=0.2,
                    help="Python's thread switch interval (sys.setswitchinterval; default 0.2 ms, Python's own is 5): "
                         "how long the scheduler may wait for the GIL after a GPU call while the HTTP loop holds it")
+    p.add_argument("--generation-config", choices=("auto", "openai"), default="auto",
+                   help="the sampling defaults of a request that leaves them out: auto (default) the model's "
+                        "generation_config.json where it sets temperature, top_p, top_k, min_p or "
+                        "repetition_penalty (as vLLM's server), else OpenAI's; openai: OpenAI's (temperature 1)")
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: --model as given, or SmolLM2-135M-Instruct)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -121,6 +125,23 @@ def request_log(level: str, worker: Optional[str] = None) -> None:
     logger.propagate = False
 
 
+def sampling_defaults(engine, source: str) -> dict:
+    """The sampling defaults the server gives a request that leaves them out, said on stderr: the model's
+    generation_config.json's valid ones with --generation-config auto (those left out named), else none (OpenAI's)."""
+    from .protocol import checked_defaults
+
+    if source == "openai" or not engine.sampling_defaults:
+        return {}
+    defaults, dropped = checked_defaults(engine.sampling_defaults)
+    for d in dropped:
+        print(f"tinyinfer: warning: generation_config.json's {d} is not a valid default: left out", file=sys.stderr)
+    if defaults:
+        print("tinyinfer: sampling defaults from the model's generation_config.json: "
+              f"{', '.join(f'{k}={v}' for k, v in defaults.items())} (--generation-config openai: OpenAI's)",
+              file=sys.stderr, flush=True)
+    return defaults
+
+
 def serve(args, engine_factory) -> int:
     """Run the server until Ctrl-C. engine_factory(args) loads the Engine (cli.py's, shared with `run`)."""
     try:
@@ -155,6 +176,7 @@ def serve(args, engine_factory) -> int:
         many = engine.device == "cuda" and (os.cpu_count() or 1) >= AUTO_WORKERS_MIN_CPUS and os.name == "posix"
         args.api_workers = AUTO_WORKERS if many else 1
     request_log(args.log_level)
+    defaults = sampling_defaults(engine, args.generation_config)
     workers = f", {args.api_workers} API workers" if args.api_workers > 1 else ""
     print(f"tinyinfer: serving {name} [{engine.device} {engine.dtype}, max_seq_len {engine.max_seq_len}{workers}] "
           f"at http://{args.host}:{args.port}/v1{' (API key required)' if api_key else ''}", file=sys.stderr,
@@ -170,10 +192,12 @@ def serve(args, engine_factory) -> int:
         from .workers import run_workers
 
         try:
-            return run_workers(args, engine, scheduler, model_name=name, api_key=api_key, on_stopped=save_trace)
+            return run_workers(args, engine, scheduler, model_name=name, api_key=api_key, sampling_defaults=defaults,
+                               on_stopped=save_trace)
         finally:
             engine.close()
-    app = create_app(engine, scheduler, model_name=name, api_key=api_key, stream_interval=args.stream_interval)
+    app = create_app(engine, scheduler, model_name=name, api_key=api_key, stream_interval=args.stream_interval,
+                     sampling_defaults=defaults)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

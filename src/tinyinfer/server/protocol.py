@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from ..errors import InvalidRequestError
 from ..sampling import INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams, as_float32
@@ -124,6 +125,9 @@ _OFF = {
     "web_search_options": (None,), "service_tier": (None, "auto", "default"),
 }
 OPENAI_TEMPERATURE = 1.0  # a request's temperature when it has none (OpenAI's API reference)
+# The sampling fields a model's generation_config.json may set defaults for (`tinyinfer serve --generation-config`,
+# as vLLM's server does)
+DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _IGNORED = {"user", "metadata", "store", "parallel_tool_calls"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "logprobs"}
@@ -142,14 +146,18 @@ def _check_fields(body: dict, known: set) -> None:
         raise bad(f"unknown parameter(s): {', '.join(map(repr, unknown))}", unknown[0], "unknown_parameter")
 
 
-def _sampling(body: dict, max_tokens: Optional[int]) -> SamplingParams:
+def _sampling(body: dict, max_tokens: Optional[int], defaults: Mapping[str, Any]) -> SamplingParams:
     """The body's sampling fields as SamplingParams (the remaining checks are SamplingParams.validate's, with
-    the field named in the message)."""
+    the field named in the message); the fields it leaves out from `defaults` (checked_defaults'), then
+    temperature from OpenAI's default."""
     kw: dict[str, Any] = {}
     t = _num(body, "temperature", lambda x: 0 <= x <= 2, "a number in [0, 2]")
     # unset: OpenAI's default (1, as vLLM's server without a generation config), not the library's greedy 0 — an
     # OpenAI client that leaves it out asks for sampling, and n > 1 would otherwise give n equal choices
-    kw["temperature"] = OPENAI_TEMPERATURE if t is None else t
+    kw["temperature"] = defaults.get("temperature", OPENAI_TEMPERATURE) if t is None else t
+    for name in DEFAULTABLE:
+        if name in defaults and body.get(name) is None:
+            kw[name] = defaults[name]
     p = _num(body, "top_p", lambda x: 0 < x <= 1, "a number in (0, 1]")
     if p is not None:
         kw["top_p"] = p
@@ -206,7 +214,26 @@ def _model(body: dict) -> Optional[str]:
     return m
 
 
-def parse_chat(body: Any) -> GenerationRequest:
+def checked_defaults(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A model's sampling defaults (Engine.sampling_defaults) as the server takes them: (the valid ones, a
+    description of each one left out). A generation config is advice that a model's files carry, so a value the
+    sampler would refuse (top_p 0, a string) is left out rather than refusing the model or every request."""
+    ok: dict[str, Any] = {}
+    dropped = []
+    for name, v in raw.items():
+        try:
+            if name not in DEFAULTABLE:
+                raise InvalidRequestError("not a sampling default")
+            SamplingParams(**{name: v}).validate()
+            if name == "temperature" and not v <= 2:  # (the API's own bound, _sampling's)
+                raise InvalidRequestError("above 2")
+            ok[name] = v
+        except (InvalidRequestError, TypeError) as e:
+            dropped.append(f"{name}={v!r:.40} ({e})")
+    return ok, dropped
+
+
+def parse_chat(body: Any, defaults: Mapping[str, Any] = MappingProxyType({})) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _check_fields(body, CHAT_FIELDS)
@@ -236,7 +263,7 @@ def parse_chat(body: Any) -> GenerationRequest:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     stream, usage = _stream(body)
     max_tokens = mct if mct is not None else mt
-    return GenerationRequest(kind="chat", model=_model(body), params=_sampling(body, max_tokens),
+    return GenerationRequest(kind="chat", model=_model(body), params=_sampling(body, max_tokens, defaults),
                              max_tokens=max_tokens, n=_int(body, "n", 1, 128) or 1, stream=stream,
                              include_usage=usage, logprobs=(top or 0) if lp else None, messages=msgs)
 
@@ -259,7 +286,7 @@ def _prompts(p: Any) -> list[Union[str, list[int]]]:
     return out
 
 
-def parse_completion(body: Any) -> GenerationRequest:
+def parse_completion(body: Any, defaults: Mapping[str, Any] = MappingProxyType({})) -> GenerationRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _check_fields(body, COMPLETION_FIELDS)
@@ -269,7 +296,7 @@ def parse_completion(body: Any) -> GenerationRequest:
     mt = _int(body, "max_tokens", 1)
     lp = _int(body, "logprobs", 0, MAX_LOGPROBS)
     stream, usage = _stream(body)
-    return GenerationRequest(kind="completion", model=_model(body), params=_sampling(body, mt), max_tokens=mt,
+    return GenerationRequest(kind="completion", model=_model(body), params=_sampling(body, mt, defaults), max_tokens=mt,
                              n=_int(body, "n", 1, 128) or 1, stream=stream, include_usage=usage, logprobs=lp,
                              prompts=prompts)
 

@@ -57,9 +57,11 @@ def _send_setup(conns: list, setup: dict, stopping: list) -> Optional[int]:
     return None
 
 
-def run_workers(args, engine, scheduler, *, model_name: str, api_key, on_stopped=None) -> int:
-    """Serve until SIGINT / SIGTERM with args.api_workers frontend processes. on_stopped(): after the workers
-    ended (the trace is written there). 1 when a worker failed to start or exited on its own."""
+def run_workers(args, engine, scheduler, *, model_name: str, api_key, sampling_defaults: dict,
+                on_stopped=None) -> int:
+    """Serve until SIGINT / SIGTERM with args.api_workers frontend processes (sampling_defaults: create_app's).
+    on_stopped(): after the workers ended (the trace is written there). 1 when a worker failed to start or exited
+    on its own."""
     try:
         sock = socket.create_server((args.host, args.port), backlog=4096)
     except OSError as e:
@@ -68,7 +70,7 @@ def run_workers(args, engine, scheduler, *, model_name: str, api_key, on_stopped
     sock.set_inheritable(True)
     setup = {"text": TextSide.of(engine), "model_name": model_name, "api_key": api_key,
              "stream_interval": args.stream_interval, "max_body_bytes": MAX_BODY_BYTES,
-             "max_waiting": scheduler.max_waiting}
+             "max_waiting": scheduler.max_waiting, "sampling_defaults": sampling_defaults}
     procs: list[subprocess.Popen] = []
     conns: list = []
     hub: Optional[EngineHub] = None

@@ -543,9 +543,15 @@ def test_sampling_defaults_are_checked_and_a_request_overrides_them():
     assert (sp.temperature, sp.min_p, sp.repetition_penalty, sp.top_p) == (0.6, 0.05, 1.2, 1.0)
     sp = P.parse_completion({"prompt": "a", "temperature": 0, "min_p": 0.2}, ok).params
     assert (sp.temperature, sp.min_p, sp.repetition_penalty) == (0.0, 0.2, 1.2)
+    from tinyinfer import InvalidRequestError
+    from tinyinfer.server.app import create_app
+
+    with pytest.raises(InvalidRequestError, match=r"sampling_defaults: temperature=5"):  # (before engine is used)
+        create_app(None, None, model_name=NAME, sampling_defaults={"temperature": 5})
 
 
-def test_generation_config_gives_the_servers_sampling_defaults(tmp_path):
+@pytest.mark.parametrize("workers", list(WORKERS))
+def test_generation_config_gives_the_servers_sampling_defaults(tmp_path, workers):
     """--generation-config auto (the default), as vLLM's server: a request's left-out sampling fields come from
     the model's generation_config.json (its valid ones; a value equal to transformers' own default is none);
     openai: OpenAI's defaults."""
@@ -563,7 +569,7 @@ def test_generation_config_gives_the_servers_sampling_defaults(tmp_path):
         want_greedy = ref.chat(CHAT, temperature=0, repetition_penalty=1.3, **kw).text
         want_openai = ref.chat(CHAT, temperature=1.0, **kw).text
     for extra, expect in (((), want), (("--generation-config", "openai"), want_openai)):
-        srv = Server(d, tmp_path, "--api-workers", "1", *extra)
+        srv = Server(d, tmp_path, *WORKERS[workers], *extra)
         try:
             with openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0) as c:
                 r = c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=8, seed=3,
@@ -694,8 +700,9 @@ def test_gpu_server_batches_32_streams(smollm_gguf, tmp_path):
         async def one(c, i):
             n, text, tokens = 0, "", []  # (logprobs=0: each token's text, to find where a stream parts)
             async for ch in await c.completions.create(model=NAME, prompt=f"Story number {i}:", max_tokens=32,
-                                                       stream=True, stream_options={"include_usage": True},
-                                                       logprobs=0, extra_body={"ignore_eos": True}):
+                                                       temperature=0, stream=True, logprobs=0,
+                                                       stream_options={"include_usage": True},
+                                                       extra_body={"ignore_eos": True}):
                 if ch.choices:
                     text += ch.choices[0].text
                     tokens += ch.choices[0].logprobs.tokens if ch.choices[0].logprobs else []
@@ -712,7 +719,7 @@ def test_gpu_server_batches_32_streams(smollm_gguf, tmp_path):
         h = srv.wait_idle()
         assert h["running"] == 0 and h["kv_pages_used"] == 0
         with openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0) as c:
-            r = c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=16)
+            r = c.chat.completions.create(model=NAME, messages=CHAT, max_tokens=16, temperature=0)
         with Engine(smollm_gguf, device="cuda", max_seq_len=MAX_SEQ, progress=False) as eng:
             assert r.choices[0].message.content == eng.chat(CHAT, max_tokens=16).text
             for i, (_, text, tokens) in enumerate(got):

@@ -28,6 +28,11 @@ def as_float32(v: float) -> float:
     return struct.unpack("f", struct.pack("f", v))[0]
 
 
+# The fields a model's generation_config.json may give the server's defaults for (`tinyinfer serve
+# --generation-config`, as vLLM's server reads that file)
+DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @dataclass
 class SamplingParams:
     """How to choose tokens. temperature 0 means greedy. A fixed seed reproduces a sampled generation exactly."""

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+import warnings
 from typing import Any, Iterator, Optional
 
 import numpy as np
 
 from .. import _core
 from ..errors import ConfigError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from ..sampling import DEFAULTABLE
 from ..tokenizer import Tokenizer
 from .base import LoadedModel, StreamItem, TensorItem, rows_items
 
@@ -68,13 +70,28 @@ def _eos_ids(v: Any, where: str) -> list[int]:
     return [_eos_id(e, where) for e in v] if isinstance(v, list) else [_eos_id(v, where)]
 
 
-# generation_config.json's sampling fields that vLLM's server takes as its defaults, each with transformers' own
-# default: a value equal to it is left out, as vLLM reads the file (GenerationConfig.to_diff_dict)
-_GENERATION_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+# generation_config.json's sampling fields that vLLM's server takes as its defaults (sampling.DEFAULTABLE), each
+# with transformers' own default: a value equal to it is left out, as vLLM reads the file (to_diff_dict)
+_TRANSFORMERS_DEFAULTS = dict(zip(DEFAULTABLE, (1.0, 1.0, 50, None, 1.0)))
 
 
 def _sampling_defaults(gen: dict[str, Any]) -> dict[str, Any]:
-    return {k: gen[k] for k, default in _GENERATION_SAMPLING.items() if gen.get(k) is not None and gen[k] != default}
+    """The file's values as given, but those equal to transformers' defaults (a JSON true is no 1.0: it stays, for
+    its user to refuse)."""
+    return {k: gen[k] for k, default in _TRANSFORMERS_DEFAULTS.items()
+            if gen.get(k) is not None and (isinstance(gen[k], bool) or gen[k] != default)}
+
+
+def _read_generation_config(path: Path) -> Optional[tuple[str, dict[str, Any]]]:
+    """generation_config.json as (its path, its object); None when there is none. A file that is no JSON object is
+    ignored with a warning, as transformers and vLLM do: it is advice beside the model, not the model."""
+    if not path.is_file():
+        return None
+    try:
+        return str(path), _read_json(path)
+    except ModelFormatError as e:
+        warnings.warn(f"{e}; the file is ignored", stacklevel=3)
+        return None
 
 
 def _rope_settings(cfg: dict, where: str) -> dict:
@@ -169,7 +186,16 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json",
         # transformers' generate() and vLLM stop at the generation config's EOS ids too (Llama-3's instruct
         # models: end of text and end of turn there, only one of them in config.json)
         gen_where, gen = generation
-        c.eos_token_ids = list(dict.fromkeys(c.eos_token_ids + _eos_ids(gen.get("eos_token_id"), gen_where)))
+        try:
+            extra = _eos_ids(gen.get("eos_token_id"), gen_where)
+            bad = [t for t in extra if t >= c.vocab]
+            if bad:
+                raise ConfigError(f"{gen_where}: 'eos_token_id' {bad[0]} is out of range for a vocabulary of "
+                                  f"{c.vocab}")
+        except ConfigError as e:  # (advice beside the model, as its sampling fields: see _read_generation_config)
+            warnings.warn(f"{e}; its EOS ids are ignored", stacklevel=3)
+            extra = []
+        c.eos_token_ids = list(dict.fromkeys(c.eos_token_ids + extra))
     try:  # the core checks ranges (head_dim 64..256, GQA divisibility, ...) and names the field
         c.validate()
     except UnsupportedModelError as e:
@@ -252,8 +278,7 @@ def _apply_chat_template_file(tok: Tokenizer, path: Path) -> None:
 
 def load_hf_dir(d: Path) -> LoadedModel:
     config_path = d / "config.json"
-    gen_path = d / "generation_config.json"
-    generation = (str(gen_path), _read_json(gen_path)) if gen_path.is_file() else None
+    generation = _read_generation_config(d / "generation_config.json")
     config = config_from_hf(_read_json(config_path), where=str(config_path), generation=generation)
     files = _safetensors_files(d)
 

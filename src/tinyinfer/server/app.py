@@ -466,8 +466,11 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
     if stream_interval is not None and (not isinstance(stream_interval, int) or isinstance(stream_interval, bool)
                                         or stream_interval < 1):
         raise InvalidRequestError(f"stream_interval must be an integer >= 1 or None (got {stream_interval!r})")
+    defaults, dropped = P.checked_defaults(sampling_defaults or {})
+    if dropped:  # (every request would be refused for the server's own setting)
+        raise InvalidRequestError(f"sampling_defaults: {'; '.join(dropped)}")
     svc = Service(engine, scheduler, model_name, api_key, max_body_bytes, stream_interval,
-                  MappingProxyType(dict(sampling_defaults or {})))
+                  MappingProxyType(defaults))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -56,14 +56,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{AUTO_WORKERS} on cuda with >= {AUTO_WORKERS_MIN_CPUS} CPUs, else 1; 1 with --trace)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests allowed to wait for a slot (every request waits first: 0 answers each one 503); "
-                        "beyond it: 503 with Retry-After (default 1024)")
+                        "beyond it: 503 with Retry-After; a request of more choices (prompts x n): 400 (default "
+                        "1024)")
     p.add_argument("--switch-interval-ms", type=float, default=0.2,
                    help="Python's thread switch interval (sys.setswitchinterval; default 0.2 ms, Python's own is 5): "
                         "how long the scheduler may wait for the GIL after a GPU call while the HTTP loop holds it")
     p.add_argument("--generation-config", choices=("auto", "openai"), default="auto",
                    help="the sampling defaults of a request that leaves them out: auto (default) the model's "
                         "generation_config.json where it sets temperature, top_p, top_k, min_p or "
-                        "repetition_penalty (as vLLM's server), else OpenAI's; openai: OpenAI's (temperature 1)")
+                        "repetition_penalty (as vLLM's server; not its max_new_tokens), else OpenAI's; openai: "
+                        "OpenAI's (temperature 1)")
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: --model as given, or SmolLM2-135M-Instruct)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))

@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from ..errors import InvalidRequestError
-from ..sampling import INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams, as_float32
+from ..sampling import DEFAULTABLE, INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams, as_float32
 from ..tokenizer import not_unicode
 
 
@@ -125,9 +125,6 @@ _OFF = {
     "web_search_options": (None,), "service_tier": (None, "auto", "default"),
 }
 OPENAI_TEMPERATURE = 1.0  # a request's temperature when it has none (OpenAI's API reference)
-# The sampling fields a model's generation_config.json may set defaults for (`tinyinfer serve --generation-config`,
-# as vLLM's server does)
-DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _IGNORED = {"user", "metadata", "store", "parallel_tool_calls"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "logprobs"}

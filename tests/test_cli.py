@@ -135,6 +135,39 @@ def test_chat_messages_refused(tiny):
         assert (eng.apply_chat_template([{"role": "developer", "content": "Be brief."}, user])
                 == eng.apply_chat_template([{"role": "system", "content": "Be brief."}, user]))
         assert eng.chat([{"role": "system", "content": " "}, user], max_tokens=2).token_ids
+        # OpenAI's content parts (text ones, joined); the rendered prompt as text (transformers' tokenize=False)
+        parts = {"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}
+        assert eng.apply_chat_template([parts]) == eng.apply_chat_template([user])
+        with pytest.raises(InvalidRequestError, match="only text parts"):
+            eng.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+        text = eng.apply_chat_template([user], tokenize=False)
+        assert isinstance(text, str) and "hi" in text
+        assert eng.tokenize(text, add_special_tokens=False) == eng.apply_chat_template([user])
+        with pytest.raises(InvalidRequestError, match="tokenize must be true or false"):
+            eng.apply_chat_template([user], tokenize="no")
+
+
+@pytest.mark.parametrize("kw, needle", [(dict(progress="yes"), "progress must be true or false or None"),
+                                         (dict(plan_cache="no"), "plan_cache must be true or false"),
+                                         (dict(cuda_options="junk"), "cuda_options must be a tinyinfer CudaOptions")])
+def test_engine_arguments_of_the_wrong_type(tiny, kw, needle):
+    with pytest.raises(InvalidRequestError, match=needle):  # (refused before the load; "no" would read as true)
+        Engine(tiny, device="cpu", **kw)
+
+
+def test_max_tokens_none_is_the_rest_of_the_context(tiny):
+    """max_tokens=None: until EOS or the context is full (vLLM's and llama-cpp-python's None), alone and batched."""
+    with Engine(tiny, device="cpu", max_seq_len=48) as eng:
+        ids = eng.tokenize("hello")
+        one = eng.generate(ids, max_tokens=None, ignore_eos=True)
+        assert len(one.token_ids) == 48 - len(ids) and one.finish_reason == "length"
+        both = eng.generate([ids, ids + ids], max_tokens=None, ignore_eos=True)
+        assert [len(c.token_ids) for c in both] == [48 - len(ids), 48 - 2 * len(ids)]
+        assert both[0].token_ids == one.token_ids
+        with pytest.raises(InvalidRequestError, match="leaves no room to generate"):
+            eng.generate(list(range(3, 51)), max_tokens=None)
+        with pytest.raises(InvalidRequestError, match="max_tokens must be an integer >= 1, or None"):
+            eng.generate(ids, max_tokens=0)
 
 
 def test_ignore_eos(tiny, tmp_path):

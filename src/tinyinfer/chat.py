@@ -132,8 +132,8 @@ ALIASES = {"developer": "system"}
 
 def validate_messages(messages: Any) -> list[dict]:
     """A list of dicts, each with a known str 'role' ('developer' read as 'system') and a str 'content' (not empty
-    for user). Keys whose value is None are dropped (as transformers does). Raises InvalidRequestError naming the
-    bad message."""
+    for user; a list of OpenAI text parts is joined). Keys whose value is None are dropped (as transformers does).
+    Raises InvalidRequestError naming the bad message."""
     if not isinstance(messages, (list, tuple)):
         raise InvalidRequestError(f"messages must be a list of dicts, got {type(messages).__name__}")
     if not messages:
@@ -145,6 +145,11 @@ def validate_messages(messages: Any) -> list[dict]:
         for key in ("role", "content"):
             if key not in m:
                 raise InvalidRequestError(f"messages[{i}] has no {key!r}")
+            if key == "content" and isinstance(m[key], list):  # OpenAI's list of parts: its text parts, joined
+                if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in m[key]):
+                    raise InvalidRequestError(f"messages[{i}]['content']: only text parts are supported")
+                m = {**m, "content": "".join(p["text"] for p in m[key])}
             if not isinstance(m[key], str):
                 raise InvalidRequestError(
                     f"messages[{i}][{key!r}] must be a str, got {type(m[key]).__name__}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import os
 import sys
@@ -19,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union, overload
+from typing import TYPE_CHECKING, Iterator, Literal, Optional, Sequence, Union, overload
 
 import numpy as np
 
@@ -79,8 +80,10 @@ class Completion:
 
 
 class Engine:
-    """A loaded model. One sequence at a time: concurrent calls on one Engine are serialised by a lock.
-    close() (or leaving a `with Engine(...) as eng:` block) frees its memory at once, GPU memory included."""
+    """A loaded model. Safe to share between threads: a call on an idle engine runs its sequence alone (the engine's
+    lock held), a batch, a request with logprobs or a call while the scheduler has work joins the scheduler's
+    batch (`Engine.scheduler`). close() (or leaving a `with Engine(...) as eng:` block) frees its memory at once,
+    GPU memory included."""
 
     def __init__(
         self,
@@ -107,6 +110,14 @@ class Engine:
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
         self.threads = check_threads(threads)
+        for name, v in (("plan_cache", plan_cache), ("progress", progress)):
+            if not isinstance(v, bool) and not (name == "progress" and v is None):  # ("no" would read as true)
+                raise InvalidRequestError(f"{name} must be true or false{' or None' if name == 'progress' else ''}, "
+                                          f"got {v!r:.40}")
+        options_type = getattr(_core, "CudaOptions", None)  # (none in a CPU-only build)
+        if cuda_options is not None and (options_type is None or not isinstance(cuda_options, options_type)):
+            raise InvalidRequestError(f"cuda_options must be a tinyinfer CudaOptions or None, got "
+                                      f"{type(cuda_options).__name__}")
         # (its type before the load, rather than the bindings' TypeError after it; its values: the engine's check)
         if act8 is not None and (isinstance(act8, bool) or not isinstance(act8, int) or not -2**31 <= act8 < 2**31):
             raise InvalidRequestError(f"act8 must be None or an integer (docs/perf/decode-options.md), got "
@@ -287,6 +298,18 @@ class Engine:
             raise InvalidRequestError(f"token id {bad[0]} is out of range for a vocabulary of {self.config.vocab}")
         return out
 
+    def _fit(self, sp: SamplingParams, n_prompt: int) -> SamplingParams:
+        """sp with max_tokens None made the rest of the context; a prompt + max_tokens past max_seq_len refused."""
+        if sp.max_tokens is None:
+            if n_prompt >= self.max_seq_len:
+                raise InvalidRequestError(f"prompt ({n_prompt} tokens) leaves no room to generate within "
+                                          f"max_seq_len={self.max_seq_len}")
+            return dataclasses.replace(sp, max_tokens=self.max_seq_len - n_prompt)
+        if n_prompt + sp.max_tokens > self.max_seq_len:
+            raise InvalidRequestError(f"prompt ({n_prompt} tokens) + max_tokens ({sp.max_tokens}) exceeds "
+                                      f"max_seq_len={self.max_seq_len}")
+        return sp
+
     def _stop_ids(self, sp: SamplingParams) -> list[int]:
         """The ids that end a generation: sp's stop_token_ids, and the model's EOS ids unless ignore_eos."""
         bad = [t for t in sp.stop_token_ids if not 0 <= t < self.config.vocab]
@@ -397,15 +420,24 @@ class Engine:
 
     # ---- chat ----
 
-    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    @overload
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                            tokenize: Literal[True] = True) -> list[int]: ...
+
+    @overload
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                            tokenize: Literal[False]) -> str: ...
+
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                            tokenize: bool = True) -> Union[list[int], str]:
         """Token ids of a conversation rendered with the model's chat template (as transformers'
-        apply_chat_template(tokenize=True) gives them)."""
+        apply_chat_template(tokenize=True) gives them); tokenize=False: the rendered text (to read the prompt)."""
         tok = self._need_tokenizer()
         if not getattr(tok, "chat_template", None):
             raise TokenizerError(f"{self.path}: the model has no chat template")
-        if not isinstance(add_generation_prompt, bool):
-            raise InvalidRequestError(f"add_generation_prompt must be true or false, got "
-                                      f"{add_generation_prompt!r:.40}")
+        for name, v in (("add_generation_prompt", add_generation_prompt), ("tokenize", tokenize)):
+            if not isinstance(v, bool):
+                raise InvalidRequestError(f"{name} must be true or false, got {v!r:.40}")
         try:
             if isinstance(messages, (str, bytes, dict)):
                 raise TypeError
@@ -413,6 +445,8 @@ class Engine:
         except TypeError:
             raise InvalidRequestError(f"messages must be a list of {{'role': ..., 'content': ...}} objects, got "
                                       f"a {type(messages).__name__}") from None
+        if not tokenize:
+            return tok.render_chat(msgs, add_generation_prompt=add_generation_prompt)
         return tok.encode_chat(msgs, add_generation_prompt=add_generation_prompt)
 
     @overload
@@ -435,11 +469,7 @@ class Engine:
     def _generate(self, prompt: Prompt, sp: SamplingParams) -> Iterator[Union[str, Completion]]:
         t_start = time.perf_counter()
         prompt_ids = self._prompt_ids(prompt)
-        if len(prompt_ids) + sp.max_tokens > self.max_seq_len:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds "
-                f"max_seq_len={self.max_seq_len}"
-            )
+        sp = self._fit(sp, len(prompt_ids))
         if sp.logprobs is None:
             with self._exclusive():  # the scheduler idle under the lock: no slot holds pages, none will meanwhile
                 if self._scheduler is None or self._scheduler.idle:

@@ -37,7 +37,7 @@ DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 class SamplingParams:
     """How to choose tokens. temperature 0 means greedy. A fixed seed reproduces a sampled generation exactly."""
 
-    max_tokens: int = 256
+    max_tokens: Optional[int] = 256  # None: the rest of the context (as vLLM's and llama-cpp-python's None)
     temperature: float = 0.0
     top_k: int = 0  # 0 (or -1): off
     top_p: float = 1.0
@@ -65,8 +65,10 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"invalid sampling parameter: {msg}")
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise bad(f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
+            raise bad(f"max_tokens must be an integer >= 1, or None for the rest of the context (got "
+                      f"{self.max_tokens!r})")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(as_float32(v)):

@@ -288,9 +288,7 @@ class Scheduler:
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise InvalidRequestError(f"request_id must be a non-empty str (got {request_id!r})")
         ids = eng._prompt_ids(prompt)
-        if len(ids) + sp.max_tokens > eng.max_seq_len:
-            raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds "
-                                      f"max_seq_len={eng.max_seq_len}")
+        sp = eng._fit(sp, len(ids))
         need = _pages(len(ids) + 1, self._page_size)
         if need > self._pages_total:
             raise InvalidRequestError(f"a prompt of {len(ids)} tokens needs {need} KV pages; the pool has "

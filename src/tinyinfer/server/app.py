@@ -460,7 +460,7 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
     api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (/health stays open for load balancers).
     stream_interval: a stream's chunk goes out once per this many tokens (its first token and its end at once);
     None: adaptive (Scheduler.adaptive_interval: 1 while few sequences run, every 4th token at 64).
-    sampling_defaults: what a request leaves out of protocol.DEFAULTABLE (protocol.checked_defaults' valid ones;
+    sampling_defaults: what a request leaves out of sampling.DEFAULTABLE (protocol.checked_defaults' valid ones;
     None: OpenAI's defaults)
     app.state.begin_shutdown(): stop generating now (tinyinfer serve calls it on Ctrl-C)."""
     if stream_interval is not None and (not isinstance(stream_interval, int) or isinstance(stream_interval, bool)

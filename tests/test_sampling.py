@@ -298,3 +298,14 @@ def test_windowed_decode_equals_decoding_everything(tokenizer):
         assert asm.text == dec(ids)
         if always_windowed or ids is ascii_ids:  # the fast path held (a fallback passes the checks above too)
             assert asm._windowed
+
+
+def test_numpy_numbers_are_taken_as_pythons():
+    """numpy scalars (and an integer array of stop ids) as Python's numbers: the core takes int / float."""
+    sp = SamplingParams(max_tokens=np.int64(2), top_k=np.int32(5), seed=np.uint64(3), temperature=np.float32(0.5),
+                        stop_token_ids=np.array([5, 7]), ignore_eos=np.bool_(True))
+    assert (type(sp.max_tokens), type(sp.top_k), type(sp.seed), type(sp.temperature)) == (int, int, int, float)
+    assert sp.stop_token_ids == [5, 7] and all(type(t) is int for t in sp.stop_token_ids)
+    assert SamplingParams(stop_token_ids=[np.int64(9)]).stop_token_ids == [9]
+    with pytest.raises(InvalidRequestError, match="max_tokens must be an integer"):
+        SamplingParams(max_tokens=np.float64(2.0))  # (a float is no count, numpy's or Python's)

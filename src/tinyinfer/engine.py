@@ -136,6 +136,8 @@ class Engine:
         limit = self.config.max_position_embeddings
         if max_seq_len is None:
             max_seq_len = min(limit, _DEFAULT_MAX_SEQ)
+        if isinstance(max_seq_len, np.integer):  # (as SamplingParams takes numpy's integers)
+            max_seq_len = int(max_seq_len)
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or not 1 <= max_seq_len <= limit:
             raise InvalidRequestError(
                 f"max_seq_len must be an integer in 1..{limit} (the model's max_position_embeddings), "

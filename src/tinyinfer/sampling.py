@@ -59,6 +59,16 @@ class SamplingParams:
             self.stop_token_ids = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # numpy's numbers as Python's (a prompt may be a numpy array; its values and a model's come as numpy
+        # scalars): the checks below and the core take int / float; np.bool_ stays a bool-like for ignore_eos
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (np.integer, np.floating)):
+                setattr(self, f.name, v.item())
+        if isinstance(self.stop_token_ids, np.ndarray) and self.stop_token_ids.dtype.kind in "iu":
+            self.stop_token_ids = self.stop_token_ids.tolist()
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = [t.item() if isinstance(t, np.integer) else t for t in self.stop_token_ids]
         self.validate()
 
     def validate(self) -> None:

@@ -130,6 +130,13 @@ ROLES = ("system", "user", "assistant", "tool")
 ALIASES = {"developer": "system"}
 
 
+def joined_text_parts(parts: list, i: int) -> str:
+    """OpenAI's content as a list of parts: its text parts joined; anything else (images, audio) refused."""
+    if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        raise InvalidRequestError(f"messages[{i}].content: only text parts are supported")
+    return "".join(p["text"] for p in parts)
+
+
 def validate_messages(messages: Any) -> list[dict]:
     """A list of dicts, each with a known str 'role' ('developer' read as 'system') and a str 'content' (not empty
     for user; a list of OpenAI text parts is joined). Keys whose value is None are dropped (as transformers does).
@@ -145,11 +152,8 @@ def validate_messages(messages: Any) -> list[dict]:
         for key in ("role", "content"):
             if key not in m:
                 raise InvalidRequestError(f"messages[{i}] has no {key!r}")
-            if key == "content" and isinstance(m[key], list):  # OpenAI's list of parts: its text parts, joined
-                if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in m[key]):
-                    raise InvalidRequestError(f"messages[{i}]['content']: only text parts are supported")
-                m = {**m, "content": "".join(p["text"] for p in m[key])}
+            if key == "content" and isinstance(m[key], list):
+                m = {**m, "content": joined_text_parts(m[key], i)}
             if not isinstance(m[key], str):
                 raise InvalidRequestError(
                     f"messages[{i}][{key!r}] must be a str, got {type(m[key]).__name__}"

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+from ..chat import joined_text_parts
 from ..errors import InvalidRequestError
 from ..sampling import DEFAULTABLE, INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams, as_float32
 from ..tokenizer import not_unicode
@@ -244,13 +245,12 @@ def parse_chat(body: Any, defaults: Mapping[str, Any] = MappingProxyType({})) ->
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty list", "messages")
     for i, m in enumerate(msgs):
-        # OpenAI's content may be a list of parts; text parts are joined, anything else (images, audio) refused
+        # (joined here, in the HTTP side, so that the 400 names its param; the template would join them too)
         if isinstance(m, dict) and isinstance(m.get("content"), list):
-            parts = m["content"]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in parts):
-                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
-            msgs[i] = {**m, "content": "".join(p["text"] for p in parts)}
+            try:
+                msgs[i] = {**m, "content": joined_text_parts(m["content"], i)}
+            except InvalidRequestError as e:
+                raise bad(str(e), "messages") from None
     mt, mct = _int(body, "max_tokens", 1), _int(body, "max_completion_tokens", 1)
     if mt is not None and mct is not None and mt != mct:
         raise bad("'max_tokens' and 'max_completion_tokens' disagree; give one", "max_completion_tokens")

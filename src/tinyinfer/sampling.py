@@ -209,6 +209,8 @@ class TextAssembler:
         """Adds tokens; returns the new piece of text that is safe to emit."""
         self.ids.extend(new_ids)
         full = self._full_text(final)
+        if final:  # an answer cut inside a character (max_tokens, EOS) ends without it, as vLLM's and llama.cpp's
+            full = full.rstrip("\ufffd")
         if self._stop:
             start = max(0, self.emitted - self._hold)
             hits = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]

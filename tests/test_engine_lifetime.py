@@ -1,10 +1,11 @@
 """Engine lifetime and identity (issue 15, row 5): close(), `with Engine(...) as eng:`, a useful repr; on the
-GPU, loading and closing in a loop leaves device memory flat."""
+GPU, loading and closing in a loop leaves device memory flat; a Ctrl-C inside a long prompt leaves it usable."""
 
 from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import GPU_MEMORY_SLACK, gpu_free_bytes, make_chat_llama, make_llama
@@ -87,3 +88,39 @@ def test_gpu_memory_is_flat_over_load_close_cycles(tmp_path):
         # a loaded engine holds ~100 MB of weights + KV cache; after close() nothing of it may remain
         assert after < GPU_MEMORY_SLACK, f"{after / 2**20:.1f} MiB still held after close()"
     assert min(used) > 64 << 20  # the measurement sees a loaded engine at all
+
+
+class _InterruptedCore:
+    """The engine's core, with a Ctrl-C arriving during its first forward call (after that call's work)."""
+
+    def __init__(self, core):
+        self._core, self.forward_lengths = core, []
+
+    def forward(self, ids, all_logits=False):
+        self.forward_lengths.append(len(ids))
+        out = self._core.forward(ids, all_logits=all_logits)
+        if len(self.forward_lengths) == 1:
+            raise KeyboardInterrupt
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_and_ctrl_c_lands_after_the_first(small):
+    """The single path prefills a prompt in calls of _prefill_chunk tokens (CHUNK_TOKENS: 512 on the CPU), so a
+    Ctrl-C waits for one call, not for the whole prompt; the engine stays usable, and a chunked prompt gives the
+    tokens of the prompt in one pass (Engine.logits)."""
+    prompt = [(7 * i) % 200 + 3 for i in range(50)]
+    with Engine(small, device="cpu", max_seq_len=128) as eng:
+        eng._prefill_chunk = 16
+        real = eng._core
+        eng._core = spy = _InterruptedCore(real)
+        with pytest.raises(KeyboardInterrupt):
+            eng.generate(prompt, max_tokens=4, ignore_eos=True)
+        assert spy.forward_lengths == [16]
+        spy.forward_lengths = [0]  # (no more interrupts)
+        out = eng.generate(prompt, max_tokens=1, ignore_eos=True)
+        assert spy.forward_lengths == [0, 16, 16, 16, 2]
+        eng._core = real
+        assert out.token_ids == [int(np.argmax(eng.logits(prompt)[-1]))]

@@ -84,7 +84,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from .engine import Completion, Engine, Stats
+from .engine import CHUNK_TOKENS, Completion, Engine, Stats
 from .errors import InvalidRequestError, KvCacheFullError, QueueFullError, TinyInferError
 from .request import Delta, Request, TokenLogprob, merge_deltas, wake
 from .sampling import SamplingParams, TextAssembler
@@ -123,12 +123,6 @@ class _Seq:
     def prefilling(self) -> bool:
         return self.length < len(self.prompt) and self.pending is None and not self.generated
 
-
-# Scheduler(chunk_tokens=None): prompt tokens per step by device. The GPU prefills 2048 tokens in a few ms, so
-# 64 arriving 128-token prompts are admitted in 4 steps rather than 16 (each step also a decode of the running
-# ones: fewer, fuller steps reach the first tokens sooner); the CPU takes ~0.1 s per 512, which the running
-# sequences would wait for at every step.
-CHUNK_TOKENS = {"cuda": 2048, "cpu": 512}
 
 # Request.batches(None): a consumer is woken once per token while at most this many sequences run (see
 # Scheduler.adaptive_interval)

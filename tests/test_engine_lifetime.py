@@ -1,5 +1,6 @@
 """Engine lifetime and identity (issue 15, row 5): close(), `with Engine(...) as eng:`, a useful repr; on the
-GPU, loading and closing in a loop leaves device memory flat; a Ctrl-C inside a long prompt leaves it usable."""
+GPU, loading and closing in a loop leaves device memory flat. The single path's core calls: a Ctrl-C inside a long
+prompt leaves the engine usable, and the CPU streams every token."""
 
 from __future__ import annotations
 
@@ -124,3 +125,24 @@ def test_a_long_prompt_is_prefilled_in_chunks_and_ctrl_c_lands_after_the_first(s
         assert spy.forward_lengths == [0, 16, 16, 16, 2]
         eng._core = real
         assert out.token_ids == [int(np.argmax(eng.logits(prompt)[-1]))]
+
+
+def test_the_cpu_single_path_decodes_a_token_per_call(small):
+    """stream() yields after each core.decode call: on the CPU that is every token (a call costs nothing there
+    next to a step), so a slow model's answer does not arrive in bursts."""
+    with Engine(small, device="cpu", max_seq_len=64) as eng:
+        steps = []
+        real = eng._core
+
+        class Spy:
+            def decode(self, max_steps, *a):
+                steps.append(max_steps)
+                return real.decode(max_steps, *a)
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        eng._core = Spy()
+        list(eng.stream([1, 2, 3], max_tokens=5, ignore_eos=True))
+        eng._core = real
+        assert steps == [1] * 5

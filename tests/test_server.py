@@ -265,8 +265,8 @@ def test_chat_logprobs_agree_with_engine_logits(client, ref):
     for i, (tid, item) in enumerate(zip(want.token_ids, content)):
         row = _log_softmax(logits[n - 1 + i])
         assert item.logprob == pytest.approx(row[tid], abs=1e-3)
-        assert item.token == ref.detokenize([tid], skip_special_tokens=False)
         assert bytes(item.bytes) == ref.tokenizer.token_bytes(tid)
+        assert item.token == bytes(item.bytes).decode("utf-8", errors="replace")
         top = np.sort(row)[::-1][:3]
         assert [t.logprob for t in item.top_logprobs] == pytest.approx(list(top), abs=1e-3)
         assert item.top_logprobs[0].logprob == pytest.approx(item.logprob, abs=1e-6)  # greedy: the argmax
@@ -286,12 +286,23 @@ def test_completion_logprobs_legacy_format(client, ref):
     lp = r.choices[0].logprobs
     ids = ref.tokenize(prompt)
     logits = ref.logits(ids + want.token_ids)
-    assert lp.tokens == [ref.detokenize([t], skip_special_tokens=False) for t in want.token_ids]
+    assert lp.tokens == [ref.tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in want.token_ids]
     for i, tid in enumerate(want.token_ids):
         row = _log_softmax(logits[len(ids) - 1 + i])
         assert lp.token_logprobs[i] == pytest.approx(row[tid], abs=1e-3)
         assert len(lp.top_logprobs[i]) <= 2 and max(lp.top_logprobs[i].values()) == pytest.approx(row.max(), abs=1e-3)
-    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+    text = r.choices[0].text
+    assert [text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
+
+
+def test_text_offsets_count_a_split_character_once():
+    """The legacy text_offset is where a token's first byte's character starts in the text: "é" in two byte
+    tokens is one character (their texts are one U+FFFD each), so the token after it starts one character on."""
+    from tinyinfer.server import protocol as P
+
+    offsets = P.TextOffsets()
+    pieces = (b" h", b"\xc3", b"\xa9", b"llo", b"\xe6\x97", b"\xa5", b"!")  # " héllo日!"
+    assert [offsets.next(b) for b in pieces] == [0, 2, 2, 3, 6, 6, 7]
 
 
 # ---- concurrency and cancellation ----

@@ -182,6 +182,18 @@ def test_sentencepiece_byte_fallback_is_exercised(spm_pair):
         assert tok.decode(ids) == ADVERSARIAL[name]
 
 
+@pytest.mark.parametrize("name", ["khmer", "emoji_zwj", "leading_spaces", "crlf"])
+def test_sentencepiece_token_bytes_join_to_the_text(name, spm_pair):
+    """What logprobs show of a token: its piece with "▁" as the space it stands for (decoding "▁cat" alone
+    strips it) and a byte piece as its byte (alone it decodes to U+FFFD), as llama.cpp's token_to_piece; so the
+    tokens' bytes join to the text after the dummy prefix's space, characters split into byte pieces included."""
+    tok, sp = spm_pair
+    text = ADVERSARIAL[name]
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == (" " + text).encode()
+    assert tok.token_bytes(sp.eos_id()) == b"</s>"  # a special token: its text
+
+
 def test_sentencepiece_special_tokens_in_text(spm_pair):
     """A control token written in the text stays one token, and the text after it gets the dummy prefix again
     (llama.cpp's tokenizer and Llama-2's tokenizer.json; sentencepiece alone does not parse control tokens)."""

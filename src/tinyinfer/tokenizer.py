@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
@@ -18,6 +19,9 @@ def not_unicode(s: str) -> Optional[str]:
     return None
 
 
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback token
+
+
 class Tokenizer:
     def __init__(self, tok, *, bos_token: Optional[str] = None, eos_token: Optional[str] = None):
         self._tok = tok
@@ -25,6 +29,7 @@ class Tokenizer:
         self.eos_token = eos_token
         self._byte_of: Optional[dict[str, int]] = None  # token_bytes' byte-level table, made on first use
         self._added: set[int] = set()
+        self._pieces = False  # token_bytes: SentencePiece pieces with byte fallback
 
     @classmethod
     def from_file(cls, path: Path, **kw) -> "Tokenizer":
@@ -57,18 +62,25 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token stands for (logprobs show them): byte-level BPE tokens (GPT-2 / Llama-3 / SmolLM2)
-        map back exactly, so a token holding half a UTF-8 character keeps its bytes; added tokens and other
-        tokenizers give the UTF-8 of the token's decoded text."""
+        """The bytes one token stands for inside a text (logprobs show them), as llama.cpp's token_to_piece:
+        byte-level BPE tokens (GPT-2 / Llama-3 / SmolLM2) map back exactly; a SentencePiece BPE token (Llama-2,
+        TinyLlama: byte fallback) is its piece with "▁" as the space it stands for ("▁cat" is " cat",
+        which decoding it alone strips) and "<0xE6>" the byte itself, so a token holding part of a UTF-8
+        character keeps its bytes; added tokens and other tokenizers give the UTF-8 of the token decoded alone."""
         if self._byte_of is None:
             from tokenizers import decoders
 
             byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
             self._byte_of = {c: b for b, c in _bytes_to_unicode().items()} if byte_level else {}
             self._added = set(self._tok.get_added_tokens_decoder())
+            self._pieces = not byte_level and bool(getattr(self._tok.model, "byte_fallback", False))
         raw = self._tok.id_to_token(token_id) or ""
-        if self._byte_of and token_id not in self._added and raw and all(c in self._byte_of for c in raw):
-            return bytes(self._byte_of[c] for c in raw)
+        if raw and token_id not in self._added:
+            if self._byte_of and all(c in self._byte_of for c in raw):
+                return bytes(self._byte_of[c] for c in raw)
+            if self._pieces:
+                m = _BYTE_PIECE.fullmatch(raw)
+                return bytes([int(m.group(1), 16)]) if m else raw.replace("\u2581", " ").encode("utf-8")
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     # Set by from_gguf_metadata (and by loaders that know them); None / False elsewhere.

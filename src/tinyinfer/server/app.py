@@ -102,7 +102,7 @@ class _Choice:
         self.prompt_tokens = prompt_tokens
         self.completion: Any = None  # the final Completion, once its last Delta arrived
         self.tokens = 0  # generated so far (the log line of a request cut short)
-        self.lp_chars = 0  # characters of the tokens whose logprobs were sent (the legacy format's text_offset)
+        self.offsets = P.TextOffsets()  # the legacy format's text_offset, over the tokens whose logprobs were sent
 
 
 async def _deltas(c: _Choice, every: Optional[int] = 1) -> AsyncIterator[Delta]:
@@ -360,9 +360,7 @@ class Service:
             return None
         if g.kind == "chat":
             return P.chat_logprobs(items, self.token_text)
-        lp = P.completion_logprobs(items, self.token_text, c.lp_chars)
-        c.lp_chars += sum(len(t) for t in lp["tokens"])
-        return lp
+        return P.completion_logprobs(items, self.token_text, c.offsets)
 
     async def answer(self, request: Request, g: P.GenerationRequest, call: _Call) -> dict:
         """The whole answer; the client's disconnect (watched meanwhile) cancels the requests."""

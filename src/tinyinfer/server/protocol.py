@@ -13,6 +13,7 @@ field is refused too, so a typo never silently changes nothing. Only `user`, `me
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 from dataclasses import dataclass, field
@@ -307,41 +308,56 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 class TokenText:
-    """Token id -> (its text, its bytes), as logprobs show them; cached (a vocabulary is small)."""
+    """Token id -> (its text, its bytes), as logprobs show them: the text is the bytes' UTF-8 (" cat" for
+    SentencePiece's "▁cat", U+FFFD for part of a character); cached (a vocabulary is small)."""
 
     def __init__(self, tokenizer):
         self._tok = tokenizer
-        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._cache: dict[int, tuple[str, bytes]] = {}
 
-    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
         hit = self._cache.get(token_id)
         if hit is None:
-            text = self._tok.decode([token_id], skip_special_tokens=False)
-            hit = self._cache[token_id] = (text, list(self._tok.token_bytes(token_id)))
+            data = bytes(self._tok.token_bytes(token_id))
+            hit = self._cache[token_id] = (data.decode("utf-8", errors="replace"), data)
         return hit
+
+
+class TextOffsets:
+    """The legacy format's text_offset of each token of one choice: where in the choice's text the character its
+    first byte belongs to starts (the tokens' bytes decoded as they come, so a character split across tokens
+    counts once; not the sum of the tokens' texts, which counts its U+FFFD pieces)."""
+
+    def __init__(self):
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0
+
+    def next(self, data: bytes) -> int:
+        at = self._chars
+        self._chars += len(self._utf8.decode(data))
+        return at
 
 
 def chat_logprobs(items: Sequence, token_text: TokenText) -> dict:
     """OpenAI chat format: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}."""
     def entry(tid: int, lp: float) -> dict:
         text, data = token_text(tid)
-        return {"token": text, "logprob": lp, "bytes": data}
+        return {"token": text, "logprob": lp, "bytes": list(data)}
 
     return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, lp) for t, lp in x.top]}
                         for x in items], "refusal": None}
 
 
-def completion_logprobs(items: Sequence, token_text: TokenText, offset: int) -> dict:
+def completion_logprobs(items: Sequence, token_text: TokenText, offsets_of: TextOffsets) -> dict:
     """The legacy completions format: tokens, token_logprobs, top_logprobs (dicts), text_offset (characters into
-    the choice's text, counted from `offset`, the characters already sent on this choice)."""
+    the choice's text, from `offsets_of`, which has seen the choice's earlier tokens)."""
     tokens, lps, tops, offsets = [], [], [], []
     for x in items:
-        text, _ = token_text(x.token_id)
+        text, data = token_text(x.token_id)
         tokens.append(text)
         lps.append(x.logprob)
         tops.append({token_text(t)[0]: lp for t, lp in x.top})
-        offsets.append(offset)
-        offset += len(text)
+        offsets.append(offsets_of.next(data))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 

@@ -233,6 +233,7 @@ def test_refused_requests_leave_engine_usable(good_dir):
         (lambda: eng.generate([5], temperature=float("nan")), "temperature"),
         (lambda: eng.generate([5], max_tokens=4, temperature=1e39), "temperature"),  # infinite as a float32
         (lambda: eng.generate([5], bogus=1), "bogus"),
+        (lambda: eng.generate([5], n=3), r"unknown sampling parameter\(s\): n; .*generate\(\[prompt\] \* n"),
         (lambda: eng.generate([5], max_tokens=4, stop_token_ids=[-1]), "stop token id -1 is out of range"),
         (lambda: eng.generate([5], max_tokens=4, stop_token_ids=[300]), "stop token id 300 is out of range"),
         (lambda: eng.generate([5], max_tokens=4, stop_token_ids=[2**31]), "out of range"),

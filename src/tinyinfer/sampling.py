@@ -127,7 +127,9 @@ class SamplingParams:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
-            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+            hint = ("; for n samples of one prompt: generate([prompt] * n, ...) (each its own random seed unless "
+                    "seed is given)") if {"n", "best_of"} & set(unknown) else ""
+            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}{hint}")
         base = {f.name: getattr(params, f.name) for f in fields(cls)} if params is not None else {}
         base.update(kwargs)
         return cls(**base)

@@ -63,6 +63,21 @@ def test_gpu_sampling_seed_reproduces_and_chunks_continue(engines):
     assert gpu.generate([5, 6, 7], **{**kw, "seed": 4}).token_ids != a
 
 
+def test_gpu_prompt_in_chunks_gives_the_one_pass_tokens(engines):
+    """The single path prefills a prompt in calls of _prefill_chunk tokens (2048 on the GPU): smaller calls, each
+    at the cache position the last left, pick the CPU's greedy tokens (within fp16 noise, as above)."""
+    _, gpu, cpu = engines
+    prompt = np.random.default_rng(1).integers(3, 1000, 150).tolist()
+    try:
+        gpu._prefill_chunk = 37  # 4 calls of 37, then 2
+        out = gpu.generate(prompt, max_tokens=12, ignore_eos=True).token_ids
+    finally:
+        gpu._prefill_chunk = 2048
+    ref = cpu.logits(prompt + out[:-1])[len(prompt) - 1:]
+    picked = ref[np.arange(12), out]
+    assert np.all(picked >= ref.max(-1) - 2e-2 * np.abs(ref).max())
+
+
 def test_gpu_stop_ids_and_top_k_1(engines):
     _, gpu, _ = engines
     greedy = gpu.generate([9, 8, 7], max_tokens=20, ignore_eos=True).token_ids

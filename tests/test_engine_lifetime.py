@@ -109,9 +109,9 @@ class _InterruptedCore:
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_and_ctrl_c_lands_after_the_first(small):
-    """The single path prefills a prompt in calls of _prefill_chunk tokens (CHUNK_TOKENS: 512 on the CPU), so a
-    Ctrl-C waits for one call, not for the whole prompt; the engine stays usable, and a chunked prompt gives the
-    tokens of the prompt in one pass (Engine.logits)."""
+    """The single path and logits() prefill a prompt in calls of _prefill_chunk tokens (CHUNK_TOKENS: 512 on the
+    CPU), so a Ctrl-C waits for one call, not for the whole prompt; the engine stays usable, and a chunked prompt
+    gives the logits of the prompt in one call."""
     prompt = [(7 * i) % 200 + 3 for i in range(50)]
     with Engine(small, device="cpu", max_seq_len=128) as eng:
         eng._prefill_chunk = 16
@@ -124,7 +124,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_and_ctrl_c_lands_after_the_first(s
         out = eng.generate(prompt, max_tokens=1, ignore_eos=True)
         assert spy.forward_lengths == [0, 16, 16, 16, 2]
         eng._core = real
-        assert out.token_ids == [int(np.argmax(eng.logits(prompt)[-1]))]
+        chunked = eng.logits(prompt)  # logits() prefills in the same calls
+        eng._prefill_chunk = 1 << 20
+        np.testing.assert_array_equal(chunked, eng.logits(prompt))  # the CPU's numbers do not depend on the call
+        assert out.token_ids == [int(np.argmax(chunked[-1]))]
 
 
 def test_the_cpu_single_path_decodes_a_token_per_call(small):

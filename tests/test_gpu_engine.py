@@ -64,15 +64,27 @@ def test_gpu_sampling_seed_reproduces_and_chunks_continue(engines):
 
 
 def test_gpu_prompt_in_chunks_gives_the_one_pass_tokens(engines):
-    """The single path prefills a prompt in calls of _prefill_chunk tokens (2048 on the GPU): smaller calls, each
-    at the cache position the last left, pick the CPU's greedy tokens (within fp16 noise, as above)."""
+    """The single path prefills a prompt in calls of _prefill_chunk tokens (the CPU's way to let a Ctrl-C in; one
+    call on the GPU): calls of 37 tokens, each at the cache position the last left, pick the CPU's greedy tokens
+    (within fp16 noise, as above)."""
     _, gpu, cpu = engines
     prompt = np.random.default_rng(1).integers(3, 1000, 150).tolist()
+    calls, core, chunk = [], gpu._core, gpu._prefill_chunk
+
+    class Spy:
+        def forward(self, ids, all_logits=False):
+            calls.append(len(ids))
+            return core.forward(ids, all_logits=all_logits)
+
+        def __getattr__(self, name):
+            return getattr(core, name)
+
     try:
-        gpu._prefill_chunk = 37  # 4 calls of 37, then 2
+        gpu._core, gpu._prefill_chunk = Spy(), 37
         out = gpu.generate(prompt, max_tokens=12, ignore_eos=True).token_ids
     finally:
-        gpu._prefill_chunk = 2048
+        gpu._core, gpu._prefill_chunk = core, chunk
+    assert calls == [37, 37, 37, 37, 2]
     ref = cpu.logits(prompt + out[:-1])[len(prompt) - 1:]
     picked = ref[np.arange(12), out]
     assert np.all(picked >= ref.max(-1) - 2e-2 * np.abs(ref).max())

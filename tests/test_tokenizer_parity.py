@@ -191,7 +191,39 @@ def test_sentencepiece_token_bytes_join_to_the_text(name, spm_pair):
     text = ADVERSARIAL[name]
     ids = tok.encode(text, add_special_tokens=False)
     assert b"".join(tok.token_bytes(i) for i in ids) == (" " + text).encode()
-    assert tok.token_bytes(sp.eos_id()) == b"</s>"  # a special token: its text
+
+
+def test_unigram_token_bytes_join_to_the_text():
+    """The same for a Unigram SentencePiece model with byte fallback (whose byte_fallback the tokenizers library
+    shows only in its JSON)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = [("<unk>", 0.0), ("\u2581cat", -1.0), ("\u2581", -2.0), ("c", -3.0), ("a", -3.0), ("t", -3.0)]
+    hf = HFTokenizer(models.Unigram(vocab + [(f"<0x{b:02X}>", -10.0) for b in range(256)], 0, True))
+    hf.pre_tokenizer, hf.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tok = Tokenizer(hf)
+    ids = tok.encode("cat é")
+    assert [hf.id_to_token(i) for i in ids] == ["\u2581cat", "\u2581", "<0xC3>", "<0xA9>"]
+    assert b"".join(tok.token_bytes(i) for i in ids) == " cat é".encode()
+
+
+def test_legacy_text_offsets_follow_the_decoded_text(spm_pair):
+    """The server's legacy text_offset on a SentencePiece answer: each token's text starts at its offset in the
+    text decoding gives (which strips the first token's space), a character in byte pieces counting once."""
+    from tinyinfer.server.protocol import TextOffsets, TokenText
+
+    tok, _ = spm_pair
+    ids = tok.encode(ADVERSARIAL["khmer"] + " the cat " + ADVERSARIAL["emoji_zwj"], add_special_tokens=False)
+    text, token_text, offsets = tok.decode(ids), TokenText(tok), TextOffsets(tok)
+    at = [offsets.next(i) for i in ids]
+    shown = [token_text(i)[0] for i in ids]
+    assert "\ufffd" in "".join(shown)  # some tokens are parts of characters
+    for i, (o, t) in enumerate(zip(at, shown)):
+        t = t.lstrip(" ") if i == 0 else t
+        if "\ufffd" not in t:
+            assert text[o:o + len(t)] == t, (i, o, t)
+    assert at == sorted(at) and at[-1] < len(text)
 
 
 def test_sentencepiece_special_tokens_in_text(spm_pair):

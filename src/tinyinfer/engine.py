@@ -41,10 +41,11 @@ Prompt = Union[str, Sequence[int]]
 
 _DEFAULT_MAX_SEQ = 4096
 
-# Prompt tokens per core call, by device (the scheduler's chunk_tokens default, the single path's prefill calls).
-# The GPU prefills 2048 tokens in a few ms, so 64 arriving 128-token prompts are admitted in 4 scheduler steps
-# rather than 16 (each step also a decode of the running ones: fewer, fuller steps reach the first tokens sooner);
-# the CPU takes ~0.1 s per 512, which the running sequences would wait for at every step.
+# Prompt tokens per core call, by device: the scheduler's chunk_tokens default, and on the CPU the single path's
+# prefill calls too. The GPU prefills 2048 tokens in a few ms, so 64 arriving 128-token prompts are admitted in 4
+# scheduler steps rather than 16 (each step also a decode of the running ones: fewer, fuller steps reach the first
+# tokens sooner); the CPU takes seconds per 512 (4 s at SmolLM2-135M on 2 cores), which the running sequences wait
+# for at every step, and each call reads every weight again (512-token calls: +2% on a 1,500-token prompt there).
 CHUNK_TOKENS = {"cuda": 2048, "cpu": 512}
 
 
@@ -191,9 +192,10 @@ class Engine:
         # measurable (SmolLM2-135M on 2 cores: 50.6 against 50.8 tok/s at 8) and stream() yields every token;
         # on the GPU a call's Python and sync would be a large part of a ~0.7 ms step.
         self._chunk = 32 if self.device == "cuda" else 1
-        # prompt tokens per core call on the single path: Ctrl-C lands between calls (a 1,500-token prompt is
-        # 12 s of SmolLM2-135M on 2 cores; 512-token calls cost it 2%)
-        self._prefill_chunk = CHUNK_TOKENS.get(self.device, CHUNK_TOKENS["cpu"])
+        # prompt tokens per core call on the single path and in logits(): Ctrl-C lands between calls (a
+        # 1,500-token prompt is 12 s of SmolLM2-135M on 2 cores). The GPU's prefill chunks inside one call
+        # (CudaOptions.prefill_chunk) and a whole context takes it well under a second: one call.
+        self._prefill_chunk = CHUNK_TOKENS["cpu"] if self.device == "cpu" else (1 << 62)
 
     @classmethod
     def from_core(cls, core, config: "_core.ModelConfig", *, max_seq_len: int, tokenizer=None,
@@ -340,9 +342,16 @@ class Engine:
             raise InvalidRequestError(f"{len(ids)} tokens exceed max_seq_len={self.max_seq_len}")
         with self._exclusive():
             self._core.reset()
-            out = self._core.forward(ids, all_logits=True)
+            out = self._prefill(ids, all_logits=True)
             self._tactics.save(self._core)
             return out
+
+    def _prefill(self, ids: list[int], all_logits: bool) -> np.ndarray:
+        """forward(ids) from the current position, in calls of _prefill_chunk tokens (so a Ctrl-C lands between
+        them); the logits of every position (all_logits) or of the last."""
+        n = self._prefill_chunk
+        parts = [self._core.forward(ids[i:i + n], all_logits=all_logits) for i in range(0, len(ids), n)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts) if all_logits else parts[-1]
 
     # ---- generation ----
 
@@ -517,8 +526,7 @@ class Engine:
         finish = "length"
         self._core.reset()
         t0 = time.perf_counter()
-        for i in range(0, len(prompt_ids), self._prefill_chunk):
-            self._core.forward(prompt_ids[i:i + self._prefill_chunk], all_logits=False)
+        self._prefill(prompt_ids, all_logits=False)
         stats.prefill_ms = (time.perf_counter() - t0) * 1e3
         self._tactics.save(self._core)
         t0 = time.perf_counter()

@@ -127,8 +127,9 @@ class SamplingParams:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
-            hint = ("; for n samples of one prompt: generate([prompt] * n, ...) (each its own random seed unless "
-                    "seed is given)") if {"n", "best_of"} & set(unknown) else ""
+            hint = ("; for n samples of one prompt pass it n times, generate([prompt] * n) or chat([messages] * n): "
+                    "each gets its own random seed (seeded: params=[SamplingParams(seed=s + i) for i in range(n)])"
+                    ) if {"n", "best_of"} & set(unknown) else ""
             raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}{hint}")
         base = {f.name: getattr(params, f.name) for f in fields(cls)} if params is not None else {}
         base.update(kwargs)
@@ -211,8 +212,8 @@ class TextAssembler:
         """Adds tokens; returns the new piece of text that is safe to emit."""
         self.ids.extend(new_ids)
         full = self._full_text(final)
-        if final:  # an answer cut inside a character (max_tokens, EOS) ends without it, as vLLM's and llama.cpp's
-            full = full.rstrip("\ufffd")
+        if final:  # an answer cut inside a character (max_tokens, EOS) ends without it, as vLLM's (which drops a
+            full = full.rstrip("\ufffd")  # U+FFFD the model itself wrote last too: the text cannot tell them apart)
         if self._stop:
             start = max(0, self.emitted - self._hold)
             hits = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Iterable, Optional, Union
@@ -29,7 +30,7 @@ class Tokenizer:
         self.eos_token = eos_token
         self._byte_of: Optional[dict[str, int]] = None  # token_bytes' byte-level table, made on first use
         self._added: set[int] = set()
-        self._pieces = False  # token_bytes: SentencePiece pieces with byte fallback
+        self._byte_pieces = self._spaces = False  # token_bytes: "<0xNN>" pieces are bytes; "▁" is a space
 
     @classmethod
     def from_file(cls, path: Path, **kw) -> "Tokenizer":
@@ -63,24 +64,30 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for inside a text (logprobs show them), as llama.cpp's token_to_piece:
-        byte-level BPE tokens (GPT-2 / Llama-3 / SmolLM2) map back exactly; a SentencePiece BPE token (Llama-2,
-        TinyLlama: byte fallback) is its piece with "▁" as the space it stands for ("▁cat" is " cat",
-        which decoding it alone strips) and "<0xE6>" the byte itself, so a token holding part of a UTF-8
+        byte-level BPE tokens (GPT-2 / Llama-3 / SmolLM2) map back exactly; a SentencePiece token (Llama-2,
+        TinyLlama) is its piece with "▁" as the space it stands for ("▁cat" is " cat", which decoding it alone
+        strips) and, with byte fallback, "<0xE6>" the byte itself, so a token holding part of a UTF-8
         character keeps its bytes; added tokens and other tokenizers give the UTF-8 of the token decoded alone."""
         if self._byte_of is None:
             from tokenizers import decoders
 
             byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
-            self._byte_of = {c: b for b, c in _bytes_to_unicode().items()} if byte_level else {}
             self._added = set(self._tok.get_added_tokens_decoder())
-            self._pieces = not byte_level and bool(getattr(self._tok.model, "byte_fallback", False))
+            if not byte_level:  # (the library shows a Unigram model's byte_fallback only in its JSON)
+                spec = json.loads(self._tok.to_str())
+                self._byte_pieces = bool((spec.get("model") or {}).get("byte_fallback"))
+                self._spaces = "\u2581" in json.dumps(spec.get("decoder"), ensure_ascii=False)  # Metaspace, Replace
+            # last: another thread's call goes on once this is set
+            self._byte_of = {c: b for b, c in _bytes_to_unicode().items()} if byte_level else {}
         raw = self._tok.id_to_token(token_id) or ""
         if raw and token_id not in self._added:
             if self._byte_of and all(c in self._byte_of for c in raw):
                 return bytes(self._byte_of[c] for c in raw)
-            if self._pieces:
-                m = _BYTE_PIECE.fullmatch(raw)
-                return bytes([int(m.group(1), 16)]) if m else raw.replace("\u2581", " ").encode("utf-8")
+            m = _BYTE_PIECE.fullmatch(raw) if self._byte_pieces else None
+            if m:
+                return bytes([int(m.group(1), 16)])
+            if self._spaces:
+                return raw.replace("\u2581", " ").encode("utf-8")
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     # Set by from_gguf_metadata (and by loaders that know them); None / False elsewhere.

@@ -102,7 +102,7 @@ class _Choice:
         self.prompt_tokens = prompt_tokens
         self.completion: Any = None  # the final Completion, once its last Delta arrived
         self.tokens = 0  # generated so far (the log line of a request cut short)
-        self.offsets = P.TextOffsets()  # the legacy format's text_offset, over the tokens whose logprobs were sent
+        self.offsets: Optional[P.TextOffsets] = None  # the legacy text_offset, over the tokens whose logprobs were sent
 
 
 async def _deltas(c: _Choice, every: Optional[int] = 1) -> AsyncIterator[Delta]:
@@ -360,6 +360,8 @@ class Service:
             return None
         if g.kind == "chat":
             return P.chat_logprobs(items, self.token_text)
+        if c.offsets is None:
+            c.offsets = P.TextOffsets(self.engine.tokenizer)
         return P.completion_logprobs(items, self.token_text, c.offsets)
 
     async def answer(self, request: Request, g: P.GenerationRequest, call: _Call) -> dict:

@@ -13,7 +13,7 @@ field is refused too, so a typo never silently changes nothing. Only `user`, `me
 
 from __future__ import annotations
 
-import codecs
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from ..chat import joined_text_parts
 from ..errors import InvalidRequestError
-from ..sampling import DEFAULTABLE, INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams, as_float32
+from ..sampling import DEFAULTABLE, INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams, TextAssembler, as_float32
 from ..tokenizer import not_unicode
 
 
@@ -324,17 +324,17 @@ class TokenText:
 
 
 class TextOffsets:
-    """The legacy format's text_offset of each token of one choice: where in the choice's text the character its
-    first byte belongs to starts (the tokens' bytes decoded as they come, so a character split across tokens
-    counts once; not the sum of the tokens' texts, which counts its U+FFFD pieces)."""
+    """The legacy format's text_offset of each token of one choice: the characters of the choice's text before it
+    (its tokens decoded as the engine decodes the text, whole characters only), so a character split across
+    tokens counts once (the tokens' texts show a U+FFFD each) and a first token's space that decoding strips
+    (SentencePiece's "▁Hello") is not counted."""
 
-    def __init__(self):
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._chars = 0
+    def __init__(self, tokenizer):
+        self._text = TextAssembler(functools.partial(tokenizer.decode, skip_special_tokens=True), ())
 
-    def next(self, data: bytes) -> int:
-        at = self._chars
-        self._chars += len(self._utf8.decode(data))
+    def next(self, token_id: int) -> int:
+        at = self._text.emitted
+        self._text.add([token_id])
         return at
 
 
@@ -353,11 +353,10 @@ def completion_logprobs(items: Sequence, token_text: TokenText, offsets_of: Text
     the choice's text, from `offsets_of`, which has seen the choice's earlier tokens)."""
     tokens, lps, tops, offsets = [], [], [], []
     for x in items:
-        text, data = token_text(x.token_id)
-        tokens.append(text)
+        tokens.append(token_text(x.token_id)[0])
         lps.append(x.logprob)
         tops.append({token_text(t)[0]: lp for t, lp in x.top})
-        offsets.append(offsets_of.next(data))
+        offsets.append(offsets_of.next(x.token_id))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 

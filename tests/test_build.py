@@ -26,7 +26,7 @@ def test_build_info_and_device_status_without_raising():
 
 def test_cli_info_and_help():
     out = subprocess.run([sys.executable, "-m", "tinyinfer", "info"], capture_output=True, text=True, check=True)
-    assert "build:" in out.stdout and "cuda device:" in out.stdout
+    assert "build: " in out.stdout and "\nGPU: " in out.stdout and "{" not in out.stdout
     for cmd in ("run", "chat"):
         h = subprocess.run([sys.executable, "-m", "tinyinfer", cmd, "--help"], capture_output=True, text=True,
                            check=True)
@@ -72,7 +72,7 @@ def test_build_info_says_why_there_is_no_cuda_backend():
     if not info["cuda"]:
         assert cuda_status() == (False, no_gpu_sentence() or no_cuda_sentence(info))
         out = subprocess.run([sys.executable, "-m", "tinyinfer", "info"], capture_output=True, text=True, check=True)
-        assert no_cuda_sentence(info) in out.stdout.splitlines()
+        assert "GPU: none usable: " + (no_gpu_sentence() or no_cuda_sentence(info)) in out.stdout.splitlines()
 
 
 @pytest.mark.parametrize("reason, nvcc, says, fix", [

@@ -22,7 +22,7 @@ from typing import Optional
 
 from .errors import InvalidRequestError, TinyInferError
 
-_DTYPE_CHOICES = ("auto", "fp16", "bf16", "fp32", "int8", "int4")
+_DTYPE_CHOICES = ("auto", "fp16", "fp32", "int8", "int4")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -116,8 +116,9 @@ def _tokens(n: int) -> str:
 def stats_line(eng, out) -> str:
     s = out.stats
     return (f"[{eng.device} {eng.dtype}] prompt {_tokens(s.prompt_tokens)} in {s.prefill_ms:.1f} ms | "
-            f"{_tokens(s.decode_tokens)} | decode {s.decode_tok_s:.1f} tok/s"
-            f"{' (GPU time)' if s.decode_timer == 'GPU time' else ''} | {s.wall_s:.2f} s wall")
+            f"{_tokens(s.decode_tokens)} | "
+            + (f"decode {s.decode_tok_s:.1f} tok/s{' (GPU time)' if s.decode_timer == 'GPU time' else ''}"
+               if s.decode_tokens > 1 else "no decode step") + f" | {s.wall_s:.2f} s wall")
 
 
 def _from_stdin(read, *args) -> str:
@@ -159,14 +160,19 @@ def cmd_run(args) -> int:
                                       f"continues the prompt as plain text: drop --system)")
         print("tinyinfer: the model has no chat template: the prompt is continued as plain text (as --raw)",
               file=sys.stderr)
-    if args.raw or not templated:
-        pieces = eng.stream(prompt, **_sampling(args)) if not args.no_stream else None
-        out = _print_stream(eng, pieces, lambda: eng.generate(prompt, **_sampling(args)))
-    else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": prompt}]
-        pieces = eng.stream_chat(messages, **_sampling(args)) if not args.no_stream else None
-        out = _print_stream(eng, pieces, lambda: eng.chat(messages, **_sampling(args)))
+    try:
+        if args.raw or not templated:
+            pieces = eng.stream(prompt, **_sampling(args)) if not args.no_stream else None
+            out = _print_stream(eng, pieces, lambda: eng.generate(prompt, **_sampling(args)))
+        else:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": prompt}]
+            pieces = eng.stream_chat(messages, **_sampling(args)) if not args.no_stream else None
+            out = _print_stream(eng, pieces, lambda: eng.chat(messages, **_sampling(args)))
+    except InvalidRequestError as e:
+        if f"max_seq_len={eng.max_seq_len}" not in str(e):
+            raise
+        raise InvalidRequestError(f"{e}: {_LONGER.format(limit=eng.config.max_position_embeddings)}") from None
     print(stats_line(eng, out), file=sys.stderr)
     return 0
 
@@ -182,19 +188,24 @@ def _print_stream(eng, pieces, run_once):
     return eng.last_completion
 
 
+_LONGER = "raise --max-seq-len (up to the model's {limit}) or lower -n"  # (what a prompt too long can do)
+
+
 def fit_history(eng, messages: list[dict], max_tokens: int) -> int:
     """Drop the oldest user/assistant turns (never the system prompt, never the last user message) until the
     rendered conversation plus max_tokens fits in the engine's max_seq_len. Returns how many turns went; raises
-    InvalidRequestError when even the last message alone does not fit."""
+    InvalidRequestError, with `messages` as it was, when even the last message alone does not fit."""
     first = 1 if messages and messages[0]["role"] == "system" else 0
-    dropped = 0
-    while len(eng.apply_chat_template(messages)) + max_tokens > eng.max_seq_len:
-        if len(messages) - first < 3:  # only the new user message is left
-            n = len(eng.apply_chat_template(messages))
+    kept = list(messages)
+    while len(eng.apply_chat_template(kept)) + max_tokens > eng.max_seq_len:
+        if len(kept) - first < 3:  # only the new user message is left
+            n = len(eng.apply_chat_template(kept))
             raise InvalidRequestError(f"this message ({n} tokens with the template) + max_tokens ({max_tokens}) "
-                                      f"exceeds max_seq_len={eng.max_seq_len}")
-        del messages[first:first + 2]  # one user turn and its reply
-        dropped += 1
+                                      f"exceeds max_seq_len={eng.max_seq_len}: "
+                                      f"{_LONGER.format(limit=eng.config.max_position_embeddings)}")
+        del kept[first:first + 2]  # one user turn and its reply
+    dropped = (len(messages) - len(kept)) // 2
+    messages[:] = kept
     return dropped
 
 
@@ -229,24 +240,45 @@ def cmd_chat(args) -> int:
         return 2
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
-    print("tinyinfer chat — empty line or Ctrl-D to quit, /reset to start over", file=sys.stderr)
+    print(f"tinyinfer chat — {_CHAT_HELP}", file=sys.stderr)
     while True:
         try:
-            line = _from_stdin(input, "> ")
+            line = _chat_input()
         except EOFError:
             print()
             break
         except InvalidRequestError as e:  # (the line is dropped; the conversation goes on)
             print(f"tinyinfer: {e}", file=sys.stderr)
             continue
-        if not line.strip():
+        command = line.strip()
+        if not command:  # (a blank line in a paste is not the end of the session)
+            continue
+        if command in ("/exit", "/quit", "/bye"):
             break
-        if line.strip() == "/reset":
+        if command in ("/help", "/?"):
+            print(_CHAT_HELP, file=sys.stderr)
+            continue
+        if command == "/reset":
             messages = list(system)
+            print("[history cleared]", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
         _chat_turn(eng, args, messages)
     return 0
+
+
+_CHAT_HELP = "Ctrl-D or /exit to quit, /reset to start over, a line ending in \\ goes on on the next line"
+
+
+def _chat_input() -> str:
+    """One message: a line, or lines joined while each ends in a backslash (llama-cli's way to type several).
+    The "> " prompt only where a person types (a pipe's answers stay free of it)."""
+    tty = sys.stdin.isatty()
+    lines = [_from_stdin(input, "> " if tty else "")]
+    while lines[-1].endswith("\\"):
+        lines[-1] = lines[-1][:-1]
+        lines.append(_from_stdin(input, ". " if tty else ""))
+    return "\n".join(lines)
 
 
 def _int_list(text: Optional[str], flag: str) -> tuple[int, ...]:
@@ -333,7 +365,7 @@ def cmd_perplexity(args) -> int:
         if args.tokens:
             ids = ids[:args.tokens]
         r = perplexity(eng, ids, min(window, len(ids)) if window else None)
-        print(f"perplexity {r.perplexity:.4f} | {r.scored_tokens} tokens scored in {r.windows} window"
+        print(f"perplexity {r.perplexity:.4f} | {_tokens(r.scored_tokens)} scored in {r.windows} window"
               f"{'s' if r.windows > 1 else ''} of {r.window} | {args.file} | {eng.model_name} [{eng.device} "
               f"{eng.dtype}]")
     return 0
@@ -367,13 +399,15 @@ def cmd_serve(args) -> int:
 
 def cmd_info(args) -> int:
     from . import _core
-    from .engine import no_cuda_sentence
+    from .engine import cuda_status
 
     info = dict(_core.build_info)
-    print("build:", info)
-    print("cuda device:", dict(_core.ops.device_status()))
-    if not info["cuda"]:
-        print(no_cuda_sentence(info))
+    print(f"tinyinfer {info.pop('version', '?')}")
+    print("build: " + ", ".join(f"{k}={v}" for k, v in info.items() if v != ""))
+    usable, reason = cuda_status()  # (on a machine with no GPU a CPU-only build is no fault: the run's sentence)
+    status = dict(_core.ops.device_status()) if usable else {}
+    print("GPU: " + (f"usable ({status.get('count', '?')} device{'s' if status.get('count') != 1 else ''})"
+                     if usable else f"none usable: {reason}"))
     return 0
 
 

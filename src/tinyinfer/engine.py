@@ -73,7 +73,9 @@ class Stats:
 
     @property
     def decode_tok_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        """Decode steps a second: the first token is sampled from the prompt's pass, so n tokens took n - 1 steps
+        (llama.cpp's eval "runs"); 0.0 for a single token."""
+        return (self.decode_tokens - 1) / self.decode_s if self.decode_s > 0 and self.decode_tokens > 1 else 0.0
 
 
 @dataclass

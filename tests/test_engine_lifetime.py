@@ -122,7 +122,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_and_ctrl_c_lands_after_the_first(s
         assert spy.forward_lengths == [16]
         spy.forward_lengths = [0]  # (no more interrupts)
         out = eng.generate(prompt, max_tokens=1, ignore_eos=True)
-        assert spy.forward_lengths == [0, 16, 16, 16, 2]
+        assert spy.forward_lengths == [0, 16, 16, 2]  # the first call's 16 tokens are in the cache: reused
+        assert out.stats.cached_tokens == 16
         eng._core = real
         chunked = eng.logits(prompt)  # logits() prefills in the same calls
         eng._prefill_chunk = 1 << 20
@@ -149,3 +150,25 @@ def test_the_cpu_single_path_decodes_a_token_per_call(small):
         list(eng.stream([1, 2, 3], max_tokens=5, ignore_eos=True))
         eng._core = real
         assert steps == [1] * 5
+
+
+def test_a_prompt_that_extends_the_cache_reuses_it(small):
+    """The single sequence's cache is reused when the next prompt extends it (a chat's next turn: the last prompt,
+    its answer, the new message): only the new tokens are prefilled, and on the CPU every number is what a fresh
+    engine computes. Not reused: a prompt the cache does not lead (the same prompt again: the cache also holds its
+    answer), and presence / frequency penalties (which count only the request's own tokens)."""
+    kw = dict(max_tokens=6, temperature=0.9, seed=4, repetition_penalty=1.3, ignore_eos=True)
+    with Engine(small, device="cpu", max_seq_len=128) as eng, Engine(small, device="cpu", max_seq_len=128) as ref:
+        first = eng.generate([5, 6, 7, 8], **kw)
+        assert first.stats.cached_tokens == 0
+        turn = [5, 6, 7, 8] + first.token_ids + [9, 10, 11]
+        second = eng.generate(turn, **kw)
+        assert second.stats.cached_tokens == 4 + 6  # the prompt and the answer (its last token not yet fed)
+        assert second.token_ids == ref.generate(turn, **kw).token_ids
+        assert eng.generate(turn, **kw).stats.cached_tokens == 0  # the cache holds turn + an answer: longer
+        again = eng.generate(turn + [12], **kw, presence_penalty=0.5)
+        assert again.stats.cached_tokens == 0 and again.token_ids == ref.generate(turn + [12], **kw,
+                                                                                  presence_penalty=0.5).token_ids
+        eng.logits([1, 2, 3])
+        after = eng.generate([1, 2, 3, 4], **kw)
+        assert after.stats.cached_tokens == 3 and after.token_ids == ref.generate([1, 2, 3, 4], **kw).token_ids

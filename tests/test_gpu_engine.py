@@ -90,6 +90,20 @@ def test_gpu_prompt_in_chunks_gives_the_one_pass_tokens(engines):
     assert np.all(picked >= ref.max(-1) - 2e-2 * np.abs(ref).max())
 
 
+def test_gpu_next_turn_reuses_the_cache(engines):
+    """A prompt that extends the last prompt and its answer prefills only its new tokens (the answer's last token,
+    sampled but not fed, first) and picks the CPU's greedy tokens over the whole sequence (within fp16 noise)."""
+    _, gpu, cpu = engines
+    first = [5, 17, 400, 23]
+    a = gpu.generate(first, max_tokens=9, ignore_eos=True).token_ids
+    turn = first + a + [31, 32, 33]
+    out = gpu.generate(turn, max_tokens=10, ignore_eos=True)
+    assert out.stats.cached_tokens == len(first) + len(a)
+    ref = cpu.logits(turn + out.token_ids[:-1])[len(turn) - 1:]
+    picked = ref[np.arange(10), out.token_ids]
+    assert np.all(picked >= ref.max(-1) - 2e-2 * np.abs(ref).max())
+
+
 def test_gpu_stop_ids_and_top_k_1(engines):
     _, gpu, _ = engines
     greedy = gpu.generate([9, 8, 7], max_tokens=20, ignore_eos=True).token_ids

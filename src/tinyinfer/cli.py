@@ -115,7 +115,8 @@ def _tokens(n: int) -> str:
 
 def stats_line(eng, out) -> str:
     s = out.stats
-    return (f"[{eng.device} {eng.dtype}] prompt {_tokens(s.prompt_tokens)} in {s.prefill_ms:.1f} ms | "
+    cached = f" ({s.cached_tokens} cached)" if s.cached_tokens else ""
+    return (f"[{eng.device} {eng.dtype}] prompt {_tokens(s.prompt_tokens)}{cached} in {s.prefill_ms:.1f} ms | "
             f"{_tokens(s.decode_tokens)} | "
             + (f"decode {s.decode_tok_s:.1f} tok/s{' (GPU time)' if s.decode_timer == 'GPU time' else ''}"
                if s.decode_tokens > 1 else "no decode step") + f" | {s.wall_s:.2f} s wall")

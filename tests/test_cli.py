@@ -208,6 +208,17 @@ def test_chat_keeps_the_history_when_a_message_is_too_long(tiny):
     assert second > first + 8  # "second" after the first exchange (alone it would be shorter than the first)
 
 
+def test_minus_one_is_llama_cpps_none_for_n_and_seed(tiny):
+    """-n -1: until EOS or the context is full; --seed -1: a random seed (llama-cli's meanings)."""
+    r = cli("run", "-m", tiny, "--device", "cpu", "--max-seq-len", "40", "-n", "-1", "--seed", "-1",
+            "--temperature", "1", "--ignore-eos", "--raw", "hi")
+    assert r.returncode == 0, r.stderr
+    prompt, n = [int(x) for x in re.search(r"prompt (\d+) tokens? in .* \| (\d+) tokens? \|", r.stderr).groups()]
+    assert prompt + n == 40
+    r = cli("chat", "-m", tiny, "--device", "cpu", "--max-seq-len", "200", "-n", "-1", "--ignore-eos", input="hi\n")
+    assert r.returncode == 0 and r.stderr.count(" s wall") == 1, r.stderr
+
+
 def test_run_names_the_flags_for_a_prompt_too_long(tiny):
     r = cli("run", "-m", tiny, "--device", "cpu", "--max-seq-len", "64", "-n", "8", "--raw", "x" * 100)
     assert r.returncode == 1 and "exceeds max_seq_len=64: raise --max-seq-len (up to the model's" in r.stderr

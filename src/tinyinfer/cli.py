@@ -45,21 +45,23 @@ def _add_threads_arg(p: argparse.ArgumentParser) -> None:
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (vLLM / OpenAI names)")
-    g.add_argument("--max-tokens", "-n", type=int, default=256)
+    g.add_argument("--max-tokens", "-n", type=int, default=256,
+                   help="tokens to generate at most (default 256; -1: until EOS or the context is full)")
     g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--top-k", type=int, default=0, help="default 0: off")
+    g.add_argument("--top-p", type=float, default=1.0, help="default 1: off")
+    g.add_argument("--min-p", type=float, default=0.0, help="default 0: off")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="default 1: off")
+    g.add_argument("--seed", type=int, default=None, help="default (or -1): a random one")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the model's end-of-sequence")
 
 
 def _sampling(args) -> dict:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
-                ignore_eos=args.ignore_eos)
+    """The sampling flags as SamplingParams' fields; -1 is llama.cpp's "none" for -n and --seed."""
+    return dict(max_tokens=None if args.max_tokens == -1 else args.max_tokens, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                seed=None if args.seed == -1 else args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
 def _check_before_load(args) -> None:
@@ -70,7 +72,7 @@ def _check_before_load(args) -> None:
     if args.max_seq_len is not None:
         if args.max_seq_len < 2:
             raise InvalidRequestError(f"--max-seq-len must be >= 2 (got {args.max_seq_len})")
-        if args.max_tokens >= args.max_seq_len:
+        if args.max_tokens != -1 and args.max_tokens >= args.max_seq_len:
             raise InvalidRequestError(f"--max-tokens {args.max_tokens} leaves no room for a prompt within "
                                       f"--max-seq-len {args.max_seq_len}")
     if getattr(args, "system", None) is not None and not args.system.strip():
@@ -214,7 +216,7 @@ def _chat_turn(eng, args, messages: list[dict]) -> None:
     """One exchange; on any failure or Ctrl-C the user message is taken back, so the history stays a valid
     alternation of user and assistant turns."""
     try:
-        dropped = fit_history(eng, messages, args.max_tokens)
+        dropped = fit_history(eng, messages, _sampling(args)["max_tokens"] or 1)  # (-n -1: room for one at least)
         if dropped:
             print(f"[context full: dropped the oldest {dropped} turn{'s' if dropped > 1 else ''}]", file=sys.stderr)
         for piece in eng.stream_chat(messages, **_sampling(args)):

@@ -292,6 +292,19 @@ def test_run_without_a_chat_template_says_so(tiny, tmp_path):
     assert r.returncode == 1 and "--raw skips" in r.stderr  # (refused before the model is looked for)
 
 
+def test_commands_refuse_a_model_without_a_tokenizer(tiny, tmp_path):
+    import shutil
+
+    m = tmp_path / "m"
+    shutil.copytree(tiny, m)
+    (m / "tokenizer.json").unlink()
+    (tmp_path / "t.txt").write_text("some text to score")
+    for args, kw in ((("run", "hi"), {}), (("chat",), {"input": "hi\n"}), (("perplexity", tmp_path / "t.txt"), {})):
+        r = cli(*args, "-m", m, "--device", "cpu", **kw)
+        assert r.returncode == 1 and "has no tokenizer (no tokenizer.json in its folder)" in r.stderr, r.stderr
+        assert "pass token ids" not in r.stderr and "chat template" not in r.stderr
+
+
 def test_perplexity_command_matches_the_logits(tiny, tmp_path):
     from tinyinfer.perplexity import perplexity
 

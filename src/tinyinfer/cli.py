@@ -152,10 +152,21 @@ def _read_prompt(args) -> str:
     return prompt
 
 
+def _needs_tokenizer(eng) -> None:
+    """The commands read and write text: a model folder with no tokenizer.json is refused in their terms (the
+    Python API's "pass token ids" names what the command line cannot do)."""
+    if eng.tokenizer is None:
+        from .errors import TokenizerError
+
+        raise TokenizerError(f"{eng.model_name} has no tokenizer (no tokenizer.json in its folder): the command "
+                             f"line needs one to read the prompt and write the answer")
+
+
 def cmd_run(args) -> int:
     prompt = _read_prompt(args)
     _check_before_load(args)
     eng = _engine(args)
+    _needs_tokenizer(eng)
     templated = eng.tokenizer is not None and bool(getattr(eng.tokenizer, "chat_template", None))
     if not args.raw and not templated:  # (said, not done silently: the reply is then a plain continuation)
         if args.system is not None:
@@ -238,7 +249,8 @@ def _chat_turn(eng, args, messages: list[dict]) -> None:
 def cmd_chat(args) -> int:
     _check_before_load(args)
     eng = _engine(args)
-    if eng.tokenizer is None or not getattr(eng.tokenizer, "chat_template", None):
+    _needs_tokenizer(eng)
+    if not getattr(eng.tokenizer, "chat_template", None):
         print("tinyinfer chat: this model has no chat template", file=sys.stderr)
         return 2
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -364,6 +376,7 @@ def cmd_perplexity(args) -> int:
         raise InvalidRequestError(f"{flag} {window}: one window of {window} tokens does not fit the model ({e}); "
                                   f"give a smaller --window to score the text in several") from None
     with eng:
+        _needs_tokenizer(eng)
         ids = eng.tokenize(text)
         if args.tokens:
             ids = ids[:args.tokens]

@@ -165,10 +165,11 @@ def test_a_prompt_that_extends_the_cache_reuses_it(small):
         second = eng.generate(turn, **kw)
         assert second.stats.cached_tokens == 4 + 6  # the prompt and the answer (its last token not yet fed)
         assert second.token_ids == ref.generate(turn, **kw).token_ids
-        assert eng.generate(turn, **kw).stats.cached_tokens == 0  # the cache holds turn + an answer: longer
-        again = eng.generate(turn + [12], **kw, presence_penalty=0.5)
-        assert again.stats.cached_tokens == 0 and again.token_ids == ref.generate(turn + [12], **kw,
-                                                                                  presence_penalty=0.5).token_ids
+        last = eng.generate(turn, **kw)
+        assert last.stats.cached_tokens == 0  # the cache held turn and an answer: longer than turn
+        nxt, pen = turn + last.token_ids + [12], dict(presence_penalty=0.5, frequency_penalty=2.0)
+        again = eng.generate(nxt, **kw, **pen)  # (it extends the cache, but the penalties would count its answer)
+        assert again.stats.cached_tokens == 0 and again.token_ids == ref.generate(nxt, **kw, **pen).token_ids
         eng.logits([1, 2, 3])
         after = eng.generate([1, 2, 3, 4], **kw)
         assert after.stats.cached_tokens == 3 and after.token_ids == ref.generate([1, 2, 3, 4], **kw).token_ids

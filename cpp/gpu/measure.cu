@@ -71,10 +71,13 @@ float StreamClock::replay_ms(const std::function<void()>& enqueue) {
 // ---- the engine's measurements ----
 
 // GPU ms per decode step, `launch(pos)` enqueueing the step at pos, from `context` on (greedy sampling; 3 steps
-// of warm-up). The cache is left holding benchmark tokens.
+// of warm-up). The cache is left holding benchmark tokens. Every measurement that writes the single sequence's
+// cache resets it first: a throw on the way must not leave tokens_ describing a conversation whose cache holds
+// benchmark data (the next generate would extend it: Engine._cached_prefix).
 double CudaEngine::time_steps(int64_t context, int steps, const std::function<void(int64_t)>& launch) {
   if (context < 0 || context + std::max(steps, 3) > max_seq_)
     fail(ErrorKind::Request, "timing decode steps: context + max(steps, 3) must be <= max_seq_len");
+  reset();
   kv_reserve(context + std::max(steps, 3));
   upload_sampling(cuda::DeviceSampling{});
   set_state(1, (int)context, 0);
@@ -100,6 +103,7 @@ double CudaEngine::time_decode_step(int64_t context, int steps, DecodePath path)
 std::pair<std::vector<std::string>, std::vector<uint64_t>> CudaEngine::trace_step(int64_t context) {
   if (!dbuf_.trace) fail(ErrorKind::Request, "trace_step: build the engine with CudaOptions.trace = True");
   if (context < 0 || context + 3 > max_seq_) fail(ErrorKind::Request, "trace_step: context must be <= max_seq_len - 3");
+  reset();
   kv_reserve(context + 3);  // (three warm-up steps from context on)
   upload_sampling(cuda::DeviceSampling{});
   set_state(1, (int)context, 0);
@@ -123,6 +127,7 @@ std::vector<int64_t> CudaEngine::persistent_trace_step(int64_t context) {
                              "decode_path = persistent");
   if (context < 0 || context + 4 > max_seq_)
     fail(ErrorKind::Request, "persistent_trace_step: context must be <= max_seq_len - 4");
+  reset();
   kv_reserve(context + 4);
   upload_sampling(cuda::DeviceSampling{});
   set_state(1, (int)context, 0);
@@ -137,6 +142,7 @@ std::vector<int64_t> CudaEngine::persistent_trace_step(int64_t context) {
 
 double CudaEngine::time_attention(int64_t context, int reps) {
   if (context < 0 || context >= max_seq_) fail(ErrorKind::Request, "time_attention: context must be < max_seq_len");
+  reset();
   kv_reserve(context + 1);
   set_state(1, (int)context, 0);
   auto run = [&] {

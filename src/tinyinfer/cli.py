@@ -158,8 +158,8 @@ def _needs_tokenizer(eng) -> None:
     if eng.tokenizer is None:
         from .errors import TokenizerError
 
-        raise TokenizerError(f"{eng.model_name} has no tokenizer (no tokenizer.json in its folder): the command "
-                             f"line needs one to read the prompt and write the answer")
+        raise TokenizerError(f"{eng.model_name} has no tokenizer (no tokenizer.json, or a GGUF without one): the "
+                             f"command line needs one to read the prompt and write the answer")
 
 
 def cmd_run(args) -> int:
@@ -167,7 +167,7 @@ def cmd_run(args) -> int:
     _check_before_load(args)
     eng = _engine(args)
     _needs_tokenizer(eng)
-    templated = eng.tokenizer is not None and bool(getattr(eng.tokenizer, "chat_template", None))
+    templated = bool(getattr(eng.tokenizer, "chat_template", None))
     if not args.raw and not templated:  # (said, not done silently: the reply is then a plain continuation)
         if args.system is not None:
             raise InvalidRequestError(f"--system needs a chat template, and {eng.model_name} has none (it "
@@ -227,7 +227,9 @@ def _chat_turn(eng, args, messages: list[dict]) -> None:
     """One exchange; on any failure or Ctrl-C the user message is taken back, so the history stays a valid
     alternation of user and assistant turns."""
     try:
-        dropped = fit_history(eng, messages, _sampling(args)["max_tokens"] or 1)  # (-n -1: room for one at least)
+        # -n -1 (the rest of the context): old turns still go once fewer than a quarter of it (at most 256) is left
+        room = _sampling(args)["max_tokens"] or min(256, eng.max_seq_len // 4)
+        dropped = fit_history(eng, messages, room)
         if dropped:
             print(f"[context full: dropped the oldest {dropped} turn{'s' if dropped > 1 else ''}]", file=sys.stderr)
         for piece in eng.stream_chat(messages, **_sampling(args)):
@@ -255,7 +257,7 @@ def cmd_chat(args) -> int:
         return 2
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
-    print(f"tinyinfer chat — {_CHAT_HELP}", file=sys.stderr)
+    print(f"tinyinfer chat — {_chat_help()}", file=sys.stderr)
     while True:
         try:
             line = _chat_input()
@@ -271,7 +273,7 @@ def cmd_chat(args) -> int:
         if command in ("/exit", "/quit", "/bye"):
             break
         if command in ("/help", "/?"):
-            print(_CHAT_HELP, file=sys.stderr)
+            print(_chat_help(), file=sys.stderr)
             continue
         if command == "/reset":
             messages = list(system)
@@ -282,17 +284,23 @@ def cmd_chat(args) -> int:
     return 0
 
 
-_CHAT_HELP = "Ctrl-D or /exit to quit, /reset to start over, a line ending in \\ goes on on the next line"
+def _chat_help() -> str:
+    eof = "Ctrl-Z Enter" if os.name == "nt" else "Ctrl-D"
+    return f"{eof} or /exit to quit, /reset to start over, a line ending in \\ goes on on the next line"
 
 
 def _chat_input() -> str:
-    """One message: a line, or lines joined while each ends in a backslash (llama-cli's way to type several).
-    The "> " prompt only where a person types (a pipe's answers stay free of it)."""
-    tty = sys.stdin.isatty()
+    """One message: a line, or lines joined while each ends in a backslash (llama-cli's way to type several; the
+    end of input after one sends what was typed). The "> " prompt only where a person types and reads (input()
+    writes it to stdout: a pipe's or a log's answers stay free of it)."""
+    tty = sys.stdin.isatty() and sys.stdout.isatty()
     lines = [_from_stdin(input, "> " if tty else "")]
     while lines[-1].endswith("\\"):
         lines[-1] = lines[-1][:-1]
-        lines.append(_from_stdin(input, ". " if tty else ""))
+        try:
+            lines.append(_from_stdin(input, ". " if tty else ""))
+        except EOFError:
+            break
     return "\n".join(lines)
 
 
@@ -421,9 +429,12 @@ def cmd_info(args) -> int:
     print(f"tinyinfer {info.pop('version', '?')}")
     print("build: " + ", ".join(f"{k}={v}" for k, v in info.items() if v != ""))
     usable, reason = cuda_status()  # (on a machine with no GPU a CPU-only build is no fault: the run's sentence)
-    status = dict(_core.ops.device_status()) if usable else {}
-    print("GPU: " + (f"usable ({status.get('count', '?')} device{'s' if status.get('count') != 1 else ''})"
-                     if usable else f"none usable: {reason}"))
+    if usable:
+        st = dict(_core.ops.device_status())
+        print(f"GPU: {st.get('name')} (compute capability {st.get('compute_capability')}, "
+              f"{int(st.get('total_mem', 0)) / 2**30:.0f} GiB; {st.get('count')} device(s) visible)")
+    else:
+        print(f"GPU: none usable: {reason}")
     return 0
 
 

@@ -65,7 +65,8 @@ def is_batch(prompt) -> bool:
 @dataclass
 class Stats:
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # of prompt_tokens: already in the cache from the last call (not prefilled again)
+    cached_tokens: int = 0  # of prompt_tokens: held from the last call, not prefilled again (its last sampled
+    #                         token, not yet fed, is run with the new ones)
     prefill_ms: float = 0.0
     decode_tokens: int = 0
     decode_s: float = 0.0

@@ -61,7 +61,7 @@ Decode out of KV pages: running sequences come first; admitted requests still in
 queue (they have shown nothing); if that is not enough, the youngest of the sequences that need a page end
 (nothing else is touched) with KvCacheFullError, its `completion` holding what they generated (finish_reason
 "length"). A request that cannot fit even with nothing running fails the same way instead of waiting forever.
-The single path's cache (it shares the GPU pool) is reset() before admitting: it is dead once its call returned.
+The single path's cache (it shares the GPU pool) is reset() before admitting: only its next call could reuse it.
 A failing core call fails exactly the requests in that call (their slots closed); a TinyInferError
 stays with those requests, anything else (KeyboardInterrupt raised inside a call, ...) is re-raised by step().
 
@@ -577,8 +577,8 @@ class Scheduler:
         if not self._waiting:  # (read without the lock: a request queued meanwhile waits for the next step)
             return
         if int(core.position) > 0:
-            # the single-sequence path's cache (the GPU engine's shares the pool) is dead once its call has
-            # returned (every call starts with reset()): give its pages back before asking for more
+            # the single-sequence path's cache (the GPU engine's shares the pool) serves only a next single call
+            # that extends it (Engine._cached_prefix): give its pages back before asking for more
             core.reset()
         free = int(core.kv_pages_free) - self._owed() - decode_pages
         while len(self._running) < self.max_batch:

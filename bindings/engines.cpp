@@ -267,6 +267,8 @@ void bind_engines(nb::module_& m) {
       .def("grow", &ti::KvSequence::grow, "pool"_a, "positions"_a,
            "Cover positions [0, positions) with pages; returns the first table index that changed.")
       .def("release", &ti::KvSequence::release, "pool"_a)
+      .def("shrink", &ti::KvSequence::shrink, "pool"_a, "positions"_a,
+           "Keep the pages of positions [0, positions); the rest back to the pool.")
       .def_prop_ro("table", &ti::KvSequence::table)
       .def_prop_ro("max_pages", &ti::KvSequence::max_pages);
 

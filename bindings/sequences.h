@@ -44,6 +44,17 @@ inline void bind_sequences(Cls& cls) {
       .def("seq_close", &E::seq_close, "slot"_a, "Free a slot: its KV pages, logits and history.")
       .def("seq_length", &E::seq_length, "slot"_a, "Positions in the slot's cache.")
       .def(
+          "seq_rewind",
+          [](E& e, int64_t slot, const std::vector<int64_t>& tokens) {
+            std::vector<int32_t> ids = to_ids(tokens);
+            e.seq_rewind(slot, ids.data(), (int64_t)ids.size());
+          },
+          "slot"_a, "tokens"_a,
+          "Keep the slot's first len(tokens) positions, which hold `tokens` (the CPU engine checks; the GPU's "
+          "does not keep them), and forget the rest: their pages, the logits (a seq_prefill must follow) and the "
+          "history, which restarts as `tokens`, as prompt. The scheduler's prefix cache: a new request in the slot "
+          "of an ended one whose tokens its prompt starts with.")
+      .def(
           "seq_prefill",
           [](E& e, int64_t slot, const std::vector<int64_t>& tokens) {
             std::vector<int32_t> ids = to_ids(tokens);

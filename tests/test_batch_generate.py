@@ -26,6 +26,7 @@ def eng(tmp_path_factory):
 def pool_empty_after(eng):
     yield
     assert eng.scheduler.idle
+    eng.scheduler.reset_prefix_cache()  # (the ended requests' kept caches: all that may still hold pages)
     assert eng._core.kv_pages_free == eng._core.kv_pages_total
 
 
@@ -262,6 +263,7 @@ def test_keyboard_interrupt_inside_a_step_cancels_the_batch(eng, monkeypatch, sa
         eng.generate(TEXTS[:3], sp)
     monkeypatch.setattr(eng, "_core", core)
     assert calls["n"] == 3
+    eng.scheduler.reset_prefix_cache()
     assert eng.scheduler.idle and core.kv_pages_free == core.kv_pages_total
     for g, w in zip(eng.generate(TEXTS[:3], sp), want):
         _same(g, w)
@@ -341,6 +343,7 @@ def test_gpu_batch_through_the_scheduler(tmp_path):
         sp = SamplingParams(max_tokens=24, ignore_eos=True)
         prompts = TEXTS + [t[::-1] for t in TEXTS[:3]]
         got = e.generate(prompts, sp)
+        e.scheduler.reset_prefix_cache()
         assert e.scheduler.idle and e._core.kv_pages_free == free
         for g in got:
             alone = e.generate(g.prompt_token_ids, sp).token_ids

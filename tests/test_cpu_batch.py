@@ -247,6 +247,49 @@ def test_pages_are_held_as_slots_grow_and_freed_on_close(fp32_store):
     assert core.kv_pages_free == total
 
 
+def test_a_rewound_slot_is_a_fresh_prefill_of_its_prefix(store):
+    """seq_rewind (the scheduler's prefix cache): a slot that ran a prompt and generated tokens, rewound to a prefix
+    of them and given the rest of a new prompt, has bit for bit the logits and samples of a fresh slot given the
+    whole new prompt, penalties included (its history restarts as the prefix, as prompt); its pages past the prefix
+    go back to the pool."""
+    core = _engine(store)
+    pen = _hot(11, repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty=0.5)
+    a = core.seq_open()
+    ran = _generate(core, [a], [PROMPTS[3]], 8, [pen])[0]["tokens"]  # positions 0..77 hold PROMPTS[3] + ran[:8]
+    held = PROMPTS[3] + ran
+    assert core.seq_length(a) == len(held)
+    free = core.kv_pages_free
+    core.seq_rewind(a, held[:60])  # 60 of 78 positions: 1 page of 2
+    assert core.seq_length(a) == 60 and core.kv_pages_free == free + 1
+    with pytest.raises(InvalidRequestError, match="no logits"):
+        core.seq_sample([a], [GREEDY], [0], 0)
+    new = held[:60] + PROMPTS[1]
+    b = core.seq_open()
+    got = _generate(core, [a, b], [PROMPTS[1], new], 6, [pen, pen])
+    _assert_same_run(got[0], got[1])
+    core.seq_rewind(a, [])  # all of it: an empty slot again
+    assert core.seq_length(a) == 0
+
+
+def test_bad_rewinds_are_clear_errors_and_change_nothing(fp32_store):
+    core = _engine(fp32_store)
+    a = core.seq_open()
+    core.seq_prefill(a, PROMPTS[1])
+    before = core.seq_logits(a).copy()
+    free = core.kv_pages_free
+    for tokens, match in ((PROMPTS[1] + [1], "holds 17 positions; cannot keep 18"),
+                          (PROMPTS[1][:4] + [(PROMPTS[1][4] + 1) % VOCAB], "does not hold those 5 tokens")):
+        with pytest.raises(InvalidRequestError, match=match):
+            core.seq_rewind(a, tokens)
+        assert core.seq_length(a) == 17 and core.kv_pages_free == free
+        np.testing.assert_array_equal(core.seq_logits(a), before)
+    with pytest.raises(InvalidRequestError, match="not open"):
+        core.seq_rewind(a + 1, [])
+    core.seq_rewind(a, PROMPTS[1][:3])  # (the engine is still usable)
+    core.seq_prefill(a, PROMPTS[1][3:])
+    np.testing.assert_array_equal(core.seq_logits(a), before)
+
+
 def test_interleaved_open_close_reuses_slots_clean(fp32_store):
     core = _engine(fp32_store, max_batch=3)
     want = _alone(core, PROMPTS[1], 4, _hot(9, repetition_penalty=1.5, presence_penalty=0.7))

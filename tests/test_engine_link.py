@@ -66,6 +66,8 @@ def _idle(sched, eng, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not sched.idle and time.monotonic() < deadline:
         time.sleep(0.01)
+    if sched.idle:
+        sched.reset_prefix_cache()  # (the ended requests' kept caches: all that may still hold pages)
     return sched.idle and eng._core.kv_pages_free == eng._core.kv_pages_total
 
 
@@ -97,7 +99,9 @@ def test_remote_requests_equal_local_ones(eng):
         for (text, ids, done, _), w in zip(got, want):
             assert (text, ids, done.token_ids, done.finish_reason) == (w.text, w.token_ids, w.token_ids, "length")
             assert len(done.logprobs) == len(ids)
-        assert stats == {"running": 0, "waiting": 0, "kv_pages_used": 0, "kv_pages_total": sched.kv_pages_total}
+        # (the three ended requests' caches kept: one page each)
+        assert stats == {"running": 0, "waiting": 0, "kv_pages_used": 0, "kv_pages_total": sched.kv_pages_total,
+                         "kv_pages_cached": 3, "cached_sequences": 3}
     assert _idle(sched, eng)
 
 

@@ -24,6 +24,21 @@ def test_pages_are_taken_on_demand_in_order_and_given_back():
     assert seq.grow(pool, 256) == 0 and seq.table == [0, 1, 2, 3]  # the same pages again, in the same order
 
 
+def test_shrink_keeps_a_prefixs_pages_and_gives_back_the_rest():
+    pool = _core.KvPagePool(8, 64)
+    seq = _core.KvSequence(pool, 1000)
+    seq.grow(pool, 300)  # 5 pages
+    seq.shrink(pool, 129)  # positions 0..128: 3 pages
+    assert seq.table == [0, 1, 2] and pool.free_pages == 5
+    seq.shrink(pool, 128)
+    assert seq.table == [0, 1] and pool.free_pages == 6
+    seq.shrink(pool, 500)  # (more than it holds: nothing changes)
+    assert seq.table == [0, 1] and pool.free_pages == 6
+    assert seq.grow(pool, 200) == 2 and seq.table == [0, 1, 2, 3]  # the pages it gave back, in the same order
+    seq.shrink(pool, 0)
+    assert seq.table == [] and pool.free_pages == 8
+
+
 def test_two_sequences_share_a_pool_without_sharing_pages():
     pool = _core.KvPagePool(6, 64, shuffle_seed=3)
     a, b = _core.KvSequence(pool, 4096), _core.KvSequence(pool, 4096)

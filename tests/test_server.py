@@ -136,6 +136,17 @@ def test_models_and_health(server, client):
     assert {"running", "waiting", "kv_pages_used"} <= set(h)
 
 
+def test_a_chats_next_turn_is_prefilled_from_the_cache(client, ref):
+    """The prefix cache: the next turn's prompt starts with the last one and its answer, so only the rest is
+    prefilled (usage.prompt_tokens_details.cached_tokens, as OpenAI reports it), and the answer is the engine's."""
+    first = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=12, temperature=0)
+    turn2 = CHAT + [{"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "And after that?"}]
+    r = client.chat.completions.create(model=NAME, messages=turn2, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == ref.chat(turn2, max_tokens=12).text
+    assert first.usage.prompt_tokens <= r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
+
+
 def test_chat_greedy_equals_engine_chat(client, ref, server):
     want = ref.chat(CHAT, max_tokens=12)
     r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=12, temperature=0)
@@ -690,7 +701,8 @@ def test_trace_is_written_at_shutdown(smollm_gguf, tmp_path):
         srv.stop(signal.SIGTERM)  # (uvicorn raises it again once shut down: the exit status is -SIGTERM)
     assert "wrote the trace" in srv.log() and "Traceback" not in srv.log(), srv.log()
     trace = json.loads(path.read_text())
-    assert {"seq_open", "seq_step", "seq_sample", "seq_close"} <= {c[0] for c in trace["calls"]}
+    # (the second request, the same prompt, in the first one's slot from the prefix cache: rewound, not closed)
+    assert {"seq_open", "seq_step", "seq_sample", "seq_rewind"} <= {c[0] for c in trace["calls"]}
     kinds: dict = {}
     for kind, _, rid, *_ in trace["events"]:
         kinds.setdefault(rid, []).append(kind)

@@ -26,7 +26,7 @@ def eng(tmp_path_factory):
 
 def _two_rounds(eng, trace: Trace, clients: int = 3, cancel: bool = True) -> list:
     """`clients` requests, then `clients` more once those ended (two rounds); then one cancelled while waiting."""
-    sched = Scheduler(eng, trace=trace, max_batch=clients)
+    sched = Scheduler(eng, trace=trace, max_batch=clients, prefix_cache=0)  # (every prompt prefilled in full)
     try:
         out = []
         for r in range(2):

@@ -36,6 +36,13 @@ inline void check_max_batch(int64_t max_batch) {
                                  std::to_string(max_batch) + ")");
 }
 
+// seq_rewind keeps n of the slot's `length` positions.
+inline void check_rewind(int64_t slot, int64_t n, int64_t length) {
+  if (n < 0 || n > length)
+    fail(ErrorKind::Request, "seq_rewind: slot " + std::to_string(slot) + " holds " + std::to_string(length) +
+                                 " positions; cannot keep " + std::to_string(n));
+}
+
 // seq_sample's top-logprob entries per row.
 inline void check_top_logprobs(int64_t k) {
   if (k < 0 || k > kMaxTopLogprobs)

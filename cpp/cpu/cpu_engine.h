@@ -67,6 +67,10 @@ class CpuEngine {
   int64_t seq_open();                      // the lowest free slot, empty; a Request error when all are taken
   void seq_close(int64_t slot);            // frees its KV pages, logits and history
   int64_t seq_length(int64_t slot) const;  // positions in its cache
+  // Keeps the first n positions of the slot's cache, which must hold tokens[0..n) (else a Request error, nothing
+  // changed), and forgets the rest: their pages, the logits (a prefill must follow before a step or a sample) and
+  // the history, which restarts as those n tokens, as prompt (a new request reusing a cached prefix).
+  void seq_rewind(int64_t slot, const int32_t* tokens, int64_t n);
   // A prompt chunk at seq_length(slot)..: fills the cache, keeps the last token's logits as the slot's logits and
   // adds the tokens to its history as prompt.
   void seq_prefill(int64_t slot, const int32_t* tokens, int64_t n);

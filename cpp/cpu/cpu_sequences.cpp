@@ -41,6 +41,22 @@ void CpuEngine::seq_close(int64_t slot) {
 
 int64_t CpuEngine::seq_length(int64_t slot) const { return (int64_t)open_slot(slot).tokens.size(); }
 
+void CpuEngine::seq_rewind(int64_t slot, const int32_t* tokens, int64_t n) {
+  Slot& s = open_slot(slot);
+  check_rewind(slot, n, (int64_t)s.tokens.size());
+  if (!std::equal(tokens, tokens + n, s.tokens.begin()))
+    fail(ErrorKind::Request, "seq_rewind: slot " + std::to_string(slot) + " does not hold those " +
+                                 std::to_string(n) + " tokens");
+  s.tokens.resize((size_t)n);
+  const int64_t keep = KVCache::pages_for(n);
+  slot_pages_ -= s.kv.pages() - keep;
+  s.kv.k_pages.resize((size_t)keep);
+  s.kv.v_pages.resize((size_t)keep);
+  s.logits.clear();
+  s.history.clear();
+  for (int64_t t = 0; t < n; t++) s.history.add_prompt(tokens[t]);
+}
+
 void CpuEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
   Slot& s = open_slot(slot);
   check_tokens(tokens, n, cfg_.vocab);

@@ -82,6 +82,11 @@ class CudaEngine {
   int64_t seq_open();                      // a free, empty slot; Request error when all are taken
   void seq_close(int64_t slot);            // its pages back to the pool, its history cleared
   int64_t seq_length(int64_t slot) const;  // positions in its cache
+  // Keeps the slot's first n positions, which hold tokens[0..n) (the caller's word: the device does not keep the
+  // tokens; the CPU engine checks them), and forgets the rest: the pages past them back to the pool, its logits (a
+  // prefill must follow), and its history, which restarts as those tokens, as prompt. Request error, nothing
+  // changed, when n is not in 0..seq_length(slot) or a token is out of range.
+  void seq_rewind(int64_t slot, const int32_t* tokens, int64_t n);
   // Prompt tokens at seq_length(slot)..: the batched prefill through the slot's page table; the last token's
   // logits become the slot's; the tokens join its history as prompt. Request error, nothing changed, when the
   // pages run out or max_seq_len would be passed. Returns once launched (the next syncing call waits).

@@ -106,6 +106,22 @@ int64_t CudaEngine::seq_length(int64_t slot) const {
   return slots_[(size_t)slot].length;
 }
 
+void CudaEngine::seq_rewind(int64_t slot, const int32_t* tokens, int64_t n) {
+  check_slot(slot);
+  Slot& sl = slots_[(size_t)slot];
+  check_rewind(slot, n, sl.length);
+  if (n > 0) check_tokens(tokens, n, cfg_.vocab);
+  // (work in flight in the dropped pages, a step launched ahead, is stream-ordered before whoever takes them next)
+  sl.kv->shrink(*pool_, n);
+  const size_t V = (size_t)cfg_.vocab;
+  TI_CUDA_CHECK(cudaMemsetAsync(seen_ + (size_t)slot * V, 0, V, stream_));
+  TI_CUDA_CHECK(cudaMemsetAsync(counts_ + (size_t)slot * V, 0, V * sizeof(int), stream_));
+  if (n > 0) mark_prompt(slot, tokens, n);  // (no sync: a pageable copy is staged before it returns, as above)
+  sl.has_logits = false;
+  sl.logits_row = -1;
+  sl.length = n;
+}
+
 std::vector<float> CudaEngine::seq_logits(int64_t slot) const {
   check_slot(slot);
   if (!slots_[(size_t)slot].has_logits) return {};  // (as the CPU engine: empty before the first prefill)

@@ -51,4 +51,12 @@ void KvSequence::release(KvPagePool& pool) {
   table_.clear();
 }
 
+void KvSequence::shrink(KvPagePool& pool, int64_t positions) {
+  const size_t keep = (size_t)pool.pages_for(std::max<int64_t>(positions, 0));
+  while (table_.size() > keep) {  // (the last page first, as release)
+    pool.free_.push_back(table_.back());
+    table_.pop_back();
+  }
+}
+
 }  // namespace ti

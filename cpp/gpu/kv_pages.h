@@ -5,8 +5,8 @@
 // Pages are taken on demand: before work that writes positions [0, n) of a sequence (a prefill chunk, a decode
 // chunk of graph replays), grow(n) assigns the missing table entries from the free list, all or nothing, and
 // the caller uploads the entries that changed before it launches the work (a captured decode step reads its
-// table from device memory). release() gives a sequence's pages back (the engine's reset(); later, a scheduler
-// freeing a finished or cancelled request). The pool runs out with a Request error naming the numbers; nothing
+// table from device memory). release() gives a sequence's pages back (the engine's reset(), a scheduler's
+// seq_close), shrink() those past a prefix (seq_rewind). The pool runs out with a Request error naming the numbers; nothing
 // is taken then, and nothing on the device is touched, so the engine stays usable. Plain C++ (no CUDA): the
 // logic is tested on any machine (tests/test_kv_pages.py).
 #pragma once
@@ -43,6 +43,9 @@ class KvSequence {
   // max_positions or the pool lacks the pages.
   int64_t grow(KvPagePool& pool, int64_t positions);
   void release(KvPagePool& pool);  // every page back to the pool; the table empties
+  // Keeps the pages of positions [0, positions) and gives the rest back (a slot rewound to a shared prefix: the
+  // scheduler's prefix cache). The kept entries do not change, so the device table needs no upload.
+  void shrink(KvPagePool& pool, int64_t positions);
   const std::vector<int32_t>& table() const { return table_; }
   int64_t pages() const { return (int64_t)table_.size(); }
   int64_t max_pages() const { return max_pages_; }

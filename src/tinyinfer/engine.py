@@ -353,6 +353,9 @@ class Engine:
     def _prefill(self, ids: list[int], all_logits: bool) -> np.ndarray:
         """forward(ids) from the current position, in calls of _prefill_chunk tokens (so a Ctrl-C lands between
         them); the logits of every position (all_logits) or of the last."""
+        sched = self._scheduler
+        if sched is not None and sched._kept and self.device == "cuda":
+            sched._drop_kept(self._core)  # (the single sequence's pages come from the slots' pool)
         n = self._prefill_chunk
         parts = [self._core.forward(ids[i:i + n], all_logits=all_logits) for i in range(0, len(ids), n)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts) if all_logits else parts[-1]

@@ -62,6 +62,19 @@ queue (they have shown nothing); if that is not enough, the youngest of the sequ
 (nothing else is touched) with KvCacheFullError, its `completion` holding what they generated (finish_reason
 "length"). A request that cannot fit even with nothing running fails the same way instead of waiting forever.
 The single path's cache (it shares the GPU pool) is reset() before admitting: only its next call could reuse it.
+
+Prefix cache (prefix_cache; llama.cpp's server reuses its slots' caches so, vLLM shares blocks): a request that ends
+without an error (stop, length, cancelled) leaves its slot open, kept with the tokens its cache holds (its prompt
+and what ran of its answer). A request whose prompt starts with some of those tokens (a chat's next turn; the same
+system prompt or document) is admitted into that slot, rewound to the common prefix (seq_rewind: its history
+restarts as that prefix, as prompt), and only the rest of its prompt is prefilled (Completion.stats.cached_tokens;
+at least its last token always runs, for its logits). Of the kept slots it takes the one sharing the most; one that
+would lose more than it gives (a common prefix under half of what it holds) only when no slot is free. Kept slots
+give their slots and pages back, least recently used first, to any request or step that needs them (admission,
+a decode step's new page, the launch ahead) before anything else is done for want of them, and all at once to the
+single path on the GPU (its cache shares the pool), warm_up and close(). A sequence's numbers are those of a fresh
+prefill where the engine's arithmetic does not depend on how the positions were batched (the CPU engine: exactly);
+on the GPU the cached positions were computed in other passes, so a near-tie of the logits may break differently.
 A failing core call fails exactly the requests in that call (their slots closed); a TinyInferError
 stays with those requests, anything else (KeyboardInterrupt raised inside a call, ...) is re-raised by step().
 
@@ -80,7 +93,7 @@ import os
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -113,6 +126,7 @@ class _Seq:
     t_submit: float = 0.0
     t_admit: float = 0.0
     t_first: float = 0.0  # its first token sampled (its prompt has run: the GPU's prefill calls return early)
+    cached: int = 0  # prompt tokens its slot held when admitted (the prefix cache), not prefilled
     stop_list: list[int] = field(init=False)  # stop_ids as seq_sample_step takes them
 
     def __post_init__(self) -> None:
@@ -127,6 +141,25 @@ class _Seq:
 # Request.batches(None): a consumer is woken once per token while at most this many sequences run (see
 # Scheduler.adaptive_interval)
 STREAM_ROWS = 16
+
+# Ended requests' caches the CPU engine keeps by default (Scheduler(prefix_cache=...)): its pages are heap memory,
+# held until taken back (a chat's turns at SmolLM2-135M: 46 KB a position, fp32)
+PREFIX_CACHE_CPU = 4
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of a's and b's common prefix (list slices compare in C: a bisection over them)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _token_buckets(top: int):
@@ -150,7 +183,8 @@ class Scheduler:
 
     def __init__(self, engine: "Engine", *, max_batch: Optional[int] = None, chunk_tokens: Optional[int] = None,
                  max_waiting: int = 1024, batched_prefill: bool = True, overlap: bool = True,
-                 sample_launch: bool = True, mixed_steps: bool = False, trace: Optional[Trace] = None):
+                 sample_launch: bool = True, mixed_steps: bool = False, prefix_cache: Optional[int] = None,
+                 trace: Optional[Trace] = None):
         """chunk_tokens: prompt tokens prefilled per step in all (None: CHUNK_TOKENS of the engine's device).
         batched_prefill: a step's prompt chunks in one seq_prefill_many (every weight read once for all of
         them); False: one seq_prefill each (the A/B reference). overlap: launch the next decode step before a
@@ -162,7 +196,11 @@ class Scheduler:
         through seq_sample_mixed, +1.4% throughput at 64 streams and a lower TTFT p50: docs/perf/serve.md;
         `tinyinfer serve` turns them on). The rows of a mixed pass take the prefill's arithmetic (cuBLASLt over
         the pass, the LM head as a GEMM), so on the GPU a request's tokens may then depend on when others arrive,
-        at near-ties of its logits. False (the default): seq_step, then the prefill. trace: record into it every
+        at near-ties of its logits. False (the default): seq_step, then the prefill. prefix_cache: how many ended
+        requests' KV caches are kept for later prompts that start with their tokens (see the module's docstring,
+        "Prefix cache"); None: as many as the engine has slots on the GPU, whose pool is allocated anyway, and
+        PREFIX_CACHE_CPU on the CPU, whose pages come from the heap; 0 (or a core without seq_rewind): off.
+        trace: record into it every
         core call the steps make and each request's submit / admit / prefilled / first token / end (trace.py;
         None: nothing recorded, the core called directly)."""
         if not isinstance(engine, Engine):
@@ -172,7 +210,7 @@ class Scheduler:
             raise InvalidRequestError(f"{engine!r} is closed")
         limit = int(core.max_batch)
         for name, v, lo in (("max_batch", max_batch, 1), ("chunk_tokens", chunk_tokens, 1),
-                            ("max_waiting", max_waiting, 0)):
+                            ("max_waiting", max_waiting, 0), ("prefix_cache", prefix_cache, 0)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
                 raise InvalidRequestError(f"Scheduler: {name} must be an integer >= {lo} (got {v!r})")
         for name, v in (("batched_prefill", batched_prefill), ("overlap", overlap), ("sample_launch", sample_launch),
@@ -190,6 +228,8 @@ class Scheduler:
         self.overlap = overlap
         self.sample_launch = sample_launch
         self.mixed_steps = mixed_steps and batched_prefill
+        self.prefix_cache = 0 if not hasattr(core, "seq_rewind") else prefix_cache if prefix_cache is not None else (
+            limit if engine.device == "cuda" else PREFIX_CACHE_CPU)  # (a core without seq_rewind: a test double)
         self.trace = trace
         self._engine = engine
         self._page_size = int(core.kv_page_size)
@@ -199,6 +239,9 @@ class Scheduler:
         self._state = threading.Condition()
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []  # admitted (holding a slot), oldest first
+        # the prefix cache: ended requests' slots kept with the tokens their caches hold, least recently used
+        # first (touched only under the engine's lock)
+        self._kept: OrderedDict[int, list[int]] = OrderedDict()
         self._cancels: set[str] = set()
         self._live: dict[str, _Seq] = {}  # every request not yet ended, by id
         self._closed = False
@@ -225,7 +268,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        """No request waiting, running or being cancelled (so no slot holds KV pages)."""
+        """No request waiting, running or being cancelled (only the prefix cache's slots hold KV pages)."""
         with self._state:
             return not self._has_work_locked()
 
@@ -235,13 +278,21 @@ class Scheduler:
 
     @property
     def kv_pages_used(self) -> int:
+        """Pages the requests hold (not the prefix cache's: those go back to whoever needs them)."""
         core = self._engine._core
-        return 0 if core is None else self._pages_total - int(core.kv_pages_free)
+        return 0 if core is None else self._pages_total - int(core.kv_pages_free) - self.kv_pages_cached
+
+    @property
+    def kv_pages_cached(self) -> int:
+        """Pages the prefix cache's slots hold."""
+        return sum(_pages(len(t), self._page_size) for t in list(self._kept.values()))
 
     def stats(self) -> dict:
-        """running, waiting, kv_pages_used, kv_pages_total (a server's /health)."""
+        """running, waiting, kv_pages_used, kv_pages_total, and the prefix cache's kv_pages_cached and
+        cached_sequences (a server's /health)."""
         return {"running": self.running, "waiting": self.waiting, "kv_pages_used": self.kv_pages_used,
-                "kv_pages_total": self.kv_pages_total}
+                "kv_pages_total": self.kv_pages_total, "kv_pages_cached": self.kv_pages_cached,
+                "cached_sequences": len(self._kept)}
 
     def _has_work_locked(self) -> bool:
         return bool(self._waiting or self._running or self._cancels)
@@ -365,6 +416,7 @@ class Scheduler:
                     raise InvalidRequestError("Scheduler.warm_up: requests are running; call it before serving")
             if int(core.position) > 0:
                 core.reset()  # (the single path's pages back to the pool, as _admit does)
+            self._drop_kept(core)
             free = int(core.kv_pages_free)  # a small pool bounds what can run: warm what fits
             top_prompt = min(top_prompt, free * self._page_size - 1)
             top_batch = min(top_batch, free)
@@ -440,6 +492,17 @@ class Scheduler:
             thread.join()
         elif thread is None and self._running and not self._engine.closed:
             self.step()
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Close the prefix cache's slots now (their pages back to the pool), as vLLM's reset_prefix_cache."""
+        eng = self._engine
+        if self._kept and not eng.closed:
+            try:
+                with eng._exclusive():
+                    self._drop_kept(eng._core)
+            except InvalidRequestError:  # closed meanwhile (its slots went with it), or this thread's own stream
+                pass
 
     # ---- one step ----
 
@@ -549,6 +612,8 @@ class Scheduler:
         if not needy:  # (the common case: no page opens; nothing to count)
             return stepping
         free = int(core.kv_pages_free) - self._owed()
+        while len(needy) > free and self._kept:
+            free += self._evict_lru(core)
         while len(needy) > free:
             back = next((s for s in reversed(self._running) if s.prefilling), None)
             if back is None:
@@ -563,7 +628,7 @@ class Scheduler:
 
     def _requeue(self, core, seq: _Seq) -> None:
         """Un-admit a request still in its prompt: slot closed (pages back), to the head of the queue."""
-        slot, seq.slot, seq.length = seq.slot, None, 0
+        slot, seq.slot, seq.length, seq.cached = seq.slot, None, 0, 0
         try:
             core.seq_close(slot)
         except TinyInferError:
@@ -580,29 +645,48 @@ class Scheduler:
             # the single-sequence path's cache (the GPU engine's shares the pool) serves only a next single call
             # that extends it (Engine._cached_prefix): give its pages back before asking for more
             core.reset()
-        free = int(core.kv_pages_free) - self._owed() - decode_pages
         while len(self._running) < self.max_batch:
             with self._state:
                 if not self._waiting:
                     return
                 seq = self._waiting[0]
-                need = _pages(len(seq.prompt) + 1, ps)
+                slot, cached = self._reuse(core, seq.prompt)
+                free = int(core.kv_pages_free) - self._owed() - decode_pages
+                # its pages after the rewind (those past the prefix go back to the pool)
+                need = _pages(len(seq.prompt) + 1, ps) - (_pages(len(self._kept[slot]), ps) if slot is not None else 0)
+                while need > free and len(self._kept) > (slot is not None):
+                    free += self._evict_lru(core, spare=slot)
                 if need > free and self._running:
                     return  # it waits for pages; so do those behind it (first come, first served)
+                self._waiting.popleft()
                 if need > free:  # nothing runs that could free pages: waiting would never end
-                    self._waiting.popleft()
-                    err = KvCacheFullError(f"request {seq.request.id!r} needs {need} KV pages and only {free} are "
-                                           f"free with nothing running")
+                    have = free + (_pages(len(self._kept[slot]), ps) if slot is not None else 0)
+                    err = KvCacheFullError(f"request {seq.request.id!r} needs {_pages(len(seq.prompt) + 1, ps)} KV "
+                                           f"pages and only {have} are free with nothing running")
                 else:
-                    self._waiting.popleft()
                     self._running.append(seq)
                     err = None
             if err is not None:
                 self._end(core, seq, "length", error=err)
                 continue
             try:
-                seq.slot = int(core.seq_open())
+                if slot is None:
+                    if len(self._running) - 1 + len(self._kept) >= int(core.max_batch):
+                        self._evict_lru(core)  # every slot is running or kept: the least recently used goes
+                    seq.slot = int(core.seq_open())
+                else:
+                    del self._kept[slot]
+                    seq.slot = slot  # (its _end closes it should the rewind fail)
+                    core.seq_rewind(slot, seq.prompt[:cached])
+                    seq.length = seq.cached = cached
             except BaseException:
+                if seq.slot is not None:
+                    try:
+                        core.seq_close(seq.slot)
+                    except TinyInferError:
+                        pass
+                    seq.slot = None
+                seq.length = seq.cached = 0
                 with self._state:  # not admitted after all: back to the head of the queue
                     self._running.remove(seq)
                     self._waiting.appendleft(seq)
@@ -610,7 +694,47 @@ class Scheduler:
             seq.t_admit = time.perf_counter()
             if self.trace is not None:
                 self.trace.event("admit", seq.request.id, t=seq.t_admit)
-            free -= need
+
+    # ---- the prefix cache (see the module's docstring) ----
+
+    def _reuse(self, core, prompt: list[int]) -> tuple[Optional[int], int]:
+        """The kept slot a prompt is admitted into and the positions it keeps (its common prefix with the prompt,
+        short of the prompt's last token), or (None, 0): a fresh slot. The one sharing the most (of those, the one
+        holding the fewest tokens: the least thrown away); one that would lose more than half of what it holds
+        only when every slot is taken (one kept slot must go anyway)."""
+        best, best_n, best_held = None, 0, 0
+        for slot, held in self._kept.items():
+            n = min(_common_prefix(held, prompt), len(prompt) - 1)
+            if n > best_n or (n == best_n and n > 0 and len(held) < best_held):
+                best, best_n, best_held = slot, n, len(held)
+        if best is None:
+            return None, 0
+        if 2 * best_n < best_held and len(self._running) + len(self._kept) < int(core.max_batch):
+            return None, 0
+        return best, best_n
+
+    def _keep(self, core, slot: int, tokens: list[int]) -> None:
+        """An ended request's slot into the prefix cache (the most recently used), holding `tokens`; the least
+        recently used beyond prefix_cache are closed."""
+        self._kept[slot] = tokens
+        while len(self._kept) > self.prefix_cache:
+            self._evict_lru(core)
+
+    def _evict_lru(self, core, spare: Optional[int] = None) -> int:
+        """Close the least recently used kept slot (not `spare`); returns the pages it gave back."""
+        slot = next(s for s in self._kept if s != spare)
+        del self._kept[slot]
+        before = int(core.kv_pages_free)
+        try:
+            core.seq_close(slot)
+        except TinyInferError:  # a slot the core no longer knows: nothing left to free
+            return 0
+        return int(core.kv_pages_free) - before
+
+    def _drop_kept(self, core) -> None:
+        """Close every kept slot (the single path or warm_up needs the pool; close())."""
+        while self._kept:
+            self._evict_lru(core)
 
     def _chunks(self, rows: int = 0) -> list[tuple[_Seq, list[int]]]:
         """This step's prompt chunks: the admitted prompts oldest first, chunk_tokens tokens in all, less the `rows`
@@ -748,7 +872,10 @@ class Scheduler:
         return sum(1 for s in seqs if s.length % self._page_size == 0)
 
     def _short_of_pages(self, core, needy: int) -> bool:
-        """The pool lacks `needy` pages after what the admitted prompts are owed (nothing is launched ahead)."""
+        """The pool lacks `needy` pages after what the admitted prompts are owed, even with the prefix cache's
+        slots given back (nothing is launched ahead)."""
+        while needy > 0 and needy > int(core.kv_pages_free) - self._owed() and self._kept:
+            self._evict_lru(core)
         return needy > 0 and needy > int(core.kv_pages_free) - self._owed()
 
     def _step_ahead(self, core, seqs: list[_Seq], toks: list[int]) -> tuple[set, Optional[BaseException]]:
@@ -834,13 +961,17 @@ class Scheduler:
 
     def _end(self, core, seq: _Seq, finish: str, *, error: Optional[BaseException] = None, piece: str = "",
              last_ids: Sequence[int] = (), last_lp: Optional[list] = None) -> None:
-        """The request ends: its slot is closed now, then its last Delta (or its error) is pushed."""
+        """The request ends: its slot is closed now (or kept by the prefix cache, holding what ran: its cache is
+        sound unless an error ended it), then its last Delta (or its error) is pushed."""
         if seq.slot is not None:
             slot, seq.slot = seq.slot, None
-            try:
-                core.seq_close(slot)
-            except TinyInferError:  # a slot the core no longer knows: nothing left to free
-                pass
+            if error is None and self.prefix_cache > 0 and seq.length > 0:
+                self._keep(core, slot, (seq.prompt + seq.generated)[:seq.length])
+            else:
+                try:
+                    core.seq_close(slot)
+                except TinyInferError:  # a slot the core no longer knows: nothing left to free
+                    pass
         with self._state:
             if seq in self._running:
                 self._running.remove(seq)
@@ -879,7 +1010,7 @@ class Scheduler:
     def _completion(self, seq: _Seq, finish: str) -> Completion:
         now = time.perf_counter()
         started = seq.t_first or now
-        stats = Stats(prompt_tokens=len(seq.prompt),
+        stats = Stats(prompt_tokens=len(seq.prompt), cached_tokens=seq.cached,
                       prefill_ms=(seq.t_first - seq.t_admit) * 1e3 if seq.t_first else 0.0,
                       decode_tokens=len(seq.generated), decode_s=now - started, wall_s=now - seq.t_submit)
         return Completion(text=seq.text.text if seq.text is not None else "", token_ids=list(seq.generated),

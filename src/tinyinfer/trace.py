@@ -30,7 +30,7 @@ import time
 from typing import Optional
 
 CORE_CALLS = ("seq_open", "seq_prefill", "seq_prefill_many", "seq_mixed", "seq_step", "seq_sample", "seq_close",
-              "reset")
+              "seq_rewind", "reset")
 
 
 class Trace:
@@ -80,6 +80,9 @@ class TracedCore:
 
     def seq_close(self, slot):
         return self._timed("seq_close", 0, self._core.seq_close, slot)
+
+    def seq_rewind(self, slot, tokens):
+        return self._timed("seq_rewind", 0, self._core.seq_rewind, slot, tokens)
 
     def reset(self):
         return self._timed("reset", 0, self._core.reset)

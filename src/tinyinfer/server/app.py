@@ -188,8 +188,13 @@ class _Call:
     def completion_tokens(self) -> int:
         return sum(len(c.completion.token_ids) if c.completion is not None else c.tokens for c in self.choices)
 
+    @property
+    def cached_tokens(self) -> int:  # of prompt_tokens: held by the prefix cache, not prefilled (the same choices)
+        return sum(c.completion.stats.cached_tokens for c in self.choices
+                   if c.index % self.n == 0 and c.completion is not None)
+
     def usage(self) -> dict:
-        return P.usage(self.prompt_tokens, self.completion_tokens)
+        return P.usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     def finish_reasons(self) -> str:
         return ",".join(sorted({c.completion.finish_reason for c in self.choices}))

@@ -50,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="carry waiting prompts in the running sequences' next step, one mixed pass launched with "
                         "the sample (every weight read once for both; default). --no-mixed-steps: a prefill pass "
                         "of their own (the A/B reference; a request's tokens then never depend on other arrivals)")
+    p.add_argument("--prefix-cache", type=int, default=None, metavar="N",
+                   help="ended requests whose KV caches are kept for later prompts that start with their tokens (a "
+                        "chat's next turn, a shared system prompt: only the rest is prefilled; usage reports "
+                        "prompt_tokens_details.cached_tokens); taken back as requests need the slots or pages "
+                        "(default: every slot on cuda, 4 on cpu; 0: off)")
     p.add_argument("--api-workers", type=int, default=None,
                    help="processes running the HTTP side (parsing, templates, tokenizing, streaming), each linked "
                         f"to the one engine process by a pipe; 1: the HTTP app in the engine's process (default: "
@@ -92,6 +97,8 @@ def check_arguments(args) -> None:
         raise InvalidRequestError("--api-workers > 1 needs a POSIX system (the workers inherit the socket)")
     if args.max_waiting < 0:
         raise InvalidRequestError(f"--max-waiting must be >= 0 (got {args.max_waiting})")
+    if args.prefix_cache is not None and args.prefix_cache < 0:
+        raise InvalidRequestError(f"--prefix-cache must be >= 0 (got {args.prefix_cache})")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise InvalidRequestError("--served-model-name is empty")
     if args.api_key is not None and not args.api_key:
@@ -168,7 +175,7 @@ def serve(args, engine_factory) -> int:
     scheduler = Scheduler(engine, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
                           max_waiting=args.max_waiting, batched_prefill=args.batched_prefill,
                           overlap=args.overlap, sample_launch=args.sample_launch, mixed_steps=args.mixed_steps,
-                          trace=trace)
+                          prefix_cache=args.prefix_cache, trace=trace)
     if engine.device == "cuda":  # (the CPU engine has no tactics or graphs to make on first use)
         print(f"tinyinfer: warmed up (prefill GEMMs, batch graphs) in {scheduler.warm_up():.2f} s",
               file=sys.stderr, flush=True)

@@ -302,9 +302,12 @@ def parse_completion(body: Any, defaults: Mapping[str, Any] = MappingProxyType({
 # ---- responses ----
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: of the prompt tokens, those the prefix cache held (as OpenAI and vLLM
+    report them)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class TokenText:

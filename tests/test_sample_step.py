@@ -137,6 +137,7 @@ def test_the_scheduler_launches_ahead_inside_the_sample_and_generates_the_same()
         ends = {c[2] for c in trace.calls if c[0] == "seq_sample"}
         inside_steps = sum(c[1] in ends for c in steps)  # (recorded as a seq_step starting where its sample ends)
         assert inside_steps >= len(steps) // 2 > 0 if overlap and inside else inside_steps == 0
+        sched.reset_prefix_cache()  # (the ended requests' kept caches: all that may still hold pages)
         assert core.kv_pages_free == core.kv_pages_total
     assert outs[True, True] == outs[True, False] == outs[False, True]
     lens = [len(t) for t in outs[True, True]]
@@ -300,6 +301,7 @@ def test_the_scheduler_carries_waiting_prompts_in_the_sample_and_a_stopped_row_e
         while not sched.idle:
             sched.step()
         outs[mixed], traces[mixed] = [r.result() for r in reqs], trace
+        sched.reset_prefix_cache()
         assert core.kv_pages_free == core.kv_pages_total
     assert [c.token_ids for c in outs[True]] == [c.token_ids for c in outs[False]]
     assert [c.finish_reason for c in outs[True]] == [c.finish_reason for c in outs[False]]

@@ -29,7 +29,7 @@ def _bad_files(tmp: Path, good: Path, vocab: int) -> dict:
 
     put("empty", b"", ModelFormatError, "not a GGUF file")
     put("truncated_header", data[:20], ModelFormatError, "truncated")
-    put("truncated_metadata", data[:100_000], ModelFormatError, "truncated")
+    put("truncated_metadata", data[:100_000], ModelFormatError, "truncated GGUF file (100,000 bytes; an interrupted")
     put("truncated_tensor_data", data[:10_000_000], ModelFormatError, "truncated")
     put("truncated_last_byte", data[:-1], ModelFormatError, "truncated")
     put("random_bytes", rng.integers(0, 256, 4096, dtype=np.uint8).tobytes(), ModelFormatError, "not a GGUF file")

@@ -152,7 +152,9 @@ def _open_reader(path: Path):
     except (KeyboardInterrupt, MemoryError):
         raise
     except Exception as e:  # ValueError, IndexError, struct/UnicodeDecodeError, ...: truncated or corrupt
-        raise ModelFormatError(f"{path}: corrupt or truncated GGUF file: {type(e).__name__}: {e}") from e
+        # (the reader's own words are numpy's, "cannot reshape array ...": say first what it means for the user)
+        raise ModelFormatError(f"{path}: corrupt or truncated GGUF file ({size:,} bytes; an interrupted download? "
+                               f"fetch it again). The gguf reader stopped at: {type(e).__name__}: {e}") from e
     if getattr(reader, "byte_order", "I") != "I":
         raise UnsupportedModelError(f"{path}: big-endian GGUF files are not supported")
     for t in reader.tensors:  # the reader already fails on most of these; say it plainly if it didn't

@@ -69,10 +69,10 @@ def test_closed_stdout_ends_quietly(tiny, args):
     (["run", "-"], "empty prompt"),  # stdin empty
     (["run", "   "], "empty prompt"),
     (["run", "--system", " ", "hi"], "--system is empty"),
-    (["run", "--top-p", "0", "hi"], "top_p"),
-    (["run", "--temperature", "-1", "hi"], "temperature"),
-    (["run", "--max-tokens", "0", "hi"], "max_tokens"),
-    (["chat", "--min-p", "2"], "min_p"),
+    (["run", "--top-p", "0", "hi"], "--top-p must be in (0, 1]"),
+    (["run", "--temperature", "-1", "hi"], "--temperature must be >= 0"),
+    (["run", "--max-tokens", "0", "hi"], "--max-tokens must be an integer >= 1, or -1 for"),
+    (["chat", "--min-p", "2"], "--min-p must be in"),
     (["run", "--max-seq-len", "64", "--max-tokens", "64", "hi"], "--max-seq-len 64"),
     (["run", "--device", "cpu", "--dtype", "fp16", "hi"], "valid: auto, fp32, int8, int4"),
     (["bench", "--device", "cpu", "--steps", "-1"], "--steps must be >= 1"),  # (the rates would divide by 0)

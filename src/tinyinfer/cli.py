@@ -68,7 +68,14 @@ def _check_before_load(args) -> None:
     """What can be refused without the model, refused before the seconds a model takes to load."""
     from .sampling import SamplingParams
 
-    SamplingParams(**_sampling(args))
+    try:
+        SamplingParams(**_sampling(args))
+    except InvalidRequestError as e:  # in the command line's terms: "--top-p must be ...", not "top_p"
+        msg = str(e).replace("invalid sampling parameter: ", "", 1)
+        field = msg.split(" ", 1)[0]
+        if field in _sampling(args):
+            msg = "--" + field.replace("_", "-") + msg[len(field):].replace("or None for", "or -1 for")
+        raise InvalidRequestError(msg) from None
     if args.max_seq_len is not None:
         if args.max_seq_len < 2:
             raise InvalidRequestError(f"--max-seq-len must be >= 2 (got {args.max_seq_len})")

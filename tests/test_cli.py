@@ -77,6 +77,7 @@ def test_closed_stdout_ends_quietly(tiny, args):
     (["run", "--device", "cpu", "--dtype", "fp16", "hi"], "valid: auto, fp32, int8, int4"),
     (["bench", "--device", "cpu", "--steps", "-1"], "--steps must be >= 1"),  # (the rates would divide by 0)
     (["bench", "--device", "cpu", "--steps", "0"], "--steps must be >= 1"),
+    (["bench", "--device", "cpu", "--contexts", "16,100000"], "--contexts 100000: the CPU reference engine is timed up to 8,192"),
     (["verify", "0"], "steps must be >= 1"),
 ])
 def test_refused_before_the_model_loads(args, needle):

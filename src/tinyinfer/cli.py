@@ -57,6 +57,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the model's end-of-sequence")
 
 
+# The longest context `bench --device cpu` times (each is one prefill on the reference engine first).
+CPU_BENCH_MAX_CONTEXT = 8192
+
+
 def _sampling(args) -> dict:
     """The sampling flags as SamplingParams' fields; -1 is llama.cpp's "none" for -n and --seed."""
     return dict(max_tokens=None if args.max_tokens == -1 else args.max_tokens, temperature=args.temperature,
@@ -338,6 +342,10 @@ def cmd_bench(args) -> int:
                                   f"give a file to write")  # (before the run, not after it)
     if not contexts:
         raise InvalidRequestError("--contexts is empty")
+    if cpu and max(contexts) > CPU_BENCH_MAX_CONTEXT and args.batch is None:
+        # (each context is one prefill on the reference engine first: 8,192 tokens are already minutes there)
+        raise InvalidRequestError(f"--contexts {max(contexts)}: the CPU reference engine is timed up to "
+                                  f"{CPU_BENCH_MAX_CONTEXT:,} (each context is a prefill there first)")
     if args.batch is not None:
         from . import bench_batch
 

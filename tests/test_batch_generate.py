@@ -26,6 +26,7 @@ def eng(tmp_path_factory):
 def pool_empty_after(eng):
     yield
     assert eng.scheduler.idle
+    assert eng._core.kv_pages_free + eng.scheduler.kv_pages_cached == eng._core.kv_pages_total
     eng.scheduler.reset_prefix_cache()  # (the ended requests' kept caches: all that may still hold pages)
     assert eng._core.kv_pages_free == eng._core.kv_pages_total
 

@@ -18,7 +18,7 @@ from tinyinfer import _core
 from tinyinfer.engine import Engine
 from tinyinfer.errors import InvalidRequestError
 from tinyinfer.sampling import SamplingParams
-from tinyinfer.scheduler import Scheduler
+from tinyinfer.scheduler import Scheduler, _common_prefix
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -47,6 +47,15 @@ def _same(got, want) -> None:
     if want.logprobs is not None:
         assert [(g.token_id, g.logprob, g.top) for g in got.logprobs] == \
                [(w.token_id, w.logprob, w.top) for w in want.logprobs]
+
+
+def test_common_prefix_against_a_plain_loop():
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        a = rng.integers(0, 3, int(rng.integers(0, 700))).tolist()
+        b = a[:int(rng.integers(0, len(a) + 1))] + rng.integers(0, 3, int(rng.integers(0, 700))).tolist()
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert _common_prefix(a, b) == _common_prefix(b, a) == _common_prefix(a, b, chunk=3) == want
 
 
 HOT = SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.9, top_k=40, seed=5, repetition_penalty=1.3,
@@ -128,27 +137,86 @@ def test_the_least_recently_used_go_past_the_limit(store):
 def test_off_closes_every_slot(store):
     sched = _sched(store, prefix_cache=0)
     p = _ids(5, 10)
-    assert [c.stats.cached_tokens for c in _run(sched, [p, p], [SamplingParams(max_tokens=2)] * 2)] == [0, 0]
+    assert [_run(sched, [p], [SamplingParams(max_tokens=2)])[0].stats.cached_tokens for _ in range(2)] == [0, 0]
     assert sched._engine._core.kv_pages_free == sched.kv_pages_total and sched.stats()["cached_sequences"] == 0
     with pytest.raises(InvalidRequestError, match="prefix_cache must be an integer >= 0"):
         _sched(store, prefix_cache=-1)
+
+
+def test_warm_up_close_and_a_closed_engine_give_the_slots_back(store):
+    sched = _sched(store)
+    core = sched._engine._core
+    _run(sched, [_ids(6, 70), _ids(7, 5)], [SamplingParams(max_tokens=2)] * 2)
+    assert sched.kv_pages_cached == 3 and core.kv_pages_free + 3 == core.kv_pages_total
+    sched.warm_up(prompt_tokens=16, max_batch=2)
+    assert sched.stats()["cached_sequences"] == 0 and core.kv_pages_free == core.kv_pages_total
+    _run(sched, [_ids(6, 70)], [SamplingParams(max_tokens=2)])
+    sched.close()
+    assert core.kv_pages_free == core.kv_pages_total
+    eng, p = sched._engine, _ids(8, 20)
+    sched = Scheduler(eng)
+    _run(sched, [p], [SamplingParams(max_tokens=2)])
+    with eng._exclusive():  # (an unfinished stream in this thread: close() cannot take the engine)
+        sched.close()
+    assert core.kv_pages_free < core.kv_pages_total
+    sched = Scheduler(eng)  # the next scheduler takes the slot over
+    assert sched.stats()["cached_sequences"] == 1
+    assert _run(sched, [p], [SamplingParams(max_tokens=2)])[0].stats.cached_tokens == 19
+    eng.close()
+    sched.reset_prefix_cache()
+    assert sched.stats()["cached_sequences"] == 0 and sched.kv_pages_cached == 0
 
 
 # ---- the slots and pages kept slots give back (a FakeCore with seq_rewind: its pool can run short) ----
 
 
 class RewindCore(FakeCore):
+    fail_rewind = False
+    fail_step = False  # seq_step fails (an engine error)
+
     def seq_rewind(self, slot: int, tokens: list[int]) -> None:
-        if self.cache[slot][:len(tokens)] != list(tokens) or len(tokens) > len(self.cache[slot]):
+        if self.fail_rewind or self.cache[slot][:len(tokens)] != list(tokens) or len(tokens) > len(self.cache[slot]):
             raise InvalidRequestError("seq_rewind: not those tokens")
         self.cache[slot] = list(tokens)
         self.log.append(("rewind", slot, len(tokens)))
 
+    def seq_step(self, slots: list[int], tokens: list[int]) -> None:
+        if self.fail_step:
+            raise InvalidRequestError("seq_step: failed")
+        super().seq_step(slots, tokens)
 
-def _fake_sched(**kw) -> tuple[RewindCore, Scheduler]:
+
+def _fake_sched(overlap: bool = True, **kw) -> tuple[RewindCore, Scheduler]:
     core = RewindCore(**kw)
     eng = Engine.from_core(core, SimpleNamespace(vocab=core.vocab, eos_token_ids=[]), max_seq_len=512)
-    return core, Scheduler(eng, prefix_cache=8)
+    return core, Scheduler(eng, prefix_cache=8, overlap=overlap)
+
+
+def test_a_reused_slot_needs_only_the_pages_past_what_it_holds():
+    core, sched = _fake_sched(max_batch=4, page_size=4, pages=8)
+    a = _run(sched, [list(range(20))], [SamplingParams(max_tokens=4, ignore_eos=True)])[0]  # keeps 23: 6 pages
+    assert core.kv_pages_free == 2
+    nxt = list(range(20)) + a.token_ids[:3] + [40, 41, 42, 43, 44, 45, 46, 47]  # 31 tokens + 1: all 8 pages
+    got = _run(sched, [nxt], [SamplingParams(max_tokens=1, ignore_eos=True)])[0]
+    assert got.finish_reason == "length" and got.stats.cached_tokens == 23
+
+
+def test_an_error_closes_the_slot_and_a_failed_rewind_is_a_fresh_slot():
+    core, sched = _fake_sched(max_batch=4, page_size=4, pages=64)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    _run(sched, [list(range(10))], [sp])
+    core.fail_rewind = True
+    r = sched.submit(list(range(10)) + [11, 12], sp)
+    other = sched.submit([30, 31, 32], sp)
+    sched.wait_idle()
+    assert r.result().stats.cached_tokens == 0 and other.result().finish_reason == "length"
+    assert ("close", 0) in core.log  # the slot it could not rewind
+    core.fail_rewind, core.fail_step = False, True
+    with pytest.raises(InvalidRequestError, match="seq_step: failed"):
+        sched.submit([40, 41], SamplingParams(max_tokens=5, ignore_eos=True)).result()
+    # (its cache is in an unknown state: closed, not kept; the two before it are)
+    assert sched.stats()["cached_sequences"] == 2 and len(core.cache) == 2
+    assert sched.kv_pages_cached + core.kv_pages_free == core.kv_pages_total
 
 
 def test_a_kept_slot_gives_its_pages_to_an_admission():
@@ -160,9 +228,11 @@ def test_a_kept_slot_gives_its_pages_to_an_admission():
     assert sched.stats()["cached_sequences"] == 1  # (the new one's)
 
 
-def test_a_kept_slot_gives_its_pages_to_a_decode_step():
-    """A running sequence that needs a page gets a kept slot's before any request is requeued or ended."""
-    core, sched = _fake_sched(max_batch=4, page_size=4, pages=8)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_kept_slot_gives_its_pages_to_a_decode_step(overlap):
+    """A running sequence that needs a page gets a kept slot's before any request is requeued or ended (in the
+    launch ahead, and in the step itself)."""
+    core, sched = _fake_sched(overlap=overlap, max_batch=4, page_size=4, pages=8)
     _run(sched, [list(range(7))], [SamplingParams(max_tokens=2, ignore_eos=True)])  # keeps 8 tokens: 2 pages
     got = _run(sched, [[30 + i for i in range(16)]], [SamplingParams(max_tokens=12, ignore_eos=True)])[0]
     assert got.finish_reason == "length" and len(got.token_ids) == 12  # 27 positions: 7 pages of the 8

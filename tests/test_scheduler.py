@@ -574,6 +574,7 @@ def pool_empty_after(request):
     if "eng" in request.fixturenames:
         e = request.getfixturevalue("eng")
         assert e.scheduler.idle
+        assert e._core.kv_pages_free + e.scheduler.kv_pages_cached == e._core.kv_pages_total
         e.scheduler.reset_prefix_cache()  # (the ended requests' kept caches: all that may still hold pages)
         assert e._core.kv_pages_free == e._core.kv_pages_total
 

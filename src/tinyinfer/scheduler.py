@@ -147,12 +147,18 @@ STREAM_ROWS = 16
 PREFIX_CACHE_CPU = 4
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """The length of a's and b's common prefix (list slices compare in C: a bisection over them)."""
+def _common_prefix(a: list[int], b: list[int], chunk: int = 256) -> int:
+    """The length of a's and b's common prefix: chunk by chunk (list slices compare in C), then a bisection inside
+    the chunk that differs. (Under the engine's lock at every admission, against every kept slot: ~linear.)"""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    if n == 0 or a[0] != b[0]:
+        return 0
+    lo = 0
+    while lo < n and a[lo:min(lo + chunk, n)] == b[lo:min(lo + chunk, n)]:
+        lo += chunk
+    if lo >= n:
         return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    hi = min(lo + chunk, n)  # a[:lo] == b[:lo], a[:hi] != b[:hi]
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if a[:mid] == b[:mid]:
@@ -242,6 +248,13 @@ class Scheduler:
         # the prefix cache: ended requests' slots kept with the tokens their caches hold, least recently used
         # first (touched only under the engine's lock)
         self._kept: OrderedDict[int, list[int]] = OrderedDict()
+        self._kept_pages = 0  # the pages they hold (stats() reads it without the lock)
+        with engine._sched_lock:
+            prev = engine._scheduler
+            if prev is not None and prev._closed and prev._kept:
+                # slots its close() could not give back (the engine was busy in that thread): this one owns them
+                self._kept, self._kept_pages = prev._kept, prev._kept_pages
+                prev._kept, prev._kept_pages = OrderedDict(), 0
         self._cancels: set[str] = set()
         self._live: dict[str, _Seq] = {}  # every request not yet ended, by id
         self._closed = False
@@ -280,12 +293,12 @@ class Scheduler:
     def kv_pages_used(self) -> int:
         """Pages the requests hold (not the prefix cache's: those go back to whoever needs them)."""
         core = self._engine._core
-        return 0 if core is None else self._pages_total - int(core.kv_pages_free) - self.kv_pages_cached
+        return 0 if core is None else max(self._pages_total - int(core.kv_pages_free) - self._kept_pages, 0)
 
     @property
     def kv_pages_cached(self) -> int:
         """Pages the prefix cache's slots hold."""
-        return sum(_pages(len(t), self._page_size) for t in list(self._kept.values()))
+        return self._kept_pages
 
     def stats(self) -> dict:
         """running, waiting, kv_pages_used, kv_pages_total, and the prefix cache's kv_pages_cached and
@@ -501,8 +514,10 @@ class Scheduler:
             try:
                 with eng._exclusive():
                     self._drop_kept(eng._core)
-            except InvalidRequestError:  # closed meanwhile (its slots went with it), or this thread's own stream
-                pass
+            except InvalidRequestError:  # closed meanwhile, or this thread's own unfinished stream holds the engine
+                pass  # (a later Scheduler of this engine takes the slots over)
+        if eng.closed:  # (its slots went with the core)
+            self._kept, self._kept_pages = OrderedDict(), 0
 
     # ---- one step ----
 
@@ -670,15 +685,21 @@ class Scheduler:
                 self._end(core, seq, "length", error=err)
                 continue
             try:
+                if slot is not None:
+                    self._unkeep(slot)
+                    try:
+                        core.seq_rewind(slot, seq.prompt[:cached])
+                        seq.slot, seq.length, seq.cached = slot, cached, cached
+                    except TinyInferError:  # (not expected: the engine refused what it holds) a fresh slot then
+                        try:
+                            core.seq_close(slot)
+                        except TinyInferError:
+                            pass
+                        slot = None
                 if slot is None:
                     if len(self._running) - 1 + len(self._kept) >= int(core.max_batch):
                         self._evict_lru(core)  # every slot is running or kept: the least recently used goes
                     seq.slot = int(core.seq_open())
-                else:
-                    del self._kept[slot]
-                    seq.slot = slot  # (its _end closes it should the rewind fail)
-                    core.seq_rewind(slot, seq.prompt[:cached])
-                    seq.length = seq.cached = cached
             except BaseException:
                 if seq.slot is not None:
                     try:
@@ -717,13 +738,17 @@ class Scheduler:
         """An ended request's slot into the prefix cache (the most recently used), holding `tokens`; the least
         recently used beyond prefix_cache are closed."""
         self._kept[slot] = tokens
+        self._kept_pages += _pages(len(tokens), self._page_size)
         while len(self._kept) > self.prefix_cache:
             self._evict_lru(core)
+
+    def _unkeep(self, slot: int) -> None:
+        self._kept_pages -= _pages(len(self._kept.pop(slot)), self._page_size)
 
     def _evict_lru(self, core, spare: Optional[int] = None) -> int:
         """Close the least recently used kept slot (not `spare`); returns the pages it gave back."""
         slot = next(s for s in self._kept if s != spare)
-        del self._kept[slot]
+        self._unkeep(slot)
         before = int(core.kv_pages_free)
         try:
             core.seq_close(slot)

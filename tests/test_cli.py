@@ -395,6 +395,15 @@ def test_bench_refuses_before_running(tiny, tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_short_flags_mean_what_they_do_in_llama_cli():
+    """-t is threads and --temp the temperature, as in llama-cli; -n the tokens to generate."""
+    from tinyinfer.cli import build_parser
+
+    a = build_parser().parse_args(["run", "-t", "3", "--temp", "0.7", "-n", "5", "hi"])
+    assert (a.threads, a.temperature, a.max_tokens) == (3, 0.7, 5)
+    assert build_parser().parse_args(["bench", "-t", "2"]).threads == 2
+
+
 def test_bench_json_writes_enums_by_name(tmp_path):
     """`tinyinfer bench --json`: the GPU's GEMV table rows carry the bindings' MatrixRole enum, written by name
     (json.dump alone raised TypeError after the decode and prefill tables had been printed)."""

@@ -39,7 +39,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", "-t", type=int, default=None,
                    help="CPU engine threads (default: the cores this process may use)")
 
 
@@ -47,7 +47,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (vLLM / OpenAI names)")
     g.add_argument("--max-tokens", "-n", type=int, default=256,
                    help="tokens to generate at most (default 256; -1: until EOS or the context is full)")
-    g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
+    # (-t is llama-cli's threads, as here; --temp is its temperature)
+    g.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="default 0: off")
     g.add_argument("--top-p", type=float, default=1.0, help="default 1: off")
     g.add_argument("--min-p", type=float, default=0.0, help="default 0: off")

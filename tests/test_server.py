@@ -136,7 +136,7 @@ def test_models_and_health(server, client):
     assert {"running", "waiting", "kv_pages_used"} <= set(h)
 
 
-def test_a_chats_next_turn_is_prefilled_from_the_cache(client, ref):
+def test_a_chats_next_turn_is_prefilled_from_the_cache(client, ref, server):
     """The prefix cache: the next turn's prompt starts with the last one and its answer, so only the rest is
     prefilled (usage.prompt_tokens_details.cached_tokens, as OpenAI reports it), and the answer is the engine's."""
     first = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=12, temperature=0)
@@ -144,7 +144,12 @@ def test_a_chats_next_turn_is_prefilled_from_the_cache(client, ref):
                     {"role": "user", "content": "And after that?"}]
     r = client.chat.completions.create(model=NAME, messages=turn2, max_tokens=12, temperature=0)
     assert r.choices[0].message.content == ref.chat(turn2, max_tokens=12).text
-    assert first.usage.prompt_tokens <= r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < r.usage.prompt_tokens
+    deadline = time.monotonic() + 10  # (the log line: its cached tokens too)
+    while f"{r.usage.prompt_tokens} tokens in ({cached} cached)" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert f"{r.usage.prompt_tokens} tokens in ({cached} cached), {r.usage.completion_tokens} out" in server.log()
 
 
 def test_chat_greedy_equals_engine_chat(client, ref, server):

@@ -205,8 +205,9 @@ class _Call:
         ttft = f"{(self.t_first - self.t0) * 1e3:.0f} ms" if self.t_first is not None else "-"
         after_first = max(out - len(self.choices), 0)  # each choice's first token comes from its prompt's pass
         rate = after_first / (end - self.t_first) if self.t_first is not None and end > self.t_first else 0.0
-        log.info("%s: %d tokens in, %d out, ttft %s, %.1f tok/s, %.2f s, %s", self.id, self.prompt_tokens, out,
-                 ttft, rate, end - self.t0, outcome)
+        cached = self.cached_tokens
+        log.info("%s: %d tokens in%s, %d out, ttft %s, %.1f tok/s, %.2f s, %s", self.id, self.prompt_tokens,
+                 f" ({cached} cached)" if cached else "", out, ttft, rate, end - self.t0, outcome)
         if self.trace is not None:  # (streaming: the last chunk has been handed to the server to write)
             self.trace.event("http_end", self.id, out, outcome, t=end)
 

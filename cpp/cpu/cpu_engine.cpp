@@ -61,9 +61,13 @@ static void dot4(const float* a0, const float* a1, const float* a2, const float*
 #endif
 }
 
-// y[t * ld + r] = dot(x_t, w_r) for the n inputs of one weight row, four at a time.
+// y[t * ld + r] = dot(x_t, w_r) for the n inputs of one weight row: eight at a time where the CPU has AVX2
+// (row_dots8), then four at a time.
 static void row_times_inputs(float* y, int64_t ld, const float* x, const float* wr, int64_t n, int64_t cols) {
   int64_t t = 0;
+  float out8[8];
+  for (; t + 8 <= n && row_dots8(wr, x + t * cols, cols, out8); t += 8)
+    for (int k = 0; k < 8; k++) y[(t + k) * ld] = out8[k];
   for (; t + 4 <= n; t += 4) {
     float out[4];
     dot4(x + t * cols, x + (t + 1) * cols, x + (t + 2) * cols, x + (t + 3) * cols, wr, cols, out);

@@ -1,4 +1,5 @@
-// row_dot.h — one-token products straight from the stored formats, on CPUs with AVX2 (+ F16C).
+// row_dot.h — one-token products straight from the stored formats, on CPUs with AVX2 (+ F16C); and a widened row
+// with eight inputs at once (the prefill's products, row_dots8).
 //
 // The decode step multiplies each matrix row with one vector. Widening the row into a buffer first and then
 // calling dot() costs a second pass; here the row is widened 8 weights at a time in registers and multiplied
@@ -15,5 +16,10 @@ namespace ti {
 
 // y[r - r0] = x . W[r] for r in [r0, r1) (x: W.cols() floats), or false without touching y.
 bool row_dots(const HostTensor& W, const float* x, float* y, int64_t r0, int64_t r1);
+
+// out[t] = dot(x + t * K, w, K) for t = 0..7: one widened fp32 row with eight inputs (a prefill's products), dot()'s
+// numbers; eight independent chains of adds, each weight loaded once for the eight. False (nothing written)
+// without AVX2 or where K is not a multiple of 8.
+bool row_dots8(const float* w, const float* x, int64_t K, float out[8]);
 
 }  // namespace ti

@@ -73,12 +73,13 @@ def _check_before_load(args) -> None:
     """What can be refused without the model, refused before the seconds a model takes to load."""
     from .sampling import SamplingParams
 
+    fields = _sampling(args)
     try:
-        SamplingParams(**_sampling(args))
+        SamplingParams(**fields)
     except InvalidRequestError as e:  # in the command line's terms: "--top-p must be ...", not "top_p"
         msg = str(e).replace("invalid sampling parameter: ", "", 1)
         field = msg.split(" ", 1)[0]
-        if field in _sampling(args):
+        if field in fields:
             msg = "--" + field.replace("_", "-") + msg[len(field):].replace("or None for", "or -1 for")
         raise InvalidRequestError(msg) from None
     if args.max_seq_len is not None:

@@ -660,26 +660,26 @@ class Scheduler:
             # the single-sequence path's cache (the GPU engine's shares the pool) serves only a next single call
             # that extends it (Engine._cached_prefix): give its pages back before asking for more
             core.reset()
+        free = int(core.kv_pages_free) - self._owed() - decode_pages
         while len(self._running) < self.max_batch:
             with self._state:
                 if not self._waiting:
                     return
                 seq = self._waiting[0]
                 slot, cached = self._reuse(core, seq.prompt)
-                free = int(core.kv_pages_free) - self._owed() - decode_pages
-                # its pages after the rewind (those past the prefix go back to the pool)
-                need = _pages(len(seq.prompt) + 1, ps) - (_pages(len(self._kept[slot]), ps) if slot is not None else 0)
+                held = _pages(len(self._kept[slot]), ps) if slot is not None else 0
+                need = _pages(len(seq.prompt) + 1, ps) - held  # (the rewind gives back the held pages past the prefix)
                 while need > free and len(self._kept) > (slot is not None):
                     free += self._evict_lru(core, spare=slot)
                 if need > free and self._running:
                     return  # it waits for pages; so do those behind it (first come, first served)
                 self._waiting.popleft()
                 if need > free:  # nothing runs that could free pages: waiting would never end
-                    have = free + (_pages(len(self._kept[slot]), ps) if slot is not None else 0)
-                    err = KvCacheFullError(f"request {seq.request.id!r} needs {_pages(len(seq.prompt) + 1, ps)} KV "
-                                           f"pages and only {have} are free with nothing running")
+                    err = KvCacheFullError(f"request {seq.request.id!r} needs {need + held} KV pages and only "
+                                           f"{free + held} are free with nothing running")
                 else:
                     self._running.append(seq)
+                    free -= need
                     err = None
             if err is not None:
                 self._end(core, seq, "length", error=err)
@@ -698,7 +698,7 @@ class Scheduler:
                         slot = None
                 if slot is None:
                     if len(self._running) - 1 + len(self._kept) >= int(core.max_batch):
-                        self._evict_lru(core)  # every slot is running or kept: the least recently used goes
+                        free += self._evict_lru(core)  # every slot is running or kept: the least recently used goes
                     seq.slot = int(core.seq_open())
             except BaseException:
                 if seq.slot is not None:

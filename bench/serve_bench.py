@@ -7,7 +7,8 @@
     python bench/serve_bench.py --url http://127.0.0.1:8000          # a server already running
 
 Prompts are synthetic token ids (so any model works, tokenizer or not) of mixed lengths (--prompt-lens, drawn
-per request from a seeded RNG); every request asks for exactly --max-tokens tokens (ignore_eos), streamed from
+per request from a seeded RNG; --shared-prefix N puts the same N tokens before each: a system prompt, the prefix
+cache's case); every request asks for exactly --max-tokens tokens (ignore_eos), streamed from
 /v1/completions with the usage chunk. Each client sends --rounds requests one after another. TTFT: request sent
 -> first streamed chunk; ITL: the gaps between a request's later chunks (a chunk holds the tokens of one step, or
 of several when the server streams at an interval: `tok/chunk`); throughput: all completion tokens / the level's
@@ -80,7 +81,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
             "temperature": 0, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps: list[float] = []
-    tokens, rid = 0, None
+    tokens, cached, rid = 0, 0, None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         if r.status_code != 200:
             return {"error": f"{r.status_code}: {(await r.aread())[:200]!r}"}
@@ -94,15 +95,19 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                     stamps.append(time.perf_counter())
             elif chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     if not stamps:
         return {"error": "no token chunks"}
-    return {"ttft": stamps[0] - t0, "itl": list(np.diff(stamps)), "tokens": tokens, "prompt": len(prompt),
+    return {"ttft": stamps[0] - t0, "itl": list(np.diff(stamps)), "tokens": tokens, "prompt": len(prompt), "cached": cached,
             "chunks": len(stamps), "id": rid, "t_sent": t0, "t_done": time.perf_counter()}
 
 
-def _prompts(concurrency: int, rounds: int, lens: list[int], seed: int) -> list[list[int]]:
+def _prompts(concurrency: int, rounds: int, lens: list[int], seed: int, shared: int = 0) -> list[list[int]]:
+    """Each prompt: the `shared` tokens every prompt of the run starts with (a system prompt: the same at every
+    level and in the warm-up), then its own, of a length drawn from `lens`."""
+    prefix = np.random.default_rng(10**6).integers(100, 1000, shared).tolist()
     rng = np.random.default_rng(seed + concurrency)
-    return [rng.integers(100, 1000, int(rng.choice(lens))).tolist() for _ in range(concurrency * rounds)]
+    return [prefix + rng.integers(100, 1000, int(rng.choice(lens))).tolist() for _ in range(concurrency * rounds)]
 
 
 async def _drive(url: str, model: str, prompts: list[list[int]], rounds: int, max_tokens: int,
@@ -149,7 +154,8 @@ def _summary(concurrency: int, results: list[dict], wall: float, client_cpu: flo
     return {"concurrency": concurrency, "requests": len(results), "errors": [r["error"] for r in results
                                                                            if "error" in r][:5],
             "failed": len(results) - len(ok), "wall_s": wall, "completion_tokens": tokens,
-            "prompt_tokens": sum(r["prompt"] for r in ok), "output_tok_s": tokens / wall,
+            "prompt_tokens": sum(r["prompt"] for r in ok), "cached_tokens": sum(r["cached"] for r in ok),
+            "output_tok_s": tokens / wall,
             "requests_s": len(ok) / wall, "ttft_ms": pct(ttft), "itl_ms": pct(itl),
             "tokens_per_chunk": tokens / max(sum(r["chunks"] for r in ok), 1),
             "client_turnaround_ms": pct(turn),  # a client's own time from a stream's end to its next send
@@ -159,21 +165,22 @@ def _summary(concurrency: int, results: list[dict], wall: float, client_cpu: flo
 
 
 async def run_level(url: str, model: str, concurrency: int, rounds: int, lens: list[int], max_tokens: int,
-                    seed: int) -> dict:
+                    seed: int, shared: int = 0) -> dict:
     """One level driven from this process (its event loop)."""
-    results, t0, t1, cpu = await _drive(url, model, _prompts(concurrency, rounds, lens, seed), rounds, max_tokens)
+    results, t0, t1, cpu = await _drive(url, model, _prompts(concurrency, rounds, lens, seed, shared), rounds,
+                                        max_tokens)
     return _summary(concurrency, results, t1 - t0, cpu / (t1 - t0))
 
 
 def measure_level(url: str, model: str, concurrency: int, rounds: int, lens: list[int], max_tokens: int,
-                  seed: int, procs: int = 0) -> dict:
+                  seed: int, procs: int = 0, shared: int = 0) -> dict:
     """One level with the clients spread over `procs` processes (0: one per 16 clients), so that the clients'
     Python does not set the pace at high concurrency; the same prompts whatever `procs`. The wall is from the
     common start to the last stream's end; client_cpu is the busiest process's CPU time over it."""
     procs = max(1, min(concurrency, procs or -(-concurrency // 16)))
     if procs == 1:
-        return asyncio.run(run_level(url, model, concurrency, rounds, lens, max_tokens, seed))
-    prompts = _prompts(concurrency, rounds, lens, seed)
+        return asyncio.run(run_level(url, model, concurrency, rounds, lens, max_tokens, seed, shared))
+    prompts = _prompts(concurrency, rounds, lens, seed, shared)
     share = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
     start_at, parts, first = time.time() + 1.0 + 0.1 * procs, [], 0  # after every process has started
     for n in share:
@@ -209,6 +216,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="requests each client sends in turn (default 2)")
     ap.add_argument("--prompt-lens", default="32,128,512", help="prompt lengths drawn per request")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request (default 128)")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="tokens every prompt starts with (a system prompt), before its own --prompt-lens ones: "
+                         "the prefix cache's case (A/B: --serve-args '--prefix-cache 0')")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-s", type=float, default=600, help="wait this long for the server to come up")
     ap.add_argument("--client-procs", type=int, default=0,
@@ -248,15 +258,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         # warm-up, untimed: every prompt length at every level's concurrency (on the GPU each
         # batch bucket's decode graph is captured on its first use: a cold 64-client level would pay those)
         for c in sorted({1, *levels}):
-            asyncio.run(run_level(url, model, c, 1, lens, 4, a.seed - 1))
+            asyncio.run(run_level(url, model, c, 1, lens, 4, a.seed - 1, a.shared_prefix))
         print(f"{'clients':>7} {'reqs':>5} {'tok/s':>9} {'req/s':>7} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} "
-              f"{'p99':>8} {'tok/chunk':>9} {'client cpu':>10} {'turn p50':>8}  (ms)")
+              f"{'p99':>8} {'tok/chunk':>9} {'client cpu':>10} {'turn p50':>8} {'cached':>7}  (ms)")
         rows, marks = [], []
         for c in levels:
             # the server's trace is in time.perf_counter() = CLOCK_MONOTONIC on Linux, the same clock in every
             # process of the machine: these marks cut it into levels
             t0 = time.perf_counter()
-            r = measure_level(url, model, c, a.rounds, lens, a.max_tokens, a.seed, a.client_procs)
+            r = measure_level(url, model, c, a.rounds, lens, a.max_tokens, a.seed, a.client_procs, a.shared_prefix)
             # each request as its client saw it: (HTTP call id, sent, stream done, the client's own turnaround)
             marks.append({"concurrency": c, "rounds": a.rounds, "t_start": t0, "t_end": time.perf_counter(),
                           "requests": r.pop("_stamps")})
@@ -265,10 +275,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{c:>7} {r['requests']:>5} {r['output_tok_s']:>9.1f} {r['requests_s']:>7.2f} "
                   f"{f(r['ttft_ms']['p50']):>9} {f(r['ttft_ms']['p99']):>8} {f(r['itl_ms']['p50']):>8} "
                   f"{f(r['itl_ms']['p99']):>8} {r['tokens_per_chunk']:>9.2f} {r['client_cpu']:>9.0%} "
-                  f"{f(r['client_turnaround_ms']['p50']):>8}"
+                  f"{f(r['client_turnaround_ms']['p50']):>8} {r['cached_tokens'] / max(r['prompt_tokens'], 1):>7.0%}"
                   + (f"  {r['failed']} failed: {r['errors'][0]}" if r["failed"] else ""))
         out = {"model": label, "device": a.device, "dtype": a.dtype, "max_batch": a.max_batch,
-               "prompt_lens": lens, "max_tokens": a.max_tokens, "rounds": a.rounds,
+               "prompt_lens": lens, "shared_prefix": a.shared_prefix, "max_tokens": a.max_tokens, "rounds": a.rounds,
                "client_procs": a.client_procs, "levels": rows}
         if a.json:
             Path(a.json).write_text(json.dumps(out, indent=1))

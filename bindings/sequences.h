@@ -55,6 +55,17 @@ inline void bind_sequences(Cls& cls) {
           "history, which restarts as `tokens`, as prompt. The scheduler's prefix cache: a new request in the slot "
           "of an ended one whose tokens its prompt starts with.")
       .def(
+          "seq_copy",
+          [](E& e, int64_t dst, int64_t src, const std::vector<int64_t>& tokens) {
+            std::vector<int32_t> ids = to_ids(tokens);
+            e.seq_copy(dst, src, ids.data(), (int64_t)ids.size());
+          },
+          "dst"_a, "src"_a, "tokens"_a,
+          "Slot dst (open, not src) drops what it held and takes src's first len(tokens) positions, which hold "
+          "`tokens` (the CPU engine checks): their keys and values copied into pages of its own, no logits (a "
+          "seq_prefill must follow), its history `tokens` as prompt. The scheduler's prefix cache: a request "
+          "sharing a prefix with one still running, or with a kept slot it should not cut short.")
+      .def(
           "seq_prefill",
           [](E& e, int64_t slot, const std::vector<int64_t>& tokens) {
             std::vector<int32_t> ids = to_ids(tokens);

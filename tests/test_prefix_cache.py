@@ -6,6 +6,8 @@ of them; the choice between kept slots and a fresh one; off when asked."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections import OrderedDict
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,7 +20,7 @@ from tinyinfer import _core
 from tinyinfer.engine import Engine
 from tinyinfer.errors import InvalidRequestError
 from tinyinfer.sampling import SamplingParams
-from tinyinfer.scheduler import Scheduler, _common_prefix
+from tinyinfer.scheduler import COPY_WAIT_TOKENS, Scheduler, _common_prefix, _pages
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -325,3 +327,235 @@ def test_random_traffic_equals_no_cache(store, seed):
             history.append(g.prompt_token_ids + g.token_ids)
             cached += g.stats.cached_tokens
     assert cached > 0 and scheds[0].stats()["cached_sequences"] <= 3
+
+
+# ---- copies between slots (seq_copy): a prefix shared with a running request, or taken from a kept slot ----
+
+
+def _copy_cases(core, make_tokens):
+    """seq_copy on an engine's slots: a copied prefix then prefilled gives a fresh prefill's logits (`same`); bad
+    calls change nothing and leave the engine usable. Returns the pairs of logits to compare."""
+    prompt = make_tokens(150)  # (three 64-position pages, the last one partly)
+    a, b, c = core.seq_open(), core.seq_open(), core.seq_open()
+    core.seq_prefill(a, prompt[:130])
+    core.seq_prefill(c, prompt)  # the reference: all of it at once
+    core.seq_prefill(b, prompt[:5])  # something dst drops
+    free = core.kv_pages_free
+    for bad, match in [((b, b, prompt[:3]), "same slot"), ((b, a, prompt[:131]), "cannot copy 131"),
+                       ((b, a, prompt[:2] + [10**7]), "token id|does not hold"), ((b, 99, prompt[:3]), "slot 99"),
+                       ((99, a, prompt[:3]), "slot 99")]:
+        with pytest.raises(InvalidRequestError, match=match):
+            core.seq_copy(*bad)
+        assert core.seq_length(b) == 5 and core.kv_pages_free == free
+    core.seq_copy(b, a, prompt[:100])
+    assert core.seq_length(b) == 100 and core.kv_pages_free == free + 1 - 2  # (b's page back, two taken)
+    core.seq_close(a)  # (b holds copies, not a's pages)
+    core.seq_prefill(b, prompt[100:])
+    pairs = [(core.seq_logits(b), core.seq_logits(c))]
+    core.seq_copy(b, c, [])  # nothing copied: an empty slot, as seq_open's
+    assert core.seq_length(b) == 0
+    core.seq_prefill(b, prompt[:7])
+    d = core.seq_open()
+    core.seq_prefill(d, prompt[:7])
+    pairs.append((core.seq_logits(b), core.seq_logits(d)))
+    for s in (b, c, d):
+        core.seq_close(s)
+    assert core.kv_pages_free == core.kv_pages_total
+    return pairs
+
+
+def test_cpu_seq_copy_equals_a_fresh_prefill(store):
+    core = _core.CpuEngine(store, MAX_SEQ, 2, 4)
+    for got, want in _copy_cases(core, lambda n: _ids(7, n)):
+        assert np.array_equal(got, want)
+    a, b = core.seq_open(), core.seq_open()
+    core.seq_prefill(a, [1, 2, 3])
+    with pytest.raises(InvalidRequestError, match="does not hold those"):
+        core.seq_copy(b, a, [1, 2, 4])  # (the CPU engine keeps its tokens: it checks them)
+    assert core.seq_length(b) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_seq_copy_equals_a_fresh_prefill(tmp_path):
+    d = make_chat_llama(tmp_path / "m", hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, layers=3,
+                        init_std=0.3, dtype="float16")
+    opts = _core.CudaOptions()
+    opts.kv_pool_pages = 16
+    opts.kv_page_size = 64
+    opts.max_batch = 4
+    with Engine(d, device="cuda", max_seq_len=1024, cuda_options=opts) as e:
+        core = e._core
+        e.scheduler.reset_prefix_cache()
+        for got, want in _copy_cases(core, lambda n: [int(t) for t in np.random.default_rng(3).integers(0, 300, n)]):
+            assert np.abs(got - want).max() <= 3e-3 * np.abs(want).max()
+        a, big, b, c = core.seq_open(), core.seq_open(), core.seq_open(), core.seq_open()
+        core.seq_prefill(a, list(range(1, 60)))  # one page
+        core.seq_prefill(big, [7] * (64 * 14))  # 14 pages: one of the 16 left
+        core.seq_copy(b, a, list(range(1, 60)))  # takes it
+        with pytest.raises(InvalidRequestError, match="KV pages"):
+            core.seq_copy(c, a, list(range(1, 60)))
+        assert core.seq_length(c) == 0 and core.kv_pages_free == 0
+        core.seq_prefill(b, [5])
+        core.seq_close(a)  # (b holds a copy: a's page is free)
+        core.seq_copy(c, b, list(range(1, 60)) + [5])
+        assert core.seq_length(c) == 60 and core.kv_pages_free == 0
+        for s in (big, b, c):
+            core.seq_close(s)
+        assert core.kv_pages_free == core.kv_pages_total
+
+
+@pytest.mark.gpu
+def test_gpu_a_shared_prefix_in_flight_is_prefilled_once(tmp_path):
+    """On the GPU: a system prompt shared by requests submitted together, and one prompt three times (n choices),
+    prefilled once and copied; each request's tokens are the single path's up to a near-tie of its logits."""
+    d = make_chat_llama(tmp_path / "m", hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, layers=2,
+                        init_std=0.3, dtype="float16")
+    with Engine(d, device="cuda", max_seq_len=512) as e:
+        sysp = e.tokenize("You are a helpful assistant. " * 6)
+        prompts = [sysp + [40 + i, 41 + i] for i in range(3)] + [sysp + [99, 98]] * 3
+        sp = SamplingParams(max_tokens=12, ignore_eos=True)
+        got = e.generate(prompts, sp)
+        assert [g.stats.cached_tokens for g in got] == [0] + [len(sysp)] * 5
+        assert e._core.kv_pages_free + e.scheduler.kv_pages_cached == e._core.kv_pages_total
+        for g in got:
+            alone = e.generate(g.prompt_token_ids, sp).token_ids  # (the single path: the kept slots closed)
+            j = next((i for i in range(12) if g.token_ids[i] != alone[i]), 12)
+            assert j == 12 or near_tie(e, g.prompt_token_ids + alone[:j]), (j, g.token_ids, alone)
+
+
+def _sys(n: int, seed: int = 0) -> list[int]:
+    return _ids(200 + seed, n)
+
+
+@pytest.mark.parametrize("overlap, mixed", [(True, True), (True, False), (False, False)])
+def test_a_shared_prefix_in_flight_is_prefilled_once(store, overlap, mixed):
+    """Requests that share a system prompt, submitted together (and the same prompt four times: a request's n
+    choices): the first prefills it, the others wait for it and copy it (cached_tokens), and each samples what it
+    samples without the cache, penalties and logprobs included."""
+    sysp = _sys(90)
+    prompts = [sysp + _ids(i, 3 + 4 * i) for i in range(4)] + [sysp + [5, 6]] * 4
+    sps = [HOT] * 4 + [dataclasses.replace(HOT, seed=s) for s in range(4)]
+    sched = _sched(store, overlap=overlap, mixed_steps=mixed, chunk_tokens=48)
+    ref = _sched(store, overlap=overlap, mixed_steps=mixed, chunk_tokens=48, prefix_cache=0)
+    got = _run(sched, prompts, sps)
+    for g, w in zip(got, _run(ref, prompts, sps)):
+        _same(g, w)
+    assert [g.stats.cached_tokens for g in got] == [0] + [90] * 7  # (the n choices: 91 more, under COPY_WAIT_TOKENS)
+    core = sched._engine._core
+    assert core.kv_pages_free + sched.kv_pages_cached == core.kv_pages_total
+
+
+def test_a_long_kept_slot_is_copied_from_not_cut_short(store):
+    """A prompt sharing only the system prompt with a kept conversation copies that prefix into a fresh slot: the
+    conversation stays kept whole, and its next turn still finds all of it."""
+    sysp = _sys(20, 1)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    sched, ref = _sched(store), _sched(store, prefix_cache=0)
+    conv = sysp + _ids(1, 60)
+    a = _run(sched, [conv], [sp])[0]
+    other = _run(sched, [sysp + [7, 8, 9]], [sp])[0]
+    assert other.stats.cached_tokens == 20 and sched.stats()["cached_sequences"] == 2
+    turn = conv + a.token_ids + [3, 4]
+    nxt = _run(sched, [turn], [sp])[0]
+    assert nxt.stats.cached_tokens == len(conv) + 5  # (the answer's last token never ran)
+    for g, w in zip([other, nxt], _run(ref, [sysp + [7, 8, 9], turn], [sp, sp])):
+        _same(g, w)
+
+
+class CopyCore(RewindCore):
+    fail_copy = False
+
+    def seq_copy(self, dst: int, src: int, tokens: list[int]) -> None:
+        if self.fail_copy or dst == src or self.cache[src][:len(tokens)] != list(tokens) or dst not in self.cache:
+            raise InvalidRequestError("seq_copy: refused")
+        need = _pages(len(tokens), self.kv_page_size) - _pages(len(self.cache[dst]), self.kv_page_size)
+        if need > self.kv_pages_free:
+            raise InvalidRequestError("seq_copy: out of KV pages")
+        self.cache[dst] = list(tokens)
+        self.log.append(("copy", dst, src, len(tokens)))
+
+
+def _copy_sched(**kw) -> tuple[CopyCore, Scheduler]:
+    core = CopyCore(**kw)
+    eng = Engine.from_core(core, SimpleNamespace(vocab=core.vocab, eos_token_ids=[]), max_seq_len=512)
+    return core, Scheduler(eng, prefix_cache=8)
+
+
+def test_the_wait_for_a_prefix_in_flight():
+    """A prompt sharing COPY_WAIT_TOKENS or more with one still in its prefill is admitted once that prefix ran,
+    and copies it (those behind it wait with it); one sharing fewer is admitted at once and prefills its own."""
+    core, sched = _copy_sched(max_batch=4, page_size=4, pages=64, vocab=400)
+    sched.chunk_tokens = 16
+    p = list(range(1, 80))
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    assert COPY_WAIT_TOKENS == 32
+    # the second waits while the first's prefill would give it 32 positions more than it could copy now: after
+    # 48 of the 70 it shares (three chunks), it copies those and prefills the rest
+    got = _run(sched, [p, p[:70] + [90], p[:20] + [91]], [sp] * 3)
+    assert [g.stats.cached_tokens for g in got] == [0, 48, 20]
+    assert [e for e in core.log if e[0] == "copy"] == [("copy", 1, 0, 48), ("copy", 2, 0, 20)]
+    short = p[:COPY_WAIT_TOKENS - 1] + [92]
+    got = _run(sched, [[100 + t for t in p], [100 + t for t in short]], [sp] * 2)
+    assert [g.stats.cached_tokens for g in got] == [0, 0]
+    assert core.kv_pages_free + sched.kv_pages_cached == core.kv_pages_total
+
+
+def test_a_copy_short_of_pages_rewinds_and_a_refused_copy_prefills():
+    core, sched = _copy_sched(max_batch=4, page_size=4, pages=10, vocab=400)
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    a = list(range(1, 30))
+    _run(sched, [a], [sp])  # kept: 30 positions, 8 pages of the 10
+    got = _run(sched, [a[:12] + [40, 41, 42]], [sp])[0]  # a copy needs 4 pages, 2 free: into the kept slot
+    assert got.stats.cached_tokens == 12 and ("rewind", 0, 12) in core.log and ("copy",) not in core.log
+    core, sched = _copy_sched(max_batch=4, page_size=4, pages=64, vocab=400)
+    core.fail_copy = True  # refused (after the wait): the fresh slot prefills all of it
+    reqs = [sched.submit([60 + i for i in range(40)], sp), sched.submit([60 + i for i in range(36)] + [1], sp)]
+    sched.wait_idle()
+    assert [r.result().stats.cached_tokens for r in reqs] == [0, 0] and len(reqs[1].result().token_ids) == 2
+    assert core.kv_pages_free + sched.kv_pages_cached == core.kv_pages_total
+
+
+def _plan_by_brute_force(sched, core, prompt):
+    """Scheduler._plan's rules, every candidate's common prefix computed in full (no O(1) filter)."""
+    last, full = len(prompt) - 1, len(sched._running) + len(sched._kept) >= int(core.max_batch)
+    plan, held_best = ("fresh", None, 0), 0
+    for slot, held in sched._kept.items():
+        n = min(_common_prefix(held, prompt), last)
+        if n > 0 and (2 * n >= len(held) or full):
+            if n > plan[2] or (n == plan[2] and (plan[0] == "copy" or len(held) < held_best)):
+                plan, held_best = ("rewind", slot, n), len(held)
+        elif n > plan[2] and not full:
+            plan = ("copy", slot, n)
+    for seq in sched._running:
+        n = min(_common_prefix((seq.prompt + seq.generated)[:seq.length], prompt), last)
+        if n > plan[2]:
+            plan = ("copy", seq.slot, n)
+    ahead = max([min(_common_prefix(s.prompt, prompt), last) for s in sched._running if s.prefilling] + [0])
+    return ("wait", None, 0) if ahead >= plan[2] + COPY_WAIT_TOKENS else plan
+
+
+def test_the_plan_equals_its_brute_force():
+    """_plan's O(1) test of each candidate changes nothing: random kept slots and running requests over a
+    three-token alphabet (long common prefixes, ties), against every candidate's prefix computed in full."""
+    core, sched = _copy_sched(max_batch=12, page_size=4, pages=4096)
+    rng = np.random.default_rng(0)
+    words = lambda n: rng.integers(0, 3, n).tolist()  # noqa: E731
+    seen = set()
+    for trial in range(3000):
+        base = words(int(rng.integers(40, 90)))
+        grow = lambda: base[:int(rng.integers(0, len(base) + 1))] + words(int(rng.integers(0, 40)))  # noqa: E731
+        early = trial % 2  # (then the running prompts are early in their prefill, and fewer kept: waits)
+        sched._kept = OrderedDict((s, grow() or [1]) for s in range(int(rng.integers(0, 6 - 4 * early))))
+        sched._running = []
+        for s in range(6, 6 + int(rng.integers(0, 6))):
+            prompt, gen = grow() or [2], [] if early else words(int(rng.integers(0, 8)))
+            length = int(rng.integers(0, len(prompt) // (1 + 3 * early) + 1)) if not gen else \
+                len(prompt) + int(rng.integers(0, len(gen)))
+            sched._running.append(SimpleNamespace(slot=s, prompt=prompt, generated=gen, length=length,
+                                                  prefilling=length < len(prompt) and not gen))
+        prompt = grow() or [0]
+        got = sched._plan(core, prompt)
+        assert got == _plan_by_brute_force(sched, core, prompt), trial
+        seen.add(got[0])
+    sched._kept, sched._running = OrderedDict(), []
+    assert seen == {"fresh", "rewind", "copy", "wait"}

@@ -43,6 +43,15 @@ inline void check_rewind(int64_t slot, int64_t n, int64_t length) {
                                  " positions; cannot keep " + std::to_string(n));
 }
 
+// seq_copy gives dst (another slot) the first n of src's `length` positions.
+inline void check_copy(int64_t dst, int64_t src, int64_t n, int64_t length) {
+  if (dst == src)
+    fail(ErrorKind::Request, "seq_copy: source and destination are the same slot (" + std::to_string(src) + ")");
+  if (n < 0 || n > length)
+    fail(ErrorKind::Request, "seq_copy: slot " + std::to_string(src) + " holds " + std::to_string(length) +
+                                 " positions; cannot copy " + std::to_string(n));
+}
+
 // seq_sample's top-logprob entries per row.
 inline void check_top_logprobs(int64_t k) {
   if (k < 0 || k > kMaxTopLogprobs)

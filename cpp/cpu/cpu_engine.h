@@ -71,6 +71,11 @@ class CpuEngine {
   // changed), and forgets the rest: their pages, the logits (a prefill must follow before a step or a sample) and
   // the history, which restarts as those n tokens, as prompt (a new request reusing a cached prefix).
   void seq_rewind(int64_t slot, const int32_t* tokens, int64_t n);
+  // dst (open, another slot) drops what it held and takes the first n positions of src's cache, which must hold
+  // tokens[0..n) (else a Request error, nothing changed): their keys and values copied, no logits (a prefill must
+  // follow), its history those n tokens as prompt. A request sharing a prefix with one still running (the
+  // scheduler's prefix cache; llama.cpp's seq_cp).
+  void seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_t n);
   // A prompt chunk at seq_length(slot)..: fills the cache, keeps the last token's logits as the slot's logits and
   // adds the tokens to its history as prompt.
   void seq_prefill(int64_t slot, const int32_t* tokens, int64_t n);

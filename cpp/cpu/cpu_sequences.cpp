@@ -57,6 +57,23 @@ void CpuEngine::seq_rewind(int64_t slot, const int32_t* tokens, int64_t n) {
   for (int64_t t = 0; t < n; t++) s.history.add_prompt(tokens[t]);
 }
 
+void CpuEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_t n) {
+  const Slot& s = open_slot(src);
+  Slot& d = open_slot(dst);
+  check_copy(dst, src, n, (int64_t)s.tokens.size());
+  if (!std::equal(tokens, tokens + n, s.tokens.begin()))
+    fail(ErrorKind::Request, "seq_copy: slot " + std::to_string(src) + " does not hold those " + std::to_string(n) +
+                                 " tokens");
+  const int64_t pages = KVCache::pages_for(n);  // (the last one partly: positions past n are never read)
+  slot_pages_ += pages - d.kv.pages();
+  d.kv.k_pages.assign(s.kv.k_pages.begin(), s.kv.k_pages.begin() + pages);
+  d.kv.v_pages.assign(s.kv.v_pages.begin(), s.kv.v_pages.begin() + pages);
+  d.tokens.assign(tokens, tokens + n);
+  d.logits.clear();
+  d.history.clear();
+  for (int64_t t = 0; t < n; t++) d.history.add_prompt(tokens[t]);
+}
+
 void CpuEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
   Slot& s = open_slot(slot);
   check_tokens(tokens, n, cfg_.vocab);

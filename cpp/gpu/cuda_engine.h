@@ -87,6 +87,12 @@ class CudaEngine {
   // prefill must follow), and its history, which restarts as those tokens, as prompt. Request error, nothing
   // changed, when n is not in 0..seq_length(slot) or a token is out of range.
   void seq_rewind(int64_t slot, const int32_t* tokens, int64_t n);
+  // dst (open, another slot) drops what it held and takes src's first n positions, which hold tokens[0..n) (the
+  // caller's word, as seq_rewind): pages of its own with their keys and values copied on the stream (src may
+  // have work in flight: stream order), no logits (a prefill must follow), its history those tokens as prompt.
+  // Request error, nothing changed, when dst == src, n is not in 0..seq_length(src), a token is out of range or
+  // the pool lacks the pages. A request sharing a prefix with one still running (the scheduler's prefix cache).
+  void seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_t n);
   // Prompt tokens at seq_length(slot)..: the batched prefill through the slot's page table; the last token's
   // logits become the slot's; the tokens join its history as prompt. Request error, nothing changed, when the
   // pages run out or max_seq_len would be passed. Returns once launched (the next syncing call waits).

@@ -122,6 +122,42 @@ void CudaEngine::seq_rewind(int64_t slot, const int32_t* tokens, int64_t n) {
   sl.length = n;
 }
 
+void CudaEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_t n) {
+  check_slot(src);
+  check_slot(dst);
+  Slot &d = slots_[(size_t)dst], &s = slots_[(size_t)src];
+  check_copy(dst, src, n, s.length);
+  if (n > 0) check_tokens(tokens, n, cfg_.vocab);
+  const int64_t pages = pool_->pages_for(n);
+  if (pages > pool_->free_pages() + d.kv->pages())
+    fail(ErrorKind::Request, "seq_copy: " + std::to_string(n) + " positions need " + std::to_string(pages) +
+                                 " KV pages; " + std::to_string(pool_->free_pages()) + " are free of " +
+                                 std::to_string(pool_->n_pages()) + " (CudaOptions.kv_pool_pages)");
+  d.kv->release(*pool_);
+  slot_reserve(dst, n);
+  // Every layer's part of a page is one run of page_elems halves, layers kv_layer_elems apart (cuda/kv_layout.cuh):
+  // a run of pages consecutive in both tables is one 2D copy (rows = layers) for the keys and one for the values.
+  const size_t page_elems = (size_t)cfg_.n_kv_heads * pool_->page_size() * cfg_.head_dim;
+  const size_t pitch = dbuf_.kv_layer_elems * sizeof(__half);
+  const std::vector<int32_t>&st = s.kv->table(), &dt = d.kv->table();
+  for (int64_t j = 0; j < pages;) {
+    int64_t r = 1;
+    while (j + r < pages && st[j + r] == st[j] + r && dt[j + r] == dt[j] + r) r++;
+    for (__half* base : {dbuf_.k_pages, dbuf_.v_pages})
+      TI_CUDA_CHECK(cudaMemcpy2DAsync(base + (size_t)dt[j] * page_elems, pitch, base + (size_t)st[j] * page_elems,
+                                      pitch, (size_t)r * page_elems * sizeof(__half), (size_t)cfg_.n_layers,
+                                      cudaMemcpyDeviceToDevice, stream_));
+    j += r;
+  }
+  const size_t V = (size_t)cfg_.vocab;
+  TI_CUDA_CHECK(cudaMemsetAsync(seen_ + (size_t)dst * V, 0, V, stream_));
+  TI_CUDA_CHECK(cudaMemsetAsync(counts_ + (size_t)dst * V, 0, V * sizeof(int), stream_));
+  if (n > 0) mark_prompt(dst, tokens, n);
+  d.has_logits = false;
+  d.logits_row = -1;
+  d.length = n;
+}
+
 std::vector<float> CudaEngine::seq_logits(int64_t slot) const {
   check_slot(slot);
   if (!slots_[(size_t)slot].has_logits) return {};  // (as the CPU engine: empty before the first prefill)

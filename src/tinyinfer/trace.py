@@ -30,7 +30,7 @@ import time
 from typing import Optional
 
 CORE_CALLS = ("seq_open", "seq_prefill", "seq_prefill_many", "seq_mixed", "seq_step", "seq_sample", "seq_close",
-              "seq_rewind", "reset")
+              "seq_rewind", "seq_copy", "reset")
 
 
 class Trace:
@@ -83,6 +83,9 @@ class TracedCore:
 
     def seq_rewind(self, slot, tokens):
         return self._timed("seq_rewind", 0, self._core.seq_rewind, slot, tokens)
+
+    def seq_copy(self, dst, src, tokens):
+        return self._timed("seq_copy", len(tokens), self._core.seq_copy, dst, src, tokens)
 
     def reset(self):
         return self._timed("reset", 0, self._core.reset)

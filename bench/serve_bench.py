@@ -7,8 +7,8 @@
     python bench/serve_bench.py --url http://127.0.0.1:8000          # a server already running
 
 Prompts are synthetic token ids (so any model works, tokenizer or not) of mixed lengths (--prompt-lens, drawn
-per request from a seeded RNG; --shared-prefix N puts the same N tokens before each: a system prompt, the prefix
-cache's case); every request asks for exactly --max-tokens tokens (ignore_eos), streamed from
+per request from a seeded RNG; --shared-prefix N puts the same N tokens before each prompt of a level: a system
+prompt the server has not seen before that level, the prefix cache's case); every request asks for exactly --max-tokens tokens (ignore_eos), streamed from
 /v1/completions with the usage chunk. Each client sends --rounds requests one after another. TTFT: request sent
 -> first streamed chunk; ITL: the gaps between a request's later chunks (a chunk holds the tokens of one step, or
 of several when the server streams at an interval: `tok/chunk`); throughput: all completion tokens / the level's
@@ -103,9 +103,9 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
 
 
 def _prompts(concurrency: int, rounds: int, lens: list[int], seed: int, shared: int = 0) -> list[list[int]]:
-    """Each prompt: the `shared` tokens every prompt of the run starts with (a system prompt: the same at every
-    level and in the warm-up), then its own, of a length drawn from `lens`."""
-    prefix = np.random.default_rng(10**6).integers(100, 1000, shared).tolist()
+    """Each prompt: the `shared` tokens every prompt of the level starts with (a system prompt new to the server at
+    each level: the warm-up's and every other level's differ), then its own, of a length drawn from `lens`."""
+    prefix = np.random.default_rng([seed & 0xFFFFFFFF, concurrency, 7]).integers(100, 1000, shared).tolist()
     rng = np.random.default_rng(seed + concurrency)
     return [prefix + rng.integers(100, 1000, int(rng.choice(lens))).tolist() for _ in range(concurrency * rounds)]
 
@@ -217,8 +217,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--prompt-lens", default="32,128,512", help="prompt lengths drawn per request")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request (default 128)")
     ap.add_argument("--shared-prefix", type=int, default=0,
-                    help="tokens every prompt starts with (a system prompt), before its own --prompt-lens ones: "
-                         "the prefix cache's case (A/B: --serve-args '--prefix-cache 0')")
+                    help="tokens every prompt of a level starts with (a system prompt new to the server at that "
+                         "level), before its own --prompt-lens ones: the prefix cache's case (A/B: --serve-args "
+                         "'--prefix-cache 0')")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-s", type=float, default=600, help="wait this long for the server to come up")
     ap.add_argument("--client-procs", type=int, default=0,

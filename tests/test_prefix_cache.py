@@ -335,7 +335,7 @@ def test_random_traffic_equals_no_cache(store, seed):
 def _copy_cases(core, make_tokens):
     """seq_copy on an engine's slots: a copied prefix then prefilled gives a fresh prefill's logits (`same`); bad
     calls change nothing and leave the engine usable. Returns the pairs of logits to compare."""
-    prompt = make_tokens(150)  # (three 64-position pages, the last one partly)
+    prompt = make_tokens(140)  # (three 64-position pages, the last one partly)
     a, b, c = core.seq_open(), core.seq_open(), core.seq_open()
     core.seq_prefill(a, prompt[:130])
     core.seq_prefill(c, prompt)  # the reference: all of it at once
@@ -352,6 +352,13 @@ def _copy_cases(core, make_tokens):
     core.seq_close(a)  # (b holds copies, not a's pages)
     core.seq_prefill(b, prompt[100:])
     pairs = [(core.seq_logits(b), core.seq_logits(c))]
+    # the history: the copied prefix counts as prompt for the repetition penalty (a strong one moves the pick)
+    cfg = _core.SamplingConfig()
+    cfg.repetition_penalty, cfg.presence_penalty = 5.0, 1.0
+    for step in range(3):
+        toks = core.seq_sample([b, c], [cfg, cfg], [step, step], 0)[0]
+        assert toks[0] == toks[1], step
+        core.seq_step([b, c], [int(toks[0])] * 2)
     core.seq_copy(b, c, [])  # nothing copied: an empty slot, as seq_open's
     assert core.seq_length(b) == 0
     core.seq_prefill(b, prompt[:7])
@@ -376,10 +383,14 @@ def test_cpu_seq_copy_equals_a_fresh_prefill(store):
 
 
 @pytest.mark.gpu
-def test_gpu_seq_copy_equals_a_fresh_prefill(tmp_path):
+@pytest.mark.parametrize("shuffle", [0, 11], ids=["pages-in-order", "pages-scattered"])
+def test_gpu_seq_copy_equals_a_fresh_prefill(tmp_path, shuffle):
+    """The GPU's seq_copy: pages in order (a run of pages, one 2D copy) and scattered over the pool (a copy a
+    page); a copy refused for want of pages changes nothing."""
     d = make_chat_llama(tmp_path / "m", hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, layers=3,
                         init_std=0.3, dtype="float16")
     opts = _core.CudaOptions()
+    opts.kv_page_shuffle = shuffle
     opts.kv_pool_pages = 16
     opts.kv_page_size = 64
     opts.max_batch = 4
@@ -483,17 +494,19 @@ def _copy_sched(**kw) -> tuple[CopyCore, Scheduler]:
 
 def test_the_wait_for_a_prefix_in_flight():
     """A prompt sharing COPY_WAIT_TOKENS or more with one still in its prefill is admitted once that prefix ran,
-    and copies it (those behind it wait with it); one sharing fewer is admitted at once and prefills its own."""
+    and copies it; one behind it sharing fewer is admitted meanwhile and prefills its own."""
     core, sched = _copy_sched(max_batch=4, page_size=4, pages=64, vocab=400)
     sched.chunk_tokens = 16
     p = list(range(1, 80))
     sp = SamplingParams(max_tokens=2, ignore_eos=True)
     assert COPY_WAIT_TOKENS == 32
     # the second waits while the first's prefill would give it 32 positions more than it could copy now: after
-    # 48 of the 70 it shares (three chunks), it copies those and prefills the rest
+    # 48 of the 70 it shares (three chunks), it copies those and prefills the rest; the third, behind it, shares
+    # 20 (under 32) with a prefill that has not begun, so it is admitted at once (slot 1) and prefills all of it
     got = _run(sched, [p, p[:70] + [90], p[:20] + [91]], [sp] * 3)
-    assert [g.stats.cached_tokens for g in got] == [0, 48, 20]
-    assert [e for e in core.log if e[0] == "copy"] == [("copy", 1, 0, 48), ("copy", 2, 0, 20)]
+    assert [g.stats.cached_tokens for g in got] == [0, 48, 0]
+    assert [e for e in core.log if e[0] == "copy"] == [("copy", 2, 0, 48)]
+    assert core.log.index(("open", 1)) < core.log.index(("open", 2))
     short = p[:COPY_WAIT_TOKENS - 1] + [92]
     got = _run(sched, [[100 + t for t in p], [100 + t for t in short]], [sp] * 2)
     assert [g.stats.cached_tokens for g in got] == [0, 0]
@@ -506,7 +519,7 @@ def test_a_copy_short_of_pages_rewinds_and_a_refused_copy_prefills():
     a = list(range(1, 30))
     _run(sched, [a], [sp])  # kept: 30 positions, 8 pages of the 10
     got = _run(sched, [a[:12] + [40, 41, 42]], [sp])[0]  # a copy needs 4 pages, 2 free: into the kept slot
-    assert got.stats.cached_tokens == 12 and ("rewind", 0, 12) in core.log and ("copy",) not in core.log
+    assert got.stats.cached_tokens == 12 and ("rewind", 0, 12) in core.log and not any(e[0] == "copy" for e in core.log)
     core, sched = _copy_sched(max_batch=4, page_size=4, pages=64, vocab=400)
     core.fail_copy = True  # refused (after the wait): the fresh slot prefills all of it
     reqs = [sched.submit([60 + i for i in range(40)], sp), sched.submit([60 + i for i in range(36)] + [1], sp)]

@@ -169,7 +169,9 @@ def test_chat_greedy_equals_engine_chat(client, ref, server):
         time.sleep(0.1)
     line = next(x for x in server.log().splitlines() if r.id in x)
     # (" (N cached)" where the prefix cache held part of the prompt: an earlier test's chat shares its start)
-    assert re.search(rf"{r.usage.prompt_tokens} tokens in( \(\d+ cached\))?, {r.usage.completion_tokens} out", line)
+    cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
+    assert re.search(rf"\b{r.usage.prompt_tokens} tokens in{f' [(]{cached} cached[)]' if cached else ''}, "
+                     rf"{r.usage.completion_tokens} out", line), (line, cached)
     assert "ttft" in line and "tok/s" in line
 
 

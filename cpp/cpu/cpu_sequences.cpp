@@ -64,10 +64,10 @@ void CpuEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_
   if (!std::equal(tokens, tokens + n, s.tokens.begin()))
     fail(ErrorKind::Request, "seq_copy: slot " + std::to_string(src) + " does not hold those " + std::to_string(n) +
                                  " tokens");
-  const int64_t pages = KVCache::pages_for(n);  // (the last one partly: positions past n are never read)
-  slot_pages_ += pages - d.kv.pages();
+  const int64_t pages = KVCache::pages_for(n), before = d.kv.pages();  // (the last page partly: nothing reads past n)
   d.kv.k_pages.assign(s.kv.k_pages.begin(), s.kv.k_pages.begin() + pages);
   d.kv.v_pages.assign(s.kv.v_pages.begin(), s.kv.v_pages.begin() + pages);
+  slot_pages_ += pages - before;
   d.tokens.assign(tokens, tokens + n);
   d.logits.clear();
   d.history.clear();

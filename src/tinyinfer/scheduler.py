@@ -73,7 +73,8 @@ would lose more than it gives (a common prefix under half of what it holds) only
 sharing more with a running request, or with a kept slot it should not cut short, gets a fresh slot with those
 positions copied (seq_copy; llama.cpp's seq_cp): and while a running request still prefills a prefix the prompt
 shares (the same system prompt arriving together, the n choices of one request), the prompt waits for it rather
-than prefilling the same positions beside it (COPY_WAIT_TOKENS or more). Kept slots
+than prefilling the same positions beside it (where that saves COPY_WAIT_TOKENS or more: shorter prompts are
+prefilled side by side); requests behind it in the queue are admitted meanwhile. Kept slots
 give their slots and pages back, least recently used first, to any request or step that needs them (admission,
 a decode step's new page, the launch ahead) before anything else is done for want of them, and all at once to the
 single path on the GPU (its cache shares the pool), warm_up and close(). A sequence's numbers are those of a fresh
@@ -674,27 +675,30 @@ class Scheduler:
             # that extends it (Engine._cached_prefix): give its pages back before asking for more
             core.reset()
         free = int(core.kv_pages_free) - self._owed() - decode_pages
+        ahead = 0  # requests left at the head of the queue, each waiting for a prefix in flight to copy
         while len(self._running) < self.max_batch:
             with self._state:
-                if not self._waiting:
+                if len(self._waiting) <= ahead:
                     return
-                seq = self._waiting[0]
+                seq = self._waiting[ahead]
                 kind, src, cached = self._plan(core, seq.prompt)
                 if kind == "wait":
-                    return  # it copies that prefix once prefilled; those behind it wait too (first come, first served)
+                    ahead += 1  # it copies that prefix once prefilled (a step or a few); those behind it go on
+                    continue
                 spare = src if src in self._kept else None  # (a kept slot it rewinds or copies from stays)
                 slot = src if kind == "rewind" else None
                 held = _pages(len(self._kept[slot]), ps) if slot is not None else 0
                 need = _pages(len(seq.prompt) + 1, ps) - held  # (the rewind gives back the held pages past the prefix)
-                while need > free and len(self._kept) > (spare is not None):
-                    free += self._evict_lru(core, spare=spare)
-                if need > free and kind == "copy" and spare is not None:  # short: into that kept slot after all
+                if need > free and kind == "copy" and spare is not None:
+                    # short of pages: into that kept slot after all, rather than evicting other caches for a copy
                     kind, slot = "rewind", src
                     held = _pages(len(self._kept[slot]), ps)
                     need -= held
+                while need > free and len(self._kept) > (spare is not None):
+                    free += self._evict_lru(core, spare=spare)
                 if need > free and self._running:
                     return  # it waits for pages; so do those behind it (first come, first served)
-                self._waiting.popleft()
+                del self._waiting[ahead]
                 if need > free:  # nothing runs that could free pages: waiting would never end
                     err = KvCacheFullError(f"request {seq.request.id!r} needs {need + held} KV pages and only "
                                            f"{free + held} are free with nothing running")
@@ -711,7 +715,7 @@ class Scheduler:
                     try:
                         core.seq_rewind(slot, seq.prompt[:cached])
                         seq.slot, seq.length, seq.cached = slot, cached, cached
-                    except TinyInferError:  # (not expected: the engine refused what it holds) a fresh slot then
+                    except InvalidRequestError:  # (not expected: the engine refused what it holds) a fresh slot then
                         try:
                             core.seq_close(slot)
                         except TinyInferError:
@@ -726,7 +730,7 @@ class Scheduler:
                         try:
                             core.seq_copy(seq.slot, src, seq.prompt[:cached])
                             seq.length, seq.cached = cached, cached
-                        except TinyInferError:  # (not expected: the engine refused) the empty slot prefills it all
+                        except InvalidRequestError:  # (not expected: the engine refused) the empty slot prefills it all
                             pass
                         if src in self._kept:
                             self._kept.move_to_end(src)

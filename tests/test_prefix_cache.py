@@ -18,7 +18,7 @@ from test_cpu_batch import MAX_SEQ, VOCAB, _store
 from test_scheduler import FakeCore
 from tinyinfer import _core
 from tinyinfer.engine import Engine
-from tinyinfer.errors import InvalidRequestError
+from tinyinfer.errors import InvalidRequestError, KvCacheFullError
 from tinyinfer.sampling import SamplingParams
 from tinyinfer.scheduler import COPY_WAIT_TOKENS, Scheduler, _common_prefix, _pages
 
@@ -572,3 +572,59 @@ def test_the_plan_equals_its_brute_force():
         seen.add(got[0])
     sched._kept, sched._running = OrderedDict(), []
     assert seen == {"fresh", "rewind", "copy", "wait"}
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_traffic_with_copies_against_no_cache(seed):
+    """Random traffic on the test double with copies (CopyCore): submits and cancels between steps, few slots and
+    pages, every scheduling mode, copies refused in some runs. Every run drains (nothing waits forever), the pages
+    add up, and each request that ran to its end sampled what it samples with the cache off (the double samples
+    from what its cache holds, so a wrong copy or rewind changes the tokens)."""
+    rng = np.random.default_rng(1000 + seed)
+    pick = lambda xs: xs[int(rng.integers(0, len(xs)))]  # noqa: E731
+    mb, pages, chunk, pc = pick([1, 2, 3, 4, 6]), pick([12, 20, 40, 200]), pick([4, 16, 48]), pick([1, 2, 8])
+    overlap, mixed = pick([(True, True), (True, False), (False, False)])
+
+    def make(prefix_cache):
+        core = CopyCore(max_batch=mb, page_size=4, pages=pages, vocab=60)
+        eng = Engine.from_core(core, SimpleNamespace(vocab=60, eos_token_ids=[]), max_seq_len=512)
+        return core, Scheduler(eng, prefix_cache=prefix_cache, overlap=overlap, mixed_steps=mixed, chunk_tokens=chunk)
+
+    core, sched = make(pc)
+    core.fail_copy = seed % 5 == 4
+    history, live, seen = [rng.integers(0, 60, 100).tolist()], [], set()
+    for _ in range(200):
+        if rng.random() < 0.25 and len(live) < 12:
+            h = pick(history)
+            p = (h[:int(rng.integers(1, len(h) + 1))] + rng.integers(0, 60, int(rng.integers(0, 10))).tolist())
+            p = p[:pages * 4 - 8]
+            sp = SamplingParams(max_tokens=int(rng.integers(1, 8)), ignore_eos=True)
+            live.append((sched.submit(p, sp), p, sp))
+        elif rng.random() < 0.05 and live:
+            pick(live)[0].cancel()
+        sched.step()
+        for r, p, _ in live:  # (an answer that ran becomes a prefix a later prompt may extend)
+            if r.finished and r._error is None and r.id not in seen:
+                seen.add(r.id)
+                history.append(p + r.result().token_ids)
+    for _ in range(5000):
+        if not sched.step():
+            break
+    else:
+        raise AssertionError(f"stuck: running={sched.running} waiting={sched.waiting}")
+    assert core.kv_pages_free + sched.kv_pages_cached == core.kv_pages_total
+    ref_core, ref = make(0)
+    for r, p, sp in live:
+        try:
+            got = r.result()
+        except KvCacheFullError:
+            continue
+        if got.finish_reason == "cancelled":
+            continue
+        w = ref.submit(p, sp)
+        ref.wait_idle()
+        try:
+            want = w.result()
+        except KvCacheFullError:
+            continue
+        assert got.token_ids == want.token_ids, (p, got.stats.cached_tokens)

@@ -1,4 +1,4 @@
-"""The scheduler's prefix cache (scheduler.py, "Prefix cache"): an ended request's slot is kept with the tokens its
+"""The scheduler's prefix cache (scheduler.py, "Prefix cache"; prefix_cache.py): an ended request's slot is kept with the tokens its
 cache holds, and a later prompt that starts with some of them is admitted into it, rewound to the common prefix
 (seq_rewind), and prefilled from there. On the CPU engine its tokens, logprobs and penalties are bit for bit those
 of a scheduler without the cache; kept slots give their slots and pages back before anything else is done for want
@@ -20,7 +20,8 @@ from tinyinfer import _core
 from tinyinfer.engine import Engine
 from tinyinfer.errors import InvalidRequestError, KvCacheFullError
 from tinyinfer.sampling import SamplingParams
-from tinyinfer.scheduler import COPY_WAIT_TOKENS, Scheduler, _common_prefix, _pages
+from tinyinfer.prefix_cache import COPY_WAIT_TOKENS, common_prefix as _common_prefix, pages as _pages
+from tinyinfer.scheduler import Scheduler
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -529,10 +530,10 @@ def test_a_copy_short_of_pages_rewinds_and_a_refused_copy_prefills():
 
 
 def _plan_by_brute_force(sched, core, prompt):
-    """Scheduler._plan's rules, every candidate's common prefix computed in full (no O(1) filter)."""
-    last, full = len(prompt) - 1, len(sched._running) + len(sched._kept) >= int(core.max_batch)
+    """PrefixCache.plan's rules, every candidate's common prefix computed in full (no O(1) filter)."""
+    last, full = len(prompt) - 1, len(sched._running) + len(sched._cache) >= int(core.max_batch)
     plan, held_best = ("fresh", None, 0), 0
-    for slot, held in sched._kept.items():
+    for slot, held in sched._cache.kept.items():
         n = min(_common_prefix(held, prompt), last)
         if n > 0 and (2 * n >= len(held) or full):
             if n > plan[2] or (n == plan[2] and (plan[0] == "copy" or len(held) < held_best)):
@@ -548,7 +549,7 @@ def _plan_by_brute_force(sched, core, prompt):
 
 
 def test_the_plan_equals_its_brute_force():
-    """_plan's O(1) test of each candidate changes nothing: random kept slots and running requests over a
+    """PrefixCache.plan's O(1) test of each candidate changes nothing: random kept slots and running requests over a
     three-token alphabet (long common prefixes, ties), against every candidate's prefix computed in full."""
     core, sched = _copy_sched(max_batch=12, page_size=4, pages=4096)
     rng = np.random.default_rng(0)
@@ -558,7 +559,7 @@ def test_the_plan_equals_its_brute_force():
         base = words(int(rng.integers(40, 90)))
         grow = lambda: base[:int(rng.integers(0, len(base) + 1))] + words(int(rng.integers(0, 40)))  # noqa: E731
         early = trial % 2  # (then the running prompts are early in their prefill, and fewer kept: waits)
-        sched._kept = OrderedDict((s, grow() or [1]) for s in range(int(rng.integers(0, 6 - 4 * early))))
+        sched._cache.kept = OrderedDict((s, grow() or [1]) for s in range(int(rng.integers(0, 6 - 4 * early))))
         sched._running = []
         for s in range(6, 6 + int(rng.integers(0, 6))):
             prompt, gen = grow() or [2], [] if early else words(int(rng.integers(0, 8)))
@@ -567,10 +568,10 @@ def test_the_plan_equals_its_brute_force():
             sched._running.append(SimpleNamespace(slot=s, prompt=prompt, generated=gen, length=length,
                                                   prefilling=length < len(prompt) and not gen))
         prompt = grow() or [0]
-        got = sched._plan(core, prompt)
+        got = sched._cache.plan(prompt, sched._running, int(core.max_batch))
         assert got == _plan_by_brute_force(sched, core, prompt), trial
         seen.add(got[0])
-    sched._kept, sched._running = OrderedDict(), []
+    sched._cache.kept, sched._running = OrderedDict(), []
     assert seen == {"fresh", "rewind", "copy", "wait"}
 
 

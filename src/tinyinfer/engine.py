@@ -354,8 +354,8 @@ class Engine:
         """forward(ids) from the current position, in calls of _prefill_chunk tokens (so a Ctrl-C lands between
         them); the logits of every position (all_logits) or of the last."""
         sched = self._scheduler
-        if sched is not None and sched._kept and self.device == "cuda":
-            sched._drop_kept(self._core)  # (the single sequence's pages come from the slots' pool)
+        if sched is not None and len(sched._cache) and self.device == "cuda":
+            sched._cache.drop_all(self._core)  # (the single sequence's pages come from the slots' pool)
         n = self._prefill_chunk
         parts = [self._core.forward(ids[i:i + n], all_logits=all_logits) for i in range(0, len(ids), n)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts) if all_logits else parts[-1]

@@ -73,8 +73,9 @@ would lose more than it gives (a common prefix under half of what it holds) only
 sharing more with a running request, or with a kept slot it should not cut short, gets a fresh slot with those
 positions copied (seq_copy; llama.cpp's seq_cp): and while a running request still prefills a prefix the prompt
 shares (the same system prompt arriving together, the n choices of one request), the prompt waits for it rather
-than prefilling the same positions beside it (where that saves COPY_WAIT_TOKENS or more: shorter prompts are
-prefilled side by side); requests behind it in the queue are admitted meanwhile. Kept slots
+than prefilling the same positions beside it (where that saves prefix_cache.COPY_WAIT_TOKENS or more: shorter
+prompts are prefilled side by side); requests behind it in the queue are admitted meanwhile (the choice:
+PrefixCache.plan in prefix_cache.py, which keeps the slots; the core calls and the pages are here). Kept slots
 give their slots and pages back, least recently used first, to any request or step that needs them (admission,
 a decode step's new page, the launch ahead) before anything else is done for want of them, and all at once to the
 single path on the GPU (its cache shares the pool), warm_up and close(). A sequence's numbers are those of a fresh
@@ -98,12 +99,14 @@ import os
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from .engine import CHUNK_TOKENS, Completion, Engine, Stats
 from .errors import InvalidRequestError, KvCacheFullError, QueueFullError, TinyInferError
+from .prefix_cache import PREFIX_CACHE_CPU, PrefixCache
+from .prefix_cache import pages as _pages
 from .request import Delta, Request, TokenLogprob, merge_deltas, wake
 from .sampling import SamplingParams, TextAssembler
 from .trace import Trace
@@ -147,39 +150,6 @@ class _Seq:
 # Scheduler.adaptive_interval)
 STREAM_ROWS = 16
 
-# Ended requests' caches the CPU engine keeps by default (Scheduler(prefix_cache=...)): its pages are heap memory,
-# held until taken back (a chat's turns at SmolLM2-135M: 46 KB a position, fp32)
-PREFIX_CACHE_CPU = 4
-
-
-# A request waits for a running one that is still prefilling a prefix they share, to copy it (Scheduler._plan), when
-# that saves at least this many positions of prefill: below it, prefilling them alongside costs about as little as
-# the step the wait adds to its first token.
-COPY_WAIT_TOKENS = 32
-
-
-def _common_prefix(a: list[int], b: list[int], chunk: int = 256) -> int:
-    """The length of a's and b's common prefix: chunk by chunk (list slices compare in C), then a bisection inside
-    the chunk that differs. (Under the engine's lock at every admission, against every kept slot and running
-    request: ~6 µs for a 1,024-token prefix.)"""
-    n = min(len(a), len(b))
-    if n == 0 or a[0] != b[0]:
-        return 0
-    lo = 0
-    while lo < n and a[lo:min(lo + chunk, n)] == b[lo:min(lo + chunk, n)]:
-        lo += chunk
-    if lo >= n:
-        return n
-    hi = min(lo + chunk, n)  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:  # (inside the chunk only: a slice from 0 would cost the whole prefix a test)
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 def _token_buckets(top: int):
     """The row counts the GPU engine tunes its prefill GEMMs at (cuda::Gemm::bucket), up to top: powers of two
     from 16, and past 128 the half octaves between them (192, 384, 768, ...)."""
@@ -189,10 +159,6 @@ def _token_buckets(top: int):
         if n >= 128 and n + n // 2 <= top:
             yield n + n // 2
         n *= 2
-
-
-def _pages(positions: int, page_size: int) -> int:
-    return -(-positions // page_size)
 
 
 class Scheduler:
@@ -248,8 +214,6 @@ class Scheduler:
         self.mixed_steps = mixed_steps and batched_prefill
         self.prefix_cache = 0 if not hasattr(core, "seq_rewind") else prefix_cache if prefix_cache is not None else (
             limit if engine.device == "cuda" else PREFIX_CACHE_CPU)  # (a core without seq_rewind: a test double)
-        # copies of a prefix between slots (seq_copy): part of the prefix cache, where the core has them
-        self._copies = self.prefix_cache > 0 and hasattr(core, "seq_copy")
         self.trace = trace
         self._engine = engine
         self._page_size = int(core.kv_page_size)
@@ -259,16 +223,15 @@ class Scheduler:
         self._state = threading.Condition()
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []  # admitted (holding a slot), oldest first
-        # the prefix cache: ended requests' slots kept with the tokens their caches hold, least recently used
-        # first (touched only under the engine's lock)
-        self._kept: OrderedDict[int, list[int]] = OrderedDict()
-        self._kept_pages = 0  # the pages they hold (stats() reads it without the lock)
+        # the prefix cache (prefix_cache.py; touched only under the engine's lock): copies of a prefix between
+        # slots where the core has seq_copy
+        self._cache = PrefixCache(self.prefix_cache, self._page_size,
+                                  copies=self.prefix_cache > 0 and hasattr(core, "seq_copy"))
         with engine._sched_lock:
             prev = engine._scheduler
-            if prev is not None and prev._closed and prev._kept:
+            if prev is not None and prev._closed and len(prev._cache):
                 # slots its close() could not give back (the engine was busy in that thread): this one owns them
-                self._kept, self._kept_pages = prev._kept, prev._kept_pages
-                prev._kept, prev._kept_pages = OrderedDict(), 0
+                self._cache.take_over(prev._cache)
         self._cancels: set[str] = set()
         self._live: dict[str, _Seq] = {}  # every request not yet ended, by id
         self._closed = False
@@ -307,19 +270,19 @@ class Scheduler:
     def kv_pages_used(self) -> int:
         """Pages the requests hold (not the prefix cache's: those go back to whoever needs them)."""
         core = self._engine._core
-        return 0 if core is None else max(self._pages_total - int(core.kv_pages_free) - self._kept_pages, 0)
+        return 0 if core is None else max(self._pages_total - int(core.kv_pages_free) - self._cache.pages, 0)
 
     @property
     def kv_pages_cached(self) -> int:
         """Pages the prefix cache's slots hold."""
-        return self._kept_pages
+        return self._cache.pages
 
     def stats(self) -> dict:
         """running, waiting, kv_pages_used, kv_pages_total, and the prefix cache's kv_pages_cached and
         cached_sequences (a server's /health)."""
         return {"running": self.running, "waiting": self.waiting, "kv_pages_used": self.kv_pages_used,
                 "kv_pages_total": self.kv_pages_total, "kv_pages_cached": self.kv_pages_cached,
-                "cached_sequences": len(self._kept)}
+                "cached_sequences": len(self._cache)}
 
     def _has_work_locked(self) -> bool:
         return bool(self._waiting or self._running or self._cancels)
@@ -443,7 +406,7 @@ class Scheduler:
                     raise InvalidRequestError("Scheduler.warm_up: requests are running; call it before serving")
             if int(core.position) > 0:
                 core.reset()  # (the single path's pages back to the pool, as _admit does)
-            self._drop_kept(core)
+            self._cache.drop_all(core)
             free = int(core.kv_pages_free)  # a small pool bounds what can run: warm what fits
             top_prompt = min(top_prompt, free * self._page_size - 1)
             top_batch = min(top_batch, free)
@@ -524,14 +487,14 @@ class Scheduler:
     def reset_prefix_cache(self) -> None:
         """Close the prefix cache's slots now (their pages back to the pool), as vLLM's reset_prefix_cache."""
         eng = self._engine
-        if self._kept and not eng.closed:
+        if len(self._cache) and not eng.closed:
             try:
                 with eng._exclusive():
-                    self._drop_kept(eng._core)
+                    self._cache.drop_all(eng._core)
             except InvalidRequestError:  # closed meanwhile, or this thread's own unfinished stream holds the engine
                 pass  # (a later Scheduler of this engine takes the slots over)
         if eng.closed:  # (its slots went with the core)
-            self._kept, self._kept_pages = OrderedDict(), 0
+            self._cache.forget()
 
     # ---- one step ----
 
@@ -641,8 +604,8 @@ class Scheduler:
         if not needy:  # (the common case: no page opens; nothing to count)
             return stepping
         free = int(core.kv_pages_free) - self._owed()
-        while len(needy) > free and self._kept:
-            free += self._evict_lru(core)
+        while len(needy) > free and len(self._cache):
+            free += self._cache.evict_lru(core)
         while len(needy) > free:
             back = next((s for s in reversed(self._running) if s.prefilling), None)
             if back is None:
@@ -681,21 +644,21 @@ class Scheduler:
                 if len(self._waiting) <= ahead:
                     return
                 seq = self._waiting[ahead]
-                kind, src, cached = self._plan(core, seq.prompt)
+                kind, src, cached = self._cache.plan(seq.prompt, self._running, int(core.max_batch))
                 if kind == "wait":
                     ahead += 1  # it copies that prefix once prefilled (a step or a few); those behind it go on
                     continue
-                spare = src if src in self._kept else None  # (a kept slot it rewinds or copies from stays)
+                spare = src if src in self._cache else None  # (a kept slot it rewinds or copies from stays)
                 slot = src if kind == "rewind" else None
-                held = _pages(len(self._kept[slot]), ps) if slot is not None else 0
+                held = _pages(len(self._cache.held(slot)), ps) if slot is not None else 0
                 need = _pages(len(seq.prompt) + 1, ps) - held  # (the rewind gives back the held pages past the prefix)
                 if need > free and kind == "copy" and spare is not None:
                     # short of pages: into that kept slot after all, rather than evicting other caches for a copy
                     kind, slot = "rewind", src
-                    held = _pages(len(self._kept[slot]), ps)
+                    held = _pages(len(self._cache.held(slot)), ps)
                     need -= held
-                while need > free and len(self._kept) > (spare is not None):
-                    free += self._evict_lru(core, spare=spare)
+                while need > free and len(self._cache) > (spare is not None):
+                    free += self._cache.evict_lru(core, spare=spare)
                 if need > free and self._running:
                     return  # it waits for pages; so do those behind it (first come, first served)
                 del self._waiting[ahead]
@@ -711,7 +674,7 @@ class Scheduler:
                 continue
             try:
                 if slot is not None:
-                    self._unkeep(slot)
+                    self._cache.take(slot)
                     try:
                         core.seq_rewind(slot, seq.prompt[:cached])
                         seq.slot, seq.length, seq.cached = slot, cached, cached
@@ -722,9 +685,9 @@ class Scheduler:
                             pass
                         slot = None
                 if slot is None:
-                    if len(self._running) - 1 + len(self._kept) >= int(core.max_batch):
+                    if len(self._running) - 1 + len(self._cache) >= int(core.max_batch):
                         # every slot is running or kept: the least recently used goes (not the one copied from)
-                        free += self._evict_lru(core, spare=src if kind == "copy" else None)
+                        free += self._cache.evict_lru(core, spare=src if kind == "copy" else None)
                     seq.slot = int(core.seq_open())
                     if kind == "copy":
                         try:
@@ -732,8 +695,8 @@ class Scheduler:
                             seq.length, seq.cached = cached, cached
                         except InvalidRequestError:  # (not expected: the engine refused) the empty slot prefills it all
                             pass
-                        if src in self._kept:
-                            self._kept.move_to_end(src)
+                        if src in self._cache:
+                            self._cache.touch(src)
             except BaseException:
                 if seq.slot is not None:
                     try:
@@ -749,85 +712,6 @@ class Scheduler:
             seq.t_admit = time.perf_counter()
             if self.trace is not None:
                 self.trace.event("admit", seq.request.id, t=seq.t_admit)
-
-    # ---- the prefix cache (see the module's docstring) ----
-
-    def _plan(self, core, prompt: list[int]) -> tuple[str, Optional[int], int]:
-        """How a prompt is admitted, and the positions it takes from the cache (n, short of the prompt's last token,
-        whose logits must be computed):
-        - ("rewind", kept slot, n): into the kept slot sharing the most (of those, the one holding the fewest
-          tokens: the least thrown away), rewound to n (seq_rewind); one that would lose more than half of what it
-          holds only when every slot is taken (one kept slot must go anyway);
-        - ("copy", slot, n): a fresh slot given the first n positions of a running request's slot, or of a kept one
-          not cut short as above (seq_copy), where that shares more;
-        - ("wait", None, 0): a running request still prefills a prefix it shares, COPY_WAIT_TOKENS longer than any
-          cached now (the same system prompt arriving together, a request's n choices: prefilled once);
-        - ("fresh", None, 0)."""
-        # Each candidate is first asked, in O(1), whether it could change the plan: sharing more than the plan's n
-        # positions needs its token at n to be the prompt's (so with a system prompt shared by every slot the scan
-        # costs one compare a slot, not one prefix: it runs under the engine's lock at every admission).
-        last = len(prompt) - 1
-        full = len(self._running) + len(self._kept) >= int(core.max_batch)
-        plan: tuple[str, Optional[int], int] = ("fresh", None, 0)
-        held_best = 0
-        for slot, held in self._kept.items():
-            n0 = plan[2]
-            if n0 < last and len(held) > n0 and held[n0] == prompt[n0]:
-                n = min(_common_prefix(held, prompt), last)
-            elif n0 > 0 and (plan[0] == "copy" or len(held) < held_best) and held[:n0] == prompt[:n0]:
-                n = n0  # (a tie that may win: into a slot rather than a copy, or one holding fewer)
-            else:
-                continue
-            if n > 0 and (2 * n >= len(held) or full):  # rewinding it loses at most half (or a slot must go)
-                if n > plan[2] or (n == plan[2] and (plan[0] == "copy" or len(held) < held_best)):
-                    plan, held_best = ("rewind", slot, n), len(held)
-            elif n > plan[2] and self._copies and not full:  # (a copy takes a fresh slot)
-                plan = ("copy", slot, n)
-        if not self._copies:
-            return plan
-        for seq in self._running:
-            n0, p = plan[2], len(seq.prompt)
-            if seq.slot is None or n0 >= min(last, seq.length) or n0 >= p + len(seq.generated) or \
-                    (seq.prompt[n0] if n0 < p else seq.generated[n0 - p]) != prompt[n0]:
-                continue
-            n = _common_prefix(seq.prompt, prompt)
-            if n == p and seq.generated:  # (a running chat's next turn: its answer so far too)
-                n += _common_prefix(seq.generated, prompt[n:])
-            n = min(n, seq.length, last)
-            if n > plan[2]:
-                plan = ("copy", seq.slot, n)
-        m = plan[2] + COPY_WAIT_TOKENS  # waiting pays where a prompt still in its prefill shares m positions
-        if m <= last and any(s.prefilling and len(s.prompt) >= m and s.prompt[m - 1] == prompt[m - 1] and
-                             s.prompt[:m] == prompt[:m] for s in self._running):
-            return "wait", None, 0
-        return plan
-
-    def _keep(self, core, slot: int, tokens: list[int]) -> None:
-        """An ended request's slot into the prefix cache (the most recently used), holding `tokens`; the least
-        recently used beyond prefix_cache are closed."""
-        self._kept[slot] = tokens
-        self._kept_pages += _pages(len(tokens), self._page_size)
-        while len(self._kept) > self.prefix_cache:
-            self._evict_lru(core)
-
-    def _unkeep(self, slot: int) -> None:
-        self._kept_pages -= _pages(len(self._kept.pop(slot)), self._page_size)
-
-    def _evict_lru(self, core, spare: Optional[int] = None) -> int:
-        """Close the least recently used kept slot (not `spare`); returns the pages it gave back."""
-        slot = next(s for s in self._kept if s != spare)
-        self._unkeep(slot)
-        before = int(core.kv_pages_free)
-        try:
-            core.seq_close(slot)
-        except TinyInferError:  # a slot the core no longer knows: nothing left to free
-            return 0
-        return int(core.kv_pages_free) - before
-
-    def _drop_kept(self, core) -> None:
-        """Close every kept slot (the single path or warm_up needs the pool; close())."""
-        while self._kept:
-            self._evict_lru(core)
 
     def _chunks(self, rows: int = 0) -> list[tuple[_Seq, list[int]]]:
         """This step's prompt chunks: the admitted prompts oldest first, chunk_tokens tokens in all, less the `rows`
@@ -967,8 +851,8 @@ class Scheduler:
     def _short_of_pages(self, core, needy: int) -> bool:
         """The pool lacks `needy` pages after what the admitted prompts are owed, even with the prefix cache's
         slots given back (nothing is launched ahead)."""
-        while needy > 0 and needy > int(core.kv_pages_free) - self._owed() and self._kept:
-            self._evict_lru(core)
+        while needy > 0 and needy > int(core.kv_pages_free) - self._owed() and len(self._cache):
+            self._cache.evict_lru(core)
         return needy > 0 and needy > int(core.kv_pages_free) - self._owed()
 
     def _step_ahead(self, core, seqs: list[_Seq], toks: list[int]) -> tuple[set, Optional[BaseException]]:
@@ -1059,7 +943,7 @@ class Scheduler:
         if seq.slot is not None:
             slot, seq.slot = seq.slot, None
             if error is None and self.prefix_cache > 0 and seq.length > 0:
-                self._keep(core, slot, (seq.prompt + seq.generated)[:seq.length])
+                self._cache.keep(core, slot, (seq.prompt + seq.generated)[:seq.length])
             else:
                 try:
                     core.seq_close(slot)

@@ -1,0 +1,174 @@
+"""The scheduler's prefix cache (Scheduler(prefix_cache=N); the "Prefix cache" part of scheduler.py's docstring):
+the slots of ended requests, kept with the tokens their caches hold, least recently used first, and where each
+admitted prompt goes: into a kept slot rewound to the prefix it shares (seq_rewind), into a fresh slot given a
+running or kept slot's prefix (seq_copy), into the queue until a prefix it shares has been prefilled, or into a
+fresh slot. Bookkeeping only: the scheduler holds the engine's lock, makes the admission's core calls and counts
+the pages; the slots this closes go through core.seq_close."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple, Optional, Sequence
+
+from .errors import TinyInferError
+
+# Ended requests' caches the CPU engine keeps by default (Scheduler(prefix_cache=...)): its pages are heap memory,
+# held until taken back (a chat's turns at SmolLM2-135M: 46 KB a position, fp32)
+PREFIX_CACHE_CPU = 4
+
+# A request waits for a running one that is still prefilling a prefix they share, to copy it (PrefixCache.plan), when
+# that saves at least this many positions of prefill: below it, prefilling them alongside costs about as little as
+# the step the wait adds to its first token.
+COPY_WAIT_TOKENS = 32
+
+
+def pages(positions: int, page_size: int) -> int:
+    """The KV pages `positions` positions take."""
+    return -(-positions // page_size)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], chunk: int = 256) -> int:
+    """The length of a's and b's common prefix: chunk by chunk (list slices compare in C), then a bisection inside
+    the chunk that differs. (Under the engine's lock at every admission: ~6 µs for a 1,024-token prefix.)"""
+    n = min(len(a), len(b))
+    if n == 0 or a[0] != b[0]:
+        return 0
+    lo = 0
+    while lo < n and a[lo:min(lo + chunk, n)] == b[lo:min(lo + chunk, n)]:
+        lo += chunk
+    if lo >= n:
+        return n
+    hi = min(lo + chunk, n)  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:  # (inside the chunk only: a slice from 0 would cost the whole prefix a test)
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class Plan(NamedTuple):
+    """Where a prompt is admitted (PrefixCache.plan): kind "rewind" (into kept slot `slot`, cut to `cached`
+    positions), "copy" (a fresh slot given the first `cached` positions of slot `slot`), "wait" or "fresh"."""
+
+    kind: str
+    slot: Optional[int] = None
+    cached: int = 0
+
+
+class PrefixCache:
+    """The kept slots (slot -> the tokens its cache holds, least recently used first) and the admission's plan.
+    limit: how many slots it keeps; copies: whether the core has seq_copy."""
+
+    def __init__(self, limit: int, page_size: int, copies: bool) -> None:
+        self.limit, self.page_size, self.copies = limit, page_size, copies
+        self.kept: OrderedDict[int, list[int]] = OrderedDict()
+        self.pages = 0  # the pages the kept slots hold (the scheduler's stats() read it without the engine's lock)
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    def __contains__(self, slot: object) -> bool:
+        return slot in self.kept
+
+    def held(self, slot: int) -> list[int]:
+        return self.kept[slot]
+
+    def take_over(self, other: "PrefixCache") -> None:
+        """Another cache's kept slots become this one's (a closed scheduler's, which could not give them back)."""
+        self.kept, self.pages = other.kept, other.pages
+        other.kept, other.pages = OrderedDict(), 0
+
+    def forget(self) -> None:
+        """Forget every kept slot without closing it (the engine closed: its slots went with the core)."""
+        self.kept, self.pages = OrderedDict(), 0
+
+    # ---- the admission's plan ----
+
+    def plan(self, prompt: list[int], running: Sequence, max_batch: int) -> Plan:
+        """Where a prompt is admitted, and the positions it takes from the cache (short of the prompt's last token,
+        whose logits must be computed). running: the admitted requests (the scheduler's _Seq: slot, prompt,
+        generated, length, prefilling); max_batch: the core's slots.
+        - "rewind": into the kept slot sharing the most (of those, the one holding the fewest tokens: the least
+          thrown away); one that would lose more than half of what it holds only when every slot is taken (one
+          kept slot must go anyway);
+        - "copy": a fresh slot given the first positions of a running request's slot, or of a kept one not cut
+          short as above, where that shares more;
+        - "wait": a running request still prefills a prefix it shares, COPY_WAIT_TOKENS longer than any cached now
+          (the same system prompt arriving together, a request's n choices: prefilled once);
+        - "fresh": nothing shared."""
+        # Each candidate is first asked, in O(1), whether it could change the plan: sharing more than the plan's n
+        # positions needs its token at n to be the prompt's (so with a system prompt shared by every slot the scan
+        # costs one compare a slot, not one prefix: it runs under the engine's lock at every admission).
+        last = len(prompt) - 1
+        full = len(running) + len(self.kept) >= max_batch
+        plan = Plan("fresh")
+        held_best = 0
+        for slot, held in self.kept.items():
+            n0 = plan.cached
+            if n0 < last and len(held) > n0 and held[n0] == prompt[n0]:
+                n = min(common_prefix(held, prompt), last)
+            elif n0 > 0 and (plan.kind == "copy" or len(held) < held_best) and held[:n0] == prompt[:n0]:
+                n = n0  # (a tie that may win: into a slot rather than a copy, or one holding fewer)
+            else:
+                continue
+            if n > 0 and (2 * n >= len(held) or full):  # rewinding it loses at most half (or a slot must go)
+                if n > plan.cached or (n == plan.cached and (plan.kind == "copy" or len(held) < held_best)):
+                    plan, held_best = Plan("rewind", slot, n), len(held)
+            elif n > plan.cached and self.copies and not full:  # (a copy takes a fresh slot)
+                plan = Plan("copy", slot, n)
+        if not self.copies:
+            return plan
+        for seq in running:
+            n0, p = plan.cached, len(seq.prompt)
+            if seq.slot is None or n0 >= min(last, seq.length) or n0 >= p + len(seq.generated) or \
+                    (seq.prompt[n0] if n0 < p else seq.generated[n0 - p]) != prompt[n0]:
+                continue
+            n = common_prefix(seq.prompt, prompt)
+            if n == p and seq.generated:  # (a running chat's next turn: its answer so far too)
+                n += common_prefix(seq.generated, prompt[n:])
+            n = min(n, seq.length, last)
+            if n > plan.cached:
+                plan = Plan("copy", seq.slot, n)
+        m = plan.cached + COPY_WAIT_TOKENS  # waiting pays where a prompt still in its prefill shares m positions
+        if m <= last and any(s.prefilling and len(s.prompt) >= m and s.prompt[m - 1] == prompt[m - 1] and
+                             s.prompt[:m] == prompt[:m] for s in running):
+            return Plan("wait")
+        return plan
+
+    # ---- the kept slots ----
+
+    def keep(self, core, slot: int, tokens: list[int]) -> None:
+        """An ended request's slot, holding `tokens`, becomes the most recently used; the least recently used beyond
+        the limit are closed."""
+        self.kept[slot] = tokens
+        self.pages += pages(len(tokens), self.page_size)
+        while len(self.kept) > self.limit:
+            self.evict_lru(core)
+
+    def take(self, slot: int) -> list[int]:
+        """A kept slot leaves the cache (a request is admitted into it); returns the tokens it held."""
+        tokens = self.kept.pop(slot)
+        self.pages -= pages(len(tokens), self.page_size)
+        return tokens
+
+    def touch(self, slot: int) -> None:
+        """A kept slot was used (copied from): the most recently used now."""
+        self.kept.move_to_end(slot)
+
+    def evict_lru(self, core, spare: Optional[int] = None) -> int:
+        """Close the least recently used kept slot (not `spare`); returns the pages it gave back."""
+        slot = next(s for s in self.kept if s != spare)
+        self.take(slot)
+        before = int(core.kv_pages_free)
+        try:
+            core.seq_close(slot)
+        except TinyInferError:  # a slot the core no longer knows: nothing left to free
+            return 0
+        return int(core.kv_pages_free) - before
+
+    def drop_all(self, core) -> None:
+        """Close every kept slot (the single path or warm_up needs the pool; close())."""
+        while self.kept:
+            self.evict_lru(core)

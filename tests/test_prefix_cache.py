@@ -1,8 +1,9 @@
-"""The scheduler's prefix cache (scheduler.py, "Prefix cache"; prefix_cache.py): an ended request's slot is kept with the tokens its
-cache holds, and a later prompt that starts with some of them is admitted into it, rewound to the common prefix
-(seq_rewind), and prefilled from there. On the CPU engine its tokens, logprobs and penalties are bit for bit those
-of a scheduler without the cache; kept slots give their slots and pages back before anything else is done for want
-of them; the choice between kept slots and a fresh one; off when asked."""
+"""The scheduler's prefix cache (scheduler.py, "Prefix cache"; prefix_cache.py): an ended request's slot is kept
+with the tokens its cache holds, and a later prompt that starts with some of them is admitted into it, rewound to
+the common prefix (seq_rewind), and prefilled from there; a prefix shared with a running request is copied
+(seq_copy). On the CPU engine its tokens, logprobs and penalties are bit for bit those of a scheduler without the
+cache; kept slots give their slots and pages back before anything else is done for want of them; the choice
+between kept slots, copies, a wait and a fresh slot; off when asked."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tinyinfer import _core
 from tinyinfer.engine import Engine
 from tinyinfer.errors import InvalidRequestError, KvCacheFullError
 from tinyinfer.sampling import SamplingParams
-from tinyinfer.prefix_cache import COPY_WAIT_TOKENS, common_prefix as _common_prefix, pages as _pages
+from tinyinfer.prefix_cache import COPY_WAIT_TOKENS, common_prefix as _common_prefix, pages_for as _pages
 from tinyinfer.scheduler import Scheduler
 
 

@@ -693,3 +693,36 @@ def test_warm_up_covers_the_half_octave_batch_sizes_past_128():
     Scheduler(eng).warm_up(prompt_tokens=16)
     assert [len(e[1]) for e in core.log if e[0] == "step"] == [1, 2, 4, 8, 16, 32, 64, 128, 192, 200]
     assert core.cache == {} and core.kv_pages_free == core.kv_pages_total
+
+
+def test_totals_histograms_put_each_value_in_its_bucket():
+    """totals.py's histograms (GET /metrics): a value goes in the first bucket whose upper bound is >= it."""
+    from tinyinfer.totals import Histogram, Totals
+
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 1.0, 7.0):
+        h.observe(v)
+    assert h.snapshot() == {"bounds": [0.1, 1.0], "counts": [2, 2, 1], "sum": 8.65}
+    t = Totals()
+    t.add("stop", 10, 4, 3, 0.02, 0.5)
+    t.add("error", 7, 0, 0, None, 0.01)
+    snap = t.snapshot()
+    assert snap["requests"] == {"stop": 1, "length": 0, "cancelled": 0, "error": 1}
+    assert (snap["prompt_tokens"], snap["cached_tokens"], snap["generated_tokens"]) == (17, 4, 3)
+    assert sum(snap["time_to_first_token"]["counts"]) == 1 and sum(snap["request_time"]["counts"]) == 2
+
+
+def test_metrics_count_each_end_once():
+    """Scheduler.metrics(): ended requests by finish reason (a cancel while queued included), their tokens."""
+    core, eng = _fake(max_batch=1)
+    sched = Scheduler(eng)
+    a = sched.submit([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    b = sched.submit([4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
+    b.cancel()  # (still queued behind a: one slot)
+    sched.wait_idle()
+    m = sched.metrics()
+    assert a.result().finish_reason == "length" and b.result().finish_reason == "cancelled"
+    assert m["requests"] == {"stop": 0, "length": 1, "cancelled": 1, "error": 0}
+    assert (m["prompt_tokens"], m["generated_tokens"]) == (5, 4)
+    assert sum(m["time_to_first_token"]["counts"]) == 1 and sum(m["request_time"]["counts"]) == 2
+    assert {"running", "waiting", "kv_pages_used", "kv_pages_total"} <= set(m)

@@ -177,3 +177,25 @@ def test_chunk_tokens_default_by_device():
         eng.close()
     assert Scheduler(Engine.from_core(FakeCore(), SimpleNamespace(vocab=50, eos_token_ids=[]), max_seq_len=512),
                      chunk_tokens=7).chunk_tokens == 7
+
+
+def test_metrics_without_prometheus_client_is_a_501(monkeypatch):
+    """GET /metrics needs the serve extra's prometheus_client; without it the route answers 501 naming it, and the
+    rest of the server serves on."""
+    import importlib.util
+
+    app, sched = _app(None)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "prometheus_client"
+                        else real(name, *a))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            r = await client.get("/metrics")
+            assert r.status_code == 501 and "prometheus_client" in r.json()["error"]["message"], r.text
+            assert (await client.get("/health")).status_code == 200
+
+    try:
+        asyncio.run(go())
+    finally:
+        sched.close()

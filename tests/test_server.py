@@ -137,6 +137,43 @@ def test_models_and_health(server, client):
     assert {"running", "waiting", "kv_pages_used"} <= set(h)
 
 
+def _metrics(server) -> dict:
+    """GET /metrics parsed with prometheus_client's own parser: {(sample name, labels without the model's): value}."""
+    parser = pytest.importorskip("prometheus_client.parser")  # (the test extra's; a bare GPU host may lack it)
+    text_string_to_metric_families = parser.text_string_to_metric_families
+
+    r = httpx.get(f"{server.url}/metrics", timeout=10)  # (open, as /health: no API key)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text[:200]
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for smp in fam.samples:
+            assert smp.labels.pop("model_name") == NAME
+            out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return out
+
+
+def test_metrics_count_what_was_served(client, server):
+    """GET /metrics (Prometheus): the gauges of /health, and counters and histograms that grow by exactly what one
+    request served (its finish reason, tokens in, cached and out, one time to first token, one request time)."""
+    server.wait_idle()
+    before = _metrics(server)
+    r = client.completions.create(model=NAME, prompt="Counting: one, two,", max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    server.wait_idle()
+    after = _metrics(server)
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
+    assert delta[("tinyinfer_requests_total", (("finish_reason", "length"),))] == 1
+    assert sum(v for (name, _), v in delta.items() if name == "tinyinfer_requests_total") == 1
+    assert delta[("tinyinfer_prompt_tokens_total", ())] == r.usage.prompt_tokens
+    assert delta[("tinyinfer_prompt_tokens_cached_total", ())] == cached
+    assert delta[("tinyinfer_generation_tokens_total", ())] == r.usage.completion_tokens == 5
+    for h in ("tinyinfer_time_to_first_token_seconds", "tinyinfer_request_seconds"):
+        assert delta[(h + "_count", ())] == 1 and delta[(h + "_sum", ())] > 0
+        assert delta[(h + "_bucket", (("le", "+Inf"),))] == 1
+    assert after[("tinyinfer_requests_running", ())] == 0 and after[("tinyinfer_kv_pages_total", ())] > 0
+
+
 def test_a_chats_next_turn_is_prefilled_from_the_cache(client, ref, server):
     """The prefix cache: the next turn's prompt starts with the last one and its answer, so only the rest is
     prefilled (usage.prompt_tokens_details.cached_tokens, as OpenAI reports it), and the answer is the engine's."""

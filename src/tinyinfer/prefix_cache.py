@@ -2,8 +2,9 @@
 the slots of ended requests, kept with the tokens their caches hold, least recently used first, and where each
 admitted prompt goes: into a kept slot rewound to the prefix it shares (seq_rewind), into a fresh slot given a
 running or kept slot's prefix (seq_copy), into the queue until a prefix it shares has been prefilled, or into a
-fresh slot. Bookkeeping only: the scheduler holds the engine's lock, makes the admission's core calls and counts
-the pages; the slots this closes go through core.seq_close."""
+fresh slot. The scheduler holds the engine's lock, makes the admission's core calls (seq_open, seq_rewind,
+seq_copy) and counts the pool's free pages; this keeps the slots, counts the pages they hold and closes those it
+evicts (core.seq_close)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ PREFIX_CACHE_CPU = 4
 COPY_WAIT_TOKENS = 32
 
 
-def pages(positions: int, page_size: int) -> int:
+def pages_for(positions: int, page_size: int) -> int:
     """The KV pages `positions` positions take."""
     return -(-positions // page_size)
 
@@ -64,7 +65,9 @@ class PrefixCache:
     def __init__(self, limit: int, page_size: int, copies: bool) -> None:
         self.limit, self.page_size, self.copies = limit, page_size, copies
         self.kept: OrderedDict[int, list[int]] = OrderedDict()
-        self.pages = 0  # the pages the kept slots hold (the scheduler's stats() read it without the engine's lock)
+        # the pages the kept slots hold: the scheduler's stats() reads it (and len()) without the engine's lock, one
+        # attribute load each under the GIL, as any int the scheduler keeps
+        self.pages = 0
 
     def __len__(self) -> int:
         return len(self.kept)
@@ -143,14 +146,14 @@ class PrefixCache:
         """An ended request's slot, holding `tokens`, becomes the most recently used; the least recently used beyond
         the limit are closed."""
         self.kept[slot] = tokens
-        self.pages += pages(len(tokens), self.page_size)
+        self.pages += pages_for(len(tokens), self.page_size)
         while len(self.kept) > self.limit:
             self.evict_lru(core)
 
     def take(self, slot: int) -> list[int]:
         """A kept slot leaves the cache (a request is admitted into it); returns the tokens it held."""
         tokens = self.kept.pop(slot)
-        self.pages -= pages(len(tokens), self.page_size)
+        self.pages -= pages_for(len(tokens), self.page_size)
         return tokens
 
     def touch(self, slot: int) -> None:

@@ -75,7 +75,8 @@ positions copied (seq_copy; llama.cpp's seq_cp): and while a running request sti
 shares (the same system prompt arriving together, the n choices of one request), the prompt waits for it rather
 than prefilling the same positions beside it (where that saves prefix_cache.COPY_WAIT_TOKENS or more: shorter
 prompts are prefilled side by side); requests behind it in the queue are admitted meanwhile (the choice:
-PrefixCache.plan in prefix_cache.py, which keeps the slots; the core calls and the pages are here). Kept slots
+PrefixCache.plan in prefix_cache.py, which keeps the slots; the admission's core calls and the pool's free pages
+are counted here). Kept slots
 give their slots and pages back, least recently used first, to any request or step that needs them (admission,
 a decode step's new page, the launch ahead) before anything else is done for want of them, and all at once to the
 single path on the GPU (its cache shares the pool), warm_up and close(). A sequence's numbers are those of a fresh
@@ -106,9 +107,10 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from .engine import CHUNK_TOKENS, Completion, Engine, Stats
 from .errors import InvalidRequestError, KvCacheFullError, QueueFullError, TinyInferError
 from .prefix_cache import PREFIX_CACHE_CPU, PrefixCache
-from .prefix_cache import pages as _pages
+from .prefix_cache import pages_for as _pages
 from .request import Delta, Request, TokenLogprob, merge_deltas, wake
 from .sampling import SamplingParams, TextAssembler
+from .totals import Totals
 from .trace import Trace
 
 if TYPE_CHECKING:
@@ -223,8 +225,9 @@ class Scheduler:
         self._state = threading.Condition()
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []  # admitted (holding a slot), oldest first
-        # the prefix cache (prefix_cache.py; touched only under the engine's lock): copies of a prefix between
-        # slots where the core has seq_copy
+        # the prefix cache (prefix_cache.py): changed under the engine's lock (the hand-over below under
+        # _sched_lock); stats() reads its page count and size without it. Copies of a prefix between slots where
+        # the core has seq_copy. (prefix_cache, its limit, is fixed here.)
         self._cache = PrefixCache(self.prefix_cache, self._page_size,
                                   copies=self.prefix_cache > 0 and hasattr(core, "seq_copy"))
         with engine._sched_lock:
@@ -232,6 +235,7 @@ class Scheduler:
             if prev is not None and prev._closed and len(prev._cache):
                 # slots its close() could not give back (the engine was busy in that thread): this one owns them
                 self._cache.take_over(prev._cache)
+        self._totals = Totals()  # what has been served (metrics())
         self._cancels: set[str] = set()
         self._live: dict[str, _Seq] = {}  # every request not yet ended, by id
         self._closed = False
@@ -283,6 +287,12 @@ class Scheduler:
         return {"running": self.running, "waiting": self.waiting, "kv_pages_used": self.kv_pages_used,
                 "kv_pages_total": self.kv_pages_total, "kv_pages_cached": self.kv_pages_cached,
                 "cached_sequences": len(self._cache)}
+
+    def metrics(self) -> dict:
+        """stats() and what has been served since the scheduler started (totals.py): requests by how they ended,
+        prompt, cached and generated tokens, histograms of the time to first token and of a request's time (a
+        server's GET /metrics)."""
+        return {**self.stats(), **self._totals.snapshot()}
 
     def _has_work_locked(self) -> bool:
         return bool(self._waiting or self._running or self._cancels)
@@ -378,6 +388,7 @@ class Scheduler:
 
     def _cancelled_waiting(self, seq: _Seq) -> None:
         """A request cancelled before it was admitted (taken off the queue already): its last Delta."""
+        self._count(seq, "cancelled")
         if self.trace is not None:
             self.trace.event("end", seq.request.id, 0, "cancelled")
         seq.request._put(Delta("", [], [] if seq.logprobs is not None else None, self._completion(seq, "cancelled")))
@@ -953,6 +964,7 @@ class Scheduler:
             if seq in self._running:
                 self._running.remove(seq)
             self._live.pop(seq.request.id, None)
+        self._count(seq, finish if error is None or isinstance(error, KvCacheFullError) else "error")
         if self.trace is not None:
             self.trace.event("end", seq.request.id, len(seq.generated), finish)
         if error is not None:
@@ -983,6 +995,11 @@ class Scheduler:
         for s in seqs:
             s.slot = None
             self._end(None, s, "error", error=error)
+
+    def _count(self, seq: _Seq, end: str) -> None:
+        now = time.perf_counter()
+        self._totals.add(end, len(seq.prompt), seq.cached, len(seq.generated),
+                         seq.t_first - seq.t_submit if seq.t_first else None, now - seq.t_submit)
 
     def _completion(self, seq: _Seq, finish: str) -> Completion:
         now = time.perf_counter()

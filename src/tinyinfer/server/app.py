@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP app over a Scheduler: GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
-GET /health.
+GET /health, GET /metrics (Prometheus).
 
     app = create_app(engine, scheduler, model_name="SmolLM2-135M-Instruct", api_key=None)
     uvicorn.run(app, host="127.0.0.1", port=8000)
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.util
 import inspect
 import json
 import logging
@@ -27,7 +28,7 @@ from typing import Any, AsyncIterator, Mapping, Optional
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -35,6 +36,7 @@ from ..errors import (ChatTemplateError, DeviceError, InvalidRequestError, KvCac
                       TokenizerError)
 from ..scheduler import Delta, merge_deltas
 from . import protocol as P
+from .metrics import render as render_metrics
 
 log = logging.getLogger("tinyinfer.server")
 
@@ -258,13 +260,25 @@ class Service:
                 "max_model_len": self.engine.max_seq_len}
 
     async def health(self) -> dict:
-        stats = self.scheduler.stats()
-        if inspect.isawaitable(stats):  # (an API worker asks the engine process)
+        return {"status": "ok", "model": self.model_name, **await self._ask(self.scheduler.stats)}
+
+    async def metrics(self) -> tuple[bytes, str]:
+        """GET /metrics's body and content type (server/metrics.py)."""
+        if importlib.util.find_spec("prometheus_client") is None:  # (the serve extra's: asked before the engine)
+            raise P.APIError(501, "GET /metrics needs prometheus_client: pip install 'tinyinfer[serve]'")
+        return render_metrics(await self._ask(self.scheduler.metrics), self.model_name)
+
+    @staticmethod
+    async def _ask(call) -> Any:
+        """A scheduler call's answer: at once in the engine's process; from an API worker, the engine process's
+        (a 503 where that process has ended)."""
+        value = call()
+        if inspect.isawaitable(value):
             try:
-                stats = await stats
-            except DeviceError as e:  # the engine process has ended
+                value = await value
+            except DeviceError as e:
                 raise P.APIError(503, str(e), code="engine_gone") from None
-        return {"status": "ok", "model": self.model_name, **stats}
+        return value
 
     # ---- prompts -> scheduler requests ----
 
@@ -506,6 +520,11 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
     @app.get("/health")
     async def health():
         return await svc.health()
+
+    @app.get("/metrics")
+    async def prometheus_metrics():  # (open, as /health: what runs and what was served, no request's content)
+        body, content_type = await svc.metrics()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models(request: Request):

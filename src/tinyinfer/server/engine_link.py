@@ -8,6 +8,7 @@ engine over one duplex pipe (multiprocessing.connection, pickled tuples):
                        ("watch", request_id, every)        # Request.batches(every) of the consumer
                        ("cancel", request_id)
                        ("stats", call_id)                  # /health
+                       ("metrics", call_id)                # /metrics
     engine -> worker   ("reply", call_id, error or None, value)
                        ("items", [(request_id, [Delta..., maybe the exception that failed it]), ...])
                        ("shutdown",)                       # stopping: new requests 503, stop when streams end
@@ -177,7 +178,7 @@ class EngineHub:
                         with self._cv:
                             link.live.pop(msg[2], None)
                         self._sched.cancel(msg[2])
-                    if msg and msg[0] in ("submit", "stats"):  # (the worker awaits an answer to these)
+                    if msg and msg[0] in ("submit", "stats", "metrics"):  # (the worker awaits an answer to these)
                         link.send(("reply", msg[1], portable(TinyInferError(f"{type(e).__name__}: {e}")), None))
 
     def _handle(self, link: Link, msg) -> None:
@@ -193,6 +194,8 @@ class EngineHub:
             self._sched.cancel(msg[1])
         elif kind == "stats":
             link.send(("reply", msg[1], None, self._sched.stats()))
+        elif kind == "metrics":
+            link.send(("reply", msg[1], None, self._sched.metrics()))
 
     def _submit(self, link: Link, call_id: int, request_id: str, prompt_ids: list, params) -> None:
         try:

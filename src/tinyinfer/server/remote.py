@@ -143,6 +143,9 @@ class RemoteScheduler:
     async def stats(self) -> dict:
         return await self._call("stats")
 
+    async def metrics(self) -> dict:
+        return await self._call("metrics")
+
     async def _call(self, kind: str, *args):
         if self._gone is not None:
             raise self._gone

@@ -292,6 +292,10 @@ def test_decode_out_of_pages_ends_the_youngest_with_kv_cache_full():
             items.append(d)
     assert [t for d in items for t in d.token_ids] == part.token_ids
     assert core.cache == {}
+    # out of pages is a "length" end (as its client is told), counted once; the tokens of both requests
+    m = sched.metrics()
+    assert m["requests"] == {"stop": 0, "length": 2, "cancelled": 0, "error": 0}
+    assert m["generated_tokens"] == 14 + len(part.token_ids)
 
 
 def test_a_prompt_in_prefill_goes_back_to_the_queue_when_decode_needs_its_pages():
@@ -308,6 +312,7 @@ def test_a_prompt_in_prefill_goes_back_to_the_queue_when_decode_needs_its_pages(
     # a opened; b opened, put back (closed) while a decodes; a ends; b admitted again
     assert [c[0] for c in core.log if c[0] in ("open", "close")] == ["open", "open", "close", "close", "open", "close"]
     assert core.cache == {}
+    assert sched.metrics()["requests"]["length"] == 2  # (b's trip back to the queue is not an end)
 
 
 @pytest.mark.parametrize("overlap", [True, False])  # interrupted in the launch ahead / in step 3's seq_step
@@ -332,6 +337,7 @@ def test_a_failing_core_call_fails_its_requests_only(overlap):
     sched.wait_idle()
     assert b.result().token_ids == _alone(P[2], 3)
     assert core.cache == {}
+    assert sched.metrics()["requests"] == {"stop": 0, "length": 1, "cancelled": 0, "error": 1}
 
 
 def test_queue_limit_ids_and_arguments():
@@ -726,3 +732,24 @@ def test_metrics_count_each_end_once():
     assert (m["prompt_tokens"], m["generated_tokens"]) == (5, 4)
     assert sum(m["time_to_first_token"]["counts"]) == 1 and sum(m["request_time"]["counts"]) == 2
     assert {"running", "waiting", "kv_pages_used", "kv_pages_total"} <= set(m)
+
+
+def test_a_request_ends_once():
+    """Two threads failing the same live requests (_fail_all from two step() callers of a closed engine) end each
+    once: one error to its consumer, one count, its slot closed once."""
+    core, eng = _fake(max_batch=2)
+    sched = Scheduler(eng)
+    r = sched.submit([1, 2, 3], SamplingParams(max_tokens=50))
+    sched.step()
+    seq = sched._live[r.id]
+    err = InvalidRequestError("the engine went away")
+    with eng._exclusive():
+        sched._end(core, seq, "error", error=err)
+        sched._end(core, seq, "error", error=err)
+    assert sched.metrics()["requests"]["error"] == 1 and [c for c in core.log if c[0] == "close"] == [("close", 0)]
+    with pytest.raises(InvalidRequestError, match="went away"):
+        r.result()
+    items = []
+    while not r._items.empty():
+        items.append(r._items.get_nowait())
+    assert items.count(err) == 1

@@ -163,15 +163,15 @@ def test_metrics_count_what_was_served(client, server):
     after = _metrics(server)
     delta = {k: after[k] - before.get(k, 0) for k in after}
     cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
-    assert delta[("tinyinfer_requests_total", (("finish_reason", "length"),))] == 1
+    assert delta[("tinyinfer_requests_total", (("finished_reason", "length"),))] == 1
     assert sum(v for (name, _), v in delta.items() if name == "tinyinfer_requests_total") == 1
     assert delta[("tinyinfer_prompt_tokens_total", ())] == r.usage.prompt_tokens
     assert delta[("tinyinfer_prompt_tokens_cached_total", ())] == cached
     assert delta[("tinyinfer_generation_tokens_total", ())] == r.usage.completion_tokens == 5
-    for h in ("tinyinfer_time_to_first_token_seconds", "tinyinfer_request_seconds"):
+    for h in ("tinyinfer_time_to_first_token_seconds", "tinyinfer_e2e_request_latency_seconds"):
         assert delta[(h + "_count", ())] == 1 and delta[(h + "_sum", ())] > 0
         assert delta[(h + "_bucket", (("le", "+Inf"),))] == 1
-    assert after[("tinyinfer_requests_running", ())] == 0 and after[("tinyinfer_kv_pages_total", ())] > 0
+    assert after[("tinyinfer_requests_running", ())] == 0 and after[("tinyinfer_kv_pages_capacity", ())] > 0
 
 
 def test_a_chats_next_turn_is_prefilled_from_the_cache(client, ref, server):

@@ -950,7 +950,11 @@ class Scheduler:
     def _end(self, core, seq: _Seq, finish: str, *, error: Optional[BaseException] = None, piece: str = "",
              last_ids: Sequence[int] = (), last_lp: Optional[list] = None) -> None:
         """The request ends: its slot is closed now (or kept by the prefix cache, holding what ran: its cache is
-        sound unless an error ended it), then its last Delta (or its error) is pushed."""
+        sound unless an error ended it), then its last Delta (or its error) is pushed. Once: a request already
+        ended (two threads failing the same live requests: _fail_all) is left as it is."""
+        with self._state:
+            if self._live.get(seq.request.id) is not seq:
+                return
         if seq.slot is not None:
             slot, seq.slot = seq.slot, None
             if error is None and self.prefix_cache > 0 and seq.length > 0:

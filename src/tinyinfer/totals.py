@@ -1,7 +1,9 @@
 """What a scheduler has served since it started (Scheduler.metrics(); a server's GET /metrics): requests by how
 they ended, prompt / cached / generated tokens, and histograms of the time to first token and of a request's
-whole time, as vLLM's and llama.cpp's servers export them. Added to as each request ends (on the scheduler's
-thread, or a cancel's for a request still queued) and read from any thread, so it has a lock of its own."""
+whole time, as vLLM's and llama.cpp's servers export them. Added to as each request ends (on whichever thread
+ends it: a step's, a cancel's for a request still queued, close()'s) and read from any thread, so it has a lock of
+its own. Each of a request's n choices is one request; a request out of KV pages ends as "length" (what its client
+is told, with the error); a prompt's tokens count when its request ends, prefilled or not."""
 
 from __future__ import annotations
 

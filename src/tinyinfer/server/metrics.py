@@ -22,13 +22,13 @@ def render(m: dict, model: str) -> tuple[bytes, str]:
                                ("requests_waiting", "waiting", "Requests queued for a slot or KV pages."),
                                ("kv_pages_used", "kv_pages_used", "KV pages the requests hold."),
                                ("kv_pages_cached", "kv_pages_cached", "KV pages the prefix cache's slots hold."),
-                               ("kv_pages_total", "kv_pages_total", "KV pages in the pool."),
+                               ("kv_pages_capacity", "kv_pages_total", "KV pages in the pool."),
                                ("cached_sequences", "cached_sequences", "Ended requests' caches kept for reuse.")):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
             g.add_metric([model], m[key])
             yield g
-        c = CounterMetricFamily(PREFIX + "requests", "Requests ended, by finish reason ('error': failed).",
-                                labels=labels + ["finish_reason"])
+        c = CounterMetricFamily(PREFIX + "requests", "Requests ended, by finish reason ('length' includes out of KV "
+                                "pages, 'error' any other failure).", labels=labels + ["finished_reason"])
         for reason, n in sorted(m["requests"].items()):
             c.add_metric([model, reason], n)
         yield c
@@ -41,7 +41,8 @@ def render(m: dict, model: str) -> tuple[bytes, str]:
             yield c
         for name, key, doc in (("time_to_first_token_seconds", "time_to_first_token",
                                 "Seconds from a request's submission to its first token."),
-                               ("request_seconds", "request_time", "Seconds from a request's submission to its end.")):
+                               ("e2e_request_latency_seconds", "request_time",
+                                "Seconds from a request's submission to its end.")):
             h = m[key]
             cumulative, buckets = 0, []
             for bound, n in zip([*map(str, h["bounds"]), "+Inf"], h["counts"]):

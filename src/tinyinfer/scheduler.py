@@ -652,8 +652,8 @@ class Scheduler:
         ahead = 0  # requests left at the head of the queue, each waiting for a prefix in flight to copy
         while len(self._running) < self.max_batch:
             with self._state:
-                if len(self._waiting) <= ahead:
-                    return
+                if len(self._waiting) <= ahead or ahead >= self.max_batch:  # (a burst sharing a prefix: the scan
+                    return  # stops after a batch's worth of waiting ones, each planned again at every step)
                 seq = self._waiting[ahead]
                 kind, src, cached = self._cache.plan(seq.prompt, self._running, int(core.max_batch))
                 if kind == "wait":

@@ -8,8 +8,8 @@
 
 Prompts are synthetic token ids (so any model works, tokenizer or not) of mixed lengths (--prompt-lens, drawn
 per request from a seeded RNG; --shared-prefix N puts the same N tokens before each prompt of a level: a system
-prompt the server has not seen before that level, the prefix cache's case); every request asks for exactly --max-tokens tokens (ignore_eos), streamed from
-/v1/completions with the usage chunk. Each client sends --rounds requests one after another. TTFT: request sent
+prompt the server has not seen before that level, the prefix cache's case); every request asks for exactly
+--max-tokens tokens (ignore_eos), streamed from /v1/completions with the usage chunk. Each client sends --rounds requests one after another. TTFT: request sent
 -> first streamed chunk; ITL: the gaps between a request's later chunks (a chunk holds the tokens of one step, or
 of several when the server streams at an interval: `tok/chunk`); throughput: all completion tokens / the level's
 wall time (from the first request sent, the server already up and warm, to the last stream's end). The clients
@@ -98,8 +98,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                 cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     if not stamps:
         return {"error": "no token chunks"}
-    return {"ttft": stamps[0] - t0, "itl": list(np.diff(stamps)), "tokens": tokens, "prompt": len(prompt), "cached": cached,
-            "chunks": len(stamps), "id": rid, "t_sent": t0, "t_done": time.perf_counter()}
+    return {"ttft": stamps[0] - t0, "itl": list(np.diff(stamps)), "tokens": tokens, "prompt": len(prompt),
+            "cached": cached, "chunks": len(stamps), "id": rid, "t_sent": t0, "t_done": time.perf_counter()}
 
 
 def _prompts(concurrency: int, rounds: int, lens: list[int], seed: int, shared: int = 0) -> list[list[int]]:

@@ -254,14 +254,14 @@ void bind_engines(nb::module_& m) {
       "slot"_a, "The slot's current logits, float32 (vocab) (empty before its first prefill): the reference's "
       "window for tests.");
 
-  // The paged KV cache's host bookkeeping (cpp/gpu/kv_pages.h: plain C++, in every build), for its CPU tests and
-  // a later scheduler.
+  // The paged KV cache's host bookkeeping (cpp/gpu/kv_pages.h: plain C++, in every build), for its CPU tests.
   nb::class_<ti::KvPagePool>(m, "KvPagePool", "A pool of KV-cache page ids with a free list.")
       .def(nb::init<int64_t, int, uint64_t>(), "n_pages"_a, "page_size"_a, "shuffle_seed"_a = 0)
       .def_prop_ro("page_size", &ti::KvPagePool::page_size)
       .def_prop_ro("n_pages", &ti::KvPagePool::n_pages)
       .def_prop_ro("free_pages", &ti::KvPagePool::free_pages)
-      .def("pages_for", &ti::KvPagePool::pages_for, "positions"_a);
+      .def("pages_for", &ti::KvPagePool::pages_for, "positions"_a)
+      .def("refs", &ti::KvPagePool::refs, "page"_a, "How many sequences hold the page (0: free).");
   nb::class_<ti::KvSequence>(m, "KvSequence", "One sequence's page table over a KvPagePool.")
       .def(nb::init<const ti::KvPagePool&, int64_t>(), "pool"_a, "max_positions"_a)
       .def("grow", &ti::KvSequence::grow, "pool"_a, "positions"_a,
@@ -269,6 +269,12 @@ void bind_engines(nb::module_& m) {
       .def("release", &ti::KvSequence::release, "pool"_a)
       .def("shrink", &ti::KvSequence::shrink, "pool"_a, "positions"_a,
            "Keep the pages of positions [0, positions); the rest back to the pool.")
+      .def("share", &ti::KvSequence::share, "pool"_a, "src"_a, "pages"_a,
+           "Give its pages back, then hold src's first `pages` pages too (nothing copied).")
+      .def("unshare", &ti::KvSequence::unshare, "pool"_a, "j"_a,
+           "Entry j made its own page where others hold it too: the page it held (to copy from), or -1.")
+      .def("owned_pages", &ti::KvSequence::owned_pages, "pool"_a, "start"_a = 0,
+           "Of its pages from table entry `start` on, those no other sequence holds.")
       .def_prop_ro("table", &ti::KvSequence::table)
       .def_prop_ro("max_pages", &ti::KvSequence::max_pages);
 

@@ -53,7 +53,11 @@ inline void bind_sequences(Cls& cls) {
           "Keep the slot's first len(tokens) positions, which hold `tokens` (the CPU engine checks; the GPU's "
           "does not keep them), and forget the rest: their pages, the logits (a seq_prefill must follow) and the "
           "history, which restarts as `tokens`, as prompt. The scheduler's prefix cache: a new request in the slot "
-          "of an ended one whose tokens its prompt starts with.")
+          "of an ended one whose tokens its prompt starts with. Cut inside a KV page another slot shares (seq_copy), "
+          "that page is copied into one of the slot's own first.")
+      .def("seq_rewind_frees", &E::seq_rewind_frees, "slot"_a, "n"_a,
+           "How many KV pages seq_rewind(slot, n tokens) would free: those past n no other slot shares, less one "
+           "where position n's page is shared and must be copied (the scheduler's page accounting).")
       .def(
           "seq_copy",
           [](E& e, int64_t dst, int64_t src, const std::vector<int64_t>& tokens) {
@@ -62,9 +66,16 @@ inline void bind_sequences(Cls& cls) {
           },
           "dst"_a, "src"_a, "tokens"_a,
           "Slot dst (open, not src) drops what it held and takes src's first len(tokens) positions, which hold "
-          "`tokens` (the CPU engine checks): their keys and values copied into pages of its own, no logits (a "
+          "`tokens` (the CPU engine checks): the KV pages wholly below len(tokens) shared with src (read by both, "
+          "written by neither), the last, partly filled one copied into a page of its own; no logits (a "
           "seq_prefill must follow), its history `tokens` as prompt. The scheduler's prefix cache: a request "
           "sharing a prefix with one still running, or with a kept slot it should not cut short.")
+      .def(
+          "kv_pages_held_by",
+          [](const E& e, const std::vector<int64_t>& slots) {
+            return e.kv_pages_held_by(slots.data(), (int64_t)slots.size());
+          },
+          "slots"_a, "The KV pages only these slots hold (closing them all would free them).")
       .def(
           "seq_prefill",
           [](E& e, int64_t slot, const std::vector<int64_t>& tokens) {

@@ -52,6 +52,48 @@ def test_two_sequences_share_a_pool_without_sharing_pages():
     assert pool.free_pages == 1
 
 
+def test_shared_pages_are_counted_and_freed_by_their_last_holder():
+    """share(): another sequence's first pages held too (seq_copy's prefix); a page is free once no table holds
+    it; unshare() swaps a shared entry for a fresh page (the caller copies the old one's contents into it)."""
+    pool = _core.KvPagePool(8, 64)
+    a, b, c = (_core.KvSequence(pool, 1000) for _ in range(3))
+    a.grow(pool, 200)  # pages 0..3
+    b.grow(pool, 10)  # page 4: given back by share
+    b.share(pool, a, 2)
+    assert b.table == [0, 1] and pool.free_pages == 4 and [pool.refs(p) for p in range(6)] == [2, 2, 1, 1, 0, 0]
+    assert a.owned_pages(pool) == 2 and a.owned_pages(pool, 3) == 1 and b.owned_pages(pool) == 0
+    assert b.grow(pool, 129) == 2 and b.table == [0, 1, 4]  # b's own third page
+    c.share(pool, b, 3)
+    assert [pool.refs(p) for p in (0, 1, 4)] == [3, 3, 2]
+    assert b.unshare(pool, 2) == 4 and b.table == [0, 1, 5] and pool.refs(4) == 1 and pool.refs(5) == 1
+    assert b.unshare(pool, 2) == -1  # its own already
+    a.release(pool)
+    assert pool.free_pages == 4  # 2 and 3 back; 0, 1 (b, c), 4 (c), 5 (b) held
+    b.shrink(pool, 64)
+    assert b.table == [0] and pool.refs(1) == 1 and pool.refs(5) == 0
+    c.release(pool)
+    b.release(pool)
+    assert pool.free_pages == 8 and all(pool.refs(p) == 0 for p in range(8))
+
+
+def test_sharing_refusals_change_nothing():
+    pool = _core.KvPagePool(3, 64)
+    a, b = _core.KvSequence(pool, 1000), _core.KvSequence(pool, 100)
+    a.grow(pool, 192)
+    for bad, match in [((pool, a, 4), "cannot share 4 pages"), ((pool, a, -1), "cannot share -1"),
+                       ((pool, a, 3), "this one may hold 2")]:
+        with pytest.raises(InvalidRequestError, match=match):
+            b.share(*bad)
+    with pytest.raises(InvalidRequestError, match="cannot share its own"):
+        a.share(pool, a, 1)
+    b.share(pool, a, 2)
+    with pytest.raises(InvalidRequestError, match="none of the 3 is free"):
+        b.unshare(pool, 1)  # (the pool is full)
+    with pytest.raises(InvalidRequestError, match="no table entry 2"):
+        b.unshare(pool, 2)
+    assert b.table == [0, 1] and a.table == [0, 1, 2] and pool.refs(1) == 2 and pool.free_pages == 0
+
+
 def test_shuffled_pool_scatters_pages_reproducibly():
     def order(seed):
         pool = _core.KvPagePool(50, 64, seed)

@@ -286,8 +286,9 @@ def test_gpu_next_turns_from_the_cache(tmp_path):
             assert sched.stats()["cached_sequences"] == 0
             j = next((i for i in range(16) if g.token_ids[i] != alone[i]), 16)
             assert j == 16 or near_tie(e, g.prompt_token_ids + alone[:j]), (j, g.token_ids, alone)
-        e.generate(firsts, sp)  # kept again: 1 + 3 + 6 pages of the 12
-        assert sched.stats()["kv_pages_cached"] == 10
+        e.generate(firsts, sp)  # kept again: 1 + 3 + 6 pages of the 12, less those their copies share
+        held = e._core.kv_pages_total - e._core.kv_pages_free
+        assert sched.stats()["kv_pages_cached"] == held and 3 <= held < 10
         long = e.generate([e.tokenize("x" * 250)] * 2, SamplingParams(max_tokens=100, ignore_eos=True))
         assert [len(c.token_ids) for c in long] == [100, 100]  # (6 pages each: all 12, the kept ones' given back)
         sched.reset_prefix_cache()
@@ -350,8 +351,11 @@ def _copy_cases(core, make_tokens):
             core.seq_copy(*bad)
         assert core.seq_length(b) == 5 and core.kv_pages_free == free
     core.seq_copy(b, a, prompt[:100])
-    assert core.seq_length(b) == 100 and core.kv_pages_free == free + 1 - 2  # (b's page back, two taken)
-    core.seq_close(a)  # (b holds copies, not a's pages)
+    # b's page back; positions 0..63 shared with a, 64..99 copied into a page of its own
+    assert core.seq_length(b) == 100 and core.kv_pages_free == free + 1 - 1
+    assert core.kv_pages_held_by([a]) == 2 and core.kv_pages_held_by([b]) == 1 and core.kv_pages_held_by([a, b]) == 4
+    core.seq_close(a)  # (b still holds their shared page: two of a's three come back)
+    assert core.kv_pages_free == free + 2 and core.kv_pages_held_by([b]) == 2
     core.seq_prefill(b, prompt[100:])
     pairs = [(core.seq_logits(b), core.seq_logits(c))]
     # the history: the copied prefix counts as prompt for the repetition penalty (a strong one moves the pick)
@@ -373,9 +377,41 @@ def _copy_cases(core, make_tokens):
     return pairs
 
 
+def _unshare_cases(core, make_tokens):
+    """A slot cut back inside a page it shares (seq_copy's) and prefilled anew writes into a copy of that page of
+    its own: the slot sharing it keeps its keys and values (`same` pairs of logits against fresh prefills), and
+    seq_rewind_frees says what each rewind gives back."""
+    prompt, other = make_tokens(140), make_tokens(160)[140:]
+    a, b, ref, ref_a = core.seq_open(), core.seq_open(), core.seq_open(), core.seq_open()
+    core.seq_prefill(a, prompt[:130])  # pages 0, 1 full, 2 partly
+    core.seq_copy(b, a, prompt[:129])  # 0, 1 shared; 2 copied
+    assert core.kv_pages_held_by([a, b]) == 4
+    for n, frees in [(130, 0), (128, 1), (100, 0), (64, 1), (0, 1)]:  # (a's page 2 its own; 0 and 1 shared)
+        assert core.seq_rewind_frees(a, n) == frees, n
+    with pytest.raises(InvalidRequestError, match="cannot keep 131"):
+        core.seq_rewind_frees(a, 131)
+    free = core.kv_pages_free
+    core.seq_rewind(a, prompt[:70])  # inside page 1: its own copy of it (page 2 back, one taken)
+    assert core.kv_pages_free == free and core.kv_pages_held_by([a]) == 1 and core.kv_pages_held_by([b]) == 2
+    core.seq_prefill(a, other)  # positions 70..89 of a's copy, not b's page
+    core.seq_prefill(b, prompt[129:])
+    core.seq_prefill(ref, prompt)
+    core.seq_prefill(ref_a, prompt[:70] + other)
+    pairs = [(core.seq_logits(b), core.seq_logits(ref)), (core.seq_logits(a), core.seq_logits(ref_a))]
+    free = core.kv_pages_free
+    core.seq_rewind(b, prompt[:64])  # a page boundary: nothing shared to copy; page 1 and 2 back
+    assert core.kv_pages_free == free + 2
+    core.seq_prefill(b, prompt[64:])
+    pairs.append((core.seq_logits(b), core.seq_logits(ref)))
+    for s in (a, b, ref, ref_a):
+        core.seq_close(s)
+    assert core.kv_pages_free == core.kv_pages_total
+    return pairs
+
+
 def test_cpu_seq_copy_equals_a_fresh_prefill(store):
     core = _core.CpuEngine(store, MAX_SEQ, 2, 4)
-    for got, want in _copy_cases(core, lambda n: _ids(7, n)):
+    for got, want in _copy_cases(core, lambda n: _ids(7, n)) + _unshare_cases(core, lambda n: _ids(8, n)):
         assert np.array_equal(got, want)
     a, b = core.seq_open(), core.seq_open()
     core.seq_prefill(a, [1, 2, 3])
@@ -399,7 +435,8 @@ def test_gpu_seq_copy_equals_a_fresh_prefill(tmp_path, shuffle):
     with Engine(d, device="cuda", max_seq_len=1024, cuda_options=opts) as e:
         core = e._core
         e.scheduler.reset_prefix_cache()
-        for got, want in _copy_cases(core, lambda n: [int(t) for t in np.random.default_rng(3).integers(0, 300, n)]):
+        toks = lambda n: [int(t) for t in np.random.default_rng(3).integers(0, 300, n)]  # noqa: E731
+        for got, want in _copy_cases(core, toks) + _unshare_cases(core, lambda n: toks(n)[::-1]):
             assert np.abs(got - want).max() <= 3e-3 * np.abs(want).max()
         a, big, b, c = core.seq_open(), core.seq_open(), core.seq_open(), core.seq_open()
         core.seq_prefill(a, list(range(1, 60)))  # one page
@@ -486,6 +523,102 @@ class CopyCore(RewindCore):
             raise InvalidRequestError("seq_copy: out of KV pages")
         self.cache[dst] = list(tokens)
         self.log.append(("copy", dst, src, len(tokens)))
+
+
+class SharedPagesCore(CopyCore):
+    """CopyCore with the engines' pages (cpp/gpu/kv_pages.h): a pool of page ids, each held by one or more slots'
+    tables. seq_copy shares the whole pages of the prefix and copies the last, partly filled one; seq_rewind cut
+    inside a shared page copies it; a page is free once no table holds it (kv_pages_held_by, seq_rewind_frees)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.tables: dict[int, list[int]] = {}
+        self.refs = [0] * self.kv_pages_total
+        self.free_ids = list(range(self.kv_pages_total))[::-1]
+
+    @property
+    def kv_pages_free(self) -> int:
+        return len(self.free_ids) - self.single - self.held
+
+    def _take(self) -> int:
+        if self.kv_pages_free < 1:
+            raise InvalidRequestError("out of KV pages")
+        p = self.free_ids.pop()
+        self.refs[p] = 1
+        return p
+
+    def _drop(self, slot: int, keep: int) -> None:
+        while len(self.tables[slot]) > keep:
+            p = self.tables[slot].pop()
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free_ids.append(p)
+
+    def _grow(self, slots_tokens) -> None:
+        ps = self.kv_page_size
+        need = sum(_pages(len(self.cache[s]) + len(t), ps) - len(self.tables[s]) for s, t in slots_tokens)
+        if need > self.kv_pages_free:
+            raise InvalidRequestError("out of KV pages")
+        for s, t in slots_tokens:
+            assert len(self.cache[s]) % ps == 0 or self.refs[self.tables[s][-1]] == 1, "a write into a shared page"
+            self.cache[s] += t
+            while len(self.tables[s]) < _pages(len(self.cache[s]), ps):
+                self.tables[s].append(self._take())
+
+    def seq_open(self) -> int:
+        slot = super().seq_open()
+        self.tables[slot] = []
+        return slot
+
+    def seq_close(self, slot: int) -> None:
+        super().seq_close(slot)
+        self._drop(slot, 0)
+
+    def _cut_frees(self, slot: int, n: int) -> tuple[int, bool]:
+        ps, t = self.kv_page_size, self.tables[slot]
+        return sum(self.refs[p] == 1 for p in t[_pages(n, ps):]), n % ps != 0 and self.refs[t[n // ps]] > 1
+
+    def seq_rewind_frees(self, slot: int, n: int) -> int:
+        if not 0 <= n <= len(self.cache[slot]):
+            raise InvalidRequestError("seq_rewind_frees: bad n")
+        frees, copies = self._cut_frees(slot, n)
+        return frees - copies
+
+    def seq_rewind(self, slot: int, tokens: list[int]) -> None:
+        n = len(tokens)
+        if not self.fail_rewind and self.cache[slot][:n] == list(tokens) and n <= len(self.cache[slot]):
+            frees, copies = self._cut_frees(slot, n)
+            if copies and self.kv_pages_free + frees < 1:
+                raise InvalidRequestError("seq_rewind: out of KV pages")
+        super().seq_rewind(slot, tokens)  # (its checks, the tokens)
+        self._drop(slot, _pages(n, self.kv_page_size))
+        j = n // self.kv_page_size
+        if n % self.kv_page_size and self.refs[self.tables[slot][j]] > 1:
+            self.refs[self.tables[slot][j]] -= 1
+            self.tables[slot][j] = self._take()
+
+    def seq_copy(self, dst: int, src: int, tokens: list[int]) -> None:
+        n, ps = len(tokens), self.kv_page_size
+        if self.fail_copy or dst == src or self.cache[src][:n] != list(tokens) or dst not in self.cache:
+            raise InvalidRequestError("seq_copy: refused")
+        owned = sum(self.refs[p] == 1 for p in self.tables[dst])
+        if n % ps and self.kv_pages_free + owned < 1:
+            raise InvalidRequestError("seq_copy: out of KV pages")
+        self._drop(dst, 0)
+        self.tables[dst] = list(self.tables[src][:n // ps])
+        for p in self.tables[dst]:
+            self.refs[p] += 1
+        if n % ps:
+            self.tables[dst].append(self._take())
+        self.cache[dst] = list(tokens)
+        self.log.append(("copy", dst, src, n))
+
+    def kv_pages_held_by(self, slots: list[int]) -> int:
+        held: dict[int, int] = {}
+        for s in slots:
+            for p in self.tables[s]:
+                held[p] = held.get(p, 0) + 1
+        return sum(c == self.refs[p] for p, c in held.items())
 
 
 def _copy_sched(**kw) -> tuple[CopyCore, Scheduler]:
@@ -576,19 +709,22 @@ def test_the_plan_equals_its_brute_force():
     assert seen == {"fresh", "rewind", "copy", "wait"}
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["copied-pages", "shared-pages"])
 @pytest.mark.parametrize("seed", range(24))
-def test_traffic_with_copies_against_no_cache(seed):
-    """Random traffic on the test double with copies (CopyCore): submits and cancels between steps, few slots and
-    pages, every scheduling mode, copies refused in some runs. Every run drains (nothing waits forever), the pages
-    add up, and each request that ran to its end sampled what it samples with the cache off (the double samples
-    from what its cache holds, so a wrong copy or rewind changes the tokens)."""
+def test_traffic_with_copies_against_no_cache(seed, shared):
+    """Random traffic on the test doubles with copies (CopyCore; SharedPagesCore, whose copies share pages as the
+    engines' do): submits and cancels between steps, few slots and pages, every scheduling mode, copies refused in
+    some runs. Every run drains (nothing waits forever), the pages add up, no write lands in a shared page, and
+    each request that ran to its end sampled what it samples with the cache off (the double samples from what its
+    cache holds, so a wrong copy or rewind changes the tokens)."""
     rng = np.random.default_rng(1000 + seed)
     pick = lambda xs: xs[int(rng.integers(0, len(xs)))]  # noqa: E731
     mb, pages, chunk, pc = pick([1, 2, 3, 4, 6]), pick([12, 20, 40, 200]), pick([4, 16, 48]), pick([1, 2, 8])
     overlap, mixed = pick([(True, True), (True, False), (False, False)])
 
     def make(prefix_cache):
-        core = CopyCore(max_batch=mb, page_size=4, pages=pages, vocab=60)
+        core = (SharedPagesCore if shared and prefix_cache else CopyCore)(max_batch=mb, page_size=4, pages=pages,
+                                                                          vocab=60)
         eng = Engine.from_core(core, SimpleNamespace(vocab=60, eos_token_ids=[]), max_seq_len=512)
         return core, Scheduler(eng, prefix_cache=prefix_cache, overlap=overlap, mixed_steps=mixed, chunk_tokens=chunk)
 

@@ -69,13 +69,18 @@ class CpuEngine {
   int64_t seq_length(int64_t slot) const;  // positions in its cache
   // Keeps the first n positions of the slot's cache, which must hold tokens[0..n) (else a Request error, nothing
   // changed), and forgets the rest: their pages, the logits (a prefill must follow before a step or a sample) and
-  // the history, which restarts as those n tokens, as prompt (a new request reusing a cached prefix).
+  // the history, which restarts as those n tokens, as prompt (a new request reusing a cached prefix). Cut inside a
+  // page another slot shares, the slot gets a copy of that page of its own first.
   void seq_rewind(int64_t slot, const int32_t* tokens, int64_t n);
+  // What seq_rewind(slot, n) would change kv_pages_free by (the GPU engine's accounting, the same here).
+  int64_t seq_rewind_frees(int64_t slot, int64_t n) const;
   // dst (open, another slot) drops what it held and takes the first n positions of src's cache, which must hold
-  // tokens[0..n) (else a Request error, nothing changed): their keys and values copied, no logits (a prefill must
-  // follow), its history those n tokens as prompt. A request sharing a prefix with one still running (the
-  // scheduler's prefix cache; llama.cpp's seq_cp).
+  // tokens[0..n) (else a Request error, nothing changed): the pages wholly below n shared with src, the last,
+  // partly filled one copied; no logits (a prefill must follow), its history those n tokens as prompt. A request
+  // sharing a prefix with one still running (the scheduler's prefix cache; llama.cpp's seq_cp).
   void seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_t n);
+  // The pages only these slots hold (what closing them all would free): the prefix cache's kept slots' share.
+  int64_t kv_pages_held_by(const int64_t* slots, int64_t n) const;
   // A prompt chunk at seq_length(slot)..: fills the cache, keeps the last token's logits as the slot's logits and
   // adds the tokens to its history as prompt.
   void seq_prefill(int64_t slot, const int32_t* tokens, int64_t n);
@@ -95,7 +100,8 @@ class CpuEngine {
   // The slot's logits after its last token (vocab floats; empty before its first prefill). The reference
   // engine's window for tests: the batched numbers checked bit for bit against the single sequence's.
   const std::vector<float>& seq_logits(int64_t slot) const { return open_slot(slot).logits; }
-  // KV pages of kv_page_size() positions. A slot holds ceil(seq_length / page) of them, allocated as it grows;
+  // KV pages of kv_page_size() positions. A slot holds ceil(seq_length / page) of them, allocated as it grows
+  // (those it shares with another slot, seq_copy's, counted once);
   // the total is what max_batch slots of max_seq_len would hold, max_batch * ceil(max_seq_len / page), so the
   // CPU never runs out before max_seq_len (its pages come from the heap, not a fixed pool). The single
   // sequence's cache is not counted.
@@ -164,7 +170,7 @@ class CpuEngine {
   void check_batch(const char* what, const int64_t* slots, int64_t n) const;  // check_batch_slots over slots_
   void check_step(const char* what, const int64_t* slots, const int32_t* tokens, int64_t n) const;  // + ids, room
   std::vector<std::unique_ptr<Slot>> slots_;
-  int64_t slot_pages_ = 0;  // KV pages the slots hold
+  int64_t slot_pages_ = 0;  // KV pages the slots hold (each shared one once)
 };
 
 // ---- the operations, exposed for the kernel tests (each GPU kernel's CPU twin) ----

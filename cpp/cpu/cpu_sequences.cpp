@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <unordered_map>
 
 #include "../core/engine_checks.h"
 #include "../core/errors.h"
@@ -35,7 +36,7 @@ int64_t CpuEngine::seq_open() {
 }
 
 void CpuEngine::seq_close(int64_t slot) {
-  slot_pages_ -= open_slot(slot).kv.pages();
+  slot_pages_ -= open_slot(slot).kv.owned();  // (pages another slot shares stay held)
   slots_[(size_t)slot].reset();  // its cache, logits and history go with it
 }
 
@@ -49,12 +50,20 @@ void CpuEngine::seq_rewind(int64_t slot, const int32_t* tokens, int64_t n) {
                                  std::to_string(n) + " tokens");
   s.tokens.resize((size_t)n);
   const int64_t keep = KVCache::pages_for(n);
-  slot_pages_ -= s.kv.pages() - keep;
+  slot_pages_ -= s.kv.owned(keep);
   s.kv.k_pages.resize((size_t)keep);
   s.kv.v_pages.resize((size_t)keep);
+  if (n % kCpuKvPageSize != 0 && s.kv.unshare(keep - 1)) slot_pages_++;  // (its next write lands in that page)
   s.logits.clear();
   s.history.clear();
   for (int64_t t = 0; t < n; t++) s.history.add_prompt(tokens[t]);
+}
+
+int64_t CpuEngine::seq_rewind_frees(int64_t slot, int64_t n) const {
+  const Slot& s = open_slot(slot);
+  check_rewind(slot, n, (int64_t)s.tokens.size());
+  const int64_t keep = KVCache::pages_for(n);
+  return s.kv.owned(keep) - (n % kCpuKvPageSize != 0 && s.kv.shared(keep - 1) ? 1 : 0);
 }
 
 void CpuEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_t n) {
@@ -64,14 +73,35 @@ void CpuEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_
   if (!std::equal(tokens, tokens + n, s.tokens.begin()))
     fail(ErrorKind::Request, "seq_copy: slot " + std::to_string(src) + " does not hold those " + std::to_string(n) +
                                  " tokens");
-  const int64_t pages = KVCache::pages_for(n), before = d.kv.pages();  // (the last page partly: nothing reads past n)
-  d.kv.k_pages.assign(s.kv.k_pages.begin(), s.kv.k_pages.begin() + pages);
-  d.kv.v_pages.assign(s.kv.v_pages.begin(), s.kv.v_pages.begin() + pages);
-  slot_pages_ += pages - before;
+  // The whole pages below n shared (neither slot writes below its length), the last, partly filled one copied
+  const int64_t whole = n / kCpuKvPageSize;
+  slot_pages_ -= d.kv.owned();
+  d.kv.k_pages.assign(s.kv.k_pages.begin(), s.kv.k_pages.begin() + whole);
+  d.kv.v_pages.assign(s.kv.v_pages.begin(), s.kv.v_pages.begin() + whole);
+  if (n % kCpuKvPageSize != 0) {
+    d.kv.k_pages.push_back(std::make_shared<std::vector<float>>(*s.kv.k_pages[(size_t)whole]));
+    d.kv.v_pages.push_back(std::make_shared<std::vector<float>>(*s.kv.v_pages[(size_t)whole]));
+    slot_pages_++;
+  }
   d.tokens.assign(tokens, tokens + n);
   d.logits.clear();
   d.history.clear();
   for (int64_t t = 0; t < n; t++) d.history.add_prompt(tokens[t]);
+}
+
+int64_t CpuEngine::kv_pages_held_by(const int64_t* slots, int64_t n) const {
+  std::unordered_map<const void*, int64_t> holds;  // page -> how many of these slots hold it
+  for (int64_t i = 0; i < n; i++)
+    for (const KVCache::Page& p : open_slot(slots[i]).kv.k_pages) holds[p.get()]++;
+  int64_t only = 0;
+  for (int64_t i = 0; i < n; i++)  // (each page counted once: at its first holder among them, then forgotten)
+    for (const KVCache::Page& p : open_slot(slots[i]).kv.k_pages) {
+      auto it = holds.find(p.get());
+      if (it == holds.end()) continue;
+      only += it->second == p.use_count();
+      holds.erase(it);
+    }
+  return only;
 }
 
 void CpuEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {

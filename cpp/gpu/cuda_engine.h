@@ -83,16 +83,25 @@ class CudaEngine {
   void seq_close(int64_t slot);            // its pages back to the pool, its history cleared
   int64_t seq_length(int64_t slot) const;  // positions in its cache
   // Keeps the slot's first n positions, which hold tokens[0..n) (the caller's word: the device does not keep the
-  // tokens; the CPU engine checks them), and forgets the rest: the pages past them back to the pool, its logits (a
-  // prefill must follow), and its history, which restarts as those tokens, as prompt. Request error, nothing
-  // changed, when n is not in 0..seq_length(slot) or a token is out of range.
+  // tokens; the CPU engine checks them), and forgets the rest: the pages past them back to the pool (those no
+  // other slot shares), its logits (a prefill must follow), and its history, which restarts as those tokens, as
+  // prompt. Cut inside a page another slot shares, that page is copied into one of its own first. Request error,
+  // nothing changed, when n is not in 0..seq_length(slot), a token is out of range or that copy finds no page free.
   void seq_rewind(int64_t slot, const int32_t* tokens, int64_t n);
+  // What seq_rewind(slot, n) would change the free pages by: the pages it gives back, less the one a shared
+  // page's copy takes. Request error as seq_rewind for a bad slot or n. The scheduler's page accounting.
+  int64_t seq_rewind_frees(int64_t slot, int64_t n) const;
   // dst (open, another slot) drops what it held and takes src's first n positions, which hold tokens[0..n) (the
-  // caller's word, as seq_rewind): pages of its own with their keys and values copied on the stream (src may
-  // have work in flight: stream order), no logits (a prefill must follow), its history those tokens as prompt.
-  // Request error, nothing changed, when dst == src, n is not in 0..seq_length(src), a token is out of range or
-  // the pool lacks the pages. A request sharing a prefix with one still running (the scheduler's prefix cache).
+  // caller's word, as seq_rewind): the pages wholly below n shared with src (KvSequence::share: nothing copied;
+  // neither slot writes below its length), the last, partly filled one copied into a page of its own on the
+  // stream (src may have work in flight: stream order); no logits (a prefill must follow), its history those
+  // tokens as prompt. Request error, nothing changed, when dst == src, n is not in 0..seq_length(src), a token is
+  // out of range or that page finds none free. A request sharing a prefix with one still running or kept (the
+  // scheduler's prefix cache).
   void seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_t n);
+  // The pages only these slots hold (closing them all would free them): the prefix cache's kept slots' share of
+  // the pool. Request error for a slot out of range.
+  int64_t kv_pages_held_by(const int64_t* slots, int64_t n) const;
   // Prompt tokens at seq_length(slot)..: the batched prefill through the slot's page table; the last token's
   // logits become the slot's; the tokens join its history as prompt. Request error, nothing changed, when the
   // pages run out or max_seq_len would be passed. Returns once launched (the next syncing call waits).
@@ -206,6 +215,8 @@ class CudaEngine {
   int64_t default_pool_pages() const;      // CudaOptions::kv_pool_pages = 0 (see there)
   void check_slot(int64_t slot) const;     // open and in range, else a Request error (engine_checks.h)
   void slot_reserve(int64_t slot, int64_t positions);     // KvSequence::grow + the changed table entries uploaded
+  void upload_table(int64_t slot, int64_t first);         // the slot's table entries first.. to its device row
+  void copy_page(int32_t from, int32_t to);               // a KV page's keys and values, every layer, on the stream
   void prefill_by_token(int64_t slot, const int32_t* tokens, int64_t n);  // (no batched prefill)
   void mark_prompt(int64_t slot, const int32_t* tokens, int64_t n);       // the prompt into the penalty set
   // rows (token, position, slot) of one batched step, padded to the bucket; the bucket's graph (captured on

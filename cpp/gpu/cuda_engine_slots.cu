@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <unordered_map>
 
 #include "../../cuda/batch_rows.cuh"
 #include "../../cuda/common.cuh"
@@ -111,8 +112,20 @@ void CudaEngine::seq_rewind(int64_t slot, const int32_t* tokens, int64_t n) {
   Slot& sl = slots_[(size_t)slot];
   check_rewind(slot, n, sl.length);
   if (n > 0) check_tokens(tokens, n, cfg_.vocab);
+  // Cut inside a page others share (a prefix seq_copy gave), the slot's next write would land in it: the page
+  // becomes its own first, which takes a free page (after those the cut gives back).
+  const int64_t j = n / pool_->page_size();
+  const bool unshare = n % pool_->page_size() != 0 && pool_->refs(sl.kv->table()[(size_t)j]) > 1;
+  if (unshare && pool_->free_pages() + sl.kv->owned_pages(*pool_, j + 1) < 1)
+    fail(ErrorKind::Request, "seq_rewind: position " + std::to_string(n) + "'s KV page is shared and must be "
+                             "copied, and none of the " + std::to_string(pool_->n_pages()) + " pages is free");
   // (work in flight in the dropped pages, a step launched ahead, is stream-ordered before whoever takes them next)
   sl.kv->shrink(*pool_, n);
+  if (unshare) {
+    const int32_t from = sl.kv->unshare(*pool_, j);  // (before the table entry it changes is read)
+    copy_page(from, sl.kv->table()[(size_t)j]);
+    upload_table(slot, j);
+  }
   const size_t V = (size_t)cfg_.vocab;
   TI_CUDA_CHECK(cudaMemsetAsync(seen_ + (size_t)slot * V, 0, V, stream_));
   TI_CUDA_CHECK(cudaMemsetAsync(counts_ + (size_t)slot * V, 0, V * sizeof(int), stream_));
@@ -122,33 +135,31 @@ void CudaEngine::seq_rewind(int64_t slot, const int32_t* tokens, int64_t n) {
   sl.length = n;
 }
 
+int64_t CudaEngine::seq_rewind_frees(int64_t slot, int64_t n) const {
+  check_slot(slot);
+  const Slot& sl = slots_[(size_t)slot];
+  check_rewind(slot, n, sl.length);
+  const int64_t j = n / pool_->page_size();
+  const bool unshare = n % pool_->page_size() != 0 && pool_->refs(sl.kv->table()[(size_t)j]) > 1;
+  return sl.kv->owned_pages(*pool_, pool_->pages_for(n)) - (unshare ? 1 : 0);
+}
+
 void CudaEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_t n) {
   check_slot(src);
   check_slot(dst);
   Slot &d = slots_[(size_t)dst], &s = slots_[(size_t)src];
   check_copy(dst, src, n, s.length);
   if (n > 0) check_tokens(tokens, n, cfg_.vocab);
-  const int64_t pages = pool_->pages_for(n);
-  if (pages > pool_->free_pages() + d.kv->pages())
-    fail(ErrorKind::Request, "seq_copy: " + std::to_string(n) + " positions need " + std::to_string(pages) +
-                                 " KV pages; " + std::to_string(pool_->free_pages()) + " are free of " +
-                                 std::to_string(pool_->n_pages()) + " (CudaOptions.kv_pool_pages)");
-  d.kv->release(*pool_);
-  slot_reserve(dst, n);
-  // Every layer's part of a page is one run of page_elems halves, layers kv_layer_elems apart (cuda/kv_layout.cuh):
-  // a run of pages consecutive in both tables is one 2D copy (rows = layers) for the keys and one for the values.
-  const size_t page_elems = (size_t)cfg_.n_kv_heads * pool_->page_size() * cfg_.head_dim;
-  const size_t pitch = dbuf_.kv_layer_elems * sizeof(__half);
-  const std::vector<int32_t>&st = s.kv->table(), &dt = d.kv->table();
-  for (int64_t j = 0; j < pages;) {
-    int64_t r = 1;
-    while (j + r < pages && st[j + r] == st[j] + r && dt[j + r] == dt[j] + r) r++;
-    for (__half* base : {dbuf_.k_pages, dbuf_.v_pages})
-      TI_CUDA_CHECK(cudaMemcpy2DAsync(base + (size_t)dt[j] * page_elems, pitch, base + (size_t)st[j] * page_elems,
-                                      pitch, (size_t)r * page_elems * sizeof(__half), (size_t)cfg_.n_layers,
-                                      cudaMemcpyDeviceToDevice, stream_));
-    j += r;
-  }
+  // The whole pages of the prefix are shared (src's, read by both; neither writes below its length), the last
+  // one, partly filled, copied: dst writes into it next.
+  const int64_t whole = n / pool_->page_size(), part = n % pool_->page_size() != 0;
+  if (part > pool_->free_pages() + d.kv->owned_pages(*pool_))
+    fail(ErrorKind::Request, "seq_copy: the last page of " + std::to_string(n) + " positions is copied and none of "
+                             "the " + std::to_string(pool_->n_pages()) + " KV pages is free (CudaOptions.kv_pool_pages)");
+  d.kv->share(*pool_, *s.kv, whole);
+  d.kv->grow(*pool_, n);
+  upload_table(dst, 0);
+  if (part) copy_page(s.kv->table()[(size_t)whole], d.kv->table()[(size_t)whole]);
   const size_t V = (size_t)cfg_.vocab;
   TI_CUDA_CHECK(cudaMemsetAsync(seen_ + (size_t)dst * V, 0, V, stream_));
   TI_CUDA_CHECK(cudaMemsetAsync(counts_ + (size_t)dst * V, 0, V * sizeof(int), stream_));
@@ -156,6 +167,28 @@ void CudaEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64
   d.has_logits = false;
   d.logits_row = -1;
   d.length = n;
+}
+
+// Every layer's part of a page is one run of page_elems halves, layers kv_layer_elems apart (cuda/kv_layout.cuh):
+// one 2D copy (rows = layers) for the keys and one for the values, on the stream (after any work in flight).
+void CudaEngine::copy_page(int32_t from, int32_t to) {
+  const size_t page_elems = (size_t)cfg_.n_kv_heads * pool_->page_size() * cfg_.head_dim;
+  const size_t pitch = dbuf_.kv_layer_elems * sizeof(__half);
+  for (__half* base : {dbuf_.k_pages, dbuf_.v_pages})
+    TI_CUDA_CHECK(cudaMemcpy2DAsync(base + (size_t)to * page_elems, pitch, base + (size_t)from * page_elems, pitch,
+                                    page_elems * sizeof(__half), (size_t)cfg_.n_layers, cudaMemcpyDeviceToDevice,
+                                    stream_));
+}
+
+int64_t CudaEngine::kv_pages_held_by(const int64_t* slots, int64_t n) const {
+  std::unordered_map<int32_t, int32_t> holds;  // page -> how many of these slots' tables hold it
+  for (int64_t i = 0; i < n; i++) {
+    check_slot(slots[i]);
+    for (int32_t p : slots_[(size_t)slots[i]].kv->table()) holds[p]++;
+  }
+  int64_t only = 0;
+  for (const auto& [page, c] : holds) only += c == pool_->refs(page);
+  return only;
 }
 
 std::vector<float> CudaEngine::seq_logits(int64_t slot) const {
@@ -171,8 +204,13 @@ std::vector<float> CudaEngine::seq_logits(int64_t slot) const {
 // Pages for positions [0, positions) of the slot; the changed entries of its device table uploaded ahead of the
 // work that reads them (stream order). All or nothing (KvSequence::grow).
 void CudaEngine::slot_reserve(int64_t slot, int64_t positions) {
-  KvSequence& kv = *slots_[(size_t)slot].kv;
-  const int64_t first = kv.grow(*pool_, positions), n = kv.pages() - first;
+  const int64_t first = slots_[(size_t)slot].kv->grow(*pool_, positions);
+  upload_table(slot, first);
+}
+
+void CudaEngine::upload_table(int64_t slot, int64_t first) {
+  const KvSequence& kv = *slots_[(size_t)slot].kv;
+  const int64_t n = kv.pages() - first;
   if (n > 0)  // (from pageable memory: staged before the call returns)
     TI_CUDA_CHECK(cudaMemcpyAsync(bbuf_.tables + (size_t)slot * bbuf_.table_stride + first, kv.table().data() + first,
                                   (size_t)n * sizeof(int), cudaMemcpyHostToDevice, stream_));

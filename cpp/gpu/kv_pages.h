@@ -10,6 +10,7 @@
 // is taken then, and nothing on the device is touched, so the engine stays usable. Plain C++ (no CUDA): the
 // logic is tested on any machine (tests/test_kv_pages.py).
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -25,12 +26,16 @@ class KvPagePool {
   int64_t n_pages() const { return n_pages_; }
   int64_t free_pages() const { return (int64_t)free_.size(); }
   int64_t pages_for(int64_t positions) const { return (positions + page_size_ - 1) >> page_shift_; }
+  int32_t refs(int32_t page) const { return refs_[(size_t)page]; }  // the sequences holding it (0: free)
 
  private:
   friend class KvSequence;
+  int32_t take();             // the next free page, held once
+  void give_back(int32_t p);  // one holder fewer; free when none is left
   int page_size_, page_shift_;
   int64_t n_pages_;
   std::vector<int32_t> free_;  // a stack: the last page given back is the next taken
+  std::vector<int32_t> refs_;  // per page: how many sequences' tables hold it
 };
 
 // One sequence's page table: table()[j] holds positions j * page_size .. (j + 1) * page_size - 1.
@@ -46,6 +51,14 @@ class KvSequence {
   // Keeps the pages of positions [0, positions) and gives the rest back (a slot rewound to a shared prefix: the
   // scheduler's prefix cache). The kept entries do not change, so the device table needs no upload.
   void shrink(KvPagePool& pool, int64_t positions);
+  // Its own pages given back, then src's first `pages` pages shared (held once more each; nothing is copied).
+  void share(KvPagePool& pool, const KvSequence& src, int64_t pages);
+  // Table entry j made this sequence's own page where others hold it too: returns the page it held (whose keys and
+  // values the caller copies into table()[j]), or -1 where it was its own already. Throws a Request error, changing
+  // nothing, when no page is free.
+  int32_t unshare(KvPagePool& pool, int64_t j);
+  // Of its pages from table entry `from` on, those no other sequence holds: what release() / shrink() give back.
+  int64_t owned_pages(const KvPagePool& pool, int64_t from = 0) const;
   const std::vector<int32_t>& table() const { return table_; }
   int64_t pages() const { return (int64_t)table_.size(); }
   int64_t max_pages() const { return max_pages_; }

@@ -4,7 +4,11 @@ admitted prompt goes: into a kept slot rewound to the prefix it shares (seq_rewi
 running or kept slot's prefix (seq_copy), into the queue until a prefix it shares has been prefilled, or into a
 fresh slot. The scheduler holds the engine's lock, makes the admission's core calls (seq_open, seq_rewind,
 seq_copy) and counts the pool's free pages; this keeps the slots, counts the pages they hold and closes those it
-evicts (core.seq_close)."""
+evicts (core.seq_close).
+
+The engines' copies share pages (seq_copy: the whole pages of the prefix are held by both slots, the last, partly
+filled one copied), so what a copy takes, what a rewind gives back and what the kept slots hold are the core's
+to say (seq_rewind_frees, kv_pages_held_by); a core without those (a test double) copies every page."""
 
 from __future__ import annotations
 
@@ -60,13 +64,15 @@ class Plan(NamedTuple):
 
 class PrefixCache:
     """The kept slots (slot -> the tokens its cache holds, least recently used first) and the admission's plan.
-    limit: how many slots it keeps; copies: whether the core has seq_copy."""
+    limit: how many slots it keeps; copies: whether the core has seq_copy; shares: whether its slots share pages
+    (the engines: kv_pages_held_by, seq_rewind_frees)."""
 
-    def __init__(self, limit: int, page_size: int, copies: bool) -> None:
-        self.limit, self.page_size, self.copies = limit, page_size, copies
+    def __init__(self, limit: int, page_size: int, copies: bool, shares: bool = False) -> None:
+        self.limit, self.page_size, self.copies, self.shares = limit, page_size, copies, shares
         self.kept: OrderedDict[int, list[int]] = OrderedDict()
-        # the pages the kept slots hold: the scheduler's stats() reads it (and len()) without the engine's lock, one
-        # attribute load each under the GIL, as any int the scheduler keeps
+        # the pages only the kept slots hold (closing them would free them): the scheduler's stats() reads it (and
+        # len()) without the engine's lock, one attribute load each under the GIL, as any int the scheduler keeps;
+        # where slots share pages, recounted by the core (recount) after the slots change
         self.pages = 0
 
     def __len__(self) -> int:
@@ -77,6 +83,24 @@ class PrefixCache:
 
     def held(self, slot: int) -> list[int]:
         return self.kept[slot]
+
+    def recount(self, core) -> None:
+        """The pages only the kept slots hold, from the core (where slots share pages: a kept slot's prefix may be
+        a running request's too, or another kept slot's)."""
+        if self.shares:
+            self.pages = int(core.kv_pages_held_by(list(self.kept))) if self.kept else 0
+
+    def copy_takes(self, cached: int) -> int:
+        """The free pages a copy of `cached` positions into a fresh slot takes: the last, partly filled page where
+        whole pages are shared, else every page."""
+        return int(cached % self.page_size != 0) if self.shares else pages_for(cached, self.page_size)
+
+    def rewind_frees(self, core, slot: int, cached: int) -> int:
+        """The free pages a rewind of kept slot `slot` to `cached` positions gives back (less the page it copies
+        where it cuts inside a page another slot shares)."""
+        if self.shares:
+            return int(core.seq_rewind_frees(slot, cached))
+        return pages_for(len(self.kept[slot]), self.page_size) - pages_for(cached, self.page_size)
 
     def take_over(self, other: "PrefixCache") -> None:
         """Another cache's kept slots become this one's (a closed scheduler's, which could not give them back)."""
@@ -149,6 +173,7 @@ class PrefixCache:
         self.pages += pages_for(len(tokens), self.page_size)
         while len(self.kept) > self.limit:
             self.evict_lru(core)
+        self.recount(core)
 
     def take(self, slot: int) -> list[int]:
         """A kept slot leaves the cache (a request is admitted into it); returns the tokens it held."""
@@ -169,6 +194,7 @@ class PrefixCache:
             core.seq_close(slot)
         except TinyInferError:  # a slot the core no longer knows: nothing left to free
             return 0
+        self.recount(core)
         return int(core.kv_pages_free) - before
 
     def drop_all(self, core) -> None:

@@ -229,7 +229,8 @@ class Scheduler:
         # _sched_lock); stats() reads its page count and size without it. Copies of a prefix between slots where
         # the core has seq_copy. (prefix_cache, its limit, is fixed here.)
         self._cache = PrefixCache(self.prefix_cache, self._page_size,
-                                  copies=self.prefix_cache > 0 and hasattr(core, "seq_copy"))
+                                  copies=self.prefix_cache > 0 and hasattr(core, "seq_copy"),
+                                  shares=hasattr(core, "kv_pages_held_by"))
         with engine._sched_lock:
             prev = engine._scheduler
             if prev is not None and prev._closed and len(prev._cache):
@@ -524,6 +525,11 @@ class Scheduler:
                 try:
                     self._step_locked(eng._core if self.trace is None else self.trace.wrap(eng._core))
                 finally:
+                    if not eng.closed:  # (the kept slots' pages: what the step's ends and admissions left shared)
+                        try:
+                            self._cache.recount(eng._core)
+                        except TinyInferError:  # (a failing step's error is the one to see)
+                            pass
                     wakes, self._wakes = self._wakes, None
                     for loop, events in wakes.items():
                         wake(loop, events)
@@ -632,16 +638,28 @@ class Scheduler:
     def _requeue(self, core, seq: _Seq) -> None:
         """Un-admit a request still in its prompt: slot closed (pages back), to the head of the queue."""
         slot, seq.slot, seq.length, seq.cached = seq.slot, None, 0, 0
-        try:
-            core.seq_close(slot)
-        except TinyInferError:
-            pass
+        if slot is not None:
+            try:
+                core.seq_close(slot)
+            except TinyInferError:
+                pass
         with self._state:
             self._running.remove(seq)
             self._waiting.appendleft(seq)
 
-    def _admit(self, core, decode_pages: int) -> None:
+    def _need(self, core, seq: _Seq, kind: str, src: Optional[int], cached: int) -> int:
+        """The free pages admitting `seq` as planned takes: its prompt's pages (+ its first generated position)
+        past the `cached` positions it starts from, plus what a copy takes (the part of a page it copies, or every
+        page where the core copies them all), less what a rewind of kept slot `src` gives back."""
         ps = self._page_size
+        if kind not in ("copy", "rewind"):
+            return _pages(len(seq.prompt) + 1, ps)
+        grow = _pages(len(seq.prompt) + 1, ps) - _pages(cached, ps)
+        if kind == "copy":
+            return grow + self._cache.copy_takes(cached)
+        return grow - self._cache.rewind_frees(core, src, cached)
+
+    def _admit(self, core, decode_pages: int) -> None:
         if not self._waiting:  # (read without the lock: a request queued meanwhile waits for the next step)
             return
         if int(core.position) > 0:
@@ -661,21 +679,20 @@ class Scheduler:
                     continue
                 spare = src if src in self._cache else None  # (a kept slot it rewinds or copies from stays)
                 slot = src if kind == "rewind" else None
-                held = _pages(len(self._cache.held(slot)), ps) if slot is not None else 0
-                need = _pages(len(seq.prompt) + 1, ps) - held  # (the rewind gives back the held pages past the prefix)
+                need = self._need(core, seq, kind, src, cached)
                 if need > free and kind == "copy" and spare is not None:
                     # short of pages: into that kept slot after all, rather than evicting other caches for a copy
                     kind, slot = "rewind", src
-                    held = _pages(len(self._cache.held(slot)), ps)
-                    need -= held
+                    need = self._need(core, seq, kind, src, cached)
                 while need > free and len(self._cache) > (spare is not None):
                     free += self._cache.evict_lru(core, spare=spare)
                 if need > free and self._running:
                     return  # it waits for pages; so do those behind it (first come, first served)
                 del self._waiting[ahead]
                 if need > free:  # nothing runs that could free pages: waiting would never end
-                    err = KvCacheFullError(f"request {seq.request.id!r} needs {need + held} KV pages and only "
-                                           f"{free + held} are free with nothing running")
+                    more = f" (beyond its {cached} cached positions)" if cached else ""
+                    err = KvCacheFullError(f"request {seq.request.id!r} needs {need} KV pages{more} and only "
+                                           f"{free} are free with nothing running")
                 else:
                     self._running.append(seq)
                     free -= need
@@ -683,13 +700,15 @@ class Scheduler:
             if err is not None:
                 self._end(core, seq, "length", error=err)
                 continue
+            refused = False  # a rewind or copy the engine refused (not expected): the slot prefills it all
             try:
                 if slot is not None:
                     self._cache.take(slot)
                     try:
                         core.seq_rewind(slot, seq.prompt[:cached])
                         seq.slot, seq.length, seq.cached = slot, cached, cached
-                    except InvalidRequestError:  # (not expected: the engine refused what it holds) a fresh slot then
+                    except InvalidRequestError:
+                        refused = True
                         try:
                             core.seq_close(slot)
                         except TinyInferError:
@@ -704,22 +723,20 @@ class Scheduler:
                         try:
                             core.seq_copy(seq.slot, src, seq.prompt[:cached])
                             seq.length, seq.cached = cached, cached
-                        except InvalidRequestError:  # (not expected: the engine refused) the empty slot prefills it all
-                            pass
+                        except InvalidRequestError:
+                            refused = True
                         if src in self._cache:
                             self._cache.touch(src)
             except BaseException:
-                if seq.slot is not None:
-                    try:
-                        core.seq_close(seq.slot)
-                    except TinyInferError:
-                        pass
-                    seq.slot = None
-                seq.length = seq.cached = 0
-                with self._state:  # not admitted after all: back to the head of the queue
-                    self._running.remove(seq)
-                    self._waiting.appendleft(seq)
+                self._requeue(core, seq)
                 raise
+            if refused:  # its whole prompt's pages now (the copy's shared pages were not all it needed): counted anew
+                free = int(core.kv_pages_free) - self._owed() - decode_pages
+                while free < 0 and len(self._cache):
+                    free += self._cache.evict_lru(core)
+                if free < 0 and len(self._running) > 1:
+                    self._requeue(core, seq)  # it waits for pages, at the head of the queue
+                    return
             seq.t_admit = time.perf_counter()
             if self.trace is not None:
                 self.trace.event("admit", seq.request.id, t=seq.t_admit)

@@ -90,12 +90,17 @@ void CpuEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_
 }
 
 int64_t CpuEngine::kv_pages_held_by(const int64_t* slots, int64_t n) const {
+  std::vector<int64_t> distinct;  // (a slot listed twice counts once)
+  for (int64_t i = 0; i < n; i++) {
+    open_slot(slots[i]);  // (checked: open, in range)
+    if (std::find(distinct.begin(), distinct.end(), slots[i]) == distinct.end()) distinct.push_back(slots[i]);
+  }
   std::unordered_map<const void*, int64_t> holds;  // page -> how many of these slots hold it
-  for (int64_t i = 0; i < n; i++)
-    for (const KVCache::Page& p : open_slot(slots[i]).kv.k_pages) holds[p.get()]++;
+  for (int64_t s : distinct)
+    for (const KVCache::Page& p : open_slot(s).kv.k_pages) holds[p.get()]++;
   int64_t only = 0;
-  for (int64_t i = 0; i < n; i++)  // (each page counted once: at its first holder among them, then forgotten)
-    for (const KVCache::Page& p : open_slot(slots[i]).kv.k_pages) {
+  for (int64_t s : distinct)  // (each page counted once: at its first holder among them, then forgotten)
+    for (const KVCache::Page& p : open_slot(s).kv.k_pages) {
       auto it = holds.find(p.get());
       if (it == holds.end()) continue;
       only += it->second == p.use_count();

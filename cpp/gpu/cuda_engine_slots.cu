@@ -182,8 +182,11 @@ void CudaEngine::copy_page(int32_t from, int32_t to) {
 
 int64_t CudaEngine::kv_pages_held_by(const int64_t* slots, int64_t n) const {
   std::unordered_map<int32_t, int32_t> holds;  // page -> how many of these slots' tables hold it
+  std::vector<bool> seen(slots_.size());
   for (int64_t i = 0; i < n; i++) {
     check_slot(slots[i]);
+    if (seen[(size_t)slots[i]]) continue;  // (a slot listed twice counts once)
+    seen[(size_t)slots[i]] = true;
     for (int32_t p : slots_[(size_t)slots[i]].kv->table()) holds[p]++;
   }
   int64_t only = 0;

@@ -88,7 +88,10 @@ class PrefixCache:
         """The pages only the kept slots hold, from the core (where slots share pages: a kept slot's prefix may be
         a running request's too, or another kept slot's)."""
         if self.shares:
-            self.pages = int(core.kv_pages_held_by(list(self.kept))) if self.kept else 0
+            try:
+                self.pages = int(core.kv_pages_held_by(list(self.kept))) if self.kept else 0
+            except TinyInferError:  # a slot the core no longer knows: counted at the next recount
+                pass
 
     def copy_takes(self, cached: int) -> int:
         """The free pages a copy of `cached` positions into a fresh slot takes: the last, partly filled page where
@@ -175,10 +178,14 @@ class PrefixCache:
             self.evict_lru(core)
         self.recount(core)
 
-    def take(self, slot: int) -> list[int]:
-        """A kept slot leaves the cache (a request is admitted into it); returns the tokens it held."""
+    def take(self, slot: int, core=None) -> list[int]:
+        """A kept slot leaves the cache (a request is admitted into it); returns the tokens it held. (core: where
+        slots share pages, the kept slots' pages are counted anew by it.)"""
         tokens = self.kept.pop(slot)
-        self.pages -= pages_for(len(tokens), self.page_size)
+        if self.shares and core is not None:
+            self.recount(core)
+        else:
+            self.pages -= pages_for(len(tokens), self.page_size)
         return tokens
 
     def touch(self, slot: int) -> None:
@@ -188,13 +195,16 @@ class PrefixCache:
     def evict_lru(self, core, spare: Optional[int] = None) -> int:
         """Close the least recently used kept slot (not `spare`); returns the pages it gave back."""
         slot = next(s for s in self.kept if s != spare)
-        self.take(slot)
+        tokens = self.kept.pop(slot)
+        if not self.shares:
+            self.pages -= pages_for(len(tokens), self.page_size)
         before = int(core.kv_pages_free)
         try:
             core.seq_close(slot)
         except TinyInferError:  # a slot the core no longer knows: nothing left to free
             return 0
-        self.recount(core)
+        finally:
+            self.recount(core)
         return int(core.kv_pages_free) - before
 
     def drop_all(self, core) -> None:

@@ -70,8 +70,9 @@ system prompt or document) is admitted into that slot, rewound to the common pre
 restarts as that prefix, as prompt), and only the rest of its prompt is prefilled (Completion.stats.cached_tokens;
 at least its last token always runs, for its logits). Of the kept slots it takes the one sharing the most; one that
 would lose more than it gives (a common prefix under half of what it holds) only when no slot is free. A prompt
-sharing more with a running request, or with a kept slot it should not cut short, gets a fresh slot with those
-positions copied (seq_copy; llama.cpp's seq_cp): and while a running request still prefills a prefix the prompt
+sharing more with a running request, or with a kept slot it should not cut short, gets a fresh slot given those
+positions (seq_copy; llama.cpp's seq_cp: the whole pages below them shared, the last, partly filled one copied; what
+a copy takes, a rewind gives back and the kept slots alone hold, the core counts): and while a running request still prefills a prefix the prompt
 shares (the same system prompt arriving together, the n choices of one request), the prompt waits for it rather
 than prefilling the same positions beside it (where that saves prefix_cache.COPY_WAIT_TOKENS or more: shorter
 prompts are prefilled side by side); requests behind it in the queue are admitted meanwhile (the choice:
@@ -627,8 +628,10 @@ class Scheduler:
             back = next((s for s in reversed(self._running) if s.prefilling), None)
             if back is None:
                 break
-            free += _pages(len(back.prompt) + 1, self._page_size)  # what it held and what it was owed
+            free += _pages(len(back.prompt) + 1, self._page_size) - _pages(back.length, self._page_size)  # owed
+            before = int(core.kv_pages_free)
             self._requeue(core, back)
+            free += int(core.kv_pages_free) - before  # what it held alone (a copy's shared pages stay held)
         for s in needy[max(free, 0):] if len(needy) > free else []:
             msg = (f"request {s.request.id!r} ran out of KV pages after {len(s.generated)} generated tokens "
                    f"({self._pages_total} pages of {self._page_size} positions, all in use)")
@@ -686,6 +689,7 @@ class Scheduler:
                     need = self._need(core, seq, kind, src, cached)
                 while need > free and len(self._cache) > (spare is not None):
                     free += self._cache.evict_lru(core, spare=spare)
+                    need = self._need(core, seq, kind, src, cached)  # (a rewound slot may own more pages now)
                 if need > free and self._running:
                     return  # it waits for pages; so do those behind it (first come, first served)
                 del self._waiting[ahead]
@@ -703,7 +707,7 @@ class Scheduler:
             refused = False  # a rewind or copy the engine refused (not expected): the slot prefills it all
             try:
                 if slot is not None:
-                    self._cache.take(slot)
+                    self._cache.take(slot, core)
                     try:
                         core.seq_rewind(slot, seq.prompt[:cached])
                         seq.slot, seq.length, seq.cached = slot, cached, cached
@@ -1010,6 +1014,7 @@ class Scheduler:
                 with eng._exclusive():
                     for s in seqs:
                         self._end(eng._core, s, "error", error=error)
+                    self._cache.recount(eng._core)  # (pages their slots shared with kept ones: the kept slots' now)
                 return
             except InvalidRequestError:  # closed meanwhile: its slots went with it
                 pass

@@ -272,11 +272,55 @@ def test_cancel_of_a_waiting_request_ends_it_at_once():
     assert [c for c in core.log if c[0] == "open"] == [("open", 0)]  # b never got a slot
 
 
-def test_decode_out_of_pages_ends_the_youngest_with_kv_cache_full():
-    # 7 pages of 4 positions: two 7-token prompts hold 2 pages each; at 8 positions each takes a third, at 12
-    # only one page is left: the younger request ends there (6 tokens generated), the older one goes on
+def test_decode_out_of_pages_preempts_the_youngest_and_recomputes_it():
+    """7 pages of 4 positions: two 7-token prompts hold 2 pages each; at 8 positions each takes a third, at 12 only
+    one page is left: the younger request is preempted (its slot closed, back to the head of the queue), the older
+    one goes on; when it ends, the younger prefills its prompt and its 6 tokens and samples on: the tokens it
+    samples alone, and its client saw one stream."""
     core, eng = _fake(max_batch=2, pages=7)
     sched = Scheduler(eng)
+    old = sched.submit(list(range(1, 8)), SamplingParams(max_tokens=14))
+    young = sched.submit(list(range(11, 18)), SamplingParams(max_tokens=14))
+    steps = _steps(sched, core)
+    assert young.result().token_ids == _alone(list(range(11, 18)), 14)
+    assert old.result().token_ids == _alone(list(range(1, 8)), 14)
+    calls = [c for s in steps for c in s]
+    closed = calls.index(("close", 1))  # the preemption: slot 1 closed after 6 tokens (12 positions)
+    # its prompt and its 6 tokens (the 6th not yet run) in one prefill, once the older one's slot is free
+    assert [c for c in calls[closed:] if c[0] == "prefill"] == [("prefill", 0, 7 + 6)]
+    assert core.cache == {}
+    m = sched.metrics()
+    assert m["preemptions"] == 1 and m["requests"] == {"stop": 0, "length": 2, "cancelled": 0, "error": 0}
+    assert m["generated_tokens"] == 28
+    st = young.result().stats
+    assert st.prompt_tokens == 7 and st.decode_tokens == 14 and st.prefill_ms >= 0
+
+
+def test_a_preempted_request_keeps_its_seeded_samples_and_one_with_penalties_ends():
+    """Seeded sampling resumes at its counter (the same tokens as without the preemption); presence / frequency
+    penalties count generated tokens apart from the prompt's, which a recomputed history cannot: such a request
+    ends with KvCacheFullError as before (preempt=False: every one does)."""
+    hot = SamplingParams(max_tokens=14, temperature=0.9, seed=5)
+    for params, ends in ((hot, False), (SamplingParams(max_tokens=14, presence_penalty=0.5), True),
+                         (SamplingParams(max_tokens=14, frequency_penalty=0.5), True)):
+        core, eng = _fake(max_batch=2, pages=7)
+        sched = Scheduler(eng)
+        old = sched.submit(list(range(1, 8)), SamplingParams(max_tokens=14))
+        young = sched.submit(list(range(11, 18)), params)
+        sched.wait_idle()
+        if ends:
+            with pytest.raises(KvCacheFullError, match="ran out of KV pages"):
+                young.result()
+        else:
+            assert young.result().token_ids == _alone(list(range(11, 18)), 14)  # (the double samples from its cache)
+        assert old.result().token_ids == _alone(list(range(1, 8)), 14) and core.cache == {}
+
+
+def test_decode_out_of_pages_ends_the_youngest_with_kv_cache_full():
+    # preempt=False. 7 pages of 4 positions: two 7-token prompts hold 2 pages each; at 8 positions each takes a
+    # third, at 12 only one page is left: the younger request ends there (6 tokens generated), the older one goes on
+    core, eng = _fake(max_batch=2, pages=7)
+    sched = Scheduler(eng, preempt=False)
     old = sched.submit(list(range(1, 8)), SamplingParams(max_tokens=14))
     young = sched.submit(list(range(11, 18)), SamplingParams(max_tokens=14))
     sched.wait_idle()
@@ -499,11 +543,11 @@ def test_requests_join_while_others_are_stepped_ahead():
 
 
 def test_no_launch_ahead_without_pages_and_a_failed_launch_falls_back():
-    # 7 pages of 4 (as test_decode_out_of_pages...): at 12 positions both need a 4th page and one is free, so
-    # nothing is launched early and step 3 ends the younger one; a launch refused by the core (here a
+    # 7 pages of 4 (as test_decode_out_of_pages...; preempt=False): at 12 positions both need a 4th page and one is
+    # free, so nothing is launched early and step 3 ends the younger one; a launch refused by the core (here a
     # TinyInferError once) launches nothing and the next step runs it the usual way
     core, eng = _fake(max_batch=2, pages=7)
-    sched = Scheduler(eng)
+    sched = Scheduler(eng, preempt=False)
     real, refused = core.seq_step, []
 
     def once(slots, tokens):

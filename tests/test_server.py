@@ -168,6 +168,7 @@ def test_metrics_count_what_was_served(client, server):
     assert delta[("tinyinfer_prompt_tokens_total", ())] == r.usage.prompt_tokens
     assert delta[("tinyinfer_prompt_tokens_cached_total", ())] == cached
     assert delta[("tinyinfer_generation_tokens_total", ())] == r.usage.completion_tokens == 5
+    assert delta[("tinyinfer_num_preemptions_total", ())] == 0  # (the CPU's pages never run out)
     for h in ("tinyinfer_time_to_first_token_seconds", "tinyinfer_e2e_request_latency_seconds"):
         assert delta[(h + "_count", ())] == 1 and delta[(h + "_sum", ())] > 0
         assert delta[(h + "_bucket", (("le", "+Inf"),))] == 1

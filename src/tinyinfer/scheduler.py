@@ -58,9 +58,13 @@ admitted by the next step's 2 but not prefilled by its 4 while its sequences' st
 the next launch ahead (up to a step of first-token latency, against a pass of their own).
 
 Decode out of KV pages: running sequences come first; admitted requests still in their prompt go back to the
-queue (they have shown nothing); if that is not enough, the youngest of the sequences that need a page end
-(nothing else is touched) with KvCacheFullError, its `completion` holding what they generated (finish_reason
-"length"). A request that cannot fit even with nothing running fails the same way instead of waiting forever.
+queue (they have shown nothing); if that is not enough, the youngest of the sequences that need a page are
+preempted (preempt=True, vLLM's recompute preemption): the slot closed, the request at the head of the queue with
+its prompt and what it generated as what its next admission prefills, after which it samples on with the same
+counter (a seeded request samples the tokens it would have; its client sees a pause). One whose sampling counts
+generated tokens apart from the prompt's (presence / frequency penalties), or whose tokens would not fit the pool,
+ends instead with KvCacheFullError, its `completion` holding what it generated (finish_reason "length"). A request
+that cannot fit even with nothing running fails the same way instead of waiting forever.
 The single path's cache (it shares the GPU pool) is reset() before admitting: only its next call could reuse it.
 
 Prefix cache (prefix_cache; llama.cpp's server reuses its slots' caches so, vLLM shares blocks): a request that ends
@@ -138,15 +142,19 @@ class _Seq:
     t_admit: float = 0.0
     t_first: float = 0.0  # its first token sampled (its prompt has run: the GPU's prefill calls return early)
     cached: int = 0  # prompt tokens its slot held or was copied when admitted (the prefix cache), not prefilled
+    preempted: int = 0  # times its slot was taken back mid-decode for want of pages (_preempt)
     stop_list: list[int] = field(init=False)  # stop_ids as seq_sample_step takes them
+    # what its admission prefills: the prompt; after a preemption the prompt and what it had generated
+    feed: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         # as seq_sample_step takes them, built once: an id outside int32 matches no token (and would not convert)
         self.stop_list = [t for t in self.stop_ids if 0 <= t < 2**31]
+        self.feed = self.prompt
 
     @property
     def prefilling(self) -> bool:
-        return self.length < len(self.prompt) and self.pending is None and not self.generated
+        return self.length < len(self.feed) and self.pending is None and (self.preempted > 0 or not self.generated)
 
 
 # Request.batches(None): a consumer is woken once per token while at most this many sequences run (see
@@ -171,7 +179,7 @@ class Scheduler:
     def __init__(self, engine: "Engine", *, max_batch: Optional[int] = None, chunk_tokens: Optional[int] = None,
                  max_waiting: int = 1024, batched_prefill: bool = True, overlap: bool = True,
                  sample_launch: bool = True, mixed_steps: bool = False, prefix_cache: Optional[int] = None,
-                 trace: Optional[Trace] = None):
+                 preempt: bool = True, trace: Optional[Trace] = None):
         """chunk_tokens: prompt tokens prefilled per step in all (None: CHUNK_TOKENS of the engine's device).
         batched_prefill: a step's prompt chunks in one seq_prefill_many (every weight read once for all of
         them); False: one seq_prefill each (the A/B reference). overlap: launch the next decode step before a
@@ -187,7 +195,10 @@ class Scheduler:
         requests' KV caches are kept for later prompts that start with their tokens (see the module's docstring,
         "Prefix cache"); None: as many as the engine has slots on the GPU, whose pool is allocated anyway, and
         PREFIX_CACHE_CPU on the CPU, whose pages come from the heap; 0 (or a core without seq_rewind): off.
-        trace: record into it every
+        preempt: a decode step short of KV pages takes the youngest sequences' slots back and queues them to be
+        recomputed (prompt + what they generated) once pages free up (see the module's docstring); False: they
+        end with KvCacheFullError (what a request with presence / frequency penalties always gets). trace: record
+        into it every
         core call the steps make and each request's submit / admit / prefilled / first token / end (trace.py;
         None: nothing recorded, the core called directly)."""
         if not isinstance(engine, Engine):
@@ -201,7 +212,7 @@ class Scheduler:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
                 raise InvalidRequestError(f"Scheduler: {name} must be an integer >= {lo} (got {v!r})")
         for name, v in (("batched_prefill", batched_prefill), ("overlap", overlap), ("sample_launch", sample_launch),
-                        ("mixed_steps", mixed_steps)):
+                        ("mixed_steps", mixed_steps), ("preempt", preempt)):
             if not isinstance(v, bool):
                 raise InvalidRequestError(f"Scheduler: {name} must be a bool (got {v!r})")
         if trace is not None and not isinstance(trace, Trace):
@@ -214,6 +225,7 @@ class Scheduler:
         self.batched_prefill = batched_prefill
         self.overlap = overlap
         self.sample_launch = sample_launch
+        self.preempt = preempt
         self.mixed_steps = mixed_steps and batched_prefill
         self.prefix_cache = 0 if not hasattr(core, "seq_rewind") else prefix_cache if prefix_cache is not None else (
             limit if engine.device == "cuda" else PREFIX_CACHE_CPU)  # (a core without seq_rewind: a test double)
@@ -611,7 +623,7 @@ class Scheduler:
     def _owed(self) -> int:
         """Pages the admitted prompts still need for their remaining chunks (+ their first generated position)."""
         ps = self._page_size
-        return sum(_pages(len(s.prompt) + 1, ps) - _pages(s.length, ps) for s in self._running if s.prefilling)
+        return sum(_pages(len(s.feed) + 1, ps) - _pages(s.length, ps) for s in self._running if s.prefilling)
 
     def _pages_for_decode(self, core, stepping: list[_Seq]) -> list[_Seq]:
         """The sequences that can run this step. Running sequences come first for pages: when the pool cannot
@@ -628,19 +640,54 @@ class Scheduler:
             back = next((s for s in reversed(self._running) if s.prefilling), None)
             if back is None:
                 break
-            free += _pages(len(back.prompt) + 1, self._page_size) - _pages(back.length, self._page_size)  # owed
+            free += _pages(len(back.feed) + 1, self._page_size) - _pages(back.length, self._page_size)  # owed
             before = int(core.kv_pages_free)
             self._requeue(core, back)
             free += int(core.kv_pages_free) - before  # what it held alone (a copy's shared pages stay held)
-        for s in needy[max(free, 0):] if len(needy) > free else []:
-            msg = (f"request {s.request.id!r} ran out of KV pages after {len(s.generated)} generated tokens "
-                   f"({self._pages_total} pages of {self._page_size} positions, all in use)")
-            self._end(core, s, "length", error=KvCacheFullError(msg))
+        while len(needy) > free:  # the youngest first: preempted (recomputed later), or ended where it cannot be
+            s = needy.pop()
+            before = int(core.kv_pages_free)
+            if self._preemptible(s):
+                self._preempt(core, s)
+            else:
+                msg = (f"request {s.request.id!r} ran out of KV pages after {len(s.generated)} generated tokens "
+                       f"({self._pages_total} pages of {self._page_size} positions, all in use)")
+                self._end(core, s, "length", error=KvCacheFullError(msg))
+            free += int(core.kv_pages_free) - before  # (what it held alone)
         return [s for s in stepping if s.slot is not None]
+
+    def _preemptible(self, seq: _Seq) -> bool:
+        """Whether a decoding sequence out of pages can be preempted rather than ended: its prompt and answer so far
+        fit the pool, and its sampling does not count the generated tokens apart from the prompt's (presence /
+        frequency penalties: a recomputed history would count them as prompt)."""
+        p = seq.params
+        return (self.preempt and not p.presence_penalty and not p.frequency_penalty
+                and _pages(len(seq.prompt) + len(seq.generated) + 1, self._page_size) <= self._pages_total)
+
+    def _preempt(self, core, seq: _Seq) -> None:
+        """Its slot taken back for want of pages (vLLM's recompute preemption): to the head of the queue, to prefill
+        its prompt and what it generated once pages free up, then sample on with the same counter (a seeded request
+        samples what it would have; its client sees only a pause)."""
+        slot, seq.slot = seq.slot, None
+        try:
+            core.seq_close(slot)
+        except TinyInferError:
+            pass
+        seq.feed = seq.prompt + seq.generated  # (the last token was sampled, not yet run: the prefill runs it)
+        seq.length, seq.pending, seq.fresh = 0, None, False
+        seq.preempted += 1
+        with self._state:
+            self._running.remove(seq)
+            self._waiting.appendleft(seq)
+        self._totals.preempted()
+        if self.trace is not None:
+            self.trace.event("preempt", seq.request.id, len(seq.generated))
 
     def _requeue(self, core, seq: _Seq) -> None:
         """Un-admit a request still in its prompt: slot closed (pages back), to the head of the queue."""
-        slot, seq.slot, seq.length, seq.cached = seq.slot, None, 0, 0
+        slot, seq.slot, seq.length = seq.slot, None, 0
+        if not seq.preempted:  # (a preempted request keeps its first admission's count)
+            seq.cached = 0
         if slot is not None:
             try:
                 core.seq_close(slot)
@@ -656,8 +703,8 @@ class Scheduler:
         page where the core copies them all), less what a rewind of kept slot `src` gives back."""
         ps = self._page_size
         if kind not in ("copy", "rewind"):
-            return _pages(len(seq.prompt) + 1, ps)
-        grow = _pages(len(seq.prompt) + 1, ps) - _pages(cached, ps)
+            return _pages(len(seq.feed) + 1, ps)
+        grow = _pages(len(seq.feed) + 1, ps) - _pages(cached, ps)
         if kind == "copy":
             return grow + self._cache.copy_takes(cached)
         return grow - self._cache.rewind_frees(core, src, cached)
@@ -676,7 +723,7 @@ class Scheduler:
                 if len(self._waiting) <= ahead or ahead >= self.max_batch:  # (a burst sharing a prefix: the scan
                     return  # stops after a batch's worth of waiting ones, each planned again at every step)
                 seq = self._waiting[ahead]
-                kind, src, cached = self._cache.plan(seq.prompt, self._running, int(core.max_batch))
+                kind, src, cached = self._cache.plan(seq.feed, self._running, int(core.max_batch))
                 if kind == "wait":
                     ahead += 1  # it copies that prefix once prefilled (a step or a few); those behind it go on
                     continue
@@ -709,8 +756,9 @@ class Scheduler:
                 if slot is not None:
                     self._cache.take(slot, core)
                     try:
-                        core.seq_rewind(slot, seq.prompt[:cached])
-                        seq.slot, seq.length, seq.cached = slot, cached, cached
+                        core.seq_rewind(slot, seq.feed[:cached])
+                        seq.slot, seq.length = slot, cached
+                        seq.cached = cached if not seq.preempted else seq.cached
                     except InvalidRequestError:
                         refused = True
                         try:
@@ -725,8 +773,9 @@ class Scheduler:
                     seq.slot = int(core.seq_open())
                     if kind == "copy":
                         try:
-                            core.seq_copy(seq.slot, src, seq.prompt[:cached])
-                            seq.length, seq.cached = cached, cached
+                            core.seq_copy(seq.slot, src, seq.feed[:cached])
+                            seq.length = cached
+                            seq.cached = cached if not seq.preempted else seq.cached
                         except InvalidRequestError:
                             refused = True
                         if src in self._cache:
@@ -741,9 +790,10 @@ class Scheduler:
                 if free < 0 and len(self._running) > 1:
                     self._requeue(core, seq)  # it waits for pages, at the head of the queue
                     return
-            seq.t_admit = time.perf_counter()
+            if not seq.preempted:  # (a preempted request's prefill time stays its first admission's)
+                seq.t_admit = time.perf_counter()
             if self.trace is not None:
-                self.trace.event("admit", seq.request.id, t=seq.t_admit)
+                self.trace.event("admit", seq.request.id, t=time.perf_counter())
 
     def _chunks(self, rows: int = 0) -> list[tuple[_Seq, list[int]]]:
         """This step's prompt chunks: the admitted prompts oldest first, chunk_tokens tokens in all, less the `rows`
@@ -754,8 +804,8 @@ class Scheduler:
         for seq in [s for s in self._running if s.prefilling]:
             if budget <= 0:
                 break
-            n = min(budget, len(seq.prompt) - seq.length)
-            chunks.append((seq, seq.prompt[seq.length:seq.length + n]))
+            n = min(budget, len(seq.feed) - seq.length)
+            chunks.append((seq, seq.feed[seq.length:seq.length + n]))
             budget -= n
         return chunks
 
@@ -784,7 +834,7 @@ class Scheduler:
         now = time.perf_counter() if self.trace is not None else 0.0
         for seq, chunk in done:
             seq.length += len(chunk)
-            if seq.length == len(seq.prompt):
+            if seq.length == len(seq.feed):
                 seq.fresh = True
                 if self.trace is not None:
                     self.trace.event("prefilled", seq.request.id, t=now)

@@ -3,7 +3,8 @@ they ended, prompt / cached / generated tokens, and histograms of the time to fi
 whole time, as vLLM's and llama.cpp's servers export them. Added to as each request ends (on whichever thread
 ends it: a step's, a cancel's for a request still queued, close()'s) and read from any thread, so it has a lock of
 its own. Each of a request's n choices is one request; a request out of KV pages ends as "length" (what its client
-is told, with the error); a prompt's tokens count when its request ends, prefilled or not."""
+is told, with the error); a prompt's tokens count when its request ends, prefilled or not; a preemption (a running
+request's slot taken back for want of pages, its tokens recomputed later) when it happens."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Totals:
         self._lock = threading.Lock()
         self.requests: dict[str, int] = {"stop": 0, "length": 0, "cancelled": 0, "error": 0}
         self.prompt_tokens = self.cached_tokens = self.generated_tokens = 0
+        self.preemptions = 0  # running requests whose slot was taken back for want of KV pages (recomputed later)
         self.ttft = Histogram(TTFT_BUCKETS)
         self.request_time = Histogram(REQUEST_BUCKETS)
 
@@ -53,8 +55,13 @@ class Totals:
                 self.ttft.observe(ttft)
             self.request_time.observe(wall)
 
+    def preempted(self) -> None:
+        with self._lock:
+            self.preemptions += 1
+
     def snapshot(self) -> dict:
         with self._lock:
             return {"requests": dict(self.requests), "prompt_tokens": self.prompt_tokens,
+                    "preemptions": self.preemptions,
                     "cached_tokens": self.cached_tokens, "generated_tokens": self.generated_tokens,
                     "time_to_first_token": self.ttft.snapshot(), "request_time": self.request_time.snapshot()}

@@ -296,24 +296,62 @@ def test_decode_out_of_pages_preempts_the_youngest_and_recomputes_it():
     assert st.prompt_tokens == 7 and st.decode_tokens == 14 and st.prefill_ms >= 0
 
 
-def test_a_preempted_request_keeps_its_seeded_samples_and_one_with_penalties_ends():
-    """Seeded sampling resumes at its counter (the same tokens as without the preemption); presence / frequency
-    penalties count generated tokens apart from the prompt's, which a recomputed history cannot: such a request
-    ends with KvCacheFullError as before (preempt=False: every one does)."""
+class CounterCore(FakeCore):
+    """FakeCore whose samples depend on the step counter too (as the seeded sampler's do): a request resumed at a
+    wrong counter samples other tokens."""
+
+    def seq_sample(self, slots, cfgs, steps, k):
+        toks, lps, ids, tlps = super().seq_sample(slots, cfgs, steps, k)
+        return np.array([(int(t) + 13 * int(c)) % self.vocab for t, c in zip(toks, steps)], np.int32), lps, ids, tlps
+
+
+def test_a_preempted_request_samples_on_at_its_counter_and_one_with_penalties_ends():
+    """A preempted request resumes at its step counter: its tokens are those of a pool where nothing is preempted
+    (CounterCore). Presence / frequency penalties count generated tokens apart from the prompt's, which a recomputed
+    history cannot: such a request ends with KvCacheFullError as before (preempt=False: every one does)."""
     hot = SamplingParams(max_tokens=14, temperature=0.9, seed=5)
     for params, ends in ((hot, False), (SamplingParams(max_tokens=14, presence_penalty=0.5), True),
                          (SamplingParams(max_tokens=14, frequency_penalty=0.5), True)):
-        core, eng = _fake(max_batch=2, pages=7)
-        sched = Scheduler(eng)
-        old = sched.submit(list(range(1, 8)), SamplingParams(max_tokens=14))
-        young = sched.submit(list(range(11, 18)), params)
-        sched.wait_idle()
-        if ends:
-            with pytest.raises(KvCacheFullError, match="ran out of KV pages"):
-                young.result()
-        else:
-            assert young.result().token_ids == _alone(list(range(11, 18)), 14)  # (the double samples from its cache)
-        assert old.result().token_ids == _alone(list(range(1, 8)), 14) and core.cache == {}
+        got = {}
+        for pages in (7, 64):
+            core = CounterCore(max_batch=2, pages=pages)
+            sched = Scheduler(Engine.from_core(core, SimpleNamespace(vocab=core.vocab, eos_token_ids=[]),
+                                               max_seq_len=512))
+            old = sched.submit(list(range(1, 8)), SamplingParams(max_tokens=14))
+            young = sched.submit(list(range(11, 18)), params)
+            sched.wait_idle()
+            assert sched.metrics()["preemptions"] == (1 if pages == 7 and not ends else 0)
+            if ends and pages == 7:
+                with pytest.raises(KvCacheFullError, match="ran out of KV pages"):
+                    young.result()
+            else:
+                got[pages] = young.result().token_ids
+            got.setdefault(("old", pages), old.result().token_ids)
+            assert core.cache == {}
+        assert got[("old", 7)] == got[("old", 64)]
+        if not ends:
+            assert got[7] == got[64] and len(got[7]) == 14
+
+
+def test_a_cancel_that_lands_while_its_request_is_preempted_is_kept():
+    """A cancel arriving during the step that preempts its request (the request back in the queue, the cancel for
+    the next step) ends it as cancelled, with the tokens it generated; it is not re-admitted."""
+    core, eng = _fake(max_batch=2, pages=7)
+    sched = Scheduler(eng)
+    old = sched.submit(list(range(1, 8)), SamplingParams(max_tokens=14))
+    young = sched.submit(list(range(11, 18)), SamplingParams(max_tokens=14))
+    real = core.seq_close
+
+    def close(slot):
+        real(slot)
+        if slot == 1 and not young.finished:
+            sched.cancel(young.id)  # (the client gave up during the pause)
+    core.seq_close = close
+    sched.wait_idle()
+    assert old.result().finish_reason == "length"
+    got = young.result()
+    assert got.finish_reason == "cancelled" and got.token_ids == _alone(list(range(11, 18)), 14)[:6]
+    assert core.cache == {} and sched.metrics()["requests"]["cancelled"] == 1
 
 
 def test_decode_out_of_pages_ends_the_youngest_with_kv_cache_full():

@@ -404,7 +404,7 @@ class Scheduler:
         """A request cancelled before it was admitted (taken off the queue already): its last Delta."""
         self._count(seq, "cancelled")
         if self.trace is not None:
-            self.trace.event("end", seq.request.id, 0, "cancelled")
+            self.trace.event("end", seq.request.id, len(seq.generated), "cancelled")
         seq.request._put(Delta("", [], [] if seq.logprobs is not None else None, self._completion(seq, "cancelled")))
 
     # ---- before serving ----
@@ -576,6 +576,13 @@ class Scheduler:
     def _step_locked(self, core) -> None:
         with self._state:
             cancels, self._cancels = self._cancels, set()
+            # a request preempted (back in the queue) while its cancel was on its way, or by the step close() waited on
+            gone = [s for s in self._waiting if s.request.id in cancels]
+            for s in gone:
+                self._waiting.remove(s)
+                self._live.pop(s.request.id, None)
+        for seq in gone:
+            self._cancelled_waiting(seq)
         for seq in [s for s in self._running if s.request.id in cancels]:
             self._end(core, seq, "cancelled")
         stepping = [s for s in self._running if s.pending is not None]
@@ -629,23 +636,32 @@ class Scheduler:
         """The sequences that can run this step. Running sequences come first for pages: when the pool cannot
         give each one whose next position opens a page its page, admitted requests still in their prompt go
         back to the queue (youngest first; they have shown nothing yet, so starting over later is invisible);
-        if that is not enough, the youngest of those sequences end with KvCacheFullError."""
+        if that is not enough, the youngest decoding sequences by submission are preempted (_preempt), and one
+        that needs a page and cannot be preempted ends with KvCacheFullError."""
         needy = [s for s in stepping if s.length % self._page_size == 0]
         if not needy:  # (the common case: no page opens; nothing to count)
             return stepping
         free = int(core.kv_pages_free) - self._owed()
         while len(needy) > free and len(self._cache):
             free += self._cache.evict_lru(core)
-        while len(needy) > free:
-            back = next((s for s in reversed(self._running) if s.prefilling), None)
+        while len(needy) > free:  # (not one preempted before: its prefill recomputes what its client has seen)
+            back = next((s for s in reversed(self._running) if s.prefilling and not s.preempted), None)
             if back is None:
                 break
             free += _pages(len(back.feed) + 1, self._page_size) - _pages(back.length, self._page_size)  # owed
             before = int(core.kv_pages_free)
             self._requeue(core, back)
             free += int(core.kv_pages_free) - before  # what it held alone (a copy's shared pages stay held)
-        while len(needy) > free:  # the youngest first: preempted (recomputed later), or ended where it cannot be
-            s = needy.pop()
+        # then the youngest decoding sequences (by submission, whether or not they need a page: vLLM's order),
+        # preempted (recomputed later), or ended where they cannot be
+        victims = sorted(stepping, key=lambda s: s.t_submit)
+        while len(needy) > free and victims:
+            s = victims.pop()
+            wanted = s in needy
+            if not wanted and not self._preemptible(s):
+                continue  # (ended only for a page of its own)
+            if wanted:
+                needy.remove(s)
             before = int(core.kv_pages_free)
             if self._preemptible(s):
                 self._preempt(core, s)

@@ -14,8 +14,9 @@ and the server's event loop share them without a lock; the cost is a perf_counte
           core reports;
   events: (kind, t, request id, a, b). From the scheduler: "submit" (a = prompt tokens), "admit" (a slot
           opened), "prefilled" (the call with the prompt's last chunk
-          returned: on the GPU, once launched), "first" (the first token sampled), "end" (a = tokens
-          generated, b = the finish reason). From the server, under the HTTP call's id (its choices' scheduler
+          returned: on the GPU, once launched), "first" (the first token sampled), "preempt" (its slot taken
+          back for want of KV pages, a = tokens generated; "admit" and "prefilled" come again when it resumes),
+          "end" (a = tokens generated, b = the finish reason). From the server, under the HTTP call's id (its choices' scheduler
           ids are "<id>-<k>"): "http_start" (the handler began), "http_first" (the event loop has the first
           token), "http_end" (the last chunk handed over to be written; a = tokens, b = the outcome).
 Times are time.perf_counter(): on Linux clock_gettime(CLOCK_MONOTONIC), one clock for every process of the

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from test_prefix_cache import CopyCore, SharedPagesCore
+from test_prefix_cache import CopyCore, SharedPagesCore, drain
 from test_scheduler import FakeCore, PlainCore
 from tinyinfer.engine import Engine
 from tinyinfer.errors import KvCacheFullError, TinyInferError
@@ -84,12 +84,7 @@ def _traffic(seed):
         elif rng.random() < 0.04 and live:
             pick(live)[0].cancel()
         sched.step()
-    for _ in range(5000):
-        if not sched.step():
-            break
-    else:
-        raise AssertionError(f"stuck: running={sched.running} waiting={sched.waiting}")
-    assert core.kv_pages_free + sched.kv_pages_cached == core.kv_pages_total
+    drain(sched, core)
     m = sched.metrics()
     ref_core, ref = make(400)
     desc = dict(base=base.__name__, mb=mb, pages=pages, chunk=chunk, overlap=overlap, mixed=mixed, counter=counter,

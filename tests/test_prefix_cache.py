@@ -732,6 +732,16 @@ def test_the_plan_equals_its_brute_force():
     assert seen == {"fresh", "rewind", "copy", "wait"}
 
 
+def drain(sched: Scheduler, core) -> None:
+    """Step until nothing is left (a fuzz's end): never stuck, and the pool's pages add up."""
+    for _ in range(5000):
+        if not sched.step():
+            break
+    else:
+        raise AssertionError(f"stuck: running={sched.running} waiting={sched.waiting}")
+    assert core.kv_pages_free + sched.kv_pages_cached == core.kv_pages_total
+
+
 def _shared_sched(max_batch: int, pages: int, **kw) -> tuple[SharedPagesCore, Scheduler]:
     core = SharedPagesCore(max_batch=max_batch, page_size=4, pages=pages, vocab=60)
     eng = Engine.from_core(core, SimpleNamespace(vocab=60, eos_token_ids=[]), max_seq_len=512)
@@ -810,12 +820,7 @@ def test_traffic_with_copies_against_no_cache(seed, shared):
             if r.finished and r._error is None and r.id not in seen:
                 seen.add(r.id)
                 history.append(p + r.result().token_ids)
-    for _ in range(5000):
-        if not sched.step():
-            break
-    else:
-        raise AssertionError(f"stuck: running={sched.running} waiting={sched.waiting}")
-    assert core.kv_pages_free + sched.kv_pages_cached == core.kv_pages_total
+    drain(sched, core)
     ref_core, ref = make(0)
     for r, p, sp in live:
         try:

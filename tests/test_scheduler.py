@@ -333,6 +333,23 @@ def test_a_preempted_request_samples_on_at_its_counter_and_one_with_penalties_en
             assert got[7] == got[64] and len(got[7]) == 14
 
 
+def test_preempted_requests_do_not_fill_the_waiting_queue():
+    """max_waiting bounds the requests not yet admitted; a preempted one waits for pages, and a new submit is not
+    refused for it."""
+    core, eng = _fake(max_batch=2, pages=7)
+    sched = Scheduler(eng, max_waiting=2)
+    old = sched.submit(list(range(1, 8)), SamplingParams(max_tokens=14))
+    young = sched.submit(list(range(11, 18)), SamplingParams(max_tokens=14))
+    while not sched.metrics()["preemptions"]:
+        assert sched.step()
+    assert sched.waiting == 1
+    later = [sched.submit([5, 6, 7], SamplingParams(max_tokens=2)) for _ in range(2)]  # (2 more: max_waiting)
+    with pytest.raises(QueueFullError, match="2 requests already wait"):
+        sched.submit([5, 6, 7], SamplingParams(max_tokens=2))
+    sched.wait_idle()
+    assert [len(r.result().token_ids) for r in (old, young, *later)] == [14, 14, 2, 2]
+
+
 def test_a_cancel_that_lands_while_its_request_is_preempted_is_kept():
     """A cancel arriving during the step that preempts its request (the request back in the queue, the cancel for
     the next step) ends it as cancelled, with the tokens it generated; it is not re-admitted."""

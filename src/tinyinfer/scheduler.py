@@ -327,7 +327,7 @@ class Scheduler:
                request_id: Optional[str] = None) -> Request:
         """Queue a request; it is admitted at the next step that has a slot and pages for it. Checked at once:
         InvalidRequestError (empty prompt, prompt + max_tokens > max_seq_len, bad params, a live id);
-        QueueFullError when max_waiting requests already wait."""
+        QueueFullError when max_waiting requests already wait (not counting preempted ones)."""
         seq = self._prepare(prompt, params, request_id)
         self._enqueue([seq], bounded=True)
         return seq.request
@@ -368,7 +368,10 @@ class Scheduler:
             if self._closed:
                 raise InvalidRequestError("the scheduler is closed")
             if bounded and len(self._waiting) + len(seqs) > self.max_waiting:
-                raise QueueFullError(f"{len(self._waiting)} requests already wait (max_waiting={self.max_waiting})")
+                # (preempted requests were admitted once: they wait for pages, not in the server's queue)
+                queued = sum(1 for s in self._waiting if not s.preempted)
+                if queued + len(seqs) > self.max_waiting:
+                    raise QueueFullError(f"{queued} requests already wait (max_waiting={self.max_waiting})")
             seen = set(self._live)
             for s in seqs:
                 if s.request.id in seen:

@@ -32,6 +32,13 @@ struct PromptIds {
   }
 };
 
+// A slot call taking token ids (slot, tokens, n), from Python's (slot, list of ids): the ids as int32.
+template <typename E, void (E::*F)(int64_t, const int32_t*, int64_t)>
+void slot_tokens_call(E& e, int64_t slot, const std::vector<int64_t>& tokens) {
+  std::vector<int32_t> ids = to_ids(tokens);
+  (e.*F)(slot, ids.data(), (int64_t)ids.size());
+}
+
 // The sequence slots (docs/BATCH_CONTRACT.md part 2): the same Python surface for every engine class that has them.
 template <typename E, typename Cls>
 inline void bind_sequences(Cls& cls) {
@@ -44,12 +51,7 @@ inline void bind_sequences(Cls& cls) {
       .def("seq_close", &E::seq_close, "slot"_a, "Free a slot: its KV pages, logits and history.")
       .def("seq_length", &E::seq_length, "slot"_a, "Positions in the slot's cache.")
       .def(
-          "seq_rewind",
-          [](E& e, int64_t slot, const std::vector<int64_t>& tokens) {
-            std::vector<int32_t> ids = to_ids(tokens);
-            e.seq_rewind(slot, ids.data(), (int64_t)ids.size());
-          },
-          "slot"_a, "tokens"_a,
+          "seq_rewind", &slot_tokens_call<E, &E::seq_rewind>, "slot"_a, "tokens"_a,
           "Keep the slot's first len(tokens) positions, which hold `tokens` (the CPU engine checks; the GPU's "
           "does not keep them), and forget the rest: their pages, the logits (a seq_prefill must follow) and the "
           "history, which restarts as `tokens`, as prompt. The scheduler's prefix cache: a new request in the slot "
@@ -76,6 +78,10 @@ inline void bind_sequences(Cls& cls) {
             return e.kv_pages_held_by(slots.data(), (int64_t)slots.size());
           },
           "slots"_a, "The KV pages only these slots hold (closing them all would free them).")
+      .def(
+          "seq_mark_generated", &slot_tokens_call<E, &E::seq_mark_generated>, "slot"_a, "tokens"_a,
+          "`tokens` join the slot's history as generated (counted by the presence / frequency penalties, as the "
+          "sampler adds each token it draws): a preempted request's answer so far, prefilled again as prompt.")
       .def(
           "seq_prefill",
           [](E& e, int64_t slot, const std::vector<int64_t>& tokens) {

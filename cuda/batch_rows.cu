@@ -16,6 +16,19 @@ void mark_tokens(unsigned char* seen, const int* tokens, int n, cudaStream_t s) 
   launch(mark_tokens_kernel, dim3((n + 255) / 256), dim3(256), 0, s, false, seen, tokens, n);
 }
 
+__global__ void count_tokens_kernel(unsigned char* seen, int* counts, const int* tokens, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) {
+    seen[tokens[i]] = 1;
+    atomicAdd(counts + tokens[i], 1);
+  }
+}
+
+void count_tokens(unsigned char* seen, int* counts, const int* tokens, int n, cudaStream_t s) {
+  if (n < 1) return;
+  launch(count_tokens_kernel, dim3((n + 255) / 256), dim3(256), 0, s, false, seen, counts, tokens, n);
+}
+
 constexpr int kMaxSlices = 8;
 
 // 256 threads a row, V float4 each (H <= 1,024 V). After the PDL wait one round trip: x and every slice's part are

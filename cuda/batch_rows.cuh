@@ -10,6 +10,9 @@ namespace ti::cuda {
 
 // seen[tokens[i]] = 1 for i < n (a prompt's tokens into a slot's repetition-penalty set).
 void mark_tokens(unsigned char* seen, const int* tokens, int n, cudaStream_t stream);
+// seen[t] = 1 and counts[t] += 1 for each t of tokens[0..n) (generated tokens into a slot's history: the presence /
+// frequency penalties' counts, as the sampler adds each token it draws; repeated ids count each time).
+void count_tokens(unsigned char* seen, int* counts, const int* tokens, int n, cudaStream_t stream);
 
 // For each of T rows r: x[r] += (parts[0][r] + parts[1][r] + ...) — the slices of a K-sliced product
 // (GemmArgs::k_slices), slice s row r at parts + s * slice_stride + r * ldp — then y[r] = fp16(rmsnorm(x[r]) * w)

@@ -410,6 +410,43 @@ def _unshare_cases(core, make_tokens):
     return pairs
 
 
+def _marked_answer_cases(core, make_tokens):
+    """seq_mark_generated (a preempted request's answer, prefilled again as prompt): slot b, given prompt + answer
+    as prompt and then the answer marked as generated, samples what slot a, which generated that answer, samples
+    (presence / frequency penalties count the answer); slot c, unmarked, does not. Bad calls change nothing.
+    Returns a's, b's and c's tokens over 10 more steps."""
+    prompt = make_tokens(20)
+    cfg = _core.SamplingConfig()
+    cfg.temperature, cfg.seed, cfg.presence_penalty, cfg.frequency_penalty = 1.0, 7, 2.0, 1.5
+    a, b, c = core.seq_open(), core.seq_open(), core.seq_open()
+    core.seq_prefill(a, prompt)
+    answer = []
+    for step in range(6):
+        answer.append(int(core.seq_sample([a], [cfg], [step], 0)[0][0]))
+        core.seq_step([a], [answer[-1]])
+    for s in (b, c):
+        core.seq_prefill(s, prompt + answer)
+    for bad, match in [((b, [10**7]), "token id"), ((99, answer), "slot 99")]:
+        with pytest.raises(InvalidRequestError, match=match):
+            core.seq_mark_generated(*bad)
+    core.seq_mark_generated(b, answer)
+    toks = {a: [], b: [], c: []}
+    for step in range(6, 16):
+        got = core.seq_sample([a, b, c], [cfg] * 3, [step] * 3, 0)[0]
+        for s, t in zip((a, b, c), got.tolist()):
+            toks[s].append(t)
+        core.seq_step([a, b, c], got.tolist())
+    for s in (a, b, c):
+        core.seq_close(s)
+    return toks[a], toks[b], toks[c]
+
+
+def test_cpu_a_marked_answer_samples_as_the_one_that_generated_it(store):
+    core = _core.CpuEngine(store, MAX_SEQ, 2, 4)
+    a, b, c = _marked_answer_cases(core, lambda n: _ids(9, n))
+    assert a == b and a != c
+
+
 def test_cpu_seq_copy_equals_a_fresh_prefill(store):
     core = _core.CpuEngine(store, MAX_SEQ, 2, 4)
     for got, want in _copy_cases(core, lambda n: _ids(7, n)) + _unshare_cases(core, lambda n: _ids(8, n)):
@@ -472,6 +509,19 @@ def test_gpu_a_shared_prefix_in_flight_is_prefilled_once(tmp_path):
             alone = e.generate(g.prompt_token_ids, sp).token_ids  # (the single path: the kept slots closed)
             j = next((i for i in range(12) if g.token_ids[i] != alone[i]), 12)
             assert j == 12 or near_tie(e, g.prompt_token_ids + alone[:j]), (j, g.token_ids, alone)
+
+
+@pytest.mark.gpu
+def test_gpu_a_marked_answer_samples_as_the_one_that_generated_it(tmp_path):
+    """The GPU's seq_mark_generated: the marked slot's sampled tokens are the generating slot's up to a near-tie of
+    the logits (its positions come from a prefill pass); the unmarked one's are not."""
+    d = make_chat_llama(tmp_path / "m", hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, layers=2,
+                        init_std=0.3, dtype="float16")
+    with Engine(d, device="cuda", max_seq_len=512) as e:
+        e.scheduler.reset_prefix_cache()
+        a, b, c = _marked_answer_cases(e._core, lambda n: [int(t) for t in np.random.default_rng(4).integers(0, 300, n)])
+        j = next((i for i in range(10) if a[i] != b[i]), 10)
+        assert j >= 3 and a != c  # (sampled tokens: a near-tie moves them, so the first few only)
 
 
 @pytest.mark.gpu

@@ -305,10 +305,41 @@ class CounterCore(FakeCore):
         return np.array([(int(t) + 13 * int(c)) % self.vocab for t, c in zip(toks, steps)], np.int32), lps, ids, tlps
 
 
+class MarkingCore(CounterCore):
+    """CounterCore with seq_mark_generated (the engines'), logged."""
+
+    def seq_mark_generated(self, slot: int, tokens: list[int]) -> None:
+        if slot not in self.cache:
+            raise InvalidRequestError(f"slot {slot} is not open")
+        self.log.append(("mark", slot, tuple(tokens)))
+
+
+def test_a_preempted_request_with_penalties_has_its_answer_marked_as_generated():
+    """Presence / frequency penalties count the generated tokens apart from the prompt's: a preempted request with
+    them, prefilled again with its answer as prompt, has that answer marked as generated (seq_mark_generated) in
+    its new slot before it samples on; without the penalties no mark is needed."""
+    for params, marked in ((SamplingParams(max_tokens=14, presence_penalty=0.5), True),
+                           (SamplingParams(max_tokens=14, frequency_penalty=0.5), True),
+                           (SamplingParams(max_tokens=14), False)):
+        core = MarkingCore(max_batch=2, pages=7)
+        sched = Scheduler(Engine.from_core(core, SimpleNamespace(vocab=core.vocab, eos_token_ids=[]), max_seq_len=512))
+        old = sched.submit(list(range(1, 8)), SamplingParams(max_tokens=14))
+        young = sched.submit(list(range(11, 18)), params)
+        sched.wait_idle()
+        got = young.result().token_ids
+        assert len(got) == 14 and sched.metrics()["preemptions"] == 1 and len(old.result().token_ids) == 14
+        marks = [c for c in core.log if c[0] == "mark"]
+        if marked:
+            i = core.log.index(marks[0])
+            assert marks == [("mark", 0, tuple(got[:6]))] and core.log[i + 1] == ("prefill", 0, 7 + 6)
+        else:
+            assert marks == []
+
+
 def test_a_preempted_request_samples_on_at_its_counter_and_one_with_penalties_ends():
     """A preempted request resumes at its step counter: its tokens are those of a pool where nothing is preempted
-    (CounterCore). Presence / frequency penalties count generated tokens apart from the prompt's, which a recomputed
-    history cannot: such a request ends with KvCacheFullError as before (preempt=False: every one does)."""
+    (CounterCore). On a core without seq_mark_generated a request with presence / frequency penalties (which count
+    generated tokens apart from the prompt's) ends with KvCacheFullError instead (preempt=False: every one does)."""
     hot = SamplingParams(max_tokens=14, temperature=0.9, seed=5)
     for params, ends in ((hot, False), (SamplingParams(max_tokens=14, presence_penalty=0.5), True),
                          (SamplingParams(max_tokens=14, frequency_penalty=0.5), True)):

@@ -81,6 +81,9 @@ class CpuEngine {
   void seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_t n);
   // The pages only these slots hold (what closing them all would free): the prefix cache's kept slots' share.
   int64_t kv_pages_held_by(const int64_t* slots, int64_t n) const;
+  // tokens[0..n) join the slot's history as generated (TokenHistory::add_generated each): a preempted request's
+  // answer so far, prefilled again as prompt. Request error, nothing changed, for a bad slot or token.
+  void seq_mark_generated(int64_t slot, const int32_t* tokens, int64_t n);
   // A prompt chunk at seq_length(slot)..: fills the cache, keeps the last token's logits as the slot's logits and
   // adds the tokens to its history as prompt.
   void seq_prefill(int64_t slot, const int32_t* tokens, int64_t n);

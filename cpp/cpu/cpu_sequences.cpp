@@ -89,6 +89,12 @@ void CpuEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_
   for (int64_t t = 0; t < n; t++) d.history.add_prompt(tokens[t]);
 }
 
+void CpuEngine::seq_mark_generated(int64_t slot, const int32_t* tokens, int64_t n) {
+  Slot& s = open_slot(slot);
+  if (n > 0) check_tokens(tokens, n, cfg_.vocab);
+  for (int64_t i = 0; i < n; i++) s.history.add_generated(tokens[i]);
+}
+
 int64_t CpuEngine::kv_pages_held_by(const int64_t* slots, int64_t n) const {
   std::vector<int64_t> distinct;  // (a slot listed twice counts once)
   for (int64_t i = 0; i < n; i++) {

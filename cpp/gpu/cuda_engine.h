@@ -102,6 +102,10 @@ class CudaEngine {
   // The pages only these slots hold (closing them all would free them): the prefix cache's kept slots' share of
   // the pool. Request error for a slot out of range.
   int64_t kv_pages_held_by(const int64_t* slots, int64_t n) const;
+  // tokens[0..n) join the slot's history as generated (the presence / frequency penalties count them; each as the
+  // sampler adds a token it draws): a preempted request's answer so far, prefilled again as prompt. Request error,
+  // nothing changed, for a bad slot, a token out of range or more than max_seq_len tokens.
+  void seq_mark_generated(int64_t slot, const int32_t* tokens, int64_t n);
   // Prompt tokens at seq_length(slot)..: the batched prefill through the slot's page table; the last token's
   // logits become the slot's; the tokens join its history as prompt. Request error, nothing changed, when the
   // pages run out or max_seq_len would be passed. Returns once launched (the next syncing call waits).

@@ -60,10 +60,11 @@ the next launch ahead (up to a step of first-token latency, against a pass of th
 Decode out of KV pages: running sequences come first; admitted requests still in their prompt go back to the
 queue (they have shown nothing); if that is not enough, the youngest of the sequences that need a page are
 preempted (preempt=True, vLLM's recompute preemption): the slot closed, the request at the head of the queue with
-its prompt and what it generated as what its next admission prefills, after which it samples on with the same
-counter (a seeded request samples the tokens it would have; its client sees a pause). One whose sampling counts
-generated tokens apart from the prompt's (presence / frequency penalties), or whose tokens would not fit the pool,
-ends instead with KvCacheFullError, its `completion` holding what it generated (finish_reason "length"). A request
+its prompt and what it generated as what its next admission prefills (seq_mark_generated then counts the answer
+as generated again for the presence / frequency penalties), after which it samples on with the same counter (a
+seeded request samples the tokens it would have; its client sees a pause). One whose tokens would not fit the pool
+(or with those penalties on a core without seq_mark_generated) ends instead with KvCacheFullError, its `completion`
+holding what it generated (finish_reason "length"). A request
 that cannot fit even with nothing running fails the same way instead of waiting forever.
 The single path's cache (it shares the GPU pool) is reset() before admitting: only its next call could reuse it.
 
@@ -161,6 +162,11 @@ class _Seq:
 # Scheduler.adaptive_interval)
 STREAM_ROWS = 16
 
+def _counts_generated(p: SamplingParams) -> bool:
+    """Whether sampling with p counts the generated tokens apart from the prompt's (presence / frequency penalties)."""
+    return bool(p.presence_penalty or p.frequency_penalty)
+
+
 def _token_buckets(top: int):
     """The row counts the GPU engine tunes its prefill GEMMs at (cuda::Gemm::bucket), up to top: powers of two
     from 16, and past 128 the half octaves between them (192, 384, 768, ...)."""
@@ -197,8 +203,7 @@ class Scheduler:
         PREFIX_CACHE_CPU on the CPU, whose pages come from the heap; 0 (or a core without seq_rewind): off.
         preempt: a decode step short of KV pages takes the youngest sequences' slots back and queues them to be
         recomputed (prompt + what they generated) once pages free up (see the module's docstring); False: they
-        end with KvCacheFullError (what a request with presence / frequency penalties always gets). trace: record
-        into it every
+        end with KvCacheFullError. trace: record into it every
         core call the steps make and each request's submit / admit / prefilled / first token / end (trace.py;
         None: nothing recorded, the core called directly)."""
         if not isinstance(engine, Engine):
@@ -226,6 +231,7 @@ class Scheduler:
         self.overlap = overlap
         self.sample_launch = sample_launch
         self.preempt = preempt
+        self._marks = hasattr(core, "seq_mark_generated")  # (the engines; not every test double)
         self.mixed_steps = mixed_steps and batched_prefill
         self.prefix_cache = 0 if not hasattr(core, "seq_rewind") else prefix_cache if prefix_cache is not None else (
             limit if engine.device == "cuda" else PREFIX_CACHE_CPU)  # (a core without seq_rewind: a test double)
@@ -677,10 +683,9 @@ class Scheduler:
 
     def _preemptible(self, seq: _Seq) -> bool:
         """Whether a decoding sequence out of pages can be preempted rather than ended: its prompt and answer so far
-        fit the pool, and its sampling does not count the generated tokens apart from the prompt's (presence /
-        frequency penalties: a recomputed history would count them as prompt)."""
-        p = seq.params
-        return (self.preempt and not p.presence_penalty and not p.frequency_penalty
+        fit the pool, and where its sampling counts the generated tokens apart from the prompt's (presence /
+        frequency penalties), the core can mark them so again after they are prefilled as prompt."""
+        return (self.preempt and (not _counts_generated(seq.params) or self._marks)
                 and _pages(len(seq.prompt) + len(seq.generated) + 1, self._page_size) <= self._pages_total)
 
     def _preempt(self, core, seq: _Seq) -> None:
@@ -799,6 +804,8 @@ class Scheduler:
                             refused = True
                         if src in self._cache:
                             self._cache.touch(src)
+                if seq.preempted and _counts_generated(seq.params):  # (its answer so far: prefilled as prompt)
+                    core.seq_mark_generated(seq.slot, seq.generated)
             except BaseException:
                 self._requeue(core, seq)
                 raise

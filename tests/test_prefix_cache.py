@@ -410,6 +410,62 @@ def _unshare_cases(core, make_tokens):
     return pairs
 
 
+class CappedCore:
+    """The CPU engine held to a pool of `cap` pages (its own pool never runs out): the pages in use are its (shared
+    ones once), and a prefill or step that would take more than the cap allows is refused first, changing nothing,
+    as the GPU engine refuses. The scheduler's plain calls only: no launch ahead, no mixed steps, no copies."""
+
+    def __init__(self, core, cap: int) -> None:
+        self._core, self.cap = core, cap
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+    @property
+    def kv_pages_total(self) -> int:
+        return self.cap
+
+    @property
+    def kv_pages_free(self) -> int:
+        return self.cap - (self._core.kv_pages_total - self._core.kv_pages_free)
+
+    def _room(self, grows) -> None:
+        ps = self._core.kv_page_size
+        need = sum(_pages(self._core.seq_length(s) + n, ps) - _pages(self._core.seq_length(s), ps) for s, n in grows)
+        if need > self.kv_pages_free:
+            raise InvalidRequestError(f"out of KV pages: {need} needed, {self.kv_pages_free} free")
+
+    def seq_prefill(self, slot, tokens):
+        self._room([(slot, len(tokens))])
+        self._core.seq_prefill(slot, tokens)
+
+    def seq_prefill_many(self, slots, prompts):
+        self._room(list(zip(slots, map(len, prompts))))
+        self._core.seq_prefill_many(slots, prompts)
+
+    def seq_step(self, slots, tokens):
+        self._room([(s, 1) for s in slots])
+        self._core.seq_step(slots, tokens)
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(max_tokens=70, ignore_eos=True, logprobs=2),
+                                dataclasses.replace(HOT, max_tokens=70)], ids=["greedy", "penalties"])
+def test_cpu_preempted_requests_sample_what_they_sample_with_room(store, sp):
+    """The CPU engine held to 4 pages of 64 positions: three requests growing to 2 pages each preempt one another,
+    and each samples exactly its tokens and logprobs with room for all (the CPU's arithmetic does not depend on
+    how positions were batched: a recomputed prefix is bit for bit the stepped one). With presence / frequency
+    penalties this checks seq_mark_generated end to end."""
+    prompts = [_ids(30 + i, 12 + 5 * i) for i in range(3)]
+    sps = [dataclasses.replace(sp, seed=s) for s in range(3)]
+    kw = dict(overlap=False, mixed_steps=False, prefix_cache=0)
+    capped = Scheduler(Engine.from_core(CappedCore(_core.CpuEngine(store, MAX_SEQ, 2, 4), 4),
+                                        SimpleNamespace(vocab=VOCAB, eos_token_ids=[]), max_seq_len=MAX_SEQ), **kw)
+    got = _run(capped, prompts, sps)
+    assert capped.metrics()["preemptions"] >= 1
+    for g, w in zip(got, _run(_sched(store, **kw), prompts, sps)):
+        _same(g, w)
+
+
 def _marked_answer_cases(core, make_tokens):
     """seq_mark_generated (a preempted request's answer, prefilled again as prompt): slot b, given prompt + answer
     as prompt and then the answer marked as generated, samples what slot a, which generated that answer, samples

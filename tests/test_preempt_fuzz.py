@@ -76,7 +76,8 @@ def _traffic(seed):
             p = h[:int(rng.integers(1, len(h) + 1))] + rng.integers(0, 60, int(rng.integers(0, 6))).tolist()
             p = p[:pages * 4 - 12]
             sp = SamplingParams(max_tokens=int(rng.integers(1, 30)), ignore_eos=True, seed=int(rng.integers(0, 9)),
-                                temperature=0.7, stop_token_ids=[int(rng.integers(0, 60))] if rng.random() < 0.3 else [],
+                                temperature=0.7,
+                                stop_token_ids=[int(rng.integers(0, 60))] if rng.random() < 0.3 else [],
                                 logprobs=1 if rng.random() < 0.3 else None,
                                 presence_penalty=0.5 if rng.random() < 0.15 else 0.0)
             live.append((sched.submit(p, sp), p, sp))

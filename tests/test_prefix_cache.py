@@ -575,7 +575,8 @@ def test_gpu_a_marked_answer_samples_as_the_one_that_generated_it(tmp_path):
                         init_std=0.3, dtype="float16")
     with Engine(d, device="cuda", max_seq_len=512) as e:
         e.scheduler.reset_prefix_cache()
-        a, b, c = _marked_answer_cases(e._core, lambda n: [int(t) for t in np.random.default_rng(4).integers(0, 300, n)])
+        toks = lambda n: [int(t) for t in np.random.default_rng(4).integers(0, 300, n)]  # noqa: E731
+        a, b, c = _marked_answer_cases(e._core, toks)
         j = next((i for i in range(10) if a[i] != b[i]), 10)
         assert j >= 3 and a != c  # (sampled tokens: a near-tie moves them, so the first few only)
 

@@ -155,7 +155,8 @@ void CudaEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64
   const int64_t whole = n / pool_->page_size(), part = n % pool_->page_size() != 0;
   if (part > pool_->free_pages() + d.kv->owned_pages(*pool_))
     fail(ErrorKind::Request, "seq_copy: the last page of " + std::to_string(n) + " positions is copied and none of "
-                             "the " + std::to_string(pool_->n_pages()) + " KV pages is free (CudaOptions.kv_pool_pages)");
+                             "the " + std::to_string(pool_->n_pages()) +
+                             " KV pages is free (CudaOptions.kv_pool_pages)");
   d.kv->share(*pool_, *s.kv, whole);
   d.kv->grow(*pool_, n);
   upload_table(dst, 0);

@@ -77,8 +77,9 @@ at least its last token always runs, for its logits). Of the kept slots it takes
 would lose more than it gives (a common prefix under half of what it holds) only when no slot is free. A prompt
 sharing more with a running request, or with a kept slot it should not cut short, gets a fresh slot given those
 positions (seq_copy; llama.cpp's seq_cp: the whole pages below them shared, the last, partly filled one copied; what
-a copy takes, a rewind gives back and the kept slots alone hold, the core counts): and while a running request still prefills a prefix the prompt
-shares (the same system prompt arriving together, the n choices of one request), the prompt waits for it rather
+a copy takes, a rewind gives back and the kept slots alone hold, the core counts): and while a running request
+still prefills a prefix the prompt shares (the same system prompt arriving together, the n choices of one
+request), the prompt waits for it rather
 than prefilling the same positions beside it (where that saves prefix_cache.COPY_WAIT_TOKENS or more: shorter
 prompts are prefilled side by side); requests behind it in the queue are admitted meanwhile (the choice:
 PrefixCache.plan in prefix_cache.py, which keeps the slots; the admission's core calls and the pool's free pages
@@ -256,6 +257,9 @@ class Scheduler:
                 # slots its close() could not give back (the engine was busy in that thread): this one owns them
                 self._cache.take_over(prev._cache)
         self._totals = Totals()  # what has been served (metrics())
+        # a slot closed or copied from this step: the kept slots' own pages are counted again at its end (not every
+        # step: the count walks every kept slot's table)
+        self._recount = False
         self._cancels: set[str] = set()
         self._live: dict[str, _Seq] = {}  # every request not yet ended, by id
         self._closed = False
@@ -547,7 +551,8 @@ class Scheduler:
                 try:
                     self._step_locked(eng._core if self.trace is None else self.trace.wrap(eng._core))
                 finally:
-                    if not eng.closed:  # (the kept slots' pages: what the step's ends and admissions left shared)
+                    if self._recount and not eng.closed:  # (the kept slots' pages: what the step's ends,
+                        self._recount = False           # copies and preemptions left shared or not)
                         try:
                             self._cache.recount(eng._core)
                         except TinyInferError:  # (a failing step's error is the one to see)
@@ -693,6 +698,7 @@ class Scheduler:
         its prompt and what it generated once pages free up, then sample on with the same counter (a seeded request
         samples what it would have; its client sees only a pause)."""
         slot, seq.slot = seq.slot, None
+        self._recount = True
         try:
             core.seq_close(slot)
         except TinyInferError:
@@ -709,6 +715,7 @@ class Scheduler:
 
     def _requeue(self, core, seq: _Seq) -> None:
         """Un-admit a request still in its prompt: slot closed (pages back), to the head of the queue."""
+        self._recount = True
         slot, seq.slot, seq.length = seq.slot, None, 0
         if not seq.preempted:  # (a preempted request keeps its first admission's count)
             seq.cached = 0
@@ -779,6 +786,7 @@ class Scheduler:
             try:
                 if slot is not None:
                     self._cache.take(slot, core)
+                    self._recount = True  # (what the rewind gives back or copies may leave a kept slot's pages its own)
                     try:
                         core.seq_rewind(slot, seq.feed[:cached])
                         seq.slot, seq.length = slot, cached
@@ -796,6 +804,7 @@ class Scheduler:
                         free += self._cache.evict_lru(core, spare=src if kind == "copy" else None)
                     seq.slot = int(core.seq_open())
                     if kind == "copy":
+                        self._recount = True
                         try:
                             core.seq_copy(seq.slot, src, seq.feed[:cached])
                             seq.length = cached
@@ -1054,6 +1063,7 @@ class Scheduler:
                 return
         if seq.slot is not None:
             slot, seq.slot = seq.slot, None
+            self._recount = True
             if error is None and self.prefix_cache > 0 and seq.length > 0:
                 self._cache.keep(core, slot, (seq.prompt + seq.generated)[:seq.length])
             else:

@@ -252,18 +252,20 @@ void CudaEngine::prefill_by_token(int64_t slot, const int32_t* tokens, int64_t n
   }
 }
 
-// The prompt joins the slot's repetition-penalty set. (d_prompt_ may be reused right after: stream order.)
+// (d_prompt_ may be reused right after: stream order; the pageable copy is staged before it returns.)
 void CudaEngine::seq_mark_generated(int64_t slot, const int32_t* tokens, int64_t n) {
   check_slot(slot);
   if (n > max_seq_)
     fail(ErrorKind::Request, "seq_mark_generated: " + std::to_string(n) + " tokens exceed max_seq_len=" +
                                  std::to_string(max_seq_));
-  if (n > 0) check_tokens(tokens, n, cfg_.vocab);
+  if (n == 0) return;
+  check_tokens(tokens, n, cfg_.vocab);
   TI_CUDA_CHECK(cudaMemcpyAsync(d_prompt_, tokens, (size_t)n * sizeof(int), cudaMemcpyHostToDevice, stream_));
   const size_t V = (size_t)cfg_.vocab;
   cuda::count_tokens(seen_ + (size_t)slot * V, counts_ + (size_t)slot * V, d_prompt_, (int)n, stream_);
 }
 
+// The prompt joins the slot's repetition-penalty set. (d_prompt_ may be reused right after: stream order.)
 void CudaEngine::mark_prompt(int64_t slot, const int32_t* tokens, int64_t n) {
   TI_CUDA_CHECK(cudaMemcpyAsync(d_prompt_, tokens, (size_t)n * sizeof(int), cudaMemcpyHostToDevice, stream_));
   cuda::mark_tokens(seen_ + (size_t)slot * cfg_.vocab, d_prompt_, (int)n, stream_);

@@ -58,13 +58,15 @@ admitted by the next step's 2 but not prefilled by its 4 while its sequences' st
 the next launch ahead (up to a step of first-token latency, against a pass of their own).
 
 Decode out of KV pages: running sequences come first; admitted requests still in their prompt go back to the
-queue (they have shown nothing); if that is not enough, the youngest of the sequences that need a page are
+queue (they have shown nothing; not one preempted before, whose prefill recomputes what its client has seen); if
+that is not enough, the youngest decoding sequences by submission, whether or not they need a page this step, are
 preempted (preempt=True, vLLM's recompute preemption): the slot closed, the request at the head of the queue with
 its prompt and what it generated as what its next admission prefills (seq_mark_generated then counts the answer
 as generated again for the presence / frequency penalties), after which it samples on with the same counter (a
-seeded request samples the tokens it would have; its client sees a pause). One whose tokens would not fit the pool
-(or with those penalties on a core without seq_mark_generated) ends instead with KvCacheFullError, its `completion`
-holding what it generated (finish_reason "length"). A request
+seeded request samples the tokens it would have; its client sees a pause). One that cannot be preempted (its
+tokens would not fit the pool, or those penalties on a core without seq_mark_generated) ends instead with
+KvCacheFullError, its `completion` holding what it generated (finish_reason "length"), but only for a page of its
+own. A request
 that cannot fit even with nothing running fails the same way instead of waiting forever.
 The single path's cache (it shares the GPU pool) is reset() before admitting: only its next call could reuse it.
 

@@ -830,7 +830,8 @@ def test_serve_bad_arguments_refused_before_loading(args, msg):
 
 
 def test_serve_flags_of_the_scheduler():
-    """`tinyinfer serve --no-overlap / --no-batched-prefill`: the A/B references; both on by default."""
+    """`tinyinfer serve --no-overlap / --no-batched-prefill / --no-preempt`: the A/B references; all on by
+    default."""
     import argparse
 
     from tinyinfer.server.main import add_arguments
@@ -838,6 +839,6 @@ def test_serve_flags_of_the_scheduler():
     p = argparse.ArgumentParser()
     add_arguments(p)
     a = p.parse_args([])
-    assert (a.overlap, a.batched_prefill) == (True, True)
-    a = p.parse_args(["--no-overlap", "--no-batched-prefill"])
-    assert (a.overlap, a.batched_prefill) == (False, False)
+    assert (a.overlap, a.batched_prefill, a.preempt) == (True, True, True)
+    a = p.parse_args(["--no-overlap", "--no-batched-prefill", "--no-preempt"])
+    assert (a.overlap, a.batched_prefill, a.preempt) == (False, False, False)

@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="carry waiting prompts in the running sequences' next step, one mixed pass launched with "
                         "the sample (every weight read once for both; default). --no-mixed-steps: a prefill pass "
                         "of their own (the A/B reference; a request's tokens then never depend on other arrivals)")
+    p.add_argument("--no-preempt", dest="preempt", action="store_false",
+                   help="end the youngest running requests with an out-of-KV-pages error when a decode step is short "
+                        "of pages (default: preempt them, their tokens recomputed once pages free up: their clients "
+                        "see a pause; the A/B reference)")
     p.add_argument("--prefix-cache", type=int, default=None, metavar="N",
                    help="ended requests whose KV caches are kept for later prompts that start with their tokens (a "
                         "chat's next turn, a shared system prompt: only the rest is prefilled; usage reports "
@@ -175,7 +179,7 @@ def serve(args, engine_factory) -> int:
     scheduler = Scheduler(engine, max_batch=args.max_batch, chunk_tokens=args.chunk_tokens,
                           max_waiting=args.max_waiting, batched_prefill=args.batched_prefill,
                           overlap=args.overlap, sample_launch=args.sample_launch, mixed_steps=args.mixed_steps,
-                          prefix_cache=args.prefix_cache, trace=trace)
+                          prefix_cache=args.prefix_cache, preempt=args.preempt, trace=trace)
     if engine.device == "cuda":  # (the CPU engine has no tactics or graphs to make on first use)
         print(f"tinyinfer: warmed up (prefill GEMMs, batch graphs) in {scheduler.warm_up():.2f} s",
               file=sys.stderr, flush=True)

@@ -74,15 +74,11 @@ void CpuEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_
     fail(ErrorKind::Request, "seq_copy: slot " + std::to_string(src) + " does not hold those " + std::to_string(n) +
                                  " tokens");
   // The whole pages below n shared (neither slot writes below its length), the last, partly filled one copied
-  const int64_t whole = n / kCpuKvPageSize;
+  const int64_t pages = KVCache::pages_for(n);
   slot_pages_ -= d.kv.owned();
-  d.kv.k_pages.assign(s.kv.k_pages.begin(), s.kv.k_pages.begin() + whole);
-  d.kv.v_pages.assign(s.kv.v_pages.begin(), s.kv.v_pages.begin() + whole);
-  if (n % kCpuKvPageSize != 0) {
-    d.kv.k_pages.push_back(std::make_shared<std::vector<float>>(*s.kv.k_pages[(size_t)whole]));
-    d.kv.v_pages.push_back(std::make_shared<std::vector<float>>(*s.kv.v_pages[(size_t)whole]));
-    slot_pages_++;
-  }
+  d.kv.k_pages.assign(s.kv.k_pages.begin(), s.kv.k_pages.begin() + pages);
+  d.kv.v_pages.assign(s.kv.v_pages.begin(), s.kv.v_pages.begin() + pages);
+  if (n % kCpuKvPageSize != 0 && d.kv.unshare(pages - 1)) slot_pages_++;
   d.tokens.assign(tokens, tokens + n);
   d.logits.clear();
   d.history.clear();

@@ -221,6 +221,7 @@ class CudaEngine {
   void slot_reserve(int64_t slot, int64_t positions);     // KvSequence::grow + the changed table entries uploaded
   void upload_table(int64_t slot, int64_t first);         // the slot's table entries first.. to its device row
   void copy_page(int32_t from, int32_t to);               // a KV page's keys and values, every layer, on the stream
+  void restart(int64_t slot, const int32_t* tokens, int64_t n);  // history = tokens as prompt, no logits, length n
   void prefill_by_token(int64_t slot, const int32_t* tokens, int64_t n);  // (no batched prefill)
   void mark_prompt(int64_t slot, const int32_t* tokens, int64_t n);       // the prompt into the penalty set
   // rows (token, position, slot) of one batched step, padded to the bucket; the bucket's graph (captured on

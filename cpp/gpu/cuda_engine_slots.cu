@@ -78,13 +78,8 @@ int64_t CudaEngine::seq_open() {
   for (size_t i = 0; i < slots_.size(); i++) {
     Slot& sl = slots_[i];
     if (sl.open) continue;
-    const size_t V = (size_t)cfg_.vocab;
-    TI_CUDA_CHECK(cudaMemsetAsync(seen_ + i * V, 0, V, stream_));
-    TI_CUDA_CHECK(cudaMemsetAsync(counts_ + i * V, 0, V * sizeof(int), stream_));
+    restart(i, nullptr, 0);
     sl.open = true;
-    sl.has_logits = false;
-    sl.logits_row = -1;
-    sl.length = 0;
     return (int64_t)i;
   }
   fail(ErrorKind::Request, "all " + std::to_string(slots_.size()) + " sequence slots are open (max_batch)");
@@ -94,12 +89,8 @@ void CudaEngine::seq_close(int64_t slot) {
   check_slot(slot);
   Slot& sl = slots_[(size_t)slot];
   sl.kv->release(*pool_);  // (its device table keeps stale entries: nothing reads past its length)
-  const size_t V = (size_t)cfg_.vocab;
-  TI_CUDA_CHECK(cudaMemsetAsync(seen_ + (size_t)slot * V, 0, V, stream_));
-  TI_CUDA_CHECK(cudaMemsetAsync(counts_ + (size_t)slot * V, 0, V * sizeof(int), stream_));
-  sl.open = sl.has_logits = false;
-  sl.logits_row = -1;
-  sl.length = 0;
+  restart(slot, nullptr, 0);
+  sl.open = false;
 }
 
 int64_t CudaEngine::seq_length(int64_t slot) const {
@@ -126,13 +117,7 @@ void CudaEngine::seq_rewind(int64_t slot, const int32_t* tokens, int64_t n) {
     copy_page(from, sl.kv->table()[(size_t)j]);
     upload_table(slot, j);
   }
-  const size_t V = (size_t)cfg_.vocab;
-  TI_CUDA_CHECK(cudaMemsetAsync(seen_ + (size_t)slot * V, 0, V, stream_));
-  TI_CUDA_CHECK(cudaMemsetAsync(counts_ + (size_t)slot * V, 0, V * sizeof(int), stream_));
-  if (n > 0) mark_prompt(slot, tokens, n);  // (no sync: a pageable copy is staged before it returns, as above)
-  sl.has_logits = false;
-  sl.logits_row = -1;
-  sl.length = n;
+  restart(slot, tokens, n);
 }
 
 int64_t CudaEngine::seq_rewind_frees(int64_t slot, int64_t n) const {
@@ -161,13 +146,20 @@ void CudaEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64
   d.kv->grow(*pool_, n);
   upload_table(dst, 0);
   if (part) copy_page(s.kv->table()[(size_t)whole], d.kv->table()[(size_t)whole]);
+  restart(dst, tokens, n);
+}
+
+// The slot holds tokens[0..n) and nothing else: its history restarts as them, as prompt (the penalty rows
+// cleared on the stream; a pageable copy is staged before it returns: no sync), no logits.
+void CudaEngine::restart(int64_t slot, const int32_t* tokens, int64_t n) {
   const size_t V = (size_t)cfg_.vocab;
-  TI_CUDA_CHECK(cudaMemsetAsync(seen_ + (size_t)dst * V, 0, V, stream_));
-  TI_CUDA_CHECK(cudaMemsetAsync(counts_ + (size_t)dst * V, 0, V * sizeof(int), stream_));
-  if (n > 0) mark_prompt(dst, tokens, n);
-  d.has_logits = false;
-  d.logits_row = -1;
-  d.length = n;
+  TI_CUDA_CHECK(cudaMemsetAsync(seen_ + (size_t)slot * V, 0, V, stream_));
+  TI_CUDA_CHECK(cudaMemsetAsync(counts_ + (size_t)slot * V, 0, V * sizeof(int), stream_));
+  if (n > 0) mark_prompt(slot, tokens, n);
+  Slot& sl = slots_[(size_t)slot];
+  sl.has_logits = false;
+  sl.logits_row = -1;
+  sl.length = n;
 }
 
 // Every layer's part of a page is one run of page_elems halves, layers kv_layer_elems apart (cuda/kv_layout.cuh):

@@ -48,8 +48,14 @@ inline void bind_sequences(Cls& cls) {
       .def_prop_ro("kv_pages_total", &E::kv_pages_total, "KV pages the slots may hold in all.")
       .def_prop_ro("kv_pages_free", &E::kv_pages_free, "KV pages the slots do not hold now.")
       .def("seq_open", &E::seq_open, "A free, empty slot (its number); an error when all are taken.")
-      .def("seq_close", &E::seq_close, "slot"_a, "Free a slot: its KV pages, logits and history.")
-      .def("seq_length", &E::seq_length, "slot"_a, "Positions in the slot's cache.")
+      .def("seq_close", &E::seq_close, "slot"_a,
+           "Free a slot: its KV pages, logits and history; or drop a parked sequence (seq_park): its pages.")
+      .def("seq_length", &E::seq_length, "slot"_a, "Positions in the slot's (or parked sequence's) cache.")
+      .def("seq_park", &E::seq_park, "slot"_a,
+           "Keep the slot's cache without its slot: its KV pages and positions become a parked sequence (the id "
+           "returned, max_batch and up) and the slot closes. seq_copy copies from the id, seq_length and "
+           "kv_pages_held_by take it, seq_close drops it. The scheduler's prefix cache: ended requests' caches "
+           "hold pages, not slots.")
       .def(
           "seq_rewind", &slot_tokens_call<E, &E::seq_rewind>, "slot"_a, "tokens"_a,
           "Keep the slot's first len(tokens) positions, which hold `tokens` (the CPU engine checks; the GPU's "
@@ -67,17 +73,18 @@ inline void bind_sequences(Cls& cls) {
             e.seq_copy(dst, src, ids.data(), (int64_t)ids.size());
           },
           "dst"_a, "src"_a, "tokens"_a,
-          "Slot dst (open, not src) drops what it held and takes src's first len(tokens) positions, which hold "
+          "Slot dst (open, not src) drops what it held and takes the first len(tokens) positions of src (an open "
+          "slot or a parked sequence), which hold "
           "`tokens` (the CPU engine checks): the KV pages wholly below len(tokens) shared with src (read by both, "
           "written by neither), the last, partly filled one copied into a page of its own; no logits (a "
           "seq_prefill must follow), its history `tokens` as prompt. The scheduler's prefix cache: a request "
-          "sharing a prefix with one still running, or with a kept slot it should not cut short.")
+          "sharing a prefix with one still running or with a parked one.")
       .def(
           "kv_pages_held_by",
           [](const E& e, const std::vector<int64_t>& slots) {
             return e.kv_pages_held_by(slots.data(), (int64_t)slots.size());
           },
-          "slots"_a, "The KV pages only these slots hold (closing them all would free them).")
+          "slots"_a, "The KV pages only these slots or parked sequences hold (closing them all would free them).")
       .def(
           "seq_mark_generated", &slot_tokens_call<E, &E::seq_mark_generated>, "slot"_a, "tokens"_a,
           "`tokens` join the slot's history as generated (counted by the presence / frequency penalties, as the "

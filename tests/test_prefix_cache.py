@@ -107,7 +107,7 @@ def test_a_stopped_or_cancelled_request_leaves_what_ran(store):
     sched = _sched(store)
     ref = _sched(store, prefix_cache=0)
     p = _ids(2, 20)
-    free_run = _run(sched, [p], [SamplingParams(max_tokens=8, ignore_eos=True)])[0]
+    free_run = _run(ref, [p], [SamplingParams(max_tokens=8, ignore_eos=True)])[0]  # (not cached: it would serve)
     stop = SamplingParams(max_tokens=8, stop_token_ids=[free_run.token_ids[4]])
     first = _run(sched, [p], [stop])[0]
     assert first.finish_reason == "stop" and first.token_ids[-1] == free_run.token_ids[4]
@@ -125,6 +125,30 @@ def test_a_stopped_or_cancelled_request_leaves_what_ran(store):
     got = _run(sched, [nxt], [SamplingParams(max_tokens=3, ignore_eos=True)])[0]
     _same(got, _run(ref, [nxt], [SamplingParams(max_tokens=3, ignore_eos=True)])[0])
     assert got.stats.cached_tokens >= 12
+
+
+def test_kept_caches_take_pages_not_slots(store):
+    """The engines park an ended request's cache (seq_park): with 3 slots, three conversations' caches stay while
+    three other requests fill the batch, each next turn is copied from its own (bit for bit a fresh prefill's
+    tokens), and a turn's cache replaces the one it extends: a conversation keeps one. (The CPU's pool is 9 pages
+    here, 3 slots of MAX_SEQ: the 6 caches' one page each and the 3 turns' copied pages fill it.)"""
+    sched = _sched(store, max_batch=3, prefix_cache=8)
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    convs = [_ids(50 + i, 30) for i in range(3)]
+    firsts = _run(sched, convs, [sp] * 3)
+    assert sched.stats()["cached_sequences"] == 3
+    _run(sched, [_ids(60 + i, 20) for i in range(3)], [sp] * 3)  # (every slot at once)
+    assert sched.stats()["cached_sequences"] == 6
+    nxt = [c + f.token_ids + _ids(70 + i, 6) for i, (c, f) in enumerate(zip(convs, firsts))]
+    got = _run(sched, nxt, [sp] * 3)
+    for g, w in zip(got, _run(_sched(store, max_batch=3, prefix_cache=0), nxt, [sp] * 3)):
+        _same(g, w)
+    assert [g.stats.cached_tokens for g in got] == [34] * 3  # (the answer's last token never ran)
+    assert sorted(map(len, sched._cache.kept.values())) == [24, 24, 24, 45, 45, 45]
+    core = sched._engine._core
+    assert sched.kv_pages_cached == core.kv_pages_total - core.kv_pages_free == 6  # (one 64-position page each)
+    sched.reset_prefix_cache()
+    assert core.kv_pages_free == core.kv_pages_total
 
 
 def test_the_least_recently_used_go_past_the_limit(store):
@@ -345,8 +369,8 @@ def _copy_cases(core, make_tokens):
     core.seq_prefill(b, prompt[:5])  # something dst drops
     free = core.kv_pages_free
     for bad, match in [((b, b, prompt[:3]), "same slot"), ((b, a, prompt[:131]), "cannot copy 131"),
-                       ((b, a, prompt[:2] + [10**7]), "token id|does not hold"), ((b, 99, prompt[:3]), "slot 99"),
-                       ((99, a, prompt[:3]), "slot 99")]:
+                       ((b, a, prompt[:2] + [10**7]), "token id|does not hold"),
+                       ((b, 99, prompt[:3]), "slot 99"), ((99, a, prompt[:3]), "slot 99")]:
         with pytest.raises(InvalidRequestError, match=match):
             core.seq_copy(*bad)
         assert core.seq_length(b) == 5 and core.kv_pages_free == free
@@ -373,6 +397,52 @@ def _copy_cases(core, make_tokens):
     core.seq_prefill(d, prompt[:7])
     pairs.append((core.seq_logits(b), core.seq_logits(d)))
     for s in (b, c, d):
+        core.seq_close(s)
+    assert core.kv_pages_free == core.kv_pages_total
+    return pairs
+
+
+def _park_cases(core, make_tokens):
+    """seq_park: a slot's cache kept under an id past the slots, the slot free again at once; copied from, it gives
+    a fresh prefill's logits (`same` pairs) and stays; the calls that would run in it refuse, changing nothing;
+    kv_pages_held_by counts it; seq_close drops it (and its id is given out again)."""
+    prompt = make_tokens(140)
+    a, ref = core.seq_open(), core.seq_open()
+    core.seq_prefill(a, prompt[:130])  # pages P0, P1 full, P2 partly
+    core.seq_prefill(ref, prompt)
+    free = core.kv_pages_free
+    p = core.seq_park(a)
+    assert p >= core.max_batch and core.seq_length(p) == 130 and core.kv_pages_free == free
+    assert core.kv_pages_held_by([p]) == 3 and core.seq_open() == a  # (the slot, free again)
+    for bad in (lambda: core.seq_prefill(p, [1]), lambda: core.seq_step([p], [1]), lambda: core.seq_park(p),
+                lambda: core.seq_copy(p, a, []), lambda: core.seq_rewind(p, prompt[:3]), lambda: core.seq_logits(p)):
+        with pytest.raises(InvalidRequestError, match=f"slot {p} does not exist"):
+            bad()
+    for bad in (lambda: core.seq_length(p + 1), lambda: core.seq_close(p + 1), lambda: core.kv_pages_held_by([p + 1]),
+                lambda: core.seq_copy(a, p + 1, [])):
+        with pytest.raises(InvalidRequestError, match=f"slot {p + 1} does not exist .* not a parked sequence"):
+            bad()
+    with pytest.raises(InvalidRequestError, match="cannot copy 131"):
+        core.seq_copy(a, p, prompt[:131])
+    assert core.seq_length(p) == 130 and core.seq_length(a) == 0 and core.kv_pages_free == free
+    core.seq_copy(a, p, prompt[:130])  # P0, P1 shared; P2 copied into A2
+    assert core.kv_pages_free == free - 1 and core.seq_length(p) == 130
+    core.seq_prefill(a, prompt[130:])
+    pairs = [(core.seq_logits(a), core.seq_logits(ref))]
+    b = core.seq_open()
+    core.seq_copy(b, p, prompt[:64])  # a page boundary: P0 shared, nothing copied
+    core.seq_prefill(b, prompt[64:])  # B1, B2
+    pairs.append((core.seq_logits(b), core.seq_logits(ref)))
+    assert core.kv_pages_free == free - 3
+    q = core.seq_park(b)
+    assert q != p and (core.kv_pages_held_by([p]), core.kv_pages_held_by([q])) == (1, 2)  # P2; B1, B2
+    assert core.kv_pages_held_by([p, q]) == 3 and core.kv_pages_held_by([p, q, a, q]) == 6  # (+ P0, P1, A2)
+    core.seq_close(p)  # P2 back
+    assert core.kv_pages_free == free - 2
+    with pytest.raises(InvalidRequestError, match=f"slot {p} does not exist .* not a parked sequence"):
+        core.seq_close(p)
+    assert core.seq_park(a) == p  # (the id, free again)
+    for s in (p, q, ref):
         core.seq_close(s)
     assert core.kv_pages_free == core.kv_pages_total
     return pairs
@@ -505,7 +575,8 @@ def test_cpu_a_marked_answer_samples_as_the_one_that_generated_it(store):
 
 def test_cpu_seq_copy_equals_a_fresh_prefill(store):
     core = _core.CpuEngine(store, MAX_SEQ, 2, 4)
-    for got, want in _copy_cases(core, lambda n: _ids(7, n)) + _unshare_cases(core, lambda n: _ids(8, n)):
+    for got, want in (_copy_cases(core, lambda n: _ids(7, n)) + _unshare_cases(core, lambda n: _ids(8, n)) +
+                      _park_cases(core, lambda n: _ids(10, n))):
         assert np.array_equal(got, want)
     a, b = core.seq_open(), core.seq_open()
     core.seq_prefill(a, [1, 2, 3])
@@ -530,7 +601,8 @@ def test_gpu_seq_copy_equals_a_fresh_prefill(tmp_path, shuffle):
         core = e._core
         e.scheduler.reset_prefix_cache()
         toks = lambda n: [int(t) for t in np.random.default_rng(3).integers(0, 300, n)]  # noqa: E731
-        for got, want in _copy_cases(core, toks) + _unshare_cases(core, lambda n: toks(n)[::-1]):
+        for got, want in (_copy_cases(core, toks) + _unshare_cases(core, lambda n: toks(n)[::-1]) +
+                          _park_cases(core, lambda n: toks(n)[1:] + [1])):
             assert np.abs(got - want).max() <= 3e-3 * np.abs(want).max()
         a, big, b, c = core.seq_open(), core.seq_open(), core.seq_open(), core.seq_open()
         core.seq_prefill(a, list(range(1, 60)))  # one page
@@ -752,6 +824,27 @@ class SharedPagesCore(CopyCore):
         return sum(c == self.refs[p] for p, c in held.items())
 
 
+class ParkingCore(SharedPagesCore):
+    """SharedPagesCore with the engines' seq_park: a slot's tokens and page table move to an id past the slots (the
+    slot closes); seq_copy and seq_close take the id, nothing runs in it."""
+
+    def seq_park(self, slot: int) -> int:
+        if not 0 <= slot < self.max_batch or slot not in self.cache:
+            raise InvalidRequestError(f"slot {slot} is not open")
+        pid = next(i for i in range(self.max_batch, 10**6) if i not in self.cache)
+        self.cache[pid], self.tables[pid] = self.cache.pop(slot), self.tables.pop(slot)
+        self.log.append(("park", slot, pid))
+        return pid
+
+    def _grow(self, slots_tokens) -> None:
+        assert all(s < self.max_batch for s, _ in slots_tokens), "a parked sequence run"
+        super()._grow(slots_tokens)
+
+    def seq_rewind(self, slot: int, tokens: list[int]) -> None:
+        assert slot < self.max_batch, "a parked sequence rewound"
+        super().seq_rewind(slot, tokens)
+
+
 def _copy_sched(**kw) -> tuple[CopyCore, Scheduler]:
     core = CopyCore(**kw)
     eng = Engine.from_core(core, SimpleNamespace(vocab=core.vocab, eos_token_ids=[]), max_seq_len=512)
@@ -892,11 +985,11 @@ def test_a_rewind_counts_the_pages_an_eviction_makes_its_own():
     assert r3.result().stats.cached_tokens == 13
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["copied-pages", "shared-pages"])
+@pytest.mark.parametrize("shared", [0, 1, 2], ids=["copied-pages", "shared-pages", "parked"])
 @pytest.mark.parametrize("seed", range(24))
 def test_traffic_with_copies_against_no_cache(seed, shared):
     """Random traffic on the test doubles with copies (CopyCore; SharedPagesCore, whose copies share pages as the
-    engines' do): submits and cancels between steps, few slots and pages, every scheduling mode, copies refused in
+    engines' do; ParkingCore, whose kept caches are parked as the engines'): submits and cancels between steps, few slots and pages, every scheduling mode, copies refused in
     some runs. Every run drains (nothing waits forever), the pages add up, no write lands in a shared page, and
     each request that ran to its end sampled what it samples with the cache off (the double samples from what its
     cache holds, so a wrong copy or rewind changes the tokens)."""
@@ -906,8 +999,8 @@ def test_traffic_with_copies_against_no_cache(seed, shared):
     overlap, mixed = pick([(True, True), (True, False), (False, False)])
 
     def make(prefix_cache):
-        core = (SharedPagesCore if shared and prefix_cache else CopyCore)(max_batch=mb, page_size=4, pages=pages,
-                                                                          vocab=60)
+        kind = [CopyCore, SharedPagesCore, ParkingCore][shared] if prefix_cache else CopyCore
+        core = kind(max_batch=mb, page_size=4, pages=pages, vocab=60)
         eng = Engine.from_core(core, SimpleNamespace(vocab=60, eos_token_ids=[]), max_seq_len=512)
         return core, Scheduler(eng, prefix_cache=prefix_cache, overlap=overlap, mixed_steps=mixed, chunk_tokens=chunk)
 

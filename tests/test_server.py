@@ -748,8 +748,8 @@ def test_trace_is_written_at_shutdown(smollm_gguf, tmp_path):
         srv.stop(signal.SIGTERM)  # (uvicorn raises it again once shut down: the exit status is -SIGTERM)
     assert "wrote the trace" in srv.log() and "Traceback" not in srv.log(), srv.log()
     trace = json.loads(path.read_text())
-    # (the second request, the same prompt, in the first one's slot from the prefix cache: rewound, not closed)
-    assert {"seq_open", "seq_step", "seq_sample", "seq_rewind"} <= {c[0] for c in trace["calls"]}
+    # (the first request's cache parked by the prefix cache; the second, the same prompt, copied from it)
+    assert {"seq_open", "seq_step", "seq_sample", "seq_park", "seq_copy"} <= {c[0] for c in trace["calls"]}
     kinds: dict = {}
     for kind, _, rid, *_ in trace["events"]:
         kinds.setdefault(rid, []).append(kind)

@@ -73,6 +73,17 @@ void check_open_slot(int64_t slot, int64_t max_batch, const IsOpen& is_open) {
   if (!is_open(slot)) fail(ErrorKind::Request, "slot " + std::to_string(slot) + " is not open");
 }
 
+// An open slot or a parked sequence (seq_park's id, max_batch and up): the calls that read a cache without running
+// it (seq_copy's source, seq_length, kv_pages_held_by) and seq_close.
+template <typename IsOpen, typename IsParked>
+void check_held(int64_t id, int64_t max_batch, const IsOpen& is_open, const IsParked& is_parked) {
+  if (id >= max_batch && is_parked(id)) return;
+  if (id >= max_batch)
+    fail(ErrorKind::Request, "slot " + std::to_string(id) + " does not exist (slots are 0.." +
+                                 std::to_string(max_batch - 1) + ") and is not a parked sequence (seq_park)");
+  check_open_slot(id, max_batch, is_open);
+}
+
 // The slots of one batched call (seq_step / seq_sample): at least one, each open, none twice; and each with
 // logits to continue from (a prefill ran in it), since a step or a sample follows a sampled token.
 template <typename IsOpen, typename HasLogits>

@@ -65,8 +65,8 @@ class CpuEngine {
   // a step / sample on a slot with no logits yet (no prefill ran in it).
   int64_t max_batch() const { return (int64_t)slots_.size(); }
   int64_t seq_open();                      // the lowest free slot, empty; a Request error when all are taken
-  void seq_close(int64_t slot);            // frees its KV pages, logits and history
-  int64_t seq_length(int64_t slot) const;  // positions in its cache
+  void seq_close(int64_t slot);            // frees its KV pages, logits and history (or a parked sequence's)
+  int64_t seq_length(int64_t slot) const;  // positions in its cache (a slot's or a parked sequence's)
   // Keeps the first n positions of the slot's cache, which must hold tokens[0..n) (else a Request error, nothing
   // changed), and forgets the rest: their pages, the logits (a prefill must follow before a step or a sample) and
   // the history, which restarts as those n tokens, as prompt (a new request reusing a cached prefix). Cut inside a
@@ -79,8 +79,14 @@ class CpuEngine {
   // partly filled one copied; no logits (a prefill must follow), its history those n tokens as prompt. A request
   // sharing a prefix with one still running (the scheduler's prefix cache; llama.cpp's seq_cp).
   void seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_t n);
-  // The pages only these slots hold (what closing them all would free): the prefix cache's kept slots' share.
+  // The pages only these slots or parked sequences hold (what closing them all would free): the prefix cache's share.
   int64_t kv_pages_held_by(const int64_t* slots, int64_t n) const;
+  // The slot's cache kept without its slot, as a parked sequence (the id returned, max_batch and up): its pages,
+  // positions and tokens stay where they are, the slot closes (seq_open gives it out again). seq_copy copies from
+  // the id, seq_length and kv_pages_held_by take it, seq_close drops it; nothing runs in it. The scheduler's
+  // prefix cache keeps ended requests' caches so: they take pages, not slots (llama.cpp's sequences outside the
+  // batch, vLLM's cached blocks).
+  int64_t seq_park(int64_t slot);
   // tokens[0..n) join the slot's history as generated (TokenHistory::add_generated each): a preempted request's
   // answer so far, prefilled again as prompt. Request error, nothing changed, for a bad slot or token.
   void seq_mark_generated(int64_t slot, const int32_t* tokens, int64_t n);
@@ -170,10 +176,16 @@ class CpuEngine {
   bool is_open(int64_t slot) const { return slots_[(size_t)slot] != nullptr; }  // slot in range
   const Slot& open_slot(int64_t slot) const;  // checked: exists and is open
   Slot& open_slot(int64_t slot);
+  bool is_parked(int64_t id) const {
+    const int64_t i = id - max_batch();
+    return i >= 0 && i < (int64_t)parked_.size() && parked_[(size_t)i] != nullptr;
+  }
+  const Slot& held(int64_t id) const;  // checked: an open slot or a parked sequence
   void check_batch(const char* what, const int64_t* slots, int64_t n) const;  // check_batch_slots over slots_
   void check_step(const char* what, const int64_t* slots, const int32_t* tokens, int64_t n) const;  // + ids, room
   std::vector<std::unique_ptr<Slot>> slots_;
-  int64_t slot_pages_ = 0;  // KV pages the slots hold (each shared one once)
+  std::vector<std::unique_ptr<Slot>> parked_;  // parked sequence max_batch + i at i; null while free
+  int64_t slot_pages_ = 0;  // KV pages the slots and parked sequences hold (each shared one once)
 };
 
 // ---- the operations, exposed for the kernel tests (each GPU kernel's CPU twin) ----

@@ -21,6 +21,11 @@ CpuEngine::Slot& CpuEngine::open_slot(int64_t slot) {
   return const_cast<Slot&>(static_cast<const CpuEngine*>(this)->open_slot(slot));
 }
 
+const CpuEngine::Slot& CpuEngine::held(int64_t id) const {
+  check_held(id, max_batch(), [&](int64_t s) { return is_open(s); }, [&](int64_t i) { return is_parked(i); });
+  return id < max_batch() ? *slots_[(size_t)id] : *parked_[(size_t)(id - max_batch())];
+}
+
 void CpuEngine::check_batch(const char* what, const int64_t* slots, int64_t n) const {
   check_batch_slots(
       what, slots, n, max_batch(), [&](int64_t s) { return is_open(s); },
@@ -36,11 +41,21 @@ int64_t CpuEngine::seq_open() {
 }
 
 void CpuEngine::seq_close(int64_t slot) {
-  slot_pages_ -= open_slot(slot).kv.owned();  // (pages another slot shares stay held)
-  slots_[(size_t)slot].reset();  // its cache, logits and history go with it
+  slot_pages_ -= held(slot).kv.owned();  // (pages another slot shares stay held)
+  // its cache, logits and history go with it
+  (slot < max_batch() ? slots_[(size_t)slot] : parked_[(size_t)(slot - max_batch())]).reset();
 }
 
-int64_t CpuEngine::seq_length(int64_t slot) const { return (int64_t)open_slot(slot).tokens.size(); }
+int64_t CpuEngine::seq_length(int64_t slot) const { return (int64_t)held(slot).tokens.size(); }
+
+int64_t CpuEngine::seq_park(int64_t slot) {
+  open_slot(slot);
+  auto free = std::find(parked_.begin(), parked_.end(), nullptr);
+  if (free == parked_.end()) free = parked_.insert(parked_.end(), nullptr);
+  *free = std::move(slots_[(size_t)slot]);  // (its pages stay counted: still held)
+  (*free)->logits = {};  // (nothing runs in it: only its cache and tokens are read)
+  return max_batch() + (int64_t)(free - parked_.begin());
+}
 
 void CpuEngine::seq_rewind(int64_t slot, const int32_t* tokens, int64_t n) {
   Slot& s = open_slot(slot);
@@ -67,11 +82,11 @@ int64_t CpuEngine::seq_rewind_frees(int64_t slot, int64_t n) const {
 }
 
 void CpuEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_t n) {
-  const Slot& s = open_slot(src);
+  const Slot& s = held(src);
   Slot& d = open_slot(dst);
   check_copy(dst, src, n, (int64_t)s.tokens.size());
   if (!std::equal(tokens, tokens + n, s.tokens.begin()))
-    fail(ErrorKind::Request, "seq_copy: slot " + std::to_string(src) + " does not hold those " + std::to_string(n) +
+    fail(ErrorKind::Request, "seq_copy: sequence " + std::to_string(src) + " does not hold those " + std::to_string(n) +
                                  " tokens");
   // The whole pages below n shared (neither slot writes below its length), the last, partly filled one copied
   const int64_t pages = KVCache::pages_for(n);
@@ -94,15 +109,15 @@ void CpuEngine::seq_mark_generated(int64_t slot, const int32_t* tokens, int64_t 
 int64_t CpuEngine::kv_pages_held_by(const int64_t* slots, int64_t n) const {
   std::vector<int64_t> distinct;  // (a slot listed twice counts once)
   for (int64_t i = 0; i < n; i++) {
-    open_slot(slots[i]);  // (checked: open, in range)
+    held(slots[i]);  // (checked: an open slot or a parked sequence)
     if (std::find(distinct.begin(), distinct.end(), slots[i]) == distinct.end()) distinct.push_back(slots[i]);
   }
   std::unordered_map<const void*, int64_t> holds;  // page -> how many of these slots hold it
   for (int64_t s : distinct)
-    for (const KVCache::Page& p : open_slot(s).kv.k_pages) holds[p.get()]++;
+    for (const KVCache::Page& p : held(s).kv.k_pages) holds[p.get()]++;
   int64_t only = 0;
   for (int64_t s : distinct)  // (each page counted once: at its first holder among them, then forgotten)
-    for (const KVCache::Page& p : open_slot(s).kv.k_pages) {
+    for (const KVCache::Page& p : held(s).kv.k_pages) {
       auto it = holds.find(p.get());
       if (it == holds.end()) continue;
       only += it->second == p.use_count();

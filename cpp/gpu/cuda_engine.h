@@ -80,8 +80,8 @@ class CudaEngine {
   // ---- sequence slots (docs/BATCH_CONTRACT.md §2): many sequences, one decode step for all of them ----
   int64_t max_batch() const { return opt_.max_batch; }
   int64_t seq_open();                      // a free, empty slot; Request error when all are taken
-  void seq_close(int64_t slot);            // its pages back to the pool, its history cleared
-  int64_t seq_length(int64_t slot) const;  // positions in its cache
+  void seq_close(int64_t slot);            // its pages back to the pool, its history cleared (or a parked one's)
+  int64_t seq_length(int64_t slot) const;  // positions in its cache (a slot's or a parked sequence's)
   // Keeps the slot's first n positions, which hold tokens[0..n) (the caller's word: the device does not keep the
   // tokens; the CPU engine checks them), and forgets the rest: the pages past them back to the pool (those no
   // other slot shares), its logits (a prefill must follow), and its history, which restarts as those tokens, as
@@ -99,9 +99,14 @@ class CudaEngine {
   // out of range or that page finds none free. A request sharing a prefix with one still running or kept (the
   // scheduler's prefix cache).
   void seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_t n);
-  // The pages only these slots hold (closing them all would free them): the prefix cache's kept slots' share of
-  // the pool. Request error for a slot out of range.
+  // The pages only these slots or parked sequences hold (closing them all would free them): the prefix cache's
+  // share of the pool. Request error for an id that is neither.
   int64_t kv_pages_held_by(const int64_t* slots, int64_t n) const;
+  // The slot's cache kept without its slot, as a parked sequence (the id returned, max_batch and up): its
+  // KvSequence (pages, length) moves out of the slot, which closes (seq_open gives it out again) with an empty
+  // one. seq_copy copies from the id, seq_length and kv_pages_held_by take it, seq_close drops it; nothing runs in
+  // it (no device table, no history). The scheduler's prefix cache: ended requests' caches take pages, not slots.
+  int64_t seq_park(int64_t slot);
   // tokens[0..n) join the slot's history as generated (the presence / frequency penalties count them; each as the
   // sampler adds a token it draws): a preempted request's answer so far, prefilled again as prompt. Request error,
   // nothing changed, for a bad slot, a token out of range or more than max_seq_len tokens.
@@ -288,6 +293,13 @@ class CudaEngine {
     std::unique_ptr<KvSequence> kv;
   };
   std::vector<Slot> slots_;
+  struct Parked {
+    int64_t length = 0;
+    std::unique_ptr<KvSequence> kv;  // null while free
+  };
+  std::vector<Parked> parked_;  // parked sequence max_batch + i at i (seq_park)
+  // An open slot's or a parked sequence's (checked) pages and length: what seq_copy reads from a source.
+  std::pair<const KvSequence*, int64_t> held(int64_t id) const;
   unsigned char* seen_ = nullptr;               // (max_batch, vocab) prompt + generated tokens per slot
   int* counts_ = nullptr;                       // (max_batch, vocab) generated occurrences per slot
   float* sample_scratch_ = nullptr;             // (max_batch, vocab)

@@ -85,7 +85,39 @@ int64_t CudaEngine::seq_open() {
   fail(ErrorKind::Request, "all " + std::to_string(slots_.size()) + " sequence slots are open (max_batch)");
 }
 
+std::pair<const KvSequence*, int64_t> CudaEngine::held(int64_t id) const {
+  const int64_t B = (int64_t)slots_.size();
+  check_held(id, B, [&](int64_t s) { return slots_[(size_t)s].open; }, [&](int64_t i) {
+    return i - B < (int64_t)parked_.size() && parked_[(size_t)(i - B)].kv != nullptr;
+  });
+  if (id < B) return {slots_[(size_t)id].kv.get(), slots_[(size_t)id].length};
+  const Parked& p = parked_[(size_t)(id - B)];
+  return {p.kv.get(), p.length};
+}
+
+int64_t CudaEngine::seq_park(int64_t slot) {
+  check_slot(slot);
+  Slot& sl = slots_[(size_t)slot];
+  auto free = std::find_if(parked_.begin(), parked_.end(), [](const Parked& p) { return p.kv == nullptr; });
+  if (free == parked_.end()) free = parked_.insert(parked_.end(), Parked{});
+  auto fresh = std::make_unique<KvSequence>(*pool_, max_seq_);  // (first: a throw leaves the slot as it was)
+  free->length = sl.length;
+  free->kv = std::move(sl.kv);  // (its pages stay held; work in flight in them is stream-ordered before any copy)
+  sl.kv = std::move(fresh);     // (its device table keeps stale entries: the next grow uploads from entry 0)
+  restart(slot, nullptr, 0);
+  sl.open = false;
+  return (int64_t)slots_.size() + (int64_t)(free - parked_.begin());
+}
+
 void CudaEngine::seq_close(int64_t slot) {
+  if (slot >= (int64_t)slots_.size()) {  // a parked sequence
+    held(slot);
+    Parked& p = parked_[(size_t)(slot - (int64_t)slots_.size())];
+    p.kv->release(*pool_);
+    p.kv.reset();
+    p.length = 0;
+    return;
+  }
   check_slot(slot);
   Slot& sl = slots_[(size_t)slot];
   sl.kv->release(*pool_);  // (its device table keeps stale entries: nothing reads past its length)
@@ -93,10 +125,7 @@ void CudaEngine::seq_close(int64_t slot) {
   sl.open = false;
 }
 
-int64_t CudaEngine::seq_length(int64_t slot) const {
-  check_slot(slot);
-  return slots_[(size_t)slot].length;
-}
+int64_t CudaEngine::seq_length(int64_t slot) const { return held(slot).second; }
 
 void CudaEngine::seq_rewind(int64_t slot, const int32_t* tokens, int64_t n) {
   check_slot(slot);
@@ -130,10 +159,10 @@ int64_t CudaEngine::seq_rewind_frees(int64_t slot, int64_t n) const {
 }
 
 void CudaEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_t n) {
-  check_slot(src);
+  const auto [s_kv, s_length] = held(src);
   check_slot(dst);
-  Slot &d = slots_[(size_t)dst], &s = slots_[(size_t)src];
-  check_copy(dst, src, n, s.length);
+  Slot& d = slots_[(size_t)dst];
+  check_copy(dst, src, n, s_length);
   if (n > 0) check_tokens(tokens, n, cfg_.vocab);
   // The whole pages of the prefix are shared (src's, read by both; neither writes below its length), the last
   // one, partly filled, copied: dst writes into it next.
@@ -142,10 +171,10 @@ void CudaEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64
     fail(ErrorKind::Request, "seq_copy: the last page of " + std::to_string(n) + " positions is copied and none of "
                              "the " + std::to_string(pool_->n_pages()) +
                              " KV pages is free (CudaOptions.kv_pool_pages)");
-  d.kv->share(*pool_, *s.kv, whole);
+  d.kv->share(*pool_, *s_kv, whole);
   d.kv->grow(*pool_, n);
   upload_table(dst, 0);
-  if (part) copy_page(s.kv->table()[(size_t)whole], d.kv->table()[(size_t)whole]);
+  if (part) copy_page(s_kv->table()[(size_t)whole], d.kv->table()[(size_t)whole]);
   restart(dst, tokens, n);
 }
 
@@ -174,16 +203,24 @@ void CudaEngine::copy_page(int32_t from, int32_t to) {
 }
 
 int64_t CudaEngine::kv_pages_held_by(const int64_t* slots, int64_t n) const {
-  std::unordered_map<int32_t, int32_t> holds;  // page -> how many of these slots' tables hold it
-  std::vector<bool> seen(slots_.size());
+  // (the prefix cache asks after the steps that change its caches: a flat count, O(pages held), no hashing)
+  std::vector<int32_t> holds((size_t)pool_->n_pages());  // page -> how many of these sequences' tables hold it
+  std::vector<const KvSequence*> seqs;
+  std::vector<bool> seen(slots_.size() + parked_.size());
   for (int64_t i = 0; i < n; i++) {
-    check_slot(slots[i]);
-    if (seen[(size_t)slots[i]]) continue;  // (a slot listed twice counts once)
+    const KvSequence* kv = held(slots[i]).first;
+    if (seen[(size_t)slots[i]]) continue;  // (a sequence listed twice counts once)
     seen[(size_t)slots[i]] = true;
-    for (int32_t p : slots_[(size_t)slots[i]].kv->table()) holds[p]++;
+    seqs.push_back(kv);
+    for (int32_t p : kv->table()) holds[(size_t)p]++;
   }
   int64_t only = 0;
-  for (const auto& [page, c] : holds) only += c == pool_->refs(page);
+  for (const KvSequence* kv : seqs)
+    for (int32_t p : kv->table())
+      if (holds[(size_t)p] > 0) {  // (each page once: at its first holder among them)
+        only += holds[(size_t)p] == pool_->refs(p);
+        holds[(size_t)p] = 0;
+      }
   return only;
 }
 

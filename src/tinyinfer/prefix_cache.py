@@ -1,10 +1,17 @@
 """The scheduler's prefix cache (Scheduler(prefix_cache=N); the "Prefix cache" part of scheduler.py's docstring):
-the slots of ended requests, kept with the tokens their caches hold, least recently used first, and where each
-admitted prompt goes: into a kept slot rewound to the prefix it shares (seq_rewind), into a fresh slot given a
-running or kept slot's prefix (seq_copy), into the queue until a prefix it shares has been prefilled, or into a
-fresh slot. The scheduler holds the engine's lock, makes the admission's core calls (seq_open, seq_rewind,
-seq_copy) and counts the pool's free pages; this keeps the slots, counts the pages they hold and closes those it
-evicts (core.seq_close).
+the KV caches of ended requests, kept with the tokens they hold, least recently used first, and where each admitted
+prompt goes: into a fresh slot given a kept cache's or a running request's prefix (seq_copy), into the queue until
+a prefix it shares has been prefilled, or into a fresh slot. The scheduler holds the engine's lock, makes the
+admission's core calls (seq_open, seq_copy, seq_rewind) and counts the pool's free pages; this keeps the caches,
+counts the pages they hold and drops those it evicts (core.seq_close).
+
+Where the core parks (seq_park: the engines), an ended request's cache leaves its slot and is kept as a parked
+sequence: it holds pages, not a slot, so caches survive a full batch (vLLM's cached blocks); a prompt sharing its
+prefix is copied from it (whole pages shared, the last, partly filled one copied), which leaves it cached for the
+next. A cache whose tokens another kept one extends is dropped (the longer one serves every prompt it would).
+A core without seq_park (a test double) keeps the ended request's slot open instead: a prompt is admitted into it,
+rewound to the common prefix (seq_rewind), or copied from it where it should not be cut short, and the kept slots
+count against the batch's.
 
 The engines' copies share pages (seq_copy: the whole pages of the prefix are held by both slots, the last, partly
 filled one copied), so what a copy takes, what a rewind gives back and what the kept slots hold are the core's
@@ -20,6 +27,10 @@ from .errors import TinyInferError
 # Ended requests' caches the CPU engine keeps by default (Scheduler(prefix_cache=...)): its pages are heap memory,
 # held until taken back (a chat's turns at SmolLM2-135M: 46 KB a position, fp32)
 PREFIX_CACHE_CPU = 4
+
+# ... and the GPU engine per slot: parked, they hold only pages of a pool allocated anyway, given back (least recently
+# used first) to whoever needs them; the bound keeps the admission's scan and the pages' recount short.
+PREFIX_CACHE_GPU_PER_SLOT = 4
 
 # A request waits for a running one that is still prefilling a prefix they share, to copy it (PrefixCache.plan), when
 # that saves at least this many positions of prefill: below it, prefilling them alongside costs about as little as
@@ -55,7 +66,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int], chunk: int = 256) -> int:
 
 class Plan(NamedTuple):
     """Where a prompt is admitted (PrefixCache.plan): kind "rewind" (into kept slot `slot`, cut to `cached`
-    positions), "copy" (a fresh slot given the first `cached` positions of slot `slot`), "wait" or "fresh"."""
+    positions), "copy" (a fresh slot given the first `cached` positions of slot or parked sequence `slot`), "wait"
+    or "fresh"."""
 
     kind: str
     slot: Optional[int] = None
@@ -63,12 +75,14 @@ class Plan(NamedTuple):
 
 
 class PrefixCache:
-    """The kept slots (slot -> the tokens its cache holds, least recently used first) and the admission's plan.
-    limit: how many slots it keeps; copies: whether the core has seq_copy; shares: whether its slots share pages
-    (the engines: kv_pages_held_by, seq_rewind_frees)."""
+    """The kept caches (parked sequence or kept slot -> the tokens its cache holds, least recently used first) and
+    the admission's plan. limit: how many it keeps; copies: whether the core has seq_copy; shares: whether its
+    slots share pages (the engines: kv_pages_held_by, seq_rewind_frees); parks: whether it parks (seq_park: needs
+    copies, the only way into a parked cache)."""
 
-    def __init__(self, limit: int, page_size: int, copies: bool, shares: bool = False) -> None:
+    def __init__(self, limit: int, page_size: int, copies: bool, shares: bool = False, parks: bool = False) -> None:
         self.limit, self.page_size, self.copies, self.shares = limit, page_size, copies, shares
+        self.parks = parks and copies
         self.kept: OrderedDict[int, list[int]] = OrderedDict()
         # the pages only the kept slots hold (closing them would free them): the scheduler's stats() reads it (and
         # len()) without the engine's lock, one attribute load each under the GIL, as any int the scheduler keeps;
@@ -83,6 +97,11 @@ class PrefixCache:
 
     def held(self, slot: int) -> list[int]:
         return self.kept[slot]
+
+    @property
+    def slots(self) -> int:
+        """The core's slots the cache holds (kept slots; parked sequences hold none)."""
+        return 0 if self.parks else len(self.kept)
 
     def recount(self, core) -> None:
         """The pages only the kept slots hold, from the core (where slots share pages: a kept slot's prefix may be
@@ -132,13 +151,19 @@ class PrefixCache:
         # positions needs its token at n to be the prompt's (so with a system prompt shared by every slot the scan
         # costs one compare a slot, not one prefix: it runs under the engine's lock at every admission).
         last = len(prompt) - 1
-        full = len(running) + len(self.kept) >= max_batch
+        full = len(running) + self.slots >= max_batch
         plan = Plan("fresh")
         held_best = 0
         for slot, held in self.kept.items():
             n0 = plan.cached
             if n0 < last and len(held) > n0 and held[n0] == prompt[n0]:
                 n = min(common_prefix(held, prompt), last)
+                if self.parks:  # (a parked cache is copied from: nothing is cut, no slot taken)
+                    if n > n0:
+                        plan = Plan("copy", slot, n)
+                    continue
+            elif self.parks:
+                continue
             elif n0 > 0 and (plan.kind == "copy" or len(held) < held_best) and held[:n0] == prompt[:n0]:
                 n = n0  # (a tie that may win: into a slot rather than a copy, or one holding fewer)
             else:
@@ -167,11 +192,26 @@ class PrefixCache:
             return Plan("wait")
         return plan
 
-    # ---- the kept slots ----
+    # ---- the kept caches ----
 
     def keep(self, core, slot: int, tokens: list[int]) -> None:
-        """An ended request's slot, holding `tokens`, becomes the most recently used; the least recently used beyond
-        the limit are closed."""
+        """An ended request's slot, holding `tokens`, becomes the most recently used kept cache (parked where the
+        core parks: the slot closes); the least recently used beyond the limit are dropped. Parked, a kept cache
+        whose tokens `tokens` extend is dropped, and `tokens` are not kept where a kept cache extends them."""
+        if self.parks:
+            n = len(tokens)
+            for key, held in self.kept.items():
+                if len(held) >= n and held[n - 1] == tokens[-1] and held[:n] == tokens:
+                    self.kept.move_to_end(key)  # (it serves every prompt this would)
+                    try:
+                        core.seq_close(slot)
+                    except TinyInferError:
+                        pass
+                    return
+            for key in [k for k, h in self.kept.items()
+                        if len(h) < n and h[-1] == tokens[len(h) - 1] and tokens[:len(h)] == h]:
+                self.drop(core, key)  # (what it holds, the new one holds too)
+            slot = int(core.seq_park(slot))
         self.kept[slot] = tokens
         self.pages += pages_for(len(tokens), self.page_size)
         while len(self.kept) > self.limit:
@@ -193,8 +233,11 @@ class PrefixCache:
         self.kept.move_to_end(slot)
 
     def evict_lru(self, core, spare: Optional[int] = None) -> int:
-        """Close the least recently used kept slot (not `spare`); returns the pages it gave back."""
-        slot = next(s for s in self.kept if s != spare)
+        """Drop the least recently used kept cache (not `spare`); returns the pages it gave back."""
+        return self.drop(core, next(s for s in self.kept if s != spare))
+
+    def drop(self, core, slot: int) -> int:
+        """Drop kept cache `slot` (seq_close); returns the pages it gave back."""
         tokens = self.kept.pop(slot)
         if not self.shares:
             self.pages -= pages_for(len(tokens), self.page_size)
@@ -208,6 +251,6 @@ class PrefixCache:
         return int(core.kv_pages_free) - before
 
     def drop_all(self, core) -> None:
-        """Close every kept slot (the single path or warm_up needs the pool; close())."""
+        """Drop every kept cache (the single path or warm_up needs the pool; close())."""
         while self.kept:
             self.evict_lru(core)

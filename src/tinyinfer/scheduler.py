@@ -70,27 +70,27 @@ own. A request
 that cannot fit even with nothing running fails the same way instead of waiting forever.
 The single path's cache (it shares the GPU pool) is reset() before admitting: only its next call could reuse it.
 
-Prefix cache (prefix_cache; llama.cpp's server reuses its slots' caches so, vLLM shares blocks): a request that ends
-without an error (stop, length, cancelled) leaves its slot open, kept with the tokens its cache holds (its prompt
-and what ran of its answer). A request whose prompt starts with some of those tokens (a chat's next turn; the same
-system prompt or document) is admitted into that slot, rewound to the common prefix (seq_rewind: its history
-restarts as that prefix, as prompt), and only the rest of its prompt is prefilled (Completion.stats.cached_tokens;
-at least its last token always runs, for its logits). Of the kept slots it takes the one sharing the most; one that
-would lose more than it gives (a common prefix under half of what it holds) only when no slot is free. A prompt
-sharing more with a running request, or with a kept slot it should not cut short, gets a fresh slot given those
-positions (seq_copy; llama.cpp's seq_cp: the whole pages below them shared, the last, partly filled one copied; what
-a copy takes, a rewind gives back and the kept slots alone hold, the core counts): and while a running request
-still prefills a prefix the prompt shares (the same system prompt arriving together, the n choices of one
-request), the prompt waits for it rather
-than prefilling the same positions beside it (where that saves prefix_cache.COPY_WAIT_TOKENS or more: shorter
-prompts are prefilled side by side); requests behind it in the queue are admitted meanwhile (the choice:
-PrefixCache.plan in prefix_cache.py, which keeps the slots; the admission's core calls and the pool's free pages
-are counted here). Kept slots
-give their slots and pages back, least recently used first, to any request or step that needs them (admission,
-a decode step's new page, the launch ahead) before anything else is done for want of them, and all at once to the
-single path on the GPU (its cache shares the pool), warm_up and close(). A sequence's numbers are those of a fresh
-prefill where the engine's arithmetic does not depend on how the positions were batched (the CPU engine: exactly);
-on the GPU the cached positions were computed in other passes, so a near-tie of the logits may break differently.
+Prefix cache (prefix_cache; vLLM's cached blocks, llama.cpp's sequences outside the batch): a request that ends
+without an error (stop, length, cancelled) leaves its KV cache, with the tokens it holds (its prompt and what ran
+of its answer), parked (seq_park: the pages stay, the slot is free at once), so kept caches take pages, not slots,
+and survive a full batch. A request whose prompt starts with some of those tokens (a chat's next turn; the same
+system prompt or document) gets a fresh slot given the common prefix of the cache sharing the most (seq_copy:
+the whole pages below it shared, the last, partly filled one copied; llama.cpp's seq_cp), which stays cached, and
+only the rest of its prompt is prefilled (Completion.stats.cached_tokens; at least its last token always runs,
+for its logits). A running request's prefix is copied the same way; what a copy takes and what the kept caches
+alone hold, the core counts (kv_pages_held_by). A cache whose tokens a newer one extends is dropped (a
+conversation keeps one). While a running request still prefills a prefix the prompt shares (the same system
+prompt arriving together, the n choices of one request), the prompt waits for it rather than prefilling the same
+positions beside it (where that saves prefix_cache.COPY_WAIT_TOKENS or more: shorter prompts are prefilled side by
+side); requests behind it in the queue are admitted meanwhile (the choice: PrefixCache.plan in prefix_cache.py,
+which keeps the caches; the admission's core calls and the pool's free pages are counted here). A core without
+seq_park (a test double) keeps the ended request's slot open instead and rewinds it (seq_rewind) for a prompt
+that shares at least half of it. Kept caches give their pages back, least recently used first, to any request or
+step that needs them (admission, a decode step's new page, the launch ahead) before anything else is done for want
+of them, and all at once to the single path on the GPU (its cache shares the pool), warm_up and close(). A
+sequence's numbers are those of a fresh prefill where the engine's arithmetic does not depend on how the positions
+were batched (the CPU engine: exactly); on the GPU the cached positions were computed in other passes, so a
+near-tie of the logits may break differently.
 A failing core call fails exactly the requests in that call (their slots closed); a TinyInferError
 stays with those requests, anything else (KeyboardInterrupt raised inside a call, ...) is re-raised by step().
 
@@ -115,7 +115,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from .engine import CHUNK_TOKENS, Completion, Engine, Stats
 from .errors import InvalidRequestError, KvCacheFullError, QueueFullError, TinyInferError
-from .prefix_cache import PREFIX_CACHE_CPU, PrefixCache
+from .prefix_cache import PREFIX_CACHE_CPU, PREFIX_CACHE_GPU_PER_SLOT, PrefixCache
 from .prefix_cache import pages_for as _pages
 from .request import Delta, Request, TokenLogprob, merge_deltas, wake
 from .sampling import SamplingParams, TextAssembler
@@ -202,8 +202,9 @@ class Scheduler:
         the pass, the LM head as a GEMM), so on the GPU a request's tokens may then depend on when others arrive,
         at near-ties of its logits. False (the default): seq_step, then the prefill. prefix_cache: how many ended
         requests' KV caches are kept for later prompts that start with their tokens (see the module's docstring,
-        "Prefix cache"); None: as many as the engine has slots on the GPU, whose pool is allocated anyway, and
-        PREFIX_CACHE_CPU on the CPU, whose pages come from the heap; 0 (or a core without seq_rewind): off.
+        "Prefix cache"); None: PREFIX_CACHE_GPU_PER_SLOT times the engine's slots on the GPU, whose pool is
+        allocated anyway (kept caches take only pages, given back to whoever needs them), and PREFIX_CACHE_CPU on
+        the CPU, whose pages come from the heap; 0 (or a core without seq_rewind): off.
         preempt: a decode step short of KV pages takes the youngest sequences' slots back and queues them to be
         recomputed (prompt + what they generated) once pages free up (see the module's docstring); False: they
         end with KvCacheFullError. trace: record into it every
@@ -237,7 +238,7 @@ class Scheduler:
         self._marks = hasattr(core, "seq_mark_generated")  # (the engines; not every test double)
         self.mixed_steps = mixed_steps and batched_prefill
         self.prefix_cache = 0 if not hasattr(core, "seq_rewind") else prefix_cache if prefix_cache is not None else (
-            limit if engine.device == "cuda" else PREFIX_CACHE_CPU)  # (a core without seq_rewind: a test double)
+            PREFIX_CACHE_GPU_PER_SLOT * limit if engine.device == "cuda" else PREFIX_CACHE_CPU)  # (a core without seq_rewind: a test double)
         self.trace = trace
         self._engine = engine
         self._page_size = int(core.kv_page_size)
@@ -252,15 +253,15 @@ class Scheduler:
         # the core has seq_copy. (prefix_cache, its limit, is fixed here.)
         self._cache = PrefixCache(self.prefix_cache, self._page_size,
                                   copies=self.prefix_cache > 0 and hasattr(core, "seq_copy"),
-                                  shares=hasattr(core, "kv_pages_held_by"))
+                                  shares=hasattr(core, "kv_pages_held_by"), parks=hasattr(core, "seq_park"))
         with engine._sched_lock:
             prev = engine._scheduler
             if prev is not None and prev._closed and len(prev._cache):
                 # slots its close() could not give back (the engine was busy in that thread): this one owns them
                 self._cache.take_over(prev._cache)
         self._totals = Totals()  # what has been served (metrics())
-        # a slot closed or copied from this step: the kept slots' own pages are counted again at its end (not every
-        # step: the count walks every kept slot's table)
+        # a slot closed or copied from this step: the kept caches' own pages are counted again at its end (not every
+        # step: the count walks every kept cache's table)
         self._recount = False
         self._cancels: set[str] = set()
         self._live: dict[str, _Seq] = {}  # every request not yet ended, by id
@@ -760,10 +761,10 @@ class Scheduler:
                 if kind == "wait":
                     ahead += 1  # it copies that prefix once prefilled (a step or a few); those behind it go on
                     continue
-                spare = src if src in self._cache else None  # (a kept slot it rewinds or copies from stays)
+                spare = src if src in self._cache else None  # (a kept cache it rewinds or copies from stays)
                 slot = src if kind == "rewind" else None
                 need = self._need(core, seq, kind, src, cached)
-                if need > free and kind == "copy" and spare is not None:
+                if need > free and kind == "copy" and spare is not None and not self._cache.parks:
                     # short of pages: into that kept slot after all, rather than evicting other caches for a copy
                     kind, slot = "rewind", src
                     need = self._need(core, seq, kind, src, cached)
@@ -801,7 +802,7 @@ class Scheduler:
                             pass
                         slot = None
                 if slot is None:
-                    if len(self._running) - 1 + len(self._cache) >= int(core.max_batch):
+                    if len(self._running) - 1 + self._cache.slots >= int(core.max_batch):
                         # every slot is running or kept: the least recently used goes (not the one copied from)
                         free += self._cache.evict_lru(core, spare=src if kind == "copy" else None)
                     seq.slot = int(core.seq_open())
@@ -1102,7 +1103,7 @@ class Scheduler:
                 with eng._exclusive():
                     for s in seqs:
                         self._end(eng._core, s, "error", error=error)
-                    self._cache.recount(eng._core)  # (pages their slots shared with kept ones: the kept slots' now)
+                    self._cache.recount(eng._core)  # (pages their slots shared with kept ones: the kept caches' now)
                 return
             except InvalidRequestError:  # closed meanwhile: its slots went with it
                 pass

@@ -31,7 +31,7 @@ import time
 from typing import Optional
 
 CORE_CALLS = ("seq_open", "seq_prefill", "seq_prefill_many", "seq_mixed", "seq_step", "seq_sample", "seq_close",
-              "seq_rewind", "seq_copy", "reset")
+              "seq_rewind", "seq_copy", "seq_park", "reset")
 
 
 class Trace:
@@ -87,6 +87,9 @@ class TracedCore:
 
     def seq_copy(self, dst, src, tokens):
         return self._timed("seq_copy", len(tokens), self._core.seq_copy, dst, src, tokens)
+
+    def seq_park(self, slot):
+        return self._timed("seq_park", 0, self._core.seq_park, slot)
 
     def reset(self):
         return self._timed("reset", 0, self._core.reset)

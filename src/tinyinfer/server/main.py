@@ -57,8 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache", type=int, default=None, metavar="N",
                    help="ended requests whose KV caches are kept for later prompts that start with their tokens (a "
                         "chat's next turn, a shared system prompt: only the rest is prefilled; usage reports "
-                        "prompt_tokens_details.cached_tokens); taken back as requests need the slots or pages "
-                        "(default: every slot on cuda, 4 on cpu; 0: off)")
+                        "prompt_tokens_details.cached_tokens); they hold KV pages, not slots, and give them back, least "
+                        "recently used first, as requests need them (default: 4 per slot on cuda, 4 on cpu; 0: off)")
     p.add_argument("--api-workers", type=int, default=None,
                    help="processes running the HTTP side (parsing, templates, tokenizing, streaming), each linked "
                         f"to the one engine process by a pipe; 1: the HTTP app in the engine's process (default: "

@@ -21,7 +21,7 @@ def render(m: dict, model: str) -> tuple[bytes, str]:
         for name, key, doc in (("requests_running", "running", "Requests admitted and not yet ended."),
                                ("requests_waiting", "waiting", "Requests queued for a slot or KV pages."),
                                ("kv_pages_used", "kv_pages_used", "KV pages the requests hold."),
-                               ("kv_pages_cached", "kv_pages_cached", "KV pages the prefix cache's slots hold."),
+                               ("kv_pages_cached", "kv_pages_cached", "KV pages only the prefix cache's kept caches hold."),
                                ("kv_pages_capacity", "kv_pages_total", "KV pages in the pool."),
                                ("cached_sequences", "cached_sequences", "Ended requests' caches kept for reuse.")):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)

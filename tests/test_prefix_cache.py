@@ -435,6 +435,8 @@ def _park_cases(core, make_tokens):
     pairs.append((core.seq_logits(b), core.seq_logits(ref)))
     assert core.kv_pages_free == free - 3
     q = core.seq_park(b)
+    with pytest.raises(InvalidRequestError, match=f"slot {b} is not open"):
+        core.seq_park(b)  # (parked: closed)
     assert q != p and (core.kv_pages_held_by([p]), core.kv_pages_held_by([q])) == (1, 2)  # P2; B1, B2
     assert core.kv_pages_held_by([p, q]) == 3 and core.kv_pages_held_by([p, q, a, q]) == 6  # (+ P0, P1, A2)
     core.seq_close(p)  # P2 back

@@ -1,9 +1,10 @@
-"""The scheduler's prefix cache (scheduler.py, "Prefix cache"; prefix_cache.py): an ended request's slot is kept
-with the tokens its cache holds, and a later prompt that starts with some of them is admitted into it, rewound to
-the common prefix (seq_rewind), and prefilled from there; a prefix shared with a running request is copied
-(seq_copy). On the CPU engine its tokens, logprobs and penalties are bit for bit those of a scheduler without the
-cache; kept slots give their slots and pages back before anything else is done for want of them; the choice
-between kept slots, copies, a wait and a fresh slot; off when asked."""
+"""The scheduler's prefix cache (scheduler.py, "Prefix cache"; prefix_cache.py): an ended request's cache is kept
+with the tokens it holds (parked by the engines, seq_park; a kept slot on the test doubles without it), and a
+later prompt that starts with some of them is copied from it (seq_copy; a kept slot: rewound, seq_rewind) and
+prefilled from there; a prefix shared with a running request is copied too. On the CPU engine its tokens,
+logprobs and penalties are bit for bit those of a scheduler without the cache; kept caches give their pages (kept
+slots their slots) back before anything else is done for want of them; the choice between kept caches, copies, a
+wait and a fresh slot; off when asked; seq_park on both engines."""
 
 from __future__ import annotations
 
@@ -587,6 +588,50 @@ def test_cpu_seq_copy_equals_a_fresh_prefill(store):
     assert core.seq_length(b) == 0
 
 
+def test_cpu_parked_pages_count_against_the_pool(store):
+    """The CPU engine's pages come from the heap, but parked sequences' count against kv_pages_total as on the GPU:
+    a call that would take more than are free is refused, changing nothing (kv_pages_free never below zero)."""
+    core = _core.CpuEngine(store, MAX_SEQ, 1, 1)  # one slot of MAX_SEQ: 3 pages
+    s = core.seq_open()
+    prompt = _ids(20, 139)
+    core.seq_prefill(s, prompt)
+    p = core.seq_park(s)
+    s = core.seq_open()
+    assert core.kv_pages_free == 0
+    for bad, match in [(lambda: core.seq_prefill(s, [1]), "seq_prefill needs 1 more pages and 0 of 3 are free"),
+                       (lambda: core.seq_prefill_many([s], [[1, 2]]), "seq_prefill_many needs 1"),
+                       (lambda: core.seq_copy(s, p, prompt[:100]), "last page of 100 positions is copied")]:
+        with pytest.raises(InvalidRequestError, match=match):
+            bad()
+        assert core.seq_length(s) == 0 and core.kv_pages_free == 0
+    core.seq_copy(s, p, prompt[:128])  # (a page boundary: two pages shared, none taken)
+    with pytest.raises(InvalidRequestError, match="seq_prefill needs 1 more pages"):
+        core.seq_prefill(s, prompt[128:])
+    core.seq_close(p)  # its third page back
+    core.seq_prefill(s, prompt[128:])
+    ref = _core.CpuEngine(store, MAX_SEQ, 1, 1)
+    r = ref.seq_open()
+    ref.seq_prefill(r, prompt)
+    assert np.array_equal(core.seq_logits(s), ref.seq_logits(r))
+    t = core.seq_park(s)
+    s = core.seq_open()
+    core.seq_copy(s, t, prompt[:128])  # (P0, P1 shared with t)
+    with pytest.raises(InvalidRequestError, match="seq_rewind: position 100's KV page is shared"):
+        core.seq_rewind(s, prompt[:100])  # inside P1: a copy of it, and no page is free
+    assert core.seq_length(s) == 128 and core.kv_pages_free == 0
+    core.seq_close(t)
+    core.seq_rewind(s, prompt[:100])  # (P1 its own now: nothing to copy)
+    assert core.kv_pages_free == 1
+    u = core.seq_park(s)
+    s = core.seq_open()
+    core.seq_copy(s, u, prompt[:64])  # (P0 shared)
+    core.seq_prefill(s, prompt[64:127])  # P1' (127 positions: the last one's step opens no page)
+    core.seq_step([s], [prompt[127]])
+    with pytest.raises(InvalidRequestError, match="seq_step needs 1 more pages and 0 of 3"):
+        core.seq_step([s], [prompt[128]])  # position 128: a third page, and none is free
+    assert core.seq_length(s) == 128 and core.kv_pages_free == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shuffle", [0, 11], ids=["pages-in-order", "pages-scattered"])
 def test_gpu_seq_copy_equals_a_fresh_prefill(tmp_path, shuffle):
@@ -847,6 +892,32 @@ class ParkingCore(SharedPagesCore):
         super().seq_rewind(slot, tokens)
 
 
+@pytest.mark.parametrize("pc", [8, 0])
+def test_a_prompt_that_fits_is_not_refused_for_the_cache_it_copies(pc):
+    """The pages a prompt lacks are the parked cache it copies from: copied, then dropped (it had ended the request
+    with a KvCacheFullError, "nothing running", although it fits the pool with the cache off)."""
+    core = ParkingCore(max_batch=2, page_size=4, pages=10, vocab=60)
+    sched = Scheduler(Engine.from_core(core, SimpleNamespace(vocab=60, eos_token_ids=[]), max_seq_len=512),
+                      overlap=False, mixed_steps=False, prefix_cache=pc)
+    a = list(range(1, 31))
+    _run(sched, [a], [SamplingParams(max_tokens=2, ignore_eos=True)])  # 31 positions kept: 8 pages
+    got = _run(sched, [a[:6] + list(range(31, 56))], [SamplingParams(max_tokens=1, ignore_eos=True)])[0]
+    assert len(got.token_ids) == 1 and got.stats.cached_tokens == (6 if pc else 0)
+    assert core.kv_pages_free + sched.kv_pages_cached == core.kv_pages_total
+
+
+@pytest.mark.parametrize("pc", [4, 0])
+def test_cpu_a_prompt_that_fits_is_not_refused_for_the_cache_it_copies(store, pc):
+    core = _core.CpuEngine(store, MAX_SEQ, 1, 1)  # one slot: 3 pages
+    sched = Scheduler(Engine.from_core(core, SimpleNamespace(vocab=VOCAB, eos_token_ids=[]), max_seq_len=MAX_SEQ),
+                      prefix_cache=pc)
+    a = _ids(30, 100)
+    _run(sched, [a], [SamplingParams(max_tokens=5, ignore_eos=True)])
+    got = _run(sched, [a[:52] + _ids(31, 90)], [SamplingParams(max_tokens=1, ignore_eos=True)])[0]
+    assert len(got.token_ids) == 1
+    assert core.kv_pages_free + sched.kv_pages_cached == core.kv_pages_total
+
+
 def _copy_sched(**kw) -> tuple[CopyCore, Scheduler]:
     core = CopyCore(**kw)
     eng = Engine.from_core(core, SimpleNamespace(vocab=core.vocab, eos_token_ids=[]), max_seq_len=512)
@@ -1019,6 +1090,12 @@ def test_traffic_with_copies_against_no_cache(seed, shared):
         elif rng.random() < 0.05 and live:
             pick(live)[0].cancel()
         sched.step()
+        if shared == 2:  # the kept caches are exactly the core's parked sequences, and what only they hold is counted
+            kept = list(sched._cache.kept)
+            assert sorted(i for i in core.cache if i >= mb) == sorted(kept)
+            assert all(core.cache[k] == sched._cache.kept[k] for k in kept)
+            assert all(s.slot is None or s.slot < mb for s in sched._running)
+            assert sched.kv_pages_cached == (core.kv_pages_held_by(kept) if kept else 0)
         for r, p, _ in live:  # (an answer that ran becomes a prefix a later prompt may extend)
             if r.finished and r._error is None and r.id not in seen:
                 seen.add(r.id)
@@ -1028,7 +1105,12 @@ def test_traffic_with_copies_against_no_cache(seed, shared):
     for r, p, sp in live:
         try:
             got = r.result()
-        except KvCacheFullError:
+        except KvCacheFullError as e:  # (refused with nothing running: so must it be without the cache)
+            if "nothing running" in str(e):
+                w = ref.submit(p, sp)
+                ref.wait_idle()
+                with pytest.raises(KvCacheFullError):
+                    w.result()
             continue
         if got.finish_reason == "cancelled":
             continue
@@ -1039,3 +1121,5 @@ def test_traffic_with_copies_against_no_cache(seed, shared):
         except KvCacheFullError:
             continue
         assert got.token_ids == want.token_ids, (p, got.stats.cached_tokens)
+    sched.reset_prefix_cache()
+    assert core.kv_pages_free == core.kv_pages_total

@@ -61,7 +61,7 @@ class CpuEngine {
 
   // ---- sequence slots (docs/BATCH_CONTRACT.md part 2; cpu_sequences.cpp) ----
   // Every call checks all its arguments first and throws ti::Error(Request), changing nothing, on a slot out of
-  // 0..max_batch-1 or not open, a token id out of range, positions beyond max_seq_len, a slot listed twice, or
+  // 0..max_batch-1 or not open (a parked sequence where a call takes one: seq_park), a token id out of range, positions beyond max_seq_len, a slot listed twice, or
   // a step / sample on a slot with no logits yet (no prefill ran in it).
   int64_t max_batch() const { return (int64_t)slots_.size(); }
   int64_t seq_open();                      // the lowest free slot, empty; a Request error when all are taken
@@ -112,8 +112,9 @@ class CpuEngine {
   // KV pages of kv_page_size() positions. A slot holds ceil(seq_length / page) of them, allocated as it grows
   // (those it shares with another slot, seq_copy's, counted once);
   // the total is what max_batch slots of max_seq_len would hold, max_batch * ceil(max_seq_len / page), so the
-  // CPU never runs out before max_seq_len (its pages come from the heap, not a fixed pool). The single
-  // sequence's cache is not counted.
+  // slots alone never run out before max_seq_len (the pages come from the heap, not a fixed pool). Parked
+  // sequences' pages count too: a call that would take more than are free is refused (a Request error, nothing
+  // changed), as the GPU's pool refuses it. The single sequence's cache is not counted.
   int64_t kv_page_size() const { return kCpuKvPageSize; }
   int64_t kv_pages_total() const { return max_batch() * KVCache::pages_for(max_seq_); }
   int64_t kv_pages_free() const { return kv_pages_total() - slot_pages_; }
@@ -183,6 +184,10 @@ class CpuEngine {
   const Slot& held(int64_t id) const;  // checked: an open slot or a parked sequence
   void check_batch(const char* what, const int64_t* slots, int64_t n) const;  // check_batch_slots over slots_
   void check_step(const char* what, const int64_t* slots, const int32_t* tokens, int64_t n) const;  // + ids, room
+  // The new pages slots[i] growing by adds[i] positions take (of open slots; n_step of them by one position each,
+  // then n by lens[i]), and a Request error when more than kv_pages_free() (the GPU's require_pages).
+  void require_pages(const char* what, const int64_t* step_slots, int64_t n_step, const int64_t* slots,
+                     const int64_t* lens, int64_t n) const;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<std::unique_ptr<Slot>> parked_;  // parked sequence max_batch + i at i; null while free
   int64_t slot_pages_ = 0;  // KV pages the slots and parked sequences hold (each shared one once)

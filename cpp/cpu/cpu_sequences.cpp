@@ -53,7 +53,7 @@ int64_t CpuEngine::seq_park(int64_t slot) {
   auto free = std::find(parked_.begin(), parked_.end(), nullptr);
   if (free == parked_.end()) free = parked_.insert(parked_.end(), nullptr);
   *free = std::move(slots_[(size_t)slot]);  // (its pages stay counted: still held)
-  (*free)->logits = {};  // (nothing runs in it: only its cache and tokens are read)
+  std::vector<float>().swap((*free)->logits);  // (nothing runs in it: only its cache and tokens are read)
   return max_batch() + (int64_t)(free - parked_.begin());
 }
 
@@ -63,8 +63,11 @@ void CpuEngine::seq_rewind(int64_t slot, const int32_t* tokens, int64_t n) {
   if (!std::equal(tokens, tokens + n, s.tokens.begin()))
     fail(ErrorKind::Request, "seq_rewind: slot " + std::to_string(slot) + " does not hold those " +
                                  std::to_string(n) + " tokens");
-  s.tokens.resize((size_t)n);
   const int64_t keep = KVCache::pages_for(n);
+  if (n % kCpuKvPageSize != 0 && s.kv.shared(keep - 1) && kv_pages_free() + s.kv.owned(keep) < 1)
+    fail(ErrorKind::Request, "seq_rewind: position " + std::to_string(n) + "'s KV page is shared and must be "
+                             "copied, and none of the " + std::to_string(kv_pages_total()) + " pages is free");
+  s.tokens.resize((size_t)n);
   slot_pages_ -= s.kv.owned(keep);
   s.kv.k_pages.resize((size_t)keep);
   s.kv.v_pages.resize((size_t)keep);
@@ -90,6 +93,9 @@ void CpuEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_
                                  " tokens");
   // The whole pages below n shared (neither slot writes below its length), the last, partly filled one copied
   const int64_t pages = KVCache::pages_for(n);
+  if (n % kCpuKvPageSize != 0 && kv_pages_free() + d.kv.owned() < 1)
+    fail(ErrorKind::Request, "seq_copy: the last page of " + std::to_string(n) + " positions is copied and none of "
+                             "the " + std::to_string(kv_pages_total()) + " KV pages is free");
   slot_pages_ -= d.kv.owned();
   d.kv.k_pages.assign(s.kv.k_pages.begin(), s.kv.k_pages.begin() + pages);
   d.kv.v_pages.assign(s.kv.v_pages.begin(), s.kv.v_pages.begin() + pages);
@@ -131,6 +137,7 @@ void CpuEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
   check_tokens(tokens, n, cfg_.vocab);
   const int64_t pos0 = (int64_t)s.tokens.size();
   check_room(pos0, n, max_seq_);
+  require_pages("seq_prefill", nullptr, 0, &slot, &n, 1);
 
   slot_pages_ += s.kv.reserve(pos0 + n);
   rows_.resize((size_t)n);
@@ -146,7 +153,23 @@ void CpuEngine::seq_prefill_many(const int64_t* slots, const int32_t* const* tok
   check_prefill_many(
       slots, tokens, lens, n, max_batch(), cfg_.vocab, max_seq_, [&](int64_t s) { return is_open(s); },
       [&](int64_t s) { return (int64_t)slots_[(size_t)s]->tokens.size(); });
+  require_pages("seq_prefill_many", nullptr, 0, slots, lens, n);
   for (int64_t i = 0; i < n; i++) seq_prefill(slots[i], tokens[i], lens[i]);
+}
+
+void CpuEngine::require_pages(const char* what, const int64_t* step_slots, int64_t n_step, const int64_t* slots,
+                              const int64_t* lens, int64_t n) const {
+  int64_t need = 0;
+  for (int64_t i = 0; i < n_step + n; i++) {
+    const KVCache& kv = slots_[(size_t)(i < n_step ? step_slots[i] : slots[i - n_step])]->kv;
+    const int64_t len = (int64_t)slots_[(size_t)(i < n_step ? step_slots[i] : slots[i - n_step])]->tokens.size();
+    need += std::max<int64_t>(KVCache::pages_for(len + (i < n_step ? 1 : lens[i - n_step])) - kv.pages(), 0);
+  }
+  if (need > kv_pages_free())
+    fail(ErrorKind::Request, std::string("KV pages exhausted: ") + what + " needs " + std::to_string(need) +
+                                 " more pages and " + std::to_string(kv_pages_free()) + " of " +
+                                 std::to_string(kv_pages_total()) + " are free (parked sequences hold the rest: "
+                                 "seq_close them)");
 }
 
 void CpuEngine::check_step(const char* what, const int64_t* slots, const int32_t* tokens, int64_t n) const {
@@ -167,12 +190,14 @@ void CpuEngine::seq_mixed(const int64_t* step_slots, const int32_t* step_tokens,
       slots, tokens, lens, n, max_batch(), cfg_.vocab, max_seq_, [&](int64_t s) { return is_open(s); },
       [&](int64_t s) { return (int64_t)slots_[(size_t)s]->tokens.size(); });
   check_mixed_disjoint(step_slots, n_step, slots, n);
+  require_pages("seq_mixed", step_slots, n_step, slots, lens, n);
   seq_step(step_slots, step_tokens, n_step);
   seq_prefill_many(slots, tokens, lens, n);
 }
 
 void CpuEngine::seq_step(const int64_t* slots, const int32_t* tokens, int64_t n) {
   check_step("seq_step", slots, tokens, n);
+  require_pages("seq_step", slots, n, nullptr, nullptr, 0);
 
   // All n tokens in one forward pass (the matrices read once per step), each row in its own slot's cache.
   rows_.resize((size_t)n);

@@ -119,6 +119,7 @@ void CudaEngine::release() {
   g_batch_.clear();
   batch_.reset();
   slots_.clear();
+  parked_.clear();
   h_sample_in_ = h_sample_out_ = nullptr;
   for (cudaEvent_t* e : {&sample_in_read_, &sampled_}) {
     if (*e) cudaEventDestroy(*e);

@@ -91,9 +91,10 @@ class CudaEngine {
   // What seq_rewind(slot, n) would change the free pages by: the pages it gives back, less the one a shared
   // page's copy takes. Request error as seq_rewind for a bad slot or n. The scheduler's page accounting.
   int64_t seq_rewind_frees(int64_t slot, int64_t n) const;
-  // dst (open, another slot) drops what it held and takes src's first n positions, which hold tokens[0..n) (the
-  // caller's word, as seq_rewind): the pages wholly below n shared with src (KvSequence::share: nothing copied;
-  // neither slot writes below its length), the last, partly filled one copied into a page of its own on the
+  // dst (open, another slot) drops what it held and takes the first n positions of src (an open slot or a parked
+  // sequence), which hold tokens[0..n) (the caller's word, as seq_rewind): the pages wholly below n shared with
+  // src (KvSequence::share: nothing copied; neither writes below its length), the last, partly filled one copied
+  // into a page of its own on the
   // stream (src may have work in flight: stream order); no logits (a prefill must follow), its history those
   // tokens as prompt. Request error, nothing changed, when dst == src, n is not in 0..seq_length(src), a token is
   // out of range or that page finds none free. A request sharing a prefix with one still running or kept (the

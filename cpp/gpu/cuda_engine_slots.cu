@@ -203,7 +203,7 @@ void CudaEngine::copy_page(int32_t from, int32_t to) {
 }
 
 int64_t CudaEngine::kv_pages_held_by(const int64_t* slots, int64_t n) const {
-  // (the prefix cache asks after the steps that change its caches: a flat count, O(pages held), no hashing)
+  // (the prefix cache asks after the steps that change its caches: a flat count over the pool's pages, no hashing)
   std::vector<int32_t> holds((size_t)pool_->n_pages());  // page -> how many of these sequences' tables hold it
   std::vector<const KvSequence*> seqs;
   std::vector<bool> seen(slots_.size() + parked_.size());

@@ -84,7 +84,7 @@ class PrefixCache:
         self.limit, self.page_size, self.copies, self.shares = limit, page_size, copies, shares
         self.parks = parks and copies
         self.kept: OrderedDict[int, list[int]] = OrderedDict()
-        # the pages only the kept slots hold (closing them would free them): the scheduler's stats() reads it (and
+        # the pages only the kept caches hold (dropping them would free them): the scheduler's stats() reads it (and
         # len()) without the engine's lock, one attribute load each under the GIL, as any int the scheduler keeps;
         # where slots share pages, recounted by the core (recount) after the slots change
         self.pages = 0
@@ -104,8 +104,8 @@ class PrefixCache:
         return 0 if self.parks else len(self.kept)
 
     def recount(self, core) -> None:
-        """The pages only the kept slots hold, from the core (where slots share pages: a kept slot's prefix may be
-        a running request's too, or another kept slot's)."""
+        """The pages only the kept caches hold, from the core (where slots share pages: a kept cache's prefix may be
+        a running request's too, or another kept cache's)."""
         if self.shares:
             try:
                 self.pages = int(core.kv_pages_held_by(list(self.kept))) if self.kept else 0
@@ -124,13 +124,20 @@ class PrefixCache:
             return int(core.seq_rewind_frees(slot, cached))
         return pages_for(len(self.kept[slot]), self.page_size) - pages_for(cached, self.page_size)
 
+    def drop_frees(self, core, key: int, cached: int) -> int:
+        """At least the free pages dropping kept cache `key` gives back once its first `cached` positions are copied
+        into a slot: the pages it alone holds, less the whole pages the copy then shares."""
+        alone = (int(core.kv_pages_held_by([key])) if self.shares
+                 else pages_for(len(self.kept[key]), self.page_size))
+        return max(alone - (cached // self.page_size if self.shares else 0), 0)
+
     def take_over(self, other: "PrefixCache") -> None:
-        """Another cache's kept slots become this one's (a closed scheduler's, which could not give them back)."""
+        """Another cache's kept caches become this one's (a closed scheduler's, which could not give them back)."""
         self.kept, self.pages = other.kept, other.pages
         other.kept, other.pages = OrderedDict(), 0
 
     def forget(self) -> None:
-        """Forget every kept slot without closing it (the engine closed: its slots went with the core)."""
+        """Forget every kept cache without dropping it (the engine closed: its sequences went with the core)."""
         self.kept, self.pages = OrderedDict(), 0
 
     # ---- the admission's plan ----
@@ -139,6 +146,8 @@ class PrefixCache:
         """Where a prompt is admitted, and the positions it takes from the cache (short of the prompt's last token,
         whose logits must be computed). running: the admitted requests (the scheduler's _Seq: slot, prompt,
         generated, length, prefilling); max_batch: the core's slots.
+        - where the core parks: "copy", a fresh slot given the longest prefix a kept cache or a running request
+          shares (nothing is cut, no slot is taken), else "wait" or "fresh" as below; where it does not:
         - "rewind": into the kept slot sharing the most (of those, the one holding the fewest tokens: the least
           thrown away); one that would lose more than half of what it holds only when every slot is taken (one
           kept slot must go anyway);
@@ -211,7 +220,14 @@ class PrefixCache:
             for key in [k for k, h in self.kept.items()
                         if len(h) < n and h[-1] == tokens[len(h) - 1] and tokens[:len(h)] == h]:
                 self.drop(core, key)  # (what it holds, the new one holds too)
-            slot = int(core.seq_park(slot))
+            try:
+                slot = int(core.seq_park(slot))
+            except TinyInferError:  # (not expected: the slot closed instead, nothing kept)
+                try:
+                    core.seq_close(slot)
+                except TinyInferError:
+                    pass
+                return
         self.kept[slot] = tokens
         self.pages += pages_for(len(tokens), self.page_size)
         while len(self.kept) > self.limit:
@@ -229,7 +245,7 @@ class PrefixCache:
         return tokens
 
     def touch(self, slot: int) -> None:
-        """A kept slot was used (copied from): the most recently used now."""
+        """A kept cache was used (copied from): the most recently used now."""
         self.kept.move_to_end(slot)
 
     def evict_lru(self, core, spare: Optional[int] = None) -> int:

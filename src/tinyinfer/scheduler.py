@@ -289,7 +289,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        """No request waiting, running or being cancelled (only the prefix cache's slots hold KV pages)."""
+        """No request waiting, running or being cancelled (only the prefix cache's kept caches hold KV pages)."""
         with self._state:
             return not self._has_work_locked()
 
@@ -305,7 +305,7 @@ class Scheduler:
 
     @property
     def kv_pages_cached(self) -> int:
-        """Pages the prefix cache's slots hold."""
+        """Pages only the prefix cache's kept caches hold."""
         return self._cache.pages
 
     def stats(self) -> dict:
@@ -526,7 +526,7 @@ class Scheduler:
         self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
-        """Close the prefix cache's slots now (their pages back to the pool), as vLLM's reset_prefix_cache."""
+        """Drop the prefix cache's kept caches now (their pages back to the pool), as vLLM's reset_prefix_cache."""
         eng = self._engine
         if len(self._cache) and not eng.closed:
             try:
@@ -554,7 +554,7 @@ class Scheduler:
                 try:
                     self._step_locked(eng._core if self.trace is None else self.trace.wrap(eng._core))
                 finally:
-                    if self._recount and not eng.closed:  # (the kept slots' pages: what the step's ends,
+                    if self._recount and not eng.closed:  # (the kept caches' pages: what the step's ends,
                         self._recount = False           # copies and preemptions left shared or not)
                         try:
                             self._cache.recount(eng._core)
@@ -771,6 +771,17 @@ class Scheduler:
                 while need > free and len(self._cache) > (spare is not None):
                     free += self._cache.evict_lru(core, spare=spare)
                     need = self._need(core, seq, kind, src, cached)  # (a rewound slot may own more pages now)
+                drop_src = False
+                if need > free and kind == "copy" and spare is not None and self._cache.parks:
+                    # what it lacks are the parked source's own pages: copied from, then dropped (giving back at least
+                    # the pages it alone holds less those the copy shares), or dropped first where that is short
+                    frees = self._cache.drop_frees(core, src, cached)
+                    if need - frees <= free:
+                        need, drop_src = need - frees, True
+                    else:
+                        free += self._cache.drop(core, src)
+                        kind, src, cached, spare = "fresh", None, 0, None
+                        need = self._need(core, seq, kind, src, cached)
                 if need > free and self._running:
                     return  # it waits for pages; so do those behind it (first come, first served)
                 del self._waiting[ahead]
@@ -789,7 +800,7 @@ class Scheduler:
             try:
                 if slot is not None:
                     self._cache.take(slot, core)
-                    self._recount = True  # (what the rewind gives back or copies may leave a kept slot's pages its own)
+                    self._recount = True  # (what the rewind gives back or copies may leave a kept cache's pages its own)
                     try:
                         core.seq_rewind(slot, seq.feed[:cached])
                         seq.slot, seq.length = slot, cached
@@ -814,7 +825,9 @@ class Scheduler:
                             seq.cached = cached if not seq.preempted else seq.cached
                         except InvalidRequestError:
                             refused = True
-                        if src in self._cache:
+                        if drop_src:
+                            free += self._cache.drop(core, src) - frees  # (what it gave back beyond the count)
+                        elif src in self._cache:
                             self._cache.touch(src)
                 if seq.preempted and _counts_generated(seq.params):  # (its answer so far: prefilled as prompt)
                     core.seq_mark_generated(seq.slot, seq.generated)

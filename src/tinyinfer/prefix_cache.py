@@ -88,6 +88,7 @@ class PrefixCache:
         # len()) without the engine's lock, one attribute load each under the GIL, as any int the scheduler keeps;
         # where slots share pages, recounted by the core (recount) after the slots change
         self.pages = 0
+        self.stale = False  # pages is to be counted again (recount): caches were dropped since
 
     def __len__(self) -> int:
         return len(self.kept)
@@ -109,6 +110,7 @@ class PrefixCache:
         if self.shares:
             try:
                 self.pages = int(core.kv_pages_held_by(list(self.kept))) if self.kept else 0
+                self.stale = False
             except TinyInferError:  # a slot the core no longer knows: counted at the next recount
                 pass
 
@@ -133,8 +135,8 @@ class PrefixCache:
 
     def take_over(self, other: "PrefixCache") -> None:
         """Another cache's kept caches become this one's (a closed scheduler's, which could not give them back)."""
-        self.kept, self.pages = other.kept, other.pages
-        other.kept, other.pages = OrderedDict(), 0
+        self.kept, self.pages, self.stale = other.kept, other.pages, other.stale
+        other.kept, other.pages, other.stale = OrderedDict(), 0, False
 
     def forget(self) -> None:
         """Forget every kept cache without dropping it (the engine closed: its sequences went with the core)."""
@@ -262,8 +264,10 @@ class PrefixCache:
             core.seq_close(slot)
         except TinyInferError:  # a slot the core no longer knows: nothing left to free
             return 0
-        finally:
-            self.recount(core)
+        finally:  # (evictions come in runs: the core counts the rest once, at the step's end or the next keep)
+            self.stale = self.shares and bool(self.kept)
+            if not self.kept:
+                self.pages = 0
         return int(core.kv_pages_free) - before
 
     def drop_all(self, core) -> None:

@@ -554,8 +554,8 @@ class Scheduler:
                 try:
                     self._step_locked(eng._core if self.trace is None else self.trace.wrap(eng._core))
                 finally:
-                    if self._recount and not eng.closed:  # (the kept caches' pages: what the step's ends,
-                        self._recount = False           # copies and preemptions left shared or not)
+                    if (self._recount or self._cache.stale) and not eng.closed:  # (the kept caches' pages: what
+                        self._recount = False  # the step's ends, copies, evictions and preemptions left shared or not)
                         try:
                             self._cache.recount(eng._core)
                         except TinyInferError:  # (a failing step's error is the one to see)

@@ -8,7 +8,8 @@
 
 Prompts are synthetic token ids (so any model works, tokenizer or not) of mixed lengths (--prompt-lens, drawn
 per request from a seeded RNG; --shared-prefix N puts the same N tokens before each prompt of a level: a system
-prompt the server has not seen before that level, the prefix cache's case); every request asks for exactly
+prompt the server has not seen before that level, the prefix cache's case; --follow-ups N makes each client's
+later prompts its previous one + N tokens, a session over one document); every request asks for exactly
 --max-tokens tokens (ignore_eos), streamed from /v1/completions with the usage chunk. Each client sends --rounds requests one after another. TTFT: request sent
 -> first streamed chunk; ITL: the gaps between a request's later chunks (a chunk holds the tokens of one step, or
 of several when the server streams at an interval: `tok/chunk`); throughput: all completion tokens / the level's
@@ -102,12 +103,21 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
             "cached": cached, "chunks": len(stamps), "id": rid, "t_sent": t0, "t_done": time.perf_counter()}
 
 
-def _prompts(concurrency: int, rounds: int, lens: list[int], seed: int, shared: int = 0) -> list[list[int]]:
+def _prompts(concurrency: int, rounds: int, lens: list[int], seed: int, shared: int = 0,
+             follow_ups: int = 0) -> list[list[int]]:
     """Each prompt: the `shared` tokens every prompt of the level starts with (a system prompt new to the server at
-    each level: the warm-up's and every other level's differ), then its own, of a length drawn from `lens`."""
+    each level: the warm-up's and every other level's differ), then its own, of a length drawn from `lens`; with
+    `follow_ups`, a client's prompts after its first are its previous one + that many new tokens instead. Client w
+    sends prompts[w * rounds: (w + 1) * rounds]."""
     prefix = np.random.default_rng([seed & 0xFFFFFFFF, concurrency, 7]).integers(100, 1000, shared).tolist()
     rng = np.random.default_rng(seed + concurrency)
-    return [prefix + rng.integers(100, 1000, int(rng.choice(lens))).tolist() for _ in range(concurrency * rounds)]
+    out: list[list[int]] = []
+    for i in range(concurrency * rounds):
+        if follow_ups and i % rounds:
+            out.append(out[-1] + rng.integers(100, 1000, follow_ups).tolist())
+        else:
+            out.append(prefix + rng.integers(100, 1000, int(rng.choice(lens))).tolist())
+    return out
 
 
 async def _drive(url: str, model: str, prompts: list[list[int]], rounds: int, max_tokens: int,
@@ -165,22 +175,22 @@ def _summary(concurrency: int, results: list[dict], wall: float, client_cpu: flo
 
 
 async def run_level(url: str, model: str, concurrency: int, rounds: int, lens: list[int], max_tokens: int,
-                    seed: int, shared: int = 0) -> dict:
+                    seed: int, shared: int = 0, follow_ups: int = 0) -> dict:
     """One level driven from this process (its event loop)."""
-    results, t0, t1, cpu = await _drive(url, model, _prompts(concurrency, rounds, lens, seed, shared), rounds,
-                                        max_tokens)
+    results, t0, t1, cpu = await _drive(url, model, _prompts(concurrency, rounds, lens, seed, shared, follow_ups),
+                                        rounds, max_tokens)
     return _summary(concurrency, results, t1 - t0, cpu / (t1 - t0))
 
 
 def measure_level(url: str, model: str, concurrency: int, rounds: int, lens: list[int], max_tokens: int,
-                  seed: int, procs: int = 0, shared: int = 0) -> dict:
+                  seed: int, procs: int = 0, shared: int = 0, follow_ups: int = 0) -> dict:
     """One level with the clients spread over `procs` processes (0: one per 16 clients), so that the clients'
     Python does not set the pace at high concurrency; the same prompts whatever `procs`. The wall is from the
     common start to the last stream's end; client_cpu is the busiest process's CPU time over it."""
     procs = max(1, min(concurrency, procs or -(-concurrency // 16)))
     if procs == 1:
-        return asyncio.run(run_level(url, model, concurrency, rounds, lens, max_tokens, seed, shared))
-    prompts = _prompts(concurrency, rounds, lens, seed, shared)
+        return asyncio.run(run_level(url, model, concurrency, rounds, lens, max_tokens, seed, shared, follow_ups))
+    prompts = _prompts(concurrency, rounds, lens, seed, shared, follow_ups)
     share = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
     start_at, parts, first = time.time() + 1.0 + 0.1 * procs, [], 0  # after every process has started
     for n in share:
@@ -220,6 +230,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="tokens every prompt of a level starts with (a system prompt new to the server at that "
                          "level), before its own --prompt-lens ones: the prefix cache's case (A/B: --serve-args "
                          "'--prefix-cache 0')")
+    ap.add_argument("--follow-ups", type=int, default=0, metavar="N",
+                    help="each client's requests after its first send its previous prompt + N new tokens (follow-up "
+                         "questions over one document, the answers not sent back): the prefix cache holds each "
+                         "client's last prompt, with more clients than slots too")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-s", type=float, default=600, help="wait this long for the server to come up")
     ap.add_argument("--client-procs", type=int, default=0,
@@ -267,7 +281,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             # the server's trace is in time.perf_counter() = CLOCK_MONOTONIC on Linux, the same clock in every
             # process of the machine: these marks cut it into levels
             t0 = time.perf_counter()
-            r = measure_level(url, model, c, a.rounds, lens, a.max_tokens, a.seed, a.client_procs, a.shared_prefix)
+            r = measure_level(url, model, c, a.rounds, lens, a.max_tokens, a.seed, a.client_procs, a.shared_prefix,
+                              a.follow_ups)
             # each request as its client saw it: (HTTP call id, sent, stream done, the client's own turnaround)
             marks.append({"concurrency": c, "rounds": a.rounds, "t_start": t0, "t_end": time.perf_counter(),
                           "requests": r.pop("_stamps")})
@@ -279,7 +294,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{f(r['client_turnaround_ms']['p50']):>8} {r['cached_tokens'] / max(r['prompt_tokens'], 1):>7.0%}"
                   + (f"  {r['failed']} failed: {r['errors'][0]}" if r["failed"] else ""))
         out = {"model": label, "device": a.device, "dtype": a.dtype, "max_batch": a.max_batch,
-               "prompt_lens": lens, "shared_prefix": a.shared_prefix, "max_tokens": a.max_tokens, "rounds": a.rounds,
+               "prompt_lens": lens, "shared_prefix": a.shared_prefix, "follow_ups": a.follow_ups, "max_tokens": a.max_tokens, "rounds": a.rounds,
                "client_procs": a.client_procs, "levels": rows}
         if a.json:
             Path(a.json).write_text(json.dumps(out, indent=1))

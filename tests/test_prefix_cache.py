@@ -701,6 +701,43 @@ def test_gpu_a_marked_answer_samples_as_the_one_that_generated_it(tmp_path):
         assert k < j, (k, j)
 
 
+def _mark_counts_cases(core, make_tokens):
+    """seq_mark_generated counts its tokens for the penalties, directly (greedy, so no draw can hide it): two slots
+    prefilled alike; marked ten times as generated in one, the other's greedy token g costs that one 22 logits
+    (presence 2 + frequency 2 x 10), more than g leads by, so it picks another; the unmarked one still picks g.
+    Returns (g, the marked slot's token, the unmarked slot's token, g's lead over the runner-up)."""
+    prompt = make_tokens(20)
+    b, c = core.seq_open(), core.seq_open()
+    for s in (b, c):
+        core.seq_prefill(s, prompt)
+    logits = np.asarray(core.seq_logits(c), np.float64)
+    g = int(np.argmax(logits))
+    lead = float(logits[g] - np.partition(logits, -2)[-2])
+    core.seq_mark_generated(b, [g] * 10)
+    cfg = _core.SamplingConfig()
+    cfg.presence_penalty, cfg.frequency_penalty = 2.0, 2.0
+    got = core.seq_sample([b, c], [cfg, cfg], [0, 0], 0)[0].tolist()
+    for s in (b, c):
+        core.seq_close(s)
+    return g, got[0], got[1], lead
+
+
+def test_cpu_a_mark_counts_for_the_penalties(store):
+    g, marked, unmarked, lead = _mark_counts_cases(_core.CpuEngine(store, MAX_SEQ, 2, 4), lambda n: _ids(11, n))
+    assert lead < 22 and marked != g and unmarked == g
+
+
+@pytest.mark.gpu
+def test_gpu_a_mark_counts_for_the_penalties(tmp_path):
+    d = make_chat_llama(tmp_path / "m", hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, layers=2,
+                        init_std=0.3, dtype="float16")
+    with Engine(d, device="cuda", max_seq_len=512) as e:
+        e.scheduler.reset_prefix_cache()
+        toks = lambda n: [int(t) for t in np.random.default_rng(5).integers(0, 300, n)]  # noqa: E731
+        g, marked, unmarked, lead = _mark_counts_cases(e._core, toks)
+        assert lead < 22 and marked != g and unmarked == g, (g, marked, unmarked, lead)
+
+
 @pytest.mark.gpu
 def test_gpu_decode_out_of_pages_preempts_and_recomputes(tmp_path):
     """A pool too small for three answers at once (6 pages of 64 positions; each request grows to 3): the youngest

@@ -955,6 +955,40 @@ def test_cpu_a_prompt_that_fits_is_not_refused_for_the_cache_it_copies(store, pc
     assert core.kv_pages_free + sched.kv_pages_cached == core.kv_pages_total
 
 
+def test_cpu_a_full_pool_copies_up_to_a_page_boundary(store):
+    """The parked source fills the pool: the copy comes before the source is dropped, so the partly filled page it
+    would copy has no room; the copy stops at the page boundary below instead (it had been refused, the source
+    dropped and the whole prompt prefilled)."""
+    core = _core.CpuEngine(store, MAX_SEQ, 1, 1)  # one slot: 3 pages
+    sched = Scheduler(Engine.from_core(core, SimpleNamespace(vocab=VOCAB, eos_token_ids=[]), max_seq_len=MAX_SEQ),
+                      prefix_cache=4)
+    a = _ids(30, 140)
+    _run(sched, [a], [SamplingParams(max_tokens=5, ignore_eos=True)])  # 144 positions parked: all 3 pages
+    assert core.kv_pages_free == 0
+    p = a[:100] + _ids(31, 40)
+    got = _run(sched, [p], [SamplingParams(max_tokens=1, ignore_eos=True)])[0]
+    assert got.stats.cached_tokens == 64
+    _same(got, _run(_sched(store, max_batch=1, prefix_cache=0), [p], [SamplingParams(max_tokens=1)])[0])
+
+
+def test_a_source_short_of_pages_waits_with_the_cache_kept():
+    """A prompt whose copy, even with its parked source dropped after, does not fit beside a running request waits
+    for it with the source kept (dropping it first had thrown the cache away and fitted no better), then copies."""
+    core = ParkingCore(max_batch=2, page_size=4, pages=10, vocab=60)
+    sched = Scheduler(Engine.from_core(core, SimpleNamespace(vocab=60, eos_token_ids=[]), max_seq_len=512),
+                      overlap=False, mixed_steps=False, prefix_cache=8)
+    a = list(range(1, 31))
+    _run(sched, [a], [SamplingParams(max_tokens=2, ignore_eos=True)])  # 31 positions parked: 8 pages
+    r = sched.submit([50, 51, 52, 53, 54, 55], SamplingParams(max_tokens=3, ignore_eos=True))
+    sched.step()
+    b = sched.submit(a[:6] + list(range(31, 59)), SamplingParams(max_tokens=1, ignore_eos=True))
+    sched.step()
+    assert sched.waiting == 1 and len(sched._cache) == 1
+    sched.wait_idle()
+    assert r.result().finish_reason == "length" and b.result().stats.cached_tokens == 6
+    assert core.kv_pages_free + sched.kv_pages_cached == core.kv_pages_total
+
+
 def _copy_sched(**kw) -> tuple[CopyCore, Scheduler]:
     core = CopyCore(**kw)
     eng = Engine.from_core(core, SimpleNamespace(vocab=core.vocab, eos_token_ids=[]), max_seq_len=512)

@@ -86,7 +86,8 @@ class PrefixCache:
         self.kept: OrderedDict[int, list[int]] = OrderedDict()
         # the pages only the kept caches hold (dropping them would free them): the scheduler's stats() reads it (and
         # len()) without the engine's lock, one attribute load each under the GIL, as any int the scheduler keeps;
-        # where slots share pages, recounted by the core (recount) after the slots change
+        # where slots share pages, recounted by the core (recount) after the slots change (after a drop, at the
+        # step's end: stale until then)
         self.pages = 0
         self.stale = False  # pages is to be counted again (recount): caches were dropped since
 
@@ -140,7 +141,7 @@ class PrefixCache:
 
     def forget(self) -> None:
         """Forget every kept cache without dropping it (the engine closed: its sequences went with the core)."""
-        self.kept, self.pages = OrderedDict(), 0
+        self.kept, self.pages, self.stale = OrderedDict(), 0, False
 
     # ---- the admission's plan ----
 
@@ -237,8 +238,8 @@ class PrefixCache:
         self.recount(core)
 
     def take(self, slot: int, core=None) -> list[int]:
-        """A kept slot leaves the cache (a request is admitted into it); returns the tokens it held. (core: where
-        slots share pages, the kept slots' pages are counted anew by it.)"""
+        """A kept slot leaves the cache (a request is admitted into it: the kept-slot path); returns the tokens it
+        held. (core: where slots share pages, the kept caches' pages are counted anew by it.)"""
         tokens = self.kept.pop(slot)
         if self.shares and core is not None:
             self.recount(core)

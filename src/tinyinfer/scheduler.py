@@ -238,7 +238,8 @@ class Scheduler:
         self._marks = hasattr(core, "seq_mark_generated")  # (the engines; not every test double)
         self.mixed_steps = mixed_steps and batched_prefill
         self.prefix_cache = 0 if not hasattr(core, "seq_rewind") else prefix_cache if prefix_cache is not None else (
-            PREFIX_CACHE_GPU_PER_SLOT * limit if engine.device == "cuda" else PREFIX_CACHE_CPU)  # (a core without seq_rewind: a test double)
+            PREFIX_CACHE_GPU_PER_SLOT * limit if engine.device == "cuda"
+            else PREFIX_CACHE_CPU)  # (a core without seq_rewind: a test double)
         self.trace = trace
         self._engine = engine
         self._page_size = int(core.kv_page_size)
@@ -774,14 +775,23 @@ class Scheduler:
                 drop_src = False
                 if need > free and kind == "copy" and spare is not None and self._cache.parks:
                     # what it lacks are the parked source's own pages: copied from, then dropped (giving back at least
-                    # the pages it alone holds less those the copy shares), or dropped first where that is short
+                    # the pages it alone holds less those the copy shares). The copy comes first, so the partly
+                    # filled page it copies must be free now; else it stops at a page boundary (none: the source
+                    # dropped, the prompt prefilled whole). Where even that is short, the source stays: dropping it
+                    # first never fits what copying first does not.
+                    ps = self._page_size
+                    if self._cache.copy_takes(cached) > int(core.kv_pages_free):
+                        cached -= cached % ps
                     frees = self._cache.drop_frees(core, src, cached)
+                    if cached == 0:
+                        kind = "fresh"
+                    need = self._need(core, seq, kind, src, cached)
                     if need - frees <= free:
-                        need, drop_src = need - frees, True
-                    else:
-                        free += self._cache.drop(core, src)
-                        kind, src, cached, spare = "fresh", None, 0, None
-                        need = self._need(core, seq, kind, src, cached)
+                        if kind == "fresh":
+                            free += self._cache.drop(core, src)
+                            src = spare = None
+                        else:
+                            need, drop_src = need - frees, True
                 if need > free and self._running:
                     return  # it waits for pages; so do those behind it (first come, first served)
                 del self._waiting[ahead]
@@ -796,11 +806,11 @@ class Scheduler:
             if err is not None:
                 self._end(core, seq, "length", error=err)
                 continue
-            refused = False  # a rewind or copy the engine refused (not expected): the slot prefills it all
+            refused = False  # a rewind or copy the engine refused (a page it could not take): the slot prefills all
             try:
                 if slot is not None:
                     self._cache.take(slot, core)
-                    self._recount = True  # (what the rewind gives back or copies may leave a kept cache's pages its own)
+                    self._recount = True  # (what the rewind frees or copies may leave a kept cache's pages its own)
                     try:
                         core.seq_rewind(slot, seq.feed[:cached])
                         seq.slot, seq.length = slot, cached

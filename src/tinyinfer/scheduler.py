@@ -87,10 +87,10 @@ which keeps the caches; the admission's core calls and the pool's free pages are
 seq_park (a test double) keeps the ended request's slot open instead and rewinds it (seq_rewind) for a prompt
 that shares at least half of it. Kept caches give their pages back, least recently used first, to any request or
 step that needs them (admission, a decode step's new page, the launch ahead) before anything else is done for want
-of them, and all at once to the single path on the GPU (its cache shares the pool), warm_up and close(). A
-sequence's numbers are those of a fresh prefill where the engine's arithmetic does not depend on how the positions
-were batched (the CPU engine: exactly); on the GPU the cached positions were computed in other passes, so a
-near-tie of the logits may break differently.
+of them (the one a prompt copies from after the copy), and all at once to the single path on the GPU (its cache
+shares the pool), warm_up and close(). A sequence's numbers are those of a fresh prefill where the engine's
+arithmetic does not depend on how the positions were batched (the CPU engine: exactly); on the GPU the cached
+positions were computed in other passes, so a near-tie of the logits may break differently.
 A failing core call fails exactly the requests in that call (their slots closed); a TinyInferError
 stays with those requests, anything else (KeyboardInterrupt raised inside a call, ...) is re-raised by step().
 

@@ -61,8 +61,9 @@ class CpuEngine {
 
   // ---- sequence slots (docs/BATCH_CONTRACT.md part 2; cpu_sequences.cpp) ----
   // Every call checks all its arguments first and throws ti::Error(Request), changing nothing, on a slot out of
-  // 0..max_batch-1 or not open (a parked sequence where a call takes one: seq_park), a token id out of range, positions beyond max_seq_len, a slot listed twice, or
-  // a step / sample on a slot with no logits yet (no prefill ran in it).
+  // 0..max_batch-1 or not open (a parked sequence where a call takes one: seq_park), a token id out of range,
+  // positions beyond max_seq_len or the free pages, a slot listed twice, or a step / sample on a slot with no
+  // logits yet (no prefill ran in it).
   int64_t max_batch() const { return (int64_t)slots_.size(); }
   int64_t seq_open();                      // the lowest free slot, empty; a Request error when all are taken
   void seq_close(int64_t slot);            // frees its KV pages, logits and history (or a parked sequence's)

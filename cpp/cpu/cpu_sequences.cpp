@@ -161,9 +161,9 @@ void CpuEngine::require_pages(const char* what, const int64_t* step_slots, int64
                               const int64_t* lens, int64_t n) const {
   int64_t need = 0;
   for (int64_t i = 0; i < n_step + n; i++) {
-    const KVCache& kv = slots_[(size_t)(i < n_step ? step_slots[i] : slots[i - n_step])]->kv;
-    const int64_t len = (int64_t)slots_[(size_t)(i < n_step ? step_slots[i] : slots[i - n_step])]->tokens.size();
-    need += std::max<int64_t>(KVCache::pages_for(len + (i < n_step ? 1 : lens[i - n_step])) - kv.pages(), 0);
+    const Slot& s = *slots_[(size_t)(i < n_step ? step_slots[i] : slots[i - n_step])];
+    const int64_t grown = (int64_t)s.tokens.size() + (i < n_step ? 1 : lens[i - n_step]);
+    need += std::max<int64_t>(KVCache::pages_for(grown) - s.kv.pages(), 0);
   }
   if (need > kv_pages_free())
     fail(ErrorKind::Request, std::string("KV pages exhausted: ") + what + " needs " + std::to_string(need) +

@@ -53,19 +53,21 @@ inline void bind_sequences(Cls& cls) {
       .def("seq_length", &E::seq_length, "slot"_a, "Positions in the slot's (or parked sequence's) cache.")
       .def("seq_park", &E::seq_park, "slot"_a,
            "Keep the slot's cache without its slot: its KV pages and positions become a parked sequence (the id "
-           "returned, max_batch and up) and the slot closes. seq_copy copies from the id, seq_length and "
-           "kv_pages_held_by take it, seq_close drops it. The scheduler's prefix cache: ended requests' caches "
-           "hold pages, not slots.")
+           "returned, max_batch and up) and the slot closes. seq_copy copies from the id, seq_length, "
+           "kv_pages_held_by and seq_rewind(_frees) take it, seq_close drops it. The scheduler's prefix cache: "
+           "ended requests' caches hold pages, not slots.")
       .def(
           "seq_rewind", &slot_tokens_call<E, &E::seq_rewind>, "slot"_a, "tokens"_a,
           "Keep the slot's first len(tokens) positions, which hold `tokens` (the CPU engine checks; the GPU's "
           "does not keep them), and forget the rest: their pages, the logits (a seq_prefill must follow) and the "
           "history, which restarts as `tokens`, as prompt. The scheduler's prefix cache: a new request in the slot "
           "of an ended one whose tokens its prompt starts with. Cut inside a KV page another slot shares (seq_copy), "
-          "that page is copied into one of the slot's own first.")
+          "that page is copied into one of the slot's own first. A parked sequence (seq_park) is shortened the "
+          "same way (the prefix cache's eviction, tail pages first); it is never written, so a shared page it is "
+          "cut inside stays shared.")
       .def("seq_rewind_frees", &E::seq_rewind_frees, "slot"_a, "n"_a,
            "How many KV pages seq_rewind(slot, n tokens) would free: those past n no other slot shares, less one "
-           "where position n's page is shared and must be copied (the scheduler's page accounting).")
+           "where position n's page is shared and must be copied (an open slot's; the scheduler's page accounting).")
       .def(
           "seq_copy",
           [](E& e, int64_t dst, int64_t src, const std::vector<int64_t>& tokens) {

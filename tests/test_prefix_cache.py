@@ -406,7 +406,9 @@ def _copy_cases(core, make_tokens):
 def _park_cases(core, make_tokens):
     """seq_park: a slot's cache kept under an id past the slots, the slot free again at once; copied from, it gives
     a fresh prefill's logits (`same` pairs) and stays; the calls that would run in it refuse, changing nothing;
-    kv_pages_held_by counts it; seq_close drops it (and its id is given out again)."""
+    kv_pages_held_by counts it; seq_rewind shortens it (its pages past the cut back, a page it shares kept shared
+    where it is cut inside it) and a copy of what is left still gives a fresh prefill's logits; seq_close drops it
+    (and its id is given out again)."""
     prompt = make_tokens(140)
     a, ref = core.seq_open(), core.seq_open()
     core.seq_prefill(a, prompt[:130])  # pages P0, P1 full, P2 partly
@@ -416,7 +418,7 @@ def _park_cases(core, make_tokens):
     assert p >= core.max_batch and core.seq_length(p) == 130 and core.kv_pages_free == free
     assert core.kv_pages_held_by([p]) == 3 and core.seq_open() == a  # (the slot, free again)
     for bad in (lambda: core.seq_prefill(p, [1]), lambda: core.seq_step([p], [1]), lambda: core.seq_park(p),
-                lambda: core.seq_copy(p, a, []), lambda: core.seq_rewind(p, prompt[:3]), lambda: core.seq_logits(p)):
+                lambda: core.seq_copy(p, a, []), lambda: core.seq_mark_generated(p, [1]), lambda: core.seq_logits(p)):
         with pytest.raises(InvalidRequestError, match=f"slot {p} does not exist"):
             bad()
     for bad in (lambda: core.seq_length(p + 1), lambda: core.seq_close(p + 1), lambda: core.kv_pages_held_by([p + 1]),
@@ -444,8 +446,24 @@ def _park_cases(core, make_tokens):
     assert core.kv_pages_free == free - 2
     with pytest.raises(InvalidRequestError, match=f"slot {p} does not exist .* not a parked sequence"):
         core.seq_close(p)
-    assert core.seq_park(a) == p  # (the id, free again)
-    for s in (p, q, ref):
+    assert core.seq_park(a) == p  # (the id, free again): P0 (q's too), P1, A2
+    free = core.kv_pages_free
+    with pytest.raises(InvalidRequestError, match="holds 140 positions; cannot keep 141"):
+        core.seq_rewind(q, prompt + [1])
+    assert (core.seq_rewind_frees(q, 100), core.seq_rewind_frees(q, 10), core.seq_rewind_frees(p, 10)) == (1, 2, 2)
+    core.seq_rewind(q, prompt[:100])  # B2 back; B1, its own, cut inside
+    assert core.seq_length(q) == 100 and core.kv_pages_free == free + 1 and core.kv_pages_held_by([q]) == 1
+    core.seq_rewind(p, prompt[:10])  # P1, A2 back; P0, q's too, cut inside and not copied (nothing writes it)
+    assert core.seq_length(p) == 10 and core.kv_pages_free == free + 3 and core.kv_pages_held_by([p]) == 0
+    assert core.kv_pages_held_by([p, q]) == 2
+    c = core.seq_open()
+    for src, n in ((q, 100), (p, 10), (p, 0)):
+        core.seq_copy(c, src, prompt[:n])
+        core.seq_prefill(c, prompt[n:])
+        pairs.append((core.seq_logits(c), core.seq_logits(ref)))
+    core.seq_rewind(p, [])
+    assert core.seq_length(p) == 0 and core.kv_pages_held_by([p, q]) == 2  # (P0 q's alone now)
+    for s in (c, p, q, ref):
         core.seq_close(s)
     assert core.kv_pages_free == core.kv_pages_total
     return pairs
@@ -925,8 +943,21 @@ class ParkingCore(SharedPagesCore):
         super()._grow(slots_tokens)
 
     def seq_rewind(self, slot: int, tokens: list[int]) -> None:
-        assert slot < self.max_batch, "a parked sequence rewound"
-        super().seq_rewind(slot, tokens)
+        if slot < self.max_batch:
+            return super().seq_rewind(slot, tokens)
+        n = len(tokens)  # a parked sequence shortened: its pages past n back, a shared page cut inside kept shared
+        if self.fail_rewind or slot not in self.cache or n > len(self.cache[slot]) or self.cache[slot][:n] != tokens:
+            raise InvalidRequestError("seq_rewind: not those tokens")
+        self.cache[slot] = list(tokens)
+        self._drop(slot, _pages(n, self.kv_page_size))
+        self.log.append(("rewind", slot, n))
+
+    def seq_rewind_frees(self, slot: int, n: int) -> int:
+        if slot < self.max_batch:
+            return super().seq_rewind_frees(slot, n)
+        if not 0 <= n <= len(self.cache[slot]):
+            raise InvalidRequestError("seq_rewind_frees: bad n")
+        return self._cut_frees(slot, n)[0]
 
 
 @pytest.mark.parametrize("pc", [8, 0])
@@ -969,6 +1000,51 @@ def test_cpu_a_full_pool_copies_up_to_a_page_boundary(store):
     got = _run(sched, [p], [SamplingParams(max_tokens=1, ignore_eos=True)])[0]
     assert got.stats.cached_tokens == 64
     _same(got, _run(_sched(store, max_batch=1, prefix_cache=0), [p], [SamplingParams(max_tokens=1)])[0])
+
+
+@pytest.mark.parametrize("pc", [8, 0])
+def test_eviction_gives_back_a_parked_cache_tail_first(pc):
+    """Short of pages, the least recently used parked cache gives back only as many of its last pages as are asked
+    for (vLLM's cached blocks: least recently used first, a sequence's tail first): its conversation's next turn
+    still copies the prefix left (it had been dropped whole: nothing cached)."""
+    core = ParkingCore(max_batch=2, page_size=4, pages=10, vocab=60)
+    sched = Scheduler(Engine.from_core(core, SimpleNamespace(vocab=60, eos_token_ids=[]), max_seq_len=512),
+                      overlap=False, mixed_steps=False, prefix_cache=pc)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    conv = list(range(1, 21))
+    first = _run(sched, [conv], [sp])[0]  # 23 positions parked: 6 pages
+    other = _run(sched, [list(range(30, 50))], [SamplingParams(max_tokens=2, ignore_eos=True)])[0]  # 6 pages
+    if pc:
+        a = next(k for k, v in sched._cache.kept.items() if v[0] == 1)
+        assert ("rewind", a, 16) in core.log and sched._cache.kept[a] == conv[:16]  # 2 of its 6 pages
+    turn = conv + first.token_ids + [51, 52, 53]
+    nxt = _run(sched, [turn], [sp])[0]
+    assert nxt.stats.cached_tokens == (16 if pc else 0)
+    ref_core = ParkingCore(max_batch=2, page_size=4, pages=10, vocab=60)
+    ref = Scheduler(Engine.from_core(ref_core, SimpleNamespace(vocab=60, eos_token_ids=[]), max_seq_len=512),
+                    overlap=False, mixed_steps=False, prefix_cache=0)
+    for g, w in zip([other, nxt], _run(ref, [list(range(30, 50)), turn], [SamplingParams(max_tokens=2,
+                                                                                           ignore_eos=True), sp])):
+        _same(g, w)
+    assert core.kv_pages_free + sched.kv_pages_cached == core.kv_pages_total
+
+
+def test_cpu_eviction_gives_back_a_parked_cache_tail_first(store):
+    """The CPU engine's parked caches cut page by page (seq_rewind of a parked sequence): the next turn copies the
+    pages left and samples what it samples with the cache off."""
+    sched = _sched(store, max_batch=2, prefix_cache=4)  # 6 pages of 64 positions
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    conv = _ids(40, 130)
+    first = _run(sched, [conv], [sp])[0]  # 134 positions parked: 3 pages
+    _run(sched, [_ids(41, 100)], [sp])  # 2 pages: 1 free
+    _run(sched, [_ids(42, 100)], [SamplingParams(max_tokens=3, ignore_eos=True)])  # 2 pages: conv's last one given back
+    assert sorted(map(len, sched._cache.kept.values())) == [102, 104, 128]
+    turn = conv + first.token_ids + _ids(43, 5)
+    nxt = _run(sched, [turn], [SamplingParams(max_tokens=3, ignore_eos=True)])[0]
+    assert nxt.stats.cached_tokens == 128  # (the pages left; 100-position caches cut to 64 for its third page)
+    want = _run(_sched(store, max_batch=1, prefix_cache=0), [turn], [SamplingParams(max_tokens=3, ignore_eos=True)])
+    _same(nxt, want[0])
+    assert sched._cache.kept and sched.kv_pages_cached == sched._engine._core.kv_pages_held_by(list(sched._cache.kept))
 
 
 def test_a_source_short_of_pages_waits_with_the_cache_kept():

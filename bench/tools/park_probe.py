@@ -5,9 +5,12 @@ second round's cached tokens, wall time, tok/s and TTFT p50.
 
     python bench/tools/park_probe.py MODEL park  --max-batch 16 --conversations 64 --pool 1024 --sets 2
     python bench/tools/park_probe.py MODEL slots ...   # the A/B: seq_park hidden (the kept-slot path)
+    python bench/tools/park_probe.py MODEL whole --pool 600   # parked, eviction dropping whole caches
 
-mode park: the engine's seq_park (kept caches hold pages); slots: the core seen without seq_park, so the prefix
-cache keeps ended requests' slots open. --device cpu runs it on the CPU engine (its max_batch is fixed)."""
+mode park: the engine's seq_park (kept caches hold pages, given back tail pages first); slots: the core seen without
+seq_park, so the prefix cache keeps ended requests' slots open; whole: parked, but an eviction drops the whole least
+recently used cache (as before tail-first eviction). --device cpu runs it on the CPU engine (its max_batch is
+fixed)."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +19,7 @@ import statistics
 import time
 
 from tinyinfer import Engine, SamplingParams, _core
+from tinyinfer.prefix_cache import PrefixCache
 from tinyinfer.scheduler import Scheduler
 
 
@@ -34,13 +38,16 @@ class _NoPark:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
-    ap.add_argument("mode", choices=("park", "slots"))
+    ap.add_argument("mode", choices=("park", "slots", "whole"))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--pool", type=int, default=1024, help="KV pages (cuda; 0: the engine's default)")
     ap.add_argument("--sets", type=int, default=2, help="sets of new documents (the first includes the captures)")
     a = ap.parse_args()
+    if a.mode == "whole":
+        evict = PrefixCache.evict_lru
+        PrefixCache.evict_lru = lambda self, core, spare=None, want=None: evict(self, core, spare)  # type: ignore
     kw: dict = {"device": a.device}
     if a.device == "cuda":
         opts = _core.CudaOptions()

@@ -74,7 +74,7 @@ void check_open_slot(int64_t slot, int64_t max_batch, const IsOpen& is_open) {
 }
 
 // An open slot or a parked sequence (seq_park's id, max_batch and up): the calls that read a cache without running
-// it (seq_copy's source, seq_length, kv_pages_held_by) and seq_close.
+// it (seq_copy's source, seq_length, kv_pages_held_by), seq_rewind (which shortens a parked one) and seq_close.
 template <typename IsOpen, typename IsParked>
 void check_held(int64_t id, int64_t max_batch, const IsOpen& is_open, const IsParked& is_parked) {
   if (id >= max_batch && is_parked(id)) return;

@@ -58,30 +58,36 @@ int64_t CpuEngine::seq_park(int64_t slot) {
 }
 
 void CpuEngine::seq_rewind(int64_t slot, const int32_t* tokens, int64_t n) {
-  Slot& s = open_slot(slot);
+  Slot& s = const_cast<Slot&>(held(slot));  // (an open slot or a parked sequence)
+  const bool parked = slot >= max_batch();
   check_rewind(slot, n, (int64_t)s.tokens.size());
   if (!std::equal(tokens, tokens + n, s.tokens.begin()))
     fail(ErrorKind::Request, "seq_rewind: slot " + std::to_string(slot) + " does not hold those " +
                                  std::to_string(n) + " tokens");
   const int64_t keep = KVCache::pages_for(n);
-  if (n % kCpuKvPageSize != 0 && s.kv.shared(keep - 1) && kv_pages_free() + s.kv.owned(keep) < 1)
+  // Cut inside a page others share, an open slot's next write would land in it: copied first. A parked sequence is
+  // never written, so it keeps sharing that page.
+  const bool unshare = !parked && n % kCpuKvPageSize != 0 && s.kv.shared(keep - 1);
+  if (unshare && kv_pages_free() + s.kv.owned(keep) < 1)
     fail(ErrorKind::Request, "seq_rewind: position " + std::to_string(n) + "'s KV page is shared and must be "
                              "copied, and none of the " + std::to_string(kv_pages_total()) + " pages is free");
   s.tokens.resize((size_t)n);
   slot_pages_ -= s.kv.owned(keep);
   s.kv.k_pages.resize((size_t)keep);
   s.kv.v_pages.resize((size_t)keep);
-  if (n % kCpuKvPageSize != 0 && s.kv.unshare(keep - 1)) slot_pages_++;  // (its next write lands in that page)
+  if (unshare && s.kv.unshare(keep - 1)) slot_pages_++;  // (its next write lands in that page)
+  if (parked) return;  // (no logits and no history: a copy from it starts its own)
   s.logits.clear();
   s.history.clear();
   for (int64_t t = 0; t < n; t++) s.history.add_prompt(tokens[t]);
 }
 
 int64_t CpuEngine::seq_rewind_frees(int64_t slot, int64_t n) const {
-  const Slot& s = open_slot(slot);
+  const Slot& s = held(slot);
   check_rewind(slot, n, (int64_t)s.tokens.size());
   const int64_t keep = KVCache::pages_for(n);
-  return s.kv.owned(keep) - (n % kCpuKvPageSize != 0 && s.kv.shared(keep - 1) ? 1 : 0);
+  const bool unshare = slot < max_batch() && n % kCpuKvPageSize != 0 && s.kv.shared(keep - 1);
+  return s.kv.owned(keep) - (unshare ? 1 : 0);
 }
 
 void CpuEngine::seq_copy(int64_t dst, int64_t src, const int32_t* tokens, int64_t n) {

@@ -128,6 +128,15 @@ void CudaEngine::seq_close(int64_t slot) {
 int64_t CudaEngine::seq_length(int64_t slot) const { return held(slot).second; }
 
 void CudaEngine::seq_rewind(int64_t slot, const int32_t* tokens, int64_t n) {
+  if (slot >= (int64_t)slots_.size()) {  // a parked sequence: never written, so a page it is cut inside stays shared
+    held(slot);
+    Parked& p = parked_[(size_t)(slot - (int64_t)slots_.size())];
+    check_rewind(slot, n, p.length);
+    if (n > 0) check_tokens(tokens, n, cfg_.vocab);
+    p.kv->shrink(*pool_, n);  // (a copy from it in flight is stream-ordered before whoever takes the pages next)
+    p.length = n;
+    return;
+  }
   check_slot(slot);
   Slot& sl = slots_[(size_t)slot];
   check_rewind(slot, n, sl.length);
@@ -150,6 +159,11 @@ void CudaEngine::seq_rewind(int64_t slot, const int32_t* tokens, int64_t n) {
 }
 
 int64_t CudaEngine::seq_rewind_frees(int64_t slot, int64_t n) const {
+  if (slot >= (int64_t)slots_.size()) {  // a parked sequence (no copy of a shared page: see seq_rewind)
+    const auto [kv, length] = held(slot);
+    check_rewind(slot, n, length);
+    return kv->owned_pages(*pool_, pool_->pages_for(n));
+  }
   check_slot(slot);
   const Slot& sl = slots_[(size_t)slot];
   check_rewind(slot, n, sl.length);

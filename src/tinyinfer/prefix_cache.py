@@ -9,6 +9,8 @@ Where the core parks (seq_park: the engines), an ended request's cache leaves it
 sequence: it holds pages, not a slot, so caches survive a full batch (vLLM's cached blocks); a prompt sharing its
 prefix is copied from it (whole pages shared, the last, partly filled one copied), which leaves it cached for the
 next. A cache whose tokens another kept one extends is dropped (the longer one serves every prompt it would).
+Short of pages, the least recently used parked cache gives back only its last pages, as many as are asked for
+(seq_rewind of the parked id; vLLM's cached blocks go the same way, tail first), so its prefix stays cached.
 A core without seq_park (a test double) keeps the ended request's slot open instead: a prompt is admitted into it,
 rewound to the common prefix (seq_rewind), or copied from it where it should not be cut short, and the kept slots
 count against the batch's.
@@ -251,9 +253,32 @@ class PrefixCache:
         """A kept cache was used (copied from): the most recently used now."""
         self.kept.move_to_end(slot)
 
-    def evict_lru(self, core, spare: Optional[int] = None) -> int:
-        """Drop the least recently used kept cache (not `spare`); returns the pages it gave back."""
-        return self.drop(core, next(s for s in self.kept if s != spare))
+    def evict_lru(self, core, spare: Optional[int] = None, want: Optional[int] = None) -> int:
+        """Give back the pages of the least recently used kept cache (not `spare`); returns how many it gave back.
+        Parked, with `want` pages asked for, it gives back only its last `want` pages where it alone holds more
+        (vLLM's cached blocks go least recently used first, a sequence's tail first): the prefix stays cached for
+        its conversation's next turn. Else the whole cache is dropped."""
+        key = next(s for s in self.kept if s != spare)
+        if want is not None and want > 0 and self.parks and self.shares:
+            # What only it holds is its tail (a copy shares a prefix's pages), so cutting `want` pages off the end
+            # gives back exactly those; the cut is at a page boundary, where nothing is copied.
+            total = pages_for(len(self.kept[key]), self.page_size)
+            if want < int(core.kv_pages_held_by([key])):
+                return self.trim(core, key, (total - want) * self.page_size)
+        return self.drop(core, key)
+
+    def trim(self, core, key: int, n: int) -> int:
+        """Parked cache `key` cut to its first n positions (seq_rewind; n > 0); returns the pages it gave back. One
+        the core does not cut is dropped."""
+        tokens = self.kept[key]
+        before = int(core.kv_pages_free)
+        try:
+            core.seq_rewind(key, tokens[:n])
+        except TinyInferError:
+            return self.drop(core, key)
+        self.kept[key] = tokens[:n]
+        self.stale = True  # (its pages recounted at the step's end, as after a drop)
+        return int(core.kv_pages_free) - before
 
     def drop(self, core, slot: int) -> int:
         """Drop kept cache `slot` (seq_close); returns the pages it gave back."""

@@ -85,8 +85,8 @@ positions beside it (where that saves prefix_cache.COPY_WAIT_TOKENS or more: sho
 side); requests behind it in the queue are admitted meanwhile (the choice: PrefixCache.plan in prefix_cache.py,
 which keeps the caches; the admission's core calls and the pool's free pages are counted here). A core without
 seq_park (a test double) keeps the ended request's slot open instead and rewinds it (seq_rewind) for a prompt
-that shares at least half of it. Kept caches give their pages back, least recently used first, to any request or
-step that needs them (admission, a decode step's new page, the launch ahead) before anything else is done for want
+that shares at least half of it. Kept caches give their pages back, least recently used first (a parked one only
+its last pages, as many as are asked for: its prefix stays cached), to any request or step that needs them (admission, a decode step's new page, the launch ahead) before anything else is done for want
 of them (the one a prompt copies from after the copy), and all at once to the single path on the GPU (its cache
 shares the pool), warm_up and close(). A sequence's numbers are those of a fresh prefill where the engine's
 arithmetic does not depend on how the positions were batched (the CPU engine: exactly); on the GPU the cached
@@ -661,7 +661,7 @@ class Scheduler:
             return stepping
         free = int(core.kv_pages_free) - self._owed()
         while len(needy) > free and len(self._cache):
-            free += self._cache.evict_lru(core)
+            free += self._cache.evict_lru(core, want=len(needy) - free)
         while len(needy) > free:  # (not one preempted before: its prefill recomputes what its client has seen)
             back = next((s for s in reversed(self._running) if s.prefilling and not s.preempted), None)
             if back is None:
@@ -770,7 +770,7 @@ class Scheduler:
                     kind, slot = "rewind", src
                     need = self._need(core, seq, kind, src, cached)
                 while need > free and len(self._cache) > (spare is not None):
-                    free += self._cache.evict_lru(core, spare=spare)
+                    free += self._cache.evict_lru(core, spare=spare, want=need - free)
                     need = self._need(core, seq, kind, src, cached)  # (a rewound slot may own more pages now)
                 drop_src = False
                 if need > free and kind == "copy" and spare is not None and self._cache.parks:
@@ -847,7 +847,7 @@ class Scheduler:
             if refused:  # its whole prompt's pages now (the copy's shared pages were not all it needed): counted anew
                 free = int(core.kv_pages_free) - self._owed() - decode_pages
                 while free < 0 and len(self._cache):
-                    free += self._cache.evict_lru(core)
+                    free += self._cache.evict_lru(core, want=-free)
                 if free < 0 and len(self._running) > 1:
                     self._requeue(core, seq)  # it waits for pages, at the head of the queue
                     return
@@ -995,7 +995,7 @@ class Scheduler:
         """The pool lacks `needy` pages after what the admitted prompts are owed, even with the prefix cache's
         slots given back (nothing is launched ahead)."""
         while needy > 0 and needy > int(core.kv_pages_free) - self._owed() and len(self._cache):
-            self._cache.evict_lru(core)
+            self._cache.evict_lru(core, want=needy - (int(core.kv_pages_free) - self._owed()))
         return needy > 0 and needy > int(core.kv_pages_free) - self._owed()
 
     def _step_ahead(self, core, seqs: list[_Seq], toks: list[int]) -> tuple[set, Optional[BaseException]]:

@@ -22,7 +22,7 @@ from tinyinfer import _core
 from tinyinfer.engine import Engine
 from tinyinfer.errors import InvalidRequestError, KvCacheFullError
 from tinyinfer.sampling import SamplingParams
-from tinyinfer.prefix_cache import COPY_WAIT_TOKENS, common_prefix as _common_prefix, pages_for as _pages
+from tinyinfer.prefix_cache import COPY_WAIT_TOKENS, PrefixCache, common_prefix as _common_prefix, pages_for as _pages
 from tinyinfer.scheduler import Scheduler
 
 
@@ -1027,6 +1027,22 @@ def test_eviction_gives_back_a_parked_cache_tail_first(pc):
                                                                                            ignore_eos=True), sp])):
         _same(g, w)
     assert core.kv_pages_free + sched.kv_pages_cached == core.kv_pages_total
+
+
+def test_a_cut_that_another_cache_would_extend_drops_it():
+    """A parked cache whose cut another kept cache extends (the longer one serves every prompt it would) is dropped
+    instead of cut: two caches prefilled apart with the same first 20 tokens, the older cut by one page."""
+    core = ParkingCore(max_batch=2, page_size=4, pages=20, vocab=60)
+    cache = PrefixCache(8, 4, copies=True, shares=True, parks=True)
+    x = list(range(1, 21))
+    for tail in ([30, 31, 32, 33], [40, 41, 42, 43, 44]):
+        s = core.seq_open()
+        core.seq_prefill(s, x + tail)
+        cache.keep(core, s, x + tail)
+    older, newer = cache.kept
+    assert core.kv_pages_free == 20 - 6 - 7
+    assert cache.evict_lru(core, want=1) == 6 and list(cache.kept) == [newer]  # (cut to 20: the newer extends it)
+    assert cache.evict_lru(core, want=1) == 1 and cache.kept[newer] == x + [40, 41, 42, 43]  # (cut to 24)
 
 
 def test_cpu_eviction_gives_back_a_parked_cache_tail_first(store):

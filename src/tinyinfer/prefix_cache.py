@@ -269,8 +269,13 @@ class PrefixCache:
 
     def trim(self, core, key: int, n: int) -> int:
         """Parked cache `key` cut to its first n positions (seq_rewind; n > 0); returns the pages it gave back. One
-        the core does not cut is dropped."""
+        that another kept cache would then extend (which serves every prompt it would) or that the core does not cut
+        is dropped."""
+        assert n > 0, "a parked cache cut to nothing: dropped instead"
         tokens = self.kept[key]
+        if any(k != key and len(h) >= n and h[n - 1] == tokens[n - 1] and h[:n] == tokens[:n]
+               for k, h in self.kept.items()):
+            return self.drop(core, key)
         before = int(core.kv_pages_free)
         try:
             core.seq_rewind(key, tokens[:n])

@@ -422,6 +422,68 @@ def test_dropped_plain_request_is_cancelled(server):
 # ---- errors: OpenAI's status and shape, and the server keeps serving ----
 
 
+def _post(server, path: str, body, key: str = KEY) -> httpx.Response:
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, timeout=60,
+                      headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+
+
+def test_tokenize_and_detokenize(server, ref):
+    """vLLM's /tokenize and /detokenize: a prompt's ids as a completion submits them (special tokens on or off), a
+    chat's as a chat request renders it (with or without the assistant's turn opened), and the text of ids back."""
+    text = "Name three colors."
+    r = _post(server, "/tokenize", {"model": NAME, "prompt": text})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": len(ref.tokenize(text)), "max_model_len": MAX_SEQ, "tokens": ref.tokenize(text)}
+    plain = _post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert plain == ref.tokenize(text, add_special_tokens=False)
+    chat = _post(server, "/tokenize", {"messages": CHAT}).json()
+    assert chat["tokens"] == ref.apply_chat_template(CHAT) and chat["count"] == len(chat["tokens"])
+    open_turn = _post(server, "/tokenize", {"messages": CHAT, "add_generation_prompt": False}).json()["tokens"]
+    assert open_turn == ref.apply_chat_template(CHAT, add_generation_prompt=False) != chat["tokens"]
+    back = _post(server, "/detokenize", {"model": NAME, "tokens": chat["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": ref.detokenize(chat["tokens"],
+                                                                                skip_special_tokens=False)}
+    assert _post(server, "/detokenize", {"tokens": plain}).json()["prompt"] == text
+    assert _post(server, "/detokenize", {"tokens": []}).json()["prompt"] == ""
+
+
+BAD_TOKENIZE = [  # (path, body, status, param, a piece of the message)
+    ("/tokenize", {}, 400, "prompt", "either 'prompt'"),
+    ("/tokenize", {"prompt": "a", "messages": CHAT}, 400, "prompt", "either 'prompt'"),
+    ("/tokenize", {"prompt": ["a"]}, 400, "prompt", "must be a string"),
+    ("/tokenize", {"prompt": "a\ud800"}, 400, "prompt", "not valid Unicode"),
+    ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, 400, "add_generation_prompt", "applies to"),
+    ("/tokenize", {"messages": CHAT, "add_special_tokens": True}, 400, "add_special_tokens", "applies to"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, 400, "add_special_tokens", "boolean"),
+    ("/tokenize", {"messages": []}, 400, "messages", "non-empty list"),
+    ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages", ""),
+    ("/tokenize", {"prompt": "a", "return_token_strs": True}, 400, "return_token_strs", "unknown parameter"),
+    ("/tokenize", {"prompt": "a", "model": "gpt-4o"}, 404, "model", "does not exist"),
+    ("/tokenize", "[1]", 400, None, "must be a JSON object"),
+    ("/detokenize", {}, 400, "tokens", "'tokens' is required"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens", "list of token ids"),
+    ("/detokenize", {"tokens": [1, True]}, 400, "tokens", "list of token ids"),
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", "out of range"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens", "out of range"),
+    ("/detokenize", {"tokens": [1], "model": "gpt-4o"}, 404, "model", "does not exist"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,needle", BAD_TOKENIZE,
+                         ids=[f"{p[1:]}-{i}" for i, (p, *_) in enumerate(BAD_TOKENIZE)])
+def test_bad_tokenize_body_is_4xx_naming_it(server, path, body, status, param, needle):
+    r = _post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and needle in err["message"]
+
+
+def test_tokenize_needs_the_key(server):
+    assert _post(server, "/tokenize", {"prompt": "a"}, key="wrong").status_code == 401
+    assert _post(server, "/detokenize", {"tokens": [1]}, key="wrong").status_code == 401
+
+
 def _error_of(exc) -> dict:
     body = exc.value.response.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}

@@ -304,6 +304,41 @@ class Service:
         except (InvalidRequestError, ChatTemplateError, TokenizerError) as e:
             raise P.bad(str(e), param) from None
 
+    # ---- /tokenize, /detokenize ----
+
+    async def tokenize(self, request: Request) -> dict:
+        """vLLM's POST /tokenize: the token ids a completion's prompt or a chat's messages would be submitted as."""
+        self.check_auth(request)
+        t = P.parse_tokenize(await _read_json(request, self.max_body_bytes))
+        self.check_model(t.model)
+        ids = await run_in_threadpool(self._tokenize, t)
+        return {"count": len(ids), "max_model_len": self.engine.max_seq_len, "tokens": ids}
+
+    def _tokenize(self, t: P.TokenizeRequest) -> list[int]:
+        eng = self.engine
+        param = "messages" if t.messages is not None else "prompt"
+        if eng.tokenizer is None:
+            raise P.bad("this model has no tokenizer", param)
+        try:
+            if t.messages is not None:
+                return eng.apply_chat_template(t.messages, add_generation_prompt=t.add_generation_prompt)
+            return eng.tokenize(t.prompt, add_special_tokens=t.add_special_tokens)
+        except (InvalidRequestError, ChatTemplateError, TokenizerError) as e:
+            raise P.bad(str(e), param) from None
+
+    async def detokenize(self, request: Request) -> dict:
+        """vLLM's POST /detokenize: the text of token ids, special tokens included (the inverse of /tokenize)."""
+        self.check_auth(request)
+        model, ids = P.parse_detokenize(await _read_json(request, self.max_body_bytes))
+        self.check_model(model)
+        if self.engine.tokenizer is None:
+            raise P.bad("this model has no tokenizer", "tokens")
+        bad = [t for t in ids if not 0 <= t < self.engine.config.vocab]
+        if bad:
+            raise P.bad(f"token id {bad[0]} is out of range for a vocabulary of {self.engine.config.vocab}", "tokens")
+        text = await run_in_threadpool(self.engine.detokenize, ids, skip_special_tokens=False)
+        return {"prompt": text}
+
     def max_tokens_for(self, g: P.GenerationRequest, n_prompt: int) -> int:
         limit = self.engine.max_seq_len
         room = limit - n_prompt
@@ -544,5 +579,13 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await svc.generate(request, P.parse_completion)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await svc.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await svc.detokenize(request)
 
     return app

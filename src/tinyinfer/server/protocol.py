@@ -232,14 +232,8 @@ def checked_defaults(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]
     return ok, dropped
 
 
-def parse_chat(body: Any, defaults: Mapping[str, Any] = MappingProxyType({})) -> GenerationRequest:
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    _check_fields(body, CHAT_FIELDS)
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise bad("'response_format' other than {\"type\": \"text\"} is not supported by this server",
-                  "response_format", "unsupported_parameter")
+def _messages(body: dict) -> list[dict]:
+    """The body's 'messages': a non-empty list; a message's list of text parts joined into one string."""
     msgs = body.get("messages")
     if msgs is None:
         raise bad("'messages' is required", "messages")
@@ -252,6 +246,18 @@ def parse_chat(body: Any, defaults: Mapping[str, Any] = MappingProxyType({})) ->
                 msgs[i] = {**m, "content": joined_text_parts(m["content"], i)}
             except InvalidRequestError as e:
                 raise bad(str(e), "messages") from None
+    return msgs
+
+
+def parse_chat(body: Any, defaults: Mapping[str, Any] = MappingProxyType({})) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _check_fields(body, CHAT_FIELDS)
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise bad("'response_format' other than {\"type\": \"text\"} is not supported by this server",
+                  "response_format", "unsupported_parameter")
+    msgs = _messages(body)
     mt, mct = _int(body, "max_tokens", 1), _int(body, "max_completion_tokens", 1)
     if mt is not None and mct is not None and mt != mct:
         raise bad("'max_tokens' and 'max_completion_tokens' disagree; give one", "max_completion_tokens")
@@ -414,3 +420,62 @@ def final_choice(kind: str, index: int, text: str, logprobs: Optional[dict], fin
         return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+# ---- /tokenize and /detokenize (vLLM's routes beside the OpenAI API) ----
+
+
+@dataclass
+class TokenizeRequest:
+    """POST /tokenize: a text prompt, or a chat rendered with the model's template, to token ids."""
+
+    model: Optional[str]
+    prompt: Optional[str] = None
+    messages: Optional[list[dict]] = None
+    add_special_tokens: bool = True  # prompt: the tokenizer's own (BOS), as a completion's prompt gets them
+    add_generation_prompt: bool = True  # messages: the assistant's turn opened, as a chat request renders it
+
+
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
+DETOKENIZE_FIELDS = {"model", "tokens"}
+
+
+def _only(body: Any, known: set) -> dict:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise bad(f"unknown parameter(s): {', '.join(map(repr, unknown))}", unknown[0], "unknown_parameter")
+    return body
+
+
+def parse_tokenize(body: Any) -> TokenizeRequest:
+    body = _only(body, TOKENIZE_FIELDS)
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        raise bad("give either 'prompt' (a string) or 'messages' (a chat)", "prompt")
+    if has_prompt:
+        if body.get("add_generation_prompt") is not None:
+            raise bad("'add_generation_prompt' applies to 'messages'", "add_generation_prompt")
+        p = body["prompt"]
+        if not isinstance(p, str):
+            raise bad(f"'prompt' must be a string (got {p!r:.100})", "prompt")
+        if not_unicode(p):
+            raise bad(f"'prompt' is not valid Unicode: {not_unicode(p)}", "prompt")
+        asp = _bool(body, "add_special_tokens")
+        return TokenizeRequest(_model(body), prompt=p, add_special_tokens=True if asp is None else asp)
+    if body.get("add_special_tokens") is not None:  # (the template writes a chat's special tokens itself)
+        raise bad("'add_special_tokens' applies to 'prompt'", "add_special_tokens")
+    agp = _bool(body, "add_generation_prompt")
+    return TokenizeRequest(_model(body), messages=_messages(body), add_generation_prompt=True if agp is None else agp)
+
+
+def parse_detokenize(body: Any) -> tuple[Optional[str], list[int]]:
+    """POST /detokenize's (model, token ids)."""
+    body = _only(body, DETOKENIZE_FIELDS)
+    toks = body.get("tokens")
+    if toks is None:
+        raise bad("'tokens' is required", "tokens")
+    if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+        raise bad(f"'tokens' must be a list of token ids (got {toks!r:.100})", "tokens")
+    return _model(body), toks

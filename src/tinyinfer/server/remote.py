@@ -40,14 +40,17 @@ class TextSide:
             raise TokenizerError(f"{self.path}: the model has no tokenizer (tokenizer.json); pass token ids")
         return self.tokenizer
 
-    def tokenize(self, text: str) -> list[int]:
-        return self._need_tokenizer().encode(text)
+    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self._need_tokenizer().encode(text, add_special_tokens=add_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+    def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self._need_tokenizer().decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
         tok = self._need_tokenizer()
         if not getattr(tok, "chat_template", None):
             raise TokenizerError(f"{self.path}: the model has no chat template")
-        return tok.encode_chat(list(messages))
+        return tok.encode_chat(list(messages), add_generation_prompt=add_generation_prompt)
 
 
 def _final(item) -> bool:

@@ -312,6 +312,19 @@ def test_extension_parameters_reach_the_sampler(client, ref):
     assert r.choices[0].message.content == ref.chat(CHAT, **ext, **kw).text
 
 
+def test_stop_token_ids_end_the_answer(client, ref):
+    """vLLM's stop_token_ids: the answer ends where one is sampled (finish_reason "stop"), as the engine's does."""
+    prompt = "The capital of France is"
+    free = ref.generate(prompt, max_tokens=8, ignore_eos=True)
+    stop = free.token_ids[3]
+    want = ref.generate(prompt, max_tokens=8, ignore_eos=True, stop_token_ids=[stop])
+    assert want.finish_reason == "stop" and len(want.token_ids) <= 4
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == want.text
+    assert r.usage.completion_tokens == len(want.token_ids)
+
+
 def test_chat_logprobs_agree_with_engine_logits(client, ref):
     want = ref.chat(CHAT, max_tokens=6)
     r = client.chat.completions.create(model=NAME, temperature=0, messages=CHAT, max_tokens=6, logprobs=True,
@@ -523,6 +536,10 @@ BAD_CHAT = [  # (extra arguments, param named)
     (dict(extra_body={"stream": "yes"}), "stream"),
     (dict(extra_body={"ignore_eos": 1}), "ignore_eos"),
     (dict(extra_body={"model": 5}), "model"),
+    (dict(extra_body={"stop_token_ids": 5}), "stop_token_ids"),
+    (dict(extra_body={"stop_token_ids": [1, True]}), "stop_token_ids"),
+    (dict(extra_body={"stop_token_ids": [-1]}), "stop_token_ids"),
+    (dict(extra_body={"stop_token_ids": [10**9]}), "stop_token_ids"),  # past the vocabulary
     (dict(store=True), "store"),
     (dict(max_tokens=MAX_SEQ), "max_tokens"),  # prompt + max_tokens beyond the context
 ]

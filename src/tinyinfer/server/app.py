@@ -392,6 +392,10 @@ class Service:
         self.check_auth(request)
         g = parse(await _read_json(request, self.max_body_bytes), self.sampling_defaults)
         self.check_model(g.model)
+        vocab = self.engine.config.vocab
+        beyond = [t for t in g.params.stop_token_ids if t >= vocab]
+        if beyond:
+            raise P.bad(f"stop token id {beyond[0]} is out of range for a vocabulary of {vocab}", "stop_token_ids")
         if g.kind == "completion" and not any(isinstance(p, str) for p in g.prompts):
             prompts = self.prompt_ids(g)  # token ids: only checked, no worker-thread hop (~0.5 ms a request)
         else:

@@ -129,7 +129,8 @@ _OFF = {
 OPENAI_TEMPERATURE = 1.0  # a request's temperature when it has none (OpenAI's API reference)
 _IGNORED = {"user", "metadata", "store", "parallel_tool_calls"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-           "frequency_penalty", "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "logprobs"}
+           "frequency_penalty", "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "logprobs",
+           "stop_token_ids"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 
@@ -183,6 +184,11 @@ def _sampling(body: dict, max_tokens: Optional[int], defaults: Mapping[str, Any]
             raise bad(f"'seed' must be an integer in -2**63..2**63-1 (got {seed!r})", "seed")
         kw["seed"] = seed % 2**64
     kw["stop"] = _stop(body)
+    ids = body.get("stop_token_ids")  # (vLLM's extension; ids past the vocabulary: the app's check, which knows it)
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise bad(f"'stop_token_ids' must be a list of token ids (got {ids!r:.100})", "stop_token_ids")
+        kw["stop_token_ids"] = ids
     if _bool(body, "ignore_eos"):
         kw["ignore_eos"] = True
     try:

@@ -323,6 +323,11 @@ def test_stop_token_ids_end_the_answer(client, ref):
                                   extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == want.text
     assert r.usage.completion_tokens == len(want.token_ids)
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, stream=True, n=2,
+                                            extra_body={"ignore_eos": True, "stop_token_ids": [stop]}))
+    for i in range(2):  # (streamed, each of n choices: the same text, ended by the stop id)
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == want.text and mine[-1].finish_reason == "stop"
 
 
 def test_chat_logprobs_agree_with_engine_logits(client, ref):
@@ -447,11 +452,15 @@ def test_tokenize_and_detokenize(server, ref):
     text = "Name three colors."
     r = _post(server, "/tokenize", {"model": NAME, "prompt": text})
     assert r.status_code == 200, r.text
-    assert r.json() == {"count": len(ref.tokenize(text)), "max_model_len": MAX_SEQ, "tokens": ref.tokenize(text)}
+    assert r.json() == {"count": len(ref.tokenize(text)), "max_model_len": MAX_SEQ, "tokens": ref.tokenize(text),
+                        "token_strs": None}
+    strs = _post(server, "/tokenize", {"prompt": text, "return_token_strs": True}).json()["token_strs"]
+    assert strs == [ref.tokenizer.id_to_token(t) for t in ref.tokenize(text)] and "".join(strs[-2:]).endswith(".")
     plain = _post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
     assert plain == ref.tokenize(text, add_special_tokens=False)
     chat = _post(server, "/tokenize", {"messages": CHAT}).json()
     assert chat["tokens"] == ref.apply_chat_template(CHAT) and chat["count"] == len(chat["tokens"])
+    assert _post(server, "/tokenize", {"messages": CHAT, "add_special_tokens": False}).json() == chat  # (vLLM's)
     open_turn = _post(server, "/tokenize", {"messages": CHAT, "add_generation_prompt": False}).json()["tokens"]
     assert open_turn == ref.apply_chat_template(CHAT, add_generation_prompt=False) != chat["tokens"]
     back = _post(server, "/detokenize", {"model": NAME, "tokens": chat["tokens"]})
@@ -468,10 +477,12 @@ BAD_TOKENIZE = [  # (path, body, status, param, a piece of the message)
     ("/tokenize", {"prompt": "a\ud800"}, 400, "prompt", "not valid Unicode"),
     ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, 400, "add_generation_prompt", "applies to"),
     ("/tokenize", {"messages": CHAT, "add_special_tokens": True}, 400, "add_special_tokens", "applies to"),
+    ("/tokenize", {"prompt": "a", "return_token_strs": 1}, 400, "return_token_strs", "boolean"),
     ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, 400, "add_special_tokens", "boolean"),
     ("/tokenize", {"messages": []}, 400, "messages", "non-empty list"),
     ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages", ""),
-    ("/tokenize", {"prompt": "a", "return_token_strs": True}, 400, "return_token_strs", "unknown parameter"),
+    ("/tokenize", {"prompt": "a", "continue_final_message": True}, 400, "continue_final_message",
+     "unknown parameter"),
     ("/tokenize", {"prompt": "a", "model": "gpt-4o"}, 404, "model", "does not exist"),
     ("/tokenize", "[1]", 400, None, "must be a JSON object"),
     ("/detokenize", {}, 400, "tokens", "'tokens' is required"),

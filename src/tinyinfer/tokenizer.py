@@ -62,6 +62,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> Optional[str]:
+        """The token's string in the vocabulary ("Ġcat", "▁cat", "<0xE6>"; transformers' convert_ids_to_tokens)."""
+        return self._tok.id_to_token(token_id)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for inside a text (logprobs show them), as llama.cpp's token_to_piece:
         byte-level BPE tokens (GPT-2 / Llama-3 / SmolLM2) map back exactly; a SentencePiece token (Llama-2,

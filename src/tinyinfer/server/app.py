@@ -312,7 +312,8 @@ class Service:
         t = P.parse_tokenize(await _read_json(request, self.max_body_bytes))
         self.check_model(t.model)
         ids = await run_in_threadpool(self._tokenize, t)
-        return {"count": len(ids), "max_model_len": self.engine.max_seq_len, "tokens": ids}
+        strs = [self.engine.tokenizer.id_to_token(i) for i in ids] if t.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.engine.max_seq_len, "tokens": ids, "token_strs": strs}
 
     def _tokenize(self, t: P.TokenizeRequest) -> list[int]:
         eng = self.engine

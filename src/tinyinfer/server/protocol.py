@@ -440,9 +440,10 @@ class TokenizeRequest:
     messages: Optional[list[dict]] = None
     add_special_tokens: bool = True  # prompt: the tokenizer's own (BOS), as a completion's prompt gets them
     add_generation_prompt: bool = True  # messages: the assistant's turn opened, as a chat request renders it
+    return_token_strs: bool = False  # the tokens' vocabulary strings too ("token_strs")
 
 
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
@@ -469,11 +470,14 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         if not_unicode(p):
             raise bad(f"'prompt' is not valid Unicode: {not_unicode(p)}", "prompt")
         asp = _bool(body, "add_special_tokens")
-        return TokenizeRequest(_model(body), prompt=p, add_special_tokens=True if asp is None else asp)
-    if body.get("add_special_tokens") is not None:  # (the template writes a chat's special tokens itself)
-        raise bad("'add_special_tokens' applies to 'prompt'", "add_special_tokens")
+        return TokenizeRequest(_model(body), prompt=p, add_special_tokens=True if asp is None else asp,
+                               return_token_strs=bool(_bool(body, "return_token_strs")))
+    if _bool(body, "add_special_tokens"):  # (false, vLLM's default for a chat, is accepted)
+        raise bad("'add_special_tokens': true applies to 'prompt' (a chat's template writes its special tokens)",
+                  "add_special_tokens")
     agp = _bool(body, "add_generation_prompt")
-    return TokenizeRequest(_model(body), messages=_messages(body), add_generation_prompt=True if agp is None else agp)
+    return TokenizeRequest(_model(body), messages=_messages(body), add_generation_prompt=True if agp is None else agp,
+                           return_token_strs=bool(_bool(body, "return_token_strs")))
 
 
 def parse_detokenize(body: Any) -> tuple[Optional[str], list[int]]:

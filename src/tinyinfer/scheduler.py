@@ -86,8 +86,9 @@ side); requests behind it in the queue are admitted meanwhile (the choice: Prefi
 which keeps the caches; the admission's core calls and the pool's free pages are counted here). A core without
 seq_park (a test double) keeps the ended request's slot open instead and rewinds it (seq_rewind) for a prompt
 that shares at least half of it. Kept caches give their pages back, least recently used first (a parked one only
-its last pages, as many as are asked for: its prefix stays cached), to any request or step that needs them (admission, a decode step's new page, the launch ahead) before anything else is done for want
-of them (the one a prompt copies from after the copy), and all at once to the single path on the GPU (its cache
+its last pages, as many as are asked for: its prefix stays cached), to any request or step that needs them
+(admission, a decode step's new page, the launch ahead) before anything else is done for want of them (the one a
+prompt copies from after the copy), and all at once to the single path on the GPU (its cache
 shares the pool), warm_up and close(). A sequence's numbers are those of a fresh prefill where the engine's
 arithmetic does not depend on how the positions were batched (the CPU engine: exactly); on the GPU the cached
 positions were computed in other passes, so a near-tie of the logits may break differently.

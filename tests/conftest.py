@@ -83,12 +83,17 @@ def gpu_free_bytes() -> int:
     return free
 
 
-def near_tie(eng, ids) -> bool:
+def near_tie(eng, ids, penalties=None) -> bool:
     """Whether the top two logits after `ids` (eng.logits', the single path's) are within the GPU paths' rounding:
-    where two paths' greedy tokens part, the pick may legitimately flip only there."""
+    where two paths' greedy tokens part, the pick may legitimately flip only there. penalties: (presence, frequency,
+    the generated tokens they count), applied first as the sampler does."""
     import numpy as np
 
-    ref = eng.logits(ids)[-1]
+    ref = eng.logits(ids)[-1].astype(np.float64)
+    if penalties is not None:
+        presence, frequency, generated = penalties
+        for t in set(generated):
+            ref[t] -= presence + frequency * generated.count(t)
     top2 = np.sort(ref)[-2:]
     return bool(top2[1] - top2[0] <= 3e-3 * np.abs(ref).max())
 

@@ -757,10 +757,12 @@ def test_gpu_a_mark_counts_for_the_penalties(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_out_of_pages_preempts_and_recomputes(tmp_path):
+@pytest.mark.parametrize("penalties", [(0.0, 0.0), (0.8, 0.6)], ids=["greedy", "penalties"])
+def test_gpu_decode_out_of_pages_preempts_and_recomputes(tmp_path, penalties):
     """A pool too small for three answers at once (6 pages of 64 positions; each request grows to 3): the youngest
     are preempted, their prompt and tokens prefilled again once pages free up; every request gets all its tokens,
-    each the single path's up to a near-tie of its logits (the recomputed positions come from a prefill pass)."""
+    each the single path's up to a near-tie of its logits (the recomputed positions come from a prefill pass), with
+    presence / frequency penalties too (the recomputed answer marked as generated again)."""
     d = make_chat_llama(tmp_path / "m", hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, layers=2,
                         init_std=0.3, dtype="float16")
     opts = _core.CudaOptions()
@@ -768,14 +770,16 @@ def test_gpu_decode_out_of_pages_preempts_and_recomputes(tmp_path):
     opts.kv_page_size = 64
     with Engine(d, device="cuda", max_seq_len=512, cuda_options=opts) as e:
         prompts = [e.tokenize(f"Story number {i}: once upon a time") for i in range(3)]
-        sp = SamplingParams(max_tokens=140, ignore_eos=True)
+        sp = SamplingParams(max_tokens=140, ignore_eos=True, presence_penalty=penalties[0],
+                            frequency_penalty=penalties[1])
         got = e.generate(prompts, sp)
         assert [len(g.token_ids) for g in got] == [140] * 3
         assert e.scheduler.metrics()["preemptions"] >= 1
         for g in got:
             alone = e.generate(g.prompt_token_ids, sp).token_ids
             j = next((i for i in range(140) if g.token_ids[i] != alone[i]), 140)
-            assert j == 140 or near_tie(e, g.prompt_token_ids + alone[:j]), (j, g.token_ids, alone)
+            assert j == 140 or near_tie(e, g.prompt_token_ids + alone[:j], (*penalties, alone[:j])), \
+                (j, g.token_ids, alone)
 
 
 def _sys(n: int, seed: int = 0) -> list[int]:

@@ -255,6 +255,13 @@ class Service:
             raise P.APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                              param="model", code="model_not_found")
 
+    def check_ids(self, ids, what: str, param: str) -> None:
+        """Every id in the model's vocabulary, else a 400 naming `param`."""
+        vocab = self.engine.config.vocab
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise P.bad(f"{what} {bad[0]} is out of range for a vocabulary of {vocab}", param)
+
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tinyinfer",
                 "max_model_len": self.engine.max_seq_len}
@@ -294,9 +301,7 @@ class Service:
             out = []
             for p in g.prompts:
                 ids = eng.tokenize(p) if isinstance(p, str) else list(p)
-                bad = [t for t in ids if not 0 <= t < eng.config.vocab]
-                if bad:
-                    raise P.bad(f"token id {bad[0]} is out of range for a vocabulary of {eng.config.vocab}", param)
+                self.check_ids(ids, "token id", param)
                 if not ids:
                     raise P.bad("the prompt is empty", param)
                 out.append(ids)
@@ -334,9 +339,7 @@ class Service:
         self.check_model(model)
         if self.engine.tokenizer is None:
             raise P.bad("this model has no tokenizer", "tokens")
-        bad = [t for t in ids if not 0 <= t < self.engine.config.vocab]
-        if bad:
-            raise P.bad(f"token id {bad[0]} is out of range for a vocabulary of {self.engine.config.vocab}", "tokens")
+        self.check_ids(ids, "token id", "tokens")
         text = await run_in_threadpool(self.engine.detokenize, ids, skip_special_tokens=False)
         return {"prompt": text}
 
@@ -393,10 +396,7 @@ class Service:
         self.check_auth(request)
         g = parse(await _read_json(request, self.max_body_bytes), self.sampling_defaults)
         self.check_model(g.model)
-        vocab = self.engine.config.vocab
-        beyond = [t for t in g.params.stop_token_ids if t >= vocab]
-        if beyond:
-            raise P.bad(f"stop token id {beyond[0]} is out of range for a vocabulary of {vocab}", "stop_token_ids")
+        self.check_ids(g.params.stop_token_ids, "stop token id", "stop_token_ids")
         if g.kind == "completion" and not any(isinstance(p, str) for p in g.prompts):
             prompts = self.prompt_ids(g)  # token ids: only checked, no worker-thread hop (~0.5 ms a request)
         else:

@@ -141,7 +141,11 @@ def _check_fields(body: dict, known: set) -> None:
             raise bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
     if body.get("store") not in (None, False):
         raise bad("'store' is not supported by this server (only false)", "store", "unsupported_parameter")
-    unknown = sorted(set(body) - known - set(_OFF) - _IGNORED)
+    _refuse_unknown(body, known | set(_OFF) | _IGNORED)
+
+
+def _refuse_unknown(body: dict, known: set) -> None:
+    unknown = sorted(set(body) - known)
     if unknown:
         raise bad(f"unknown parameter(s): {', '.join(map(repr, unknown))}", unknown[0], "unknown_parameter")
 
@@ -450,9 +454,7 @@ DETOKENIZE_FIELDS = {"model", "tokens"}
 def _only(body: Any, known: set) -> dict:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise bad(f"unknown parameter(s): {', '.join(map(repr, unknown))}", unknown[0], "unknown_parameter")
+    _refuse_unknown(body, known)
     return body
 
 

@@ -103,7 +103,10 @@ void bind_config(nb::module_& m) {
       .def_rw("seed", &ti::SamplingConfig::seed)
       .def_rw("presence_penalty", &ti::SamplingConfig::presence_penalty)
       .def_rw("frequency_penalty", &ti::SamplingConfig::frequency_penalty)
-      .def("validate", [](const ti::SamplingConfig& s) { ti::validate(s); });
+      .def_rw("bias_ids", &ti::SamplingConfig::bias_ids, "logit bias: the token ids (distinct)")
+      .def_rw("bias_values", &ti::SamplingConfig::bias_values, "logit bias: added to those logits (-inf: banned)")
+      .def("validate", [](const ti::SamplingConfig& s) { ti::validate(s); })
+      .def("validate", [](const ti::SamplingConfig& s, int64_t vocab) { ti::validate(s, vocab); }, "vocab"_a);
 }
 
 }  // namespace
@@ -137,4 +140,5 @@ NB_MODULE(_core, m) {
   );
   info["version"] = TINYINFER_VERSION;
   m.attr("build_info") = info;
+  m.attr("MAX_LOGIT_BIAS") = ti::kMaxLogitBias;  // a SamplingConfig's logit-bias entries (min_tokens' bans included)
 }

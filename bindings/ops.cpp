@@ -142,9 +142,9 @@ void bind_ops(nb::module_& m) {
       "sample_row",
       [](F32In1 logits, const ti::SamplingConfig& cfg, uint64_t step, const std::vector<int64_t>& prompt_ids,
          const std::vector<int64_t>& generated_ids, int top_logprobs) {
-        ti::validate(cfg);
         const int64_t vocab = (int64_t)logits.shape(0);
         if (vocab < 1) ti::fail(ti::ErrorKind::Request, "sample_row: empty logits");
+        ti::validate(cfg, vocab);
         ti::TokenHistory h(vocab);
         for (int32_t t : to_ids(prompt_ids)) h.add_prompt(t);
         for (int32_t t : to_ids(generated_ids)) h.add_generated(t);
@@ -562,21 +562,25 @@ void bind_ops(nb::module_& m) {
         if ((int64_t)seen.shape(1) != vocab || counts.shape(0) != seen.shape(0) || (int64_t)counts.shape(1) != vocab)
           bad("seen and counts must both be (n_slots, vocab)");
         std::vector<ti::cuda::RowSampling> rows((size_t)n);
+        std::vector<ti::cuda::LogitBias> bias;
         std::vector<char> taken((size_t)n_slots, 0);
         for (int64_t r = 0; r < n; r++) {
-          ti::validate(cfgs[(size_t)r]);
+          ti::validate(cfgs[(size_t)r], vocab);
           const int64_t slot = slots[(size_t)r];
           if (slot < 0 || slot >= n_slots || taken[(size_t)slot]) bad("slots must be distinct, in 0..n_slots-1");
           taken[(size_t)slot] = 1;
-          rows[(size_t)r] = {ti::device_sampling(cfgs[(size_t)r]), steps[(size_t)r], (int)slot, (int)r};
+          const ti::SamplingConfig& c = cfgs[(size_t)r];
+          rows[(size_t)r] = {ti::device_sampling(c), steps[(size_t)r], (int)slot, (int)r, (int)bias.size()};
+          bias.resize(bias.size() + c.bias_ids.size());
+          ti::device_bias(c, bias.data() + bias.size() - c.bias_ids.size());
         }
         std::vector<uint8_t> seen_v(seen.data(), seen.data() + seen.size());
         std::vector<int32_t> counts_v(counts.data(), counts.data() + counts.size());
         ti::cuda::SampleRowsOut o;
         {
           nb::gil_scoped_release release;
-          o = ti::cuda::run_sample_rows(logits.data(), ld, (int)n, (int)vocab, rows.data(), seen_v.data(),
-                                        counts_v.data(), (int)n_slots, top_k);
+          o = ti::cuda::run_sample_rows(logits.data(), ld, (int)n, (int)vocab, rows.data(), bias.data(),
+                                        (int)bias.size(), seen_v.data(), counts_v.data(), (int)n_slots, top_k);
         }
         nb::dict d;
         d["tokens"] = numpy_vec(o.tokens);
@@ -585,13 +589,14 @@ void bind_ops(nb::module_& m) {
         d["top_lp"] = numpy_copy(o.top_lp, (size_t)n, (size_t)top_k);
         d["seen"] = numpy_copy(seen_v, (size_t)n_slots, (size_t)vocab);
         d["counts"] = numpy_copy(counts_v, (size_t)n_slots, (size_t)vocab);
+        d["logits"] = numpy_copy(o.logits, (size_t)n, (size_t)ld);
         return d;
       },
       "logits"_a, "cfgs"_a, "steps"_a, "slots"_a, "seen"_a, "counts"_a, "top_k"_a = 0, "vocab"_a = -1,
       "One batched on-device sampling call (cuda/sampling.cu sample_rows): row r of logits (n_rows, ld; the "
       "first vocab columns, default all) with cfgs[r], steps[r], history slot slots[r] of seen (n_slots, vocab) "
       "uint8 and counts (n_slots, vocab) int32. Returns {'tokens', 'logprob', 'top_ids' (n_rows, top_k), "
-      "'top_lp', 'seen', 'counts' (the histories after the call)}.");
+      "'top_lp', 'seen', 'counts' (the histories after the call), 'logits' (the device's, after the call)}.");
 #else
   ops.def("cuda_compiled", []() { return false; });
   ops.def(

@@ -2,9 +2,9 @@
 //
 // One block of 1024 threads per row of logits; one device function (sample_block) serves the single-sequence
 // sampler (sample_token, in the decode graph) and the batched one (sample_rows), so the same logits and history
-// give the same token alone and in a batch. Order as the CPU reference (cpp/core/sampling.*): repetition penalty
-// -> presence / frequency penalties (cpp/core/penalty.h, shared with the CPU: bit-identical penalised logits) ->
-// temperature -> top-k -> top-p -> min-p -> draw with uniform(seed, step) (cpp/core/rng.h).
+// give the same token alone and in a batch. Order as the CPU reference (cpp/core/sampling.*): logit bias ->
+// repetition penalty -> presence / frequency penalties (cpp/core/penalty.h, shared with the CPU: bit-identical
+// penalised logits) -> temperature -> top-k -> top-p -> min-p -> draw with uniform(seed, step) (cpp/core/rng.h).
 //   greedy (temperature 0): argmax, lowest id on ties — the same token the CPU picks from the same logits.
 //   sampling: p_i = exp((z_i - max) / T) in scratch; the cut-offs are found as thresholds on p by a bitwise
 //   search over the float bits (31 block reductions each: positive floats order like their bit patterns):
@@ -12,6 +12,8 @@
 //   threshold whose kept mass is >= top_p, min-p p >= min_p (max p is 1). The draw walks the kept tokens in
 //   id order (a block scan), not in probability order as the CPU does: the same distribution, not the same
 //   token for a given seed.
+// The logit bias is added to the logits in place, one entry a thread (its ids are distinct), and taken off again
+// when the token is chosen: every pass over the logits, the vectorized greedy one included, sees it for free.
 // Log-probabilities (sample_rows only) are of the RAW logits: one online-softmax pass (per-thread running max
 // and sum) gives log-sum-exp. The top entries: the k-th largest of the 1024 per-thread maxima is a threshold
 // with at least k logits at or above it; those (usually few) are gathered into shared memory and k rounds of a
@@ -32,6 +34,7 @@ namespace ti::cuda {
 constexpr int kSampleThreads = 1024;
 constexpr int kCandidates = 2048;  // gathered top-entry candidates (shared memory)
 constexpr int kLogitVec = 8;        // 16-byte logit loads in flight a thread (1,024 threads: 64 registers each)
+static_assert(kMaxLogitBias <= kSampleThreads, "one logit-bias entry a thread");
 
 struct SampleShared {
   float red[33];
@@ -192,7 +195,7 @@ __device__ __forceinline__ int sample_block(const float* logits, int vocab, cons
     float acc = part[tid];
     int last = -1;
     for (int i = lo; i < hi; i++) {
-      if (__float_as_uint(p[i]) < t) continue;
+      if (__float_as_uint(p[i]) < t || p[i] == 0.0f) continue;  // (0: a banned token, never drawn)
       last = i;
       acc += p[i];
       if (u < acc) break;
@@ -277,6 +280,28 @@ __device__ __forceinline__ void row_logprobs(const float* logits, int vocab, int
   }
 }
 
+// Thread j < n: logits[bias[j].id] += bias[j].value (the one add the CPU does: __fadd_rn, never contracted);
+// returns the raw logit for bias_off. The barrier orders the writes before any thread's reads.
+__device__ __forceinline__ float bias_on(float* logits, const LogitBias* bias, int n) {
+  float raw = 0.0f;
+  if (n <= 0) return raw;
+  if ((int)threadIdx.x < n) {
+    const LogitBias b = bias[threadIdx.x];
+    raw = logits[b.id];
+    logits[b.id] = __fadd_rn(raw, b.value);
+  }
+  __syncthreads();
+  return raw;
+}
+
+// The raw logits back (after every thread's last read of the biased ones).
+__device__ __forceinline__ void bias_off(float* logits, const LogitBias* bias, int n, float raw) {
+  if (n <= 0) return;
+  __syncthreads();
+  if ((int)threadIdx.x < n) logits[bias[threadIdx.x].id] = raw;
+  __syncthreads();
+}
+
 // Thread 0: the picked token joins the history.
 __device__ __forceinline__ void add_generated(unsigned char* seen, int* counts, int tok) {
   if (threadIdx.x == 0) {
@@ -286,8 +311,8 @@ __device__ __forceinline__ void add_generated(unsigned char* seen, int* counts, 
 }
 
 __global__ void __launch_bounds__(kSampleThreads)
-    sample_kernel(const float* logits, int vocab, const DeviceSampling* spp, unsigned char* seen, int* counts,
-                  float* p, DecodeState* st, int* out_tokens) {
+    sample_kernel(float* logits, int vocab, const DeviceSampling* spp, const LogitBias* bias, unsigned char* seen,
+                  int* counts, float* p, DecodeState* st, int* out_tokens) {
   __shared__ SampleShared sh;
   // Before the wait: the sampling parameters (the host's, uploaded before the step) and the state (written by the
   // previous step's sampler, the only writer): their round trips overlap the LM head instead of following it.
@@ -295,7 +320,9 @@ __global__ void __launch_bounds__(kSampleThreads)
   const DecodeState s0 = *st;
   pdl_wait();
   pdl_launch_dependents();
+  const float raw = bias_on(logits, bias, sp.n_bias);
   const int tok = sample_block(logits, vocab, sp, (unsigned long long)s0.step, seen, counts, p, sh);
+  bias_off(logits, bias, sp.n_bias, raw);
   __syncthreads();  // every thread's reads of the history are done before it changes
   add_generated(seen, counts, tok);
   if (threadIdx.x == 0) {
@@ -305,18 +332,21 @@ __global__ void __launch_bounds__(kSampleThreads)
 }
 
 __global__ void __launch_bounds__(kSampleThreads)
-    sample_rows_kernel(const float* logits, int64_t ld, int vocab, const RowSampling* rows, unsigned char* seen,
-                       int* counts, float* scratch, int top_k, int* out_tokens, float* out_logprob, int* top_ids,
-                       float* top_lp) {
+    sample_rows_kernel(float* logits, int64_t ld, int vocab, const RowSampling* rows, const LogitBias* bias,
+                       unsigned char* seen, int* counts, float* scratch, int top_k, int* out_tokens,
+                       float* out_logprob, int* top_ids, float* top_lp) {
   __shared__ SampleShared sh;
   pdl_wait();
   pdl_launch_dependents();
   const int r = blockIdx.x;
   const RowSampling row = rows[r];
-  const float* lg = logits + (int64_t)row.logits_row * ld;
+  float* lg = logits + (int64_t)row.logits_row * ld;
   unsigned char* sn = seen + (int64_t)row.slot * vocab;
   int* cn = counts + (int64_t)row.slot * vocab;
+  const LogitBias* rb = bias + row.bias_off;
+  const float raw = bias_on(lg, rb, row.s.n_bias);
   const int tok = sample_block(lg, vocab, row.s, row.step, sn, cn, scratch + (int64_t)r * vocab, sh);
+  bias_off(lg, rb, row.s.n_bias, raw);
   if (out_logprob || top_k > 0)
     row_logprobs(lg, vocab, tok, top_k, out_logprob ? out_logprob + r : nullptr,
                  top_k > 0 ? top_ids + (int64_t)r * top_k : nullptr,
@@ -326,13 +356,13 @@ __global__ void __launch_bounds__(kSampleThreads)
   if (threadIdx.x == 0) out_tokens[r] = tok;
 }
 
-void sample_token(const float* logits, int vocab, const DeviceSampling* sp, unsigned char* seen, int* counts,
-                  float* scratch, DecodeState* st, int* out_tokens, cudaStream_t stream, bool pdl) {
-  launch(sample_kernel, dim3(1), dim3(kSampleThreads), 0, stream, pdl, logits, vocab, sp, seen, counts, scratch, st,
-         out_tokens);
+void sample_token(float* logits, int vocab, const DeviceSampling* sp, const LogitBias* bias, unsigned char* seen,
+                  int* counts, float* scratch, DecodeState* st, int* out_tokens, cudaStream_t stream, bool pdl) {
+  launch(sample_kernel, dim3(1), dim3(kSampleThreads), 0, stream, pdl, logits, vocab, sp, bias, seen, counts, scratch,
+         st, out_tokens);
 }
 
-void sample_rows(const float* logits, int64_t ld, int n_rows, int vocab, const RowSampling* rows,
+void sample_rows(float* logits, int64_t ld, int n_rows, int vocab, const RowSampling* rows, const LogitBias* bias,
                  unsigned char* seen, int* counts, float* scratch, int top_k, int* out_tokens, float* out_logprob,
                  int* top_ids, float* top_lp, cudaStream_t stream, bool pdl) {
   if (top_k < 0 || top_k > kMaxTopK)
@@ -340,7 +370,7 @@ void sample_rows(const float* logits, int64_t ld, int n_rows, int vocab, const R
                                  std::to_string(top_k) + ")");
   if (n_rows <= 0) return;
   launch(sample_rows_kernel, dim3((unsigned)n_rows), dim3(kSampleThreads), 0, stream, pdl, logits, ld, vocab, rows,
-         seen, counts, scratch, top_k, out_tokens, out_logprob, top_ids, top_lp);
+         bias, seen, counts, scratch, top_k, out_tokens, out_logprob, top_ids, top_lp);
 }
 
 }  // namespace ti::cuda

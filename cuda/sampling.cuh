@@ -19,6 +19,13 @@ struct DeviceSampling {
   unsigned long long seed = 0;
   float presence_penalty = 0.0f;   // over generated tokens (counts > 0)
   float frequency_penalty = 0.0f;  // times the generated count
+  int n_bias = 0;                  // logit-bias entries (LogitBias) the launch's bias array holds for this row
+};
+
+// One logit-bias entry: logits[id] += value (-inf: banned) before the penalties. A row's ids are distinct.
+struct LogitBias {
+  int id;
+  float value;
 };
 
 
@@ -32,9 +39,11 @@ struct DecodeState {
 
 // Chooses the next token from logits[vocab] (fp32), writes it to st->token and out_tokens, advances
 // st->pos and st->step, marks it in seen[] (the repetition penalty) and counts it in counts[] (presence /
-// frequency). seen: (vocab) u8, counts: (vocab) int32 — the sequence's history; scratch: float[vocab].
-void sample_token(const float* logits, int vocab, const DeviceSampling* sp, unsigned char* seen, int* counts,
-                  float* scratch, DecodeState* st, int* out_tokens, cudaStream_t stream, bool pdl);
+// frequency). seen: (vocab) u8, counts: (vocab) int32 — the sequence's history; scratch: float[vocab];
+// bias: sp->n_bias entries (ids checked on the host). The bias is added to the logits in place and taken off
+// again before the kernel ends: the logits are as they came after it.
+void sample_token(float* logits, int vocab, const DeviceSampling* sp, const LogitBias* bias, unsigned char* seen,
+                  int* counts, float* scratch, DecodeState* st, int* out_tokens, cudaStream_t stream, bool pdl);
 
 // The most top-logprob entries per row (sample_rows' top_k).
 constexpr int kMaxTopK = kMaxTopLogprobs;
@@ -44,6 +53,7 @@ struct RowSampling {             // device memory, one per row
   unsigned long long step;       // RNG counter of the token being sampled
   int slot;                      // which history row (counts / seen) this row uses
   int logits_row;                // which row of `logits` (sample_rows) holds this row's logits
+  int bias_off;                  // the row's s.n_bias logit-bias entries start at bias + bias_off (sample_rows)
 };
 
 // One block per row, the same per-row algorithm as sample_token (the same logits and history give the same
@@ -53,8 +63,9 @@ struct RowSampling {             // device memory, one per row
 // launch must use distinct slots). scratch: n_rows * vocab floats. out_tokens[r]; out_logprob[r] (null: not
 // computed): log_softmax(raw logits)[token]; top_ids / top_lp: (n_rows, top_k) when top_k > 0 (else may be
 // null): the top_k largest raw-logit log-probabilities, descending, ties to the lower id (entries past the vocab:
-// id -1, -inf). top_k: 0..kMaxTopK.
-void sample_rows(const float* logits, int64_t ld, int n_rows, int vocab, const RowSampling* rows,
+// id -1, -inf). top_k: 0..kMaxTopK. bias: the rows' logit-bias entries (as sample_token: added in place, taken
+// off before the log-probabilities, which are of the raw logits).
+void sample_rows(float* logits, int64_t ld, int n_rows, int vocab, const RowSampling* rows, const LogitBias* bias,
                  unsigned char* seen, int* counts, float* scratch, int top_k, int* out_tokens,
                  float* out_logprob, int* top_ids, float* top_lp, cudaStream_t stream, bool pdl = false);
 
@@ -64,10 +75,16 @@ namespace ti {
 
 // The device form of a (validated) SamplingConfig: every field, the penalties included. (In namespace ti, beside
 // the engines that call it: one definition for the single-sequence and the batched paths.)
+// The logit-bias entries live apart (LogitBias arrays): n_bias says how many the row has.
 inline cuda::DeviceSampling device_sampling(const SamplingConfig& s) {
   return cuda::DeviceSampling{s.temperature, (int)std::min<int64_t>(s.top_k, INT32_MAX), s.top_p, s.min_p,
                               s.repetition_penalty, (unsigned long long)s.seed, s.presence_penalty,
-                              s.frequency_penalty};
+                              s.frequency_penalty, (int)s.bias_ids.size()};
+}
+
+// s's logit-bias entries into out[0 .. s.bias_ids.size()).
+inline void device_bias(const SamplingConfig& s, cuda::LogitBias* out) {
+  for (size_t j = 0; j < s.bias_ids.size(); j++) out[j] = cuda::LogitBias{s.bias_ids[j], s.bias_values[j]};
 }
 
 }  // namespace ti

@@ -1,9 +1,11 @@
 """The batched GPU sampler (cuda/sampling.cu sample_rows, through _core.ops.sample_rows) against its CPU twin
 (_core.ops.sample_row): greedy tokens identical, the chosen token's log-probability and the top entries within
 1e-4, the penalties, several rows with their own parameters and history slots in one launch, the history update,
-and the same seeded token alone and inside a batch. Skipped without a usable CUDA device."""
+the same seeded token alone and inside a batch, and the logit bias. Skipped without a usable CUDA device."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -274,6 +276,60 @@ def test_sampled_tokens_follow_the_penalised_distribution():
     p = np.array([np.exp(-2), 1, 1]) / (np.exp(-2) + 2)
     sigma = np.sqrt(total * p * (1 - p))
     assert (np.abs(counts - total * p) <= 4.5 * sigma).all(), counts
+
+
+# ---- the logit bias ----
+
+def biased(bias: dict, **kw) -> _core.SamplingConfig:
+    return cfg(bias_ids=list(bias), bias_values=[float(v) for v in bias.values()], **kw)
+
+
+@pytest.mark.parametrize("vocab", [333, 32000, 128256])
+def test_biased_rows_match_cpu_and_leave_the_logits_as_they_were(vocab):
+    """Greedy rows with a logit bias (penalties and none; up to 1,024 entries; bans) give the CPU's token; the
+    log-probabilities and top entries are of the raw logits, which the kernel leaves as it found them."""
+    rng = np.random.default_rng(vocab)
+    n = 6
+    logits = (rng.standard_normal((n, vocab)) * 3).astype(np.float32)
+    top = np.argsort(-logits, axis=1)
+    hist = Histories(n, vocab)
+    for s in range(n):
+        hist.gen[s] = rng.integers(0, vocab, 10).tolist() + [int(top[s, 1])]
+    many = {int(t): float(v) for t, v in zip(rng.permutation(vocab)[:min(1024, vocab)], rng.uniform(-5, 5, 1024))}
+    cfgs = [biased({int(top[0, 0]): -math.inf}),                     # the argmax banned
+            biased({int(top[1, 5]): 3.0, int(top[1, 0]): -0.5}),     # the sixth lifted over the first
+            biased({int(top[2, 1]): 0.25}, repetition_penalty=1.3, presence_penalty=0.5),  # bias, then penalties
+            biased(many),
+            cfg(),                                                    # no bias beside biased rows
+            biased({int(top[5, 0]): -math.inf, int(top[5, 1]): -math.inf}, frequency_penalty=0.8)]
+    out = gpu_rows(logits, cfgs, [0] * n, list(range(n)), hist, 5)
+    assert_matches_cpu(logits, cfgs, [0] * n, list(range(n)), hist, 5, out)
+    assert out["tokens"][0] != top[0, 0] and out["tokens"][5] not in top[5, :2]
+    np.testing.assert_array_equal(out["logits"], logits)
+
+
+def test_banned_tokens_are_never_drawn():
+    """Temperature 1 over 3 equal logits with the middle one banned, the rest -inf too: 64 rows x 20 steps draw
+    only 0 and 2, about equally."""
+    vocab, n = 1000, 64
+    logits = np.full((n, vocab), -np.inf, np.float32)
+    logits[:, :3] = 0.0
+    hist = Histories(n, vocab)
+    counts = np.zeros(3)
+    for step in range(20):
+        out = gpu_rows(logits, [biased({1: -math.inf, 0: 0.0}, temperature=1.0, seed=s) for s in range(n)],
+                       [step] * n, list(range(n)), hist, 0)
+        assert set(out["tokens"].tolist()) <= {0, 2}
+        counts += np.bincount(out["tokens"], minlength=3)
+    assert abs(counts[0] - counts[2]) <= 4.5 * math.sqrt(n * 20), counts  # (the difference: sigma sqrt(1280))
+
+
+def test_bias_ids_past_the_vocabulary_are_refused():
+    logits = np.zeros((1, 10), np.float32)
+    with pytest.raises(InvalidRequestError, match="out of range"):
+        gpu_rows(logits, [biased({10: 1.0})], [0], [0], Histories(1, 10), 0)
+    with pytest.raises(InvalidRequestError, match="twice"):
+        gpu_rows(logits, [cfg(bias_ids=[3, 3], bias_values=[1.0, 1.0])], [0], [0], Histories(1, 10), 0)
 
 
 # ---- refused calls ----

@@ -330,6 +330,27 @@ def test_stop_token_ids_end_the_answer(client, ref):
         assert "".join(c.text for c in mine) == want.text and mine[-1].finish_reason == "stop"
 
 
+def test_logit_bias_and_min_tokens_as_the_engine(client, ref):
+    """OpenAI's logit_bias (ids as strings) and vLLM's min_tokens give the engine's answer to the same parameters;
+    +100 on one token makes a greedy answer that token again and again, min_tokens holds off a stop id."""
+    prompt = "The capital of France is"
+    free = ref.generate(prompt, max_tokens=8, ignore_eos=True)
+    t = free.token_ids[2]
+    forced = ref.generate(prompt, max_tokens=6, ignore_eos=True, logit_bias={t: 100})
+    assert forced.token_ids == [t] * 6
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, logit_bias={str(t): 100},
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == forced.text and r.usage.completion_tokens == 6
+    stop = free.token_ids[0]  # the first token: a stop id that ends the answer at once, unless min_tokens
+    kw = dict(max_tokens=8, ignore_eos=True, stop_token_ids=[stop])
+    assert len(ref.generate(prompt, **kw).token_ids) == 1
+    want = ref.generate(prompt, min_tokens=4, **kw)
+    assert len(want.token_ids) >= 4 and stop not in want.token_ids[:4]
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True, "stop_token_ids": [stop], "min_tokens": 4})
+    assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.token_ids)
+
+
 def test_chat_logprobs_agree_with_engine_logits(client, ref):
     want = ref.chat(CHAT, max_tokens=6)
     r = client.chat.completions.create(model=NAME, temperature=0, messages=CHAT, max_tokens=6, logprobs=True,
@@ -519,7 +540,18 @@ BAD_CHAT = [  # (extra arguments, param named)
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
     (dict(tool_choice="auto"), "tool_choice"),
     (dict(response_format={"type": "json_object"}), "response_format"),
-    (dict(logit_bias={"42": 5}), "logit_bias"),
+    (dict(logit_bias=[42, 5]), "logit_bias"),
+    (dict(logit_bias={"a": 5}), "logit_bias"),
+    (dict(logit_bias={"-3": 5}), "logit_bias"),
+    (dict(logit_bias={"42": 100.5}), "logit_bias"),
+    (dict(logit_bias={"42": True}), "logit_bias"),
+    (dict(logit_bias={"42": "5"}), "logit_bias"),
+    (dict(logit_bias={"7": 1, "07": 2}), "logit_bias"),
+    (dict(logit_bias={"1000000": 5}), "logit_bias"),  # past the vocabulary
+    (dict(logit_bias={str(i): 1 for i in range(1025)}), "logit_bias"),
+    (dict(extra_body={"min_tokens": -1}), "min_tokens"),
+    (dict(extra_body={"min_tokens": 1.5}), "min_tokens"),
+    (dict(max_tokens=4, extra_body={"min_tokens": 5}), "min_tokens"),
     (dict(extra_body={"no_such_field": 1}), "no_such_field"),
     (dict(temperature=3.5), "temperature"),
     (dict(top_p=0), "top_p"),

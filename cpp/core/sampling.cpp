@@ -25,6 +25,28 @@ void validate(const SamplingConfig& s) {
     bad("presence_penalty must be a finite number in [-2, 2] (got " + std::to_string(s.presence_penalty) + ")");
   if (!(s.frequency_penalty >= -2.0f && s.frequency_penalty <= 2.0f))
     bad("frequency_penalty must be a finite number in [-2, 2] (got " + std::to_string(s.frequency_penalty) + ")");
+  if (s.bias_ids.size() != s.bias_values.size())
+    bad("logit bias: " + std::to_string(s.bias_ids.size()) + " ids but " + std::to_string(s.bias_values.size()) +
+        " values");
+  if (s.bias_ids.size() > (size_t)kMaxLogitBias)
+    bad("logit bias: at most " + std::to_string(kMaxLogitBias) + " entries (got " + std::to_string(s.bias_ids.size()) +
+        ")");
+  for (float v : s.bias_values)  // -inf bans a token; NaN and +inf have no meaning here
+    if (std::isnan(v) || v == INFINITY) bad("logit bias values must be finite or -inf (got " + std::to_string(v) + ")");
+}
+
+void validate(const SamplingConfig& s, int64_t vocab) {
+  validate(s);
+  std::vector<int32_t> ids = s.bias_ids;
+  std::sort(ids.begin(), ids.end());
+  for (size_t j = 0; j < ids.size(); j++) {
+    if (ids[j] < 0 || ids[j] >= vocab)
+      fail(ErrorKind::Request, "invalid sampling parameter: logit bias token id " + std::to_string(ids[j]) +
+                                   " is out of range for vocab " + std::to_string(vocab));
+    if (j > 0 && ids[j] == ids[j - 1])
+      fail(ErrorKind::Request, "invalid sampling parameter: logit bias token id " + std::to_string(ids[j]) +
+                                   " appears twice");
+  }
 }
 
 TokenHistory::TokenHistory(int64_t vocab) : seen((size_t)vocab, 0), counts((size_t)vocab, 0) {}
@@ -64,8 +86,9 @@ int32_t choose(const float* logits, int64_t vocab, const SamplingConfig& s, uint
                const int32_t* counts, std::vector<float>& x, std::vector<int32_t>& ids) {
   const bool rep = s.repetition_penalty != 1.0f && seen;
   const bool pf = (s.presence_penalty != 0.0f || s.frequency_penalty != 0.0f) && counts;
-  if (s.temperature == 0.0f && !rep && !pf) return argmax(logits, vocab);
+  if (s.temperature == 0.0f && !rep && !pf && s.bias_ids.empty()) return argmax(logits, vocab);
   x.assign(logits, logits + vocab);
+  for (size_t j = 0; j < s.bias_ids.size(); j++) x[(size_t)s.bias_ids[j]] += s.bias_values[j];  // (checked ids)
   if (rep || pf)
     for (int64_t i = 0; i < vocab; i++)
       x[i] = penalise_logit(x[i], rep && seen[i], pf ? counts[i] : 0, s.repetition_penalty, s.presence_penalty,
@@ -99,6 +122,7 @@ int32_t choose(const float* logits, int64_t vocab, const SamplingConfig& s, uint
     while (m < n && p[m] >= s.min_p * p[0]) m++;
     n = m;
   }
+  while (n > 1 && p[n - 1] == 0.0) n--;  // a banned token (-inf) is never drawn, whatever the rounding below
   double mass = 0;
   for (int64_t i = 0; i < n; i++) mass += p[i];
   const double u = uniform_from_counter(s.seed, step) * mass;

@@ -1,5 +1,5 @@
 // sampling.h — choosing the next token from a row of logits: the reference sampler.
-// Order (as vLLM and transformers): repetition penalty (prompt + generated) -> presence / frequency penalties
+// Order (as vLLM): logit bias -> repetition penalty (prompt + generated) -> presence / frequency penalties
 // (generated only) -> temperature -> top-k -> top-p -> min-p -> draw. temperature == 0 is greedy (argmax of
 // the penalised logits, lowest id on ties). The random draw uses a counter-based generator, uniform(seed, step),
 // so a GPU sampler can reproduce the same stream without carrying state. The penalties themselves are
@@ -21,13 +21,21 @@ struct SamplingConfig {
   uint64_t seed = 0;
   float presence_penalty = 0.0f;   // OpenAI/vLLM: logit -= presence * (count > 0), over GENERATED tokens only
   float frequency_penalty = 0.0f;  // logit -= frequency * count, over GENERATED tokens only
+  // OpenAI's logit_bias: logit[bias_ids[j]] += bias_values[j] before the penalties. Distinct ids; a value of
+  // -inf bans the token (the min_tokens of a request: its stop ids, while it is too short to stop).
+  std::vector<int32_t> bias_ids;
+  std::vector<float> bias_values;
 };
+
+// The most logit-bias entries a SamplingConfig takes (the GPU sampler gives each one thread of its block).
+constexpr int kMaxLogitBias = 1024;
 
 // The most top-logprob entries a sampler returns per token (OpenAI's limit).
 constexpr int kMaxTopLogprobs = 20;
 
-// Throws ti::Error(Request) naming the bad field.
+// Throws ti::Error(Request) naming the bad field. With a vocab, also the logit bias's ids: in [0, vocab), distinct.
 void validate(const SamplingConfig& s);
+void validate(const SamplingConfig& s, int64_t vocab);
 
 // The penalty state of one sequence.
 struct TokenHistory {

@@ -300,7 +300,7 @@ void CpuEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, float
 
 std::vector<int32_t> CpuEngine::decode(int64_t max_steps, const SamplingConfig& s,
                                        const std::vector<int32_t>& stop_ids, uint64_t step0) {
-  validate(s);
+  validate(s, cfg_.vocab);
   if (!has_last_) fail(ErrorKind::Request, "decode: run a prompt through forward() first");
   std::vector<int32_t> out;
   for (int64_t i = 0; i < max_steps; i++) {

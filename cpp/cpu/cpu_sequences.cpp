@@ -225,7 +225,7 @@ BatchSample CpuEngine::seq_sample(const int64_t* slots, const SamplingConfig* cf
                                   int64_t n, int k) {
   check_batch("seq_sample", slots, n);
   check_top_logprobs(k);
-  for (int64_t i = 0; i < n; i++) validate(cfgs[i]);
+  for (int64_t i = 0; i < n; i++) validate(cfgs[i], cfg_.vocab);
 
   BatchSample out;
   out.k = k;

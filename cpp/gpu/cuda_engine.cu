@@ -85,6 +85,7 @@ void CudaEngine::allocate() {
   step_ = std::make_unique<DecodeStep>(cfg_, *weights_, dbuf_, plan_, opt_.attn_tensor_cores);
   h_state_ = arena_.alloc_pinned_n<cuda::DecodeState>(1);
   h_sampling_ = arena_.alloc_pinned_n<cuda::DeviceSampling>(1);
+  h_bias_ = arena_.alloc_pinned_n<cuda::LogitBias>((size_t)kMaxLogitBias);
   h_out_ = arena_.alloc_pinned_n<int>((size_t)max_seq_);
   history_ = TokenHistory(cfg_.vocab);
   *h_state_ = cuda::DecodeState{};
@@ -132,6 +133,7 @@ void CudaEngine::release() {
   arena_.release();
   h_state_ = nullptr;
   h_sampling_ = nullptr;
+  h_bias_ = nullptr;
   h_out_ = nullptr;
   clock_.reset();
   if (stream_) cudaStreamDestroy(stream_);
@@ -173,10 +175,15 @@ void CudaEngine::set_state(int token, int pos, int step) {
   TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.state, h_state_, sizeof(*h_state_), cudaMemcpyHostToDevice, stream_));
 }
 
-void CudaEngine::upload_sampling(const cuda::DeviceSampling& s) {
-  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // h_sampling_ may still be read by an earlier copy
-  *h_sampling_ = s;
+void CudaEngine::upload_sampling(const SamplingConfig& s) {
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // h_sampling_ / h_bias_ may still be read by an earlier copy
+  *h_sampling_ = device_sampling(s);
   TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.sampling, h_sampling_, sizeof(*h_sampling_), cudaMemcpyHostToDevice, stream_));
+  if (!s.bias_ids.empty()) {
+    device_bias(s, h_bias_);
+    TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.bias, h_bias_, s.bias_ids.size() * sizeof(cuda::LogitBias),
+                                  cudaMemcpyHostToDevice, stream_));
+  }
 }
 
 void CudaEngine::run_prompt_token() {
@@ -244,7 +251,7 @@ void CudaEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, floa
 
 std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig& s,
                                         const std::vector<int32_t>& stop_ids, uint64_t step0) {
-  validate(s);
+  validate(s, cfg_.vocab);
   if (!has_logits_) fail(ErrorKind::Request, "decode: run a prompt through forward() first");
   if (max_steps < 1) return {};
   const int64_t room = max_seq_ - position();
@@ -252,7 +259,7 @@ std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig&
   const int64_t n = std::min(max_steps, room);
   kv_reserve(position() + n);  // the steps write positions up to position() + n - 2
 
-  upload_sampling(device_sampling(s));
+  upload_sampling(s);
   // The penalties' history: the sequence so far (the kernel adds each token it samples). Read by the kernel only
   // when a penalty is on, so uploaded only then.
   if (s.repetition_penalty != 1.0f || s.presence_penalty != 0.0f || s.frequency_penalty != 0.0f) {
@@ -266,7 +273,7 @@ std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig&
   int64_t replays = n;
   set_state(tokens_.back(), (int)(position() - 1), (int)step0);
   if (!pending_) {  // sample from the prefill's logits first (its token was fed at position()-1)
-    cuda::sample_token(dbuf_.logits, (int)cfg_.vocab, dbuf_.sampling, dbuf_.seen, dbuf_.counts, dbuf_.probs,
+    cuda::sample_token(dbuf_.logits, (int)cfg_.vocab, dbuf_.sampling, dbuf_.bias, dbuf_.seen, dbuf_.counts, dbuf_.probs,
                        dbuf_.state, dbuf_.out, stream_, false);
     replays = n - 1;
   }  // else: feed the pending token, sample the next: n full steps

@@ -39,6 +39,7 @@ struct DecodeBuffers {
   int page_shift = 6;         // log2(page_size)
   cuda::DecodeState* state = nullptr;        // token, pos, step
   cuda::DeviceSampling* sampling = nullptr;  // the sampling parameters
+  cuda::LogitBias* bias = nullptr;           // (kMaxLogitBias) their logit bias (sampling->n_bias entries)
   unsigned char* seen = nullptr;             // (vocab) the repetition penalty's set
   int* counts = nullptr;                     // (vocab) generated counts (presence / frequency penalties)
   float* probs = nullptr;                    // (vocab) sampler scratch

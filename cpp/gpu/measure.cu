@@ -79,7 +79,7 @@ double CudaEngine::time_steps(int64_t context, int steps, const std::function<vo
     fail(ErrorKind::Request, "timing decode steps: context + max(steps, 3) must be <= max_seq_len");
   reset();
   kv_reserve(context + std::max(steps, 3));
-  upload_sampling(cuda::DeviceSampling{});
+  upload_sampling(SamplingConfig{});
   set_state(1, (int)context, 0);
   for (int i = 0; i < 3; i++) launch(context + i);
   set_state(1, (int)context, 0);
@@ -105,7 +105,7 @@ std::pair<std::vector<std::string>, std::vector<uint64_t>> CudaEngine::trace_ste
   if (context < 0 || context + 3 > max_seq_) fail(ErrorKind::Request, "trace_step: context must be <= max_seq_len - 3");
   reset();
   kv_reserve(context + 3);  // (three warm-up steps from context on)
-  upload_sampling(cuda::DeviceSampling{});
+  upload_sampling(SamplingConfig{});
   set_state(1, (int)context, 0);
   // (the graph path's kernels, also where decode() replays the persistent step: persistent_trace_step traces that)
   for (int i = 0; i < 3; i++) run_decode_step(context + i, DecodePath::Graph);  // warm-up: the traced step follows others
@@ -129,7 +129,7 @@ std::vector<int64_t> CudaEngine::persistent_trace_step(int64_t context) {
     fail(ErrorKind::Request, "persistent_trace_step: context must be <= max_seq_len - 4");
   reset();
   kv_reserve(context + 4);
-  upload_sampling(cuda::DeviceSampling{});
+  upload_sampling(SamplingConfig{});
   set_state(1, (int)context, 0);
   for (int i = 0; i < 3; i++) run_decode_step(context + i, DecodePath::Persistent);  // warm-up
   persistent_->clear_trace(stream_);

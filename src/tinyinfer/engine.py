@@ -535,11 +535,10 @@ class Engine:
         """The single-sequence path; the caller holds the engine's lock."""
         stop_ids = self._stop_ids(sp)
         seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(4), "little")
-        sampling = sp.to_core(seed)
-        sampling.validate()
+        sampling, early = sp.core_configs(seed, stop_ids, self.config.vocab)
         # (the tokenizer's decode, not detokenize: the sampled ids need no checks, at two decodes a token)
-        text = TextAssembler(functools.partial(self.tokenizer.decode, skip_special_tokens=True), sp.stop) \
-            if self.tokenizer is not None else None
+        text = TextAssembler(functools.partial(self.tokenizer.decode, skip_special_tokens=True), sp.stop,
+                             sp.min_tokens) if self.tokenizer is not None else None
         stats = Stats(prompt_tokens=len(prompt_ids), cached_tokens=self._cached_prefix(prompt_ids, sp))
         out: list[int] = []
         finish = "length"
@@ -552,7 +551,11 @@ class Engine:
         t0 = time.perf_counter()
         gpu_ms = 0.0
         while len(out) < sp.max_tokens:
-            new = self._core.decode(min(self._chunk, sp.max_tokens - len(out)), sampling, stop_ids, len(out))
+            n = min(self._chunk, sp.max_tokens - len(out))
+            cfg = sampling
+            if early is not None and len(out) < sp.min_tokens:  # a chunk ends where the stop ids stop being banned
+                n, cfg = min(n, sp.min_tokens - len(out)), early
+            new = self._core.decode(n, cfg, stop_ids, len(out))
             gpu_ms += getattr(self._core, "last_decode_ms", 0.0)
             out += new
             ended = bool(new) and new[-1] in stop_ids

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, field, fields
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -17,6 +17,9 @@ from .tokenizer import not_unicode
 MAX_LOGPROBS = 20  # top entries per token a request may ask for (OpenAI's limit)
 INT64_MAX = 2**63 - 1  # the core's top_k is an int64 (its seed a uint64)
 MAX_STOP_CHARS = 1024  # the longest stop string: each token's text is searched for every stop's prefixes
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a logit_bias value is in [-100, 100]
+# logit_bias entries the core takes (its GPU sampler gives each one thread), a min_tokens request's stop ids included
+MAX_LOGIT_BIAS = _core.MAX_LOGIT_BIAS
 
 
 def as_float32(v: float) -> float:
@@ -51,6 +54,11 @@ class SamplingParams:
     stop_token_ids: Optional[Sequence[int]] = field(default_factory=list)  # in addition to the model's EOS ids
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # None: off; 0..20: the chosen token's logprob plus this many top entries
+    # OpenAI's: token id -> a value in [-100, 100] added to its logit before the penalties (-100 all but bans it)
+    logit_bias: Optional[Mapping[int, float]] = None
+    # vLLM's: the first min_tokens tokens can be neither a stop id (the model's EOS, stop_token_ids) nor end a stop
+    # string; stop strings are looked for only in the text after them
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -65,6 +73,10 @@ class SamplingParams:
             v = getattr(self, f.name)
             if isinstance(v, (np.integer, np.floating)):
                 setattr(self, f.name, v.item())
+        if isinstance(self.logit_bias, Mapping):  # (numpy keys and values as Python's, for the checks)
+            self.logit_bias = {k.item() if isinstance(k, np.integer) else k:
+                               v.item() if isinstance(v, (np.integer, np.floating)) else v
+                               for k, v in self.logit_bias.items()}
         if isinstance(self.stop_token_ids, np.ndarray) and self.stop_token_ids.dtype.kind in "iu":
             self.stop_token_ids = self.stop_token_ids.tolist()
         elif isinstance(self.stop_token_ids, (list, tuple)):
@@ -118,6 +130,21 @@ class SamplingParams:
             raise bad(f"stop_token_ids must be a list of integers (got {self.stop_token_ids!r:.100})")
         if not isinstance(self.ignore_eos, (bool, np.bool_)):  # ("false" would be true)
             raise bad(f"ignore_eos must be true or false (got {self.ignore_eos!r:.40})")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise bad(f"min_tokens must be an integer >= 0 (got {self.min_tokens!r:.40})")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise bad(f"logit_bias must be a mapping of token ids to numbers (got {self.logit_bias!r:.100})")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise bad(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries (got {len(self.logit_bias)})")
+            for t, v in self.logit_bias.items():
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise bad(f"logit_bias keys must be token ids, integers >= 0 (got {t!r:.40})")
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not (
+                        -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE):
+                    raise bad(f"logit_bias values must be numbers in [-100, 100] (got {v!r:.40} for token {t})")
 
     @classmethod
     def from_kwargs(cls, params: Optional["SamplingParams"], kwargs: dict) -> "SamplingParams":
@@ -135,7 +162,9 @@ class SamplingParams:
         base.update(kwargs)
         return cls(**base)
 
-    def to_core(self, default_seed: int) -> _core.SamplingConfig:
+    def to_core(self, default_seed: int, ban: Sequence[int] = ()) -> _core.SamplingConfig:
+        """The core's config; ban: ids whose logit is -inf on top of logit_bias (min_tokens: the stop ids, for
+        the steps before it). The core checks the ids against the vocabulary (validate(vocab))."""
         s = _core.SamplingConfig()
         s.temperature = float(self.temperature)
         s.top_k = max(int(self.top_k), 0)
@@ -145,16 +174,38 @@ class SamplingParams:
         s.presence_penalty = float(self.presence_penalty)
         s.frequency_penalty = float(self.frequency_penalty)
         s.seed = int(self.seed if self.seed is not None else default_seed)
+        bias = {int(t): float(v) for t, v in (self.logit_bias or {}).items()}
+        bias.update((int(t), -math.inf) for t in ban)
+        s.bias_ids, s.bias_values = list(bias), list(bias.values())
         return s
+
+    def core_configs(self, default_seed: int, stop_ids: Sequence[int], vocab: int):
+        """(config, early): the core's config, and with min_tokens the one for the steps before it (the stop ids
+        banned; None without min_tokens or stop ids). Both checked against the vocabulary here."""
+        bad = [t for t in (self.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"invalid sampling parameter: logit_bias token id {bad[0]} is out of range for "
+                                      f"a vocabulary of {vocab}")
+        cfg = self.to_core(default_seed)
+        cfg.validate(vocab)
+        ban = sorted({t for t in stop_ids if 0 <= t < vocab}) if self.min_tokens else []
+        if not ban:
+            return cfg, None
+        early = self.to_core(default_seed, ban)
+        early.validate(vocab)
+        return cfg, early
 
 
 class TextAssembler:
     """Turns a growing list of token ids into text pieces that are safe to show: whole UTF-8 characters only,
-    and nothing that could be the start of a stop string until it is known not to be one."""
+    and nothing that could be the start of a stop string until it is known not to be one. With min_tokens, stop
+    strings are looked for only in the text after the first min_tokens ids."""
 
-    def __init__(self, decode, stop: Sequence[str]):
+    def __init__(self, decode, stop: Sequence[str], min_tokens: int = 0):
         self._decode = decode
         self._stop = list(stop)
+        self._min_tokens = min_tokens
+        self._floor = 0  # where the search for stop strings starts (the text of the first min_tokens ids)
         self._hold = max((len(s) for s in self._stop), default=0)
         self.ids: list[int] = []
         self.emitted = 0  # characters of the text handed out so far
@@ -214,14 +265,17 @@ class TextAssembler:
         full = self._full_text(final)
         if final:  # an answer cut inside a character (max_tokens, EOS) ends without it, as vLLM's (which drops a
             full = full.rstrip("\ufffd")  # U+FFFD the model itself wrote last too: the text cannot tell them apart)
-        if self._stop:
-            start = max(0, self.emitted - self._hold)
+        early = len(self.ids) <= self._min_tokens
+        if early:
+            self._floor = len(full)
+        elif self._stop:
+            start = max(self._floor, self.emitted - self._hold)
             hits = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
             if hits:
                 full = full[: min(hits)]
                 self.stopped = True
                 final = True
-        safe = len(full) if final else self._held_from(full)
+        safe = len(full) if final or early else self._held_from(full)
         safe = max(safe, self.emitted)
         piece = full[self.emitted : safe]
         self.emitted = safe

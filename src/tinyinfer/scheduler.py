@@ -135,6 +135,7 @@ class _Seq:
     prompt: list[int]
     params: SamplingParams
     sampling: object  # the core's SamplingConfig (seed fixed)
+    early: object  # the one for its first params.min_tokens tokens (stop ids banned), or None
     stop_ids: frozenset
     text: Optional[TextAssembler]
     slot: Optional[int] = None
@@ -156,6 +157,10 @@ class _Seq:
         # as seq_sample_step takes them, built once: an id outside int32 matches no token (and would not convert)
         self.stop_list = [t for t in self.stop_ids if 0 <= t < 2**31]
         self.feed = self.prompt
+
+    def config(self) -> object:
+        """The core's SamplingConfig for its next token."""
+        return self.early if self.early is not None and len(self.generated) < self.params.min_tokens else self.sampling
 
     @property
     def prefilling(self) -> bool:
@@ -368,14 +373,13 @@ class Scheduler:
             raise InvalidRequestError(f"a prompt of {len(ids)} tokens needs {need} KV pages; the pool has "
                                       f"{self._pages_total}")
         seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(4), "little")
-        sampling = sp.to_core(seed)
-        sampling.validate()
         stop_ids = eng._stop_ids(sp)
+        sampling, early = sp.core_configs(seed, stop_ids, eng.config.vocab)
         rid = request_id or uuid.uuid4().hex
-        return _Seq(request=Request(self, rid, ids), prompt=ids, params=sp, sampling=sampling,
+        return _Seq(request=Request(self, rid, ids), prompt=ids, params=sp, sampling=sampling, early=early,
                     stop_ids=frozenset(stop_ids),
                     text=None if eng.tokenizer is None else TextAssembler(
-                        functools.partial(eng.tokenizer.decode, skip_special_tokens=True), sp.stop),
+                        functools.partial(eng.tokenizer.decode, skip_special_tokens=True), sp.stop, sp.min_tokens),
                     logprobs=[] if sp.logprobs is not None else None, t_submit=time.perf_counter())
 
     def _enqueue(self, seqs: list[_Seq], bounded: bool) -> None:
@@ -903,7 +907,7 @@ class Scheduler:
 
     def _sample(self, core, seqs: list[_Seq]) -> None:
         k = max((s.params.logprobs or 0) for s in seqs)
-        args = ([s.slot for s in seqs], [s.sampling for s in seqs], [len(s.generated) for s in seqs], k)
+        args = ([s.slot for s in seqs], [s.config() for s in seqs], [len(s.generated) for s in seqs], k)
         mixed = self._mixed_ahead(core, seqs) if self.overlap else None
         go_on = self._go_on(core, seqs) if self.overlap and mixed is None else None
         out = []

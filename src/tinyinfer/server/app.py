@@ -353,6 +353,9 @@ class Service:
             param = "max_tokens" if g.max_tokens and room > 0 else ("messages" if g.kind == "chat" else "prompt")
             raise P.bad(f"this model's context is {limit} tokens; the prompt has {n_prompt} and {want} more were "
                         f"asked (max_tokens)", param, "context_length_exceeded")
+        if g.params.min_tokens > want:
+            raise P.bad(f"'min_tokens' ({g.params.min_tokens}) must be at most max_tokens ({want}"
+                        f"{'' if g.max_tokens else ', the default here'})", "min_tokens")
         return want
 
     async def submit(self, g: P.GenerationRequest, prompts: list[list[int]], rid: str) -> _Call:
@@ -397,6 +400,7 @@ class Service:
         g = parse(await _read_json(request, self.max_body_bytes), self.sampling_defaults)
         self.check_model(g.model)
         self.check_ids(g.params.stop_token_ids, "stop token id", "stop_token_ids")
+        self.check_ids(g.params.logit_bias or (), "logit_bias token id", "logit_bias")
         if g.kind == "completion" and not any(isinstance(p, str) for p in g.prompts):
             prompts = self.prompt_ids(g)  # token ids: only checked, no worker-thread hop (~0.5 ms a request)
         else:

@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from ..chat import joined_text_parts
 from ..errors import InvalidRequestError
-from ..sampling import DEFAULTABLE, INT64_MAX, MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams, TextAssembler, as_float32
+from ..sampling import (DEFAULTABLE, INT64_MAX, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_CHARS,
+                        SamplingParams, TextAssembler, as_float32)
 from ..tokenizer import not_unicode
 
 
@@ -119,10 +120,32 @@ def _stop(body: dict) -> list[str]:
     return [s for s in v if s]  # "" can never be found; OpenAI accepts and ignores it
 
 
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's logit_bias: an object of token ids (JSON keys: strings of digits) to numbers in [-100, 100]. Ids past
+    the vocabulary: the app's check, which knows it."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad(f"'logit_bias' must be an object of token ids to numbers (got {v!r:.100})", "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries (got {len(v)})", "logit_bias")
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        if not (k.isascii() and k.isdigit()) or len(k) > 10:
+            raise bad(f"'logit_bias' keys must be token ids (got {k!r:.40})", "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE:
+            raise bad(f"'logit_bias' values must be numbers in [-100, 100] (got {b!r:.40} for token {k})", "logit_bias")
+        if int(k) in out:  # ("7" and "07")
+            raise bad(f"'logit_bias' names token {int(k)} twice", "logit_bias")
+        out[int(k)] = float(b)
+    return out
+
+
 # Fields of OpenAI's API this engine cannot honour, each with the values that mean "not used" (accepted).
 _OFF = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "logit_bias": (None, {}), "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "service_tier": (None, "auto", "default"),
 }
@@ -130,7 +153,7 @@ OPENAI_TEMPERATURE = 1.0  # a request's temperature when it has none (OpenAI's A
 _IGNORED = {"user", "metadata", "store", "parallel_tool_calls"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "logprobs",
-           "stop_token_ids"}
+           "stop_token_ids", "logit_bias", "min_tokens"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 
@@ -195,8 +218,18 @@ def _sampling(body: dict, max_tokens: Optional[int], defaults: Mapping[str, Any]
         kw["stop_token_ids"] = ids
     if _bool(body, "ignore_eos"):
         kw["ignore_eos"] = True
+    bias = _logit_bias(body)
+    if bias:
+        kw["logit_bias"] = bias
+    mt = body.get("min_tokens")  # (vLLM's extension)
+    if mt is not None:
+        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 0:
+            raise bad(f"'min_tokens' must be an integer >= 0 (got {mt!r:.40})", "min_tokens")
+        if max_tokens is not None and mt > max_tokens:
+            raise bad(f"'min_tokens' ({mt}) must be at most max_tokens ({max_tokens})", "min_tokens")
+        kw["min_tokens"] = mt
     try:
-        return SamplingParams(max_tokens=max_tokens or 1, **kw)
+        return SamplingParams(max_tokens=max_tokens, **kw)  # (None: the endpoint's default, set by the app)
     except InvalidRequestError as e:  # a check above should have named the field; a 400 all the same
         raise bad(str(e)) from None
 

@@ -1,0 +1,193 @@
+"""OpenAI's logit_bias and vLLM's min_tokens: the reference sampler's bias (added before the penalties; -inf bans a
+token, never drawn), its checks, SamplingParams' fields and the core configs they give (min_tokens as the stop ids
+banned for its first tokens), the text side (stop strings looked for only after min_tokens), and the engines'
+generations on the single-sequence path and through the scheduler, on the CPU and (marked gpu) the GPU."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import make_llama
+from tinyinfer import Engine, InvalidRequestError, SamplingParams, _core
+from tinyinfer.sampling import MAX_LOGIT_BIAS, TextAssembler
+
+sample_row = _core.ops.sample_row
+ARANGE = np.arange(10, dtype=np.float32)  # greedy: 9, then 8, ...
+
+
+def cfg(**kw) -> _core.SamplingConfig:
+    s = _core.SamplingConfig()
+    for k, v in kw.items():
+        setattr(s, k, v)
+    return s
+
+
+def biased(bias: dict, **kw) -> _core.SamplingConfig:
+    return cfg(bias_ids=list(bias), bias_values=[float(v) for v in bias.values()], **kw)
+
+
+# ---- the reference sampler ----
+
+@pytest.mark.parametrize("bias,want", [({}, 9), ({0: 10.0}, 0), ({9: -math.inf}, 8), ({9: -2.5, 8: -1.5}, 7),
+                                       ({9: -1.0}, 8)])  # (a tie at 8: the lower id)
+def test_bias_moves_the_greedy_choice(bias, want):
+    assert sample_row(ARANGE, biased(bias), 0, [], [], 0)[0] == want
+
+
+def test_bias_applies_before_the_repetition_penalty():
+    """vLLM's order: token 0 seen, rep 4, bias +1: (1 + 1) / 4 = 0.5 < 0.8 picks 1; the other order (1 / 4 + 1 =
+    1.25) would pick 0."""
+    logits = np.array([1.0, 0.8], np.float32)
+    assert sample_row(logits, biased({0: 1.0}, repetition_penalty=4.0), 0, [0], [], 0)[0] == 1
+    assert sample_row(logits, biased({0: 1.0}), 0, [0], [], 0)[0] == 0
+
+
+def test_a_banned_token_is_never_drawn_and_logprobs_stay_raw():
+    logits = np.zeros(10, np.float32)
+    s = biased({3: -math.inf, 7: -math.inf, 9: -math.inf}, temperature=1.0, seed=5)
+    toks = [sample_row(logits, s, step, [], [], 2)[0] for step in range(1400)]
+    counts = np.bincount(toks, minlength=10)
+    assert counts[[3, 7, 9]].sum() == 0
+    assert (np.abs(counts[[0, 1, 2, 4, 5, 6, 8]] - 200) < 4.5 * math.sqrt(200 * 6 / 7)).all(), counts
+    tok, lp, top_ids, top_lp = sample_row(logits, s, 0, [], [], 2)
+    assert lp == pytest.approx(-math.log(10)) and list(top_ids) == [0, 1]  # of the raw logits, bans unseen
+
+
+def test_bias_checks():
+    for s, match in [(cfg(bias_ids=[1, 2], bias_values=[1.0]), "2 ids but 1 values"),
+                     (biased({1: 1.0, 2: math.nan}), "finite or -inf"),
+                     (biased({1: math.inf}), "finite or -inf"),
+                     (biased({i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}), "at most 1024")]:
+        with pytest.raises(InvalidRequestError, match=match):
+            s.validate()
+    with pytest.raises(InvalidRequestError, match="appears twice"):
+        cfg(bias_ids=[4, 4], bias_values=[1.0, 2.0]).validate(10)
+    for bad in (-1, 10):
+        with pytest.raises(InvalidRequestError, match="out of range for vocab 10"):
+            biased({bad: 1.0}).validate(10)
+        with pytest.raises(InvalidRequestError, match="out of range"):
+            sample_row(ARANGE, biased({bad: 1.0}), 0, [], [], 0)
+    biased({0: -math.inf, 9: 100.0}).validate(10)
+    biased({i: 1.0 for i in range(MAX_LOGIT_BIAS)}).validate(MAX_LOGIT_BIAS)
+
+
+# ---- SamplingParams ----
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(logit_bias=[1, 2]), "mapping"),
+    (dict(logit_bias={"1": 2.0}), "keys must be token ids"),
+    (dict(logit_bias={True: 2.0}), "keys must be token ids"),
+    (dict(logit_bias={-1: 2.0}), "keys must be token ids"),
+    (dict(logit_bias={1: 100.5}), r"\[-100, 100\]"),
+    (dict(logit_bias={1: -math.inf}), r"\[-100, 100\]"),
+    (dict(logit_bias={1: math.nan}), r"\[-100, 100\]"),
+    (dict(logit_bias={1: "2"}), r"\[-100, 100\]"),
+    (dict(logit_bias={i: 1 for i in range(MAX_LOGIT_BIAS + 1)}), "at most 1024"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=True), "min_tokens"),
+    (dict(min_tokens=2.0), "min_tokens"),
+    (dict(max_tokens=3, min_tokens=4), "at most max_tokens"),
+])
+def test_bad_params_are_refused(kw, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**kw)
+
+
+def test_core_configs():
+    sp = SamplingParams(logit_bias={np.int64(5): np.float32(2.5), 7: -100}, min_tokens=3, max_tokens=None)
+    assert sp.logit_bias == {5: 2.5, 7: -100} and type(list(sp.logit_bias)[0]) is int
+    cfg_, early = sp.core_configs(1, [7, 9, 10**6], vocab=100)
+    assert dict(zip(cfg_.bias_ids, cfg_.bias_values)) == {5: 2.5, 7: -100.0}
+    # the ban overrides a token's bias; a stop id outside the vocabulary is never sampled: nothing to ban
+    assert dict(zip(early.bias_ids, early.bias_values)) == {5: 2.5, 7: -math.inf, 9: -math.inf}
+    assert SamplingParams(min_tokens=3).core_configs(1, [], 100)[1] is None  # no stop id: nothing to hold off
+    assert SamplingParams().core_configs(1, [7], 100)[1] is None
+    with pytest.raises(InvalidRequestError, match="logit_bias token id 100 is out of range"):
+        SamplingParams(logit_bias={100: 1}).core_configs(1, [], 100)
+    with pytest.raises(InvalidRequestError, match="at most 1024"):  # the bans count too
+        SamplingParams(logit_bias={i: 1 for i in range(MAX_LOGIT_BIAS)}, min_tokens=1).core_configs(
+            1, [MAX_LOGIT_BIAS + 1], MAX_LOGIT_BIAS + 2)
+
+
+def test_stop_strings_are_looked_for_after_min_tokens():
+    chars = "abXYcdXYe"
+
+    def run(min_tokens):
+        t = TextAssembler(lambda ids: "".join(chars[i] for i in ids), ["XY"], min_tokens)
+        for i in range(len(chars)):
+            t.add([i])
+            if t.stopped:
+                break
+        return t.text, len(t.ids)
+
+    assert run(0) == ("ab", 4)
+    assert run(4) == ("abXYcd", 8)  # the first XY lies in the first 4 ids' text: not a stop
+    assert run(3) == ("abXYcd", 8)  # nor one that starts inside them
+    assert run(8) == ("abXYcdXYe", 9)
+
+
+# ---- the engines ----
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+PROMPT = [3, 14, 15, 92, 65, 35]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def eng(request, tmp_path_factory):
+    d = make_llama(tmp_path_factory.mktemp("bias"), hidden=128, heads=2, kv_heads=2, layers=2, vocab=300,
+                   init_std=0.3)
+    with Engine(d, device=request.param, max_seq_len=256) as e:
+        yield e
+
+
+def _both(eng, prompt, sp):
+    """The single-sequence path's Completion, and the same request inside a batch of two."""
+    assert eng.scheduler.idle
+    alone = eng.generate(prompt, sp)
+    batch = eng.generate([prompt, PROMPT[:2]], sp)[0]
+    assert batch.token_ids == alone.token_ids and batch.finish_reason == alone.finish_reason
+    return alone
+
+
+def test_engine_logit_bias(eng):
+    free = _both(eng, PROMPT, SamplingParams(max_tokens=12, ignore_eos=True)).token_ids
+    t = free[1]
+    assert _both(eng, PROMPT, SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={t: 100})).token_ids == \
+        [t] * 12
+    down = _both(eng, PROMPT, SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={free[0]: -100})).token_ids
+    assert down[0] != free[0] and free[0] not in down
+    row = eng.logits(PROMPT)[-1]
+    assert down[0] == int(np.argsort(-row, kind="stable")[1])  # the runner-up
+    seeded = SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.5, seed=3, logit_bias={t: -100})
+    assert t not in _both(eng, PROMPT, seeded).token_ids
+
+
+def test_engine_min_tokens_holds_off_the_stop_ids(eng):
+    free = eng.generate(PROMPT, SamplingParams(max_tokens=20, ignore_eos=True)).token_ids
+    stops = [free[0], free[3]]
+    kw = dict(max_tokens=20, ignore_eos=True, stop_token_ids=stops)
+    assert len(eng.generate(PROMPT, SamplingParams(**kw)).token_ids) == 1
+    for m in (1, 5, 20):
+        out = _both(eng, PROMPT, SamplingParams(min_tokens=m, **kw))
+        assert len(out.token_ids) >= m and not set(stops) & set(out.token_ids[:m])
+        assert out.finish_reason == ("stop" if out.token_ids[-1] in stops else "length")
+    # after min_tokens the stop ids end the answer again; seeded, the same alone and in a batch
+    sampled = _both(eng, PROMPT, SamplingParams(min_tokens=6, temperature=1.0, seed=9, **kw))
+    assert not set(stops) & set(sampled.token_ids[:6])
+    # the single path splits its decode chunk at min_tokens: the step after it may stop
+    long = SamplingParams(max_tokens=60, ignore_eos=True, stop_token_ids=[free[0]], min_tokens=3)
+    out = eng.generate(PROMPT, long).token_ids
+    assert free[0] not in out[:3] and (out[-1] == free[0] or len(out) == 60)
+
+
+def test_engine_refuses_an_id_past_its_vocabulary(eng):
+    for bias in ({300: 1.0}, {10**12: 1}):
+        sp = SamplingParams(max_tokens=4, logit_bias=bias)
+        with pytest.raises(InvalidRequestError, match="logit_bias token id"):
+            eng.generate(PROMPT, sp)
+        with pytest.raises(InvalidRequestError, match="logit_bias token id"):
+            eng.generate([PROMPT, PROMPT], sp)
+    assert len(eng.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True)).token_ids) == 3  # still usable

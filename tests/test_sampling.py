@@ -70,8 +70,9 @@ def test_stop_token_ids_end_generation(eng):
     free = eng.generate(PROMPT, max_tokens=10, ignore_eos=True).token_ids
     stop = free[3]
     out = eng.generate(PROMPT, max_tokens=10, stop_token_ids=[stop], ignore_eos=True)
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == stop  # (vLLM's: the id that ended it)
     assert out.token_ids == free[: free.index(stop) + 1]
+    assert eng.generate(PROMPT, max_tokens=3, ignore_eos=True).stop_reason is None  # (length)
 
 
 def test_eos_ends_generation_unless_ignored(eng):
@@ -81,6 +82,9 @@ def test_eos_ends_generation_unless_ignored(eng):
     try:
         out = eng.generate(PROMPT, max_tokens=10)
         assert out.finish_reason == "stop" and out.token_ids == free[: free.index(eos) + 1]
+        assert out.stop_reason is None  # the model's EOS, as vLLM: even when it is a stop id too
+        assert eng.generate(PROMPT, max_tokens=10, stop_token_ids=[eos]).stop_reason is None
+        assert eng.generate(PROMPT, max_tokens=10, stop_token_ids=[eos], ignore_eos=True).stop_reason == eos
         assert eng.generate(PROMPT, max_tokens=10, ignore_eos=True).token_ids == free
     finally:
         eng.config.eos_token_ids = [2]
@@ -189,7 +193,9 @@ def test_stop_prefix_that_does_not_complete_is_released():
 
 def test_earliest_of_several_stop_strings_wins():
     _, asm = _pieces("one two three", stop=["three", "two"], step=4)
-    assert asm.stopped and asm.text == "one "
+    assert asm.stopped and asm.text == "one " and asm.stop_string == "two"
+    _, asm = _pieces("one two three", stop=["tw", "two"], step=8)  # found at one place: the first listed
+    assert asm.stop_string == "tw"
 
 
 def test_held_tail_is_the_longest_that_could_become_a_stop_string():

@@ -584,6 +584,7 @@ def test_max_tokens_reached_exactly_and_stop_ids(overlap):
     outs, log, core = _run([P[0], P[1], P[2], P[0]], sps, overlap=overlap, max_batch=4)
     assert [len(o.token_ids) for o in outs[:3]] == [1, 2, 5]
     assert outs[3].token_ids == alone[:alone.index(stop) + 1] and outs[3].finish_reason == "stop"
+    assert outs[3].stop_reason == stop and [o.stop_reason for o in outs[:3]] == [None] * 3
     slots = {}
     for c in log:
         if c[0] == "open":
@@ -602,7 +603,7 @@ def test_a_stop_string_ends_a_request_whose_next_step_is_launched():
     on, log, core = _run([P[2], P[0]], sps, overlap=True, tokenizer=tok)
     off = _run([P[2], P[0]], sps, overlap=False, tokenizer=tok)[0]
     assert [(o.text, o.token_ids, o.finish_reason) for o in on] == [(o.text, o.token_ids, o.finish_reason) for o in off]
-    assert on[0].finish_reason == "stop" and on[0].text == text[:text.index(stop)]
+    assert on[0].finish_reason == "stop" and on[0].text == text[:text.index(stop)] and on[0].stop_reason == stop
     slot = next(c[1] for c in log if c[0] == "open")
     closed = log.index(("close", slot))
     assert _launched_after_last_sample(log[:closed], slot)  # its step ran; nothing was sampled from it

@@ -272,9 +272,14 @@ def test_stop_strings(client, ref):
     assert want.finish_reason == "stop" and word not in want.text
     r = client.chat.completions.create(model=NAME, temperature=0, messages=CHAT, max_tokens=16, stop=word)
     assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == "stop"
-    chunks = client.chat.completions.create(model=NAME, temperature=0, messages=CHAT, max_tokens=16, stop=[word, "zzz"],
-                                            stream=True)
+    assert r.choices[0].stop_reason == word == want.stop_reason  # vLLM's field: the string that ended it
+    chunks = list(client.chat.completions.create(model=NAME, temperature=0, messages=CHAT, max_tokens=16,
+                                                 stop=[word, "zzz"], stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    last = [c.choices[0] for c in chunks if c.choices][-1]
+    assert last.finish_reason == "stop" and last.stop_reason == word
+    r = client.chat.completions.create(model=NAME, temperature=0, messages=CHAT, max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].stop_reason is None
 
 
 def test_n_with_seed_gives_seed_plus_i(client, ref):
@@ -322,12 +327,14 @@ def test_stop_token_ids_end_the_answer(client, ref):
     r = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0,
                                   extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == want.text
+    assert r.choices[0].stop_reason == stop  # vLLM's field: the id that ended it
     assert r.usage.completion_tokens == len(want.token_ids)
     chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, stream=True, n=2,
                                             extra_body={"ignore_eos": True, "stop_token_ids": [stop]}))
     for i in range(2):  # (streamed, each of n choices: the same text, ended by the stop id)
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
         assert "".join(c.text for c in mine) == want.text and mine[-1].finish_reason == "stop"
+        assert mine[-1].stop_reason == stop
 
 
 def test_logit_bias_and_min_tokens_as_the_engine(client, ref):

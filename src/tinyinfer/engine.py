@@ -31,7 +31,7 @@ from .loaders import load_model
 # from tinyinfer.engine)
 from .loading import (DEVICE_DTYPES, DTYPES, QUANTIZED, TacticsCache, check_dtype, check_threads, cuda_status,
                       load_cpu, load_cuda, no_cuda_sentence, pick_device, plan_file, with_plan_cache)
-from .sampling import SamplingParams, TextAssembler
+from .sampling import SamplingParams, TextAssembler, stop_reason
 
 if TYPE_CHECKING:
     from .request import TokenLogprob
@@ -85,6 +85,7 @@ class Completion:
     text: str
     token_ids: list[int]  # generated ids only (an EOS / stop id that ended generation included)
     finish_reason: str  # "stop" (EOS, stop id or stop string) | "length" (max_tokens) | "cancelled"
+    stop_reason: Union[int, str, None] = None  # vLLM's: the stop string or stop_token_ids id that ended it, else None
     prompt_token_ids: list[int] = field(default_factory=list)
     stats: Stats = field(default_factory=Stats)
     logprobs: Optional[list["TokenLogprob"]] = None  # one per generated token when SamplingParams.logprobs is set
@@ -585,10 +586,16 @@ class Engine:
             yield text.add([], final=True)
         stats.decode_tokens = len(out)
         stats.wall_s = time.perf_counter() - t_start
+        reason = None
+        if text is not None and text.stopped:
+            reason = text.stop_string
+        elif finish == "stop":
+            reason = stop_reason(sp, out[-1], self.config.eos_token_ids)
         yield Completion(
             text=text.text if text is not None else "",
             token_ids=out,
             finish_reason=finish,
+            stop_reason=reason,
             prompt_token_ids=prompt_ids,
             stats=stats,
         )

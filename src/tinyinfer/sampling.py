@@ -196,6 +196,14 @@ class SamplingParams:
         return cfg, early
 
 
+def stop_reason(sp: SamplingParams, token: int, eos_ids: Sequence[int]) -> Optional[int]:
+    """vLLM's stop_reason of an answer that a sampled stop id ended: the id when it is one of sp.stop_token_ids,
+    None when it is the model's EOS (unless ignore_eos, which makes it an ordinary token)."""
+    if not sp.ignore_eos and token in eos_ids:
+        return None
+    return token if token in sp.stop_token_ids else None
+
+
 class TextAssembler:
     """Turns a growing list of token ids into text pieces that are safe to show: whole UTF-8 characters only,
     and nothing that could be the start of a stop string until it is known not to be one. With min_tokens, stop
@@ -211,6 +219,7 @@ class TextAssembler:
         self.emitted = 0  # characters of the text handed out so far
         self.text = ""
         self.stopped = False  # a stop string was found; self.text ends before it
+        self.stop_string: Optional[str] = None  # that string (the first listed of those found at one place)
         # Decoding every id again for each new token costs O(length) per token (~30 us at 256 tokens: 2 ms a
         # step for a batch of 64). Instead the text is kept as a settled part (the ids before _read, which end
         # on a whole character) plus the decode of a short window from _prefix (vLLM's prefix / read offsets):
@@ -270,9 +279,10 @@ class TextAssembler:
             self._floor = len(full)
         elif self._stop:
             start = max(self._floor, self.emitted - self._hold)
-            hits = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
+            hits = [(i, s) for s in self._stop for i in (full.find(s, start),) if i >= 0]
             if hits:
-                full = full[: min(hits)]
+                at, self.stop_string = min(hits, key=lambda h: h[0])
+                full = full[:at]
                 self.stopped = True
                 final = True
         safe = len(full) if final or early else self._held_from(full)

@@ -112,14 +112,14 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from .engine import CHUNK_TOKENS, Completion, Engine, Stats
 from .errors import InvalidRequestError, KvCacheFullError, QueueFullError, TinyInferError
 from .prefix_cache import PREFIX_CACHE_CPU, PREFIX_CACHE_GPU_PER_SLOT, PrefixCache
 from .prefix_cache import pages_for as _pages
 from .request import Delta, Request, TokenLogprob, merge_deltas, wake
-from .sampling import SamplingParams, TextAssembler
+from .sampling import SamplingParams, TextAssembler, stop_reason
 from .totals import Totals
 from .trace import Trace
 
@@ -149,6 +149,7 @@ class _Seq:
     t_first: float = 0.0  # its first token sampled (its prompt has run: the GPU's prefill calls return early)
     cached: int = 0  # prompt tokens its slot held or was copied when admitted (the prefix cache), not prefilled
     preempted: int = 0  # times its slot was taken back mid-decode for want of pages (_preempt)
+    stop_reason: Union[int, str, None] = None  # Completion.stop_reason, once a stop id or string ended it
     stop_list: list[int] = field(init=False)  # stop_ids as seq_sample_step takes them
     # what its admission prefills: the prompt; after a preemption the prompt and what it had generated
     feed: list[int] = field(init=False)
@@ -1053,12 +1054,14 @@ class Scheduler:
         if lp is not None:
             seq.logprobs.append(lp)
         finish = "stop" if tok in seq.stop_ids else None
+        if finish:
+            seq.stop_reason = stop_reason(seq.params, tok, self._engine.config.eos_token_ids)
         last = finish is not None or len(seq.generated) >= seq.params.max_tokens
         piece = ""
         if seq.text is not None:
             piece = seq.text.add([] if finish else [tok], final=last)
             if seq.text.stopped:
-                finish = "stop"
+                finish, seq.stop_reason = "stop", seq.text.stop_string
         if finish is None and last:
             finish = "length"
         if finish is None:
@@ -1151,7 +1154,8 @@ class Scheduler:
                       prefill_ms=(seq.t_first - seq.t_admit) * 1e3 if seq.t_first else 0.0,
                       decode_tokens=len(seq.generated), decode_s=now - started, wall_s=now - seq.t_submit)
         return Completion(text=seq.text.text if seq.text is not None else "", token_ids=list(seq.generated),
-                          finish_reason=finish, prompt_token_ids=seq.prompt, stats=stats,
+                          finish_reason=finish, stop_reason=seq.stop_reason if finish == "stop" else None,
+                          prompt_token_ids=seq.prompt, stats=stats,
                           logprobs=None if seq.logprobs is None else list(seq.logprobs))
 
 

@@ -459,8 +459,8 @@ class Service:
         if any(c.completion.finish_reason == "cancelled" for c in call.choices):  # only close() cancels these
             call.log("server shutdown")
             raise self.shutting_down()
-        choices = [P.final_choice(g.kind, c.index, c.completion.text,
-                                  self.logprobs_of(g, c.completion.logprobs, c), c.completion.finish_reason)
+        choices = [P.final_choice(g.kind, c.index, c.completion.text, self.logprobs_of(g, c.completion.logprobs, c),
+                                  c.completion.finish_reason, c.completion.stop_reason)
                    for c in call.choices]
         call.log(call.finish_reasons())
         return {"id": call.id, "object": "chat.completion" if g.kind == "chat" else "text_completion",
@@ -503,7 +503,7 @@ class Service:
                             yield "".join(out)
                             return
                         left -= 1
-                        out.append(fmt.finish(c.index, d.completion.finish_reason))
+                        out.append(fmt.finish(c.index, d.completion.finish_reason, d.completion.stop_reason))
                     if not left:
                         if g.include_usage:
                             out.append(P.sse({**head, "choices": [], "usage": call.usage()}))

@@ -444,8 +444,9 @@ class ChunkFormat:
             t = self._text[index] = (pre, post)
         return t[0] + json.dumps(text, ensure_ascii=False) + t[1]
 
-    def finish(self, index: int, reason: str) -> str:
-        return self.chunk(stream_choice(self.kind, index, "", None, reason))
+    def finish(self, index: int, reason: str, stop_reason: Union[int, str, None] = None) -> str:
+        """A choice's last chunk: its finish_reason and vLLM's stop_reason (the stop string or id that ended it)."""
+        return self.chunk({**stream_choice(self.kind, index, "", None, reason), "stop_reason": stop_reason})
 
 
 def stream_choice(kind: str, index: int, text: str, logprobs: Optional[dict], finish: Optional[str],
@@ -457,12 +458,13 @@ def stream_choice(kind: str, index: int, text: str, logprobs: Optional[dict], fi
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def final_choice(kind: str, index: int, text: str, logprobs: Optional[dict], finish: str) -> dict:
-    """One choice of a whole (non-streamed) answer."""
+def final_choice(kind: str, index: int, text: str, logprobs: Optional[dict], finish: str,
+                 stop_reason: Union[int, str, None] = None) -> dict:
+    """One choice of a whole (non-streamed) answer; stop_reason: vLLM's (the stop string or id that ended it)."""
     if kind == "chat":
         return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish}
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                "finish_reason": finish, "stop_reason": stop_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
 
 
 # ---- /tokenize and /detokenize (vLLM's routes beside the OpenAI API) ----

@@ -103,7 +103,8 @@ void bind_config(nb::module_& m) {
       .def_rw("seed", &ti::SamplingConfig::seed)
       .def_rw("presence_penalty", &ti::SamplingConfig::presence_penalty)
       .def_rw("frequency_penalty", &ti::SamplingConfig::frequency_penalty)
-      .def_rw("bias_ids", &ti::SamplingConfig::bias_ids, "logit bias: the token ids (distinct)")
+      // (read as copies: assign a whole list, as cfg.bias_ids.append(t) changes nothing)
+      .def_rw("bias_ids", &ti::SamplingConfig::bias_ids, "logit bias: the token ids (distinct; assign a list)")
       .def_rw("bias_values", &ti::SamplingConfig::bias_values, "logit bias: added to those logits (-inf: banned)")
       .def("validate", [](const ti::SamplingConfig& s) { ti::validate(s); })
       .def("validate", [](const ti::SamplingConfig& s, int64_t vocab) { ti::validate(s, vocab); }, "vocab"_a);

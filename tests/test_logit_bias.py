@@ -1,6 +1,7 @@
 """OpenAI's logit_bias and vLLM's min_tokens: the reference sampler's bias (added before the penalties; -inf bans a
 token, never drawn), its checks, SamplingParams' fields and the core configs they give (min_tokens as the stop ids
-banned for its first tokens), the text side (stop strings looked for only after min_tokens), and the engines'
+and the model's EOS banned for its first tokens), the text side (a stop string must end after min_tokens' text),
+stop_reason, and the engines'
 generations on the single-sequence path and through the scheduler, on the CPU and (marked gpu) the GPU."""
 
 from __future__ import annotations
@@ -99,17 +100,22 @@ def test_bad_params_are_refused(kw, match):
 def test_core_configs():
     sp = SamplingParams(logit_bias={np.int64(5): np.float32(2.5), 7: -100}, min_tokens=3, max_tokens=None)
     assert sp.logit_bias == {5: 2.5, 7: -100} and type(list(sp.logit_bias)[0]) is int
-    cfg_, early = sp.core_configs(1, [7, 9, 10**6], vocab=100)
+    cfg_, early = sp.core_configs(1, [7, 9, 10**6], vocab=100)  # (the model's EOS ids)
     assert dict(zip(cfg_.bias_ids, cfg_.bias_values)) == {5: 2.5, 7: -100.0}
-    # the ban overrides a token's bias; a stop id outside the vocabulary is never sampled: nothing to ban
+    # the ban overrides a token's bias; an EOS id outside the vocabulary is never sampled: nothing to ban
     assert dict(zip(early.bias_ids, early.bias_values)) == {5: 2.5, 7: -math.inf, 9: -math.inf}
+    # stop_token_ids too, and the EOS ids even under ignore_eos (vLLM's "min_tokens before EOS")
+    early = SamplingParams(min_tokens=2, stop_token_ids=[4], ignore_eos=True).core_configs(1, [9], 100)[1]
+    assert sorted(early.bias_ids) == [4, 9] and set(early.bias_values) == {-math.inf}
     assert SamplingParams(min_tokens=3).core_configs(1, [], 100)[1] is None  # no stop id: nothing to hold off
     assert SamplingParams().core_configs(1, [7], 100)[1] is None
     with pytest.raises(InvalidRequestError, match="logit_bias token id 100 is out of range"):
         SamplingParams(logit_bias={100: 1}).core_configs(1, [], 100)
-    with pytest.raises(InvalidRequestError, match="at most 1024"):  # the bans count too
+    with pytest.raises(InvalidRequestError, match="min_tokens bans the 1 stop ids.*makes 1025: at most 1024"):
         SamplingParams(logit_bias={i: 1 for i in range(MAX_LOGIT_BIAS)}, min_tokens=1).core_configs(
             1, [MAX_LOGIT_BIAS + 1], MAX_LOGIT_BIAS + 2)
+    with pytest.raises(InvalidRequestError, match="min_tokens bans the 1100 stop ids"):
+        SamplingParams(stop_token_ids=list(range(1100)), min_tokens=1).core_configs(1, [], 2000)
 
 
 def test_stop_strings_are_looked_for_after_min_tokens():
@@ -125,7 +131,7 @@ def test_stop_strings_are_looked_for_after_min_tokens():
 
     assert run(0) == ("ab", 4)
     assert run(4) == ("abXYcd", 8)  # the first XY lies in the first 4 ids' text: not a stop
-    assert run(3) == ("abXYcd", 8)  # nor one that starts inside them
+    assert run(3) == ("ab", 4)  # one that ends after them is (vLLM's rule), and its start was held back
     assert run(8) == ("abXYcdXYe", 9)
 
 
@@ -163,6 +169,8 @@ def test_engine_logit_bias(eng):
     assert down[0] == int(np.argsort(-row, kind="stable")[1])  # the runner-up
     seeded = SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.5, seed=3, logit_bias={t: -100})
     assert t not in _both(eng, PROMPT, seeded).token_ids
+    # a request after biased ones is as before them (the GPU's logits and bias count as they were)
+    assert _both(eng, PROMPT, SamplingParams(max_tokens=12, ignore_eos=True)).token_ids == free
 
 
 def test_engine_min_tokens_holds_off_the_stop_ids(eng):
@@ -177,10 +185,26 @@ def test_engine_min_tokens_holds_off_the_stop_ids(eng):
     # after min_tokens the stop ids end the answer again; seeded, the same alone and in a batch
     sampled = _both(eng, PROMPT, SamplingParams(min_tokens=6, temperature=1.0, seed=9, **kw))
     assert not set(stops) & set(sampled.token_ids[:6])
-    # the single path splits its decode chunk at min_tokens: the step after it may stop
-    long = SamplingParams(max_tokens=60, ignore_eos=True, stop_token_ids=[free[0]], min_tokens=3)
-    out = eng.generate(PROMPT, long).token_ids
-    assert free[0] not in out[:3] and (out[-1] == free[0] or len(out) == 60)
+    # the stop id is every token's choice (+100) but banned for 3: the 4th ends the answer (the GPU's single path
+    # cuts its 32-token decode chunk at min_tokens)
+    s = free[0]
+    forced = SamplingParams(max_tokens=60, ignore_eos=True, stop_token_ids=[s], min_tokens=3, logit_bias={s: 100})
+    out = _both(eng, PROMPT, forced)
+    assert len(out.token_ids) == 4 and out.token_ids[-1] == s and out.finish_reason == "stop"
+    assert out.stop_reason == s
+
+
+def test_engine_min_tokens_bans_the_eos(eng):
+    free = eng.generate(PROMPT, SamplingParams(max_tokens=20, ignore_eos=True)).token_ids
+    eng.config.eos_token_ids = [free[0]]  # the config object is the engine's: patch it for this test
+    try:
+        assert eng.generate(PROMPT, SamplingParams(max_tokens=20)).token_ids == free[:1]
+        for ignore in (False, True):  # (banned under ignore_eos too, as vLLM's)
+            out = _both(eng, PROMPT, SamplingParams(max_tokens=20, min_tokens=5, ignore_eos=ignore))
+            assert len(out.token_ids) >= 5 and free[0] not in out.token_ids[:5]
+            assert out.stop_reason is None  # (EOS or length)
+    finally:
+        eng.config.eos_token_ids = [2]
 
 
 def test_engine_refuses_an_id_past_its_vocabulary(eng):

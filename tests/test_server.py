@@ -356,6 +356,9 @@ def test_logit_bias_and_min_tokens_as_the_engine(client, ref):
     r = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0,
                                   extra_body={"ignore_eos": True, "stop_token_ids": [stop], "min_tokens": 4})
     assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.token_ids)
+    with pytest.raises(openai.BadRequestError) as e:  # above the completions' default max_tokens (16)
+        client.completions.create(model=NAME, prompt=prompt, extra_body={"min_tokens": 17})
+    assert _error_of(e)["param"] == "min_tokens" and "the default here" in _error_of(e)["message"]
 
 
 def test_chat_logprobs_agree_with_engine_logits(client, ref):

@@ -58,7 +58,8 @@ int32_t argmax(const float* logits, int64_t vocab);
 
 // The reference sampler of one row. h: the sequence's history (sized vocab; not changed here: the caller adds
 // the token as generated). top_logprobs: 0..kMaxTopLogprobs, else a Request error. s is not validated here
-// (validate() once per request). scratch / scratch_ids are reused between calls to avoid allocation.
+// (validate(s, vocab) once per request: the logit bias's ids are used unchecked). scratch / scratch_ids are reused
+// between calls to avoid allocation.
 SampleResult sample_row(const float* logits, int64_t vocab, const SamplingConfig& s, uint64_t step,
                         const TokenHistory& h, int top_logprobs, std::vector<float>& scratch,
                         std::vector<int32_t>& scratch_ids);

@@ -324,6 +324,9 @@ class Engine:
             if n_prompt >= self.max_seq_len:
                 raise InvalidRequestError(f"prompt ({n_prompt} tokens) leaves no room to generate within "
                                           f"max_seq_len={self.max_seq_len}")
+            if sp.min_tokens > self.max_seq_len - n_prompt:
+                raise InvalidRequestError(f"min_tokens ({sp.min_tokens}) is more than the rest of the context after a "
+                                          f"prompt of {n_prompt} tokens (max_seq_len={self.max_seq_len})")
             return dataclasses.replace(sp, max_tokens=self.max_seq_len - n_prompt)
         if n_prompt + sp.max_tokens > self.max_seq_len:
             raise InvalidRequestError(f"prompt ({n_prompt} tokens) + max_tokens ({sp.max_tokens}) exceeds "
@@ -536,7 +539,7 @@ class Engine:
         """The single-sequence path; the caller holds the engine's lock."""
         stop_ids = self._stop_ids(sp)
         seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(4), "little")
-        sampling, early = sp.core_configs(seed, stop_ids, self.config.vocab)
+        sampling, early = sp.core_configs(seed, self.config.eos_token_ids, self.config.vocab)
         # (the tokenizer's decode, not detokenize: the sampled ids need no checks, at two decodes a token)
         text = TextAssembler(functools.partial(self.tokenizer.decode, skip_special_tokens=True), sp.stop,
                              sp.min_tokens) if self.tokenizer is not None else None

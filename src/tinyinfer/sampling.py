@@ -56,8 +56,8 @@ class SamplingParams:
     logprobs: Optional[int] = None  # None: off; 0..20: the chosen token's logprob plus this many top entries
     # OpenAI's: token id -> a value in [-100, 100] added to its logit before the penalties (-100 all but bans it)
     logit_bias: Optional[Mapping[int, float]] = None
-    # vLLM's: the first min_tokens tokens can be neither a stop id (the model's EOS, stop_token_ids) nor end a stop
-    # string; stop strings are looked for only in the text after them
+    # vLLM's: the first min_tokens tokens can be neither a stop id (the model's EOS even under ignore_eos,
+    # stop_token_ids) nor complete a stop string
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -179,18 +179,26 @@ class SamplingParams:
         s.bias_ids, s.bias_values = list(bias), list(bias.values())
         return s
 
-    def core_configs(self, default_seed: int, stop_ids: Sequence[int], vocab: int):
-        """(config, early): the core's config, and with min_tokens the one for the steps before it (the stop ids
-        banned; None without min_tokens or stop ids). Both checked against the vocabulary here."""
+    def core_configs(self, default_seed: int, eos_ids: Sequence[int], vocab: int):
+        """(config, early): the core's config, and with min_tokens the one for the steps before it, which bans
+        stop_token_ids and the model's EOS ids (even under ignore_eos, as vLLM's: "min_tokens before EOS"); None
+        without min_tokens. Both checked against the vocabulary here."""
         bad = [t for t in (self.logit_bias or {}) if t >= vocab]
         if bad:
             raise InvalidRequestError(f"invalid sampling parameter: logit_bias token id {bad[0]} is out of range for "
                                       f"a vocabulary of {vocab}")
         cfg = self.to_core(default_seed)
         cfg.validate(vocab)
-        ban = sorted({t for t in stop_ids if 0 <= t < vocab}) if self.min_tokens else []
+        # (a stop id outside the vocabulary is never sampled: nothing to ban)
+        ban = sorted({t for t in (*self.stop_token_ids, *eos_ids) if 0 <= t < vocab}) if self.min_tokens else []
         if not ban:
             return cfg, None
+        n = len(set(self.logit_bias or ()) | set(ban))
+        if n > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"invalid sampling parameter: min_tokens bans the {len(ban)} stop ids (stop_token_ids and the "
+                f"model's EOS) through the logit bias, which with logit_bias's {len(self.logit_bias or ())} "
+                f"entries makes {n}: at most {MAX_LOGIT_BIAS}")
         early = self.to_core(default_seed, ban)
         early.validate(vocab)
         return cfg, early
@@ -206,14 +214,14 @@ def stop_reason(sp: SamplingParams, token: int, eos_ids: Sequence[int]) -> Optio
 
 class TextAssembler:
     """Turns a growing list of token ids into text pieces that are safe to show: whole UTF-8 characters only,
-    and nothing that could be the start of a stop string until it is known not to be one. With min_tokens, stop
-    strings are looked for only in the text after the first min_tokens ids."""
+    and nothing that could be the start of a stop string until it is known not to be one. With min_tokens, only a
+    stop string that ends after the text of the first min_tokens ids counts (vLLM's rule)."""
 
     def __init__(self, decode, stop: Sequence[str], min_tokens: int = 0):
         self._decode = decode
         self._stop = list(stop)
         self._min_tokens = min_tokens
-        self._floor = 0  # where the search for stop strings starts (the text of the first min_tokens ids)
+        self._floor = 0  # a stop string must end past this (the text of the first min_tokens ids)
         self._hold = max((len(s) for s in self._stop), default=0)
         self.ids: list[int] = []
         self.emitted = 0  # characters of the text handed out so far
@@ -274,18 +282,18 @@ class TextAssembler:
         full = self._full_text(final)
         if final:  # an answer cut inside a character (max_tokens, EOS) ends without it, as vLLM's (which drops a
             full = full.rstrip("\ufffd")  # U+FFFD the model itself wrote last too: the text cannot tell them apart)
-        early = len(self.ids) <= self._min_tokens
-        if early:
+        if len(self.ids) <= self._min_tokens:
             self._floor = len(full)
         elif self._stop:
-            start = max(self._floor, self.emitted - self._hold)
-            hits = [(i, s) for s in self._stop for i in (full.find(s, start),) if i >= 0]
+            start = max(0, self.emitted - self._hold)
+            hits = [(i, s) for s in self._stop for i in (full.find(s, max(start, self._floor - len(s) + 1)),)
+                    if i >= 0]
             if hits:
                 at, self.stop_string = min(hits, key=lambda h: h[0])
                 full = full[:at]
                 self.stopped = True
                 final = True
-        safe = len(full) if final or early else self._held_from(full)
+        safe = len(full) if final else self._held_from(full)
         safe = max(safe, self.emitted)
         piece = full[self.emitted : safe]
         self.emitted = safe

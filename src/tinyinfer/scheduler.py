@@ -375,7 +375,7 @@ class Scheduler:
                                       f"{self._pages_total}")
         seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(4), "little")
         stop_ids = eng._stop_ids(sp)
-        sampling, early = sp.core_configs(seed, stop_ids, eng.config.vocab)
+        sampling, early = sp.core_configs(seed, eng.config.eos_token_ids, eng.config.vocab)
         rid = request_id or uuid.uuid4().hex
         return _Seq(request=Request(self, rid, ids), prompt=ids, params=sp, sampling=sampling, early=early,
                     stop_ids=frozenset(stop_ids),

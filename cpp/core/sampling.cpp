@@ -37,8 +37,14 @@ void validate(const SamplingConfig& s) {
 
 void validate(const SamplingConfig& s, int64_t vocab) {
   validate(s);
-  std::vector<int32_t> ids = s.bias_ids;
-  std::sort(ids.begin(), ids.end());
+  // (checked for every row of every batched sample: ids sorted already, as Python's configs hold them, cost no copy)
+  std::vector<int32_t> sorted;
+  const bool in_order = std::is_sorted(s.bias_ids.begin(), s.bias_ids.end());
+  if (!in_order) {
+    sorted = s.bias_ids;
+    std::sort(sorted.begin(), sorted.end());
+  }
+  const std::vector<int32_t>& ids = in_order ? s.bias_ids : sorted;
   for (size_t j = 0; j < ids.size(); j++) {
     if (ids[j] < 0 || ids[j] >= vocab)
       fail(ErrorKind::Request, "invalid sampling parameter: logit bias token id " + std::to_string(ids[j]) +

@@ -176,7 +176,8 @@ class SamplingParams:
         s.seed = int(self.seed if self.seed is not None else default_seed)
         bias = {int(t): float(v) for t, v in (self.logit_bias or {}).items()}
         bias.update((int(t), -math.inf) for t in ban)
-        s.bias_ids, s.bias_values = list(bias), list(bias.values())
+        ids = sorted(bias)  # (in id order the core's per-step check needs no sort)
+        s.bias_ids, s.bias_values = ids, [bias[t] for t in ids]
         return s
 
     def core_configs(self, default_seed: int, eos_ids: Sequence[int], vocab: int):

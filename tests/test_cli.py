@@ -51,6 +51,18 @@ def test_prompt_from_stdin(tiny):
     assert dash.stdout == by_arg.stdout  # greedy: the same prompt gives the same answer
 
 
+def test_logit_bias_flags(tiny):
+    """llama-cli's --logit-bias TOKEN_ID(+/-)BIAS: +100 on 'A' (id 36 of the character tokenizer) makes every greedy
+    token an 'A'; -100 then (a later flag for the same id wins) bans it."""
+    base = ["run", "-m", tiny, "--device", "cpu", "-n", "6", "--ignore-eos"]
+    r = cli(*base, "--logit-bias", "36+100", "hi")
+    assert r.returncode == 0 and r.stdout.split() == ["A"] * 6, r.stderr  # (its decode joins with spaces)
+    r = cli(*base, "-l", "36+100", "-l", "36-100", "--presence-penalty", "1.5", "--min-tokens", "6", "hi")
+    assert r.returncode == 0 and "A" not in r.stdout, r.stderr
+    r = cli(*base, "-l", "100000+1", "hi")
+    assert r.returncode == 1 and "logit_bias token id 100000 is out of range" in r.stderr
+
+
 @pytest.mark.parametrize("args", [["run", "--device", "cpu", "-n", "40", "--ignore-eos", "hi"], ["info"]])
 def test_closed_stdout_ends_quietly(tiny, args):
     if args[0] == "run":
@@ -73,6 +85,12 @@ def test_closed_stdout_ends_quietly(tiny, args):
     (["run", "--temperature", "-1", "hi"], "--temperature must be >= 0"),
     (["run", "--max-tokens", "0", "hi"], "--max-tokens must be an integer >= 1, or -1 for"),
     (["chat", "--min-p", "2"], "--min-p must be in"),
+    (["run", "--presence-penalty", "3", "hi"], "--presence-penalty must be in [-2, 2]"),
+    (["run", "--logit-bias", "abc", "hi"], "--logit-bias 'abc': expected TOKEN_ID+BIAS"),
+    (["run", "--logit-bias", "5+1+", "hi"], "--logit-bias '5+1+': expected"),
+    (["run", "--logit-bias", "5+101", "hi"], "--logit-bias values must be numbers in [-100, 100]"),
+    (["run", "--min-tokens", "-1", "hi"], "--min-tokens must be an integer >= 0"),
+    (["run", "-n", "4", "--min-tokens", "5", "hi"], "--min-tokens (5) must be at most max_tokens (4)"),
     (["run", "--max-seq-len", "64", "--max-tokens", "64", "hi"], "--max-seq-len 64"),
     (["run", "--device", "cpu", "--dtype", "fp16", "hi"], "valid: auto, fp32, int8, int4"),
     (["bench", "--device", "cpu", "--steps", "-1"], "--steps must be >= 1"),  # (the rates would divide by 0)
@@ -242,12 +260,9 @@ def test_chat_lines_commands_and_continuations(tiny):
 def test_chat_ctrl_c_keeps_the_history_consistent(tiny):
     """Ctrl-C cannot be timed reliably into a subprocess's generation: the turn is driven in-process, with the
     KeyboardInterrupt raised from inside the stream after its first piece."""
-    from argparse import Namespace
+    from tinyinfer.cli import _chat_turn, build_parser
 
-    from tinyinfer.cli import _chat_turn
-
-    args = Namespace(max_tokens=10, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                     seed=None, stop=[], ignore_eos=True)
+    args = build_parser().parse_args(["chat", "-n", "10", "--ignore-eos"])  # (every sampling flag's default)
     with Engine(tiny, device="cpu", max_seq_len=256) as eng:
         messages = [{"role": "user", "content": "first"}]
         _chat_turn(eng, args, messages)

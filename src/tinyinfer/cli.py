@@ -17,6 +17,7 @@ import argparse
 import functools
 import io
 import os
+import re
 import sys
 from typing import Optional
 
@@ -53,6 +54,11 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="default 1: off")
     g.add_argument("--min-p", type=float, default=0.0, help="default 0: off")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="default 1: off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="default 0: off")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="default 0: off")
+    g.add_argument("--logit-bias", "-l", action="append", default=[], metavar="TOKEN_ID(+/-)BIAS",
+                   help="add BIAS (-100..100) to a token's logit, as llama-cli's: 15043+1, 2-100 (repeatable)")
+    g.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens (default 0)")
     g.add_argument("--seed", type=int, default=None, help="default (or -1): a random one")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the model's end-of-sequence")
@@ -62,11 +68,28 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 CPU_BENCH_MAX_CONTEXT = 8192
 
 
+def _logit_bias(items: list[str]) -> Optional[dict[int, float]]:
+    """llama-cli's --logit-bias TOKEN_ID(+/-)BIAS flags as a logit_bias mapping (a later flag for the same id wins)."""
+    out: dict[int, float] = {}
+    for item in items:
+        m = re.fullmatch(r"\s*(\d+)\s*([+-]\s*[0-9.eE+-]+)\s*", item)
+        try:
+            if m is None:
+                raise ValueError
+            out[int(m[1])] = float(m[2].replace(" ", ""))
+        except ValueError:
+            raise InvalidRequestError(f"--logit-bias {item!r}: expected TOKEN_ID+BIAS or TOKEN_ID-BIAS, as in "
+                                      f"15043+1 or 2-100") from None
+    return out or None
+
+
 def _sampling(args) -> dict:
     """The sampling flags as SamplingParams' fields; -1 is llama.cpp's "none" for -n and --seed."""
     return dict(max_tokens=None if args.max_tokens == -1 else args.max_tokens, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                seed=None if args.seed == -1 else args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                seed=None if args.seed == -1 else args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                logit_bias=_logit_bias(args.logit_bias), min_tokens=args.min_tokens)
 
 
 def _check_before_load(args) -> None:

@@ -197,6 +197,27 @@ def test_sampled_steps_match_graph(model):
     check_sampled_divergence_is_a_boundary_draw(per, graph, prompt, out_p, out_g, s)
 
 
+def test_logit_bias_on_the_persistent_step(model):
+    """The persistent graph's sampler takes the logit bias as the graph path's does: +100 on one token makes every
+    greedy token that token; banning a path's free first token gives the runner-up of the prompt's logits, and the
+    banned token never again; no bias is left behind for the next run."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for path in (P.Persistent, P.Graph):
+        core = cuda(model, path)
+        free, _ = greedy_run(core, prompt, 12)
+        s = _core.SamplingConfig()
+        s.bias_ids, s.bias_values = [free[1]], [100.0]
+        core.reset()
+        core.forward(prompt, False)
+        assert list(core.decode(12, s, [], 0)) == [free[1]] * 12, path
+        s.bias_ids, s.bias_values = [free[0]], [float("-inf")]
+        core.reset()
+        row = np.asarray(core.forward(prompt, False))[-1]
+        out = list(core.decode(12, s, [], 0))
+        assert out[0] == int(np.argsort(-row, kind="stable")[1]) and free[0] not in out, path
+        assert greedy_run(core, prompt, 12)[0] == free, path
+
+
 def test_ten_thousand_steps(tmp_path):
     """10 sequences x 1,000 steps on one engine: 10,000 launches, the counters' epochs never reset. Each
     sequence's tokens equal the graph path's over the first 200 steps up to a near-tie where they may part

@@ -11,9 +11,9 @@ import math
 import numpy as np
 import pytest
 
-from conftest import make_llama
+from conftest import make_chat_llama, make_llama
 from tinyinfer import Engine, InvalidRequestError, SamplingParams, _core
-from tinyinfer.sampling import MAX_LOGIT_BIAS, TextAssembler
+from tinyinfer.sampling import MAX_LOGIT_BIAS, CoreSampling, TextAssembler
 
 sample_row = _core.ops.sample_row
 ARANGE = np.arange(10, dtype=np.float32)  # greedy: 9, then 8, ...
@@ -91,31 +91,54 @@ def test_bias_checks():
     (dict(min_tokens=True), "min_tokens"),
     (dict(min_tokens=2.0), "min_tokens"),
     (dict(max_tokens=3, min_tokens=4), "at most max_tokens"),
+    (dict(bad_words="no"), "bad_words must be a list"),
+    (dict(bad_words=["ok", " "]), "non-blank"),
+    (dict(bad_words=[1]), "non-blank"),
+    (dict(bad_words=["w"] * 513), "at most 512 words"),
 ])
 def test_bad_params_are_refused(kw, match):
     with pytest.raises(InvalidRequestError, match=match):
         SamplingParams(**kw)
 
 
-def test_core_configs():
+def bias_of(cfg_) -> dict:
+    return dict(zip(cfg_.bias_ids, cfg_.bias_values))
+
+
+def test_core_sampling_configs():
     sp = SamplingParams(logit_bias={np.int64(5): np.float32(2.5), 7: -100}, min_tokens=3, max_tokens=None)
     assert sp.logit_bias == {5: 2.5, 7: -100} and type(list(sp.logit_bias)[0]) is int
-    cfg_, early = sp.core_configs(1, [7, 9, 10**6], vocab=100)  # (the model's EOS ids)
-    assert dict(zip(cfg_.bias_ids, cfg_.bias_values)) == {5: 2.5, 7: -100.0}
+    src = CoreSampling(sp, 1, [7, 9, 10**6], vocab=100)  # (the model's EOS ids)
     # the ban overrides a token's bias; an EOS id outside the vocabulary is never sampled: nothing to ban
-    assert dict(zip(early.bias_ids, early.bias_values)) == {5: 2.5, 7: -math.inf, 9: -math.inf}
+    assert bias_of(src.at([])) == bias_of(src.at([1, 1])) == {5: 2.5, 7: -math.inf, 9: -math.inf}
+    assert bias_of(src.at([1, 1, 1])) == {5: 2.5, 7: -100.0}
+    assert src.at([1, 1, 1]) is src.at([4, 4, 4, 4])  # (one object a set of bans)
+    assert [src.same_for(n) for n in (0, 2, 3, 9)] == [3, 1, None, None]
     # stop_token_ids too, and the EOS ids even under ignore_eos (vLLM's "min_tokens before EOS")
-    early = SamplingParams(min_tokens=2, stop_token_ids=[4], ignore_eos=True).core_configs(1, [9], 100)[1]
-    assert sorted(early.bias_ids) == [4, 9] and set(early.bias_values) == {-math.inf}
-    assert SamplingParams(min_tokens=3).core_configs(1, [], 100)[1] is None  # no stop id: nothing to hold off
-    assert SamplingParams().core_configs(1, [7], 100)[1] is None
+    early = CoreSampling(SamplingParams(min_tokens=2, stop_token_ids=[4], ignore_eos=True), 1, [9], 100).at([])
+    assert bias_of(early) == {4: -math.inf, 9: -math.inf}
+    none = CoreSampling(SamplingParams(min_tokens=3), 1, [], 100)  # no stop id: nothing to hold off
+    assert none.same_for(0) is None and bias_of(none.at([])) == {}
     with pytest.raises(InvalidRequestError, match="logit_bias token id 100 is out of range"):
-        SamplingParams(logit_bias={100: 1}).core_configs(1, [], 100)
-    with pytest.raises(InvalidRequestError, match="min_tokens bans the 1 stop ids.*makes 1025: at most 1024"):
-        SamplingParams(logit_bias={i: 1 for i in range(MAX_LOGIT_BIAS)}, min_tokens=1).core_configs(
-            1, [MAX_LOGIT_BIAS + 1], MAX_LOGIT_BIAS + 2)
-    with pytest.raises(InvalidRequestError, match="min_tokens bans the 1100 stop ids"):
-        SamplingParams(stop_token_ids=list(range(1100)), min_tokens=1).core_configs(1, [], 2000)
+        CoreSampling(SamplingParams(logit_bias={100: 1}), 1, [], 100)
+    with pytest.raises(InvalidRequestError, match=r"stop ids \(1\) .* make 1025 logit-bias entries: at most 1024"):
+        CoreSampling(SamplingParams(logit_bias={i: 1 for i in range(MAX_LOGIT_BIAS)}, min_tokens=1), 1,
+                     [MAX_LOGIT_BIAS + 1], MAX_LOGIT_BIAS + 2)
+    with pytest.raises(InvalidRequestError, match=r"stop ids \(1100\)"):
+        CoreSampling(SamplingParams(stop_token_ids=list(range(1100)), min_tokens=1), 1, [], 2000)
+
+
+def test_bad_words_bans():
+    """A one-token word is always banned; a longer one's last token where the generated tokens end with the rest
+    (vLLM's rule: the generated tokens only, not the prompt)."""
+    src = CoreSampling(SamplingParams(), 1, [], 100, bad_words_ids=[[5], [1, 2, 3], [7, 8]])
+    assert src.same_for(0) == 1
+    assert bias_of(src.at([])) == {5: -math.inf}
+    assert bias_of(src.at([9, 1, 2])) == {5: -math.inf, 3: -math.inf}
+    assert bias_of(src.at([1, 2, 9])) == {5: -math.inf}
+    assert bias_of(src.at([1, 2, 7])) == {5: -math.inf, 8: -math.inf}
+    with pytest.raises(InvalidRequestError, match="bad_words"):
+        CoreSampling(SamplingParams(), 1, [], 3000, bad_words_ids=[[i] for i in range(1025)])
 
 
 def test_stop_strings_are_looked_for_after_min_tokens():
@@ -214,4 +237,31 @@ def test_engine_refuses_an_id_past_its_vocabulary(eng):
             eng.generate(PROMPT, sp)
         with pytest.raises(InvalidRequestError, match="logit_bias token id"):
             eng.generate([PROMPT, PROMPT], sp)
+    with pytest.raises(InvalidRequestError, match="bad_words needs the model's tokenizer"):
+        eng.generate(PROMPT, SamplingParams(max_tokens=2, bad_words=["x"]))
     assert len(eng.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True)).token_ids) == 3  # still usable
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def text_eng(request, tmp_path_factory):
+    d = make_chat_llama(tmp_path_factory.mktemp("badwords") / "m", init_std=0.3)
+    with Engine(d, device=request.param, max_seq_len=256) as e:
+        yield e
+
+
+def test_engine_bad_words(text_eng):
+    """vLLM's bad_words on a character tokenizer (ids 4..97: printable ASCII after the space): a two-character word
+    of the free answer never appears (its second character banned right after its first), a one-character word
+    never at all; the answer is the free one up to where the word would have been completed. The GPU's single
+    path decodes a token a call for them."""
+    eng = text_eng
+    prompt = "Once upon a time"
+    free = _both(eng, prompt, SamplingParams(max_tokens=40, ignore_eos=True)).token_ids
+    char = {i: chr(32 + i - 3) for i in range(4, 98)}
+    j = next(j for j in range(len(free) - 1) if free[j] in char and free[j + 1] in char and free[j] != free[j + 1])
+    word = char[free[j]] + char[free[j + 1]]
+    out = _both(eng, prompt, SamplingParams(max_tokens=40, ignore_eos=True, bad_words=[word])).token_ids
+    assert out[:j + 1] == free[:j + 1] and out[j + 1] != free[j + 1]
+    assert all((a, b) != (free[j], free[j + 1]) for a, b in zip(out, out[1:]))
+    one = _both(eng, prompt, SamplingParams(max_tokens=40, ignore_eos=True, bad_words=[char[free[j]]])).token_ids
+    assert free[j] not in one and one[:free.index(free[j])] == free[:free.index(free[j])]

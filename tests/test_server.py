@@ -338,7 +338,8 @@ def test_stop_token_ids_end_the_answer(client, ref):
 
 
 def test_logit_bias_and_min_tokens_as_the_engine(client, ref):
-    """OpenAI's logit_bias (ids as strings) and vLLM's min_tokens give the engine's answer to the same parameters;
+    """OpenAI's logit_bias (ids as strings), vLLM's min_tokens and bad_words give the engine's answer to the same
+    parameters;
     +100 on one token makes a greedy answer that token again and again, min_tokens holds off a stop id."""
     prompt = "The capital of France is"
     free = ref.generate(prompt, max_tokens=8, ignore_eos=True)
@@ -356,6 +357,11 @@ def test_logit_bias_and_min_tokens_as_the_engine(client, ref):
     r = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0,
                                   extra_body={"ignore_eos": True, "stop_token_ids": [stop], "min_tokens": 4})
     assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.token_ids)
+    words = ref.generate(prompt, max_tokens=8, ignore_eos=True, bad_words=[free.text.split()[1]])
+    assert free.text.split()[1] not in words.text.split()
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True, "bad_words": [free.text.split()[1]]})
+    assert r.choices[0].text == words.text
     with pytest.raises(openai.BadRequestError) as e:  # above the completions' default max_tokens (16)
         client.completions.create(model=NAME, prompt=prompt, extra_body={"min_tokens": 17})
     assert _error_of(e)["param"] == "min_tokens" and "the default here" in _error_of(e)["message"]
@@ -560,6 +566,9 @@ BAD_CHAT = [  # (extra arguments, param named)
     (dict(logit_bias={"1000000": 5}), "logit_bias"),  # past the vocabulary
     (dict(logit_bias={str(i): 1 for i in range(1025)}), "logit_bias"),
     (dict(extra_body={"min_tokens": -1}), "min_tokens"),
+    (dict(extra_body={"bad_words": "x"}), "bad_words"),
+    (dict(extra_body={"bad_words": ["ok", ""]}), "bad_words"),
+    (dict(extra_body={"bad_words": ["w"] * 513}), "bad_words"),
     (dict(extra_body={"min_tokens": 1.5}), "min_tokens"),
     (dict(max_tokens=4, extra_body={"min_tokens": 5}), "min_tokens"),
     (dict(extra_body={"no_such_field": 1}), "no_such_field"),

@@ -31,7 +31,7 @@ from .loaders import load_model
 # from tinyinfer.engine)
 from .loading import (DEVICE_DTYPES, DTYPES, QUANTIZED, TacticsCache, check_dtype, check_threads, cuda_status,
                       load_cpu, load_cuda, no_cuda_sentence, pick_device, plan_file, with_plan_cache)
-from .sampling import SamplingParams, TextAssembler, stop_reason
+from .sampling import CoreSampling, SamplingParams, TextAssembler, stop_reason
 
 if TYPE_CHECKING:
     from .request import TokenLogprob
@@ -341,6 +341,25 @@ class Engine:
                                       f"{self.config.vocab}")
         return list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(self.config.eos_token_ids))
 
+    def _bad_words_ids(self, sp: SamplingParams) -> list[list[int]]:
+        """sp.bad_words as token sequences, as vLLM's: each word as the tokenizer encodes it, and after a space
+        where that is another first token of as many tokens (the word inside a text)."""
+        if not sp.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words needs the model's tokenizer (this model has none)")
+        out: list[list[int]] = []
+        for w in sp.bad_words:
+            alone = self.tokenizer.encode(w.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + w.lstrip(), add_special_tokens=False)
+            out.append(alone)
+            if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        return [ids for ids in out if ids]
+
+    def _core_sampling(self, sp: SamplingParams, seed: int) -> CoreSampling:
+        return CoreSampling(sp, seed, self.config.eos_token_ids, self.config.vocab, self._bad_words_ids(sp))
+
     # ---- scoring ----
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -539,7 +558,7 @@ class Engine:
         """The single-sequence path; the caller holds the engine's lock."""
         stop_ids = self._stop_ids(sp)
         seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(4), "little")
-        sampling, early = sp.core_configs(seed, self.config.eos_token_ids, self.config.vocab)
+        sampling = self._core_sampling(sp, seed)
         # (the tokenizer's decode, not detokenize: the sampled ids need no checks, at two decodes a token)
         text = TextAssembler(functools.partial(self.tokenizer.decode, skip_special_tokens=True), sp.stop,
                              sp.min_tokens) if self.tokenizer is not None else None
@@ -555,11 +574,9 @@ class Engine:
         t0 = time.perf_counter()
         gpu_ms = 0.0
         while len(out) < sp.max_tokens:
-            n = min(self._chunk, sp.max_tokens - len(out))
-            cfg = sampling
-            if early is not None and len(out) < sp.min_tokens:  # a chunk ends where the stop ids stop being banned
-                n, cfg = min(n, sp.min_tokens - len(out)), early
-            new = self._core.decode(n, cfg, stop_ids, len(out))
+            # a chunk ends where its config changes (min_tokens' bans end; bad words: after each token)
+            n = min(self._chunk, sp.max_tokens - len(out), sampling.same_for(len(out)) or self._chunk)
+            new = self._core.decode(n, sampling.at(out), stop_ids, len(out))
             gpu_ms += getattr(self._core, "last_decode_ms", 0.0)
             out += new
             ended = bool(new) and new[-1] in stop_ids

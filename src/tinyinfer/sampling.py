@@ -20,6 +20,7 @@ MAX_STOP_CHARS = 1024  # the longest stop string: each token's text is searched 
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a logit_bias value is in [-100, 100]
 # logit_bias entries the core takes (its GPU sampler gives each one thread), a min_tokens request's stop ids included
 MAX_LOGIT_BIAS = _core.MAX_LOGIT_BIAS
+MAX_BAD_WORDS = MAX_LOGIT_BIAS // 2  # (each may ban two tokens at once: the word alone and after a space)
 
 
 def as_float32(v: float) -> float:
@@ -59,6 +60,9 @@ class SamplingParams:
     # vLLM's: the first min_tokens tokens can be neither a stop id (the model's EOS even under ignore_eos,
     # stop_token_ids) nor complete a stop string
     min_tokens: int = 0
+    # vLLM's: words the answer may not contain (each as the model tokenizes it, alone and after a space): the last
+    # token of one is banned where the tokens generated so far end with the rest of it
+    bad_words: Optional[Sequence[str]] = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -134,6 +138,11 @@ class SamplingParams:
             raise bad(f"min_tokens must be an integer >= 0 (got {self.min_tokens!r:.40})")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple)) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad(f"bad_words must be a list of non-blank strings (got {self.bad_words!r:.100})")
+        if self.bad_words and len(self.bad_words) > MAX_BAD_WORDS:
+            raise bad(f"bad_words takes at most {MAX_BAD_WORDS} words (got {len(self.bad_words)})")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
                 raise bad(f"logit_bias must be a mapping of token ids to numbers (got {self.logit_bias!r:.100})")
@@ -180,29 +189,60 @@ class SamplingParams:
         s.bias_ids, s.bias_values = ids, [bias[t] for t in ids]
         return s
 
-    def core_configs(self, default_seed: int, eos_ids: Sequence[int], vocab: int):
-        """(config, early): the core's config, and with min_tokens the one for the steps before it, which bans
-        stop_token_ids and the model's EOS ids (even under ignore_eos, as vLLM's: "min_tokens before EOS"); None
-        without min_tokens. Both checked against the vocabulary here."""
-        bad = [t for t in (self.logit_bias or {}) if t >= vocab]
+
+class CoreSampling:
+    """The core's SamplingConfig for each next token of one request: logit_bias, plus -inf on the tokens a step may
+    not take — for the first min_tokens tokens the stop ids (stop_token_ids and the model's EOS ids, even under
+    ignore_eos, as vLLM's "min_tokens before EOS"), and vLLM's bad_words: a one-token word always, a longer one's
+    last token where the tokens generated so far end with the rest of it. Every config checked against the
+    vocabulary; the largest set of bans a step can meet is counted against the core's limit up front."""
+
+    def __init__(self, sp: SamplingParams, seed: int, eos_ids: Sequence[int], vocab: int,
+                 bad_words_ids: Sequence[Sequence[int]] = ()):
+        bad = [t for t in (sp.logit_bias or {}) if t >= vocab]
         if bad:
             raise InvalidRequestError(f"invalid sampling parameter: logit_bias token id {bad[0]} is out of range for "
                                       f"a vocabulary of {vocab}")
-        cfg = self.to_core(default_seed)
-        cfg.validate(vocab)
+        self._sp, self._seed, self._vocab = sp, seed, vocab
+        self.min_tokens = sp.min_tokens
         # (a stop id outside the vocabulary is never sampled: nothing to ban)
-        ban = sorted({t for t in (*self.stop_token_ids, *eos_ids) if 0 <= t < vocab}) if self.min_tokens else []
-        if not ban:
-            return cfg, None
-        n = len(set(self.logit_bias or ()) | set(ban))
-        if n > MAX_LOGIT_BIAS:
+        self._stop_ban = frozenset(t for t in (*sp.stop_token_ids, *eos_ids) if 0 <= t < vocab) \
+            if sp.min_tokens else frozenset()
+        self._always = frozenset(w[0] for w in bad_words_ids if len(w) == 1)
+        self._multi = sorted({tuple(w) for w in bad_words_ids if len(w) > 1})
+        most = set(sp.logit_bias or ()) | self._stop_ban | self._always | {w[-1] for w in self._multi}
+        if len(most) > MAX_LOGIT_BIAS:
             raise InvalidRequestError(
-                f"invalid sampling parameter: min_tokens bans the {len(ban)} stop ids (stop_token_ids and the "
-                f"model's EOS) through the logit bias, which with logit_bias's {len(self.logit_bias or ())} "
-                f"entries makes {n}: at most {MAX_LOGIT_BIAS}")
-        early = self.to_core(default_seed, ban)
-        early.validate(vocab)
-        return cfg, early
+                f"invalid sampling parameter: logit_bias ({len(sp.logit_bias or ())} entries), min_tokens' bans "
+                f"of the stop ids ({len(self._stop_ban)}) and bad_words' ({len(self._always) + len(self._multi)}) "
+                f"make {len(most)} logit-bias entries: at most {MAX_LOGIT_BIAS}")
+        self._configs: dict[frozenset, _core.SamplingConfig] = {}
+        self.at(())  # (the config of the first token, checked now)
+
+    def same_for(self, n_generated: int) -> Optional[int]:
+        """How many tokens from n_generated on are sampled with at(...) of now (None: all of them; 1 with
+        multi-token bad words: the GPU's single path then decodes a token a call)."""
+        if self._multi:
+            return 1
+        return self.min_tokens - n_generated if n_generated < self.min_tokens and self._stop_ban else None
+
+    def at(self, generated: Sequence[int]) -> _core.SamplingConfig:
+        """The config of the token after `generated` (the request's generated tokens so far)."""
+        ban = set(self._always)
+        if len(generated) < self.min_tokens:
+            ban |= self._stop_ban
+        for w in self._multi:
+            k = len(w) - 1
+            if len(generated) >= k and tuple(generated[-k:]) == w[:-1]:
+                ban.add(w[-1])
+        key = frozenset(ban)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            if len(self._configs) >= 64:  # (bad words' combinations: a bounded cache)
+                self._configs.clear()
+            cfg = self._configs[key] = self._sp.to_core(self._seed, sorted(ban))
+            cfg.validate(self._vocab)
+        return cfg
 
 
 def stop_reason(sp: SamplingParams, token: int, eos_ids: Sequence[int]) -> Optional[int]:

@@ -119,7 +119,7 @@ from .errors import InvalidRequestError, KvCacheFullError, QueueFullError, TinyI
 from .prefix_cache import PREFIX_CACHE_CPU, PREFIX_CACHE_GPU_PER_SLOT, PrefixCache
 from .prefix_cache import pages_for as _pages
 from .request import Delta, Request, TokenLogprob, merge_deltas, wake
-from .sampling import SamplingParams, TextAssembler, stop_reason
+from .sampling import CoreSampling, SamplingParams, TextAssembler, stop_reason
 from .totals import Totals
 from .trace import Trace
 
@@ -134,8 +134,7 @@ class _Seq:
     request: Request
     prompt: list[int]
     params: SamplingParams
-    sampling: object  # the core's SamplingConfig (seed fixed)
-    early: object  # the one for its first params.min_tokens tokens (stop ids banned), or None
+    sampling: CoreSampling  # the core's SamplingConfig of each next token (seed fixed)
     stop_ids: frozenset
     text: Optional[TextAssembler]
     slot: Optional[int] = None
@@ -161,7 +160,7 @@ class _Seq:
 
     def config(self) -> object:
         """The core's SamplingConfig for its next token."""
-        return self.early if self.early is not None and len(self.generated) < self.params.min_tokens else self.sampling
+        return self.sampling.at(self.generated)
 
     @property
     def prefilling(self) -> bool:
@@ -375,9 +374,9 @@ class Scheduler:
                                       f"{self._pages_total}")
         seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(4), "little")
         stop_ids = eng._stop_ids(sp)
-        sampling, early = sp.core_configs(seed, eng.config.eos_token_ids, eng.config.vocab)
+        sampling = eng._core_sampling(sp, seed)
         rid = request_id or uuid.uuid4().hex
-        return _Seq(request=Request(self, rid, ids), prompt=ids, params=sp, sampling=sampling, early=early,
+        return _Seq(request=Request(self, rid, ids), prompt=ids, params=sp, sampling=sampling,
                     stop_ids=frozenset(stop_ids),
                     text=None if eng.tokenizer is None else TextAssembler(
                         functools.partial(eng.tokenizer.decode, skip_special_tokens=True), sp.stop, sp.min_tokens),

@@ -22,8 +22,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from ..chat import joined_text_parts
 from ..errors import InvalidRequestError
-from ..sampling import (DEFAULTABLE, INT64_MAX, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_CHARS,
-                        SamplingParams, TextAssembler, as_float32)
+from ..sampling import (DEFAULTABLE, INT64_MAX, LOGIT_BIAS_RANGE, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
+                        MAX_STOP_CHARS, SamplingParams, TextAssembler, as_float32)
 from ..tokenizer import not_unicode
 
 
@@ -153,7 +153,7 @@ OPENAI_TEMPERATURE = 1.0  # a request's temperature when it has none (OpenAI's A
 _IGNORED = {"user", "metadata", "store", "parallel_tool_calls"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "logprobs",
-           "stop_token_ids", "logit_bias", "min_tokens"}
+           "stop_token_ids", "logit_bias", "min_tokens", "bad_words"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 
@@ -221,6 +221,13 @@ def _sampling(body: dict, max_tokens: Optional[int], defaults: Mapping[str, Any]
     bias = _logit_bias(body)
     if bias:
         kw["logit_bias"] = bias
+    words = body.get("bad_words")  # (vLLM's extension)
+    if words is not None:
+        if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise bad(f"'bad_words' must be a list of non-blank strings (got {words!r:.100})", "bad_words")
+        if len(words) > MAX_BAD_WORDS:
+            raise bad(f"'bad_words' takes at most {MAX_BAD_WORDS} words (got {len(words)})", "bad_words")
+        kw["bad_words"] = words
     mt = body.get("min_tokens")  # (vLLM's extension)
     if mt is not None:
         if isinstance(mt, bool) or not isinstance(mt, int) or mt < 0:

@@ -139,6 +139,23 @@ def test_bad_words_bans():
     assert bias_of(src.at([1, 2, 7])) == {5: -math.inf, 8: -math.inf}
     with pytest.raises(InvalidRequestError, match="bad_words"):
         CoreSampling(SamplingParams(), 1, [], 3000, bad_words_ids=[[i] for i in range(1025)])
+    with pytest.raises(InvalidRequestError, match="make 1025 logit-bias entries"):  # multi-token words' last ids
+        CoreSampling(SamplingParams(logit_bias={i: 1 for i in range(1000)}), 1, [], 3000,
+                     bad_words_ids=[[1, 2000 + i] for i in range(25)])
+    # a word with an id past the vocabulary can never be generated: left out (never an error mid-generation)
+    src = CoreSampling(SamplingParams(), 1, [], 100, bad_words_ids=[[4, 100], [3, 7], [200]])
+    assert bias_of(src.at([3])) == {7: -math.inf} and bias_of(src.at([4])) == {}
+
+
+def test_bad_words_tokenization(smol_engine):
+    """vLLM's rule on the default model: a word alone, and after a space where that is another first token of as
+    many tokens; leading spaces stripped."""
+    ids = smol_engine._bad_words_ids(SamplingParams(bad_words=["Paris", "New York", "  Paris"]))
+    tok = smol_engine.tokenizer
+    assert ids == [tok.encode("Paris", add_special_tokens=False), tok.encode(" Paris", add_special_tokens=False),
+                   tok.encode("New York", add_special_tokens=False), tok.encode(" New York", add_special_tokens=False),
+                   tok.encode("Paris", add_special_tokens=False), tok.encode(" Paris", add_special_tokens=False)]
+    assert len(ids[0]) == len(ids[1]) == 1 and ids[0] != ids[1] and len(ids[2]) == len(ids[3]) == 2
 
 
 def test_stop_strings_are_looked_for_after_min_tokens():
@@ -265,3 +282,9 @@ def test_engine_bad_words(text_eng):
     assert all((a, b) != (free[j], free[j + 1]) for a, b in zip(out, out[1:]))
     one = _both(eng, prompt, SamplingParams(max_tokens=40, ignore_eos=True, bad_words=[char[free[j]]])).token_ids
     assert free[j] not in one and one[:free.index(free[j])] == free[:free.index(free[j])]
+    # only the generated tokens are matched: a prompt that ends with the word's first character does not ban its
+    # second (here made the only choice)
+    assert eng._bad_words_ids(SamplingParams(bad_words=[word])) == [[free[j], free[j + 1]]]  # (" " + word: longer)
+    first = _both(eng, prompt + word[0], SamplingParams(max_tokens=2, ignore_eos=True, bad_words=[word],
+                                                        logit_bias={free[j + 1]: 100})).token_ids
+    assert first[0] == free[j + 1]

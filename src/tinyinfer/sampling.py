@@ -60,8 +60,8 @@ class SamplingParams:
     # vLLM's: the first min_tokens tokens can be neither a stop id (the model's EOS even under ignore_eos,
     # stop_token_ids) nor complete a stop string
     min_tokens: int = 0
-    # vLLM's: words the answer may not contain (each as the model tokenizes it, alone and after a space): the last
-    # token of one is banned where the tokens generated so far end with the rest of it
+    # vLLM's: words banned as the model tokenizes them, alone and after a space (another tokenization of the same
+    # text is not): the last token of one is banned where the tokens generated so far end with the rest of it
     bad_words: Optional[Sequence[str]] = None
 
     def __post_init__(self) -> None:
@@ -208,8 +208,10 @@ class CoreSampling:
         # (a stop id outside the vocabulary is never sampled: nothing to ban)
         self._stop_ban = frozenset(t for t in (*sp.stop_token_ids, *eos_ids) if 0 <= t < vocab) \
             if sp.min_tokens else frozenset()
-        self._always = frozenset(w[0] for w in bad_words_ids if len(w) == 1)
-        self._multi = sorted({tuple(w) for w in bad_words_ids if len(w) > 1})
+        # (a word with an id past the vocabulary can never be generated: nothing to ban)
+        words = [tuple(w) for w in bad_words_ids if all(0 <= t < vocab for t in w)]
+        self._always = frozenset(w[0] for w in words if len(w) == 1)
+        self._multi = sorted({w for w in words if len(w) > 1})
         most = set(sp.logit_bias or ()) | self._stop_ban | self._always | {w[-1] for w in self._multi}
         if len(most) > MAX_LOGIT_BIAS:
             raise InvalidRequestError(
@@ -217,7 +219,11 @@ class CoreSampling:
                 f"of the stop ids ({len(self._stop_ban)}) and bad_words' ({len(self._always) + len(self._multi)}) "
                 f"make {len(most)} logit-bias entries: at most {MAX_LOGIT_BIAS}")
         self._configs: dict[frozenset, _core.SamplingConfig] = {}
+        self._late: Optional[_core.SamplingConfig] = None
         self.at(())  # (the config of the first token, checked now)
+        # every later token's when nothing changes it: no set built a step (the scheduler asks every step)
+        if not self._multi:
+            self._late = self.at((0,) * sp.min_tokens)
 
     def same_for(self, n_generated: int) -> Optional[int]:
         """How many tokens from n_generated on are sampled with at(...) of now (None: all of them; 1 with
@@ -228,6 +234,8 @@ class CoreSampling:
 
     def at(self, generated: Sequence[int]) -> _core.SamplingConfig:
         """The config of the token after `generated` (the request's generated tokens so far)."""
+        if self._late is not None and len(generated) >= self.min_tokens:
+            return self._late
         ban = set(self._always)
         if len(generated) < self.min_tokens:
             ban |= self._stop_ban

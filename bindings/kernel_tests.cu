@@ -272,7 +272,7 @@ int run_sample(const float* logits, int vocab, float temperature, int top_k, flo
   TI_CUDA_CHECK(cudaMemset(dcounts.p, 0, (size_t)vocab * 4));
   DecodeState st{0, 0, step, step};
   put(dst.p, &st, sizeof(st));
-  sample_token(dl.as<float>(), vocab, dsp.as<DeviceSampling>(), nullptr, dseen.as<unsigned char>(), dcounts.as<int>(),
+  sample_token(dl.as<float>(), vocab, dsp.as<DeviceSampling>(), nullptr, nullptr, dseen.as<unsigned char>(), dcounts.as<int>(),
                dp.as<float>(), dst.as<DecodeState>(), dout.as<int>(), 0, false);
   TI_CUDA_CHECK(cudaDeviceSynchronize());
   int tok = -1;
@@ -281,16 +281,18 @@ int run_sample(const float* logits, int vocab, float temperature, int top_k, flo
 }
 
 SampleRowsOut run_sample_rows(const float* logits, int64_t ld, int n_rows, int vocab, const RowSampling* rows,
-                              const LogitBias* bias, int n_bias, unsigned char* seen, int* counts, int n_slots,
-                              int top_k) {
+                              const LogitBias* bias, int n_bias, const unsigned* masks, int n_mask,
+                              unsigned char* seen, int* counts, int n_slots, int top_k) {
   const size_t hist = (size_t)n_slots * vocab, rk = (size_t)n_rows * top_k;
   Buf dl((size_t)n_rows * ld * 4), drows(sizeof(RowSampling) * n_rows), dbias(sizeof(LogitBias) * (n_bias + 1)),
+      dmask(sizeof(unsigned) * (n_mask + 1)),
       dseen(hist), dcounts(hist * 4),
       dscratch((size_t)n_rows * vocab * 4), dtok((size_t)n_rows * 4), dlp((size_t)n_rows * 4), dids(rk * 4),
       dtlp(rk * 4);
   put(dl.p, logits, (size_t)n_rows * ld * 4);
   put(drows.p, rows, sizeof(RowSampling) * n_rows);
   if (n_bias) put(dbias.p, bias, sizeof(LogitBias) * n_bias);
+  if (n_mask) put(dmask.p, masks, sizeof(unsigned) * n_mask);
   put(dseen.p, seen, hist);
   put(dcounts.p, counts, hist * 4);
   SampleRowsOut o{std::vector<int>((size_t)n_rows, -7), std::vector<float>((size_t)n_rows, NAN),
@@ -300,7 +302,7 @@ SampleRowsOut run_sample_rows(const float* logits, int64_t ld, int n_rows, int v
   put(dids.p, o.top_ids.data(), rk * 4);
   put(dtlp.p, o.top_lp.data(), rk * 4);
   sample_rows(dl.as<float>(), ld, n_rows, vocab, drows.as<RowSampling>(), dbias.as<LogitBias>(),
-              dseen.as<unsigned char>(), dcounts.as<int>(), dscratch.as<float>(), top_k, dtok.as<int>(),
+              dmask.as<unsigned>(), dseen.as<unsigned char>(), dcounts.as<int>(), dscratch.as<float>(), top_k, dtok.as<int>(),
               dlp.as<float>(), top_k > 0 ? dids.as<int>() : nullptr, top_k > 0 ? dtlp.as<float>() : nullptr, 0);
   TI_CUDA_CHECK(cudaDeviceSynchronize());
   get(o.tokens.data(), dtok.p, (size_t)n_rows * 4);

@@ -58,7 +58,8 @@ int run_sample(const float* logits, int vocab, float temperature, int top_k, flo
                float repetition_penalty, unsigned long long seed, int step, const unsigned char* seen);
 
 // One sample_rows call (cuda/sampling.cu): n_rows rows of logits at logits + r * ld (vocab <= ld used), row r
-// with rows[r] (its parameters, step, history slot and logit-bias entries in bias[n_bias]). seen / counts: the
+// with rows[r] (its parameters, step, history slot, logit-bias entries in bias[n_bias] and allowed-token mask in
+// masks[n_mask words]). seen / counts: the
 // (n_slots, vocab) histories, updated in place (the sampler marks the tokens it picks). Outputs are poisoned first
 // (tokens -7, logprobs NaN).
 struct SampleRowsOut {
@@ -69,8 +70,8 @@ struct SampleRowsOut {
   std::vector<float> logits;      // (n_rows, ld) the device's logits after the call (the bias taken off again)
 };
 SampleRowsOut run_sample_rows(const float* logits, int64_t ld, int n_rows, int vocab, const RowSampling* rows,
-                              const LogitBias* bias, int n_bias, unsigned char* seen, int* counts, int n_slots,
-                              int top_k);
+                              const LogitBias* bias, int n_bias, const unsigned* masks, int n_mask,
+                              unsigned char* seen, int* counts, int n_slots, int top_k);
 
 // The device quantizer on W (rows, K) fp32 (rounded to fp16 first, as in the engine): q bytes (rows, ld) and the
 // scales' fp16 bits (rows, scale_halves(fmt, K)), as the reference packer lays them out (cpp/core/quant.h).

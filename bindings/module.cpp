@@ -106,6 +106,16 @@ void bind_config(nb::module_& m) {
       // (read as copies: assign a whole list, as cfg.bias_ids.append(t) changes nothing)
       .def_rw("bias_ids", &ti::SamplingConfig::bias_ids, "logit bias: the token ids (distinct; assign a list)")
       .def_rw("bias_values", &ti::SamplingConfig::bias_values, "logit bias: added to those logits (-inf: banned)")
+      // (a numpy array both ways: a step's mask is copied in one memcpy, not converted word by word)
+      .def_prop_rw(
+          "allowed",
+          [](const ti::SamplingConfig& s) { return tinyinfer_bindings::numpy_copy(s.allowed, s.allowed.size()); },
+          [](ti::SamplingConfig& s, nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> a) {
+            s.allowed.assign(a.data(), a.data() + a.shape(0));
+          },
+          nb::for_getter(nb::rv_policy::move),
+          "structured outputs: the allowed tokens, one bit a token (uint32 words, bit t % 32 of word t / 32; an "
+          "empty array: every token)")
       .def("validate", [](const ti::SamplingConfig& s) { ti::validate(s); })
       .def("validate", [](const ti::SamplingConfig& s, int64_t vocab) { ti::validate(s, vocab); }, "vocab"_a);
 }

@@ -563,6 +563,7 @@ void bind_ops(nb::module_& m) {
           bad("seen and counts must both be (n_slots, vocab)");
         std::vector<ti::cuda::RowSampling> rows((size_t)n);
         std::vector<ti::cuda::LogitBias> bias;
+        std::vector<uint32_t> masks;
         std::vector<char> taken((size_t)n_slots, 0);
         for (int64_t r = 0; r < n; r++) {
           ti::validate(cfgs[(size_t)r], vocab);
@@ -570,9 +571,11 @@ void bind_ops(nb::module_& m) {
           if (slot < 0 || slot >= n_slots || taken[(size_t)slot]) bad("slots must be distinct, in 0..n_slots-1");
           taken[(size_t)slot] = 1;
           const ti::SamplingConfig& c = cfgs[(size_t)r];
-          rows[(size_t)r] = {ti::device_sampling(c), steps[(size_t)r], (int)slot, (int)r, (int)bias.size()};
+          rows[(size_t)r] = {ti::device_sampling(c), steps[(size_t)r], (int)slot, (int)r, (int)bias.size(),
+                             (int)masks.size()};
           bias.resize(bias.size() + c.bias_ids.size());
           ti::device_bias(c, bias.data() + bias.size() - c.bias_ids.size());
+          masks.insert(masks.end(), c.allowed.begin(), c.allowed.end());
         }
         std::vector<uint8_t> seen_v(seen.data(), seen.data() + seen.size());
         std::vector<int32_t> counts_v(counts.data(), counts.data() + counts.size());
@@ -580,7 +583,7 @@ void bind_ops(nb::module_& m) {
         {
           nb::gil_scoped_release release;
           o = ti::cuda::run_sample_rows(logits.data(), ld, (int)n, (int)vocab, rows.data(), bias.data(),
-                                        (int)bias.size(), seen_v.data(), counts_v.data(), (int)n_slots, top_k);
+                                        (int)bias.size(), masks.data(), (int)masks.size(), seen_v.data(), counts_v.data(), (int)n_slots, top_k);
         }
         nb::dict d;
         d["tokens"] = numpy_vec(o.tokens);

@@ -12,7 +12,8 @@
 //   threshold whose kept mass is >= top_p, min-p p >= min_p (max p is 1). The draw walks the kept tokens in
 //   id order (a block scan), not in probability order as the CPU does: the same distribution, not the same
 //   token for a given seed.
-// The logit bias is added to the logits in place, one entry a thread (its ids are distinct), and taken off again
+// An allowed-token mask (structured outputs) is read where the logits are: a token whose bit is 0 reads as -inf in
+// every pass that chooses (never in the log-probabilities). The logit bias is added to the logits in place, one entry a thread (its ids are distinct), and taken off again
 // when the token is chosen: every pass over the logits, the vectorized greedy one included, sees it for free.
 // Log-probabilities (sample_rows only) are of the RAW logits: one online-softmax pass (per-thread running max
 // and sum) gives log-sum-exp. The top entries: the k-th largest of the 1024 per-thread maxima is a threshold
@@ -82,14 +83,18 @@ __device__ __forceinline__ void block_first(float v, int i, SampleShared& sh) {
 struct Penalties {
   const unsigned char* seen;
   const int* counts;
+  const unsigned* allowed;  // null: every token
   float rep, presence, frequency;
   bool on_seen, on_counts;
-  __device__ Penalties(const DeviceSampling& sp, const unsigned char* s, const int* c)
-      : seen(s), counts(c), rep(sp.repetition_penalty), presence(sp.presence_penalty),
-        frequency(sp.frequency_penalty), on_seen(sp.repetition_penalty != 1.0f),
+  __device__ Penalties(const DeviceSampling& sp, const unsigned char* s, const int* c, const unsigned* mask)
+      : seen(s), counts(c), allowed(sp.has_mask ? mask : nullptr), rep(sp.repetition_penalty),
+        presence(sp.presence_penalty), frequency(sp.frequency_penalty), on_seen(sp.repetition_penalty != 1.0f),
         on_counts(sp.presence_penalty != 0.0f || sp.frequency_penalty != 0.0f) {}
-  // The penalised logit of token i (the history is read only when its penalty is on, as the CPU does).
+  __device__ bool plain() const { return !on_seen && !on_counts && !allowed; }
+  // The penalised logit of token i (the history is read only when its penalty is on, as the CPU does); -inf where
+  // the mask does not allow it (the CPU's order: the mask first, and -inf stays -inf through the rest).
   __device__ __forceinline__ float operator()(const float* logits, int i) const {
+    if (allowed && !((__ldg(allowed + (i >> 5)) >> (i & 31)) & 1u)) return -INFINITY;
     const float l = logits[i];
     if (!on_seen && !on_counts) return l;
     return penalise_logit(l, on_seen && seen[i], on_counts ? counts[i] : 0, rep, presence, frequency);
@@ -119,14 +124,14 @@ __device__ unsigned search_threshold(const float* p, int vocab, float target, bo
 // The token of one row (every thread gets it). p: float[vocab] scratch.
 __device__ __forceinline__ int sample_block(const float* logits, int vocab, const DeviceSampling& sp,
                                             unsigned long long step, const unsigned char* seen, const int* counts,
-                                            float* p, SampleShared& sh) {
+                                            const unsigned* mask, float* p, SampleShared& sh) {
   const int tid = threadIdx.x;
-  const Penalties pen(sp, seen, counts);
+  const Penalties pen(sp, seen, counts, mask);
 
   // ---- max of the penalised logits (and its lowest index: the greedy choice) ----
   float best = -INFINITY;
   int best_i = INT_MAX;
-  if (!pen.on_seen && !pen.on_counts && vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0) {
+  if (pen.plain() && vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0) {
     // Without penalties: 16-byte loads, kLogitVec a thread issued before any compare (32,000 logits: one round
     // trip, where the scalar loop below took two and more). `before` is a total order on (value, id) that never
     // takes a NaN, so the block's first is the same whichever thread saw which logit.
@@ -311,8 +316,8 @@ __device__ __forceinline__ void add_generated(unsigned char* seen, int* counts, 
 }
 
 __global__ void __launch_bounds__(kSampleThreads)
-    sample_kernel(float* logits, int vocab, const DeviceSampling* spp, const LogitBias* bias, unsigned char* seen,
-                  int* counts, float* p, DecodeState* st, int* out_tokens) {
+    sample_kernel(float* logits, int vocab, const DeviceSampling* spp, const LogitBias* bias, const unsigned* mask,
+                  unsigned char* seen, int* counts, float* p, DecodeState* st, int* out_tokens) {
   __shared__ SampleShared sh;
   // Before the wait: the sampling parameters (the host's, uploaded before the step) and the state (written by the
   // previous step's sampler, the only writer): their round trips overlap the LM head instead of following it.
@@ -321,7 +326,7 @@ __global__ void __launch_bounds__(kSampleThreads)
   pdl_wait();
   pdl_launch_dependents();
   const float raw = bias_on(logits, bias, sp.n_bias);
-  const int tok = sample_block(logits, vocab, sp, (unsigned long long)s0.step, seen, counts, p, sh);
+  const int tok = sample_block(logits, vocab, sp, (unsigned long long)s0.step, seen, counts, mask, p, sh);
   bias_off(logits, bias, sp.n_bias, raw);
   __syncthreads();  // every thread's reads of the history are done before it changes
   add_generated(seen, counts, tok);
@@ -333,7 +338,7 @@ __global__ void __launch_bounds__(kSampleThreads)
 
 __global__ void __launch_bounds__(kSampleThreads)
     sample_rows_kernel(float* logits, int64_t ld, int vocab, const RowSampling* rows, const LogitBias* bias,
-                       unsigned char* seen, int* counts, float* scratch, int top_k, int* out_tokens,
+                       const unsigned* masks, unsigned char* seen, int* counts, float* scratch, int top_k, int* out_tokens,
                        float* out_logprob, int* top_ids, float* top_lp) {
   __shared__ SampleShared sh;
   pdl_wait();
@@ -345,7 +350,8 @@ __global__ void __launch_bounds__(kSampleThreads)
   int* cn = counts + (int64_t)row.slot * vocab;
   const LogitBias* rb = bias + row.bias_off;
   const float raw = bias_on(lg, rb, row.s.n_bias);
-  const int tok = sample_block(lg, vocab, row.s, row.step, sn, cn, scratch + (int64_t)r * vocab, sh);
+  const int tok = sample_block(lg, vocab, row.s, row.step, sn, cn, row.s.has_mask ? masks + row.mask_off : nullptr,
+                               scratch + (int64_t)r * vocab, sh);
   bias_off(lg, rb, row.s.n_bias, raw);
   if (out_logprob || top_k > 0)
     row_logprobs(lg, vocab, tok, top_k, out_logprob ? out_logprob + r : nullptr,
@@ -356,21 +362,22 @@ __global__ void __launch_bounds__(kSampleThreads)
   if (threadIdx.x == 0) out_tokens[r] = tok;
 }
 
-void sample_token(float* logits, int vocab, const DeviceSampling* sp, const LogitBias* bias, unsigned char* seen,
-                  int* counts, float* scratch, DecodeState* st, int* out_tokens, cudaStream_t stream, bool pdl) {
-  launch(sample_kernel, dim3(1), dim3(kSampleThreads), 0, stream, pdl, logits, vocab, sp, bias, seen, counts, scratch,
-         st, out_tokens);
+void sample_token(float* logits, int vocab, const DeviceSampling* sp, const LogitBias* bias, const unsigned* mask,
+                  unsigned char* seen, int* counts, float* scratch, DecodeState* st, int* out_tokens,
+                  cudaStream_t stream, bool pdl) {
+  launch(sample_kernel, dim3(1), dim3(kSampleThreads), 0, stream, pdl, logits, vocab, sp, bias, mask, seen, counts,
+         scratch, st, out_tokens);
 }
 
 void sample_rows(float* logits, int64_t ld, int n_rows, int vocab, const RowSampling* rows, const LogitBias* bias,
-                 unsigned char* seen, int* counts, float* scratch, int top_k, int* out_tokens, float* out_logprob,
-                 int* top_ids, float* top_lp, cudaStream_t stream, bool pdl) {
+                 const unsigned* masks, unsigned char* seen, int* counts, float* scratch, int top_k, int* out_tokens,
+                 float* out_logprob, int* top_ids, float* top_lp, cudaStream_t stream, bool pdl) {
   if (top_k < 0 || top_k > kMaxTopK)
     fail(ErrorKind::Request, "sample_rows: top_k must be in 0.." + std::to_string(kMaxTopK) + " (got " +
                                  std::to_string(top_k) + ")");
   if (n_rows <= 0) return;
   launch(sample_rows_kernel, dim3((unsigned)n_rows), dim3(kSampleThreads), 0, stream, pdl, logits, ld, vocab, rows,
-         bias, seen, counts, scratch, top_k, out_tokens, out_logprob, top_ids, top_lp);
+         bias, masks, seen, counts, scratch, top_k, out_tokens, out_logprob, top_ids, top_lp);
 }
 
 }  // namespace ti::cuda

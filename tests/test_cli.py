@@ -63,6 +63,26 @@ def test_logit_bias_flags(tiny):
     assert r.returncode == 1 and "logit_bias token id 100000 is out of range" in r.stderr
 
 
+def test_structured_output_flags(tiny, tmp_path):
+    """llama-cli's --grammar / --grammar-file (GBNF) and -j / --json-schema(-file): the answer holds to them and
+    ends once complete (the character tokenizer's decode joins characters with spaces)."""
+    base = ["run", "-m", tiny, "--device", "cpu", "-n", "30"]
+    r = cli(*base, "--grammar", 'root ::= "yes" | "no"', "hi")
+    assert r.returncode == 0 and r.stdout.replace(" ", "").strip() in ("yes", "no"), r.stderr
+    (tmp_path / "g.gbnf").write_text('root ::= [0-9] [0-9] "!"\n')
+    r = cli(*base, "--grammar-file", tmp_path / "g.gbnf", "hi")
+    assert r.returncode == 0 and re.fullmatch("[0-9]{2}!", r.stdout.replace(" ", "").strip()), r.stderr
+    schema = '{"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], ' \
+             '"additionalProperties": false}'
+    (tmp_path / "s.json").write_text(schema)
+    for flags in (["-j", schema], ["--json-schema-file", tmp_path / "s.json"]):
+        r = cli(*base, *flags, "-l", "3-100", "hi")  # (JSON may hold whitespace: the random model's space is held off)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.replace(" ", "").strip() in ('{"a":true}', '{"a":false}'), r.stdout
+    r = cli(*base, "--grammar", "root ::= [", "hi")  # (compiled once the model's tokenizer is loaded)
+    assert r.returncode == 1 and "invalid structured_outputs: grammar" in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("args", [["run", "--device", "cpu", "-n", "40", "--ignore-eos", "hi"], ["info"]])
 def test_closed_stdout_ends_quietly(tiny, args):
     if args[0] == "run":
@@ -90,6 +110,9 @@ def test_closed_stdout_ends_quietly(tiny, args):
     (["run", "--logit-bias", "5+1+", "hi"], "--logit-bias '5+1+': expected"),
     (["run", "--logit-bias", "5+101", "hi"], "--logit-bias values must be numbers in [-100, 100]"),
     (["run", "--min-tokens", "-1", "hi"], "--min-tokens must be an integer >= 0"),
+    (["run", "--json-schema", "{bad", "hi"], "--json-schema: json: the schema is not valid JSON"),
+    (["run", "--json-schema-file", "/no/such/schema.json", "hi"], "--json-schema-file /no/such/schema.json: cannot"),
+    (["run", "--grammar-file", "/no/such.gbnf", "hi"], "--grammar-file /no/such.gbnf: cannot read it"),
     (["run", "-n", "4", "--min-tokens", "5", "hi"], "--min-tokens (5) must be at most max_tokens (4)"),
     (["run", "--max-seq-len", "64", "--max-tokens", "64", "hi"], "--max-seq-len 64"),
     (["run", "--device", "cpu", "--dtype", "fp16", "hi"], "valid: auto, fp32, int8, int4"),

@@ -280,6 +280,18 @@ def test_sampled_tokens_follow_the_penalised_distribution():
 
 # ---- the logit bias ----
 
+def random_rows(seed: int, n: int, vocab: int, seen_rank: int):
+    """n rows of random logits, their tokens by rank, and histories of 10 random tokens each plus the row's
+    seen_rank-th best (a penalty that matters)."""
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((n, vocab)) * 3).astype(np.float32)
+    top = np.argsort(-logits, axis=1)
+    hist = Histories(n, vocab)
+    for s in range(n):
+        hist.gen[s] = rng.integers(0, vocab, 10).tolist() + [int(top[s, seen_rank])]
+    return rng, logits, top, hist
+
+
 def biased(bias: dict, **kw) -> _core.SamplingConfig:
     return cfg(bias_ids=list(bias), bias_values=[float(v) for v in bias.values()], **kw)
 
@@ -288,13 +300,8 @@ def biased(bias: dict, **kw) -> _core.SamplingConfig:
 def test_biased_rows_match_cpu_and_leave_the_logits_as_they_were(vocab):
     """Greedy rows with a logit bias (penalties and none; up to 1,024 entries; bans) give the CPU's token; the
     log-probabilities and top entries are of the raw logits, which the kernel leaves as it found them."""
-    rng = np.random.default_rng(vocab)
     n = 6
-    logits = (rng.standard_normal((n, vocab)) * 3).astype(np.float32)
-    top = np.argsort(-logits, axis=1)
-    hist = Histories(n, vocab)
-    for s in range(n):
-        hist.gen[s] = rng.integers(0, vocab, 10).tolist() + [int(top[s, 1])]
+    rng, logits, top, hist = random_rows(vocab, n, vocab, 1)
     many = {int(t): float(v) for t, v in zip(rng.permutation(vocab)[:min(1024, vocab)], rng.uniform(-5, 5, 1024))}
     cfgs = [biased({int(top[0, 0]): -math.inf}),                     # the argmax banned
             biased({int(top[1, 5]): 3.0, int(top[1, 0]): -0.5}),     # the sixth lifted over the first
@@ -330,6 +337,74 @@ def test_bias_ids_past_the_vocabulary_are_refused():
         gpu_rows(logits, [biased({10: 1.0})], [0], [0], Histories(1, 10), 0)
     with pytest.raises(InvalidRequestError, match="twice"):
         gpu_rows(logits, [cfg(bias_ids=[3, 3], bias_values=[1.0, 1.0])], [0], [0], Histories(1, 10), 0)
+
+
+# ---- the allowed-token mask (structured outputs) ----
+
+def mask_of(ids, vocab: int) -> np.ndarray:
+    m = np.zeros((vocab + 31) // 32, np.uint32)
+    for t in ids:
+        m[t >> 5] |= np.uint32(1 << (t & 31))
+    return m
+
+
+@pytest.mark.parametrize("vocab", [333, 32000, 49152, 128256])
+def test_masked_rows_match_cpu_and_leave_the_logits_as_they_were(vocab):
+    """Greedy rows with an allowed-token mask (alone, with penalties, with a bias, one token allowed, half the
+    vocabulary; beside unmasked rows in the same launch) give the CPU's token, always an allowed one; the
+    log-probabilities and top entries stay those of the raw logits, which the kernel leaves as it found them."""
+    n = 7
+    rng, logits, top, hist = random_rows(vocab + 1, n, vocab, 3)
+    half = rng.permutation(vocab)[: vocab // 2].tolist()
+    allowed = [
+        [int(t) for t in top[0, 5:40]],                                  # the five best left out
+        [vocab - 1],                                                     # only the last token
+        half,
+        [int(top[3, 3]), int(top[3, 9])],                                # penalties on the allowed (seen) token
+        None,                                                            # no mask beside masked rows
+        [int(top[5, 0]), int(top[5, 1]), int(top[5, 2])],                # with a bias banning the best of them
+        [int(t) for t in top[6, 1:]],                                    # all but the argmax
+    ]
+    cfgs = []
+    for r, a in enumerate(allowed):
+        c = cfg(repetition_penalty=1.5, frequency_penalty=0.5) if r == 3 else (
+            biased({int(top[5, 0]): -math.inf}) if r == 5 else cfg())
+        if a is not None:
+            c.allowed = mask_of(a, vocab)
+        cfgs.append(c)
+    out = gpu_rows(logits, cfgs, [0] * n, list(range(n)), hist, 3)
+    assert_matches_cpu(logits, cfgs, [0] * n, list(range(n)), hist, 3, out)
+    for r, a in enumerate(allowed):
+        if a is not None:
+            assert int(out["tokens"][r]) in set(a), r
+    assert int(out["tokens"][1]) == vocab - 1 and int(out["tokens"][5]) == int(top[5, 1])
+    np.testing.assert_array_equal(out["logits"], logits)
+
+
+def test_masked_draws_take_only_allowed_tokens():
+    """Temperature 1 over equal logits, 5 tokens of 32,000 allowed (one in each of five mask words, the last
+    word's last live bit among them), 64 rows x 16 steps with top-k and top-p: only those tokens, each about as
+    often."""
+    vocab, n = 32000, 64
+    ok = [0, 33, 1000, 17_777, vocab - 1]
+    logits = np.zeros((n, vocab), np.float32)
+    hist = Histories(n, vocab)
+    counts = np.zeros(vocab)
+    for step in range(16):
+        cfgs = [cfg(temperature=1.0, seed=s, top_k=100 if s % 2 else 0, top_p=0.9 if s % 3 == 0 else 1.0,
+                    allowed=mask_of(ok, vocab)) for s in range(n)]
+        out = gpu_rows(logits, cfgs, [step] * n, list(range(n)), hist, 0)
+        assert set(out["tokens"].tolist()) <= set(ok)
+        counts += np.bincount(out["tokens"], minlength=vocab)
+    assert (np.abs(counts[ok] - n * 16 / 5) < 4.5 * math.sqrt(n * 16 / 5)).all(), counts[ok]
+
+
+def test_bad_masks_are_refused():
+    logits = np.zeros((1, 40), np.float32)
+    with pytest.raises(InvalidRequestError, match="mask has 1 words; a vocab of 40 needs 2"):
+        gpu_rows(logits, [cfg(allowed=np.ones(1, np.uint32))], [0], [0], Histories(1, 40), 0)
+    with pytest.raises(InvalidRequestError, match="allows no token"):  # (bits past the vocabulary do not count)
+        gpu_rows(logits, [cfg(allowed=np.array([0, 0xFFFFFF00], np.uint32))], [0], [0], Histories(1, 40), 0)
 
 
 # ---- refused calls ----

@@ -367,6 +367,36 @@ def test_logit_bias_and_min_tokens_as_the_engine(client, ref):
     assert _error_of(e)["param"] == "min_tokens" and "the default here" in _error_of(e)["message"]
 
 
+def test_structured_outputs_as_the_engine(client, ref):
+    """OpenAI's response_format (json_schema, as the openai client's parse() sends it, and json_object), vLLM's
+    structured_outputs and its older guided_choice give the engine's answer to the same constraint; the JSON
+    parses and holds to the schema."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    msgs = [{"role": "user", "content": "Name a city, as JSON."}]
+    want = ref.chat(msgs, max_tokens=40, structured_outputs={"json": schema})
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=40, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == "stop"
+    assert set(json.loads(want.text)) == {"city"}
+    obj = ref.chat(msgs, max_tokens=40, structured_outputs={"json_object": True})
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=40, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].message.content == obj.text
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.text), dict)
+    pick = ref.generate("The sky is", max_tokens=8, structured_outputs={"choice": ["blue", "green"]})
+    assert pick.text in ("blue", "green")
+    for extra in ({"structured_outputs": {"choice": ["blue", "green"]}}, {"guided_choice": ["blue", "green"]}):
+        r = client.completions.create(model=NAME, prompt="The sky is", max_tokens=8, temperature=0, extra_body=extra)
+        assert r.choices[0].text == pick.text and r.choices[0].finish_reason == "stop"
+    # streamed: the chunks join to the same text
+    chunks = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=40, temperature=0, stream=True,
+                                            response_format={"type": "json_schema",
+                                                             "json_schema": {"name": "c", "schema": schema}})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+
+
 def test_chat_logprobs_agree_with_engine_logits(client, ref):
     want = ref.chat(CHAT, max_tokens=6)
     r = client.chat.completions.create(model=NAME, temperature=0, messages=CHAT, max_tokens=6, logprobs=True,
@@ -555,7 +585,17 @@ def _error_of(exc) -> dict:
 BAD_CHAT = [  # (extra arguments, param named)
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
     (dict(tool_choice="auto"), "tool_choice"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(response_format={"type": "grammar"}), "response_format"),
+    (dict(response_format={"type": "json_schema"}), "response_format"),  # no json_schema object
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}), "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}),
+     "response_format"),  # (compiled by llguidance: refused at submission)
+    (dict(response_format={"type": "json_object", "strict": True}), "response_format"),
+    (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}), "guided_regex"),  # two ways
+    (dict(extra_body={"structured_outputs": {"regex": "(["}}), "structured_outputs"),
+    (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["a"]}}), "structured_outputs"),
+    (dict(extra_body={"structured_outputs": {"jsn": {}}}), "structured_outputs"),
+    (dict(extra_body={"guided_choice": []}), "guided_choice"),
     (dict(logit_bias=[42, 5]), "logit_bias"),
     (dict(logit_bias={"a": 5}), "logit_bias"),
     (dict(logit_bias={"-3": 5}), "logit_bias"),

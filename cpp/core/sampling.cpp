@@ -39,6 +39,19 @@ void validate(const SamplingConfig& s, int64_t vocab) {
   validate(s);
   // (checked for every row of every batched sample: ids sorted already, as Python's configs hold them, cost no copy)
   std::vector<int32_t> sorted;
+  if (!s.allowed.empty()) {
+    if ((int64_t)s.allowed.size() != mask_words(vocab))
+      fail(ErrorKind::Request, "invalid sampling parameter: the allowed-token mask has " +
+                                   std::to_string(s.allowed.size()) + " words; a vocab of " + std::to_string(vocab) +
+                                   " needs " + std::to_string(mask_words(vocab)));
+    bool any = false;  // (bits past the vocabulary in the last word do not count)
+    for (int64_t w = 0; w < mask_words(vocab) && !any; w++) {
+      const int64_t in_vocab = std::min<int64_t>(32, vocab - 32 * w);
+      const uint32_t live = in_vocab == 32 ? 0xffffffffu : ((1u << in_vocab) - 1u);
+      any = (s.allowed[(size_t)w] & live) != 0;
+    }
+    if (!any) fail(ErrorKind::Request, "invalid sampling parameter: the allowed-token mask allows no token");
+  }
   const bool in_order = std::is_sorted(s.bias_ids.begin(), s.bias_ids.end());
   if (!in_order) {
     sorted = s.bias_ids;
@@ -92,8 +105,11 @@ int32_t choose(const float* logits, int64_t vocab, const SamplingConfig& s, uint
                const int32_t* counts, std::vector<float>& x, std::vector<int32_t>& ids) {
   const bool rep = s.repetition_penalty != 1.0f && seen;
   const bool pf = (s.presence_penalty != 0.0f || s.frequency_penalty != 0.0f) && counts;
-  if (s.temperature == 0.0f && !rep && !pf && s.bias_ids.empty()) return argmax(logits, vocab);
+  if (s.temperature == 0.0f && !rep && !pf && s.bias_ids.empty() && s.allowed.empty()) return argmax(logits, vocab);
   x.assign(logits, logits + vocab);
+  if (!s.allowed.empty())  // (validated: mask_words(vocab) words)
+    for (int64_t i = 0; i < vocab; i++)
+      if (!token_allowed(s.allowed, i)) x[i] = -INFINITY;
   for (size_t j = 0; j < s.bias_ids.size(); j++) x[(size_t)s.bias_ids[j]] += s.bias_values[j];  // (checked ids)
   if (rep || pf)
     for (int64_t i = 0; i < vocab; i++)

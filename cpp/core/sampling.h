@@ -1,10 +1,11 @@
 // sampling.h — choosing the next token from a row of logits: the reference sampler.
-// Order (as vLLM): logit bias -> repetition penalty (prompt + generated) -> presence / frequency penalties
+// Order (as vLLM): allowed-token mask (structured outputs: the others' logits are -inf) -> logit bias -> repetition penalty (prompt + generated) -> presence / frequency penalties
 // (generated only) -> temperature -> top-k -> top-p -> min-p -> draw. temperature == 0 is greedy (argmax of
 // the penalised logits, lowest id on ties). The random draw uses a counter-based generator, uniform(seed, step),
 // so a GPU sampler can reproduce the same stream without carrying state. The penalties themselves are
 // penalty.h's penalise_logit, shared with the GPU sampler (cuda/sampling.cu).
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -25,7 +26,19 @@ struct SamplingConfig {
   // -inf bans the token (the min_tokens of a request: its stop ids, while it is too short to stop).
   std::vector<int32_t> bias_ids;
   std::vector<float> bias_values;
+  // Structured outputs: the tokens this step may take, one bit a token (bit t % 32 of word t / 32; the grammar's
+  // mask); the others' logits are -inf before everything else. Empty: every token. Else exactly
+  // mask_words(vocab) words with at least one token of the vocabulary allowed.
+  std::vector<uint32_t> allowed;
 };
+
+// The words of an allowed-token mask over a vocabulary.
+constexpr int64_t mask_words(int64_t vocab) { return (vocab + 31) / 32; }
+
+// Whether token t is allowed (an empty mask allows every token).
+inline bool token_allowed(const std::vector<uint32_t>& allowed, int64_t t) {
+  return allowed.empty() || ((allowed[static_cast<std::size_t>(t >> 5)] >> (t & 31)) & 1u);
+}
 
 // The most logit-bias entries a SamplingConfig takes (the GPU sampler gives each one thread of its block).
 constexpr int kMaxLogitBias = 1024;
@@ -33,7 +46,8 @@ constexpr int kMaxLogitBias = 1024;
 // The most top-logprob entries a sampler returns per token (OpenAI's limit).
 constexpr int kMaxTopLogprobs = 20;
 
-// Throws ti::Error(Request) naming the bad field. With a vocab, also the logit bias's ids: in [0, vocab), distinct.
+// Throws ti::Error(Request) naming the bad field. With a vocab, also the logit bias's ids (in [0, vocab),
+// distinct) and the allowed-token mask (mask_words(vocab) words, at least one token of the vocabulary allowed).
 void validate(const SamplingConfig& s);
 void validate(const SamplingConfig& s, int64_t vocab);
 

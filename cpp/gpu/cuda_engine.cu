@@ -86,6 +86,7 @@ void CudaEngine::allocate() {
   h_state_ = arena_.alloc_pinned_n<cuda::DecodeState>(1);
   h_sampling_ = arena_.alloc_pinned_n<cuda::DeviceSampling>(1);
   h_bias_ = arena_.alloc_pinned_n<cuda::LogitBias>((size_t)kMaxLogitBias);
+  h_mask_ = arena_.alloc_pinned_n<uint32_t>((size_t)mask_words(cfg_.vocab));
   h_out_ = arena_.alloc_pinned_n<int>((size_t)max_seq_);
   history_ = TokenHistory(cfg_.vocab);
   *h_state_ = cuda::DecodeState{};
@@ -134,6 +135,7 @@ void CudaEngine::release() {
   h_state_ = nullptr;
   h_sampling_ = nullptr;
   h_bias_ = nullptr;
+  h_mask_ = nullptr;
   h_out_ = nullptr;
   clock_.reset();
   if (stream_) cudaStreamDestroy(stream_);
@@ -176,13 +178,18 @@ void CudaEngine::set_state(int token, int pos, int step) {
 }
 
 void CudaEngine::upload_sampling(const SamplingConfig& s) {
-  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // h_sampling_ / h_bias_ may still be read by an earlier copy
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // h_sampling_ / h_bias_ / h_mask_ may still be read by a copy
   *h_sampling_ = device_sampling(s);
   TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.sampling, h_sampling_, sizeof(*h_sampling_), cudaMemcpyHostToDevice, stream_));
   if (!s.bias_ids.empty()) {
     device_bias(s, h_bias_);
     TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.bias, h_bias_, s.bias_ids.size() * sizeof(cuda::LogitBias),
                                   cudaMemcpyHostToDevice, stream_));
+  }
+  if (!s.allowed.empty()) {  // (validated: mask_words(vocab) words)
+    std::copy(s.allowed.begin(), s.allowed.end(), h_mask_);
+    TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.mask, h_mask_, s.allowed.size() * sizeof(uint32_t), cudaMemcpyHostToDevice,
+                                  stream_));
   }
 }
 
@@ -273,7 +280,7 @@ std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig&
   int64_t replays = n;
   set_state(tokens_.back(), (int)(position() - 1), (int)step0);
   if (!pending_) {  // sample from the prefill's logits first (its token was fed at position()-1)
-    cuda::sample_token(dbuf_.logits, (int)cfg_.vocab, dbuf_.sampling, dbuf_.bias, dbuf_.seen, dbuf_.counts, dbuf_.probs,
+    cuda::sample_token(dbuf_.logits, (int)cfg_.vocab, dbuf_.sampling, dbuf_.bias, dbuf_.mask, dbuf_.seen, dbuf_.counts, dbuf_.probs,
                        dbuf_.state, dbuf_.out, stream_, false);
     replays = n - 1;
   }  // else: feed the pending token, sample the next: n full steps

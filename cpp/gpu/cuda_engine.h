@@ -247,7 +247,7 @@ class CudaEngine {
   int64_t step_pages(const int64_t* slots, int64_t n) const;  // (check_room each)
   int64_t prompt_pages(const int64_t* slots, const int64_t* lens, int64_t n) const;
   void require_pages(int64_t need, const char* what) const;  // "KV cache pool exhausted: ..." when short
-  void upload_sampling(const SamplingConfig& s);  // the single-sequence sampler's settings and logit bias
+  void upload_sampling(const SamplingConfig& s);  // the single-sequence sampler's settings, logit bias and mask
   double time_steps(int64_t context, int steps, const std::function<void(int64_t)>& launch);
 
   ModelConfig cfg_;
@@ -277,6 +277,7 @@ class CudaEngine {
   cuda::DecodeState* h_state_ = nullptr;        // pinned
   cuda::DeviceSampling* h_sampling_ = nullptr;  // pinned
   cuda::LogitBias* h_bias_ = nullptr;           // pinned (kMaxLogitBias)
+  uint32_t* h_mask_ = nullptr;                  // pinned (mask_words(vocab)): the allowed-token mask
   int* h_out_ = nullptr;                        // pinned (max_seq)
   std::unique_ptr<cuda::Gemm> gemm_;
   PrefillBuffers pbuf_;
@@ -305,7 +306,7 @@ class CudaEngine {
   unsigned char* seen_ = nullptr;               // (max_batch, vocab) prompt + generated tokens per slot
   int* counts_ = nullptr;                       // (max_batch, vocab) generated occurrences per slot
   float* sample_scratch_ = nullptr;             // (max_batch, vocab)
-  void* d_sample_in_ = nullptr;                 // RowSampling (max_batch), then their LogitBias entries
+  void* d_sample_in_ = nullptr;                 // RowSampling (max_batch), their LogitBias entries, their masks
   void* h_sample_in_ = nullptr;                 // pinned, the same
   cudaEvent_t sample_in_read_ = nullptr;        // recorded once the sampler's rows left h_sample_in_
   cudaEvent_t sampled_ = nullptr;               // seq_sample_mixed: recorded once h_sample_out_ is written

@@ -59,8 +59,10 @@ void CudaEngine::allocate_batch() {
   TI_CUDA_CHECK(cudaMemsetAsync(seen_, 0, B * V, stream_));
   TI_CUDA_CHECK(cudaMemsetAsync(counts_, 0, B * V * sizeof(int), stream_));
   sample_scratch_ = arena_.alloc_n<float>(B * V, Kind::Scratch);
-  // the rows, then up to kMaxLogitBias logit-bias entries a row (packed: only the rows that have them use any)
-  const size_t in_bytes = (size_t)B * (sizeof(cuda::RowSampling) + kMaxLogitBias * sizeof(cuda::LogitBias));
+  // the rows, then up to kMaxLogitBias logit-bias entries a row, then up to one allowed-token mask a row (both
+  // packed: only the rows that have them use any)
+  const size_t in_bytes = (size_t)B * (sizeof(cuda::RowSampling) + kMaxLogitBias * sizeof(cuda::LogitBias) +
+                                       (size_t)mask_words(V) * sizeof(uint32_t));
   d_sample_in_ = arena_.alloc(in_bytes, Kind::Scratch);
   h_sample_in_ = arena_.alloc_pinned(in_bytes);
   TI_CUDA_CHECK(cudaEventCreateWithFlags(&sample_in_read_, cudaEventDisableTiming));
@@ -606,25 +608,32 @@ void CudaEngine::queue_sample(const int64_t* slots, const SamplingConfig* cfgs, 
   TI_CUDA_CHECK(cudaEventSynchronize(sample_in_read_));
   auto* rows_h = static_cast<cuda::RowSampling*>(h_sample_in_);
   auto* bias_h = reinterpret_cast<cuda::LogitBias*>(rows_h + B);
-  int n_bias = 0;
+  auto* mask_h = reinterpret_cast<uint32_t*>(bias_h + (size_t)B * kMaxLogitBias);
+  int n_bias = 0, n_mask = 0;  // (entries, words)
   for (int64_t i = 0; i < n; i++) {  // each row read where its slot's logits lie (no gather)
     rows_h[i] = cuda::RowSampling{device_sampling(cfgs[i]), (unsigned long long)steps[i], (int)slots[i],
-                                  slots_[(size_t)slots[i]].logits_row, n_bias};
+                                  slots_[(size_t)slots[i]].logits_row, n_bias, n_mask};
     device_bias(cfgs[i], bias_h + n_bias);
     n_bias += (int)cfgs[i].bias_ids.size();
+    std::copy(cfgs[i].allowed.begin(), cfgs[i].allowed.end(), mask_h + n_mask);  // (validated: mask_words(V))
+    n_mask += (int)cfgs[i].allowed.size();
   }
   auto* rows_d = static_cast<cuda::RowSampling*>(d_sample_in_);
   auto* bias_d = reinterpret_cast<cuda::LogitBias*>(rows_d + B);
+  auto* mask_d = reinterpret_cast<uint32_t*>(bias_d + (size_t)B * kMaxLogitBias);
   TI_CUDA_CHECK(cudaMemcpyAsync(rows_d, rows_h, (size_t)n * sizeof(cuda::RowSampling), cudaMemcpyHostToDevice, stream_));
   if (n_bias)
     TI_CUDA_CHECK(cudaMemcpyAsync(bias_d, bias_h, (size_t)n_bias * sizeof(cuda::LogitBias), cudaMemcpyHostToDevice,
+                                  stream_));
+  if (n_mask)
+    TI_CUDA_CHECK(cudaMemcpyAsync(mask_d, mask_h, (size_t)n_mask * sizeof(uint32_t), cudaMemcpyHostToDevice,
                                   stream_));
   TI_CUDA_CHECK(cudaEventRecord(sample_in_read_, stream_));
   int* tok_d = static_cast<int*>(d_sample_out_);
   float* lp_d = reinterpret_cast<float*>(tok_d + B);
   int* top_ids_d = reinterpret_cast<int*>(lp_d + B);
   float* top_lp_d = reinterpret_cast<float*>(top_ids_d + (size_t)B * cuda::kMaxTopK);
-  cuda::sample_rows(bbuf_.logits, bbuf_.ld_v, (int)n, V, rows_d, bias_d, seen_, counts_, sample_scratch_, k, tok_d,
+  cuda::sample_rows(bbuf_.logits, bbuf_.ld_v, (int)n, V, rows_d, bias_d, mask_d, seen_, counts_, sample_scratch_, k, tok_d,
                     lp_d, k ? top_ids_d : nullptr, k ? top_lp_d : nullptr, stream_);
   const size_t out_bytes = (size_t)B * (1 + cuda::kMaxTopK) * (sizeof(int) + sizeof(float));
   TI_CUDA_CHECK(cudaMemcpyAsync(h_sample_out_, d_sample_out_, out_bytes, cudaMemcpyDeviceToHost, stream_));

@@ -50,7 +50,7 @@ void DecodeStep::record_token_logits(cudaStream_t s, bool pdl, bool one_chunk) {
 void DecodeStep::record(cudaStream_t s, bool pdl, bool one_chunk) {
   const cuda::CarveoutScope carveout(plan_.carveout);
   record_token_logits(s, pdl, one_chunk);
-  cuda::sample_token(b_.logits, (int)c_.vocab, b_.sampling, b_.bias, b_.seen, b_.counts, b_.probs, b_.state, b_.out, s,
+  cuda::sample_token(b_.logits, (int)c_.vocab, b_.sampling, b_.bias, b_.mask, b_.seen, b_.counts, b_.probs, b_.state, b_.out, s,
                      pdl);
 }
 
@@ -120,6 +120,7 @@ DecodeBuffers DecodeBuffers::allocate(const ModelConfig& c, const DeviceWeights&
 
   b.sampling = arena.alloc_n<cuda::DeviceSampling>(1, Kind::Scratch);
   b.bias = arena.alloc_n<cuda::LogitBias>((size_t)kMaxLogitBias, Kind::Scratch);
+  b.mask = arena.alloc_n<unsigned>((size_t)mask_words(c.vocab), Kind::Scratch);
   b.state = arena.alloc_n<cuda::DecodeState>(1, Kind::Scratch);
   b.seen = arena.alloc_n<unsigned char>((size_t)c.vocab, Kind::Scratch);
   b.counts = arena.alloc_n<int>((size_t)c.vocab, Kind::Scratch);

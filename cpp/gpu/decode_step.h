@@ -40,6 +40,7 @@ struct DecodeBuffers {
   cuda::DecodeState* state = nullptr;        // token, pos, step
   cuda::DeviceSampling* sampling = nullptr;  // the sampling parameters
   cuda::LogitBias* bias = nullptr;           // (kMaxLogitBias) their logit bias (sampling->n_bias entries)
+  unsigned* mask = nullptr;                  // (mask_words(vocab)) their allowed tokens (read if sampling->has_mask)
   unsigned char* seen = nullptr;             // (vocab) the repetition penalty's set
   int* counts = nullptr;                     // (vocab) generated counts (presence / frequency penalties)
   float* probs = nullptr;                    // (vocab) sampler scratch

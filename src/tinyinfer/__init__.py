@@ -57,6 +57,7 @@ _core = _import_core()
 from ._core import ModelConfig  # noqa: E402
 from .engine import Completion, Engine, Stats  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
+from .structured import StructuredOutputs  # noqa: E402
 from .scheduler import Delta, Request, Scheduler, TokenLogprob  # noqa: E402
 
 __version__ = _core.build_info["version"]
@@ -66,6 +67,7 @@ __all__ = [
     "Completion",
     "Stats",
     "SamplingParams",
+    "StructuredOutputs",
     "Scheduler",
     "Request",
     "Delta",

@@ -19,6 +19,7 @@ import io
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Optional
 
 from .errors import InvalidRequestError, TinyInferError
@@ -62,6 +63,12 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="default (or -1): a random one")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the model's end-of-sequence")
+    c = p.add_argument_group("structured outputs (llama-cli's flags; one of them)").add_mutually_exclusive_group()
+    c.add_argument("--json-schema", "-j", metavar="SCHEMA", help="the answer is JSON valid under this JSON schema "
+                   "(its text; {} for any JSON object)")
+    c.add_argument("--json-schema-file", metavar="FILE", help="the same, the schema read from FILE")
+    c.add_argument("--grammar", metavar="GRAMMAR", help="the answer follows this grammar (llama.cpp's GBNF or Lark)")
+    c.add_argument("--grammar-file", metavar="FILE", help="the same, the grammar read from FILE")
 
 
 # The longest context `bench --device cpu` times (each is one prefill on the reference engine first).
@@ -83,13 +90,39 @@ def _logit_bias(items: list[str]) -> Optional[dict[int, float]]:
     return out or None
 
 
+def _structured(args):
+    """The structured-output flags as a StructuredOutputs (None: plain text); a file that cannot be read is named."""
+    from .structured import StructuredOutputs
+
+    def read(path: str, flag: str) -> str:
+        try:
+            return Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidRequestError(f"{flag} {path}: cannot read it ({e})") from None
+
+    schema = args.json_schema if args.json_schema is not None else (
+        read(args.json_schema_file, "--json-schema-file") if args.json_schema_file else None)
+    grammar = args.grammar if args.grammar is not None else (
+        read(args.grammar_file, "--grammar-file") if args.grammar_file else None)
+    try:
+        if schema is not None:
+            return StructuredOutputs(json_object=True) if schema.strip() in ("{}", "") else StructuredOutputs(json=schema)
+        if grammar is not None:
+            return StructuredOutputs(grammar=grammar)
+    except InvalidRequestError as e:
+        flag = "--json-schema" if schema is not None else "--grammar"
+        raise InvalidRequestError(str(e).replace("invalid structured_outputs: ", f"{flag}: ", 1)) from None
+    return None
+
+
 def _sampling(args) -> dict:
     """The sampling flags as SamplingParams' fields; -1 is llama.cpp's "none" for -n and --seed."""
     return dict(max_tokens=None if args.max_tokens == -1 else args.max_tokens, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                 seed=None if args.seed == -1 else args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
-                logit_bias=_logit_bias(args.logit_bias), min_tokens=args.min_tokens)
+                logit_bias=_logit_bias(args.logit_bias), min_tokens=args.min_tokens,
+                structured_outputs=_structured(args))
 
 
 def _check_before_load(args) -> None:

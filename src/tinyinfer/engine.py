@@ -32,6 +32,7 @@ from .loaders import load_model
 from .loading import (DEVICE_DTYPES, DTYPES, QUANTIZED, TacticsCache, check_dtype, check_threads, cuda_status,
                       load_cpu, load_cuda, no_cuda_sentence, pick_device, plan_file, with_plan_cache)
 from .sampling import CoreSampling, SamplingParams, TextAssembler, stop_reason
+from .structured import GrammarCompiler
 
 if TYPE_CHECKING:
     from .request import TokenLogprob
@@ -157,6 +158,8 @@ class Engine:
             )
         self.max_seq_len = max_seq_len
         self._tactics = TacticsCache()
+        self._grammars: Optional[GrammarCompiler] = None  # structured outputs: made on the first such request
+        self._grammars_lock = threading.Lock()
         show = progress is None and sys.stderr.isatty() or progress is True
         if self.device == "cuda":
             # a copy: dtype and act8 below are this engine's, not the caller's options object's
@@ -358,7 +361,13 @@ class Engine:
         return [ids for ids in out if ids]
 
     def _core_sampling(self, sp: SamplingParams, seed: int) -> CoreSampling:
-        return CoreSampling(sp, seed, self.config.eos_token_ids, self.config.vocab, self._bad_words_ids(sp))
+        grammar = None
+        if sp.structured_outputs is not None:
+            with self._grammars_lock:
+                if self._grammars is None:
+                    self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab, self.config.eos_token_ids)
+            grammar = self._grammars.start(sp.structured_outputs)
+        return CoreSampling(sp, seed, self.config.eos_token_ids, self.config.vocab, self._bad_words_ids(sp), grammar)
 
     # ---- scoring ----
 
@@ -574,7 +583,12 @@ class Engine:
         t0 = time.perf_counter()
         gpu_ms = 0.0
         while len(out) < sp.max_tokens:
-            # a chunk ends where its config changes (min_tokens' bans end; bad words: after each token)
+            if sampling.finished(out):  # a complete grammar (structured outputs): nothing more may follow
+                finish = "stop"
+                if text is not None:
+                    yield text.add([], final=True)
+                break
+            # a chunk ends where its config changes (min_tokens' bans end; bad words, a grammar: after each token)
             n = min(self._chunk, sp.max_tokens - len(out), sampling.same_for(len(out)) or self._chunk)
             new = self._core.decode(n, sampling.at(out), stop_ids, len(out))
             gpu_ms += getattr(self._core, "last_decode_ms", 0.0)

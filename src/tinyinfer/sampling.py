@@ -6,13 +6,16 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, field, fields
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 import numpy as np
 
 from . import _core
 from .errors import InvalidRequestError
 from .tokenizer import not_unicode
+
+if TYPE_CHECKING:
+    from .structured import GrammarState, StructuredOutputs
 
 MAX_LOGPROBS = 20  # top entries per token a request may ask for (OpenAI's limit)
 INT64_MAX = 2**63 - 1  # the core's top_k is an int64 (its seed a uint64)
@@ -63,6 +66,9 @@ class SamplingParams:
     # vLLM's: words banned as the model tokenizes them, alone and after a space (another tokenization of the same
     # text is not): the last token of one is banned where the tokens generated so far end with the rest of it
     bad_words: Optional[Sequence[str]] = None
+    # vLLM's: the answer held to a JSON schema, any JSON object, a regex, a choice of strings or a grammar
+    # (a StructuredOutputs, or a mapping of its fields)
+    structured_outputs: Optional["StructuredOutputs"] = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -143,6 +149,8 @@ class SamplingParams:
             raise bad(f"bad_words must be a list of non-blank strings (got {self.bad_words!r:.100})")
         if self.bad_words and len(self.bad_words) > MAX_BAD_WORDS:
             raise bad(f"bad_words takes at most {MAX_BAD_WORDS} words (got {len(self.bad_words)})")
+        from .structured import StructuredOutputs
+        self.structured_outputs = StructuredOutputs.from_value(self.structured_outputs)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
                 raise bad(f"logit_bias must be a mapping of token ids to numbers (got {self.logit_bias!r:.100})")
@@ -195,10 +203,12 @@ class CoreSampling:
     not take — for the first min_tokens tokens the stop ids (stop_token_ids and the model's EOS ids, even under
     ignore_eos, as vLLM's "min_tokens before EOS"), and vLLM's bad_words: a one-token word always, a longer one's
     last token where the tokens generated so far end with the rest of it. Every config checked against the
-    vocabulary; the largest set of bans a step can meet is counted against the core's limit up front."""
+    vocabulary; the largest set of bans a step can meet is counted against the core's limit up front.
+    With a grammar (structured outputs), each config also carries the grammar's mask of the next token; where the
+    bans would leave none of its tokens, the grammar wins (the bans are dropped for that token)."""
 
     def __init__(self, sp: SamplingParams, seed: int, eos_ids: Sequence[int], vocab: int,
-                 bad_words_ids: Sequence[Sequence[int]] = ()):
+                 bad_words_ids: Sequence[Sequence[int]] = (), grammar: Optional["GrammarState"] = None):
         bad = [t for t in (sp.logit_bias or {}) if t >= vocab]
         if bad:
             raise InvalidRequestError(f"invalid sampling parameter: logit_bias token id {bad[0]} is out of range for "
@@ -220,22 +230,28 @@ class CoreSampling:
                 f"make {len(most)} logit-bias entries: at most {MAX_LOGIT_BIAS}")
         self._configs: dict[frozenset, _core.SamplingConfig] = {}
         self._late: Optional[_core.SamplingConfig] = None
-        self.at(())  # (the config of the first token, checked now)
-        # every later token's when nothing changes it: no set built a step (the scheduler asks every step)
-        if not self._multi:
-            self._late = self.at((0,) * sp.min_tokens)
+        self._grammar = grammar
+        if grammar is None:
+            self.at(())  # (the config of the first token, checked now)
+            # every later token's when nothing changes it: no set built a step (the scheduler asks every step)
+            if not self._multi:
+                self._late = self.at((0,) * sp.min_tokens)
 
     def same_for(self, n_generated: int) -> Optional[int]:
         """How many tokens from n_generated on are sampled with at(...) of now (None: all of them; 1 with
-        multi-token bad words: the GPU's single path then decodes a token a call)."""
-        if self._multi:
+        multi-token bad words or a grammar: the GPU's single path then decodes a token a call)."""
+        if self._multi or self._grammar is not None:
             return 1
         return self.min_tokens - n_generated if n_generated < self.min_tokens and self._stop_ban else None
 
-    def at(self, generated: Sequence[int]) -> _core.SamplingConfig:
-        """The config of the token after `generated` (the request's generated tokens so far)."""
-        if self._late is not None and len(generated) >= self.min_tokens:
-            return self._late
+    def finished(self, generated: Sequence[int]) -> bool:
+        """Whether the request's grammar is complete after `generated` (nothing more may follow): it ends there."""
+        if self._grammar is None:
+            return False
+        self._grammar.advance(generated)
+        return self._grammar.finished
+
+    def _bans(self, generated: Sequence[int]) -> set[int]:
         ban = set(self._always)
         if len(generated) < self.min_tokens:
             ban |= self._stop_ban
@@ -243,13 +259,36 @@ class CoreSampling:
             k = len(w) - 1
             if len(generated) >= k and tuple(generated[-k:]) == w[:-1]:
                 ban.add(w[-1])
-        key = frozenset(ban)
+        return ban
+
+    def at(self, generated: Sequence[int]) -> _core.SamplingConfig:
+        """The config of the token after `generated` (the request's generated tokens so far)."""
+        if self._grammar is not None:
+            return self._with_grammar(generated)
+        if self._late is not None and len(generated) >= self.min_tokens:
+            return self._late
+        key = frozenset(self._bans(generated))
         cfg = self._configs.get(key)
         if cfg is None:
             if len(self._configs) >= 64:  # (bad words' combinations: a bounded cache)
                 self._configs.clear()
-            cfg = self._configs[key] = self._sp.to_core(self._seed, sorted(ban))
+            cfg = self._configs[key] = self._sp.to_core(self._seed, sorted(key))
             cfg.validate(self._vocab)
+        return cfg
+
+    def _with_grammar(self, generated: Sequence[int]) -> _core.SamplingConfig:
+        self._grammar.advance(generated)
+        mask = self._grammar.mask()
+        ban = self._bans(generated)
+        if ban:
+            left = mask.copy()
+            for t in ban:
+                left[t >> 5] &= ~np.uint32(1 << (t & 31))
+            if not left.any():  # (e.g. min_tokens against a grammar that allows only EOS: the grammar wins)
+                ban = set()
+        cfg = self._sp.to_core(self._seed, sorted(ban))
+        cfg.allowed = mask
+        cfg.validate(self._vocab)
         return cfg
 
 

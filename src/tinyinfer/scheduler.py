@@ -1052,13 +1052,16 @@ class Scheduler:
                 self.trace.event("first", seq.request.id, t=seq.t_first)
         if lp is not None:
             seq.logprobs.append(lp)
-        finish = "stop" if tok in seq.stop_ids else None
+        stop_id = tok in seq.stop_ids
+        finish = "stop" if stop_id else None
         if finish:
             seq.stop_reason = stop_reason(seq.params, tok, self._engine.config.eos_token_ids)
+        elif seq.sampling.finished(seq.generated):  # a complete grammar (structured outputs)
+            finish = "stop"
         last = finish is not None or len(seq.generated) >= seq.params.max_tokens
         piece = ""
         if seq.text is not None:
-            piece = seq.text.add([] if finish else [tok], final=last)
+            piece = seq.text.add([] if stop_id else [tok], final=last)
             if seq.text.stopped:
                 finish, seq.stop_reason = "stop", seq.text.stop_string
         if finish is None and last:

@@ -389,8 +389,8 @@ class Service:
             if isinstance(e, QueueFullError):
                 raise P.APIError(503, f"the server is busy: {e}", code="queue_full",
                                  headers={"Retry-After": "1"}) from None
-            if isinstance(e, InvalidRequestError):
-                raise P.bad(str(e)) from None
+            if isinstance(e, InvalidRequestError):  # (a constraint that does not compile: its field named)
+                raise P.bad(str(e), g.structured_from if "structured_outputs" in str(e) else None) from None
             raise
         return _Call(rid, choices, g.n)
 

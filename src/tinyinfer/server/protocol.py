@@ -24,6 +24,7 @@ from ..chat import joined_text_parts
 from ..errors import InvalidRequestError
 from ..sampling import (DEFAULTABLE, INT64_MAX, LOGIT_BIAS_RANGE, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
                         MAX_STOP_CHARS, SamplingParams, TextAssembler, as_float32)
+from ..structured import StructuredOutputs
 from ..tokenizer import not_unicode
 
 
@@ -69,6 +70,7 @@ class GenerationRequest:
     logprobs: Optional[int] = None  # None: off; k: the chosen token's logprob and k top entries
     messages: Optional[list[dict]] = None  # chat
     prompts: list[Union[str, list[int]]] = field(default_factory=list)  # completions: one or more prompts
+    structured_from: Optional[str] = None  # the field that asked for structured outputs (errors name it)
 
 
 # ---- field checkers: each returns the value or raises a 400 naming the field ----
@@ -142,6 +144,46 @@ def _logit_bias(body: dict) -> dict[int, float]:
     return out
 
 
+# vLLM's older extensions for structured outputs, each one StructuredOutputs field (vLLM's structured_outputs now)
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured(body: dict) -> tuple[Optional[StructuredOutputs], Optional[str]]:
+    """Structured outputs from OpenAI's response_format ({"type": "json_object"} or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}), vLLM's structured_outputs object or its older guided_* fields;
+    at most one of them. Returns the constraint (None: plain text) and the field it came from."""
+    given = [f for f in ("response_format", "structured_outputs", *_GUIDED)
+             if body.get(f) is not None and body.get(f) != {"type": "text"}]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise bad(f"give structured outputs one way: {', '.join(map(repr, given))} were all set", given[1])
+    name = given[0]
+    v = body[name]
+    try:
+        if name == "response_format":
+            if not isinstance(v, dict) or v.get("type") not in ("json_object", "json_schema"):
+                raise bad("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                          f"{{\"type\": \"json_schema\", \"json_schema\": {{...}}}} (got {v!r:.100})", name)
+            _refuse_unknown(v, {"type", "json_schema"} if v["type"] == "json_schema" else {"type"})
+            if v["type"] == "json_object":
+                return StructuredOutputs(json_object=True), name
+            js = v.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                raise bad("'response_format' json_schema must be an object with a 'schema' object (got "
+                          f"{js!r:.100})", name)
+            _refuse_unknown(js, {"name", "description", "schema", "strict"})
+            return StructuredOutputs(json=js["schema"]), name
+        if name == "structured_outputs":
+            return StructuredOutputs.from_value(v), name
+        return StructuredOutputs(**{_GUIDED[name]: v}), name
+    except APIError as e:
+        e.param = name
+        raise
+    except InvalidRequestError as e:
+        raise bad(str(e), name) from None
+
+
 # Fields of OpenAI's API this engine cannot honour, each with the values that mean "not used" (accepted).
 _OFF = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
@@ -153,8 +195,9 @@ OPENAI_TEMPERATURE = 1.0  # a request's temperature when it has none (OpenAI's A
 _IGNORED = {"user", "metadata", "store", "parallel_tool_calls"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "logprobs",
-           "stop_token_ids", "logit_bias", "min_tokens", "bad_words"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
+           "stop_token_ids", "logit_bias", "min_tokens", "bad_words", "response_format", "structured_outputs",
+           *_GUIDED}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 
 
@@ -235,6 +278,9 @@ def _sampling(body: dict, max_tokens: Optional[int], defaults: Mapping[str, Any]
         if max_tokens is not None and mt > max_tokens:
             raise bad(f"'min_tokens' ({mt}) must be at most max_tokens ({max_tokens})", "min_tokens")
         kw["min_tokens"] = mt
+    so, _ = _structured(body)
+    if so is not None:
+        kw["structured_outputs"] = so
     try:
         return SamplingParams(max_tokens=max_tokens, **kw)  # (None: the endpoint's default, set by the app)
     except InvalidRequestError as e:  # a check above should have named the field; a 400 all the same
@@ -303,10 +349,6 @@ def parse_chat(body: Any, defaults: Mapping[str, Any] = MappingProxyType({})) ->
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _check_fields(body, CHAT_FIELDS)
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise bad("'response_format' other than {\"type\": \"text\"} is not supported by this server",
-                  "response_format", "unsupported_parameter")
     msgs = _messages(body)
     mt, mct = _int(body, "max_tokens", 1), _int(body, "max_completion_tokens", 1)
     if mt is not None and mct is not None and mt != mct:
@@ -319,7 +361,8 @@ def parse_chat(body: Any, defaults: Mapping[str, Any] = MappingProxyType({})) ->
     max_tokens = mct if mct is not None else mt
     return GenerationRequest(kind="chat", model=_model(body), params=_sampling(body, max_tokens, defaults),
                              max_tokens=max_tokens, n=_int(body, "n", 1, 128) or 1, stream=stream,
-                             include_usage=usage, logprobs=(top or 0) if lp else None, messages=msgs)
+                             include_usage=usage, logprobs=(top or 0) if lp else None, messages=msgs,
+                             structured_from=_structured(body)[1])
 
 
 def _prompts(p: Any) -> list[Union[str, list[int]]]:
@@ -352,7 +395,7 @@ def parse_completion(body: Any, defaults: Mapping[str, Any] = MappingProxyType({
     stream, usage = _stream(body)
     return GenerationRequest(kind="completion", model=_model(body), params=_sampling(body, mt, defaults), max_tokens=mt,
                              n=_int(body, "n", 1, 128) or 1, stream=stream, include_usage=usage, logprobs=lp,
-                             prompts=prompts)
+                             prompts=prompts, structured_from=_structured(body)[1])
 
 
 # ---- responses ----

@@ -183,16 +183,19 @@ CHAR_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {
                       "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
 
 
-def save_char_tokenizer(d: Path, chat_template: str = CHAR_CHAT_TEMPLATE):
+def save_char_tokenizer(d: Path, chat_template: str = CHAR_CHAT_TEMPLATE, fused: bool = False):
     """A character-level tokenizer (ids 0..97: <unk> <s> </s> and printable ASCII) with a chat template, saved
-    into the model directory `d` as transformers saves one. Returns the transformers tokenizer."""
+    into the model directory `d` as transformers saves one. Returns the transformers tokenizer. Its decode puts a
+    space between tokens (a word-level model's), or with fused=True none (the text is the characters)."""
     from tokenizers import Tokenizer as HFTok
-    from tokenizers import models, pre_tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {c: i for i, c in enumerate(["<unk>", "<s>", "</s>"] + [chr(i) for i in range(32, 127)])}
     tok = HFTok(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    if fused:
+        tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.chat_template = chat_template
     fast.save_pretrained(d)

@@ -583,8 +583,12 @@ def _error_of(exc) -> dict:
 
 
 BAD_CHAT = [  # (extra arguments, param named)
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
-    (dict(tool_choice="auto"), "tool_choice"),
+    # (tools without tool_choice: "auto", which this server, started without a tool-call parser, refuses)
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), "tools"),
+    (dict(tool_choice="auto"), "tool_choice"),  # (without tools)
+    (dict(functions=[{"name": "f"}]), "functions"),
+    (dict(parallel_tool_calls="yes"), "parallel_tool_calls"),
     (dict(response_format={"type": "grammar"}), "response_format"),
     (dict(response_format={"type": "json_schema"}), "response_format"),  # no json_schema object
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}), "response_format"),
@@ -1003,7 +1007,8 @@ def test_serve_without_fastapi_says_how_to_install():
                                       (["--stream-interval", "0"], "--stream-interval"),
                                       (["--switch-interval-ms", "0"], "--switch-interval-ms"),
                                       (["--api-workers", "0"], "--api-workers"),
-                                      (["--api-workers", "65"], "--api-workers")])
+                                      (["--api-workers", "65"], "--api-workers"),
+                                      (["--enable-auto-tool-choice"], "needs --tool-call-parser")])
 def test_serve_bad_arguments_refused_before_loading(args, msg):
     p = subprocess.run([sys.executable, "-m", "tinyinfer", "serve", "--model", "/nonexistent", *args],
                        capture_output=True, text=True, timeout=120)

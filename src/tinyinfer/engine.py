@@ -33,6 +33,7 @@ from .loading import (DEVICE_DTYPES, DTYPES, QUANTIZED, TacticsCache, check_dtyp
                       load_cpu, load_cuda, no_cuda_sentence, pick_device, plan_file, with_plan_cache)
 from .sampling import CoreSampling, SamplingParams, TextAssembler, stop_reason
 from .structured import GrammarCompiler
+from .tools import with_tools
 
 if TYPE_CHECKING:
     from .request import TokenLogprob
@@ -483,16 +484,17 @@ class Engine:
 
     @overload
     def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
-                            tokenize: Literal[True] = True) -> list[int]: ...
+                            tokenize: Literal[True] = True, tools: Optional[list[dict]] = None) -> list[int]: ...
 
     @overload
     def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
-                            tokenize: Literal[False]) -> str: ...
+                            tokenize: Literal[False], tools: Optional[list[dict]] = None) -> str: ...
 
     def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
-                            tokenize: bool = True) -> Union[list[int], str]:
+                            tokenize: bool = True, tools: Optional[list[dict]] = None) -> Union[list[int], str]:
         """Token ids of a conversation rendered with the model's chat template (as transformers'
-        apply_chat_template(tokenize=True) gives them); tokenize=False: the rendered text (to read the prompt)."""
+        apply_chat_template(tokenize=True) gives them); tokenize=False: the rendered text (to read the prompt).
+        tools: OpenAI's tool definitions, the template's `tools` (tools.check_tools' form)."""
         tok = self._need_tokenizer()
         if not getattr(tok, "chat_template", None):
             raise TokenizerError(f"{self.path}: the model has no chat template")
@@ -506,9 +508,10 @@ class Engine:
         except TypeError:
             raise InvalidRequestError(f"messages must be a list of {{'role': ..., 'content': ...}} objects, got "
                                       f"a {type(messages).__name__}") from None
+        msgs, extra = with_tools(msgs, tools)
         if not tokenize:
-            return tok.render_chat(msgs, add_generation_prompt=add_generation_prompt)
-        return tok.encode_chat(msgs, add_generation_prompt=add_generation_prompt)
+            return tok.render_chat(msgs, add_generation_prompt=add_generation_prompt, **extra)
+        return tok.encode_chat(msgs, add_generation_prompt=add_generation_prompt, **extra)
 
     @overload
     def chat(self, messages: Sequence[dict], params: Optional[SamplingParams] = None, **kwargs) -> Completion: ...

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import (ChatTemplateError, DeviceError, InvalidRequestError, KvCacheFullError, QueueFullError,
                       TokenizerError)
 from ..scheduler import Delta, merge_deltas
+from ..tools import ToolAnswer, parser
 from . import protocol as P
 from .metrics import render as render_metrics
 
@@ -105,6 +106,7 @@ class _Choice:
         self.completion: Any = None  # the final Completion, once its last Delta arrived
         self.tokens = 0  # generated so far (the log line of a request cut short)
         self.offsets: Optional[P.TextOffsets] = None  # the legacy text_offset, over the tokens whose logprobs were sent
+        self.tools: Optional[ToolAnswer] = None  # a streamed chat choice's tool calls (tools, tool_choice not none)
 
 
 async def _deltas(c: _Choice, every: Optional[int] = 1) -> AsyncIterator[Delta]:
@@ -218,8 +220,10 @@ class Service:
     """What the routes do: check, tokenize, submit one scheduler Request per choice, answer or stream."""
 
     def __init__(self, engine, scheduler, model_name: str, api_key: Optional[str], max_body_bytes: int,
-                 stream_interval: Optional[int] = None, sampling_defaults: Mapping[str, Any] = MappingProxyType({})):
+                 stream_interval: Optional[int] = None, sampling_defaults: Mapping[str, Any] = MappingProxyType({}),
+                 tool_parser: Optional[str] = None):
         self.engine = engine
+        self.tool_parser = tool_parser
         self.sampling_defaults = sampling_defaults
         self.stream_interval = stream_interval
         self.scheduler = scheduler
@@ -297,7 +301,7 @@ class Service:
             raise P.bad("this model has no tokenizer: give the prompt as token ids", param)
         try:
             if g.kind == "chat":
-                return [eng.apply_chat_template(g.messages)]
+                return [eng.apply_chat_template(g.messages, tools=g.tools)]
             out = []
             for p in g.prompts:
                 ids = eng.tokenize(p) if isinstance(p, str) else list(p)
@@ -399,6 +403,9 @@ class Service:
         self.check_auth(request)
         g = parse(await _read_json(request, self.max_body_bytes), self.sampling_defaults)
         self.check_model(g.model)
+        if g.tool_choice == "auto" and self.tool_parser is None:  # (vLLM's rule and message)
+            raise P.bad("\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set "
+                        "(tools without a tool_choice mean \"auto\")", "tool_choice")
         self.check_ids(g.params.stop_token_ids, "stop token id", "stop_token_ids")
         self.check_ids(g.params.logit_bias or (), "logit_bias token id", "logit_bias")
         if g.kind == "completion" and not any(isinstance(p, str) for p in g.prompts):
@@ -428,6 +435,12 @@ class Service:
         if c.offsets is None:
             c.offsets = P.TextOffsets(self.engine.tokenizer)
         return P.completion_logprobs(items, self.token_text, c.offsets)
+
+    def tool_answer(self, g: P.GenerationRequest) -> Optional[ToolAnswer]:
+        """A chat choice's reader of tool calls, where its request may make them (tools, tool_choice not none)."""
+        if g.kind != "chat" or not g.tools or g.tool_choice == "none":
+            return None
+        return ToolAnswer(g.tool_choice, parser(self.tool_parser) if g.tool_choice == "auto" else None)
 
     async def answer(self, request: Request, g: P.GenerationRequest, call: _Call) -> dict:
         """The whole answer; the client's disconnect (watched meanwhile) cancels the requests."""
@@ -459,9 +472,15 @@ class Service:
         if any(c.completion.finish_reason == "cancelled" for c in call.choices):  # only close() cancels these
             call.log("server shutdown")
             raise self.shutting_down()
-        choices = [P.final_choice(g.kind, c.index, c.completion.text, self.logprobs_of(g, c.completion.logprobs, c),
-                                  c.completion.finish_reason, c.completion.stop_reason)
-                   for c in call.choices]
+        choices = []
+        for c in call.choices:
+            text, finish, calls = c.completion.text, c.completion.finish_reason, []
+            tools = self.tool_answer(g)
+            if tools is not None:
+                tools.add(text, final=True)
+                text, calls, finish, _ = tools.end(finish)
+            choices.append(P.final_choice(g.kind, c.index, text, self.logprobs_of(g, c.completion.logprobs, c),
+                                          finish, c.completion.stop_reason, calls))
         call.log(call.finish_reasons())
         return {"id": call.id, "object": "chat.completion" if g.kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": self.model_name, "choices": choices, "usage": call.usage(),
@@ -476,6 +495,8 @@ class Service:
         if g.kind == "chat":
             head["system_fingerprint"] = None
         fmt = P.ChunkFormat(head, g.kind, g.include_usage)
+        for c in call.choices:
+            c.tools = self.tool_answer(g)
         outcome = "client gone"
         try:
             if g.kind == "chat":
@@ -493,8 +514,11 @@ class Service:
                             return
                         call.saw(c, d)
                         lp = self.logprobs_of(g, d.logprobs, c)
-                        if d.text or lp or d.token_ids:
-                            out.append(fmt.text(c.index, d.text, lp))
+                        text = d.text
+                        if c.tools is not None:  # content only; what may be a call is held back
+                            text = c.tools.add(text, final=d.completion is not None)
+                        if text or lp or d.token_ids:
+                            out.append(fmt.text(c.index, text, lp))
                         if d.completion is None:
                             continue
                         if d.completion.finish_reason == "cancelled":  # only close() cancels these
@@ -503,7 +527,14 @@ class Service:
                             yield "".join(out)
                             return
                         left -= 1
-                        out.append(fmt.finish(c.index, d.completion.finish_reason, d.completion.stop_reason))
+                        finish = d.completion.finish_reason
+                        if c.tools is not None:
+                            _, calls, finish, rest = c.tools.end(finish)
+                            if rest:
+                                out.append(fmt.text(c.index, rest, None))
+                            if calls:
+                                out.append(fmt.tool_calls(c.index, calls))
+                        out.append(fmt.finish(c.index, finish, d.completion.stop_reason))
                     if not left:
                         if g.include_usage:
                             out.append(P.sse({**head, "choices": [], "usage": call.usage()}))
@@ -520,13 +551,14 @@ class Service:
 
 def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = None,
                max_body_bytes: int = MAX_BODY_BYTES, stream_interval: Optional[int] = None,
-               sampling_defaults: Optional[dict] = None) -> FastAPI:
+               sampling_defaults: Optional[dict] = None, tool_parser: Optional[str] = None) -> FastAPI:
     """The app serving `engine` through `scheduler` (started and closed by the app's lifespan) as `model_name`.
     api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (/health stays open for load balancers).
     stream_interval: a stream's chunk goes out once per this many tokens (its first token and its end at once);
     None: adaptive (Scheduler.adaptive_interval: 1 while few sequences run, every 4th token at 64).
     sampling_defaults: what a request leaves out of sampling.DEFAULTABLE (protocol.checked_defaults' valid ones;
     None: OpenAI's defaults)
+    tool_parser: the model's tool-call format (tools.PARSERS) for tool_choice "auto"; None: such requests refused
     app.state.begin_shutdown(): stop generating now (tinyinfer serve calls it on Ctrl-C)."""
     if stream_interval is not None and (not isinstance(stream_interval, int) or isinstance(stream_interval, bool)
                                         or stream_interval < 1):
@@ -534,8 +566,10 @@ def create_app(engine, scheduler, *, model_name: str, api_key: Optional[str] = N
     defaults, dropped = P.checked_defaults(sampling_defaults or {})
     if dropped:  # (every request would be refused for the server's own setting)
         raise InvalidRequestError(f"sampling_defaults: {'; '.join(dropped)}")
+    if tool_parser is not None:
+        parser(tool_parser)  # (an unknown name: refused now)
     svc = Service(engine, scheduler, model_name, api_key, max_body_bytes, stream_interval,
-                  MappingProxyType(defaults))
+                  MappingProxyType(defaults), tool_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

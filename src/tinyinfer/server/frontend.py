@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     remote = RemoteScheduler(conn, on_end=end, max_waiting=setup["max_waiting"])
     app = create_app(setup["text"], remote, model_name=setup["model_name"], api_key=setup["api_key"],
                      stream_interval=setup["stream_interval"], max_body_bytes=setup["max_body_bytes"],
-                     sampling_defaults=setup["sampling_defaults"])
+                     sampling_defaults=setup["sampling_defaults"], tool_parser=setup["tool_parser"])
     request_log(args.log_level, args.name)
 
     class Server(uvicorn.Server):

@@ -19,6 +19,7 @@ import sys
 from typing import Optional
 
 from ..errors import InvalidRequestError
+from ..tools import PARSERS
 
 MISSING = "tinyinfer serve needs fastapi and uvicorn: pip install 'tinyinfer[serve]'"
 # --api-workers' default: on the GPU, where the host has the cores, the HTTP side in 4 processes of its own (the
@@ -70,6 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-interval-ms", type=float, default=0.2,
                    help="Python's thread switch interval (sys.setswitchinterval; default 0.2 ms, Python's own is 5): "
                         "how long the scheduler may wait for the GIL after a GPU call while the HTTP loop holds it")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice \"auto\" (OpenAI's default with tools): the model's tool calls read from its "
+                        "text by --tool-call-parser (vLLM's flags); without it such a request is refused")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, "
+                        "SmolLM3), llama3_json (Llama 3.1-3.3's JSON calls)")
     p.add_argument("--generation-config", choices=("auto", "openai"), default="auto",
                    help="the sampling defaults of a request that leaves them out: auto (default) the model's "
                         "generation_config.json where it sets temperature, top_p, top_k, min_p or "
@@ -107,6 +114,8 @@ def check_arguments(args) -> None:
         raise InvalidRequestError("--served-model-name is empty")
     if args.api_key is not None and not args.api_key:
         raise InvalidRequestError("--api-key is empty")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise InvalidRequestError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
     if args.trace is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
         raise InvalidRequestError(f"--trace: the folder of {args.trace!r} does not exist")
     check_address(args.host, args.port)
@@ -190,6 +199,7 @@ def serve(args, engine_factory) -> int:
         args.api_workers = AUTO_WORKERS if many else 1
     request_log(args.log_level)
     defaults = sampling_defaults(engine, args.generation_config)
+    tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     workers = f", {args.api_workers} API workers" if args.api_workers > 1 else ""
     print(f"tinyinfer: serving {name} [{engine.device} {engine.dtype}, max_seq_len {engine.max_seq_len}{workers}] "
           f"at http://{args.host}:{args.port}/v1{' (API key required)' if api_key else ''}", file=sys.stderr,
@@ -206,11 +216,11 @@ def serve(args, engine_factory) -> int:
 
         try:
             return run_workers(args, engine, scheduler, model_name=name, api_key=api_key, sampling_defaults=defaults,
-                               on_stopped=save_trace)
+                               on_stopped=save_trace, tool_parser=tool_parser)
         finally:
             engine.close()
     app = create_app(engine, scheduler, model_name=name, api_key=api_key, stream_interval=args.stream_interval,
-                     sampling_defaults=defaults)
+                     sampling_defaults=defaults, tool_parser=tool_parser)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

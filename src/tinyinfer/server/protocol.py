@@ -6,13 +6,14 @@ that names the parameter (`param`), and the tables below say in one place what i
 because this engine cannot do it, and what is accepted and ignored.
 
 Field policy (README "Serving"): a field of OpenAI's API that this server cannot honour is refused with 400 naming
-it (unless it holds the value that means "off", e.g. `"tools": []`, `"echo": false`, `"best_of": 1`); an unknown
-field is refused too, so a typo never silently changes nothing. Only `user`, `metadata`, `store` (false) and
-`parallel_tool_calls` (without tools it means nothing) are accepted and ignored: clients send them routinely.
+it (unless it holds the value that means "off", e.g. `"functions": []`, `"echo": false`, `"best_of": 1`); an
+unknown field is refused too, so a typo never silently changes nothing. Only `user`, `metadata` and `store` (false)
+are accepted and ignored: clients send them routinely.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -25,6 +26,7 @@ from ..errors import InvalidRequestError
 from ..sampling import (DEFAULTABLE, INT64_MAX, LOGIT_BIAS_RANGE, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
                         MAX_STOP_CHARS, SamplingParams, TextAssembler, as_float32)
 from ..structured import StructuredOutputs
+from ..tools import ToolCall, check_tool_choice, check_tools, forced_constraint
 from ..tokenizer import not_unicode
 
 
@@ -71,6 +73,8 @@ class GenerationRequest:
     messages: Optional[list[dict]] = None  # chat
     prompts: list[Union[str, list[int]]] = field(default_factory=list)  # completions: one or more prompts
     structured_from: Optional[str] = None  # the field that asked for structured outputs (errors name it)
+    tools: Optional[list[dict]] = None  # chat: OpenAI's tool definitions (the template's `tools`)
+    tool_choice: Union[str, dict] = "none"  # "none" | "auto" | "required" | {"type": "function", ...}
 
 
 # ---- field checkers: each returns the value or raises a 400 naming the field ----
@@ -186,18 +190,19 @@ def _structured(body: dict) -> tuple[Optional[StructuredOutputs], Optional[str]]
 
 # Fields of OpenAI's API this engine cannot honour, each with the values that mean "not used" (accepted).
 _OFF = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "service_tier": (None, "auto", "default"),
 }
 OPENAI_TEMPERATURE = 1.0  # a request's temperature when it has none (OpenAI's API reference)
-_IGNORED = {"user", "metadata", "store", "parallel_tool_calls"}
+_IGNORED = {"user", "metadata", "store"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "logprobs",
            "stop_token_ids", "logit_bias", "min_tokens", "bad_words", "response_format", "structured_outputs",
            *_GUIDED}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                         "parallel_tool_calls"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 
 
@@ -359,10 +364,32 @@ def parse_chat(body: Any, defaults: Mapping[str, Any] = MappingProxyType({})) ->
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     stream, usage = _stream(body)
     max_tokens = mct if mct is not None else mt
-    return GenerationRequest(kind="chat", model=_model(body), params=_sampling(body, max_tokens, defaults),
+    params, structured_from = _sampling(body, max_tokens, defaults), _structured(body)[1]
+    tools, choice = _tools(body)
+    parallel = _bool(body, "parallel_tool_calls") is not False  # (OpenAI's default: true)
+    forced = forced_constraint(tools, choice, parallel) if tools else None
+    if forced is not None:  # a named tool_choice or "required": the answer held to the calls' JSON
+        if params.structured_outputs is not None:
+            raise bad(f"'tool_choice' {choice if isinstance(choice, str) else 'naming a function'} and "
+                      f"'{structured_from}' both constrain the answer; give one", "tool_choice")
+        params, structured_from = dataclasses.replace(params, structured_outputs=forced), "tool_choice"
+    return GenerationRequest(kind="chat", model=_model(body), params=params,
                              max_tokens=max_tokens, n=_int(body, "n", 1, 128) or 1, stream=stream,
                              include_usage=usage, logprobs=(top or 0) if lp else None, messages=msgs,
-                             structured_from=_structured(body)[1])
+                             structured_from=structured_from, tools=tools, tool_choice=choice)
+
+
+def _tools(body: dict) -> tuple[Optional[list[dict]], Union[str, dict]]:
+    """OpenAI's tools (an empty list: none) and tool_choice, checked."""
+    tools = body.get("tools")
+    try:
+        tools = check_tools(tools) if tools not in (None, []) else None
+    except InvalidRequestError as e:
+        raise bad(str(e), "tools") from None
+    try:
+        return tools, check_tool_choice(body.get("tool_choice"), tools)
+    except InvalidRequestError as e:
+        raise bad(str(e), "tool_choice") from None
 
 
 def _prompts(p: Any) -> list[Union[str, list[int]]]:
@@ -494,6 +521,12 @@ class ChunkFormat:
             t = self._text[index] = (pre, post)
         return t[0] + json.dumps(text, ensure_ascii=False) + t[1]
 
+    def tool_calls(self, index: int, calls: Sequence[ToolCall]) -> str:
+        """The chunk of a chat choice's tool calls, each whole (its arguments in one piece, as OpenAI's stream may
+        send them)."""
+        return self.chunk({"index": index, "delta": {"tool_calls": [c.to_openai(k) for k, c in enumerate(calls)]},
+                           "logprobs": None, "finish_reason": None})
+
     def finish(self, index: int, reason: str, stop_reason: Union[int, str, None] = None) -> str:
         """A choice's last chunk: its finish_reason and vLLM's stop_reason (the stop string or id that ended it)."""
         return self.chunk({**stream_choice(self.kind, index, "", None, reason), "stop_reason": stop_reason})
@@ -508,12 +541,16 @@ def stream_choice(kind: str, index: int, text: str, logprobs: Optional[dict], fi
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def final_choice(kind: str, index: int, text: str, logprobs: Optional[dict], finish: str,
-                 stop_reason: Union[int, str, None] = None) -> dict:
-    """One choice of a whole (non-streamed) answer; stop_reason: vLLM's (the stop string or id that ended it)."""
+def final_choice(kind: str, index: int, text: Optional[str], logprobs: Optional[dict], finish: str,
+                 stop_reason: Union[int, str, None] = None, tool_calls: Sequence[ToolCall] = ()) -> dict:
+    """One choice of a whole (non-streamed) answer; stop_reason: vLLM's (the stop string or id that ended it);
+    a chat answer's tool calls in its message (its content then null unless text came before them)."""
     if kind == "chat":
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish, "stop_reason": stop_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = [c.to_openai() for c in tool_calls]
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": stop_reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
 
 

@@ -17,6 +17,7 @@ from typing import AsyncIterator, Optional, Sequence
 
 from ..errors import DeviceError, InvalidRequestError, TokenizerError
 from ..request import Delta, drain
+from ..tools import with_tools
 
 
 class TextSide:
@@ -46,11 +47,13 @@ class TextSide:
     def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._need_tokenizer().decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                            tools: Optional[list[dict]] = None) -> list[int]:
         tok = self._need_tokenizer()
         if not getattr(tok, "chat_template", None):
             raise TokenizerError(f"{self.path}: the model has no chat template")
-        return tok.encode_chat(list(messages), add_generation_prompt=add_generation_prompt)
+        msgs, extra = with_tools(messages, tools)
+        return tok.encode_chat(msgs, add_generation_prompt=add_generation_prompt, **extra)
 
 
 def _final(item) -> bool:

@@ -58,7 +58,7 @@ def _send_setup(conns: list, setup: dict, stopping: list) -> Optional[int]:
 
 
 def run_workers(args, engine, scheduler, *, model_name: str, api_key, sampling_defaults: Optional[dict] = None,
-                on_stopped=None) -> int:
+                on_stopped=None, tool_parser: Optional[str] = None) -> int:
     """Serve until SIGINT / SIGTERM with args.api_workers frontend processes (sampling_defaults: create_app's).
     on_stopped(): after the workers ended (the trace is written there). 1 when a worker failed to start or exited
     on its own."""
@@ -70,7 +70,8 @@ def run_workers(args, engine, scheduler, *, model_name: str, api_key, sampling_d
     sock.set_inheritable(True)
     setup = {"text": TextSide.of(engine), "model_name": model_name, "api_key": api_key,
              "stream_interval": args.stream_interval, "max_body_bytes": MAX_BODY_BYTES,
-             "max_waiting": scheduler.max_waiting, "sampling_defaults": sampling_defaults or {}}
+             "max_waiting": scheduler.max_waiting, "sampling_defaults": sampling_defaults or {},
+             "tool_parser": tool_parser}
     procs: list[subprocess.Popen] = []
     conns: list = []
     hub: Optional[EngineHub] = None

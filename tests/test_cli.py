@@ -79,6 +79,9 @@ def test_structured_output_flags(tiny, tmp_path):
         r = cli(*base, *flags, "-l", "3-100", "hi")  # (JSON may hold whitespace: the random model's space is held off)
         assert r.returncode == 0, r.stderr
         assert r.stdout.replace(" ", "").strip() in ('{"a":true}', '{"a":false}'), r.stdout
+    (tmp_path / "bad.json").write_text("{bad")
+    r = cli(*base, "--json-schema-file", tmp_path / "bad.json", "hi")
+    assert r.returncode == 1 and "--json-schema-file: json: the schema is not valid JSON" in r.stderr
     r = cli(*base, "--grammar", "root ::= [", "hi")  # (compiled once the model's tokenizer is loaded)
     assert r.returncode == 1 and "invalid structured_outputs: grammar" in r.stderr and "Traceback" not in r.stderr
 
@@ -111,6 +114,7 @@ def test_closed_stdout_ends_quietly(tiny, args):
     (["run", "--logit-bias", "5+101", "hi"], "--logit-bias values must be numbers in [-100, 100]"),
     (["run", "--min-tokens", "-1", "hi"], "--min-tokens must be an integer >= 0"),
     (["run", "--json-schema", "{bad", "hi"], "--json-schema: json: the schema is not valid JSON"),
+    (["run", "-j", " ", "hi"], "--json-schema: the schema is empty ({} for any JSON object)"),
     (["run", "--json-schema-file", "/no/such/schema.json", "hi"], "--json-schema-file /no/such/schema.json: cannot"),
     (["run", "--grammar-file", "/no/such.gbnf", "hi"], "--grammar-file /no/such.gbnf: cannot read it"),
     (["run", "-n", "4", "--min-tokens", "5", "hi"], "--min-tokens (5) must be at most max_tokens (4)"),

@@ -88,6 +88,29 @@ def test_bad_constraints_are_refused(kw, match):
         StructuredOutputs(**kw)
 
 
+def test_vllms_json_options():
+    from tinyinfer.structured import _closed
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"properties": {"type": "string"}}},  # (a property named so)
+        "b": {"anyOf": [{"type": "object"}, {"type": "array", "items": {"properties": {}}}]},
+        "c": {"type": "object", "additionalProperties": True}}, "$defs": {"d": {"type": "object"}}}
+    closed = _closed(schema)
+    assert closed["additionalProperties"] is False
+    a = closed["properties"]["a"]
+    assert a["additionalProperties"] is False and a["properties"] == {"properties": {"type": "string"}}
+    assert closed["properties"]["b"]["anyOf"][0]["additionalProperties"] is False
+    assert closed["properties"]["b"]["anyOf"][1]["items"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["additionalProperties"] is True and closed["$defs"]["d"][
+        "additionalProperties"] is False
+    assert "additionalProperties" not in schema  # (the caller's schema unchanged)
+    StructuredOutputs(json={"type": "object"}, whitespace_pattern=" ?", disable_fallback=True)
+    with pytest.raises(InvalidRequestError, match="whitespace_pattern must be a non-empty string"):
+        StructuredOutputs(json={}, whitespace_pattern="")
+    with pytest.raises(InvalidRequestError, match="structural_tag is not supported"):
+        StructuredOutputs.from_value({"structural_tag": "{}"})
+
+
 def test_sampling_params_take_a_mapping_and_refuse_unknown_fields():
     sp = SamplingParams(structured_outputs={"regex": "[0-9]+"})
     assert sp.structured_outputs == StructuredOutputs(regex="[0-9]+")
@@ -137,6 +160,15 @@ def test_a_constraint_that_does_not_compile_names_what_is_wrong(char_dir):
     with pytest.raises(InvalidRequestError, match="invalid structured_outputs: grammar"):
         c.start(StructuredOutputs(grammar="root ::= ("))
     c.start(StructuredOutputs(grammar='root ::= "a" | "b"'))  # still usable
+
+
+def test_compiled_constraints_are_kept_and_each_request_gets_its_own_state(char_dir):
+    c = _char_compiler(char_dir)
+    so = StructuredOutputs(regex="[0-9]{2}")
+    assert c.compile(so) is c.compile(StructuredOutputs(regex="[0-9]{2}"))
+    one, two = c.start(so), c.start(so)
+    one.advance([19, 20])
+    assert one.finished and not two.finished and len(allowed_ids(two.mask())) == 10
 
 
 def test_the_grammar_wins_over_bans_that_would_leave_nothing(char_dir):
@@ -196,6 +228,9 @@ def test_engine_choice_and_grammar(eng):
     g = 'root ::= "The answer is " [0-9] [0-9]? "."'
     out = _both(eng, "Q", SamplingParams(max_tokens=30, structured_outputs={"grammar": g}))
     assert re.fullmatch(r"The answer is [0-9][0-9]?\.", chars(out)), chars(out)
+    # a grammar completed by the max_tokens-th token: "stop" on both paths
+    out = _both(eng, "Q", SamplingParams(max_tokens=3, structured_outputs={"regex": "abc"}))
+    assert chars(out) == "abc" and out.finish_reason == "stop"
     # max_tokens cuts a grammar that is not complete: "length", the text a prefix of a valid answer
     out = _both(eng, "Q", SamplingParams(max_tokens=5, structured_outputs={"grammar": g}))
     assert chars(out) == "The a" and out.finish_reason == "length"
@@ -219,6 +254,21 @@ def test_engine_refuses_a_bad_constraint_and_stays_usable(eng):
             eng.generate("a", sp)
         with pytest.raises(InvalidRequestError, match="invalid structured_outputs"):
             eng.generate(["a", "b"], sp)
+    assert len(eng.generate("a", SamplingParams(max_tokens=3, ignore_eos=True)).token_ids) == 3
+
+
+def test_a_token_the_grammar_refuses_is_the_requests_error(eng):
+    """A regex needing a character the tokenizer has no token for ('ü'): llguidance lets the unknown token through
+    and then refuses it. The request ends with an error naming that (not an answer that breaks its constraint),
+    alone and in a batch (the other request unharmed); the engine goes on."""
+    sp = SamplingParams(max_tokens=5, structured_outputs={"regex": "a\u00fc"})
+    with pytest.raises(InvalidRequestError, match="the grammar refused the sampled token"):
+        eng.generate("x", sp)
+    req = eng.scheduler.submit("x", sp)
+    other = eng.scheduler.submit("y", SamplingParams(max_tokens=3, ignore_eos=True))
+    with pytest.raises(InvalidRequestError, match="the grammar refused the sampled token"):
+        req.result()
+    assert len(other.result().token_ids) == 3
     assert len(eng.generate("a", SamplingParams(max_tokens=3, ignore_eos=True)).token_ids) == 3
 
 

@@ -104,13 +104,16 @@ def _structured(args):
         read(args.json_schema_file, "--json-schema-file") if args.json_schema_file else None)
     grammar = args.grammar if args.grammar is not None else (
         read(args.grammar_file, "--grammar-file") if args.grammar_file else None)
+    flag = next(f"--{n.replace('_', '-')}" for n in ("json_schema", "json_schema_file", "grammar", "grammar_file", "")
+                if not n or getattr(args, n) is not None)
     try:
         if schema is not None:
-            return StructuredOutputs(json_object=True) if schema.strip() in ("{}", "") else StructuredOutputs(json=schema)
+            if not schema.strip():
+                raise InvalidRequestError("invalid structured_outputs: the schema is empty ({} for any JSON object)")
+            return StructuredOutputs(json_object=True) if schema.strip() == "{}" else StructuredOutputs(json=schema)
         if grammar is not None:
             return StructuredOutputs(grammar=grammar)
     except InvalidRequestError as e:
-        flag = "--json-schema" if schema is not None else "--grammar"
         raise InvalidRequestError(str(e).replace("invalid structured_outputs: ", f"{flag}: ", 1)) from None
     return None
 

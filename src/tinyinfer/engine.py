@@ -32,7 +32,7 @@ from .loaders import load_model
 from .loading import (DEVICE_DTYPES, DTYPES, QUANTIZED, TacticsCache, check_dtype, check_threads, cuda_status,
                       load_cpu, load_cuda, no_cuda_sentence, pick_device, plan_file, with_plan_cache)
 from .sampling import CoreSampling, SamplingParams, TextAssembler, stop_reason
-from .structured import GrammarCompiler
+from .structured import GrammarCompiler, StructuredOutputs
 from .tools import with_tools
 
 if TYPE_CHECKING:
@@ -361,13 +361,21 @@ class Engine:
                 out.append(spaced)
         return [ids for ids in out if ids]
 
+    def compile_grammar(self, so: StructuredOutputs) -> None:
+        """Compiles a structured-output constraint now (kept for the requests that use it; the first one also
+        reads the tokenizer): a server does it off its event loop. InvalidRequestError if it does not compile."""
+        self._grammar_compiler().compile(so)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab, self.config.eos_token_ids)
+            return self._grammars
+
     def _core_sampling(self, sp: SamplingParams, seed: int) -> CoreSampling:
         grammar = None
         if sp.structured_outputs is not None:
-            with self._grammars_lock:
-                if self._grammars is None:
-                    self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab, self.config.eos_token_ids)
-            grammar = self._grammars.start(sp.structured_outputs)
+            grammar = self._grammar_compiler().start(sp.structured_outputs)
         return CoreSampling(sp, seed, self.config.eos_token_ids, self.config.vocab, self._bad_words_ids(sp), grammar)
 
     # ---- scoring ----
@@ -586,17 +594,15 @@ class Engine:
         t0 = time.perf_counter()
         gpu_ms = 0.0
         while len(out) < sp.max_tokens:
-            if sampling.finished(out):  # a complete grammar (structured outputs): nothing more may follow
-                finish = "stop"
-                if text is not None:
-                    yield text.add([], final=True)
-                break
             # a chunk ends where its config changes (min_tokens' bans end; bad words, a grammar: after each token)
             n = min(self._chunk, sp.max_tokens - len(out), sampling.same_for(len(out)) or self._chunk)
             new = self._core.decode(n, sampling.at(out), stop_ids, len(out))
             gpu_ms += getattr(self._core, "last_decode_ms", 0.0)
             out += new
             ended = bool(new) and new[-1] in stop_ids
+            # (a grammar completed by the chunk's last token: the answer ends as the scheduler's does, "stop" even
+            # where it is also the max_tokens-th)
+            ended = ended or sampling.finished(out)
             if text is not None:
                 visible = [t for t in new if t not in stop_ids]
                 if sp.stop:  # token by token: generation ends at the token that completes a stop string
@@ -626,7 +632,7 @@ class Engine:
         reason = None
         if text is not None and text.stopped:
             reason = text.stop_string
-        elif finish == "stop":
+        elif finish == "stop" and out:
             reason = stop_reason(sp, out[-1], self.config.eos_token_ids)
         yield Completion(
             text=text.text if text is not None else "",

@@ -1056,8 +1056,13 @@ class Scheduler:
         finish = "stop" if stop_id else None
         if finish:
             seq.stop_reason = stop_reason(seq.params, tok, self._engine.config.eos_token_ids)
-        elif seq.sampling.finished(seq.generated):  # a complete grammar (structured outputs)
-            finish = "stop"
+        else:
+            try:
+                if seq.sampling.finished(seq.generated):  # a complete grammar (structured outputs)
+                    finish = "stop"
+            except InvalidRequestError as e:  # the grammar refused the token: this request's error alone
+                self._end(core, seq, "error", error=e)
+                return
         last = finish is not None or len(seq.generated) >= seq.params.max_tokens
         piece = ""
         if seq.text is not None:

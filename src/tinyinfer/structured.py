@@ -13,6 +13,7 @@ from __future__ import annotations
 import json as _json
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -38,8 +39,10 @@ def _llguidance():
 @dataclass
 class StructuredOutputs:
     """The constraint of one request (vLLM's StructuredOutputsParams): exactly one of json, regex, choice, grammar
-    or json_object. disable_any_whitespace: JSON without whitespace between its tokens (vLLM's), which also keeps a
-    small model from spending its tokens on whitespace."""
+    or json_object. The JSON options are vLLM's: disable_any_whitespace (no whitespace between the JSON's tokens,
+    which also keeps a small model from spending its tokens on whitespace), whitespace_pattern (a regex for it),
+    disable_additional_properties (objects take only the properties their schema names, as if each said
+    "additionalProperties": false). disable_fallback is accepted and changes nothing (one grammar engine here)."""
 
     json: Optional[Union[str, Mapping[str, Any]]] = None  # a JSON schema: a mapping, or its JSON text
     regex: Optional[str] = None
@@ -47,6 +50,9 @@ class StructuredOutputs:
     grammar: Optional[str] = None  # Lark (llguidance's dialect) or llama.cpp's GBNF
     json_object: Optional[bool] = None  # any JSON object (OpenAI's response_format {"type": "json_object"})
     disable_any_whitespace: bool = False
+    whitespace_pattern: Optional[str] = None
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,8 +74,12 @@ class StructuredOutputs:
         kind = self.kind()
         if self.json_object not in (None, True, False):
             raise bad(f"json_object must be true, false or null (got {self.json_object!r:.40})")
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise bad(f"disable_any_whitespace must be true or false (got {self.disable_any_whitespace!r:.40})")
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be true or false (got {getattr(self, name)!r:.40})")
+        if self.whitespace_pattern is not None and (not isinstance(self.whitespace_pattern, str)
+                                                    or not self.whitespace_pattern):
+            raise bad(f"whitespace_pattern must be a non-empty string (got {self.whitespace_pattern!r:.40})")
         if kind == "json":
             if isinstance(self.json, str):
                 if len(self.json) > MAX_SPEC_CHARS:
@@ -100,11 +110,15 @@ class StructuredOutputs:
         """The llguidance grammar of this constraint (not yet checked against a tokenizer)."""
         llguidance = _llguidance()
         kind = self.kind()
-        ws = {"whitespace_flexible": not self.disable_any_whitespace}
+        ws: dict[str, Any] = {"whitespace_flexible": not self.disable_any_whitespace}
+        if self.whitespace_pattern is not None:
+            ws["whitespace_pattern"] = self.whitespace_pattern
         try:
             if kind == "json":
-                schema = self.json if isinstance(self.json, str) else _json.dumps(self.json)
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=ws)
+                schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+                if self.disable_additional_properties:
+                    schema = _closed(schema)
+                return llguidance.LLMatcher.grammar_from_json_schema(_json.dumps(schema), defaults=ws)
             if kind == "json_object":
                 return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=ws)
             if kind == "regex":
@@ -127,20 +141,51 @@ class StructuredOutputs:
                 f"invalid structured_outputs: a StructuredOutputs or a mapping of its fields (got {type(v).__name__})")
         names = set(cls.__dataclass_fields__)
         unknown = sorted(set(v) - names)
+        if "structural_tag" in unknown:
+            raise InvalidRequestError("invalid structured_outputs: structural_tag is not supported by this engine")
         if unknown:
             raise InvalidRequestError(f"invalid structured_outputs: unknown field(s) {', '.join(map(str, unknown))} "
                                       f"(known: {', '.join(sorted(names))})")
         return cls(**v)
 
 
+_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+_SUB_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SUB_ONE = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else", "contains",
+            "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+
+
+def _closed(schema: Any) -> Any:
+    """The schema with "additionalProperties": false wherever an object schema does not set it (vLLM's
+    disable_additional_properties), through the keywords whose values are schemas."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for k in _SUB_MAPS:
+        if isinstance(out.get(k), Mapping):
+            out[k] = {name: _closed(s) for name, s in out[k].items()}
+    for k in _SUB_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [_closed(s) for s in out[k]]
+    for k in _SUB_ONE:
+        if k in out:
+            out[k] = [_closed(s) for s in out[k]] if isinstance(out[k], list) else _closed(out[k])
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 class GrammarCompiler:
     """One engine's llguidance tokenizer (made on the first constrained request: ~0.3 s at a 49,152-token
     vocabulary) and the compilation of each request's constraint against it."""
+
+    CACHED = 64  # compiled constraints kept (a server's requests often share one: n choices, a client's schema)
 
     def __init__(self, tokenizer, vocab: int, eos_ids: Sequence[int]):
         self._tokenizer, self._vocab, self._eos = tokenizer, vocab, [int(t) for t in eos_ids]
         self._ll = None
         self._lock = threading.Lock()
+        self._compiled: "OrderedDict[str, Any]" = OrderedDict()  # grammar -> a fresh matcher (copied per request)
 
     def _ll_tokenizer(self):
         with self._lock:
@@ -164,19 +209,29 @@ class GrammarCompiler:
             return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenBytes(tok, self._vocab, self._eos)),
                                           n_vocab=self._vocab, eos_token=eos)
 
-    def start(self, so: StructuredOutputs) -> "GrammarState":
-        """A request's matcher at the start of its answer; a constraint that does not compile is the request's
-        error (InvalidRequestError naming what llguidance found)."""
-        llguidance = _llguidance()
+    def compile(self, so: StructuredOutputs) -> Any:
+        """The constraint's matcher at its start, compiled once and kept (least recently used out); a constraint
+        that does not compile is the request's error (InvalidRequestError naming what llguidance found). The
+        first call also makes the tokenizer's side: a server calls this off its event loop."""
         grammar = so.to_grammar()
-        ll = self._ll_tokenizer()
-        err = llguidance.LLMatcher.validate_grammar(grammar, ll)
-        if err and not err.startswith("WARNING"):
-            raise InvalidRequestError(f"invalid structured_outputs: {so.kind()}: {err.strip()[:500]}")
-        m = llguidance.LLMatcher(ll, grammar, log_level=0)
+        with self._lock:
+            m = self._compiled.get(grammar)
+            if m is not None:
+                self._compiled.move_to_end(grammar)
+                return m
+        llguidance = _llguidance()
+        m = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
         if m.is_error():
             raise InvalidRequestError(f"invalid structured_outputs: {so.kind()}: {m.get_error().strip()[:500]}")
-        return GrammarState(m, self._vocab)
+        with self._lock:
+            self._compiled[grammar] = m
+            while len(self._compiled) > self.CACHED:
+                self._compiled.popitem(last=False)
+        return m
+
+    def start(self, so: StructuredOutputs) -> "GrammarState":
+        """A request's matcher at the start of its answer (a copy of the compiled one)."""
+        return GrammarState(self.compile(so).deep_copy(), self._vocab)
 
 
 class _TokenBytes:
@@ -210,19 +265,20 @@ class GrammarState:
         self._tail = np.uint32((1 << (vocab % 32)) - 1) if vocab % 32 else np.uint32(0xFFFFFFFF)
 
     def advance(self, generated: Sequence[int]) -> None:
-        """Consumes the generated tokens not consumed yet. A token the grammar refuses (it can be sampled only
-        where every allowed token was banned too) leaves the matcher in its error state: finished."""
+        """Consumes the generated tokens not consumed yet. A token the grammar refuses (the samplers never take a
+        token outside the mask; a tokenizer whose tokens llguidance read wrongly could make one) is an error:
+        InvalidRequestError, the request's end, rather than an answer that breaks its constraint."""
         if len(generated) > self._n:
             new = [int(t) for t in generated[self._n:]]
             self._n = len(generated)
-            if not self._m.is_error() and not self._m.consume_tokens(new):
-                log.warning("structured outputs: the grammar refused a sampled token; the answer ends here (%s)",
-                            self._m.get_error().strip().splitlines()[0][:200])
+            if not self._m.consume_tokens(new):
+                raise InvalidRequestError("structured outputs: the grammar refused the sampled token(s) "
+                                          f"{new}: {self._m.get_error().strip().splitlines()[0][:300]}")
 
     @property
     def finished(self) -> bool:
-        """Nothing more may follow: the grammar is complete (or refused a token)."""
-        return self._m.is_stopped() or self._m.is_error()
+        """Nothing more may follow: the grammar is complete."""
+        return self._m.is_stopped()
 
     def mask(self) -> np.ndarray:
         """The allowed tokens of the next step: uint32 words, bit t % 32 of word t / 32."""

@@ -422,6 +422,37 @@ def test_chat_logprobs_agree_with_engine_logits(client, ref):
     assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in content]
 
 
+def test_completion_echo_with_the_prompts_logprobs(client, ref):
+    """echo (lm-eval's loglikelihood request: echo, logprobs, max_tokens 1): the text is the prompt's and the
+    answer's; the logprobs are the prompt tokens' (the first null) then the answer's, the prompt's those of the
+    engine's prompt_logprobs (log_softmax of logits() at the token before each). Streamed: the same text and
+    entries, the prompt's first."""
+    prompt = "The capital of France is"
+    ids = ref.tokenize(prompt)
+    want = ref.generate(prompt, max_tokens=1)
+    plp = ref.prompt_logprobs(ids, 1)
+    r = client.completions.create(model=NAME, temperature=0, prompt=prompt, max_tokens=1, logprobs=1, echo=True)
+    c = r.choices[0]
+    assert c.text == prompt + want.text and r.usage.prompt_tokens == len(ids)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx([x.logprob for x in plp[1:]], abs=1e-4)
+    logits = ref.logits(ids)
+    assert lp.token_logprobs[2] == pytest.approx(_log_softmax(logits[1])[ids[2]], abs=1e-4)
+    for i in range(1, len(ids)):
+        assert list(lp.top_logprobs[i].values()) == pytest.approx([plp[i].top[0][1]], abs=1e-4)
+    assert lp.text_offset == sorted(lp.text_offset)
+    pieces = list(client.completions.create(model=NAME, temperature=0, prompt=prompt, max_tokens=1, logprobs=1,
+                                            echo=True, stream=True))
+    chunks = [p.choices[0] for p in pieces if p.choices]
+    assert chunks[0].text == prompt and "".join(ch.text for ch in chunks) == c.text
+    joined = [t for ch in chunks if ch.logprobs for t in ch.logprobs.token_logprobs]
+    assert joined[0] is None and joined[1:] == lp.token_logprobs[1:]
+    plain = client.completions.create(model=NAME, temperature=0, prompt=ids, max_tokens=2, echo=True)
+    assert plain.choices[0].text == ref.detokenize(ids) + ref.generate(ids, max_tokens=2).text
+    assert plain.choices[0].logprobs is None
+
+
 def test_completion_logprobs_legacy_format(client, ref):
     prompt = "The capital of France is"
     want = ref.generate(prompt, max_tokens=5)
@@ -588,6 +619,7 @@ BAD_CHAT = [  # (extra arguments, param named)
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), "tools"),
     (dict(tool_choice="auto"), "tool_choice"),  # (without tools)
     (dict(functions=[{"name": "f"}]), "functions"),
+    (dict(extra_body={"echo": True}), "echo"),  # (completions only)
     (dict(parallel_tool_calls="yes"), "parallel_tool_calls"),
     (dict(response_format={"type": "grammar"}), "response_format"),
     (dict(response_format={"type": "json_schema"}), "response_format"),  # no json_schema object
@@ -660,7 +692,6 @@ def test_bad_chat_parameter_is_400_naming_it(client, extra, param):
 
 
 BAD_COMPLETION = [
-    (dict(echo=True), "echo"),
     (dict(best_of=2), "best_of"),
     (dict(suffix="end"), "suffix"),
     (dict(prompt=[]), "prompt"),

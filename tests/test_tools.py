@@ -51,8 +51,9 @@ def test_tool_choice():
     for bad, match in [("required", "needs 'tools'"), ("sometimes", "must be")]:
         with pytest.raises(InvalidRequestError, match=match):
             check_tool_choice(bad, None)
-    with pytest.raises(InvalidRequestError, match="not among the tools"):
-        check_tool_choice({"type": "function", "function": {"name": "nope"}}, tools)
+    for name in ("nope", ["get_time"], {"n": 1}):
+        with pytest.raises(InvalidRequestError, match="invalid tool_choice: .*not among the tools"):
+            check_tool_choice({"type": "function", "function": {"name": name}}, tools)
 
 
 def test_forced_constraints_and_their_calls():
@@ -69,6 +70,17 @@ def test_forced_constraints_and_their_calls():
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"tz": "UTC"}),
                                                                   ("get_weather", {"city": "Paris"})]
     assert forced_calls('{"city": "Os', named) is None and forced_calls("[{", "required") is None
+    # definitions ($defs: pydantic's) move to the document's root, where the references point
+    ref = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"who": {"$ref": "#/$defs/P"}}, "required": ["who"],
+        "$defs": {"P": {"type": "object", "properties": {"n": {"type": "string"}}}}}}}
+    req = forced_constraint([ref, TIME], "required").json
+    assert req["$defs"] == {"P": {"type": "object", "properties": {"n": {"type": "string"}}}}
+    assert "$defs" not in req["items"]["anyOf"][0]["properties"]["parameters"]
+    assert "$defs" in ref["function"]["parameters"]  # (the caller's tool unchanged)
+    other = {"type": "function", "function": {"name": "other", "parameters": {"$defs": {"P": {"type": "string"}}}}}
+    with pytest.raises(InvalidRequestError, match="define \\$defs/P differently"):
+        forced_constraint([ref, other], "required")
 
 
 # ---- parsers ----
@@ -78,11 +90,16 @@ def test_hermes_parser():
     text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
            '<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>'
     content, calls = p.parse(text)
-    assert content == "Let me look." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+    assert content == "Let me look.\n" and [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
     assert len({c.id for c in calls}) == 2
     assert p.parse("no calls here") == ("no calls here", [])
     assert p.parse("<tool_call>{not json</tool_call>") == ("<tool_call>{not json</tool_call>", [])
+    # read as JSON: the closing tag inside a string, an unclosed block before another
+    content, calls = p.parse('<tool_call>{"name": "say", "arguments": {"text": "a </tool_call> b"}}</tool_call>')
+    assert content is None and json.loads(calls[0].arguments) == {"text": "a </tool_call> b"}
+    content, calls = p.parse('<tool_call>{"name": "a", "arg<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    assert [c.name for c in calls] == ["b"]
     # a stream shows the text up to a tag, and holds a tail that may grow into one
     assert p.content_until("Hi <tool", False) == 3 and p.content_until("Hi <tool", True) == 8
     assert p.content_until("Hi <tool_call>{", False) == 3 and p.content_until("Hi <b>", False) == 6
@@ -104,7 +121,10 @@ def test_tool_answer_streams_content_and_ends_with_the_calls():
                                                '"arguments": {"tz": "UTC"}}</tool_call>'])
     assert shown == "Checking now "
     content, calls, finish, rest = a.end("stop")
-    assert (content, [c.name for c in calls], finish, rest) == ("Checking now", ["get_time"], "tool_calls", "")
+    assert (content, [c.name for c in calls], finish, rest) == ("Checking now ", ["get_time"], "tool_calls", "")
+    two = ToolAnswer("auto", HermesParser(), parallel=False)
+    two.add('<tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b"}</tool_call>', final=True)
+    assert [c.name for c in two.end("stop")[1]] == ["a"]  # (parallel_tool_calls false: the first only)
     plain = ToolAnswer("auto", HermesParser())
     assert plain.add("a <to") == "a " and plain.add("y", final=True) == "<toy"
     assert plain.end("length") == ("a <toy", [], "length", "")
@@ -148,6 +168,11 @@ def test_the_template_gets_the_tools_and_the_tool_call_turns(eng):
     assert text == ("[tools] get_weather get_time [user] Weather in Paris?</s>[assistant] get_weatherParis</s>"
                     "[tool] sunny</s>[assistant] ")
     assert eng.apply_chat_template(TURNS[:1], tokenize=False) == "[user] Weather in Paris?</s>[assistant] "
+    # a later request without tools renders the earlier calls the same way
+    assert eng.apply_chat_template(TURNS, tokenize=False).startswith("[user] Weather in Paris?</s>[assistant] "
+                                                                     "get_weatherParis</s>")
+    with pytest.raises(InvalidRequestError, match="tool_calls must be a list"):
+        eng.apply_chat_template([TURNS[0], {**TURNS[1], "tool_calls": "junk"}])
     with pytest.raises(InvalidRequestError, match="invalid tools"):
         eng.apply_chat_template(TURNS, tools=[{"type": "function"}])
 
@@ -206,7 +231,7 @@ def test_named_and_required_tool_choice(eng):
         assert (call.function.name, set(args)) in (("get_weather", {"city"}), ("get_time", {"tz"}))
     # streamed (the same seed): no content, the calls in one chunk, then finish_reason "tool_calls"
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
-    assert "".join(d.content or "" for d in deltas) == ""
+    assert "".join(d.content or "" for d in deltas) == "" and all(d.content is None for d in deltas[1:])
     got = [t for d in deltas for t in (d.tool_calls or [])]
     assert [(t.function.name, t.function.arguments) for t in got] == [
         (t.function.name, t.function.arguments) for t in c.message.tool_calls]
@@ -232,7 +257,7 @@ def test_auto_tool_choice_read_by_the_hermes_parser(eng):
 
     whole, chunks, plain = _serve(eng, calls)
     c = whole.choices[0]
-    assert c.finish_reason == "tool_calls" and c.message.content == "Ok."
+    assert c.finish_reason == "tool_calls" and c.message.content == "Ok. "
     assert [(t.function.name, json.loads(t.function.arguments)["tz"] in ("UTC", "CET"))
             for t in c.message.tool_calls] == [("get_time", True)]
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
@@ -249,7 +274,10 @@ def test_tool_refusals(eng):
                    dict(tools=[WEATHER], tool_choice="auto"),
                    dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
                    dict(tools=[{"type": "function", "function": {"name": "bad name"}}], tool_choice="required"),
-                   dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})):
+                   dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+                   dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
+                        tool_choice="required"),  # (a tool's schema llguidance refuses)
+                   dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": ["get_weather"]}})):
             try:
                 await client.chat.completions.create(model="m", messages=MSGS, max_tokens=4, **kw)
                 errors.append(None)
@@ -260,5 +288,37 @@ def test_tool_refusals(eng):
         return errors, ok
 
     errors, ok = _serve(eng, calls, tool_parser=None)
-    assert errors == ["tool_choice", "tool_choice", "tool_choice", "tools", "tool_choice"]
+    assert errors == ["tool_choice", "tool_choice", "tool_choice", "tools", "tool_choice", "tools", "tool_choice"]
     assert ok.choices[0].finish_reason == "length"  # a conversation with tool-call turns is served
+
+
+def test_tokenize_takes_the_tools(eng):
+    """vLLM's /tokenize with tools counts what a chat request with them submits."""
+    from tinyinfer.server.app import create_app
+
+    sched = Scheduler(eng)
+    app = create_app(eng, sched, model_name="m")
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+                return await h.post("/tokenize", json={"messages": TURNS, "tools": [WEATHER]})
+
+    try:
+        r = asyncio.run(main())
+    finally:
+        sched.close()
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == eng.apply_chat_template(TURNS, tools=[WEATHER])
+
+
+def test_special_tokens_kept_in_the_text_when_asked(eng):
+    """vLLM's skip_special_tokens (false for a tool parser reading special tags): the EOS forced under ignore_eos
+    shows as "</s>" in the text, on both paths; by default it shows as nothing."""
+    from tinyinfer import SamplingParams
+
+    kw = dict(max_tokens=2, ignore_eos=True, logit_bias={2: 100})
+    for skip, want in ((True, ""), (False, "</s></s>")):
+        sp = SamplingParams(skip_special_tokens=skip, **kw)
+        assert eng.generate([5, 6, 7], sp).text == want
+        assert eng.generate([[5, 6, 7], [8]], sp)[0].text == want

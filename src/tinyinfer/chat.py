@@ -139,7 +139,8 @@ def joined_text_parts(parts: list, i: int) -> str:
 
 def validate_messages(messages: Any) -> list[dict]:
     """A list of dicts, each with a known str 'role' ('developer' read as 'system') and a str 'content' (not empty
-    for user; a list of OpenAI text parts is joined; an assistant's tool_calls turn may have none: ""). Keys whose value is None are dropped (as transformers does).
+    for user; a list of OpenAI text parts is joined; an assistant's tool_calls turn may have none: ""; tool_calls
+    a list of OpenAI's call objects). Keys whose value is None are dropped (as transformers does).
     Raises InvalidRequestError naming the bad message."""
     if not isinstance(messages, (list, tuple)):
         raise InvalidRequestError(f"messages must be a list of dicts, got {type(messages).__name__}")
@@ -149,7 +150,14 @@ def validate_messages(messages: Any) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise InvalidRequestError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r:.80}")
-        if m.get("role") == "assistant" and m.get("tool_calls") and m.get("content") is None:
+        calls = m.get("tool_calls")
+        if calls is not None and (not isinstance(calls, (list, tuple)) or not all(
+                isinstance(c, Mapping) and isinstance(c.get("function"), Mapping)
+                and isinstance(c["function"].get("name"), str)
+                and isinstance(c["function"].get("arguments", ""), (str, Mapping)) for c in calls)):
+            raise InvalidRequestError(f"messages[{i}].tool_calls must be a list of {{\"id\", \"type\": \"function\", "
+                                      f"\"function\": {{\"name\", \"arguments\"}}}} objects (got {calls!r:.80})")
+        if m.get("role") == "assistant" and calls and m.get("content") is None:
             m = {**m, "content": ""}  # (OpenAI's assistant turn of tool calls has no content; templates add it)
         for key in ("role", "content"):
             if key not in m:

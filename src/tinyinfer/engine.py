@@ -91,6 +91,8 @@ class Completion:
     prompt_token_ids: list[int] = field(default_factory=list)
     stats: Stats = field(default_factory=Stats)
     logprobs: Optional[list["TokenLogprob"]] = None  # one per generated token when SamplingParams.logprobs is set
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing before it)
+    prompt_logprobs: Optional[list[Optional["TokenLogprob"]]] = None
 
 
 class Engine:
@@ -401,6 +403,31 @@ class Engine:
         parts = [self._core.forward(ids[i:i + n], all_logits=all_logits) for i in range(0, len(ids), n)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts) if all_logits else parts[-1]
 
+    def prompt_logprobs(self, token_ids: Sequence[int], top: int = 0) -> list[Optional["TokenLogprob"]]:
+        """Each token's log-probability given the tokens before it (None for the first), from one prefill's
+        logits (logits()), with its `top` most likely tokens (ties: the lower id first) — vLLM's prompt_logprobs,
+        what scoring a text (lm-eval's loglikelihood) reads."""
+        from .request import TokenLogprob
+
+        ids = self._prompt_ids(token_ids)
+        logits = self.logits(ids)
+        out: list[Optional[TokenLogprob]] = [None]
+        for b in range(0, len(ids) - 1, 64):  # (rows in blocks: float64 over the whole vocabulary)
+            rows = logits[b:min(b + 64, len(ids) - 1)].astype(np.float64)
+            m = rows.max(axis=1, keepdims=True)
+            lp = rows - (m + np.log(np.exp(rows - m).sum(axis=1, keepdims=True)))
+            for r, row in enumerate(lp):
+                t = ids[b + r + 1]
+                entries: list[tuple[int, float]] = []
+                if top:
+                    k = min(top, row.size)
+                    kth = np.partition(row, row.size - k)[row.size - k]
+                    cand = np.nonzero(row >= kth)[0]  # (every tie at the k-th value: the lower ids win below)
+                    cand = cand[np.lexsort((cand, -row[cand]))][:k]
+                    entries = [(int(i), float(row[i])) for i in cand]
+                out.append(TokenLogprob(int(t), float(row[t]), entries))
+        return out
+
     # ---- generation ----
 
     @property
@@ -542,7 +569,7 @@ class Engine:
         t_start = time.perf_counter()
         prompt_ids = self._prompt_ids(prompt)
         sp = self._fit(sp, len(prompt_ids))
-        if sp.logprobs is None:
+        if sp.logprobs is None and sp.prompt_logprobs is None:
             with self._exclusive():  # the scheduler idle under the lock: no slot holds pages, none will meanwhile
                 if self._scheduler is None or self._scheduler.idle:
                     yield from self._generate_single(prompt_ids, sp, t_start)
@@ -580,7 +607,7 @@ class Engine:
         seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(4), "little")
         sampling = self._core_sampling(sp, seed)
         # (the tokenizer's decode, not detokenize: the sampled ids need no checks, at two decodes a token)
-        text = TextAssembler(functools.partial(self.tokenizer.decode, skip_special_tokens=True), sp.stop,
+        text = TextAssembler(functools.partial(self.tokenizer.decode, skip_special_tokens=sp.skip_special_tokens), sp.stop,
                              sp.min_tokens) if self.tokenizer is not None else None
         stats = Stats(prompt_tokens=len(prompt_ids), cached_tokens=self._cached_prefix(prompt_ids, sp))
         out: list[int] = []

@@ -41,6 +41,8 @@ class Delta:
     token_ids: list[int]  # new generated ids (a stop / EOS id that ended it included, as in Completion.token_ids)
     logprobs: Optional[list[TokenLogprob]]  # one per id when the request asked for logprobs, else None
     completion: Optional[Completion] = None  # on the request's last Delta only
+    # SamplingParams.prompt_logprobs: on the request's first Delta (None for the prompt's first token)
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
 
 def merge_deltas(deltas: Sequence[Delta]) -> Delta:
@@ -53,7 +55,8 @@ def merge_deltas(deltas: Sequence[Delta]) -> Delta:
         ids += d.token_ids
         if d.logprobs is not None:
             lps = (lps or []) + d.logprobs
-    return Delta("".join(text), ids, lps, deltas[-1].completion)
+    prompt = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+    return Delta("".join(text), ids, lps, deltas[-1].completion, prompt)
 
 
 def wake(loop: asyncio.AbstractEventLoop, events: list) -> None:

@@ -58,6 +58,10 @@ class SamplingParams:
     stop_token_ids: Optional[Sequence[int]] = field(default_factory=list)  # in addition to the model's EOS ids
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # None: off; 0..20: the chosen token's logprob plus this many top entries
+    # vLLM's: None: off; 0..20: each prompt token's logprob (given the tokens before it; the first has none) plus
+    # this many top entries (Completion.prompt_logprobs)
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text (a tool-call parser may need them)
     # OpenAI's: token id -> a value in [-100, 100] added to its logit before the penalties (-100 all but bans it)
     logit_bias: Optional[Mapping[int, float]] = None
     # vLLM's: the first min_tokens tokens can be neither a stop id (the model's EOS even under ignore_eos,
@@ -121,9 +125,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(f"{name} must be in [-2, 2] (got {getattr(self, name)})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad(f"logprobs must be None or an integer in 0..{MAX_LOGPROBS} (got {self.logprobs!r})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
+                raise bad(f"{name} must be None or an integer in 0..{MAX_LOGPROBS} (got {v!r})")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < 2**64):
             raise bad(f"seed must be an integer in 0..2**64-1 or None (got {self.seed!r})")
@@ -138,8 +143,9 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
                 not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):
             raise bad(f"stop_token_ids must be a list of integers (got {self.stop_token_ids!r:.100})")
-        if not isinstance(self.ignore_eos, (bool, np.bool_)):  # ("false" would be true)
-            raise bad(f"ignore_eos must be true or false (got {self.ignore_eos!r:.40})")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):  # ("false" would be true)
+                raise bad(f"{name} must be true or false (got {getattr(self, name)!r:.40})")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             raise bad(f"min_tokens must be an integer >= 0 (got {self.min_tokens!r:.40})")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

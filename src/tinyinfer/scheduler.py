@@ -143,6 +143,7 @@ class _Seq:
     fresh: bool = False  # the slot's logits are new (or being computed): a token must be sampled from them
     generated: list[int] = field(default_factory=list)
     logprobs: Optional[list[TokenLogprob]] = None
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # (on its first Delta, then in its Completion)
     t_submit: float = 0.0
     t_admit: float = 0.0
     t_first: float = 0.0  # its first token sampled (its prompt has run: the GPU's prefill calls return early)
@@ -376,10 +377,13 @@ class Scheduler:
         stop_ids = eng._stop_ids(sp)
         sampling = eng._core_sampling(sp, seed)
         rid = request_id or uuid.uuid4().hex
+        # (a prefill of its own now, in the caller's thread: the engine's lock taken between two steps)
+        prompt_lps = eng.prompt_logprobs(ids, sp.prompt_logprobs) if sp.prompt_logprobs is not None else None
         return _Seq(request=Request(self, rid, ids), prompt=ids, params=sp, sampling=sampling,
-                    stop_ids=frozenset(stop_ids),
+                    stop_ids=frozenset(stop_ids), prompt_logprobs=prompt_lps,
                     text=None if eng.tokenizer is None else TextAssembler(
-                        functools.partial(eng.tokenizer.decode, skip_special_tokens=True), sp.stop, sp.min_tokens),
+                        functools.partial(eng.tokenizer.decode, skip_special_tokens=bool(sp.skip_special_tokens)),
+                        sp.stop, sp.min_tokens),
                     logprobs=[] if sp.logprobs is not None else None, t_submit=time.perf_counter())
 
     def _enqueue(self, seqs: list[_Seq], bounded: bool) -> None:
@@ -1071,12 +1075,14 @@ class Scheduler:
                 finish, seq.stop_reason = "stop", seq.text.stop_string
         if finish is None and last:
             finish = "length"
+        first = seq.prompt_logprobs if len(seq.generated) == 1 else None  # (the prompt's, on the first Delta)
         if finish is None:
             if not stepped:
                 seq.pending = tok
-            seq.request._put(Delta(piece, [tok], None if lp is None else [lp]), self._wakes)
+            seq.request._put(Delta(piece, [tok], None if lp is None else [lp], prompt_logprobs=first), self._wakes)
         else:
-            self._end(core, seq, finish, piece=piece, last_ids=[tok], last_lp=None if lp is None else [lp])
+            self._end(core, seq, finish, piece=piece, last_ids=[tok], last_lp=None if lp is None else [lp],
+                      prompt_logprobs=first)
 
     # ---- ending ----
 
@@ -1095,7 +1101,7 @@ class Scheduler:
             raise
 
     def _end(self, core, seq: _Seq, finish: str, *, error: Optional[BaseException] = None, piece: str = "",
-             last_ids: Sequence[int] = (), last_lp: Optional[list] = None) -> None:
+             last_ids: Sequence[int] = (), last_lp: Optional[list] = None, prompt_logprobs=None) -> None:
         """The request ends: its slot is closed now (or kept by the prefix cache, holding what ran: its cache is
         sound unless an error ended it), then its last Delta (or its error) is pushed. Once: a request already
         ended (two threads failing the same live requests: _fail_all) is left as it is."""
@@ -1126,7 +1132,8 @@ class Scheduler:
             return
         if last_lp is None and seq.logprobs is not None:
             last_lp = []
-        seq.request._put(Delta(piece, list(last_ids), last_lp, self._completion(seq, finish)), self._wakes)
+        seq.request._put(Delta(piece, list(last_ids), last_lp, self._completion(seq, finish), prompt_logprobs),
+                         self._wakes)
 
     def _fail_all(self, error: BaseException) -> None:
         """End every live request with `error` (the engine closed under us, or a failure step() could not pin
@@ -1163,7 +1170,8 @@ class Scheduler:
         return Completion(text=seq.text.text if seq.text is not None else "", token_ids=list(seq.generated),
                           finish_reason=finish, stop_reason=seq.stop_reason if finish == "stop" else None,
                           prompt_token_ids=seq.prompt, stats=stats,
-                          logprobs=None if seq.logprobs is None else list(seq.logprobs))
+                          logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                          prompt_logprobs=seq.prompt_logprobs)
 
 
 __all__ = ["Scheduler", "Request", "Delta", "TokenLogprob", "merge_deltas"]

@@ -27,8 +27,8 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 PARSERS = ("hermes", "llama3_json")
 
 
-def _bad(msg: str) -> InvalidRequestError:
-    return InvalidRequestError(f"invalid tools: {msg}")
+def _bad(msg: str, what: str = "tools") -> InvalidRequestError:
+    return InvalidRequestError(f"invalid {what}: {msg}")
 
 
 def check_tools(tools: Any) -> list[dict]:
@@ -67,18 +67,19 @@ def check_tool_choice(choice: Any, tools: Optional[list[dict]]) -> Union[str, di
     only "none". Unset: "auto" with tools (OpenAI's default), else "none"."""
     if choice is None:
         return "auto" if tools else "none"
-    if choice in ("none", "auto", "required"):
+    if isinstance(choice, str) and choice in ("none", "auto", "required"):
         if choice != "none" and not tools:
-            raise _bad(f"'tool_choice' {choice!r} needs 'tools'")
+            raise _bad(f"'tool_choice' {choice!r} needs 'tools'", "tool_choice")
         return choice
     if isinstance(choice, Mapping) and choice.get("type") == "function" and isinstance(choice.get("function"),
                                                                                         Mapping):
         name = choice["function"].get("name")
-        if not tools or name not in {t["function"]["name"] for t in tools}:
-            raise _bad(f"'tool_choice' names the function {name!r:.80}, which is not among the tools")
+        if not isinstance(name, str) or not tools or name not in {t["function"]["name"] for t in tools}:
+            raise _bad(f"'tool_choice' names the function {name!r:.80}, which is not among the tools",
+                       "tool_choice")
         return {"type": "function", "function": {"name": name}}
     raise _bad("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": "
-               f"{{\"name\": ...}}}} (got {choice!r:.80})")
+               f"{{\"name\": ...}}}} (got {choice!r:.80})", "tool_choice")
 
 
 def _params(tool: dict) -> dict:
@@ -94,10 +95,24 @@ def forced_constraint(tools: list[dict], choice: Union[str, dict],
         return StructuredOutputs(json=_params(tool))
     if choice != "required":
         return None
-    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                               "parameters": _params(t)},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    # Each tool's parameters sit under items.anyOf[i].properties.parameters, but their "#/$defs/X" references
+    # (pydantic's schemas use them) point at the document's root: the definitions move there (vLLM's rule), a name
+    # two tools define differently refused.
+    defs: dict[str, dict] = {}
+    calls = []
+    for t in tools:
+        params = _params(t)
+        for key in ("$defs", "definitions"):
+            for name, d in (params.pop(key, None) or {}).items():
+                have = defs.setdefault(key, {})
+                if name in have and have[name] != d:
+                    raise _bad(f"two tools define {key}/{name} differently; \"required\" needs one meaning")
+                have[name] = d
+        calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                                       "parameters": params},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, **defs}
     if not parallel:
         schema["maxItems"] = 1
     return StructuredOutputs(json=schema)
@@ -174,24 +189,28 @@ class HermesParser(ToolParser):
 
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 
     def parse(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
         at = text.find(self.OPEN)
         if at < 0:
             return text, []
-        calls = []
-        for body in self._BLOCK.findall(text[at:]):
+        calls, dec, i = [], json.JSONDecoder(), at
+        while i >= 0:
+            # the JSON right after the tag, read as JSON (a "</tool_call>" inside a string is not the block's end)
+            j = i + len(self.OPEN)
+            while j < len(text) and text[j].isspace():
+                j += 1
             try:
-                v = json.loads(body)
+                v, _ = dec.raw_decode(text, j)
             except ValueError:
-                continue  # (a block cut by max_tokens, or not JSON: not a call)
+                v = None  # (a block cut by max_tokens, or not JSON: not a call)
             if isinstance(v, dict) and isinstance(v.get("name"), str):
                 calls.append(ToolCall(v["name"], _args_text(v.get("arguments", v.get("parameters")))))
+            i = text.find(self.OPEN, j)
         if not calls:
             return text, []
-        content = text[:at].strip()
-        return content or None, calls
+        content = text[:at]  # (as streamed: the text before the first call)
+        return content if content.strip() else None, calls
 
     def content_until(self, text: str, final: bool) -> int:
         at = text.find(self.OPEN)
@@ -266,20 +285,19 @@ def template_messages(messages: Sequence[dict]) -> list[dict]:
 
 
 def with_tools(messages: Sequence[dict], tools: Optional[list[dict]]) -> tuple[list[dict], dict]:
-    """The messages and extra template variables of a chat rendered with `tools` (None: as they are)."""
-    if tools is None:
-        return list(messages), {}
-    return template_messages(messages), {"tools": check_tools(tools)}
+    """The messages (earlier tool-call turns as templates read them, with or without tools now) and extra template
+    variables of a chat rendered with `tools` (None: none)."""
+    return template_messages(messages), ({} if tools is None else {"tools": check_tools(tools)})
 
 
 class ToolAnswer:
     """One chat answer under tools (tool_choice other than "none"): how much of its growing text is content (a
     stream shows that and holds back what may be a call) and, at its end, its calls and finish_reason."""
 
-    def __init__(self, choice: Union[str, dict], tool_parser: Optional[ToolParser]):
+    def __init__(self, choice: Union[str, dict], tool_parser: Optional[ToolParser], parallel: bool = True):
         if choice == "auto" and tool_parser is None:
             raise InvalidRequestError("tool_choice \"auto\" needs a tool-call parser")
-        self.choice, self.parser = choice, tool_parser
+        self.choice, self.parser, self.parallel = choice, tool_parser, parallel
         self.text = ""
         self.emitted = 0  # characters of text shown as content so far
 
@@ -302,5 +320,7 @@ class ToolAnswer:
             content = None if calls else self.text
         if not calls:
             return self.text, [], finish_reason, self.text[self.emitted:]
+        if not self.parallel:  # (parallel_tool_calls false: the first call only, as vLLM's)
+            calls = calls[:1]
         named = isinstance(self.choice, dict)
         return content, calls, "tool_calls" if finish_reason == "stop" and not named else finish_reason, ""

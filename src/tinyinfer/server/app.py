@@ -107,6 +107,8 @@ class _Choice:
         self.tokens = 0  # generated so far (the log line of a request cut short)
         self.offsets: Optional[P.TextOffsets] = None  # the legacy text_offset, over the tokens whose logprobs were sent
         self.tools: Optional[ToolAnswer] = None  # a streamed chat choice's tool calls (tools, tool_choice not none)
+        self.echo: Optional[str] = None  # completions' echo: the prompt's text, before the answer's
+        self.prompt_ids: list[int] = []
 
 
 async def _deltas(c: _Choice, every: Optional[int] = 1) -> AsyncIterator[Delta]:
@@ -331,7 +333,8 @@ class Service:
             raise P.bad("this model has no tokenizer", param)
         try:
             if t.messages is not None:
-                return eng.apply_chat_template(t.messages, add_generation_prompt=t.add_generation_prompt)
+                return eng.apply_chat_template(t.messages, add_generation_prompt=t.add_generation_prompt,
+                                               tools=t.tools)
             return eng.tokenize(t.prompt, add_special_tokens=t.add_special_tokens)
         except (InvalidRequestError, ChatTemplateError, TokenizerError) as e:
             raise P.bad(str(e), param) from None
@@ -387,10 +390,18 @@ class Service:
                 for j in range(g.n):
                     sp = base if base.seed is None else dataclasses.replace(base, seed=(base.seed + j) % 2**64)
                     k = pi * g.n + j
-                    req = self.scheduler.submit(ids, sp, request_id=f"{rid}-{k}")
+                    if sp.prompt_logprobs is not None and not inspect.iscoroutinefunction(self.scheduler.submit):
+                        # (a prefill of its own inside submit: off the event loop)
+                        req = await run_in_threadpool(self.scheduler.submit, ids, sp, request_id=f"{rid}-{k}")
+                    else:
+                        req = self.scheduler.submit(ids, sp, request_id=f"{rid}-{k}")
                     if inspect.isawaitable(req):
                         req = await req
                     choices.append(_Choice(k, req, len(ids)))
+                    if g.echo:
+                        p = g.prompts[pi]
+                        choices[-1].echo = p if isinstance(p, str) else self.engine.detokenize(ids)
+                        choices[-1].prompt_ids = ids
         except BaseException as e:
             for c in choices:
                 c.req.cancel()
@@ -433,20 +444,26 @@ class Service:
 
     # ---- answers ----
 
-    def logprobs_of(self, g: P.GenerationRequest, items, c: _Choice) -> Optional[dict]:
-        if g.logprobs is None or not items or self.token_text is None:
+    def logprobs_of(self, g: P.GenerationRequest, items, c: _Choice, prompt=None) -> Optional[dict]:
+        """A choice's logprobs object of these items; prompt: an echoed prompt's prompt_logprobs (its first entry
+        None), whose entries come first."""
+        if g.logprobs is None or self.token_text is None or not (items or prompt):
             return None
         if g.kind == "chat":
-            return P.chat_logprobs(items, self.token_text)
+            return P.chat_logprobs(items, self.token_text) if items else None
         if c.offsets is None:
             c.offsets = P.TextOffsets(self.engine.tokenizer)
-        return P.completion_logprobs(items, self.token_text, c.offsets)
+        if not prompt:
+            return P.completion_logprobs(items, self.token_text, c.offsets)
+        head = P.completion_logprobs(prompt[1:], self.token_text, c.offsets, first_id=c.prompt_ids[0])
+        return P.joined_logprobs(head, P.completion_logprobs(items, self.token_text, c.offsets) if items else None)
 
     def tool_answer(self, g: P.GenerationRequest) -> Optional[ToolAnswer]:
         """A chat choice's reader of tool calls, where its request may make them (tools, tool_choice not none)."""
         if g.kind != "chat" or not g.tools or g.tool_choice == "none":
             return None
-        return ToolAnswer(g.tool_choice, parser(self.tool_parser) if g.tool_choice == "auto" else None)
+        return ToolAnswer(g.tool_choice, parser(self.tool_parser) if g.tool_choice == "auto" else None,
+                          g.parallel_tool_calls)
 
     async def answer(self, request: Request, g: P.GenerationRequest, call: _Call) -> dict:
         """The whole answer; the client's disconnect (watched meanwhile) cancels the requests."""
@@ -485,7 +502,11 @@ class Service:
             if tools is not None:
                 tools.add(text, final=True)
                 text, calls, finish, _ = tools.end(finish)
-            choices.append(P.final_choice(g.kind, c.index, text, self.logprobs_of(g, c.completion.logprobs, c),
+            prompt_lps = None
+            if c.echo is not None:
+                text, prompt_lps = c.echo + text, c.completion.prompt_logprobs
+            choices.append(P.final_choice(g.kind, c.index, text,
+                                          self.logprobs_of(g, c.completion.logprobs, c, prompt_lps),
                                           finish, c.completion.stop_reason, calls))
         call.log(call.finish_reasons())
         return {"id": call.id, "object": "chat.completion" if g.kind == "chat" else "text_completion",
@@ -519,11 +540,14 @@ class Service:
                             yield "".join(out)
                             return
                         call.saw(c, d)
+                        if c.echo is not None:  # the prompt first, in a chunk of its own (and its logprobs)
+                            out.append(fmt.text(c.index, c.echo, self.logprobs_of(g, [], c, d.prompt_logprobs)))
+                            c.echo = None
                         lp = self.logprobs_of(g, d.logprobs, c)
                         text = d.text
                         if c.tools is not None:  # content only; what may be a call is held back
                             text = c.tools.add(text, final=d.completion is not None)
-                        if text or lp or d.token_ids:
+                        if text or lp or (d.token_ids and c.tools is None):  # (held-back text: no empty chunk)
                             out.append(fmt.text(c.index, text, lp))
                         if d.completion is None:
                             continue

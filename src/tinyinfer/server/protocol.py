@@ -75,6 +75,8 @@ class GenerationRequest:
     structured_from: Optional[str] = None  # the field that asked for structured outputs (errors name it)
     tools: Optional[list[dict]] = None  # chat: OpenAI's tool definitions (the template's `tools`)
     tool_choice: Union[str, dict] = "none"  # "none" | "auto" | "required" | {"type": "function", ...}
+    echo: bool = False  # completions: the prompt's text before the answer (with logprobs: its tokens' too)
+    parallel_tool_calls: bool = True  # false: one call at most
 
 
 # ---- field checkers: each returns the value or raises a 400 naming the field ----
@@ -191,7 +193,7 @@ def _structured(body: dict) -> tuple[Optional[StructuredOutputs], Optional[str]]
 # Fields of OpenAI's API this engine cannot honour, each with the values that mean "not used" (accepted).
 _OFF = {
     "functions": (None, []), "function_call": (None, "none"),
-    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+    "best_of": (None, 1), "suffix": (None, ""),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "service_tier": (None, "auto", "default"),
 }
@@ -202,8 +204,8 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "rep
            "stop_token_ids", "logit_bias", "min_tokens", "bad_words", "response_format", "structured_outputs",
            *_GUIDED}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                         "parallel_tool_calls"}
-COMPLETION_FIELDS = _COMMON | {"prompt"}
+                         "parallel_tool_calls", "echo"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
 
 
 def _check_fields(body: dict, known: set) -> None:
@@ -354,6 +356,8 @@ def parse_chat(body: Any, defaults: Mapping[str, Any] = MappingProxyType({})) ->
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _check_fields(body, CHAT_FIELDS)
+    if _bool(body, "echo"):  # (vLLM's chat echo, the last message first: not here; false is accepted)
+        raise bad("'echo' is not supported for chat by this server", "echo", "unsupported_parameter")
     msgs = _messages(body)
     mt, mct = _int(body, "max_tokens", 1), _int(body, "max_completion_tokens", 1)
     if mt is not None and mct is not None and mt != mct:
@@ -367,16 +371,23 @@ def parse_chat(body: Any, defaults: Mapping[str, Any] = MappingProxyType({})) ->
     params, structured_from = _sampling(body, max_tokens, defaults), _structured(body)[1]
     tools, choice = _tools(body)
     parallel = _bool(body, "parallel_tool_calls") is not False  # (OpenAI's default: true)
-    forced = forced_constraint(tools, choice, parallel) if tools else None
+    try:
+        forced = forced_constraint(tools, choice, parallel) if tools else None
+    except InvalidRequestError as e:
+        raise bad(str(e), "tools") from None
     if forced is not None:  # a named tool_choice or "required": the answer held to the calls' JSON
         if params.structured_outputs is not None:
             raise bad(f"'tool_choice' {choice if isinstance(choice, str) else 'naming a function'} and "
                       f"'{structured_from}' both constrain the answer; give one", "tool_choice")
-        params, structured_from = dataclasses.replace(params, structured_outputs=forced), "tool_choice"
+        # (what fails to compile then is a tool's parameters)
+        params, structured_from = dataclasses.replace(params, structured_outputs=forced), "tools"
+    elif tools and choice == "auto":  # a parser may read tags the tokenizer holds as special tokens (vLLM's rule)
+        params = dataclasses.replace(params, skip_special_tokens=False)
     return GenerationRequest(kind="chat", model=_model(body), params=params,
                              max_tokens=max_tokens, n=_int(body, "n", 1, 128) or 1, stream=stream,
                              include_usage=usage, logprobs=(top or 0) if lp else None, messages=msgs,
-                             structured_from=structured_from, tools=tools, tool_choice=choice)
+                             structured_from=structured_from, tools=tools, tool_choice=choice,
+                             parallel_tool_calls=parallel)
 
 
 def _tools(body: dict) -> tuple[Optional[list[dict]], Union[str, dict]]:
@@ -419,10 +430,14 @@ def parse_completion(body: Any, defaults: Mapping[str, Any] = MappingProxyType({
     prompts = _prompts(body["prompt"])
     mt = _int(body, "max_tokens", 1)
     lp = _int(body, "logprobs", 0, MAX_LOGPROBS)
+    echo = bool(_bool(body, "echo"))
     stream, usage = _stream(body)
-    return GenerationRequest(kind="completion", model=_model(body), params=_sampling(body, mt, defaults), max_tokens=mt,
+    params = _sampling(body, mt, defaults)
+    if echo and lp is not None:  # the prompt's tokens' logprobs, as many top entries as the answer's
+        params = dataclasses.replace(params, prompt_logprobs=lp)
+    return GenerationRequest(kind="completion", model=_model(body), params=params, max_tokens=mt,
                              n=_int(body, "n", 1, 128) or 1, stream=stream, include_usage=usage, logprobs=lp,
-                             prompts=prompts, structured_from=_structured(body)[1])
+                             prompts=prompts, structured_from=_structured(body)[1], echo=echo)
 
 
 # ---- responses ----
@@ -477,16 +492,33 @@ def chat_logprobs(items: Sequence, token_text: TokenText) -> dict:
                         for x in items], "refusal": None}
 
 
-def completion_logprobs(items: Sequence, token_text: TokenText, offsets_of: TextOffsets) -> dict:
+def completion_logprobs(items: Sequence, token_text: TokenText, offsets_of: TextOffsets,
+                        first_id: Optional[int] = None) -> dict:
     """The legacy completions format: tokens, token_logprobs, top_logprobs (dicts), text_offset (characters into
-    the choice's text, from `offsets_of`, which has seen the choice's earlier tokens)."""
-    tokens, lps, tops, offsets = [], [], [], []
+    the choice's text, from `offsets_of`, which has seen the choice's earlier tokens). first_id: an echoed prompt's
+    first token, which has no logprob (null entries, as OpenAI's and vLLM's), before the items."""
+    tokens: list[str] = []
+    lps: list[Optional[float]] = []
+    tops: list[Optional[dict]] = []
+    offsets: list[int] = []
+    if first_id is not None:
+        tokens.append(token_text(first_id)[0])
+        lps.append(None)
+        tops.append(None)
+        offsets.append(offsets_of.next(first_id))
     for x in items:
         tokens.append(token_text(x.token_id)[0])
         lps.append(x.logprob)
         tops.append({token_text(t)[0]: lp for t, lp in x.top})
         offsets.append(offsets_of.next(x.token_id))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def joined_logprobs(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
+    """Two legacy logprobs objects of one choice, one after the other (an echoed prompt's, then the answer's)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {k: a[k] + b[k] for k in a}
 
 
 def sse(body: dict) -> str:
@@ -567,9 +599,11 @@ class TokenizeRequest:
     add_special_tokens: bool = True  # prompt: the tokenizer's own (BOS), as a completion's prompt gets them
     add_generation_prompt: bool = True  # messages: the assistant's turn opened, as a chat request renders it
     return_token_strs: bool = False  # the tokens' vocabulary strings too ("token_strs")
+    tools: Optional[list[dict]] = None  # messages: the tools a chat request would render with them
 
 
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs",
+                   "tools"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
@@ -586,8 +620,9 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
     if has_prompt == has_messages:
         raise bad("give either 'prompt' (a string) or 'messages' (a chat)", "prompt")
     if has_prompt:
-        if body.get("add_generation_prompt") is not None:
-            raise bad("'add_generation_prompt' applies to 'messages'", "add_generation_prompt")
+        for name in ("add_generation_prompt", "tools"):
+            if body.get(name) is not None:
+                raise bad(f"'{name}' applies to 'messages'", name)
         p = body["prompt"]
         if not isinstance(p, str):
             raise bad(f"'prompt' must be a string (got {p!r:.100})", "prompt")
@@ -601,7 +636,7 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
                   "add_special_tokens")
     agp = _bool(body, "add_generation_prompt")
     return TokenizeRequest(_model(body), messages=_messages(body), add_generation_prompt=True if agp is None else agp,
-                           return_token_strs=bool(_bool(body, "return_token_strs")))
+                           return_token_strs=bool(_bool(body, "return_token_strs")), tools=_tools(body)[0])
 
 
 def parse_detokenize(body: Any) -> tuple[Optional[str], list[int]]:

@@ -645,6 +645,9 @@ BAD_CHAT = [  # (extra arguments, param named)
     (dict(extra_body={"bad_words": "x"}), "bad_words"),
     (dict(extra_body={"bad_words": ["ok", ""]}), "bad_words"),
     (dict(extra_body={"bad_words": ["w"] * 513}), "bad_words"),
+    # (each within its limit, together past the core's 1,024 entries: refused by the engine, the field named)
+    (dict(logit_bias={str(i): 1 for i in range(20000, 21024)}, extra_body={"bad_words": ["the", "and"]}),
+     "logit_bias"),
     (dict(extra_body={"min_tokens": 1.5}), "min_tokens"),
     (dict(max_tokens=4, extra_body={"min_tokens": 5}), "min_tokens"),
     (dict(extra_body={"no_such_field": 1}), "no_such_field"),

@@ -410,8 +410,11 @@ class Service:
             if isinstance(e, QueueFullError):
                 raise P.APIError(503, f"the server is busy: {e}", code="queue_full",
                                  headers={"Retry-After": "1"}) from None
-            if isinstance(e, InvalidRequestError):  # (a constraint that does not compile: its field named)
-                raise P.bad(str(e), g.structured_from if "structured_outputs" in str(e) else None) from None
+            if isinstance(e, InvalidRequestError):  # (the engine's checks: the field named where the message does)
+                msg = str(e)
+                param = g.structured_from if "structured_outputs" in msg else next(
+                    (f for f in ("logit_bias", "bad_words", "min_tokens") if f in msg), None)
+                raise P.bad(msg, param) from None
             raise
         return _Call(rid, choices, g.n)
 

@@ -93,14 +93,25 @@ inline void bind_sequences(Cls& cls) {
           "sampler adds each token it draws): a preempted request's answer so far, prefilled again as prompt.")
       .def(
           "seq_prefill",
-          [](E& e, int64_t slot, const std::vector<int64_t>& tokens) {
+          [](E& e, int64_t slot, const std::vector<int64_t>& tokens, bool all_logits) -> nb::object {
             std::vector<int32_t> ids = to_ids(tokens);
-            nb::gil_scoped_release release;
-            e.seq_prefill(slot, ids.data(), (int64_t)ids.size());
+            if (!all_logits) {
+              nb::gil_scoped_release release;
+              e.seq_prefill(slot, ids.data(), (int64_t)ids.size());
+              return nb::none();
+            }
+            float* out = nullptr;
+            F32Out arr = new_f32_array(std::max<size_t>(ids.size(), 1), (size_t)e.config().vocab, &out);
+            {
+              nb::gil_scoped_release release;
+              e.seq_prefill(slot, ids.data(), (int64_t)ids.size(), out);
+            }
+            return nb::cast(arr);
           },
-          "slot"_a, "tokens"_a,
+          "slot"_a, "tokens"_a, "all_logits"_a = false,
           "A prompt chunk at seq_length(slot): fills the cache, keeps the last token's logits, adds the tokens to "
-          "the slot's history as prompt.")
+          "the slot's history as prompt. all_logits: returns every token's logits, (len(tokens), vocab) float32 "
+          "(prompt logprobs; on the GPU the call then waits for them).")
       .def(
           "seq_prefill_many",
           [](E& e, const std::vector<int64_t>& slots, const std::vector<std::vector<int64_t>>& prompts) {

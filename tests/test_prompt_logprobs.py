@@ -12,10 +12,14 @@ from tinyinfer import Engine, InvalidRequestError, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def eng(tmp_path_factory):
-    d = make_llama(tmp_path_factory.mktemp("plp") / "m", hidden=64, heads=2, kv_heads=2, layers=1, vocab=150,
-                   init_std=0.3)
-    with Engine(d, device="cpu", max_seq_len=256) as e:
+def model_dir(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("plp") / "m", hidden=64, heads=2, kv_heads=2, layers=1, vocab=150,
+                      init_std=0.3)
+
+
+@pytest.fixture(scope="module")
+def eng(model_dir):
+    with Engine(model_dir, device="cpu", max_seq_len=512) as e:
         yield e
 
 
@@ -69,3 +73,77 @@ def test_through_sampling_params_alone_and_in_a_batch(eng):
     assert len(one.prompt_logprobs) == 20  # (max_tokens 1: the first Delta is the last)
     with pytest.raises(InvalidRequestError, match="prompt_logprobs must be None or an integer in 0..20"):
         SamplingParams(prompt_logprobs=21)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_scored_in_the_requests_own_prefill(model_dir, mixed):
+    """The scheduler computes them from the request's own prefill (every row's logits, SCORE_ROWS a call, within
+    chunk_tokens a step): a prompt over several calls and steps, beside a running request (mixed steps or not),
+    after a request that left the same prefix in the prefix cache (not taken from it: the rows' logits are
+    needed) — the same values as Engine.prompt_logprobs, and the answer the same as without them."""
+    from tinyinfer import Scheduler
+    from tinyinfer.scheduler import SCORE_ROWS
+
+    prompt = [3 + (i * 7) % 140 for i in range(SCORE_ROWS + 150)]
+    eng = Engine(model_dir, device="cpu", max_seq_len=512)
+    want = eng.prompt_logprobs(prompt, 1)
+    sched = Scheduler(eng, chunk_tokens=200, mixed_steps=mixed, prefix_cache=2)
+    try:
+        first = sched.submit(prompt, SamplingParams(max_tokens=2, ignore_eos=True)).result()  # (kept: its prefix)
+        other = sched.submit(PROMPT[:30], SamplingParams(max_tokens=40, ignore_eos=True))
+        scored = sched.submit(prompt, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=1))
+        got = scored.result()
+        assert other.result().finish_reason == "length"
+    finally:
+        sched.close()
+        eng.close()
+    assert got.token_ids == first.token_ids and got.stats.cached_tokens == 0
+    assert len(got.prompt_logprobs) == len(prompt) and got.prompt_logprobs[0] is None
+    for g, w in zip(got.prompt_logprobs[1:], want[1:]):
+        assert g.token_id == w.token_id and g.logprob == pytest.approx(w.logprob, abs=1e-5)
+        assert [t for t, _ in g.top] == [t for t, _ in w.top]
+
+
+@pytest.mark.gpu
+def test_scored_on_the_gpu(model_dir):
+    """The GPU engine's seq_prefill(all_logits=True) (the prefill chunk's LM-head GEMM over all rows): the same
+    prompt logprobs as its single sequence's logits() within the batched path's tolerance, over several calls."""
+    from tinyinfer.scheduler import SCORE_ROWS
+
+    prompt = [3 + (i * 5) % 140 for i in range(SCORE_ROWS + 40)]
+    with Engine(model_dir, device="cuda", max_seq_len=512) as e:
+        want = e.prompt_logprobs(prompt, 2)
+        got = e.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=2))
+    assert len(got.prompt_logprobs) == len(prompt) and got.prompt_logprobs[0] is None
+    for g, w in zip(got.prompt_logprobs[1:], want[1:]):
+        assert g.token_id == w.token_id and g.logprob == pytest.approx(w.logprob, abs=2e-3)
+
+
+def test_echo_without_a_tokenizer_is_refused(eng):
+    """A model without a tokenizer has no text to echo: 400 naming echo (before anything runs); the server goes on."""
+    import asyncio
+
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from tinyinfer import Scheduler
+    from tinyinfer.server.app import create_app
+
+    assert eng.tokenizer is None
+    if eng._scheduler is not None:
+        eng._scheduler.close()
+    sched = Scheduler(eng)
+    app = create_app(eng, sched, model_name="m")
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+                bad = await h.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, "echo": True})
+                ok = await h.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2})
+                return bad, ok
+
+    try:
+        bad, ok = asyncio.run(main())
+    finally:
+        sched.close()
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
+    assert ok.status_code == 200

@@ -92,8 +92,9 @@ class CpuEngine {
   // answer so far, prefilled again as prompt. Request error, nothing changed, for a bad slot or token.
   void seq_mark_generated(int64_t slot, const int32_t* tokens, int64_t n);
   // A prompt chunk at seq_length(slot)..: fills the cache, keeps the last token's logits as the slot's logits and
-  // adds the tokens to its history as prompt.
-  void seq_prefill(int64_t slot, const int32_t* tokens, int64_t n);
+  // adds the tokens to its history as prompt. all_logits (may be null): every token's logits too, (n, vocab)
+  // (prompt logprobs).
+  void seq_prefill(int64_t slot, const int32_t* tokens, int64_t n, float* all_logits = nullptr);
   // seq_prefill of n sequences: tokens[i] (lens[i] of them) in slots[i] (distinct, open); everything checked
   // before any runs. The reference loops over them (so each slot's logits are exactly its seq_prefill's).
   void seq_prefill_many(const int64_t* slots, const int32_t* const* tokens, const int64_t* lens, int64_t n);

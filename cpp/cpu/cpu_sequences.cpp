@@ -138,7 +138,7 @@ int64_t CpuEngine::kv_pages_held_by(const int64_t* slots, int64_t n) const {
   return only;
 }
 
-void CpuEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
+void CpuEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n, float* all_logits) {
   Slot& s = open_slot(slot);
   check_tokens(tokens, n, cfg_.vocab);
   const int64_t pos0 = (int64_t)s.tokens.size();
@@ -148,8 +148,9 @@ void CpuEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
   slot_pages_ += s.kv.reserve(pos0 + n);
   rows_.resize((size_t)n);
   for (int64_t t = 0; t < n; t++) rows_[t] = {&s.kv, pos0 + t};
-  run(tokens, rows_.data(), n, n - 1, nullptr);
-  s.logits.assign(logits_buf_.begin(), logits_buf_.begin() + cfg_.vocab);
+  run(tokens, rows_.data(), n, all_logits ? 0 : n - 1, all_logits);
+  const int64_t last = all_logits ? (n - 1) * cfg_.vocab : 0;  // (the last row of what run() computed)
+  s.logits.assign(logits_buf_.begin() + last, logits_buf_.begin() + last + cfg_.vocab);
   s.tokens.insert(s.tokens.end(), tokens, tokens + n);
   for (int64_t t = 0; t < n; t++) s.history.add_prompt(tokens[t]);
 }

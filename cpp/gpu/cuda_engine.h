@@ -114,8 +114,10 @@ class CudaEngine {
   void seq_mark_generated(int64_t slot, const int32_t* tokens, int64_t n);
   // Prompt tokens at seq_length(slot)..: the batched prefill through the slot's page table; the last token's
   // logits become the slot's; the tokens join its history as prompt. Request error, nothing changed, when the
-  // pages run out or max_seq_len would be passed. Returns once launched (the next syncing call waits).
-  void seq_prefill(int64_t slot, const int32_t* tokens, int64_t n);
+  // pages run out or max_seq_len would be passed. Returns once launched (the next syncing call waits), unless
+  // all_logits (may be null): every token's logits too, (n, vocab) on the host, there when it returns (prompt
+  // logprobs; the batched prefill only).
+  void seq_prefill(int64_t slot, const int32_t* tokens, int64_t n, float* all_logits = nullptr);
   // seq_prefill of n sequences at once: tokens[i] (lens[i] of them) in slots[i] (distinct, open). Their tokens
   // share batched passes (PrefillStep::run_many: one weight read per pass of up to prefill_chunk tokens; a
   // prompt may span two passes). The same checks as seq_prefill for the whole call before anything runs

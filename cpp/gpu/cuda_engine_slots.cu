@@ -266,20 +266,24 @@ void CudaEngine::upload_table(int64_t slot, int64_t first) {
                                   (size_t)n * sizeof(int), cudaMemcpyHostToDevice, stream_));
 }
 
-void CudaEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n) {
+void CudaEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n, float* all_logits) {
   check_slot(slot);
   check_tokens(tokens, n, cfg_.vocab);
   Slot& sl = slots_[(size_t)slot];
   check_room(sl.length, n, max_seq_);
+  if (all_logits && !prefill_)
+    fail(ErrorKind::Request, "seq_prefill: every token's logits need the batched prefill (CudaOptions::"
+                             "batched_prefill, and a head dim it has)");
   slot_reserve(slot, sl.length + n);  // (throws before anything is launched)
   if (prefill_) {  // returns once launched, as seq_prefill_many; the marks from each chunk's device tokens
     const PrefillTarget to{bbuf_.tables + (size_t)slot * bbuf_.table_stride, bbuf_.x, bbuf_.slot_row(slot)};
     for (int64_t c0 = 0; c0 < n; c0 += prefill_->rows()) {
       const int T = (int)std::min<int64_t>(prefill_->rows(), n - c0);
-      prefill_->run_chunk(tokens + c0, T, (int)(sl.length + c0), nullptr, 0, to);
+      prefill_->run_chunk(tokens + c0, T, (int)(sl.length + c0), all_logits, c0, to);
       cuda::mark_tokens(seen_ + (size_t)slot * cfg_.vocab, pbuf_.tokens, T, stream_);
     }
     sl.logits_row = bbuf_.max_rows + (int)slot;
+    if (all_logits) TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // (the rows' copies to the host have landed)
   } else {
     prefill_by_token(slot, tokens, n);
     mark_prompt(slot, tokens, n);

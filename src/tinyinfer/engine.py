@@ -406,27 +406,13 @@ class Engine:
     def prompt_logprobs(self, token_ids: Sequence[int], top: int = 0) -> list[Optional["TokenLogprob"]]:
         """Each token's log-probability given the tokens before it (None for the first), from one prefill's
         logits (logits()), with its `top` most likely tokens (ties: the lower id first) — vLLM's prompt_logprobs,
-        what scoring a text (lm-eval's loglikelihood) reads."""
-        from .request import TokenLogprob
+        what scoring a text reads. (A request's SamplingParams.prompt_logprobs come from its own prefill in the
+        scheduler instead.)"""
+        from .scoring import rows_logprobs
 
         ids = self._prompt_ids(token_ids)
-        logits = self.logits(ids)
         out: list[Optional[TokenLogprob]] = [None]
-        for b in range(0, len(ids) - 1, 64):  # (rows in blocks: float64 over the whole vocabulary)
-            rows = logits[b:min(b + 64, len(ids) - 1)].astype(np.float64)
-            m = rows.max(axis=1, keepdims=True)
-            lp = rows - (m + np.log(np.exp(rows - m).sum(axis=1, keepdims=True)))
-            for r, row in enumerate(lp):
-                t = ids[b + r + 1]
-                entries: list[tuple[int, float]] = []
-                if top:
-                    k = min(top, row.size)
-                    kth = np.partition(row, row.size - k)[row.size - k]
-                    cand = np.nonzero(row >= kth)[0]  # (every tie at the k-th value: the lower ids win below)
-                    cand = cand[np.lexsort((cand, -row[cand]))][:k]
-                    entries = [(int(i), float(row[i])) for i in cand]
-                out.append(TokenLogprob(int(t), float(row[t]), entries))
-        return out
+        return out + list(rows_logprobs(self.logits(ids), ids[1:], top))
 
     # ---- generation ----
 

@@ -120,6 +120,7 @@ from .prefix_cache import PREFIX_CACHE_CPU, PREFIX_CACHE_GPU_PER_SLOT, PrefixCac
 from .prefix_cache import pages_for as _pages
 from .request import Delta, Request, TokenLogprob, merge_deltas, wake
 from .sampling import CoreSampling, SamplingParams, TextAssembler, stop_reason
+from .scoring import rows_logprobs
 from .totals import Totals
 from .trace import Trace
 
@@ -143,7 +144,8 @@ class _Seq:
     fresh: bool = False  # the slot's logits are new (or being computed): a token must be sampled from them
     generated: list[int] = field(default_factory=list)
     logprobs: Optional[list[TokenLogprob]] = None
-    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # (on its first Delta, then in its Completion)
+    # prompt_logprobs: its prompt's, filled while its own prefill runs (on its first Delta, then in its Completion)
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     t_submit: float = 0.0
     t_admit: float = 0.0
     t_first: float = 0.0  # its first token sampled (its prompt has run: the GPU's prefill calls return early)
@@ -167,10 +169,18 @@ class _Seq:
     def prefilling(self) -> bool:
         return self.length < len(self.feed) and self.pending is None and (self.preempted > 0 or not self.generated)
 
+    @property
+    def scoring(self) -> bool:
+        """Its prompt's logprobs are still being computed (SamplingParams.prompt_logprobs): its prefill is its own,
+        every row's logits kept (_score), never the batched passes or a cached prefix."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
+
 
 # Request.batches(None): a consumer is woken once per token while at most this many sequences run (see
 # Scheduler.adaptive_interval)
 STREAM_ROWS = 16
+# prompt_logprobs: prompt rows a scoring seq_prefill returns the logits of at once (256 x a 128k vocabulary: 128 MB)
+SCORE_ROWS = 256
 
 def _counts_generated(p: SamplingParams) -> bool:
     """Whether sampling with p counts the generated tokens apart from the prompt's (presence / frequency penalties)."""
@@ -377,10 +387,8 @@ class Scheduler:
         stop_ids = eng._stop_ids(sp)
         sampling = eng._core_sampling(sp, seed)
         rid = request_id or uuid.uuid4().hex
-        # (a prefill of its own now, in the caller's thread: the engine's lock taken between two steps)
-        prompt_lps = eng.prompt_logprobs(ids, sp.prompt_logprobs) if sp.prompt_logprobs is not None else None
         return _Seq(request=Request(self, rid, ids), prompt=ids, params=sp, sampling=sampling,
-                    stop_ids=frozenset(stop_ids), prompt_logprobs=prompt_lps,
+                    stop_ids=frozenset(stop_ids), prompt_logprobs=[None] if sp.prompt_logprobs is not None else None,
                     text=None if eng.tokenizer is None else TextAssembler(
                         functools.partial(eng.tokenizer.decode, skip_special_tokens=bool(sp.skip_special_tokens)),
                         sp.stop, sp.min_tokens),
@@ -625,6 +633,7 @@ class Scheduler:
                                                                                       [s.pending for s in stepping])):
                 self._stepped(stepping)
             self._prefill(core, chunks)
+        self._score(core)
         sampling = [s for s in self._running if s.fresh]
         if sampling:
             self._sample(core, sampling)
@@ -768,6 +777,9 @@ class Scheduler:
                     return  # stops after a batch's worth of waiting ones, each planned again at every step)
                 seq = self._waiting[ahead]
                 kind, src, cached = self._cache.plan(seq.feed, self._running, int(core.max_batch))
+                if seq.scoring:  # (every prompt row's logits: nothing taken from a cache)
+                    kind, src, cached = "fresh", None, 0
+                    seq.prompt_logprobs = [None]  # (again from its start: a preemption mid-prompt)
                 if kind == "wait":
                     ahead += 1  # it copies that prefix once prefilled (a step or a few); those behind it go on
                     continue
@@ -871,7 +883,7 @@ class Scheduler:
         would read every weight again for a few tokens), but never less than half of it (prompts always advance)."""
         budget = max(self.chunk_tokens - rows, (self.chunk_tokens + 1) // 2)
         chunks: list[tuple[_Seq, list[int]]] = []
-        for seq in [s for s in self._running if s.prefilling]:
+        for seq in [s for s in self._running if s.prefilling and not s.scoring]:
             if budget <= 0:
                 break
             n = min(budget, len(seq.feed) - seq.length)
@@ -899,6 +911,26 @@ class Scheduler:
             done = [(seq, chunk) for seq, chunk in chunks
                     if self._core_call(core, [seq], lambda seq=seq, chunk=chunk: core.seq_prefill(seq.slot, chunk))]
         self._prefilled(done)
+
+    def _score(self, core) -> None:
+        """The prompt chunks of requests that asked for prompt_logprobs: a seq_prefill each that returns every
+        row's logits (SCORE_ROWS rows a call: (rows, vocab) float32 on the host), read at once as the logprob of
+        the prompt token after each row; chunk_tokens rows a step in all, oldest first."""
+        budget = self.chunk_tokens
+        for seq in [s for s in self._running if s.scoring and s.prefilling]:
+            if budget <= 0:
+                break
+            n = min(SCORE_ROWS, budget, len(seq.feed) - seq.length)
+            chunk = seq.feed[seq.length:seq.length + n]
+            out: list = []
+            if not self._core_call(core, [seq], lambda: out.append(core.seq_prefill(seq.slot, chunk,
+                                                                                    all_logits=True))):
+                continue
+            at = seq.length + 1  # row i: the token at position seq.length + i + 1
+            rows = out[0][:max(0, min(n, len(seq.prompt) - at))]
+            seq.prompt_logprobs += rows_logprobs(rows, seq.prompt[at:at + len(rows)], seq.params.prompt_logprobs)
+            self._prefilled([(seq, chunk)])
+            budget -= n
 
     def _prefilled(self, done: list[tuple[_Seq, list[int]]]) -> None:
         now = time.perf_counter() if self.trace is not None else 0.0

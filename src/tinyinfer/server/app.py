@@ -390,11 +390,7 @@ class Service:
                 for j in range(g.n):
                     sp = base if base.seed is None else dataclasses.replace(base, seed=(base.seed + j) % 2**64)
                     k = pi * g.n + j
-                    if sp.prompt_logprobs is not None and not inspect.iscoroutinefunction(self.scheduler.submit):
-                        # (a prefill of its own inside submit: off the event loop)
-                        req = await run_in_threadpool(self.scheduler.submit, ids, sp, request_id=f"{rid}-{k}")
-                    else:
-                        req = self.scheduler.submit(ids, sp, request_id=f"{rid}-{k}")
+                    req = self.scheduler.submit(ids, sp, request_id=f"{rid}-{k}")
                     if inspect.isawaitable(req):
                         req = await req
                     choices.append(_Choice(k, req, len(ids)))
@@ -426,6 +422,8 @@ class Service:
         if g.tool_choice == "auto" and self.tool_parser is None:  # (vLLM's rule and message)
             raise P.bad("\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set "
                         "(tools without a tool_choice mean \"auto\")", "tool_choice")
+        if g.echo and self.engine.tokenizer is None:
+            raise P.bad("'echo' needs the model's tokenizer (this model has none)", "echo")
         self.check_ids(g.params.stop_token_ids, "stop token id", "stop_token_ids")
         self.check_ids(g.params.logit_bias or (), "logit_bias token id", "logit_bias")
         if g.kind == "completion" and not any(isinstance(p, str) for p in g.prompts):

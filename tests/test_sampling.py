@@ -323,3 +323,36 @@ def test_numpy_numbers_are_taken_as_pythons():
     assert SamplingParams(stop_token_ids=[np.int64(9)]).stop_token_ids == [9]
     with pytest.raises(InvalidRequestError, match="max_tokens must be an integer"):
         SamplingParams(max_tokens=np.float64(2.0))  # (a float is no count, numpy's or Python's)
+
+
+def _spm_tokenizer():
+    from gguf_writer import spm_vocab
+    from tinyinfer.tokenizer import Tokenizer
+
+    toks, types, scores = spm_vocab()
+    return Tokenizer.from_gguf_metadata({
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": toks, "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_bos_token": True})
+
+
+@pytest.mark.parametrize("one_by_one", [False, True])
+def test_an_answer_is_decoded_as_the_prompts_continuation(one_by_one):
+    """SentencePiece decodes a text's first token without its space ("▁cat" alone is "cat"): after the prompt's
+    last tokens (vLLM's context), the answer's text keeps it, and the prompt's text plus the answer's is the
+    whole text's decode — token by token or at once, with a stop string too."""
+    tok = _spm_tokenizer()
+    ids = tok.encode("the quick cat sat over the dog", add_special_tokens=True)
+    cut = ids.index(tok.encode("the quick cat", add_special_tokens=True)[-1]) + 1
+    prompt, answer = ids[:cut], ids[cut:]
+    dec = tok.decode
+    assert dec(answer).startswith("sat")  # (alone: the space lost)
+    for stop in ([], ["dog"]):
+        t = TextAssembler(dec, stop, context=prompt[-5:])
+        pieces = [t.add([i]) for i in answer] if one_by_one else [t.add(answer)]
+        pieces.append(t.add([], final=True))
+        want = " sat over the dog" if not stop else " sat over the "
+        assert "".join(pieces) == t.text == want
+        assert dec(prompt) + t.text == dec(ids)[:len(dec(prompt)) + len(want)]
+    plain = TextAssembler(dec, [])
+    assert plain.add(answer, final=True) == dec(answer)  # (no context: as before)

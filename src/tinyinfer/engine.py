@@ -31,7 +31,7 @@ from .loaders import load_model
 # from tinyinfer.engine)
 from .loading import (DEVICE_DTYPES, DTYPES, QUANTIZED, TacticsCache, check_dtype, check_threads, cuda_status,
                       load_cpu, load_cuda, no_cuda_sentence, pick_device, plan_file, with_plan_cache)
-from .sampling import CoreSampling, SamplingParams, TextAssembler, stop_reason
+from .sampling import CONTEXT_TOKENS, CoreSampling, SamplingParams, TextAssembler, stop_reason
 from .structured import GrammarCompiler, StructuredOutputs
 from .tools import with_tools
 
@@ -374,6 +374,14 @@ class Engine:
                 self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab, self.config.eos_token_ids)
             return self._grammars
 
+    def _text(self, sp: SamplingParams, prompt_ids: Sequence[int]) -> Optional[TextAssembler]:
+        """The text side of one request's answer (None without a tokenizer), decoded as the prompt's continuation.
+        (The tokenizer's decode, not detokenize: the sampled ids need no checks, at two decodes a token.)"""
+        if self.tokenizer is None:
+            return None
+        return TextAssembler(functools.partial(self.tokenizer.decode, skip_special_tokens=bool(sp.skip_special_tokens)),
+                             sp.stop, sp.min_tokens, context=prompt_ids[-CONTEXT_TOKENS:])
+
     def _core_sampling(self, sp: SamplingParams, seed: int) -> CoreSampling:
         grammar = None
         if sp.structured_outputs is not None:
@@ -592,9 +600,7 @@ class Engine:
         stop_ids = self._stop_ids(sp)
         seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(4), "little")
         sampling = self._core_sampling(sp, seed)
-        # (the tokenizer's decode, not detokenize: the sampled ids need no checks, at two decodes a token)
-        text = TextAssembler(functools.partial(self.tokenizer.decode, skip_special_tokens=sp.skip_special_tokens), sp.stop,
-                             sp.min_tokens) if self.tokenizer is not None else None
+        text = self._text(sp, prompt_ids)
         stats = Stats(prompt_tokens=len(prompt_ids), cached_tokens=self._cached_prefix(prompt_ids, sp))
         out: list[int] = []
         finish = "length"

@@ -306,12 +306,19 @@ def stop_reason(sp: SamplingParams, token: int, eos_ids: Sequence[int]) -> Optio
     return token if token in sp.stop_token_ids else None
 
 
+# Prompt tokens an answer's text is decoded after (vLLM's): a tokenizer that treats a text's first token specially
+# (SentencePiece drops its leading space: "▁Paris" alone is "Paris") decodes the answer as the prompt's continuation.
+CONTEXT_TOKENS = 5
+
+
 class TextAssembler:
     """Turns a growing list of token ids into text pieces that are safe to show: whole UTF-8 characters only,
     and nothing that could be the start of a stop string until it is known not to be one. With min_tokens, only a
-    stop string that ends after the text of the first min_tokens ids counts (vLLM's rule)."""
+    stop string that ends after the text of the first min_tokens ids counts (vLLM's rule). context: the ids before
+    them (a prompt's last CONTEXT_TOKENS): the text is what decoding them after those adds ("The capital of France
+    is" + " Paris", not "Paris")."""
 
-    def __init__(self, decode, stop: Sequence[str], min_tokens: int = 0):
+    def __init__(self, decode, stop: Sequence[str], min_tokens: int = 0, context: Sequence[int] = ()):
         self._decode = decode
         self._stop = list(stop)
         self._min_tokens = min_tokens
@@ -329,29 +336,36 @@ class TextAssembler:
         # specially (a leading-space strip, a joining space) does so to both the window and its known head.
         # Should a window ever disagree
         # with its head, this assembler falls back to decoding everything (exact, slower) for good.
+        # The windows run over _seq (the context, then ids); the context's own text is never part of the text.
+        self._ctx = list(context)
+        self._seq = list(context)
         self._settled = ""
-        self._prefix = self._read = 0
-        self._head = ""  # decode(ids[_prefix:_read])
-        self._windowed = True
+        self._prefix, self._read = 0, len(self._ctx)
+        self._head = self._decode(self._ctx) if self._ctx else ""  # decode(_seq[_prefix:_read])
+        self._windowed = not self._head.endswith("\ufffd")  # (a context cut inside a character: no window)
 
     def _full_text(self, final: bool) -> str:
         """decode(ids), less an incomplete multi-byte character at the end unless final."""
         if self._windowed:
-            window = self._decode(self.ids[self._prefix:])
+            window = self._decode(self._seq[self._prefix:])
             if window.startswith(self._head):
                 tail = window[len(self._head):]
                 if final or not tail.endswith("\ufffd"):
                     self._settled += tail
-                    head = self._decode(self.ids[self._read:])
+                    head = self._decode(self._seq[self._read:])
                     if head:  # else keep the window's start: its head must hold text (context for a joiner)
                         self._prefix, self._head = self._read, head
                     else:
                         self._head = window
-                    self._read = len(self.ids)
+                    self._read = len(self._seq)
                     return self._settled
                 return self._settled + tail.rstrip("\ufffd")
             self._windowed = False
         full = self._decode(self.ids)
+        if self._ctx:  # (the context's text off the front, where decoding after it still starts with it)
+            ctx, both = self._decode(self._ctx), self._decode(self._seq)
+            if both.startswith(ctx):
+                full = both[len(ctx):]
         if not final:  # an incomplete multi-byte character decodes to U+FFFD at the end: wait for its bytes
             full = full.rstrip("\ufffd")
         return full
@@ -373,6 +387,7 @@ class TextAssembler:
     def add(self, new_ids: Sequence[int], final: bool = False) -> str:
         """Adds tokens; returns the new piece of text that is safe to emit."""
         self.ids.extend(new_ids)
+        self._seq.extend(new_ids)
         full = self._full_text(final)
         if final:  # an answer cut inside a character (max_tokens, EOS) ends without it, as vLLM's (which drops a
             full = full.rstrip("\ufffd")  # U+FFFD the model itself wrote last too: the text cannot tell them apart)

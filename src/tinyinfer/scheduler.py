@@ -105,7 +105,6 @@ The request side (Request, Delta, TokenLogprob, merge_deltas) lives in request.p
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import threading
 import time
@@ -389,9 +388,7 @@ class Scheduler:
         rid = request_id or uuid.uuid4().hex
         return _Seq(request=Request(self, rid, ids), prompt=ids, params=sp, sampling=sampling,
                     stop_ids=frozenset(stop_ids), prompt_logprobs=[None] if sp.prompt_logprobs is not None else None,
-                    text=None if eng.tokenizer is None else TextAssembler(
-                        functools.partial(eng.tokenizer.decode, skip_special_tokens=bool(sp.skip_special_tokens)),
-                        sp.stop, sp.min_tokens),
+                    text=eng._text(sp, ids),
                     logprobs=[] if sp.logprobs is not None else None, t_submit=time.perf_counter())
 
     def _enqueue(self, seqs: list[_Seq], bounded: bool) -> None:

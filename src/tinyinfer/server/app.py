@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import (ChatTemplateError, DeviceError, InvalidRequestError, KvCacheFullError, QueueFullError,
                       TokenizerError)
+from ..sampling import CONTEXT_TOKENS
 from ..scheduler import Delta, merge_deltas
 from ..tools import ToolAnswer, parser
 from . import protocol as P
@@ -394,10 +395,10 @@ class Service:
                     if inspect.isawaitable(req):
                         req = await req
                     choices.append(_Choice(k, req, len(ids)))
+                    choices[-1].prompt_ids = ids
                     if g.echo:
                         p = g.prompts[pi]
                         choices[-1].echo = p if isinstance(p, str) else self.engine.detokenize(ids)
-                        choices[-1].prompt_ids = ids
         except BaseException as e:
             for c in choices:
                 c.req.cancel()
@@ -452,8 +453,8 @@ class Service:
             return None
         if g.kind == "chat":
             return P.chat_logprobs(items, self.token_text) if items else None
-        if c.offsets is None:
-            c.offsets = P.TextOffsets(self.engine.tokenizer)
+        if c.offsets is None:  # (an echoed prompt's tokens are counted through it; else the text follows them)
+            c.offsets = P.TextOffsets(self.engine.tokenizer, () if prompt else c.prompt_ids[-CONTEXT_TOKENS:])
         if not prompt:
             return P.completion_logprobs(items, self.token_text, c.offsets)
         head = P.completion_logprobs(prompt[1:], self.token_text, c.offsets, first_id=c.prompt_ids[0])

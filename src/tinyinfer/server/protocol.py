@@ -473,8 +473,10 @@ class TextOffsets:
     tokens counts once (the tokens' texts show a U+FFFD each) and a first token's space that decoding strips
     (SentencePiece's "▁Hello") is not counted."""
 
-    def __init__(self, tokenizer):
-        self._text = TextAssembler(functools.partial(tokenizer.decode, skip_special_tokens=True), ())
+    def __init__(self, tokenizer, context: Sequence[int] = ()):
+        """context: the prompt's last ids, which the choice's text is decoded after (its TextAssembler's)."""
+        self._text = TextAssembler(functools.partial(tokenizer.decode, skip_special_tokens=True), (),
+                                   context=context)
 
     def next(self, token_id: int) -> int:
         at = self._text.emitted

@@ -322,3 +322,33 @@ def test_special_tokens_kept_in_the_text_when_asked(eng):
         sp = SamplingParams(skip_special_tokens=skip, **kw)
         assert eng.generate([5, 6, 7], sp).text == want
         assert eng.generate([[5, 6, 7], [8]], sp)[0].text == want
+
+
+def test_engine_chat_with_tools(eng):
+    """Engine.chat(tools=..., tool_choice=...): the Python API's calls, as the server's (named, "required" in a
+    batch of two conversations, "auto" read by the hermes parser) and its refusals."""
+    from tinyinfer import SamplingParams
+
+    named = eng.chat(MSGS, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}},
+                     max_tokens=60)
+    assert named.finish_reason == "stop" and named.text == "" and [c.name for c in named.tool_calls] == ["get_time"]
+    assert json.loads(named.tool_calls[0].arguments)["tz"] in ("UTC", "CET")
+    both = eng.chat([MSGS, TURNS], tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
+                    max_tokens=None, temperature=0.7, seed=1)
+    for c in both:
+        assert c.finish_reason == "tool_calls" and len(c.tool_calls) == 1  # (parallel_tool_calls false: one)
+        assert all(t.name in ("get_weather", "get_time") for t in c.tool_calls)
+    forced = {"regex": r'Hm <tool_call>\{"name": "get_weather", "arguments": \{"city": "Oslo"\}\}</tool_call>'}
+    auto = eng.chat(MSGS, tools=[WEATHER], tool_parser="hermes", structured_outputs=forced, max_tokens=100)
+    assert (auto.text, auto.finish_reason) == ("Hm ", "tool_calls")
+    assert [(c.name, json.loads(c.arguments)) for c in auto.tool_calls] == [("get_weather", {"city": "Oslo"})]
+    plain = eng.chat(MSGS, tools=[WEATHER], tool_choice="none", max_tokens=4)
+    assert plain.tool_calls == [] and plain.finish_reason == "length" and len(plain.token_ids) == 4
+    with pytest.raises(InvalidRequestError, match="give tool_parser"):
+        eng.chat(MSGS, tools=[WEATHER], max_tokens=4)
+    with pytest.raises(InvalidRequestError, match="both constrain the answer"):
+        eng.chat(MSGS, tools=[WEATHER], tool_choice="required", params=SamplingParams(structured_outputs={
+            "regex": "a"}))
+    with pytest.raises(InvalidRequestError, match="unknown tool-call parser"):
+        eng.chat(MSGS, tools=[WEATHER], tool_parser="nope")
+    assert eng.chat(MSGS, max_tokens=2).tool_calls == []

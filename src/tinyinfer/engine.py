@@ -33,7 +33,8 @@ from .loading import (DEVICE_DTYPES, DTYPES, QUANTIZED, TacticsCache, check_dtyp
                       load_cpu, load_cuda, no_cuda_sentence, pick_device, plan_file, with_plan_cache)
 from .sampling import CONTEXT_TOKENS, CoreSampling, SamplingParams, TextAssembler, stop_reason
 from .structured import GrammarCompiler, StructuredOutputs
-from .tools import with_tools
+from .tools import (PARSERS, ToolAnswer, ToolCall, check_tool_choice, check_tools, forced_constraint, parser,
+                    with_tools)
 
 if TYPE_CHECKING:
     from .request import TokenLogprob
@@ -93,6 +94,7 @@ class Completion:
     logprobs: Optional[list["TokenLogprob"]] = None  # one per generated token when SamplingParams.logprobs is set
     # SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing before it)
     prompt_logprobs: Optional[list[Optional["TokenLogprob"]]] = None
+    tool_calls: list["ToolCall"] = field(default_factory=list)  # Engine.chat(tools=...): the reply's calls
 
 
 class Engine:
@@ -549,12 +551,47 @@ class Engine:
     def chat(self, messages: list[list[dict]],
              params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, **kwargs) -> list[Completion]: ...
 
-    def chat(self, messages, params=None, **kwargs):
+    def chat(self, messages, params=None, *, tools: Optional[list[dict]] = None,
+             tool_choice: Union[None, str, dict] = None, tool_parser: Optional[str] = None,
+             parallel_tool_calls: bool = True, **kwargs):
         """The assistant's reply to a conversation [{"role": ..., "content": ...}, ...]; a list of conversations
-        gives the replies in order (one batch, as generate([...]))."""
-        if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, (list, tuple)) for m in messages):
-            return self.generate([self.apply_chat_template(m) for m in messages], params, **kwargs)
-        return self.generate(self.apply_chat_template(messages), params, **kwargs)
+        gives the replies in order (one batch, as generate([...])).
+        tools: OpenAI's tool definitions (given to the chat template), with tool_choice as OpenAI's (default
+        "auto"): a named function or "required" hold the answer to the calls' JSON (any model); "auto" reads the
+        model's own format with tool_parser ("hermes" | "llama3_json", tools.PARSERS). A reply's calls are its
+        Completion.tool_calls (ToolCall: name, arguments as JSON text, id), its text the content before them,
+        finish_reason "tool_calls" ("stop" for a named function, as OpenAI's)."""
+        batch = isinstance(messages, (list, tuple)) and messages and all(isinstance(m, (list, tuple)) for m in messages)
+        convs = list(messages) if batch else [messages]
+        if tools is None and tool_choice is None:
+            if batch:
+                return self.generate([self.apply_chat_template(m) for m in convs], params, **kwargs)
+            return self.generate(self.apply_chat_template(messages), params, **kwargs)
+        tools = check_tools(tools) if tools else None
+        choice = check_tool_choice(tool_choice, tools)
+        reader = parser(tool_parser) if tool_parser is not None else None
+        if choice == "auto" and reader is None:
+            raise InvalidRequestError("tool_choice \"auto\" (the default with tools) reads the model's own tool-call "
+                                      f"format: give tool_parser ({' or '.join(PARSERS)}), or a named function or "
+                                      "\"required\" as tool_choice")
+        forced = forced_constraint(tools, choice, parallel_tool_calls) if tools else None
+        if forced is not None:
+            given = [p for p in (params if isinstance(params, (list, tuple)) else [params]) if p is not None]
+            if "structured_outputs" in kwargs or any(p.structured_outputs is not None for p in given):
+                raise InvalidRequestError("a named tool_choice or \"required\" and structured_outputs both constrain "
+                                          "the answer; give one")
+            kwargs["structured_outputs"] = forced
+        elif choice == "auto":
+            kwargs.setdefault("skip_special_tokens", False)  # (a parser may read tags held as special tokens)
+        prompts = [self.apply_chat_template(m, tools=tools) for m in convs]
+        outs = self.generate(prompts, params, **kwargs) if batch else [self.generate(prompts[0], params, **kwargs)]
+        if choice != "none":
+            for i, c in enumerate(outs):
+                answer = ToolAnswer(choice, reader, parallel_tool_calls)
+                answer.add(c.text, final=True)
+                content, calls, finish, _ = answer.end(c.finish_reason)
+                outs[i] = dataclasses.replace(c, text=content or "", finish_reason=finish, tool_calls=calls)
+        return outs if batch else outs[0]
 
     def stream_chat(self, messages: Sequence[dict], params: Optional[SamplingParams] = None, **kwargs) -> Iterator[str]:
         return self.stream(self.apply_chat_template(messages), params, **kwargs)

@@ -272,8 +272,8 @@ int run_sample(const float* logits, int vocab, float temperature, int top_k, flo
   TI_CUDA_CHECK(cudaMemset(dcounts.p, 0, (size_t)vocab * 4));
   DecodeState st{0, 0, step, step};
   put(dst.p, &st, sizeof(st));
-  sample_token(dl.as<float>(), vocab, dsp.as<DeviceSampling>(), nullptr, nullptr, dseen.as<unsigned char>(), dcounts.as<int>(),
-               dp.as<float>(), dst.as<DecodeState>(), dout.as<int>(), 0, false);
+  sample_token(dl.as<float>(), vocab, dsp.as<DeviceSampling>(), nullptr, nullptr, dseen.as<unsigned char>(),
+               dcounts.as<int>(), dp.as<float>(), dst.as<DecodeState>(), dout.as<int>(), 0, false);
   TI_CUDA_CHECK(cudaDeviceSynchronize());
   int tok = -1;
   get(&tok, dout.p, 4);
@@ -302,8 +302,9 @@ SampleRowsOut run_sample_rows(const float* logits, int64_t ld, int n_rows, int v
   put(dids.p, o.top_ids.data(), rk * 4);
   put(dtlp.p, o.top_lp.data(), rk * 4);
   sample_rows(dl.as<float>(), ld, n_rows, vocab, drows.as<RowSampling>(), dbias.as<LogitBias>(),
-              dmask.as<unsigned>(), dseen.as<unsigned char>(), dcounts.as<int>(), dscratch.as<float>(), top_k, dtok.as<int>(),
-              dlp.as<float>(), top_k > 0 ? dids.as<int>() : nullptr, top_k > 0 ? dtlp.as<float>() : nullptr, 0);
+              dmask.as<unsigned>(), dseen.as<unsigned char>(), dcounts.as<int>(), dscratch.as<float>(), top_k,
+              dtok.as<int>(), dlp.as<float>(), top_k > 0 ? dids.as<int>() : nullptr,
+              top_k > 0 ? dtlp.as<float>() : nullptr, 0);
   TI_CUDA_CHECK(cudaDeviceSynchronize());
   get(o.tokens.data(), dtok.p, (size_t)n_rows * 4);
   get(o.logprob.data(), dlp.p, (size_t)n_rows * 4);

@@ -583,7 +583,8 @@ void bind_ops(nb::module_& m) {
         {
           nb::gil_scoped_release release;
           o = ti::cuda::run_sample_rows(logits.data(), ld, (int)n, (int)vocab, rows.data(), bias.data(),
-                                        (int)bias.size(), masks.data(), (int)masks.size(), seen_v.data(), counts_v.data(), (int)n_slots, top_k);
+                                        (int)bias.size(), masks.data(), (int)masks.size(), seen_v.data(),
+                                        counts_v.data(), (int)n_slots, top_k);
         }
         nb::dict d;
         d["tokens"] = numpy_vec(o.tokens);

@@ -13,8 +13,9 @@
 //   id order (a block scan), not in probability order as the CPU does: the same distribution, not the same
 //   token for a given seed.
 // An allowed-token mask (structured outputs) is read where the logits are: a token whose bit is 0 reads as -inf in
-// every pass that chooses (never in the log-probabilities). The logit bias is added to the logits in place, one entry a thread (its ids are distinct), and taken off again
-// when the token is chosen: every pass over the logits, the vectorized greedy one included, sees it for free.
+// every pass that chooses (never in the log-probabilities). The logit bias is added to the logits in place, one
+// entry a thread (its ids are distinct), and taken off again when the token is chosen: every pass over the
+// logits, the vectorized greedy one included, sees it for free.
 // Log-probabilities (sample_rows only) are of the RAW logits: one online-softmax pass (per-thread running max
 // and sum) gives log-sum-exp. The top entries: the k-th largest of the 1024 per-thread maxima is a threshold
 // with at least k logits at or above it; those (usually few) are gathered into shared memory and k rounds of a
@@ -338,8 +339,8 @@ __global__ void __launch_bounds__(kSampleThreads)
 
 __global__ void __launch_bounds__(kSampleThreads)
     sample_rows_kernel(float* logits, int64_t ld, int vocab, const RowSampling* rows, const LogitBias* bias,
-                       const unsigned* masks, unsigned char* seen, int* counts, float* scratch, int top_k, int* out_tokens,
-                       float* out_logprob, int* top_ids, float* top_lp) {
+                       const unsigned* masks, unsigned char* seen, int* counts, float* scratch, int top_k,
+                       int* out_tokens, float* out_logprob, int* top_ids, float* top_lp) {
   __shared__ SampleShared sh;
   pdl_wait();
   pdl_launch_dependents();

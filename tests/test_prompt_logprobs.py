@@ -104,19 +104,56 @@ def test_scored_in_the_requests_own_prefill(model_dir, mixed):
         assert [t for t, _ in g.top] == [t for t, _ in w.top]
 
 
+def test_scored_under_a_trace_and_cut_short(model_dir):
+    """A traced scheduler (Scheduler(trace=...)'s wrapped core) scores too, its seq_prefill calls in the trace; a
+    request cancelled before its prompt is scored has no prompt_logprobs (rather than part of them)."""
+    from tinyinfer import Scheduler
+    from tinyinfer.trace import Trace
+
+    prompt = list(range(3, 140)) * 3
+    eng = Engine(model_dir, device="cpu", max_seq_len=512)
+    trace = Trace()
+    sched = Scheduler(eng, trace=trace, chunk_tokens=64)
+    try:
+        got = sched.submit(prompt, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=0)).result()
+        assert len(got.prompt_logprobs) == len(prompt)
+        assert sum(1 for c in trace.calls if c[0] == "seq_prefill") >= len(prompt) // 64
+    finally:
+        sched.close()
+    sched = Scheduler(eng, chunk_tokens=64)  # (stepped here: no driver thread)
+    try:
+        req = sched.submit(prompt, SamplingParams(max_tokens=2, prompt_logprobs=0))
+        sched.step()
+        assert sched.running == 1 and 0 < len(sched._running[0].prompt_logprobs) < len(prompt)  # (part scored)
+        req.cancel()
+        sched.step()
+        done = req.result(timeout=60)
+        assert done.finish_reason == "cancelled" and done.prompt_logprobs is None
+    finally:
+        sched.close()
+        eng.close()
+
+
 @pytest.mark.gpu
-def test_scored_on_the_gpu(model_dir):
-    """The GPU engine's seq_prefill(all_logits=True) (the prefill chunk's LM-head GEMM over all rows): the same
-    prompt logprobs as its single sequence's logits() within the batched path's tolerance, over several calls."""
+@pytest.mark.parametrize("opts", [{}, {"prefill_chunk": 64}, {"batched_prefill": False}],
+                         ids=["default", "chunks-of-64", "token-by-token"])
+def test_scored_on_the_gpu(model_dir, eng, opts):
+    """The GPU engine's seq_prefill(all_logits=True): the prefill chunks' LM-head GEMM over every row (one chunk a
+    call, or several within a call: rows at their offsets), or without the batched prefill each token's logits
+    row copied out — the CPU reference's prompt logprobs within fp16's tolerance, over several calls."""
+    from tinyinfer import _core
     from tinyinfer.scheduler import SCORE_ROWS
 
     prompt = [3 + (i * 5) % 140 for i in range(SCORE_ROWS + 40)]
-    with Engine(model_dir, device="cuda", max_seq_len=512) as e:
-        want = e.prompt_logprobs(prompt, 2)
-        got = e.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=2))
+    want = eng.prompt_logprobs(prompt, 0)  # (the CPU engine, fp32)
+    o = _core.CudaOptions()
+    for k, v in opts.items():
+        setattr(o, k, v)
+    with Engine(model_dir, device="cuda", max_seq_len=512, cuda_options=o) as e:
+        got = e.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=0))
     assert len(got.prompt_logprobs) == len(prompt) and got.prompt_logprobs[0] is None
     for g, w in zip(got.prompt_logprobs[1:], want[1:]):
-        assert g.token_id == w.token_id and g.logprob == pytest.approx(w.logprob, abs=2e-3)
+        assert g.token_id == w.token_id and g.logprob == pytest.approx(w.logprob, abs=0.05)
 
 
 def test_echo_without_a_tokenizer_is_refused(eng):

@@ -356,3 +356,13 @@ def test_an_answer_is_decoded_as_the_prompts_continuation(one_by_one):
         assert dec(prompt) + t.text == dec(ids)[:len(dec(prompt)) + len(want)]
     plain = TextAssembler(dec, [])
     assert plain.add(answer, final=True) == dec(answer)  # (no context: as before)
+
+
+def test_a_context_cut_inside_a_character_is_left_out():
+    """A prompt whose last token is the first byte of a character ("<0xE6>"): that context would start the answer
+    with U+FFFD; it is left out and the answer decoded alone (windowed, as without a context)."""
+    tok = _spm_tokenizer()
+    byte = tok.token_to_id("<0xE6>")
+    answer = tok.encode("the dog", add_special_tokens=False)
+    t = TextAssembler(tok.decode, [], context=[byte])
+    assert t.add(answer, final=True) == tok.decode(answer) and t._windowed

@@ -1,9 +1,10 @@
 // sampling.h — choosing the next token from a row of logits: the reference sampler.
-// Order (as vLLM): allowed-token mask (structured outputs: the others' logits are -inf) -> logit bias -> repetition penalty (prompt + generated) -> presence / frequency penalties
-// (generated only) -> temperature -> top-k -> top-p -> min-p -> draw. temperature == 0 is greedy (argmax of
-// the penalised logits, lowest id on ties). The random draw uses a counter-based generator, uniform(seed, step),
-// so a GPU sampler can reproduce the same stream without carrying state. The penalties themselves are
-// penalty.h's penalise_logit, shared with the GPU sampler (cuda/sampling.cu).
+// Order (as vLLM): allowed-token mask (structured outputs: the others' logits are -inf) -> logit bias ->
+// repetition penalty (prompt + generated) -> presence / frequency penalties (generated only) -> temperature ->
+// top-k -> top-p -> min-p -> draw. temperature == 0 is greedy (argmax of the penalised logits, lowest id on ties).
+// The random draw uses a counter-based generator, uniform(seed, step), so a GPU sampler can reproduce the same
+// stream without carrying state. The penalties themselves are penalty.h's penalise_logit, shared with the GPU
+// sampler (cuda/sampling.cu).
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -280,8 +280,8 @@ std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig&
   int64_t replays = n;
   set_state(tokens_.back(), (int)(position() - 1), (int)step0);
   if (!pending_) {  // sample from the prefill's logits first (its token was fed at position()-1)
-    cuda::sample_token(dbuf_.logits, (int)cfg_.vocab, dbuf_.sampling, dbuf_.bias, dbuf_.mask, dbuf_.seen, dbuf_.counts, dbuf_.probs,
-                       dbuf_.state, dbuf_.out, stream_, false);
+    cuda::sample_token(dbuf_.logits, (int)cfg_.vocab, dbuf_.sampling, dbuf_.bias, dbuf_.mask, dbuf_.seen, dbuf_.counts,
+                       dbuf_.probs, dbuf_.state, dbuf_.out, stream_, false);
     replays = n - 1;
   }  // else: feed the pending token, sample the next: n full steps
   last_decode_ms_ = clock_->gpu_ms([&] {

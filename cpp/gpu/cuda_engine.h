@@ -116,7 +116,7 @@ class CudaEngine {
   // logits become the slot's; the tokens join its history as prompt. Request error, nothing changed, when the
   // pages run out or max_seq_len would be passed. Returns once launched (the next syncing call waits), unless
   // all_logits (may be null): every token's logits too, (n, vocab) on the host, there when it returns (prompt
-  // logprobs; the batched prefill only).
+  // logprobs).
   void seq_prefill(int64_t slot, const int32_t* tokens, int64_t n, float* all_logits = nullptr);
   // seq_prefill of n sequences at once: tokens[i] (lens[i] of them) in slots[i] (distinct, open). Their tokens
   // share batched passes (PrefillStep::run_many: one weight read per pass of up to prefill_chunk tokens; a
@@ -230,7 +230,8 @@ class CudaEngine {
   void upload_table(int64_t slot, int64_t first);         // the slot's table entries first.. to its device row
   void copy_page(int32_t from, int32_t to);               // a KV page's keys and values, every layer, on the stream
   void restart(int64_t slot, const int32_t* tokens, int64_t n);  // history = tokens as prompt, no logits, length n
-  void prefill_by_token(int64_t slot, const int32_t* tokens, int64_t n);  // (no batched prefill)
+  // (no batched prefill)
+  void prefill_by_token(int64_t slot, const int32_t* tokens, int64_t n, float* all_logits = nullptr);
   void mark_prompt(int64_t slot, const int32_t* tokens, int64_t n);       // the prompt into the penalty set
   // rows (token, position, slot) of one batched step, padded to the bucket; the bucket's graph (captured on
   // first use) or the launches.

@@ -271,9 +271,6 @@ void CudaEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n, flo
   check_tokens(tokens, n, cfg_.vocab);
   Slot& sl = slots_[(size_t)slot];
   check_room(sl.length, n, max_seq_);
-  if (all_logits && !prefill_)
-    fail(ErrorKind::Request, "seq_prefill: every token's logits need the batched prefill (CudaOptions::"
-                             "batched_prefill, and a head dim it has)");
   slot_reserve(slot, sl.length + n);  // (throws before anything is launched)
   if (prefill_) {  // returns once launched, as seq_prefill_many; the marks from each chunk's device tokens
     const PrefillTarget to{bbuf_.tables + (size_t)slot * bbuf_.table_stride, bbuf_.x, bbuf_.slot_row(slot)};
@@ -285,7 +282,7 @@ void CudaEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n, flo
     sl.logits_row = bbuf_.max_rows + (int)slot;
     if (all_logits) TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // (the rows' copies to the host have landed)
   } else {
-    prefill_by_token(slot, tokens, n);
+    prefill_by_token(slot, tokens, n, all_logits);
     mark_prompt(slot, tokens, n);
     TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // (d_prompt_ and the caller's tokens are free again)
   }
@@ -293,12 +290,18 @@ void CudaEngine::seq_prefill(int64_t slot, const int32_t* tokens, int64_t n, flo
   sl.has_logits = true;
 }
 
-// No batched prefill (CudaOptions, or a head dim it lacks): a token at a time through the batched step.
-void CudaEngine::prefill_by_token(int64_t slot, const int32_t* tokens, int64_t n) {
+// No batched prefill (CudaOptions, or a head dim it lacks): a token at a time through the batched step. all_logits
+// (may be null): each token's logits row copied out behind its step (the caller syncs before reading them).
+void CudaEngine::prefill_by_token(int64_t slot, const int32_t* tokens, int64_t n, float* all_logits) {
   const int64_t length = slots_[(size_t)slot].length;
+  const size_t V = (size_t)cfg_.vocab;
   for (int64_t i = 0; i < n; i++) {
     const int64_t pos = length + i;
     run_rows(tokens + i, &pos, &slot, 1);
+    if (all_logits)
+      TI_CUDA_CHECK(cudaMemcpyAsync(all_logits + (size_t)i * V,
+                                    bbuf_.logits + (size_t)slots_[(size_t)slot].logits_row * bbuf_.ld_v,
+                                    V * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   }
 }
 
@@ -637,8 +640,8 @@ void CudaEngine::queue_sample(const int64_t* slots, const SamplingConfig* cfgs, 
   float* lp_d = reinterpret_cast<float*>(tok_d + B);
   int* top_ids_d = reinterpret_cast<int*>(lp_d + B);
   float* top_lp_d = reinterpret_cast<float*>(top_ids_d + (size_t)B * cuda::kMaxTopK);
-  cuda::sample_rows(bbuf_.logits, bbuf_.ld_v, (int)n, V, rows_d, bias_d, mask_d, seen_, counts_, sample_scratch_, k, tok_d,
-                    lp_d, k ? top_ids_d : nullptr, k ? top_lp_d : nullptr, stream_);
+  cuda::sample_rows(bbuf_.logits, bbuf_.ld_v, (int)n, V, rows_d, bias_d, mask_d, seen_, counts_, sample_scratch_, k,
+                    tok_d, lp_d, k ? top_ids_d : nullptr, k ? top_lp_d : nullptr, stream_);
   const size_t out_bytes = (size_t)B * (1 + cuda::kMaxTopK) * (sizeof(int) + sizeof(float));
   TI_CUDA_CHECK(cudaMemcpyAsync(h_sample_out_, d_sample_out_, out_bytes, cudaMemcpyDeviceToHost, stream_));
 }

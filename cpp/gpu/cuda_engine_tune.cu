@@ -333,8 +333,8 @@ void CudaEngine::persistent_graph() {
   }
   TI_CUDA_CHECK(capture_graph(stream_, [&] {
     persistent_->record(stream_);
-    cuda::sample_token(dbuf_.logits, (int)cfg_.vocab, dbuf_.sampling, dbuf_.bias, dbuf_.mask, dbuf_.seen, dbuf_.counts, dbuf_.probs,
-                       dbuf_.state, dbuf_.out, stream_, false);
+    cuda::sample_token(dbuf_.logits, (int)cfg_.vocab, dbuf_.sampling, dbuf_.bias, dbuf_.mask, dbuf_.seen, dbuf_.counts,
+                       dbuf_.probs, dbuf_.state, dbuf_.out, stream_, false);
   }, &persistent_graph_));
 }
 

@@ -50,8 +50,8 @@ void DecodeStep::record_token_logits(cudaStream_t s, bool pdl, bool one_chunk) {
 void DecodeStep::record(cudaStream_t s, bool pdl, bool one_chunk) {
   const cuda::CarveoutScope carveout(plan_.carveout);
   record_token_logits(s, pdl, one_chunk);
-  cuda::sample_token(b_.logits, (int)c_.vocab, b_.sampling, b_.bias, b_.mask, b_.seen, b_.counts, b_.probs, b_.state, b_.out, s,
-                     pdl);
+  cuda::sample_token(b_.logits, (int)c_.vocab, b_.sampling, b_.bias, b_.mask, b_.seen, b_.counts, b_.probs, b_.state,
+                     b_.out, s, pdl);
 }
 
 cuda::DecodeAttnParams DecodeStep::attn_params(int64_t layer) const {

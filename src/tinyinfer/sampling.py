@@ -342,7 +342,9 @@ class TextAssembler:
         self._settled = ""
         self._prefix, self._read = 0, len(self._ctx)
         self._head = self._decode(self._ctx) if self._ctx else ""  # decode(_seq[_prefix:_read])
-        self._windowed = not self._head.endswith("\ufffd")  # (a context cut inside a character: no window)
+        if self._head.endswith("\ufffd"):  # a context cut inside a character: none (the answer decoded alone)
+            self._ctx, self._seq, self._read, self._head = [], [], 0, ""
+        self._windowed = True
 
     def _full_text(self, final: bool) -> str:
         """decode(ids), less an incomplete multi-byte character at the end unless final."""

@@ -630,7 +630,8 @@ class Scheduler:
                                                                                       [s.pending for s in stepping])):
                 self._stepped(stepping)
             self._prefill(core, chunks)
-        self._score(core)
+        # (what the step's other chunks left, but at least half a step's worth, as _chunks: scoring always advances)
+        self._score(core, max(self.chunk_tokens - sum(len(c) for _, c in chunks), (self.chunk_tokens + 1) // 2))
         sampling = [s for s in self._running if s.fresh]
         if sampling:
             self._sample(core, sampling)
@@ -909,25 +910,23 @@ class Scheduler:
                     if self._core_call(core, [seq], lambda seq=seq, chunk=chunk: core.seq_prefill(seq.slot, chunk))]
         self._prefilled(done)
 
-    def _score(self, core) -> None:
-        """The prompt chunks of requests that asked for prompt_logprobs: a seq_prefill each that returns every
-        row's logits (SCORE_ROWS rows a call: (rows, vocab) float32 on the host), read at once as the logprob of
-        the prompt token after each row; chunk_tokens rows a step in all, oldest first."""
-        budget = self.chunk_tokens
+    def _score(self, core, budget: int) -> None:
+        """The prompt chunks of requests that asked for prompt_logprobs: seq_prefill calls that return every row's
+        logits (SCORE_ROWS rows a call: (rows, vocab) float32 on the host), read at once as the logprob of the
+        prompt token after each row; `budget` rows in all, oldest first."""
         for seq in [s for s in self._running if s.scoring and s.prefilling]:
-            if budget <= 0:
-                break
-            n = min(SCORE_ROWS, budget, len(seq.feed) - seq.length)
-            chunk = seq.feed[seq.length:seq.length + n]
-            out: list = []
-            if not self._core_call(core, [seq], lambda: out.append(core.seq_prefill(seq.slot, chunk,
-                                                                                    all_logits=True))):
-                continue
-            at = seq.length + 1  # row i: the token at position seq.length + i + 1
-            rows = out[0][:max(0, min(n, len(seq.prompt) - at))]
-            seq.prompt_logprobs += rows_logprobs(rows, seq.prompt[at:at + len(rows)], seq.params.prompt_logprobs)
-            self._prefilled([(seq, chunk)])
-            budget -= n
+            while budget > 0 and seq.slot is not None and seq.prefilling:
+                n = min(SCORE_ROWS, budget, len(seq.feed) - seq.length)
+                chunk = seq.feed[seq.length:seq.length + n]
+                out: list = []
+                if not self._core_call(core, [seq], lambda: out.append(core.seq_prefill(seq.slot, chunk,
+                                                                                        all_logits=True))):
+                    break
+                at = seq.length + 1  # row i: the token at position seq.length + i + 1
+                rows = out[0][:max(0, min(n, len(seq.prompt) - at))]
+                seq.prompt_logprobs += rows_logprobs(rows, seq.prompt[at:at + len(rows)], seq.params.prompt_logprobs)
+                self._prefilled([(seq, chunk)])
+                budget -= n
 
     def _prefilled(self, done: list[tuple[_Seq, list[int]]]) -> None:
         now = time.perf_counter() if self.trace is not None else 0.0
@@ -1200,7 +1199,8 @@ class Scheduler:
                           finish_reason=finish, stop_reason=seq.stop_reason if finish == "stop" else None,
                           prompt_token_ids=seq.prompt, stats=stats,
                           logprobs=None if seq.logprobs is None else list(seq.logprobs),
-                          prompt_logprobs=seq.prompt_logprobs)
+                          # (None where it ended before its prompt was scored: cancelled, failed)
+                          prompt_logprobs=None if seq.scoring else seq.prompt_logprobs)
 
 
 __all__ = ["Scheduler", "Request", "Delta", "TokenLogprob", "merge_deltas"]

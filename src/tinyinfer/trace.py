@@ -94,8 +94,8 @@ class TracedCore:
     def reset(self):
         return self._timed("reset", 0, self._core.reset)
 
-    def seq_prefill(self, slot, tokens):
-        return self._timed("seq_prefill", len(tokens), self._core.seq_prefill, slot, tokens)
+    def seq_prefill(self, slot, tokens, all_logits=False):
+        return self._timed("seq_prefill", len(tokens), self._core.seq_prefill, slot, tokens, all_logits)
 
     def seq_prefill_many(self, slots, chunks):
         return self._timed("seq_prefill_many", sum(len(c) for c in chunks), self._core.seq_prefill_many, slots,

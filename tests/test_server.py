@@ -315,6 +315,13 @@ def test_extension_parameters_reach_the_sampler(client, ref):
     ext = dict(top_k=20, min_p=0.05, repetition_penalty=1.3)
     r = client.chat.completions.create(model=NAME, messages=CHAT, extra_body=ext, **kw)
     assert r.choices[0].message.content == ref.chat(CHAT, **ext, **kw).text
+    # skip_special_tokens false: the EOS forced under ignore_eos shows in the text
+    eos = ref.config.eos_token_ids[0]
+    want = ref.generate("Hi", max_tokens=2, ignore_eos=True, logit_bias={eos: 100}, skip_special_tokens=False)
+    assert want.text == ref.tokenizer.decode([eos] * 2, skip_special_tokens=False) != ""
+    r = client.completions.create(model=NAME, prompt="Hi", max_tokens=2, temperature=0, logit_bias={str(eos): 100},
+                                  extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert r.choices[0].text == want.text
 
 
 def test_stop_token_ids_end_the_answer(client, ref):
@@ -676,6 +683,7 @@ BAD_CHAT = [  # (extra arguments, param named)
     (dict(stream=True, stream_options={"include_usage": True, "chunk": 1}), "stream_options"),  # an extra key
     (dict(extra_body={"stream": "yes"}), "stream"),
     (dict(extra_body={"ignore_eos": 1}), "ignore_eos"),
+    (dict(extra_body={"skip_special_tokens": "no"}), "skip_special_tokens"),
     (dict(extra_body={"model": 5}), "model"),
     (dict(extra_body={"stop_token_ids": 5}), "stop_token_ids"),
     (dict(extra_body={"stop_token_ids": [1, True]}), "stop_token_ids"),

@@ -202,7 +202,7 @@ _IGNORED = {"user", "metadata", "store"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "seed", "stop", "n", "stream", "stream_options", "ignore_eos", "logprobs",
            "stop_token_ids", "logit_bias", "min_tokens", "bad_words", "response_format", "structured_outputs",
-           *_GUIDED}
+           "skip_special_tokens", *_GUIDED}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "parallel_tool_calls", "echo"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
@@ -268,6 +268,9 @@ def _sampling(body: dict, max_tokens: Optional[int], defaults: Mapping[str, Any]
         kw["stop_token_ids"] = ids
     if _bool(body, "ignore_eos"):
         kw["ignore_eos"] = True
+    skip = _bool(body, "skip_special_tokens")  # (vLLM's extension; default true)
+    if skip is not None:
+        kw["skip_special_tokens"] = skip
     bias = _logit_bias(body)
     if bias:
         kw["logit_bias"] = bias

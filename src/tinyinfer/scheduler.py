@@ -21,6 +21,8 @@ core at the same time):
      ONE seq_mixed call: on the GPU one pass whose products take the decode rows and the prompt tokens together
      (every weight read once for both), rather than the decode step's graph and then a prefill pass that reads
      every weight again (on the H200, 57 rows + 7 prompts of 128: 4.3 ms against 5.7; docs/perf/serve.md);
+     A request that asked for prompt_logprobs prefills apart (_score): seq_prefill calls that return every
+     row's logits, read as its prompt's logprobs, within what the step's other chunks left of chunk_tokens;
   5. sampling: ONE seq_sample for every sequence with fresh logits (the ones just stepped and those whose prompt
      just finished), each with its own SamplingConfig, seed and step counter (= tokens it generated so far: a
      seeded request samples exactly what it samples alone on the single path);

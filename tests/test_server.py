@@ -455,6 +455,15 @@ def test_completion_echo_with_the_prompts_logprobs(client, ref):
     assert chunks[0].text == prompt and "".join(ch.text for ch in chunks) == c.text
     joined = [t for ch in chunks if ch.logprobs for t in ch.logprobs.token_logprobs]
     assert joined[0] is None and joined[1:] == lp.token_logprobs[1:]
+    # max_tokens 0 (older scorers): the prompt alone with its logprobs, no answer token counted
+    only = client.completions.create(model=NAME, temperature=0, prompt=prompt, max_tokens=0, logprobs=1, echo=True)
+    o = only.choices[0]
+    assert o.text == prompt and o.finish_reason == "length" and only.usage.completion_tokens == 0
+    assert o.logprobs.token_logprobs == lp.token_logprobs[:len(ids)] and len(o.logprobs.tokens) == len(ids)
+    pieces = [p.choices[0] for p in client.completions.create(model=NAME, temperature=0, prompt=prompt, max_tokens=0,
+                                                              logprobs=1, echo=True, stream=True) if p.choices]
+    assert "".join(ch.text for ch in pieces) == prompt and pieces[-1].finish_reason == "length"
+    assert [t for ch in pieces if ch.logprobs for t in ch.logprobs.token_logprobs] == o.logprobs.token_logprobs
     plain = client.completions.create(model=NAME, temperature=0, prompt=ids, max_tokens=2, echo=True)
     assert plain.choices[0].text == ref.detokenize(ids) + ref.generate(ids, max_tokens=2).text
     assert plain.choices[0].logprobs is None
@@ -710,15 +719,16 @@ BAD_COMPLETION = [
     (dict(prompt=[1, "a"]), "prompt"),
     (dict(prompt=[10 ** 6]), "prompt"),  # a token id outside the vocabulary
     (dict(logprobs=21), "logprobs"),
+    (dict(max_tokens=0), "max_tokens"),  # (0 only with echo)
     (dict(prompt="x " * 600), "prompt"),  # the prompt alone is longer than the context
 ]
 
 
 @pytest.mark.parametrize("extra,param", BAD_COMPLETION, ids=[f"{p}{i}" for i, (_, p) in enumerate(BAD_COMPLETION)])
 def test_bad_completion_parameter_is_400_naming_it(client, extra, param):
-    kw = {"prompt": "hi", **extra}
+    kw = {"prompt": "hi", "max_tokens": 4, **extra}
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=NAME, max_tokens=4, **kw)
+        client.completions.create(model=NAME, **kw)
     assert _error_of(e)["param"] == param
 
 

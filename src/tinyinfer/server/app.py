@@ -164,10 +164,11 @@ async def _ready(choices: list[_Choice], every: Optional[int]) -> AsyncIterator[
 class _Call:
     """One HTTP generation request in flight: its choices, timing, and the one log line it ends with."""
 
-    def __init__(self, rid: str, choices: list[_Choice], n: int):
+    def __init__(self, rid: str, choices: list[_Choice], n: int, prompt_only: bool = False):
         self.id = rid
         self.choices = choices
         self.n = n  # choices per prompt
+        self.prompt_only = prompt_only  # the answers' tokens left out (max_tokens 0 with echo): none counted
         self.t0 = time.perf_counter()
         self.t_first: Optional[float] = None
         self.trace = None  # the scheduler's Trace, if any: gets this call's "http_end"
@@ -193,6 +194,8 @@ class _Call:
 
     @property
     def completion_tokens(self) -> int:
+        if self.prompt_only:
+            return 0
         return sum(len(c.completion.token_ids) if c.completion is not None else c.tokens for c in self.choices)
 
     @property
@@ -413,7 +416,7 @@ class Service:
                     (f for f in ("logit_bias", "bad_words", "min_tokens") if f in msg), None)
                 raise P.bad(msg, param) from None
             raise
-        return _Call(rid, choices, g.n)
+        return _Call(rid, choices, g.n, g.prompt_only)
 
     async def generate(self, request: Request, parse):
         t_start = time.perf_counter()
@@ -504,12 +507,13 @@ class Service:
             if tools is not None:
                 tools.add(text, final=True)
                 text, calls, finish, _ = tools.end(finish)
-            prompt_lps = None
+            prompt_lps, items = None, c.completion.logprobs
             if c.echo is not None:
                 text, prompt_lps = c.echo + text, c.completion.prompt_logprobs
-            choices.append(P.final_choice(g.kind, c.index, text,
-                                          self.logprobs_of(g, c.completion.logprobs, c, prompt_lps),
-                                          finish, c.completion.stop_reason, calls))
+            if g.prompt_only:
+                text, items, finish = c.echo, [], "length"
+            choices.append(P.final_choice(g.kind, c.index, text, self.logprobs_of(g, items, c, prompt_lps),
+                                          finish, None if g.prompt_only else c.completion.stop_reason, calls))
         call.log(call.finish_reasons())
         return {"id": call.id, "object": "chat.completion" if g.kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": self.model_name, "choices": choices, "usage": call.usage(),
@@ -545,6 +549,8 @@ class Service:
                         if c.echo is not None:  # the prompt first, in a chunk of its own (and its logprobs)
                             out.append(fmt.text(c.index, c.echo, self.logprobs_of(g, [], c, d.prompt_logprobs)))
                             c.echo = None
+                        if g.prompt_only:  # (its one generated token left out)
+                            d = dataclasses.replace(d, text="", token_ids=[], logprobs=None)
                         lp = self.logprobs_of(g, d.logprobs, c)
                         text = d.text
                         if c.tools is not None:  # content only; what may be a call is held back
@@ -559,14 +565,14 @@ class Service:
                             yield "".join(out)
                             return
                         left -= 1
-                        finish = d.completion.finish_reason
+                        finish = "length" if g.prompt_only else d.completion.finish_reason
                         if c.tools is not None:
                             _, calls, finish, rest = c.tools.end(finish)
                             if rest:
                                 out.append(fmt.text(c.index, rest, None))
                             if calls:
                                 out.append(fmt.tool_calls(c.index, calls))
-                        out.append(fmt.finish(c.index, finish, d.completion.stop_reason))
+                        out.append(fmt.finish(c.index, finish, None if g.prompt_only else d.completion.stop_reason))
                     if not left:
                         if g.include_usage:
                             out.append(P.sse({**head, "choices": [], "usage": call.usage()}))

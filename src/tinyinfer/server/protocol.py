@@ -76,6 +76,8 @@ class GenerationRequest:
     tools: Optional[list[dict]] = None  # chat: OpenAI's tool definitions (the template's `tools`)
     tool_choice: Union[str, dict] = "none"  # "none" | "auto" | "required" | {"type": "function", ...}
     echo: bool = False  # completions: the prompt's text before the answer (with logprobs: its tokens' too)
+    # completions' max_tokens 0 with echo: the prompt alone, scored (one token generated and left out, as vLLM)
+    prompt_only: bool = False
     parallel_tool_calls: bool = True  # false: one call at most
 
 
@@ -431,16 +433,23 @@ def parse_completion(body: Any, defaults: Mapping[str, Any] = MappingProxyType({
     if "prompt" not in body:
         raise bad("'prompt' is required", "prompt")
     prompts = _prompts(body["prompt"])
-    mt = _int(body, "max_tokens", 1)
+    mt = _int(body, "max_tokens", 0)
     lp = _int(body, "logprobs", 0, MAX_LOGPROBS)
     echo = bool(_bool(body, "echo"))
+    prompt_only = mt == 0
+    if prompt_only:
+        if not echo:
+            raise bad("'max_tokens' must be an integer >= 1 (0 only with 'echo': the prompt alone, with its "
+                      "logprobs)", "max_tokens")
+        mt = 1
     stream, usage = _stream(body)
     params = _sampling(body, mt, defaults)
     if echo and lp is not None:  # the prompt's tokens' logprobs, as many top entries as the answer's
         params = dataclasses.replace(params, prompt_logprobs=lp)
     return GenerationRequest(kind="completion", model=_model(body), params=params, max_tokens=mt,
                              n=_int(body, "n", 1, 128) or 1, stream=stream, include_usage=usage, logprobs=lp,
-                             prompts=prompts, structured_from=_structured(body)[1], echo=echo)
+                             prompts=prompts, structured_from=_structured(body)[1], echo=echo,
+                             prompt_only=prompt_only)
 
 
 # ---- responses ----

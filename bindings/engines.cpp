@@ -102,7 +102,18 @@ void bind_engine_common(Cls& cls) {
             return e.decode(max_steps, s, stops, step0);
           },
           "max_steps"_a, "sampling"_a, "stop_ids"_a, "step0"_a = 0,
-          "Sample and run up to max_steps tokens; stops after a stop id (included).");
+          "Sample and run up to max_steps tokens; stops after a stop id (included).")
+      .def(
+          "decode_draft",
+          [](E& e, const std::vector<int64_t>& draft, const ti::SamplingConfig& s,
+             const std::vector<int64_t>& stop_ids, uint64_t step0) {
+            std::vector<int32_t> ids = to_ids(draft), stops = to_ids(stop_ids);
+            nb::gil_scoped_release release;
+            return e.decode_draft(ids.data(), (int64_t)ids.size(), s, stops, step0);
+          },
+          "draft"_a, "sampling"_a, "stop_ids"_a, "step0"_a = 0,
+          "Speculative decoding: the pending token and the draft run in one pass, then tokens are drawn as decode() "
+          "draws them while each equals the draft's next (1 to len(draft) + 1; after a stop id, none).");
 }
 
 #ifdef TINYINFER_WITH_CUDA

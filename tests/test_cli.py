@@ -86,6 +86,16 @@ def test_structured_output_flags(tiny, tmp_path):
     assert r.returncode == 1 and "invalid structured_outputs: grammar" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_speculative_flag(tiny):
+    """--speculative-config: the same answer as without it; the stats line counts the drafts where any ran."""
+    base = ["run", "-m", tiny, "--device", "cpu", "-n", "40", "--ignore-eos", "--raw", "abcabcabcabcabcabc"]
+    plain = cli(*base)
+    for spec in ("ngram", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'):
+        r = cli(*base, "--speculative-config", spec)
+        assert r.returncode == 0 and r.stdout == plain.stdout, r.stderr
+    assert "drafts" not in plain.stderr
+
+
 @pytest.mark.parametrize("args", [["run", "--device", "cpu", "-n", "40", "--ignore-eos", "hi"], ["info"]])
 def test_closed_stdout_ends_quietly(tiny, args):
     if args[0] == "run":
@@ -118,6 +128,10 @@ def test_closed_stdout_ends_quietly(tiny, args):
     (["run", "--json-schema-file", "/no/such/schema.json", "hi"], "--json-schema-file /no/such/schema.json: cannot"),
     (["run", "--grammar-file", "/no/such.gbnf", "hi"], "--grammar-file /no/such.gbnf: cannot read it"),
     (["run", "-n", "4", "--min-tokens", "5", "hi"], "--min-tokens (5) must be at most max_tokens (4)"),
+    (["run", "--speculative-config", "{bad", "hi"], "--speculative-config must be \"ngram\" or a JSON object"),
+    (["run", "--speculative-config", '{"num_speculative_tokens": 0}', "hi"],
+     "--speculative-config.num_speculative_tokens must be an integer in 1..64"),
+    (["chat", "--speculative-config", '{"draft": 1}'], "--speculative-config: unknown field(s) 'draft'"),
     (["run", "--max-seq-len", "64", "--max-tokens", "64", "hi"], "--max-seq-len 64"),
     (["run", "--device", "cpu", "--dtype", "fp16", "hi"], "valid: auto, fp32, int8, int4"),
     (["bench", "--device", "cpu", "--steps", "-1"], "--steps must be >= 1"),  # (the rates would divide by 0)

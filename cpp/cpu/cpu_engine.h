@@ -58,6 +58,12 @@ class CpuEngine {
   // token, so chunks of one generation continue one random stream.
   std::vector<int32_t> decode(int64_t max_steps, const SamplingConfig& s, const std::vector<int32_t>& stop_ids,
                               uint64_t step0);
+  // Speculative decoding (core/draft.h): runs the pending token and draft[0..k) in one pass, then draws tokens as
+  // decode() would while each equals the draft's next (1 to k + 1 of them, after a stop id none). The cache keeps
+  // the drawn tokens but the last, which is pending, as decode() leaves it. Request error, nothing changed, on a
+  // bad draft or sampling config, or a draft with no room for the token after it (check_draft).
+  std::vector<int32_t> decode_draft(const int32_t* draft, int64_t k, const SamplingConfig& s,
+                                    const std::vector<int32_t>& stop_ids, uint64_t step0);
 
   // ---- sequence slots (docs/BATCH_CONTRACT.md part 2; cpu_sequences.cpp) ----
   // Every call checks all its arguments first and throws ti::Error(Request), changing nothing, on a slot out of

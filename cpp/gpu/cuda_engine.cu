@@ -8,6 +8,7 @@
 #include "../../cuda/batch_rows.cuh"
 #include "../../cuda/common.cuh"
 #include "../../cuda/prefill_attention.cuh"
+#include "../core/draft.h"
 #include "../core/engine_checks.h"
 #include "../core/errors.h"
 
@@ -222,6 +223,24 @@ void CudaEngine::reset() {
   has_logits_ = pending_ = false;
 }
 
+void CudaEngine::run_rows(const int32_t* seq, int64_t m, int64_t pos0, int64_t first, float* host_rows) {
+  const int64_t V = cfg_.vocab;
+  if (prefill_) {
+    for (int64_t c0 = 0; c0 < m; c0 += prefill_->rows()) {
+      const int T = (int)std::min<int64_t>(prefill_->rows(), m - c0);
+      prefill_->run_chunk(seq + c0, T, (int)(pos0 + c0), host_rows, c0 - first);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < m; i++) {  // one token at a time through the decode pass
+    set_state(seq[i], (int)(pos0 + i), 0);
+    run_prompt_token();
+    if (host_rows && i >= first)
+      TI_CUDA_CHECK(cudaMemcpyAsync(host_rows + (i - first) * V, dbuf_.logits, V * sizeof(float),
+                                    cudaMemcpyDeviceToHost, stream_));
+  }
+}
+
 void CudaEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, float* logits) {
   check_tokens(tokens, n, cfg_.vocab);
   check_room(position(), n, max_seq_);
@@ -230,25 +249,9 @@ void CudaEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, floa
   if (pending_) seq.push_back(tokens_.back());
   seq.insert(seq.end(), tokens, tokens + n);
   const int64_t pos0 = position() - (pending_ ? 1 : 0), first = (int64_t)seq.size() - n;
-  const int64_t V = cfg_.vocab;
-  float* rows_out = logits && all_logits ? logits : nullptr;  // row i - first of seq[i]'s logits
-  if (prefill_) {
-    for (int64_t c0 = 0; c0 < (int64_t)seq.size(); c0 += prefill_->rows()) {
-      const int T = (int)std::min<int64_t>(prefill_->rows(), (int64_t)seq.size() - c0);
-      prefill_->run_chunk(seq.data() + c0, T, (int)(pos0 + c0), rows_out, c0 - first);
-    }
-  } else {
-    for (size_t i = 0; i < seq.size(); i++) {  // one token at a time through the decode pass
-      set_state(seq[i], (int)(pos0 + (int64_t)i), 0);
-      run_prompt_token();
-      const int64_t row = (int64_t)i - first;
-      if (rows_out && row >= 0)
-        TI_CUDA_CHECK(cudaMemcpyAsync(rows_out + row * V, dbuf_.logits, V * sizeof(float), cudaMemcpyDeviceToHost,
-                                      stream_));
-    }
-  }
+  run_rows(seq.data(), (int64_t)seq.size(), pos0, first, logits && all_logits ? logits : nullptr);
   if (logits && !all_logits)
-    TI_CUDA_CHECK(cudaMemcpyAsync(logits, dbuf_.logits, V * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    TI_CUDA_CHECK(cudaMemcpyAsync(logits, dbuf_.logits, cfg_.vocab * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
   tokens_.insert(tokens_.end(), tokens, tokens + n);
   for (int64_t i = 0; i < n; i++) history_.add_prompt(tokens[i]);
@@ -300,6 +303,35 @@ std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig&
   // The last sampled token has not been fed: it is pending, as in the CPU engine.
   tokens_.insert(tokens_.end(), out.begin(), out.end());
   for (int32_t t : out) history_.add_generated(t);
+  pending_ = true;
+  return out;
+}
+
+// The draft's pass is the prefill's (cuBLASLt GEMMs over its rows), its tokens drawn on the host by the reference
+// sampler: correct everywhere, but a pass of a few rows costs ~2 decode steps on the GPU (docs/perf/speculative.md), so
+// it pays only where most of a draft is accepted. The rows into the batched decode step is the faster form.
+std::vector<int32_t> CudaEngine::decode_draft(const int32_t* draft, int64_t k, const SamplingConfig& s,
+                                              const std::vector<int32_t>& stop_ids, uint64_t step0) {
+  check_draft(s, cfg_.vocab, has_logits_, draft, k, position(), max_seq_);
+  const int64_t V = cfg_.vocab, pos0 = position() - (pending_ ? 1 : 0);
+  kv_reserve(position() + k);  // the pass writes positions up to position() + k - 1
+  std::vector<int32_t> seq;
+  if (pending_) seq.push_back(tokens_.back());
+  seq.insert(seq.end(), draft, draft + k);
+  // row 0: the logits before the pass (read without a pending token), then the pass's rows
+  std::vector<float> logits((size_t)(seq.size() + 1) * V);
+  TI_CUDA_CHECK(cudaMemcpyAsync(logits.data(), dbuf_.logits, V * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  run_rows(seq.data(), (int64_t)seq.size(), pos0, 0, logits.data() + V);
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::vector<const float*> rows((size_t)k + 1);
+  for (int64_t i = 0; i <= k; i++) rows[i] = logits.data() + (pending_ ? i + 1 : i) * V;
+  std::vector<int32_t> out =
+      accept_draft(rows.data(), V, s, draft, k, stop_ids, step0, history_, draft_scratch_, draft_scratch_ids_);
+  // dbuf_.logits: those the pending token was drawn from, as decode() leaves them (last_logits())
+  TI_CUDA_CHECK(cudaMemcpyAsync(dbuf_.logits, rows[out.size() - 1], V * sizeof(float), cudaMemcpyHostToDevice,
+                                stream_));
+  TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // (from pageable memory that is freed on return)
+  tokens_.insert(tokens_.end(), out.begin(), out.end());
   pending_ = true;
   return out;
 }

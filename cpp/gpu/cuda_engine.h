@@ -60,6 +60,10 @@ class CudaEngine {
   void forward(const int32_t* tokens, int64_t n, bool all_logits, float* logits);
   std::vector<int32_t> decode(int64_t max_steps, const SamplingConfig& s, const std::vector<int32_t>& stop_ids,
                               uint64_t step0);
+  // Speculative decoding, as CpuEngine::decode_draft: the pending token and the draft through the prefill pass
+  // (every row's logits to the host), the tokens drawn there by the reference sampler (core/draft.h).
+  std::vector<int32_t> decode_draft(const int32_t* draft, int64_t k, const SamplingConfig& s,
+                                    const std::vector<int32_t>& stop_ids, uint64_t step0);
 
   // The logits of the last pass (a prefill's last row, a prompt token, or decode()'s last step): (vocab).
   std::vector<float> last_logits();
@@ -222,6 +226,9 @@ class CudaEngine {
   void set_state(int token, int pos, int step);
   void kv_reserve(int64_t positions);      // pages for positions [0, positions), their table entries on the device
   void run_prompt_token();                 // one prompt token through the decode pass (no sampling)
+  // seq[0..m) at positions pos0.. through the prefill pass (or token by token); the logits of rows first.. to
+  // host_rows ((m - first, vocab); null: none) and the last row in dbuf_.logits. Queued only: the caller syncs.
+  void run_rows(const int32_t* seq, int64_t m, int64_t pos0, int64_t first, float* host_rows);
   void run_decode_step(int64_t pos, DecodePath path = DecodePath::Auto);  // pos: the step's position (picks the graph)
   void allocate_batch();                   // the slots, their buffers and sampling state
   int64_t default_pool_pages() const;      // CudaOptions::kv_pool_pages = 0 (see there)
@@ -319,6 +326,8 @@ class CudaEngine {
 
   std::vector<int32_t> tokens_;
   TokenHistory history_{0};  // tokens_ as the sampler's penalties see them: forward() prompt, decode() generated
+  std::vector<float> draft_scratch_;      // decode_draft's host sampler
+  std::vector<int32_t> draft_scratch_ids_;
   LoadTimes load_times_;
   bool has_logits_ = false, pending_ = false;
   double last_decode_ms_ = 0;

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import io
+import json
 import os
 import re
 import sys
@@ -69,6 +70,11 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--json-schema-file", metavar="FILE", help="the same, the schema read from FILE")
     c.add_argument("--grammar", metavar="GRAMMAR", help="the answer follows this grammar (llama.cpp's GBNF or Lark)")
     c.add_argument("--grammar-file", metavar="FILE", help="the same, the grammar read from FILE")
+    p.add_argument_group("speculative decoding").add_argument(
+        "--speculative-config", metavar="JSON", default=None,
+        help='vLLM\'s n-gram speculation: "ngram" (its defaults) or {"method": "ngram", "num_speculative_tokens": 5, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}; the answer is unchanged, made in fewer passes where it '
+        'repeats its context (the stats line counts the drafted tokens kept)')
 
 
 # The longest context `bench --device cpu` times (each is one prefill on the reference engine first).
@@ -141,6 +147,7 @@ def _check_before_load(args) -> None:
         if field in fields:
             msg = "--" + field.replace("_", "-") + msg[len(field):].replace("or None for", "or -1 for")
         raise InvalidRequestError(msg) from None
+    _speculative(getattr(args, "speculative_config", None))
     if args.max_seq_len is not None:
         if args.max_seq_len < 2:
             raise InvalidRequestError(f"--max-seq-len must be >= 2 (got {args.max_seq_len})")
@@ -180,7 +187,25 @@ def _engine(args):
     from .engine import Engine
 
     return Engine(_model_path(args.model), device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len,
-                  threads=args.threads)
+                  threads=args.threads, speculative_config=_speculative(getattr(args, "speculative_config", None)))
+
+
+def _speculative(text: Optional[str]):
+    """--speculative-config: "ngram" or vLLM's JSON form, as a SpeculativeConfig (None: off)."""
+    from .speculative import SpeculativeConfig
+
+    if text is None:
+        return None
+    if text.strip() == "ngram":
+        return SpeculativeConfig()
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"--speculative-config must be \"ngram\" or a JSON object: {e}") from None
+    try:
+        return SpeculativeConfig.of(v)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(f"--{e}".replace("--speculative_config", "--speculative-config", 1)) from None
 
 
 def _tokens(n: int) -> str:
@@ -193,7 +218,9 @@ def stats_line(eng, out) -> str:
     return (f"[{eng.device} {eng.dtype}] prompt {_tokens(s.prompt_tokens)}{cached} in {s.prefill_ms:.1f} ms | "
             f"{_tokens(s.decode_tokens)} | "
             + (f"decode {s.decode_tok_s:.1f} tok/s{' (GPU time)' if s.decode_timer == 'GPU time' else ''}"
-               if s.decode_tokens > 1 else "no decode step") + f" | {s.wall_s:.2f} s wall")
+               if s.decode_tokens > 1 else "no decode step")
+            + (f" | drafts {s.accepted_tokens}/{s.draft_tokens} accepted" if s.draft_tokens else "")
+            + f" | {s.wall_s:.2f} s wall")
 
 
 def _from_stdin(read, *args) -> str:

@@ -32,6 +32,7 @@ from .loaders import load_model
 from .loading import (DEVICE_DTYPES, DTYPES, QUANTIZED, TacticsCache, check_dtype, check_threads, cuda_status,
                       load_cpu, load_cuda, no_cuda_sentence, pick_device, plan_file, with_plan_cache)
 from .sampling import CONTEXT_TOKENS, CoreSampling, SamplingParams, TextAssembler, stop_reason
+from .speculative import DraftPolicy, NgramDrafter, PassCosts, SpeculativeConfig, leading_matches
 from .structured import GrammarCompiler, StructuredOutputs
 from .tools import (PARSERS, ToolAnswer, ToolCall, check_tool_choice, check_tools, forced_constraint, parser,
                     with_tools)
@@ -75,6 +76,8 @@ class Stats:
     decode_s: float = 0.0
     decode_timer: str = "wall"  # "wall" | "GPU time"
     wall_s: float = 0.0
+    draft_tokens: int = 0  # speculative decoding: tokens drafted (checked in the model's passes)
+    accepted_tokens: int = 0  # of draft_tokens: those the answer kept
 
     @property
     def decode_tok_s(self) -> float:
@@ -115,6 +118,7 @@ class Engine:
         progress: Optional[bool] = None,
         threads: Optional[int] = None,
         act8: Optional[int] = None,
+        speculative_config: Union[None, SpeculativeConfig, dict] = None,
     ):
         """progress: a bar over the bytes loaded and one line with the load's time split, on stderr (None: only
         when stderr is a terminal; False: silent). threads: the CPU engine's (default: the cores this process may
@@ -122,12 +126,18 @@ class Engine:
         (dtype int8 / int4; docs/perf/decode-options.md): 0 none (weight-only quantization), -1 the int4 matrices',
         -2 the int4 matrices' but down's,
         2 every quantized matrix's, 1 (cuda) chosen per role by timing at load; None: cuda_options.act8 on cuda
-        (default 0), 0 on the CPU, whose engine rounds the inputs as the GPU quantizes them."""
+        (default 0), 0 on the CPU, whose engine rounds the inputs as the GPU quantizes them.
+        speculative_config: speculative decoding by n-gram lookup (vLLM's {"method": "ngram",
+        "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}, or a SpeculativeConfig) on the
+        single-sequence path (generate / stream / chat of one prompt while no batch runs); answers unchanged
+        (docs/perf/speculative.md); None: off."""
         self._core = None  # first: close() and repr must work on an engine whose loading failed
         t0 = time.perf_counter()
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
         self.threads = check_threads(threads)
+        self.speculative_config = SpeculativeConfig.of(speculative_config)
+        self._pass_costs = PassCosts()  # (speculative decoding's: measured on this engine's passes)
         for name, v in (("plan_cache", plan_cache), ("progress", progress)):
             if not isinstance(v, bool) and not (name == "progress" and v is None):  # ("no" would read as true)
                 raise InvalidRequestError(f"{name} must be true or false{' or None' if name == 'progress' else ''}, "
@@ -649,11 +659,34 @@ class Engine:
         self._tactics.save(self._core)
         t0 = time.perf_counter()
         gpu_ms = 0.0
+        spec = self.speculative_config
+        drafter = NgramDrafter(spec, prompt_ids) if spec is not None else None
+        policy = DraftPolicy(self._pass_costs)
         while len(out) < sp.max_tokens:
             # a chunk ends where its config changes (min_tokens' bans end; bad words, a grammar: after each token)
-            n = min(self._chunk, sp.max_tokens - len(out), sampling.same_for(len(out)) or self._chunk)
-            new = self._core.decode(n, sampling.at(out), stop_ids, len(out))
-            gpu_ms += getattr(self._core, "last_decode_ms", 0.0)
+            same = sampling.same_for(len(out))
+            draft: list[int] = []
+            if drafter is not None:  # a draft and the token after it, all drawn with one config, within the context
+                k = min(spec.num_speculative_tokens, sp.max_tokens - len(out) - 1,
+                        self.max_seq_len - self._core.position - 1,
+                        spec.num_speculative_tokens if same is None else same - 1)
+                draft = drafter.draft(policy.length(k))
+            t_call = time.perf_counter()
+            if draft:
+                new = self._core.decode_draft(draft, sampling.at(out), stop_ids, len(out))
+                kept = leading_matches(new, draft)
+                stats.draft_tokens += len(draft)
+                stats.accepted_tokens += kept
+                # (before the first token there is no pending token to run: the pass is the draft's rows alone)
+                policy.drafted(len(draft), kept, len(draft) + bool(out), time.perf_counter() - t_call)
+            else:  # (with a drafter, a token a call: each may start a draft)
+                n = 1 if drafter is not None else min(self._chunk, sp.max_tokens - len(out), same or self._chunk)
+                new = self._core.decode(n, sampling.at(out), stop_ids, len(out))
+                gpu_ms += getattr(self._core, "last_decode_ms", 0.0)
+                if drafter is not None:  # (the first token is drawn from the prompt's pass: no pass of its own)
+                    policy.stepped(time.perf_counter() - t_call if out else None)
+            if drafter is not None:
+                drafter.extend(new)
             out += new
             ended = bool(new) and new[-1] in stop_ids
             # (a grammar completed by the chunk's last token: the answer ends as the scheduler's does, "stop" even
@@ -679,7 +712,7 @@ class Engine:
                 finish = "stop"
                 break
         stats.decode_s = time.perf_counter() - t0
-        if self.device == "cuda":  # GPU time of the decode steps (events), as the stats line says
+        if self.device == "cuda" and not stats.draft_tokens:  # GPU time of the decode steps (events), as said
             stats.decode_s, stats.decode_timer = gpu_ms / 1e3, "GPU time"
         if text is not None and not text.stopped and finish == "length":
             yield text.add([], final=True)

@@ -1,0 +1,197 @@
+"""Speculative decoding by n-gram lookup (vLLM's `speculative_config={"method": "ngram", ...}`, llama.cpp's
+prompt lookup): the tokens that followed the last occurrence of the answer's latest n tokens are guessed to follow
+again, and the engine checks the guess in one pass (the cores' decode_draft, docs/perf/speculative.md).
+
+Where an answer repeats its context (a summary quoting its source, code edited in place, a list continued, JSON
+echoing field names), several tokens come out of one pass; where nothing matches, nothing is drafted and the step
+is an ordinary one. The answer is the same either way: the tokens are drawn as without speculation, at the same
+RNG counters (greedy and seeded answers are unchanged)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from .errors import InvalidRequestError
+
+MAX_SPECULATIVE_TOKENS = 64  # a draft's length at most (each drafted token is a row of the checking pass)
+MAX_LOOKUP = 32  # the longest n-gram looked up
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config for its "ngram" method: drafts of up to num_speculative_tokens tokens, found by
+    the answer's last n tokens (prompt_lookup_max >= n >= prompt_lookup_min, the longest first) in the prompt
+    and the answer so far, the most recent occurrence first."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise InvalidRequestError(f"speculative_config.method must be 'ngram' (the one method this engine has), "
+                                      f"got {self.method!r:.40}")
+        for name, hi in (("num_speculative_tokens", MAX_SPECULATIVE_TOKENS), ("prompt_lookup_max", MAX_LOOKUP),
+                         ("prompt_lookup_min", MAX_LOOKUP)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+                raise InvalidRequestError(f"speculative_config.{name} must be an integer in 1..{hi}, got {v!r:.40}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidRequestError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not "
+                                      f"exceed prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def of(cls, v: Union[None, "SpeculativeConfig", Mapping[str, Any]]) -> Optional["SpeculativeConfig"]:
+        """The config from what a caller gives: None (off), a SpeculativeConfig, or its fields as a dict (vLLM's
+        JSON form; an unknown key is refused by name)."""
+        if v is None or isinstance(v, SpeculativeConfig):
+            return v
+        if not isinstance(v, Mapping):
+            raise InvalidRequestError(f"speculative_config must be None, a SpeculativeConfig or a dict, got "
+                                      f"{type(v).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in v if k not in known)
+        if unknown:
+            raise InvalidRequestError(f"speculative_config: unknown field(s) {', '.join(map(repr, unknown))} "
+                                      f"(known: {', '.join(sorted(known))})")
+        return cls(**v)
+
+
+class NgramDrafter:
+    """One answer's drafts. The context (the prompt, then each token the answer gains: extend()) is indexed as it
+    grows: for every n in prompt_lookup_min..max, the n-gram ending at each position -> the most recent position
+    after it, so a draft costs a few dict lookups, not a scan of the context."""
+
+    def __init__(self, config: SpeculativeConfig, context: Sequence[int]):
+        self.config = config
+        self.tokens: list[int] = list(context)
+        self._ns = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)  # longest first
+        self._index: dict[int, dict[tuple, int]] = {n: {} for n in self._ns}
+        self._indexed = 0  # n-grams ending before this position are in the index
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def _catch_up(self) -> None:
+        # every n-gram that ends before the last token: the one ending at the last token is what is looked up,
+        # and its own occurrence must not be found (it would be followed by nothing)
+        t = self.tokens
+        for end in range(self._indexed + 1, len(t)):  # the n-gram t[end - n:end] is followed by t[end]
+            for n in self._ns:
+                if end >= n:
+                    self._index[n][tuple(t[end - n:end])] = end
+        self._indexed = max(self._indexed, len(t) - 1)
+
+    def draft(self, k: int) -> list[int]:
+        """Up to k tokens guessed to follow the context ([] where its last n tokens occur nowhere before)."""
+        if k < 1:
+            return []
+        self._catch_up()
+        t = self.tokens
+        for n in self._ns:
+            if len(t) > n:
+                at = self._index[n].get(tuple(t[len(t) - n:]))
+                if at is not None:
+                    return t[at:at + k]
+        return []
+
+
+class PassCosts:
+    """What a pass of the engine costs, by its rows (1: a plain decode step; k + 1: a draft of k after the pending
+    token), as measured around the calls: an exponential moving average of the seconds each. Shared by an engine's
+    requests. A row count not yet measured is priced from its measured neighbours, or past the largest one at
+    PRIOR_ROW_COST of a step a row more: optimistic, so that longer drafts get tried and measured."""
+
+    PRIOR_ROW_COST = 0.1  # a memory-bound pass: a row more costs little beside the weights (the measurements decide)
+    EMA = 0.2
+
+    def __init__(self) -> None:
+        self._s: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self._s.get(rows)
+        self._s[rows] = seconds if old is None else old + self.EMA * (seconds - old)
+
+    def ratio(self, rows: int) -> float:
+        """A pass of `rows` rows over a plain step."""
+        one = self._s.get(1)
+        if rows == 1 or one is None or one <= 0:
+            return 1.0 + self.PRIOR_ROW_COST * (rows - 1)
+        pts = sorted(self._s.items())
+        lo = max((p for p in pts if p[0] <= rows), default=pts[0])
+        hi = min((p for p in pts if p[0] >= rows), default=None)
+        if hi is None:  # past the largest measured pass
+            return (lo[1] + self.PRIOR_ROW_COST * one * (rows - lo[0])) / one
+        if hi[0] == lo[0]:
+            return hi[1] / one
+        return (lo[1] + (hi[1] - lo[1]) * (rows - lo[0]) / (hi[0] - lo[0])) / one
+
+
+class DraftPolicy:
+    """One answer's draft lengths: the one that gives the most tokens a second (best_draft_length) at the answer's
+    acceptance rate so far (over the draft positions checked: a draft of k of which j were kept checked j + 1
+    positions, k where all were; from a prior of one kept and one not) and the engine's measured pass costs. Where
+    no draft pays, a short one is still tried after `probe_every` plain steps (8, doubled after a probe that kept
+    nothing, up to 256): an answer that starts quoting its context is noticed, one that never does costs little."""
+
+    PROBE_LENGTH, PROBE_FIRST, PROBE_MAX = 3, 8, 256
+
+    def __init__(self, costs: PassCosts):
+        self.costs = costs
+        self.kept, self.checked = 1, 2
+        self.idle = 0  # plain steps since the last draft
+        self.probe_every = self.PROBE_FIRST
+        self._probe = False
+
+    @property
+    def rate(self) -> float:
+        return self.kept / self.checked
+
+    def length(self, k_max: int) -> int:
+        """How many tokens to draft now (0: a plain step), at most k_max."""
+        k = best_draft_length(self.rate, k_max, self.costs)
+        self._probe = k == 0 and self.idle >= self.probe_every
+        return min(k_max, self.PROBE_LENGTH) if self._probe else k
+
+    def drafted(self, drafted: int, kept: int, rows: int, seconds: float) -> None:
+        """A draft of `drafted` tokens ran in a pass of `rows` rows taking `seconds`; `kept` of them were kept."""
+        self.kept += kept
+        self.checked += kept + (kept < drafted)
+        self.costs.observe(rows, seconds)
+        if self._probe:
+            self.probe_every = min(self.PROBE_MAX, self.probe_every * 2) if kept == 0 else self.PROBE_FIRST
+        self.idle = 0
+
+    def stepped(self, seconds: Optional[float]) -> None:
+        """A plain step ran (seconds: its pass's time; None: no pass ran, the token drawn from a prompt's)."""
+        self.idle += 1
+        if seconds is not None:
+            self.costs.observe(1, seconds)
+
+
+def best_draft_length(rate: float, k_max: int, costs: PassCosts) -> int:
+    """The draft length (0..k_max) that gives the most tokens a second: a draft of k after the pending token yields
+    1 + a + ... + a^k tokens on average (a: the acceptance rate; the bonus token included) for a pass of k + 1
+    rows, against 1 token for a plain step. 0: no draft pays."""
+    best, best_k, expected = 1.0, 0, 1.0
+    for k in range(1, k_max + 1):
+        expected += rate ** k
+        v = expected / costs.ratio(k + 1)
+        if v > best:
+            best, best_k = v, k
+    return best_k
+
+
+def leading_matches(drawn: Sequence[int], draft: Sequence[int]) -> int:
+    """How many of a draft's tokens were accepted: the drawn tokens that equal it from the start."""
+    n = 0
+    while n < min(len(drawn), len(draft)) and drawn[n] == draft[n]:
+        n += 1
+    return n
+
+
+__all__ = ["SpeculativeConfig", "NgramDrafter", "PassCosts", "DraftPolicy", "best_draft_length", "leading_matches",
+           "MAX_SPECULATIVE_TOKENS"]

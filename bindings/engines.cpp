@@ -432,6 +432,7 @@ void bind_engines(nb::module_& m) {
       .def_rw("batch_down_k_slices", &ti::CudaOptions::batch_down_k_slices)
       .def_rw("batch_one_row_plan", &ti::CudaOptions::batch_one_row_plan)
       .def_rw("batch_act8_fused", &ti::CudaOptions::batch_act8_fused)
+      .def_rw("draft_pass", &ti::CudaOptions::draft_pass)
       .def_rw("batch_mma_m_tiles", &ti::CudaOptions::batch_mma_m_tiles)
       .def_rw("batch_attn_span", &ti::CudaOptions::batch_attn_span)
       .def_rw("batch_attn_heads", &ti::CudaOptions::batch_attn_heads)

@@ -45,6 +45,11 @@ struct DecodeAttnParams {
   // (cuda/act8.cuh), where the batched step's o takes them (CudaOptions::act8): the same bits as act8_round_rows
   // after it, one kernel fewer. Needs head_dim % 32 == 0 (a group is 32 dims of one head).
   bool act8_out = false;
+  // decode_attention_rows: every row's key and value are in the cache already (append_kv_rows ran before, without
+  // PDL): the rows may then share a slot at consecutive positions (speculative decoding's draft pass, where a row
+  // reads the keys of the rows before it). The kernel writes nothing to the cache and must be launched without
+  // PDL (it reads the cache before its wait).
+  bool appended = false;
 };
 
 inline int attn_max_chunks(const DecodeAttnParams& p) { return (p.max_seq + p.chunk - 1) / p.chunk; }
@@ -71,6 +76,10 @@ inline int attn_rows_tickets(int n_rows, int n_heads, int /*n_kv_heads*/) { retu
 // n_rows rows, each at its own position through its own page table (the row fields above): RoPE + KV-cache
 // write + attention in ONE launch (attention_rows.cu).
 void decode_attention_rows(const DecodeAttnParams& p, int n_rows, cudaStream_t stream, bool pdl);
+// rope(k) and v of each row (qkv + r * ld_qkv, at row_pos[r], through page_table + row_slot[r] * table_stride; a row
+// at a position < 0 is skipped) into the cache, the same bits decode_attention_rows writes: before a launch of it
+// with p.appended (the draft pass). A plain launch.
+void append_kv_rows(const DecodeAttnParams& p, int n_rows, cudaStream_t stream);
 // The span a launch with p uses (p.rows_span or the head dim's default); a Request error for one it cannot take.
 int attn_rows_span_of(const DecodeAttnParams& p);
 // A Request error for a p.rows_heads the kernel does not take (0: auto, 1, 2, 4, 8).

@@ -22,7 +22,9 @@
 //      shared memory, all of a thread's copies in flight at once (one round trip), none held in registers.
 //   2. After it: RoPE on the queries; the split owning pos rotates k and writes rope(k), v into the cache and its
 //      own tile (attention_common.cuh, shared with the single sequence's kernel). Nothing else reads that row in
-//      this launch; the next step's read is two kernels back.
+//      this launch; the next step's read is two kernels back. (With p.appended, speculative decoding's draft pass,
+//      append_kv_rows wrote every row's key and value before a plain launch of this kernel: rows of one slot at
+//      consecutive positions read each other's from the cache, and nothing is written.)
 //   3. Scores: warp w takes positions w * span / 8 .. of the split (32, 16, 8 per warp), a position per 1, 2, 4
 //      lanes (each lane every 1st, 2nd, 4th 16-byte word of it: K from the padded tile, conflict-free; the q
 //      words broadcast), all g heads per position; softmax per head within the warp by shuffles; the
@@ -109,8 +111,9 @@ __global__ void __launch_bounds__(kThreads, HD == 64 ? 2 : 1) decode_attn_rows_k
   const int dpl = (hd + 31) / 32;  // dims per lane in P V: lane * dpl + u < hd
 
   for (int sp = blockIdx.x; sp < n_splits; sp += gridDim.x) {
-    const int c0 = sp * span, n = min(span, pos + 1 - c0), cached = n - (sp == n_splits - 1);
-    const bool owner = sp == n_splits - 1;  // the split holding pos (every z-slice writes the same: harmless)
+    // the split holding pos writes it (every z-slice the same: harmless), unless the cache holds it (appended)
+    const bool owner = sp == n_splits - 1 && !p.appended;
+    const int c0 = sp * span, n = min(span, pos + 1 - c0), cached = n - owner;
     const size_t at_new = kv_row(table, pos, kvh, p.n_kv_heads, p.page_shift, hd);
 
     // ---- 1. before the wait: the RoPE row and the split's cached keys and values ----
@@ -339,6 +342,26 @@ void launch_rows(const DecodeAttnParams& p, int n_rows, int span, cudaStream_t s
   else launch_attention<decode_attn_rows_kernel<HD, SPAN, 8>>(p, grid, dim3(kThreads), smem, s, pdl);
 }
 
+// A block per (row, KV head), a thread per pair of dims: rope_new_token's formula for the key (rounded products, no
+// FMA contraction), so the cache holds what the kernel above would have written.
+__global__ void append_kv_rows_kernel(DecodeAttnParams p) {
+  const int rr = blockIdx.x, kvh = blockIdx.y, i = threadIdx.x, hd = p.head_dim, half_d = hd / 2;
+  const int pos = p.row_pos[rr];
+  if (pos < 0 || i >= half_d) return;
+  const int* table = p.page_table + (size_t)p.row_slot[rr] * p.table_stride;
+  const float* qkv = p.qkv + (size_t)rr * p.ld_qkv;
+  const int q_dim = p.n_heads * hd, kv_dim = p.n_kv_heads * hd;
+  const float* k = qkv + q_dim + (size_t)kvh * hd;
+  const float* v = qkv + q_dim + kv_dim + (size_t)kvh * hd;
+  const float c = p.rope_cos[(size_t)pos * half_d + i], sn = p.rope_sin[(size_t)pos * half_d + i];
+  const float k1 = k[i], k2 = k[i + half_d];
+  const size_t at = kv_row(table, pos, kvh, p.n_kv_heads, p.page_shift, hd);
+  p.k_pages[at + i] = __float2half(__fsub_rn(__fmul_rn(k1, c), __fmul_rn(k2, sn)));
+  p.k_pages[at + i + half_d] = __float2half(__fadd_rn(__fmul_rn(k2, c), __fmul_rn(k1, sn)));
+  p.v_pages[at + i] = __float2half(v[i]);
+  p.v_pages[at + i + half_d] = __float2half(v[i + half_d]);
+}
+
 }  // namespace
 
 int attn_rows_span_of(const DecodeAttnParams& p) {
@@ -354,6 +377,14 @@ void check_attn_rows_heads(const DecodeAttnParams& p) {
   if (p.rows_heads != 0 && p.rows_heads != 1 && p.rows_heads != 2 && p.rows_heads != 4 && p.rows_heads != 8)
     fail(ErrorKind::Request,
          "batch_attn_heads " + std::to_string(p.rows_heads) + " must be 0 (auto), 1, 2, 4 or 8");
+}
+
+void append_kv_rows(const DecodeAttnParams& p, int n_rows, cudaStream_t s) {
+  check_decode_attn(p);
+  if (n_rows < 1 || !p.row_pos || !p.row_slot || p.table_stride < 1)
+    fail(ErrorKind::Request, "append_kv_rows: needs rows, row_pos, row_slot and table_stride");
+  append_kv_rows_kernel<<<dim3((unsigned)n_rows, (unsigned)p.n_kv_heads), (unsigned)(p.head_dim / 2), 0, s>>>(p);
+  TI_CUDA_CHECK(cudaGetLastError());
 }
 
 void decode_attention_rows(const DecodeAttnParams& p, int n_rows, cudaStream_t s, bool pdl) {

@@ -134,15 +134,27 @@ def test_the_policy_probes_and_backs_off():
 
 # ---- the cores ----
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# (device, CudaOptions.draft_pass): the GPU's two draft passes, the prefill's and the batched step's
+DEVICES = [("cpu", None), pytest.param(("cuda", 0), marks=pytest.mark.gpu, id="cuda-prefill-pass"),
+           pytest.param(("cuda", 1), marks=pytest.mark.gpu, id="cuda-batched-pass")]
 PROMPT = [3, 14, 15, 92, 65, 35]
+
+
+def engine(path, device_pass, **kw) -> Engine:
+    device, draft_pass = device_pass
+    if device == "cuda":
+        opts = _core.CudaOptions()
+        opts.draft_pass = draft_pass
+        opts.max_batch = 8  # (a draft past 7 tokens takes the prefill pass on either)
+        kw["cuda_options"] = opts
+    return Engine(path, device=device, **kw)
 
 
 @pytest.fixture(scope="module", params=DEVICES)
 def eng(request, tmp_path_factory):
     d = make_llama(tmp_path_factory.mktemp("spec"), hidden=128, heads=4, kv_heads=2, layers=2, vocab=300,
                    init_std=0.3)
-    with Engine(d, device=request.param, max_seq_len=96) as e:
+    with engine(d, request.param, max_seq_len=96) as e:
         yield e
 
 
@@ -251,8 +263,8 @@ def pair(request, tmp_path_factory):
     longest draft), so that every path of the loop runs."""
     d = make_chat_llama(tmp_path_factory.mktemp("spec_chat"), layers=2, init_std=0.3)
     spec = {"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    with Engine(d, device=request.param, max_seq_len=256) as plain, \
-            Engine(d, device=request.param, max_seq_len=256, speculative_config=spec) as fast:
+    with engine(d, request.param, max_seq_len=256) as plain, \
+            engine(d, request.param, max_seq_len=256, speculative_config=spec) as fast:
         yield plain, fast
 
 

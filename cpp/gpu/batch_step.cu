@@ -29,10 +29,10 @@ using cuda::GemmOut;
 using cuda::GemvIn;
 using cuda::GemvOut;
 
-void BatchStep::record(int n, cudaStream_t s, bool pdl) {
+void BatchStep::record(int n, cudaStream_t s, bool pdl, bool draft) {
   pdl_ = pdl;
   xn_norm_ = nullptr;
-  if (n == 1 && o_.one_row_plan) return record_one_row(s);
+  if (n == 1 && o_.one_row_plan && !draft) return record_one_row(s);
   const ModelConfig& c = c_;
   cuda::embed_tokens(w_.embedding, w_.ld_h, (int)c.hidden, b_.tokens, n, b_.x, w_.ld_h, s);  // x = embed[tokens]
   for (int64_t l = 0; l < c.n_layers; l++) {
@@ -41,7 +41,9 @@ void BatchStep::record(int n, cudaStream_t s, bool pdl) {
     normed(L.qkv, L.attn_norm, b_.qkv, b_.ld_qkv, GemvOut::F32, n, s, MatrixRole::Qkv);  // qkv = rmsnorm(x) @ Wqkv.T
     cuda::DecodeAttnParams att = attn_params(l);                        // att[r] over slot[r]'s cache
     att.act8_out = o_.act8_fused && act8(L.o, MatrixRole::O) && c.head_dim % cuda::kAct8Group == 0;
-    cuda::decode_attention_rows(att, n, s, pdl_);
+    if (draft) cuda::append_kv_rows(att, n, s);  // (then the attention reads every row's from the cache, unwaited)
+    att.appended = draft;
+    cuda::decode_attention_rows(att, n, s, pdl_ && !draft);
     residual(L.o, b_.att, w_.ld_q, n, s, MatrixRole::O, L.mlp_norm, att.act8_out);  // x += att @ Wo.T
     normed(L.gate_up, L.mlp_norm, b_.h, w_.ld_i, GemvOut::Swiglu, n, s, MatrixRole::GateUp);  // h = silu(gate) * up
     residual(L.down, b_.h, w_.ld_i, n, s, MatrixRole::Down, next_norm);  // x += h @ Wd.T
@@ -276,8 +278,8 @@ BatchBuffers BatchBuffers::allocate(const ModelConfig& c, const DeviceWeights& w
   b.down_parts = arena.alloc_n<float>((size_t)kDownSlicesMax * kDownSlicesRows * w.ld_h, Kind::Scratch);
   b.attn_tickets = static_cast<unsigned*>(
       zeroed(cuda::attn_rows_tickets(max_rows, (int)c.n_heads, (int)c.n_kv_heads) * sizeof(unsigned)));
-  b.tables = arena.alloc_n<int>(R * b.table_stride, Kind::Scratch);
-  TI_CUDA_CHECK(cudaMemsetAsync(b.tables, 0xFF, R * b.table_stride * sizeof(int), s));  // -1: no page yet
+  b.tables = arena.alloc_n<int>((R + 1) * b.table_stride, Kind::Scratch);  // (+ the draft pass's)
+  TI_CUDA_CHECK(cudaMemsetAsync(b.tables, 0xFF, (R + 1) * b.table_stride * sizeof(int), s));  // -1: no page yet
   return b;
 }
 

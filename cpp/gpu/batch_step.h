@@ -46,9 +46,12 @@ struct BatchBuffers {
   unsigned* attn_tickets = nullptr;  // attn_rows_tickets(max_rows, ...) zeroed: the attention's merge tickets
   // (kDownSlicesMax, kDownSlicesRows, ld_h) the K slices of a down product (down_k_slices)
   float* down_parts = nullptr;
-  int* tables = nullptr;       // (max_rows slots, table_stride) every slot's page table (-1: unassigned)
+  // (max_rows + 1, table_stride) every slot's page table (-1: unassigned); row max_rows: the single sequence's,
+  // copied in for a draft pass (record(draft), CudaEngine::decode_draft), its rows' slot draft_slot()
+  int* tables = nullptr;
   int table_stride = 0;        // pages_for(max_seq)
   float* slot_row(int64_t slot) const { return logits + (size_t)(max_rows + slot) * ld_v; }
+  int draft_slot() const { return max_rows; }
 
   static BatchBuffers allocate(const ModelConfig& c, const DeviceWeights& w, int max_rows, int64_t max_seq,
                                const KvPagePool& pages, DeviceArena& arena, cudaStream_t s);
@@ -85,7 +88,10 @@ class BatchStep {
   // the GEMMs are tuned).
   // pdl: our kernels (small-N GEMV, tensor-core kernel, attention, RMSNorm) launched with PDL (common.cuh);
   // cuBLASLt's and the SwiGLU / dequantization / embedding kernels are plain launches.
-  void record(int n, cudaStream_t s, bool pdl);
+  // draft: speculative decoding's draft pass, where the rows may be one slot's consecutive positions: each layer's
+  // keys and values appended for every row first (append_kv_rows), then the attention, plainly launched, reading
+  // them all from the cache (DecodeAttnParams::appended); bucket 1 too on these kernels.
+  void record(int n, cudaStream_t s, bool pdl, bool draft = false);
 
  private:
   // Bucket 1 (one_row_plan): the products on the decode GEMVs of the plan, as decode_step.cu runs them.

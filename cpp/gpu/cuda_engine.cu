@@ -117,9 +117,11 @@ void CudaEngine::release() {
     if (g) cudaGraphExecDestroy(g);
   g_prompt_token_ = g_decode_ = g_decode_long_ = g_decode_one_ = persistent_graph_ = nullptr;
   persistent_.reset();
-  for (cudaGraphExec_t& g : g_batch_)
-    if (g) cudaGraphExecDestroy(g);
-  g_batch_.clear();
+  for (std::vector<cudaGraphExec_t>* gs : {&g_batch_, &g_draft_}) {
+    for (cudaGraphExec_t& g : *gs)
+      if (g) cudaGraphExecDestroy(g);
+    gs->clear();
+  }
   batch_.reset();
   slots_.clear();
   parked_.clear();
@@ -223,7 +225,7 @@ void CudaEngine::reset() {
   has_logits_ = pending_ = false;
 }
 
-void CudaEngine::run_rows(const int32_t* seq, int64_t m, int64_t pos0, int64_t first, float* host_rows) {
+void CudaEngine::run_pass(const int32_t* seq, int64_t m, int64_t pos0, int64_t first, float* host_rows) {
   const int64_t V = cfg_.vocab;
   if (prefill_) {
     for (int64_t c0 = 0; c0 < m; c0 += prefill_->rows()) {
@@ -249,7 +251,7 @@ void CudaEngine::forward(const int32_t* tokens, int64_t n, bool all_logits, floa
   if (pending_) seq.push_back(tokens_.back());
   seq.insert(seq.end(), tokens, tokens + n);
   const int64_t pos0 = position() - (pending_ ? 1 : 0), first = (int64_t)seq.size() - n;
-  run_rows(seq.data(), (int64_t)seq.size(), pos0, first, logits && all_logits ? logits : nullptr);
+  run_pass(seq.data(), (int64_t)seq.size(), pos0, first, logits && all_logits ? logits : nullptr);
   if (logits && !all_logits)
     TI_CUDA_CHECK(cudaMemcpyAsync(logits, dbuf_.logits, cfg_.vocab * sizeof(float), cudaMemcpyDeviceToHost, stream_));
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -307,9 +309,10 @@ std::vector<int32_t> CudaEngine::decode(int64_t max_steps, const SamplingConfig&
   return out;
 }
 
-// The draft's pass is the prefill's (cuBLASLt GEMMs over its rows), its tokens drawn on the host by the reference
-// sampler: correct everywhere, but a pass of a few rows costs ~2 decode steps on the GPU (docs/perf/speculative.md), so
-// it pays only where most of a draft is accepted. The rows into the batched decode step is the faster form.
+// The draft's pass: the prefill's (cuBLASLt GEMMs over its rows; ~2 decode steps for up to 16 rows on an H200's
+// TinyLlama) or, with CudaOptions::draft_pass 1, the batched decode step's over one slot's consecutive positions
+// (predicted ~1.4 steps at 8 rows; docs/perf/speculative.md). Its tokens are drawn on the host by the reference
+// sampler.
 std::vector<int32_t> CudaEngine::decode_draft(const int32_t* draft, int64_t k, const SamplingConfig& s,
                                               const std::vector<int32_t>& stop_ids, uint64_t step0) {
   check_draft(s, cfg_.vocab, has_logits_, draft, k, position(), max_seq_);
@@ -321,7 +324,9 @@ std::vector<int32_t> CudaEngine::decode_draft(const int32_t* draft, int64_t k, c
   // row 0: the logits before the pass (read without a pending token), then the pass's rows
   std::vector<float> logits((size_t)(seq.size() + 1) * V);
   TI_CUDA_CHECK(cudaMemcpyAsync(logits.data(), dbuf_.logits, V * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  run_rows(seq.data(), (int64_t)seq.size(), pos0, 0, logits.data() + V);
+  const int64_t m = (int64_t)seq.size();
+  if (opt_.draft_pass == 1 && m <= bbuf_.max_rows) draft_pass_rows(seq.data(), m, pos0, logits.data() + V);
+  else run_pass(seq.data(), m, pos0, 0, logits.data() + V);
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
   std::vector<const float*> rows((size_t)k + 1);
   for (int64_t i = 0; i <= k; i++) rows[i] = logits.data() + (pending_ ? i + 1 : i) * V;

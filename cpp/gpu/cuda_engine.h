@@ -228,7 +228,10 @@ class CudaEngine {
   void run_prompt_token();                 // one prompt token through the decode pass (no sampling)
   // seq[0..m) at positions pos0.. through the prefill pass (or token by token); the logits of rows first.. to
   // host_rows ((m - first, vocab); null: none) and the last row in dbuf_.logits. Queued only: the caller syncs.
-  void run_rows(const int32_t* seq, int64_t m, int64_t pos0, int64_t first, float* host_rows);
+  void run_pass(const int32_t* seq, int64_t m, int64_t pos0, int64_t first, float* host_rows);
+  // The same (first = 0) as rows of a draft pass of the batched step (CudaOptions::draft_pass 1, m <= max_batch),
+  // the single sequence's page table as their slot's; dbuf_.logits not written. Queued only.
+  void draft_pass_rows(const int32_t* seq, int64_t m, int64_t pos0, float* host_rows);
   void run_decode_step(int64_t pos, DecodePath path = DecodePath::Auto);  // pos: the step's position (picks the graph)
   void allocate_batch();                   // the slots, their buffers and sampling state
   int64_t default_pool_pages() const;      // CudaOptions::kv_pool_pages = 0 (see there)
@@ -241,8 +244,10 @@ class CudaEngine {
   void prefill_by_token(int64_t slot, const int32_t* tokens, int64_t n, float* all_logits = nullptr);
   void mark_prompt(int64_t slot, const int32_t* tokens, int64_t n);       // the prompt into the penalty set
   // rows (token, position, slot) of one batched step, padded to the bucket; the bucket's graph (captured on
-  // first use) or the launches.
-  void run_rows(const int32_t* tokens, const int64_t* pos, const int64_t* slots, int64_t n);
+  // first use) or the launches. draft: a draft pass's rows (BatchStep::record's draft; their own graphs).
+  void run_rows(const int32_t* tokens, const int64_t* pos, const int64_t* slots, int64_t n, bool draft = false);
+  // bbuf_.rows from the host: n rows (token, position, slot), then padding to the bucket (n = 0: padding only).
+  void upload_rows(int bucket, const int32_t* tokens, const int64_t* pos, const int64_t* slots, int64_t n);
   // Slots other than slots[0..n) whose logits lie in bbuf_.logits rows 0..rows-1: copied to their own rows
   // (work about to write those rows).
   void move_logits_out(int rows, const int64_t* slots, int64_t n);
@@ -299,6 +304,7 @@ class CudaEngine {
   std::unique_ptr<BatchStep> batch_;
   std::vector<int> buckets_;                    // 1, 2, 4, ..., max_batch
   std::vector<cudaGraphExec_t> g_batch_;        // per bucket, captured on first use
+  std::vector<cudaGraphExec_t> g_draft_;        // per bucket, the draft passes' (decode_draft), likewise
   struct Slot {
     bool open = false, has_logits = false;
     int64_t length = 0;

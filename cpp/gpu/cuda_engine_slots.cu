@@ -52,6 +52,7 @@ void CudaEngine::allocate_batch() {
   for (int b = 1; b < B; b *= 2) buckets_.push_back(b);
   buckets_.push_back(B);
   g_batch_.assign(buckets_.size(), nullptr);
+  g_draft_.assign(buckets_.size(), nullptr);
   slots_.resize((size_t)B);
   for (Slot& sl : slots_) sl.kv = std::make_unique<KvSequence>(*pool_, max_seq_);
   seen_ = arena_.alloc_n<unsigned char>(B * V, Kind::Scratch);
@@ -544,33 +545,37 @@ void CudaEngine::launch_mixed(const int64_t* step_slots, const int32_t* step_tok
   }
 }
 
-void CudaEngine::run_rows(const int32_t* tokens, const int64_t* pos, const int64_t* slots, int64_t n) {
+void CudaEngine::upload_rows(int bucket, const int32_t* tokens, const int64_t* pos, const int64_t* slots,
+                             int64_t n) {
+  const int R = bbuf_.max_rows;
+  int* h = bbuf_.h_rows;
+  for (int r = 0; r < bucket; r++) {
+    const bool live = r < n;
+    h[r] = live ? tokens[r] : 0;
+    h[R + r] = live ? (int)pos[r] : -1;
+    h[2 * R + r] = live ? (int)slots[r] : 0;
+  }
+  TI_CUDA_CHECK(cudaMemcpyAsync(bbuf_.rows, h, 3 * (size_t)R * sizeof(int), cudaMemcpyHostToDevice, stream_));
+}
+
+void CudaEngine::run_rows(const int32_t* tokens, const int64_t* pos, const int64_t* slots, int64_t n, bool draft) {
   size_t b = 0;
   while (buckets_[b] < n) b++;
-  const int bucket = buckets_[b], R = bbuf_.max_rows;
+  const int bucket = buckets_[b];
   // (pdl_: the device has it and the decode graphs captured it; batch_pdl_ok_: the batch graphs too)
   bool pdl = opt_.batch_pdl && pdl_ && batch_pdl_ok_;
+  cudaGraphExec_t& graph = (draft ? g_draft_ : g_batch_)[b];
   move_logits_out(bucket, slots, n);  // (the step overwrites rows 0..bucket-1, padding rows too)
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));  // bbuf_.h_rows may still be read by the previous copy
-  int* h = bbuf_.h_rows;
-  auto set_rows = [&](bool real) {  // real: the given rows, then padding; else padding only (the warm-up)
-    for (int r = 0; r < bucket; r++) {
-      const bool live = real && r < n;
-      h[r] = live ? tokens[r] : 0;
-      h[R + r] = live ? (int)pos[r] : -1;
-      h[2 * R + r] = live ? (int)slots[r] : 0;
-    }
-    TI_CUDA_CHECK(cudaMemcpyAsync(bbuf_.rows, h, 3 * (size_t)R * sizeof(int), cudaMemcpyHostToDevice, stream_));
-  };
-  if (opt_.graphs && !g_batch_[b]) {
+  if (opt_.graphs && !graph) {
     // First use of this bucket: one eager pass of padding rows only (it tunes the bucket's cuBLASLt products and
     // touches no KV page and no slot's logits), then the capture.
-    set_rows(false);
-    batch_->record(bucket, stream_, pdl);
+    upload_rows(bucket, nullptr, nullptr, nullptr, 0);
+    batch_->record(bucket, stream_, pdl, draft);
     TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
     cudaError_t err = cudaSuccess;
     try {
-      err = capture_graph(stream_, [&] { batch_->record(bucket, stream_, pdl); }, &g_batch_[b]);
+      err = capture_graph(stream_, [&] { batch_->record(bucket, stream_, pdl, draft); }, &graph);
     } catch (const Error&) {
       if (!pdl) throw;
       err = cudaErrorNotSupported;
@@ -580,15 +585,29 @@ void CudaEngine::run_rows(const int32_t* tokens, const int64_t* pos, const int64
       // every bucket from now on (as build_graphs does for the decode graphs).
       cudaGetLastError();
       batch_pdl_ok_ = pdl = false;
-      g_batch_[b] = nullptr;
-      err = capture_graph(stream_, [&] { batch_->record(bucket, stream_, pdl); }, &g_batch_[b]);
+      graph = nullptr;
+      err = capture_graph(stream_, [&] { batch_->record(bucket, stream_, pdl, draft); }, &graph);
     }
     TI_CUDA_CHECK(err);
   }
-  set_rows(true);
-  if (opt_.graphs) TI_CUDA_CHECK(cudaGraphLaunch(g_batch_[b], stream_));
-  else batch_->record(bucket, stream_, pdl);
-  for (int64_t r = 0; r < n; r++) slots_[(size_t)slots[r]].logits_row = (int)r;
+  upload_rows(bucket, tokens, pos, slots, n);
+  if (opt_.graphs) TI_CUDA_CHECK(cudaGraphLaunch(graph, stream_));
+  else batch_->record(bucket, stream_, pdl, draft);
+  if (!draft)
+    for (int64_t r = 0; r < n; r++) slots_[(size_t)slots[r]].logits_row = (int)r;
+}
+
+// Speculative decoding's draft pass on the batched step: the single sequence's page table becomes the draft slot's
+// (the tables' last row, no sequence slot's), its rows that slot's positions pos0.. (docs/perf/speculative.md).
+void CudaEngine::draft_pass_rows(const int32_t* seq, int64_t m, int64_t pos0, float* host_rows) {
+  const size_t stride = (size_t)bbuf_.table_stride, V = (size_t)cfg_.vocab;
+  TI_CUDA_CHECK(cudaMemcpyAsync(bbuf_.tables + (size_t)bbuf_.draft_slot() * stride, dbuf_.page_table,
+                                stride * sizeof(int), cudaMemcpyDeviceToDevice, stream_));
+  std::vector<int64_t> pos((size_t)m), slots((size_t)m, bbuf_.draft_slot());
+  for (int64_t i = 0; i < m; i++) pos[(size_t)i] = pos0 + i;
+  run_rows(seq, pos.data(), slots.data(), m, /*draft=*/true);
+  TI_CUDA_CHECK(cudaMemcpy2DAsync(host_rows, V * sizeof(float), bbuf_.logits, (size_t)bbuf_.ld_v * sizeof(float),
+                                  V * sizeof(float), (size_t)m, cudaMemcpyDeviceToHost, stream_));
 }
 
 BatchSample CudaEngine::seq_sample(const int64_t* slots, const SamplingConfig* cfgs, const uint64_t* steps, int64_t n,

@@ -19,6 +19,9 @@ void check_options(const CudaOptions& o, const ModelConfig& c) {
     fail(ErrorKind::Request, "kv_pool_pages must be >= 0 (0: enough for max_seq_len), got " +
                                  std::to_string(o.kv_pool_pages));
   check_max_batch(o.max_batch);
+  if (o.draft_pass != 0 && o.draft_pass != 1)
+    fail(ErrorKind::Request, "draft_pass must be 0 (the prefill pass) or 1 (the batched step), got " +
+                                 std::to_string(o.draft_pass));
   if (o.batch_gemv_f16_max < 0) fail(ErrorKind::Request, "batch_gemv_f16_max must be >= 0");
   if (o.batch_gemv_quant_max < 0) fail(ErrorKind::Request, "batch_gemv_quant_max must be >= 0");
   if (o.batch_mma_max < 0 || o.batch_mma_max > 64)

@@ -55,6 +55,10 @@ struct CudaOptions {
   // Sequence slots (seq_open ..., batch_step.h): the most sequences one seq_step runs; graphs are captured per
   // bucket 1, 2, 4, ... up to max_batch, on first use.
   int64_t max_batch = 64;
+  // Speculative decoding's draft pass (CudaEngine::decode_draft): 0 the prefill pass (cuBLASLt GEMMs), 1 the
+  // batched decode step's kernels over the draft's rows (one graph per bucket; drafts past max_batch - 1 tokens
+  // take the prefill pass). docs/perf/speculative.md.
+  int draft_pass = 0;
   // fp16 batched steps of <= this many rows take the small-N GEMV (6 launches per layer, each weight read once),
   // larger ones cuBLASLt (+ RMSNorm and SwiGLU kernels). 1: cuBLASLt from 2 rows on — on the H200 (TinyLlama,
   // 92e0bc3) cuBLASLt's step at 16 rows (1.43 ms) beat the small-N kernel's at 2 (1.56), see docs/perf/batch.md.

@@ -114,6 +114,9 @@ def test_a_refused_submit_raises_in_the_worker(eng):
                 await remote.submit([5, 6, 7], SamplingParams(max_tokens=2), request_id="a")
             with pytest.raises(InvalidRequestError, match="max_seq_len"):
                 await remote.submit([5, 6, 7], SamplingParams(max_tokens=1000), request_id="b")
+            with pytest.raises(InvalidRequestError, match="logit_bias token id") as e:  # (its field crosses too)
+                await remote.submit([5, 6, 7], SamplingParams(max_tokens=2, logit_bias={10**6: 1}), request_id="c")
+            assert e.value.param == "logit_bias"
             return await remote.stats()  # still answering
 
         assert asyncio.run(main())["running"] == 0

@@ -344,7 +344,8 @@ class Engine:
                                           f"max_seq_len={self.max_seq_len}")
             if sp.min_tokens > self.max_seq_len - n_prompt:
                 raise InvalidRequestError(f"min_tokens ({sp.min_tokens}) is more than the rest of the context after a "
-                                          f"prompt of {n_prompt} tokens (max_seq_len={self.max_seq_len})")
+                                          f"prompt of {n_prompt} tokens (max_seq_len={self.max_seq_len})",
+                                          param="min_tokens")
             return dataclasses.replace(sp, max_tokens=self.max_seq_len - n_prompt)
         if n_prompt + sp.max_tokens > self.max_seq_len:
             raise InvalidRequestError(f"prompt ({n_prompt} tokens) + max_tokens ({sp.max_tokens}) exceeds "
@@ -356,7 +357,7 @@ class Engine:
         bad = [t for t in sp.stop_token_ids if not 0 <= t < self.config.vocab]
         if bad:  # (never sampled; past int32 the core's paths would even disagree on them)
             raise InvalidRequestError(f"stop token id {bad[0]} is out of range for a vocabulary of "
-                                      f"{self.config.vocab}")
+                                      f"{self.config.vocab}", param="stop_token_ids")
         return list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(self.config.eos_token_ids))
 
     def _bad_words_ids(self, sp: SamplingParams) -> list[list[int]]:
@@ -365,7 +366,7 @@ class Engine:
         if not sp.bad_words:
             return []
         if self.tokenizer is None:
-            raise InvalidRequestError("bad_words needs the model's tokenizer (this model has none)")
+            raise InvalidRequestError("bad_words needs the model's tokenizer (this model has none)", param="bad_words")
         out: list[list[int]] = []
         for w in sp.bad_words:
             alone = self.tokenizer.encode(w.lstrip(), add_special_tokens=False)

@@ -4,6 +4,8 @@ file, field or value at fault. The C++ core's errors arrive as the matching subc
 
 from __future__ import annotations
 
+from typing import Optional
+
 
 class TinyInferError(Exception):
     """Base class of all tinyinfer errors."""
@@ -26,7 +28,13 @@ class UnsupportedModelError(TinyInferError, ValueError):
 
 
 class InvalidRequestError(TinyInferError, ValueError):
-    """Bad arguments to a call: empty prompt, bad sampling values, too long for max_seq_len, ..."""
+    """Bad arguments to a call: empty prompt, bad sampling values, too long for max_seq_len, ... `param`: the
+    request field at fault where the raiser knows it (a server's 400 names it; kept through pickling, as the
+    exception's __dict__), else None."""
+
+    def __init__(self, *args, param: Optional[str] = None):
+        super().__init__(*args)
+        self.param = param
 
 
 class TokenizerError(TinyInferError):

@@ -218,7 +218,7 @@ class CoreSampling:
         bad = [t for t in (sp.logit_bias or {}) if t >= vocab]
         if bad:
             raise InvalidRequestError(f"invalid sampling parameter: logit_bias token id {bad[0]} is out of range for "
-                                      f"a vocabulary of {vocab}")
+                                      f"a vocabulary of {vocab}", param="logit_bias")
         self._sp, self._seed, self._vocab = sp, seed, vocab
         self.min_tokens = sp.min_tokens
         # (a stop id outside the vocabulary is never sampled: nothing to ban)
@@ -233,7 +233,8 @@ class CoreSampling:
             raise InvalidRequestError(
                 f"invalid sampling parameter: logit_bias ({len(sp.logit_bias or ())} entries), min_tokens' bans "
                 f"of the stop ids ({len(self._stop_ban)}) and bad_words' ({len(self._always) + len(self._multi)}) "
-                f"make {len(most)} logit-bias entries: at most {MAX_LOGIT_BIAS}")
+                f"make {len(most)} logit-bias entries: at most {MAX_LOGIT_BIAS}",
+                param="logit_bias" if sp.logit_bias else "bad_words" if words else "min_tokens")
         self._configs: dict[frozenset, _core.SamplingConfig] = {}
         self._late: Optional[_core.SamplingConfig] = None
         self._grammar = grammar

@@ -27,11 +27,16 @@ MAX_CHOICES = 1024  # choice's strings a request may list
 MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar's text (what llguidance compiles for each request)
 
 
+
+def _invalid(message: str) -> InvalidRequestError:
+    """A refusal of this module's, which names the request's field (a server names the field its client used)."""
+    return InvalidRequestError(message, param="structured_outputs")
+
 def _llguidance():
     try:
         import llguidance
     except ImportError as e:  # (a dependency: only an install made with --no-deps lacks it)
-        raise InvalidRequestError(f"structured outputs need the llguidance package (pip install llguidance): {e}") \
+        raise _invalid(f"structured outputs need the llguidance package (pip install llguidance): {e}") \
             from None
     return llguidance
 
@@ -62,14 +67,14 @@ class StructuredOutputs:
         if self.json_object:
             set_.append("json_object")
         if len(set_) != 1:
-            raise InvalidRequestError(
+            raise _invalid(
                 "invalid structured_outputs: give exactly one of json, regex, choice, grammar or json_object "
                 f"(got {', '.join(set_) if set_ else 'none'})")
         return set_[0]
 
     def validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
-            return InvalidRequestError(f"invalid structured_outputs: {msg}")
+            return _invalid(f"invalid structured_outputs: {msg}")
 
         kind = self.kind()
         if self.json_object not in (None, True, False):
@@ -129,7 +134,7 @@ class StructuredOutputs:
                 return llguidance.LLMatcher.grammar_from_lark(lark)
             return llguidance.grammar_from("grammar", self.grammar)  # Lark or GBNF, told apart by llguidance
         except (ValueError, TypeError) as e:
-            raise InvalidRequestError(f"invalid structured_outputs: {kind}: {e}") from None
+            raise _invalid(f"invalid structured_outputs: {kind}: {e}") from None
 
     @classmethod
     def from_value(cls, v: Union["StructuredOutputs", Mapping[str, Any], None]) -> Optional["StructuredOutputs"]:
@@ -137,14 +142,14 @@ class StructuredOutputs:
         if v is None or isinstance(v, cls):
             return v
         if not isinstance(v, Mapping):
-            raise InvalidRequestError(
+            raise _invalid(
                 f"invalid structured_outputs: a StructuredOutputs or a mapping of its fields (got {type(v).__name__})")
         names = set(cls.__dataclass_fields__)
         unknown = sorted(set(v) - names)
         if "structural_tag" in unknown:
-            raise InvalidRequestError("invalid structured_outputs: structural_tag is not supported by this engine")
+            raise _invalid("invalid structured_outputs: structural_tag is not supported by this engine")
         if unknown:
-            raise InvalidRequestError(f"invalid structured_outputs: unknown field(s) {', '.join(map(str, unknown))} "
+            raise _invalid(f"invalid structured_outputs: unknown field(s) {', '.join(map(str, unknown))} "
                                       f"(known: {', '.join(sorted(names))})")
         return cls(**v)
 
@@ -197,9 +202,9 @@ class GrammarCompiler:
         llguidance = _llguidance()
         tok = self._tokenizer
         if tok is None:
-            raise InvalidRequestError("structured outputs need the model's tokenizer (this model has none)")
+            raise _invalid("structured outputs need the model's tokenizer (this model has none)")
         if tok.vocab_size > self._vocab:
-            raise InvalidRequestError(f"structured outputs: the tokenizer has {tok.vocab_size} tokens, more than the "
+            raise _invalid(f"structured outputs: the tokenizer has {tok.vocab_size} tokens, more than the "
                                       f"model's {self._vocab} logits")
         eos = self._eos or None
         try:  # the tokenizer's own JSON, as vLLM and transformers hand it over (its normalizer, decoder, specials)
@@ -222,7 +227,7 @@ class GrammarCompiler:
         llguidance = _llguidance()
         m = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
         if m.is_error():
-            raise InvalidRequestError(f"invalid structured_outputs: {so.kind()}: {m.get_error().strip()[:500]}")
+            raise _invalid(f"invalid structured_outputs: {so.kind()}: {m.get_error().strip()[:500]}")
         with self._lock:
             self._compiled[grammar] = m
             while len(self._compiled) > self.CACHED:
@@ -272,7 +277,7 @@ class GrammarState:
             new = [int(t) for t in generated[self._n:]]
             self._n = len(generated)
             if not self._m.consume_tokens(new):
-                raise InvalidRequestError("structured outputs: the grammar refused the sampled token(s) "
+                raise _invalid("structured outputs: the grammar refused the sampled token(s) "
                                           f"{new}: {self._m.get_error().strip().splitlines()[0][:300]}")
 
     @property

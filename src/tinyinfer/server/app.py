@@ -410,11 +410,9 @@ class Service:
             if isinstance(e, QueueFullError):
                 raise P.APIError(503, f"the server is busy: {e}", code="queue_full",
                                  headers={"Retry-After": "1"}) from None
-            if isinstance(e, InvalidRequestError):  # (the engine's checks: the field named where the message does)
-                msg = str(e)
-                param = g.structured_from if "structured_outputs" in msg else next(
-                    (f for f in ("logit_bias", "bad_words", "min_tokens") if f in msg), None)
-                raise P.bad(msg, param) from None
+            if isinstance(e, InvalidRequestError):  # (the engine's checks, each naming its field where it knows it)
+                param = g.structured_from if e.param == "structured_outputs" else e.param
+                raise P.bad(str(e), param) from None
             raise
         return _Call(rid, choices, g.n, g.prompt_only)
 

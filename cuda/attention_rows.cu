@@ -394,6 +394,8 @@ void decode_attention_rows(const DecodeAttnParams& p, int n_rows, cudaStream_t s
   if (n_rows < 1 || nz > 65535 || !p.row_pos || !p.row_slot || !p.tickets || p.table_stride < 1)
     fail(ErrorKind::Request, "decode_attention_rows: needs 1.." + std::to_string(65535 / per_row) +
                                  " rows, row_pos, row_slot, tickets and table_stride");
+  if (p.appended && pdl)  // (its loads before the wait would race the append)
+    fail(ErrorKind::Request, "decode_attention_rows: appended rows need a launch without PDL");
   if (p.act8_out && p.head_dim % kAct8Group != 0)
     fail(ErrorKind::Request, "decode_attention_rows: act8_out needs head_dim % 32 == 0 (head_dim " +
                                  std::to_string(p.head_dim) + ")");

@@ -87,6 +87,9 @@ def test_config_from_a_dict():
 def test_pass_costs_interpolate_and_extrapolate():
     c = PassCosts()
     assert c.ratio(5) == pytest.approx(1 + 4 * PassCosts.PRIOR_ROW_COST)  # nothing measured: the prior
+    c.observe(1, 50.0)
+    c.observe(3, 80.0)  # (the first pass of each row count: left out)
+    assert c.ratio(3) == pytest.approx(1 + 2 * PassCosts.PRIOR_ROW_COST)
     c.observe(1, 1.0)
     c.observe(3, 2.0)
     assert c.ratio(1) == 1 and c.ratio(3) == 2 and c.ratio(2) == pytest.approx(1.5)
@@ -95,13 +98,17 @@ def test_pass_costs_interpolate_and_extrapolate():
     assert c.ratio(3) == pytest.approx(2 + PassCosts.EMA * 2)
 
 
+def measured(passes: dict) -> PassCosts:
+    c = PassCosts()
+    for rows, s in passes.items():
+        c.observe(rows, s)  # (the first of each is left out)
+        c.observe(rows, s)
+    return c
+
+
 def test_best_draft_length():
-    cheap, dear = PassCosts(), PassCosts()
-    cheap.observe(1, 1.0)
-    cheap.observe(6, 1.2)  # a memory-bound pass: rows nearly free
-    dear.observe(1, 1.0)
-    dear.observe(2, 1.7)
-    dear.observe(6, 3.1)  # the CPU's
+    cheap = measured({1: 1.0, 6: 1.2})  # a memory-bound pass: rows nearly free
+    dear = measured({1: 1.0, 2: 1.7, 6: 3.1})  # the CPU's
     assert best_draft_length(0.9, 5, cheap) == 5
     assert best_draft_length(0.3, 5, cheap) == 2  # 1.39 tokens for 1.08 steps (5: 1.43 for 1.2)
     assert best_draft_length(0.02, 5, cheap) == 0  # 1.02 tokens for 1.04 steps
@@ -111,10 +118,7 @@ def test_best_draft_length():
 
 
 def test_the_policy_probes_and_backs_off():
-    costs = PassCosts()
-    costs.observe(1, 1.0)
-    for rows in range(2, 8):
-        costs.observe(rows, float(rows))  # every row a step: no draft pays
+    costs = measured({rows: float(rows) for rows in range(1, 8)})  # every row a step: no draft pays
     p = DraftPolicy(costs)
     for _ in range(DraftPolicy.PROBE_FIRST):
         assert p.length(5) == 0
@@ -152,7 +156,7 @@ def engine(path, device_pass, **kw) -> Engine:
 
 @pytest.fixture(scope="module", params=DEVICES)
 def eng(request, tmp_path_factory):
-    d = make_llama(tmp_path_factory.mktemp("spec"), hidden=128, heads=4, kv_heads=2, layers=2, vocab=300,
+    d = make_llama(tmp_path_factory.mktemp("spec"), hidden=256, heads=4, kv_heads=2, layers=2, vocab=300,
                    init_std=0.3)
     with engine(d, request.param, max_seq_len=96) as e:
         yield e
@@ -252,6 +256,19 @@ def test_a_draft_up_to_the_context_end(eng):
     k = eng.max_seq_len - core.position - 1
     out += core.decode_draft(ref[1:1 + k], cfg(), [], 1)
     assert out == ref and core.position == eng.max_seq_len
+
+
+@pytest.mark.gpu
+def test_the_batched_pass_across_attention_splits(tmp_path):
+    """The batched step's draft pass where rows straddle its attention's splits (64 positions each: a merge) and
+    a KV page: the same greedy tokens as decode()."""
+    d = make_llama(tmp_path, hidden=256, heads=4, kv_heads=2, layers=2, vocab=300, init_std=0.3)  # (head dim 64)
+    opts = _core.CudaOptions()
+    opts.draft_pass, opts.max_batch, opts.batch_attn_span, opts.kv_page_size = 1, 8, 64, 64
+    with Engine(d, device="cuda", max_seq_len=256, cuda_options=opts) as e:
+        prompt = [(7 * i) % 300 for i in range(58)]
+        ref = reference(e._core, cfg(), 40, prompt)
+        assert drafted(e._core, cfg(), ref, [7, 3, [1, 2], 7, 6, 7], 40, prompt) == ref
 
 
 # ---- the engine ----

@@ -56,8 +56,8 @@ struct CudaOptions {
   // bucket 1, 2, 4, ... up to max_batch, on first use.
   int64_t max_batch = 64;
   // Speculative decoding's draft pass (CudaEngine::decode_draft): 0 the prefill pass (cuBLASLt GEMMs), 1 the
-  // batched decode step's kernels over the draft's rows (one graph per bucket; drafts past max_batch - 1 tokens
-  // take the prefill pass). docs/perf/speculative.md.
+  // batched decode step's kernels over the draft's rows (one graph per bucket; a pass of more than max_batch rows,
+  // the pending token's and the draft's, takes the prefill pass). docs/perf/speculative.md.
   int draft_pass = 0;
   // fp16 batched steps of <= this many rows take the small-N GEMV (6 launches per layer, each weight read once),
   // larger ones cuBLASLt (+ RMSNorm and SwiGLU kernels). 1: cuBLASLt from 2 rows on — on the H200 (TinyLlama,

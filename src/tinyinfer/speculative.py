@@ -101,7 +101,8 @@ class NgramDrafter:
 
 class PassCosts:
     """What a pass of the engine costs, by its rows (1: a plain decode step; k + 1: a draft of k after the pending
-    token), as measured around the calls: an exponential moving average of the seconds each. Shared by an engine's
+    token), as measured around the calls: an exponential moving average of the seconds each, the first pass of
+    each row count left out (it may hold one-time work: a GEMM's tuning, a graph's capture). Shared by an engine's
     requests. A row count not yet measured is priced from its measured neighbours, or past the largest one at
     PRIOR_ROW_COST of a step a row more: optimistic, so that longer drafts get tried and measured."""
 
@@ -110,8 +111,12 @@ class PassCosts:
 
     def __init__(self) -> None:
         self._s: dict[int, float] = {}
+        self._seen: set[int] = set()
 
     def observe(self, rows: int, seconds: float) -> None:
+        if rows not in self._seen:
+            self._seen.add(rows)
+            return
         old = self._s.get(rows)
         self._s[rows] = seconds if old is None else old + self.EMA * (seconds - old)
 

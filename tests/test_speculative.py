@@ -120,20 +120,24 @@ def test_best_draft_length():
 def test_the_policy_probes_and_backs_off():
     costs = measured({rows: float(rows) for rows in range(1, 8)})  # every row a step: no draft pays
     p = DraftPolicy(costs)
+    assert p.length(5) == 0 and p.plain_steps() == DraftPolicy.PROBE_FIRST  # (steps in one call until a probe)
     for _ in range(DraftPolicy.PROBE_FIRST):
         assert p.length(5) == 0
-        p.stepped(1.0)
+        p.stepped(1, 1, 1.0)
+    assert p.plain_steps() == 1
     assert p.length(5) == DraftPolicy.PROBE_LENGTH  # a probe
     p.drafted(3, 0, 4, 4.0)
     assert p.probe_every == 2 * DraftPolicy.PROBE_FIRST and p.idle == 0
-    for _ in range(2 * DraftPolicy.PROBE_FIRST):
-        assert p.length(5) == 0
-        p.stepped(1.0)
+    assert p.length(5) == 0
+    p.stepped(2 * DraftPolicy.PROBE_FIRST - 1, 2 * DraftPolicy.PROBE_FIRST - 1, 15.0)  # (one call of 15)
+    assert p.length(5) == 0
+    p.stepped(1, 0, 0.5)  # no pass ran: nothing measured
+    assert costs.ratio(1) == 1.0
     assert p.length(2) == 2  # (at most k_max)
     p.drafted(2, 2, 3, 3.0)
     assert p.probe_every == DraftPolicy.PROBE_FIRST and p.rate == pytest.approx(3 / 5)  # (1 + 0 + 2) / (2 + 1 + 2)
-    p.stepped(None)  # no pass ran: nothing measured
-    assert costs.ratio(1) == 1.0
+    cheap = DraftPolicy(measured({1: 1.0, 4: 1.1}))
+    assert cheap.length(3) == 3 and cheap.plain_steps() == 1  # a draft pays: the next token may bring a match
 
 
 # ---- the cores ----

@@ -680,12 +680,14 @@ class Engine:
                 stats.accepted_tokens += kept
                 # (before the first token there is no pending token to run: the pass is the draft's rows alone)
                 policy.drafted(len(draft), kept, len(draft) + bool(out), time.perf_counter() - t_call)
-            else:  # (with a drafter, a token a call: each may start a draft)
-                n = 1 if drafter is not None else min(self._chunk, sp.max_tokens - len(out), same or self._chunk)
+            else:
+                n = min(self._chunk, sp.max_tokens - len(out), same or self._chunk)
+                if drafter is not None:  # (no more than until a draft could be chosen)
+                    n = min(n, policy.plain_steps())
                 new = self._core.decode(n, sampling.at(out), stop_ids, len(out))
                 gpu_ms += getattr(self._core, "last_decode_ms", 0.0)
                 if drafter is not None:  # (the first token is drawn from the prompt's pass: no pass of its own)
-                    policy.stepped(time.perf_counter() - t_call if out else None)
+                    policy.stepped(len(new), len(new) - (not out), time.perf_counter() - t_call)
             if drafter is not None:
                 drafter.extend(new)
             out += new

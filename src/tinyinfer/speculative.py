@@ -150,6 +150,7 @@ class DraftPolicy:
         self.idle = 0  # plain steps since the last draft
         self.probe_every = self.PROBE_FIRST
         self._probe = False
+        self._paying = False  # the last length(): some draft pays at this rate (only a match was missing)
 
     @property
     def rate(self) -> float:
@@ -158,8 +159,15 @@ class DraftPolicy:
     def length(self, k_max: int) -> int:
         """How many tokens to draft now (0: a plain step), at most k_max."""
         k = best_draft_length(self.rate, k_max, self.costs)
+        self._paying = k > 0
         self._probe = k == 0 and self.idle >= self.probe_every
         return min(k_max, self.PROBE_LENGTH) if self._probe else k
+
+    def plain_steps(self) -> int:
+        """After length() drafted nothing: how many plain steps may run in one call before a draft could be chosen
+        (1 where a draft pays and a match may come with the next token; else until the next probe): the GPU's
+        single path decodes them in one call rather than one call a token."""
+        return 1 if self._paying else max(1, self.probe_every - self.idle)
 
     def drafted(self, drafted: int, kept: int, rows: int, seconds: float) -> None:
         """A draft of `drafted` tokens ran in a pass of `rows` rows taking `seconds`; `kept` of them were kept."""
@@ -170,11 +178,12 @@ class DraftPolicy:
             self.probe_every = min(self.PROBE_MAX, self.probe_every * 2) if kept == 0 else self.PROBE_FIRST
         self.idle = 0
 
-    def stepped(self, seconds: Optional[float]) -> None:
-        """A plain step ran (seconds: its pass's time; None: no pass ran, the token drawn from a prompt's)."""
-        self.idle += 1
-        if seconds is not None:
-            self.costs.observe(1, seconds)
+    def stepped(self, tokens: int, passes: int, seconds: float) -> None:
+        """Plain steps gave `tokens` tokens in `seconds` from `passes` passes (the first token of an answer is drawn
+        from the prompt's pass: none of its own)."""
+        self.idle += tokens
+        if passes > 0:
+            self.costs.observe(1, seconds / passes)
 
 
 def best_draft_length(rate: float, k_max: int, costs: PassCosts) -> int:

@@ -113,7 +113,10 @@ void bind_engine_common(Cls& cls) {
           },
           "draft"_a, "sampling"_a, "stop_ids"_a, "step0"_a = 0,
           "Speculative decoding: the pending token and the draft run in one pass, then tokens are drawn as decode() "
-          "draws them while each equals the draft's next (1 to len(draft) + 1; after a stop id, none).");
+          "draws them while each equals the draft's next (1 to len(draft) + 1; after a stop id, none).")
+      .def("rewind", &E::rewind, "n"_a,
+           "Keep the first n tokens (all run) and forget the rest; the history restarts as them, as prompt; a "
+           "forward() comes before the next decode. n == position: nothing changes.");
 }
 
 #ifdef TINYINFER_WITH_CUDA

@@ -90,7 +90,8 @@ def test_speculative_flag(tiny):
     """--speculative-config: the same answer as without it; the stats line counts the drafts where any ran."""
     base = ["run", "-m", tiny, "--device", "cpu", "-n", "40", "--ignore-eos", "--raw", "abcabcabcabcabcabc"]
     plain = cli(*base)
-    for spec in ("ngram", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'):
+    for spec in ("ngram", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+                 '"prompt_lookup_max": 3}'):
         r = cli(*base, "--speculative-config", spec)
         assert r.returncode == 0 and r.stdout == plain.stdout, r.stderr
     assert "drafts" not in plain.stderr
@@ -132,6 +133,7 @@ def test_closed_stdout_ends_quietly(tiny, args):
     (["run", "--speculative-config", '{"num_speculative_tokens": 0}', "hi"],
      "--speculative-config.num_speculative_tokens must be an integer in 1..64"),
     (["chat", "--speculative-config", '{"draft": 1}'], "--speculative-config: unknown field(s) 'draft'"),
+    (["run", "--speculative-config", "null", "hi"], "--speculative-config must be \"ngram\" or a JSON object, got"),
     (["run", "--max-seq-len", "64", "--max-tokens", "64", "hi"], "--max-seq-len 64"),
     (["run", "--device", "cpu", "--dtype", "fp16", "hi"], "valid: auto, fp32, int8, int4"),
     (["bench", "--device", "cpu", "--steps", "-1"], "--steps must be >= 1"),  # (the rates would divide by 0)

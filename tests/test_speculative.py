@@ -28,7 +28,7 @@ def test_no_draft_without_an_earlier_occurrence():
     d = NgramDrafter(SpeculativeConfig(prompt_lookup_max=2, prompt_lookup_min=2), [4, 5, 6, 7])
     assert d.draft(5) == []  # [6 7] occurs only as the suffix itself
     d.extend([4, 5])
-    assert d.draft(5) == [6, 7, 4, 5]  # (never past the context's end)
+    assert d.draft(5) == [6, 7, 4, 5, 6]  # (past the context's end: the repeat goes on)
     assert NgramDrafter(SpeculativeConfig(), []).draft(3) == []
 
 
@@ -71,13 +71,17 @@ def test_config_checks(kw, field):
 
 
 def test_config_from_a_dict():
+    """vLLM's resolution of the lookup bounds: neither given 5 and 5, one given the other equal to it."""
     assert SpeculativeConfig.of(None) is None
     c = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 3})
-    assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (7, 3, 2)
+    assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (7, 3, 3)
+    c = SpeculativeConfig.of({"method": "[ngram]", "prompt_lookup_min": 2})
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 5, 2, 2)
+    assert (SpeculativeConfig().prompt_lookup_max, SpeculativeConfig().prompt_lookup_min) == (5, 5)
     assert SpeculativeConfig.of(c) is c
     with pytest.raises(InvalidRequestError, match="'draft_model'"):
         SpeculativeConfig.of({"draft_model": "x"})
-    with pytest.raises(InvalidRequestError, match="a dict"):
+    with pytest.raises(InvalidRequestError, match="an object of its fields"):
         SpeculativeConfig.of(["ngram"])
 
 
@@ -135,7 +139,8 @@ def test_the_policy_probes_and_backs_off():
     assert costs.ratio(1) == 1.0
     assert p.length(2) == 2  # (at most k_max)
     p.drafted(2, 2, 3, 3.0)
-    assert p.probe_every == DraftPolicy.PROBE_FIRST and p.rate == pytest.approx(3 / 5)  # (1 + 0 + 2) / (2 + 1 + 2)
+    kept, checked = 0.8 * (0.8 * 1 + 0) + 2, 0.8 * (0.8 * 2 + 1) + 2  # (each draft's counts decay by 0.8)
+    assert p.probe_every == DraftPolicy.PROBE_FIRST and p.rate == pytest.approx(kept / checked)
     cheap = DraftPolicy(measured({1: 1.0, 4: 1.1}))
     assert cheap.length(3) == 3 and cheap.plain_steps() == 1  # a draft pays: the next token may bring a match
 
@@ -325,6 +330,45 @@ def test_the_next_prompt_reuses_a_speculative_answers_cache(pair, always_draft):
         assert got.token_ids == want.token_ids and got.stats.cached_tokens == want.stats.cached_tokens
         ids = ids + got.token_ids + [41, 42, 43]
     assert got.stats.cached_tokens == len(ids) - 25 - 3 - 3 and got.stats.draft_tokens > 0
+
+
+def test_rewind(eng):
+    """The single sequence cut back to n tokens: the next prompt's logits as after those n alone; refusals change
+    nothing."""
+    core = eng._core
+    core.reset()
+    core.forward(PROMPT)
+    out = core.decode(5, cfg(), [], 0)
+    for bad in (-1, len(PROMPT) + 6):
+        with pytest.raises(InvalidRequestError, match="rewind"):
+            core.rewind(bad)
+    core.rewind(core.position)  # (nothing changes: the pending token stays pending)
+    assert core.tokens == PROMPT + out
+    core.rewind(len(PROMPT) + 2)
+    assert core.tokens == PROMPT + out[:2]
+    with pytest.raises(InvalidRequestError, match="forward"):
+        core.decode(1, cfg(), [], 0)
+    got = core.forward([7, 8], all_logits=True)
+    core.reset()
+    want = core.forward(PROMPT + out[:2] + [7, 8], all_logits=True)[-2:]
+    assert abs(got - want).max() <= 1e-4 * abs(want).max()
+
+
+def test_a_stop_string_inside_a_draft_leaves_the_cache_at_the_answers_end(pair, always_draft):
+    """An answer cut by a stop string after a call that drew more tokens: the cache is cut back, so a prompt
+    extending the answer reuses it as without speculation."""
+    plain, fast = pair
+    ids = [40 + i % 5 for i in range(40)]
+    stops = 0
+    free = plain.generate(ids, max_tokens=30, ignore_eos=True).token_ids
+    for stop in {plain.detokenize([t]) for t in free[6:12]} - {""}:
+        want, got = (e.generate(ids, max_tokens=30, stop=[stop], ignore_eos=True) for e in (plain, fast))
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+        stops += got.finish_reason == "stop"
+        nxt = ids + got.token_ids + [41, 42]
+        want, got = (e.generate(nxt, max_tokens=3, ignore_eos=True) for e in (plain, fast))
+        assert got.token_ids == want.token_ids and got.stats.cached_tokens == want.stats.cached_tokens > 0
+    assert stops
 
 
 def test_the_engine_refuses_a_bad_config(tmp_path):

@@ -26,6 +26,13 @@ inline void check_room(int64_t position, int64_t n, int64_t max_seq) {
                                  " new ones exceed max_seq_len=" + std::to_string(max_seq));
 }
 
+// rewind(n) of the single sequence, `position` tokens long.
+inline void check_single_rewind(int64_t n, int64_t position) {
+  if (n < 0 || n > position)
+    fail(ErrorKind::Request, "rewind: " + std::to_string(n) + " tokens to keep, the sequence holds " +
+                                 std::to_string(position));
+}
+
 // ---- the sequence slots (docs/BATCH_CONTRACT.md part 2) ----
 
 constexpr int64_t kMaxBatch = 1024;  // the most sequence slots an engine takes

@@ -64,6 +64,12 @@ class CpuEngine {
   // bad draft or sampling config, or a draft with no room for the token after it (check_draft).
   std::vector<int32_t> decode_draft(const int32_t* draft, int64_t k, const SamplingConfig& s,
                                     const std::vector<int32_t>& stop_ids, uint64_t step0);
+  // Keeps the sequence's first n tokens (n < position(): all of them run through the model) and forgets the rest:
+  // the history restarts as those n tokens, as prompt (seq_rewind's rule), and a forward() must come before a
+  // decode. An answer cut short by a stop string in the middle of a call's tokens, so that a prompt extending it
+  // finds them in the cache. n == position(): nothing changes. Request error, nothing changed, for n outside
+  // 0..position().
+  void rewind(int64_t n);
 
   // ---- sequence slots (docs/BATCH_CONTRACT.md part 2; cpu_sequences.cpp) ----
   // Every call checks all its arguments first and throws ti::Error(Request), changing nothing, on a slot out of

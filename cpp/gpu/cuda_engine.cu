@@ -341,4 +341,13 @@ std::vector<int32_t> CudaEngine::decode_draft(const int32_t* draft, int64_t k, c
   return out;
 }
 
+void CudaEngine::rewind(int64_t n) {
+  check_single_rewind(n, position());
+  if (n == position()) return;
+  tokens_.resize((size_t)n);  // (the last kept one was run: only the last of all could be pending)
+  history_.clear();
+  for (int32_t t : tokens_) history_.add_prompt(t);
+  has_logits_ = pending_ = false;
+}
+
 }  // namespace ti

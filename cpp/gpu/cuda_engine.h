@@ -64,6 +64,7 @@ class CudaEngine {
   // (every row's logits to the host), the tokens drawn there by the reference sampler (core/draft.h).
   std::vector<int32_t> decode_draft(const int32_t* draft, int64_t k, const SamplingConfig& s,
                                     const std::vector<int32_t>& stop_ids, uint64_t step0);
+  void rewind(int64_t n);  // as CpuEngine::rewind (the pages past n stay the sequence's)
 
   // The logits of the last pass (a prefill's last row, a prompt token, or decode()'s last step): (vocab).
   std::vector<float> last_logits();

@@ -72,9 +72,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--grammar-file", metavar="FILE", help="the same, the grammar read from FILE")
     p.add_argument_group("speculative decoding").add_argument(
         "--speculative-config", metavar="JSON", default=None,
-        help='vLLM\'s n-gram speculation: "ngram" (its defaults) or {"method": "ngram", "num_speculative_tokens": 5, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}; the answer is unchanged, made in fewer passes where it '
-        'repeats its context (the stats line counts the drafted tokens kept)')
+        help='vLLM\'s n-gram speculation: "ngram" (drafts of up to 5 tokens after a 5-gram match) or its JSON, e.g. '
+        '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}; the '
+        'answer is unchanged, made in fewer passes where it repeats its context (the stats line counts the drafted '
+        'tokens kept)')
 
 
 # The longest context `bench --device cpu` times (each is one prefill on the reference engine first).
@@ -196,12 +197,14 @@ def _speculative(text: Optional[str]):
 
     if text is None:
         return None
-    if text.strip() == "ngram":
+    if text.strip() in ("ngram", "[ngram]"):
         return SpeculativeConfig()
     try:
         v = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidRequestError(f"--speculative-config must be \"ngram\" or a JSON object: {e}") from None
+    if not isinstance(v, dict):
+        raise InvalidRequestError(f"--speculative-config must be \"ngram\" or a JSON object, got {text.strip()!r:.60}")
     try:
         return SpeculativeConfig.of(v)
     except InvalidRequestError as e:

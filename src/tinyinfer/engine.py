@@ -702,7 +702,10 @@ class Engine:
                     for i, t in enumerate(visible):
                         piece += text.add([t])
                         if text.stopped:
-                            del out[len(out) - len(new) + i + 1:]
+                            cut = len(new) - (i + 1)
+                            del out[len(out) - cut:]
+                            if cut:  # (the cache then ends where the answer does: a next turn extending it reuses it)
+                                self._core.rewind(self._core.position - cut)
                             break
                     if ended and not text.stopped:
                         piece += text.add([], final=True)

@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
+import numpy as np
+
 from .errors import InvalidRequestError
 
 MAX_SPECULATIVE_TOKENS = 64  # a draft's length at most (each drafted token is a row of the checking pass)
@@ -23,22 +25,31 @@ MAX_LOOKUP = 32  # the longest n-gram looked up
 class SpeculativeConfig:
     """vLLM's speculative_config for its "ngram" method: drafts of up to num_speculative_tokens tokens, found by
     the answer's last n tokens (prompt_lookup_max >= n >= prompt_lookup_min, the longest first) in the prompt
-    and the answer so far, the most recent occurrence first."""
+    and the answer so far, the most recent occurrence first. The lookup bounds as vLLM resolves them: neither
+    given, both 5; one given, the other equal to it. (num_speculative_tokens, which vLLM requires, is 5 unless
+    given.)"""
 
     method: str = "ngram"
     num_speculative_tokens: int = 5
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    prompt_lookup_max: Optional[int] = None
+    prompt_lookup_min: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in ("ngram", "[ngram]"):  # (vLLM's older spelling too)
             raise InvalidRequestError(f"speculative_config.method must be 'ngram' (the one method this engine has), "
                                       f"got {self.method!r:.40}")
-        for name, hi in (("num_speculative_tokens", MAX_SPECULATIVE_TOKENS), ("prompt_lookup_max", MAX_LOOKUP),
-                         ("prompt_lookup_min", MAX_LOOKUP)):
+        for name, top in (("num_speculative_tokens", MAX_SPECULATIVE_TOKENS), ("prompt_lookup_max", MAX_LOOKUP),
+                          ("prompt_lookup_min", MAX_LOOKUP)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
-                raise InvalidRequestError(f"speculative_config.{name} must be an integer in 1..{hi}, got {v!r:.40}")
+            if v is None and name != "num_speculative_tokens":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
+                raise InvalidRequestError(f"speculative_config.{name} must be an integer in 1..{top}, got {v!r:.40}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        resolved = {"method": "ngram", "prompt_lookup_min": lo if lo is not None else hi if hi is not None else 5,
+                    "prompt_lookup_max": hi if hi is not None else lo if lo is not None else 5}
+        for name, v in resolved.items():
+            object.__setattr__(self, name, v)  # (frozen: the resolved values, once)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise InvalidRequestError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not "
                                       f"exceed prompt_lookup_max ({self.prompt_lookup_max})")
@@ -50,7 +61,7 @@ class SpeculativeConfig:
         if v is None or isinstance(v, SpeculativeConfig):
             return v
         if not isinstance(v, Mapping):
-            raise InvalidRequestError(f"speculative_config must be None, a SpeculativeConfig or a dict, got "
+            raise InvalidRequestError(f"speculative_config must be an object of its fields (a dict), got "
                                       f"{type(v).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(str(k) for k in v if k not in known)
@@ -60,42 +71,71 @@ class SpeculativeConfig:
         return cls(**v)
 
 
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # (an odd 64-bit multiplier: the n-grams' hash)
+
+
+def _hashes(t: np.ndarray, n: int) -> np.ndarray:
+    """The hash of every n-gram of t (len(t) - n + 1 of them, in order): h = (h * MIX + token) mod 2^64."""
+    h = np.zeros(len(t) - n + 1, np.uint64)
+    for j in range(n):
+        h = h * _MIX + t[j:len(t) - n + 1 + j]
+    return h
+
+
+def _hash(tokens: Sequence[int]) -> int:
+    h = 0
+    for x in tokens:
+        h = (h * 0x9E3779B97F4A7C15 + x) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
 class NgramDrafter:
     """One answer's drafts. The context (the prompt, then each token the answer gains: extend()) is indexed as it
-    grows: for every n in prompt_lookup_min..max, the n-gram ending at each position -> the most recent position
-    after it, so a draft costs a few dict lookups, not a scan of the context."""
+    grows: for every n in prompt_lookup_min..max, the hash of the n-gram ending at each position -> the position
+    after it (the most recent occurrence's), so a draft costs a few dict lookups, not a scan of the context; a long
+    prompt is indexed with numpy. A hash collision can only make a poor draft (which the check rejects), never a
+    wrong answer."""
 
     def __init__(self, config: SpeculativeConfig, context: Sequence[int]):
         self.config = config
-        self.tokens: list[int] = list(context)
+        self.tokens: list[int] = [int(x) for x in context]
         self._ns = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)  # longest first
-        self._index: dict[int, dict[tuple, int]] = {n: {} for n in self._ns}
-        self._indexed = 0  # n-grams ending before this position are in the index
+        self._index: dict[int, dict[int, int]] = {n: {} for n in self._ns}
+        self._indexed = 0  # the n-grams followed by a token before this position are in the index
 
     def extend(self, tokens: Sequence[int]) -> None:
-        self.tokens.extend(tokens)
+        self.tokens.extend(int(x) for x in tokens)
 
     def _catch_up(self) -> None:
-        # every n-gram that ends before the last token: the one ending at the last token is what is looked up,
-        # and its own occurrence must not be found (it would be followed by nothing)
-        t = self.tokens
-        for end in range(self._indexed + 1, len(t)):  # the n-gram t[end - n:end] is followed by t[end]
-            for n in self._ns:
-                if end >= n:
-                    self._index[n][tuple(t[end - n:end])] = end
-        self._indexed = max(self._indexed, len(t) - 1)
+        # every n-gram followed by a token: the one ending at the last token is what is looked up, and its own
+        # occurrence must not be found (nothing follows it)
+        end = len(self.tokens) - 1  # the n-grams ending before t[end] are indexed (t[i - n:i] -> i, i <= end)
+        if end <= self._indexed:
+            return
+        lo = self._indexed + 1  # positions lo..end are new
+        t = np.asarray(self.tokens[max(0, lo - self.config.prompt_lookup_max):end], np.uint64)
+        base = max(0, lo - self.config.prompt_lookup_max)
+        for n in self._ns:
+            first = max(lo, n)  # the first new position i with an n-gram t[i - n:i] before it
+            if first > end:
+                continue
+            h = _hashes(t[first - n - base:], n)  # the n-grams ending at first - 1 .. end - 1
+            self._index[n].update(zip(h.tolist(), range(first, end + 1)))  # (later ones overwrite: most recent)
+        self._indexed = end
 
     def draft(self, k: int) -> list[int]:
-        """Up to k tokens guessed to follow the context ([] where its last n tokens occur nowhere before)."""
+        """Up to k tokens guessed to follow the context ([] where its last n tokens occur nowhere before). Where
+        the occurrence found runs into the context's end, the repeat goes on: the tokens since it, again."""
         if k < 1:
             return []
         self._catch_up()
         t = self.tokens
         for n in self._ns:
             if len(t) > n:
-                at = self._index[n].get(tuple(t[len(t) - n:]))
+                at = self._index[n].get(_hash(t[len(t) - n:]))
                 if at is not None:
-                    return t[at:at + k]
+                    period = len(t) - at
+                    return [t[at + i % period] for i in range(k)]
         return []
 
 
@@ -137,16 +177,18 @@ class PassCosts:
 
 class DraftPolicy:
     """One answer's draft lengths: the one that gives the most tokens a second (best_draft_length) at the answer's
-    acceptance rate so far (over the draft positions checked: a draft of k of which j were kept checked j + 1
-    positions, k where all were; from a prior of one kept and one not) and the engine's measured pass costs. Where
-    no draft pays, a short one is still tried after `probe_every` plain steps (8, doubled after a probe that kept
-    nothing, up to 256): an answer that starts quoting its context is noticed, one that never does costs little."""
+    recent acceptance rate (over the draft positions checked: a draft of k of which j were kept checked j + 1
+    positions, k where all were; each draft's counts weigh DECAY of the one after it, from a prior of one kept and
+    one not) and the engine's measured pass costs. Where no draft pays, a short one is still tried after
+    `probe_every` plain steps (8, doubled after a probe that kept nothing, up to 64): an answer that starts quoting
+    its context is noticed within a few probes, one that never does costs little."""
 
-    PROBE_LENGTH, PROBE_FIRST, PROBE_MAX = 3, 8, 256
+    PROBE_LENGTH, PROBE_FIRST, PROBE_MAX = 3, 8, 64
+    DECAY = 0.8  # (about the last 5 drafts decide: a stretch of free text ends, a quote begins)
 
     def __init__(self, costs: PassCosts):
         self.costs = costs
-        self.kept, self.checked = 1, 2
+        self.kept, self.checked = 1.0, 2.0
         self.idle = 0  # plain steps since the last draft
         self.probe_every = self.PROBE_FIRST
         self._probe = False
@@ -171,8 +213,8 @@ class DraftPolicy:
 
     def drafted(self, drafted: int, kept: int, rows: int, seconds: float) -> None:
         """A draft of `drafted` tokens ran in a pass of `rows` rows taking `seconds`; `kept` of them were kept."""
-        self.kept += kept
-        self.checked += kept + (kept < drafted)
+        self.kept = self.DECAY * self.kept + kept
+        self.checked = self.DECAY * self.checked + kept + (kept < drafted)
         self.costs.observe(rows, seconds)
         if self._probe:
             self.probe_every = min(self.PROBE_MAX, self.probe_every * 2) if kept == 0 else self.PROBE_FIRST

@@ -91,6 +91,11 @@ void TokenHistory::clear() {
   std::fill(counts.begin(), counts.end(), 0);
 }
 
+void TokenHistory::restart(const std::vector<int32_t>& prompt) {
+  clear();
+  for (int32_t t : prompt) add_prompt(t);
+}
+
 int32_t argmax(const float* logits, int64_t vocab) {
   int64_t best = 0;
   for (int64_t i = 1; i < vocab; i++)

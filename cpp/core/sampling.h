@@ -58,6 +58,7 @@ struct TokenHistory {
   void add_prompt(int32_t t);     // the repetition penalty's set only
   void add_generated(int32_t t);  // the repetition set + counts
   void clear();
+  void restart(const std::vector<int32_t>& prompt);  // clear(), then prompt's tokens as prompt
   std::vector<uint8_t> seen;      // (vocab) in the prompt or generated
   std::vector<int32_t> counts;    // (vocab) generated occurrences
 };

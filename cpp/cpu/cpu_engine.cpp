@@ -348,8 +348,7 @@ void CpuEngine::rewind(int64_t n) {
   check_single_rewind(n, position());
   if (n == position()) return;
   tokens_.resize((size_t)n);  // (the last kept one was run: only the last of all could be pending)
-  history_.clear();
-  for (int32_t t : tokens_) history_.add_prompt(t);
+  history_.restart(tokens_);
   has_last_ = pending_ = false;
 }
 

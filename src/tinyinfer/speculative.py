@@ -113,6 +113,14 @@ class NgramDrafter:
         if end <= self._indexed:
             return
         lo = self._indexed + 1  # positions lo..end are new
+        if end - lo < 32:  # (a step's few tokens: numpy's calls would cost more than they save)
+            t = self.tokens
+            for n in self._ns:
+                index = self._index[n]
+                for i in range(max(lo, n), end + 1):
+                    index[_hash(t[i - n:i])] = i
+            self._indexed = end
+            return
         t = np.asarray(self.tokens[max(0, lo - self.config.prompt_lookup_max):end], np.uint64)
         base = max(0, lo - self.config.prompt_lookup_max)
         for n in self._ns:

@@ -446,8 +446,9 @@ def test_completion_echo_with_the_prompts_logprobs(client, ref):
     assert lp.token_logprobs[1:len(ids)] == pytest.approx([x.logprob for x in plp[1:]], abs=1e-4)
     logits = ref.logits(ids)
     assert lp.token_logprobs[2] == pytest.approx(_log_softmax(logits[1])[ids[2]], abs=1e-4)
-    for i in range(1, len(ids)):
-        assert list(lp.top_logprobs[i].values()) == pytest.approx([plp[i].top[0][1]], abs=1e-4)
+    for i in range(1, len(ids)):  # (the most likely token, and the prompt's own where it is another: OpenAI's)
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(plp[i].top[0][1], abs=1e-4)
+        assert lp.top_logprobs[i][lp.tokens[i]] == lp.token_logprobs[i] and len(lp.top_logprobs[i]) <= 2
     assert lp.text_offset == sorted(lp.text_offset)
     pieces = list(client.completions.create(model=NAME, temperature=0, prompt=prompt, max_tokens=1, logprobs=1,
                                             echo=True, stream=True))
@@ -480,7 +481,10 @@ def test_completion_logprobs_legacy_format(client, ref):
     for i, tid in enumerate(want.token_ids):
         row = _log_softmax(logits[len(ids) - 1 + i])
         assert lp.token_logprobs[i] == pytest.approx(row[tid], abs=1e-3)
-        assert len(lp.top_logprobs[i]) <= 2 and max(lp.top_logprobs[i].values()) == pytest.approx(row.max(), abs=1e-3)
+        assert len(lp.top_logprobs[i]) <= 3 and max(lp.top_logprobs[i].values()) == pytest.approx(row.max(), abs=1e-3)
+        assert lp.top_logprobs[i][lp.tokens[i]] == lp.token_logprobs[i]  # (the chosen one's too: OpenAI's rule)
+    zero = client.completions.create(model=NAME, temperature=0, prompt=prompt, max_tokens=3, logprobs=0).choices[0]
+    assert [list(d) for d in zero.logprobs.top_logprobs] == [[t] for t in zero.logprobs.tokens]
     text = r.choices[0].text
     assert [text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
 

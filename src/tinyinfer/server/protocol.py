@@ -509,8 +509,9 @@ def chat_logprobs(items: Sequence, token_text: TokenText) -> dict:
 def completion_logprobs(items: Sequence, token_text: TokenText, offsets_of: TextOffsets,
                         first_id: Optional[int] = None) -> dict:
     """The legacy completions format: tokens, token_logprobs, top_logprobs (dicts), text_offset (characters into
-    the choice's text, from `offsets_of`, which has seen the choice's earlier tokens). first_id: an echoed prompt's
-    first token, which has no logprob (null entries, as OpenAI's and vLLM's), before the items."""
+    the choice's text, from `offsets_of`, which has seen the choice's earlier tokens). A top_logprobs dict holds the
+    chosen token too (OpenAI's rule: up to logprobs + 1 entries; logprobs 0: the chosen one alone). first_id: an
+    echoed prompt's first token, which has no logprob (null entries, as OpenAI's and vLLM's), before the items."""
     tokens: list[str] = []
     lps: list[Optional[float]] = []
     tops: list[Optional[dict]] = []
@@ -523,7 +524,9 @@ def completion_logprobs(items: Sequence, token_text: TokenText, offsets_of: Text
     for x in items:
         tokens.append(token_text(x.token_id)[0])
         lps.append(x.logprob)
-        tops.append({token_text(t)[0]: lp for t, lp in x.top})
+        top = {token_text(t)[0]: lp for t, lp in x.top}
+        top.setdefault(tokens[-1], x.logprob)
+        tops.append(top)
         offsets.append(offsets_of.next(x.token_id))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 

@@ -304,8 +304,13 @@ def always_draft(monkeypatch):
                                     dict(max_tokens=50, ignore_eos=True, stop=["ab"]),
                                     dict(max_tokens=33, ignore_eos=True, min_tokens=20, presence_penalty=0.4,
                                          temperature=0.7, seed=9)])
-def test_answers_are_unchanged(pair, always_draft, params):
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_answers_are_unchanged(pair, always_draft, params, chunk, monkeypatch):
+    """chunk 32: plain steps 32 a call where no draft runs, as on the GPU."""
     plain, fast = pair
+    if chunk:
+        monkeypatch.setattr(plain, "_chunk", chunk)
+        monkeypatch.setattr(fast, "_chunk", chunk)
     if plain.device == "cuda" and params.get("temperature"):
         pytest.skip("the GPU's drafts are drawn on the host: sampled answers may part at rounding")
     prompt = "abcabcabc the cat the cat the cat"
@@ -354,10 +359,15 @@ def test_rewind(eng):
     assert abs(got - want).max() <= 1e-4 * abs(want).max()
 
 
-def test_a_stop_string_inside_a_draft_leaves_the_cache_at_the_answers_end(pair, always_draft):
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_a_stop_string_inside_a_draft_leaves_the_cache_at_the_answers_end(pair, always_draft, chunk, monkeypatch):
     """An answer cut by a stop string after a call that drew more tokens: the cache is cut back, so a prompt
-    extending the answer reuses it as without speculation."""
+    extending the answer reuses it as without speculation. chunk 32: plain steps 32 a call, as the GPU's (on the
+    CPU engine too, where the cut also applies without speculation)."""
     plain, fast = pair
+    if chunk:
+        monkeypatch.setattr(plain, "_chunk", chunk)
+        monkeypatch.setattr(fast, "_chunk", chunk)
     ids = [40 + i % 5 for i in range(40)]
     stops = 0
     free = plain.generate(ids, max_tokens=30, ignore_eos=True).token_ids

@@ -12,6 +12,14 @@
 
 namespace ti::cuda {
 
+// One (i, i + hd / 2) pair of a key rotated at a position (c, s: its RoPE row's entry i), as the cache holds it:
+// rounded products, no FMA contraction, so the cache gets exactly what fp32 numpy / the CPU engine compute (the
+// attention kernels' own write and append_kv_rows').
+__device__ __forceinline__ void rope_key_pair(float k1, float k2, float c, float s, __half& r1, __half& r2) {
+  r1 = __float2half(__fsub_rn(__fmul_rn(k1, c), __fmul_rn(k2, s)));
+  r2 = __float2half(__fadd_rn(__fmul_rn(k2, c), __fmul_rn(k1, s)));
+}
+
 // qkv: this token's q | k | v (fp32, before RoPE). The g query heads hq0.. of KV head kvh go to q_s (g rows of
 // q_ld >= hd floats), rotated and times `scale`; with `owner` the key and value of kvh go, rotated / as is, in fp16 to the cache at
 // element offset `at` of k_cache / v_cache and to the tile rows kr / vr. cs / sn: the position's RoPE row
@@ -43,9 +51,8 @@ __device__ __forceinline__ void rope_new_token(const float* qkv, int n_heads, in
   }
   if (owner && i_kv < half_d) {
     const int i = i_kv;
-    // rounded products, no FMA contraction: the cache gets exactly what fp32 numpy / the CPU engine compute
-    const __half r1 = __float2half(__fsub_rn(__fmul_rn(k1, cs[i]), __fmul_rn(k2, sn[i])));
-    const __half r2 = __float2half(__fadd_rn(__fmul_rn(k2, cs[i]), __fmul_rn(k1, sn[i])));
+    __half r1, r2;
+    rope_key_pair(k1, k2, cs[i], sn[i], r1, r2);
     k_cache[at + i] = kr[i] = r1;
     k_cache[at + i + half_d] = kr[i + half_d] = r2;
     v_cache[at + i] = vr[i] = __float2half(v1);

@@ -342,8 +342,8 @@ void launch_rows(const DecodeAttnParams& p, int n_rows, int span, cudaStream_t s
   else launch_attention<decode_attn_rows_kernel<HD, SPAN, 8>>(p, grid, dim3(kThreads), smem, s, pdl);
 }
 
-// A block per (row, KV head), a thread per pair of dims: rope_new_token's formula for the key (rounded products, no
-// FMA contraction), so the cache holds what the kernel above would have written.
+// A block per (row, KV head), a thread per pair of dims: the key rotated as rope_new_token rotates it
+// (rope_key_pair), so the cache holds what the kernel above would have written.
 __global__ void append_kv_rows_kernel(DecodeAttnParams p) {
   const int rr = blockIdx.x, kvh = blockIdx.y, i = threadIdx.x, hd = p.head_dim, half_d = hd / 2;
   const int pos = p.row_pos[rr];
@@ -356,8 +356,7 @@ __global__ void append_kv_rows_kernel(DecodeAttnParams p) {
   const float c = p.rope_cos[(size_t)pos * half_d + i], sn = p.rope_sin[(size_t)pos * half_d + i];
   const float k1 = k[i], k2 = k[i + half_d];
   const size_t at = kv_row(table, pos, kvh, p.n_kv_heads, p.page_shift, hd);
-  p.k_pages[at + i] = __float2half(__fsub_rn(__fmul_rn(k1, c), __fmul_rn(k2, sn)));
-  p.k_pages[at + i + half_d] = __float2half(__fadd_rn(__fmul_rn(k2, c), __fmul_rn(k1, sn)));
+  rope_key_pair(k1, k2, c, sn, p.k_pages[at + i], p.k_pages[at + i + half_d]);
   p.v_pages[at + i] = __float2half(v[i]);
   p.v_pages[at + i + half_d] = __float2half(v[i + half_d]);
 }

@@ -94,6 +94,7 @@ def test_speculative_flag(tiny):
                  '"prompt_lookup_max": 3}'):
         r = cli(*base, "--speculative-config", spec)
         assert r.returncode == 0 and r.stdout == plain.stdout, r.stderr
+        assert "drafts" in r.stderr  # (this answer repeats its prompt: drafts run)
     assert "drafts" not in plain.stderr
 
 

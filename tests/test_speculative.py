@@ -143,6 +143,23 @@ def test_the_policy_probes_and_backs_off():
     assert p.probe_every == DraftPolicy.PROBE_FIRST and p.rate == pytest.approx(kept / checked)
     cheap = DraftPolicy(measured({1: 1.0, 4: 1.1}))
     assert cheap.length(3) == 3 and cheap.plain_steps() == 1  # a draft pays: the next token may bring a match
+    runs = []
+    for _ in range(8):
+        cheap.length(3)
+        cheap.missed()  # (the lookup found nothing)
+        runs.append(cheap.plain_steps())
+    assert runs == [1, 1, 1, 2, 4, 8, 16, 16]
+    cheap.drafted(3, 3, 4, 1.1)
+    assert cheap.plain_steps() == 1 and cheap.misses == 0
+
+
+def test_a_probe_that_finds_no_match_counts_as_made():
+    p = DraftPolicy(measured({rows: float(rows) for rows in range(1, 8)}))
+    p.stepped(DraftPolicy.PROBE_FIRST, DraftPolicy.PROBE_FIRST, 8.0)
+    assert p.length(5) == DraftPolicy.PROBE_LENGTH
+    p.missed()
+    assert p.idle == 0 and p.probe_every == DraftPolicy.PROBE_FIRST
+    assert p.length(5) == 0 and p.plain_steps() == DraftPolicy.PROBE_FIRST
 
 
 # ---- the cores ----
@@ -359,8 +376,34 @@ def test_rewind(eng):
     assert abs(got - want).max() <= 1e-4 * abs(want).max()
 
 
+class CoreSpy:
+    """An engine's core with its calls counted (the bindings' objects take no new attributes)."""
+
+    def __init__(self, core):
+        self._core, self.calls = core, {}
+
+    def __getattr__(self, name):
+        attr = getattr(self._core, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args, **kw):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attr(*args, **kw)
+        return counted
+
+
+@pytest.fixture
+def spied(pair, monkeypatch):
+    spies = [CoreSpy(e._core) for e in pair]
+    for e, spy in zip(pair, spies):
+        monkeypatch.setattr(e, "_core", spy)
+    return spies
+
+
 @pytest.mark.parametrize("chunk", [None, 32])
-def test_a_stop_string_inside_a_draft_leaves_the_cache_at_the_answers_end(pair, always_draft, chunk, monkeypatch):
+def test_a_stop_string_inside_a_draft_leaves_the_cache_at_the_answers_end(pair, spied, always_draft, chunk,
+                                                                          monkeypatch):
     """An answer cut by a stop string after a call that drew more tokens: the cache is cut back, so a prompt
     extending the answer reuses it as without speculation. chunk 32: plain steps 32 a call, as the GPU's (on the
     CPU engine too, where the cut also applies without speculation)."""
@@ -371,7 +414,10 @@ def test_a_stop_string_inside_a_draft_leaves_the_cache_at_the_answers_end(pair, 
     ids = [40 + i % 5 for i in range(40)]
     stops = 0
     free = plain.generate(ids, max_tokens=30, ignore_eos=True).token_ids
-    for stop in {plain.detokenize([t]) for t in free[6:12]} - {""}:
+    # an oracle's drafts (the free answer's next tokens, whatever the n-grams say): drafts kept whole, so that a
+    # stop string falls inside one's tokens
+    monkeypatch.setattr(NgramDrafter, "draft", lambda self, k: (free + [0] * k)[len(self.tokens) - len(ids):][:k])
+    for stop in sorted({plain.detokenize([t]) for t in free[2:]} - {""}):
         want, got = (e.generate(ids, max_tokens=30, stop=[stop], ignore_eos=True) for e in (plain, fast))
         assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
         stops += got.finish_reason == "stop"
@@ -379,6 +425,31 @@ def test_a_stop_string_inside_a_draft_leaves_the_cache_at_the_answers_end(pair, 
         want, got = (e.generate(nxt, max_tokens=3, ignore_eos=True) for e in (plain, fast))
         assert got.token_ids == want.token_ids and got.stats.cached_tokens == want.stats.cached_tokens > 0
     assert stops
+    if not chunk:  # (plain steps are a token a call: every cut came after a draft's tokens)
+        assert spied[1].calls.get("rewind", 0) > 0 and "rewind" not in spied[0].calls
+
+
+def test_an_answer_with_nothing_to_quote_keeps_long_calls(pair, spied, monkeypatch):
+    """Where the lookups find nothing, the plain steps run in lengthening calls (the GPU's 32 tokens a call), not a
+    token a call."""
+    plain, fast = pair
+    for e in pair:
+        monkeypatch.setattr(e, "_chunk", 32)
+    monkeypatch.setattr(NgramDrafter, "draft", lambda self, k: [])
+    want, got = (e.generate(PROMPT, max_tokens=200, ignore_eos=True) for e in pair)
+    assert got.token_ids == want.token_ids and got.stats.draft_tokens == 0
+    assert spied[0].calls["decode"] == 7 and spied[1].calls["decode"] <= 25, (spied[0].calls, spied[1].calls)
+
+
+def test_the_gpu_drafts_greedy_answers_only(pair, always_draft, monkeypatch):
+    """On the GPU the drafted rows are drawn on the host, whose sampled draw is slow: a sampled answer there does
+    not draft (its device steps draw it); a greedy one does. (The device is pretended here: the CPU engine's
+    calls are the same.)"""
+    plain, fast = pair
+    monkeypatch.setattr(fast, "device", "cuda")
+    prompt = "abcabcabc the cat the cat the cat"
+    assert fast.generate(prompt, max_tokens=30, ignore_eos=True, temperature=0.8, seed=1).stats.draft_tokens == 0
+    assert fast.generate(prompt, max_tokens=30, ignore_eos=True).stats.draft_tokens > 0
 
 
 def test_the_engine_refuses_a_bad_config(tmp_path):
@@ -387,9 +458,12 @@ def test_the_engine_refuses_a_bad_config(tmp_path):
         Engine(d, device="cpu", speculative_config={"num_speculative_tokens": 0})
 
 
-def test_grammar_and_bad_words_still_hold(pair):
+def test_grammar_and_bad_words_still_hold(pair, always_draft):
     """A config that changes every token (a grammar, multi-token bad words) drafts nothing and is obeyed."""
     plain, fast = pair
-    sp = SamplingParams(max_tokens=20, structured_outputs={"regex": "(ab|cd)+"}, ignore_eos=True)
-    got = fast.generate("abcd", sp)
-    assert got.stats.draft_tokens == 0 and got.token_ids == plain.generate("abcd", sp).token_ids
+    prompt = "abcabcabc the cat the cat the cat"
+    assert len(plain.tokenize("ab", add_special_tokens=False)) == 2  # (a two-token bad word)
+    for sp in (SamplingParams(max_tokens=20, structured_outputs={"regex": "(ab|cd)+"}, ignore_eos=True),
+               SamplingParams(max_tokens=20, bad_words=["ab"], ignore_eos=True)):
+        got = fast.generate(prompt, sp)
+        assert got.stats.draft_tokens == 0 and got.token_ids == plain.generate(prompt, sp).token_ids

@@ -1,10 +1,12 @@
 """What speculative decoding's checking pass costs against a plain decode step (docs/perf/speculative.md's time model):
 the wall time of decode(1) (one step: the pending token's pass and a draw) and of decode_draft(k) (the pending
-token and k drafted tokens in one pass, the draws on the host) for k = 1..16, at a context, interleaved in rounds.
-The drafts are rejected at their first token (the cost of a pass does not depend on what it keeps).
+token and k drafted tokens in one pass, every row's logits to the host) for k in KS, at a context, interleaved in
+rounds. Greedy, the drafts rejected at their first token: the pass and the copy cost the same whatever is kept;
+the host's draws (one greedy draw a kept token more, ~20 us at 49,152 tokens) are left out.
 
-  python bench/tools/draft_cost.py tinyllama-1.1b fp16 [CONTEXT] [--json=FILE]      # the GPU (random weights)
-  python bench/tools/draft_cost.py smollm2-135m fp32 --cpu                            # the CPU reference engine
+  python bench/tools/draft_cost.py tinyllama-1.1b fp16 [CONTEXT] [--opts=draft_pass=1] [--json=FILE]   # the GPU
+  python bench/tools/draft_cost.py smollm2-135m fp16 --cpu     # the CPU reference engine (fp16 weights, fp32 math)
+Random weights at the shape (speed does not depend on the values).
 """
 
 import json
@@ -24,7 +26,7 @@ def main() -> None:
     cpu = "--cpu" in sys.argv
     if cpu:
         args = [a for a in sys.argv[1:] if not a.startswith("--")]
-        shape, dtype, ctx = (args + ["smollm2-135m"])[0], "fp32", int(args[2]) if len(args) > 2 else 16
+        shape, dtype, ctx = (args + ["smollm2-135m"])[0], "fp16", int(args[2]) if len(args) > 2 else 16
         eng = random_cpu_engine(shape_config(shape), ctx + 512)
     else:
         eng, shape, dtype, ctx, _ = engine_from_argv()

@@ -32,8 +32,8 @@ inline void check_draft(const SamplingConfig& s, int64_t vocab, bool has_logits,
 }
 
 // The tokens decode() would draw: rows[i] (vocab floats) is what token i is drawn from (i = 0: the logits before the
-// draft; i > 0: those after draft[i - 1]), sample_row at counter step0 + i with `history` growing by each token
-// drawn (as decode() adds it). Token i + 1 is drawn only while token i equals draft[i] and is not in stop_ids:
+// draft; i > 0: those after draft[i - 1]), sample_row's token (sample_row_token) at counter step0 + i with
+// `history` growing by each token drawn (as decode() adds it). Token i + 1 is drawn only while token i equals draft[i] and is not in stop_ids:
 // 1 to k + 1 tokens, the (k + 1)-th (the "bonus") drawn from the logits after the whole draft.
 inline std::vector<int32_t> accept_draft(const float* const* rows, int64_t vocab, const SamplingConfig& s,
                                          const int32_t* draft, int64_t k, const std::vector<int32_t>& stop_ids,
@@ -41,7 +41,7 @@ inline std::vector<int32_t> accept_draft(const float* const* rows, int64_t vocab
                                          std::vector<float>& scratch, std::vector<int32_t>& scratch_ids) {
   std::vector<int32_t> out;
   for (int64_t i = 0; i <= k; i++) {
-    const int32_t tok = sample_row(rows[i], vocab, s, step0 + (uint64_t)i, history, 0, scratch, scratch_ids).token;
+    const int32_t tok = sample_row_token(rows[i], vocab, s, step0 + (uint64_t)i, history, scratch, scratch_ids);
     history.add_generated(tok);
     out.push_back(tok);
     if (std::find(stop_ids.begin(), stop_ids.end(), tok) != stop_ids.end()) break;

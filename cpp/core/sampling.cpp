@@ -195,6 +195,14 @@ SampleResult sample_row(const float* logits, int64_t vocab, const SamplingConfig
   return r;
 }
 
+int32_t sample_row_token(const float* logits, int64_t vocab, const SamplingConfig& s, uint64_t step,
+                         const TokenHistory& h, std::vector<float>& x, std::vector<int32_t>& ids) {
+  if ((int64_t)h.seen.size() != vocab || (int64_t)h.counts.size() != vocab)
+    fail(ErrorKind::Request, "sample_row: the history's vocab (" + std::to_string(h.seen.size()) +
+                                 ") differs from the logits' (" + std::to_string(vocab) + ")");
+  return choose(logits, vocab, s, step, h.seen.data(), h.counts.data(), x, ids);
+}
+
 int32_t sample_token(const float* logits, int64_t vocab, const SamplingConfig& s, uint64_t step,
                      const std::vector<int32_t>& history, std::vector<float>& x, std::vector<int32_t>& ids) {
   std::vector<uint8_t> seen;

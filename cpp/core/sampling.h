@@ -80,6 +80,10 @@ SampleResult sample_row(const float* logits, int64_t vocab, const SamplingConfig
                         const TokenHistory& h, int top_logprobs, std::vector<float>& scratch,
                         std::vector<int32_t>& scratch_ids);
 
+// sample_row's token alone (no log-probabilities: a full pass over the row fewer); speculative decoding's draws.
+int32_t sample_row_token(const float* logits, int64_t vocab, const SamplingConfig& s, uint64_t step,
+                         const TokenHistory& h, std::vector<float>& scratch, std::vector<int32_t>& scratch_ids);
+
 // The single-sequence form: history = token ids the repetition penalty applies to (prompt + generated so far);
 // no presence / frequency penalty (it cannot tell generated tokens from the prompt). Same token as sample_row.
 int32_t sample_token(const float* logits, int64_t vocab, const SamplingConfig& s, uint64_t step,

@@ -60,8 +60,9 @@ class CudaEngine {
   void forward(const int32_t* tokens, int64_t n, bool all_logits, float* logits);
   std::vector<int32_t> decode(int64_t max_steps, const SamplingConfig& s, const std::vector<int32_t>& stop_ids,
                               uint64_t step0);
-  // Speculative decoding, as CpuEngine::decode_draft: the pending token and the draft through the prefill pass
-  // (every row's logits to the host), the tokens drawn there by the reference sampler (core/draft.h).
+  // Speculative decoding, as CpuEngine::decode_draft: the pending token and the draft through the prefill pass or,
+  // with CudaOptions::draft_pass 1, the batched step's (every row's logits to the host), the tokens drawn there by
+  // the reference sampler (core/draft.h).
   std::vector<int32_t> decode_draft(const int32_t* draft, int64_t k, const SamplingConfig& s,
                                     const std::vector<int32_t>& stop_ids, uint64_t step0);
   void rewind(int64_t n);  // as CpuEngine::rewind (the pages past n stay the sequence's)

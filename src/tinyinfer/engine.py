@@ -127,10 +127,11 @@ class Engine:
         -2 the int4 matrices' but down's,
         2 every quantized matrix's, 1 (cuda) chosen per role by timing at load; None: cuda_options.act8 on cuda
         (default 0), 0 on the CPU, whose engine rounds the inputs as the GPU quantizes them.
-        speculative_config: speculative decoding by n-gram lookup (vLLM's {"method": "ngram",
-        "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}, or a SpeculativeConfig) on the
-        single-sequence path (generate / stream / chat of one prompt while no batch runs); answers unchanged
-        (docs/perf/speculative.md); None: off."""
+        speculative_config: speculative decoding by n-gram lookup on the single-sequence path (generate / stream /
+        chat of one prompt while no batch runs), vLLM's form: a SpeculativeConfig or its fields as a dict, e.g.
+        {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2} (the
+        defaults: 5 tokens, lookup 5..5); answers unchanged; on the GPU greedy ones only (docs/perf/speculative.md);
+        None: off."""
         self._core = None  # first: close() and repr must work on an engine whose loading failed
         t0 = time.perf_counter()
         if dtype not in DTYPES:
@@ -661,7 +662,10 @@ class Engine:
         t0 = time.perf_counter()
         gpu_ms = 0.0
         spec = self.speculative_config
-        drafter = NgramDrafter(spec, prompt_ids) if spec is not None else None
+        # (on the GPU the drafted rows are drawn by the host's reference sampler, whose sampled draw sorts the
+        # vocabulary, ~2-4 ms a row: there only greedy answers draft, until the draws move to the device)
+        drafter = NgramDrafter(spec, prompt_ids) if spec is not None and (
+            self.device == "cpu" or sp.temperature == 0) else None
         policy = DraftPolicy(self._pass_costs)
         while len(out) < sp.max_tokens:
             # a chunk ends where its config changes (min_tokens' bans end; bad words, a grammar: after each token)
@@ -671,7 +675,10 @@ class Engine:
                 k = min(spec.num_speculative_tokens, sp.max_tokens - len(out) - 1,
                         self.max_seq_len - self._core.position - 1,
                         spec.num_speculative_tokens if same is None else same - 1)
-                draft = drafter.draft(policy.length(k))
+                want = policy.length(k)
+                draft = drafter.draft(want)
+                if want and not draft:
+                    policy.missed()
             t_call = time.perf_counter()
             if draft:
                 new = self._core.decode_draft(draft, sampling.at(out), stop_ids, len(out))

@@ -85,7 +85,7 @@ def _hashes(t: np.ndarray, n: int) -> np.ndarray:
 def _hash(tokens: Sequence[int]) -> int:
     h = 0
     for x in tokens:
-        h = (h * 0x9E3779B97F4A7C15 + x) & 0xFFFFFFFFFFFFFFFF
+        h = (h * int(_MIX) + x) & 0xFFFFFFFFFFFFFFFF
     return h
 
 
@@ -189,10 +189,13 @@ class DraftPolicy:
     positions, k where all were; each draft's counts weigh DECAY of the one after it, from a prior of one kept and
     one not) and the engine's measured pass costs. Where no draft pays, a short one is still tried after
     `probe_every` plain steps (8, doubled after a probe that kept nothing, up to 64): an answer that starts quoting
-    its context is noticed within a few probes, one that never does costs little."""
+    its context is noticed within a few probes, one that never does costs little. Lookups that find nothing
+    (missed()) let the plain steps between them run in longer calls (plain_steps: 1, then up to MISS_RUN_MAX
+    after a few misses in a row), so an answer with nothing to quote keeps the GPU's multi-token calls."""
 
     PROBE_LENGTH, PROBE_FIRST, PROBE_MAX = 3, 8, 64
     DECAY = 0.8  # (about the last 5 drafts decide: a stretch of free text ends, a quote begins)
+    MISS_FREE, MISS_RUN_MAX = 3, 16  # misses in a row before the runs lengthen (doubling), the longest run
 
     def __init__(self, costs: PassCosts):
         self.costs = costs
@@ -201,6 +204,7 @@ class DraftPolicy:
         self.probe_every = self.PROBE_FIRST
         self._probe = False
         self._paying = False  # the last length(): some draft pays at this rate (only a match was missing)
+        self.misses = 0  # lookups in a row that found no match
 
     @property
     def rate(self) -> float:
@@ -213,11 +217,21 @@ class DraftPolicy:
         self._probe = k == 0 and self.idle >= self.probe_every
         return min(k_max, self.PROBE_LENGTH) if self._probe else k
 
+    def missed(self) -> None:
+        """length() asked for a draft and the lookup found none. A probe that found none counts as made (the next
+        one after probe_every more plain steps), not as failed."""
+        self.misses += 1
+        if self._probe:
+            self.idle = 0
+
     def plain_steps(self) -> int:
-        """After length() drafted nothing: how many plain steps may run in one call before a draft could be chosen
-        (1 where a draft pays and a match may come with the next token; else until the next probe): the GPU's
-        single path decodes them in one call rather than one call a token."""
-        return 1 if self._paying else max(1, self.probe_every - self.idle)
+        """After length() drafted nothing: how many plain steps may run in one call before a draft could be chosen,
+        which the GPU's single path decodes in one call rather than one call a token: where a draft pays, 1 while a
+        match may come with the next token (the first MISS_FREE misses in a row), then runs doubling up to
+        MISS_RUN_MAX; else up to the next probe."""
+        if self._paying:
+            return min(self.MISS_RUN_MAX, 1 << max(0, self.misses - self.MISS_FREE))
+        return max(1, self.probe_every - self.idle)
 
     def drafted(self, drafted: int, kept: int, rows: int, seconds: float) -> None:
         """A draft of `drafted` tokens ran in a pass of `rows` rows taking `seconds`; `kept` of them were kept."""
@@ -226,7 +240,7 @@ class DraftPolicy:
         self.costs.observe(rows, seconds)
         if self._probe:
             self.probe_every = min(self.PROBE_MAX, self.probe_every * 2) if kept == 0 else self.PROBE_FIRST
-        self.idle = 0
+        self.idle = self.misses = 0
 
     def stepped(self, tokens: int, passes: int, seconds: float) -> None:
         """Plain steps gave `tokens` tokens in `seconds` from `passes` passes (the first token of an answer is drawn

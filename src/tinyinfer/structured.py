@@ -27,10 +27,10 @@ MAX_CHOICES = 1024  # choice's strings a request may list
 MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar's text (what llguidance compiles for each request)
 
 
-
 def _invalid(message: str) -> InvalidRequestError:
     """A refusal of this module's, which names the request's field (a server names the field its client used)."""
     return InvalidRequestError(message, param="structured_outputs")
+
 
 def _llguidance():
     try:
@@ -150,7 +150,7 @@ class StructuredOutputs:
             raise _invalid("invalid structured_outputs: structural_tag is not supported by this engine")
         if unknown:
             raise _invalid(f"invalid structured_outputs: unknown field(s) {', '.join(map(str, unknown))} "
-                                      f"(known: {', '.join(sorted(names))})")
+                           f"(known: {', '.join(sorted(names))})")
         return cls(**v)
 
 
@@ -205,7 +205,7 @@ class GrammarCompiler:
             raise _invalid("structured outputs need the model's tokenizer (this model has none)")
         if tok.vocab_size > self._vocab:
             raise _invalid(f"structured outputs: the tokenizer has {tok.vocab_size} tokens, more than the "
-                                      f"model's {self._vocab} logits")
+                           f"model's {self._vocab} logits")
         eos = self._eos or None
         try:  # the tokenizer's own JSON, as vLLM and transformers hand it over (its normalizer, decoder, specials)
             return llguidance.LLTokenizer(tok._tok.to_str(), n_vocab=self._vocab, eos_token=eos)
@@ -278,7 +278,7 @@ class GrammarState:
             self._n = len(generated)
             if not self._m.consume_tokens(new):
                 raise _invalid("structured outputs: the grammar refused the sampled token(s) "
-                                          f"{new}: {self._m.get_error().strip().splitlines()[0][:300]}")
+                               f"{new}: {self._m.get_error().strip().splitlines()[0][:300]}")
 
     @property
     def finished(self) -> bool:

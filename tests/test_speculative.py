@@ -429,12 +429,16 @@ def test_a_stop_string_inside_a_draft_leaves_the_cache_at_the_answers_end(pair, 
         assert spied[1].calls.get("rewind", 0) > 0 and "rewind" not in spied[0].calls
 
 
-def test_an_answer_with_nothing_to_quote_keeps_long_calls(pair, spied, monkeypatch):
+@pytest.mark.parametrize("paying", [True, False])
+def test_an_answer_with_nothing_to_quote_keeps_long_calls(pair, spied, monkeypatch, paying):
     """Where the lookups find nothing, the plain steps run in lengthening calls (the GPU's 32 tokens a call), not a
-    token a call."""
+    token a call: whether the pass costs measured so far make drafts pay (the lookups asked each step) or not (only
+    the probes')."""
     plain, fast = pair
     for e in pair:
         monkeypatch.setattr(e, "_chunk", 32)
+    monkeypatch.setattr(fast, "_pass_costs", measured({1: 1.0, 8: 1.1} if paying else {1: 1.0, 2: 5.0, 8: 40.0}))
+    monkeypatch.setattr(PassCosts, "observe", lambda self, rows, seconds: None)  # (the prices stay as set)
     monkeypatch.setattr(NgramDrafter, "draft", lambda self, k: [])
     want, got = (e.generate(PROMPT, max_tokens=200, ignore_eos=True) for e in pair)
     assert got.token_ids == want.token_ids and got.stats.draft_tokens == 0

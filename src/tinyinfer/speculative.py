@@ -228,10 +228,9 @@ class DraftPolicy:
         """After length() drafted nothing: how many plain steps may run in one call before a draft could be chosen,
         which the GPU's single path decodes in one call rather than one call a token: where a draft pays, 1 while a
         match may come with the next token (the first MISS_FREE misses in a row), then runs doubling up to
-        MISS_RUN_MAX; else up to the next probe."""
-        if self._paying:
-            return min(self.MISS_RUN_MAX, 1 << max(0, self.misses - self.MISS_FREE))
-        return max(1, self.probe_every - self.idle)
+        MISS_RUN_MAX; else up to the next probe, or as long a run if the lookups keep missing."""
+        run = min(self.MISS_RUN_MAX, 1 << max(0, self.misses - self.MISS_FREE))
+        return run if self._paying else max(run, self.probe_every - self.idle)
 
     def drafted(self, drafted: int, kept: int, rows: int, seconds: float) -> None:
         """A draft of `drafted` tokens ran in a pass of `rows` rows taking `seconds`; `kept` of them were kept."""

@@ -31,10 +31,28 @@ inline void check_draft(const SamplingConfig& s, int64_t vocab, bool has_logits,
                                  " + the token after it exceed max_seq_len=" + std::to_string(max_seq));
 }
 
+// The tokens of a draft's pass: the pending token (a sampled one not yet run: the sequence's last) and the draft.
+inline std::vector<int32_t> draft_pass_tokens(const std::vector<int32_t>& tokens, bool pending, const int32_t* draft,
+                                              int64_t k) {
+  std::vector<int32_t> seq;
+  if (pending) seq.push_back(tokens.back());
+  seq.insert(seq.end(), draft, draft + k);
+  return seq;
+}
+
+// accept_draft's rows from `logits` ((pass rows + 1) x vocab): row 0 the logits before the pass, then the pass's.
+// Token i is drawn from the pass's row i with a pending token (row 0 ran it), else from the one before it.
+inline std::vector<const float*> draft_rows(const float* logits, int64_t vocab, int64_t k, bool pending) {
+  std::vector<const float*> rows((size_t)k + 1);
+  for (int64_t i = 0; i <= k; i++) rows[(size_t)i] = logits + (pending ? i + 1 : i) * vocab;
+  return rows;
+}
+
 // The tokens decode() would draw: rows[i] (vocab floats) is what token i is drawn from (i = 0: the logits before the
 // draft; i > 0: those after draft[i - 1]), sample_row's token (sample_row_token) at counter step0 + i with
-// `history` growing by each token drawn (as decode() adds it). Token i + 1 is drawn only while token i equals draft[i] and is not in stop_ids:
-// 1 to k + 1 tokens, the (k + 1)-th (the "bonus") drawn from the logits after the whole draft.
+// `history` growing by each token drawn (as decode() adds it). Token i + 1 is drawn only while token i equals
+// draft[i] and is not in stop_ids: 1 to k + 1 tokens, the (k + 1)-th (the "bonus") drawn from the logits after the
+// whole draft.
 inline std::vector<int32_t> accept_draft(const float* const* rows, int64_t vocab, const SamplingConfig& s,
                                          const int32_t* draft, int64_t k, const std::vector<int32_t>& stop_ids,
                                          uint64_t step0, TokenHistory& history,

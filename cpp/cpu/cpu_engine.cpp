@@ -325,15 +325,12 @@ std::vector<int32_t> CpuEngine::decode(int64_t max_steps, const SamplingConfig& 
 std::vector<int32_t> CpuEngine::decode_draft(const int32_t* draft, int64_t k, const SamplingConfig& s,
                                              const std::vector<int32_t>& stop_ids, uint64_t step0) {
   check_draft(s, cfg_.vocab, has_last_, draft, k, position(), max_seq_);
-  std::vector<int32_t> seq;
-  if (pending_) seq.push_back(tokens_.back());
-  seq.insert(seq.end(), draft, draft + k);
+  const std::vector<int32_t> seq = draft_pass_tokens(tokens_, pending_, draft, k);
   const int64_t m = (int64_t)seq.size(), V = cfg_.vocab;
   std::vector<float> logits((size_t)(m + 1) * V);  // row 0: the logits before the pass (used without a pending token)
   std::memcpy(logits.data(), last_logits_.data(), (size_t)V * sizeof(float));
   run_single(seq.data(), m, position() - (pending_ ? 1 : 0), 0, logits.data() + V);
-  std::vector<const float*> rows((size_t)k + 1);
-  for (int64_t i = 0; i <= k; i++) rows[i] = logits.data() + (pending_ ? i + 1 : i) * V;
+  const std::vector<const float*> rows = draft_rows(logits.data(), V, k, pending_);
   std::vector<int32_t> out =
       accept_draft(rows.data(), V, s, draft, k, stop_ids, step0, history_, scratch_, scratch_ids_);
   // the positions past the kept tokens hold the rejected draft's keys and values: never read (attention stops at

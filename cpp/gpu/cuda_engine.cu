@@ -318,9 +318,7 @@ std::vector<int32_t> CudaEngine::decode_draft(const int32_t* draft, int64_t k, c
   check_draft(s, cfg_.vocab, has_logits_, draft, k, position(), max_seq_);
   const int64_t V = cfg_.vocab, pos0 = position() - (pending_ ? 1 : 0);
   kv_reserve(position() + k);  // the pass writes positions up to position() + k - 1
-  std::vector<int32_t> seq;
-  if (pending_) seq.push_back(tokens_.back());
-  seq.insert(seq.end(), draft, draft + k);
+  const std::vector<int32_t> seq = draft_pass_tokens(tokens_, pending_, draft, k);
   // row 0: the logits before the pass (read without a pending token), then the pass's rows
   std::vector<float> logits((size_t)(seq.size() + 1) * V);
   TI_CUDA_CHECK(cudaMemcpyAsync(logits.data(), dbuf_.logits, V * sizeof(float), cudaMemcpyDeviceToHost, stream_));
@@ -328,8 +326,7 @@ std::vector<int32_t> CudaEngine::decode_draft(const int32_t* draft, int64_t k, c
   if (opt_.draft_pass == 1 && m <= bbuf_.max_rows) draft_pass_rows(seq.data(), m, pos0, logits.data() + V);
   else run_pass(seq.data(), m, pos0, 0, logits.data() + V);
   TI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  std::vector<const float*> rows((size_t)k + 1);
-  for (int64_t i = 0; i <= k; i++) rows[i] = logits.data() + (pending_ ? i + 1 : i) * V;
+  const std::vector<const float*> rows = draft_rows(logits.data(), V, k, pending_);
   std::vector<int32_t> out =
       accept_draft(rows.data(), V, s, draft, k, stop_ids, step0, history_, draft_scratch_, draft_scratch_ids_);
   // dbuf_.logits: those the pending token was drawn from, as decode() leaves them (last_logits())

@@ -237,3 +237,75 @@ def test_cpu_decode_forgets_the_history_on_reset(core):
     s = cfg(frequency_penalty=2.0, presence_penalty=2.0)
     first = _decode(core, s, 16)
     assert _decode(core, s, 16) == first  # reset() cleared the counts of the first run
+
+
+# ---- the draw against a full sort of the candidates ----
+
+def _full_sort_draw(x: np.ndarray, s: _core.SamplingConfig, step: int) -> int:
+    """The draw as sampling.h defines it, sorting every candidate (larger logit first, lower id first on ties):
+    temperature -> top-k -> top-p (smallest prefix reaching it) -> min-p -> no p of 0 -> the seed's walk."""
+    order = np.lexsort((np.arange(len(x)), -x.astype(np.float64)))
+    k = s.top_k if 0 < s.top_k < len(x) else len(x)
+    ids = order[:k]
+    p = np.exp((x[ids].astype(np.float64) - float(x[ids[0]])) * (1.0 / s.temperature))
+    total = np.cumsum(p)[-1]  # sequential sums, as the walk adds
+    n = k
+    if s.top_p < 1.0:
+        reached = np.nonzero(np.cumsum(p / total) >= np.float32(s.top_p))[0]
+        n = int(reached[0]) + 1 if len(reached) else k
+    if s.min_p > 0.0:
+        m = 1
+        while m < n and p[m] >= np.float32(s.min_p) * p[0]:
+            m += 1
+        n = m
+    while n > 1 and p[n - 1] == 0.0:
+        n -= 1
+    acc = np.cumsum(p[:n])
+    u = _core.ops.uniform_from_counter(s.seed, step) * acc[-1]
+    above = np.nonzero(u < acc)[0]
+    return int(ids[above[0]] if len(above) else ids[n - 1])
+
+
+def _tail_logits(rng) -> np.ndarray:
+    """One token on top and 4,095 others each with p ~5e-10 of it (below both of the sampler's head thresholds),
+    together 2e-6 of the mass: a top-p of 1 - 6e-8 or a min-p of 1e-12 reaches into them."""
+    x = np.full(4096, -21.4, dtype=np.float32) + rng.normal(0, 0.05, 4096).astype(np.float32)
+    x[rng.integers(4096)] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("case", [
+    dict(logits="peaked", temperature=1.0),
+    dict(logits="peaked", temperature=0.6, top_p=0.9),
+    dict(logits="peaked", temperature=1.3, min_p=0.05),
+    dict(logits="peaked", temperature=1.0, top_k=40, top_p=0.95),
+    dict(logits="peaked", temperature=2.0, top_k=3000),
+    dict(logits="wide", temperature=1.0),            # draws land past p = 1e-4 of the top: the second head
+    dict(logits="wide", temperature=1.0, top_p=0.999),
+    dict(logits="flat", temperature=1.0, top_p=0.5),  # every p 1: ties in id order
+    dict(logits="banned", temperature=0.8),           # -inf tokens: p 0, never drawn
+    dict(logits="banned", temperature=1.0, top_p=0.9999999),
+    dict(logits="tail", temperature=1.0, top_p=0.99999994),  # the cut needs every token
+    dict(logits="tail", temperature=1.0, min_p=1e-12),
+])
+def test_draw_is_the_full_sorts_walk(case):
+    """The sampler sorts only the head of the order that the cut-offs and the walk reach (cpp/core/sampling.cpp
+    draw); the token is the one a sort of every candidate gives, for every seed and step."""
+    case = dict(case)
+    kind = case.pop("logits")
+    rng = np.random.default_rng(len(kind) * 7 + len(case))
+    for trial in range(6):
+        if kind == "peaked":  # a trained model's row: a few tokens stand out
+            x = (rng.standard_normal(5000) * 3).astype(np.float32)
+        elif kind == "wide":  # mass spread over thousands of tokens below the first head's 1e-4
+            x = np.concatenate([np.zeros(3), np.full(20000, -9.5) + rng.normal(0, 0.3, 20000)]).astype(np.float32)
+        elif kind == "flat":
+            x = np.zeros(3000, dtype=np.float32)
+        elif kind == "banned":
+            x = rng.standard_normal(3000).astype(np.float32)
+            x[rng.choice(3000, 2990, replace=False)] = -np.inf
+        else:
+            x = _tail_logits(rng)
+        s = cfg(seed=int(rng.integers(1 << 31)), **case)
+        for step in range(40):
+            assert sample_row(x, s, step, [], [], 0)[0] == _full_sort_draw(x, s, step), (trial, step)

@@ -105,6 +105,87 @@ int32_t argmax(const float* logits, int64_t vocab) {
 
 namespace {
 
+// The draw, over the candidates in the order larger logit first, lower id first on ties: the cut-offs count and
+// the seed's uniform walks in that order. p: exp((x - max) / T) by token id (the top token's is 1); sum: the
+// candidates' mass; nonzero: how many have p > 0 (they come first in the order: p does not rise as the logit
+// falls). ids[0, h): the head of the order over k candidates, sorted (h == k: all of them). The token, or -1
+// where the cut-offs or the walk reach past the head.
+int32_t draw_in_head(const int32_t* ids, int64_t h, int64_t k, const double* p, double sum, int64_t nonzero,
+                     const SamplingConfig& s, uint64_t step) {
+  int64_t n = k;
+  if (s.top_p < 1.0f) {  // smallest prefix whose mass reaches top_p
+    double acc = 0;
+    int64_t i = 0;
+    while (i < h && (acc += p[ids[i]] / sum) < s.top_p) i++;
+    if (i == h && h < k) return -1;
+    n = std::min(i + 1, k);
+  }
+  if (s.min_p > 0.0f) {  // drop tokens below min_p * p(top)
+    int64_t m = 1;
+    while (m < n && m < h && p[ids[m]] >= s.min_p * p[ids[0]]) m++;
+    if (m < n && m == h) return -1;
+    n = m;
+  }
+  n = std::max<int64_t>(1, std::min(n, nonzero));  // a banned token (-inf: p 0) is never drawn
+  double mass = 0;
+  if (n <= h) {
+    for (int64_t i = 0; i < n; i++) mass += p[ids[i]];
+  } else {
+    mass = sum;  // n reaches past the head only uncut: every candidate with p > 0
+  }
+  const double u = uniform_from_counter(s.seed, step) * mass;
+  double acc = 0;
+  for (int64_t i = 0; i < std::min(n, h); i++) {
+    acc += p[ids[i]];
+    if (u < acc) return ids[i];
+  }
+  return n <= h ? ids[n - 1] : -1;
+}
+
+// The sampled draw from penalised logits x: temperature -> top-k -> top-p -> min-p -> the walk.
+int32_t draw(const float* x, int64_t vocab, const SamplingConfig& s, uint64_t step, std::vector<int32_t>& ids) {
+  // p by token id (doubles, 8 bytes a token: the callers' scratch is floats); one a thread, kept between calls.
+  thread_local std::vector<double> p;
+  p.resize((size_t)vocab);
+  const double inv_t = 1.0 / s.temperature;
+  auto by_logit = [&](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
+  if (s.top_k > 0 && s.top_k < vocab) {  // the k candidates sorted: top-k bounds the work already
+    const int64_t k = s.top_k;
+    ids.resize((size_t)vocab);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), by_logit);
+    const double top = x[ids[0]];
+    double sum = 0;
+    int64_t nonzero = 0;
+    for (int64_t i = 0; i < k; i++) {
+      sum += (p[ids[i]] = std::exp((x[ids[i]] - top) * inv_t));
+      nonzero += p[ids[i]] > 0.0;
+    }
+    return draw_in_head(ids.data(), k, k, p.data(), sum, nonzero, s, step);
+  }
+  // Every token a candidate. Sorting the vocabulary (3.8 ms at 49,152 tokens) would cost more than the model's
+  // step on a small model; the cut-offs and the walk almost always end within the few tokens near the top. So only
+  // a head of the order is sorted: the tokens with p >= tau (a prefix of the order), tau falling to 0 (all) where
+  // that head is not enough. Which token comes out does not depend on tau.
+  const double top = x[argmax(x, vocab)];
+  double sum = 0;
+  int64_t nonzero = 0;
+  for (int64_t i = 0; i < vocab; i++) {
+    sum += (p[i] = std::exp((x[i] - top) * inv_t));
+    nonzero += p[i] > 0.0;
+  }
+  auto head = [&](double tau) {  // the tokens with p >= tau, in the order
+    ids.clear();
+    for (int64_t i = 0; i < vocab; i++)
+      if (p[i] >= tau) ids.push_back((int32_t)i);
+    std::sort(ids.begin(), ids.end(), by_logit);
+    return draw_in_head(ids.data(), (int64_t)ids.size(), vocab, p.data(), sum, nonzero, s, step);
+  };
+  for (double tau : {1e-4, 1e-9})
+    if (const int32_t t = head(tau); t >= 0) return t;
+  return head(0.0);  // every token: never -1
+}
+
 // The token choice of one row. seen / counts: the history (null: none); x / ids: scratch.
 int32_t choose(const float* logits, int64_t vocab, const SamplingConfig& s, uint64_t step, const uint8_t* seen,
                const int32_t* counts, std::vector<float>& x, std::vector<int32_t>& ids) {
@@ -121,44 +202,7 @@ int32_t choose(const float* logits, int64_t vocab, const SamplingConfig& s, uint
       x[i] = penalise_logit(x[i], rep && seen[i], pf ? counts[i] : 0, s.repetition_penalty, s.presence_penalty,
                             s.frequency_penalty);
   if (s.temperature == 0.0f) return argmax(x.data(), vocab);
-
-  // Softmax over the candidates, sorted by logit (stable: lower id first on ties).
-  ids.resize((size_t)vocab);
-  std::iota(ids.begin(), ids.end(), 0);
-  int64_t k = (s.top_k > 0 && s.top_k < vocab) ? s.top_k : vocab;
-  auto by_logit = [&](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
-  if (k < vocab) {
-    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), by_logit);
-  } else {
-    std::sort(ids.begin(), ids.end(), by_logit);
-  }
-  const double inv_t = 1.0 / s.temperature, top = x[ids[0]];
-  std::vector<double> p((size_t)k);
-  double sum = 0;
-  for (int64_t i = 0; i < k; i++) sum += (p[i] = std::exp((x[ids[i]] - top) * inv_t));
-  int64_t n = k;
-  if (s.top_p < 1.0f) {  // smallest prefix whose mass reaches top_p
-    double acc = 0;
-    for (int64_t i = 0; i < k; i++) {
-      acc += p[i] / sum;
-      if (acc >= s.top_p) { n = i + 1; break; }
-    }
-  }
-  if (s.min_p > 0.0f) {  // drop tokens below min_p * p(top); p[0] is the top
-    int64_t m = 1;
-    while (m < n && p[m] >= s.min_p * p[0]) m++;
-    n = m;
-  }
-  while (n > 1 && p[n - 1] == 0.0) n--;  // a banned token (-inf) is never drawn, whatever the rounding below
-  double mass = 0;
-  for (int64_t i = 0; i < n; i++) mass += p[i];
-  const double u = uniform_from_counter(s.seed, step) * mass;
-  double acc = 0;
-  for (int64_t i = 0; i < n; i++) {
-    acc += p[i];
-    if (u < acc) return ids[i];
-  }
-  return ids[n - 1];
+  return draw(x.data(), vocab, s, step, ids);
 }
 
 }  // namespace

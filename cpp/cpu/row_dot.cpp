@@ -1,6 +1,7 @@
 #include "row_dot.h"
 
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -23,50 +24,78 @@ TI_AVX2 static __m256 step(__m256 acc, const float* x, __m256 w) {
   return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(x), w));
 }
 
+// fp16 bits -> fp32 by F16C: exact, half_to_float()'s numbers (a scale a group: the call cost more than its group).
+TI_AVX2 static inline float half(uint16_t h) { return _cvtsh_ss(h); }
+
+// The products below take R rows at once: each row's sum is one chain of dependent adds, so R chains keep the
+// adders busy where one waits on its last add; each row still adds in its own order (the same numbers), and the
+// input is loaded once for the R.
+
 // int4: per group of 32, 4 words of 8 weights; weight j of a word at bit i4_nibble_pos(j).
-TI_AVX2 static float dot_i4(const float* x, const QuantMatrix& m, int64_t r) {
+template <int R>
+TI_AVX2 static void dot_i4(const float* x, const QuantMatrix& m, int64_t r, float* y) {
   const __m256i shifts = _mm256_setr_epi32(i4_nibble_pos(0), i4_nibble_pos(1), i4_nibble_pos(2), i4_nibble_pos(3),
                                            i4_nibble_pos(4), i4_nibble_pos(5), i4_nibble_pos(6), i4_nibble_pos(7));
   const __m256i nibble = _mm256_set1_epi32(0xF);
   const int64_t groups = m.K / kI4Group;
-  const uint8_t* q = &m.q[(size_t)(r * m.ld)];
-  const uint16_t* sm = &m.sm[(size_t)(r * groups * 2)];
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[R];
+  for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; g++) {
-    const __m256 s = _mm256_set1_ps(half_to_float(sm[2 * g])), mn = _mm256_set1_ps(half_to_float(sm[2 * g + 1]));
+    __m256 s[R], mn[R];
+    for (int i = 0; i < R; i++) {
+      const uint16_t* sm = &m.sm[(size_t)(((r + i) * groups + g) * 2)];
+      s[i] = _mm256_set1_ps(half(sm[0]));
+      mn[i] = _mm256_set1_ps(half(sm[1]));
+    }
     for (int w = 0; w < kI4Group / 8; w++) {
-      int32_t word;
-      std::memcpy(&word, q + g * kI4Group / 2 + w * 4, 4);
-      const __m256i qi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), nibble);
-      acc = step(acc, x + g * kI4Group + w * 8, _mm256_add_ps(_mm256_mul_ps(s, _mm256_cvtepi32_ps(qi)), mn));
+      const __m256 xv = _mm256_loadu_ps(x + g * kI4Group + w * 8);
+      for (int i = 0; i < R; i++) {
+        int32_t word;
+        std::memcpy(&word, &m.q[(size_t)((r + i) * m.ld + g * kI4Group / 2 + w * 4)], 4);
+        const __m256i qi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), nibble);
+        const __m256 wv = _mm256_add_ps(_mm256_mul_ps(s[i], _mm256_cvtepi32_ps(qi)), mn[i]);
+        acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(xv, wv));
+      }
     }
   }
-  return reduce8(acc);
+  for (int i = 0; i < R; i++) y[i] = reduce8(acc[i]);
 }
 
 // int8: per block of 32, d (q - 128); only whole blocks (K % 32 == 0).
-TI_AVX2 static float dot_i8(const float* x, const QuantMatrix& m, int64_t r) {
+template <int R>
+TI_AVX2 static void dot_i8(const float* x, const QuantMatrix& m, int64_t r, float* y) {
   const int64_t blocks = m.ld / kI8Block;
-  const uint8_t* q = &m.q[(size_t)(r * m.ld)];
   const __m256i bias = _mm256_set1_epi32(128);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[R];
+  for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; b++) {
-    const __m256 d = _mm256_set1_ps(half_to_float(m.sm[(size_t)(r * blocks + b)]));
-    for (int i = 0; i < kI8Block; i += 8) {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + b * kI8Block + i));
-      const __m256i qi = _mm256_sub_epi32(_mm256_cvtepu8_epi32(bytes), bias);
-      acc = step(acc, x + b * kI8Block + i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(qi)));
+    __m256 d[R];
+    for (int i = 0; i < R; i++) d[i] = _mm256_set1_ps(half(m.sm[(size_t)((r + i) * blocks + b)]));
+    for (int j = 0; j < kI8Block; j += 8) {
+      const __m256 xv = _mm256_loadu_ps(x + b * kI8Block + j);
+      for (int i = 0; i < R; i++) {
+        const __m128i bytes =
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(&m.q[(size_t)((r + i) * m.ld + b * kI8Block + j)]));
+        const __m256i qi = _mm256_sub_epi32(_mm256_cvtepu8_epi32(bytes), bias);
+        acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(xv, _mm256_mul_ps(d[i], _mm256_cvtepi32_ps(qi))));
+      }
     }
   }
-  return reduce8(acc);
+  for (int i = 0; i < R; i++) y[i] = reduce8(acc[i]);
 }
 
 // fp16: F16C's conversion is exact (the table's numbers); K % 8 == 0.
-TI_AVX2 static float dot_f16(const float* x, const uint16_t* h, int64_t K) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < K; i += 8)
-    acc = step(acc, x + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
-  return reduce8(acc);
+template <int R>
+TI_AVX2 static void dot_f16(const float* x, const uint16_t* h, int64_t K, float* y) {
+  __m256 acc[R];
+  for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + k);
+    for (int i = 0; i < R; i++)
+      acc[i] = _mm256_add_ps(
+          acc[i], _mm256_mul_ps(xv, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i * K + k)))));
+  }
+  for (int i = 0; i < R; i++) y[i] = reduce8(acc[i]);
 }
 
 // Eight inputs at once (eight independent chains, each weight loaded once for the eight).
@@ -85,15 +114,25 @@ static bool have_avx2() {
   return yes;
 }
 
+// Rows [r0, r1) by 4 at a time, then one at a time.
+template <typename Dot>
+TI_AVX2 static void by_fours(int64_t r0, int64_t r1, float* y, Dot dot) {
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) dot(std::integral_constant<int, 4>(), r, y + (r - r0));
+  for (; r < r1; r++) dot(std::integral_constant<int, 1>(), r, y + (r - r0));
+}
+
 bool row_dots(const HostTensor& W, const float* x, float* y, int64_t r0, int64_t r1) {
   const int64_t K = W.cols();
   if (!have_avx2()) return false;
   if (W.held == Held::I4 && K % kI4Group == 0) {
-    for (int64_t r = r0; r < r1; r++) y[r - r0] = dot_i4(x, W.blocks, r);
+    by_fours(r0, r1, y, [&](auto n, int64_t r, float* out) { dot_i4<decltype(n)::value>(x, W.blocks, r, out); });
   } else if (W.held == Held::I8 && K % kI8Block == 0) {
-    for (int64_t r = r0; r < r1; r++) y[r - r0] = dot_i8(x, W.blocks, r);
+    by_fours(r0, r1, y, [&](auto n, int64_t r, float* out) { dot_i8<decltype(n)::value>(x, W.blocks, r, out); });
   } else if (W.held == Held::F16 && K % 8 == 0) {
-    for (int64_t r = r0; r < r1; r++) y[r - r0] = dot_f16(x, &W.bits[(size_t)(r * K)], K);
+    by_fours(r0, r1, y, [&](auto n, int64_t r, float* out) {
+      dot_f16<decltype(n)::value>(x, &W.bits[(size_t)(r * K)], K, out);
+    });
   } else {
     return false;
   }

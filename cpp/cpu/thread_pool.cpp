@@ -1,7 +1,12 @@
 #include "thread_pool.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <atomic>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace ti {
 
@@ -15,7 +20,7 @@ struct ThreadPool::Job {
 };
 
 ThreadPool::ThreadPool(int threads) {
-  for (int i = 1; i < threads; i++) workers_.emplace_back([this] { worker(); });
+  for (int i = 1; i < threads; i++) workers_.emplace_back([this, i] { worker(i == 1); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -47,18 +52,73 @@ void ThreadPool::work_on(Job& job) {
   }
 }
 
-void ThreadPool::worker() {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+inline void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Whether ready() turns true within kSpin.
+template <typename Ready>
+bool poll(Ready ready) {
+  const auto end = Clock::now() + ThreadPool::kSpin;
+  do {
+    for (int i = 0; i < 64; i++) {
+      if (ready()) return true;
+      pause();
+    }
+  } while (Clock::now() < end);
+  return ready();
+}
+
+// The times the scheduler took this thread off its core while it could run (Linux; elsewhere never counted).
+long preemptions() {
+#ifdef RUSAGE_THREAD
+  rusage u{};
+  getrusage(RUSAGE_THREAD, &u);
+  return u.ru_nivcsw;
+#else
+  return 0;
+#endif
+}
+
+}  // namespace
+
+void ThreadPool::worker(bool watcher) {
   uint64_t seen = 0;
+  int jobs = 0;              // (watcher) jobs in this window, or since polling stopped
+  long preempted = preemptions();
   for (;;) {
+    if (polling()) poll([&] { return generation_.load(std::memory_order_acquire) != seen; });
     std::shared_ptr<Job> job;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      wake_.wait(lk, [&] { return stop_ || generation_ != seen; });
+      sleepers_++;
+      wake_.wait(lk, [&] { return stop_ || generation_.load(std::memory_order_relaxed) != seen; });
+      sleepers_--;
       if (stop_) return;
-      seen = generation_;
+      seen = generation_.load(std::memory_order_relaxed);
       job = job_;
     }
     work_on(*job);
+    if (!watcher) continue;
+    jobs++;
+    if (polling() && jobs == kWindowJobs) {
+      const long now = preemptions();
+      if (now - preempted > kMaxPreemptions) polling_.store(false, std::memory_order_relaxed);
+      preempted = now;
+      jobs = 0;
+    } else if (!polling() && jobs == kRetryJobs) {
+      polling_.store(true, std::memory_order_relaxed);
+      preempted = preemptions();
+      jobs = 0;
+    }
   }
 }
 
@@ -74,15 +134,19 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
   job->n = n;
   job->grain = grain;
   job->chunks = (n + grain - 1) / grain;
+  bool sleeping;
   {
     std::lock_guard<std::mutex> lk(mu_);
     job_ = job;
-    generation_++;
+    generation_.fetch_add(1, std::memory_order_release);
+    sleeping = sleepers_ > 0;
   }
-  wake_.notify_all();
+  if (sleeping) wake_.notify_all();  // (a polling worker sees the generation; a sleeping one needs the futex)
   work_on(*job);
+  auto all_done = [&] { return job->finished.load(std::memory_order_acquire) == job->chunks; };
+  if (polling() && poll(all_done)) return;
   std::unique_lock<std::mutex> lk(job->mu);
-  job->done.wait(lk, [&] { return job->finished.load(std::memory_order_acquire) == job->chunks; });
+  job->done.wait(lk, all_done);
 }
 
 }  // namespace ti

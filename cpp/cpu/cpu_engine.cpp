@@ -194,10 +194,14 @@ void CpuEngine::attend(int64_t l, int64_t t, int64_t h, const RowSlot& row) {
   for (int64_t p = 0; p < len; p++) sum += (score[p] = std::exp(score[p] - mx));
   float* out = &att_[t * c.q_dim + h * hd];
   std::fill(out, out + hd, 0.0f);
-  for (int64_t p = 0; p < len; p++) {
-    const float wgt = (float)(score[p] / sum);
-    const float* v = kv.value(l, kvh, p);
-    for (int64_t i = 0; i < hd; i++) out[i] += wgt * v[i];
+  for (int64_t p = 0; p < len; p++) score[p] = (float)(score[p] / sum);  // the weights
+  // Each page's values are consecutive rows: out += weight * value row by row, in position order.
+  for (int64_t p0 = 0; p0 < len; p0 += kCpuKvPageSize) {
+    const int64_t rows = std::min(kCpuKvPageSize, len - p0);
+    const float* v = kv.value(l, kvh, p0);
+    if (add_weighted_rows(out, v, &score[p0], rows, hd)) continue;
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t i = 0; i < hd; i++) out[i] += score[p0 + r] * v[r * hd + i];
   }
 }
 

@@ -109,6 +109,18 @@ TI_AVX2 static void dots8(const float* w, const float* x, int64_t K, float out[8
   for (int t = 0; t < 8; t++) out[t] = reduce8(acc[t]);
 }
 
+// out[0, 8 * C) += sum over rows of w[r] * v[r][0, 8 * C), C registers of out held across the rows.
+template <int C>
+TI_AVX2 static void add_weighted_chunk(float* out, const float* v, const float* w, int64_t rows, int64_t hd) {
+  __m256 acc[C];
+  for (int c = 0; c < C; c++) acc[c] = _mm256_loadu_ps(out + 8 * c);
+  for (int64_t r = 0; r < rows; r++) {
+    const __m256 wr = _mm256_set1_ps(w[r]);
+    for (int c = 0; c < C; c++) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(wr, _mm256_loadu_ps(v + r * hd + 8 * c)));
+  }
+  for (int c = 0; c < C; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+
 static bool have_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
   return yes;
@@ -145,7 +157,16 @@ bool row_dots8(const float* w, const float* x, int64_t K, float out[8]) {
   return true;
 }
 
+bool add_weighted_rows(float* out, const float* v, const float* w, int64_t rows, int64_t hd) {
+  if (!have_avx2() || hd % 8 != 0) return false;
+  int64_t i = 0;
+  for (; i + 64 <= hd; i += 64) add_weighted_chunk<8>(out + i, v + i, w, rows, hd);
+  for (; i < hd; i += 8) add_weighted_chunk<1>(out + i, v + i, w, rows, hd);
+  return true;
+}
+
 #else
+bool add_weighted_rows(float*, const float*, const float*, int64_t, int64_t) { return false; }
 bool row_dots(const HostTensor&, const float*, float*, int64_t, int64_t) { return false; }
 bool row_dots8(const float*, const float*, int64_t, float*) { return false; }
 #endif

@@ -22,4 +22,9 @@ bool row_dots(const HostTensor& W, const float* x, float* y, int64_t r0, int64_t
 // without AVX2 or where K is not a multiple of 8.
 bool row_dots8(const float* w, const float* x, int64_t K, float out[8]);
 
+// out[i] += w[r] * v[r * hd + i] for r = 0..rows-1 in order, each i its own chain (a rounded product, then a
+// rounded add: the plain loop's numbers); the attention's weighted values, one cache page's rows at a time, with
+// out held in registers across the rows. False (nothing written) without AVX2 or where hd is not a multiple of 8.
+bool add_weighted_rows(float* out, const float* v, const float* w, int64_t rows, int64_t hd);
+
 }  // namespace ti

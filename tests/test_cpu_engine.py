@@ -45,9 +45,17 @@ def _stepwise(core, ids=IDS[:12]):
     return np.concatenate([core.forward([t], all_logits=False) for t in ids])
 
 
+def _chunked(core, size: int, ids=IDS[:14]):
+    """Logits fed a few tokens a call: products of a few inputs (row_dot.cpp unpacks a row once for up to four)."""
+    core.reset()
+    return np.concatenate([core.forward(ids[i:i + size], all_logits=True) for i in range(0, len(ids), size)])
+
+
 def _assert_same(got_core, want_core):
     np.testing.assert_array_equal(_logits(got_core), _logits(want_core))
     np.testing.assert_array_equal(_stepwise(got_core), _stepwise(want_core))
+    for size in (2, 3, 4, 6):
+        np.testing.assert_array_equal(_chunked(got_core, size), _chunked(want_core, size), err_msg=f"chunks of {size}")
 
 
 @pytest.fixture(scope="module")

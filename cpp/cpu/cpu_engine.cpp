@@ -89,28 +89,24 @@ void matmul(float* y, const float* x, const float* W, int64_t n, int64_t rows, i
 // row_dots does not take W (it decides by format and width alone, so on its first call).
 static bool matmul_direct(float* y, const float* x, const HostTensor& W, int64_t n, int64_t r0, int64_t r1) {
   constexpr int64_t kBlock = 16;
-  const int64_t rows = W.rows(), cols = W.cols();
+  const int64_t rows = W.rows();
   for (int64_t b0 = r0; b0 < r1; b0 += kBlock) {
     const int64_t b1 = std::min(b0 + kBlock, r1);
-    for (int64_t t = 0; t < n; t++)
-      if (!row_dots(W, x + t * cols, y + t * rows + b0, b0, b1)) return false;
+    if (!row_dots(W, x, n, y + b0, rows, b0, b1)) return false;
   }
   return true;
 }
 
-// Whether reading W straight from its format (row_dots, once per input) beats widening each row once: always
-// for fp16 (one conversion instruction per 8 weights, against a scalar widen pass); for the quantized blocks
-// only with a few inputs, since unpacking them costs more than the dot itself (measurements: the commit).
-static bool direct_pays(const HostTensor& W, int64_t n) { return W.held == Held::F16 || n <= 4; }
-
 // y (n, rows) = x (n, cols) @ W^T with W in its stored precision: every output is the same dot() over the same
 // fp32 numbers as a whole-matrix fp32 copy would give, whichever thread computes it and whatever n is (so a
-// token's numbers do not depend on the other rows of its batch or chunk). Straight from the format where that
-// pays; else each row is widened to fp32 once (into a per-thread row buffer) and dotted with the n inputs.
+// token's numbers do not depend on the other rows of its batch or chunk). Straight from the format where row_dots
+// takes it (a row unpacked once for every four inputs beat a row widened once for all of them at every prompt
+// length measured, 2-512 tokens: the commit); else each row is widened to fp32 once (into a per-thread row
+// buffer) and dotted with the n inputs.
 static void matmul(float* y, const float* x, const HostTensor& W, int64_t n, ThreadPool& pool) {
   const int64_t rows = W.rows(), cols = W.cols();
   pool.parallel_for(rows, pool.grain_for(rows, 4), [&](int64_t r0, int64_t r1) {
-    if (direct_pays(W, n) && matmul_direct(y, x, W, n, r0, r1)) return;
+    if (matmul_direct(y, x, W, n, r0, r1)) return;
     thread_local std::vector<float> row;
     if (W.held != Held::F32 && (int64_t)row.size() < cols) row.resize((size_t)cols);
     for (int64_t r = r0; r < r1; r++) {

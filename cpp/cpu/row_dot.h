@@ -1,12 +1,12 @@
-// row_dot.h — one-token products straight from the stored formats, on CPUs with AVX2 (+ F16C); and a widened row
-// with eight inputs at once (the prefill's products, row_dots8).
+// row_dot.h — products straight from the stored formats, on CPUs with AVX2 (+ F16C); a widened row with eight
+// inputs at once (row_dots8, for the formats row_dots does not take); the attention's weighted values.
 //
-// The decode step multiplies each matrix row with one vector. Widening the row into a buffer first and then
-// calling dot() costs a second pass; here the row is widened 8 weights at a time in registers and multiplied
-// in the same loop. The numbers are dot()'s exactly: 8 partial sums (one per lane, lane j taking weights
-// 8i + j in order), the same weight value as dequantize_row() / the fp16 table (mul then add, never fused), and
-// the same final reduction. Returns false where it does not apply (no AVX2, a format or width it does not
-// take); the caller then widens the row and calls dot().
+// Widening a matrix row into a buffer first and then calling dot() costs a second pass; here the row is widened 8
+// weights at a time in registers and multiplied in the same loop, for up to four inputs at once. The numbers are
+// dot()'s exactly: 8 partial sums (one per lane, lane j taking weights 8i + j in order), the same weight value as
+// dequantize_row() / the fp16 table (mul then add, never fused), and the same final reduction. Returns false
+// where it does not apply (no AVX2, a format or width it does not take); the caller then widens the row and
+// calls dot().
 #pragma once
 #include <cstdint>
 
@@ -14,8 +14,9 @@
 
 namespace ti {
 
-// y[r - r0] = x . W[r] for r in [r0, r1) (x: W.cols() floats), or false without touching y.
-bool row_dots(const HostTensor& W, const float* x, float* y, int64_t r0, int64_t r1);
+// y[t * ldy + r - r0] = x_t . W[r] for r in [r0, r1) and the n inputs x_t = x + t * W.cols(), or false without
+// touching y. A row's weights are unpacked once for up to four inputs.
+bool row_dots(const HostTensor& W, const float* x, int64_t n, float* y, int64_t ldy, int64_t r0, int64_t r1);
 
 // out[t] = dot(x + t * K, w, K) for t = 0..7: one widened fp32 row with eight inputs (a prefill's products), dot()'s
 // numbers; eight independent chains of adds, each weight loaded once for the eight. False (nothing written)

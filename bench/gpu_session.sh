@@ -3,6 +3,10 @@
 # run the benchmarks, write logs / JSON under $OUT (or bench/out), print a short table last.
 #   bash bench/gpu_session.sh            # everything
 #   TESTS="tests/test_gpu_kernels.py" bash bench/gpu_session.sh
+# Wheels in .whl/ (git-ignored) are installed first, without their dependencies: how a GPU machine with no
+# network gets the test dependencies it lacks (gguf, llguidance), downloaded elsewhere with
+#   pip download --no-deps gguf llguidance --python-version 3.11 --platform manylinux_2_28_x86_64 \
+#     --only-binary=:all: -d .whl
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-bench/out}"
@@ -11,6 +15,9 @@ export PYTHONUNBUFFERED=1
 py=python3
 
 t0=$(date +%s)
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $py -m pip install -q --no-deps .whl/*.whl >"$out/wheels.log" 2>&1 || tail -5 "$out/wheels.log"
+fi
 CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=native -DTINYINFER_CUDA=ON" \
   $py -m pip install --no-build-isolation --no-deps . >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"

@@ -291,8 +291,11 @@ def run_cpu(shape: Optional[str] = None, model: Optional[str] = None, contexts=(
         core = random_cpu_engine(cfg, max_seq, threads=threads)
     res = {"model": name, "device": "cpu", "dtype": dtype, "threads": threads, "load_s": time.perf_counter() - t0,
            "decode": [], "prefill": []}
-    out(f"tinyinfer bench: {name} on the CPU reference engine ({dtype} weights, fp32 math, {threads} thread"
-        f"{'s' if threads != 1 else ''}; wall time)")
+    # (a model's weights are held as its file stores them, dtype fp32 meaning no quantization at load)
+    held = "as stored" if model is not None and dtype == "fp32" else dtype
+    res["weight_bytes"] = int(core.weight_bytes)
+    out(f"tinyinfer bench: {name} on the CPU reference engine (weights {held}: {core.weight_bytes / 1e6:.0f} MB; "
+        f"fp32 math; {threads} thread{'s' if threads != 1 else ''}; wall time)")
     rng = np.random.default_rng(0)
     greedy = _core.SamplingConfig()
     out(f"\n{'context':>8} {'tok/s':>9} {'ms/token':>9}")

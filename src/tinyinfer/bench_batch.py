@@ -223,7 +223,8 @@ def run(device: str, batches: Sequence[int], shape: Optional[str] = None, model:
     t0 = time.perf_counter()
     core, cfg, name = open_engine(device, shape, model, dtype, prompt + gen + 16, max(batches), threads,
                                  opts_spec)
-    out(f"tinyinfer bench --batch: {name} ({dtype} weights{', ' + opts_spec if opts_spec else ''}) on "
+    held = "as stored" if device == "cpu" and model is not None and dtype == "fp32" else dtype  # (run_cpu's)
+    out(f"tinyinfer bench --batch: {name} ({held} weights{', ' + opts_spec if opts_spec else ''}) on "
         f"{core.device_name if device == 'cuda' else 'the CPU reference engine'} | load "
         f"{time.perf_counter() - t0:.2f} s | {core.kv_pages_total} KV pages of {core.kv_page_size} positions")
     res = {"model": name, "device": device, "dtype": dtype, "opts": opts_spec,

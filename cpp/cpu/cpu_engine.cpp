@@ -311,8 +311,8 @@ std::vector<int32_t> CpuEngine::decode(int64_t max_steps, const SamplingConfig& 
     }
     if (position() >= max_seq_)
       fail(ErrorKind::Request, "the sequence reached max_seq_len=" + std::to_string(max_seq_));
-    const int32_t tok = sample_row(last_logits_.data(), cfg_.vocab, s, step0 + (uint64_t)i, history_, 0, scratch_,
-                                   scratch_ids_).token;
+    const int32_t tok =  // (the token alone: sample_row's log-probability pass, ~0.2 ms at 49,152 tokens, unused)
+        sample_row_token(last_logits_.data(), cfg_.vocab, s, step0 + (uint64_t)i, history_, scratch_, scratch_ids_);
     tokens_.push_back(tok);
     history_.add_generated(tok);
     pending_ = true;

@@ -243,12 +243,17 @@ def test_cpu_decode_forgets_the_history_on_reset(core):
 
 def _full_sort_draw(x: np.ndarray, s: _core.SamplingConfig, step: int) -> int:
     """The draw as sampling.h defines it, sorting every candidate (larger logit first, lower id first on ties):
-    temperature -> top-k -> top-p (smallest prefix reaching it) -> min-p -> no p of 0 -> the seed's walk."""
+    temperature -> top-k -> top-p (smallest prefix reaching it) -> min-p -> no p of 0 -> the seed's walk. The
+    candidates' mass is added in token-id order; the walk's is that mass where nothing was cut, else the kept
+    prefix's in the order."""
     order = np.lexsort((np.arange(len(x)), -x.astype(np.float64)))
     k = s.top_k if 0 < s.top_k < len(x) else len(x)
     ids = order[:k]
     p = np.exp((x[ids].astype(np.float64) - float(x[ids[0]])) * (1.0 / s.temperature))
-    total = np.cumsum(p)[-1]  # sequential sums, as the walk adds
+    by_id = np.zeros(len(x))
+    by_id[ids] = p
+    total = np.cumsum(by_id)[-1]  # sequential sums, as the sampler adds
+    nonzero = int((p > 0).sum())
     n = k
     if s.top_p < 1.0:
         reached = np.nonzero(np.cumsum(p / total) >= np.float32(s.top_p))[0]
@@ -258,12 +263,37 @@ def _full_sort_draw(x: np.ndarray, s: _core.SamplingConfig, step: int) -> int:
         while m < n and p[m] >= np.float32(s.min_p) * p[0]:
             m += 1
         n = m
-    while n > 1 and p[n - 1] == 0.0:
-        n -= 1
+    n = max(1, min(n, nonzero))
     acc = np.cumsum(p[:n])
-    u = _core.ops.uniform_from_counter(s.seed, step) * acc[-1]
+    u = _core.ops.uniform_from_counter(s.seed, step) * (acc[-1] if n < nonzero else total)
     above = np.nonzero(u < acc)[0]
     return int(ids[above[0]] if len(above) else ids[n - 1])
+
+
+def test_draw_sums_the_mass_in_id_order():
+    """Ten tokens of p ~1e-16 before two tied tops: the mass added in token-id order is 2 + ~1e-15 (in the order of
+    the logits the small ones vanish, 2 exactly), so top_p 0.5 keeps both tops, and draws take each."""
+    x = np.full(12, np.float32(np.log(1e-16)), dtype=np.float32)
+    x[10] = x[11] = 0
+    s = cfg(temperature=1.0, top_p=0.5, seed=3)
+    draws = {sample_row(x, s, step, [], [], 0)[0] for step in range(64)}
+    assert draws == {10, 11}
+    assert all(sample_row(x, s, step, [], [], 0)[0] == _full_sort_draw(x, s, step) for step in range(64))
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9),
+                                dict(temperature=1.0, top_k=5)])
+def test_nan_and_inf_logits_draw_a_real_token(kw):
+    """A broken model's row: a NaN logit is never drawn, a +inf one always (the lowest id of them), a row of NaN
+    gives argmax's token 0 — never an id outside the vocabulary."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(100).astype(np.float32)
+    x[[0, 5, 50]] = np.nan
+    got = {sample_row(x, cfg(seed=1, **kw), step, [], [], 0)[0] for step in range(200)}
+    assert got and not got & {0, 5, 50} and all(0 <= t < 100 for t in got)
+    x[[7, 9]] = np.inf
+    assert {sample_row(x, cfg(seed=1, **kw), step, [], [], 0)[0] for step in range(20)} == {7}
+    assert sample_row(np.full(100, np.nan, np.float32), cfg(seed=1, **kw), 0, [], [], 0)[0] == 0
 
 
 def _tail_logits(rng) -> np.ndarray:

@@ -106,10 +106,11 @@ int32_t argmax(const float* logits, int64_t vocab) {
 namespace {
 
 // The draw, over the candidates in the order larger logit first, lower id first on ties: the cut-offs count and
-// the seed's uniform walks in that order. p: exp((x - max) / T) by token id (the top token's is 1); sum: the
-// candidates' mass; nonzero: how many have p > 0 (they come first in the order: p does not rise as the logit
-// falls). ids[0, h): the head of the order over k candidates, sorted (h == k: all of them). The token, or -1
-// where the cut-offs or the walk reach past the head.
+// the seed's uniform walks in that order. p: exp((x - max) / T) by token id (the top token's is 1; 0 for a token
+// that is not a candidate); sum: the candidates' mass, added in token-id order; nonzero: how many have p > 0 (they
+// come first in the order: p does not rise as the logit falls). ids[0, h): the head of the order over k
+// candidates, sorted (h == k: all of them). The walk's mass is sum where nothing was cut, else the kept prefix's,
+// added in the order. The token, or -1 where the cut-offs or the walk reach past the head.
 int32_t draw_in_head(const int32_t* ids, int64_t h, int64_t k, const double* p, double sum, int64_t nonzero,
                      const SamplingConfig& s, uint64_t step) {
   int64_t n = k;
@@ -127,11 +128,10 @@ int32_t draw_in_head(const int32_t* ids, int64_t h, int64_t k, const double* p, 
     n = m;
   }
   n = std::max<int64_t>(1, std::min(n, nonzero));  // a banned token (-inf: p 0) is never drawn
-  double mass = 0;
-  if (n <= h) {
+  double mass = sum;
+  if (n < nonzero) {  // cut: the kept prefix (within the head, where the cut was found)
+    mass = 0;
     for (int64_t i = 0; i < n; i++) mass += p[ids[i]];
-  } else {
-    mass = sum;  // n reaches past the head only uncut: every candidate with p > 0
   }
   const double u = uniform_from_counter(s.seed, step) * mass;
   double acc = 0;
@@ -142,24 +142,33 @@ int32_t draw_in_head(const int32_t* ids, int64_t h, int64_t k, const double* p, 
   return n <= h ? ids[n - 1] : -1;
 }
 
-// The sampled draw from penalised logits x: temperature -> top-k -> top-p -> min-p -> the walk.
+// The sampled draw from penalised logits x: temperature -> top-k -> top-p -> min-p -> the walk. A NaN logit
+// (a broken model's) is never drawn; a +inf one always is (the lowest id of them); a row of NaN gives argmax's 0.
 int32_t draw(const float* x, int64_t vocab, const SamplingConfig& s, uint64_t step, std::vector<int32_t>& ids) {
   // p by token id (doubles, 8 bytes a token: the callers' scratch is floats); one a thread, kept between calls.
   thread_local std::vector<double> p;
-  p.resize((size_t)vocab);
+  p.assign((size_t)vocab, 0.0);
+  float top = -INFINITY;
+  int64_t top_id = -1;
+  for (int64_t i = 0; i < vocab; i++)
+    if (x[i] > top || (top_id < 0 && x[i] == top)) top = x[(size_t)(top_id = i)];
+  if (top_id < 0) return argmax(x, vocab);          // every logit NaN
+  if (top == INFINITY || top == -INFINITY) return (int32_t)top_id;  // (-inf: every token banned)
   const double inv_t = 1.0 / s.temperature;
-  auto by_logit = [&](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
+  auto key = [&](int32_t a) { return std::isnan(x[a]) ? -INFINITY : x[a]; };
+  auto by_logit = [&](int32_t a, int32_t b) { return key(a) > key(b) || (key(a) == key(b) && a < b); };
+  auto weight = [&](int64_t i) { return std::isnan(x[i]) ? 0.0 : std::exp((x[i] - (double)top) * inv_t); };
+  double sum = 0;
+  int64_t nonzero = 0;
   if (s.top_k > 0 && s.top_k < vocab) {  // the k candidates sorted: top-k bounds the work already
     const int64_t k = s.top_k;
     ids.resize((size_t)vocab);
     std::iota(ids.begin(), ids.end(), 0);
     std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), by_logit);
-    const double top = x[ids[0]];
-    double sum = 0;
-    int64_t nonzero = 0;
-    for (int64_t i = 0; i < k; i++) {
-      sum += (p[ids[i]] = std::exp((x[ids[i]] - top) * inv_t));
-      nonzero += p[ids[i]] > 0.0;
+    for (int64_t i = 0; i < k; i++) p[(size_t)ids[i]] = weight(ids[i]);
+    for (int64_t i = 0; i < vocab; i++) {  // (the others' p is 0: the candidates' sum in id order)
+      sum += p[(size_t)i];
+      nonzero += p[(size_t)i] > 0.0;
     }
     return draw_in_head(ids.data(), k, k, p.data(), sum, nonzero, s, step);
   }
@@ -167,23 +176,20 @@ int32_t draw(const float* x, int64_t vocab, const SamplingConfig& s, uint64_t st
   // step on a small model; the cut-offs and the walk almost always end within the few tokens near the top. So only
   // a head of the order is sorted: the tokens with p >= tau (a prefix of the order), tau falling to 0 (all) where
   // that head is not enough. Which token comes out does not depend on tau.
-  const double top = x[argmax(x, vocab)];
-  double sum = 0;
-  int64_t nonzero = 0;
   for (int64_t i = 0; i < vocab; i++) {
-    sum += (p[i] = std::exp((x[i] - top) * inv_t));
-    nonzero += p[i] > 0.0;
+    sum += (p[(size_t)i] = weight(i));
+    nonzero += p[(size_t)i] > 0.0;
   }
   auto head = [&](double tau) {  // the tokens with p >= tau, in the order
     ids.clear();
     for (int64_t i = 0; i < vocab; i++)
-      if (p[i] >= tau) ids.push_back((int32_t)i);
+      if (p[(size_t)i] >= tau) ids.push_back((int32_t)i);
     std::sort(ids.begin(), ids.end(), by_logit);
     return draw_in_head(ids.data(), (int64_t)ids.size(), vocab, p.data(), sum, nonzero, s, step);
   };
   for (double tau : {1e-4, 1e-9})
     if (const int32_t t = head(tau); t >= 0) return t;
-  return head(0.0);  // every token: never -1
+  return head(0.0);  // every token (top is finite, so the head is not empty): never -1
 }
 
 // The token choice of one row. seen / counts: the history (null: none); x / ids: scratch.

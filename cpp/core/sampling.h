@@ -2,6 +2,8 @@
 // Order (as vLLM): allowed-token mask (structured outputs: the others' logits are -inf) -> logit bias ->
 // repetition penalty (prompt + generated) -> presence / frequency penalties (generated only) -> temperature ->
 // top-k -> top-p -> min-p -> draw. temperature == 0 is greedy (argmax of the penalised logits, lowest id on ties).
+// The draw walks the kept tokens in order of logit (lower id first on ties); the candidates' mass, top-p's
+// denominator, is added in token-id order. A NaN logit is never drawn, a +inf one always.
 // The random draw uses a counter-based generator, uniform(seed, step), so a GPU sampler can reproduce the same
 // stream without carrying state. The penalties themselves are penalty.h's penalise_logit, shared with the GPU
 // sampler (cuda/sampling.cu).

@@ -1,6 +1,8 @@
 #include "thread_pool.h"
 
-#include <sys/resource.h>
+#if defined(__linux__)
+#include <sys/resource.h>  // (getrusage: the preemptions; elsewhere not counted)
+#endif
 
 #include <algorithm>
 #include <atomic>

@@ -100,9 +100,9 @@ static bool matmul_direct(float* y, const float* x, const HostTensor& W, int64_t
 // y (n, rows) = x (n, cols) @ W^T with W in its stored precision: every output is the same dot() over the same
 // fp32 numbers as a whole-matrix fp32 copy would give, whichever thread computes it and whatever n is (so a
 // token's numbers do not depend on the other rows of its batch or chunk). Straight from the format where row_dots
-// takes it (a row unpacked once for every four inputs beat a row widened once for all of them at every prompt
-// length measured, 2-512 tokens: the commit); else each row is widened to fp32 once (into a per-thread row
-// buffer) and dotted with the n inputs.
+// takes it, at any n (unpacking a row again for every eight inputs costs less than one widening pass into memory:
+// docs/perf/cpu-engine.md); else each row is widened to fp32 once (into a per-thread row buffer) and dotted with
+// the n inputs.
 static void matmul(float* y, const float* x, const HostTensor& W, int64_t n, ThreadPool& pool) {
   const int64_t rows = W.rows(), cols = W.cols();
   pool.parallel_for(rows, pool.grain_for(rows, 4), [&](int64_t r0, int64_t r1) {

@@ -150,8 +150,8 @@ TI_AVX2 static void rows_for(int64_t r0, int64_t r1, float* y, Dot dot) {
   for (; r < r1; r++) dot(std::integral_constant<int, 1>(), std::integral_constant<int, N>(), r, y + (r - r0));
 }
 
-// The n inputs eight at a time, then four, then the rest together (one int4 row unpacked for eight inputs: 18%
-// less time than twice for four, 1,536 x 576 on one core).
+// The n inputs eight at a time, then four, then the rest together (a row unpacked once for eight inputs rather
+// than twice for four: docs/perf/cpu-engine.md).
 template <typename Dot>
 TI_AVX2 static void inputs_for(int64_t n, int64_t K, const float* x, float* y, int64_t ldy, int64_t r0, int64_t r1,
                                Dot dot) {

@@ -9,12 +9,10 @@
 // thread runs a chunk never changes what it computes.
 //
 // Before sleeping, a worker polls for the next job for up to kSpin (and the caller for the last chunks): a decode
-// step hands out ~240 jobs a token 50-100 us apart, and a futex sleep and wake-up each time cost ~25 us a job
-// (SmolLM2-135M on 2 cores: 48 tok/s without polling, 66 with). On a machine whose cores other processes want,
-// polling takes their share instead (the same model beside two busy loops: 36 tok/s without, 29 with), so the
-// first worker watches for that: where the scheduler took it off its core more than kMaxPreemptions times over a
-// window of kWindowJobs jobs (an idle machine: 0-1; beside the busy loops: 2-50), polling stops; it is tried
-// again after kRetryJobs jobs.
+// step hands out ~240 jobs a token, 50-100 us apart, and a futex sleep and wake-up each time cost more than the
+// poll. On a machine whose cores other processes want, polling takes their share instead, so the first worker
+// watches for that: where the scheduler took it off its core more than kMaxPreemptions times over a window of
+// kWindowJobs jobs, polling stops; it is tried again after kRetryJobs jobs (measurements: docs/perf/cpu-engine.md).
 #pragma once
 #include <atomic>
 #include <chrono>
